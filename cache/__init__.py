@@ -1,0 +1,7 @@
+"""The limit cache shared by every feature of the pack (imports nothing else from the pack)."""
+from .fingerprint import fingerprint, fingerprint_id
+from .paths import ENV_VAR, default_cache_path
+from .store import KNOWN_NAMESPACES, SCHEMA_VERSION, CacheFormatError, LimitCache
+
+__all__ = ["LimitCache", "default_cache_path", "fingerprint", "fingerprint_id", "ENV_VAR", "SCHEMA_VERSION",
+           "KNOWN_NAMESPACES", "CacheFormatError"]

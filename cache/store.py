@@ -1,0 +1,435 @@
+"""The limit cache: one JSON file shared by every feature of the pack.
+
+Layout on disk (schema 1)::
+
+    {"kind": "wan_accel.limit_cache", "schema": 1,
+     "fingerprints": {fid: {gpu, capability, ...}},
+     "namespaces": {namespace: {fid: {key: {"value": {...}, "created": t, "updated": t,
+                                             "last_used": t, "hits": n}}}}}
+
+Writers take a cross-process file lock, re-read the file, apply their change (so another process's entries are
+never dropped), write a temporary file in the same folder, fsync it and ``os.replace`` it over the old one.
+Readers never lock: a replace is atomic, so they see either the old or the new file. A file that cannot be
+parsed or has the wrong shape is moved aside as ``<name>.corrupt-<time>`` with one warning.
+"""
+from __future__ import annotations
+
+import atexit
+import copy
+import json
+import math
+import os
+import re
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock, Timeout
+
+from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
+from .paths import default_cache_path
+
+SCHEMA_VERSION = 1
+FILE_KIND = "wan_accel.limit_cache"
+DEFAULT_MAX_ENTRIES = 4096  # per namespace, over all fingerprints
+LOCK_TIMEOUT_S = 120.0
+NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+KNOWN_NAMESPACES = ("operator", "compile", "memory", "sampler")
+
+# Migrations from older schema versions: version -> function(old_data) -> data of version + 1.
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
+
+
+class CacheFormatError(ValueError):
+    """The file on disk is not a limit cache this version can read."""
+
+
+def _empty() -> dict:
+    return {"kind": FILE_KIND, "schema": SCHEMA_VERSION, "fingerprints": {}, "namespaces": {}}
+
+
+def _check_json_value(value, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: non-finite float {value!r} cannot be stored in the limit cache; store None or a string")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where}: dict keys must be strings, got {type(k).__name__}")
+            _check_json_value(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json_value(v, f"{where}[{i}]")
+    elif not (value is None or isinstance(value, (str, int, float, bool))):
+        raise ValueError(f"{where}: {type(value).__name__} is not JSON-serialisable")
+
+
+def _validate(data) -> dict:
+    """Return schema-current data or raise CacheFormatError saying what is wrong."""
+    if not isinstance(data, dict):
+        raise CacheFormatError(f"top level is a JSON {type(data).__name__}, expected an object")
+    if data.get("kind") != FILE_KIND:
+        raise CacheFormatError(f"'kind' is {data.get('kind')!r}, expected {FILE_KIND!r}")
+    version = data.get("schema")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CacheFormatError(f"'schema' is {version!r}, expected an integer")
+    if version > SCHEMA_VERSION:
+        raise CacheFormatError(f"schema {version} is newer than this version of the pack understands ({SCHEMA_VERSION})")
+    while version < SCHEMA_VERSION:
+        migrate = MIGRATIONS.get(version)
+        if migrate is None:
+            raise CacheFormatError(f"schema {version} is too old to migrate (current {SCHEMA_VERSION})")
+        data = migrate(data)
+        version = data["schema"]
+    fps, spaces = data.get("fingerprints"), data.get("namespaces")
+    if not isinstance(fps, dict) or not isinstance(spaces, dict):
+        raise CacheFormatError("'fingerprints' and 'namespaces' must be objects")
+    for ns, by_fp in spaces.items():
+        if not isinstance(by_fp, dict):
+            raise CacheFormatError(f"namespace {ns!r} must be an object")
+        for fid, entries in by_fp.items():
+            if not isinstance(entries, dict):
+                raise CacheFormatError(f"namespace {ns!r}, fingerprint {fid!r} must be an object")
+            for key, entry in entries.items():
+                if not (isinstance(entry, dict) and isinstance(entry.get("value"), dict)):
+                    raise CacheFormatError(f"entry {ns}/{key} has no object 'value'")
+                for field in ("created", "updated", "last_used", "hits"):
+                    if not isinstance(entry.get(field, 0), (int, float)):
+                        raise CacheFormatError(f"entry {ns}/{key}: {field!r} is not a number")
+    return data
+
+
+_LIVE: "weakref.WeakSet[LimitCache]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all_at_exit() -> None:
+    for cache in list(_LIVE):
+        try:
+            cache.flush()
+        except Exception:  # noqa: BLE001 - never fail interpreter exit because of hit counters
+            pass
+
+
+class LimitCache:
+    """JSON-backed, cross-process-safe store of measured limits, scoped by the machine's fingerprint.
+
+    ``get`` sees only entries measured on the current fingerprint (GPU, driver, CUDA, torch, triton).
+    ``put``/``update``/``delete``/``clear`` are durable when they return.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, max_entries: int = DEFAULT_MAX_ENTRIES,
+                 fingerprint: dict | None = None):
+        self.path = Path(path).expanduser() if path is not None else default_cache_path()
+        self.max_entries = int(max_entries)
+        self._fp = dict(fingerprint) if fingerprint is not None else None
+        self._file_lock = FileLock(str(self.path) + ".lock", timeout=LOCK_TIMEOUT_S)
+        self._thread_lock = threading.RLock()
+        self._data: dict | None = None
+        self._stamp = None
+        self._pending_hits: dict[tuple[str, str, str], list] = {}
+        _LIVE.add(self)
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def directory(self) -> Path:
+        """The folder of the cache file; sibling files (history, compile artifacts) live here."""
+        return self.path.parent
+
+    @property
+    def fingerprint(self) -> dict:
+        if self._fp is None:
+            self._fp = _fingerprint()
+        return self._fp
+
+    @property
+    def fingerprint_id(self) -> str:
+        return _fingerprint_id(self.fingerprint)
+
+    def __repr__(self) -> str:
+        return f"LimitCache({str(self.path)!r})"
+
+    # ---------------------------------------------------------------- reading
+    def _stat_stamp(self):
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _parse_file(self) -> dict:
+        """Parse the file; raise CacheFormatError on any damage, FileNotFoundError when absent."""
+        raw = self.path.read_bytes()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CacheFormatError(f"not valid JSON ({exc})") from None
+        return _validate(data)
+
+    def _quarantine(self, reason: str) -> None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        n = 1
+        while target.exists():
+            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+            n += 1
+        try:
+            os.replace(self.path, target)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            warnings.warn(f"wan_accel limit cache {self.path} is damaged ({reason}) and could not be moved aside "
+                          f"({exc}); using an empty cache", RuntimeWarning, stacklevel=4)
+            return
+        warnings.warn(f"wan_accel limit cache {self.path} was damaged ({reason}); moved it to {target} and "
+                      f"started an empty cache", RuntimeWarning, stacklevel=4)
+
+    def _load_locked(self) -> dict:
+        """Fresh read while holding the file lock; damaged files are quarantined."""
+        try:
+            data = self._parse_file()
+        except FileNotFoundError:
+            data = _empty()
+        except CacheFormatError as exc:
+            self._quarantine(str(exc))
+            data = _empty()
+        except OSError as exc:
+            warnings.warn(f"wan_accel limit cache {self.path} cannot be read ({exc}); using an empty cache",
+                          RuntimeWarning, stacklevel=3)
+            data = _empty()
+        self._data, self._stamp = data, self._stat_stamp()
+        return data
+
+    def _snapshot(self) -> dict:
+        """The current file contents for reading (reloaded only when the file changed)."""
+        with self._thread_lock:
+            stamp = self._stat_stamp()
+            if self._data is not None and stamp == self._stamp:
+                return self._data
+            if stamp is None:
+                self._data, self._stamp = _empty(), None
+                return self._data
+            try:
+                data = self._parse_file()
+            except FileNotFoundError:
+                data = _empty()
+            except CacheFormatError:
+                try:
+                    with self._file_lock:
+                        return self._load_locked()
+                except Timeout:
+                    return _empty()
+            except OSError as exc:
+                warnings.warn(f"wan_accel limit cache {self.path} cannot be read ({exc}); using an empty cache",
+                              RuntimeWarning, stacklevel=3)
+                return _empty()
+            self._data, self._stamp = data, stamp
+            return data
+
+    def get(self, namespace: str, key: str) -> dict | None:
+        """The value stored for ``key`` on this fingerprint, or None. Counts a hit."""
+        fid = self.fingerprint_id
+        entry = self._snapshot()["namespaces"].get(namespace, {}).get(fid, {}).get(str(key))
+        if entry is None:
+            return None
+        with self._thread_lock:
+            pending = self._pending_hits.setdefault((namespace, fid, str(key)), [0, 0.0])
+            pending[0] += 1
+            pending[1] = time.time()
+        return copy.deepcopy(entry["value"])
+
+    def entries(self, namespace: str | None = None, all_fingerprints: bool = False) -> list[dict]:
+        """Rows (namespace, key, value, fingerprint, created, updated, last_used, hits), sorted."""
+        data = self._snapshot()
+        fid_now = self.fingerprint_id
+        rows = []
+        for ns, by_fp in sorted(data["namespaces"].items()):
+            if namespace is not None and ns != namespace:
+                continue
+            for fid, entries in sorted(by_fp.items()):
+                if not all_fingerprints and fid != fid_now:
+                    continue
+                for key, entry in sorted(entries.items()):
+                    pending = self._pending_hits.get((ns, fid, key), (0, 0.0))
+                    rows.append({
+                        "namespace": ns, "key": key, "value": copy.deepcopy(entry["value"]), "fingerprint": fid,
+                        "created": entry.get("created", 0.0), "updated": entry.get("updated", 0.0),
+                        "last_used": max(entry.get("last_used", 0.0), pending[1]),
+                        "hits": int(entry.get("hits", 0)) + pending[0],
+                    })
+        return rows
+
+    def fingerprints(self) -> dict[str, dict]:
+        """Every fingerprint that has entries in the file, by id."""
+        return copy.deepcopy(self._snapshot()["fingerprints"])
+
+    # ---------------------------------------------------------------- writing
+    def _write(self, data: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=str(self.path.parent))
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(blob)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        try:  # make the rename itself durable
+            dfd = os.open(str(self.path.parent), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+
+    def _apply_pending_hits(self, data: dict) -> None:
+        for (ns, fid, key), (count, last) in self._pending_hits.items():
+            entry = data["namespaces"].get(ns, {}).get(fid, {}).get(key)
+            if entry is not None:
+                entry["hits"] = int(entry.get("hits", 0)) + count
+                entry["last_used"] = max(entry.get("last_used", 0.0), last)
+        self._pending_hits.clear()
+
+    def _evict(self, data: dict) -> None:
+        for ns, by_fp in data["namespaces"].items():
+            rows = [(e.get("last_used", 0.0), e.get("updated", 0.0), fid, key)
+                    for fid, entries in by_fp.items() for key, e in entries.items()]
+            excess = len(rows) - self.max_entries
+            if excess <= 0:
+                continue
+            for _, _, fid, key in sorted(rows)[:excess]:
+                del by_fp[fid][key]
+        self._drop_empty(data)
+
+    @staticmethod
+    def _drop_empty(data: dict) -> None:
+        for ns in list(data["namespaces"]):
+            by_fp = data["namespaces"][ns]
+            for fid in [f for f, e in by_fp.items() if not e]:
+                del by_fp[fid]
+            if not by_fp:
+                del data["namespaces"][ns]
+        used = {fid for by_fp in data["namespaces"].values() for fid in by_fp}
+        for fid in [f for f in data["fingerprints"] if f not in used]:
+            del data["fingerprints"][fid]
+
+    def _mutate(self, change: Callable[[dict], object]):
+        with self._thread_lock:
+            try:
+                with self._file_lock:
+                    data = self._load_locked()
+                    result = change(data)
+                    self._apply_pending_hits(data)
+                    self._evict(data)
+                    self._write(data)
+                    self._data, self._stamp = data, self._stat_stamp()
+                    return result
+            except Timeout:
+                raise TimeoutError(f"could not lock the limit cache {self.path} within {LOCK_TIMEOUT_S:.0f} s; "
+                                   f"another process holds {self._file_lock.lock_file}") from None
+
+    @staticmethod
+    def _check_names(namespace: str, key) -> str:
+        if not isinstance(namespace, str) or not NAMESPACE_RE.match(namespace):
+            raise ValueError(f"namespace {namespace!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"key must be a non-empty string, got {key!r}")
+        return key
+
+    def _store(self, data: dict, namespace: str, key: str, value: dict | None) -> dict | None:
+        fid = self.fingerprint_id
+        entries = data["namespaces"].setdefault(namespace, {}).setdefault(fid, {})
+        if value is None:
+            entries.pop(key, None)
+            return None
+        if not isinstance(value, dict):
+            raise TypeError(f"limit cache values must be dicts, got {type(value).__name__}")
+        _check_json_value(value, f"{namespace}/{key}")
+        now = time.time()
+        old = entries.get(key)
+        entries[key] = {
+            "value": copy.deepcopy(value),
+            "created": old["created"] if old else now,
+            "updated": now,
+            "last_used": now,
+            "hits": old.get("hits", 0) if old else 0,
+        }
+        data["fingerprints"][fid] = dict(self.fingerprint)
+        return copy.deepcopy(value)
+
+    def put(self, namespace: str, key: str, value: dict) -> None:
+        """Store ``value`` under ``key`` for this fingerprint; durable on return."""
+        key = self._check_names(namespace, key)
+        if not isinstance(value, dict):
+            raise TypeError(f"limit cache values must be dicts, got {type(value).__name__}")
+        _check_json_value(value, f"{namespace}/{key}")
+        self._mutate(lambda data: self._store(data, namespace, key, value))
+
+    def update(self, namespace: str, key: str, fn: Callable[[dict | None], dict | None]) -> dict | None:
+        """Read-modify-write under the cross-process lock: ``fn(old or None) -> new`` (None deletes)."""
+        key = self._check_names(namespace, key)
+        fid = self.fingerprint_id
+
+        def change(data):
+            old = data["namespaces"].get(namespace, {}).get(fid, {}).get(key)
+            new = fn(copy.deepcopy(old["value"]) if old else None)
+            return self._store(data, namespace, key, new)
+
+        return self._mutate(change)
+
+    def delete(self, namespace: str, key: str) -> bool:
+        """Remove ``key`` for this fingerprint; True when something was removed."""
+        key = self._check_names(namespace, key)
+        fid = self.fingerprint_id
+
+        def change(data):
+            return data["namespaces"].get(namespace, {}).get(fid, {}).pop(key, None) is not None
+
+        return bool(self._mutate(change))
+
+    def clear(self, namespace: str | None = None) -> int:
+        """Remove every entry (of every fingerprint) in ``namespace``, or everything; returns the count."""
+        if namespace is not None:
+            self._check_names(namespace, "-")
+
+        def change(data):
+            names = [namespace] if namespace is not None else list(data["namespaces"])
+            removed = 0
+            for ns in names:
+                removed += sum(len(e) for e in data["namespaces"].pop(ns, {}).values())
+            return removed
+
+        return int(self._mutate(change))
+
+    def prune_stale(self) -> int:
+        """Remove entries measured with other software (driver, CUDA, torch, triton) than the current one:
+        they can never be read again. Entries of other GPUs with the same software are kept."""
+        now = {k: self.fingerprint.get(k) for k in SOFTWARE_FIELDS}
+
+        def change(data):
+            stale = {fid for fid, fp in data["fingerprints"].items()
+                     if {k: fp.get(k) for k in SOFTWARE_FIELDS} != now}
+            known = set(data["fingerprints"])
+            removed = 0
+            for by_fp in data["namespaces"].values():
+                for fid in list(by_fp):
+                    if fid in stale or fid not in known:
+                        removed += len(by_fp.pop(fid))
+            return removed
+
+        return int(self._mutate(change))
+
+    def flush(self) -> None:
+        """Write pending hit counters (they are otherwise written with the next change or at exit)."""
+        if self._pending_hits and self.path.exists():
+            self._mutate(lambda data: None)

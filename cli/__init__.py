@@ -1,0 +1,42 @@
+"""Command line: ``python -m wan_accel <command>``. Each area registers its own subcommands."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules under cli/ that define register(subparsers); absent ones are skipped.
+COMMAND_MODULES = ("model", "cache", "memory", "compile", "profiling", "mg2", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="python -m wan_accel",
+        description="Fast, memory-safe Wan and causal Wan video diffusion: jobs, benchmarks and the limit cache.")
+    parser.add_argument("--version", action="version", version=f"comfyui-wan-accel {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name == f"{__name__}.{name}":
+                continue
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

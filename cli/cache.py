@@ -1,0 +1,91 @@
+"""``python -m wan_accel cache show|path|clear|prune-stale``."""
+from __future__ import annotations
+
+import time
+
+from .output import print_json, print_table
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "-"
+
+
+def _show(args) -> int:
+    from ..cache import LimitCache
+
+    cache = LimitCache()
+    rows = cache.entries(args.namespace, all_fingerprints=args.all)
+    if args.json:
+        print_json({"path": str(cache.path), "fingerprint": cache.fingerprint,
+                    "fingerprint_id": cache.fingerprint_id, "entries": rows})
+        return 0
+    fp = cache.fingerprint
+    print(f"limit cache: {cache.path}")
+    print(f"this machine: {fp['gpu']} ({fp['device']}, capability {fp['capability']}), torch {fp['torch']}, "
+          f"triton {fp['triton']}, CUDA {fp['cuda']}, driver {fp['driver']}  [{cache.fingerprint_id}]")
+    if not rows:
+        scope = f"namespace '{args.namespace}'" if args.namespace else "any namespace"
+        print(f"no entries in {scope}" + ("" if args.all else " for this machine (use --all for every machine)"))
+        return 0
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["namespace"]] = counts.get(r["namespace"], 0) + 1
+    print("entries: " + ", ".join(f"{ns} {n}" for ns, n in sorted(counts.items())))
+    table = [dict(r, updated=_when(r["updated"])) for r in rows]
+    cols = ["namespace", "key", "hits", "updated", "value"] + (["fingerprint"] if args.all else [])
+    print_table(table, cols)
+    return 0
+
+
+def _path(args) -> int:
+    from ..cache import default_cache_path
+
+    print(default_cache_path())
+    return 0
+
+
+def _clear(args) -> int:
+    from ..cache import LimitCache
+
+    n = LimitCache().clear(args.namespace)
+    scope = f"namespace '{args.namespace}'" if args.namespace else "every namespace"
+    if args.json:
+        print_json({"removed": n, "namespace": args.namespace})
+    else:
+        print(f"removed {n} entries from {scope}")
+    return 0
+
+
+def _prune(args) -> int:
+    from ..cache import LimitCache
+
+    n = LimitCache().prune_stale()
+    if args.json:
+        print_json({"removed": n})
+    else:
+        print(f"removed {n} entries measured with other driver/CUDA/torch/triton versions")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("cache", help="inspect or clear the limit cache",
+                       description="The limit cache: one JSON file of measured limits shared by every feature.")
+    csub = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+
+    s = csub.add_parser("show", help="list the entries measured on this machine")
+    s.add_argument("--namespace", "-n", help="only this namespace (operator, compile, memory, sampler, ...)")
+    s.add_argument("--all", action="store_true", help="include entries measured on other machines / software")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=_show)
+
+    s = csub.add_parser("path", help="print where the cache file lives")
+    s.set_defaults(func=_path)
+
+    s = csub.add_parser("clear", help="remove entries (every machine's) from one namespace or all")
+    s.add_argument("--namespace", "-n", help="only this namespace")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_clear)
+
+    s = csub.add_parser("prune-stale", help="remove entries measured with other driver/CUDA/torch/triton versions")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_prune)

@@ -1,0 +1,160 @@
+"""What this machine has: GPU, VRAM (free and total), capability, host RAM and a pinned-memory budget.
+
+``SystemInfo`` is plain data so plans can be computed for any machine (tests, ``--vram-gb``); ``detect_system``
+reads the real one. CUDA is only touched inside ``detect_system``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+GiB = 1024 ** 3
+# Pinned (page-locked) memory cannot be swapped out by the OS: keep at most this share of the host RAM pinned,
+# and always leave this much RAM available to everything else.
+PINNED_SHARE = 0.5
+HOST_RAM_HEADROOM = 4 * GiB
+
+
+def gib(n_bytes: float) -> str:
+    """Bytes as a short GiB string: ``'6.04 GiB'``."""
+    return f"{n_bytes / GiB:.2f} GiB"
+
+
+def pinned_budget_for(total: int, available: int) -> int:
+    """How many bytes may be pinned: half the RAM, and never eat into the last few GiB of available RAM."""
+    return int(max(0, min(total * PINNED_SHARE, available - HOST_RAM_HEADROOM)))
+
+
+@dataclass
+class SystemInfo:
+    device: str = "cpu"                 # 'cuda' or 'cpu'
+    gpu_name: str = "none"
+    total_vram: int = 0                 # bytes
+    free_vram: int = 0                  # bytes, as cudaMemGetInfo reports (other processes included)
+    capability: tuple | None = None     # (major, minor)
+    bf16: bool = False
+    fp8: bool = False                   # fp8 matmul hardware (SM 8.9+)
+    host_ram_total: int = 0
+    host_ram_available: int = 0
+    pinned_budget: int = 0
+    simulated: bool = False
+    device_index: int = 0
+
+    def __post_init__(self):
+        if self.capability is not None:
+            self.capability = tuple(int(c) for c in self.capability)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def capability_str(self) -> str:
+        return "none" if self.capability is None else f"{self.capability[0]}.{self.capability[1]}"
+
+    def describe(self) -> str:
+        ram = f"host RAM {gib(self.host_ram_available)} available of {gib(self.host_ram_total)}"
+        if not self.has_gpu:
+            return f"CPU only (no CUDA device); {ram}"
+        sim = " (simulated)" if self.simulated else ""
+        return (f"{self.gpu_name}{sim}: {gib(self.free_vram)} free of {gib(self.total_vram)}, SM {self.capability_str}, "
+                f"bf16 {'yes' if self.bf16 else 'no'}, fp8 {'yes' if self.fp8 else 'no'}; {ram}, "
+                f"pinned budget {gib(self.pinned_budget)}")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["capability"] = list(self.capability) if self.capability is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SystemInfo":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def simulated_gpu(cls, vram_gb: float, *, ram_gb: float | None = None, capability=(8, 9),
+                      name: str = "simulated GPU", free_gb: float | None = None) -> "SystemInfo":
+        """A GPU with ``vram_gb`` GiB (all free unless ``free_gb``); host RAM real unless ``ram_gb`` is given."""
+        if vram_gb <= 0:
+            raise ValueError(f"vram_gb must be positive, got {vram_gb}")
+        total_ram, avail_ram = (int(ram_gb * GiB),) * 2 if ram_gb is not None else host_memory()
+        cap = tuple(capability)
+        return cls(device="cuda", gpu_name=name, total_vram=int(vram_gb * GiB),
+                   free_vram=int((vram_gb if free_gb is None else free_gb) * GiB), capability=cap,
+                   bf16=cap >= (8, 0), fp8=cap >= (8, 9), host_ram_total=total_ram, host_ram_available=avail_ram,
+                   pinned_budget=pinned_budget_for(total_ram, avail_ram), simulated=True)
+
+    @classmethod
+    def cpu_only(cls, *, ram_gb: float | None = None) -> "SystemInfo":
+        total_ram, avail_ram = (int(ram_gb * GiB),) * 2 if ram_gb is not None else host_memory()
+        return cls(host_ram_total=total_ram, host_ram_available=avail_ram, pinned_budget=0)
+
+
+def _cgroup_limit() -> int | None:
+    """The container memory limit (cgroup v2 or v1), when one is set."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as fh:
+                raw = fh.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < (1 << 60):
+            return int(raw)
+    return None
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) host RAM in bytes from /proc/meminfo, else os.sysconf; capped by a cgroup limit."""
+    total = avail = 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            info = {}
+            for line in fh:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    info[name] = int(parts[0]) * 1024  # kB
+        total = info.get("MemTotal", 0)
+        avail = info.get("MemAvailable", info.get("MemFree", 0))
+    except OSError:
+        pass
+    if not total:
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            total = os.sysconf("SC_PHYS_PAGES") * page
+            avail = os.sysconf("SC_AVPHYS_PAGES") * page
+        except (ValueError, OSError, AttributeError):
+            total = avail = 0
+    limit = _cgroup_limit()
+    if limit is not None and total:
+        total = min(total, limit)
+        avail = min(avail, limit)
+    return int(total), int(avail)
+
+
+def detect_system(device=None) -> SystemInfo:
+    """Read this machine. ``device``: a CUDA index / 'cuda:N' / torch.device, or None for the current one."""
+    import torch  # lazy
+
+    total_ram, avail_ram = host_memory()
+    if not torch.cuda.is_available() or (device is not None and str(device).startswith("cpu")):
+        return SystemInfo(host_ram_total=total_ram, host_ram_available=avail_ram, pinned_budget=0)
+    if device is None:
+        index = torch.cuda.current_device()
+    elif isinstance(device, int):
+        index = device
+    else:
+        dev = torch.device(device)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    free, total = torch.cuda.mem_get_info(index)
+    cap = (int(props.major), int(props.minor))
+    try:
+        bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # older torch without the keyword
+        bf16 = cap >= (8, 0)
+    return SystemInfo(device="cuda", gpu_name=str(props.name), total_vram=int(total), free_vram=int(free),
+                      capability=cap, bf16=bf16, fp8=cap >= (8, 9), host_ram_total=total_ram,
+                      host_ram_available=avail_ram, pinned_budget=pinned_budget_for(total_ram, avail_ram),
+                      device_index=int(index))

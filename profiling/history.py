@@ -1,0 +1,149 @@
+"""Metrics history: one JSON line per generate / bench / profile run, beside the limit cache.
+
+The file is ``LimitCache().directory / "history.jsonl"`` (``WAN_ACCEL_CACHE`` moves both). Appends are safe
+across threads and processes: each record is ONE ``os.write`` of one complete line on an ``O_APPEND``
+descriptor, under a file lock. Reading skips a corrupt line (a crash mid-write, a hand edit) with one warning.
+
+Record fields (all optional except ``kind``; ``timestamp`` and ``fingerprint`` are filled in when missing)::
+
+    kind               "generate" | "bench" | "profile"
+    timestamp          unix seconds (float)
+    fingerprint        cache.fingerprint_id() of the machine
+    label              short free text (model name, bench name)
+    settings           dict: what ran (resolution, frames, steps, compile preset, ...)
+    timings            dict: total_s (wall seconds of the run), frames_per_s, steps_per_s, compile_s, ...
+    peak_memory_bytes  int
+    cache_hits         int or dict (limit-cache / compile-cache hits during the run)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+
+KINDS = ("generate", "bench", "profile")
+FILE_NAME = "history.jsonl"
+LOCK_TIMEOUT_S = 30.0
+
+
+class HistoryWarning(UserWarning):
+    """Issued once per read when corrupt lines were skipped."""
+
+
+def history_path(path=None) -> Path:
+    """``path`` when given, else ``history.jsonl`` in the limit cache's folder."""
+    if path is not None:
+        return Path(path).expanduser()
+    from ..cache import LimitCache
+
+    return LimitCache().directory / FILE_NAME
+
+
+def _clean(value):
+    """JSON-safe copy: NaN/inf become None (they are not valid JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def make_record(kind: str, *, settings: dict | None = None, timings: dict | None = None,
+                peak_memory_bytes: int | None = None, cache_hits=None, label: str = "",
+                fingerprint: str | None = None, **extra) -> dict:
+    """Build a record with the standard fields (see the module docstring)."""
+    rec = {"kind": kind, "label": label, "settings": dict(settings or {}), "timings": dict(timings or {}),
+           "peak_memory_bytes": peak_memory_bytes, "cache_hits": cache_hits}
+    if fingerprint is not None:
+        rec["fingerprint"] = fingerprint
+    rec.update(extra)
+    return rec
+
+
+def _fingerprint_id() -> str | None:
+    try:
+        from ..cache import fingerprint_id
+
+        return fingerprint_id()
+    except Exception:  # noqa: BLE001 - a record without fingerprint is still useful
+        return None
+
+
+def append(record: dict, path=None) -> dict:
+    """Append one record (a JSON-serialisable dict) as one line; returns the record as written.
+
+    Fills ``timestamp`` and ``fingerprint`` when missing. Raises ValueError for an unknown ``kind`` and
+    TypeError for values JSON cannot hold.
+    """
+    if not isinstance(record, dict):
+        raise TypeError(f"a history record is a dict, got {type(record).__name__}")
+    rec = dict(record)
+    kind = rec.get("kind")
+    if kind not in KINDS:
+        raise ValueError(f"history record kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    rec.setdefault("timestamp", time.time())
+    if rec.get("fingerprint") is None:
+        rec["fingerprint"] = _fingerprint_id()
+    rec = _clean(rec)
+    try:
+        line = json.dumps(rec, sort_keys=True, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"history record is not JSON-serialisable: {exc}") from exc
+    data = (line + "\n").encode("utf-8")
+    p = history_path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(p) + ".lock", timeout=LOCK_TIMEOUT_S):
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and not _ends_with_newline(p, size):
+                data = b"\n" + data  # a torn last line (crash mid-write) stays alone on its line
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(f"short write to {p}: {written} of {len(data)} bytes")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return rec
+
+
+def _ends_with_newline(p: Path, size: int) -> bool:
+    with open(p, "rb") as fh:
+        fh.seek(size - 1)
+        return fh.read(1) == b"\n"
+
+
+def read(path=None, kind: str | None = None, last: int | None = None) -> list[dict]:
+    """All records, oldest first (optionally only ``kind``, only the ``last`` N). A missing file reads as
+    empty; corrupt lines are skipped with ONE HistoryWarning that names them."""
+    p = history_path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        return []
+    records, bad = [], []
+    for n, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line.decode("utf-8"))
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")
+        except (ValueError, UnicodeDecodeError):
+            bad.append(n)
+            continue
+        if kind is None or rec.get("kind") == kind:
+            records.append(rec)
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+        warnings.warn(f"{p}: skipped {len(bad)} corrupt line(s) (line {shown})", HistoryWarning, stacklevel=2)
+    if last is not None and last >= 0:
+        records = records[-last:] if last else []
+    return records

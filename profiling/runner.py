@@ -1,0 +1,291 @@
+"""Run work under torch.profiler and turn what happened into a ProfileReport.
+
+``profile_run(fn, runs=..., out_dir=..., trace_name=..., device=...)`` is the one-call form. ``ProfileSession``
+is the same machinery split in steps, for callers that see the work one call at a time (a ComfyUI model
+wrapper profiling the next N model calls into one trace).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .dynamo_stats import DynamoWindow
+from .report import ProfileReport
+from .trace_stats import gpu_idle_stats, top_kernels
+
+log = logging.getLogger("wan_accel.profiling")
+
+# Traces larger than this are written but not re-read for the idle/kernel statistics.
+MAX_TRACE_BYTES_TO_ANALYSE = 768 * 1024 * 1024
+_LOCK = threading.Lock()
+
+
+def resolve_device(device=None):
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device if isinstance(device, torch.device) else torch.device(str(device))
+
+
+def profiler_busy() -> bool:
+    """True when a torch profiler is already recording in this process (profilers cannot nest)."""
+    try:
+        import torch.autograd.profiler as ap
+
+        return bool(ap._is_profiler_enabled) or bool(torch_profiler_enabled())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def torch_profiler_enabled() -> bool:
+    import torch
+
+    fn = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return bool(fn()) if fn is not None else False
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).strip("._") or "profile"
+
+
+def unique_trace_path(out_dir, trace_name: str) -> Path:
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{_safe_name(trace_name)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = out / f"{stem}.json", 1
+    while path.exists():
+        n += 1
+        path = out / f"{stem}_{n}.json"
+    return path
+
+
+def _peak_rss_bytes() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss) if sys.platform == "darwin" else int(rss) * 1024
+
+
+class ProfileSession:
+    """One profiled window: ``begin()``, any number of ``warmup(fn)`` / ``run(fn)``, then ``finish()``.
+
+    Compile statistics and peak memory cover the whole window (warm-up included); the trace and the
+    op/kernel tables cover the profiled runs only. If a run raises, the profiler is stopped before the
+    exception propagates, so the process is never left with a profiler running.
+    """
+
+    def __init__(self, *, out_dir, trace_name: str = "profile", device=None, record_shapes: bool = False,
+                 with_stack: bool = False, top: int = 15):
+        self.out_dir = Path(out_dir).expanduser()
+        self.trace_name = str(trace_name)
+        self.device = resolve_device(device)
+        self.record_shapes = record_shapes
+        self.with_stack = with_stack
+        self.top = top
+        self._window = DynamoWindow()
+        self._prof = None
+        self._began = False
+        self._finished = False
+        self.run_times: list[float] = []
+        self.warmup_times: list[float] = []
+        self.last_result: Any = None
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def is_cuda(self) -> bool:
+        import torch
+
+        return self.device.type == "cuda" and torch.cuda.is_available()
+
+    def _sync(self) -> None:
+        if self.is_cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def _activities(self):
+        from torch.profiler import ProfilerActivity
+
+        acts = [ProfilerActivity.CPU]
+        if self.is_cuda:
+            acts.append(ProfilerActivity.CUDA)
+        return acts
+
+    # ---------------------------------------------------------------- steps
+    def begin(self) -> "ProfileSession":
+        if self._began:
+            return self
+        if self.is_cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._window.start()
+        self._began = True
+        return self
+
+    def warmup(self, fn: Callable, *args, **kwargs):
+        """Run ``fn`` outside the profiler (compile happens here) but inside the compile-statistics window."""
+        self.begin()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self._sync()
+        self.warmup_times.append(time.perf_counter() - t0)
+        return out
+
+    def run(self, fn: Callable, *args, **kwargs):
+        """Run ``fn`` once under the profiler, inside an annotation named ``<trace_name>/run<i>``."""
+        import torch
+
+        self.begin()
+        if self._prof is None:
+            self._prof = torch.profiler.profile(activities=self._activities(), record_shapes=self.record_shapes,
+                                                with_stack=self.with_stack)
+            self._prof.start()
+        i = len(self.run_times)
+        try:
+            t0 = time.perf_counter()
+            with torch.profiler.record_function(self.run_label(i)):
+                out = fn(*args, **kwargs)
+                self._sync()
+            self.run_times.append(time.perf_counter() - t0)
+        except BaseException:
+            self.abort()
+            raise
+        self.last_result = out
+        return out
+
+    def run_label(self, i: int) -> str:
+        return f"{self.trace_name}/run{i}"
+
+    def abort(self) -> None:
+        """Stop everything without writing a report (used when the profiled work raised)."""
+        if self._prof is not None:
+            try:
+                self._prof.stop()
+            except Exception:  # noqa: BLE001
+                pass
+            self._prof = None
+        if self._began and not self._finished:
+            self._window.stop()
+        self._finished = True
+
+    def finish(self) -> ProfileReport:
+        import torch
+
+        self.begin()
+        trace_path, events = None, []
+        if self._prof is not None:
+            self._prof.stop()
+            trace_path = unique_trace_path(self.out_dir, self.trace_name)
+            self._prof.export_chrome_trace(str(trace_path))
+            events = self._load_events(trace_path)
+        compile_stats = self._window.stop()
+        self._finished = True
+        report = ProfileReport(
+            name=self.trace_name, device=str(self.device), runs=len(self.run_times), warmup=len(self.warmup_times),
+            run_times_s=[round(t, 6) for t in self.run_times],
+            warmup_times_s=[round(t, 6) for t in self.warmup_times],
+            trace_path=str(trace_path) if trace_path else None, compile=compile_stats,
+            gpu=gpu_idle_stats(events, [self.run_label(i) for i in range(len(self.run_times))]) if events else None,
+            top_ops=self._top_ops(), top_kernels=top_kernels(events, self.top) if events else [],
+            peak_memory=self._peak_memory(), torch_version=torch.__version__)
+        if self._prof is None:
+            report.notes.append("no profiled run: nothing was traced.")
+        report.result = self.last_result
+        self._prof = None
+        return report
+
+    # ---------------------------------------------------------------- analysis
+    def _load_events(self, path: Path) -> list[dict]:
+        try:
+            if path.stat().st_size > MAX_TRACE_BYTES_TO_ANALYSE:
+                log.warning("trace %s is too large to analyse; open it in Perfetto", path)
+                return []
+            with open(path, encoding="utf-8") as fh:
+                return list(json.load(fh).get("traceEvents", []))
+        except (OSError, ValueError) as exc:
+            log.warning("could not read back trace %s: %s", path, exc)
+            return []
+
+    def _top_ops(self) -> list[dict]:
+        if self._prof is None:
+            return []
+        try:
+            averages = self._prof.key_averages()
+        except Exception as exc:  # noqa: BLE001 - statistics are a bonus, the trace is written already
+            log.warning("profiler statistics unavailable: %s", exc)
+            return []
+        rows = []
+        for e in averages:
+            if getattr(e, "is_user_annotation", False):
+                continue
+            dev = getattr(e, "self_device_time_total", None)
+            if dev is None:
+                dev = getattr(e, "self_cuda_time_total", 0.0)
+            rows.append({"name": str(e.key), "count": int(e.count), "self_cpu_us": round(float(e.self_cpu_time_total), 3),
+                         "self_device_us": round(float(dev or 0.0), 3),
+                         "cpu_total_us": round(float(e.cpu_time_total), 3)})
+        key = "self_device_us" if self.is_cuda and any(r["self_device_us"] for r in rows) else "self_cpu_us"
+        rows.sort(key=lambda r: r[key], reverse=True)
+        return rows[: self.top]
+
+    def _peak_memory(self) -> dict:
+        if self.is_cuda:
+            import torch
+
+            return {"kind": "cuda max allocated", "bytes": int(torch.cuda.max_memory_allocated(self.device)),
+                    "reserved_bytes": int(torch.cuda.max_memory_reserved(self.device))}
+        return {"kind": "cpu peak RSS of the process", "bytes": _peak_rss_bytes(), "reserved_bytes": None}
+
+
+def profile_run(fn: Callable[[], Any], *, runs: int = 1, out_dir, trace_name: str = "profile", device=None,
+                warmup: int = 0, record_shapes: bool = False, with_stack: bool = False,
+                top: int = 15) -> ProfileReport:
+    """Call ``fn()`` ``warmup`` times unprofiled, then ``runs`` times under torch.profiler.
+
+    Writes a Chrome/Perfetto JSON trace into ``out_dir`` and returns a ProfileReport (its ``result`` is the last
+    return value of ``fn``). Compile times, graph breaks and recompiles cover warm-up and runs. Raises
+    RuntimeError when another profiler is already recording in this process.
+    """
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    if profiler_busy():
+        raise RuntimeError("a torch profiler is already recording in this process; finish it before starting "
+                           "another (profilers cannot nest)")
+    with _LOCK:
+        session = ProfileSession(out_dir=out_dir, trace_name=trace_name, device=device,
+                                 record_shapes=record_shapes, with_stack=with_stack, top=top).begin()
+        try:
+            for _ in range(int(warmup)):
+                session.warmup(fn)
+            for _ in range(int(runs)):
+                session.run(fn)
+        except BaseException:
+            session.abort()
+            raise
+        return session.finish()
+
+
+def default_out_dir() -> Path:
+    """ComfyUI's output folder (``<output>/wan_accel_profiles``) inside ComfyUI, else ``./wan_accel_profiles``.
+
+    ComfyUI is detected by its ``folder_paths`` module being loaded already; it is never imported here.
+    """
+    fp = sys.modules.get("folder_paths")
+    getter = getattr(fp, "get_output_directory", None) if fp is not None else None
+    if getter is not None:
+        try:
+            return Path(getter()) / "wan_accel_profiles"
+        except Exception:  # noqa: BLE001 - fall back to the working directory
+            pass
+    return Path(os.getcwd()) / "wan_accel_profiles"

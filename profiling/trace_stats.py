@@ -1,0 +1,121 @@
+"""Pure functions over Chrome/Perfetto trace events (the JSON ``torch.profiler`` exports).
+
+Nothing here imports torch: the functions take the list of ``traceEvents`` and return plain dicts, so they are
+easy to test with synthetic events and work the same on traces written by any torch version.
+"""
+from __future__ import annotations
+
+from statistics import median
+
+# Event categories the profiler gives GPU-side activity (CUDA and ROCm traces use the same names).
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+# A GPU idle for this share of the wall time or more is worth a remark.
+IDLE_REMARK_FRACTION = 0.30
+# Median kernel duration (microseconds) below which idle time points at launch overhead.
+SHORT_KERNEL_US = 20.0
+
+
+def complete_events(events: list[dict], categories) -> list[dict]:
+    """Complete ("X") events whose category is in ``categories`` and that carry a duration."""
+    cats = set(categories)
+    return [e for e in events
+            if e.get("ph", "X") == "X" and e.get("cat") in cats and "ts" in e and "dur" in e]
+
+
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Union of [start, end) intervals, sorted and non-overlapping."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _clip(intervals, windows):
+    out = []
+    for s, e in intervals:
+        for ws, we in windows:
+            lo, hi = max(s, ws), min(e, we)
+            if hi > lo:
+                out.append((lo, hi))
+    return out
+
+
+def gpu_idle_stats(events: list[dict], window_names=None) -> dict | None:
+    """How much of the profiled wall time the GPU spent idle between kernels.
+
+    The wall time is the union of the events named in ``window_names`` (the per-run annotations); when none
+    is given or found, it is the span from the first to the last event of the trace. Returns None when the
+    trace holds no GPU activity (a CPU run): the caller reports N/A.
+    """
+    gpu = complete_events(events, GPU_CATEGORIES)
+    if not gpu:
+        return None
+    kernels = [e for e in gpu if e.get("cat") == "kernel"]
+    windows = []
+    if window_names:
+        names = set(window_names)
+        windows = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+                   for e in events if e.get("name") in names and "ts" in e and "dur" in e
+                   and e.get("cat") == "user_annotation"]
+    if not windows:
+        timed = [e for e in events if "ts" in e and e.get("ph", "X") == "X"]
+        start = min(float(e["ts"]) for e in timed)
+        end = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in timed)
+        windows = [(start, end)]
+    windows = merge_intervals(windows)
+    wall_us = sum(e - s for s, e in windows)
+    busy = merge_intervals(_clip([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu], windows))
+    busy_us = sum(e - s for s, e in busy)
+    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
+    durations = [float(e["dur"]) for e in kernels] or [0.0]
+    idle_us = max(wall_us - busy_us, 0.0)
+    idle_fraction = idle_us / wall_us if wall_us > 0 else 0.0
+    med = float(median(durations))
+    stats = {
+        "wall_us": round(wall_us, 3),
+        "busy_us": round(busy_us, 3),
+        "idle_us": round(idle_us, 3),
+        "idle_fraction": round(idle_fraction, 4),
+        "kernel_count": len(kernels),
+        "median_kernel_us": round(med, 3),
+        "gap_count": len(gaps),
+        "largest_gap_us": round(max(gaps), 3) if gaps else 0.0,
+        "launch_bound": bool(idle_fraction >= IDLE_REMARK_FRACTION and med < SHORT_KERNEL_US),
+    }
+    stats["verdict"] = idle_verdict(stats)
+    return stats
+
+
+def idle_verdict(stats: dict) -> str:
+    """One sentence that says what the idle numbers mean and what to try."""
+    pct = 100.0 * stats["idle_fraction"]
+    if stats["launch_bound"]:
+        return (f"launch-bound: the GPU is idle {pct:.0f}% of the wall time between {stats['kernel_count']} short "
+                f"kernels (median {stats['median_kernel_us']:.1f} us). Try compile mode 'reduce-overhead' (CUDA "
+                "graphs), a larger batch or frames per block, or fewer, fused kernels.")
+    if stats["idle_fraction"] >= IDLE_REMARK_FRACTION:
+        return (f"the GPU is idle {pct:.0f}% of the wall time while kernels are long: the host is the bottleneck "
+                "(Python work, host syncs such as .item()/.cpu(), data loading or CPU<->GPU copies).")
+    return f"the GPU is busy {100.0 - pct:.0f}% of the wall time."
+
+
+def top_kernels(events: list[dict], limit: int = 10) -> list[dict]:
+    """GPU kernels aggregated by name, largest total time first."""
+    agg: dict[str, list[float]] = {}
+    for e in complete_events(events, ("kernel",)):
+        agg.setdefault(str(e.get("name", "?")), []).append(float(e["dur"]))
+    rows = [{"name": name, "count": len(d), "total_us": round(sum(d), 3), "mean_us": round(sum(d) / len(d), 3)}
+            for name, d in agg.items()]
+    rows.sort(key=lambda r: r["total_us"], reverse=True)
+    return rows[:limit]
+
+
+def event_names(events: list[dict]) -> set[str]:
+    """All names in a trace (handy for checks and tests)."""
+    return {str(e.get("name")) for e in events if "name" in e}

@@ -1,0 +1,116 @@
+"""Packaging and ComfyUI-facing contracts that hold for every node of the pack."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+IMPORT_CHECK = r"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location(
+    "{name}", r"{init}", submodule_search_locations=[r"{folder}"])
+mod = importlib.util.module_from_spec(spec)
+sys.modules["{name}"] = mod
+spec.loader.exec_module(mod)
+heavy = sorted(m for m in ("torch", "triton", "flash_attn", "comfy", "folder_paths") if m in sys.modules)
+print(len(mod.NODE_CLASS_MAPPINGS), ",".join(heavy) or "-", mod.WEB_DIRECTORY)
+"""
+
+
+def _load_as(folder: Path, name: str) -> list[str]:
+    code = IMPORT_CHECK.format(name=name, init=folder / "__init__.py", folder=folder)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=folder.parent,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_pack_imports_cheaply_under_any_folder_name(tmp_path):
+    # as ComfyUI does: the folder under custom_nodes is imported by path, under whatever name it has
+    folder = tmp_path / "ComfyUI-Wan Accel-main"
+    shutil.copytree(REPO, folder, ignore=shutil.ignore_patterns(".git", ".venv", "tests", "__pycache__"))
+    count, heavy, web = _load_as(folder, "custom_nodes.ComfyUI-Wan Accel-main")
+    assert int(count) >= 1
+    assert heavy == "-", f"importing the pack pulled in heavy modules: {heavy}"
+    assert web == "./web"
+
+
+def test_every_node_has_tooltips_and_required_attributes():
+    from wan_accel import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from wan_accel.nodes import IMPORT_ERRORS
+
+    assert not IMPORT_ERRORS, IMPORT_ERRORS
+    assert set(NODE_DISPLAY_NAME_MAPPINGS) == set(NODE_CLASS_MAPPINGS)
+    for name, cls in NODE_CLASS_MAPPINGS.items():
+        spec = cls.INPUT_TYPES()
+        for section in ("required", "optional"):
+            for inp, decl in spec.get(section, {}).items():
+                opts = decl[1] if len(decl) > 1 else {}
+                assert opts.get("tooltip"), f"{name}.{inp} has no tooltip"
+                if isinstance(decl[0], list):
+                    assert "default" not in opts or opts["default"] in decl[0], f"{name}.{inp} default not in choices"
+                if decl[0] in ("INT", "FLOAT"):
+                    d, lo, hi = opts.get("default"), opts.get("min"), opts.get("max")
+                    assert d is not None, f"{name}.{inp} has no default"
+                    assert (lo is None or d >= lo) and (hi is None or d <= hi), f"{name}.{inp} default out of range"
+        assert cls.CATEGORY.startswith("wan_accel"), name
+        assert hasattr(cls, cls.FUNCTION), name
+        assert isinstance(cls.RETURN_TYPES, tuple), name
+        assert getattr(cls, "DESCRIPTION", ""), f"{name} has no DESCRIPTION"
+
+
+def test_pyproject_lists_every_subpackage_and_metadata():
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert meta["project"]["name"] == "comfyui-wan-accel"
+    assert meta["project"]["requires-python"] == ">=3.10"
+    for field in ("PublisherId", "DisplayName", "Icon"):
+        assert field in meta["tool"]["comfy"]
+    listed = set(meta["tool"]["setuptools"]["packages"])
+    found = {"wan_accel"} | {
+        "wan_accel." + ".".join(p.parent.relative_to(REPO).parts)
+        for p in REPO.rglob("__init__.py")
+        if p.parent != REPO and not {"tests", ".venv", ".git", "build"} & set(p.relative_to(REPO).parts)}
+    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_cli_entry_point_and_cache_commands(tmp_path):
+    env = dict(os.environ, WAN_ACCEL_CACHE=str(tmp_path / "c" / "limits.json"))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "wan_accel", *a], capture_output=True, text=True,  # noqa
+                                    env=env, timeout=120)
+    out = run("--help")
+    assert out.returncode == 0 and "cache" in out.stdout
+    assert run("cache", "path").stdout.strip() == str(tmp_path / "c" / "limits.json")
+    from wan_accel.cache import LimitCache
+
+    LimitCache(tmp_path / "c" / "limits.json").put("memory", "vae-480p", {"chunk_frames": 4})
+    shown = run("cache", "show")
+    assert shown.returncode == 0 and "vae-480p" in shown.stdout and "memory 1" in shown.stdout
+    data = json.loads(run("cache", "show", "--json").stdout)
+    assert data["entries"][0]["value"] == {"chunk_frames": 4}
+    assert "removed 1" in run("cache", "clear", "--namespace", "memory").stdout
+    assert json.loads(run("cache", "show", "--json").stdout)["entries"] == []
+    assert run("cache", "prune-stale").returncode == 0
+    bad = run("cache", "frobnicate")
+    assert bad.returncode != 0 and "invalid choice" in bad.stderr
+
+
+def test_limit_cache_node_needs_confirmation(tmp_path, monkeypatch):
+    from wan_accel.cache import LimitCache
+    from wan_accel.nodes.cache_nodes import WanAccelLimitCache
+
+    LimitCache().put("memory", "k", {"v": 1})
+    node = WanAccelLimitCache()
+    out = node.run(namespace="memory", action="clear", confirm_clear=False)
+    assert "Nothing cleared" in out["result"][0] and LimitCache().get("memory", "k") == {"v": 1}
+    assert "k" in out["ui"]["text"][0]
+    out = node.run(namespace="memory", action="clear", confirm_clear=True)
+    assert "Cleared 1" in out["result"][0] and LimitCache().get("memory", "k") is None
