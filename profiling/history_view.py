@@ -71,6 +71,7 @@ def plot_history(records: list[dict], out_path) -> Path:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
         raise PlotUnavailable("plotting needs matplotlib, which is not installed: pip install matplotlib "
                               "(or install this pack with the 'plot' extra)") from exc
@@ -96,6 +97,7 @@ def plot_history(records: list[dict], out_path) -> Path:
     ax1.set_title("wan_accel metrics history")
     ax2.set_ylabel("peak memory (GiB)")
     ax2.set_xlabel("run (oldest to newest)")
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (ax1, ax2):
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -27,7 +27,8 @@ def fmt_seconds(s) -> str:
 
 
 def _one_line(text: str, width: int = 160) -> str:
-    line = " ".join(str(text).split())
+    text = str(text).split("Developer debug context")[0]
+    line = " ".join(text.split())
     return line if len(line) <= width else line[: width - 3] + "..."
 
 

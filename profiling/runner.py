@@ -232,7 +232,8 @@ class ProfileSession:
             dev = getattr(e, "self_device_time_total", None)
             if dev is None:
                 dev = getattr(e, "self_cuda_time_total", 0.0)
-            rows.append({"name": str(e.key), "count": int(e.count), "self_cpu_us": round(float(e.self_cpu_time_total), 3),
+            rows.append({"name": str(e.key), "count": int(e.count),
+                         "self_cpu_us": round(float(e.self_cpu_time_total), 3),
                          "self_device_us": round(float(dev or 0.0), 3),
                          "cpu_total_us": round(float(e.cpu_time_total), 3)})
         key = "self_device_us" if self.is_cuda and any(r["self_device_us"] for r in rows) else "self_cpu_us"

@@ -76,8 +76,9 @@ class ProfileRequest:
         """Report text for the UI: the latest report, or why there is none yet."""
         with self._lock:
             if self.latest is not None:
-                head = "" if len(self.reports) == 1 else f"[report {len(self.reports)} of {len(self.reports)}]\n"
-                return head + self.latest.to_text()
+                earlier = [f"earlier run {i}: {r.mean_run_s or 0.0:.3f} s, trace {r.trace_path}"
+                           for i, r in enumerate(self.reports[:-1], 1)]
+                return "\n".join(earlier + [self.latest.to_text()])
             if self._window is not None:
                 return (f"profiling window open: {len(self._window.run_times)} of {self.runs} call(s) recorded; "
                         "the report is written when the window closes.")
@@ -107,6 +108,21 @@ class ProfileRequest:
             return True
         return False
 
+    def _finish_session(self, session):
+        """Write the trace and keep the report; a failure here (disk full, ...) is logged, never raised:
+        the profiled work already succeeded and its result must reach the caller."""
+        try:
+            report = session.finish()
+        except Exception as exc:  # noqa: BLE001
+            session.abort()
+            msg = f"profiling finished the run but could not write its report: {exc}"
+            log.warning("wan_accel profile: %s", msg)
+            self.skipped.append(msg)
+            return None
+        report.result = None  # do not keep outputs (latents) alive through the report
+        self._keep(report)
+        return report
+
     def _keep(self, report) -> None:
         self.reports.append(report)
         del self.reports[:-MAX_KEPT_REPORTS]
@@ -128,9 +144,7 @@ class ProfileRequest:
             self.remaining -= 1
             session = self._new_session()
             out = session.run(fn, *args, **kwargs)  # stops the profiler and re-raises if fn raises
-            report = session.finish()
-            report.result = None  # do not keep outputs (latents) alive through the report
-            self._keep(report)
+            self._finish_session(session)
             return out
 
     def wrap(self, fn: Callable) -> Callable:
@@ -167,24 +181,32 @@ class ProfileRequest:
             if session is None:
                 return None
             self.remaining = 0
-            report = session.finish()
-            report.result = None
-            self._keep(report)
-            return report
+            return self._finish_session(session)
 
 
 # -------------------------------------------------------------------- handles
 def get_profile_request(handle) -> ProfileRequest | None:
-    """The ProfileRequest attached to a model handle (attribute or dict key ``profile``), or None."""
+    """The ProfileRequest attached to a model handle, or None. Looked up as the dict key / attribute
+    ``profile``, then in the handle's ``extra`` dict (which survives ``dataclasses.replace``)."""
     if handle is None:
         return None
-    req = handle.get(PROFILE_ATTR) if isinstance(handle, dict) else getattr(handle, PROFILE_ATTR, None)
+    if isinstance(handle, dict):
+        req = handle.get(PROFILE_ATTR)
+    else:
+        req = getattr(handle, PROFILE_ATTR, None)
+        extra = getattr(handle, "extra", None)
+        if req is None and isinstance(extra, dict):
+            req = extra.get(PROFILE_ATTR)
     return req if isinstance(req, ProfileRequest) else None
 
 
 def attach_profile_request(handle, request: ProfileRequest | None):
     """A shallow copy of ``handle`` that carries ``request`` (None removes it). The input is never mutated,
-    so a handle cached upstream by ComfyUI stays clean; the copy shares the model and everything else."""
+    so a handle cached upstream by ComfyUI stays clean; the copy shares the model and everything else.
+
+    Where it goes: a dict handle gets the key ``profile``; a dataclass with a ``profile`` field gets it via
+    ``dataclasses.replace``; a handle with an ``extra`` dict gets a new ``extra`` holding ``profile`` (so later
+    ``dataclasses.replace`` calls by other nodes keep it); anything else gets a ``profile`` attribute."""
     if isinstance(handle, dict):
         new = dict(handle)
         new[PROFILE_ATTR] = request
@@ -194,10 +216,17 @@ def attach_profile_request(handle, request: ProfileRequest | None):
         return dataclasses.replace(handle, **{PROFILE_ATTR: request})
     new = copy.copy(handle)
     try:
-        object.__setattr__(new, PROFILE_ATTR, request)
+        extra = getattr(handle, "extra", None)
+        if isinstance(extra, dict):
+            extra = {k: v for k, v in extra.items() if k != PROFILE_ATTR}
+            if request is not None:
+                extra[PROFILE_ATTR] = request
+            object.__setattr__(new, "extra", extra)
+        else:
+            object.__setattr__(new, PROFILE_ATTR, request)
     except (AttributeError, TypeError) as exc:
         raise TypeError(f"cannot attach a profile request to a {type(handle).__name__}: give it a '{PROFILE_ATTR}' "
-                        f"field (dataclass) or use a dict handle") from exc
+                        f"field (dataclass) or an 'extra' dict, or use a dict handle") from exc
     return new
 
 
@@ -206,4 +235,7 @@ def maybe_profile(handle, fn: Callable, *args, **kwargs) -> Any:
     req = get_profile_request(handle)
     if req is None or req.remaining <= 0:
         return fn(*args, **kwargs)
+    if req.device is None:  # sync and read peak memory on the model's device
+        dev = handle.get("device") if isinstance(handle, dict) else getattr(handle, "device", None)
+        req.device = dev
     return req.run(fn, *args, **kwargs)

@@ -85,11 +85,12 @@ class RopeCache:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs of x [B, L, H, D] by tables [L, D/2]; math in the table dtype."""
+    """Rotate adjacent channel pairs of x [B, L, H, D] by tables [L, D/2] (or per sample [B, L, D/2]);
+    math in the table dtype, result in x's dtype."""
     b, l, h, d = x.shape
     xp = x.to(cos.dtype).reshape(b, l, h, d // 2, 2)
     xr, xi = xp[..., 0], xp[..., 1]
-    c = cos[None, :, None, :]
-    s = sin[None, :, None, :]
+    c = cos[:, :, None, :] if cos.dim() == 3 else cos[None, :, None, :]
+    s = sin[:, :, None, :] if sin.dim() == 3 else sin[None, :, None, :]
     out = torch.stack([xr * c - xi * s, xr * s + xi * c], dim=-1)
     return out.reshape(b, l, h, d).to(x.dtype)

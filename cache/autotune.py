@@ -1,0 +1,491 @@
+"""The operator-limit store: the pack's own autotuner for its Triton kernels.
+
+For one (kernel, tuning key) on the current fingerprint (the limit cache scopes entries by GPU and software),
+``Autotuner.tune`` benchmarks candidate configs with a pluggable timer and records, in the ``operator``
+namespace of the limit cache::
+
+    {"kernel": ..., "key": ..., "metric": "median_ms", "policy": "default" | "extreme",
+     "timings": {config_id: ms}, "best": {"id", "config", "ms"} | None, "last_working": config | None,
+     "failed": {config_id: {"config", "error": {"type", "message", "name", "required", "limit", ...}}},
+     "locked": bool, "timestamp": unix time of the last change}
+
+Rules:
+- a config recorded as failed is never compiled or launched again on that fingerprint (early prune);
+- a config whose estimated shared memory exceeds the device limit is pruned before it is compiled;
+- a config that already has a timing is not benchmarked again, so a second process with the same cache
+  performs zero benchmark runs for a known key;
+- policy "extreme": a new measurement replaces a stored timing (and the best) only when it is faster;
+- a locked entry is never re-benchmarked nor replaced;
+- when every config fails, ``tune`` logs one clear error naming kernel, key and failures and returns None:
+  the caller then runs its torch implementation.
+
+Plain ``@triton.jit`` kernels are launched with explicit meta-parameters by the caller's ``run(config)``;
+Triton's own ``triton.autotune`` is not used (its benchmarker needs a GPU driver even in interpreter mode).
+
+This module imports nothing else from the pack except the limit cache, and neither torch nor triton at import.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from typing import Callable, Iterable
+
+log = logging.getLogger("wan_accel.autotune")
+
+NAMESPACE = "operator"
+METRIC = "median_ms"
+POLICIES = ("default", "extreme")
+
+
+# ----------------------------------------------------------------------------- errors
+def tuning_errors() -> tuple[type, ...]:
+    """Exception types that mean "this config can never work on this device" (recorded permanently)."""
+    found: list[type] = []
+    try:
+        from triton.runtime.errors import OutOfResources
+
+        found.append(OutOfResources)
+    except Exception:  # noqa: BLE001 - triton absent or reorganised
+        pass
+    try:
+        from triton.runtime.errors import PTXASError
+
+        found.append(PTXASError)
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from triton.compiler.errors import CompileTimeAssertionFailure
+
+        found.append(CompileTimeAssertionFailure)
+    except Exception:  # noqa: BLE001
+        pass
+    return tuple(found)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Errors that say nothing about the config (out of memory now, interrupted): never recorded."""
+    name = type(exc).__name__
+    return name in ("OutOfMemoryError", "KeyboardInterrupt") or "out of memory" in str(exc).lower()
+
+
+def describe_error(exc: BaseException) -> dict:
+    """A JSON-safe description of a failed config's exception."""
+    info: dict = {"type": type(exc).__name__, "message": str(exc)[:500]}
+    for attr in ("name", "required", "limit"):  # triton OutOfResources(required, limit, name)
+        value = getattr(exc, attr, None)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            info[attr] = value
+    return info
+
+
+def config_id(config: dict) -> str:
+    """Canonical, order-independent id of a config dict, e.g. ``RBLOCK=64,YBLOCK=4,num_warps=4``."""
+    return ",".join(f"{k}={config[k]}" for k in sorted(config))
+
+
+# ----------------------------------------------------------------------------- timers
+def cpu_timer(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Median wall time of ``fn`` in ms (used for CPU / interpreter runs)."""
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def cuda_timer(fn: Callable[[], object]) -> float:
+    """Median GPU time of ``fn`` in ms: triton.testing.do_bench when available, else CUDA events."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
+    except TypeError:  # older do_bench without return_mode
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=5, rep=25))
+    except ImportError:
+        pass
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    times = []
+    for _ in range(10):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def default_timer(fn: Callable[[], object]) -> float:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and not _interpreting():
+            return cuda_timer(fn)
+    except Exception:  # noqa: BLE001 - fall back to wall time
+        pass
+    return cpu_timer(fn, repeats=1)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def device_shared_memory_limit(device=None) -> int | None:
+    """Largest shared memory per block (bytes) the current CUDA device allows, or None when unknown."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+        props = torch.cuda.get_device_properties(index)
+        for attr in ("shared_memory_per_block_optin", "max_shared_memory_per_block_optin",
+                     "shared_memory_per_block"):
+            value = getattr(props, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        from triton.runtime import driver
+
+        return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - unknown limit: nothing is pruned by estimate
+        return None
+
+
+# ----------------------------------------------------------------------------- the autotuner
+class Autotuner:
+    """Benchmarks candidate configs once per (kernel, key, fingerprint) and remembers the outcome.
+
+    cache:   a LimitCache, or None for an in-memory tuner (nothing persisted).
+    timer:   ``timer(run) -> ms``; ``run()`` launches the kernel once with the config being measured.
+    shared_memory_limit: bytes; configs whose ``smem(config)`` estimate exceeds it are pruned before
+             compiling. None -> asked from the device when the first CUDA tune happens.
+    """
+
+    def __init__(self, cache=None, *, timer: Callable[[Callable[[], object]], float] | None = None,
+                 shared_memory_limit: int | None = None):
+        self.cache = cache
+        self.timer = timer or default_timer
+        self.shared_memory_limit = shared_memory_limit
+        self._memo: dict[tuple, dict | None] = {}
+        self._reported: set[tuple] = set()
+        self._lock = threading.RLock()
+        self._mem_entries: dict[str, dict] = {}  # the store when no cache is given
+        self.stats = {"benchmarks": 0, "launch_checks": 0, "memo_hits": 0, "cache_hits": 0,
+                      "pruned_known_failed": 0, "pruned_shared_memory": 0, "failures": 0}
+
+    # ---------------------------------------------------------------- storage
+    @staticmethod
+    def entry_key(kernel: str, key: str) -> str:
+        return f"{kernel}|{key}"
+
+    def entry(self, kernel: str, key: str) -> dict | None:
+        """The stored entry (see module doc) or None."""
+        if self.cache is None:
+            value = self._mem_entries.get(self.entry_key(kernel, key))
+            return json.loads(json.dumps(value)) if value is not None else None
+        return self.cache.get(NAMESPACE, self.entry_key(kernel, key))
+
+    def _update(self, kernel: str, key: str, fn: Callable[[dict | None], dict | None]) -> dict | None:
+        ek = self.entry_key(kernel, key)
+        if self.cache is None:
+            new = fn(self.entry(kernel, key))
+            if new is None:
+                self._mem_entries.pop(ek, None)
+            else:
+                self._mem_entries[ek] = new
+            return new
+        try:
+            return self.cache.update(NAMESPACE, ek, fn)
+        except Exception as exc:  # noqa: BLE001 - a read-only or locked cache must not break a run
+            log.warning("wan_accel: could not write the operator store %s (%s); keeping results in memory",
+                        getattr(self.cache, "path", "?"), exc)
+            return fn(self.entry(kernel, key))
+
+    def forget(self) -> None:
+        """Drop the in-process memo (the next ``tune`` reads the store again)."""
+        with self._lock:
+            self._memo.clear()
+
+    def lock(self, kernel: str, key: str, locked: bool = True) -> dict | None:
+        """Freeze (or unfreeze) an entry: a locked entry is never re-benchmarked nor replaced."""
+        def change(old):
+            new = dict(old or _new_entry(kernel, key, "default"))
+            new["locked"] = bool(locked)
+            new["timestamp"] = time.time()
+            return new
+
+        self.forget()
+        return self._update(kernel, key, change)
+
+    def record_failure(self, kernel: str, key: str, config: dict, exc: BaseException) -> None:
+        """Remember that ``config`` failed (e.g. at a later real launch); it is never used again here."""
+        if _is_transient(exc):
+            return
+        cid, err = config_id(config), describe_error(exc)
+
+        def change(old):
+            new = dict(old or _new_entry(kernel, key, "default"))
+            new.setdefault("failed", {})[cid] = {"config": dict(config), "error": err}
+            new.get("timings", {}).pop(cid, None)
+            if (new.get("best") or {}).get("id") == cid:
+                new["best"] = None
+            new["timestamp"] = time.time()
+            return new
+
+        self.stats["failures"] += 1
+        self._update(kernel, key, change)
+        self.forget()
+
+    # ---------------------------------------------------------------- tuning
+    def tune(self, kernel: str, key: str, configs: Iterable[dict], run: Callable[[dict], object], *,
+             smem: Callable[[dict], int] | None = None, policy: str = "default", force: bool = False) -> dict | None:
+        """The best working config among ``configs`` for (kernel, key), benchmarking only what is unknown.
+
+        run(config) launches the kernel once with ``config``. Returns a config dict, or None when every
+        candidate failed (an error naming kernel, key and failures is logged once).
+        """
+        if policy not in POLICIES:
+            raise ValueError(f"autotune policy {policy!r} must be one of {POLICIES}")
+        configs = [dict(c) for c in configs]
+        if not configs:
+            raise ValueError(f"autotune {kernel} [{key}]: no candidate configs given")
+        ids = tuple(config_id(c) for c in configs)
+        memo_key = (kernel, key, ids)
+        with self._lock:
+            if not force and memo_key in self._memo:
+                self.stats["memo_hits"] += 1
+                return self._memo[memo_key]
+            result = self._tune_locked(kernel, key, configs, ids, run, smem, policy, force)
+            self._memo[memo_key] = result
+            return result
+
+    def _tune_locked(self, kernel, key, configs, ids, run, smem, policy, force):
+        stored = self.entry(kernel, key) or {}
+        failed: dict = dict(stored.get("failed") or {})
+        timings: dict = dict(stored.get("timings") or {})
+        locked = bool(stored.get("locked"))
+        if stored:
+            self.stats["cache_hits"] += 1
+
+        limit = self.shared_memory_limit
+        if limit is None and smem is not None:
+            limit = device_shared_memory_limit()
+        new_failed: dict = {}
+        candidates = []
+        for cid, cfg in zip(ids, configs):
+            if cid in failed:
+                self.stats["pruned_known_failed"] += 1
+                continue
+            if smem is not None and limit is not None:
+                need = int(smem(cfg))
+                if need > limit:
+                    self.stats["pruned_shared_memory"] += 1
+                    new_failed[cid] = {"config": cfg, "error": {
+                        "type": "OutOfResources", "name": "shared memory", "required": need, "limit": int(limit),
+                        "message": f"estimated shared memory {need} B exceeds the device limit {limit} B; "
+                                   f"pruned before compiling", "estimated": True}}
+                    continue
+            candidates.append((cid, cfg))
+
+        # a locked entry is frozen: nothing is benchmarked, the stored timings decide
+        to_measure = [] if locked else [(c, cfg) for c, cfg in candidates if force or c not in timings]
+        measured: dict = {}
+        last_working = None
+        errors = tuning_errors()
+        for cid, cfg in to_measure:
+            try:
+                self.stats["launch_checks"] += 1
+                run(cfg)  # compile + first launch: resource errors surface here
+                self.stats["benchmarks"] += 1
+                ms = float(self.timer(lambda cfg=cfg: run(cfg)))
+            except errors as exc:
+                new_failed[cid] = {"config": cfg, "error": describe_error(exc)}
+                self.stats["failures"] += 1
+                continue
+            except Exception as exc:  # noqa: BLE001 - any failing config is skipped, the run goes on
+                if _is_transient(exc):
+                    log.warning("wan_accel autotune %s [%s]: config %s hit a transient error (%s); skipped",
+                                kernel, key, cid, exc)
+                    continue
+                new_failed[cid] = {"config": cfg, "error": describe_error(exc)}
+                self.stats["failures"] += 1
+                continue
+            if not math.isfinite(ms):
+                new_failed[cid] = {"config": cfg, "error": {"type": "NonFiniteTiming", "message": repr(ms)}}
+                continue
+            measured[cid] = (cfg, ms)
+            last_working = cfg
+
+        if measured or new_failed:
+            stored = self._update(kernel, key, lambda old: _merge(old, kernel, key, policy, measured,
+                                                                   new_failed, last_working)) or stored
+            failed = dict(stored.get("failed") or {})
+            timings = dict(stored.get("timings") or {})
+
+        usable = [(timings[c], c, cfg) for c, cfg in zip(ids, configs) if c in timings and c not in failed]
+        if not usable:
+            report = (kernel, key)
+            if report not in self._reported:
+                self._reported.add(report)
+                reasons = "; ".join(f"{c}: {_short(failed[c]['error'])}" for c in ids if c in failed) or "none ran"
+                log.error("wan_accel: every config of kernel %s failed for key %s (%s); "
+                          "using the torch implementation instead", kernel, key, reasons)
+            return None
+        usable.sort(key=lambda t: t[0])
+        return dict(usable[0][2])
+
+
+def _short(err: dict) -> str:
+    if err.get("type") == "OutOfResources":
+        return f"OutOfResources {err.get('name')} required {err.get('required')} > limit {err.get('limit')}"
+    return f"{err.get('type')}: {str(err.get('message', ''))[:120]}"
+
+
+def _new_entry(kernel: str, key: str, policy: str) -> dict:
+    return {"kernel": kernel, "key": key, "metric": METRIC, "policy": policy, "timings": {}, "best": None,
+            "last_working": None, "failed": {}, "locked": False, "timestamp": time.time()}
+
+
+def _merge(old, kernel, key, policy, measured, new_failed, last_working) -> dict:
+    """Fold fresh results into the stored entry (runs under the cache's cross-process lock)."""
+    new = _new_entry(kernel, key, policy)
+    if old:
+        new.update(old)
+        new["timings"] = dict(old.get("timings") or {})
+        new["failed"] = dict(old.get("failed") or {})
+    if new.get("locked"):
+        return new  # another process locked it meanwhile: keep as is
+    extreme = policy == "extreme" or new.get("policy") == "extreme"
+    for cid, (cfg, ms) in measured.items():
+        prev = new["timings"].get(cid)
+        if extreme and prev is not None and prev <= ms:
+            continue  # only a faster measurement replaces one
+        new["timings"][cid] = ms
+        new.setdefault("configs", {})[cid] = cfg
+    new["failed"].update(new_failed)
+    for cid in new_failed:
+        new["timings"].pop(cid, None)
+    best = new.get("best")
+    fastest = min(((ms, cid) for cid, ms in new["timings"].items()), default=None)
+    if fastest is not None:
+        ms, cid = fastest
+        cfg = (new.get("configs") or {}).get(cid) or measured.get(cid, ({},))[0]
+        if not (extreme and best and best.get("ms") is not None and best["ms"] <= ms
+                and best.get("id") in new["timings"]):
+            new["best"] = {"id": cid, "config": cfg, "ms": ms}
+    elif best and best.get("id") in new["failed"]:
+        new["best"] = None
+    if last_working is not None:
+        new["last_working"] = dict(last_working)
+    if extreme:
+        new["policy"] = "extreme"
+    new["metric"] = METRIC
+    new["timestamp"] = time.time()
+    return new
+
+
+# ----------------------------------------------------------------------------- the shared instance
+_DEFAULT: dict[str, Autotuner] = {}
+_DEFAULT_LOCK = threading.Lock()
+
+
+def get_autotuner() -> Autotuner:
+    """The process's autotuner on the default limit cache (follows ``$WAN_ACCEL_CACHE``).
+
+    Falls back to an in-memory tuner, with one warning, when the cache cannot be opened.
+    """
+    marker = os.environ.get("WAN_ACCEL_CACHE", "")
+    tuner = _DEFAULT.get(marker)
+    if tuner is not None:
+        return tuner
+    with _DEFAULT_LOCK:
+        tuner = _DEFAULT.get(marker)
+        if tuner is None:
+            try:
+                from .store import LimitCache
+
+                tuner = Autotuner(LimitCache())
+            except Exception as exc:  # noqa: BLE001 - tuning still works, only in memory
+                log.warning("wan_accel: limit cache unavailable (%s); kernel tuning results are kept in memory",
+                            exc)
+                tuner = Autotuner(None)
+            _DEFAULT[marker] = tuner
+    return tuner
+
+
+def reset_autotuners() -> None:
+    """Forget the shared tuners (the next ``get_autotuner`` reads the store afresh, as a new process would)."""
+    with _DEFAULT_LOCK:
+        _DEFAULT.clear()
+
+
+# ----------------------------------------------------------------------------- Inductor GEMM feedback
+_FEEDBACK_INSTALLED: set[str] = set()
+
+
+def install_inductor_feedback(cache) -> bool:
+    """Record Inductor's GEMM autotune winners and failures into the operator store.
+
+    Uses ``torch._inductor.select_algorithm.add_feedback_saver`` where it exists (an observer only: no
+    Inductor setting changes). Installed once per process and cache file. Returns True when installed.
+    """
+    if cache is None:
+        return False
+    ident = str(getattr(cache, "path", id(cache)))
+    if ident in _FEEDBACK_INSTALLED:
+        return True
+    try:
+        from torch._inductor import select_algorithm
+    except Exception:  # noqa: BLE001 - torch without Inductor
+        return False
+    add = getattr(select_algorithm, "add_feedback_saver", None)
+    if add is None:
+        return False
+
+    def saver(timings, name, input_nodes, choices, *rest):
+        try:
+            _record_inductor_feedback(cache, timings, name, input_nodes)
+        except Exception as exc:  # noqa: BLE001 - an observer must never break a compile
+            log.debug("wan_accel: inductor feedback not recorded: %s", exc)
+
+    try:
+        add(saver)
+    except Exception:  # noqa: BLE001
+        return False
+    _FEEDBACK_INSTALLED.add(ident)
+    return True
+
+
+def _choice_name(choice) -> str:
+    for attr in ("name", "kernel_name", "description"):
+        value = getattr(choice, attr, None)
+        if isinstance(value, str) and value:
+            return value[:200]
+    return type(choice).__name__
+
+
+def _record_inductor_feedback(cache, timings: dict, name: str, input_nodes) -> None:
+    shapes = []
+    for node in input_nodes or ():
+        try:
+            shapes.append("x".join(str(s) for s in node.get_size()) + ":" + str(node.get_dtype()).replace("torch.", ""))
+        except Exception:  # noqa: BLE001
+            shapes.append("?")
+    key = f"inductor/{name}/{'|'.join(shapes)}"
+    rows = [(float(t), _choice_name(c)) for c, t in (timings or {}).items()]
+    ok = sorted((t, n) for t, n in rows if math.isfinite(t))
+    failed = sorted({n for t, n in rows if not math.isfinite(t)})
+    value = {"kind": "inductor_autotune", "op": name, "inputs": shapes, "metric": "ms",
+             "best": {"choice": ok[0][1], "ms": ok[0][0]} if ok else None,
+             "choices": len(rows), "failed": failed[:50], "timestamp": time.time()}
+    cache.put(NAMESPACE, key, value)

@@ -1,0 +1,75 @@
+"""``python -m wan_accel plan``: the VRAM plan for a checkpoint or a model preset (works without a GPU)."""
+from __future__ import annotations
+
+import sys
+
+from .output import print_json
+
+PRESETS = ("1.3b", "14b", "14b-i2v")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="VRAM plan: dtype, block swap, KV window, VAE chunk (no GPU needed)",
+                       description="Plan memory for a generation from the checkpoint header (or a preset) and this "
+                                   "machine (or a simulated GPU with --vram-gb). Learned limits override estimates.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="PATH", help="a Wan DiT .safetensors file (only its header is read)")
+    src.add_argument("--model", choices=PRESETS, help="a model preset instead of a file")
+    p.add_argument("--width", type=int, default=832, help="video width in pixels (default 832)")
+    p.add_argument("--height", type=int, default=480, help="video height in pixels (default 480)")
+    p.add_argument("--frames", type=int, default=81, help="video frames, 4k+1 (default 81)")
+    p.add_argument("--batch", type=int, default=1, help="videos per run (default 1)")
+    p.add_argument("--mode", choices=("causal", "full"), default="causal",
+                   help="causal: chunks with a KV cache (Self-Forcing, CausVid); full: one bidirectional sequence")
+    p.add_argument("--frames-per-block", type=int, default=3, help="latent frames per causal chunk (default 3)")
+    p.add_argument("--kv-window", type=int, default=None,
+                   help="latent frames in the KV cache (-1 global; default: the model's own)")
+    p.add_argument("--vram-gb", type=float, default=None, help="plan for a GPU with this many GiB (all free)")
+    p.add_argument("--capability", default="8.9", help="compute capability of the --vram-gb GPU (default 8.9)")
+    p.add_argument("--ram-gb", type=float, default=None, help="host RAM in GiB (default: this machine's)")
+    p.add_argument("--reserve-gb", type=float, default=0.0, help="VRAM (or RAM) to leave unused, in GiB")
+    p.add_argument("--no-learned", action="store_true", help="ignore limits learned on this machine")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_plan)
+
+
+def _system(args):
+    from ..memory.system import GiB, SystemInfo, detect_system, pinned_budget_for
+
+    if args.vram_gb is not None:
+        try:
+            cap = tuple(int(x) for x in str(args.capability).split("."))
+        except ValueError:
+            raise ValueError(f"--capability must look like 8.9, got {args.capability!r}") from None
+        return SystemInfo.simulated_gpu(args.vram_gb, ram_gb=args.ram_gb, capability=cap,
+                                        name=f"simulated {args.vram_gb:g} GiB GPU")
+    system = detect_system()
+    if args.ram_gb is not None:
+        system.host_ram_total = system.host_ram_available = int(args.ram_gb * GiB)
+        system.pinned_budget = pinned_budget_for(system.host_ram_total, system.host_ram_available) if system.has_gpu else 0
+    return system
+
+
+def _plan(args) -> int:
+    from ..memory.estimate import Workload
+    from ..memory.limits import open_cache
+    from ..memory.plan import make_plan
+    from ..memory.system import GiB
+    from ..memory.weights import HeaderError, preset_weights, weights_from_checkpoint
+
+    try:
+        weights = weights_from_checkpoint(args.checkpoint) if args.checkpoint else preset_weights(args.model)
+        workload = Workload(args.width, args.height, args.frames, batch=args.batch, mode=args.mode,
+                            frames_per_block=args.frames_per_block)
+        system = _system(args)
+    except (HeaderError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cache = None if args.no_learned else open_cache()
+    plan = make_plan(weights, workload, system, reserve_bytes=int(args.reserve_gb * GiB), kv_window=args.kv_window,
+                     cache=cache, use_learned=not args.no_learned)
+    if args.json:
+        print_json(plan.to_dict())
+    else:
+        print(plan.summary())
+    return 0

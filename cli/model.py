@@ -1,0 +1,130 @@
+"""CLI of the model area: generate, convert, check-reference."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers) -> None:
+    _add_generate(subparsers)
+    _add_convert(subparsers)
+    _add_check(subparsers)
+
+
+def _add_generate(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="sample a causal Wan video latent (tiny built-in model by default)",
+                              description="Sample latents with the causal few-step sampler; writes "
+                                          "latents.safetensors, preview.webp and report.json.")
+    p.add_argument("--out", default="wan_accel_out", help="output directory (default: wan_accel_out)")
+    p.add_argument("--checkpoint", help=".safetensors DiT checkpoint (default: built-in tiny random model)")
+    p.add_argument("--text-embeds", help=".safetensors with the prompt's umt5 embedding ('context', [L, 4096])")
+    p.add_argument("--frames", type=int, help="video frames, 4k+1 (default 33 tiny / 81 checkpoint)")
+    p.add_argument("--height", type=int, help="pixels, multiple of 16 (default 128 tiny / 480 checkpoint)")
+    p.add_argument("--width", type=int, help="pixels, multiple of 16 (default 128 tiny / 832 checkpoint)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="self_forcing", choices=["self_forcing", "causvid", "custom"])
+    p.add_argument("--steps", help="step list for --preset custom (or to override a preset), e.g. 1000,750,500,250")
+    p.add_argument("--shift", type=float, help="timestep shift (overrides the preset)")
+    p.add_argument("--no-warp", action="store_true", help="use the step list as raw timesteps (custom preset)")
+    p.add_argument("--device", help="cuda / cpu (default: cuda if available)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--precision", default="self_forcing", choices=["float32", "wan21", "self_forcing"])
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn"])
+    p.add_argument("--frames-per-block", type=int, default=3)
+    p.add_argument("--kv-window", type=int, default=-1, help="rolling KV window in latent frames (-1: global)")
+    p.add_argument("--sink", type=int, default=0, help="sink frames kept in a rolling window")
+    p.add_argument("--skip-last-refresh", action="store_true", help="skip the final chunk's cache refresh")
+    p.add_argument("--num-heads", type=int, help="heads, for checkpoints whose dim is not a multiple of 128")
+    p.add_argument("--no-preview", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args) -> int:
+    from ..wan.job import GenerateOptions, run_generate
+    opts = GenerateOptions(
+        out_dir=args.out, checkpoint=args.checkpoint, text_embeds=args.text_embeds, frames=args.frames,
+        height=args.height, width=args.width, seed=args.seed, preset=args.preset, steps=args.steps,
+        shift=args.shift, warp=False if args.no_warp else None, device=args.device, dtype=args.dtype,
+        precision=args.precision, attention=args.attention, frames_per_block=args.frames_per_block,
+        kv_window=args.kv_window, sink=args.sink, skip_last_refresh=args.skip_last_refresh,
+        num_heads=args.num_heads, preview=not args.no_preview)
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    try:
+        report = run_generate(opts, log=log)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{report['model']} on {report['device']} ({report['dtype']}, {report['precision']}): "
+              f"latents {report['latent_shape']} in {report['sample_seconds']:.2f} s")
+        for key, path in report["files"].items():
+            print(f"  {key}: {path}")
+    return 0
+
+
+def _add_convert(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="convert a Self-Forcing/CausVid .pt checkpoint to .safetensors",
+                              description="Reads the .pt with torch.load(weights_only=True), takes 'generator' "
+                                          "(or 'generator_ema' with --ema), strips the 'model.' prefix, "
+                                          "checks the keys and writes safetensors with the config in metadata.")
+    p.add_argument("src", help="input .pt/.pth checkpoint")
+    p.add_argument("dst", help="output .safetensors")
+    p.add_argument("--ema", action="store_true", help="take the EMA weights ('generator_ema')")
+    p.add_argument("--num-heads", type=int, help="heads, when dim is not a multiple of 128")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_convert)
+
+
+def _convert(args) -> int:
+    from ..wan.convert import convert_pt_to_safetensors
+    try:
+        summary = convert_pt_to_safetensors(args.src, args.dst, ema=args.ema, num_heads=args.num_heads)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        c = summary["config"]
+        print(f"wrote {summary['output']}: {summary['tensors']} tensors from '{summary['entry']}' "
+              f"({c['model_type']}, dim {c['dim']}, {c['num_layers']} layers, {c['num_heads']} heads)")
+    return 0
+
+
+def _add_check(subparsers) -> None:
+    p = subparsers.add_parser("check-reference", help="compare the model with reference fixtures",
+                              description="Runs every recognised fixture in DIR (float32) and prints the max "
+                                          "abs difference of every recorded tensor; exits 1 above --tol.")
+    p.add_argument("dir", help="fixture directory (*_config.json + weights + io safetensors)")
+    p.add_argument("--tol", type=float, default=1e-4)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_check)
+
+
+def _check(args) -> int:
+    from ..wan.reference import check_reference, format_table
+    try:
+        rows = check_reference(args.dir, device=args.device)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    worst = max(d for _, d in rows)
+    if args.json:
+        print(json.dumps({"rows": [{"tensor": n, "max_abs_diff": d} for n, d in rows], "worst": worst,
+                          "tolerance": args.tol, "pass": worst <= args.tol}, indent=2))
+    else:
+        print(format_table(rows, args.tol))
+    return 0 if worst <= args.tol else 1
+
+
+def main(argv=None) -> int:
+    """Stand-alone entry (the package CLI registers these subcommands itself)."""
+    parser = argparse.ArgumentParser(prog="wan_accel")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,320 @@
+"""Compile a model with CompileSettings: per-block (regional) or whole, scoped options, stance, warm start.
+
+``compile_model(model, settings, cache)`` compiles in place without changing the state dict: each target
+module gets an instance-level ``forward`` that calls ``torch.compile(<the class's forward bound to it>)``
+inside a small scope (kernel tile caps, recompile limit where torch has no per-call argument, the stance after
+warm-up). Identical blocks share one code object, so Dynamo compiles one graph for all of them.
+
+``compile_for_comfy(patcher, settings, cache)`` does the same for ComfyUI's own Wan models without mutating
+the shared model: the ModelPatcher is cloned and the compiled blocks are swapped in only while its
+``apply_model`` runs (an APPLY_MODEL wrapper); the end of the first sampling run ends warm-up.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from . import compat
+from .presets import preset_options, resolve_inductor_options
+from .settings import CompileSettings, coerce_settings
+from .warm_start import WarmStart, ensure_inductor_cache_dir, model_signature
+
+log = logging.getLogger("wan_accel.compile")
+
+HANDLE_ATTR = "_wan_accel_compile"
+COMFY_KEY = "wan_accel.compile"
+WHOLE_METHODS = ("forward", "forward_full", "forward_chunk")
+
+
+class CompileHandle:
+    """What was compiled and how; steers warm-up, stance and artifact saving for all its regions."""
+
+    def __init__(self, settings: CompileSettings, inductor_options: dict, kernel_caps: dict,
+                 warm_start: WarmStart | None):
+        self.settings = settings
+        self.inductor_options = inductor_options
+        self.kernel_caps = kernel_caps
+        self.warm_start = warm_start
+        self.warm = False
+        self.targets: list[tuple[object, str]] = []  # (module, attribute) given an instance forward
+        self.calls = 0
+        self.compiles = 0
+        self.loaded_artifacts: dict = {}
+        self._scoped_limit: dict = {}
+        self._stance = settings.stance_after_warmup
+        self._global_limit_set: tuple | None = None
+
+    # ------------------------------------------------------------------ torch.compile kwargs
+    def compile_kwargs(self) -> dict:
+        s = self.settings
+        kw: dict = {"backend": s.backend, "fullgraph": s.fullgraph, "dynamic": s.dynamic_arg}
+        if s.backend == "inductor" and self.inductor_options:
+            kw["options"] = dict(self.inductor_options)  # torch.compile pops keys from it: give a copy
+        if compat.per_call_recompile_limit():
+            kw["recompile_limit"] = s.recompile_limit
+        return kw
+
+    def _setup_recompile_limit(self) -> None:
+        if compat.per_call_recompile_limit():
+            return  # per compiled region, nothing global
+        name = compat.dynamo_limit_name()
+        if name is None:
+            return
+        if self.settings.lock_global_ops:
+            self._scoped_limit = {name: self.settings.recompile_limit}  # patched around each call only
+        else:
+            import torch._dynamo.config as dc
+
+            self._global_limit_set = (name, getattr(dc, name))
+            setattr(dc, name, self.settings.recompile_limit)
+
+    def compile_fn(self, fn):
+        import torch
+
+        return torch.compile(fn, **self.compile_kwargs())
+
+    # ------------------------------------------------------------------ calls
+    def call(self, fn, args, kwargs):
+        """Run a compiled region inside this model's scope."""
+        from ..kernels._common import is_compiling, use_kernel_caps
+
+        if is_compiling():
+            return fn(*args, **kwargs)
+        track = not self.warm
+        before = compat.graph_count() if track else None
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(use_kernel_caps(self.kernel_caps))
+            if self._scoped_limit:
+                stack.enter_context(compat.dynamo_config_patch(**self._scoped_limit))
+            if self.warm:
+                stack.enter_context(compat.stance(self._stance))
+            out = fn(*args, **kwargs)
+        self.calls += 1
+        if track:
+            after = compat.graph_count()
+            if before is None or after is None:
+                new = 1 if self.calls == 1 else 0
+            else:
+                new = after - before
+            if new > 0:
+                self.compiles += new
+                self.save_artifacts()
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+    def end_warmup(self) -> None:
+        """Warm-up is over: from now on calls run under ``stance_after_warmup`` (e.g. eager on recompile)."""
+        if not self.warm:
+            self.warm = True
+            log.info("wan_accel: compile warm-up ended after %d call(s), %d graph(s); stance now %s",
+                     self.calls, self.compiles, self._stance)
+
+    def save_artifacts(self) -> dict:
+        if self.warm_start is None:
+            return {}
+        return self.warm_start.save()
+
+    def restore_globals(self) -> None:
+        if self._global_limit_set is not None:
+            import torch._dynamo.config as dc
+
+            name, value = self._global_limit_set
+            setattr(dc, name, value)
+            self._global_limit_set = None
+
+    def report(self) -> dict:
+        return {"settings": self.settings.to_dict(), "inductor_options": dict(self.inductor_options),
+                "kernel_caps": dict(self.kernel_caps), "regions": len(self.targets), "calls": self.calls,
+                "graphs_compiled": self.compiles, "warm": self.warm, "loaded_artifacts": self.loaded_artifacts,
+                "artifact_saves": self.warm_start.saves if self.warm_start else 0}
+
+
+class _ScopedForward:
+    """Instance-level ``forward`` of a compiled module: the compiled bound forward inside the handle's scope."""
+
+    def __init__(self, compiled, handle: CompileHandle):
+        self.compiled = compiled
+        self.handle = handle
+
+    def __call__(self, *args, **kwargs):
+        return self.handle.call(self.compiled, args, kwargs)
+
+
+def _bound_forward(module, name: str = "forward"):
+    return getattr(type(module), name).__get__(module)
+
+
+def _open_cache(cache):
+    if cache is not None:
+        return cache
+    try:
+        from ..cache import LimitCache
+
+        return LimitCache()
+    except Exception as exc:  # noqa: BLE001 - warm start is an optimisation only
+        log.warning("wan_accel: limit cache unavailable (%s); compiling without warm start", exc)
+        return None
+
+
+def _prepare(model, settings, cache) -> CompileHandle:
+    s = coerce_settings(settings)
+    options, caps = preset_options(s)
+    options = resolve_inductor_options(options) if s.backend == "inductor" else {}
+    warm = None
+    if s.warm_start:
+        cache = _open_cache(cache)
+        if cache is not None:
+            ensure_inductor_cache_dir(cache)
+            warm = WarmStart(cache, f"{model_signature(model)}|{s.codegen_hash()}")
+    handle = CompileHandle(s, options, caps, warm)
+    if warm is not None:
+        handle.loaded_artifacts = warm.load()
+    if s.backend == "inductor" and options.get("max_autotune") and warm is not None:
+        from ..cache.autotune import install_inductor_feedback
+
+        install_inductor_feedback(warm.cache)
+    handle._setup_recompile_limit()
+    return handle
+
+
+def _blocks_of(model):
+    import torch
+
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(f"compile scope 'blocks' needs model.blocks to be a non-empty nn.ModuleList; "
+                         f"{type(model).__name__} has none: use scope 'whole'")
+    return blocks
+
+
+def compile_model(model, settings: CompileSettings | dict | None = None, cache=None):
+    """Compile ``model`` in place (state dict unchanged) and return it.
+
+    scope 'blocks': every block of ``model.blocks`` (nn.ModuleList) is compiled, sharing one artifact;
+    scope 'whole': the model's ``forward`` (and ``forward_full`` / ``forward_chunk`` where defined).
+    ``cache`` is the LimitCache for warm start (None -> the default one). Compiling happens lazily at the
+    first call; call ``end_warmup(model)`` once the first full run is done to switch the stance.
+    Re-compiling an already compiled model first restores it.
+    """
+    if getattr(model, HANDLE_ATTR, None) is not None:
+        uncompile_model(model)
+    t0 = time.perf_counter()
+    handle = _prepare(model, settings, cache)
+    if handle.settings.scope == "blocks":
+        for block in _blocks_of(model):
+            block.forward = _ScopedForward(handle.compile_fn(_bound_forward(block)), handle)
+            handle.targets.append((block, "forward"))
+    else:
+        for name in WHOLE_METHODS:
+            if callable(getattr(type(model), name, None)):
+                setattr(model, name, _ScopedForward(handle.compile_fn(_bound_forward(model, name)), handle))
+                handle.targets.append((model, name))
+    model.__dict__[HANDLE_ATTR] = handle
+    log.info("wan_accel: prepared %d compiled region(s) (%s, %s) in %.2f s", len(handle.targets),
+             handle.settings.scope, handle.settings.backend, time.perf_counter() - t0)
+    return model
+
+
+def compile_handle(model) -> CompileHandle | None:
+    return model.__dict__.get(HANDLE_ATTR) if hasattr(model, "__dict__") else None
+
+
+def end_warmup(model) -> bool:
+    """Mark warm-up of a compiled model as done; True when the model was compiled by the pack."""
+    handle = compile_handle(model)
+    if handle is None:
+        return False
+    handle.end_warmup()
+    return True
+
+
+def uncompile_model(model) -> bool:
+    """Undo compile_model: remove the instance forwards and restore any global limit it set."""
+    handle = model.__dict__.pop(HANDLE_ATTR, None)
+    if handle is None:
+        return False
+    for module, name in handle.targets:
+        module.__dict__.pop(name, None)
+    handle.restore_globals()
+    return True
+
+
+# ----------------------------------------------------------------------------- ComfyUI native models
+def _comfy_wrapper_types() -> tuple[str, str]:
+    try:
+        from comfy.patcher_extension import WrappersMP
+
+        return WrappersMP.APPLY_MODEL, WrappersMP.OUTER_SAMPLE
+    except ImportError:
+        return "apply_model", "outer_sample"
+
+
+def _make_scoped_module(original, handle: CompileHandle):
+    import torch
+
+    class CompiledRegion(torch.nn.Module):
+        """Stand-in for a block while apply_model runs; holds the original block as ``_orig_mod``."""
+
+        def __init__(self):
+            super().__init__()
+            self._orig_mod = original
+            self.__dict__["_scoped"] = _ScopedForward(handle.compile_fn(_bound_forward(original)), handle)
+
+        def forward(self, *args, **kwargs):
+            return self.__dict__["_scoped"](*args, **kwargs)
+
+    return CompiledRegion()
+
+
+def compile_for_comfy(patcher, settings: CompileSettings | dict | None = None, cache=None):
+    """A clone of a ComfyUI ModelPatcher whose diffusion model runs compiled, per block or whole.
+
+    The shared model is never changed outside ``apply_model``: the compiled regions are swapped in by an
+    APPLY_MODEL wrapper and swapped back in a ``finally``; the end of the first sampling run ends warm-up.
+    """
+    model = patcher.clone()
+    diffusion_model = model.get_model_object("diffusion_model")
+    handle = _prepare(diffusion_model, settings, cache)
+    if handle.settings.scope == "blocks":
+        blocks = _blocks_of(diffusion_model)
+        regions = {f"diffusion_model.blocks.{i}": (blocks[i], _make_scoped_module(blocks[i], handle))
+                   for i in range(len(blocks))}
+    else:
+        regions = {"diffusion_model": (diffusion_model, _make_scoped_module(diffusion_model, handle))}
+    handle.targets = [(r, "forward") for _, r in regions.values()]
+    apply_type, outer_type = _comfy_wrapper_types()
+
+    def apply_model_wrapper(executor, *args, **kwargs):
+        owner = executor.class_obj
+        swapped = []
+        try:
+            for path, (original, region) in regions.items():
+                parent_path, _, attr = path.rpartition(".")
+                parent = _get_attr(owner, parent_path)
+                if getattr(parent, attr) is original:
+                    setattr(parent, attr, region)
+                    swapped.append((parent, attr, original))
+            return executor(*args, **kwargs)
+        finally:
+            for parent, attr, original in reversed(swapped):
+                setattr(parent, attr, original)
+
+    def outer_sample_wrapper(executor, *args, **kwargs):
+        out = executor(*args, **kwargs)
+        handle.end_warmup()
+        return out
+
+    for wrapper_type, fn in ((apply_type, apply_model_wrapper), (outer_type, outer_sample_wrapper)):
+        fn.handle = handle  # reachable for reports; functions survive ComfyUI's deepcopy of model options as is
+        remove = getattr(model, "remove_wrappers_with_key", None)
+        if remove is not None:
+            remove(wrapper_type, COMFY_KEY)
+        model.add_wrapper_with_key(wrapper_type, COMFY_KEY, fn)
+    return model
+
+
+def _get_attr(obj, path: str):
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)
+    return obj

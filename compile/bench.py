@@ -1,0 +1,180 @@
+"""``bench compile``: cold vs warm compile of a tiny model, each in a fresh subprocess.
+
+Cold runs get their own fresh cache folder (limit cache, Inductor cache, Triton cache); the warm run is a new
+process on the folder of the first cold run, so only on-disk caches (and the saved compile artifacts) carry
+over. Prints both times, the ratio and the cache counters (Inductor FX graph cache, AOTAutograd cache).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD_MARK = "WAN_ACCEL_BENCH_RESULT "
+
+
+# ----------------------------------------------------------------------------- the workload
+def tiny_workload(device: str = "cpu", blocks: int = 2, dim: int = 32, tokens: int = 16, seed: int = 0):
+    """(model, run) for the benchmark: ``run(model)`` performs one forward.
+
+    A stand-in of repeated transformer-like blocks (per-frame modulated LayerNorm, attention, MLP, gated
+    residuals through the pack's kernels). Swap the body for ``wan.tiny`` once the tiny Wan model is used here.
+    """
+    import torch
+
+    from ..kernels import gated_residual, layernorm_modulate
+
+    class Block(torch.nn.Module):
+        def __init__(self, d: int, heads: int = 2):
+            super().__init__()
+            self.heads = heads
+            self.modulation = torch.nn.Parameter(torch.randn(1, 4, d) / d ** 0.5)
+            self.qkv = torch.nn.Linear(d, 3 * d)
+            self.proj = torch.nn.Linear(d, d)
+            self.ffn = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(approximate="tanh"),
+                                           torch.nn.Linear(2 * d, d))
+
+        def forward(self, x, e):
+            b, l, d = x.shape
+            m = (self.modulation + e).unsqueeze(2)  # [B, 4, 1, D] -> per-frame F=1
+            shift, scale, gate, gate2 = (m[:, i] for i in range(4))
+            h = layernorm_modulate(x, shift, scale, 1e-6)
+            q, k, v = self.qkv(h).view(b, l, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, l, d)
+            x = gated_residual(x, self.proj(a), gate)
+            return gated_residual(x, self.ffn(layernorm_modulate(x, shift, scale, 1e-6)), gate2)
+
+    class StandIn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(dim, dim)
+            self.blocks = torch.nn.ModuleList(Block(dim) for _ in range(blocks))
+
+        def forward(self, x, e):
+            x = self.embed(x)
+            for block in self.blocks:
+                x = block(x, e)
+            return x
+
+    torch.manual_seed(seed)
+    model = StandIn().to(device).eval()
+    x = torch.randn(1, tokens, dim, device=device)
+    e = torch.randn(1, 4, dim, device=device)
+
+    def run(m):
+        with torch.no_grad():
+            return m(x, e)
+
+    return model, run
+
+
+# ----------------------------------------------------------------------------- one process
+def _child() -> None:
+    """Run inside a fresh process: compile, time the first call, print one JSON result line."""
+    cfg = json.loads(os.environ["WAN_ACCEL_BENCH_CHILD"])
+    t_import = time.perf_counter()
+    import torch  # noqa: F401
+
+    from ..cache import LimitCache
+    from . import compat
+    from .apply import compile_handle, compile_model
+    from .settings import CompileSettings
+
+    cache = LimitCache(Path(cfg["cache_dir"]) / "limits.json")
+    model, run = tiny_workload(cfg["device"], cfg["blocks"], cfg["dim"])
+    settings = CompileSettings.from_dict(cfg.get("settings") or {})
+    t0 = time.perf_counter()
+    compile_model(model, settings, cache)
+    run(model)
+    first = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    run(model)
+    second = time.perf_counter() - t1
+    handle = compile_handle(model)
+    result = {"compile_s": first, "steady_call_s": second, "import_s": t0 - t_import,
+              "counters": compat.cache_counters(), "loaded_artifacts": handle.loaded_artifacts,
+              "artifact_saves": handle.warm_start.saves if handle.warm_start else 0,
+              "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+    print(CHILD_MARK + json.dumps(result), flush=True)
+
+
+def run_child(cache_dir: str | os.PathLike, device: str = "cpu", blocks: int = 2, dim: int = 32,
+              settings: dict | None = None, timeout: float = 600) -> dict:
+    """Compile the tiny workload in a new Python process using ``cache_dir``; returns its result dict."""
+    package = __name__.rsplit(".", 2)[0]
+    pkg_parent = str(Path(__file__).parent.parent.parent)
+    env = dict(os.environ)
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "WAN_ACCEL_CACHE"):
+        env.pop(var, None)
+    env["TRITON_CACHE_DIR"] = str(Path(cache_dir) / "triton")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+    env["WAN_ACCEL_BENCH_CHILD"] = json.dumps({"cache_dir": str(cache_dir), "device": device, "blocks": blocks,
+                                               "dim": dim, "settings": settings or {}})
+    code = f"import {package}.compile.bench as b; b._child()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(CHILD_MARK):
+            return json.loads(line[len(CHILD_MARK):])
+    raise RuntimeError(f"compile benchmark child failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_arguments(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--blocks", type=int, default=2, help="blocks in the tiny model (default 2)")
+    parser.add_argument("--dim", type=int, default=32, help="model width (default 32)")
+    parser.add_argument("--repeat", type=int, default=1, help="cold and warm runs each (median reported)")
+    parser.add_argument("--preset", default="default", choices=("default", "EXTREME-PLUS"),
+                        help="tiling preset to compile with")
+
+
+def run(args) -> int:
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    settings = {"tiling_preset": args.preset}
+    colds, warms = [], []
+    with tempfile.TemporaryDirectory(prefix="wan_accel_bench_compile_") as root:
+        first_dir = None
+        for i in range(max(1, args.repeat)):
+            d = Path(root) / f"cold{i}"
+            first_dir = first_dir or d
+            colds.append(run_child(d, device, args.blocks, args.dim, settings))
+        for _ in range(max(1, args.repeat)):
+            warms.append(run_child(first_dir, device, args.blocks, args.dim, settings))
+    cold_s = statistics.median(r["compile_s"] for r in colds)
+    warm_s = statistics.median(r["compile_s"] for r in warms)
+    summary = {"device": device, "blocks": args.blocks, "dim": args.dim, "preset": args.preset,
+               "cold_compile_s": cold_s, "warm_compile_s": warm_s,
+               "speedup": cold_s / warm_s if warm_s > 0 else None,
+               "cold_counters": colds[0]["counters"], "warm_counters": warms[-1]["counters"],
+               "warm_loaded_artifacts": warms[-1]["loaded_artifacts"], "runs": {"cold": colds, "warm": warms}}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"compile benchmark: tiny model, {args.blocks} blocks, dim {args.dim}, {device}, preset {args.preset}")
+    print(f"{'run':<6}{'first call (compile) s':>24}{'steady call ms':>16}")
+    print(f"{'cold':<6}{cold_s:>24.2f}{colds[0]['steady_call_s'] * 1e3:>16.2f}")
+    print(f"{'warm':<6}{warm_s:>24.2f}{warms[-1]['steady_call_s'] * 1e3:>16.2f}")
+    print(f"cold / warm = {summary['speedup']:.2f}x" if summary["speedup"] else "cold / warm = n/a")
+    hits = {k: v for k, v in warms[-1]["counters"].items() if v}
+    print("warm cache counters: " + (", ".join(f"{k}={v}" for k, v in sorted(hits.items())) or "none"))
+    if warms[-1]["loaded_artifacts"]:
+        print(f"warm loaded compile artifacts: {warms[-1]['loaded_artifacts']}")
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    _p = argparse.ArgumentParser(description=__doc__)
+    add_arguments(_p)
+    raise SystemExit(run(_p.parse_args()))

@@ -1,0 +1,127 @@
+"""Warm start: Inductor's on-disk caches beside the limit cache, plus Mega-Cache artifacts indexed in it.
+
+- Unless the user set ``TORCHINDUCTOR_CACHE_DIR``, it is pointed at ``<limit cache folder>/inductor`` (Triton's
+  cache of Inductor kernels follows it), so compiled graphs survive temp-folder cleaners and are found by the
+  next process.
+- After a compile, ``torch.compiler.save_cache_artifacts()`` (torch 2.7+) is written to
+  ``<limit cache folder>/compile_artifacts/<hash>.bin`` and indexed in the limit cache (``compile`` namespace,
+  key = model signature + settings hash); before the next compile of the same model and settings the file is
+  loaded with ``load_cache_artifacts`` (which pre-fills Inductor's caches even when its folder was wiped).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from . import compat
+
+log = logging.getLogger("wan_accel.compile")
+
+NAMESPACE = "compile"
+ARTIFACT_DIR = "compile_artifacts"
+INDUCTOR_DIR = "inductor"
+ENV_INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"
+
+_LOADED: set[str] = set()  # artifact keys loaded in this process
+
+
+def ensure_inductor_cache_dir(cache) -> tuple[str, bool]:
+    """Point TORCHINDUCTOR_CACHE_DIR beside the limit cache unless the user set it.
+
+    Returns (directory, set_here). The variable is process-wide by nature; it is only set when absent.
+    """
+    current = os.environ.get(ENV_INDUCTOR)
+    if current:
+        return current, False
+    target = Path(cache.directory) / INDUCTOR_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    os.environ[ENV_INDUCTOR] = str(target)
+    return str(target), True
+
+
+def model_signature(model) -> str:
+    """Stable name of a model's compiled structure: class, block count, parameter names/shapes/dtypes/device."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        try:
+            h.update(json.dumps(to_dict(), sort_keys=True, default=str).encode())
+        except Exception:  # noqa: BLE001 - the parameter list below still identifies the model
+            pass
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.device.type};".encode())
+    blocks = getattr(model, "blocks", None)
+    n = len(blocks) if blocks is not None and hasattr(blocks, "__len__") else 0
+    return f"{type(model).__name__}-{n}b-{h.hexdigest()[:12]}"
+
+
+class WarmStart:
+    """Save/load the Mega-Cache artifacts of one (model signature, settings) pair."""
+
+    def __init__(self, cache, key: str):
+        self.cache = cache
+        self.key = key
+        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+        self.path = Path(cache.directory) / ARTIFACT_DIR / f"{digest}.bin"
+        self.saves = 0
+        self.last_info: dict = {}
+
+    def load(self) -> dict:
+        """Load the saved artifacts once per process; returns {kind: count} ({} when nothing was loaded)."""
+        if self.key in _LOADED or not compat.has_mega_cache():
+            return {}
+        _LOADED.add(self.key)
+        entry = self.cache.get(NAMESPACE, self.key)
+        if not entry:
+            return {}
+        path = self.path.with_name(entry.get("file", self.path.name))
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return {}
+        import torch
+
+        try:
+            info = torch.compiler.load_cache_artifacts(blob)
+        except Exception as exc:  # noqa: BLE001 - a stale or foreign artifact only costs a cold compile
+            log.warning("wan_accel: could not load compile artifacts %s (%s); compiling from scratch", path, exc)
+            return {}
+        counts = compat.cache_info_counts(info)
+        log.info("wan_accel: loaded compile artifacts %s: %s", path.name, counts)
+        return counts
+
+    def save(self) -> dict:
+        """Write this process's compile artifacts beside the limit cache and index them; {} if none."""
+        if not compat.has_mega_cache():
+            return {}
+        import torch
+
+        try:
+            result = torch.compiler.save_cache_artifacts()
+        except Exception as exc:  # noqa: BLE001 - saving is an optimisation only
+            log.warning("wan_accel: could not save compile artifacts (%s)", exc)
+            return {}
+        if not result:
+            return {}
+        blob, info = result
+        counts = compat.cache_info_counts(info)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(blob)
+            os.replace(tmp, self.path)
+            self.cache.put(NAMESPACE, self.key, {
+                "file": self.path.name, "bytes": len(blob), "saved": time.time(), "artifacts": counts,
+                "torch": torch.__version__,
+            })
+        except Exception as exc:  # noqa: BLE001
+            log.warning("wan_accel: could not write compile artifacts to %s (%s)", self.path, exc)
+            return {}
+        self.saves += 1
+        self.last_info = counts
+        return counts

@@ -1,0 +1,219 @@
+"""Shared plumbing of the pack's Triton kernels: when to use Triton, lazy ``triton.jit``, tile caps,
+candidate configs, tuned launch with a torch fallback, and the custom-op wrappers used under torch.compile.
+
+Triton decides between compiling and interpreting (``TRITON_INTERPRET=1``) when a function is decorated, so
+kernels here are plain functions decorated at first launch (``jit``), once per mode: setting
+``TRITON_INTERPRET=1`` in a process before the first launch is enough, whenever triton was imported.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import inspect
+import logging
+import os
+from typing import Callable, Iterable
+
+log = logging.getLogger("wan_accel.kernels")
+
+# Tile caps: the most our kernels may use. Set per compiled model by the compile preset (compile/presets.py).
+DEFAULT_CAPS = {"XBLOCK": 64, "RBLOCK": 64, "YBLOCK": 8, "num_warps": 8, "autotune_policy": "default"}
+CAP_KEYS = ("XBLOCK", "RBLOCK", "YBLOCK", "num_warps")
+
+_CAPS: contextvars.ContextVar = contextvars.ContextVar("wan_accel_kernel_caps", default=None)
+
+
+def current_caps() -> dict:
+    """The tile caps in effect (set with ``use_kernel_caps``; conservative defaults otherwise)."""
+    caps = _CAPS.get()
+    return DEFAULT_CAPS if caps is None else caps
+
+
+@contextlib.contextmanager
+def use_kernel_caps(caps: dict | None):
+    """Run a block of code with these tile caps (context-local: threads and other models are unaffected)."""
+    if caps is None:
+        yield
+        return
+    merged = dict(DEFAULT_CAPS)
+    merged.update({k: v for k, v in caps.items() if k in DEFAULT_CAPS})
+    token = _CAPS.set(merged)
+    try:
+        yield
+    finally:
+        _CAPS.reset(token)
+
+
+# ----------------------------------------------------------------------------- triton availability
+_TRITON = {"checked": False, "module": None}
+
+
+def triton_module():
+    """The triton module, or None when it is not importable (checked once)."""
+    if not _TRITON["checked"]:
+        _TRITON["checked"] = True
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _TRITON["module"] = triton
+        except Exception as exc:  # noqa: BLE001 - any import failure means: use torch
+            log.info("wan_accel: triton not usable (%s); fused kernels fall back to torch", exc)
+    return _TRITON["module"]
+
+
+def interpret_enabled() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1), read now."""
+    triton = triton_module()
+    knobs = getattr(triton, "knobs", None) if triton is not None else None
+    if knobs is not None:
+        try:
+            return bool(knobs.runtime.interpret)
+        except Exception:  # noqa: BLE001 - knob layout changed: read the variable ourselves
+            pass
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def use_triton(*tensors) -> bool:
+    """Triton for CUDA tensors (triton importable) or, under TRITON_INTERPRET=1, for CPU tensors."""
+    if triton_module() is None:
+        return False
+    devices = {t.device.type for t in tensors}
+    if devices == {"cuda"}:
+        return True
+    return devices == {"cpu"} and interpret_enabled()
+
+
+def needs_autograd(*tensors) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def is_compiling() -> bool:
+    import torch
+
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if fn is None:
+        return False
+    try:
+        return bool(fn())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def round_bf16(out) -> bool:
+    """True when a kernel must round float32 -> bfloat16 itself (round-to-nearest-even).
+
+    Compiled Triton converts with RTNE; the interpreter truncates. Kernels take this as a constexpr flag so
+    interpreter results match the GPU's; on GPU the flag is False and costs nothing.
+    """
+    import torch
+
+    return out.dtype == torch.bfloat16 and interpret_enabled()
+
+
+_JITTED: dict[tuple, object] = {}
+
+
+def jit(fn: Callable):
+    """``triton.jit(fn)`` for the current mode (compiled or interpreted), made once per mode."""
+    key = (fn, interpret_enabled())
+    kernel = _JITTED.get(key)
+    if kernel is None:
+        kernel = triton_module().jit(fn)
+        _JITTED[key] = kernel
+    return kernel
+
+
+def kernel_name(name: str, fn: Callable) -> str:
+    """Stable name for the operator store: the kernel's name plus a hash of its source, so an edited kernel
+    never reuses timings or failures recorded for an older version."""
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        src = name
+    return f"{name}@{hashlib.sha256(src.encode()).hexdigest()[:8]}"
+
+
+# ----------------------------------------------------------------------------- configs
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def rows_bucket(rows: int) -> int:
+    """Tuning keys use power-of-two row buckets so nearby sizes share one entry."""
+    return min(next_pow2(rows), 1 << 22)
+
+
+_FILTERED: dict[tuple, tuple] = {}
+
+
+def capped_configs(candidates: tuple, caps: dict) -> tuple[dict, ...]:
+    """Candidates within the caps (tile sizes and num_warps); never empty: the smallest candidate stays.
+
+    ``candidates`` should be a module-level tuple (results are memoised per tuple and caps).
+    """
+    sig = (id(candidates), tuple(caps.get(k) for k in CAP_KEYS))
+    hit = _FILTERED.get(sig)
+    if hit is not None and hit[0] is candidates:
+        return hit[1]
+    kept = tuple(c for c in candidates
+                 if all(c.get(k, 0) <= caps.get(k, c.get(k, 0)) for k in CAP_KEYS))
+    if not kept:
+        kept = (min(candidates, key=lambda c: tuple(c.get(k, 0) for k in CAP_KEYS)),)
+    _FILTERED[sig] = (candidates, kept)
+    return kept
+
+
+def dtype_name(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+# ----------------------------------------------------------------------------- tuned launch
+def tuned_launch(kernel: str, key: str, candidates: tuple, launch: Callable[[dict], object],
+                 smem: Callable[[dict], int] | None = None) -> bool:
+    """Pick the config through the operator store and launch it; False means: run the torch fallback.
+
+    Never raises for kernel failures: a config that fails at its real launch is recorded and skipped.
+    """
+    from ..cache.autotune import get_autotuner, tuning_errors
+
+    caps = current_caps()
+    configs = capped_configs(candidates, caps)
+    tuner = get_autotuner()
+    policy = "extreme" if caps.get("autotune_policy") == "extreme" else "default"
+    config = tuner.tune(kernel, key, configs, launch, smem=smem, policy=policy)
+    if config is None:
+        return False
+    try:
+        launch(config)
+    except tuning_errors() + (RuntimeError, ValueError) as exc:
+        log.warning("wan_accel: kernel %s failed with config %s for key %s (%s); recorded, using torch",
+                    kernel, config, key, exc)
+        tuner.record_failure(kernel, key, config, exc)
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- custom ops
+def register_op(name: str, impl: Callable, fake: Callable):
+    """Expose ``impl`` as ``torch.ops.wan_accel.<name>`` so torch.compile treats the kernel as one opaque op
+    (no graph break, no tracing into the autotuner). Returns the op, or None where unsupported."""
+    import torch
+
+    qualname = f"wan_accel::{name}"
+    try:
+        op = torch.library.custom_op(qualname, mutates_args=())(impl)
+        op.register_fake(fake)
+        return op
+    except Exception:  # noqa: BLE001 - already registered (module imported twice) or old torch
+        try:
+            return getattr(torch.ops.wan_accel, name)
+        except Exception:  # noqa: BLE001
+            return None

@@ -1,0 +1,163 @@
+"""Fused LayerNorm (no affine) + per-frame adaLN modulation: ``LN(x) * (1 + scale) + shift``.
+
+x [B, L, D]; shift, scale [B, F, D] (or [B, D] for F=1; batch 1 broadcasts) with F dividing L: token l uses
+frame ``l // (L // F)`` (per-frame modulation of causal chunks; F=1 for the full model). Statistics and math
+in float32; the result has x's dtype.
+"""
+import torch
+import torch.nn.functional as torch_F
+
+from . import _common
+
+try:
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - no triton: only the torch path exists
+    tl = None
+
+NAME = "layernorm_modulate"
+
+# Candidate tiles: YBLOCK rows per program, RBLOCK columns per step. Capped by the compile preset.
+CANDIDATES = tuple({"YBLOCK": y, "RBLOCK": r, "num_warps": w} for y, r, w in (
+    (1, 64, 2), (2, 64, 2), (4, 64, 4), (8, 64, 4), (8, 64, 8),
+    (1, 128, 4), (4, 128, 4), (8, 128, 8), (16, 128, 8), (16, 128, 16)))
+
+
+def _as_frames(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(1) if t.dim() == 2 else t
+
+
+def _check(x, shift, scale):
+    if x.dim() != 3:
+        raise ValueError(f"layernorm_modulate: x must be [B, L, D], got shape {tuple(x.shape)}")
+    b, l, d = x.shape
+    shift, scale = _as_frames(shift), _as_frames(scale)
+    if shift.shape != scale.shape:
+        raise ValueError(f"layernorm_modulate: shift {tuple(shift.shape)} and scale {tuple(scale.shape)} "
+                         f"must have the same shape [B, F, D]")
+    if shift.dim() != 3 or shift.shape[-1] != d or shift.shape[0] not in (1, b):
+        raise ValueError(f"layernorm_modulate: shift/scale must be [B, F, D] = [{b}, F, {d}] "
+                         f"(batch 1 broadcasts), got {tuple(shift.shape)}")
+    f = shift.shape[1]
+    if f < 1 or l % f:
+        raise ValueError(f"layernorm_modulate: the frame count F={f} of shift/scale must divide L={l}")
+    return shift, scale
+
+
+def layernorm_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                                 eps: float = 1e-6) -> torch.Tensor:
+    """The torch definition the kernel must match."""
+    shift, scale = _check(x, shift, scale)
+    b, l, d = x.shape
+    f = shift.shape[1]
+    y = torch_F.layer_norm(x.float(), (d,), eps=eps).view(b, f, l // f, d)
+    y = y * (1.0 + scale.float().unsqueeze(2)) + shift.float().unsqueeze(2)
+    return y.view(b, l, d).to(x.dtype)
+
+
+if tl is not None:
+    def _lnmod_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, n_rows, D, L, tokens_per_frame, mod_bstride, eps,
+                      YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
+        row_ok = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        x_rows = x_ptr + rows64[:, None] * D
+        cols0 = tl.arange(0, RBLOCK)
+        # pass 1: mean and M2 per row, merging per-chunk statistics (Chan et al.): stable in float32
+        mean = tl.zeros([YBLOCK], dtype=tl.float32)
+        m2 = tl.zeros([YBLOCK], dtype=tl.float32)
+        count = tl.zeros([YBLOCK], dtype=tl.float32)
+        for start in range(0, D, RBLOCK):
+            cols = start + cols0
+            mask = row_ok[:, None] & (cols < D)[None, :]
+            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            n_b = tl.sum(mask.to(tl.float32), axis=1)
+            c_mean = tl.sum(v, axis=1) / tl.maximum(n_b, 1.0)
+            dev = tl.where(mask, v - c_mean[:, None], 0.0)
+            c_m2 = tl.sum(dev * dev, axis=1)
+            total = tl.maximum(count + n_b, 1.0)
+            delta = c_mean - mean
+            mean = mean + delta * (n_b / total)
+            m2 = m2 + c_m2 + delta * delta * (count * n_b / total)
+            count = count + n_b
+        rstd = 1.0 / tl.sqrt(m2 / tl.maximum(count, 1.0) + eps)
+        # pass 2: normalise, modulate with the row's frame, store
+        frame = (rows64 % L) // tokens_per_frame
+        mod_rows = (rows64 // L) * mod_bstride + frame * D
+        for start in range(0, D, RBLOCK):
+            cols = start + cols0
+            mask = row_ok[:, None] & (cols < D)[None, :]
+            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            offs = mod_rows[:, None] + cols[None, :]
+            sh = tl.load(shift_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            sc = tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            y = (v - mean[:, None]) * rstd[:, None] * (1.0 + sc) + sh
+            if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
+                u = y.to(tl.uint32, bitcast=True)
+                y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+            tl.store(out_ptr + rows64[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _smem(cfg: dict) -> int:
+    # cross-warp reductions and layout changes of one [YBLOCK, RBLOCK] float32 tile (upper estimate)
+    return cfg["YBLOCK"] * cfg["RBLOCK"] * 4 + cfg["YBLOCK"] * cfg["num_warps"] * 4 * 2
+
+
+_KERNEL_NAME = _common.kernel_name(NAME, _lnmod_kernel) if tl is not None else NAME
+
+
+def _launcher(x, shift, scale, eps):
+    b, l, d = x.shape
+    x2 = x.contiguous()
+    sh, sc = shift.contiguous(), scale.contiguous()
+    out = torch.empty_like(x2)
+    rows, f = b * l, sh.shape[1]
+    bstride = 0 if sh.shape[0] == 1 and b > 1 else f * d
+    rnd = _common.round_bf16(out)
+
+    def launch(cfg: dict):
+        kernel = _common.jit(_lnmod_kernel)
+        grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
+        kernel[grid](x2, sh, sc, out, rows, d, l, l // f, bstride, float(eps),
+                     YBLOCK=cfg["YBLOCK"], RBLOCK=cfg["RBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+
+    key = (f"D={d}|rows={_common.rows_bucket(rows)}|F={'1' if f == 1 else 'n'}|"
+           f"{_common.dtype_name(x)}|{_common.dtype_name(sh)}")
+    return launch, key, out
+
+
+def run_triton(x, shift, scale, eps=1e-6, config: dict | None = None) -> torch.Tensor:
+    """The Triton path with an explicit config (tests) or tuned through the operator store (config=None).
+    Falls back to the torch reference when every config fails."""
+    shift, scale = _check(x, shift, scale)
+    launch, key, out = _launcher(x, shift, scale, eps)
+    if config is not None:
+        launch(config)
+        return out
+    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem):
+        return out
+    return layernorm_modulate_reference(x, shift, scale, eps)
+
+
+def _eager(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    if tl is not None and _common.use_triton(x, shift, scale) and not _common.needs_autograd(x, shift, scale):
+        return run_triton(x, shift, scale, eps)
+    return layernorm_modulate_reference(x, shift, scale, eps)
+
+
+def _fake(x, shift, scale, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_OP = _common.register_op(NAME, _eager, _fake)
+
+
+def layernorm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """LN_noaffine(x) * (1 + scale) + shift with per-frame shift/scale [B, F, D]; float32 inside, x's dtype out.
+
+    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch. Inside torch.compile the
+    call is one opaque op (``torch.ops.wan_accel.layernorm_modulate``).
+    """
+    if _OP is not None and _common.is_compiling():
+        return _OP(x, shift, scale, float(eps))
+    return _eager(x, shift, scale, eps)

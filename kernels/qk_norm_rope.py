@@ -1,0 +1,170 @@
+"""Fused RMSNorm over the full width + rotary embedding, as used for Wan's q/k: ``rope(rmsnorm(x) * weight)``.
+
+x [B, L, D] with D = num_heads * head_dim; weight [D]; cos, sin [L, head_dim / 2] (any float dtype).
+RMSNorm over all D channels in float32, times weight, then each adjacent pair (x[2j], x[2j+1]) of a head is
+rotated as the complex number x[2j] + i x[2j+1] times cos + i sin. Returns [B, L, H, head_dim] in x's dtype.
+"""
+import torch
+
+from . import _common
+
+try:
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - no triton: only the torch path exists
+    tl = None
+
+NAME = "rmsnorm_rope"
+
+# YBLOCK rows per program, RBLOCK channels per step (RBLOCK/2 rotation pairs). Capped by the compile preset.
+CANDIDATES = tuple({"YBLOCK": y, "RBLOCK": r, "num_warps": w} for y, r, w in (
+    (1, 64, 2), (2, 64, 2), (4, 64, 4), (8, 64, 4), (8, 64, 8),
+    (1, 128, 4), (4, 128, 4), (8, 128, 8), (16, 128, 8), (16, 128, 16)))
+
+
+def _check(x, weight, cos, sin, num_heads):
+    if x.dim() != 3:
+        raise ValueError(f"rmsnorm_rope: x must be [B, L, D], got shape {tuple(x.shape)}")
+    b, l, d = x.shape
+    if num_heads < 1 or d % num_heads:
+        raise ValueError(f"rmsnorm_rope: D={d} is not divisible by num_heads={num_heads}")
+    hd = d // num_heads
+    if hd % 2:
+        raise ValueError(f"rmsnorm_rope: head_dim={hd} must be even (RoPE rotates channel pairs)")
+    if weight.shape != (d,):
+        raise ValueError(f"rmsnorm_rope: weight must be [D] = [{d}], got {tuple(weight.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (l, hd // 2):
+            raise ValueError(f"rmsnorm_rope: {name} must be [L, head_dim/2] = [{l}, {hd // 2}], "
+                             f"got {tuple(t.shape)}")
+    return hd
+
+
+def rmsnorm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           num_heads: int, eps: float = 1e-6) -> torch.Tensor:
+    """The torch definition the kernel must match."""
+    hd = _check(x, weight, cos, sin, num_heads)
+    b, l, d = x.shape
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    y = y.view(b, l, num_heads, hd // 2, 2)
+    c = cos.float()[None, :, None, :]
+    s = sin.float()[None, :, None, :]
+    re, im = y[..., 0], y[..., 1]
+    out = torch.stack([re * c - im * s, re * s + im * c], dim=-1)
+    return out.view(b, l, num_heads, hd).to(x.dtype)
+
+
+if tl is not None:
+    def _rmsrope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, L, half_hd, eps,
+                        YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+        HALF: tl.constexpr = RBLOCK // 2
+        pid = tl.program_id(0)
+        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
+        row_ok = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        x_rows = x_ptr + rows64[:, None] * D
+        # pass 1: mean of squares over the full width, float32
+        cols0 = tl.arange(0, RBLOCK)
+        acc = tl.zeros([YBLOCK], dtype=tl.float32)
+        for start in range(0, D, RBLOCK):
+            cols = start + cols0
+            mask = row_ok[:, None] & (cols < D)[None, :]
+            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(v * v, axis=1)
+        inv = 1.0 / tl.sqrt(acc / D + eps)
+        # pass 2: scale, weight, rotate pairs (2j, 2j+1) by the token's angle of pair j within its head
+        tok = rows64 % L
+        pairs0 = tl.arange(0, HALF)
+        n_pairs = D // 2
+        for start in range(0, n_pairs, HALF):
+            pairs = start + pairs0
+            pmask = pairs < n_pairs
+            mask = row_ok[:, None] & pmask[None, :]
+            even = 2 * pairs
+            xe = tl.load(x_rows + even[None, :], mask=mask, other=0.0).to(tl.float32)
+            xo = tl.load(x_rows + even[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+            we = tl.load(w_ptr + even, mask=pmask, other=0.0).to(tl.float32)
+            wo = tl.load(w_ptr + even + 1, mask=pmask, other=0.0).to(tl.float32)
+            ang = tok[:, None] * half_hd + (pairs % half_hd)[None, :]
+            c = tl.load(cos_ptr + ang, mask=mask, other=1.0).to(tl.float32)
+            s = tl.load(sin_ptr + ang, mask=mask, other=0.0).to(tl.float32)
+            ae = xe * inv[:, None] * we[None, :]
+            ao = xo * inv[:, None] * wo[None, :]
+            oe = ae * c - ao * s
+            oo = ae * s + ao * c
+            if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
+                ue = oe.to(tl.uint32, bitcast=True)
+                oe = ((ue + 0x7FFF + ((ue >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                uo = oo.to(tl.uint32, bitcast=True)
+                oo = ((uo + 0x7FFF + ((uo >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+            o_rows = out_ptr + rows64[:, None] * D
+            tl.store(o_rows + even[None, :], oe.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(o_rows + even[None, :] + 1, oo.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _smem(cfg: dict) -> int:
+    return cfg["YBLOCK"] * cfg["RBLOCK"] * 4 * 2 + cfg["YBLOCK"] * cfg["num_warps"] * 4 * 2
+
+
+_KERNEL_NAME = _common.kernel_name(NAME, _rmsrope_kernel) if tl is not None else NAME
+
+
+def _launcher(x, weight, cos, sin, num_heads, eps):
+    b, l, d = x.shape
+    hd = d // num_heads
+    x2, w = x.contiguous(), weight.contiguous()
+    c, s = cos.contiguous(), sin.contiguous()
+    out = torch.empty((b, l, num_heads, hd), dtype=x.dtype, device=x.device)
+    rows = b * l
+    rnd = _common.round_bf16(out)
+
+    def launch(cfg: dict):
+        kernel = _common.jit(_rmsrope_kernel)
+        grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
+        kernel[grid](x2, w, c, s, out, rows, d, l, hd // 2, float(eps),
+                     YBLOCK=cfg["YBLOCK"], RBLOCK=cfg["RBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+
+    key = (f"D={d}|hd={hd}|rows={_common.rows_bucket(rows)}|{_common.dtype_name(x)}|"
+           f"w={_common.dtype_name(w)}|rope={_common.dtype_name(c)}")
+    return launch, key, out
+
+
+def run_triton(x, weight, cos, sin, num_heads, eps=1e-6, config: dict | None = None) -> torch.Tensor:
+    """The Triton path with an explicit config (tests) or tuned through the operator store (config=None).
+    Falls back to the torch reference when every config fails."""
+    _check(x, weight, cos, sin, num_heads)
+    launch, key, out = _launcher(x, weight, cos, sin, num_heads, eps)
+    if config is not None:
+        launch(config)
+        return out
+    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem):
+        return out
+    return rmsnorm_rope_reference(x, weight, cos, sin, num_heads, eps)
+
+
+def _eager(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+           eps: float) -> torch.Tensor:
+    tensors = (x, weight, cos, sin)
+    if tl is not None and _common.use_triton(*tensors) and not _common.needs_autograd(*tensors):
+        return run_triton(x, weight, cos, sin, num_heads, eps)
+    return rmsnorm_rope_reference(x, weight, cos, sin, num_heads, eps)
+
+
+def _fake(x, weight, cos, sin, num_heads, eps):
+    b, l, d = x.shape
+    return x.new_empty((b, l, num_heads, d // num_heads))
+
+
+_OP = _common.register_op(NAME, _eager, _fake)
+
+
+def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                 eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm(x) over D (float32) * weight, then RoPE on adjacent pairs; [B, L, D] -> [B, L, H, hd], x's dtype.
+
+    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch. Inside torch.compile the
+    call is one opaque op (``torch.ops.wan_accel.rmsnorm_rope``).
+    """
+    if _OP is not None and _common.is_compiling():
+        return _OP(x, weight, cos, sin, int(num_heads), float(eps))
+    return _eager(x, weight, cos, sin, num_heads, eps)

@@ -1,0 +1,207 @@
+"""``python -m wan_accel bench offload``: DiT forward time and peak VRAM with 0, half and all-but-one blocks
+swapped, side by side, for a Wan-shaped block stack (random weights, realistic token count); optionally the
+VAE decode peak against the chunk length when a Wan VAE file and ComfyUI are available.
+
+Without a GPU it says so and runs a tiny functional pass on the CPU (outputs identical with and without swap).
+"""
+from __future__ import annotations
+
+import time
+
+SHAPES = {"1.3b": (1536, 8960, 12, 30), "14b": (5120, 13824, 40, 40)}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", choices=tuple(SHAPES), default="1.3b", help="block shape (default 1.3b)")
+    p.add_argument("--width", type=int, default=832)
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--frames-per-block", type=int, default=3, help="latent frames per forward (causal chunk)")
+    p.add_argument("--kv-frames", type=int, default=3,
+                   help="latent frames of keys per self-attention (3: first chunk; 21: last chunk of 81 frames)")
+    p.add_argument("--blocks", type=int, default=None, help="blocks in the stack (default: the model's)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--vae", default=None, help="a Wan VAE file: also measure decode peak (needs ComfyUI importable)")
+    p.add_argument("--json", action="store_true")
+
+
+def _block_class():
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class BenchBlock(nn.Module):
+        """Wan-shaped block: modulated self-attention, cross-attention over 512 text tokens, GELU FFN."""
+
+        def __init__(self, dim, ffn, heads):
+            super().__init__()
+            self.heads = heads
+            self.norm1 = nn.LayerNorm(dim, elementwise_affine=False)
+            self.norm2 = nn.LayerNorm(dim, elementwise_affine=False)
+            self.norm3 = nn.LayerNorm(dim)
+            self.self_qkv = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4))
+            self.cross_qkv = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4))
+            self.ffn = nn.Sequential(nn.Linear(dim, ffn), nn.GELU(approximate="tanh"), nn.Linear(ffn, dim))
+            self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim ** 0.5)
+
+        def _attn(self, lin, x, kv_src, extra_kv=None):
+            b, n, d = x.shape
+            h = self.heads
+            q = lin[0](x).view(b, n, h, -1).transpose(1, 2)
+            k = lin[1](kv_src).view(b, kv_src.shape[1], h, -1).transpose(1, 2)
+            v = lin[2](kv_src).view(b, kv_src.shape[1], h, -1).transpose(1, 2)
+            if extra_kv is not None:
+                k, v = torch.cat([extra_kv, k], 2), torch.cat([extra_kv, v], 2)
+            o = F.scaled_dot_product_attention(q, k, v)
+            return lin[3](o.transpose(1, 2).reshape(b, n, d))
+
+        def forward(self, x, ctx, cached):
+            m = self.modulation.chunk(6, dim=1)
+            y = self.norm1(x) * (1 + m[1]) + m[0]
+            x = x + self._attn(self.self_qkv, y, y, cached) * m[2]
+            x = x + self._attn(self.cross_qkv, self.norm3(x), ctx)
+            y = self.norm2(x) * (1 + m[4]) + m[3]
+            return x + self.ffn(y) * m[5]
+
+    return BenchBlock
+
+
+def _stack(n, dim, ffn, heads, device, dtype):
+    import torch
+    from torch import nn
+
+    block = _block_class()
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(block(dim, ffn, heads) for _ in range(n))
+
+        def forward(self, x, ctx, cached):
+            for b in self.blocks:
+                x = b(x, ctx, cached)
+            return x
+
+    torch.manual_seed(0)
+    return Stack().to(device=device, dtype=dtype).eval()
+
+
+def _cpu_pass(args) -> int:
+    import torch
+
+    from .block_swap import SwapSettings, apply_block_swap
+
+    import sys
+
+    print("bench offload: a CUDA GPU is required for timings and peak VRAM; running a tiny functional pass on "
+          "the CPU instead (same transfer code path, synchronous copies)", file=sys.stderr if args.json else sys.stdout)
+    stack = _stack(4, 64, 128, 4, "cpu", torch.float32)
+    x, ctx, cached = torch.randn(1, 24, 64), torch.randn(1, 16, 64), torch.randn(1, 4, 8, 16)
+    with torch.no_grad():
+        ref = stack(x, ctx, cached)
+        rows = []
+        for n in (0, 2, 3):
+            swap = apply_block_swap(stack, SwapSettings(n, 1), device="cpu")
+            out = stack(x, ctx, cached)
+            rows.append({"blocks_swapped": n, "identical": bool(torch.equal(out, ref)), "copies": swap.stats.copies})
+            swap.remove()
+    ok = all(r["identical"] for r in rows)
+    _emit(args, rows, ["blocks_swapped", "identical", "copies"], {"device": "cpu", "functional_pass": ok})
+    return 0 if ok else 1
+
+
+def _emit(args, rows, cols, extra) -> None:
+    from ..cli.output import print_json, print_table
+
+    if args.json:
+        print_json(dict(extra, rows=rows))
+    else:
+        print_table(rows, cols)
+
+
+def _time_forward(stack, inputs, repeats, warmup):
+    import torch
+
+    with torch.no_grad():
+        for _ in range(warmup):
+            stack(*inputs)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            stack(*inputs)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2], torch.cuda.max_memory_allocated()
+
+
+def _vae_rows(args, device):
+    """Decode peak for growing chunk lengths (ComfyUI's VAE loader; skipped when ComfyUI is absent)."""
+    import torch
+
+    try:
+        import comfy.sd
+        import comfy.utils
+    except ImportError:
+        print("VAE decode: skipped (ComfyUI is not importable here)")
+        return []
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(args.vae, safe_load=True))
+    h, w = args.height // 8, args.width // 8
+    rows = []
+    for t in (1, 2, 3, 5, 9, 13, 21):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        vae.decode(torch.randn(1, 16, t, h, w))
+        torch.cuda.synchronize()
+        rows.append({"latent_frames": t, "video_frames": 1 + 4 * (t - 1), "seconds": round(time.perf_counter() - t0, 3),
+                     "peak_gib": round(torch.cuda.max_memory_allocated() / 1024 ** 3, 3)})
+    return rows
+
+
+def run(args) -> int:
+    import torch
+
+    from .block_swap import SwapSettings, apply_block_swap
+
+    if not torch.cuda.is_available():
+        return _cpu_pass(args)
+    dim, ffn, heads, layers = SHAPES[args.model]
+    n = args.blocks or layers
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    tokens = args.frames_per_block * (args.height // 16) * (args.width // 16)
+    cached_tokens = max(0, (args.kv_frames - args.frames_per_block)) * (args.height // 16) * (args.width // 16)
+    stack = _stack(n, dim, ffn, heads, device, dtype)
+    x = torch.randn(1, tokens, dim, device=device, dtype=dtype)
+    ctx = torch.randn(1, 512, dim, device=device, dtype=dtype)
+    cached = torch.randn(1, heads, cached_tokens, dim // heads, device=device, dtype=dtype) if cached_tokens else None
+    rows, base = [], None
+    for swapped in sorted({0, n // 2, n - 1}):
+        swap = apply_block_swap(stack, SwapSettings(swapped, 1), device=device) if swapped else None
+        ms, peak = _time_forward(stack, (x, ctx, cached), args.repeats, args.warmup)
+        base = ms if base is None else base
+        rows.append({"blocks_swapped": swapped, "blocks_resident": n - swapped, "forward_ms": round(ms, 2),
+                     "ratio_to_resident": round(ms / base, 3), "peak_vram_gib": round(peak / 1024 ** 3, 3),
+                     "pinned_gib": round(swap.stats.pinned_bytes / 1024 ** 3, 3) if swap else 0.0})
+        if swap is not None:
+            swap.remove()
+    vrows = _vae_rows(args, device) if args.vae else []
+    if args.json:
+        from ..cli.output import print_json
+
+        print_json({"device": torch.cuda.get_device_name(), "model": args.model, "tokens": tokens,
+                    "keys": cached_tokens + tokens, "rows": rows, "vae_decode": vrows})
+        return 0
+    print(f"bench offload: {args.model} block shape (dim {dim}, ffn {ffn}, {n} blocks), {tokens} query tokens, "
+          f"{cached_tokens + tokens} keys, bf16, {torch.cuda.get_device_name()}")
+    _emit(args, rows, ["blocks_swapped", "blocks_resident", "forward_ms", "ratio_to_resident", "peak_vram_gib",
+                       "pinned_gib"], {})
+    if vrows:
+        print("VAE decode peak against chunk length:")
+        _emit(args, vrows, ["latent_frames", "video_frames", "seconds", "peak_gib"], {})
+    return 0

@@ -1,0 +1,149 @@
+"""Estimates of what a generation needs besides the weights: activations, KV caches, VAE decode.
+
+All functions return bytes and take plain numbers, so they are easy to test and to reason about. They are
+estimates: a limit learned on the machine (the ``memory`` namespace of the limit cache) always wins.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+VAE_TIME_RATIO = 4          # Wan 2.1 VAE: t latent frames -> 1 + 4 (t - 1) video frames
+VAE_SPACE_RATIO = 8
+VAE_WEIGHT_BYTES = 127_000_000 * 2      # Wan 2.1 VAE, about 127 M parameters held in 16-bit
+# Working memory of the Wan 2.1 causal VAE decoder per output pixel and element byte, independent of the chunk
+# length (it decodes a few latent frames at a time with a feature cache): full-resolution 96-channel features,
+# the cached frames and the upsampling intermediates. A measured limit replaces this guess.
+VAE_WORK_PER_PIXEL = 3000
+PCIE_BYTES_PER_S = {"pinned": 20e9, "pageable": 6e9}   # host->device copy rates assumed for time estimates
+
+
+def video_frames_for(latent_frames: int, time_ratio: int = VAE_TIME_RATIO) -> int:
+    return 0 if latent_frames <= 0 else 1 + time_ratio * (latent_frames - 1)
+
+
+@dataclass
+class Workload:
+    """What is generated: video size and how the DiT is run."""
+    width: int
+    height: int
+    frames: int                      # video frames (4k+1 for Wan)
+    batch: int = 1
+    mode: str = "causal"             # 'causal': chunks with a KV cache; 'full': one bidirectional sequence
+    frames_per_block: int = 3        # latent frames per causal chunk
+
+    def __post_init__(self):
+        if self.width <= 0 or self.height <= 0 or self.frames <= 0 or self.batch <= 0:
+            raise ValueError(f"width, height, frames and batch must be positive (got {self.width}x{self.height}, "
+                             f"{self.frames} frames, batch {self.batch})")
+        if self.mode not in ("causal", "full"):
+            raise ValueError(f"mode must be 'causal' or 'full', got {self.mode!r}")
+        if self.frames_per_block <= 0:
+            raise ValueError("frames_per_block must be positive")
+
+    @property
+    def latent_frames(self) -> int:
+        return (self.frames - 1) // VAE_TIME_RATIO + 1
+
+    @property
+    def latent_h(self) -> int:
+        return self.height // VAE_SPACE_RATIO
+
+    @property
+    def latent_w(self) -> int:
+        return self.width // VAE_SPACE_RATIO
+
+    def tokens_per_frame(self, patch_size=(1, 2, 2)) -> int:
+        return (self.latent_h // patch_size[1]) * (self.latent_w // patch_size[2])
+
+    def cache_frames(self) -> int:
+        """Latent frames a global KV cache holds: all of them, rounded up to whole chunks."""
+        fpb = self.frames_per_block
+        return -(-self.latent_frames // fpb) * fpb
+
+    def notes(self) -> list[str]:
+        out = []
+        if (self.frames - 1) % VAE_TIME_RATIO:
+            out.append(f"{self.frames} frames is not 4k+1; Wan produces {video_frames_for(self.latent_frames)} frames "
+                       f"from {self.latent_frames} latent frames")
+        if self.width % 16 or self.height % 16:
+            out.append(f"{self.width}x{self.height} is not a multiple of 16; the latent is cropped to "
+                       f"{self.latent_w // 2 * 16}x{self.latent_h // 2 * 16}")
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def query_tokens(w: Workload, patch_size=(1, 2, 2)) -> int:
+    """Tokens in one DiT forward (per batch item)."""
+    frames = min(w.frames_per_block, w.latent_frames) if w.mode == "causal" else w.latent_frames
+    return frames * w.tokens_per_frame(patch_size)
+
+
+def attended_tokens(w: Workload, window_frames: int, patch_size=(1, 2, 2)) -> int:
+    """Keys one query attends to: the cached window (causal) or the whole sequence (full)."""
+    if w.mode == "full":
+        return w.latent_frames * w.tokens_per_frame(patch_size)
+    return window_frames * w.tokens_per_frame(patch_size)
+
+
+def kv_cache_bytes(layers: int, tokens: int, dim: int, elem_bytes: int, batch: int = 1) -> int:
+    """Self-attention KV cache: layers x (k, v) x tokens x dim."""
+    return layers * 2 * tokens * dim * elem_bytes * batch
+
+
+def cross_cache_bytes(layers: int, text_tokens: int, dim: int, elem_bytes: int, batch: int = 1) -> int:
+    """Cross-attention K/V computed once per prompt."""
+    return layers * 2 * text_tokens * dim * elem_bytes * batch
+
+
+def activation_bytes(q_tokens: int, k_tokens: int, dim: int, ffn_dim: int, heads: int, elem_bytes: int,
+                     backend: str = "flash", batch: int = 1, text_tokens: int = 512) -> int:
+    """Peak activations of one block forward.
+
+    Attention phase: residual, normed input, q, k, v, rotated q/k, output and projection (~10 x dim per token)
+    plus q/k RMSNorm in float32. FFN phase: residual, modulated input, hidden and GELU output (2 x ffn_dim),
+    output. Attention scratch: flash/efficient keep per-row statistics only; the math path materialises the
+    float32 score matrix and its softmax.
+    """
+    per_token = max(10 * dim, 4 * dim + 2 * ffn_dim) * elem_bytes + 2 * dim * 4
+    total = q_tokens * per_token
+    if backend == "math":
+        total += heads * q_tokens * max(k_tokens, text_tokens) * (4 + elem_bytes)
+    else:
+        total += heads * q_tokens * 4 * 2
+    return total * batch
+
+
+def vae_decode_bytes(latent_chunk: int, latent_h: int, latent_w: int, elem_bytes: int = 2, batch: int = 1,
+                     weights: int = VAE_WEIGHT_BYTES) -> int:
+    """Peak VRAM of decoding ``latent_chunk`` latent frames: weights, decoder working set, output frames
+    (in the VAE dtype plus the float32 copy handed back)."""
+    h, w = latent_h * VAE_SPACE_RATIO, latent_w * VAE_SPACE_RATIO
+    frames = video_frames_for(latent_chunk)
+    work = VAE_WORK_PER_PIXEL * elem_bytes * h * w
+    out = frames * h * w * 3 * (elem_bytes + 4)
+    return weights + batch * (work + out)
+
+
+def transfer_ms(n_bytes: int, pinned: bool) -> float:
+    return n_bytes / PCIE_BYTES_PER_S["pinned" if pinned else "pageable"] * 1e3
+
+
+def peak_matmul_flops(capability) -> float:
+    """Rough dense 16-bit throughput actually reached by a DiT block, for words in a plan (not a benchmark)."""
+    if capability is None:
+        return 0.5e12
+    cap = tuple(capability)
+    if cap >= (9, 0):
+        return 400e12
+    if cap >= (8, 9):
+        return 120e12
+    if cap >= (8, 0):
+        return 150e12
+    return 40e12
+
+
+def block_compute_ms(block_params: int, q_tokens: int, k_tokens: int, dim: int, capability, batch: int = 1) -> float:
+    flops = 2 * block_params * q_tokens + 4 * q_tokens * k_tokens * dim
+    return batch * flops / peak_matmul_flops(capability) * 1e3

@@ -1,0 +1,308 @@
+"""The VRAM plan: dtype, blocks resident vs swapped, prefetch, KV window, VAE chunk and attention backend, each
+with its reason in words. Estimates come from ``estimate``; limits learned on this machine (limit cache,
+namespace ``memory``) override them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from .estimate import (Workload, activation_bytes, attended_tokens, block_compute_ms, cross_cache_bytes,
+                       kv_cache_bytes, query_tokens, transfer_ms, vae_decode_bytes, video_frames_for)
+from .limits import dit_limit_key, learned_size, vae_limit_key
+from .system import HOST_RAM_HEADROOM, SystemInfo, detect_system, gib
+from .weights import ModelWeights
+
+MiB = 1024 ** 2
+DEFAULT_VAE_OVERLAP = 2
+CLIP_TOKENS = 257
+
+
+@dataclass
+class MemoryPlan:
+    fits: bool
+    device: str
+    dtype: str                      # weights and compute: 'bfloat16' | 'float16' | 'float32'
+    attention_backend: str          # 'flash' | 'efficient' | 'math' | 'cpu'
+    blocks_total: int
+    blocks_to_swap: int             # the last N blocks live on the host
+    prefetch: int                   # swapped blocks copied ahead of use
+    pinned_blocks: int              # swapped blocks in pinned memory (the rest pageable)
+    offload_embeddings: bool
+    kv_window: int                  # latent frames in the self-attention KV cache; -1 = global (whole video)
+    vae_chunk_frames: int           # latent frames per VAE decode chunk
+    vae_overlap: int
+    budget_bytes: int
+    estimated_peak_bytes: int
+    breakdown: dict = field(default_factory=dict)
+    reasons: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    learned: dict = field(default_factory=dict)
+    system: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+    workload: dict = field(default_factory=dict)
+
+    @property
+    def blocks_resident(self) -> int:
+        return self.blocks_total - self.blocks_to_swap
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MemoryPlan":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def swap_settings(self):
+        """The block-swap settings of this plan (memory.block_swap.SwapSettings)."""
+        from .block_swap import SwapSettings
+
+        return SwapSettings(blocks_to_swap=self.blocks_to_swap, prefetch=self.prefetch,
+                            offload_embeddings=self.offload_embeddings)
+
+    def summary(self) -> str:
+        w, m = self.workload, self.model
+        kv = "global (whole video)" if self.kv_window < 0 else f"{self.kv_window} latent frames"
+        lines = [
+            f"VRAM plan: {m.get('source', '?')} [{m.get('signature', '?')}] at {w.get('width')}x{w.get('height')}, "
+            f"{w.get('frames')} frames, batch {w.get('batch')}, {w.get('mode')} sampling",
+            f"system: {SystemInfo.from_dict(self.system).describe()}" if self.system else "system: ?",
+            ("fits: yes" if self.fits else "fits: NO") +
+            f" (estimated peak {gib(self.estimated_peak_bytes)}, budget {gib(self.budget_bytes)})",
+            f"dtype: {self.dtype} - {self.reasons.get('dtype', '')}",
+            f"attention: {self.attention_backend} - {self.reasons.get('attention_backend', '')}",
+            f"blocks: {self.blocks_to_swap} of {self.blocks_total} swapped ({self.blocks_resident} resident), "
+            f"prefetch {self.prefetch} - {self.reasons.get('blocks_to_swap', '')}",
+        ]
+        for k in ("prefetch", "pinned_blocks", "offload_embeddings"):
+            if self.reasons.get(k):
+                lines.append(f"{k.replace('_', ' ')}: {self.reasons[k]}")
+        lines.append(f"KV window: {kv} - {self.reasons.get('kv_window', '')}")
+        lines.append(f"VAE decode: chunks of {self.vae_chunk_frames} latent frames, overlap {self.vae_overlap} - "
+                     f"{self.reasons.get('vae_chunk_frames', '')}")
+        lines.append("breakdown: " + ", ".join(f"{k} {gib(v)}" for k, v in self.breakdown.items()))
+        if not self.fits and self.reasons.get("fits"):
+            lines.append(f"what to change: {self.reasons['fits']}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- decisions
+def _choose_dtype(weights: ModelWeights, system: SystemInfo) -> tuple[str, int, str]:
+    stored = weights.storage_dtype
+    if not system.has_gpu:
+        return "float32", 4, "no CUDA device: the CPU computes in float32"
+    if stored == "F16":
+        return "float16", 2, "the checkpoint stores float16; kept as is"
+    if system.bf16:
+        why = {"BF16": "the checkpoint stores bfloat16; kept as is",
+               "F32": f"the checkpoint stores float32; bfloat16 halves the weights (SM {system.capability_str} "
+                      "has bf16)"}.get(stored, f"the checkpoint stores {stored}; weights are held in bfloat16")
+        return "bfloat16", 2, why
+    return "float16", 2, (f"SM {system.capability_str} has no bf16: float16 (the checkpoint stores {stored}); "
+                          "bf16-trained weights may lose a little precision")
+
+
+def _choose_backend(system: SystemInfo) -> tuple[str, str]:
+    if not system.has_gpu:
+        return "cpu", "no CUDA device: torch SDPA on the CPU"
+    if system.capability is not None and tuple(system.capability) >= (8, 0):
+        return "flash", f"SM {system.capability_str}: flash attention through SDPA (memory linear in tokens)"
+    return "efficient", (f"SM {system.capability_str} has no flash attention: memory-efficient SDPA "
+                         "(memory linear in tokens)")
+
+
+def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | None = None, *,
+              reserve_bytes: int = 0, kv_window: int | None = None, cache=None, use_learned: bool = True,
+              vae_kind: str = "wan2.1", vae_overlap: int = DEFAULT_VAE_OVERLAP) -> MemoryPlan:
+    """Plan a generation. ``kv_window``: None = the model's own (its local_attn_size, else global), -1 = global,
+    N = N latent frames. ``cache``: a LimitCache whose learned limits override the estimates."""
+    system = system or detect_system()
+    reasons, notes, learned = {}, list(workload.notes()), {}
+    dtype, elem, reasons["dtype"] = _choose_dtype(weights, system)
+    backend, reasons["attention_backend"] = _choose_backend(system)
+    gpu = system.has_gpu
+    blocks = weights.block_bytes_at(elem)
+    L, max_block = len(blocks), max(weights.block_bytes_at(elem))
+    other, emb = weights.other_bytes_at(elem), weights.embedding_bytes_at(elem)
+    patch, causal, B = weights.patch_size, workload.mode == "causal", workload.batch
+    tpf, lq = workload.tokens_per_frame(patch), query_tokens(workload, patch)
+    text_tokens = weights.text_len + (CLIP_TOKENS if weights.model_type == "i2v" else 0)
+    fpb, full_frames = workload.frames_per_block, workload.cache_frames()
+
+    if gpu:
+        margin = max(512 * MiB, int(0.04 * system.total_vram))
+        budget = system.free_vram - reserve_bytes - margin
+    else:
+        margin = HOST_RAM_HEADROOM
+        budget = system.host_ram_available - reserve_bytes - margin
+
+    def frames_of(window: int) -> int:
+        return full_frames if window < 0 else min(window, full_frames)
+
+    def needs(n_swap: int, window: int, off_emb: bool) -> dict:
+        lk = attended_tokens(workload, frames_of(window), patch)
+        return {
+            "weights_resident": sum(blocks[:L - n_swap]) + other - (emb if off_emb else 0),
+            "swap_buffers": (min(n_swap, 2) * max_block if n_swap else 0) + (emb if off_emb else 0),
+            "kv_cache": kv_cache_bytes(L, frames_of(window) * tpf, weights.dim, elem, B) if causal else 0,
+            "cross_attn_cache": cross_cache_bytes(L, text_tokens, weights.dim, elem, B) if causal else 0,
+            "activations": activation_bytes(lq, lk, weights.dim, weights.ffn_dim, weights.num_heads, elem,
+                                            "math" if backend == "math" else "flash", B, text_tokens),
+        }
+
+    def min_swap(window: int, off_emb: bool) -> int | None:
+        for n in (range(L + 1) if gpu else (0,)):
+            if sum(needs(n, window, off_emb).values()) <= budget:
+                return n
+        return None
+
+    requested = kv_window if kv_window is not None else (weights.local_attn_size if weights.local_attn_size > 0 else -1)
+    if not causal:
+        requested = -1
+    window, off_emb = requested, False
+    n = min_swap(window, off_emb)
+    if n is None and gpu and emb:
+        off_emb = True
+        n = min_swap(window, off_emb)
+    if n is None and causal:
+        min_window = max(2 * fpb, weights.sink_size + fpb)
+        w = frames_of(requested) - fpb
+        while w >= min_window:
+            n = min_swap(w, off_emb)
+            if n is not None:
+                window = w
+                break
+            w -= fpb
+    fits = n is not None
+    if not fits:
+        window = max(2 * fpb, weights.sink_size + fpb) if causal else -1
+        window = min(window, full_frames) if causal else -1
+        n = L if gpu else 0
+    if window >= 0 and window >= full_frames and requested < 0:
+        window = -1
+
+    # limits learned on this machine
+    key = dit_limit_key(weights.signature, workload.width, workload.height, workload.frames, workload.mode, B)
+    resident_ok = learned_size(cache, key) if use_learned and gpu else None
+    if resident_ok is not None and L - resident_ok > n:
+        learned["dit"] = {"key": key, "resident_blocks": resident_ok}
+        reasons["blocks_to_swap"] = (f"learned on this machine: only {resident_ok} resident blocks ran without "
+                                     f"running out of memory at this size (the estimate allowed {L - n})")
+        n = L - resident_ok
+
+    need = needs(n, window, off_emb)
+    peak = sum(need.values())
+    kv_now = need["kv_cache"]
+    if "blocks_to_swap" not in reasons:
+        if not gpu:
+            reasons["blocks_to_swap"] = "no CUDA device: every block runs from host memory, nothing to swap"
+        elif not fits:
+            reasons["blocks_to_swap"] = "every block swapped (the least VRAM block swap can reach); still too large"
+        elif n == 0:
+            reasons["blocks_to_swap"] = f"all {L} blocks ({gib(sum(blocks))}) fit beside the caches and activations"
+        else:
+            reasons["blocks_to_swap"] = (f"the weights need {gib(sum(blocks) + other)}; keeping {L - n} blocks resident "
+                                         f"and streaming {n} ({gib(sum(blocks[L - n:]))}) keeps the peak at {gib(peak)} "
+                                         f"within {gib(budget)}")
+    if not fits:
+        reasons["fits"] = (f"even with every block swapped{', embeddings offloaded' if off_emb else ''} and the "
+                           f"smallest KV window the estimate is {gib(peak)} for a budget of {gib(budget)}: lower the "
+                           f"resolution or frame count, lower 'reserve', or free {'VRAM' if gpu else 'RAM'} used by "
+                           "other programs" + ("; fp8 weights (SM 8.9+) would also help" if gpu and system.fp8 else ""))
+
+    # prefetch and pinning
+    prefetch = 1 if gpu and n > 0 else 0
+    pinned_blocks = 0
+    swapped = sum(blocks[L - n:]) + (emb if off_emb else 0)
+    if gpu and n > 0:
+        acc = 0
+        for b in blocks[L - n:]:
+            if acc + b > system.pinned_budget:
+                break
+            acc += b
+            pinned_blocks += 1
+        lk = attended_tokens(workload, frames_of(window), patch)
+        copy = transfer_ms(max_block, pinned_blocks == n)
+        comp = block_compute_ms(max(weights.block_float_numel), lq, lk, weights.dim, system.capability, B)
+        extra = n * max(0.0, copy - comp)
+        reasons["prefetch"] = (f"1 block ahead: the copy of the next swapped block (~{copy:.1f} ms) overlaps the "
+                               f"current block's compute (~{comp:.1f} ms); expect ~{extra:.0f} ms more per forward "
+                               "than fully resident" if extra >= 1 else
+                               f"1 block ahead: the copy (~{copy:.1f} ms) hides behind compute (~{comp:.1f} ms)")
+        reasons["pinned_blocks"] = (f"all {n} swapped blocks pinned ({gib(swapped)})" if pinned_blocks == n else
+                                    f"{pinned_blocks} of {n} swapped blocks pinned (pinned budget "
+                                    f"{gib(system.pinned_budget)}); the rest copy from pageable memory, slower")
+        if swapped > system.host_ram_available:
+            fits = False
+            reasons["fits"] = (f"the swapped weights need {gib(swapped)} of host RAM but only "
+                               f"{gib(system.host_ram_available)} is available; add RAM or use a smaller model")
+    if off_emb:
+        reasons["offload_embeddings"] = (f"text/image embeddings ({gib(emb)}) live on the host and are copied in "
+                                         "when used, to make room")
+
+    # KV window
+    if not causal:
+        reasons["kv_window"] = "full-sequence sampling keeps no KV cache"
+    elif window < 0:
+        reasons["kv_window"] = f"global cache over {full_frames} latent frames ({gib(kv_now)}) fits"
+        if full_frames > 21:
+            notes.append(f"{workload.latent_frames} latent frames exceed the 21 that Self-Forcing / CausVid "
+                         "checkpoints were trained on; a rolling KV window (local_attn_size) may be needed")
+    elif requested > 0 and window == frames_of(requested):
+        reasons["kv_window"] = f"the model's rolling window of {window} latent frames ({gib(kv_now)})"
+    else:
+        full_kv = kv_cache_bytes(L, full_frames * tpf, weights.dim, elem, B)
+        reasons["kv_window"] = (f"a global cache needs {gib(full_kv)}, which does not fit even with every block "
+                                f"swapped; a rolling window of {window} latent frames ({gib(kv_now)}) does. Outputs "
+                                "differ from global attention unless the model was trained with such a window")
+
+    # VAE decode chunk
+    t_lat, lat_h, lat_w = workload.latent_frames, workload.latent_h, workload.latent_w
+    v_elem = 2 if gpu else 4
+    floor = max(1, min(t_lat, vae_overlap + 1)) if t_lat > 1 else 1
+
+    def best_chunk(vbudget: int) -> int | None:
+        for c in range(t_lat, floor - 1, -1):
+            if vae_decode_bytes(c, lat_h, lat_w, v_elem, B) <= vbudget:
+                return c
+        return None
+
+    dit_resident = need["weights_resident"]
+    vbudget = budget if not gpu else system.free_vram - reserve_bytes - margin - dit_resident
+    chunk = best_chunk(vbudget)
+    where = "beside the resident DiT weights"
+    if chunk is None and gpu:
+        vbudget = system.free_vram - reserve_bytes - margin
+        chunk, where = best_chunk(vbudget), "once the DiT weights are unloaded (ComfyUI does this when memory is short)"
+    if chunk is None:
+        chunk = floor
+        reason = (f"even {floor} latent frames per chunk is estimated at {gib(vae_decode_bytes(floor, lat_h, lat_w, v_elem, B))} "
+                  f"(budget {gib(vbudget)}); decoding starts there and learns from any out-of-memory error")
+    elif chunk >= t_lat:
+        reason = (f"the whole video ({t_lat} latent frames -> {video_frames_for(t_lat)} frames) decodes in one go "
+                  f"{where} (estimated {gib(vae_decode_bytes(chunk, lat_h, lat_w, v_elem, B))})")
+    else:
+        reason = (f"{chunk} latent frames per chunk (estimated {gib(vae_decode_bytes(chunk, lat_h, lat_w, v_elem, B))}) "
+                  f"fit {where}; {t_lat} would need {gib(vae_decode_bytes(t_lat, lat_h, lat_w, v_elem, B))}")
+    vkey = vae_limit_key(vae_kind, B, lat_h, lat_w)
+    vlearned = learned_size(cache, vkey) if use_learned else None
+    if vlearned is not None and vlearned < chunk:
+        learned["vae"] = {"key": vkey, "chunk": vlearned}
+        reason = f"learned on this machine: {vlearned} latent frames per chunk decoded without running out of memory"
+        chunk = max(floor, vlearned)
+    reasons["vae_chunk_frames"] = reason
+    overlap = 0 if chunk >= t_lat else min(vae_overlap, chunk - 1)
+
+    return MemoryPlan(
+        fits=fits, device=system.device, dtype=dtype, attention_backend=backend, blocks_total=L, blocks_to_swap=n,
+        prefetch=prefetch, pinned_blocks=pinned_blocks, offload_embeddings=off_emb, kv_window=window,
+        vae_chunk_frames=chunk, vae_overlap=overlap, budget_bytes=int(budget), estimated_peak_bytes=int(peak),
+        breakdown={k: int(v) for k, v in need.items()}, reasons=reasons, notes=notes, learned=learned,
+        system=system.to_dict(), model={k: v for k, v in weights.summary().items() if k != "block_bytes"},
+        workload=workload.to_dict())

@@ -1,0 +1,422 @@
+"""Memory nodes: "Wan VRAM Plan", "Wan Block Swap", "CausalWan Block Swap", "Wan Chunked VAE Decode".
+
+Thin adapters: widgets -> memory library calls. ComfyUI modules are imported lazily and optionally.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("wan_accel")
+CATEGORY = "wan_accel/memory"
+PATCH_KEY = "wan_accel_block_swap"
+PRESET_CHOICES = ["1.3b", "14b", "14b-i2v", "checkpoint"]
+# Block swap on a CPU-only ComfyUI only adds copies; tests turn this on to exercise the ComfyUI glue.
+ALLOW_CPU_SWAP = False
+
+
+def _diffusion_model_files() -> list | None:
+    try:
+        import folder_paths
+    except ImportError:
+        return None
+    try:
+        return list(folder_paths.get_filename_list("diffusion_models"))
+    except Exception:  # noqa: BLE001 - an odd folder setup must not break INPUT_TYPES
+        return []
+
+
+def _resolve_checkpoint(name: str) -> str:
+    if not name or name == "none":
+        raise ValueError("model_source is 'checkpoint' but no checkpoint is selected")
+    try:
+        import folder_paths
+
+        full = folder_paths.get_full_path("diffusion_models", name)
+        if full:
+            return full
+    except ImportError:
+        pass
+    return name
+
+
+def _causal_module(handle):
+    """The nn.Module inside a CAUSALWAN_MODEL handle (ModelHandle.model, a dict's 'model', or the module)."""
+    for candidate in (getattr(handle, "model", None), handle.get("model") if isinstance(handle, dict) else None,
+                      handle):
+        if candidate is not None and hasattr(candidate, "blocks"):
+            return candidate
+    raise TypeError(f"CAUSALWAN_MODEL of type {type(handle).__name__} has no model with 'blocks'")
+
+
+def _swap_inputs(first: tuple) -> dict:
+    return {"required": {
+        first[0]: first[1],
+        "blocks_to_swap": ("INT", {"default": -1, "min": -1, "max": 128, "step": 1,
+                                   "tooltip": "How many of the last transformer blocks live in host RAM and are "
+                                              "streamed to the GPU when used. -1 takes the number from the plan "
+                                              "input; 0 turns swapping off."}),
+        "prefetch_blocks": ("INT", {"default": 1, "min": 0, "max": 8, "step": 1,
+                                    "tooltip": "Swapped blocks copied ahead on a side CUDA stream while the "
+                                               "current block computes. 1 is enough unless copies are slower "
+                                               "than compute; each costs one block of VRAM."}),
+        "offload_embeddings": ("BOOLEAN", {"default": False,
+                                           "tooltip": "Also keep the text/image embedding layers in host RAM "
+                                                      "(copied in when used)."}),
+    }, "optional": {
+        "plan": ("WANACCEL_PLAN", {"tooltip": "A Wan VRAM Plan; used when blocks_to_swap is -1."}),
+    }}
+
+
+def _resolve_settings(blocks_to_swap: int, prefetch: int, offload_embeddings: bool, plan, n_blocks: int):
+    from ..memory.block_swap import SwapSettings
+
+    if blocks_to_swap < 0:
+        if plan is None:
+            raise ValueError("blocks_to_swap is -1 (take it from the plan) but no plan is connected: connect a "
+                             "Wan VRAM Plan node or set a number of blocks")
+        if plan.blocks_total != n_blocks:
+            raise ValueError(f"the plan was made for a model with {plan.blocks_total} blocks; this model has "
+                             f"{n_blocks}. Plan for the same model (or set blocks_to_swap by hand)")
+        return SwapSettings(plan.blocks_to_swap, plan.prefetch if plan.blocks_to_swap else prefetch,
+                            bool(offload_embeddings or plan.offload_embeddings))
+    if blocks_to_swap > n_blocks:
+        log.warning("wan_accel: blocks_to_swap %d is more than the model's %d blocks; swapping all",
+                    blocks_to_swap, n_blocks)
+    return SwapSettings(min(blocks_to_swap, n_blocks), prefetch, bool(offload_embeddings))
+
+
+class WanVRAMPlan:
+    DESCRIPTION = ("Plans memory for a Wan / causal Wan generation on this GPU: dtype, how many blocks to swap, "
+                   "prefetch, KV window, VAE chunk size and attention backend, each with its reason. Sizes come "
+                   "from the checkpoint header (nothing is loaded) or a preset; limits learned on this machine "
+                   "override the estimates.")
+    CATEGORY = CATEGORY
+    FUNCTION = "plan"
+    RETURN_TYPES = ("WANACCEL_PLAN", "STRING")
+    RETURN_NAMES = ("plan", "summary")
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        files = _diffusion_model_files()
+        ckpt = ((["none"] + files, {"default": "none",
+                                    "tooltip": "Wan DiT checkpoint in models/diffusion_models (only its header is "
+                                               "read). Used when model_source is 'checkpoint'."})
+                if files is not None else
+                ("STRING", {"default": "", "tooltip": "Path of a Wan DiT .safetensors file (only its header is "
+                                                      "read). Used when model_source is 'checkpoint'."}))
+        return {"required": {
+            "model_source": (PRESET_CHOICES, {"default": "1.3b",
+                                              "tooltip": "A model preset, or 'checkpoint' to read the file below."}),
+            "checkpoint": ckpt,
+            "width": ("INT", {"default": 832, "min": 16, "max": 8192, "step": 16, "tooltip": "Video width."}),
+            "height": ("INT", {"default": 480, "min": 16, "max": 8192, "step": 16, "tooltip": "Video height."}),
+            "frames": ("INT", {"default": 81, "min": 1, "max": 8193, "step": 4,
+                               "tooltip": "Video frames (4k+1 for Wan)."}),
+            "reserve_gb": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 256.0, "step": 0.25,
+                                     "tooltip": "VRAM to leave unused for other models and programs."}),
+            "sampling": (["causal", "full"], {"default": "causal",
+                                              "tooltip": "causal: chunks with a KV cache (Self-Forcing, CausVid); "
+                                                         "full: one bidirectional sequence (Wan 2.1)."}),
+        }, "optional": {
+            "causal_model": ("CAUSALWAN_MODEL", {"tooltip": "A loaded causal Wan model; its exact sizes are "
+                                                            "used instead of the preset/checkpoint."}),
+        }}
+
+    def plan(self, model_source="1.3b", checkpoint="", width=832, height=480, frames=81, reserve_gb=1.0,
+             sampling="causal", causal_model=None):
+        from ..memory.estimate import Workload
+        from ..memory.limits import open_cache
+        from ..memory.plan import make_plan
+        from ..memory.system import GiB, detect_system
+        from ..memory.weights import preset_weights, weights_from_checkpoint, weights_from_module
+
+        if causal_model is not None:
+            weights = weights_from_module(_causal_module(causal_model))
+        elif model_source == "checkpoint":
+            weights = weights_from_checkpoint(_resolve_checkpoint(checkpoint))
+        else:
+            weights = preset_weights(model_source)
+        plan = make_plan(weights, Workload(width, height, frames, mode=sampling), detect_system(),
+                         reserve_bytes=int(reserve_gb * GiB), cache=open_cache())
+        text = plan.summary()
+        return {"ui": {"text": [text]}, "result": (plan, text)}
+
+
+# ---------------------------------------------------------------------- block swap on ComfyUI's MODEL
+class _ComfySwapPatch:
+    """Installs the swap after ComfyUI loads the model (ON_LOAD), keeps it through runs (DIFFUSION_MODEL wrapper),
+    removes it when ComfyUI detaches the model (ON_DETACH); the shared model is never left patched."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.swap = None
+
+    def _install(self, dm, device) -> None:
+        import torch
+
+        from ..memory.block_swap import active_swap, apply_block_swap
+
+        device = torch.device(device) if device is not None else None
+        if device is None or (device.type == "cpu" and not ALLOW_CPU_SWAP):
+            return
+        current = active_swap(dm)
+        if current is not None and current is self.swap:
+            if current.is_intact():
+                current.release()      # ComfyUI may have reloaded swapped tensors: point them back to the host
+                return
+            current.remove(restore=False)
+        elif current is not None:
+            current.remove(restore=True)   # another patcher's swap on the same model
+        self.swap = apply_block_swap(dm, self.settings, device=device, move_resident=False)
+        log.info("wan_accel: %s", self.swap.describe())
+
+    def on_load(self, patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
+        self._install(patcher.model.diffusion_model, device_to)
+
+    def on_detach(self, patcher, unpatch_all):
+        from ..memory.block_swap import active_swap
+
+        swap = active_swap(patcher.model.diffusion_model)
+        if swap is not None and swap is self.swap:
+            swap.remove(restore=False)   # the model is going to the offload device anyway
+        self.swap = None
+
+    def wrapper(self, executor, *args, **kwargs):
+        from ..memory.block_swap import active_swap
+
+        dm = executor.class_obj
+        if active_swap(dm) is not self.swap or self.swap is None:
+            x = args[0] if args else kwargs.get("x")
+            self._install(dm, getattr(x, "device", None))
+        return executor(*args, **kwargs)
+
+
+class WanBlockSwap:
+    DESCRIPTION = ("Block swap for ComfyUI's native Wan MODEL: the last N transformer blocks stay in pinned host RAM "
+                   "and are copied to the GPU just before they run (prefetched on a side stream), then dropped, "
+                   "never copied back. Outputs are unchanged. Patches a clone; the shared model is untouched.")
+    CATEGORY = CATEGORY
+    FUNCTION = "apply"
+    RETURN_TYPES = ("MODEL",)
+    RETURN_NAMES = ("model",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _swap_inputs(("model", ("MODEL", {"tooltip": "A Wan diffusion model (diffusion_model.blocks)."})))
+
+    def apply(self, model, blocks_to_swap=-1, prefetch_blocks=1, offload_embeddings=False, plan=None):
+        dm = model.get_model_object("diffusion_model")
+        blocks = getattr(dm, "blocks", None)
+        if blocks is None:
+            raise ValueError(f"{type(dm).__name__} has no 'blocks'; Wan Block Swap works on Wan models")
+        settings = _resolve_settings(blocks_to_swap, prefetch_blocks, offload_embeddings, plan, len(blocks))
+        if settings.blocks_to_swap == 0 and not settings.offload_embeddings:
+            return (model,)
+        try:
+            m = model.clone(disable_dynamic=True)   # dynamic VRAM manages placement itself; opt out like core compile
+        except TypeError:
+            m = model.clone()
+        except RuntimeError as exc:
+            log.warning("wan_accel: Wan Block Swap could not leave ComfyUI's dynamic VRAM mode (%s); start ComfyUI "
+                        "with --disable-dynamic-vram to use it", exc)
+            return (model,)
+        patch = _ComfySwapPatch(settings)
+        try:
+            from comfy.patcher_extension import CallbacksMP, WrappersMP
+
+            on_load, on_detach, wrap = CallbacksMP.ON_LOAD, CallbacksMP.ON_DETACH, WrappersMP.DIFFUSION_MODEL
+        except ImportError:
+            on_load, on_detach, wrap = "on_load_after", "on_detach_after", "diffusion_model"
+        m.add_callback_with_key(on_load, PATCH_KEY, patch.on_load)
+        m.add_callback_with_key(on_detach, PATCH_KEY, patch.on_detach)
+        m.add_wrapper_with_key(wrap, PATCH_KEY, patch.wrapper)
+        return (m,)
+
+
+class CausalWanBlockSwap:
+    DESCRIPTION = ("Block swap for a causal Wan model: the last N blocks live in pinned host RAM and stream to the "
+                   "GPU when used (prefetched on a side stream). Outputs are unchanged. The sampler applies the "
+                   "setting carried by the model handle at the start of every run.")
+    CATEGORY = CATEGORY
+    FUNCTION = "apply"
+    RETURN_TYPES = ("CAUSALWAN_MODEL",)
+    RETURN_NAMES = ("causal_model",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _swap_inputs(("causal_model", ("CAUSALWAN_MODEL", {"tooltip": "A loaded causal Wan model."})))
+
+    def apply(self, causal_model, blocks_to_swap=-1, prefetch_blocks=1, offload_embeddings=False, plan=None):
+        import torch
+
+        from ..memory.block_swap import attach_swap_settings, ensure_block_swap
+
+        module = _causal_module(causal_model)
+        settings = _resolve_settings(blocks_to_swap, prefetch_blocks, offload_embeddings, plan, len(module.blocks))
+        device = getattr(module, "device", None)
+        if isinstance(device, torch.device) and device.type == "cpu" and not ALLOW_CPU_SWAP:
+            log.info("wan_accel: the causal model runs on the CPU; block swap has nothing to save there")
+        else:
+            ensure_block_swap(module, settings, device=device)
+        return (attach_swap_settings(causal_model, settings),)
+
+
+# ---------------------------------------------------------------------- chunked VAE decode
+class _TiledFallbackWatch(logging.Handler):
+    """Notices ComfyUI's "ran out of memory ... retrying with tiled VAE decoding" warning."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.fired = False
+
+    def emit(self, record):
+        try:
+            text = record.getMessage().lower()
+        except Exception:  # noqa: BLE001
+            return
+        if "out of memory" in text and "tiled" in text:
+            self.fired = True
+
+
+def _comfy_free(_size=None) -> None:
+    try:
+        import comfy.model_management as mm
+
+        mm.soft_empty_cache()
+    except ImportError:
+        pass
+
+
+def _vae_kind(vae, channels: int) -> str:
+    known = {16: "wan2.1", 48: "wan2.2"}
+    if channels in known:
+        return known[channels]
+    inner = getattr(vae, "first_stage_model", vae)
+    return f"{type(inner).__name__}-c{channels}"
+
+
+def _time_ratio(vae):
+    fn = getattr(vae, "temporal_compression_decode", None)
+    try:
+        r = fn() if callable(fn) else None
+    except Exception:  # noqa: BLE001
+        r = None
+    return int(r) if isinstance(r, (int, float)) and r >= 1 else None
+
+
+def _auto_chunk(vae, latent, plan) -> tuple[int, str]:
+    from ..memory.estimate import vae_decode_bytes
+    from ..memory.system import detect_system
+
+    b, _, t, h, w = latent.shape
+    if plan is not None:
+        wl = plan.workload or {}
+        if wl.get("height", 0) // 8 == h and wl.get("width", 0) // 8 == w:
+            return max(1, plan.vae_chunk_frames), "from the plan"
+        log.info("wan_accel: the plan is for %sx%s, the latent is %dx%d pixels; estimating the VAE chunk instead",
+                 wl.get("width"), wl.get("height"), w * 8, h * 8)
+    system = detect_system(getattr(vae, "device", None))
+    elem = getattr(getattr(vae, "vae_dtype", None), "itemsize", 2)
+    budget = (system.free_vram if system.has_gpu else system.host_ram_available) - 512 * 1024 ** 2
+    for c in range(t, 0, -1):
+        if vae_decode_bytes(c, h, w, elem, b) <= budget:
+            return c, "estimated from free memory"
+    return 1, "estimated from free memory"
+
+
+class WanChunkedVAEDecode:
+    DESCRIPTION = ("Decodes a video latent in temporal chunks with overlap and a linear cross-fade, so long videos "
+                   "decode within VRAM. On out-of-memory the chunk is halved and redone; the size that worked is "
+                   "remembered for this GPU and resolution, so the next run starts there.")
+    CATEGORY = CATEGORY
+    FUNCTION = "decode"
+    RETURN_TYPES = ("IMAGE",)
+    RETURN_NAMES = ("images",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "samples": ("LATENT", {"tooltip": "The video latent to decode."}),
+            "vae": ("VAE", {"tooltip": "The Wan VAE."}),
+            "chunk_frames": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 1,
+                                     "tooltip": "Latent frames per chunk. 0 = auto (plan, else learned limit, else "
+                                                "estimate). A number is an upper bound, lowered on out-of-memory."}),
+            "overlap": ("INT", {"default": 2, "min": 0, "max": 16, "step": 1,
+                                "tooltip": "Latent frames shared by neighbouring chunks; their video frames are "
+                                           "cross-faded. At least 1 for Wan (4x temporal compression)."}),
+        }, "optional": {
+            "plan": ("WANACCEL_PLAN", {"tooltip": "A Wan VRAM Plan; supplies the chunk size when chunk_frames is 0."}),
+        }}
+
+    def decode(self, samples, vae, chunk_frames=0, overlap=2, plan=None):
+        from ..memory.chunked_decode import decode_chunked, min_chunk
+        from ..memory.limits import open_cache, vae_limit_key
+        from ..memory.oom import SoftOOM
+
+        latent = samples["samples"]
+        if getattr(latent, "is_nested", False):
+            latent = latent.unbind()[0]
+        if latent.dim() != 5:
+            images = vae.decode(latent)
+            return (images.reshape(-1, *images.shape[-3:]) if images.dim() == 5 else images,)
+        b, c, t, h, w = latent.shape
+        ratio = _time_ratio(vae)
+        if (ratio or 4) > 1:
+            overlap = max(1, overlap)
+        start, how = (chunk_frames, "widget") if chunk_frames > 0 else _auto_chunk(vae, latent, plan)
+        floor = min(min_chunk(overlap, ratio or 4), t)
+        key = vae_limit_key(_vae_kind(vae, c), b, h, w)
+        log.info("wan_accel: chunked VAE decode of %d latent frames, chunk %d (%s), overlap %d", t, start, how, overlap)
+
+        def decode_fn(chunk):
+            watch = _TiledFallbackWatch()
+            root = logging.getLogger()
+            root.addHandler(watch)
+            try:
+                out = vae.decode(chunk)
+            finally:
+                root.removeHandler(watch)
+            if watch.fired and chunk.shape[2] > floor:
+                del out
+                raise SoftOOM(f"the VAE fell back to tiled decoding at {chunk.shape[2]} latent frames")
+            return out
+
+        pbar = None
+        try:
+            import comfy.utils
+
+            pbar = comfy.utils.ProgressBar(t)
+        except ImportError:
+            pass
+
+        def between(done, total):
+            try:
+                import comfy.model_management as mm
+
+                mm.throw_exception_if_processing_interrupted()
+            except ImportError:
+                pass
+            if pbar is not None:
+                pbar.update_absolute(done, total)
+
+        hint = (f"Lower the resolution ({w * 8}x{h * 8}), close other programs using VRAM, or use ComfyUI's "
+                "'VAE Decode (Tiled)' node with smaller tiles.")
+        frames, used = decode_chunked(latent, decode_fn, chunk_frames=max(start, floor), overlap=overlap,
+                                      time_ratio=ratio, key=key, cache=open_cache(), on_oom=_comfy_free,
+                                      hint=hint, between=between)
+        return (frames.reshape(-1, *frames.shape[-3:]),)
+
+
+NODE_CLASS_MAPPINGS = {
+    "WanAccelVRAMPlan": WanVRAMPlan,
+    "WanAccelBlockSwap": WanBlockSwap,
+    "WanAccelCausalBlockSwap": CausalWanBlockSwap,
+    "WanAccelChunkedVAEDecode": WanChunkedVAEDecode,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "WanAccelVRAMPlan": "Wan VRAM Plan",
+    "WanAccelBlockSwap": "Wan Block Swap",
+    "WanAccelCausalBlockSwap": "CausalWan Block Swap",
+    "WanAccelChunkedVAEDecode": "Wan Chunked VAE Decode",
+}

@@ -1,0 +1,150 @@
+"""ComfyUI nodes of Matrix-Game-2: Game Actions (script -> per-frame actions) and Matrix-Game-2 Sampler."""
+from __future__ import annotations
+
+MODES = ["universal", "gta_drive", "templerun"]
+PRESETS = ["universal", "gta_drive", "templerun"]
+DEFAULT_SCRIPT = "W*20, W+A*8, mouse(0.1,0)*12, idle*4"
+
+
+class GameActions:
+    DESCRIPTION = ("Builds the per-video-frame keyboard and mouse actions of a Matrix-Game-2 run from a short "
+                   "script such as 'W*20, W+A*8, mouse(0.1,0)*12, idle*4' (ACTION*FRAMES items; keys joined "
+                   "with '+'; mouse(pitch,yaw); idle). Counts are video frames after the start frame and must "
+                   "add up to a multiple of 4. Shows the video and latent frame counts it implies.")
+    CATEGORY = "wan_accel/matrix_game2"
+    FUNCTION = "build"
+    RETURN_TYPES = ("GAME_ACTIONS", "INT", "INT", "STRING")
+    RETURN_NAMES = ("actions", "video_frames", "latent_frames", "summary")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "script": ("STRING", {"default": DEFAULT_SCRIPT, "multiline": True, "tooltip":
+                       "Comma- or line-separated ACTION*FRAMES items. universal keys W S A D (forward back left "
+                       "right), gta_drive W S, templerun nomove jump slide turnleft turnright leftside "
+                       "rightside; mouse(pitch,yaw) or look_up/down/left/right (0.1); idle; '#' comments."}),
+            "mode": (MODES, {"default": "universal", "tooltip":
+                     "Action layout of the checkpoint: universal (4 keys + mouse), gta_drive (2 keys + mouse), "
+                     "templerun (7 keys, no mouse)."}),
+        }}
+
+    def build(self, script, mode="universal"):
+        from ..wan.actions_script import parse_action_script
+        actions = parse_action_script(script, mode)
+        summary = actions.summary()
+        return {"ui": {"text": [summary]},
+                "result": (actions, actions.video_frames, actions.latent_frames, summary)}
+
+
+def clip_tokens(clip_vision_output):
+    """CLIP_VISION_OUTPUT (penultimate_hidden_states [B, 257, 1280]) or a tensor -> float tensor [B, L, C]."""
+    import torch
+    if isinstance(clip_vision_output, torch.Tensor):
+        t = clip_vision_output
+    else:
+        t = getattr(clip_vision_output, "penultimate_hidden_states", None)
+        if t is None and hasattr(clip_vision_output, "get"):
+            t = clip_vision_output.get("penultimate_hidden_states")
+        if t is None:
+            raise ValueError("clip_vision_output has no penultimate_hidden_states: connect a CLIP Vision Encode "
+                             "node (CLIP ViT-H/14, as Wan 2.1 i2v uses) on the start image")
+    if t.dim() == 2:
+        t = t[None]
+    return t.float()
+
+
+def _comfy():
+    try:
+        import comfy.model_management as mm
+        import comfy.utils
+        return comfy.utils.ProgressBar, mm.throw_exception_if_processing_interrupted
+    except ImportError:
+        return None, None
+
+
+class MatrixGame2Sampler:
+    DESCRIPTION = ("Interactive Matrix-Game-2 video: samples latents chunk by chunk (3 latent frames each) from "
+                   "the start image latent, its CLIP vision tokens and the Game Actions, with rolling self, "
+                   "mouse and keyboard caches, exactly as the released pipeline. Outputs a Wan 2.1 LATENT.")
+    CATEGORY = "wan_accel/matrix_game2"
+    FUNCTION = "sample"
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("latent",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("CAUSALWAN_MODEL", {"tooltip": "A Matrix-Game-2 checkpoint from CausalWan Model Loader."}),
+                "start_latent": ("LATENT", {"tooltip":
+                                 "VAE Encode (Wan 2.1 VAE) of the start image, [B, 16, 1, h, w]; or of the start "
+                                 "image followed by 4*(F-1) gray frames (exact to the released pipeline)."}),
+                "clip_vision_output": ("CLIP_VISION_OUTPUT", {"tooltip":
+                                       "CLIP Vision Encode of the start image (penultimate hidden states, "
+                                       "257 tokens x 1280)."}),
+                "actions": ("GAME_ACTIONS", {"tooltip": "From Game Actions; its mode must match the checkpoint."}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
+                         "Seed of the initial and per-step noise (batch element i uses seed + i)."}),
+                "num_frames": ("INT", {"default": 0, "min": 0, "max": 1020, "step": 3, "tooltip":
+                               "Latent frames to generate (multiple of 3; video frames = 4*(n-1)+1). 0: every "
+                               "whole 3-frame chunk the actions cover."}),
+                "preset": (PRESETS, {"default": "universal", "tooltip":
+                           "Released settings: universal and gta_drive 3 steps [1000,666,333]; templerun 4 steps "
+                           "[1000,750,500,250]; all shift 5. Rolling window 6 latent frames (gta_drive 4)."}),
+            },
+            "optional": {
+                "kv_window": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip":
+                              "Override the rolling cache window in latent frames (0: the preset's; >= 3)."}),
+            },
+        }
+
+    def sample(self, model, start_latent, clip_vision_output, actions, seed=0, num_frames=0, preset="universal",
+               kv_window=0):
+        import torch
+        from ..wan.mg2 import PRESETS as LIB_PRESETS, generate_mg2
+        from ..wan.preview import WAN21_LATENT_MEAN, WAN21_LATENT_STD
+        net = getattr(model, "model", model)
+        if not hasattr(net, "action_config"):
+            raise ValueError("this model has no action modules: load a Matrix-Game-2 checkpoint (or use the "
+                             "CausalWan Sampler for text-to-video models)")
+        if actions is None or not hasattr(actions, "tensors"):
+            raise ValueError("actions must come from a Game Actions node")
+        if preset in LIB_PRESETS and actions.mode != LIB_PRESETS[preset]["mode"]:
+            raise ValueError(f"the actions were written for mode {actions.mode!r} but preset {preset!r} is for "
+                             f"{LIB_PRESETS[preset]['mode']!r}: set both to the checkpoint's mode")
+        raw = start_latent["samples"] if isinstance(start_latent, dict) else start_latent
+        if raw.dim() == 4:
+            raw = raw[:, :, None]
+        mean = torch.tensor(WAN21_LATENT_MEAN).view(1, 16, 1, 1, 1)
+        std = torch.tensor(WAN21_LATENT_STD).view(1, 16, 1, 1, 1)
+        if raw.dim() != 5 or raw.shape[1] != 16:
+            raise ValueError(f"start_latent must be a Wan 2.1 LATENT [B, 16, frames, h, w], got {tuple(raw.shape)}")
+        image = (raw.float().cpu() - mean) / std
+        tokens = clip_tokens(clip_vision_output)
+        bar_cls, interrupt = _comfy()
+        state = {"bar": None}
+
+        def on_step(_ci, _k, _nc, _ns, _x0):
+            if interrupt is not None:
+                interrupt()
+
+        def on_chunk(ci, n):
+            if bar_cls is not None:
+                state["bar"] = state["bar"] or bar_cls(n)
+                state["bar"].update_absolute(ci + 1, n)
+
+        with torch.inference_mode():
+            latents = generate_mg2(net, image, tokens, actions, num_frames, seed, preset,
+                                   window=kv_window or None, callback=on_step, on_chunk=on_chunk)
+        out = latents.float().cpu() * std + mean
+        return ({"samples": out},)
+
+
+NODE_CLASS_MAPPINGS = {
+    "MatrixGame2Actions": GameActions,
+    "MatrixGame2Sampler": MatrixGame2Sampler,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "MatrixGame2Actions": "Game Actions",
+    "MatrixGame2Sampler": "Matrix-Game-2 Sampler",
+}

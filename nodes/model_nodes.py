@@ -1,0 +1,193 @@
+"""ComfyUI nodes of the model area: CausalWan Model Loader and CausalWan Sampler (thin adapters over wan/)."""
+from __future__ import annotations
+
+TINY_NAME = "(built-in tiny model)"   # same string as wan.handle.TINY_NAME (kept here: no heavy import)
+PRESETS = ["self_forcing", "causvid", "custom"]
+
+
+def _checkpoint_input():
+    try:
+        import folder_paths
+        names = list(folder_paths.get_filename_list("diffusion_models"))
+        return ([TINY_NAME] + names, {"default": TINY_NAME, "tooltip":
+                "Causal Wan DiT (.safetensors in models/diffusion_models), or the built-in tiny random model "
+                "for smoke tests. Convert .pt checkpoints with: python -m wan_accel convert"})
+    except ImportError:
+        return ("STRING", {"default": TINY_NAME, "tooltip":
+                "Path of a causal Wan DiT .safetensors file, or '(built-in tiny model)'."})
+
+
+def _resolve_checkpoint(name: str) -> str:
+    if name in ("", TINY_NAME):
+        return TINY_NAME
+    try:
+        import folder_paths
+        path = folder_paths.get_full_path("diffusion_models", name)
+        if path:
+            return path
+    except ImportError:
+        pass
+    return name
+
+
+def _torch_device():
+    try:
+        import comfy.model_management as mm
+        return mm.get_torch_device()
+    except ImportError:
+        return None
+
+
+class CausalWanModelLoader:
+    DESCRIPTION = ("Loads a causal Wan 2.1 DiT (Self-Forcing / CausVid) from safetensors, with the config inferred "
+                   "from the weights. The built-in tiny model needs no download (random weights, for testing).")
+    CATEGORY = "wan_accel/model"
+    FUNCTION = "load"
+    RETURN_TYPES = ("CAUSALWAN_MODEL",)
+    RETURN_NAMES = ("model",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "checkpoint": _checkpoint_input(),
+                "dtype": (["bf16", "fp16", "fp32"], {"default": "bf16", "tooltip":
+                          "Weight / matmul dtype. bf16 is what causal checkpoints run in; fp32 for parity checks."}),
+                "precision": (["self_forcing", "wan21", "float32"], {"default": "self_forcing", "tooltip":
+                              "self_forcing: whole model in dtype (as Self-Forcing runs). wan21: time embedding, "
+                              "modulation, residual stream and head in float32. float32: everything float32."}),
+                "attention": (["auto", "sdpa", "flash_attn"], {"default": "auto", "tooltip":
+                              "auto: flash-attn when installed and applicable, else torch SDPA."}),
+            },
+            "optional": {
+                "compile_settings": ("WANACCEL_COMPILE", {"tooltip": "Compile settings, stored for the sampler."}),
+                "plan": ("WANACCEL_PLAN", {"tooltip": "VRAM plan, stored for the sampler."}),
+            },
+        }
+
+    def load(self, checkpoint, dtype="bf16", precision="self_forcing", attention="auto",
+             compile_settings=None, plan=None):
+        from ..wan.handle import load_model_handle
+        handle = load_model_handle(_resolve_checkpoint(checkpoint), dtype, precision, attention,
+                                   device=_torch_device(), compile_settings=compile_settings, plan=plan)
+        return (handle,)
+
+
+def conditioning_to_context(conditioning, text_dim: int, text_len: int):
+    """ComfyUI CONDITIONING ([[tensor [1, L, C], dict], ...]) -> [1, L, C] text embedding (first entry);
+    None -> zero context. Raises a clear error when C differs from the model's text_dim."""
+    import torch
+    if conditioning is None:
+        return torch.zeros(1, 0, text_dim)
+    try:
+        cond = conditioning[0][0]
+    except (IndexError, TypeError, KeyError):
+        raise ValueError("positive must be a CONDITIONING (from a CLIP Text Encode node with umt5-xxl)") from None
+    cond = cond if cond.dim() == 3 else cond[None]
+    if cond.shape[-1] != text_dim:
+        raise ValueError(f"the conditioning is {cond.shape[-1]} wide but the model's text_dim is {text_dim}. "
+                         f"Wan models take umt5-xxl conditioning (4096); the built-in tiny model takes none: "
+                         f"leave 'positive' unconnected for it.")
+    if cond.shape[1] > text_len:
+        raise ValueError(f"the conditioning has {cond.shape[1]} tokens; the model takes at most {text_len}")
+    return cond[:1].float()
+
+
+class _ComfyProgress:
+    """Per-step progress bar, latent preview and interrupt check (no-ops outside ComfyUI)."""
+
+    def __init__(self):
+        self.bar, self.interrupt = None, None
+        try:
+            import comfy.model_management as mm
+            import comfy.utils
+            self.bar_cls, self.interrupt = comfy.utils.ProgressBar, mm.throw_exception_if_processing_interrupted
+        except ImportError:
+            self.bar_cls = None
+
+    def __call__(self, ci, k, num_chunks, num_steps, x0):
+        if self.interrupt is not None:
+            self.interrupt()
+        if self.bar_cls is None:
+            return
+        total = num_chunks * num_steps
+        if self.bar is None:
+            self.bar = self.bar_cls(total)
+        self.bar.update_absolute(ci * num_steps + k + 1, total, self._preview(x0))
+
+    @staticmethod
+    def _preview(x0):
+        try:
+            from PIL import Image
+            from ..wan.preview import latents_to_rgb
+            frame = latents_to_rgb(x0[:1, -1:])[0, 0]
+            h, w, _ = frame.shape
+            return ("JPEG", Image.frombytes("RGB", (w, h), frame.contiguous().numpy().tobytes()), 512)
+        except Exception:
+            return None
+
+
+class CausalWanSampler:
+    DESCRIPTION = ("Chunk-autoregressive few-step sampling of a causal Wan model with a KV cache "
+                   "(Self-Forcing / CausVid). Outputs a Wan 2.1 LATENT for the Wan VAE decoder.")
+    CATEGORY = "wan_accel/model"
+    FUNCTION = "sample"
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("latent",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("CAUSALWAN_MODEL", {"tooltip": "From CausalWan Model Loader."}),
+                "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16,
+                                  "tooltip": "Video width in pixels (multiple of 16)."}),
+                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16,
+                                   "tooltip": "Video height in pixels (multiple of 16)."}),
+                "num_frames": ("INT", {"default": 81, "min": 1, "max": 4093, "step": 4, "tooltip":
+                               "Video frames (4k+1); latent frames (n-1)/4+1 must be whole blocks."}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF,
+                                 "tooltip": "Seed of the initial and per-step noise."}),
+                "preset": (PRESETS, {"default": "self_forcing", "tooltip":
+                           "self_forcing: 4 warped steps, shift 5. causvid: [1000,757,522], shift 8. "
+                           "custom: custom_steps and shift below."}),
+                "frames_per_block": ("INT", {"default": 3, "min": 1, "max": 64,
+                                             "tooltip": "Latent frames per chunk (3 for released models)."}),
+                "kv_window": ("INT", {"default": -1, "min": -1, "max": 1024, "tooltip":
+                              "Rolling KV cache window in latent frames; -1 keeps every frame (global)."}),
+                "sink": ("INT", {"default": 0, "min": 0, "max": 1024,
+                                 "tooltip": "First latent frames always kept in a rolling window."}),
+            },
+            "optional": {
+                "positive": ("CONDITIONING", {"tooltip": "umt5-xxl text conditioning; leave empty for the tiny model."}),
+                "custom_steps": ("STRING", {"default": "1000,750,500,250",
+                                            "tooltip": "Step list used by preset 'custom' (warped)."}),
+                "shift": ("FLOAT", {"default": 5.0, "min": 0.1, "max": 100.0, "step": 0.1,
+                                    "tooltip": "Timestep shift used by preset 'custom'."}),
+                "skip_last_refresh": ("BOOLEAN", {"default": False, "tooltip":
+                                      "Skip the last chunk's cache-refresh pass (its result is unused)."}),
+            },
+        }
+
+    def sample(self, model, width, height, num_frames, seed, preset, frames_per_block, kv_window, sink,
+               positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False):
+        from ..wan.job import sample_latents
+        from ..wan.preview import to_vae_latents
+        from ..wan.scheduler import resolve_schedule
+        schedule = (resolve_schedule("custom", custom_steps, shift, True) if preset == "custom"
+                    else resolve_schedule(preset))
+        cfg = model.config
+        context = conditioning_to_context(positive, cfg.text_dim, cfg.text_len)
+        latents = sample_latents(model.model, context, width, height, num_frames, seed, schedule,
+                                 frames_per_block, kv_window, sink, skip_last_refresh, callback=_ComfyProgress())
+        return ({"samples": to_vae_latents(latents).cpu()},)
+
+
+NODE_CLASS_MAPPINGS = {
+    "CausalWanModelLoader": CausalWanModelLoader,
+    "CausalWanSampler": CausalWanSampler,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "CausalWanModelLoader": "CausalWan Model Loader",
+    "CausalWanSampler": "CausalWan Sampler",
+}

@@ -1,0 +1,88 @@
+"""Standalone worker: runs ``torch._dynamo.explain`` on a target in a fresh process and writes JSON.
+
+Run by file path (not ``-m``) so it works whatever name the pack was imported under::
+
+    python explain_worker.py --target pkg.module:factory --out result.json [--kwargs JSON] [--sys-path DIR]...
+
+The target is a factory (called with the ``--kwargs`` JSON as keyword arguments) returning ``(fn, args)``,
+``(fn, args, kwargs)`` or a dict with keys fn/args/kwargs (and optionally ``inference_mode: True``);
+``fn(*args, **kwargs)`` is what gets explained. explain resets dynamo, which is
+harmless here: this process holds nothing else. Imports nothing from the pack by itself.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import traceback
+
+
+def _load(target: str):
+    if ":" not in target:
+        raise ValueError(f"target must look like 'package.module:factory', got {target!r}")
+    mod_name, attr = target.split(":", 1)
+    obj = importlib.import_module(mod_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _unpack(spec):
+    if isinstance(spec, dict):
+        return spec["fn"], tuple(spec.get("args", ())), dict(spec.get("kwargs", {}))
+    if isinstance(spec, (tuple, list)) and len(spec) in (2, 3):
+        fn, args = spec[0], tuple(spec[1])
+        kwargs = dict(spec[2]) if len(spec) == 3 else {}
+        return fn, args, kwargs
+    raise TypeError("the target factory must return (fn, args), (fn, args, kwargs) or {'fn', 'args', 'kwargs'}")
+
+
+def _frame(fs) -> str:
+    return f"{getattr(fs, 'filename', '?')}:{getattr(fs, 'lineno', '?')} in {getattr(fs, 'name', '?')}"
+
+
+def explain_target(target: str, kwargs: dict) -> dict:
+    import torch
+
+    spec = _load(target)(**kwargs)
+    fn, args, call_kwargs = _unpack(spec)
+    inference = isinstance(spec, dict) and bool(spec.get("inference_mode"))
+    with torch.inference_mode(inference):
+        out = torch._dynamo.explain(fn)(*args, **call_kwargs)
+    breaks = []
+    for br in getattr(out, "break_reasons", []) or []:
+        stack = [_frame(fs) for fs in (getattr(br, "user_stack", None) or [])]
+        breaks.append({"reason": str(getattr(br, "reason", br)), "location": stack[-1] if stack else "",
+                       "user_stack": stack})
+    ops = getattr(out, "ops_per_graph", None) or []
+    return {"ok": True, "target": target, "torch_version": torch.__version__,
+            "graph_count": int(getattr(out, "graph_count", 0)),
+            "graph_break_count": int(getattr(out, "graph_break_count", len(breaks))),
+            "op_count": int(getattr(out, "op_count", 0)),
+            "ops_per_graph": [len(g) for g in ops], "break_reasons": breaks}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--target", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--kwargs", default="{}")
+    p.add_argument("--sys-path", action="append", default=[])
+    a = p.parse_args(argv)
+    for entry in reversed(a.sys_path):
+        sys.path.insert(0, entry)
+    try:
+        result = explain_target(a.target, json.loads(a.kwargs))
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - report any failure to the parent as data
+        result = {"ok": False, "target": a.target, "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()[-4000:]}
+        code = 1
+    with open(a.out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

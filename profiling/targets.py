@@ -1,0 +1,158 @@
+"""What ``python -m wan_accel profile`` runs: the built-in tiny causal model or a checkpoint, sampled once.
+
+Also the explain targets (factories for ``explain_worker.py``): they build the same model, capture the real
+arguments of its first block call (or of its first chunk call) and hand back ``(fn, args, kwargs)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
+                 "eager", "aot_eager")
+TINY_LATENT = (6, 8, 8)          # frames, height, width (latent units) for the tiny model
+CHECKPOINT_LATENT = (21, 60, 104)  # 81 frames at 480x832
+
+
+@dataclasses.dataclass
+class ProfileTarget:
+    checkpoint: str | None = None
+    device: str | None = None
+    dtype: str | None = None          # float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)
+    frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    steps: str | None = None          # step list like "1000,750,500,250" (default: the preset's)
+    preset: str | None = None         # sampler schedule preset (default: self_forcing)
+    seed: int = 0
+
+    def resolved(self) -> "ProfileTarget":
+        import torch
+
+        t = dataclasses.replace(self)
+        t.device = t.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        t.dtype = t.dtype or ("float32" if t.device.startswith("cpu") else "bfloat16")
+        f, h, w = CHECKPOINT_LATENT if t.checkpoint else TINY_LATENT
+        t.frames, t.height, t.width = t.frames or f, t.height or h, t.width or w
+        return t
+
+    def settings(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {name!r}") from None
+
+
+def load_model(target: ProfileTarget):
+    """The tiny built-in model, or the checkpoint (safetensors) when given."""
+    dtype = torch_dtype(target.dtype)
+    if target.checkpoint:
+        from ..wan.loader import load_wan_checkpoint
+
+        return load_wan_checkpoint(target.checkpoint, device=target.device, dtype=dtype)
+    from ..wan.tiny import tiny_causal_model
+
+    return tiny_causal_model(seed=target.seed, device=target.device, dtype=dtype)
+
+
+def make_inputs(model, target: ProfileTarget) -> dict:
+    """Random text embedding and noise shaped for ``model`` (t2v)."""
+    import torch
+
+    cfg = model.config
+    if getattr(cfg, "model_type", "t2v") != "t2v":
+        raise ValueError("profiling runs text-to-video models only; this checkpoint is "
+                         f"{cfg.model_type!r}")
+    g = torch.Generator(device="cpu").manual_seed(target.seed)
+    dtype = torch_dtype(target.dtype)
+    context = torch.randn(1, cfg.text_len, cfg.text_dim, generator=g).to(target.device, dtype)
+    noise = torch.randn(1, target.frames, cfg.out_dim, target.height, target.width, generator=g).to(target.device)
+    return {"context": context, "noise": noise}
+
+
+def sampler_call(model, target: ProfileTarget, inputs: dict):
+    """A zero-argument callable running the causal sampler once on ``inputs``."""
+    from ..wan.sampler import sample_causal
+
+    import torch
+
+    schedule = target.preset or "self_forcing"
+    if target.steps:
+        schedule = {"preset": schedule, "steps": str(target.steps)}
+    kwargs = {"schedule": schedule} if "schedule" in inspect.signature(sample_causal).parameters else {}
+
+    def run():
+        with torch.inference_mode():
+            return sample_causal(model, inputs["context"], inputs["noise"], **kwargs)
+
+    return run
+
+
+def apply_compile(model, mode: str):
+    """Regional compile: each transformer block compiled in place (``none`` leaves the model eager)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
+    if mode == "none":
+        return model
+    kw = {"backend": mode} if mode in ("eager", "aot_eager") else ({} if mode == "default" else {"mode": mode})
+    for block in model.blocks:
+        block.compile(**kw)
+    return model
+
+
+# ------------------------------------------------------------------ explain targets
+class _Captured(Exception):
+    pass
+
+
+def _capture_first_call(model, target: ProfileTarget, scope: str):
+    """Run the sampler until the first block (or chunk) call; return that callable and its arguments."""
+    inputs = make_inputs(model, target)
+    run = sampler_call(model, target, inputs)
+    seen = {}
+    if scope == "block":
+        block = model.blocks[0]
+
+        def hook(_module, args, kwargs):
+            seen.update(fn=block, args=args, kwargs=kwargs)
+            raise _Captured
+
+        handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    elif scope == "model":
+        original = model.forward_chunk
+
+        def capture(*args, **kwargs):
+            seen.update(fn=original, args=args, kwargs=kwargs)
+            raise _Captured
+
+        model.forward_chunk = capture
+        handle = None
+    else:
+        raise ValueError(f"scope must be 'block' or 'model', got {scope!r}")
+    try:
+        run()
+    except _Captured:
+        pass
+    finally:
+        if handle is not None:
+            handle.remove()
+        else:
+            del model.forward_chunk  # back to the class method
+    if not seen:
+        raise RuntimeError(f"the sampler never called the model's {scope}; nothing to explain")
+    return seen["fn"], tuple(seen["args"]), dict(seen["kwargs"])
+
+
+def explain_model(scope: str = "block", **target_kwargs):
+    """Explain factory (``package_target("profiling.targets:explain_model")``): the first transformer block
+    call (scope 'block', what regional compile compiles) or the first chunk call (scope 'model')."""
+    target = ProfileTarget(**target_kwargs).resolved()
+    model = load_model(target)
+    fn, args, kwargs = _capture_first_call(model, target, scope)
+    return {"fn": fn, "args": args, "kwargs": kwargs, "inference_mode": True}

@@ -1,0 +1,209 @@
+"""HTTP routes behind the pack's web panel, added only when the pack runs inside a ComfyUI server.
+
+``GET  /wan_accel/limits``        the limit cache (entries per namespace) and the machine's fingerprint, as JSON
+``POST /wan_accel/limits/clear``  body ``{"namespace": "<name>" | "all"}``; clears that namespace (every machine)
+
+ComfyUI also serves every route under ``/api`` (``/api/wan_accel/limits``), which is what the frontend calls.
+The logic lives in plain functions (:func:`limits_payload`, :func:`clear_limits`) that tests call without
+ComfyUI; the aiohttp handlers only parse the request, run the function off the event loop and wrap the answer.
+The client never names a file: the routes always use the pack's default limit cache.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import sys
+
+log = logging.getLogger("wan_accel")
+
+ROUTE_LIMITS = "/wan_accel/limits"
+ROUTE_CLEAR = "/wan_accel/limits/clear"
+MAX_ENTRIES_PER_NAMESPACE = 200   # the panel shows at most this many rows per namespace
+MAX_BODY_BYTES = 4096
+SUMMARY_CHARS = 140
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # the limit cache's own rule for names
+
+_registered = False
+
+
+class RequestError(ValueError):
+    """A request the routes refuse (answered with HTTP 400 and this message)."""
+
+
+# ---------------------------------------------------------------------------------------------- plain logic
+def _open_cache(cache):
+    if cache is not None:
+        return cache
+    from .cache import LimitCache
+
+    return LimitCache()
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if isinstance(value, (dict, list)):
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    else:
+        text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def summarize_value(value: dict) -> str:
+    """One readable line for an entry value: ``name=value`` pairs, long values shortened."""
+    if not isinstance(value, dict):
+        return _short(value)
+    parts = [f"{k}={_short(v)}" for k, v in value.items()]
+    text = ", ".join(parts)
+    return text if len(text) <= SUMMARY_CHARS else text[:SUMMARY_CHARS - 3] + "..."
+
+
+def limits_payload(cache=None, max_entries: int = MAX_ENTRIES_PER_NAMESPACE) -> dict:
+    """What ``GET /wan_accel/limits`` answers.
+
+    ``{"path", "fingerprint_id", "fingerprint", "known_namespaces",
+       "namespaces": [{"name", "count", "other_machines", "truncated",
+                       "entries": [{"key", "value", "summary", "hits", "created", "updated", "last_used"}]}]}``
+
+    ``count`` is the number of entries measured on this machine (the ones that apply here), ``other_machines``
+    the entries of other fingerprints (kept, never applied). Known namespaces are listed even when empty.
+    """
+    from .cache import KNOWN_NAMESPACES
+
+    cache = _open_cache(cache)
+    fid = cache.fingerprint_id
+    rows = cache.entries(None, all_fingerprints=True)
+    spaces: dict[str, dict] = {ns: {"name": ns, "count": 0, "other_machines": 0, "truncated": 0, "entries": []}
+                               for ns in KNOWN_NAMESPACES}
+    for row in rows:
+        ns = spaces.setdefault(row["namespace"], {"name": row["namespace"], "count": 0, "other_machines": 0,
+                                                  "truncated": 0, "entries": []})
+        if row["fingerprint"] != fid:
+            ns["other_machines"] += 1
+            continue
+        ns["count"] += 1
+        if len(ns["entries"]) >= max_entries:
+            ns["truncated"] += 1
+            continue
+        ns["entries"].append({"key": row["key"], "value": row["value"], "summary": summarize_value(row["value"]),
+                              "hits": row["hits"], "created": row["created"], "updated": row["updated"],
+                              "last_used": row["last_used"]})
+    return {
+        "path": str(cache.path),
+        "fingerprint_id": fid,
+        "fingerprint": dict(cache.fingerprint),
+        "known_namespaces": list(KNOWN_NAMESPACES),
+        "namespaces": [spaces[k] for k in sorted(spaces)],
+    }
+
+
+def parse_clear_body(body) -> str | None:
+    """Validate a decoded ``POST /wan_accel/limits/clear`` body; the namespace to clear (None = all).
+
+    Accepts exactly ``{"namespace": "all"}`` or ``{"namespace": "<name>"}`` with a valid namespace name;
+    anything else raises :class:`RequestError`.
+    """
+    if not isinstance(body, dict):
+        raise RequestError('body must be a JSON object like {"namespace": "operator"} or {"namespace": "all"}')
+    extra = sorted(set(body) - {"namespace"})
+    if extra:
+        raise RequestError(f"unexpected field(s) {extra}: only 'namespace' is accepted")
+    if "namespace" not in body:
+        raise RequestError("missing field 'namespace' (a namespace name or \"all\")")
+    ns = body["namespace"]
+    if not isinstance(ns, str):
+        raise RequestError(f"'namespace' must be a string, got {type(ns).__name__}")
+    if ns == "all":
+        return None
+    if not _NAMESPACE_RE.match(ns):
+        raise RequestError(f"'namespace' {ns[:80]!r} is not a namespace name (1-64 letters, digits, '_', '.', '-')")
+    return ns
+
+
+def clear_limits(body, cache=None) -> dict:
+    """What ``POST /wan_accel/limits/clear`` answers: ``{"cleared": n, "namespace": name}``.
+
+    A namespace that is neither one of the pack's namespaces nor present in the cache is refused, so a typo
+    is reported instead of silently clearing nothing.
+    """
+    from .cache import KNOWN_NAMESPACES
+
+    ns = parse_clear_body(body)
+    cache = _open_cache(cache)
+    if ns is not None and ns not in KNOWN_NAMESPACES:
+        present = {row["namespace"] for row in cache.entries(None, all_fingerprints=True)}
+        if ns not in present:
+            raise RequestError(f"unknown namespace {ns!r}; known: {sorted(set(KNOWN_NAMESPACES) | present)} or 'all'")
+    removed = cache.clear(ns)
+    return {"cleared": int(removed), "namespace": "all" if ns is None else ns}
+
+
+def decode_json_body(raw: bytes):
+    """Decode a request body, raising :class:`RequestError` for anything that is not small UTF-8 JSON."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise RequestError(f"body too large ({len(raw)} bytes)")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"body is not valid JSON ({exc})") from None
+
+
+# ---------------------------------------------------------------------------------------------- aiohttp face
+def _make_handlers(web):
+    import asyncio
+
+    async def _call(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def get_limits(request):
+        try:
+            return web.json_response(await _call(limits_payload))
+        except Exception as exc:  # noqa: BLE001 - report, never take the server down
+            log.warning("wan_accel: GET %s failed: %r", ROUTE_LIMITS, exc)
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+
+    async def post_clear(request):
+        try:
+            body = decode_json_body(await request.read())
+            return web.json_response(await _call(clear_limits, body))
+        except RequestError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("wan_accel: POST %s failed: %r", ROUTE_CLEAR, exc)
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+
+    return get_limits, post_clear
+
+
+def register_routes(prompt_server=None) -> bool:
+    """Add the routes to ComfyUI's server; True when added. A no-op (False) outside ComfyUI or when done already.
+
+    Uses the ``server`` module only if ComfyUI already imported it (never imports it), so importing the pack
+    elsewhere stays free of side effects.
+    """
+    global _registered
+    if _registered:
+        return False
+    if prompt_server is None:
+        server_mod = sys.modules.get("server")
+        cls = getattr(server_mod, "PromptServer", None) if server_mod is not None else None
+        prompt_server = getattr(cls, "instance", None) if cls is not None else None
+    routes = getattr(prompt_server, "routes", None)
+    if routes is None:
+        return False
+    try:
+        from aiohttp import web
+
+        get_limits, post_clear = _make_handlers(web)
+        routes.get(ROUTE_LIMITS)(get_limits)
+        routes.post(ROUTE_CLEAR)(post_clear)
+    except Exception as exc:  # noqa: BLE001 - the panel is optional; the nodes must still load
+        log.warning("wan_accel: could not add the web panel routes: %r", exc)
+        return False
+    _registered = True
+    return True
+
+
+register_routes()

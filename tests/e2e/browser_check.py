@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Browser half of the end-to-end check; runs with ComfyUI's Python (it needs Playwright and a system Chromium).
+
+For each UI-format workflow: load it into the running ComfyUI page (``app.loadGraphData``), fit the view, save a
+screenshot, and report the graph as the frontend sees it: node types the server does not know, nodes flagged with
+errors, widget values after loading (compared with the file), the API prompt the frontend builds
+(``app.graphToPrompt``, compared with the API copy) and the pack's badges. Optionally runs one workflow through the
+Run path (``app.queuePrompt``) and opens the pack's sidebar panel. Prints a JSON report (also to --report).
+Exit status: 0 all good, 1 a check failed, 2 the page did not come up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from playwright.sync_api import sync_playwright
+
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+
+GRAPH_STATE = """async () => {
+  const app = window.app;
+  const nodes = app.graph.nodes.map(n => ({
+    id: n.id, type: n.type, virtual: !!n.isVirtualNode, has_errors: !!n.has_errors,
+    registered: !!LiteGraph.registered_node_types[n.type],
+    badges: (n.badges || []).filter(b => b && b._wanAccel).map(b => b.text),
+  }));
+  const serialized = app.graph.serialize();
+  const prompt = (await app.graphToPrompt()).output;
+  return {nodes, serialized, prompt};
+}"""
+
+
+def get_json(url: str, timeout: float = 30):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.load(r)
+
+
+def close_dialogs(page, report: dict) -> None:
+    for _ in range(3):
+        dialogs = page.locator("[role=dialog]")
+        if not dialogs.count():
+            return
+        report.setdefault("dialogs", []).append(dialogs.first.inner_text()[:500])
+        page.keyboard.press("Escape")
+        page.wait_for_timeout(300)
+
+
+def strip_prompt(prompt: dict) -> dict:
+    return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in prompt.items()}
+
+
+def check_workflow(page, path: Path, api_dir: Path | None, known: dict, out_dir: Path) -> dict:
+    wf = json.loads(path.read_text(encoding="utf-8"))
+    res = {"workflow": path.stem, "problems": []}
+    page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", wf)
+    page.wait_for_timeout(1200)
+    close_dialogs(page, res)
+    page.evaluate("async () => { await window.app.extensionManager.command.execute('Comfy.Canvas.FitView'); }")
+    page.wait_for_timeout(600)
+    page.evaluate("() => window.app.canvas.setDirty(true, true)")
+    page.wait_for_timeout(400)
+    state = page.evaluate(GRAPH_STATE)
+    shot = out_dir / f"{path.stem}.png"
+    page.screenshot(path=str(shot))
+    res["screenshot"] = str(shot)
+    nodes = state["nodes"]
+    res["node_types"] = sorted({n["type"] for n in nodes})
+    res["missing_node_types"] = sorted({n["type"] for n in nodes if not n["virtual"] and n["type"] not in known})
+    res["unregistered"] = sorted({n["type"] for n in nodes if not n["registered"]})
+    res["nodes_with_errors"] = [n["id"] for n in nodes if n["has_errors"]]
+    res["badges"] = {str(n["id"]): n["badges"] for n in nodes if n["badges"]}
+    if res["missing_node_types"] or res["unregistered"]:
+        res["problems"].append(f"missing node types {res['missing_node_types'] or res['unregistered']}")
+    if res["nodes_with_errors"]:
+        res["problems"].append(f"nodes with errors {res['nodes_with_errors']}")
+    if len(nodes) != len(wf["nodes"]):
+        res["problems"].append(f"{len(nodes)} nodes on the canvas, the file has {len(wf['nodes'])}")
+    # widget values as the frontend holds them after loading (a combo it had to reset, a value it clamped, ...)
+    after = {n["id"]: n.get("widgets_values", []) for n in state["serialized"]["nodes"]}
+    for n in wf["nodes"]:
+        if after.get(n["id"]) != n.get("widgets_values", []):
+            res["problems"].append(f"node {n['id']} widgets changed on load: {n.get('widgets_values')} -> {after.get(n['id'])}")
+    if api_dir is not None:
+        api = json.loads((api_dir / path.name).read_text(encoding="utf-8"))
+        if strip_prompt(state["prompt"]) != strip_prompt(api):
+            res["problems"].append("graphToPrompt differs from the API copy")
+            res["prompt"] = state["prompt"]
+    res["serialized"] = state["serialized"]
+    return res
+
+
+def run_queued(page, base: str, timeout: float, out_dir: Path, stem: str) -> dict:
+    before = set(get_json(base + "/history"))
+    page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
+    end = time.time() + timeout
+    page.wait_for_timeout(1000)
+    while time.time() < end:
+        q = get_json(base + "/queue")
+        if not q.get("queue_running") and not q.get("queue_pending"):
+            break
+        time.sleep(0.5)
+    new = [v for k, v in get_json(base + "/history").items() if k not in before]
+    page.wait_for_timeout(1500)
+    shot = out_dir / f"{stem}_after_run.png"
+    page.screenshot(path=str(shot))
+    if not new:
+        return {"status": "not queued", "screenshot": str(shot)}
+    status = new[-1].get("status", {})
+    errors = [m[1] for m in status.get("messages", []) if m[0] == "execution_error"]
+    return {"status": status.get("status_str"), "outputs": new[-1].get("outputs"), "screenshot": str(shot),
+            "errors": [{k: e.get(k) for k in ("node_id", "node_type", "exception_message")} for e in errors]}
+
+
+def open_panel(page, out_dir: Path) -> dict:
+    button = page.locator(".wan-accel-limits-tab-button")
+    res = {"tab_button": button.count()}
+    if button.count():
+        button.first.click()
+    else:  # frontends without sidebar tabs get a floating button
+        page.get_by_role("button", name="Wan Accel").first.click()
+    page.wait_for_selector(".wan-accel-panel [data-namespace]", timeout=15000)
+    res["namespaces"] = page.eval_on_selector_all(".wan-accel-panel [data-namespace]",
+                                                  "els => els.map(e => e.getAttribute('data-namespace'))")
+    shot = out_dir / "panel.png"
+    page.screenshot(path=str(shot))
+    res["screenshot"] = str(shot)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--workflow", action="append", default=[], help="UI-format workflow file (repeatable)")
+    ap.add_argument("--api-dir", help="folder with API-format copies (same file names) to compare with")
+    ap.add_argument("--out-dir", required=True, help="folder for screenshots")
+    ap.add_argument("--queue", help="file stem of the workflow to run through the UI after loading it")
+    ap.add_argument("--panel", action="store_true", help="open the pack's sidebar panel and screenshot it")
+    ap.add_argument("--report", help="write the JSON report here")
+    ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--chromium", default=os.environ.get("CHROMIUM") or shutil.which("chromium") or "chromium")
+    args = ap.parse_args()
+    base = args.url.rstrip("/")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict = {"workflows": [], "console_errors": [], "page_errors": []}
+    status = 0
+    profile = tempfile.mkdtemp(prefix="wan_accel_browser_")
+    try:
+        with sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(profile, executable_path=args.chromium, headless=True,
+                                                        args=FLAGS, viewport={"width": 1600, "height": 900})
+            try:
+                page = ctx.pages[0] if ctx.pages else ctx.new_page()
+                page.on("console", lambda m: m.type == "error" and report["console_errors"].append(m.text[:300]))
+                page.on("pageerror", lambda e: report["page_errors"].append(str(e)[:300]))
+                page.goto(base + "/", wait_until="domcontentloaded", timeout=args.timeout * 1000)
+                page.wait_for_function("() => !!(window.app && window.app.graph && window.app.canvas)",
+                                       timeout=args.timeout * 1000)
+                page.wait_for_timeout(2500)
+                close_dialogs(page, report)
+                report["extension_loaded"] = page.evaluate(
+                    "() => (window.app.extensions || []).some(e => e.name === 'wan_accel.panel')")
+                known = get_json(base + "/object_info")
+                api_dir = Path(args.api_dir) if args.api_dir else None
+                for wf in args.workflow:
+                    res = check_workflow(page, Path(wf), api_dir, known, out_dir)
+                    if args.queue and Path(wf).stem == args.queue:
+                        res["run"] = run_queued(page, base, args.timeout, out_dir, Path(wf).stem)
+                        if res["run"]["status"] != "success":
+                            res["problems"].append(f"run: {res['run']}")
+                    report["workflows"].append(res)
+                    if res["problems"]:
+                        status = 1
+                if args.panel:
+                    report["panel"] = open_panel(page, out_dir)
+                if not report["extension_loaded"]:
+                    status = 1
+            finally:
+                ctx.close()
+    except Exception as exc:  # noqa: BLE001 - reported as exit status 2
+        report["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        status = 2
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    report["exit_status"] = status
+    text = json.dumps(report, indent=1)
+    if args.report:
+        Path(args.report).write_text(text, encoding="utf-8")
+    print(json.dumps({k: v for k, v in report.items() if k != "workflows"} | {
+        "workflows": [{k: v for k, v in w.items() if k not in ("serialized", "prompt")} for w in report["workflows"]]},
+        indent=1))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

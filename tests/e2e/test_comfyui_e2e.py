@@ -1,0 +1,218 @@
+"""End to end inside a real ComfyUI (skipped unless COMFYUI_DIR and COMFYUI_VENV are set).
+
+    COMFYUI_DIR=<ComfyUI work tree> COMFYUI_VENV=<its venv> python -m pytest -q tests/e2e
+
+Starts ``main.py --cpu`` on a free loopback port with the pack linked into ``custom_nodes`` as
+``comfyui-wan-accel`` (all writable state in a temporary folder), then checks: the pack imports and
+``/object_info`` lists every node with a tooltip on every input; the web panel's routes answer; the example
+workflows are served; ``tiny_smoke`` runs through ``/prompt`` and writes its image; every workflow loads in
+headless Chromium with no missing node type (needs Playwright in COMFYUI_VENV and a ``chromium`` on PATH, or
+CHROMIUM). Screenshots go to a temporary folder, or to WAN_ACCEL_SCREENSHOTS when set (e.g. docs/images).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WORKFLOWS = REPO / "workflows"
+PACK_NAME = "comfyui-wan-accel"
+COMFY_DIR = os.environ.get("COMFYUI_DIR")
+COMFY_VENV = os.environ.get("COMFYUI_VENV")
+
+pytestmark = pytest.mark.skipif(not (COMFY_DIR and COMFY_VENV),
+                                reason="set COMFYUI_DIR and COMFYUI_VENV to run the ComfyUI end-to-end check")
+
+
+def _python() -> Path:
+    return Path(COMFY_VENV) / "bin" / "python"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body=None, timeout: float = 60):
+    """(status, decoded JSON or text) of a GET, or of a POST when ``body`` is given."""
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode("utf-8", "replace")
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    comfy_dir = Path(COMFY_DIR)
+    assert (comfy_dir / "main.py").is_file(), f"COMFYUI_DIR={comfy_dir} has no main.py"
+    assert _python().is_file(), f"COMFYUI_VENV={COMFY_VENV} has no bin/python"
+    link = comfy_dir / "custom_nodes" / PACK_NAME
+    created = False
+    if link.is_symlink() or link.exists():
+        if link.resolve() != REPO:
+            pytest.skip(f"{link} exists and is not this checkout; remove it to run the check")
+    else:
+        link.symlink_to(REPO, target_is_directory=True)
+        created = True
+    work = tmp_path_factory.mktemp("comfy_run")
+    for sub in ("output", "input", "temp", "user"):
+        (work / sub).mkdir()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, WAN_ACCEL_CACHE=str(work / "wan_accel" / "limits.json"))
+    env.pop("PYTHONPATH", None)
+    log_path = work / "comfy.log"
+    cmd = [str(_python()), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+           "--disable-auto-launch", "--output-directory", str(work / "output"), "--input-directory",
+           str(work / "input"), "--temp-directory", str(work / "temp"), "--user-directory", str(work / "user"),
+           "--database-url", f"sqlite:///{work / 'comfy.db'}"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=comfy_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env)
+    try:
+        deadline = time.time() + float(os.environ.get("COMFYUI_READY_TIMEOUT", "300"))
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"ComfyUI exited ({proc.returncode}) before it was ready:\n{log_path.read_text()[-3000:]}")
+            try:
+                if http(url + "/system_stats", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"ComfyUI not ready in time:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield {"url": url, "work": work, "log": log_path}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        if created:
+            link.unlink()
+
+
+@pytest.fixture(scope="module")
+def object_info(comfy):
+    status, info = http(comfy["url"] + "/object_info", timeout=120)
+    assert status == 200
+    return info
+
+
+def test_pack_imports_without_errors(comfy, object_info):
+    log = comfy["log"].read_text(errors="replace")
+    assert "IMPORT FAILED" not in "\n".join(l for l in log.splitlines() if PACK_NAME in l), log[-3000:]
+    assert "wan_accel: node module" not in log, log[-3000:]  # an area of the pack failed to import
+
+
+def test_object_info_lists_every_node_with_tooltips(object_info):
+    mine = {k: v for k, v in object_info.items() if v.get("python_module") == f"custom_nodes.{PACK_NAME}"}
+    from wan_accel import NODE_CLASS_MAPPINGS  # the checkout's own list, imported here without ComfyUI
+
+    assert set(mine) == set(NODE_CLASS_MAPPINGS)
+    for name, info in mine.items():
+        assert info["category"].startswith("wan_accel"), name
+        assert info.get("description"), f"{name} has no description"
+        for section in ("required", "optional"):
+            for inp, decl in info["input"].get(section, {}).items():
+                assert len(decl) > 1 and decl[1].get("tooltip"), f"{name}.{inp} has no tooltip in /object_info"
+
+
+def test_web_routes_answer_inside_comfyui(comfy):
+    status, data = http(comfy["url"] + "/api/wan_accel/limits")
+    assert status == 200, data
+    assert {"fingerprint_id", "fingerprint", "namespaces", "path"} <= set(data)
+    assert {"operator", "compile", "memory", "sampler"} <= {ns["name"] for ns in data["namespaces"]}
+    assert http(comfy["url"] + "/api/wan_accel/limits/clear", {"namespace": "../x"})[0] == 400
+    assert http(comfy["url"] + "/api/wan_accel/limits/clear", b"not json")[0] == 400
+    assert http(comfy["url"] + "/api/wan_accel/limits/clear", {"namespace": "all"}) == \
+        (200, {"cleared": 0, "namespace": "all"})
+    status, js = http(comfy["url"] + f"/extensions/{PACK_NAME}/wan_accel.js")
+    assert status == 200 and "registerExtension" in js
+
+
+def test_example_workflows_are_served(comfy):
+    status, listing = http(comfy["url"] + "/api/workflow_templates")
+    assert status == 200
+    names = {p.stem for p in WORKFLOWS.glob("*.json")}
+    assert set(listing.get(PACK_NAME, [])) == names
+    status, served = http(comfy["url"] + f"/api/workflow_templates/{PACK_NAME}/tiny_smoke.json")
+    assert status == 200 and served == json.loads((WORKFLOWS / "tiny_smoke.json").read_text())
+
+
+def test_tiny_smoke_runs_and_saves_its_image(comfy):
+    prompt = json.loads((WORKFLOWS / "api" / "tiny_smoke.json").read_text())
+    status, resp = http(comfy["url"] + "/prompt", {"prompt": prompt, "client_id": "wan_accel_e2e"})
+    assert status == 200, resp
+    pid = resp["prompt_id"]
+    deadline = time.time() + 300
+    entry = None
+    while time.time() < deadline:
+        hist = http(comfy["url"] + f"/history/{pid}")[1]
+        if pid in hist and hist[pid].get("status", {}).get("status_str") in ("success", "error"):
+            entry = hist[pid]
+            break
+        time.sleep(0.5)
+    assert entry is not None, "tiny_smoke did not finish in 300 s"
+    errors = [m[1] for m in entry["status"].get("messages", []) if m[0] == "execution_error"]
+    assert entry["status"]["status_str"] == "success", errors
+    images = [img for out in entry["outputs"].values() for img in out.get("images", []) if img.get("type") == "output"]
+    assert images, entry["outputs"]
+    for img in images:
+        path = comfy["work"] / "output" / img.get("subfolder", "") / img["filename"]
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+
+
+def _browser_ready() -> str | None:
+    chromium = os.environ.get("CHROMIUM") or shutil.which("chromium")
+    if not chromium:
+        return "no chromium on PATH (set CHROMIUM)"
+    if subprocess.run([str(_python()), "-c", "import playwright"], capture_output=True).returncode:
+        return "playwright is not installed in COMFYUI_VENV"
+    return None
+
+
+def test_every_workflow_loads_in_the_browser(comfy, tmp_path):
+    why = _browser_ready()
+    if why:
+        pytest.skip(why)
+    shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
+    report_path = tmp_path / "browser.json"
+    cmd = [str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
+           "--out-dir", str(shots), "--api-dir", str(WORKFLOWS / "api"), "--queue", "tiny_smoke", "--panel",
+           "--report", str(report_path)]
+    for wf in sorted(WORKFLOWS.glob("*.json")):
+        cmd += ["--workflow", str(wf)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert report_path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert "error" not in report, report["error"]
+    assert report["extension_loaded"], "the pack's frontend extension did not load"
+    assert len(report["workflows"]) == len(list(WORKFLOWS.glob("*.json")))
+    for wf in report["workflows"]:
+        assert not wf["missing_node_types"], (wf["workflow"], wf["missing_node_types"])
+        assert not wf["problems"], (wf["workflow"], wf["problems"])
+        assert Path(wf["screenshot"]).stat().st_size > 10_000
+    smoke = next(w for w in report["workflows"] if w["workflow"] == "tiny_smoke")
+    assert smoke["run"]["status"] == "success", smoke["run"]
+    assert {"operator", "compile", "memory", "sampler"} <= set(report["panel"]["namespaces"])
+    assert out.returncode == 0, out.stdout[-3000:]

@@ -1,0 +1,70 @@
+"""Convert Self-Forcing / CausVid training checkpoints (.pt) to safetensors.
+
+The .pt file is read with torch.load(weights_only=True), which refuses arbitrary pickled objects.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import torch
+
+from .keys import canonical_names
+from .loader import METADATA_KEY, CheckpointError, expected_shapes, infer_config, validate_keys
+
+
+def _load_pt(src: Path):
+    if not src.is_file():
+        raise CheckpointError(f"checkpoint not found: {src}")
+    try:
+        try:
+            return torch.load(str(src), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            # legacy (non-zip) files cannot be memory-mapped
+            return torch.load(str(src), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        detail = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln), "")
+        raise CheckpointError(f"{src.name} holds objects other than tensors and plain containers; it was not "
+                              f"loaded (weights_only=True refuses arbitrary pickled code). {detail}") from exc
+
+
+def pick_state_dict(obj, ema: bool = False) -> tuple[dict, str]:
+    """The generator weights of a training checkpoint: 'generator_ema' with ema, else 'generator';
+    a plain state dict is used as is."""
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"expected a dict in the checkpoint, found {type(obj).__name__}")
+    if ema:
+        if "generator_ema" not in obj:
+            raise CheckpointError(f"--ema given but the checkpoint has no 'generator_ema' (top-level keys: "
+                                  f"{sorted(map(str, obj))[:10]})")
+        return obj["generator_ema"], "generator_ema"
+    for key in ("generator", "generator_ema", "state_dict", "model"):
+        if isinstance(obj.get(key), dict):
+            return obj[key], key
+    if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return obj, "(top level)"
+    raise CheckpointError(f"no weights found: expected a 'generator' / 'generator_ema' entry or a plain "
+                          f"state dict (top-level keys: {sorted(map(str, obj))[:10]})")
+
+
+def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None = None) -> dict:
+    """Convert; returns a summary dict (source entry, number of tensors, config)."""
+    from safetensors.torch import save_file
+    src, dst = Path(src), Path(dst)
+    if dst.suffix.lower() != ".safetensors":
+        raise CheckpointError(f"output must be a .safetensors file, got {dst.name}")
+    state, entry = pick_state_dict(_load_pt(src), ema)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    names = canonical_names(tensors)
+    shapes = {n: tuple(tensors[src_name].shape) for n, src_name in names.items()}
+    config = infer_config(shapes, num_heads=num_heads)
+    validate_keys(expected_shapes(config), shapes, src.name)
+    out = {n: tensors[src_name].contiguous() for n, src_name in names.items()}
+    meta = {METADATA_KEY: json.dumps(config.to_dict()), "wan_accel.source": f"{src.name}:{entry}"}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst), metadata=meta)
+    return {"source": str(src), "entry": entry, "tensors": len(out), "output": str(dst),
+            "config": config.to_dict()}

@@ -1,0 +1,67 @@
+"""The model handle passed between nodes (CAUSALWAN_MODEL) and the one place that resolves load settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+TINY_NAME = "(built-in tiny model)"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_dtype(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class ModelHandle:
+    """A loaded model plus the settings it was loaded with; compile settings and the VRAM plan are stored
+    for the stages that use them."""
+    model: Any
+    source: str
+    dtype: torch.dtype
+    precision: str
+    attention: str = "auto"
+    compile_settings: Any = None
+    plan: Any = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.source == TINY_NAME
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+
+def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", attention="auto", device=None,
+                      compile_settings=None, plan=None, num_heads=None, seed: int = 0) -> ModelHandle:
+    """Load a checkpoint (a .safetensors path) or, for None / TINY_NAME, build the tiny random model."""
+    from .loader import load_wan_checkpoint
+    from .tiny import tiny_causal_model
+    torch_dtype = parse_dtype(dtype)
+    device = torch.device(device) if device is not None else default_device()
+    if torch_dtype == torch.float32 or precision == "float32":
+        torch_dtype, precision = torch.float32, "float32"
+    if checkpoint in (None, "", TINY_NAME):
+        model = tiny_causal_model(seed, device, torch_dtype, precision).set_attention_backend(attention)
+        source = TINY_NAME
+    else:
+        model = load_wan_checkpoint(checkpoint, device=device, dtype=torch_dtype, precision=precision,
+                                    num_heads=num_heads, attention=attention)
+        source = str(checkpoint)
+    return ModelHandle(model, source, torch_dtype, precision, attention, compile_settings, plan)

@@ -1,0 +1,192 @@
+"""The `generate` job: load a model, sample latents, write latents.safetensors, a preview and report.json."""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
+TINY_DEFAULTS = {"frames": 33, "height": 128, "width": 128}
+MODEL_DEFAULTS = {"frames": 81, "height": 480, "width": 832}
+
+
+def latent_frames(video_frames: int) -> int:
+    """Video frames -> latent frames, (n - 1) / 4 + 1; clear error when n is not 4k + 1."""
+    if video_frames < 1 or (video_frames - 1) % VAE_TIME_STRIDE:
+        k = max(0, (video_frames - 1) // VAE_TIME_STRIDE)
+        raise ValueError(f"{video_frames} video frames is not 4k+1 (the Wan VAE packs 4 frames per latent "
+                         f"frame after the first); use {VAE_TIME_STRIDE * k + 1} or "
+                         f"{VAE_TIME_STRIDE * (k + 1) + 1}")
+    return (video_frames - 1) // VAE_TIME_STRIDE + 1
+
+
+def latent_size(height: int, width: int, patch=(2, 2)) -> tuple[int, int]:
+    """Pixel size -> latent size (/8); must be divisible by 8 * patch (16 for Wan 2.1)."""
+    mh, mw = VAE_SPACE_STRIDE * patch[0], VAE_SPACE_STRIDE * patch[1]
+    if height % mh or width % mw or height <= 0 or width <= 0:
+        raise ValueError(f"width x height {width}x{height} must be positive multiples of {mw}x{mh}")
+    return height // VAE_SPACE_STRIDE, width // VAE_SPACE_STRIDE
+
+
+def load_text_embeds(path, text_dim: int) -> torch.Tensor:
+    """A text embedding [L, text_dim] or [1, L, text_dim] from a safetensors file (key 'context' or the only
+    tensor) -> [1, L, text_dim]."""
+    from safetensors.torch import load_file
+    tensors = load_file(str(path))
+    if "context" in tensors:
+        t = tensors["context"]
+    elif len(tensors) == 1:
+        t = next(iter(tensors.values()))
+    else:
+        raise ValueError(f"{path}: expected a tensor named 'context' (found {sorted(tensors)[:5]})")
+    t = t[None] if t.dim() == 2 else t
+    if t.dim() != 3 or t.shape[-1] != text_dim:
+        raise ValueError(f"{path}: text embedding must be [L, {text_dim}] or [1, L, {text_dim}], got {tuple(t.shape)}")
+    return t.float()
+
+
+def sample_latents(model, context, width: int, height: int, num_frames: int, seed: int = 0,
+                   schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1, sink: int = 0,
+                   skip_last_refresh: bool = False, callback=None, on_chunk=None, batch: int = 1) -> torch.Tensor:
+    """Pixel-space request (width, height, video frames) -> model-space latents [B, F, 16, H/8, W/8].
+    Validates the geometry (4k+1 frames, multiples of 16, whole blocks) before any work."""
+    from .sampler import generate_latents
+    lf = latent_frames(num_frames)
+    lh, lw = latent_size(height, width, model.config.patch_size[1:])
+    if frames_per_block < 1 or lf % frames_per_block:
+        fpb = max(1, frames_per_block)
+        lower, upper = max(fpb, lf // fpb * fpb), (lf // fpb + 1) * fpb
+        video = sorted({VAE_TIME_STRIDE * (n - 1) + 1 for n in (lower, upper)})
+        raise ValueError(f"{num_frames} video frames give {lf} latent frames, not a whole number of "
+                         f"{fpb}-frame blocks; use {' or '.join(map(str, video))} video frames")
+    return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
+                            frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
+                            skip_last_refresh=skip_last_refresh, callback=callback, on_chunk=on_chunk)
+
+
+@dataclass
+class GenerateOptions:
+    out_dir: str = "wan_accel_out"
+    checkpoint: str | None = None        # .safetensors; None = built-in tiny model
+    text_embeds: str | None = None       # .safetensors with the prompt's umt5 embedding
+    frames: int | None = None            # video frames (4k+1)
+    height: int | None = None
+    width: int | None = None
+    seed: int = 0
+    preset: str = "self_forcing"
+    steps: str | None = None             # custom step list, e.g. "1000,750,500,250"
+    shift: float | None = None
+    warp: bool | None = None
+    device: str | None = None            # default: cuda if available else cpu
+    dtype: str | None = None             # bf16 / fp16 / fp32; default fp32 on cpu, bf16 on cuda
+    precision: str = "self_forcing"
+    attention: str = "auto"
+    frames_per_block: int = 3
+    kv_window: int = -1
+    sink: int = 0
+    skip_last_refresh: bool = False
+    num_heads: int | None = None
+    preview: bool = True
+
+
+def _peak_memory(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"cuda_max_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                "cuda_max_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"host_max_rss_mb": rss / (2**20 if sys.platform == "darwin" else 2**10)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _resolve(opts: GenerateOptions):
+    from .handle import default_device
+    device = torch.device(opts.device) if opts.device else default_device()
+    dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    defaults = MODEL_DEFAULTS if opts.checkpoint else TINY_DEFAULTS
+    frames = opts.frames or defaults["frames"]
+    height, width = opts.height or defaults["height"], opts.width or defaults["width"]
+    return device, dtype, frames, height, width
+
+
+def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
+    """Run the job; progress(chunk, step, num_chunks, num_steps) per step. Returns the report dict."""
+    from .handle import load_model_handle
+    from .preview import latents_to_rgb, save_animation, to_vae_latents
+    from .scheduler import resolve_schedule
+    device, dtype, frames, height, width = _resolve(opts)
+    t0 = time.perf_counter()
+    handle = load_model_handle(opts.checkpoint, dtype, opts.precision, opts.attention, device,
+                               num_heads=opts.num_heads)
+    model, notes = handle.model, []
+    if handle.is_tiny:
+        log("using the built-in tiny random model (deterministic random weights; output is not a real video)")
+        notes.append("tiny random model")
+    load_s = time.perf_counter() - t0
+    cfg = model.config
+    if opts.text_embeds:
+        context = load_text_embeds(opts.text_embeds, cfg.text_dim)
+    else:
+        context = torch.zeros(1, 0, cfg.text_dim)
+        if not handle.is_tiny:
+            notes.append("no --text-embeds given: zero text context")
+    schedule = resolve_schedule(opts.preset, opts.steps, opts.shift, opts.warp)
+    chunk_seconds, mark = [], [0.0]
+
+    def on_chunk(ci, n):
+        _sync(device)
+        now = time.perf_counter()
+        chunk_seconds.append(now - mark[0])
+        mark[0] = now
+        log(f"chunk {ci + 1}/{n}: {chunk_seconds[-1]:.3f} s")
+
+    def on_step(ci, k, nc, ns, _x0):
+        if progress is not None:
+            progress(ci, k, nc, ns)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    mark[0] = t_start = time.perf_counter()
+    latents = sample_latents(model, context, width, height, frames, opts.seed, schedule,
+                             opts.frames_per_block, opts.kv_window, opts.sink, opts.skip_last_refresh,
+                             callback=on_step, on_chunk=on_chunk)
+    _sync(device)
+    sample_s = time.perf_counter() - t_start
+    out = Path(opts.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = _write_outputs(out, latents, opts, to_vae_latents, latents_to_rgb, save_animation)
+    report = {
+        "model": handle.source, "tiny_random_model": handle.is_tiny, "config": cfg.to_dict(),
+        "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": dtype, "precision": handle.precision, "attention": opts.attention,
+        "settings": asdict(opts) | {"frames": frames, "height": height, "width": width},
+        "schedule": {"preset": schedule.name, "timesteps": schedule.timesteps, "shift": schedule.shift},
+        "latent_shape": list(latents.shape), "load_seconds": load_s, "sample_seconds": sample_s,
+        "chunk_seconds": chunk_seconds, "peak_memory": _peak_memory(device), "files": files, "notes": notes,
+        "torch": torch.__version__,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    report["files"]["report"] = str(out / "report.json")
+    return report
+
+
+def _write_outputs(out: Path, latents, opts, to_vae_latents, latents_to_rgb, save_animation) -> dict:
+    from safetensors.torch import save_file
+    lat = latents.detach().float().cpu().contiguous()
+    meta = {"layout.latents": "[B, F, C, H, W] model space", "layout.vae_latents": "[B, C, F, H, W] VAE space",
+            "seed": str(opts.seed), "preset": opts.preset}
+    save_file({"latents": lat, "vae_latents": to_vae_latents(lat)}, str(out / "latents.safetensors"),
+              metadata=meta)
+    files = {"latents": str(out / "latents.safetensors")}
+    if opts.preview:
+        files["preview"] = str(save_animation(latents_to_rgb(lat)[0], out / "preview.webp"))
+    return files

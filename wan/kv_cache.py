@@ -1,0 +1,139 @@
+"""Self-attention KV cache (global or rolling window with sink frames) and the cross-attention cache.
+
+Bookkeeping is host-side Python ints: every forward call gets a ``CacheStep`` (which slots to write, how
+many slots to attend) computed once and shared by all layers. The rolling window is a ring buffer: the
+first ``sink`` tokens keep their slots; later tokens go to slot ``sink + (g - sink) % ring``. Attention is
+order-independent over keys (RoPE is already applied to cached keys), so no data is ever shifted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    writes: tuple          # ((dst_start, dst_end, src_start, src_end), ...) slot ranges <- chunk rows
+    read_len: int          # attend to slots [0, read_len)
+
+
+class LayerKV:
+    """One layer's key/value buffers [B, capacity, heads, head_dim]."""
+
+    __slots__ = ("k", "v")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep):
+        """Write this call's keys/values, return the views to attend to."""
+        for d0, d1, s0, s1 in step.writes:
+            self.k[:, d0:d1] = k[:, s0:s1]
+            self.v[:, d0:d1] = v[:, s0:s1]
+        return self.k[:, :step.read_len], self.v[:, :step.read_len]
+
+
+class KVCache:
+    """Per-layer KV buffers of ``capacity`` tokens plus shared host-side indices.
+
+    rolling=False: absolute slots, a call for tokens [s, e) writes slots [s, e) and attends [0, e).
+    rolling=True : ring buffer with ``sink_tokens`` fixed slots; attends every valid slot.
+    """
+
+    def __init__(self, num_layers: int, batch: int, capacity: int, heads: int, head_dim: int, *,
+                 device=None, dtype=torch.float32, rolling: bool = False, sink_tokens: int = 0):
+        if rolling and not 0 <= sink_tokens < capacity:
+            raise ValueError(f"sink ({sink_tokens} tokens) must be smaller than the cache ({capacity} tokens)")
+        self.capacity, self.rolling, self.sink_tokens = capacity, rolling, sink_tokens if rolling else 0
+        shape = (batch, capacity, heads, head_dim)
+        self.layers = [LayerKV(torch.zeros(shape, device=device, dtype=dtype),
+                               torch.zeros(shape, device=device, dtype=dtype)) for _ in range(num_layers)]
+        self.end = 0        # global token index one past the newest token written
+
+    @classmethod
+    def for_model(cls, model, batch: int, frame_tokens: int, num_frames: int, kv_window: int = -1,
+                  sink: int = 0, device=None, dtype=None) -> "KVCache":
+        """Global cache for ``num_frames`` latent frames (kv_window <= 0 or >= num_frames), else a rolling
+        window of ``kv_window`` frames whose first ``sink`` frames are kept."""
+        c = model.config
+        rolling = 0 < kv_window < num_frames
+        frames = kv_window if rolling else num_frames
+        return cls(c.num_layers, batch, frames * frame_tokens, c.num_heads, c.head_dim,
+                   device=device if device is not None else model.device,
+                   dtype=dtype if dtype is not None else model.compute_dtype,
+                   rolling=rolling, sink_tokens=sink * frame_tokens)
+
+    @property
+    def ring(self) -> int:
+        return self.capacity - self.sink_tokens
+
+    def reset(self) -> None:
+        self.end = 0
+
+    def plan(self, start: int, num_tokens: int) -> CacheStep:
+        """Slots for a call covering global tokens [start, start+num_tokens); advances the host indices."""
+        end = start + num_tokens
+        if start > self.end:
+            raise ValueError(f"KV cache gap: call starts at token {start} but only {self.end} tokens are cached")
+        if not self.rolling:
+            if end > self.capacity:
+                raise ValueError(f"KV cache holds {self.capacity} tokens but the call reaches token {end}; "
+                                 f"use a rolling window (kv_window) for longer videos")
+            self.end = end
+            return CacheStep(((start, end, 0, num_tokens),), end)
+        if num_tokens > self.ring:
+            raise ValueError(f"a chunk of {num_tokens} tokens does not fit the rolling window of "
+                             f"{self.ring} non-sink tokens; raise kv_window or lower sink")
+        if start != self.end and end != self.end:
+            raise ValueError("a rolling KV cache only appends the next chunk or recomputes the newest one "
+                             f"(cached up to token {self.end}, call covers [{start}, {end}))")
+        self.end = max(self.end, end)
+        return CacheStep(self._segments(start, end), min(self.end, self.capacity))
+
+    def _segments(self, g0: int, g1: int) -> tuple:
+        segs, g, s, r = [], g0, self.sink_tokens, self.ring
+        while g < g1:
+            if g < s:
+                dst, stop = g, min(g1, s)
+            else:
+                off = (g - s) % r
+                dst, stop = s + off, min(g1, g + r - off)
+            segs.append((dst, dst + stop - g, g - g0, stop - g0))
+            g = stop
+        return tuple(segs)
+
+    def ordered(self, layer: int):
+        """(k, v) of a layer in chronological order: sink tokens, then oldest..newest (valid slots only)."""
+        kv = self.layers[layer]
+        valid = min(self.end, self.capacity)
+        if not self.rolling or self.end <= self.capacity:
+            return kv.k[:, :valid], kv.v[:, :valid]
+        s, p = self.sink_tokens, (self.end - self.sink_tokens) % self.ring
+        order = lambda t: torch.cat([t[:, :s], t[:, s + p:], t[:, s:s + p]], dim=1)
+        return order(kv.k), order(kv.v)
+
+
+class CrossKV:
+    """One layer's cross-attention keys/values (computed once per prompt)."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self):
+        self.tensors = None
+
+    @property
+    def ready(self) -> bool:
+        return self.tensors is not None
+
+    def store(self, tensors: dict) -> None:
+        self.tensors = tensors
+
+
+class CrossAttnCache:
+    def __init__(self, num_layers: int):
+        self.layers = [CrossKV() for _ in range(num_layers)]
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.tensors = None

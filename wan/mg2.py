@@ -1,0 +1,173 @@
+"""Matrix-Game-2 sampling: presets, conditioning and the chunked loop (the base causal sampler + actions).
+
+Layouts follow the released pipeline and ComfyUI: latents ``[B, C, F, H, W]`` (channels before frames),
+model space (normalised Wan 2.1 VAE latents). Per chunk of 3 latent frames the model sees the noisy
+latent, ``cond_concat[:, :, s:s+3]``, the projected CLIP tokens and the action windows; the self, mouse
+and keyboard caches roll over ``window`` latent frames and are refreshed by a t=0 pass on the chunk's x0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FRAMES_PER_BLOCK = 3          # latent frames per chunk (fixed by the released pipeline)
+MASK_CHANNELS = 4             # first-frame mask channels of cond_concat
+
+# Released step lists (shift 5, warped), rolling windows and action layouts of the distilled models.
+PRESETS = {
+    "universal": {"steps": [1000, 666, 333], "shift": 5.0, "window": 6, "mode": "universal"},
+    "gta_drive": {"steps": [1000, 666, 333], "shift": 5.0, "window": 4, "mode": "gta_drive"},
+    "templerun": {"steps": [1000, 750, 500, 250], "shift": 5.0, "window": 6, "mode": "templerun"},
+}
+
+
+@dataclass
+class MG2Settings:
+    """A resolved preset: the schedule, the rolling window (latent frames) and the action mode."""
+    preset: str
+    schedule: object
+    window: int
+    mode: str
+
+
+def resolve_preset(preset: str = "universal", steps=None, shift: float | None = None,
+                   window: int | None = None) -> MG2Settings:
+    """Preset name -> schedule + window; ``steps``/``shift``/``window`` override the preset's values."""
+    from .scheduler import resolve_schedule
+    if preset not in PRESETS:
+        raise ValueError(f"Matrix-Game-2 preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    p = PRESETS[preset]
+    sched = resolve_schedule("custom", steps=p["steps"] if steps is None else steps,
+                             shift=p["shift"] if shift is None else shift, warp=True)
+    sched.name = preset
+    win = p["window"] if window in (None, 0, -1) else int(window)
+    if win < FRAMES_PER_BLOCK:
+        raise ValueError(f"the rolling window ({win} latent frames) must hold at least one chunk "
+                         f"({FRAMES_PER_BLOCK} frames)")
+    return MG2Settings(preset, sched, win, p["mode"])
+
+
+def build_cond_concat(image_latent: torch.Tensor, num_frames: int) -> torch.Tensor:
+    """cond_concat ``[B, 20, F, H, W]``: a 4-channel first-frame mask, then the conditioning latent.
+
+    ``image_latent`` (model space) is ``[B, 16, 1, H, W]`` (the start image: the later frames are zero) or
+    ``[B, 16, >=F, H, W]`` (the VAE encoding of the start image followed by blank frames, as the released
+    pipeline builds it: exact)."""
+    if image_latent.dim() != 5 or image_latent.shape[1] != 16:
+        raise ValueError(f"the start image latent must be [B, 16, frames, H, W], got {tuple(image_latent.shape)}")
+    b, c, fi, h, w = image_latent.shape
+    lat = image_latent.float()
+    if fi >= num_frames:
+        lat = lat[:, :, :num_frames]
+    elif fi == 1:
+        lat = torch.cat([lat, lat.new_zeros(b, c, num_frames - 1, h, w)], dim=2)
+    else:
+        raise ValueError(f"the conditioning latent has {fi} frames: give 1 (start image) or at least "
+                         f"{num_frames} (start image + blank frames)")
+    mask = lat.new_zeros(b, MASK_CHANNELS, num_frames, h, w)
+    mask[:, :, 0] = 1.0
+    return torch.cat([mask, lat], dim=1)
+
+
+def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_context: torch.Tensor,
+               mouse: torch.Tensor | None, keyboard: torch.Tensor | None, schedule, window: int,
+               noise_provider=None, generator: torch.Generator | None = None, callback=None, tracer=None,
+               on_chunk=None, skip_last_refresh: bool = False, kv_cache=None, actions=None) -> torch.Tensor:
+    """Run the Matrix-Game-2 loop; returns x0 latents ``[B, 16, F, H, W]`` (float32, model space).
+
+    noise ``[B, 16, F, H, W]``; cond_concat ``[B, 20, F, H, W]``; visual_context ``[B or 1, tokens, clip_dim]``;
+    mouse/keyboard ``[B or 1, video frames, dims]`` (at least ``4*(F-1)`` frames, ``1 + 4*(F-1)`` as
+    released); schedule: a Schedule or preset name; window: rolling window of every cache in latent frames.
+    noise_provider(chunk, step, shape [B, 3, 16, H, W], dtype, device) supplies the re-noising draws
+    (default: ``generator``). callback/tracer/on_chunk as in ``sample_causal`` (tracer tensors are
+    ``[B, 3, C, H, W]``). kv_cache / actions: pre-built caches to inspect afterwards.
+    """
+    from .kv_cache import KVCache
+    from .sampler import sample_causal
+    from .mg2_model import MatrixGameModel
+    if not isinstance(model, MatrixGameModel):
+        raise TypeError("sample_mg2 needs a Matrix-Game-2 model (a checkpoint with action modules); "
+                        "use the CausalWan Sampler for text-to-video models")
+    if isinstance(schedule, str):
+        schedule = resolve_preset(schedule).schedule
+    if noise.dim() != 5 or cond_concat.dim() != 5 or noise.shape[2:] != cond_concat.shape[2:]:
+        raise ValueError(f"noise [B, 16, F, H, W] and cond_concat [B, 20, F, H, W] must agree, got "
+                         f"{tuple(noise.shape)} and {tuple(cond_concat.shape)}")
+    c = model.config
+    if noise.shape[1] + cond_concat.shape[1] != c.in_dim:
+        raise ValueError(f"noise ({noise.shape[1]}) + cond_concat ({cond_concat.shape[1]}) channels must equal "
+                         f"the model's in_dim {c.in_dim}")
+    b, _, f, h, w = noise.shape
+    if window < FRAMES_PER_BLOCK:
+        raise ValueError(f"window ({window} latent frames) must hold at least one {FRAMES_PER_BLOCK}-frame chunk")
+    frame_tokens = (h // c.patch_size[1]) * (w // c.patch_size[2])
+    kv = kv_cache if kv_cache is not None else KVCache.for_model(model, b, frame_tokens, f, window, 0)
+    call = actions if actions is not None else model.new_action_call(mouse, keyboard, window)
+    device = model.device
+    y = cond_concat.transpose(1, 2).to(device)
+    out = sample_causal(model, visual_context.to(device), noise.transpose(1, 2), schedule, FRAMES_PER_BLOCK,
+                        generator=generator, noise_provider=noise_provider, kv_window=window, sink=0,
+                        skip_last_refresh=skip_last_refresh, callback=callback, tracer=tracer,
+                        on_chunk=on_chunk, y=y, kv_cache=kv, model_kwargs={"actions": call})
+    return out.transpose(1, 2)
+
+
+def _check_actions(model, mouse, keyboard) -> None:
+    a = model.action_config
+    if a.enable_keyboard and (keyboard is None or keyboard.shape[-1] != a.keyboard_dim_in):
+        got = "none" if keyboard is None else keyboard.shape[-1]
+        raise ValueError(f"the model takes {a.keyboard_dim_in} keyboard channels per frame but the actions "
+                         f"have {got}: pick the Game Actions mode that matches the checkpoint "
+                         f"(universal 4 keys, gta_drive 2, templerun 7)")
+    if a.enable_mouse and (mouse is None or mouse.shape[-1] != a.mouse_dim_in):
+        raise ValueError(f"the model has a mouse branch ({a.mouse_dim_in} values per frame) but the actions "
+                         f"have {'no mouse' if mouse is None else mouse.shape[-1]}: use mode universal or "
+                         f"gta_drive")
+
+
+def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor, actions, num_frames: int = 0,
+                 seed: int = 0, preset: str = "universal", window: int | None = None, steps=None,
+                 callback=None, on_chunk=None, skip_last_refresh: bool = False) -> torch.Tensor:
+    """Seeded end-to-end sampling; returns latents ``[B, 16, F, H, W]`` (float32, model space).
+
+    image_latent: model-space start latent ``[B, 16, 1 or >=F, H, W]``; visual_context: CLIP tokens
+    ``[B or 1, tokens, clip_dim]``; actions: a GameActions or a (mouse, keyboard) pair of tensors
+    ``[B or 1, video frames, dims]``; num_frames: latent frames (0: every whole chunk the actions cover).
+    Batch element i draws its noise from its own generator seeded ``seed + i``, so a batch gives the same
+    latents as separate batch-1 runs with those seeds.
+    """
+    settings = resolve_preset(preset, steps=steps, window=window)
+    device = model.device
+    if hasattr(actions, "tensors"):
+        frames_avail = actions.latent_frames
+        mouse, keyboard = actions.tensors(batch=1)
+    else:
+        mouse, keyboard = actions
+        seq = keyboard if keyboard is not None else mouse
+        frames_avail = 1 + (seq.shape[1] - 1) // 4
+    _check_actions(model, mouse, keyboard)
+    if num_frames <= 0:
+        num_frames = (frames_avail // FRAMES_PER_BLOCK) * FRAMES_PER_BLOCK
+        if num_frames == 0:
+            raise ValueError(f"the actions cover {frames_avail} latent frame(s); a chunk needs "
+                             f"{FRAMES_PER_BLOCK} (13 video frames)")
+    if num_frames % FRAMES_PER_BLOCK:
+        raise ValueError(f"num_frames ({num_frames} latent frames) must be a multiple of {FRAMES_PER_BLOCK}")
+    if num_frames > frames_avail:
+        raise ValueError(f"{num_frames} latent frames need {1 + 4 * (num_frames - 1)} video frames of actions; "
+                         f"the actions give {1 + 4 * (frames_avail - 1)}")
+    b, _, _, h, w = image_latent.shape
+    cond = build_cond_concat(image_latent.to(device), num_frames)
+    gens = [torch.Generator(device=device).manual_seed(int(seed) + i) for i in range(b)]
+    noise = torch.cat([torch.randn((1, model.config.out_dim, num_frames, h, w), generator=g, device=device)
+                       for g in gens])
+
+    def provide(_ci, _k, shape, dtype, dev):
+        eps = [torch.randn((1,) + tuple(shape[1:]), generator=g, device=device) for g in gens]
+        return torch.cat(eps).to(device=dev, dtype=dtype)
+
+    return sample_mg2(model, noise, cond, visual_context.to(device), None if mouse is None else mouse.to(device),
+                      None if keyboard is None else keyboard.to(device), settings.schedule, settings.window,
+                      noise_provider=provide, callback=callback, on_chunk=on_chunk,
+                      skip_last_refresh=skip_last_refresh)

@@ -1,0 +1,73 @@
+"""Latent previews: the Wan 2.1 linear latent->RGB projection and animated webp/gif writing.
+
+The 16x3 factors and the bias are the widely used Wan 2.1 preview approximation (as in ComfyUI's
+Wan21 latent format); they apply to the model-space (normalised) latents the sampler produces.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WAN21_RGB_FACTORS = [
+    [-0.1299, -0.1692, 0.2932], [0.0671, 0.0406, 0.0442], [0.3568, 0.2548, 0.1747],
+    [0.0372, 0.2344, 0.1420], [0.0313, 0.0189, -0.0328], [0.0296, -0.0956, -0.0665],
+    [-0.3477, -0.4059, -0.2925], [0.0166, 0.1902, 0.1975], [-0.0412, 0.0267, -0.1364],
+    [-0.1293, 0.0740, 0.1636], [0.0680, 0.3019, 0.1128], [0.0032, 0.0581, 0.0639],
+    [-0.1251, 0.0927, 0.1699], [0.0060, -0.0633, 0.0005], [0.3477, 0.2275, 0.2950],
+    [0.1984, 0.0913, 0.1861],
+]
+WAN21_RGB_BIAS = [-0.1835, -0.0868, -0.3360]
+# Per-channel statistics of the Wan 2.1 VAE latent: model space = (vae_latent - mean) / std.
+WAN21_LATENT_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                     0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+WAN21_LATENT_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
+
+
+def to_vae_latents(latents: torch.Tensor) -> torch.Tensor:
+    """Model-space latents [B, F, 16, H, W] -> raw VAE latents [B, 16, F, H, W] (ComfyUI LATENT layout)."""
+    mean = torch.tensor(WAN21_LATENT_MEAN, dtype=torch.float32, device=latents.device)
+    std = torch.tensor(WAN21_LATENT_STD, dtype=torch.float32, device=latents.device)
+    x = latents.float() * std[:, None, None] + mean[:, None, None]
+    return x.permute(0, 2, 1, 3, 4).contiguous()
+
+
+def latents_to_rgb(latents: torch.Tensor) -> torch.Tensor:
+    """[B, F, 16, H, W] model-space latents -> uint8 frames [B, F, H, W, 3]."""
+    if latents.dim() != 5 or latents.shape[2] != len(WAN21_RGB_FACTORS):
+        raise ValueError(f"expected latents [B, F, {len(WAN21_RGB_FACTORS)}, H, W], got {tuple(latents.shape)}")
+    w = torch.tensor(WAN21_RGB_FACTORS, dtype=torch.float32, device=latents.device)
+    b = torch.tensor(WAN21_RGB_BIAS, dtype=torch.float32, device=latents.device)
+    rgb = torch.einsum("bfchw,cr->bfhwr", latents.float(), w) + b
+    return (((rgb + 1.0) / 2.0).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
+def save_animation(frames: torch.Tensor, path, fps: int = 16, scale: int = 4) -> Path:
+    """Write uint8 frames [F, H, W, 3] as an animated .webp or .gif (by suffix; webp falls back to gif
+    when Pillow lacks webp support). Frames are upscaled by ``scale`` (nearest) for visibility."""
+    from PIL import Image, features
+    path = Path(path)
+    if path.suffix.lower() == ".webp" and not features.check("webp"):
+        path = path.with_suffix(".gif")
+    images = []
+    for frame in frames:
+        img = _to_image(frame)
+        if scale > 1:
+            img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+        images.append(img)
+    duration = max(1, round(1000 / fps))
+    kwargs = {"lossless": True} if path.suffix.lower() == ".webp" else {}
+    images[0].save(path, save_all=True, append_images=images[1:], duration=duration, loop=0, **kwargs)
+    return path
+
+
+def _to_image(frame: torch.Tensor):
+    from PIL import Image
+    h, w, _ = frame.shape
+    frame = frame.contiguous()
+    try:
+        data = frame.numpy().tobytes()
+    except RuntimeError:          # torch built without numpy support
+        data = bytes(frame.flatten().tolist())
+    return Image.frombytes("RGB", (w, h), data)

@@ -1,0 +1,111 @@
+"""Flow-matching scheduler of the causal Wan samplers (shifted sigmas, warped step lists).
+
+sigmas = shift*s / (1 + (shift-1)*s) over s = linspace(1, 0, N+1)[:-1] (float32), timesteps = N*sigmas.
+sigma(t) = sigmas[argmin |timesteps - t|]. All lookups are done once on the host when a schedule is
+resolved, so the sampling loop never synchronises with the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+NUM_TRAIN_TIMESTEPS = 1000
+
+PRESETS = {
+    "self_forcing": {"steps": [1000, 750, 500, 250], "shift": 5.0, "warp": True},
+    "causvid": {"steps": [1000, 757, 522], "shift": 8.0, "warp": False},
+}
+PRESET_NAMES = ("self_forcing", "causvid", "custom")
+
+
+class FlowMatchScheduler:
+    def __init__(self, shift: float = 5.0, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS):
+        self.shift = float(shift)
+        self.num_train_timesteps = n = int(num_train_timesteps)
+        s = torch.linspace(1.0, 0.0, n + 1, dtype=torch.float32)[:-1]
+        self.sigmas = self.shift * s / (1 + (self.shift - 1) * s)
+        self.timesteps = self.sigmas * n
+
+    def warp(self, steps) -> torch.Tensor:
+        """Warped step list: [timesteps..., 0][N - step] (float32)."""
+        ext = torch.cat([self.timesteps, torch.zeros(1, dtype=torch.float32)])
+        idx = self.num_train_timesteps - torch.tensor([int(s) for s in steps], dtype=torch.long)
+        if (idx < 0).any() or (idx > self.num_train_timesteps).any():
+            raise ValueError(f"warped steps must lie in [0, {self.num_train_timesteps}], got {list(steps)}")
+        return ext[idx]
+
+    def sigma_index(self, t: float, dtype=torch.float64) -> int:
+        """argmin |timesteps - t| compared in ``dtype`` (float64 for flow->x0, float32 for re-noising)."""
+        tt = torch.tensor(t, dtype=torch.float32).to(dtype)
+        return int(torch.argmin((self.timesteps.to(dtype) - tt).abs()))
+
+    def sigma(self, t: float, dtype=torch.float64) -> float:
+        return float(self.sigmas[self.sigma_index(t, dtype)])
+
+    @staticmethod
+    def to_x0(xt: torch.Tensor, flow: torch.Tensor, sigma: float) -> torch.Tensor:
+        """x0 = xt - sigma * flow, in float64, cast back to xt's dtype."""
+        return (xt.double() - sigma * flow.double()).to(xt.dtype)
+
+    @staticmethod
+    def renoise(x0: torch.Tensor, eps: torch.Tensor, one_minus_sigma: float, sigma: float,
+                dtype=None) -> torch.Tensor:
+        """(1 - sigma) * x0 + sigma * eps in float32, cast to ``dtype`` (x0's dtype by default)."""
+        out = one_minus_sigma * x0.float() + sigma * eps.float()
+        return out.to(dtype or x0.dtype)
+
+
+@dataclass
+class Schedule:
+    """A resolved step list: model timesteps and the sigmas the sampler needs, as host floats."""
+    name: str
+    shift: float
+    steps_config: list
+    warp: bool
+    timesteps: list = field(default_factory=list)       # float32 values fed to the model
+    x0_sigmas: list = field(default_factory=list)       # sigma(t_k) for flow->x0 (float64 argmin)
+    renoise: list = field(default_factory=list)         # (1 - sigma, sigma) of t_k, float32 argmin
+    scheduler: FlowMatchScheduler | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+    def x0_sigma_at(self, t: float) -> float:
+        return self.scheduler.sigma(t, torch.float64)
+
+
+def parse_steps(text: str) -> list:
+    try:
+        steps = [float(s) for s in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"steps must be numbers separated by commas, got {text!r}") from None
+    if not steps:
+        raise ValueError("the step list is empty")
+    return steps
+
+
+def resolve_schedule(preset: str = "self_forcing", steps=None, shift=None, warp=None,
+                     num_train_timesteps: int = NUM_TRAIN_TIMESTEPS) -> Schedule:
+    """Preset 'self_forcing' / 'causvid' (steps/shift/warp override it when given) or 'custom'."""
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"preset must be one of {PRESET_NAMES}, got {preset!r}")
+    base = PRESETS.get(preset, {"steps": None, "shift": 5.0, "warp": True})
+    steps = base["steps"] if steps is None else (parse_steps(steps) if isinstance(steps, str) else list(steps))
+    if steps is None:
+        raise ValueError("preset 'custom' needs a step list, e.g. '1000,750,500,250'")
+    shift = base["shift"] if shift is None else float(shift)
+    warp = base["warp"] if warp is None else bool(warp)
+    sched = FlowMatchScheduler(shift, num_train_timesteps)
+    if warp:
+        t = sched.warp(steps)
+    else:
+        t = torch.tensor([float(s) for s in steps], dtype=torch.float32)
+    timesteps = [float(v) for v in t]
+    renoise = []
+    for v in timesteps:
+        s32 = sched.sigmas[sched.sigma_index(v, torch.float32)]
+        renoise.append((float(1 - s32), float(s32)))
+    return Schedule(preset, shift, list(steps), warp, timesteps,
+                    [sched.sigma(v, torch.float64) for v in timesteps], renoise, sched)

@@ -1,0 +1,44 @@
+"""The built-in tiny causal model: deterministic random weights, for smoke runs, tests and demos.
+
+Its outputs are not meaningful video: it exists so that the whole pipeline (sampler, KV cache, nodes,
+preview, report) runs anywhere in seconds without downloading a checkpoint.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import WanConfig
+from .model import WanModel
+
+TINY_CONFIG = WanConfig(model_type="t2v", patch_size=(1, 2, 2), text_len=32, in_dim=16, dim=64, ffn_dim=256,
+                        freq_dim=32, text_dim=64, out_dim=16, num_heads=4, num_layers=2)
+
+
+def init_tiny_weights(model: WanModel, seed: int = 0) -> WanModel:
+    """Seeded, deterministic initialisation (fan-in scaled normals, norms near 1, small modulation)."""
+    gen = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            w = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("modulation"):
+                w = 0.1 * w
+            elif "norm" in name and name.endswith("weight"):
+                w = 1.0 + 0.05 * w
+            elif name.endswith("bias"):
+                w = 0.02 * w
+            else:
+                fan_in = math.prod(p.shape[1:]) if p.dim() > 1 else p.shape[0]
+                w = w / math.sqrt(fan_in)
+            p.copy_(w.to(p.dtype))
+    return model
+
+
+def tiny_causal_model(seed: int = 0, device="cpu", dtype=torch.float32, precision=None,
+                      config: WanConfig | None = None) -> WanModel:
+    """Build the tiny model; precision defaults to 'float32' for float32, else 'self_forcing'."""
+    model = init_tiny_weights(WanModel(config or TINY_CONFIG), seed)
+    precision = precision or ("float32" if dtype == torch.float32 else "self_forcing")
+    model.set_precision(precision, dtype)
+    return model.to(device).eval().requires_grad_(False)

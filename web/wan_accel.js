@@ -1,0 +1,291 @@
+// Frontend extension of comfyui-wan-accel.
+//  * "Wan Accel" panel (a sidebar tab, or a floating panel on frontends without sidebar tabs): the limit cache
+//    per namespace (entries measured on this machine, best configs, learned memory limits) with a clear
+//    button per namespace. Talks to GET /api/wan_accel/limits and POST /api/wan_accel/limits/clear.
+//  * A badge on nodes whose compile settings are risky (tiling preset EXTREME-PLUS, or lock_global_ops on).
+//  * A read-only text box on the pack's output nodes that return {"ui": {"text": [...]}}.
+// Only the public modules scripts/app.js and scripts/api.js are imported.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const EXT_NAME = "wan_accel.panel";
+const CATEGORY_PREFIX = "wan_accel";
+const TEXT_WIDGET = "wan_accel_text";
+const RISKY_PRESET = "EXTREME-PLUS";
+
+// ------------------------------------------------------------------------------------------------ helpers
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "style") Object.assign(node.style, v);
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+
+function toast(severity, summary, detail) {
+  const t = app.extensionManager?.toast;
+  if (t?.add) t.add({ severity, summary, detail, life: 4000 });
+  else console[severity === "error" ? "error" : "log"](`[wan_accel] ${summary}: ${detail}`);
+}
+
+async function confirmDialog(title, message) {
+  const d = app.extensionManager?.dialog;
+  if (d?.confirm) return (await d.confirm({ title, message, type: "delete" })) === true;
+  return window.confirm(`${title}\n\n${message}`);
+}
+
+function fmtBytes(n) {
+  if (typeof n !== "number" || !isFinite(n)) return String(n);
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+// Short readable text of an entry value: byte-like fields as sizes, nested configs as k=v.
+function fmtValue(value) {
+  if (value === null || typeof value !== "object") return String(value);
+  const parts = [];
+  for (const [k, v] of Object.entries(value)) {
+    let s;
+    if (typeof v === "number" && /bytes/i.test(k)) s = fmtBytes(v);
+    else if (typeof v === "number") s = Number.isInteger(v) ? String(v) : v.toPrecision(4);
+    else if (v && typeof v === "object") s = Object.entries(v).map(([a, b]) => `${a}=${JSON.stringify(b)}`).join(" ");
+    else if (typeof v === "string") s = v;
+    else s = JSON.stringify(v);
+    parts.push(`${k}: ${s}`);
+  }
+  return parts.join(" · ");
+}
+
+// ------------------------------------------------------------------------------------------------ panel
+const STYLE = {
+  root: { padding: "8px", fontSize: "12px", lineHeight: "1.4", color: "var(--fg-color, #ddd)",
+          overflowY: "auto", height: "100%", boxSizing: "border-box" },
+  head: { display: "flex", justifyContent: "space-between", alignItems: "center", marginBottom: "6px" },
+  machine: { opacity: "0.75", marginBottom: "8px", wordBreak: "break-word" },
+  ns: { border: "1px solid var(--border-color, #444)", borderRadius: "6px", padding: "6px", marginBottom: "8px" },
+  nsHead: { display: "flex", justifyContent: "space-between", alignItems: "center", fontWeight: "bold" },
+  row: { padding: "3px 0", borderTop: "1px solid var(--border-color, #333)", wordBreak: "break-word" },
+  key: { fontFamily: "monospace", color: "var(--input-text, #9cf)" },
+  button: { cursor: "pointer", fontSize: "11px", padding: "2px 8px", borderRadius: "4px",
+            border: "1px solid var(--border-color, #555)", background: "var(--comfy-input-bg, #222)",
+            color: "var(--fg-color, #ddd)" },
+};
+
+const NS_HINT = {
+  operator: "best kernel configs per shape",
+  compile: "compile settings and artifacts",
+  memory: "learned memory limits",
+  sampler: "sampler capabilities",
+};
+
+async function fetchLimits() {
+  const r = await api.fetchApi("/wan_accel/limits", { cache: "no-store" });
+  const data = await r.json();
+  if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
+  return data;
+}
+
+async function clearNamespace(name) {
+  const r = await api.fetchApi("/wan_accel/limits/clear", {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ namespace: name }),
+  });
+  const data = await r.json();
+  if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
+  return data;
+}
+
+function renderNamespace(ns, refresh) {
+  const clear = el("button", {
+    style: STYLE.button, title: `Remove every entry of '${ns.name}' (all machines)`,
+    onclick: async () => {
+      const total = ns.count + ns.other_machines;
+      const ok = await confirmDialog(`Clear '${ns.name}'?`,
+        `This removes ${total} entr${total === 1 ? "y" : "ies"} of '${ns.name}' (of every machine). ` +
+        "They are measured again the next time they are needed.");
+      if (!ok) return;
+      try {
+        const res = await clearNamespace(ns.name);
+        toast("success", "Limit cache", `Cleared ${res.cleared} entries from ${res.namespace}.`);
+      } catch (e) {
+        toast("error", "Limit cache", String(e.message || e));
+      }
+      refresh();
+    },
+  }, "Clear");
+  if (!ns.count && !ns.other_machines) clear.disabled = true;
+  const box = el("div", { style: STYLE.ns, "data-namespace": ns.name },
+    el("div", { style: STYLE.nsHead },
+      el("span", {}, `${ns.name} `, el("span", { style: { fontWeight: "normal", opacity: "0.7" } },
+        `${ns.count} entr${ns.count === 1 ? "y" : "ies"}` + (ns.other_machines ? `, ${ns.other_machines} other machines` : ""))),
+      clear));
+  if (NS_HINT[ns.name]) box.append(el("div", { style: { opacity: "0.6", marginBottom: "2px" } }, NS_HINT[ns.name]));
+  for (const e of ns.entries) {
+    box.append(el("div", { style: STYLE.row, title: JSON.stringify(e.value, null, 1) },
+      el("div", { style: STYLE.key }, e.key, el("span", { style: { opacity: "0.6" } }, `  (hits ${e.hits})`)),
+      el("div", {}, fmtValue(e.value))));
+  }
+  if (ns.truncated) box.append(el("div", { style: { opacity: "0.6" } }, `… ${ns.truncated} more`));
+  return box;
+}
+
+function mountPanel(container) {
+  const root = el("div", { style: STYLE.root, class: "wan-accel-panel" });
+  container.append(root);
+  const refresh = async () => {
+    const reload = el("button", { style: STYLE.button, onclick: refresh }, "Reload");
+    root.replaceChildren(el("div", { style: STYLE.head }, el("b", {}, "Wan Accel limit cache"), reload),
+      el("div", { style: { opacity: "0.6" } }, "loading…"));
+    let data;
+    try {
+      data = await fetchLimits();
+    } catch (e) {
+      root.lastChild.textContent = `Could not read the limit cache: ${e.message || e}`;
+      return;
+    }
+    const fp = data.fingerprint || {};
+    root.replaceChildren(
+      el("div", { style: STYLE.head }, el("b", {}, "Wan Accel limit cache"), reload),
+      el("div", { style: STYLE.machine },
+        `${fp.gpu ?? "?"} [${fp.device ?? "?"} ${fp.capability ?? ""}] · torch ${fp.torch ?? "?"} · triton ${fp.triton ?? "?"}`,
+        el("br"), el("span", { style: { fontFamily: "monospace" } }, `id ${data.fingerprint_id}`)),
+      ...data.namespaces.map((ns) => renderNamespace(ns, refresh)),
+      el("div", { style: { opacity: "0.5", wordBreak: "break-all" } }, data.path));
+  };
+  refresh();
+  return root;
+}
+
+function floatingPanel() {
+  // for frontends without sidebar tabs: a small button that opens the same panel in a floating box
+  let box = null;
+  const toggle = () => {
+    if (box) { box.remove(); box = null; return; }
+    box = el("div", { style: { position: "fixed", right: "12px", bottom: "52px", width: "360px", height: "60vh",
+                               zIndex: 1000, background: "var(--comfy-menu-bg, #202020)",
+                               border: "1px solid var(--border-color, #444)", borderRadius: "8px" } });
+    document.body.append(box);
+    mountPanel(box);
+  };
+  document.body.append(el("button", {
+    style: { ...STYLE.button, position: "fixed", right: "12px", bottom: "12px", zIndex: 1000 },
+    title: "Wan Accel limit cache", onclick: toggle }, "Wan Accel"));
+}
+
+// ------------------------------------------------------------------------------------------------ node helpers
+function isPackNode(nodeData) {
+  return typeof nodeData?.category === "string" && nodeData.category.startsWith(CATEGORY_PREFIX);
+}
+
+function riskyCompile(node) {
+  const w = (name) => node.widgets?.find((x) => x.name === name);
+  const reasons = [];
+  const preset = w("tiling_preset");
+  if (preset && String(preset.value).toUpperCase() === RISKY_PRESET) reasons.push(RISKY_PRESET);
+  const lock = w("lock_global_ops");
+  if (lock && lock.value === true) reasons.push("GLOBAL OPS LOCKED");
+  return reasons.join(" · ");
+}
+
+function drawBadge(ctx, node, text) {
+  // fallback when the frontend has no LGraphBadge: a red pill at the right end of the title bar
+  const h = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+  ctx.save();
+  ctx.font = "bold 11px sans-serif";
+  const w = ctx.measureText(text).width + 12;
+  const x = node.size[0] - w - 6, y = -h + (h - 18) / 2;
+  ctx.fillStyle = "#b3261e";
+  ctx.beginPath();
+  if (ctx.roundRect) ctx.roundRect(x, y, w, 18, 5); else ctx.rect(x, y, w, 18);
+  ctx.fill();
+  ctx.fillStyle = "#fff";
+  ctx.textBaseline = "middle";
+  ctx.fillText(text, x + 6, y + 9);
+  ctx.restore();
+}
+
+function syncBadge(node) {
+  const text = riskyCompile(node);
+  const Badge = globalThis.LGraphBadge;
+  if (!Badge || !Array.isArray(node.badges)) return text;
+  const had = node._wanAccelBadge && node.badges.includes(node._wanAccelBadge);
+  if (text) {
+    if (!node._wanAccelBadge || node._wanAccelBadge.text !== text)
+      node._wanAccelBadge = new Badge({ text, bgColor: "#b3261e", fgColor: "#fff" });
+    node.badges = node.badges.filter((b) => !b?._wanAccel);
+    node._wanAccelBadge._wanAccel = true;
+    node.badges.push(node._wanAccelBadge);
+  } else if (had) {
+    node.badges = node.badges.filter((b) => !b?._wanAccel);
+  }
+  if (Boolean(text) !== Boolean(had)) node.setDirtyCanvas?.(true, true);
+  return null; // drawn by the frontend
+}
+
+function showText(node, message) {
+  const lines = message?.text;
+  if (!Array.isArray(lines) || !lines.length) return;
+  const text = lines.map(String).join("\n");
+  let widget = node.widgets?.find((w) => w.name === TEXT_WIDGET);
+  if (!widget) {
+    const area = el("textarea", { readonly: "readonly", spellcheck: "false",
+      style: { width: "100%", height: "100%", boxSizing: "border-box", fontFamily: "monospace", fontSize: "11px",
+               resize: "none", background: "var(--comfy-input-bg, #222)", color: "var(--input-text, #ddd)",
+               border: "1px solid var(--border-color, #444)", borderRadius: "4px", whiteSpace: "pre" } });
+    widget = node.addDOMWidget(TEXT_WIDGET, "wan_accel_text", area, {
+      serialize: false, hideOnZoom: false, getMinHeight: () => 120,
+      getValue: () => area.value, setValue: (v) => { area.value = v ?? ""; },
+    });
+    widget.serialize = false;
+    widget._area = area;
+    node.setSize?.([Math.max(node.size[0], 420), Math.max(node.size[1], 260)]);
+  }
+  widget._area.value = text;
+  node.setDirtyCanvas?.(true, true);
+}
+
+// ------------------------------------------------------------------------------------------------ extension
+app.registerExtension({
+  name: EXT_NAME,
+
+  async setup() {
+    const mgr = app.extensionManager;
+    if (mgr?.registerSidebarTab) {
+      mgr.registerSidebarTab({
+        id: "wan-accel-limits", icon: "pi pi-bolt", title: "Wan Accel", label: "Wan Accel",
+        tooltip: "Wan Accel: limit cache", type: "custom",
+        render: (container) => { container.replaceChildren(); mountPanel(container); },
+      });
+    } else {
+      floatingPanel();
+    }
+  },
+
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (!isPackNode(nodeData)) return;
+    const inputs = { ...(nodeData.input?.required || {}), ...(nodeData.input?.optional || {}) };
+    if ("tiling_preset" in inputs || "lock_global_ops" in inputs) {
+      const onDrawForeground = nodeType.prototype.onDrawForeground;
+      nodeType.prototype.onDrawForeground = function (ctx) {
+        const r = onDrawForeground?.apply(this, arguments);
+        if (!this.flags?.collapsed) {
+          const text = syncBadge(this);
+          if (text) drawBadge(ctx, this, text);
+        }
+        return r;
+      };
+    }
+    if (nodeData.output_node) {
+      const onExecuted = nodeType.prototype.onExecuted;
+      nodeType.prototype.onExecuted = function (message) {
+        const r = onExecuted?.apply(this, arguments);
+        showText(this, message);
+        return r;
+      };
+    }
+  },
+});
