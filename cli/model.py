@@ -23,7 +23,10 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--height", type=int, help="pixels, multiple of 16 (default 128 tiny / 480 checkpoint)")
     p.add_argument("--width", type=int, help="pixels, multiple of 16 (default 128 tiny / 832 checkpoint)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preset", default="self_forcing", choices=["self_forcing", "causvid", "custom"])
+    p.add_argument("--model-kind", default="wan", choices=["wan", "matrix-game2"],
+                   help="wan: text-to-video causal Wan (default); matrix-game2: action-conditioned world model")
+    p.add_argument("--preset", help="wan: self_forcing (default) / causvid / custom; "
+                                    "matrix-game2: its mode preset (default universal)")
     p.add_argument("--steps", help="step list for --preset custom (or to override a preset), e.g. 1000,750,500,250")
     p.add_argument("--shift", type=float, help="timestep shift (overrides the preset)")
     p.add_argument("--no-warp", action="store_true", help="use the step list as raw timesteps (custom preset)")
@@ -38,21 +41,36 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--num-heads", type=int, help="heads, for checkpoints whose dim is not a multiple of 128")
     p.add_argument("--no-preview", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    mg2 = p.add_argument_group("matrix-game2 (with --model-kind matrix-game2)")
+    mg2.add_argument("--actions", help="action script, e.g. 'W*8, W+D*12, mouse(0,0.1)*4'")
+    mg2.add_argument("--conditioning", help=".safetensors with image_latent and visual_context (real checkpoints)")
+    mg2.add_argument("--window", type=int, help="rolling cache window in latent frames")
     p.set_defaults(func=_generate)
 
 
-def _generate(args) -> int:
+def _run_job(args, log):
+    if args.model_kind == "matrix-game2":
+        from ..wan.mg2_job import MG2Options, run_mg2_generate
+        fields = dict(out_dir=args.out, checkpoint=args.checkpoint, conditioning=args.conditioning,
+                      preset=args.preset, window=args.window, seed=args.seed, device=args.device, dtype=args.dtype,
+                      precision=args.precision, attention=args.attention, actions=args.actions,
+                      skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview)
+        return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log)
     from ..wan.job import GenerateOptions, run_generate
     opts = GenerateOptions(
         out_dir=args.out, checkpoint=args.checkpoint, text_embeds=args.text_embeds, frames=args.frames,
-        height=args.height, width=args.width, seed=args.seed, preset=args.preset, steps=args.steps,
-        shift=args.shift, warp=False if args.no_warp else None, device=args.device, dtype=args.dtype,
-        precision=args.precision, attention=args.attention, frames_per_block=args.frames_per_block,
-        kv_window=args.kv_window, sink=args.sink, skip_last_refresh=args.skip_last_refresh,
-        num_heads=args.num_heads, preview=not args.no_preview)
+        height=args.height, width=args.width, seed=args.seed, preset=args.preset or "self_forcing",
+        steps=args.steps, shift=args.shift, warp=False if args.no_warp else None, device=args.device,
+        dtype=args.dtype, precision=args.precision, attention=args.attention,
+        frames_per_block=args.frames_per_block, kv_window=args.kv_window, sink=args.sink,
+        skip_last_refresh=args.skip_last_refresh, num_heads=args.num_heads, preview=not args.no_preview)
+    return run_generate(opts, log=log)
+
+
+def _generate(args) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     try:
-        report = run_generate(opts, log=log)
+        report = _run_job(args, log)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

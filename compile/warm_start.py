@@ -29,13 +29,25 @@ ENV_INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"
 _LOADED: set[str] = set()  # artifact keys loaded in this process
 
 
-def ensure_inductor_cache_dir(cache) -> tuple[str, bool]:
-    """Point TORCHINDUCTOR_CACHE_DIR beside the limit cache unless the user set it.
+def _torch_default_cache_dir() -> str | None:
+    """Inductor's own default folder (torch writes it into the environment when Dynamo is imported)."""
+    for module in ("torch._inductor.runtime.cache_dir_utils", "torch._inductor.runtime.runtime_utils"):
+        try:
+            mod = __import__(module, fromlist=["default_cache_dir"])
+            return os.path.abspath(mod.default_cache_dir())
+        except Exception:  # noqa: BLE001 - moved or absent in this torch
+            continue
+    return None
 
-    Returns (directory, set_here). The variable is process-wide by nature; it is only set when absent.
+
+def ensure_inductor_cache_dir(cache) -> tuple[str, bool]:
+    """Point TORCHINDUCTOR_CACHE_DIR beside the limit cache unless the user chose a folder.
+
+    Torch itself fills the variable with its default folder when Dynamo is imported, so a value equal to that
+    default counts as "not set by the user". Returns (directory, set_here). The variable is process-wide.
     """
     current = os.environ.get(ENV_INDUCTOR)
-    if current:
+    if current and os.path.abspath(current) != _torch_default_cache_dir():
         return current, False
     target = Path(cache.directory) / INDUCTOR_DIR
     target.mkdir(parents=True, exist_ok=True)

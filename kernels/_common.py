@@ -1,9 +1,10 @@
 """Shared plumbing of the pack's Triton kernels: when to use Triton, lazy ``triton.jit``, tile caps,
 candidate configs, tuned launch with a torch fallback, and the custom-op wrappers used under torch.compile.
 
-Triton decides between compiling and interpreting (``TRITON_INTERPRET=1``) when a function is decorated, so
-kernels here are plain functions decorated at first launch (``jit``), once per mode: setting
-``TRITON_INTERPRET=1`` in a process before the first launch is enough, whenever triton was imported.
+Triton (3.x) decides between compiling and interpreting (``TRITON_INTERPRET=1``) when a function is decorated:
+its own library helpers (tl.sum, tl.zeros, ...) are decorated when ``triton.language`` is imported, so the
+variable must be set before triton's first import in the process (tests run interpreter checks in a
+subprocess). The pack's kernels are plain functions decorated at first launch (``jit``), once per mode.
 """
 from __future__ import annotations
 
@@ -75,6 +76,31 @@ def interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+_INTERP_STATE = {"usable": None}
+
+
+def interpreter_usable() -> bool:
+    """TRITON_INTERPRET=1 is set and took effect.
+
+    Triton decorates its own library functions (tl.sum, tl.zeros, ...) when ``triton.language`` is imported,
+    so the interpreter only works when the variable was set before triton was first imported in the process.
+    Otherwise CPU tensors use the torch path and one warning says what to do.
+    """
+    if not interpret_enabled():
+        return False
+    if _INTERP_STATE["usable"] is None:
+        import triton.language as tl
+
+        helper = getattr(tl, "zeros", None)
+        usable = helper is None or type(helper).__name__ != "JITFunction"
+        if not usable:
+            log.warning("wan_accel: TRITON_INTERPRET=1 was set after triton was imported; Triton's interpreter "
+                        "needs it before the first `import triton` (set it in the environment of the process). "
+                        "CPU tensors use the torch implementation.")
+        _INTERP_STATE["usable"] = usable
+    return bool(_INTERP_STATE["usable"])
+
+
 def use_triton(*tensors) -> bool:
     """Triton for CUDA tensors (triton importable) or, under TRITON_INTERPRET=1, for CPU tensors."""
     if triton_module() is None:
@@ -82,7 +108,7 @@ def use_triton(*tensors) -> bool:
     devices = {t.device.type for t in tensors}
     if devices == {"cuda"}:
         return True
-    return devices == {"cpu"} and interpret_enabled()
+    return devices == {"cpu"} and interpreter_usable()
 
 
 def needs_autograd(*tensors) -> bool:

@@ -13,16 +13,16 @@ SHAPES = {"1.3b": (1536, 8960, 12, 30), "14b": (5120, 13824, 40, 40)}
 
 def add_arguments(p) -> None:
     p.add_argument("--model", choices=tuple(SHAPES), default="1.3b", help="block shape (default 1.3b)")
-    p.add_argument("--width", type=int, default=832)
-    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--width", type=int, default=832, help="video width in pixels (default 832)")
+    p.add_argument("--height", type=int, default=480, help="video height in pixels (default 480)")
     p.add_argument("--frames-per-block", type=int, default=3, help="latent frames per forward (causal chunk)")
     p.add_argument("--kv-frames", type=int, default=3,
                    help="latent frames of keys per self-attention (3: first chunk; 21: last chunk of 81 frames)")
     p.add_argument("--blocks", type=int, default=None, help="blocks in the stack (default: the model's)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards per setting (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed forwards first")
     p.add_argument("--vae", default=None, help="a Wan VAE file: also measure decode peak (needs ComfyUI importable)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _block_class():
@@ -75,7 +75,8 @@ def _stack(n, dim, ffn, heads, device, dtype):
     class Stack(nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = nn.ModuleList(block(dim, ffn, heads) for _ in range(n))
+            with torch.device(device):   # built block by block on the device: no full fp32 copy anywhere
+                self.blocks = nn.ModuleList(block(dim, ffn, heads).to(dtype) for _ in range(n))
 
         def forward(self, x, ctx, cached):
             for b in self.blocks:
@@ -83,7 +84,7 @@ def _stack(n, dim, ffn, heads, device, dtype):
             return x
 
     torch.manual_seed(0)
-    return Stack().to(device=device, dtype=dtype).eval()
+    return Stack().eval()
 
 
 def _cpu_pass(args) -> int:

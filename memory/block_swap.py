@@ -117,6 +117,12 @@ class _Unit:
         self.nbytes = sum(s.host.numel() * s.host.element_size() for s in slots)
 
 
+def _eager(fn):
+    """Hooks move tensors between devices: keep them out of torch.compile graphs (run eagerly)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 def _pick_device(blocks, device) -> torch.device:
     if device is not None:
         return torch.device(device)
@@ -179,8 +185,8 @@ class BlockSwap:
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
         nbytes = t.numel() * t.element_size()
         pin = self.pin and (self._pin_left is None or nbytes <= self._pin_left)
-        if not pin and t.device.type == "cpu":
-            return t.detach()  # already in host memory: share it, no copy
+        if t.device.type == "cpu" and (not pin or t.is_pinned()):
+            return t.detach()  # already in (pinned) host memory: share it, no copy
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
         host.copy_(t.detach())
         if pin:
@@ -211,8 +217,8 @@ class BlockSwap:
         return unit
 
     def _hook(self, module: nn.Module, key) -> None:
-        self._handles.append(module.register_forward_pre_hook(lambda m, args: self._before(key)))
-        self._handles.append(module.register_forward_hook(lambda m, args, out: self._after(key)))
+        self._handles.append(module.register_forward_pre_hook(_eager(lambda m, args: self._before(key))))
+        self._handles.append(module.register_forward_hook(_eager(lambda m, args, out: self._after(key))))
 
     # ------------------------------------------------------------------ runtime
     def _issue(self, unit: _Unit) -> None:
@@ -368,3 +374,36 @@ def handle_swap_settings(handle) -> SwapSettings | None:
     """The block-swap settings a handle carries (None: no swap requested)."""
     d = handle.get(HANDLE_KEY) if isinstance(handle, dict) else (getattr(handle, "extra", None) or {}).get(HANDLE_KEY)
     return SwapSettings.from_dict(d) if isinstance(d, dict) else None
+
+
+def run_with_swap_fallback(model, run, *, key: str | None, settings: SwapSettings | None = None, cache=None,
+                           step: int | None = None, device=None, on_oom=None):
+    """Run ``run()`` (e.g. one sampling chunk); on out-of-memory swap ``step`` more blocks (default an eighth of
+    them) and run it again, down to every block swapped. The resident block count that worked is learned under
+    ``key`` (see limits.dit_limit_key) and is where the next call starts. ``on_oom(resident)`` lets the caller
+    drop partial state (KV cache writes of the failed chunk, ...). Raises oom.NoFitError when nothing fits."""
+    from .oom import oom_retry
+
+    n = len(find_blocks(model))
+    base = settings or SwapSettings(0, 1)
+    step = max(1, step or n // 8)
+
+    def attempt(resident: int):
+        want = dataclasses.replace(base, blocks_to_swap=n - resident)
+        current = active_swap(model)
+        # swapping more: weights already on the host stay there (no copy back to a GPU that just ran out)
+        more = current is not None and want.blocks_to_swap > current.blocks_to_swap
+        ensure_block_swap(model, want, device=device, restore=not more)
+        return run()
+
+    def cleanup(resident: int) -> None:
+        swap = active_swap(model)
+        if swap is not None:
+            swap.release()
+        if on_oom is not None:
+            on_oom(resident)
+
+    return oom_retry(attempt, key=key, start=n - base.blocks_to_swap, cache=cache, minimum=0, unit="resident blocks",
+                     shrink=lambda r: max(0, r - step) if r > 0 else None, on_oom=cleanup, what="DiT forward",
+                     hint="Lower the resolution or frame count, use a rolling KV window, or free VRAM used by "
+                          "other programs.")

@@ -116,10 +116,10 @@ def activation_bytes(q_tokens: int, k_tokens: int, dim: int, ffn_dim: int, heads
 
 
 def vae_decode_bytes(latent_chunk: int, latent_h: int, latent_w: int, elem_bytes: int = 2, batch: int = 1,
-                     weights: int = VAE_WEIGHT_BYTES) -> int:
+                     weights: int = VAE_WEIGHT_BYTES, space_ratio: int = VAE_SPACE_RATIO) -> int:
     """Peak VRAM of decoding ``latent_chunk`` latent frames: weights, decoder working set, output frames
     (in the VAE dtype plus the float32 copy handed back)."""
-    h, w = latent_h * VAE_SPACE_RATIO, latent_w * VAE_SPACE_RATIO
+    h, w = latent_h * space_ratio, latent_w * space_ratio
     frames = video_frames_for(latent_chunk)
     work = VAE_WORK_PER_PIXEL * elem_bytes * h * w
     out = frames * h * w * 3 * (elem_bytes + 4)

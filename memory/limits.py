@@ -48,7 +48,7 @@ def read_limit(cache, key: str) -> dict | None:
 def learned_size(cache, key: str) -> int | None:
     value = read_limit(cache, key)
     size = value.get("size") if value else None
-    return int(size) if isinstance(size, (int, float)) and size >= 1 else None
+    return int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) and size >= 0 else None
 
 
 def record_size(cache, key: str, size: int, *, failed: int | None = None, unit: str = "") -> None:

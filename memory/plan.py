@@ -128,7 +128,7 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     backend, reasons["attention_backend"] = _choose_backend(system)
     gpu = system.has_gpu
     blocks = weights.block_bytes_at(elem)
-    L, max_block = len(blocks), max(weights.block_bytes_at(elem))
+    L, max_block = len(blocks), max(blocks)
     other, emb = weights.other_bytes_at(elem), weights.embedding_bytes_at(elem)
     patch, causal, B = weights.patch_size, workload.mode == "causal", workload.batch
     tpf, lq = workload.tokens_per_frame(patch), query_tokens(workload, patch)
@@ -184,8 +184,8 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
         window = max(2 * fpb, weights.sink_size + fpb) if causal else -1
         window = min(window, full_frames) if causal else -1
         n = L if gpu else 0
-    if window >= 0 and window >= full_frames and requested < 0:
-        window = -1
+    if window >= full_frames:
+        window = -1     # the window holds the whole video: that is a global cache
 
     # limits learned on this machine
     key = dit_limit_key(weights.signature, workload.width, workload.height, workload.frames, workload.mode, B)
@@ -255,7 +255,8 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
             notes.append(f"{workload.latent_frames} latent frames exceed the 21 that Self-Forcing / CausVid "
                          "checkpoints were trained on; a rolling KV window (local_attn_size) may be needed")
     elif requested > 0 and window == frames_of(requested):
-        reasons["kv_window"] = f"the model's rolling window of {window} latent frames ({gib(kv_now)})"
+        whose = "the requested" if kv_window is not None else "the model's"
+        reasons["kv_window"] = f"{whose} rolling window of {window} latent frames ({gib(kv_now)})"
     else:
         full_kv = kv_cache_bytes(L, full_frames * tpf, weights.dim, elem, B)
         reasons["kv_window"] = (f"a global cache needs {gib(full_kv)}, which does not fit even with every block "

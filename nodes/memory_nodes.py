@@ -144,23 +144,44 @@ class WanVRAMPlan:
 
 
 # ---------------------------------------------------------------------- block swap on ComfyUI's MODEL
+def _unpin_comfy_weights(patcher, first_swapped: int, embeddings: bool) -> None:
+    """ComfyUI registers offloaded CPU weights as pinned memory (by address); release those registrations for the
+    tensors the swap is about to replace, so no registration outlives its memory."""
+    pinned, unpin = getattr(patcher, "pinned", None), getattr(patcher, "unpin_weight", None)
+    if not pinned or unpin is None:
+        return
+    prefixes = ("diffusion_model.text_embedding.", "diffusion_model.img_emb.") if embeddings else ()
+    for key in list(pinned):
+        parts = key.split(".")
+        swapped = len(parts) > 2 and parts[:2] == ["diffusion_model", "blocks"] and parts[2].isdigit() \
+            and int(parts[2]) >= first_swapped
+        if swapped or key.startswith(prefixes):
+            try:
+                unpin(key)
+            except Exception as exc:  # noqa: BLE001 - a failed unpin only costs pinned memory
+                log.warning("wan_accel: could not unpin %s: %s", key, exc)
+
+
 class _ComfySwapPatch:
     """Installs the swap after ComfyUI loads the model (ON_LOAD), keeps it through runs (DIFFUSION_MODEL wrapper),
     removes it when ComfyUI detaches the model (ON_DETACH); the shared model is never left patched."""
 
     def __init__(self, settings):
+        from ..memory import block_swap
+
         self.settings = settings
         self.swap = None
+        self._lib = block_swap   # bound now: detach can run during interpreter shutdown, when imports fail
 
-    def _install(self, dm, device) -> None:
+    def _install(self, dm, device, patcher=None) -> None:
         import torch
 
-        from ..memory.block_swap import active_swap, apply_block_swap
+        from ..memory.system import detect_system
 
         device = torch.device(device) if device is not None else None
         if device is None or (device.type == "cpu" and not ALLOW_CPU_SWAP):
             return
-        current = active_swap(dm)
+        current = self._lib.active_swap(dm)
         if current is not None and current is self.swap:
             if current.is_intact():
                 current.release()      # ComfyUI may have reloaded swapped tensors: point them back to the host
@@ -168,25 +189,24 @@ class _ComfySwapPatch:
             current.remove(restore=False)
         elif current is not None:
             current.remove(restore=True)   # another patcher's swap on the same model
-        self.swap = apply_block_swap(dm, self.settings, device=device, move_resident=False)
+        if patcher is not None:
+            _unpin_comfy_weights(patcher, len(dm.blocks) - self.settings.blocks_to_swap, self.settings.offload_embeddings)
+        self.swap = self._lib.apply_block_swap(dm, self.settings, device=device, move_resident=False,
+                                     pin_limit_bytes=detect_system(device).pinned_budget)
         log.info("wan_accel: %s", self.swap.describe())
 
     def on_load(self, patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
-        self._install(patcher.model.diffusion_model, device_to)
+        self._install(patcher.model.diffusion_model, device_to, patcher)
 
     def on_detach(self, patcher, unpatch_all):
-        from ..memory.block_swap import active_swap
-
-        swap = active_swap(patcher.model.diffusion_model)
+        swap = self._lib.active_swap(patcher.model.diffusion_model)
         if swap is not None and swap is self.swap:
             swap.remove(restore=False)   # the model is going to the offload device anyway
         self.swap = None
 
     def wrapper(self, executor, *args, **kwargs):
-        from ..memory.block_swap import active_swap
-
         dm = executor.class_obj
-        if active_swap(dm) is not self.swap or self.swap is None:
+        if self._lib.active_swap(dm) is not self.swap or self.swap is None:
             x = args[0] if args else kwargs.get("x")
             self._install(dm, getattr(x, "device", None))
         return executor(*args, **kwargs)
@@ -258,7 +278,9 @@ class CausalWanBlockSwap:
         if isinstance(device, torch.device) and device.type == "cpu" and not ALLOW_CPU_SWAP:
             log.info("wan_accel: the causal model runs on the CPU; block swap has nothing to save there")
         else:
-            ensure_block_swap(module, settings, device=device)
+            from ..memory.system import detect_system
+
+            ensure_block_swap(module, settings, device=device, pin_limit_bytes=detect_system(device).pinned_budget)
         return (attach_swap_settings(causal_model, settings),)
 
 
@@ -318,11 +340,18 @@ def _auto_chunk(vae, latent, plan) -> tuple[int, str]:
                  wl.get("width"), wl.get("height"), w * 8, h * 8)
     system = detect_system(getattr(vae, "device", None))
     elem = getattr(getattr(vae, "vae_dtype", None), "itemsize", 2)
-    budget = (system.free_vram if system.has_gpu else system.host_ram_available) - 512 * 1024 ** 2
+    space = getattr(vae, "spacial_compression_decode", None)
+    try:
+        space = int(space()) if callable(space) else 8
+    except Exception:  # noqa: BLE001
+        space = 8
+    # ComfyUI unloads other models to make room for the VAE, so count most of the card, not only what is free now
+    avail = max(system.free_vram, int(0.8 * system.total_vram)) if system.has_gpu else system.host_ram_available
+    budget = avail - 512 * 1024 ** 2
     for c in range(t, 0, -1):
-        if vae_decode_bytes(c, h, w, elem, b) <= budget:
-            return c, "estimated from free memory"
-    return 1, "estimated from free memory"
+        if vae_decode_bytes(c, h, w, elem, b, space_ratio=space) <= budget:
+            return c, "estimated from memory"
+    return 1, "estimated from memory"
 
 
 class WanChunkedVAEDecode:

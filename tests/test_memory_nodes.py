@@ -184,3 +184,22 @@ def test_plan_node_reads_a_checkpoint_header(tmp_path):
     assert plan.blocks_total == 3 and str(ck) in text
     with pytest.raises(ValueError, match="no checkpoint is selected"):
         WanVRAMPlan().plan(model_source="checkpoint", checkpoint="none")
+
+
+def test_comfy_pinned_registrations_of_swapped_weights_are_released():
+    class Pinned:
+        pinned = {"diffusion_model.blocks.1.lin.weight", "diffusion_model.blocks.3.lin.weight",
+                  "diffusion_model.blocks.12.lin.bias", "diffusion_model.text_embedding.0.weight",
+                  "diffusion_model.head.weight"}
+        released = []
+
+        def unpin_weight(self, key):
+            self.released.append(key)
+            self.pinned.discard(key)
+
+    p = Pinned()
+    memory_nodes._unpin_comfy_weights(p, 3, embeddings=False)
+    assert sorted(p.released) == ["diffusion_model.blocks.12.lin.bias", "diffusion_model.blocks.3.lin.weight"]
+    memory_nodes._unpin_comfy_weights(p, 3, embeddings=True)
+    assert "diffusion_model.text_embedding.0.weight" in p.released
+    assert p.pinned == {"diffusion_model.blocks.1.lin.weight", "diffusion_model.head.weight"}

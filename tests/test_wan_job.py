@@ -74,3 +74,18 @@ def test_preview_projection():
     assert rgb[0, 0, 0, 0].tolist() == [104, 116, 85]
     vae = to_vae_latents(lat)
     assert vae.shape == (1, 16, 2, 3, 4) and vae[0, 0, 0, 0, 0].item() == pytest.approx(-0.7571)
+
+
+def test_sampler_bench_runs_both_variants(capsys):
+    import argparse
+    from wan_accel.wan import bench
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--frames", "9", "--height", "32", "--width", "32", "--repeat", "1", "--json",
+                              "--device", "cpu"])
+    assert bench.run(args) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["variant"] for r in rows] == ["reference", "optimized"]
+    assert rows[0]["precision"] == "float32" and rows[1]["attention"] == "auto"
+    assert all(r["steady_s"] > 0 and r["speedup_vs_first"] > 0 for r in rows)
+    assert bench.run(parser.parse_args(["--variants", "fastest"])) == 2

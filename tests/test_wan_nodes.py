@@ -1,5 +1,4 @@
 """Model nodes called as plain Python (outside ComfyUI)."""
-import sys
 
 import pytest
 import torch

@@ -66,6 +66,12 @@ def test_seeded_reproducibility(model):
     assert torch.equal(torch.get_rng_state(), before)            # the global RNG is never used
 
 
+def test_longer_video_starts_with_the_shorter_one(model):
+    short = generate_latents(model, _ctx(model), 3, 4, 6, seed=5)
+    long = generate_latents(model, _ctx(model), 9, 4, 6, seed=5)
+    assert torch.equal(long[:, :3], short)
+
+
 def test_callback_progress_and_interrupt(model):
     seen = []
     generate_latents(model, _ctx(model), 6, 4, 6, callback=lambda *a: seen.append(a[:4]))

@@ -25,6 +25,8 @@ WIDGET_TYPES = {"INT", "FLOAT", "BOOLEAN", "STRING", "COMBO"}
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 FRONTEND_ONLY = {"Note", "MarkdownNote"}  # drawn by the frontend, never sent to the server
 U64 = 18446744073709551615
+MODEL_EXT = (".safetensors", ".sft", ".gguf")
+IMAGE_EXT = (".png", ".jpg", ".jpeg", ".webp")
 
 _SAMPLERS = ("euler euler_cfg_pp euler_ancestral euler_ancestral_cfg_pp heun heunpp2 exp_heun_2_x0 exp_heun_2_x0_sde "
              "dpm_2 dpm_2_ancestral lms dpm_fast dpm_adaptive dpmpp_2s_ancestral dpmpp_2s_ancestral_cfg_pp dpmpp_sde "
@@ -77,6 +79,25 @@ CORE_NODES: dict[str, dict] = {
                   "output": ("IMAGE",)},
     "PreviewImage": {"input": {"required": {"images": ("IMAGE",)}}, "output": ("IMAGE",)},
     "PreviewAny": {"input": {"required": {"source": ("*",)}}, "output": ("STRING",)},
+    "LoadImage": {"input": {"required": {"image": (FILE_LIST, {"image_upload": True, "ext": IMAGE_EXT})}},
+                  "output": ("IMAGE", "MASK")},
+    "ImageScale": {"input": {"required": {
+        "image": ("IMAGE",), "upscale_method": (["nearest-exact", "bilinear", "area", "bicubic", "lanczos"],),
+        "width": ("INT", {"default": 512, "min": 0, "max": 16384, "step": 1}),
+        "height": ("INT", {"default": 512, "min": 0, "max": 16384, "step": 1}),
+        "crop": (["disabled", "center"],)}},
+        "output": ("IMAGE",)},
+    "VAEEncode": {"input": {"required": {"pixels": ("IMAGE",), "vae": ("VAE",)}}, "output": ("LATENT",)},
+    "CLIPVisionLoader": {"input": {"required": {"clip_name": (FILE_LIST,)}}, "output": ("CLIP_VISION",)},
+    "CLIPVisionEncode": {"input": {"required": {"clip_vision": ("CLIP_VISION",), "image": ("IMAGE",),
+                                                "crop": (["center", "none"],)}},
+                         "output": ("CLIP_VISION_OUTPUT",)},
+}
+
+# Pack inputs that list model files inside ComfyUI (a STRING outside it): a model file name or one of these.
+PACK_FILE_INPUTS = {
+    ("CausalWanModelLoader", "checkpoint"): ["(built-in tiny model)"],
+    ("WanAccelVRAMPlan", "checkpoint"): ["none"],
 }
 
 
@@ -97,6 +118,8 @@ def node_spec(node_type: str) -> dict:
             opts = dict(decl[1]) if len(decl) > 1 and isinstance(decl[1], dict) else {}
             if kind == "COMBO":  # the V3 way of writing a combo: ("COMBO", {"options": [...]})
                 kind = list(opts.get("options", []))
+            if (node_type, name) in PACK_FILE_INPUTS:
+                kind, opts = FILE_LIST, dict(opts, also=PACK_FILE_INPUTS[(node_type, name)])
             inputs.append((name, kind, opts, section == "required"))
     return {"inputs": inputs, "output": outputs}
 
@@ -123,6 +146,8 @@ def widget_layout(spec: dict) -> list[tuple]:
             layout.append((name, kind, opts))
             if has_control_widget(name, kind, opts):
                 layout.append((None, "CONTROL", {}))
+            if opts.get("image_upload"):  # the frontend's upload button: a widget whose value is "image"
+                layout.append(("upload", "UPLOAD", {}))
     return layout
 
 
@@ -130,9 +155,11 @@ def value_problem(kind, opts, value) -> str | None:
     """Why ``value`` is not valid for this widget, or None."""
     if kind == "CONTROL":
         return None if value in CONTROL_VALUES else f"{value!r} is not one of {sorted(CONTROL_VALUES)}"
+    if kind == "UPLOAD":
+        return None if value == "image" else f"{value!r} is not 'image'"
     if kind == FILE_LIST:
-        return None if isinstance(value, str) and value.endswith((".safetensors", ".sft", ".gguf")) else \
-            f"{value!r} is not a model file name"
+        ok = isinstance(value, str) and (value in opts.get("also", ()) or value.endswith(opts.get("ext", MODEL_EXT)))
+        return None if ok else f"{value!r} is not a file name ({', '.join(opts.get('ext', MODEL_EXT))})"
     if isinstance(kind, (list, tuple)):
         return None if value in kind else f"{value!r} is not one of {list(kind)}"
     if kind == "BOOLEAN":
@@ -171,8 +198,8 @@ def ui_to_api(ui: dict) -> dict:
         spec = node_spec(node["type"])
         inputs = {}
         values = node.get("widgets_values", [])
-        for (name, _, _), value in zip(widget_layout(spec), values):
-            if name is not None:
+        for (name, kind, _), value in zip(widget_layout(spec), values):
+            if name is not None and kind != "UPLOAD":
                 inputs[name] = value
         for slot in node.get("inputs", []):
             if slot.get("link") is not None:
@@ -238,11 +265,12 @@ def test_sockets_and_links_match_node_definitions(workflow):
         outs = node.get("outputs", [])
         assert [o["type"] for o in outs] == list(spec["output"]), f"{where}: outputs differ from RETURN_TYPES"
         by_name = {n: (k, o, req) for n, k, o, req in spec["inputs"]}
+        by_name.update({n: (k, o, False) for n, k, o in widget_layout(spec) if k == "UPLOAD"})
         linked = set()
         for slot in node.get("inputs", []):
             assert slot["name"] in by_name, f"{where}: input {slot['name']!r} is not in INPUT_TYPES"
             kind, opts, _ = by_name[slot["name"]]
-            if is_widget(kind, opts):
+            if is_widget(kind, opts) or kind == "UPLOAD":
                 assert slot.get("widget", {}).get("name") == slot["name"], f"{where}: widget input {slot['name']} lacks 'widget'"
             else:
                 assert slot["type"] == kind, f"{where}: input {slot['name']} has type {slot['type']}, node says {kind}"
@@ -270,6 +298,10 @@ def test_widget_values_match_input_types(workflow):
         for (in_name, kind, opts), value in zip(layout, values):
             problem = value_problem(kind, opts, value)
             assert problem is None, f"{where}: widget {in_name or 'control_after_generate'}: {problem}"
+        named = node.get("widgets_values_named")
+        if named is not None:  # newer frontends also save the values by name; both must agree
+            expected = {(n or "control_after_generate"): v for (n, _, _), v in zip(layout, values)}
+            assert named == expected, f"{where}: widgets_values_named disagrees with widgets_values"
 
 
 def test_api_copy_matches_ui_graph(workflow):

@@ -94,16 +94,20 @@ class WanBlock(nn.Module):
         self.compute_dtype = torch.float32
 
     def forward(self, x: torch.Tensor, e0: torch.Tensor, text: torch.Tensor, rope: tuple,
-                kv=None, cache_step=None, cross_kv=None, key_mask=None, image=None) -> torch.Tensor:
+                kv=None, cache_step=None, cross_kv=None, key_mask=None, image=None, actions=None) -> torch.Tensor:
         """x [B, L, dim] residual stream; e0 [B, G, 6, dim] time projection per token group (G groups of
         L/G tokens: one per latent frame in the causal model, one per video otherwise); text [B, Lt, dim]
         embedded text; rope (cos, sin) tables [L, head_dim/2]; kv/cache_step: this layer's KV cache and the
-        call's host-side write plan; cross_kv: this layer's cross-attention cache; key_mask [B, L] bool."""
+        call's host-side write plan; cross_kv: this layer's cross-attention cache; key_mask [B, L] bool;
+        actions: per-call state for an optional ``action_model`` submodule (Matrix-Game-2), which runs
+        between cross-attention and the FFN."""
         cd = self.compute_dtype
         m = self.modulation.unsqueeze(1) + e0                       # [B, G, 6, dim]
         m = [m[:, :, i:i + 1] for i in range(6)]                    # each [B, G, 1, dim]
         y = self.self_attn(modulate(self.norm1(x), m[0], m[1]).to(cd), rope, kv, cache_step, key_mask)
         x = gated_add(x, y, m[2])
         x = x + self.cross_attn(self.norm3(x).to(cd), text, image, cross_kv)
+        if actions is not None and getattr(self, "action_model", None) is not None:
+            x = self.action_model(x, actions)
         y = self.ffn(modulate(self.norm2(x), m[3], m[4]).to(cd))
         return gated_add(x, y, m[5])

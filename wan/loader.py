@@ -123,10 +123,34 @@ def infer_config(shapes: dict, num_heads: int | None = None, overrides: dict | N
         raise CheckpointError(f"inferred config is invalid: {exc}") from exc
 
 
+# --------------------------------------------------------------------- model families
+# The plain Wan DiT, and Matrix-Game-2 (recognised by its action modules; wan/mg2_model.py, imported lazily).
+MG2_KEY_MARK = ".action_model."
+
+
+def model_class(config: WanConfig):
+    """The nn.Module class a config describes."""
+    if config.extra.get("action_config") is not None:
+        from .mg2_model import MatrixGameModel
+        return MatrixGameModel
+    return WanModel
+
+
+def infer_any_config(shapes: dict, num_heads: int | None = None, overrides: dict | None = None) -> WanConfig:
+    """infer_config, or the Matrix-Game-2 inference when the keys hold action modules."""
+    if any(MG2_KEY_MARK in n for n in shapes):
+        from .mg2_model import infer_mg2_config
+        try:
+            return infer_mg2_config(shapes, num_heads=num_heads, overrides=overrides)
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"cannot infer the Matrix-Game-2 config: {exc}") from exc
+    return infer_config(shapes, num_heads=num_heads, overrides=overrides)
+
+
 # --------------------------------------------------------------------- validation
 def expected_shapes(config: WanConfig) -> dict:
     with torch.device("meta"):
-        model = WanModel(config)
+        model = model_class(config)(config)
     return {n: tuple(t.shape) for n, t in model.state_dict().items()}
 
 
@@ -170,7 +194,7 @@ def resolve_config(path, config=None, num_heads=None):
     names = canonical_names(shapes)
     official = {n: shapes[src] for n, src in names.items()}
     if config is None:
-        config = infer_config(official, num_heads=num_heads, overrides=metadata_config(meta))
+        config = infer_any_config(official, num_heads=num_heads, overrides=metadata_config(meta))
     elif isinstance(config, dict):
         config = WanConfig.from_dict(config)
     validate_keys(expected_shapes(config), official, Path(path).name)
@@ -185,7 +209,7 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     precision = precision or ("float32" if dtype == torch.float32 else "self_forcing")
     config, names = resolve_config(path, config, num_heads)
     with torch.device("meta"):
-        model = WanModel(config)
+        model = model_class(config)(config)
     model.set_precision(precision, dtype)
     targets = {n: p.dtype for n, p in model.named_parameters()}
     with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -207,3 +231,9 @@ def save_wan_checkpoint(model: WanModel, path, extra_metadata: dict | None = Non
     tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
     save_file(tensors, str(path), metadata=meta)
     return Path(path)
+
+
+def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None = None) -> dict:
+    """See wan.convert.convert_pt_to_safetensors (re-exported here)."""
+    from .convert import convert_pt_to_safetensors as convert
+    return convert(src, dst, ema=ema, num_heads=num_heads)

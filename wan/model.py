@@ -135,11 +135,11 @@ class WanModel(nn.Module):
         return self.patch_embedding(x.to(self.compute_dtype))
 
     def _run_blocks(self, x, e0, text, rope, kv_cache=None, cache_step=None, cross_cache=None,
-                    key_mask=None, image=None):
+                    key_mask=None, image=None, actions=None):
         for i, block in enumerate(self.blocks):
             kv = kv_cache.layers[i] if kv_cache is not None else None
             ckv = cross_cache.layers[i] if cross_cache is not None else None
-            x = block(x, e0, text, rope, kv, cache_step, ckv, key_mask, image)
+            x = block(x, e0, text, rope, kv, cache_step, ckv, key_mask, image, actions)
         return x
 
     # ----------------------------------------------------------------- full sequence (Wan 2.1)
@@ -150,6 +150,9 @@ class WanModel(nn.Module):
         """Full-sequence forward. x_list: videos [C, F, H, W]; t [B]; context_list: [L, text_dim] each;
         seq_len >= tokens per video (extra rows are zero padding, masked as keys). Returns [C_out, F, H, W]
         per video."""
+        if tuple(self.config.window_size) != (-1, -1):
+            raise ValueError(f"local window attention (window_size={self.config.window_size}) is not supported; "
+                             f"released Wan models use (-1, -1)")
         if y is not None:
             x_list = [torch.cat([u, v], dim=0) for u, v in zip(x_list, y)]
         patches = [self._patchify(u[None]) for u in x_list]
@@ -179,7 +182,8 @@ class WanModel(nn.Module):
     def _key_mask(lens, seq_len, device):
         if all(n == seq_len for n in lens):
             return None
-        return torch.arange(seq_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+        positions = torch.arange(seq_len, device=device)
+        return torch.stack([positions < n for n in lens])      # host ints: no host->device copy
 
     def _rope_full(self, grids, seq_len, device):
         tdtype = torch.float64 if self.stream_dtype == torch.float64 else torch.float32
@@ -196,11 +200,13 @@ class WanModel(nn.Module):
 
     # ----------------------------------------------------------------- causal chunk
     def forward_chunk(self, x, t, context, kv_cache=None, crossattn_cache=None, current_start: int = 0,
-                      clip_fea=None, y=None, return_output: bool = True):
+                      clip_fea=None, y=None, return_output: bool = True, actions=None):
         """Causal chunk forward. x [B, Fb, C, H, W]; t [B, Fb] per-frame timesteps; context [B, L, text_dim]
         or an EmbeddedText; kv_cache: KVCache or None (plain attention over the chunk); current_start: token
         offset of the chunk (a host int, a multiple of the tokens per frame). Returns flow [B, Fb, C_out, H, W]
-        (None with return_output=False, e.g. for a cache-refresh pass)."""
+        (None with return_output=False, e.g. for a cache-refresh pass). actions: optional per-run state for
+        blocks with an ``action_model`` (Matrix-Game-2); its ``begin(start_frame, frames, batch, frame_tokens,
+        device, dtype)`` is called once per forward before the blocks run."""
         pt, ph, pw = self.config.patch_size
         if pt != 1:
             raise ValueError("the causal chunk forward needs a temporal patch size of 1")
@@ -218,8 +224,11 @@ class WanModel(nn.Module):
         tdtype = torch.float64 if self.stream_dtype == torch.float64 else torch.float32
         rope = self.rope.get(self.config.head_dim, (f, h, w), current_start // frame_tokens, tokens.device, tdtype)
         step = kv_cache.plan(current_start, tokens.shape[1]) if kv_cache is not None else None
+        if actions is not None:
+            actions.begin(current_start // frame_tokens, f, tokens.shape[0], frame_tokens, tokens.device,
+                          self.compute_dtype)
         hidden = self._run_blocks(tokens, e0, text, rope, kv_cache, step, crossattn_cache,
-                                  image=self.embed_image(clip_fea))
+                                  image=self.embed_image(clip_fea), actions=actions)
         if not return_output:
             return None
         return self._unpatchify_chunk(self.head(hidden, e), (f, h, w))

@@ -181,6 +181,21 @@ register_format("wan_t2v_full", _detect_full, _run_full)
 register_format("causal_wan", _detect_causal, _run_causal)
 
 
+def _register_optional(name: str, module: str) -> None:
+    """Register a format whose module (exposing detect(cfg) and run(directory, cfg, device)) may be absent."""
+    import importlib
+    try:
+        mod = importlib.import_module(module, __package__)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.endswith(module.lstrip(".")):
+            return
+        raise
+    register_format(name, mod.detect, mod.run)
+
+
+_register_optional("matrix_game2", ".mg2_reference")
+
+
 # --------------------------------------------------------------------- entry point
 def discover(directory) -> list:
     """[(format name, config path, config dict)] for every recognised fixture config in ``directory``."""

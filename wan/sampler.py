@@ -57,12 +57,16 @@ def _text_batch(context, batch):
     return context
 
 
-def sample_causal(model, context, noise: torch.Tensor, schedule="self_forcing", frames_per_block: int = 3,
+def sample_causal(model, context, noise, schedule="self_forcing", frames_per_block: int = 3,
                   generator: torch.Generator | None = None, noise_provider=None, kv_window: int = -1,
                   sink: int = 0, skip_last_refresh: bool = False, callback=None, *, refresh_t: float = 0.0,
                   independent_first_frame: bool = False, tracer=None, on_chunk=None, clip_fea=None, y=None,
-                  kv_cache: KVCache | None = None):
+                  kv_cache: KVCache | None = None, model_kwargs: dict | None = None):
     """Sample latents [B, F, C, H, W] (float32) from initial noise [B, F, C, H, W].
+
+    noise may also be just the shape (B, F, C, H, W): each chunk's initial noise is then drawn from the noise
+    provider (step index -1) when the chunk starts, so every random draw happens in chunk order and a longer
+    video starts with exactly the frames of a shorter one with the same seed.
 
     context: [B or 1, L, text_dim] text embedding of the prompt (or an EmbeddedText).
     schedule: preset name, dict for resolve_schedule, or a Schedule.
@@ -73,9 +77,11 @@ def sample_causal(model, context, noise: torch.Tensor, schedule="self_forcing", 
     on_chunk(chunk_index, num_chunks) after each chunk including its cache refresh.
     y [B, F, C_y, H, W] (i2v conditioning latents, concatenated on channels) and clip_fea are optional.
     kv_cache: a fresh KVCache to use (e.g. to inspect it afterwards); built from kv_window/sink when None.
+    model_kwargs: extra keyword arguments of every forward_chunk call (e.g. ``actions`` for Matrix-Game-2).
     """
     sched = _as_schedule(schedule)
-    b, num_frames, _, h, w = noise.shape
+    shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
+    b, num_frames, _, h, w = shape
     plan = chunk_plan(num_frames, frames_per_block, independent_first_frame)
     ph, pw = model.config.patch_size[1:]
     if h % ph or w % pw:
@@ -91,12 +97,15 @@ def sample_causal(model, context, noise: torch.Tensor, schedule="self_forcing", 
     with torch.no_grad():
         text = model.embed_text(_text_batch(context, b))
         image = clip_fea
-        out = torch.empty(noise.shape, dtype=torch.float32, device=device)
+        out = torch.empty(shape, dtype=torch.float32, device=device)
         for ci, (f0, n) in enumerate(plan):
             ctx = _ChunkCall(model, text, kv, cross, f0 * frame_tokens, image,
-                             None if y is None else y[:, f0:f0 + n].to(device))
-            x0 = _denoise_chunk(ctx, sched, noise[:, f0:f0 + n].to(device, dtype), ci, len(plan),
-                                noise_provider, callback, tracer)
+                             None if y is None else y[:, f0:f0 + n].to(device), model_kwargs or {})
+            if isinstance(noise, torch.Tensor):
+                xt = noise[:, f0:f0 + n].to(device, dtype)
+            else:
+                xt = noise_provider(ci, -1, (b, n) + shape[2:], dtype, device)
+            x0 = _denoise_chunk(ctx, sched, xt, ci, len(plan), noise_provider, callback, tracer)
             out[:, f0:f0 + n] = x0.float()
             if not (skip_last_refresh and ci == len(plan) - 1):
                 _refresh(ctx, sched, x0, refresh_t, ci, tracer)
@@ -108,14 +117,14 @@ def sample_causal(model, context, noise: torch.Tensor, schedule="self_forcing", 
 class _ChunkCall:
     """Everything the model calls of one chunk share."""
 
-    def __init__(self, model, text, kv, cross, start, image, y):
-        self.model, self.text, self.kv, self.cross, self.start, self.image, self.y = (
-            model, text, kv, cross, start, image, y)
+    def __init__(self, model, text, kv, cross, start, image, y, extra):
+        self.model, self.text, self.kv, self.cross, self.start, self.image, self.y, self.extra = (
+            model, text, kv, cross, start, image, y, extra)
 
     def __call__(self, xt, t: float, return_output=True):
         tt = torch.full(xt.shape[:2], t, dtype=torch.float32, device=xt.device)
-        return self.model.forward_chunk(xt, tt, self.text, self.kv, self.cross, self.start,
-                                        clip_fea=self.image, y=self.y, return_output=return_output)
+        return self.model.forward_chunk(xt, tt, self.text, self.kv, self.cross, self.start, clip_fea=self.image,
+                                        y=self.y, return_output=return_output, **self.extra)
 
 
 def _denoise_chunk(call: _ChunkCall, sched: Schedule, xt, ci, num_chunks, noise_provider, callback, tracer):
@@ -148,11 +157,10 @@ def _refresh(call: _ChunkCall, sched: Schedule, x0, refresh_t: float, ci, tracer
 
 def generate_latents(model, context, num_frames: int, height: int, width: int, seed: int = 0, batch: int = 1,
                      schedule="self_forcing", frames_per_block: int = 3, **kwargs) -> torch.Tensor:
-    """Draw seeded initial noise [batch, num_frames, out_channels, height, width] (latent units) from a
-    generator on the model's device and run sample_causal with the same generator (no global RNG, no
-    host transfers). Same seed and device type give the same latents."""
+    """Seeded sampling of [batch, num_frames, out_channels, height, width] latents. All noise (each chunk's
+    initial noise, then its re-noising draws, chunk by chunk) comes from one generator on the model's device:
+    no global RNG, no host transfers. Same seed and device type give the same latents, and a longer video
+    begins with the frames of a shorter one."""
     gen = torch.Generator(device=model.device).manual_seed(int(seed))
-    c = model.config.out_dim
-    noise = torch.randn((batch, num_frames, c, height, width), generator=gen, dtype=torch.float32,
-                        device=model.device)
-    return sample_causal(model, context, noise, schedule, frames_per_block, generator=gen, **kwargs)
+    shape = (batch, num_frames, model.config.out_dim, height, width)
+    return sample_causal(model, context, shape, schedule, frames_per_block, generator=gen, **kwargs)

@@ -31,10 +31,13 @@ GRAPH_STATE = """async () => {
     id: n.id, type: n.type, virtual: !!n.isVirtualNode, has_errors: !!n.has_errors,
     registered: !!LiteGraph.registered_node_types[n.type],
     badges: (n.badges || []).filter(b => b && b._wanAccel).map(b => b.text),
+    // combo values the server does not offer (a model file that is not installed here)
+    unavailable: (n.widgets || []).filter(w => w.type === 'combo' && Array.isArray(w.options?.values)
+                                           && !w.options.values.includes(w.value)).map(w => w.name),
   }));
   const serialized = app.graph.serialize();
   const prompt = (await app.graphToPrompt()).output;
-  return {nodes, serialized, prompt};
+  return JSON.parse(JSON.stringify({nodes, serialized, prompt}));
 }"""
 
 
@@ -53,6 +56,23 @@ def close_dialogs(page, report: dict) -> None:
         page.wait_for_timeout(300)
 
 
+SCREENSHOT_SETTINGS = """async () => {
+  const s = window.app.extensionManager?.setting;
+  if (!s) return;
+  await s.set('LiteGraph.Canvas.MinFontSizeForLOD', 0);   // draw text at any zoom (readable screenshots)
+  await s.set('Comfy.Minimap.Visible', false);
+}"""
+
+
+def close_toasts(page) -> None:
+    buttons = page.locator("[data-testid=error-overlay-dismiss], .p-toast-close-button, .p-toast-icon-close")
+    for i in range(buttons.count()):
+        try:
+            buttons.nth(i).click(timeout=1000)
+        except Exception:  # noqa: BLE001 - a toast that went away by itself
+            pass
+
+
 def strip_prompt(prompt: dict) -> dict:
     return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in prompt.items()}
 
@@ -65,6 +85,10 @@ def check_workflow(page, path: Path, api_dir: Path | None, known: dict, out_dir:
     close_dialogs(page, res)
     page.evaluate("async () => { await window.app.extensionManager.command.execute('Comfy.Canvas.FitView'); }")
     page.wait_for_timeout(600)
+    overlay = page.locator("[data-testid=error-overlay-dismiss]")
+    if overlay.count():  # the frontend's error summary (e.g. model files not installed here); kept in the report
+        res["error_overlay"] = overlay.first.locator("xpath=..").inner_text()[:300]
+    close_toasts(page)
     page.evaluate("() => window.app.canvas.setDirty(true, true)")
     page.wait_for_timeout(400)
     state = page.evaluate(GRAPH_STATE)
@@ -75,7 +99,9 @@ def check_workflow(page, path: Path, api_dir: Path | None, known: dict, out_dir:
     res["node_types"] = sorted({n["type"] for n in nodes})
     res["missing_node_types"] = sorted({n["type"] for n in nodes if not n["virtual"] and n["type"] not in known})
     res["unregistered"] = sorted({n["type"] for n in nodes if not n["registered"]})
-    res["nodes_with_errors"] = [n["id"] for n in nodes if n["has_errors"]]
+    # a node flagged only because a model file it names is not installed here is expected (no models in CI)
+    res["missing_files"] = {str(n["id"]): n["unavailable"] for n in nodes if n["unavailable"]}
+    res["nodes_with_errors"] = [n["id"] for n in nodes if n["has_errors"] and not n["unavailable"]]
     res["badges"] = {str(n["id"]): n["badges"] for n in nodes if n["badges"]}
     if res["missing_node_types"] or res["unregistered"]:
         res["problems"].append(f"missing node types {res['missing_node_types'] or res['unregistered']}")
@@ -156,7 +182,7 @@ def main() -> int:
     try:
         with sync_playwright() as pw:
             ctx = pw.chromium.launch_persistent_context(profile, executable_path=args.chromium, headless=True,
-                                                        args=FLAGS, viewport={"width": 1600, "height": 900})
+                                                        args=FLAGS, viewport={"width": 1920, "height": 1080})
             try:
                 page = ctx.pages[0] if ctx.pages else ctx.new_page()
                 page.on("console", lambda m: m.type == "error" and report["console_errors"].append(m.text[:300]))
@@ -166,6 +192,7 @@ def main() -> int:
                                        timeout=args.timeout * 1000)
                 page.wait_for_timeout(2500)
                 close_dialogs(page, report)
+                page.evaluate(SCREENSHOT_SETTINGS)
                 report["extension_loaded"] = page.evaluate(
                     "() => (window.app.extensions || []).some(e => e.name === 'wan_accel.panel')")
                 known = get_json(base + "/object_info")

@@ -1,0 +1,191 @@
+"""``bench kernels``: each fused kernel vs its torch reference, and autotune time cold vs warm (GPU figures).
+
+Without a GPU it says so and runs a tiny interpreter sanity pass (TRITON_INTERPRET=1) of every kernel
+against its reference instead; exit status 0 when they match, 1 when one does not.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+# (label, B, L, D, heads): a causal chunk of 3 latent frames at 480x832 for Wan 1.3B and 14B
+GPU_SHAPES = (("1.3B chunk", 1, 4680, 1536, 12), ("14B chunk", 1, 4680, 5120, 40))
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--frames", type=int, default=3, help="frames per chunk (per-frame modulation F)")
+
+
+def _inputs(name, b, l, d, heads, frames, dtype, device):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def r(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dt)
+
+    hd = d // heads
+    if name == "layernorm_modulate":
+        return (r(b, l, d), r(b, frames, d, dt=torch.float32), r(b, frames, d, dt=torch.float32), 1e-6)
+    if name == "rmsnorm_rope":
+        ang = r(l, hd // 2, dt=torch.float32)
+        return (r(b, l, d), r(d), ang.cos(), ang.sin(), heads, 1e-6)
+    return (r(b, l, d), r(b, l, d), r(b, frames, d, dt=torch.float32))
+
+
+def _kernels():
+    from . import (gated_residual, gated_residual_reference, layernorm_modulate, layernorm_modulate_reference,
+                   rmsnorm_rope, rmsnorm_rope_reference)
+
+    return (("layernorm_modulate", layernorm_modulate, layernorm_modulate_reference),
+            ("rmsnorm_rope", rmsnorm_rope, rmsnorm_rope_reference),
+            ("gated_residual", gated_residual, gated_residual_reference))
+
+
+def _errors(out, ref) -> tuple[float, float]:
+    diff = (out.float() - ref.float()).abs()
+    return float(diff.max()), float(diff.mean())
+
+
+SANITY_MARK = "WAN_ACCEL_SANITY "
+
+
+def _sanity_child() -> None:
+    """Runs in a process started with TRITON_INTERPRET=1: every kernel vs its reference, one JSON line."""
+    import torch
+
+    from ._common import triton_module, use_triton
+
+    if triton_module() is None:
+        rows = [{"kernel": name, "skipped": "triton not importable"} for name, _, _ in _kernels()]
+    elif not use_triton(torch.zeros(1)):
+        rows = [{"kernel": name, "skipped": "triton interpreter unusable"} for name, _, _ in _kernels()]
+    else:
+        rows = []
+        for name, fn, ref in _kernels():
+            for dtype in (torch.float32, torch.bfloat16):
+                args = _inputs(name, 1, 6, 40, 2, 3, dtype, "cpu")  # odd width 40 = 2 heads x 20
+                out, expect = fn(*args), ref(*args)
+                mx, mean = _errors(out, expect)
+                scale = float(expect.float().abs().max()) or 1.0
+                ok = (mx / scale <= 1e-5) if dtype == torch.float32 else (mx <= 1e-2 and mean <= 1e-3)
+                rows.append({"kernel": name, "dtype": str(dtype).replace("torch.", ""), "max_err": mx,
+                             "mean_err": mean, "ok": bool(ok)})
+    print(SANITY_MARK + json.dumps(rows), flush=True)
+
+
+def sanity_pass() -> list[dict]:
+    """Every kernel under the Triton interpreter on tiny shapes vs its reference, in a fresh process
+    (the interpreter must be enabled before triton is imported)."""
+    import subprocess
+    import sys
+
+    package = __name__.rsplit(".", 2)[0]
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent.parent.parent),
+                                                    env.get("PYTHONPATH", "")) if p)
+    with tempfile.TemporaryDirectory(prefix="wan_accel_bench_kernels_") as tmp:
+        env["WAN_ACCEL_CACHE"] = str(Path(tmp) / "limits.json")
+        proc = subprocess.run([sys.executable, "-c", f"import {package}.kernels.bench as b; b._sanity_child()"],
+                              env=env, capture_output=True, text=True, timeout=600)
+    for line in proc.stdout.splitlines():
+        if line.startswith(SANITY_MARK):
+            return json.loads(line[len(SANITY_MARK):])
+    return [{"kernel": "all", "ok": False, "error": proc.stderr[-2000:]}]
+
+
+def _restore(var, value):
+    if value is None:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
+
+
+def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
+    import torch
+    from triton.testing import do_bench
+
+    from ..cache.autotune import get_autotuner, reset_autotuners
+
+    dtype = getattr(torch, dtype_name)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="wan_accel_bench_kernels_") as tmp:
+        old_cache = os.environ.get("WAN_ACCEL_CACHE")
+        os.environ["WAN_ACCEL_CACHE"] = str(Path(tmp) / "limits.json")
+        try:
+            for label, b, l, d, heads in GPU_SHAPES:
+                for name, fn, ref in _kernels():
+                    args = _inputs(name, b, l, d, heads, frames, dtype, "cuda")
+                    reset_autotuners()  # cold: empty store
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    out = fn(*args)
+                    torch.cuda.synchronize()
+                    cold_s = time.perf_counter() - t0
+                    cold_bench = get_autotuner().stats["benchmarks"]
+                    reset_autotuners()  # warm: a new tuner on the same store, as in a new process
+                    t0 = time.perf_counter()
+                    fn(*args)
+                    torch.cuda.synchronize()
+                    warm_s = time.perf_counter() - t0
+                    warm_bench = get_autotuner().stats["benchmarks"]
+                    mx, mean = _errors(out, ref(*args))
+                    t_ref = do_bench(lambda: ref(*args), warmup=10, rep=50)
+                    t_tri = do_bench(lambda: fn(*args), warmup=10, rep=50)
+                    rows.append({"kernel": name, "shape": label, "dims": [b, l, d], "dtype": dtype_name,
+                                 "torch_ms": t_ref, "triton_ms": t_tri, "speedup": t_ref / t_tri,
+                                 "tune_cold_s": cold_s, "tune_warm_s": warm_s, "benchmarks_cold": cold_bench,
+                                 "benchmarks_warm": warm_bench, "max_err": mx, "mean_err": mean})
+        finally:
+            _restore("WAN_ACCEL_CACHE", old_cache)
+            reset_autotuners()
+    return rows
+
+
+def run(args) -> int:
+    import torch
+
+    from ._common import triton_module
+
+    if not torch.cuda.is_available() or triton_module() is None:
+        rows = sanity_pass()
+        ok = all(r.get("ok", True) for r in rows)
+        if args.json:
+            print(json.dumps({"gpu": False, "message": "kernel benchmarks need a CUDA GPU",
+                              "sanity": rows, "ok": ok}, indent=2))
+        else:
+            print("bench kernels: timings need a CUDA GPU with triton; ran the interpreter sanity pass instead")
+            for r in rows:
+                if "skipped" in r or "error" in r:
+                    print(f"  {r['kernel']:<20} {r.get('skipped') or 'FAILED: ' + r['error']}")
+                else:
+                    print(f"  {r['kernel']:<20} {r['dtype']:<9} max_err {r['max_err']:.2e} "
+                          f"mean_err {r['mean_err']:.2e}  {'ok' if r['ok'] else 'MISMATCH'}")
+        return 0 if ok else 1
+    rows = gpu_rows(args.dtype, args.frames)
+    if args.json:
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+        return 0
+    print(f"bench kernels on {torch.cuda.get_device_name()} ({args.dtype}, F={args.frames})")
+    head = f"{'kernel':<20}{'shape':<12}{'torch ms':>10}{'triton ms':>11}{'x':>7}{'tune cold s':>13}" \
+           f"{'tune warm s':>13}{'bench c/w':>11}{'max err':>10}"
+    print(head)
+    for r in rows:
+        print(f"{r['kernel']:<20}{r['shape']:<12}{r['torch_ms']:>10.3f}{r['triton_ms']:>11.3f}{r['speedup']:>7.2f}"
+              f"{r['tune_cold_s']:>13.3f}{r['tune_warm_s']:>13.4f}"
+              f"{str(r['benchmarks_cold']) + '/' + str(r['benchmarks_warm']):>11}{r['max_err']:>10.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    _p = argparse.ArgumentParser(description=__doc__)
+    add_arguments(_p)
+    raise SystemExit(run(_p.parse_args()))
