@@ -323,12 +323,31 @@ def embedding_modules(model) -> list:
 
 def apply_block_swap(model, settings: SwapSettings | None = None, *, device=None, pin_limit_bytes=None,
                      move_resident: bool = True, **kw) -> BlockSwap:
-    """Install a BlockSwap on ``model.blocks`` (or a ModuleList); ``settings`` or keyword fields of SwapSettings."""
+    """Install a BlockSwap on ``model.blocks`` (or a ModuleList); ``settings`` or keyword fields of SwapSettings.
+
+    With ``move_resident`` everything that is not swapped (resident blocks, and for a model its other layers)
+    is moved to ``device``: a model loaded on the CPU becomes ready to run while only its resident part ever
+    occupies VRAM."""
     s = settings or SwapSettings(**kw)
     emb = embedding_modules(model) if s.offload_embeddings and not isinstance(model, nn.ModuleList) else []
-    swap = BlockSwap(find_blocks(model), blocks_to_swap=s.blocks_to_swap, prefetch=s.prefetch, device=device,
+    blocks = find_blocks(model)
+    swap = BlockSwap(blocks, blocks_to_swap=s.blocks_to_swap, prefetch=s.prefetch, device=device,
                      embeddings=emb, pin_memory=s.pin_memory, pin_limit_bytes=pin_limit_bytes,
                      move_resident=move_resident)
+    if move_resident and model is not blocks:
+        try:
+            for child in model.children():
+                if child is not blocks and not any(child is e for e in emb):
+                    child.to(swap.device)
+            for p in model._parameters.values():
+                if p is not None:
+                    p.data = p.data.to(swap.device)
+            for name, b in list(model._buffers.items()):
+                if b is not None:
+                    model._buffers[name] = b.to(swap.device)
+        except BaseException:
+            swap.remove(restore=True)
+            raise
     swap.settings = dataclasses.replace(s)
     return swap
 

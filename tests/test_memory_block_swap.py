@@ -200,3 +200,19 @@ def test_offload_bench_runs_its_cpu_pass(capsys):
 
     data = json.loads(capsys.readouterr().out)
     assert data["functional_pass"] and [r["blocks_swapped"] for r in data["rows"]] == [0, 2, 3]
+
+
+def test_causal_wan_sampling_is_unchanged_by_block_swap():
+    try:
+        from wan_accel.wan.sampler import generate_latents
+        from wan_accel.wan.tiny import tiny_causal_model
+    except ImportError:
+        pytest.skip("the causal Wan model is not part of this build")
+    m = tiny_causal_model(0)
+    ctx = torch.randn(1, m.config.text_len, m.config.text_dim, generator=torch.Generator().manual_seed(0))
+    ref = generate_latents(m, ctx, 6, 8, 8, seed=1)
+    n = len(m.blocks)
+    swap = apply_block_swap(m, SwapSettings(n, 1, offload_embeddings=True), device="cpu")
+    assert torch.equal(generate_latents(m, ctx, 6, 8, 8, seed=1), ref)
+    assert swap.stats.copies > n
+    swap.remove()

@@ -76,7 +76,8 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
                on_chunk=None, skip_last_refresh: bool = False, kv_cache=None, actions=None) -> torch.Tensor:
     """Run the Matrix-Game-2 loop; returns x0 latents ``[B, 16, F, H, W]`` (float32, model space).
 
-    noise ``[B, 16, F, H, W]``; cond_concat ``[B, 20, F, H, W]``; visual_context ``[B or 1, tokens, clip_dim]``;
+    noise ``[B, 16, F, H, W]``, or just that shape: each chunk's initial noise ``[B, 3, 16, H, W]`` then comes
+    from noise_provider (step -1) when the chunk starts; cond_concat ``[B, 20, F, H, W]``; visual_context ``[B or 1, tokens, clip_dim]``;
     mouse/keyboard ``[B or 1, video frames, dims]`` (at least ``4*(F-1)`` frames, ``1 + 4*(F-1)`` as
     released); schedule: a Schedule or preset name; window: rolling window of every cache in latent frames.
     noise_provider(chunk, step, shape [B, 3, 16, H, W], dtype, device) supplies the re-noising draws
@@ -91,14 +92,15 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
                         "use the CausalWan Sampler for text-to-video models")
     if isinstance(schedule, str):
         schedule = resolve_preset(schedule).schedule
-    if noise.dim() != 5 or cond_concat.dim() != 5 or noise.shape[2:] != cond_concat.shape[2:]:
+    shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
+    if len(shape) != 5 or cond_concat.dim() != 5 or shape[2:] != tuple(cond_concat.shape[2:]):
         raise ValueError(f"noise [B, 16, F, H, W] and cond_concat [B, 20, F, H, W] must agree, got "
-                         f"{tuple(noise.shape)} and {tuple(cond_concat.shape)}")
+                         f"{shape} and {tuple(cond_concat.shape)}")
     c = model.config
-    if noise.shape[1] + cond_concat.shape[1] != c.in_dim:
-        raise ValueError(f"noise ({noise.shape[1]}) + cond_concat ({cond_concat.shape[1]}) channels must equal "
+    if shape[1] + cond_concat.shape[1] != c.in_dim:
+        raise ValueError(f"noise ({shape[1]}) + cond_concat ({cond_concat.shape[1]}) channels must equal "
                          f"the model's in_dim {c.in_dim}")
-    b, _, f, h, w = noise.shape
+    b, _, f, h, w = shape
     if window < FRAMES_PER_BLOCK:
         raise ValueError(f"window ({window} latent frames) must hold at least one {FRAMES_PER_BLOCK}-frame chunk")
     frame_tokens = (h // c.patch_size[1]) * (w // c.patch_size[2])
@@ -106,7 +108,8 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
     call = actions if actions is not None else model.new_action_call(mouse, keyboard, window)
     device = model.device
     y = cond_concat.transpose(1, 2).to(device)
-    out = sample_causal(model, visual_context.to(device), noise.transpose(1, 2), schedule, FRAMES_PER_BLOCK,
+    base_noise = noise.transpose(1, 2) if isinstance(noise, torch.Tensor) else (b, f) + shape[1:2] + (h, w)
+    out = sample_causal(model, visual_context.to(device), base_noise, schedule, FRAMES_PER_BLOCK,
                         generator=generator, noise_provider=noise_provider, kv_window=window, sink=0,
                         skip_last_refresh=skip_last_refresh, callback=callback, tracer=tracer,
                         on_chunk=on_chunk, y=y, kv_cache=kv, model_kwargs={"actions": call})
@@ -134,8 +137,9 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
     image_latent: model-space start latent ``[B, 16, 1 or >=F, H, W]``; visual_context: CLIP tokens
     ``[B or 1, tokens, clip_dim]``; actions: a GameActions or a (mouse, keyboard) pair of tensors
     ``[B or 1, video frames, dims]``; num_frames: latent frames (0: every whole chunk the actions cover).
-    Batch element i draws its noise from its own generator seeded ``seed + i``, so a batch gives the same
-    latents as separate batch-1 runs with those seeds.
+    Batch element i draws its noise from its own generator seeded ``seed + i`` (chunk by chunk), so a batch
+    gives the same latents as separate batch-1 runs with those seeds, and a longer video starts with
+    exactly the frames of a shorter one.
     """
     settings = resolve_preset(preset, steps=steps, window=window)
     device = model.device
@@ -160,14 +164,12 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
     b, _, _, h, w = image_latent.shape
     cond = build_cond_concat(image_latent.to(device), num_frames)
     gens = [torch.Generator(device=device).manual_seed(int(seed) + i) for i in range(b)]
-    noise = torch.cat([torch.randn((1, model.config.out_dim, num_frames, h, w), generator=g, device=device)
-                       for g in gens])
 
-    def provide(_ci, _k, shape, dtype, dev):
+    def provide(_ci, _k, shape, dtype, dev):      # chunk order: initial noise (k = -1), then each re-noise
         eps = [torch.randn((1,) + tuple(shape[1:]), generator=g, device=device) for g in gens]
         return torch.cat(eps).to(device=dev, dtype=dtype)
 
-    return sample_mg2(model, noise, cond, visual_context.to(device), None if mouse is None else mouse.to(device),
-                      None if keyboard is None else keyboard.to(device), settings.schedule, settings.window,
-                      noise_provider=provide, callback=callback, on_chunk=on_chunk,
-                      skip_last_refresh=skip_last_refresh)
+    to_dev = lambda t: None if t is None else t.to(device)
+    return sample_mg2(model, (b, model.config.out_dim, num_frames, h, w), cond, visual_context.to(device),
+                      to_dev(mouse), to_dev(keyboard), settings.schedule, settings.window, noise_provider=provide,
+                      callback=callback, on_chunk=on_chunk, skip_last_refresh=skip_last_refresh)
