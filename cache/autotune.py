@@ -177,6 +177,7 @@ class Autotuner:
         self.timer = timer or default_timer
         self.shared_memory_limit = shared_memory_limit
         self._memo: dict[tuple, dict | None] = {}
+        self._fast: dict[tuple, tuple] = {}
         self._reported: set[tuple] = set()
         self._lock = threading.RLock()
         self._mem_entries: dict[str, dict] = {}  # the store when no cache is given
@@ -215,6 +216,7 @@ class Autotuner:
         """Drop the in-process memo (the next ``tune`` reads the store again)."""
         with self._lock:
             self._memo.clear()
+            self._fast.clear()
 
     def lock(self, kernel: str, key: str, locked: bool = True) -> dict | None:
         """Freeze (or unfreeze) an entry: a locked entry is never re-benchmarked nor replaced."""
@@ -248,14 +250,23 @@ class Autotuner:
 
     # ---------------------------------------------------------------- tuning
     def tune(self, kernel: str, key: str, configs: Iterable[dict], run: Callable[[dict], object], *,
-             smem: Callable[[dict], int] | None = None, policy: str = "default", force: bool = False) -> dict | None:
+             smem: Callable[[dict], int] | None = None, policy: str = "default", force: bool = False,
+             benchmark: bool = True) -> dict | None:
         """The best working config among ``configs`` for (kernel, key), benchmarking only what is unknown.
 
         run(config) launches the kernel once with ``config``. Returns a config dict, or None when every
         candidate failed (an error naming kernel, key and failures is logged once).
+        benchmark=False (e.g. while a CUDA graph is being captured) only consults what is known: it returns
+        the stored best or None, and measures nothing.
         """
+        fast_key = (kernel, key, id(configs))
+        hit = self._fast.get(fast_key)
+        if hit is not None and hit[0] is configs and not force:  # the hot path: same candidate tuple again
+            self.stats["memo_hits"] += 1
+            return hit[1]
         if policy not in POLICIES:
             raise ValueError(f"autotune policy {policy!r} must be one of {POLICIES}")
+        given = configs
         configs = [dict(c) for c in configs]
         if not configs:
             raise ValueError(f"autotune {kernel} [{key}]: no candidate configs given")
@@ -265,11 +276,15 @@ class Autotuner:
             if not force and memo_key in self._memo:
                 self.stats["memo_hits"] += 1
                 return self._memo[memo_key]
-            result = self._tune_locked(kernel, key, configs, ids, run, smem, policy, force)
-            self._memo[memo_key] = result
+            result = self._tune_locked(kernel, key, configs, ids, run, smem, policy, force and benchmark,
+                                       benchmark)
+            if benchmark or result is not None:
+                self._memo[memo_key] = result
+                if isinstance(given, tuple):  # immutable: safe to recognise by identity next time
+                    self._fast[fast_key] = (given, result)
             return result
 
-    def _tune_locked(self, kernel, key, configs, ids, run, smem, policy, force):
+    def _tune_locked(self, kernel, key, configs, ids, run, smem, policy, force, benchmark=True):
         stored = self.entry(kernel, key) or {}
         failed: dict = dict(stored.get("failed") or {})
         timings: dict = dict(stored.get("timings") or {})
@@ -298,7 +313,8 @@ class Autotuner:
             candidates.append((cid, cfg))
 
         # a locked entry is frozen: nothing is benchmarked, the stored timings decide
-        to_measure = [] if locked else [(c, cfg) for c, cfg in candidates if force or c not in timings]
+        to_measure = [] if locked or not benchmark else [(c, cfg) for c, cfg in candidates
+                                                          if force or c not in timings]
         measured: dict = {}
         last_working = None
         errors = tuning_errors()
@@ -333,6 +349,8 @@ class Autotuner:
             timings = dict(stored.get("timings") or {})
 
         usable = [(timings[c], c, cfg) for c, cfg in zip(ids, configs) if c in timings and c not in failed]
+        if not usable and not benchmark:
+            return None  # nothing known yet; the caller runs torch this time
         if not usable:
             report = (kernel, key)
             if report not in self._reported:

@@ -51,9 +51,12 @@ def _add_generate(subparsers) -> None:
 def _run_job(args, log):
     if args.model_kind == "matrix-game2":
         from ..wan.mg2_job import MG2Options, run_mg2_generate
+        from ..wan.job import latent_frames
         fields = dict(out_dir=args.out, checkpoint=args.checkpoint, conditioning=args.conditioning,
                       preset=args.preset, window=args.window, seed=args.seed, device=args.device, dtype=args.dtype,
                       precision=args.precision, attention=args.attention, actions=args.actions,
+                      frames=latent_frames(args.frames) if args.frames else None, steps=args.steps,
+                      shift=args.shift, num_heads=args.num_heads,
                       skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview)
         return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log)
     from ..wan.job import GenerateOptions, run_generate

@@ -14,7 +14,7 @@ import hashlib
 import inspect
 import logging
 import os
-from typing import Callable, Iterable
+from typing import Callable
 
 log = logging.getLogger("wan_accel.kernels")
 
@@ -202,11 +202,24 @@ def dtype_name(t) -> str:
 
 
 # ----------------------------------------------------------------------------- tuned launch
+def capturing(t) -> bool:
+    """True while a CUDA graph is being captured on the current stream (no benchmarking possible then)."""
+    if t.device.type != "cuda":
+        return False
+    import torch
+
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def tuned_launch(kernel: str, key: str, candidates: tuple, launch: Callable[[dict], object],
-                 smem: Callable[[dict], int] | None = None) -> bool:
+                 smem: Callable[[dict], int] | None = None, benchmark: bool = True) -> bool:
     """Pick the config through the operator store and launch it; False means: run the torch fallback.
 
     Never raises for kernel failures: a config that fails at its real launch is recorded and skipped.
+    benchmark=False (during CUDA graph capture) uses only configs already measured.
     """
     from ..cache.autotune import get_autotuner, tuning_errors
 
@@ -214,7 +227,7 @@ def tuned_launch(kernel: str, key: str, candidates: tuple, launch: Callable[[dic
     configs = capped_configs(candidates, caps)
     tuner = get_autotuner()
     policy = "extreme" if caps.get("autotune_policy") == "extreme" else "default"
-    config = tuner.tune(kernel, key, configs, launch, smem=smem, policy=policy)
+    config = tuner.tune(kernel, key, configs, launch, smem=smem, policy=policy, benchmark=benchmark)
     if config is None:
         return False
     try:

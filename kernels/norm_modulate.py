@@ -134,7 +134,8 @@ def run_triton(x, shift, scale, eps=1e-6, config: dict | None = None) -> torch.T
     if config is not None:
         launch(config)
         return out
-    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem):
+    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem,
+                            benchmark=not _common.capturing(x)):
         return out
     return layernorm_modulate_reference(x, shift, scale, eps)
 
@@ -155,9 +156,10 @@ _OP = _common.register_op(NAME, _eager, _fake)
 def layernorm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """LN_noaffine(x) * (1 + scale) + shift with per-frame shift/scale [B, F, D]; float32 inside, x's dtype out.
 
-    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch. Inside torch.compile the
-    call is one opaque op (``torch.ops.wan_accel.layernorm_modulate``).
+    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch (always torch when autograd
+    needs to track the inputs). Inside torch.compile the call is one opaque op
+    (``torch.ops.wan_accel.layernorm_modulate``).
     """
-    if _OP is not None and _common.is_compiling():
+    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, shift, scale):
         return _OP(x, shift, scale, float(eps))
     return _eager(x, shift, scale, eps)

@@ -57,7 +57,6 @@ def rmsnorm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Ten
 if tl is not None:
     def _rmsrope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, L, half_hd, eps,
                         YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
-        HALF: tl.constexpr = RBLOCK // 2
         pid = tl.program_id(0)
         rows = pid * YBLOCK + tl.arange(0, YBLOCK)
         row_ok = rows < n_rows
@@ -74,9 +73,9 @@ if tl is not None:
         inv = 1.0 / tl.sqrt(acc / D + eps)
         # pass 2: scale, weight, rotate pairs (2j, 2j+1) by the token's angle of pair j within its head
         tok = rows64 % L
-        pairs0 = tl.arange(0, HALF)
+        pairs0 = tl.arange(0, RBLOCK // 2)
         n_pairs = D // 2
-        for start in range(0, n_pairs, HALF):
+        for start in range(0, n_pairs, RBLOCK // 2):
             pairs = start + pairs0
             pmask = pairs < n_pairs
             mask = row_ok[:, None] & pmask[None, :]
@@ -137,7 +136,8 @@ def run_triton(x, weight, cos, sin, num_heads, eps=1e-6, config: dict | None = N
     if config is not None:
         launch(config)
         return out
-    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem):
+    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem,
+                            benchmark=not _common.capturing(x)):
         return out
     return rmsnorm_rope_reference(x, weight, cos, sin, num_heads, eps)
 
@@ -162,9 +162,10 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
                  eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm(x) over D (float32) * weight, then RoPE on adjacent pairs; [B, L, D] -> [B, L, H, hd], x's dtype.
 
-    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch. Inside torch.compile the
-    call is one opaque op (``torch.ops.wan_accel.rmsnorm_rope``).
+    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch (always torch when autograd
+    needs to track the inputs). Inside torch.compile the call is one opaque op
+    (``torch.ops.wan_accel.rmsnorm_rope``).
     """
-    if _OP is not None and _common.is_compiling():
+    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, weight, cos, sin):
         return _OP(x, weight, cos, sin, int(num_heads), float(eps))
     return _eager(x, weight, cos, sin, num_heads, eps)

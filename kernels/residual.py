@@ -97,7 +97,8 @@ def run_triton(x, y, gate, config: dict | None = None) -> torch.Tensor:
     if config is not None:
         launch(config)
         return out
-    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem):
+    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem,
+                            benchmark=not _common.capturing(x)):
         return out
     return gated_residual_reference(x, y, gate)
 
@@ -118,9 +119,10 @@ _OP = _common.register_op(NAME, _eager, _fake)
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x + y * gate with a per-frame gate [B, F, D]; float32 math, x's dtype out.
 
-    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch. Inside torch.compile the
-    call is one opaque op (``torch.ops.wan_accel.gated_residual``).
+    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch (always torch when autograd
+    needs to track the inputs). Inside torch.compile the call is one opaque op
+    (``torch.ops.wan_accel.gated_residual``).
     """
-    if _OP is not None and _common.is_compiling():
+    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, y, gate):
         return _OP(x, y, gate)
     return _eager(x, y, gate)

@@ -208,3 +208,15 @@ def test_feedback_install_is_safe(tmp_path):
     cache = LimitCache(tmp_path / "l.json")
     first = install_inductor_feedback(cache)
     assert install_inductor_feedback(cache) is first  # idempotent, never raises
+
+
+def test_without_benchmarking_only_known_results_are_used(tmp_path):
+    toy = Toy()
+    tuner = _tuner(tmp_path / "l.json", toy)
+    assert tuner.tune(KERNEL, KEY, CONFIGS, toy.run, benchmark=False) is None  # e.g. during graph capture
+    assert toy.launched == []
+    best = tuner.tune(KERNEL, KEY, CONFIGS, toy.run)  # the None above was not memoised
+    assert best == {"BLOCK": 64, "num_warps": 4}
+    toy2 = Toy()
+    assert _tuner(tmp_path / "l.json", toy2).tune(KERNEL, KEY, CONFIGS, toy2.run, benchmark=False) == best
+    assert toy2.launched == []

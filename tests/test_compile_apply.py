@@ -34,7 +34,7 @@ def test_blocks_scope_compiles_each_block_and_keeps_state_dict():
     assert len(handle.targets) == 3 and all(name == "forward" for _, name in handle.targets)
     assert list(model.state_dict()) == keys
     assert torch.allclose(run(model), expected, atol=1e-6)
-    assert handle.calls == 3 and handle.compiles >= 1
+    assert handle.calls == 3 and handle.compiles == 1  # identical blocks share one graph
     assert uncompile_model(model) and compile_handle(model) is None
     assert "forward" not in model.blocks[0].__dict__
 

@@ -102,3 +102,10 @@ def test_settings_round_trip_and_hash():
 def test_docs_table_is_generated_from_preset_options():
     text = DOC.read_text(encoding="utf-8")
     assert render_presets_table() in text
+
+
+def test_kernel_default_caps_are_the_conservative_preset():
+    from wan_accel.compile.presets import CONSERVATIVE_CAPS
+    from wan_accel.kernels import DEFAULT_CAPS
+
+    assert DEFAULT_CAPS == CONSERVATIVE_CAPS

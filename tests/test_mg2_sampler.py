@@ -174,3 +174,18 @@ def test_loader_recognises_mg2_checkpoints(model, tmp_path):
         assert getattr(a, field) == getattr(b, field), field
     inp = _inputs(1, 3, 9)
     assert torch.equal(_run(loaded, inp, 6), _run(model, inp, 6))
+
+
+def test_keyboard_only_model_loads_and_samples(tmp_path):
+    """A Temple Run style checkpoint (no mouse branch, 7 keys) is recognised and runs without mouse input."""
+    from safetensors.torch import save_file
+    from wan_accel.wan.loader import load_wan_checkpoint
+    model = tiny_mg2_model(seed=2, mode="templerun")
+    path = tmp_path / "templerun.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    loaded = load_wan_checkpoint(path, dtype=torch.float32, num_heads=4)
+    a = loaded.action_config
+    assert (a.enable_mouse, a.enable_keyboard, a.keyboard_dim_in, a.windows_size) == (False, True, 7, 3)
+    acts = parse_action_script("jump*8, turnleft+leftside*12, nomove*4", mode="templerun")
+    out = generate_mg2(loaded, torch.randn(1, 16, 1, H, W), torch.randn(1, 9, 32), acts, preset="templerun")
+    assert out.shape == (1, 16, 6, H, W) and torch.isfinite(out).all()

@@ -55,8 +55,10 @@ class ActionConfig:
         self.patch_size = tuple(int(p) for p in self.patch_size)
         if not (self.enable_mouse or self.enable_keyboard):
             raise ValueError("action_config enables neither the mouse nor the keyboard branch")
-        for name in ("mouse_hidden_dim", "keyboard_hidden_dim"):
+        for name, on in (("mouse_hidden_dim", self.enable_mouse), ("keyboard_hidden_dim", self.enable_keyboard)):
             width = getattr(self, name)
+            if not on:
+                continue
             if self.heads_num <= 0 or width % self.heads_num:
                 raise ValueError(f"action_config.{name} {width} is not divisible by heads_num {self.heads_num}")
         if self.rope_frame_dims % 2 or self.rope_frame_dims > self.head_dim:

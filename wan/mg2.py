@@ -76,10 +76,11 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
                on_chunk=None, skip_last_refresh: bool = False, kv_cache=None, actions=None) -> torch.Tensor:
     """Run the Matrix-Game-2 loop; returns x0 latents ``[B, 16, F, H, W]`` (float32, model space).
 
-    noise ``[B, 16, F, H, W]``, or just that shape: each chunk's initial noise ``[B, 3, 16, H, W]`` then comes
-    from noise_provider (step -1) when the chunk starts; cond_concat ``[B, 20, F, H, W]``; visual_context ``[B or 1, tokens, clip_dim]``;
-    mouse/keyboard ``[B or 1, video frames, dims]`` (at least ``4*(F-1)`` frames, ``1 + 4*(F-1)`` as
-    released); schedule: a Schedule or preset name; window: rolling window of every cache in latent frames.
+    noise ``[B, 16, F, H, W]``, or just that shape: each chunk's initial noise ``[B, 3, 16, H, W]`` then
+    comes from noise_provider (step -1) when the chunk starts; cond_concat ``[B, 20, F, H, W]``;
+    visual_context ``[B or 1, tokens, clip_dim]``; mouse/keyboard ``[B or 1, video frames, dims]`` (at least
+    ``4*(F-1)`` frames, ``1 + 4*(F-1)`` as released); schedule: a Schedule or preset name; window: the
+    rolling window of every cache in latent frames.
     noise_provider(chunk, step, shape [B, 3, 16, H, W], dtype, device) supplies the re-noising draws
     (default: ``generator``). callback/tracer/on_chunk as in ``sample_causal`` (tracer tensors are
     ``[B, 3, C, H, W]``). kv_cache / actions: pre-built caches to inspect afterwards.
@@ -136,12 +137,13 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
 
     image_latent: model-space start latent ``[B, 16, 1 or >=F, H, W]``; visual_context: CLIP tokens
     ``[B or 1, tokens, clip_dim]``; actions: a GameActions or a (mouse, keyboard) pair of tensors
-    ``[B or 1, video frames, dims]``; num_frames: latent frames (0: every whole chunk the actions cover).
+    ``[B or 1, video frames, dims]``; num_frames: latent frames (0: every whole chunk the actions cover);
+    preset: a preset name (``steps``/``window`` override it) or resolved :class:`MG2Settings`.
     Batch element i draws its noise from its own generator seeded ``seed + i`` (chunk by chunk), so a batch
     gives the same latents as separate batch-1 runs with those seeds, and a longer video starts with
     exactly the frames of a shorter one.
     """
-    settings = resolve_preset(preset, steps=steps, window=window)
+    settings = preset if isinstance(preset, MG2Settings) else resolve_preset(preset, steps=steps, window=window)
     device = model.device
     if hasattr(actions, "tensors"):
         frames_avail = actions.latent_frames

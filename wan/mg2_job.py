@@ -25,6 +25,9 @@ class MG2Options:
     preset: str = "universal"
     frames: int = 0                      # latent frames; 0 = every whole chunk the actions cover
     window: int | None = None            # rolling window override (latent frames)
+    steps: str | None = None             # step list override, e.g. "1000,666,333" (warped)
+    shift: float | None = None           # timestep shift override
+    num_heads: int | None = None         # for checkpoints whose dim is not a multiple of 128
     seed: int = 0
     device: str | None = None
     dtype: str | None = None
@@ -35,8 +38,9 @@ class MG2Options:
 
 
 def load_mg2_handle(checkpoint=None, dtype="bf16", precision="self_forcing", attention="auto", device=None,
-                    seed: int = 0):
-    """ModelHandle of a Matrix-Game-2 checkpoint, or of the tiny model for None / the tiny name."""
+                    seed: int = 0, num_heads: int | None = None, mode: str = "universal"):
+    """ModelHandle of a Matrix-Game-2 checkpoint, or of the tiny model (action layout ``mode``) for None / the
+    tiny name."""
     from .handle import TINY_NAME, ModelHandle, default_device, load_model_handle, parse_dtype
     from .mg2_model import MatrixGameModel, tiny_mg2_model
     device = torch.device(device) if device is not None else default_device()
@@ -44,9 +48,9 @@ def load_mg2_handle(checkpoint=None, dtype="bf16", precision="self_forcing", att
         torch_dtype = parse_dtype(dtype)
         if torch_dtype == torch.float32:
             precision = "float32"
-        model = tiny_mg2_model(seed, device, torch_dtype, precision).set_attention_backend(attention)
+        model = tiny_mg2_model(seed, device, torch_dtype, precision, mode=mode).set_attention_backend(attention)
         return ModelHandle(model, TINY_NAME, torch_dtype, model.precision, attention)
-    handle = load_model_handle(checkpoint, dtype, precision, attention, device)
+    handle = load_model_handle(checkpoint, dtype, precision, attention, device, num_heads=num_heads)
     if not isinstance(handle.model, MatrixGameModel):
         raise ValueError(f"{checkpoint} has no action modules: it is not a Matrix-Game-2 checkpoint")
     return handle
@@ -78,11 +82,14 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
     from .handle import default_device
     device = torch.device(opts.device) if opts.device else default_device()
     dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    settings = resolve_preset(opts.preset, window=opts.window)
+    from .scheduler import parse_steps
+    steps = parse_steps(opts.steps) if opts.steps else None
+    settings = resolve_preset(opts.preset, steps=steps, shift=opts.shift, window=opts.window)
     actions = parse_action_script(opts.actions, settings.mode)
     t0 = time.perf_counter()
     handle = load_mg2_handle(opts.checkpoint, dtype, opts.precision, opts.attention, device,
-                             seed=opts.seed if not opts.checkpoint else 0)
+                             seed=opts.seed if not opts.checkpoint else 0, num_heads=opts.num_heads,
+                             mode=settings.mode)
     load_s = time.perf_counter() - t0
     notes = []
     if handle.is_tiny:
@@ -104,8 +111,8 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
 
     _sync(device)
     mark[0] = t_start = time.perf_counter()
-    latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, opts.preset,
-                           window=opts.window, on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh)
+    latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings,
+                           on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh)
     _sync(device)
     sample_s = time.perf_counter() - t_start
     out = Path(opts.out_dir)
@@ -117,7 +124,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
         "device": str(device), "dtype": dtype, "precision": handle.precision,
         "settings": asdict(opts), "actions": actions.summary(),
         "schedule": {"preset": settings.preset, "timesteps": settings.schedule.timesteps,
-                     "shift": settings.schedule.shift, "window": opts.window or settings.window},
+                     "shift": settings.schedule.shift, "window": settings.window},
         "latent_shape": list(latents.shape), "latent_layout": "[B, C, F, H, W] model space",
         "load_seconds": load_s, "sample_seconds": sample_s, "chunk_seconds": chunk_seconds,
         "peak_memory": _peak_memory(device), "files": files, "notes": notes, "torch": torch.__version__,

@@ -166,17 +166,25 @@ TINY_ACTION_CONFIG = {"blocks": [0], "mouse_dim_in": 2, "keyboard_dim_in": 4, "h
                       "windows_size": 3, "rope_theta": 256, "mouse_qk_dim_list": [8, 28, 28]}
 
 
-def tiny_mg2_config() -> WanConfig:
+TINY_MODES = {"universal": {"keyboard_dim_in": 4}, "gta_drive": {"keyboard_dim_in": 2},
+              "templerun": {"keyboard_dim_in": 7, "enable_mouse": False}}
+
+
+def tiny_mg2_config(mode: str = "universal") -> WanConfig:
+    """Config of the tiny model with the action layout of ``mode`` (universal, gta_drive, templerun)."""
+    if mode not in TINY_MODES:
+        raise ValueError(f"mode must be one of {', '.join(TINY_MODES)}, got {mode!r}")
+    action = dict(TINY_ACTION_CONFIG, **TINY_MODES[mode])
     return WanConfig(model_type="i2v", patch_size=(1, 2, 2), in_dim=36, dim=64, ffn_dim=256, freq_dim=32,
                      out_dim=16, num_heads=4, num_layers=2, clip_dim=32, clip_tokens=9, local_attn_size=6,
-                     extra={"action_config": dict(TINY_ACTION_CONFIG)})
+                     extra={"action_config": action})
 
 
 def tiny_mg2_model(seed: int = 0, device="cpu", dtype=torch.float32, precision=None,
-                   config: WanConfig | None = None) -> MatrixGameModel:
+                   config: WanConfig | None = None, mode: str = "universal") -> MatrixGameModel:
     """Deterministic tiny Matrix-Game-2 model (random weights: for smoke runs, tests and demos)."""
     from .tiny import init_tiny_weights
-    model = init_tiny_weights(MatrixGameModel(config or tiny_mg2_config()), seed)
+    model = init_tiny_weights(MatrixGameModel(config or tiny_mg2_config(mode)), seed)
     precision = precision or ("float32" if dtype == torch.float32 else "self_forcing")
     model.set_precision(precision, dtype)
     return model.to(device).eval().requires_grad_(False)

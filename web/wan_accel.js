@@ -2,7 +2,7 @@
 //  * "Wan Accel" panel (a sidebar tab, or a floating panel on frontends without sidebar tabs): the limit cache
 //    per namespace (entries measured on this machine, best configs, learned memory limits) with a clear
 //    button per namespace. Talks to GET /api/wan_accel/limits and POST /api/wan_accel/limits/clear.
-//  * A badge on nodes whose compile settings are risky (tiling preset EXTREME-PLUS, or lock_global_ops on).
+//  * Badges on compile settings nodes: EXTREME-PLUS tiling preset (red), lock_global_ops on (blue).
 //  * A read-only text box on the pack's output nodes that return {"ui": {"text": [...]}}.
 // Only the public modules scripts/app.js and scripts/api.js are imported.
 import { app } from "../../scripts/app.js";
@@ -181,49 +181,56 @@ function isPackNode(nodeData) {
   return typeof nodeData?.category === "string" && nodeData.category.startsWith(CATEGORY_PREFIX);
 }
 
-function riskyCompile(node) {
+// Badges for compile settings worth noticing: [text, background colour].
+function compileBadges(node) {
   const w = (name) => node.widgets?.find((x) => x.name === name);
-  const reasons = [];
+  const out = [];
   const preset = w("tiling_preset");
-  if (preset && String(preset.value).toUpperCase() === RISKY_PRESET) reasons.push(RISKY_PRESET);
+  if (preset && String(preset.value).toUpperCase() === RISKY_PRESET) out.push([RISKY_PRESET, "#b3261e"]);
   const lock = w("lock_global_ops");
-  if (lock && lock.value === true) reasons.push("GLOBAL OPS LOCKED");
-  return reasons.join(" · ");
+  if (lock && lock.value === true) out.push(["GLOBAL OPS LOCKED", "#2f5d8a"]);
+  return out;
 }
 
-function drawBadge(ctx, node, text) {
-  // fallback when the frontend has no LGraphBadge: a red pill at the right end of the title bar
+function drawBadges(ctx, node, badges) {
+  // fallback when the frontend has no LGraphBadge: pills at the right end of the title bar
   const h = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
   ctx.save();
   ctx.font = "bold 11px sans-serif";
-  const w = ctx.measureText(text).width + 12;
-  const x = node.size[0] - w - 6, y = -h + (h - 18) / 2;
-  ctx.fillStyle = "#b3261e";
-  ctx.beginPath();
-  if (ctx.roundRect) ctx.roundRect(x, y, w, 18, 5); else ctx.rect(x, y, w, 18);
-  ctx.fill();
-  ctx.fillStyle = "#fff";
   ctx.textBaseline = "middle";
-  ctx.fillText(text, x + 6, y + 9);
+  let x = node.size[0] - 6;
+  for (const [text, color] of badges) {
+    const w = ctx.measureText(text).width + 12;
+    x -= w;
+    const y = -h + (h - 18) / 2;
+    ctx.fillStyle = color;
+    ctx.beginPath();
+    if (ctx.roundRect) ctx.roundRect(x, y, w, 18, 5); else ctx.rect(x, y, w, 18);
+    ctx.fill();
+    ctx.fillStyle = "#fff";
+    ctx.fillText(text, x + 6, y + 9);
+    x -= 4;
+  }
   ctx.restore();
 }
 
-function syncBadge(node) {
-  const text = riskyCompile(node);
+// Keeps the node's LGraphBadge list in step with its widgets; returns the badges to draw by hand when the
+// frontend has no badge support.
+function syncBadges(node) {
+  const wanted = compileBadges(node);
   const Badge = globalThis.LGraphBadge;
-  if (!Badge || !Array.isArray(node.badges)) return text;
-  const had = node._wanAccelBadge && node.badges.includes(node._wanAccelBadge);
-  if (text) {
-    if (!node._wanAccelBadge || node._wanAccelBadge.text !== text)
-      node._wanAccelBadge = new Badge({ text, bgColor: "#b3261e", fgColor: "#fff" });
-    node.badges = node.badges.filter((b) => !b?._wanAccel);
-    node._wanAccelBadge._wanAccel = true;
-    node.badges.push(node._wanAccelBadge);
-  } else if (had) {
-    node.badges = node.badges.filter((b) => !b?._wanAccel);
+  if (!Badge || !Array.isArray(node.badges)) return wanted;
+  const key = wanted.map(([t]) => t).join("|");
+  if (node._wanAccelBadgeKey !== key) {
+    node._wanAccelBadgeKey = key;
+    node.badges = node.badges.filter((b) => !b?._wanAccel).concat(wanted.map(([text, bgColor]) => {
+      const b = new Badge({ text, bgColor, fgColor: "#fff" });
+      b._wanAccel = true;
+      return b;
+    }));
+    node.setDirtyCanvas?.(true, true);
   }
-  if (Boolean(text) !== Boolean(had)) node.setDirtyCanvas?.(true, true);
-  return null; // drawn by the frontend
+  return [];
 }
 
 function showText(node, message) {
@@ -273,8 +280,8 @@ app.registerExtension({
       nodeType.prototype.onDrawForeground = function (ctx) {
         const r = onDrawForeground?.apply(this, arguments);
         if (!this.flags?.collapsed) {
-          const text = syncBadge(this);
-          if (text) drawBadge(ctx, this, text);
+          const manual = syncBadges(this);
+          if (manual.length) drawBadges(ctx, this, manual);
         }
         return r;
       };
