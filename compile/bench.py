@@ -1,5 +1,8 @@
 """``bench compile``: cold vs warm compile of a tiny model, each in a fresh subprocess.
 
+The model is the tiny causal Wan model (``wan.tiny``, sampling two chunks) or, with ``--model standin``, a
+small stack of transformer-like blocks.
+
 Cold runs get their own fresh cache folder (limit cache, Inductor cache, Triton cache); the warm run is a new
 process on the folder of the first cold run, so only on-disk caches (and the saved compile artifacts) carry
 over. Prints both times, the ratio and the cache counters (Inductor FX graph cache, AOTAutograd cache).
@@ -73,6 +76,35 @@ def tiny_workload(device: str = "cpu", blocks: int = 2, dim: int = 32, tokens: i
     return model, run
 
 
+def wan_workload(device: str = "cpu", seed: int = 0, frames: int = 6):
+    """(model, run) with the built-in tiny causal Wan model: ``run(model)`` samples ``frames`` latent frames
+    in chunks of 3 (KV cache, cross-attention cache and all)."""
+    import torch
+
+    from ..wan.sampler import sample_causal
+    from ..wan.tiny import tiny_causal_model
+
+    model = tiny_causal_model(seed=seed, device=device)
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    context = torch.randn(1, cfg.text_len, cfg.text_dim, generator=g).to(device)
+    noise = torch.randn(1, frames, cfg.in_dim, 8, 8, generator=g).to(device)
+
+    def run(m):
+        with torch.no_grad():
+            return sample_causal(m, context, noise, frames_per_block=3,
+                                 generator=torch.Generator(device=device).manual_seed(seed))
+
+    return model, run
+
+
+def workload(name: str, device: str = "cpu", blocks: int = 2, dim: int = 32):
+    """The benchmark's model: "wan" (the tiny causal Wan model, when present) or "standin"."""
+    if name == "wan":
+        return wan_workload(device)
+    return tiny_workload(device, blocks, dim)
+
+
 # ----------------------------------------------------------------------------- one process
 def _child() -> None:
     """Run inside a fresh process: compile, time the first call, print one JSON result line."""
@@ -86,7 +118,7 @@ def _child() -> None:
     from .settings import CompileSettings
 
     cache = LimitCache(Path(cfg["cache_dir"]) / "limits.json")
-    model, run = tiny_workload(cfg["device"], cfg["blocks"], cfg["dim"])
+    model, run = workload(cfg.get("model", "standin"), cfg["device"], cfg["blocks"], cfg["dim"])
     settings = CompileSettings.from_dict(cfg.get("settings") or {})
     t0 = time.perf_counter()
     compile_model(model, settings, cache)
@@ -104,7 +136,7 @@ def _child() -> None:
 
 
 def run_child(cache_dir: str | os.PathLike, device: str = "cpu", blocks: int = 2, dim: int = 32,
-              settings: dict | None = None, timeout: float = 600) -> dict:
+              settings: dict | None = None, timeout: float = 600, model: str = "standin") -> dict:
     """Compile the tiny workload in a new Python process using ``cache_dir``; returns its result dict."""
     package = __name__.rsplit(".", 2)[0]
     pkg_parent = str(Path(__file__).parent.parent.parent)
@@ -114,7 +146,7 @@ def run_child(cache_dir: str | os.PathLike, device: str = "cpu", blocks: int = 2
     env["TRITON_CACHE_DIR"] = str(Path(cache_dir) / "triton")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
     env["WAN_ACCEL_BENCH_CHILD"] = json.dumps({"cache_dir": str(cache_dir), "device": device, "blocks": blocks,
-                                               "dim": dim, "settings": settings or {}})
+                                               "dim": dim, "settings": settings or {}, "model": model})
     code = f"import {package}.compile.bench as b; b._child()"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
@@ -127,8 +159,11 @@ def run_child(cache_dir: str | os.PathLike, device: str = "cpu", blocks: int = 2
 def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--blocks", type=int, default=2, help="blocks in the tiny model (default 2)")
-    parser.add_argument("--dim", type=int, default=32, help="model width (default 32)")
+    parser.add_argument("--model", default=None, choices=("wan", "standin"),
+                        help="wan: the tiny causal Wan model sampling 2 chunks (default when present); "
+                             "standin: a small stack of transformer-like blocks")
+    parser.add_argument("--blocks", type=int, default=2, help="blocks of the stand-in model (default 2)")
+    parser.add_argument("--dim", type=int, default=32, help="width of the stand-in model (default 32)")
     parser.add_argument("--repeat", type=int, default=1, help="cold and warm runs each (median reported)")
     parser.add_argument("--preset", default="default", choices=("default", "EXTREME-PLUS"),
                         help="tiling preset to compile with")
@@ -141,18 +176,23 @@ def run(args) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     settings = {"tiling_preset": args.preset}
+    model = args.model
+    if model is None:
+        import importlib.util
+
+        model = "wan" if importlib.util.find_spec(f"{__name__.rsplit('.', 2)[0]}.wan.tiny") else "standin"
     colds, warms = [], []
     with tempfile.TemporaryDirectory(prefix="wan_accel_bench_compile_") as root:
         first_dir = None
         for i in range(max(1, args.repeat)):
             d = Path(root) / f"cold{i}"
             first_dir = first_dir or d
-            colds.append(run_child(d, device, args.blocks, args.dim, settings))
+            colds.append(run_child(d, device, args.blocks, args.dim, settings, model=model))
         for _ in range(max(1, args.repeat)):
-            warms.append(run_child(first_dir, device, args.blocks, args.dim, settings))
+            warms.append(run_child(first_dir, device, args.blocks, args.dim, settings, model=model))
     cold_s = statistics.median(r["compile_s"] for r in colds)
     warm_s = statistics.median(r["compile_s"] for r in warms)
-    summary = {"device": device, "blocks": args.blocks, "dim": args.dim, "preset": args.preset,
+    summary = {"device": device, "model": model, "blocks": args.blocks, "dim": args.dim, "preset": args.preset,
                "cold_compile_s": cold_s, "warm_compile_s": warm_s,
                "speedup": cold_s / warm_s if warm_s > 0 else None,
                "cold_counters": colds[0]["counters"], "warm_counters": warms[-1]["counters"],
@@ -160,8 +200,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"compile benchmark: tiny model, {args.blocks} blocks, dim {args.dim}, {device}, preset {args.preset}")
-    print(f"{'run':<6}{'first call (compile) s':>24}{'steady call ms':>16}")
+    what = "tiny causal Wan, 2 chunks" if model == "wan" else f"stand-in, {args.blocks} blocks, dim {args.dim}"
+    print(f"compile benchmark: {what}, {device}, preset {args.preset}")
+    print(f"{'run':<6}{'first run (compile) s':>24}{'steady run ms':>16}")
     print(f"{'cold':<6}{cold_s:>24.2f}{colds[0]['steady_call_s'] * 1e3:>16.2f}")
     print(f"{'warm':<6}{warm_s:>24.2f}{warms[-1]['steady_call_s'] * 1e3:>16.2f}")
     print(f"cold / warm = {summary['speedup']:.2f}x" if summary["speedup"] else "cold / warm = n/a")

@@ -180,3 +180,19 @@ def test_comfy_patch_swaps_blocks_only_during_apply_model():
     # applying again replaces the previous wrappers instead of stacking them
     again = compile_for_comfy(patched, CompileSettings(**EAGER))
     assert len(again.wrappers["apply_model"]["wan_accel.compile"]) == 1
+
+
+def test_tiny_causal_wan_compiles_per_block_with_identical_samples():
+    from wan_accel.compile.bench import wan_workload
+
+    model, run = wan_workload()
+    expected = run(model)
+    compile_model(model, CompileSettings(**EAGER))
+    handle = compile_handle(model)
+    assert len(handle.targets) == len(model.blocks)
+    first = run(model)
+    compiles = handle.compiles
+    end_warmup(model)
+    second = run(model)  # same shapes: no new graph after warm-up
+    assert handle.compiles == compiles
+    assert torch.equal(first, expected) and torch.equal(second, expected)

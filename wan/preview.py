@@ -33,6 +33,16 @@ def to_vae_latents(latents: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3, 4).contiguous()
 
 
+def from_vae_latents(latents: torch.Tensor) -> torch.Tensor:
+    """Raw VAE latents [B, 16, F, H, W] (ComfyUI LATENT layout) -> model-space latents [B, F, 16, H, W]."""
+    if latents.dim() != 5 or latents.shape[1] != len(WAN21_LATENT_MEAN):
+        raise ValueError(f"expected a Wan latent [B, {len(WAN21_LATENT_MEAN)}, F, H, W], got {tuple(latents.shape)}")
+    mean = torch.tensor(WAN21_LATENT_MEAN, dtype=torch.float32, device=latents.device)
+    std = torch.tensor(WAN21_LATENT_STD, dtype=torch.float32, device=latents.device)
+    x = (latents.float() - mean[:, None, None, None]) / std[:, None, None, None]
+    return x.permute(0, 2, 1, 3, 4).contiguous()
+
+
 def latents_to_rgb(latents: torch.Tensor) -> torch.Tensor:
     """[B, F, 16, H, W] model-space latents -> uint8 frames [B, F, H, W, 3]."""
     if latents.dim() != 5 or latents.shape[2] != len(WAN21_RGB_FACTORS):
