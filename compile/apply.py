@@ -250,21 +250,32 @@ def _comfy_wrapper_types() -> tuple[str, str]:
         return "apply_model", "outer_sample"
 
 
+_REGION_CLASS: list = []
+
+
+def _region_class():
+    """nn.Module standing in for a block while apply_model runs (defined on first use: torch is lazy here)."""
+    if not _REGION_CLASS:
+        import torch
+
+        class CompiledRegion(torch.nn.Module):
+            """Holds the original block as ``_orig_mod`` and runs its compiled forward in the handle's scope."""
+
+            def __init__(self, original, scoped):
+                super().__init__()
+                self._orig_mod = original
+                self.__dict__["_scoped"] = scoped
+
+            def forward(self, *args, **kwargs):
+                return self.__dict__["_scoped"](*args, **kwargs)
+
+        _REGION_CLASS.append(CompiledRegion)
+    return _REGION_CLASS[0]
+
+
 def _make_scoped_module(original, handle: CompileHandle):
-    import torch
-
-    class CompiledRegion(torch.nn.Module):
-        """Stand-in for a block while apply_model runs; holds the original block as ``_orig_mod``."""
-
-        def __init__(self):
-            super().__init__()
-            self._orig_mod = original
-            self.__dict__["_scoped"] = _ScopedForward(handle.compile_fn(_bound_forward(original)), handle)
-
-        def forward(self, *args, **kwargs):
-            return self.__dict__["_scoped"](*args, **kwargs)
-
-    return CompiledRegion()
+    scoped = _ScopedForward(handle.compile_fn(_bound_forward(original)), handle)
+    return _region_class()(original, scoped)
 
 
 def compile_for_comfy(patcher, settings: CompileSettings | dict | None = None, cache=None):

@@ -1,73 +1,159 @@
-"""The one attention entry point of the model.
+"""The one attention entry point of the model, and the choice of attention backend.
 
-Layout everywhere is ``[B, L, heads, head_dim]``. Torch SDPA is always available; flash-attn is
-detected at run time and used only when it is installed, asked for (or 'auto'), and the call fits it
-(CUDA, half precision, no key mask).
+Layout everywhere is ``[B, L, heads, head_dim]``. Backends:
+
+* ``fa3``: FlashAttention 3 (``flash_attn_interface``), Hopper GPUs (compute capability 9.x);
+* ``fa2``: FlashAttention 2 (``flash_attn``), compute capability 8.0 or newer;
+* ``sdpa``: torch's scaled_dot_product_attention (always available; it picks its own fused kernel).
+
+A request (``auto``, ``flash_attn``, ``fa3``, ``fa2``, ``sdpa``) is resolved by capability detection: the package
+imports, the GPU's compute capability, the dtype (half precision) and the head size. GPU names are never looked
+at. ``resolve_backend`` does this once (the optimized sampler calls it when a run starts); ``attention`` also
+accepts an unresolved request and resolves it per call (cached), which is what the reference path does.
+FlashAttention's return type differs between releases (a tensor, or a tuple whose first item is the output):
+both are handled.
 """
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "sdpa", "flash_attn")
+log = logging.getLogger("wan_accel")
+
+BACKENDS = ("auto", "sdpa", "flash_attn", "fa3", "fa2")
+RESOLVED = ("fa3", "fa2", "sdpa")
+_MODULES = {"fa3": "flash_attn_interface", "fa2": "flash_attn"}
+_FUNCS: dict = {}          # "fa3"/"fa2" -> flash_attn_func or None (import attempted once)
 
 
-@functools.lru_cache(maxsize=1)
-def _flash_attn_func():
-    """flash_attn_func of FA3 or FA2 if importable, else None (never required)."""
-    try:
-        from flash_attn_interface import flash_attn_func  # FA3
-        return flash_attn_func
-    except Exception:
-        pass
-    try:
-        from flash_attn import flash_attn_func  # FA2
-        return flash_attn_func
-    except Exception:
-        return None
+def _load(name: str):
+    """flash_attn_func of FA3 / FA2, or None when the package does not import (never required)."""
+    if name not in _FUNCS:
+        fn = None
+        try:
+            module = __import__(_MODULES[name], fromlist=["flash_attn_func"])
+            fn = getattr(module, "flash_attn_func", None)
+        except Exception:  # noqa: BLE001 - any import failure means: not available
+            fn = None
+        _FUNCS[name] = fn
+    return _FUNCS[name]
+
+
+def fa_available(name: str) -> bool:
+    """True when FlashAttention ``name`` ('fa3' or 'fa2') imports."""
+    return _load(name) is not None
 
 
 def flash_attn_available() -> bool:
-    return _flash_attn_func() is not None
+    return fa_available("fa3") or fa_available("fa2")
 
 
 def check_backend(backend: str) -> str:
-    """Validate a backend name; raise a clear error when flash-attn is requested but missing."""
+    """Validate a backend request; raise a clear error when a FlashAttention package it needs is missing."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "flash_attn" and not flash_attn_available():
         raise RuntimeError("attention backend 'flash_attn' was requested but the flash-attn package "
                            "is not installed; install flash-attn or choose 'auto' / 'sdpa'.")
+    if backend in _MODULES and not fa_available(backend):
+        raise RuntimeError(f"attention backend {backend!r} was requested but {_MODULES[backend]} does not import; "
+                           f"install {'FlashAttention 3 (hopper build)' if backend == 'fa3' else 'flash-attn 2'} "
+                           f"or choose 'auto' / 'sdpa'.")
     return backend
 
 
-def _use_flash(q: torch.Tensor, key_padding_mask, backend: str) -> bool:
-    if backend == "sdpa" or key_padding_mask is not None:
-        return False
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return flash_attn_available()
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(device_index))
 
 
-def _flash(q, k, v):
-    out = _flash_attn_func()(q, k, v)
-    return out[0] if isinstance(out, tuple) else out
+def capability_supports(name: str, capability: tuple) -> bool:
+    """Compute-capability rule of each FlashAttention generation."""
+    if name == "fa3":
+        return capability[0] == 9
+    if name == "fa2":
+        return capability[0] >= 8
+    return True
+
+
+def head_dim_supported(head_dim: int) -> bool:
+    return head_dim % 8 == 0 and 0 < head_dim <= 256
+
+
+def _candidates(requested: str) -> tuple:
+    return {"auto": ("fa3", "fa2", "sdpa"), "flash_attn": ("fa3", "fa2", "sdpa"),
+            "fa3": ("fa3", "sdpa"), "fa2": ("fa2", "sdpa"), "sdpa": ("sdpa",)}[requested]
+
+
+def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
+                    capability: tuple | None = None) -> tuple[str, str]:
+    """(resolved backend, reason in words) for a request on this device, dtype and head size."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
+    device = torch.device(device)
+    why = []
+    for name in _candidates(requested):
+        if name == "sdpa":
+            break
+        if device.type != "cuda":
+            why.append(f"{name}: needs a CUDA device")
+            continue
+        if dtype not in (torch.float16, torch.bfloat16):
+            why.append(f"{name}: needs fp16/bf16 (got {str(dtype).replace('torch.', '')})")
+            continue
+        if not fa_available(name):
+            why.append(f"{name}: {_MODULES[name]} not installed")
+            continue
+        cap = capability or _capability(device.index if device.index is not None else torch.cuda.current_device())
+        if not capability_supports(name, cap):
+            why.append(f"{name}: compute capability {cap[0]}.{cap[1]} not supported")
+            continue
+        if not head_dim_supported(head_dim):
+            why.append(f"{name}: head size {head_dim} not supported")
+            continue
+        return name, f"{name} ({_MODULES[name]}) for requested '{requested}'"
+    reason = "torch SDPA" + (f" ({'; '.join(why)})" if why else "")
+    if requested in ("fa3", "fa2", "flash_attn") and why:
+        log.warning("wan_accel: attention '%s' is not usable here, using SDPA: %s", requested, "; ".join(why))
+    return "sdpa", reason
+
+
+@functools.lru_cache(maxsize=64)
+def resolve_backend(requested: str, device, dtype: torch.dtype, head_dim: int) -> str:
+    """'fa3' | 'fa2' | 'sdpa' for a request (cached per device, dtype and head size)."""
+    return explain_backend(requested, device, dtype, head_dim)[0]
+
+
+def _flash(name: str, q, k, v):
+    fn = _FUNCS.get(name) or _load(name)
+    if fn is None:
+        raise RuntimeError(f"attention backend {name!r} needs {_MODULES[name]}, which does not import")
+    out = fn(q, k, v)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _sdpa(q, k, v, mask=None):
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               key_padding_mask: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    """Softmax attention, scale 1/sqrt(head_dim), no dropout.
+    """Softmax attention, scale 1/sqrt(head_dim), no dropout, dense (every query sees every key).
 
     q [B, Lq, H, D], k/v [B, Lk, H, D]; key_padding_mask [B, Lk] bool, True = real key (attended).
+    backend: a resolved name ('fa3', 'fa2', 'sdpa': dispatched directly) or a request ('auto', 'flash_attn').
     Returns [B, Lq, H, D] in q's dtype.
     """
-    if _use_flash(q, key_padding_mask, backend):
-        return _flash(q, k, v)
-    mask = None
     if key_padding_mask is not None:
-        mask = key_padding_mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask)
-    return out.transpose(1, 2)
+        return _sdpa(q, k, v, key_padding_mask[:, None, None, :])
+    if backend == "sdpa" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return _sdpa(q, k, v)
+    if backend not in RESOLVED:
+        backend = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
+        if backend == "sdpa":
+            return _sdpa(q, k, v)
+    return _flash(backend, q, k, v)

@@ -12,6 +12,8 @@ from .attention import attention
 from .layers import LayerNorm, RMSNorm, gated_add, modulate
 from .rope import apply_rope
 
+FAST_FORWARD = None     # set by wan.fast_block when the optimized path is loaded
+
 
 def _qk_norm(dim: int, eps: float, enabled: bool) -> nn.Module:
     return RMSNorm(dim, eps) if enabled else nn.Identity()
@@ -94,13 +96,17 @@ class WanBlock(nn.Module):
         self.compute_dtype = torch.float32
 
     def forward(self, x: torch.Tensor, e0: torch.Tensor, text: torch.Tensor, rope: tuple,
-                kv=None, cache_step=None, cross_kv=None, key_mask=None, image=None, actions=None) -> torch.Tensor:
+                kv=None, cache_step=None, cross_kv=None, key_mask=None, image=None, actions=None,
+                fast=None) -> torch.Tensor:
         """x [B, L, dim] residual stream; e0 [B, G, 6, dim] time projection per token group (G groups of
         L/G tokens: one per latent frame in the causal model, one per video otherwise); text [B, Lt, dim]
         embedded text; rope (cos, sin) tables [L, head_dim/2]; kv/cache_step: this layer's KV cache and the
         call's host-side write plan; cross_kv: this layer's cross-attention cache; key_mask [B, L] bool;
         actions: per-call state for an optional ``action_model`` submodule (Matrix-Game-2), which runs
-        between cross-attention and the FFN."""
+        between cross-attention and the FFN. fast: a ``wan.fast_block.FastArgs`` selects the optimized path
+        (KV buffers, precomputed cross K/V; text, kv, cache_step and cross_kv are then unused)."""
+        if fast is not None:
+            return FAST_FORWARD(self, x, e0, rope, fast, actions)
         cd = self.compute_dtype
         m = self.modulation.unsqueeze(1) + e0                       # [B, G, 6, dim]
         m = [m[:, :, i:i + 1] for i in range(6)]                    # each [B, G, 1, dim]

@@ -8,11 +8,46 @@ for each chunk of frames_per_block latent frames:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from .kv_cache import CrossAttnCache, KVCache
 from .rope import check_positions
 from .scheduler import FlowMatchScheduler, Schedule, resolve_schedule
+
+
+PATHS = ("auto", "optimized", "reference")
+_PATH_DEFAULT: contextvars.ContextVar = contextvars.ContextVar("wan_accel_sampler_path", default=None)
+
+
+@contextlib.contextmanager
+def sampler_path(path: str = "auto", options=None):
+    """Within the block, ``sample_causal`` calls that leave ``path='auto'`` use ``path`` and ``options`` (FastOptions
+    or dict): routes callers that do not take these arguments (e.g. the Matrix-Game-2 loop)."""
+    if path not in PATHS:
+        raise ValueError(f"sampler path must be one of {PATHS}, got {path!r}")
+    token = _PATH_DEFAULT.set((path, options))
+    try:
+        yield
+    finally:
+        _PATH_DEFAULT.reset(token)
+
+
+def resolve_path(path: str, device, tracer=None) -> tuple[str, object]:
+    """('optimized' | 'reference', options): 'auto' takes a ``sampler_path`` block's choice, else the optimized
+    path on CUDA (the reference path on other devices, and whenever a tracer records every call)."""
+    if path not in PATHS:
+        raise ValueError(f"sampler path must be one of {PATHS}, got {path!r}")
+    options = None
+    if path == "auto":
+        ctx = _PATH_DEFAULT.get()
+        if ctx is not None:
+            path, options = ctx
+    if path == "auto":
+        path = "optimized" if torch.device(device).type == "cuda" and tracer is None else "reference"
+    return path, options
 
 
 def chunk_plan(num_frames: int, frames_per_block: int, independent_first_frame: bool = False) -> list:
@@ -61,7 +96,8 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
                   generator: torch.Generator | None = None, noise_provider=None, kv_window: int = -1,
                   sink: int = 0, skip_last_refresh: bool = False, callback=None, *, refresh_t: float = 0.0,
                   independent_first_frame: bool = False, tracer=None, on_chunk=None, clip_fea=None, y=None,
-                  kv_cache: KVCache | None = None, model_kwargs: dict | None = None):
+                  kv_cache: KVCache | None = None, model_kwargs: dict | None = None, path: str = "auto",
+                  fast_options=None, report: dict | None = None):
     """Sample latents [B, F, C, H, W] (float32) from initial noise [B, F, C, H, W].
 
     noise may also be just the shape (B, F, C, H, W): each chunk's initial noise is then drawn from the noise
@@ -78,6 +114,9 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     y [B, F, C_y, H, W] (i2v conditioning latents, concatenated on channels) and clip_fea are optional.
     kv_cache: a fresh KVCache to use (e.g. to inspect it afterwards); built from kv_window/sink when None.
     model_kwargs: extra keyword arguments of every forward_chunk call (e.g. ``actions`` for Matrix-Game-2).
+    path: 'reference' (the plain loop over ``forward_chunk``), 'optimized' (``wan.fast_sampler``: static buffers,
+    fused kernels, CUDA graphs, compile; same results within rounding) or 'auto' (see ``resolve_path``).
+    fast_options: FastOptions (or dict) of the optimized path. report: a dict that receives what the run did.
     """
     sched = _as_schedule(schedule)
     shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
@@ -89,8 +128,20 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     frame_tokens = (h // ph) * (w // pw)
     check_positions(0, num_frames, h // ph, w // pw)
     device, dtype = model.device, model.stream_dtype
+    generator = generator if generator is not None or noise_provider is not None else \
+        torch.Generator(device=device).manual_seed(0)
     if noise_provider is None:
-        noise_provider = generator_noise(generator or torch.Generator(device=device).manual_seed(0))
+        noise_provider = generator_noise(generator)
+    chosen, ctx_options = resolve_path(path, device, tracer)
+    if report is not None:
+        report["path"] = chosen
+    if chosen == "optimized":
+        from .fast_sampler import sample_fast
+        return sample_fast(model, context, noise, sched, plan, frame_tokens, (h // ph, w // pw), noise_provider,
+                           generator=generator, kv_window=kv_window, sink=sink, skip_last_refresh=skip_last_refresh,
+                           callback=callback, refresh_t=refresh_t, tracer=tracer, on_chunk=on_chunk,
+                           clip_fea=clip_fea, y=y, kv_cache=kv_cache, model_kwargs=model_kwargs,
+                           options=fast_options if fast_options is not None else ctx_options, report=report)
     kv = kv_cache if kv_cache is not None else KVCache.for_model(model, b, frame_tokens, num_frames,
                                                                    kv_window, sink)
     cross = CrossAttnCache(model.config.num_layers)

@@ -8,6 +8,7 @@ Starts ``main.py --cpu`` on a free loopback port with the pack linked into ``cus
 workflows are served; ``tiny_smoke`` runs through ``/prompt`` and writes its image; every workflow loads in
 headless Chromium with no missing node type (needs Playwright in COMFYUI_VENV and a ``chromium`` on PATH, or
 CHROMIUM). Screenshots go to a temporary folder, or to WAN_ACCEL_SCREENSHOTS when set (e.g. docs/images).
+WAN_ACCEL_PACK_DIR loads another copy of the pack (e.g. an installed one) instead of this checkout.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+PACK_DIR = Path(os.environ.get("WAN_ACCEL_PACK_DIR") or REPO).resolve()  # the pack folder to load (default: here)
 WORKFLOWS = REPO / "workflows"
 PACK_NAME = "comfyui-wan-accel"
 COMFY_DIR = os.environ.get("COMFYUI_DIR")
@@ -66,10 +68,10 @@ def comfy(tmp_path_factory):
     link = comfy_dir / "custom_nodes" / PACK_NAME
     created = False
     if link.is_symlink() or link.exists():
-        if link.resolve() != REPO:
-            pytest.skip(f"{link} exists and is not this checkout; remove it to run the check")
+        if link.resolve() != PACK_DIR:
+            pytest.skip(f"{link} exists and is not {PACK_DIR}; remove it to run the check")
     else:
-        link.symlink_to(REPO, target_is_directory=True)
+        link.symlink_to(PACK_DIR, target_is_directory=True)
         created = True
     work = tmp_path_factory.mktemp("comfy_run")
     for sub in ("output", "input", "temp", "user"):
