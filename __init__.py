@@ -10,4 +10,6 @@ from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
 
 WEB_DIRECTORY = "./web"
 
+from .server_routes import register_routes as _register_routes  # noqa: E402,F401  (web panel routes; no-op outside ComfyUI)
+
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY", "__version__"]

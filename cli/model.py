@@ -33,13 +33,19 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--device", help="cuda / cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--precision", default="self_forcing", choices=["float32", "wan21", "self_forcing"])
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn"])
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn", "fa3", "fa2"],
+                   help="auto: FlashAttention 3, then 2, then SDPA, by what is installed and the GPU supports")
     p.add_argument("--frames-per-block", type=int, default=3)
     p.add_argument("--kv-window", type=int, default=-1, help="rolling KV window in latent frames (-1: global)")
     p.add_argument("--sink", type=int, default=0, help="sink frames kept in a rolling window")
     p.add_argument("--skip-last-refresh", action="store_true", help="skip the final chunk's cache refresh")
     p.add_argument("--num-heads", type=int, help="heads, for checkpoints whose dim is not a multiple of 128")
     p.add_argument("--no-preview", action="store_true")
+    p.add_argument("--sampler", default="auto", choices=["auto", "optimized", "reference"],
+                   help="sampling path: auto (optimized on CUDA, reference elsewhere), optimized, reference")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"], help="CUDA graphs (optimized path)")
+    p.add_argument("--no-fused-kernels", action="store_true", help="plain torch ops instead of the fused kernels")
+    p.add_argument("--compile", action="store_true", help="regional torch.compile of the blocks (optimized path)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     mg2 = p.add_argument_group("matrix-game2 (with --model-kind matrix-game2)")
     mg2.add_argument("--actions", help="action script, e.g. 'W*8, W+D*12, mouse(0,0.1)*4'")
@@ -51,6 +57,7 @@ def _add_generate(subparsers) -> None:
 def _run_job(args, log):
     if args.model_kind == "matrix-game2":
         from ..wan.mg2_job import MG2Options, run_mg2_generate
+        from ..wan.sampler import sampler_path
         from ..wan.job import latent_frames
         fields = dict(out_dir=args.out, checkpoint=args.checkpoint, conditioning=args.conditioning,
                       preset=args.preset, window=args.window, seed=args.seed, device=args.device, dtype=args.dtype,
@@ -58,7 +65,9 @@ def _run_job(args, log):
                       frames=latent_frames(args.frames) if args.frames else None, steps=args.steps,
                       shift=args.shift, num_heads=args.num_heads,
                       skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview)
-        return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log)
+        options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels}
+        with sampler_path(args.sampler, options):
+            return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log)
     from ..wan.job import GenerateOptions, run_generate
     opts = GenerateOptions(
         out_dir=args.out, checkpoint=args.checkpoint, text_embeds=args.text_embeds, frames=args.frames,
@@ -66,7 +75,9 @@ def _run_job(args, log):
         steps=args.steps, shift=args.shift, warp=False if args.no_warp else None, device=args.device,
         dtype=args.dtype, precision=args.precision, attention=args.attention,
         frames_per_block=args.frames_per_block, kv_window=args.kv_window, sink=args.sink,
-        skip_last_refresh=args.skip_last_refresh, num_heads=args.num_heads, preview=not args.no_preview)
+        skip_last_refresh=args.skip_last_refresh, num_heads=args.num_heads, preview=not args.no_preview,
+        sampler=args.sampler, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
+        compile=args.compile)
     return run_generate(opts, log=log)
 
 

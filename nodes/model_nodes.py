@@ -3,6 +3,7 @@ from __future__ import annotations
 
 TINY_NAME = "(built-in tiny model)"   # same string as wan.handle.TINY_NAME (kept here: no heavy import)
 PRESETS = ["self_forcing", "causvid", "custom"]
+SAMPLER_PATHS = ["auto", "optimized", "reference"]
 
 
 def _checkpoint_input():
@@ -56,8 +57,10 @@ class CausalWanModelLoader:
                 "precision": (["self_forcing", "wan21", "float32"], {"default": "self_forcing", "tooltip":
                               "self_forcing: whole model in dtype (as Self-Forcing runs). wan21: time embedding, "
                               "modulation, residual stream and head in float32. float32: everything float32."}),
-                "attention": (["auto", "sdpa", "flash_attn"], {"default": "auto", "tooltip":
-                              "auto: flash-attn when installed and applicable, else torch SDPA."}),
+                "attention": (["auto", "sdpa", "flash_attn", "fa3", "fa2"], {"default": "auto", "tooltip":
+                              "auto: FlashAttention 3 (Hopper), else FlashAttention 2 (compute capability 8.0+), "
+                              "else torch SDPA, by what is installed and what the GPU supports. fa3 / fa2 / sdpa "
+                              "force one (SDPA where the forced one cannot run)."}),
             },
             "optional": {
                 "compile_settings": ("WANACCEL_COMPILE", {"tooltip": "Compile settings, stored for the sampler."}),
@@ -165,21 +168,38 @@ class CausalWanSampler:
                 "shift": ("FLOAT", {"default": 5.0, "min": 0.1, "max": 100.0, "step": 0.1,
                                     "tooltip": "Timestep shift used by preset 'custom'."}),
                 "skip_last_refresh": ("BOOLEAN", {"default": False, "tooltip":
-                                      "Skip the last chunk's cache-refresh pass (its result is unused)."}),
+                                      "Skip the last chunk's cache-refresh pass (its result is unused). The "
+                                      "optimized sampler always skips it."}),
+                "sampler": (SAMPLER_PATHS, {"default": "auto", "tooltip":
+                            "auto: the optimized sampler on CUDA, the reference one elsewhere. optimized: static "
+                            "buffers, fused kernels, CUDA graphs, compile settings. reference: the plain loop "
+                            "(for debugging; same results within rounding)."}),
+                "cuda_graphs": (["auto", "off"], {"default": "auto", "tooltip":
+                                "Optimized sampler: replay each chunk's forward as a CUDA graph (auto: when "
+                                "possible; never with block swap). Turn off to debug."}),
+                "fused_kernels": ("BOOLEAN", {"default": True, "tooltip":
+                                  "Optimized sampler: fused Triton kernels (LayerNorm+modulate, RMSNorm+RoPE, "
+                                  "gated residual) instead of plain torch ops."}),
             },
         }
 
     def sample(self, model, width, height, num_frames, seed, preset, frames_per_block, kv_window, sink,
-               positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False):
-        from ..wan.job import sample_latents
+               positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False,
+               sampler="auto", cuda_graphs="auto", fused_kernels=True):
+        from ..profiling.session import maybe_profile
+        from ..wan.job import sample_latents, sampler_setup
         from ..wan.preview import to_vae_latents
         from ..wan.scheduler import resolve_schedule
         schedule = (resolve_schedule("custom", custom_steps, shift, True) if preset == "custom"
                     else resolve_schedule(preset))
         cfg = model.config
         context = conditioning_to_context(positive, cfg.text_dim, cfg.text_len)
-        latents = sample_latents(model.model, context, width, height, num_frames, seed, schedule,
-                                 frames_per_block, kv_window, sink, skip_last_refresh, callback=_ComfyProgress())
+        options = sampler_setup(model, sampler, cuda_graphs, fused_kernels)
+        report: dict = {}
+        latents = maybe_profile(model, sample_latents, model.model, context, width, height, num_frames, seed,
+                                schedule, frames_per_block, kv_window, sink, skip_last_refresh,
+                                callback=_ComfyProgress(), path=sampler, fast_options=options, report=report)
+        self.last_report = report
         return ({"samples": to_vae_latents(latents).cpu()},)
 
 

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +178,11 @@ def test_registered_handlers_answer_json_and_400(monkeypatch, fake_aiohttp, cach
     r = asyncio.run(post_clear(_Request(b'{"namespace": "memory"}')))
     assert (r.status, r.data) == (200, {"cleared": 1, "namespace": "memory"})
     assert LimitCache(cache_path).entries() == []
+
+
+def test_web_extension_calls_these_routes():
+    # the panel's JavaScript and the server must agree on the paths (the frontend prefixes /api)
+    js = (Path(__file__).resolve().parent.parent / "web" / "wan_accel.js").read_text(encoding="utf-8")
+    assert f'"{sr.ROUTE_LIMITS}"' in js and f'"{sr.ROUTE_CLEAR}"' in js
+    imported = set(re.findall(r'^import .* from "([^"]+)";', js, flags=re.M))
+    assert imported == {"../../scripts/app.js", "../../scripts/api.js"}  # the frontend's public modules only

@@ -1,12 +1,20 @@
-"""`python -m wan_accel bench sampler`: the reference sampler path vs the optimized one, side by side.
+"""`python -m wan_accel bench sampler`: the reference sampler path and the optimized one, side by side.
 
-reference: float32 weights and math, torch SDPA, every cache refresh run (the parity configuration).
-optimized: the load dtype (bf16 on CUDA) with the 'self_forcing' policy, attention 'auto', last refresh skipped.
-Both run the same model source (tiny random model or a checkpoint), sizes and seed; the first run of each
-variant is a warm-up and the median of the following runs is reported.
+One process, the same random weights (or checkpoint) and the same inputs for every variant:
+
+  reference             reference path, float32 weights and math, SDPA, every refresh (the parity configuration)
+  reference-same-dtype  reference path in the run dtype (bf16 on CUDA): isolates the optimized path's own gain
+  optimized             optimized path (wan.fast_sampler): fused q/k/v, fused kernels, CUDA graphs where possible,
+                        lean refreshes, last refresh skipped; run dtype with the 'self_forcing' policy
+  optimized-no-graphs   the same without CUDA graphs
+  optimized-compiled    the same plus regional torch.compile (inductor)
+
+Per variant: first (warm-up) and steady seconds (median of --repeat runs), per-chunk latency, DiT-only video
+FPS, FLOPs and MFU (peak by compute capability; n/a on a CPU), peak memory and speedups.
 """
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -14,75 +22,238 @@ import time
 import torch
 
 VARIANTS = {
-    "reference": {"dtype": "fp32", "precision": "float32", "attention": "sdpa", "skip_last_refresh": False},
-    "optimized": {"dtype": None, "precision": "self_forcing", "attention": "auto", "skip_last_refresh": True},
+    "reference": {"path": "reference", "dtype": "fp32", "precision": "float32", "attention": "sdpa",
+                  "skip_last_refresh": False},
+    "reference-same-dtype": {"path": "reference", "dtype": None, "precision": "self_forcing", "attention": "auto",
+                             "skip_last_refresh": False},
+    "optimized": {"path": "optimized", "dtype": None, "precision": "self_forcing", "attention": "auto",
+                  "skip_last_refresh": True, "options": {}},
+    "optimized-no-graphs": {"path": "optimized", "dtype": None, "precision": "self_forcing", "attention": "auto",
+                            "skip_last_refresh": True, "options": {"cuda_graphs": "off"}},
+    "optimized-compiled": {"path": "optimized", "dtype": None, "precision": "self_forcing", "attention": "auto",
+                           "skip_last_refresh": True, "options": {"compile": {"backend": "inductor"}}},
+}
+SHAPES = {  # model kind -> shape -> (config factory name, video frames, height, width)
+    "wan": {"tiny": (33, 128, 128), "1.3b": (81, 480, 832)},
+    "matrix-game2": {"tiny": (33, 128, 128), "1.3b": (57, 352, 640)},
 }
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--checkpoint", help=".safetensors DiT (default: built-in tiny random model)")
-    parser.add_argument("--frames", type=int, help="video frames (default 33 tiny / 81 checkpoint)")
-    parser.add_argument("--height", type=int, help="pixels (default 128 tiny / 480 checkpoint)")
-    parser.add_argument("--width", type=int, help="pixels (default 128 tiny / 832 checkpoint)")
+    parser.add_argument("--shape", choices=["tiny", "1.3b"], help="random-weight model size (default tiny; "
+                        "ignored with --checkpoint)")
+    parser.add_argument("--model-kind", default="wan", choices=list(SHAPES), help="wan (default) or matrix-game2")
+    parser.add_argument("--checkpoint", help=".safetensors DiT instead of random weights")
+    parser.add_argument("--frames", type=int, help="video frames (default: the shape's)")
+    parser.add_argument("--height", type=int, help="pixels (default: the shape's)")
+    parser.add_argument("--width", type=int, help="pixels (default: the shape's)")
     parser.add_argument("--device", help="cuda / cpu (default: cuda if available)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="run dtype (default bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per variant after one warm-up")
-    parser.add_argument("--variants", default="reference,optimized", help="comma list of: " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", help="comma list of: " + ", ".join(VARIANTS) +
+                        " (default: reference, optimized; plus reference-same-dtype when the run dtype is not fp32)")
+    parser.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s for MFU (default: table by capability)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
 
 
-def _time_variant(name: str, args, device, frames, height, width) -> dict:
-    from .handle import load_model_handle
-    from .job import _peak_memory, _sync, latent_frames, sample_latents
+# ----------------------------------------------------------------------------- models and inputs
+def mg2_config_1_3b():
+    from .config import WAN_1_3B
+    action = {"blocks": list(range(15)), "mouse_dim_in": 2, "keyboard_dim_in": 4, "heads_num": 16,
+              "mouse_hidden_dim": 1024, "keyboard_hidden_dim": 1024, "hidden_size": 128, "img_hidden_size": 1536,
+              "vae_time_compression_ratio": 4, "windows_size": 3, "rope_theta": 256,
+              "mouse_qk_dim_list": [8, 28, 28]}
+    return WAN_1_3B.replace(model_type="i2v", in_dim=36, clip_dim=1280, clip_tokens=257, local_attn_size=6,
+                            extra={"action_config": action})
+
+
+def _base_model(args, kind: str, shape: str):
+    """float32 model on the CPU with deterministic weights (random, or the checkpoint's)."""
+    from .tiny import init_tiny_weights
+    if args.checkpoint:
+        if kind == "matrix-game2":
+            from .mg2_job import load_mg2_handle
+            return load_mg2_handle(args.checkpoint, "fp32", "float32", "auto", "cpu").model
+        from .loader import load_wan_checkpoint
+        return load_wan_checkpoint(args.checkpoint, device="cpu", dtype=torch.float32, precision="float32")
+    if kind == "matrix-game2":
+        from .mg2_model import MatrixGameModel, tiny_mg2_config
+        cfg = tiny_mg2_config() if shape == "tiny" else mg2_config_1_3b()
+        model = MatrixGameModel(cfg)
+    else:
+        from .config import WAN_1_3B
+        from .model import WanModel
+        from .tiny import TINY_CONFIG
+        model = WanModel(TINY_CONFIG if shape == "tiny" else WAN_1_3B)
+    return init_tiny_weights(model, args.seed).eval().requires_grad_(False)
+
+
+class _Models:
+    """Device copies of the base model per (dtype, precision, attention); one at a time on the device."""
+
+    def __init__(self, base, device):
+        self.base, self.device, self.key, self.model = base, device, None, None
+
+    def get(self, dtype: torch.dtype, precision: str, attention: str):
+        key = (dtype, precision, attention)
+        if key != self.key:
+            self.model = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            m = copy.deepcopy(self.base).set_precision(precision, dtype).to(self.device)
+            self.model, self.key = m.set_attention_backend(attention), key
+        return self.model
+
+
+def _inputs(model, kind: str, frames: int, height: int, width: int, seed: int) -> dict:
+    from .job import latent_frames, latent_size
+    gen = torch.Generator().manual_seed(seed + 1)
+    cfg = model.config
+    lf = latent_frames(frames)
+    lh, lw = latent_size(height, width, cfg.patch_size[1:])
+    if kind == "matrix-game2":
+        a = model.action_config
+        video = 1 + 4 * (lf - 1)
+        return {"latent_frames": lf, "lh": lh, "lw": lw,
+                "image": torch.randn(1, 16, 1, lh, lw, generator=gen),
+                "context": torch.randn(1, cfg.clip_tokens, cfg.clip_dim, generator=gen),
+                "mouse": 0.1 * torch.randn(1, video, a.mouse_dim_in, generator=gen) if a.enable_mouse else None,
+                "keyboard": (torch.rand(1, video, a.keyboard_dim_in, generator=gen) > 0.5).float()
+                if a.enable_keyboard else None}
+    return {"latent_frames": lf, "lh": lh, "lw": lw,
+            "context": torch.randn(1, min(cfg.text_len, 16), cfg.text_dim, generator=gen)}
+
+
+def _sample(model, kind, inp, v, seed, on_chunk):
+    from .sampler import generate_latents, sampler_path
+    opts = dict(v.get("options", {}))
+    with sampler_path(v["path"], opts if v["path"] == "optimized" else None):
+        if kind == "matrix-game2":
+            from .mg2 import generate_mg2
+            dev = model.device
+            mouse = None if inp["mouse"] is None else inp["mouse"].to(dev)
+            keyboard = None if inp["keyboard"] is None else inp["keyboard"].to(dev)
+            return generate_mg2(model, inp["image"].to(dev), inp["context"].to(dev), (mouse, keyboard),
+                                num_frames=inp["latent_frames"], seed=seed, on_chunk=on_chunk,
+                                skip_last_refresh=v["skip_last_refresh"])
+        return generate_latents(model, inp["context"], inp["latent_frames"], inp["lh"], inp["lw"], seed=seed,
+                                skip_last_refresh=v["skip_last_refresh"], on_chunk=on_chunk)
+
+
+# ----------------------------------------------------------------------------- timing
+def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, width, peak) -> dict:
+    from . import flops as fl
+    from .handle import parse_dtype
+    from .job import _peak_memory, _sync
     v = VARIANTS[name]
-    dtype = v["dtype"] or ("bf16" if device.type == "cuda" else "fp32")
-    handle = load_model_handle(args.checkpoint, dtype, v["precision"], v["attention"], device)
-    context = torch.zeros(1, 0, handle.config.text_dim)
-    times = []
+    dtype = parse_dtype(v["dtype"] or run_dtype)
+    precision = "float32" if dtype == torch.float32 else v["precision"]
+    device = models.device
+    model = models.get(dtype, precision, v["attention"])
+    inp = _inputs(model, kind, frames, height, width, args.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    times, chunks = [], []
     for _ in range(1 + max(1, args.repeat)):
+        marks = []
         _sync(device)
         t0 = time.perf_counter()
-        sample_latents(handle.model, context, width, height, frames, args.seed,
-                       skip_last_refresh=v["skip_last_refresh"])
+
+        def on_chunk(_ci, _n):
+            _sync(device)
+            marks.append(time.perf_counter())
+
+        _sample(model, kind, inp, v, args.seed, on_chunk)
         _sync(device)
         times.append(time.perf_counter() - t0)
+        chunks.append([b - a for a, b in zip([t0] + marks[:-1], marks)])
     steady = statistics.median(times[1:])
-    lf = latent_frames(frames)
-    row = {"variant": name, "dtype": dtype, "precision": handle.precision, "attention": v["attention"],
-           "first_s": round(times[0], 4), "steady_s": round(steady, 4), "latent_fps": round(lf / steady, 2),
-           "video_fps": round(frames / steady, 2), "peak_memory": _peak_memory(device)}
-    del handle
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+    timed = chunks[1:]
+    per_chunk = [statistics.median(c[i] for c in timed) for i in range(len(timed[0]))]
+    cfg = model.config
+    ph, pw = cfg.patch_size[1:]
+    steps = 3 if kind == "matrix-game2" else 4
+    geo = fl.Geometry(1, inp["latent_frames"], (inp["lh"] // ph) * (inp["lw"] // pw),
+                      kv_window=cfg.local_attn_size if kind == "matrix-game2" else -1)
+    work = fl.run_flops(cfg, geo, steps, optimized=v["path"] == "optimized", skip_last_refresh=v["skip_last_refresh"])
+    util = fl.mfu(work["flops"], steady, peak)
+    return {"variant": name, "path": v["path"], "dtype": str(dtype).replace("torch.", ""), "precision": precision,
+            "attention": v["attention"], "first_s": round(times[0], 4), "steady_s": round(steady, 4),
+            "chunk_ms": [round(1e3 * c, 2) for c in per_chunk],
+            "chunk_ms_mean": round(1e3 * statistics.mean(per_chunk), 2),
+            "video_fps": round(frames / steady, 2), "latent_fps": round(inp["latent_frames"] / steady, 2),
+            "forwards": work["forwards"], "tflop": round(work["flops"] / 1e12, 6),
+            "tflops_per_s": round(work["flops"] / steady / 1e12, 4),
+            "mfu": None if util is None else round(util, 4), "peak_memory": _peak_memory(device)}
+
+
+def _variant_names(args, run_dtype: str) -> list:
+    if args.variants:
+        return [n.strip() for n in args.variants.split(",") if n.strip()]
+    names = ["reference", "optimized"]
+    if run_dtype != "fp32":
+        names.insert(1, "reference-same-dtype")
+    return names
+
+
+def _history(result: dict) -> None:
+    try:
+        from ..profiling import history
+        for r in result["rows"]:
+            history.append(history.make_record(
+                "bench", label=f"sampler/{r['variant']}",
+                settings={k: result[k] for k in ("model", "model_kind", "shape", "frames", "height", "width",
+                                                  "device")} | {"dtype": r["dtype"], "path": r["path"]},
+                timings={"total_s": r["steady_s"], "first_s": r["first_s"], "frames_per_s": r["video_fps"],
+                         "tflops_per_s": r["tflops_per_s"], "mfu": r["mfu"]},
+                peak_memory_bytes=int(r["peak_memory"].get("cuda_max_allocated_mb", 0) * 2 ** 20) or None))
+    except Exception:  # noqa: BLE001 - the history is a bonus, never a failure
+        pass
 
 
 def run(args) -> int:
+    from . import flops as fl
     from .handle import default_device
-    from .job import MODEL_DEFAULTS, TINY_DEFAULTS
     device = torch.device(args.device) if args.device else default_device()
-    d = MODEL_DEFAULTS if args.checkpoint else TINY_DEFAULTS
-    frames, height, width = args.frames or d["frames"], args.height or d["height"], args.width or d["width"]
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    kind = args.model_kind
+    shape = args.shape or "tiny"
+    run_dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    names = _variant_names(args, run_dtype)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         print(f"error: unknown variants {unknown}; choose from {list(VARIANTS)}")
         return 2
-    rows = [_time_variant(n, args, device, frames, height, width) for n in names]
+    if args.checkpoint:
+        d = {"wan": (81, 480, 832), "matrix-game2": (57, 352, 640)}[kind]
+    else:
+        d = SHAPES[kind][shape]
+    frames, height, width = args.frames or d[0], args.height or d[1], args.width or d[2]
+    peak, peak_src = fl.peak_tflops(device, args.peak_tflops)
+    models = _Models(_base_model(args, kind, shape), device)
+    rows = [_time_variant(n, args, models, kind, run_dtype, frames, height, width, peak) for n in names]
+    models.model = None
     base = rows[0]["steady_s"]
+    same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference"}
     for r in rows:
         r["speedup_vs_first"] = round(base / r["steady_s"], 3) if r["steady_s"] else None
-    result = {"device": str(device), "model": args.checkpoint or "tiny", "frames": frames, "height": height,
-              "width": width, "rows": rows}
+        ref = same.get(r["dtype"])
+        r["speedup_vs_reference_same_dtype"] = round(ref / r["steady_s"], 3) if ref and r["steady_s"] else None
+    result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+              else "cpu", "model": args.checkpoint or f"random {shape}", "model_kind": kind, "shape": shape,
+              "frames": frames, "height": height, "width": width, "peak_tflops": peak, "peak_source": peak_src,
+              "torch": torch.__version__, "rows": rows}
+    _history(result)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"sampler bench on {device}, {result['model']}, {frames} frames {width}x{height}")
-    cols = ["variant", "dtype", "precision", "attention", "first_s", "steady_s", "video_fps", "speedup_vs_first"]
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
+    print(f"sampler bench on {result['device_name']} ({device}), {kind} {result['model']}, {frames} frames "
+          f"{width}x{height}; peak {peak if peak else 'n/a'} TFLOP/s ({peak_src})")
+    cols = ["variant", "dtype", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "tflop", "mfu",
+            "speedup_vs_first", "speedup_vs_reference_same_dtype"]
+    table = [[str("n/a" if r[c] is None else r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, widths)))
+    for t in table:
+        print("  ".join(s.ljust(w) for s, w in zip(t, widths)))
     return 0

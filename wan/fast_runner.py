@@ -334,7 +334,7 @@ class Run:
         x = inp["xt"] if inp.get("y") is None else torch.cat([inp["xt"], inp["y"]], dim=2)
         patches = model._patchify(x.transpose(1, 2))
         b, _, f, h, w = patches.shape
-        tokens = patches.flatten(2).transpose(1, 2).to(model.stream_dtype)
+        tokens = patches.flatten(2).transpose(1, 2).to(model.stream_dtype).contiguous()
         if self.actions is not None:
             self.actions.begin(start_frame, f, b, h * w, tokens.device, model.compute_dtype)
         args, e0, rope = self._layer_args(step), inp["e0"], (inp["cos"], inp["sin"])

@@ -52,9 +52,11 @@ def load_text_embeds(path, text_dim: int) -> torch.Tensor:
 
 def sample_latents(model, context, width: int, height: int, num_frames: int, seed: int = 0,
                    schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1, sink: int = 0,
-                   skip_last_refresh: bool = False, callback=None, on_chunk=None, batch: int = 1) -> torch.Tensor:
+                   skip_last_refresh: bool = False, callback=None, on_chunk=None, batch: int = 1,
+                   path: str = "auto", fast_options=None, report: dict | None = None) -> torch.Tensor:
     """Pixel-space request (width, height, video frames) -> model-space latents [B, F, 16, H/8, W/8].
-    Validates the geometry (4k+1 frames, multiples of 16, whole blocks) before any work."""
+    Validates the geometry (4k+1 frames, multiples of 16, whole blocks) before any work.
+    path / fast_options / report: see ``wan.sampler.sample_causal`` (optimized path by default on CUDA)."""
     from .sampler import generate_latents
     lf = latent_frames(num_frames)
     lh, lw = latent_size(height, width, model.config.patch_size[1:])
@@ -66,7 +68,37 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
                          f"{fpb}-frame blocks; use {' or '.join(map(str, video))} video frames")
     return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
                             frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
-                            skip_last_refresh=skip_last_refresh, callback=callback, on_chunk=on_chunk)
+                            skip_last_refresh=skip_last_refresh, callback=callback, on_chunk=on_chunk,
+                            path=path, fast_options=fast_options, report=report)
+
+
+def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_kernels: bool = True,
+                  log=None):
+    """FastOptions for a handle (its compile settings), with its block swap / VRAM plan applied to the model.
+
+    The swap carried by the handle (or its plan's) is (re)applied on CUDA, or removed when the handle has none;
+    a reference run removes a regional compile left by an optimized run (the reference path runs eager)."""
+    from ..memory.block_swap import SwapSettings, ensure_block_swap, handle_swap_settings
+    from .fast_runner import FastOptions
+    from .sampler import PATHS
+    if path not in PATHS:
+        raise ValueError(f"sampler must be one of {PATHS}, got {path!r}")
+    model = handle.model
+    settings = handle_swap_settings(handle)
+    plan = getattr(handle, "plan", None)
+    if settings is None and plan is not None:
+        swap = plan.swap_settings() if hasattr(plan, "swap_settings") else None
+        if swap is None and isinstance(plan, dict) and "blocks_to_swap" in plan:
+            swap = SwapSettings(plan["blocks_to_swap"], plan.get("prefetch", 1), plan.get("offload_embeddings", False))
+        settings = swap
+    if model.device.type == "cuda" or settings is None:
+        ensure_block_swap(model, settings, device=model.device)
+    if path == "reference":
+        from ..compile import uncompile_model
+        if uncompile_model(model) and log is not None:
+            log("reference sampler: removed the regional compile of an earlier optimized run")
+    return FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels),
+                       compile=getattr(handle, "compile_settings", None))
 
 
 @dataclass
@@ -92,6 +124,10 @@ class GenerateOptions:
     skip_last_refresh: bool = False
     num_heads: int | None = None
     preview: bool = True
+    sampler: str = "auto"                # auto (optimized on CUDA) | optimized | reference
+    cuda_graphs: str = "auto"            # auto | off (optimized path)
+    fused_kernels: bool = True           # optimized path
+    compile: bool = False                # regional torch.compile of the blocks (optimized path)
 
 
 def _peak_memory(device: torch.device) -> dict:
@@ -124,8 +160,12 @@ def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
     from .scheduler import resolve_schedule
     device, dtype, frames, height, width = _resolve(opts)
     t0 = time.perf_counter()
+    compile_settings = None
+    if opts.compile:
+        from ..compile import CompileSettings
+        compile_settings = CompileSettings()
     handle = load_model_handle(opts.checkpoint, dtype, opts.precision, opts.attention, device,
-                               num_heads=opts.num_heads)
+                               num_heads=opts.num_heads, compile_settings=compile_settings)
     model, notes = handle.model, []
     if handle.is_tiny:
         log("using the built-in tiny random model (deterministic random weights; output is not a real video)")
@@ -152,13 +192,17 @@ def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
         if progress is not None:
             progress(ci, k, nc, ns)
 
+    from ..profiling.session import maybe_profile
+    fast_options = sampler_setup(handle, opts.sampler, opts.cuda_graphs, opts.fused_kernels, log=log)
+    sampler_report: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     mark[0] = t_start = time.perf_counter()
-    latents = sample_latents(model, context, width, height, frames, opts.seed, schedule,
-                             opts.frames_per_block, opts.kv_window, opts.sink, opts.skip_last_refresh,
-                             callback=on_step, on_chunk=on_chunk)
+    latents = maybe_profile(handle, sample_latents, model, context, width, height, frames, opts.seed, schedule,
+                            opts.frames_per_block, opts.kv_window, opts.sink, opts.skip_last_refresh,
+                            callback=on_step, on_chunk=on_chunk, path=opts.sampler, fast_options=fast_options,
+                            report=sampler_report)
     _sync(device)
     sample_s = time.perf_counter() - t_start
     out = Path(opts.out_dir)
@@ -172,11 +216,40 @@ def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
         "schedule": {"preset": schedule.name, "timesteps": schedule.timesteps, "shift": schedule.shift},
         "latent_shape": list(latents.shape), "load_seconds": load_s, "sample_seconds": sample_s,
         "chunk_seconds": chunk_seconds, "peak_memory": _peak_memory(device), "files": files, "notes": notes,
-        "torch": torch.__version__,
+        "torch": torch.__version__, "sampler": _jsonable(sampler_report),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
+    _append_history(report, frames)
     report["files"]["report"] = str(out / "report.json")
     return report
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
+
+
+def _append_history(report: dict, frames: int) -> None:
+    """One 'generate' record in the metrics history (never fails the job)."""
+    try:
+        from ..profiling import history
+        mem = report["peak_memory"]
+        peak = mem.get("cuda_max_allocated_mb")
+        s = report["settings"]
+        history.append(history.make_record(
+            "generate", label=str(report["model"]),
+            settings={k: s.get(k) for k in ("frames", "height", "width", "preset", "seed", "kv_window", "sampler",
+                                             "cuda_graphs", "fused_kernels", "compile")}
+            | {"device": report["device"], "dtype": report["dtype"], "precision": report["precision"],
+               "path": report["sampler"].get("path")},
+            timings={"total_s": report["sample_seconds"], "load_s": report["load_seconds"],
+                     "frames_per_s": frames / report["sample_seconds"] if report["sample_seconds"] else None},
+            peak_memory_bytes=int(peak * 2 ** 20) if peak else None))
+    except Exception:  # noqa: BLE001 - the history is a bonus
+        pass
 
 
 def _write_outputs(out: Path, latents, opts, to_vae_latents, latents_to_rgb, save_animation) -> dict:

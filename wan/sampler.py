@@ -35,9 +35,11 @@ def sampler_path(path: str = "auto", options=None):
         _PATH_DEFAULT.reset(token)
 
 
-def resolve_path(path: str, device, tracer=None) -> tuple[str, object]:
+def resolve_path(path: str, device, tracer=None, model=None) -> tuple[str, object]:
     """('optimized' | 'reference', options): 'auto' takes a ``sampler_path`` block's choice, else the optimized
-    path on CUDA (the reference path on other devices, and whenever a tracer records every call)."""
+    path on CUDA. 'auto' means the reference path on other devices, when a tracer records every call, and when
+    ``model.forward_chunk`` is replaced on the instance (a whole-model compile, a capture hook): only the
+    reference path calls it."""
     if path not in PATHS:
         raise ValueError(f"sampler path must be one of {PATHS}, got {path!r}")
     options = None
@@ -46,7 +48,8 @@ def resolve_path(path: str, device, tracer=None) -> tuple[str, object]:
         if ctx is not None:
             path, options = ctx
     if path == "auto":
-        path = "optimized" if torch.device(device).type == "cuda" and tracer is None else "reference"
+        patched = model is not None and "forward_chunk" in getattr(model, "__dict__", {})
+        path = "optimized" if torch.device(device).type == "cuda" and tracer is None and not patched else "reference"
     return path, options
 
 
@@ -132,7 +135,7 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
         torch.Generator(device=device).manual_seed(0)
     if noise_provider is None:
         noise_provider = generator_noise(generator)
-    chosen, ctx_options = resolve_path(path, device, tracer)
+    chosen, ctx_options = resolve_path(path, device, tracer, model)
     if report is not None:
         report["path"] = chosen
     if chosen == "optimized":

@@ -118,10 +118,12 @@ function renderNamespace(ns, refresh) {
     },
   }, "Clear");
   if (!ns.count && !ns.other_machines) clear.disabled = true;
-  const box = el("div", { style: STYLE.ns, "data-namespace": ns.name },
+  const box = el("div", { style: STYLE.ns, "data-namespace": ns.name,
+                          "data-total": String(ns.count + ns.other_machines) },
     el("div", { style: STYLE.nsHead },
       el("span", {}, `${ns.name} `, el("span", { style: { fontWeight: "normal", opacity: "0.7" } },
-        `${ns.count} entr${ns.count === 1 ? "y" : "ies"}` + (ns.other_machines ? `, ${ns.other_machines} other machines` : ""))),
+        `${ns.count} entr${ns.count === 1 ? "y" : "ies"}` +
+        (ns.other_machines ? `, ${ns.other_machines} from other machines` : ""))),
       clear));
   if (NS_HINT[ns.name]) box.append(el("div", { style: { opacity: "0.6", marginBottom: "2px" } }, NS_HINT[ns.name]));
   for (const e of ns.entries) {
@@ -149,12 +151,11 @@ function mountPanel(container) {
     }
     const fp = data.fingerprint || {};
     root.replaceChildren(
-      el("div", { style: STYLE.head }, el("b", {}, "Wan Accel limit cache"), reload),
+      el("div", { style: STYLE.head }, el("b", { title: data.path }, "Wan Accel limit cache"), reload),
       el("div", { style: STYLE.machine },
         `${fp.gpu ?? "?"} [${fp.device ?? "?"} ${fp.capability ?? ""}] · torch ${fp.torch ?? "?"} · triton ${fp.triton ?? "?"}`,
         el("br"), el("span", { style: { fontFamily: "monospace" } }, `id ${data.fingerprint_id}`)),
-      ...data.namespaces.map((ns) => renderNamespace(ns, refresh)),
-      el("div", { style: { opacity: "0.5", wordBreak: "break-all" } }, data.path));
+      ...data.namespaces.map((ns) => renderNamespace(ns, refresh)));
   };
   refresh();
   return root;

@@ -123,8 +123,12 @@ def check_workflow(page, path: Path, api_dir: Path | None, known: dict, out_dir:
     return res
 
 
+SAVED_WIDGETS = "() => JSON.parse(JSON.stringify(window.app.graph.serialize().nodes.map(n => [n.id, n.widgets_values])))"
+
+
 def run_queued(page, base: str, timeout: float, out_dir: Path, stem: str) -> dict:
     before = set(get_json(base + "/history"))
+    saved_before = page.evaluate(SAVED_WIDGETS)
     page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
     end = time.time() + timeout
     page.wait_for_timeout(1000)
@@ -141,8 +145,38 @@ def run_queued(page, base: str, timeout: float, out_dir: Path, stem: str) -> dic
         return {"status": "not queued", "screenshot": str(shot)}
     status = new[-1].get("status", {})
     errors = [m[1] for m in status.get("messages", []) if m[0] == "execution_error"]
+    # what a run adds to nodes (text boxes, previews) must not end up in a saved workflow
+    saved_after = page.evaluate(SAVED_WIDGETS)
     return {"status": status.get("status_str"), "outputs": new[-1].get("outputs"), "screenshot": str(shot),
-            "errors": [{k: e.get(k) for k in ("node_id", "node_type", "exception_message")} for e in errors]}
+            "errors": [{k: e.get(k) for k in ("node_id", "node_type", "exception_message")} for e in errors],
+            "saved_widgets_unchanged": saved_before == saved_after,
+            "text_boxes": page.evaluate("() => window.app.graph.nodes.filter(n => (n.widgets || []).some("
+                                        "w => w.name === 'wan_accel_text' && w.value)).map(n => n.id)")}
+
+
+def panel_counts(page) -> dict:
+    return page.eval_on_selector_all(
+        ".wan-accel-panel [data-namespace]",
+        "els => Object.fromEntries(els.map(e => [e.getAttribute('data-namespace'), e.getAttribute('data-total')]))")
+
+
+def clear_from_panel(page, namespace: str, out_dir: Path) -> dict:
+    """Press the namespace's Clear button, screenshot the confirmation and accept it."""
+    box = page.locator(f".wan-accel-panel [data-namespace='{namespace}']")
+    before = panel_counts(page)
+    box.get_by_role("button", name="Clear").click()
+    dialog = page.locator("[role=dialog]").last
+    dialog.wait_for(timeout=10000)
+    res = {"before": before, "dialog": dialog.inner_text()[:300]}
+    shot = out_dir / "panel_clear_confirm.png"
+    page.screenshot(path=str(shot))
+    res["screenshot"] = str(shot)
+    dialog.get_by_role("button", name="Delete").or_(dialog.get_by_role("button", name="Confirm")).first.click()
+    page.wait_for_function(
+        "([ns]) => { const e = document.querySelector(`.wan-accel-panel [data-namespace='${ns}']`);"
+        " return e && e.getAttribute('data-total') === '0'; }", arg=[namespace], timeout=15000)
+    res["after"] = panel_counts(page)
+    return res
 
 
 def open_panel(page, out_dir: Path) -> dict:
@@ -153,8 +187,7 @@ def open_panel(page, out_dir: Path) -> dict:
     else:  # frontends without sidebar tabs get a floating button
         page.get_by_role("button", name="Wan Accel").first.click()
     page.wait_for_selector(".wan-accel-panel [data-namespace]", timeout=15000)
-    res["namespaces"] = page.eval_on_selector_all(".wan-accel-panel [data-namespace]",
-                                                  "els => els.map(e => e.getAttribute('data-namespace'))")
+    res["namespaces"] = list(panel_counts(page))
     shot = out_dir / "panel.png"
     page.screenshot(path=str(shot))
     res["screenshot"] = str(shot)
@@ -169,6 +202,7 @@ def main() -> int:
     ap.add_argument("--out-dir", required=True, help="folder for screenshots")
     ap.add_argument("--queue", help="file stem of the workflow to run through the UI after loading it")
     ap.add_argument("--panel", action="store_true", help="open the pack's sidebar panel and screenshot it")
+    ap.add_argument("--clear", help="with --panel: clear this namespace with the panel's button (confirming)")
     ap.add_argument("--report", help="write the JSON report here")
     ap.add_argument("--timeout", type=float, default=120)
     ap.add_argument("--chromium", default=os.environ.get("CHROMIUM") or shutil.which("chromium") or "chromium")
@@ -201,13 +235,15 @@ def main() -> int:
                     res = check_workflow(page, Path(wf), api_dir, known, out_dir)
                     if args.queue and Path(wf).stem == args.queue:
                         res["run"] = run_queued(page, base, args.timeout, out_dir, Path(wf).stem)
-                        if res["run"]["status"] != "success":
+                        if res["run"]["status"] != "success" or not res["run"].get("saved_widgets_unchanged"):
                             res["problems"].append(f"run: {res['run']}")
                     report["workflows"].append(res)
                     if res["problems"]:
                         status = 1
                 if args.panel:
                     report["panel"] = open_panel(page, out_dir)
+                    if args.clear:
+                        report["panel"]["clear"] = clear_from_panel(page, args.clear, out_dir)
                 if not report["extension_loaded"]:
                     status = 1
             finally:

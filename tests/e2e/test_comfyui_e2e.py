@@ -197,11 +197,17 @@ def test_every_workflow_loads_in_the_browser(comfy, tmp_path):
     why = _browser_ready()
     if why:
         pytest.skip(why)
+    from wan_accel.cache import LimitCache
+
+    # an entry for the panel's Clear button to remove (written by this process: it counts as another machine
+    # unless this Python has the same torch/triton as ComfyUI's)
+    server_cache = LimitCache(comfy["work"] / "wan_accel" / "limits.json")
+    server_cache.put("sampler", "e2e-check", {"note": "written by the end-to-end test"})
     shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
     report_path = tmp_path / "browser.json"
     cmd = [str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
            "--out-dir", str(shots), "--api-dir", str(WORKFLOWS / "api"), "--queue", "tiny_smoke", "--panel",
-           "--report", str(report_path)]
+           "--clear", "sampler", "--report", str(report_path)]
     for wf in sorted(WORKFLOWS.glob("*.json")):
         cmd += ["--workflow", str(wf)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -216,5 +222,13 @@ def test_every_workflow_loads_in_the_browser(comfy, tmp_path):
         assert Path(wf["screenshot"]).stat().st_size > 10_000
     smoke = next(w for w in report["workflows"] if w["workflow"] == "tiny_smoke")
     assert smoke["run"]["status"] == "success", smoke["run"]
+    # the Limit Cache node's text shows on the node after the run (the pack's text display)
+    limit_node = next(n["id"] for n in json.loads((WORKFLOWS / "tiny_smoke.json").read_text())["nodes"]
+                      if n["type"] == "WanAccelLimitCache")
+    assert str(limit_node) in {str(i) for i in smoke["run"]["text_boxes"]}, smoke["run"]
     assert {"operator", "compile", "memory", "sampler"} <= set(report["panel"]["namespaces"])
+    clear = report["panel"]["clear"]
+    assert clear["before"]["sampler"] == "1" and clear["after"]["sampler"] == "0", clear
+    assert "sampler" in clear["dialog"], clear["dialog"]
+    assert LimitCache(comfy["work"] / "wan_accel" / "limits.json").entries("sampler", all_fingerprints=True) == []
     assert out.returncode == 0, out.stdout[-3000:]
