@@ -3,7 +3,13 @@ from __future__ import annotations
 
 TINY_NAME = "(built-in tiny model)"   # same string as wan.handle.TINY_NAME (kept here: no heavy import)
 PRESETS = ["self_forcing", "causvid", "custom"]
-SAMPLER_PATHS = ["auto", "optimized", "reference"]
+SAMPLER_CHOICES = {   # widget value -> (path, cuda_graphs, fused_kernels)
+    "auto": ("auto", "auto", True),
+    "optimized": ("optimized", "auto", True),
+    "optimized, no CUDA graphs": ("optimized", "off", True),
+    "optimized, no fused kernels": ("optimized", "auto", False),
+    "reference": ("reference", "auto", True),
+}
 
 
 def _checkpoint_input():
@@ -170,22 +176,17 @@ class CausalWanSampler:
                 "skip_last_refresh": ("BOOLEAN", {"default": False, "tooltip":
                                       "Skip the last chunk's cache-refresh pass (its result is unused). The "
                                       "optimized sampler always skips it."}),
-                "sampler": (SAMPLER_PATHS, {"default": "auto", "tooltip":
+                "sampler": (list(SAMPLER_CHOICES), {"default": "auto", "tooltip":
                             "auto: the optimized sampler on CUDA, the reference one elsewhere. optimized: static "
-                            "buffers, fused kernels, CUDA graphs, compile settings. reference: the plain loop "
-                            "(for debugging; same results within rounding)."}),
-                "cuda_graphs": (["auto", "off"], {"default": "auto", "tooltip":
-                                "Optimized sampler: replay each chunk's forward as a CUDA graph (auto: when "
-                                "possible; never with block swap). Turn off to debug."}),
-                "fused_kernels": ("BOOLEAN", {"default": True, "tooltip":
-                                  "Optimized sampler: fused Triton kernels (LayerNorm+modulate, RMSNorm+RoPE, "
-                                  "gated residual) instead of plain torch ops."}),
+                            "buffers, fused kernels, CUDA graphs, the loader's compile settings (same results "
+                            "within rounding). The 'no CUDA graphs' / 'no fused kernels' variants switch one part "
+                            "off for debugging. reference: the plain loop."}),
             },
         }
 
     def sample(self, model, width, height, num_frames, seed, preset, frames_per_block, kv_window, sink,
                positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False,
-               sampler="auto", cuda_graphs="auto", fused_kernels=True):
+               sampler="auto"):
         from ..profiling.session import maybe_profile
         from ..wan.job import sample_latents, sampler_setup
         from ..wan.preview import to_vae_latents
@@ -194,11 +195,14 @@ class CausalWanSampler:
                     else resolve_schedule(preset))
         cfg = model.config
         context = conditioning_to_context(positive, cfg.text_dim, cfg.text_len)
-        options = sampler_setup(model, sampler, cuda_graphs, fused_kernels)
+        if sampler not in SAMPLER_CHOICES:
+            raise ValueError(f"sampler must be one of {list(SAMPLER_CHOICES)}, got {sampler!r}")
+        path, graphs, fused = SAMPLER_CHOICES[sampler]
+        options = sampler_setup(model, path, graphs, fused)
         report: dict = {}
         latents = maybe_profile(model, sample_latents, model.model, context, width, height, num_frames, seed,
                                 schedule, frames_per_block, kv_window, sink, skip_last_refresh,
-                                callback=_ComfyProgress(), path=sampler, fast_options=options, report=report)
+                                callback=_ComfyProgress(), path=path, fast_options=options, report=report)
         self.last_report = report
         return ({"samples": to_vae_latents(latents).cpu()},)
 

@@ -114,7 +114,8 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
         if not head_dim_supported(head_dim):
             why.append(f"{name}: head size {head_dim} not supported")
             continue
-        return name, f"{name} ({_MODULES[name]}) for requested '{requested}'"
+        skipped = f" (skipped {'; '.join(why)})" if why else ""
+        return name, f"{name} ({_MODULES[name]}) for requested '{requested}'{skipped}"
     reason = "torch SDPA" + (f" ({'; '.join(why)})" if why else "")
     if requested in ("fa3", "fa2", "flash_attn") and why:
         log.warning("wan_accel: attention '%s' is not usable here, using SDPA: %s", requested, "; ".join(why))

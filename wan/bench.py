@@ -212,6 +212,19 @@ def _history(result: dict) -> None:
         pass
 
 
+def cpu_name() -> str:
+    """The CPU model (from /proc/cpuinfo where available)."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
 def run(args) -> int:
     from . import flops as fl
     from .handle import default_device
@@ -240,7 +253,7 @@ def run(args) -> int:
         ref = same.get(r["dtype"])
         r["speedup_vs_reference_same_dtype"] = round(ref / r["steady_s"], 3) if ref and r["steady_s"] else None
     result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-              else "cpu", "model": args.checkpoint or f"random {shape}", "model_kind": kind, "shape": shape,
+              else cpu_name(), "threads": torch.get_num_threads(), "model": args.checkpoint or f"random {shape}", "model_kind": kind, "shape": shape,
               "frames": frames, "height": height, "width": width, "peak_tflops": peak, "peak_source": peak_src,
               "torch": torch.__version__, "rows": rows}
     _history(result)

@@ -37,7 +37,8 @@ class FastOptions:
 
     attention:         None: the model's own setting (the loader's); else auto | sdpa | flash_attn | fa3 | fa2.
     fused_qkv:         one q/k/v GEMM over a concatenated weight.
-    fused_kernels:     the fused Triton kernels (LayerNorm+modulate, RMSNorm+RoPE, gated residual).
+    fused_kernels:     the fused Triton kernels (LayerNorm+modulate, RMSNorm+RoPE, gated residual) where Triton
+                       runs (CUDA; the CPU under TRITON_INTERPRET=1); plain torch ops elsewhere.
     cuda_graphs:       'auto' (on CUDA, unless block swap, compile-mode graphs or action modules rule it out) | 'off'.
     lean_refresh:      in refresh passes compute only what the cache needs (last block: k/v only; no head).
     skip_last_refresh: skip the final chunk's refresh (its result is never used).
@@ -75,6 +76,18 @@ class FastOptions:
         if isinstance(value, dict):
             return cls(**value)
         raise TypeError(f"fast options must be FastOptions or a dict, got {type(value).__name__}")
+
+
+def graphs_device(device) -> bool:
+    """Whether CUDA graphs exist for this device (CUDA only)."""
+    return torch.device(device).type == "cuda"
+
+
+def kernels_run_on(device) -> bool:
+    """Whether the fused Triton kernels run on this device (CUDA, or the CPU under TRITON_INTERPRET=1). Elsewhere
+    their torch fallbacks would only add work, so the plain block math is used."""
+    from ..kernels import use_triton
+    return use_triton(torch.empty(0, device=device))
 
 
 def get_runner(model) -> "FastRunner":
@@ -186,7 +199,7 @@ class FastRunner:
         """Why CUDA graphs are not used for this run (None: they are)."""
         if options.cuda_graphs == "off":
             return "switched off"
-        if device.type != "cuda":
+        if not graphs_device(device):
             return "not a CUDA device"
         if swapped:
             return "block swap moves weights between calls"
@@ -210,17 +223,18 @@ class FastRunner:
         s.kv.reset()
         return s
 
-    def _attach_graphs(self, sess: _Session, options: FastOptions, device, cache) -> None:
+    def _attach_graphs(self, sess: _Session, options: FastOptions, device, cache, compile_mode) -> None:
+        """Keep the session's graphs while the weights (addresses) and compiled code are those they captured."""
         from ..compile.warm_start import model_signature
-        weights = self._weights_id()
+        identity = (self._weights_id(), compile_mode)
         g = sess.graphs
-        if g is not None and g.enabled and getattr(g, "weights_id", None) == weights:
+        if g is not None and g.enabled and getattr(g, "identity", None) == identity:
             return
         if g is not None:
             g.release()
         sess.graphs = GraphManager(CudaGraphBackend(device), cache=cache, signature=model_signature(self.model),
                                    max_graphs=options.max_graphs)
-        sess.graphs.weights_id = weights
+        sess.graphs.identity = identity
 
     def start(self, options: FastOptions, *, batch: int, num_frames: int, grid_hw, kv_window: int, sink: int,
               kv_cache=None, actions=None, cache=None) -> "Run":
@@ -243,15 +257,16 @@ class FastRunner:
         graph_reason = "the caller passed its own KV cache" if sess.external else \
             self._graphs_reason(options, device, swapped, compile_mode, actions, cache)
         if graph_reason is None:
-            self._attach_graphs(sess, options, device, cache)
+            self._attach_graphs(sess, options, device, cache, compile_mode)
         elif sess.graphs is not None:
             sess.graphs.release()
             sess.graphs = None
-        flags = fast_block.FastFlags(backend, bool(options.fused_kernels), bool(options.fused_qkv))
+        kernels = bool(options.fused_kernels) and kernels_run_on(device)
+        flags = fast_block.FastFlags(backend, kernels, bool(options.fused_qkv))
         self.runs += 1
         return Run(self, options, sess, flags, actions, info={
             "path": "optimized", "attention": backend, "attention_reason": backend_reason,
-            "fused_qkv_blocks": fused, "fused_kernels": bool(options.fused_kernels),
+            "fused_qkv_blocks": fused, "fused_kernels": kernels,
             "compile": compile_mode, "cuda_graphs": graph_reason is None,
             "cuda_graphs_reason": graph_reason or "on", "swapped_blocks": len(swapped), "notes": self.notes})
 
@@ -312,14 +327,15 @@ class Run:
 
     # ------------------------------------------------------------------ forward
     def _layer_args(self, step) -> list:
-        args = self.sess.args.get(step)
+        key = (step, self.flags)
+        args = self.sess.args.get(key)
         if args is None:
             idx = self.sess.write_index(step)
             args = [fast_block.FastArgs(layer.k, layer.v, idx, step.read_len, cross, self.flags)
                     for layer, cross in zip(self.kv.layers, self.cross)]
             if len(self.sess.args) >= 256:
                 self.sess.args.clear()
-            self.sess.args[step] = args
+            self.sess.args[key] = args
         return args
 
     def _lean_last(self) -> bool:
@@ -357,7 +373,7 @@ class Run:
         graphs = self.graphs
         if graphs is None:
             return self._forward(inp, start_frame, step, want_output, lean)
-        key = (kind, want_output, lean, tuple(xt.shape), step)
+        key = (kind, want_output, lean, tuple(xt.shape), step, self.flags)
         return graphs.run(key, inp, lambda static: self._forward(static, start_frame, step, want_output, lean))
 
     # ------------------------------------------------------------------ end
@@ -369,9 +385,12 @@ class Run:
             self.sess.graphs = None
         self.sess.args.clear()
 
-    def finish(self) -> dict:
+    def finish(self, completed: bool = True) -> dict:
+        """End of the run (also after an error or interrupt): ends compile warm-up after a completed run, frees
+        the buffers unless they are kept; returns the run's report."""
         from ..compile.apply import end_warmup
-        end_warmup(self.model)
+        if completed:
+            end_warmup(self.model)
         g = self.sess.graphs
         report = dict(self.info, graphs=g.report() if g is not None else None)
         if not self.options.keep_buffers and not self.sess.external:

@@ -17,15 +17,10 @@ import logging
 import torch
 
 from .fast_runner import FastOptions, get_runner
+from .sampler import _text_batch
 from .scheduler import FlowMatchScheduler
 
 log = logging.getLogger("wan_accel")
-
-
-def _text_batch(context, batch):
-    if isinstance(context, torch.Tensor) and context.dim() == 3 and context.shape[0] == 1 and batch > 1:
-        return context.expand(batch, -1, -1)
-    return context
 
 
 def _no_fit_message(model, exc, shape, frames_per_block) -> str:
@@ -54,11 +49,17 @@ def _oom_enabled(options: FastOptions, device) -> bool:
     return options.oom_retry == "on" or (options.oom_retry == "auto" and torch.device(device).type == "cuda")
 
 
-def _run_chunk_guarded(model, run, chunk_fn, generator, shape, frames_per_block, cache):
-    """chunk_fn() with the OOM reaction: swap more blocks and redo the chunk (same noise)."""
-    from ..compile.warm_start import model_signature
-    from ..memory.block_swap import active_swap, run_with_swap_fallback
+def _limit_key(model, shape) -> str:
+    """The learned-limit key the VRAM plan reads for this model and video size (memory.limits.dit_limit_key)."""
     from ..memory.limits import dit_limit_key
+    from ..memory.weights import weights_from_module
+    b, f, _, h, w = shape
+    return dit_limit_key(weights_from_module(model).signature, w * 8, h * 8, 4 * (f - 1) + 1, batch=b)
+
+
+def _run_chunk_guarded(model, run, chunk_fn, generator, shape, frames_per_block, cache, key):
+    """chunk_fn() with the OOM reaction: swap more blocks and redo the chunk (same noise)."""
+    from ..memory.block_swap import active_swap, run_with_swap_fallback
     from ..memory.oom import NoFitError
     state = generator.get_state() if generator is not None else None
 
@@ -67,8 +68,6 @@ def _run_chunk_guarded(model, run, chunk_fn, generator, shape, frames_per_block,
             generator.set_state(state)
         return chunk_fn()
 
-    b, f, _, h, w = shape
-    key = dit_limit_key(model_signature(model), w * 8, h * 8, 4 * (f - 1) + 1, batch=b)
     swap = active_swap(model)
     settings = getattr(swap, "settings", None) if swap is not None else None
     try:
@@ -98,22 +97,27 @@ def sample_fast(model, context, noise, sched, plan, frame_tokens, grid_hw, noise
                                   sink=sink, kv_cache=kv_cache, actions=actions, cache=cache)
     skip_last = skip_last_refresh or (options.skip_last_refresh and kv_cache is None and tracer is None)
     steps = list(sched.timesteps)
-    guard = _oom_enabled(options, device)
-    with torch.no_grad():
-        text = model.embed_text(_text_batch(context, b)).tensor
-        run.set_prompt(text, model.embed_image(clip_fea))
-        run.embed_timesteps(steps + [float(refresh_t)], b)
-        out = torch.empty(shape, dtype=torch.float32, device=device)
-        for ci, (f0, n) in enumerate(plan):
-            def chunk(ci=ci, f0=f0, n=n):
-                return _chunk(run, sched, steps, noise, noise_provider, shape, ci, f0, n, frame_tokens, len(plan),
-                              dtype, device, y, callback, tracer, refresh_t,
-                              refresh=not (skip_last and ci == len(plan) - 1))
-            x0 = _run_chunk_guarded(model, run, chunk, generator, shape, plan[-1][1], cache) if guard else chunk()
-            out[:, f0:f0 + n] = x0.float()
-            if on_chunk is not None:
-                on_chunk(ci, len(plan))
-    info = run.finish()
+    guard = _limit_key(model, shape) if _oom_enabled(options, device) else None
+    ok = False
+    try:
+        with torch.no_grad():
+            text = model.embed_text(_text_batch(context, b)).tensor
+            run.set_prompt(text, model.embed_image(clip_fea))
+            run.embed_timesteps(steps + [float(refresh_t)], b)
+            out = torch.empty(shape, dtype=torch.float32, device=device)
+            for ci, (f0, n) in enumerate(plan):
+                def chunk(ci=ci, f0=f0, n=n):
+                    return _chunk(run, sched, steps, noise, noise_provider, shape, ci, f0, n, frame_tokens,
+                                  len(plan), dtype, device, y, callback, tracer, refresh_t,
+                                  refresh=not (skip_last and ci == len(plan) - 1))
+                x0 = chunk() if guard is None else _run_chunk_guarded(model, run, chunk, generator, shape,
+                                                                        plan[-1][1], cache, guard)
+                out[:, f0:f0 + n] = x0.float()
+                if on_chunk is not None:
+                    on_chunk(ci, len(plan))
+        ok = True
+    finally:
+        info = run.finish(ok)
     if report is not None:
         report.update(info, skipped_last_refresh=skip_last)
     return out

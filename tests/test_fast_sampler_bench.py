@@ -1,0 +1,126 @@
+"""FLOP count, the sampler benchmark, and the user paths (generate job, CLI, sampler node, profiling)."""
+import argparse
+import json
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from wan_accel.wan import bench, flops
+from wan_accel.wan.sampler import generate_latents
+from wan_accel.wan.tiny import TINY_CONFIG, tiny_causal_model
+
+
+@pytest.mark.parametrize("path,skip", [("reference", False), ("optimized", True)])
+def test_flop_formula_matches_torch_flop_counter(path, skip):
+    model = tiny_causal_model()
+    ctx = torch.zeros(1, 0, TINY_CONFIG.text_dim)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:   # math SDPA: counted bmm
+        generate_latents(model, ctx, 9, 8, 8, seed=0, path=path, skip_last_refresh=skip)
+    est = flops.run_flops(model.config, flops.Geometry(1, 9, 16), 4, optimized=path == "optimized",
+                          skip_last_refresh=skip)
+    assert counter.get_total_flops() == est["flops"]
+    assert est["forwards"] == 3 * 5 - int(skip)
+
+
+def test_peak_table_and_mfu():
+    assert flops.peak_tflops("cpu")[0] is None and flops.mfu(1e12, 1.0, None) is None
+    assert flops.peak_tflops("cpu", 100.0) == (100.0, "given")
+    assert flops.mfu(5e13, 1.0, 100.0) == pytest.approx(0.5)
+    assert flops.PEAK_TFLOPS[(9, 0)] > flops.PEAK_TFLOPS[(8, 0)]
+
+
+def _bench(capsys, *argv):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(list(argv) + ["--json", "--device", "cpu", "--repeat", "1"])) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_tiny_reports_every_metric(capsys, cache_path):
+    from wan_accel.profiling import history
+    out = _bench(capsys, "--shape", "tiny", "--frames", "21", "--height", "32", "--width", "32")
+    assert out["shape"] == "tiny" and out["peak_tflops"] is None and "MFU n/a" in out["peak_source"]
+    ref, opt = out["rows"]
+    assert (ref["variant"], ref["path"], opt["variant"], opt["path"]) == ("reference", "reference", "optimized",
+                                                                          "optimized")
+    for r in (ref, opt):
+        assert len(r["chunk_ms"]) == 2 and r["steady_s"] > 0 and r["video_fps"] > 0 and r["mfu"] is None
+        assert r["speedup_vs_first"] > 0
+    assert opt["forwards"] == ref["forwards"] - 1 and opt["tflop"] < ref["tflop"]
+    est = flops.run_flops(TINY_CONFIG, flops.Geometry(1, 6, 4), 4, optimized=True, skip_last_refresh=True)
+    assert opt["tflop"] == pytest.approx(est["flops"] / 1e12, abs=1e-6)
+    records = history.read(cache_path.parent / history.FILE_NAME, kind="bench")
+    assert {r["label"] for r in records} == {"sampler/reference", "sampler/optimized"}
+
+
+def test_bench_matrix_game2_tiny(capsys):
+    out = _bench(capsys, "--model-kind", "matrix-game2", "--frames", "21", "--height", "32", "--width", "32",
+                 "--variants", "reference,optimized-no-graphs")
+    assert out["model_kind"] == "matrix-game2" and [r["variant"] for r in out["rows"]] == [
+        "reference", "optimized-no-graphs"]
+    assert all(r["steady_s"] > 0 and len(r["chunk_ms"]) == 2 for r in out["rows"])
+
+
+def test_generate_job_uses_the_chosen_path_and_writes_history(tmp_path, cache_path):
+    from wan_accel.profiling import history
+    from wan_accel.wan.job import GenerateOptions, run_generate
+    from safetensors.torch import load_file
+    reports = {}
+    for path in ("reference", "optimized"):
+        reports[path] = run_generate(GenerateOptions(out_dir=str(tmp_path / path), frames=9, height=32, width=32,
+                                                     device="cpu", sampler=path, preview=False), log=lambda *a: None)
+        assert reports[path]["sampler"]["path"] == path
+    assert reports["optimized"]["sampler"]["attention"] == "sdpa"
+    a, b = (load_file(reports[p]["files"]["latents"])["latents"] for p in ("reference", "optimized"))
+    assert (a - b).abs().max().item() <= 1e-5
+    records = history.read(cache_path.parent / history.FILE_NAME, kind="generate")
+    assert [r["settings"]["path"] for r in records] == ["reference", "optimized"]
+    assert all(r["timings"]["total_s"] > 0 for r in records)
+
+
+def test_generate_cli_flags(tmp_path, capsys):
+    from wan_accel.cli import main
+    code = main(["generate", "--out", str(tmp_path), "--frames", "9", "--height", "32", "--width", "32",
+                 "--device", "cpu", "--sampler", "optimized", "--cuda-graphs", "off", "--no-fused-kernels",
+                 "--no-preview", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sampler"]["path"] == "optimized" and report["sampler"]["fused_kernels"] is False
+    assert report["settings"]["cuda_graphs"] == "off"
+
+
+def test_sampler_node_paths_and_profile_request(tmp_path):
+    from wan_accel.nodes.model_nodes import CausalWanModelLoader, CausalWanSampler
+    from wan_accel.profiling.session import ProfileRequest, attach_profile_request
+    (handle,) = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", "auto")
+    node = CausalWanSampler()
+    (ref,) = node.sample(handle, 32, 32, 9, 1, "self_forcing", 3, -1, 0, sampler="reference")
+    assert node.last_report["path"] == "reference"
+    request = ProfileRequest(runs=1, out_dir=tmp_path, history=False)
+    (opt,) = node.sample(attach_profile_request(handle, request), 32, 32, 9, 1, "self_forcing", 3, -1, 0,
+                         sampler="optimized, no fused kernels")
+    assert node.last_report["path"] == "optimized" and node.last_report["fused_kernels"] is False
+    assert (ref["samples"] - opt["samples"]).abs().max().item() <= 1e-5
+    assert request.latest is not None and request.remaining == 0      # the Wan Profile node sees this run
+    assert "reference" in CausalWanSampler.INPUT_TYPES()["optional"]["sampler"][0]
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        node.sample(handle, 32, 32, 9, 1, "self_forcing", 3, -1, 0, sampler="fastest")
+    assert "fa3" in CausalWanModelLoader.INPUT_TYPES()["required"]["attention"][0]
+
+
+def test_sampler_setup_honours_compile_settings_and_reference_uncompiles():
+    from wan_accel.compile import CompileSettings, compile_model
+    from wan_accel.compile.apply import compile_handle
+    from wan_accel.wan.handle import load_model_handle
+    from wan_accel.wan.job import sampler_setup
+    settings = CompileSettings(backend="eager", warm_start=False)
+    handle = load_model_handle(None, "fp32", device="cpu", compile_settings=settings)
+    opts = sampler_setup(handle, "optimized", "off", False)
+    assert opts.compile == settings and opts.cuda_graphs == "off" and opts.fused_kernels is False
+    compile_model(handle.model, settings)
+    sampler_setup(handle, "reference")
+    assert compile_handle(handle.model) is None              # the reference path runs eager
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        sampler_setup(handle, "fastest")

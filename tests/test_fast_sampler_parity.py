@@ -1,0 +1,170 @@
+"""The optimized sampler path against the reference path on the fixture configurations.
+
+float32: every switch combination matches the reference (and the recorded fixture) to 1e-4.
+bf16 (CPU): the optimized path's error against the float32 reference is that of bf16 itself: no larger than the
+reference path's own bf16 error (see docs/sampler.md for why 1e-2 / 1e-3 is below bf16 resolution here).
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from wan_accel.wan.config import WanConfig
+from wan_accel.wan.kv_cache import KVCache
+from wan_accel.wan.loader import load_wan_checkpoint
+from wan_accel.wan.reference import _load_io, _schedule_from
+from wan_accel.wan.sampler import generate_latents, sample_causal, sampler_path
+from wan_accel.wan.tiny import TINY_CONFIG, tiny_causal_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+WAN = FIXTURES / "wan_reference"
+MG2 = FIXTURES / "matrix_game2"
+
+
+@pytest.fixture(scope="module")
+def fixture():
+    cfg = json.loads((WAN / "causal_config.json").read_text())
+    return cfg, _load_io(WAN, cfg), _schedule_from(cfg)
+
+
+def _model(cfg, dtype=torch.float32, precision="float32"):
+    return load_wan_checkpoint(WAN / cfg["weights_file"], dtype=dtype, precision=precision,
+                               config=WanConfig.from_dict(cfg["config"]), attention="sdpa")
+
+
+def _run(model, io, sched, path, **kw):
+    def provide(ci, k, shape, dtype, dev):
+        return io[f"extra_noise.block{ci}.step{k}"].reshape(shape).to(dev, dtype)
+    report = {}
+    out = sample_causal(model, io["context"], io["initial_noise"], sched, 3, noise_provider=provide, path=path,
+                        report=report, **kw)
+    return out, report
+
+
+@pytest.fixture(scope="module")
+def fp32_model(fixture):
+    return _model(fixture[0])
+
+
+@pytest.fixture(scope="module")
+def reference_fp32(fixture, fp32_model):
+    _cfg, io, sched = fixture
+    out, report = _run(fp32_model, io, sched, "reference")
+    assert report["path"] == "reference"
+    assert (out - io["output"]).abs().max() < 1e-4
+    return out
+
+
+@pytest.mark.parametrize("fused_kernels,fused_qkv,lean_refresh", [(True, True, True), (False, False, False),
+                                                                  (True, False, True), (False, True, False)])
+def test_fp32_matches_reference_and_fixture(fixture, fp32_model, reference_fp32, fused_kernels, fused_qkv,
+                                            lean_refresh):
+    _cfg, io, sched = fixture
+    opts = dict(fused_kernels=fused_kernels, fused_qkv=fused_qkv, lean_refresh=lean_refresh)
+    out, report = _run(fp32_model, io, sched, "optimized", fast_options=opts)
+    assert report["path"] == "optimized" and report["skipped_last_refresh"]
+    assert report["fused_qkv_blocks"] == (2 if fused_qkv else 0)
+    assert (out - reference_fp32).abs().max().item() <= 1e-4
+    assert (out - io["output"]).abs().max().item() <= 1e-4
+
+
+def test_fp32_cache_after_full_run_matches_reference(fixture, fp32_model):
+    """With every refresh run (the caller passes the cache), the final KV cache equals the reference's."""
+    cfg, io, sched = fixture
+    caches = {}
+    for path in ("reference", "optimized"):
+        kv = KVCache.for_model(fp32_model, 1, cfg["frame_seq_length"], 6)
+        _run(fp32_model, io, sched, path, kv_cache=kv)
+        caches[path] = kv
+    for i in range(len(caches["reference"].layers)):
+        for a, b in zip(caches["reference"].ordered(i), caches["optimized"].ordered(i)):
+            assert (a - b).abs().max().item() <= 1e-4
+        ref_k = io[f"kv_final.layer{i}.k"]
+        assert (caches["optimized"].ordered(i)[0] - ref_k[:, :144]).abs().max().item() <= 1e-4
+
+
+def test_fp32_tracer_sees_every_call(fixture, fp32_model):
+    _cfg, io, sched = fixture
+    records = []
+    _run(fp32_model, io, sched, "optimized", tracer=records.append)
+    assert [(r["chunk"], r["kind"]) for r in records] == [(c, k) for c in range(2)
+                                                          for k in ["denoise"] * 4 + ["context"]]
+    for rec in records:
+        name = f"block{rec['chunk']}." + ("context" if rec["kind"] == "context" else f"step{rec['step']}")
+        assert (rec["x0"] - io[f"{name}.x0"]).abs().max().item() <= 1e-4
+
+
+def _chunk_errors(out, ref):
+    return [((out[:, s:s + 3] - ref[:, s:s + 3]).abs().max().item(),
+             (out[:, s:s + 3] - ref[:, s:s + 3]).abs().mean().item()) for s in range(0, out.shape[1], 3)]
+
+
+@pytest.mark.parametrize("precision,max_tol,mean_tol", [("self_forcing", 6e-2, 1e-2), ("wan21", 3e-2, 5e-3)])
+def test_bf16_on_cpu_within_bf16_error_of_fp32_reference(fixture, reference_fp32, precision, max_tol, mean_tol):
+    _cfg, io, sched = fixture
+    model = _model(fixture[0], torch.bfloat16, precision)
+    opt, _ = _run(model, io, sched, "optimized")
+    ref_bf16, _ = _run(model, io, sched, "reference")
+    for (om, oa), (rm, ra) in zip(_chunk_errors(opt, reference_fp32), _chunk_errors(ref_bf16, reference_fp32)):
+        assert om <= max_tol and oa <= mean_tol, (om, oa)
+        assert om <= 1.25 * rm + 2e-3 and oa <= 1.25 * ra + 2e-4, ((om, oa), (rm, ra))
+
+
+@pytest.mark.parametrize("window,sink", [(6, 3), (5, 1)])     # (5, 1): chunk writes wrap around the ring
+def test_rolling_window_with_sink_and_batch_matches_reference(window, sink):
+    model = tiny_causal_model()
+    ctx = torch.randn(2, 5, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(1))
+    kw = dict(kv_window=window, sink=sink, batch=2, seed=4)
+    ref = generate_latents(model, ctx, 15, 4, 6, path="reference", **kw)
+    opt = generate_latents(model, ctx, 15, 4, 6, path="optimized", **kw)
+    assert (opt - ref).abs().max().item() <= 1e-4
+    again = generate_latents(model, ctx, 15, 4, 6, path="optimized", **kw)   # reused static session
+    assert torch.equal(again, opt)
+
+
+def test_i2v_image_branch_and_independent_first_frame():
+    cfg = TINY_CONFIG.replace(model_type="i2v", in_dim=20, clip_dim=24, clip_tokens=5)
+    model = tiny_causal_model(config=cfg)
+    g = torch.Generator().manual_seed(2)
+    ctx, clip = torch.randn(1, 4, cfg.text_dim, generator=g), torch.randn(1, 5, 24, generator=g)
+    y = torch.randn(1, 7, 4, 4, 6, generator=g)
+    noise = torch.randn(1, 7, 16, 4, 6, generator=g)
+    outs = [sample_causal(model, ctx, noise, "self_forcing", 3, clip_fea=clip, y=y, independent_first_frame=True,
+                          generator=torch.Generator().manual_seed(0), path=p) for p in ("reference", "optimized")]
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
+
+
+def test_matrix_game2_fixture_through_the_optimized_path():
+    from wan_accel.wan import mg2_reference
+    cfg = json.loads((MG2 / "mg2_config.json").read_text())
+    with sampler_path("optimized"):
+        rows = mg2_reference.run(MG2, cfg)
+    worst = max(rows, key=lambda r: r[1])
+    assert worst[1] <= 1e-4, worst
+
+
+def test_matrix_game2_lean_refresh_keeps_every_cache():
+    """No tracer: refreshes run lean; output and self/mouse/keyboard caches equal the reference run's."""
+    from wan_accel.wan.mg2 import sample_mg2
+    from wan_accel.wan.mg2_model import tiny_mg2_model
+    model = tiny_mg2_model()
+    g = torch.Generator().manual_seed(5)
+    noise, cond = torch.randn(1, 16, 9, 4, 4, generator=g), torch.randn(1, 20, 9, 4, 4, generator=g)
+    ctx = torch.randn(1, 9, 32, generator=g)
+    mouse, keyboard = 0.1 * torch.randn(1, 33, 2, generator=g), (torch.rand(1, 33, 4, generator=g) > 0.5).float()
+    results = {}
+    for path in ("reference", "optimized"):
+        kv = KVCache.for_model(model, 1, 4, 9, 6, 0)
+        actions = model.new_action_call(mouse, keyboard, 6)
+        with sampler_path(path):
+            out = sample_mg2(model, noise, cond, ctx, mouse, keyboard, "universal", 6, kv_cache=kv, actions=actions,
+                             generator=torch.Generator().manual_seed(3))
+        results[path] = (out, kv, actions)
+    (ro, rkv, ra), (oo, okv, oa) = results["reference"], results["optimized"]
+    assert (ro - oo).abs().max().item() <= 1e-4
+    for i in range(len(rkv.layers)):
+        assert (rkv.layers[i].k - okv.layers[i].k).abs().max().item() <= 1e-4
+    for cache in ("mouse_cache", "keyboard_cache"):
+        for a, b in zip(getattr(ra, cache).layers, getattr(oa, cache).layers):
+            assert (a.k - b.k).abs().max().item() <= 1e-4 and (a.v - b.v).abs().max().item() <= 1e-4
