@@ -114,3 +114,21 @@ def test_limit_cache_node_needs_confirmation(tmp_path, monkeypatch):
     assert "k" in out["ui"]["text"][0]
     out = node.run(namespace="memory", action="clear", confirm_clear=True)
     assert "Cleared 1" in out["result"][0] and LimitCache().get("memory", "k") is None
+
+
+def test_readme_commands_and_ci_agree():
+    readme = (REPO / "README.md").read_text()
+    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```sh\n")[1:3]]
+    setup_and_run, tests = blocks
+    assert "python -m wan_accel generate" in setup_and_run and "python -m pytest" in tests
+    ci = (REPO / ".ci" / "run").read_text()
+    assert tests in ci.splitlines(), ".ci/run must run exactly the README's test command"
+
+
+def test_readme_generated_sections_are_current():
+    from wan_accel.compile import render_presets_table
+    from wan_accel.nodes.reference import render_node_reference
+
+    readme = (REPO / "README.md").read_text()
+    assert render_node_reference() in readme, "regenerate with: python -m wan_accel nodes --markdown"
+    assert render_presets_table().strip() in readme, "the presets table changed: update README.md"
