@@ -29,6 +29,7 @@ from .rope import MAX_POSITIONS, _axis_angles, axis_pairs
 log = logging.getLogger("wan_accel")
 RUNNER_ATTR = "_wan_accel_fast"
 CUDA_GRAPH_MODES = ("auto", "off")
+LATENT_DTYPES = ("float32", "stream")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class FastOptions:
     keep_buffers:      keep the static KV cache and graphs after a run (fast repeats; holds their memory).
     oom_retry:         'auto' (CUDA) | 'on' | 'off': on out-of-memory in a chunk, swap more blocks and redo it.
     max_graphs:        most graphs kept per session (beyond it, calls run eagerly).
+    latent_dtype:      'float32': the sampler's latent state (xt, x0, flow->x0, re-noising) is kept in at least
+                       float32 whatever the model dtype (elementwise work on latents only) | 'stream': in the
+                       model's stream dtype, as the reference path and the original pipelines (bf16 under the
+                       'self_forcing' policy).
     """
     attention: str | None = None
     fused_qkv: bool = True
@@ -57,12 +62,21 @@ class FastOptions:
     keep_buffers: bool = True
     oom_retry: str = "auto"
     max_graphs: int = 64
+    latent_dtype: str = "float32"
 
     def __post_init__(self):
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
         if self.oom_retry not in ("auto", "on", "off"):
             raise ValueError(f"oom_retry must be 'auto', 'on' or 'off', got {self.oom_retry!r}")
+        if self.latent_dtype not in LATENT_DTYPES:
+            raise ValueError(f"latent_dtype must be one of {LATENT_DTYPES}, got {self.latent_dtype!r}")
+
+    def latent_dtype_for(self, model) -> torch.dtype:
+        """dtype of the sampler's latent state for ``model`` (float64 models keep float64)."""
+        if self.latent_dtype == "stream":
+            return model.stream_dtype
+        return torch.promote_types(model.stream_dtype, torch.float32)
 
     def replace(self, **changes) -> "FastOptions":
         return dataclasses.replace(self, **changes)
@@ -373,7 +387,7 @@ class Run:
         graphs = self.graphs
         if graphs is None:
             return self._forward(inp, start_frame, step, want_output, lean)
-        key = (kind, want_output, lean, tuple(xt.shape), step, self.flags)
+        key = (kind, want_output, lean, tuple(xt.shape), xt.dtype, step, self.flags)
         return graphs.run(key, inp, lambda static: self._forward(static, start_frame, step, want_output, lean))
 
     # ------------------------------------------------------------------ end

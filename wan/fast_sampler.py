@@ -85,7 +85,7 @@ def sample_fast(model, context, noise, sched, plan, frame_tokens, grid_hw, noise
     options = FastOptions.coerce(options)
     shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
     b, num_frames = shape[:2]
-    device, dtype = model.device, model.stream_dtype
+    device, dtype = model.device, options.latent_dtype_for(model)     # latent state (xt, x0)
     extra = dict(model_kwargs or {})
     actions = extra.pop("actions", None)
     if extra:
