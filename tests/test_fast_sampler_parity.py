@@ -124,7 +124,7 @@ def test_bf16_latent_state_float32_by_default(fixture, reference_fp32):
                      callback=lambda ci, k, nc, ns, x0: seen.setdefault("stream", x0.dtype))
     ref_bf16, _ = _run(model, io, sched, "reference")
     assert seen == {"f32": torch.float32, "stream": torch.bfloat16}
-    assert (stream - ref_bf16).abs().max().item() <= 1e-2      # same state dtype as the reference loop
+    assert (stream - ref_bf16).abs().max().item() <= 1e-3      # same state dtype as the reference loop
     for (fm, fa), (sm, sa) in zip(_chunk_errors(opt, reference_fp32), _chunk_errors(stream, reference_fp32)):
         assert fa < sa and fm <= sm + 2e-3, ((fm, fa), (sm, sa))
     with pytest.raises(ValueError, match="latent_dtype"):

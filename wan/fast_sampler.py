@@ -3,7 +3,8 @@
 Same algorithm, schedule, noise order and outputs as the reference loop in ``wan.sampler`` (to rounding), run
 through ``fast_runner.Run``: precomputed prompt and timestep inputs, one KV write plan per chunk (host ints),
 CUDA graphs where possible, lean refresh passes and an optional skip of the final refresh. No host syncs in the
-loop: sigmas are host floats, noise comes from device generators.
+loop: sigmas are host floats, noise comes from device generators. The latent state (xt, x0) is float32 by default
+whatever the model dtype (``FastOptions.latent_dtype``); only the model's input and output are in its dtypes.
 
 On CUDA an out-of-memory error inside a chunk swaps more blocks to the host (memory/block_swap.py) and redoes the
 chunk (generator state restored, so the result does not change); the resident block count that worked is

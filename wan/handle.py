@@ -61,7 +61,27 @@ def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", a
         model = tiny_causal_model(seed, device, torch_dtype, precision).set_attention_backend(attention)
         source = TINY_NAME
     else:
-        model = load_wan_checkpoint(checkpoint, device=device, dtype=torch_dtype, precision=precision,
-                                    num_heads=num_heads, attention=attention)
+        swap = _planned_swap(plan) if device.type == "cuda" else None
+        # A plan that swaps blocks: load on the CPU and move only the resident part to the GPU, so a model larger
+        # than the free VRAM never has to fit there whole.
+        model = load_wan_checkpoint(checkpoint, device="cpu" if swap else device, dtype=torch_dtype,
+                                    precision=precision, num_heads=num_heads, attention=attention)
+        if swap:
+            from ..memory.block_swap import apply_block_swap
+
+            apply_block_swap(model, swap, device=device)
         source = str(checkpoint)
     return ModelHandle(model, source, torch_dtype, precision, attention, compile_settings, plan)
+
+
+def _planned_swap(plan):
+    """The block-swap settings a VRAM plan asks for, or None when it keeps every block resident."""
+    if plan is None:
+        return None
+    swap = plan.swap_settings() if hasattr(plan, "swap_settings") else None
+    if swap is None and isinstance(plan, dict) and plan.get("blocks_to_swap"):
+        from ..memory.block_swap import SwapSettings
+
+        swap = SwapSettings(int(plan["blocks_to_swap"]), int(plan.get("prefetch", 1)),
+                            bool(plan.get("offload_embeddings", False)))
+    return swap if swap is not None and swap.blocks_to_swap > 0 else None

@@ -78,7 +78,8 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
 
     The swap carried by the handle (or its plan's) is (re)applied on CUDA, or removed when the handle has none;
     a reference run removes a regional compile left by an optimized run (the reference path runs eager)."""
-    from ..memory.block_swap import SwapSettings, ensure_block_swap, handle_swap_settings
+    from ..memory.block_swap import ensure_block_swap, handle_swap_settings
+    from .handle import _planned_swap
     from .fast_runner import FastOptions
     from .sampler import PATHS
     if path not in PATHS:
@@ -87,10 +88,7 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
     settings = handle_swap_settings(handle)
     plan = getattr(handle, "plan", None)
     if settings is None and plan is not None:
-        swap = plan.swap_settings() if hasattr(plan, "swap_settings") else None
-        if swap is None and isinstance(plan, dict) and "blocks_to_swap" in plan:
-            swap = SwapSettings(plan["blocks_to_swap"], plan.get("prefetch", 1), plan.get("offload_embeddings", False))
-        settings = swap
+        settings = _planned_swap(plan)
     if model.device.type == "cuda" or settings is None:
         ensure_block_swap(model, settings, device=model.device)
     if path == "reference":

@@ -1,0 +1,21 @@
+"""A VRAM plan that swaps blocks decides how the loader places the model."""
+from wan_accel.memory.block_swap import SwapSettings
+from wan_accel.memory.plan import Workload, make_plan
+from wan_accel.memory.system import SystemInfo
+from wan_accel.memory.weights import preset_weights
+from wan_accel.wan.handle import _planned_swap
+
+
+def test_planned_swap_from_dicts():
+    assert _planned_swap(None) is None
+    assert _planned_swap({"blocks_to_swap": 0}) is None
+    s = _planned_swap({"blocks_to_swap": 12, "prefetch": 2})
+    assert isinstance(s, SwapSettings) and s.blocks_to_swap == 12 and s.prefetch == 2
+
+
+def test_planned_swap_follows_a_real_plan():
+    workload = Workload(width=832, height=480, frames=81)
+    small = make_plan(preset_weights("14b"), workload, SystemInfo.simulated_gpu(24), use_learned=False)
+    big = make_plan(preset_weights("1.3b"), workload, SystemInfo.simulated_gpu(80), use_learned=False)
+    assert small.blocks_to_swap > 0 and _planned_swap(small).blocks_to_swap == small.blocks_to_swap
+    assert big.blocks_to_swap == 0 and _planned_swap(big) is None
