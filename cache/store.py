@@ -292,6 +292,15 @@ class LimitCache:
         except OSError:
             pass
 
+    def _remove_orphaned_temps(self) -> None:
+        """Temporary files are only created under the lock, so any found while holding it belong to a writer
+        that died mid-write (SIGKILL, power loss): remove them."""
+        for tmp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+
     def _apply_pending_hits(self, data: dict) -> None:
         for (ns, fid, key), (count, last) in self._pending_hits.items():
             entry = data["namespaces"].get(ns, {}).get(fid, {}).get(key)
@@ -327,6 +336,7 @@ class LimitCache:
         with self._thread_lock:
             try:
                 with self._file_lock:
+                    self._remove_orphaned_temps()
                     data = self._load_locked()
                     result = change(data)
                     self._apply_pending_hits(data)
