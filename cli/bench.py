@@ -1,6 +1,11 @@
-"""``python -m wan_accel bench <what>``: benchmarks print a table and ratios measured side by side."""
+"""``python -m wan_accel bench <what>``: benchmarks print a table and ratios measured side by side.
+
+Bench modules (and with them torch and triton) are imported only when a benchmark is asked for, so the other
+commands start fast.
+"""
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 
@@ -13,17 +18,18 @@ BENCHES = {
 }
 
 
+def _run(args) -> int:
+    module, help_text = BENCHES[args.what]
+    mod = importlib.import_module(importlib.util.resolve_name(module, __package__))
+    parser = argparse.ArgumentParser(prog=f"python -m wan_accel bench {args.what}", description=help_text)
+    mod.add_arguments(parser)
+    return int(mod.run(parser.parse_args(args.bench_args)) or 0)
+
+
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (tables and ratios)")
-    bsub = p.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
-    for name, (module, help_text) in BENCHES.items():
-        full = importlib.util.resolve_name(module, __package__)
-        try:
-            mod = importlib.import_module(full)
-        except ModuleNotFoundError as exc:
-            if exc.name and (full == exc.name or full.startswith(exc.name + ".")):
-                continue  # that area is not part of this build
-            raise
-        b = bsub.add_parser(name, help=help_text)
-        mod.add_arguments(b)
-        b.set_defaults(func=mod.run)
+    p = sub.add_parser("bench", help="benchmarks (tables and ratios)",
+                       description="Benchmarks: " + "; ".join(f"{k}: {v}" for k, (_, v) in BENCHES.items())
+                       + ". Options of one benchmark: python -m wan_accel bench WHAT --help")
+    p.add_argument("what", choices=sorted(BENCHES), help="which benchmark")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (see WHAT --help)")
+    p.set_defaults(func=_run)
