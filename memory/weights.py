@@ -249,7 +249,13 @@ _TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64
 def weights_from_module(module, config: dict | None = None) -> ModelWeights:
     """Table of a live model (parameters and persistent buffers), exact bytes; needs ``module.blocks``."""
     tensors = {}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+    persistent = [(f"{prefix}.{n}" if prefix else n, b)
+                  for prefix, mod in module.named_modules()
+                  for n, b in mod._buffers.items()
+                  if b is not None and n not in mod._non_persistent_buffers_set]
+    # Non-persistent buffers (for example a fused q/k/v weight whose views are the q/k/v parameters) hold no
+    # bytes of their own in a checkpoint and would be counted twice.
+    for name, t in list(module.named_parameters()) + persistent:
         dt = _TORCH_TO_ST.get(str(t.dtype).replace("torch.", ""), "U8")
         tensors[name] = TensorInfo(name, dt, tuple(t.shape), t.numel() * t.element_size())
     cfg = dict(config or {})

@@ -132,3 +132,26 @@ def test_live_module_table_is_exact():
     w = weights_from_module(m)
     assert w.num_layers == 3 and w.block_bytes == [(60 + 10) * 4 + 10 * 2] * 3
     assert w.other_bytes == sum(p.numel() * 4 for p in m.patch_embedding.parameters())
+
+
+def test_module_table_skips_non_persistent_buffers():
+    import torch
+    from torch import nn
+
+    from wan_accel.memory.weights import weights_from_module
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(8, 8, bias=False)
+            self.register_buffer("fused", torch.zeros(24, 8), persistent=False)  # an alias-style cache
+            self.register_buffer("scale", torch.ones(8))  # persistent: counted
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+    table = weights_from_module(Model())
+    names = set(table.tensors)
+    assert "blocks.0.scale" in names and "blocks.0.fused" not in names
