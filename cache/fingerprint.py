@@ -22,7 +22,8 @@ def _package_version(name: str) -> str:
         return "none"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU model (from /proc/cpuinfo where available)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
             for line in fh:
@@ -66,7 +67,7 @@ def _compute(device_index: int | None) -> tuple:
     else:
         info = {
             "device": "cpu",
-            "gpu": _cpu_name(),
+            "gpu": cpu_name(),
             "capability": platform.machine(),
             "total_memory": 0,
             "driver": "none",

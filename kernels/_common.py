@@ -256,3 +256,10 @@ def register_op(name: str, impl: Callable, fake: Callable):
             return getattr(torch.ops.wan_accel, name)
         except Exception:  # noqa: BLE001
             return None
+
+
+# Candidate tiles of the row kernels (LayerNorm+modulate, RMSNorm+RoPE): YBLOCK rows per program, RBLOCK
+# channels per step, warps. The compile preset's caps remove the larger ones.
+ROW_CANDIDATES = tuple({"YBLOCK": y, "RBLOCK": r, "num_warps": w} for y, r, w in (
+    (1, 64, 2), (2, 64, 2), (4, 64, 4), (8, 64, 4), (8, 64, 8),
+    (1, 128, 4), (4, 128, 4), (8, 128, 8), (16, 128, 8), (16, 128, 16)))

@@ -16,9 +16,7 @@ except Exception:  # noqa: BLE001 - no triton: only the torch path exists
 NAME = "rmsnorm_rope"
 
 # YBLOCK rows per program, RBLOCK channels per step (RBLOCK/2 rotation pairs). Capped by the compile preset.
-CANDIDATES = tuple({"YBLOCK": y, "RBLOCK": r, "num_warps": w} for y, r, w in (
-    (1, 64, 2), (2, 64, 2), (4, 64, 4), (8, 64, 4), (8, 64, 8),
-    (1, 128, 4), (4, 128, 4), (8, 128, 8), (16, 128, 8), (16, 128, 16)))
+CANDIDATES = _common.ROW_CANDIDATES
 
 
 def _check(x, weight, cos, sin, num_heads):

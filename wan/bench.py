@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from ..cache.fingerprint import cpu_name
+
 VARIANTS = {
     "reference": {"path": "reference", "dtype": "fp32", "precision": "float32", "attention": "sdpa",
                   "skip_last_refresh": False},
@@ -210,19 +212,6 @@ def _history(result: dict) -> None:
                 peak_memory_bytes=int(r["peak_memory"].get("cuda_max_allocated_mb", 0) * 2 ** 20) or None))
     except Exception:  # noqa: BLE001 - the history is a bonus, never a failure
         pass
-
-
-def cpu_name() -> str:
-    """The CPU model (from /proc/cpuinfo where available)."""
-    import platform
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def run(args) -> int:
