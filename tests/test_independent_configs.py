@@ -174,6 +174,9 @@ def test_causal_sampler_matches_independent_float64(case, tmp_path):
             assert _maxdiff(r[name], ref) <= TOL, (case, ci, k, name, _maxdiff(r[name], ref))
     assert ref_out.abs().max() > 0.1
     assert _maxdiff(out, ref_out) <= TOL, (case, _maxdiff(out, ref_out))
+    fast = sample_causal(model, context, noise, sched, fpb, kv_window=window, sink=sink, path="optimized",
+                         noise_provider=lambda ci, k, shape, dtype, dev: eps[(ci, k)].reshape(shape).to(dev, dtype))
+    assert _maxdiff(fast, ref_out) <= TOL, (case, "optimized path", _maxdiff(fast, ref_out))
     for i, cache in enumerate(caches):
         k, v = kv.ordered(i)
         assert k.shape[1] == cache.L
@@ -240,6 +243,11 @@ def test_mg2_sampler_matches_independent_float64(case, tmp_path):
             assert _maxdiff(got, ref) <= TOL, (case, ci, k, name, _maxdiff(got, ref))
     assert ref_out.abs().max() > 0.1
     assert _maxdiff(out, ref_out) <= TOL, (case, _maxdiff(out, ref_out))
+    from wan_accel.wan.sampler import sampler_path
+    with sampler_path("optimized"):
+        fast = sample_mg2(model, noise, cond, vis, mouse, keyboard, sched, window,
+                          noise_provider=lambda ci, k, shape, dtype, dev: eps[(ci, k)].reshape(shape).to(dev, dtype))
+    assert _maxdiff(fast, ref_out) <= TOL, (case, "optimized path", _maxdiff(fast, ref_out))
     for i, cache in enumerate(caches):
         k, v = kv.ordered(i)
         assert _maxdiff(k, cache.k[:, :cache.L]) <= TOL and _maxdiff(v, cache.v[:, :cache.L]) <= TOL, (case, i)
