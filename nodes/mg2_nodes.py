@@ -140,11 +140,43 @@ class MatrixGame2Sampler:
         return ({"samples": out},)
 
 
+class MatrixGame2StartLatent:
+    DESCRIPTION = ("Builds the Matrix-Game-2 conditioning latent exactly as the released pipeline does: the start "
+                   "image followed by 4*(F-1) blank (mid-gray) frames, encoded by the Wan 2.1 VAE into F latent "
+                   "frames. Feed it to the Matrix-Game-2 Sampler's start_latent; connect Game Actions' "
+                   "latent_frames to latent_frames.")
+    CATEGORY = "wan_accel/matrix_game2"
+    FUNCTION = "encode"
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("start_latent",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE."}),
+            "start_image": ("IMAGE", {"tooltip": "The start frame at the model's resolution (640x352 for the "
+                                                 "released models); one image per batch element."}),
+            "latent_frames": ("INT", {"default": 15, "min": 1, "max": 1020, "tooltip":
+                                      "Latent frames the sampler will generate (connect Game Actions' "
+                                      "latent_frames, or match the sampler's num_frames)."}),
+        }}
+
+    def encode(self, vae, start_image, latent_frames=15):
+        from ..wan.mg2 import start_video
+
+        latents = [vae.encode(start_video(img, latent_frames)) for img in start_image]
+        import torch
+
+        return ({"samples": torch.cat([lat if lat.dim() == 5 else lat[None] for lat in latents], dim=0)},)
+
+
 NODE_CLASS_MAPPINGS = {
     "MatrixGame2Actions": GameActions,
+    "MatrixGame2StartLatent": MatrixGame2StartLatent,
     "MatrixGame2Sampler": MatrixGame2Sampler,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "MatrixGame2Actions": "Game Actions",
+    "MatrixGame2StartLatent": "Matrix-Game-2 Start Latent",
     "MatrixGame2Sampler": "Matrix-Game-2 Sampler",
 }

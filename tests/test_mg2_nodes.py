@@ -79,3 +79,29 @@ def test_generate_cli_matrix_game2(tmp_path, capsys):
     from safetensors.torch import load_file
     lat = load_file(str(tmp_path / "latents.safetensors"))["latents"]
     assert lat.shape == (1, 6, 16, 16, 16) and torch.isfinite(lat).all()
+
+
+def test_start_latent_node_encodes_image_then_blank_frames():
+    import torch
+
+    from wan_accel.nodes.mg2_nodes import MatrixGame2StartLatent
+
+    class FakeWanVAE:  # ComfyUI's Wan VAE: [T, H, W, 3] pixels -> [1, 16, (T-1)/4+1, H/8, W/8]
+        def __init__(self):
+            self.seen = []
+
+        def encode(self, pixels):
+            self.seen.append(pixels.clone())
+            t, h, w, _ = pixels.shape
+            lat = torch.zeros(1, 16, (t - 1) // 4 + 1, h // 8, w // 8)
+            lat[:, :3] = torch.nn.functional.avg_pool2d(pixels[::4].permute(3, 0, 1, 2), 8)[None]
+            return lat
+
+    vae = FakeWanVAE()
+    images = torch.rand(2, 16, 24, 3)
+    (out,) = MatrixGame2StartLatent().encode(vae, images, latent_frames=4)
+    assert out["samples"].shape == (2, 16, 4, 2, 3)
+    first = vae.seen[0]
+    assert first.shape == (13, 16, 24, 3)
+    assert torch.equal(first[0], images[0]) and torch.all(first[1:] == 0.5)
+    assert torch.equal(vae.seen[1][0], images[1])

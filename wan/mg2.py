@@ -48,6 +48,20 @@ def resolve_preset(preset: str = "universal", steps=None, shift: float | None = 
     return MG2Settings(preset, sched, win, p["mode"])
 
 
+def start_video(image: torch.Tensor, latent_frames: int) -> torch.Tensor:
+    """The pixel video the released pipeline encodes for its conditioning latent: the start image ``[H, W, 3]``
+    (values 0..1) followed by ``4 * (latent_frames - 1)`` blank frames. Blank is 0 in the pipeline's [-1, 1]
+    range, which is mid-gray (0.5) in ComfyUI's 0..1 images. Returns ``[1 + 4 * (F - 1), H, W, 3]``."""
+    if image.dim() != 3 or image.shape[-1] < 3:
+        raise ValueError(f"start image must be [H, W, 3], got {tuple(image.shape)}")
+    if int(latent_frames) < 1:
+        raise ValueError(f"latent_frames must be at least 1, got {latent_frames}")
+    frames = 1 + 4 * (int(latent_frames) - 1)
+    video = torch.full((frames, *image.shape[:2], 3), 0.5, dtype=image.dtype, device=image.device)
+    video[0] = image[..., :3]
+    return video
+
+
 def build_cond_concat(image_latent: torch.Tensor, num_frames: int) -> torch.Tensor:
     """cond_concat ``[B, 20, F, H, W]``: a 4-channel first-frame mask, then the conditioning latent.
 
