@@ -181,6 +181,7 @@ class Autotuner:
         self._reported: set[tuple] = set()
         self._lock = threading.RLock()
         self._mem_entries: dict[str, dict] = {}  # the store when no cache is given
+        self._transient = False  # set by _tune_locked when a config hit a transient error (out of memory)
         self.stats = {"benchmarks": 0, "launch_checks": 0, "memo_hits": 0, "cache_hits": 0,
                       "pruned_known_failed": 0, "pruned_shared_memory": 0, "failures": 0}
 
@@ -276,9 +277,11 @@ class Autotuner:
             if not force and memo_key in self._memo:
                 self.stats["memo_hits"] += 1
                 return self._memo[memo_key]
+            self._transient = False
             result = self._tune_locked(kernel, key, configs, ids, run, smem, policy, force and benchmark,
                                        benchmark)
-            if benchmark or result is not None:
+            # a None caused by a transient error (out of memory now) is not final: the next call measures again
+            if (benchmark and not self._transient) or result is not None:
                 self._memo[memo_key] = result
                 if isinstance(given, tuple):  # immutable: safe to recognise by identity next time
                     self._fast[fast_key] = (given, result)
@@ -332,6 +335,7 @@ class Autotuner:
                 if _is_transient(exc):
                     log.warning("wan_accel autotune %s [%s]: config %s hit a transient error (%s); skipped",
                                 kernel, key, cid, exc)
+                    self._transient = True
                     continue
                 new_failed[cid] = {"config": cfg, "error": describe_error(exc)}
                 self.stats["failures"] += 1
@@ -349,8 +353,8 @@ class Autotuner:
             timings = dict(stored.get("timings") or {})
 
         usable = [(timings[c], c, cfg) for c, cfg in zip(ids, configs) if c in timings and c not in failed]
-        if not usable and not benchmark:
-            return None  # nothing known yet; the caller runs torch this time
+        if not usable and (not benchmark or self._transient):
+            return None  # nothing known yet (or only transient errors); the caller runs torch this time
         if not usable:
             report = (kernel, key)
             if report not in self._reported:

@@ -149,11 +149,11 @@ def detect_system(device=None) -> SystemInfo:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     free, total = torch.cuda.mem_get_info(index)
+    # The driver counts memory that this process's caching allocator holds but does not use as taken; it is
+    # free for our next allocations, so add it back.
+    free += max(0, torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index))
     cap = (int(props.major), int(props.minor))
-    try:
-        bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:  # older torch without the keyword
-        bf16 = cap >= (8, 0)
+    bf16 = cap >= (8, 0)  # native bf16 (Ampere and newer) on this device, not emulation
     return SystemInfo(device="cuda", gpu_name=str(props.name), total_vram=int(total), free_vram=int(free),
                       capability=cap, bf16=bf16, fp8=cap >= (8, 9), host_ram_total=total_ram,
                       host_ram_available=avail_ram, pinned_budget=pinned_budget_for(total_ram, avail_ram),

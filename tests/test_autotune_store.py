@@ -115,6 +115,20 @@ def test_other_errors_are_recorded_transient_ones_not(tmp_path):
     assert not any(k.startswith("BLOCK=32") for k in failed)  # out of memory says nothing about the config
 
 
+def test_a_transient_out_of_memory_is_not_remembered_as_no_config(tmp_path):
+    """Tuning that hit only out-of-memory (VRAM tight right now) falls back to torch once, then tunes again."""
+    oom = [True]
+
+    def run(cfg):
+        if oom[0]:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 256.00 MiB")
+    tuner = Autotuner(LimitCache(tmp_path / "l.json"), timer=lambda fn: (fn(), 1.0)[1])
+    configs = tuple(CONFIGS[:2])
+    assert tuner.tune(KERNEL, KEY, configs, run) is None
+    oom[0] = False
+    assert tuner.tune(KERNEL, KEY, configs, run) == CONFIGS[0]
+
+
 def test_extreme_policy_only_faster_replaces(tmp_path):
     path = tmp_path / "l.json"
     times = {"v": 1.0}

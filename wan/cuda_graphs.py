@@ -63,8 +63,13 @@ class CudaGraphBackend:
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            out = fn()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                out = fn()
+        finally:
+            # a failed capture raises from capture_end() before torch.cuda.graph restores the stream: without
+            # this the thread would keep running (eagerly) on the capture stream
+            torch.cuda.set_stream(current)
         current.wait_stream(self.stream)
         return graph, out
 

@@ -385,6 +385,12 @@ class Run:
         inp = {"xt": xt, "y": y, "e": e, "e0": e0, "cos": cos, "sin": sin}
         lean = self._lean_last()
         graphs = self.graphs
+        if graphs is not None and swapped_blocks(self.model):
+            # a swap installed after start (learned limit / OOM fallback): a graph would bake in the addresses
+            # of per-call weight copies (and capture the swap's side-stream copies)
+            graphs.disable("block swap moves weights between calls")
+            self.sess.graphs = graphs = None
+            self.info.update(cuda_graphs=False, cuda_graphs_reason="block swap moves weights between calls")
         if graphs is None:
             return self._forward(inp, start_frame, step, want_output, lean)
         key = (kind, want_output, lean, tuple(xt.shape), xt.dtype, step, self.flags)
