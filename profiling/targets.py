@@ -100,10 +100,16 @@ def apply_compile(model, mode: str):
         raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
     if mode == "none":
         return model
-    kw = {"backend": mode} if mode in ("eager", "aot_eager") else ({} if mode == "default" else {"mode": mode})
-    for block in model.blocks:
-        block.compile(**kw)
-    return model
+    if mode == "aot_eager":  # a debugging backend outside the pack's compile settings
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+        return model
+    from ..compile import CompileSettings
+    from ..compile.apply import compile_model
+
+    backend = "eager" if mode == "eager" else "inductor"
+    settings = CompileSettings(backend=backend, mode="default" if backend == "eager" else mode, scope="blocks")
+    return compile_model(model, settings)
 
 
 # ------------------------------------------------------------------ explain targets
