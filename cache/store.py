@@ -334,6 +334,7 @@ class LimitCache:
 
     def _mutate(self, change: Callable[[dict], object]):
         with self._thread_lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # the lock file lives there too
             try:
                 with self._file_lock:
                     self._remove_orphaned_temps()
