@@ -133,11 +133,16 @@ class CompileHandle:
 class _ScopedForward:
     """Instance-level ``forward`` of a compiled module: the compiled bound forward inside the handle's scope."""
 
-    def __init__(self, compiled, handle: CompileHandle):
+    def __init__(self, compiled, handle: CompileHandle, contiguous_input: bool = False):
         self.compiled = compiled
         self.handle = handle
+        self.contiguous_input = contiguous_input
 
     def __call__(self, *args, **kwargs):
+        if self.contiguous_input and args and hasattr(args[0], "is_contiguous") and not args[0].is_contiguous():
+            # A block's residual input with other strides (the first block gets a view from the patch embedding)
+            # would fail the stride guard of the graph the other identical blocks share, and recompile.
+            args = (args[0].contiguous(),) + tuple(args[1:])
         return self.handle.call(self.compiled, args, kwargs)
 
 
@@ -273,8 +278,8 @@ def _region_class():
     return _REGION_CLASS[0]
 
 
-def _make_scoped_module(original, handle: CompileHandle):
-    scoped = _ScopedForward(handle.compile_fn(_bound_forward(original)), handle)
+def _make_scoped_module(original, handle: CompileHandle, contiguous_input: bool = False):
+    scoped = _ScopedForward(handle.compile_fn(_bound_forward(original)), handle, contiguous_input)
     return _region_class()(original, scoped)
 
 
@@ -289,7 +294,7 @@ def compile_for_comfy(patcher, settings: CompileSettings | dict | None = None, c
     handle = _prepare(diffusion_model, settings, cache)
     if handle.settings.scope == "blocks":
         blocks = _blocks_of(diffusion_model)
-        regions = {f"diffusion_model.blocks.{i}": (blocks[i], _make_scoped_module(blocks[i], handle))
+        regions = {f"diffusion_model.blocks.{i}": (blocks[i], _make_scoped_module(blocks[i], handle, True))
                    for i in range(len(blocks))}
     else:
         regions = {"diffusion_model": (diffusion_model, _make_scoped_module(diffusion_model, handle))}

@@ -196,3 +196,26 @@ def test_tiny_causal_wan_compiles_per_block_with_identical_samples():
     second = run(model)  # same shapes: no new graph after warm-up
     assert handle.compiles == compiles
     assert torch.equal(first, expected) and torch.equal(second, expected)
+
+
+def test_native_block_regions_pass_a_contiguous_residual_input():
+    """A strided first-block input must not fail the stride guard of the graph identical blocks share."""
+    import torch
+
+    from wan_accel.compile.apply import _ScopedForward
+
+    seen = []
+
+    class Handle:
+        def call(self, fn, args, kwargs):
+            seen.append(args)
+            return fn(*args, **kwargs)
+
+    x = torch.randn(4, 6).t()  # non-contiguous view
+    other = torch.randn(6, 4).t()
+    region = _ScopedForward(lambda a, b: a + b.t().t(), Handle(), contiguous_input=True)
+    out = region(x, other)
+    assert seen[0][0].is_contiguous() and torch.equal(out, x + other)
+    assert seen[0][1] is other  # only the residual input is touched
+    _ScopedForward(lambda a, b: a, Handle())(x, other)
+    assert seen[1][0] is x  # our own model's regions are left as they are
