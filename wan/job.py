@@ -136,6 +136,29 @@ def _peak_memory(device: torch.device) -> dict:
     return {"host_max_rss_mb": rss / (2**20 if sys.platform == "darwin" else 2**10)}
 
 
+class ChunkTimer:
+    """Per-chunk wall time of a sampling run (device-synchronised), logged as it goes; call it as ``on_chunk``."""
+
+    def __init__(self, device, log, progress=None):
+        self.device, self.log, self.progress = device, log, progress
+        self.seconds: list[float] = []
+        self._mark = 0.0
+
+    def start(self) -> float:
+        _sync(self.device)
+        self._mark = time.perf_counter()
+        return self._mark
+
+    def __call__(self, ci: int, n: int) -> None:
+        _sync(self.device)
+        now = time.perf_counter()
+        self.seconds.append(now - self._mark)
+        self._mark = now
+        self.log(f"chunk {ci + 1}/{n}: {self.seconds[-1]:.3f} s")
+        if self.progress is not None:
+            self.progress(ci, n)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -177,14 +200,8 @@ def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
         if not handle.is_tiny:
             notes.append("no --text-embeds given: zero text context")
     schedule = resolve_schedule(opts.preset, opts.steps, opts.shift, opts.warp)
-    chunk_seconds, mark = [], [0.0]
-
-    def on_chunk(ci, n):
-        _sync(device)
-        now = time.perf_counter()
-        chunk_seconds.append(now - mark[0])
-        mark[0] = now
-        log(f"chunk {ci + 1}/{n}: {chunk_seconds[-1]:.3f} s")
+    timer = ChunkTimer(device, log)
+    chunk_seconds, on_chunk = timer.seconds, timer
 
     def on_step(ci, k, nc, ns, _x0):
         if progress is not None:
@@ -196,7 +213,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
-    mark[0] = t_start = time.perf_counter()
+    t_start = timer.start()
     latents = maybe_profile(handle, sample_latents, model, context, width, height, frames, opts.seed, schedule,
                             opts.frames_per_block, opts.kv_window, opts.sink, opts.skip_last_refresh,
                             callback=on_step, on_chunk=on_chunk, path=opts.sampler, fast_options=fast_options,

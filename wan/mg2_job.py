@@ -76,7 +76,7 @@ def _conditioning(opts: MG2Options, model, device):
 def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
     """Run the job; progress(chunk, num_chunks) per chunk. Returns the report dict."""
     from .actions_script import parse_action_script
-    from .job import _peak_memory, _sync, _write_outputs
+    from .job import ChunkTimer, _peak_memory, _sync, _write_outputs
     from .mg2 import generate_mg2, resolve_preset
     from .preview import latents_to_rgb, save_animation, to_vae_latents
     from .handle import default_device
@@ -98,19 +98,9 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
     elif not opts.conditioning:
         raise ValueError("a real checkpoint needs --conditioning FILE (image_latent + visual_context)")
     image, ctx = _conditioning(opts, handle.model, device)
-    chunk_seconds, mark = [], [0.0]
-
-    def on_chunk(ci, n):
-        _sync(device)
-        now = time.perf_counter()
-        chunk_seconds.append(now - mark[0])
-        mark[0] = now
-        log(f"chunk {ci + 1}/{n}: {chunk_seconds[-1]:.3f} s")
-        if progress is not None:
-            progress(ci, n)
-
-    _sync(device)
-    mark[0] = t_start = time.perf_counter()
+    on_chunk = ChunkTimer(device, log, progress)
+    chunk_seconds = on_chunk.seconds
+    t_start = on_chunk.start()
     latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings,
                            on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh)
     _sync(device)
