@@ -263,3 +263,9 @@ def register_op(name: str, impl: Callable, fake: Callable):
 ROW_CANDIDATES = tuple({"YBLOCK": y, "RBLOCK": r, "num_warps": w} for y, r, w in (
     (1, 64, 2), (2, 64, 2), (4, 64, 4), (8, 64, 4), (8, 64, 8),
     (1, 128, 4), (4, 128, 4), (8, 128, 8), (16, 128, 8), (16, 128, 16)))
+
+
+def frame_batch_stride(mod, batch: int, width: int) -> int:
+    """Batch stride (in elements) of a contiguous per-frame modulation ``[B or 1, F, D]``: 0 broadcasts one row
+    set over the batch."""
+    return 0 if mod.shape[0] == 1 and batch > 1 else mod.shape[1] * width

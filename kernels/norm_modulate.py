@@ -110,7 +110,7 @@ def _launcher(x, shift, scale, eps):
     sh, sc = shift.contiguous(), scale.contiguous()
     out = torch.empty_like(x2)
     rows, f = b * l, sh.shape[1]
-    bstride = 0 if sh.shape[0] == 1 and b > 1 else f * d
+    bstride = _common.frame_batch_stride(sh, b, d)
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):

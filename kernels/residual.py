@@ -75,7 +75,7 @@ def _launcher(x, y, gate):
     x2, y2, g = x.contiguous(), y.contiguous(), gate.contiguous()
     out = torch.empty_like(x2)
     rows, f = b * l, g.shape[1]
-    bstride = 0 if g.shape[0] == 1 and b > 1 else f * d
+    bstride = _common.frame_batch_stride(g, b, d)
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):

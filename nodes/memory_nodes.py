@@ -411,21 +411,14 @@ class WanChunkedVAEDecode:
                 raise SoftOOM(f"the VAE fell back to tiled decoding at {chunk.shape[2]} latent frames")
             return out
 
-        pbar = None
-        try:
-            import comfy.utils
+        from ._comfy import progress_and_interrupt
 
-            pbar = comfy.utils.ProgressBar(t)
-        except ImportError:
-            pass
+        bar_cls, interrupt = progress_and_interrupt()
+        pbar = bar_cls(t) if bar_cls is not None else None
 
         def between(done, total):
-            try:
-                import comfy.model_management as mm
-
-                mm.throw_exception_if_processing_interrupted()
-            except ImportError:
-                pass
+            if interrupt is not None:
+                interrupt()
             if pbar is not None:
                 pbar.update_absolute(done, total)
 

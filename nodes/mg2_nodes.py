@@ -53,15 +53,6 @@ def clip_tokens(clip_vision_output):
     return t.float()
 
 
-def _comfy():
-    try:
-        import comfy.model_management as mm
-        import comfy.utils
-        return comfy.utils.ProgressBar, mm.throw_exception_if_processing_interrupted
-    except ImportError:
-        return None, None
-
-
 class MatrixGame2Sampler:
     DESCRIPTION = ("Interactive Matrix-Game-2 video: samples latents chunk by chunk (3 latent frames each) from "
                    "the start image latent, its CLIP vision tokens and the Game Actions, with rolling self, "
@@ -102,6 +93,7 @@ class MatrixGame2Sampler:
                kv_window=0):
         import torch
         from ..wan.mg2 import PRESETS as LIB_PRESETS, generate_mg2
+        from ._comfy import progress_and_interrupt
         from ..wan.preview import WAN21_LATENT_MEAN, WAN21_LATENT_STD
         net = getattr(model, "model", model)
         if not hasattr(net, "action_config"):
@@ -121,7 +113,7 @@ class MatrixGame2Sampler:
             raise ValueError(f"start_latent must be a Wan 2.1 LATENT [B, 16, frames, h, w], got {tuple(raw.shape)}")
         image = (raw.float().cpu() - mean) / std
         tokens = clip_tokens(clip_vision_output)
-        bar_cls, interrupt = _comfy()
+        bar_cls, interrupt = progress_and_interrupt()
         state = {"bar": None}
 
         def on_step(_ci, _k, _nc, _ns, _x0):

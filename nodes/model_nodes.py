@@ -106,13 +106,10 @@ class _ComfyProgress:
     """Per-step progress bar, latent preview and interrupt check (no-ops outside ComfyUI)."""
 
     def __init__(self):
-        self.bar, self.interrupt = None, None
-        try:
-            import comfy.model_management as mm
-            import comfy.utils
-            self.bar_cls, self.interrupt = comfy.utils.ProgressBar, mm.throw_exception_if_processing_interrupted
-        except ImportError:
-            self.bar_cls = None
+        from ._comfy import progress_and_interrupt
+
+        self.bar = None
+        self.bar_cls, self.interrupt = progress_and_interrupt()
 
     def __call__(self, ci, k, num_chunks, num_steps, x0):
         if self.interrupt is not None:

@@ -76,7 +76,7 @@ def _call_key(rec: dict) -> str:
 def run(directory, cfg: dict, device="cpu") -> list:
     from .mg2 import sample_mg2
     from .kv_cache import KVCache
-    from .reference import _load_io, _schedule_from, _schedule_rows, max_abs_diff
+    from .reference import _calls_row, _load_io, _schedule_from, _schedule_rows, max_abs_diff
     directory = Path(directory)
     model = load_fixture_model(directory, cfg, device)
     io = _load_io(directory, cfg)
@@ -106,7 +106,7 @@ def run(directory, cfg: dict, device="cpu") -> list:
                          kv_cache=kv, actions=actions)
     finally:
         recorder.close()
-    rows = _schedule_rows(sched, io) + [_calls_row(records, ends, cfg)]
+    rows = _schedule_rows(sched, io) + [_calls_row(records, cfg, ends)]
     for rec in records:
         for part in ("xt", "flow", "x0"):
             key = f"{_call_key(rec)}.{part}"
@@ -129,24 +129,6 @@ def _cache_ends(kv, actions) -> dict:
     if actions.keyboard_cache is not None:
         out["keyboard"] = pair(actions.keyboard_cache)
     return out
-
-
-def _calls_row(records: list, ends: list, cfg: dict) -> tuple:
-    """Kinds, starts, timesteps and cache ends of every call, in order (inf on a structural mismatch)."""
-    ref = cfg.get("calls")
-    if ref is None:
-        return ("calls", 0.0)
-    if len(ref) != len(records):
-        return ("calls", float("inf"))
-    worst = 0.0
-    for ours, our_ends, theirs in zip(records, ends, ref):
-        if ours["kind"] != theirs["kind"] or ours["current_start"] != theirs["current_start"]:
-            return ("calls", float("inf"))
-        for kind, per_layer in theirs.get("cache_ends_after_call", {}).items():
-            if any(list(e) != our_ends.get(kind) for e in per_layer):
-                return ("calls", float("inf"))
-        worst = max(worst, abs(ours["t"] - float(theirs["timestep"])))
-    return ("calls", worst)
 
 
 def _cache_rows(model, kv, actions, io) -> list:

@@ -115,17 +115,23 @@ def _call_name(rec: dict) -> str:
     return f"block{rec['chunk']}.{step}"
 
 
-def _calls_row(records: list, cfg: dict) -> tuple:
-    """Structural check of the call sequence: kinds, starts and timesteps in order."""
+def _calls_row(records: list, cfg: dict, ends: list | None = None) -> tuple:
+    """Structural check of the call sequence: kinds, starts and timesteps in order, and, when ``ends`` (our
+    cache end indices after each call, by cache kind) is given, the recorded ``cache_ends_after_call``.
+    inf on a structural mismatch."""
     ref = cfg.get("calls")
     if ref is None:
         return ("calls", 0.0)
     if len(ref) != len(records):
         return ("calls", float("inf"))
     worst = 0.0
-    for ours, theirs in zip(records, ref):
+    for i, (ours, theirs) in enumerate(zip(records, ref)):
         if ours["kind"] != theirs["kind"] or ours["current_start"] != theirs["current_start"]:
             return ("calls", float("inf"))
+        if ends is not None:
+            for kind, per_layer in theirs.get("cache_ends_after_call", {}).items():
+                if any(list(e) != ends[i].get(kind) for e in per_layer):
+                    return ("calls", float("inf"))
         worst = max(worst, abs(ours["t"] - float(theirs["timestep"])))
     return ("calls", worst)
 
