@@ -11,10 +11,10 @@ import importlib.util
 
 # bench name -> module (relative to the package) providing add_arguments(parser) and run(args) -> int
 BENCHES = {
-    "sampler": ("..wan.bench", "reference vs optimized causal sampler"),
-    "compile": ("..compile.bench", "cold vs warm compile of the tiny model"),
-    "kernels": ("..kernels.bench", "fused kernels vs torch, autotune cold vs warm"),
-    "offload": ("..memory.bench", "block swap step time and peak VRAM"),
+    "sampler": ("..app.bench_sampler", "reference vs optimized causal sampler"),
+    "compile": ("..app.bench_compile", "cold vs warm compile of the tiny model"),
+    "kernels": ("..app.bench_kernels", "fused kernels vs torch, autotune cold vs warm"),
+    "offload": ("..app.bench_memory", "block swap step time and peak VRAM"),
 }
 
 

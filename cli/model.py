@@ -56,9 +56,9 @@ def _add_generate(subparsers) -> None:
 
 def _run_job(args, log):
     if args.model_kind == "matrix-game2":
-        from ..wan.mg2_job import MG2Options, run_mg2_generate
-        from ..wan.sampler import sampler_path
-        from ..wan.job import latent_frames
+        from ..app.mg2_job import MG2Options, run_mg2_generate
+        from ..sampling.sampler import sampler_path
+        from ..app.job import latent_frames
         fields = dict(out_dir=args.out, checkpoint=args.checkpoint, conditioning=args.conditioning,
                       preset=args.preset, window=args.window, seed=args.seed, device=args.device, dtype=args.dtype,
                       precision=args.precision, attention=args.attention, actions=args.actions,
@@ -68,7 +68,7 @@ def _run_job(args, log):
         options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels}
         with sampler_path(args.sampler, options):
             return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log)
-    from ..wan.job import GenerateOptions, run_generate
+    from ..app.job import GenerateOptions, run_generate
     opts = GenerateOptions(
         out_dir=args.out, checkpoint=args.checkpoint, text_embeds=args.text_embeds, frames=args.frames,
         height=args.height, width=args.width, seed=args.seed, preset=args.preset or "self_forcing",
@@ -112,7 +112,7 @@ def _add_convert(subparsers) -> None:
 
 
 def _convert(args) -> int:
-    from ..wan.convert import convert_pt_to_safetensors
+    from ..model.convert import convert_pt_to_safetensors
     try:
         summary = convert_pt_to_safetensors(args.src, args.dst, ema=args.ema, num_heads=args.num_heads)
     except (ValueError, RuntimeError, OSError) as exc:
@@ -139,7 +139,7 @@ def _add_check(subparsers) -> None:
 
 
 def _check(args) -> int:
-    from ..wan.reference import check_reference, format_table
+    from ..app.reference import check_reference, format_table
     try:
         rows = check_reference(args.dir, device=args.device)
     except (FileNotFoundError, ValueError) as exc:

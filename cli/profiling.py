@@ -53,7 +53,8 @@ def register(sub) -> None:
 # ---------------------------------------------------------------------- profile
 def run_profile(args) -> int:
     from ..profiling import ExplainError, explain_in_subprocess, package_target, profile_run
-    from ..profiling import history, targets
+    from ..app import profile_targets as targets
+    from ..profiling import history
 
     if args.checkpoint and not Path(args.checkpoint).is_file():
         print(f"checkpoint not found: {args.checkpoint}", file=sys.stderr)
@@ -73,7 +74,7 @@ def run_profile(args) -> int:
         if args.explain_target:
             name, kwargs = args.explain_target, {}
         else:
-            name = package_target("profiling.targets:explain_model")
+            name = package_target("app.profile_targets:explain_model")
             kwargs = {"scope": args.explain_scope, **target.settings()}
         try:
             explained = explain_in_subprocess(name, kwargs=kwargs)

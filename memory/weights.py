@@ -271,7 +271,7 @@ PRESET_ALIASES = {"1.3b": "wan2.1-1.3b", "14b": "wan2.1-14b", "14b-i2v": "wan2.1
 
 
 def preset_config(name: str) -> dict:
-    from ..wan.config import PRESETS
+    from ..model.config import PRESETS
 
     key = PRESET_ALIASES.get(name.lower(), name.lower())
     if key not in PRESETS:

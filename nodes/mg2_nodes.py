@@ -29,7 +29,7 @@ class GameActions:
         }}
 
     def build(self, script, mode="universal"):
-        from ..wan.actions_script import parse_action_script
+        from ..sampling.actions_script import parse_action_script
         actions = parse_action_script(script, mode)
         summary = actions.summary()
         return {"ui": {"text": [summary]},
@@ -92,9 +92,9 @@ class MatrixGame2Sampler:
     def sample(self, model, start_latent, clip_vision_output, actions, seed=0, num_frames=0, preset="universal",
                kv_window=0):
         import torch
-        from ..wan.mg2 import PRESETS as LIB_PRESETS, generate_mg2
+        from ..sampling.mg2 import PRESETS as LIB_PRESETS, generate_mg2
         from ._comfy import progress_and_interrupt
-        from ..wan.preview import WAN21_LATENT_MEAN, WAN21_LATENT_STD
+        from ..app.preview import WAN21_LATENT_MEAN, WAN21_LATENT_STD
         net = getattr(model, "model", model)
         if not hasattr(net, "action_config"):
             raise ValueError("this model has no action modules: load a Matrix-Game-2 checkpoint (or use the "
@@ -154,7 +154,7 @@ class MatrixGame2StartLatent:
         }}
 
     def encode(self, vae, start_image, latent_frames=15):
-        from ..wan.mg2 import start_video
+        from ..sampling.mg2 import start_video
 
         latents = [vae.encode(start_video(img, latent_frames)) for img in start_image]
         import torch

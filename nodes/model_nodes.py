@@ -76,7 +76,7 @@ class CausalWanModelLoader:
 
     def load(self, checkpoint, dtype="bf16", precision="self_forcing", attention="auto",
              compile_settings=None, plan=None):
-        from ..wan.handle import load_model_handle
+        from ..app.handle import load_model_handle
         handle = load_model_handle(_resolve_checkpoint(checkpoint), dtype, precision, attention,
                                    device=_torch_device(), compile_settings=compile_settings, plan=plan)
         return (handle,)
@@ -125,7 +125,7 @@ class _ComfyProgress:
     def _preview(x0):
         try:
             from PIL import Image
-            from ..wan.preview import latents_to_rgb
+            from ..app.preview import latents_to_rgb
             frame = latents_to_rgb(x0[:1, -1:])[0, 0]
             h, w, _ = frame.shape
             return ("JPEG", Image.frombytes("RGB", (w, h), frame.contiguous().numpy().tobytes()), 512)
@@ -185,9 +185,9 @@ class CausalWanSampler:
                positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False,
                sampler="auto"):
         from ..profiling.session import maybe_profile
-        from ..wan.job import sample_latents, sampler_setup
-        from ..wan.preview import to_vae_latents
-        from ..wan.scheduler import resolve_schedule
+        from ..app.job import sample_latents, sampler_setup
+        from ..app.preview import to_vae_latents
+        from ..sampling.scheduler import resolve_schedule
         schedule = (resolve_schedule("custom", custom_steps, shift, True) if preset == "custom"
                     else resolve_schedule(preset))
         cfg = model.config

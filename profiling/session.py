@@ -3,7 +3,7 @@ runs the model.
 
 Protocol for code that runs a model (the sampler node, the generate job)::
 
-    from ..profiling.session import maybe_profile
+    from .session import maybe_profile
     latents = maybe_profile(handle, sample_causal, model, context, noise, ...)   # same return value
 
 ``maybe_profile`` calls the function directly when the handle carries no pending request (zero overhead), and

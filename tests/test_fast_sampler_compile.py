@@ -5,8 +5,8 @@ from torch._dynamo.utils import counters
 
 from wan_accel.compile import CompileSettings, uncompile_model
 from wan_accel.compile.apply import compile_handle
-from wan_accel.wan.sampler import generate_latents
-from wan_accel.wan.tiny import TINY_CONFIG, tiny_causal_model
+from wan_accel.sampling.sampler import generate_latents
+from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
 
 def _graphs() -> int:

@@ -5,12 +5,12 @@ import torch
 
 from wan_accel.cache import LimitCache
 from wan_accel.compile.warm_start import model_signature
-from wan_accel.wan import attention as att
-from wan_accel.wan import fast_runner
-from wan_accel.wan.fast_block import QKV_WEIGHT, ensure_fused_qkv, fused_qkv_intact
-from wan_accel.wan.fast_runner import FastOptions, get_runner, release_buffers
-from wan_accel.wan.sampler import generate_latents, resolve_path, sampler_path
-from wan_accel.wan.tiny import TINY_CONFIG, tiny_causal_model
+from wan_accel.model import attention as att
+from wan_accel.sampling import runner as fast_runner
+from wan_accel.model.fast_block import QKV_WEIGHT, ensure_fused_qkv, fused_qkv_intact
+from wan_accel.sampling.runner import FastOptions, get_runner, release_buffers
+from wan_accel.sampling.sampler import generate_latents, resolve_path, sampler_path
+from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
 CTX = torch.randn(1, 4, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(0))
 
@@ -162,7 +162,7 @@ class _FakeStream:
 def test_a_failed_capture_gives_the_thread_its_stream_back(monkeypatch):
     """torch.cuda.graph's exit raises from capture_end() before it restores the stream; the backend must restore
     it, so the eager fallback runs on the caller's stream, not on the capture stream."""
-    from wan_accel.wan import cuda_graphs as cg
+    from wan_accel.sampling import cuda_graphs as cg
     cuda = cg.torch.cuda
     state = {"current": _FakeStream("compute")}
 

@@ -19,11 +19,11 @@ def _child() -> None:
 
     from wan_accel.cache.autotune import get_autotuner
     from wan_accel.kernels._common import interpreter_usable
-    from wan_accel.wan.config import WanConfig
-    from wan_accel.wan.loader import load_wan_checkpoint
-    from wan_accel.wan.reference import _load_io
-    from wan_accel.wan.sampler import sample_causal
-    from wan_accel.wan.scheduler import resolve_schedule
+    from wan_accel.model.config import WanConfig
+    from wan_accel.model.loader import load_wan_checkpoint
+    from wan_accel.app.reference import _load_io
+    from wan_accel.sampling.sampler import sample_causal
+    from wan_accel.sampling.scheduler import resolve_schedule
 
     fixtures = HERE.parent / "fixtures" / "wan_reference"
     cfg = json.loads((fixtures / "causal_config.json").read_text())

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from wan_accel.wan.config import WanConfig
-from wan_accel.wan.kv_cache import KVCache
-from wan_accel.wan.loader import load_wan_checkpoint
-from wan_accel.wan.reference import _load_io, _schedule_from
-from wan_accel.wan.sampler import generate_latents, sample_causal, sampler_path
-from wan_accel.wan.tiny import TINY_CONFIG, tiny_causal_model
+from wan_accel.model.config import WanConfig
+from wan_accel.model.kv_cache import KVCache
+from wan_accel.model.loader import load_wan_checkpoint
+from wan_accel.app.reference import _load_io, _schedule_from
+from wan_accel.sampling.sampler import generate_latents, sample_causal, sampler_path
+from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WAN = FIXTURES / "wan_reference"
@@ -156,7 +156,7 @@ def test_i2v_image_branch_and_independent_first_frame():
 
 
 def test_matrix_game2_fixture_through_the_optimized_path():
-    from wan_accel.wan import mg2_reference
+    from wan_accel.app import mg2_reference
     cfg = json.loads((MG2 / "mg2_config.json").read_text())
     with sampler_path("optimized"):
         rows = mg2_reference.run(MG2, cfg)
@@ -166,8 +166,8 @@ def test_matrix_game2_fixture_through_the_optimized_path():
 
 def test_matrix_game2_lean_refresh_keeps_every_cache():
     """No tracer: refreshes run lean; output and self/mouse/keyboard caches equal the reference run's."""
-    from wan_accel.wan.mg2 import sample_mg2
-    from wan_accel.wan.mg2_model import tiny_mg2_model
+    from wan_accel.sampling.mg2 import sample_mg2
+    from wan_accel.model.mg2_model import tiny_mg2_model
     model = tiny_mg2_model()
     g = torch.Generator().manual_seed(5)
     noise, cond = torch.randn(1, 16, 9, 4, 4, generator=g), torch.randn(1, 20, 9, 4, 4, generator=g)

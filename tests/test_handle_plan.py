@@ -3,7 +3,7 @@ from wan_accel.memory.block_swap import SwapSettings
 from wan_accel.memory.plan import Workload, make_plan
 from wan_accel.memory.system import SystemInfo
 from wan_accel.memory.weights import preset_weights
-from wan_accel.wan.handle import _planned_swap
+from wan_accel.app.handle import _planned_swap
 
 
 def test_planned_swap_from_dicts():

@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).parent))
 import independent_reference as R  # noqa: E402
 
-from wan_accel.wan.config import WanConfig  # noqa: E402
-from wan_accel.wan.kv_cache import KVCache  # noqa: E402
-from wan_accel.wan.loader import load_wan_checkpoint  # noqa: E402
-from wan_accel.wan.scheduler import resolve_schedule  # noqa: E402
+from wan_accel.model.config import WanConfig  # noqa: E402
+from wan_accel.model.kv_cache import KVCache  # noqa: E402
+from wan_accel.model.loader import load_wan_checkpoint  # noqa: E402
+from wan_accel.sampling.scheduler import resolve_schedule  # noqa: E402
 
 TOL = 1e-4
 
@@ -145,7 +145,7 @@ CAUSAL = [
 
 @pytest.mark.parametrize("case", range(len(CAUSAL)))
 def test_causal_sampler_matches_independent_float64(case, tmp_path):
-    from wan_accel.wan.sampler import sample_causal
+    from wan_accel.sampling.sampler import sample_causal
     c, (b, f, h, wd), fpb, steps, shift, warp, window, sink, lt = CAUSAL[case]
     w = _weights(c, 200 + case)
     model = _model(c, w, tmp_path)
@@ -206,7 +206,7 @@ MG2 = [
 
 @pytest.mark.parametrize("case", range(len(MG2)))
 def test_mg2_sampler_matches_independent_float64(case, tmp_path):
-    from wan_accel.wan.mg2 import sample_mg2
+    from wan_accel.sampling.mg2 import sample_mg2
     c, (f, h, wd), window, steps, lc = MG2[case]
     w = _weights(c, 300 + case)
     model = _model(c, w, tmp_path)
@@ -243,7 +243,7 @@ def test_mg2_sampler_matches_independent_float64(case, tmp_path):
             assert _maxdiff(got, ref) <= TOL, (case, ci, k, name, _maxdiff(got, ref))
     assert ref_out.abs().max() > 0.1
     assert _maxdiff(out, ref_out) <= TOL, (case, _maxdiff(out, ref_out))
-    from wan_accel.wan.sampler import sampler_path
+    from wan_accel.sampling.sampler import sampler_path
     with sampler_path("optimized"):
         fast = sample_mg2(model, noise, cond, vis, mouse, keyboard, sched, window,
                           noise_provider=lambda ci, k, shape, dtype, dev: eps[(ci, k)].reshape(shape).to(dev, dtype))
@@ -284,7 +284,7 @@ def _calls(records, frames_per_block, frame_tokens, ends=None):
 def test_check_reference_on_unpublished_style_fixtures(tmp_path):
     """Fixture directories in the published formats, with other sizes, produced by the float64 reference,
     pass the package's check-reference at the acceptance tolerance."""
-    from wan_accel.wan.reference import check_reference
+    from wan_accel.app.reference import check_reference
     g = torch.Generator().manual_seed(99)
     # full forward, non-square, sequence padding
     c = _base(80, 5, 2)

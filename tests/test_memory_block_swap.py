@@ -188,7 +188,7 @@ def test_sampler_oom_reaction_swaps_more_blocks_and_learns(model, tmp_path):
 def test_offload_bench_runs_its_cpu_pass(capsys):
     import argparse
 
-    from wan_accel.memory import bench
+    from wan_accel.app import bench_memory as bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -204,8 +204,8 @@ def test_offload_bench_runs_its_cpu_pass(capsys):
 
 def test_causal_wan_sampling_is_unchanged_by_block_swap():
     try:
-        from wan_accel.wan.sampler import generate_latents
-        from wan_accel.wan.tiny import tiny_causal_model
+        from wan_accel.sampling.sampler import generate_latents
+        from wan_accel.model.tiny import tiny_causal_model
     except ImportError:
         pytest.skip("the causal Wan model is not part of this build")
     m = tiny_causal_model(0)

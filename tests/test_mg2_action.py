@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from wan_accel.wan.action import ActionCall, ActionConfig, ActionModule, apply_action_rope, window_indices
-from wan_accel.wan.kv_cache import KVCache
+from wan_accel.model.action import ActionCall, ActionConfig, ActionModule, apply_action_rope, window_indices
+from wan_accel.model.kv_cache import KVCache
 
 FIX = Path(__file__).parent / "fixtures" / "matrix_game2"
 TOL = 1e-4

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wan_accel.wan.actions_script import parse_action_script
-from wan_accel.wan.kv_cache import CacheStep
-from wan_accel.wan.mg2 import build_cond_concat, generate_mg2, resolve_preset, sample_mg2
-from wan_accel.wan.mg2_model import MatrixGameModel, tiny_mg2_model
+from wan_accel.sampling.actions_script import parse_action_script
+from wan_accel.model.kv_cache import CacheStep
+from wan_accel.sampling.mg2 import build_cond_concat, generate_mg2, resolve_preset, sample_mg2
+from wan_accel.model.mg2_model import MatrixGameModel, tiny_mg2_model
 
 H = W = 4       # tiny latent: 2x2 = 4 tokens per frame
 
@@ -163,7 +163,7 @@ def test_loader_recognises_mg2_checkpoints(model, tmp_path):
     """A released-style file (every key under 'model.') loads as a Matrix-Game-2 model with the inferred
     action config and gives the same latents."""
     from safetensors.torch import save_file
-    from wan_accel.wan.loader import load_wan_checkpoint
+    from wan_accel.model.loader import load_wan_checkpoint
     path = tmp_path / "mg2.safetensors"
     save_file({f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}, str(path))
     loaded = load_wan_checkpoint(path, dtype=torch.float32, num_heads=model.config.num_heads)
@@ -179,7 +179,7 @@ def test_loader_recognises_mg2_checkpoints(model, tmp_path):
 def test_keyboard_only_model_loads_and_samples(tmp_path):
     """A Temple Run style checkpoint (no mouse branch, 7 keys) is recognised and runs without mouse input."""
     from safetensors.torch import save_file
-    from wan_accel.wan.loader import load_wan_checkpoint
+    from wan_accel.model.loader import load_wan_checkpoint
     model = tiny_mg2_model(seed=2, mode="templerun")
     path = tmp_path / "templerun.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))

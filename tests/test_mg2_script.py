@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from wan_accel.wan.actions_script import ActionScriptError, actions_from_tensors, parse_action_script
+from wan_accel.sampling.actions_script import ActionScriptError, actions_from_tensors, parse_action_script
 
 
 def test_issue_example_frames_and_values():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from wan_accel.cli import main
-from wan_accel.profiling import history, targets
+from wan_accel.profiling import history
+from wan_accel.app import profile_targets as targets
 
 HERE = Path(__file__).resolve().parent
 
@@ -75,8 +76,8 @@ def test_profile_command_text_and_argument_errors(tmp_path, capsys, stand_in):
 
 def _have_tiny_model() -> bool:
     try:
-        import wan_accel.wan.sampler  # noqa: F401
-        import wan_accel.wan.tiny  # noqa: F401
+        import wan_accel.sampling.sampler  # noqa: F401
+        import wan_accel.model.tiny  # noqa: F401
     except ImportError:
         return False
     return True

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from wan_accel.wan.config import WanConfig
-from wan_accel.wan.kv_cache import CacheStep, KVCache
-from wan_accel.wan.model import WanModel
-from wan_accel.wan.sampler import sample_causal
-from wan_accel.wan.tiny import init_tiny_weights
+from wan_accel.model.config import WanConfig
+from wan_accel.model.kv_cache import CacheStep, KVCache
+from wan_accel.model.dit import WanModel
+from wan_accel.sampling.sampler import sample_causal
+from wan_accel.model.tiny import init_tiny_weights
 
 CFG = WanConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=2, text_dim=16, text_len=4, freq_dim=8)
 FRAME_TOKENS = 4            # latent 4x4 -> 2x2 patches

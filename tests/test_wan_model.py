@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from wan_accel.wan.attention import attention, check_backend, flash_attn_available
-from wan_accel.wan.config import WanConfig
-from wan_accel.wan.kv_cache import CrossAttnCache, KVCache
-from wan_accel.wan.model import WanModel
-from wan_accel.wan.rope import MAX_POSITIONS, apply_rope, build_angles
-from wan_accel.wan.tiny import init_tiny_weights, tiny_causal_model
+from wan_accel.model.attention import attention, check_backend, flash_attn_available
+from wan_accel.model.config import WanConfig
+from wan_accel.model.kv_cache import CrossAttnCache, KVCache
+from wan_accel.model.dit import WanModel
+from wan_accel.model.rope import MAX_POSITIONS, apply_rope, build_angles
+from wan_accel.model.tiny import init_tiny_weights, tiny_causal_model
 
 CFG = WanConfig(dim=48, ffn_dim=96, num_heads=2, num_layers=2, text_dim=32, text_len=8, freq_dim=16)
 

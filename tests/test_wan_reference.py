@@ -8,13 +8,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wan_accel.cli.model import main as cli_main
-from wan_accel.wan.config import WanConfig
-from wan_accel.wan.loader import save_wan_checkpoint
-from wan_accel.wan.reference import FORMATS, check_reference, discover, format_table
-from wan_accel.wan.sampler import sample_causal
-from wan_accel.wan.scheduler import resolve_schedule
-from wan_accel.wan.tiny import init_tiny_weights
-from wan_accel.wan.model import WanModel
+from wan_accel.model.config import WanConfig
+from wan_accel.model.loader import save_wan_checkpoint
+from wan_accel.app.reference import FORMATS, check_reference, discover, format_table
+from wan_accel.sampling.sampler import sample_causal
+from wan_accel.sampling.scheduler import resolve_schedule
+from wan_accel.model.tiny import init_tiny_weights
+from wan_accel.model.dit import WanModel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "wan_reference"
 

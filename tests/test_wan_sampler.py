@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from wan_accel.wan.sampler import chunk_plan, generate_latents, sample_causal
-from wan_accel.wan.scheduler import FlowMatchScheduler, resolve_schedule
-from wan_accel.wan.tiny import tiny_causal_model
+from wan_accel.sampling.sampler import chunk_plan, generate_latents, sample_causal
+from wan_accel.sampling.scheduler import FlowMatchScheduler, resolve_schedule
+from wan_accel.model.tiny import tiny_causal_model
 
 
 def test_presets():
@@ -123,7 +123,7 @@ def test_frame_limits_are_checked_before_work(model):
     with pytest.raises(ValueError, match="divisible by the patch size"):
         sample_causal(model, _ctx(model), torch.zeros(1, 3, 16, 3, 4))
     with pytest.raises(ValueError, match="KV cache holds"):
-        from wan_accel.wan.kv_cache import KVCache
+        from wan_accel.model.kv_cache import KVCache
         sample_causal(model, _ctx(model), torch.zeros(1, 6, 16, 2, 2), kv_cache=KVCache.for_model(model, 1, 1, 3))
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .config import WanConfig
 from .keys import canonical_names
-from .model import WanModel
+from .dit import WanModel
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl")
 METADATA_KEY = "wan_accel.config"

@@ -81,8 +81,8 @@ def wan_workload(device: str = "cpu", seed: int = 0, frames: int = 6):
     in chunks of 3 (KV cache, cross-attention cache and all)."""
     import torch
 
-    from ..wan.sampler import sample_causal
-    from ..wan.tiny import tiny_causal_model
+    from ..sampling.sampler import sample_causal
+    from ..model.tiny import tiny_causal_model
 
     model = tiny_causal_model(seed=seed, device=device)
     cfg = model.config
@@ -113,9 +113,9 @@ def _child() -> None:
     import torch  # noqa: F401
 
     from ..cache import LimitCache
-    from . import compat
-    from .apply import compile_handle, compile_model
-    from .settings import CompileSettings
+    from ..compile import compat
+    from ..compile.apply import compile_handle, compile_model
+    from ..compile.settings import CompileSettings
 
     cache = LimitCache(Path(cfg["cache_dir"]) / "limits.json")
     model, run = workload(cfg.get("model", "standin"), cfg["device"], cfg["blocks"], cfg["dim"])
@@ -180,7 +180,7 @@ def run(args) -> int:
     if model is None:
         import importlib.util
 
-        model = "wan" if importlib.util.find_spec(f"{__name__.rsplit('.', 2)[0]}.wan.tiny") else "standin"
+        model = "wan" if importlib.util.find_spec(f"{__name__.rsplit('.', 2)[0]}.model.tiny") else "standin"
     colds, warms = [], []
     with tempfile.TemporaryDirectory(prefix="wan_accel_bench_compile_") as root:
         first_dir = None

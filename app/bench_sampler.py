@@ -61,7 +61,7 @@ def add_arguments(parser) -> None:
 
 # ----------------------------------------------------------------------------- models and inputs
 def mg2_config_1_3b():
-    from .config import WAN_1_3B
+    from ..model.config import WAN_1_3B
     action = {"blocks": list(range(15)), "mouse_dim_in": 2, "keyboard_dim_in": 4, "heads_num": 16,
               "mouse_hidden_dim": 1024, "keyboard_hidden_dim": 1024, "hidden_size": 128, "img_hidden_size": 1536,
               "vae_time_compression_ratio": 4, "windows_size": 3, "rope_theta": 256,
@@ -72,21 +72,21 @@ def mg2_config_1_3b():
 
 def _base_model(args, kind: str, shape: str):
     """float32 model on the CPU with deterministic weights (random, or the checkpoint's)."""
-    from .tiny import init_tiny_weights
+    from ..model.tiny import init_tiny_weights
     if args.checkpoint:
         if kind == "matrix-game2":
             from .mg2_job import load_mg2_handle
             return load_mg2_handle(args.checkpoint, "fp32", "float32", "auto", "cpu").model
-        from .loader import load_wan_checkpoint
+        from ..model.loader import load_wan_checkpoint
         return load_wan_checkpoint(args.checkpoint, device="cpu", dtype=torch.float32, precision="float32")
     if kind == "matrix-game2":
-        from .mg2_model import MatrixGameModel, tiny_mg2_config
+        from ..model.mg2_model import MatrixGameModel, tiny_mg2_config
         cfg = tiny_mg2_config() if shape == "tiny" else mg2_config_1_3b()
         model = MatrixGameModel(cfg)
     else:
-        from .config import WAN_1_3B
-        from .model import WanModel
-        from .tiny import TINY_CONFIG
+        from ..model.config import WAN_1_3B
+        from ..model.dit import WanModel
+        from ..model.tiny import TINY_CONFIG
         model = WanModel(TINY_CONFIG if shape == "tiny" else WAN_1_3B)
     return init_tiny_weights(model, args.seed).eval().requires_grad_(False)
 
@@ -128,11 +128,11 @@ def _inputs(model, kind: str, frames: int, height: int, width: int, seed: int) -
 
 
 def _sample(model, kind, inp, v, seed, on_chunk):
-    from .sampler import generate_latents, sampler_path
+    from ..sampling.sampler import generate_latents, sampler_path
     opts = dict(v.get("options", {}))
     with sampler_path(v["path"], opts if v["path"] == "optimized" else None):
         if kind == "matrix-game2":
-            from .mg2 import generate_mg2
+            from ..sampling.mg2 import generate_mg2
             dev = model.device
             mouse = None if inp["mouse"] is None else inp["mouse"].to(dev)
             keyboard = None if inp["keyboard"] is None else inp["keyboard"].to(dev)
@@ -145,7 +145,7 @@ def _sample(model, kind, inp, v, seed, on_chunk):
 
 # ----------------------------------------------------------------------------- timing
 def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, width, peak) -> dict:
-    from . import flops as fl
+    from ..model import flops as fl
     from .handle import parse_dtype
     from .job import _peak_memory, _sync
     v = VARIANTS[name]
@@ -215,7 +215,7 @@ def _history(result: dict) -> None:
 
 
 def run(args) -> int:
-    from . import flops as fl
+    from ..model import flops as fl
     from .handle import default_device
     device = torch.device(args.device) if args.device else default_device()
     kind = args.model_kind

@@ -53,10 +53,10 @@ def load_model(target: ProfileTarget):
     """The tiny built-in model, or the checkpoint (safetensors) when given."""
     dtype = torch_dtype(target.dtype)
     if target.checkpoint:
-        from ..wan.loader import load_wan_checkpoint
+        from ..model.loader import load_wan_checkpoint
 
         return load_wan_checkpoint(target.checkpoint, device=target.device, dtype=dtype)
-    from ..wan.tiny import tiny_causal_model
+    from ..model.tiny import tiny_causal_model
 
     return tiny_causal_model(seed=target.seed, device=target.device, dtype=dtype)
 
@@ -78,7 +78,7 @@ def make_inputs(model, target: ProfileTarget) -> dict:
 
 def sampler_call(model, target: ProfileTarget, inputs: dict):
     """A zero-argument callable running the causal sampler once on ``inputs``."""
-    from ..wan.sampler import sample_causal
+    from ..sampling.sampler import sample_causal
 
     import torch
 
@@ -156,7 +156,7 @@ def _capture_first_call(model, target: ProfileTarget, scope: str):
 
 
 def explain_model(scope: str = "block", **target_kwargs):
-    """Explain factory (``package_target("profiling.targets:explain_model")``): the first transformer block
+    """Explain factory (``package_target("app.profile_targets:explain_model")``): the first transformer block
     call (scope 'block', what regional compile compiles) or the first chunk call (scope 'model')."""
     target = ProfileTarget(**target_kwargs).resolved()
     model = load_model(target)

@@ -39,7 +39,7 @@ def _inputs(name, b, l, d, heads, frames, dtype, device):
 
 
 def _kernels():
-    from . import (gated_residual, gated_residual_reference, layernorm_modulate, layernorm_modulate_reference,
+    from ..kernels import (gated_residual, gated_residual_reference, layernorm_modulate, layernorm_modulate_reference,
                    rmsnorm_rope, rmsnorm_rope_reference)
 
     return (("layernorm_modulate", layernorm_modulate, layernorm_modulate_reference),
@@ -59,7 +59,7 @@ def _sanity_child() -> None:
     """Runs in a process started with TRITON_INTERPRET=1: every kernel vs its reference, one JSON line."""
     import torch
 
-    from ._common import triton_module, use_triton
+    from ..kernels._common import triton_module, use_triton
 
     if triton_module() is None:
         rows = [{"kernel": name, "skipped": "triton not importable"} for name, _, _ in _kernels()]
@@ -151,7 +151,7 @@ def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
 def run(args) -> int:
     import torch
 
-    from ._common import triton_module
+    from ..kernels._common import triton_module
 
     if not torch.cuda.is_available() or triton_module() is None:
         rows = sanity_pass()

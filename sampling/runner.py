@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fast_block
-from .attention import explain_backend
+from ..model import fast_block
+from ..model.attention import explain_backend
 from .cuda_graphs import CudaGraphBackend, GraphManager, recorded_failure
-from .kv_cache import KVCache
-from .rope import MAX_POSITIONS, _axis_angles, axis_pairs
+from ..model.kv_cache import KVCache
+from ..model.rope import MAX_POSITIONS, _axis_angles, axis_pairs
 
 log = logging.getLogger("wan_accel")
 RUNNER_ATTR = "_wan_accel_fast"

@@ -90,7 +90,7 @@ def _stack(n, dim, ffn, heads, device, dtype):
 def _cpu_pass(args) -> int:
     import torch
 
-    from .block_swap import SwapSettings, apply_block_swap
+    from ..memory.block_swap import SwapSettings, apply_block_swap
 
     import sys
 
@@ -168,7 +168,7 @@ def _vae_rows(args, device):
 def run(args) -> int:
     import torch
 
-    from .block_swap import SwapSettings, apply_block_swap
+    from ..memory.block_swap import SwapSettings, apply_block_swap
 
     if not torch.cuda.is_available():
         return _cpu_pass(args)

@@ -13,8 +13,8 @@ import contextvars
 
 import torch
 
-from .kv_cache import CrossAttnCache, KVCache
-from .rope import check_positions
+from ..model.kv_cache import CrossAttnCache, KVCache
+from ..model.rope import check_positions
 from .scheduler import FlowMatchScheduler, Schedule, resolve_schedule
 
 

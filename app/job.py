@@ -57,7 +57,7 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
     """Pixel-space request (width, height, video frames) -> model-space latents [B, F, 16, H/8, W/8].
     Validates the geometry (4k+1 frames, multiples of 16, whole blocks) before any work.
     path / fast_options / report: see ``wan.sampler.sample_causal`` (optimized path by default on CUDA)."""
-    from .sampler import generate_latents
+    from ..sampling.sampler import generate_latents
     lf = latent_frames(num_frames)
     lh, lw = latent_size(height, width, model.config.patch_size[1:])
     if frames_per_block < 1 or lf % frames_per_block:
@@ -80,8 +80,8 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
     a reference run removes a regional compile left by an optimized run (the reference path runs eager)."""
     from ..memory.block_swap import ensure_block_swap, handle_swap_settings
     from .handle import _planned_swap
-    from .fast_runner import FastOptions
-    from .sampler import PATHS
+    from ..sampling.runner import FastOptions
+    from ..sampling.sampler import PATHS
     if path not in PATHS:
         raise ValueError(f"sampler must be one of {PATHS}, got {path!r}")
     model = handle.model
@@ -178,7 +178,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
     """Run the job; progress(chunk, step, num_chunks, num_steps) per step. Returns the report dict."""
     from .handle import load_model_handle
     from .preview import latents_to_rgb, save_animation, to_vae_latents
-    from .scheduler import resolve_schedule
+    from ..sampling.scheduler import resolve_schedule
     device, dtype, frames, height, width = _resolve(opts)
     t0 = time.perf_counter()
     compile_settings = None

@@ -18,7 +18,7 @@ import torch
 from .action import ACTION_HEAD_DIM, ActionCall, ActionConfig, ActionModule
 from .config import WanConfig
 from .layers import ImageProjection
-from .model import EmbeddedText, WanModel
+from .dit import EmbeddedText, WanModel
 
 ACTION_KEY = ".action_model."
 

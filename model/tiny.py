@@ -10,7 +10,7 @@ import math
 import torch
 
 from .config import WanConfig
-from .model import WanModel
+from .dit import WanModel
 
 TINY_CONFIG = WanConfig(model_type="t2v", patch_size=(1, 2, 2), text_len=32, in_dim=16, dim=64, ffn_dim=256,
                         freq_dim=32, text_dim=64, out_dim=16, num_heads=4, num_layers=2)

@@ -99,9 +99,9 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
     (default: ``generator``). callback/tracer/on_chunk as in ``sample_causal`` (tracer tensors are
     ``[B, 3, C, H, W]``). kv_cache / actions: pre-built caches to inspect afterwards.
     """
-    from .kv_cache import KVCache
+    from ..model.kv_cache import KVCache
     from .sampler import sample_causal
-    from .mg2_model import MatrixGameModel
+    from ..model.mg2_model import MatrixGameModel
     if not isinstance(model, MatrixGameModel):
         raise TypeError("sample_mg2 needs a Matrix-Game-2 model (a checkpoint with action modules); "
                         "use the CausalWan Sampler for text-to-video models")

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from .fast_runner import FastOptions, get_runner
+from .runner import FastOptions, get_runner
 from .sampler import _text_batch
 from .scheduler import FlowMatchScheduler
 

@@ -51,8 +51,8 @@ class ModelHandle:
 def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", attention="auto", device=None,
                       compile_settings=None, plan=None, num_heads=None, seed: int = 0) -> ModelHandle:
     """Load a checkpoint (a .safetensors path) or, for None / TINY_NAME, build the tiny random model."""
-    from .loader import load_wan_checkpoint
-    from .tiny import tiny_causal_model
+    from ..model.loader import load_wan_checkpoint
+    from ..model.tiny import tiny_causal_model
     torch_dtype = parse_dtype(dtype)
     device = torch.device(device) if device is not None else default_device()
     if torch_dtype == torch.float32 or precision == "float32":
