@@ -54,6 +54,9 @@ def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", a
     from ..model.loader import load_wan_checkpoint
     from ..model.tiny import tiny_causal_model
     torch_dtype = parse_dtype(dtype)
+    if compile_settings is not None:        # a clear error now, not at the first sampling run
+        from ..compile.settings import coerce_settings
+        compile_settings = coerce_settings(compile_settings)
     device = torch.device(device) if device is not None else default_device()
     if torch_dtype == torch.float32 or precision == "float32":
         torch_dtype, precision = torch.float32, "float32"

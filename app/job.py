@@ -53,10 +53,14 @@ def load_text_embeds(path, text_dim: int) -> torch.Tensor:
 def sample_latents(model, context, width: int, height: int, num_frames: int, seed: int = 0,
                    schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1, sink: int = 0,
                    skip_last_refresh: bool = False, callback=None, on_chunk=None, batch: int = 1,
-                   path: str = "auto", fast_options=None, report: dict | None = None) -> torch.Tensor:
+                   path: str = "auto", fast_options=None, report: dict | None = None,
+                   oom_retry: str = "auto") -> torch.Tensor:
     """Pixel-space request (width, height, video frames) -> model-space latents [B, F, 16, H/8, W/8].
     Validates the geometry (4k+1 frames, multiples of 16, whole blocks) before any work.
-    path / fast_options / report: see ``wan.sampler.sample_causal`` (optimized path by default on CUDA)."""
+    path / fast_options / report: see ``sampling.sampler.sample_causal`` (optimized path by default on CUDA).
+    oom_retry: 'auto' (CUDA) | 'on' | 'off': on out-of-memory in a chunk, swap more blocks and redo it
+    (``memory.sampling_guard``)."""
+    from ..memory.sampling_guard import oom_guard
     from ..sampling.sampler import generate_latents
     lf = latent_frames(num_frames)
     lh, lw = latent_size(height, width, model.config.patch_size[1:])
@@ -66,22 +70,24 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
         video = sorted({VAE_TIME_STRIDE * (n - 1) + 1 for n in (lower, upper)})
         raise ValueError(f"{num_frames} video frames give {lf} latent frames, not a whole number of "
                          f"{fpb}-frame blocks; use {' or '.join(map(str, video))} video frames")
+    guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
     return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
                             frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
                             skip_last_refresh=skip_last_refresh, callback=callback, on_chunk=on_chunk,
-                            path=path, fast_options=fast_options, report=report)
+                            path=path, fast_options=fast_options, report=report, chunk_guard=guard)
 
 
 def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_kernels: bool = True,
                   log=None):
-    """FastOptions for a handle (its compile settings), with its block swap / VRAM plan applied to the model.
+    """FastOptions for a handle, with its block swap / VRAM plan and its compile settings applied to the model.
 
     The swap carried by the handle (or its plan's) is (re)applied on CUDA, or removed when the handle has none;
-    a reference run removes a regional compile left by an optimized run (the reference path runs eager)."""
+    the handle's compile settings compile the blocks (scope 'blocks': the optimized path calls them directly) unless
+    they already are; a reference run removes a regional compile left by an optimized run (it runs eager)."""
     from ..memory.block_swap import ensure_block_swap, handle_swap_settings
     from .handle import _planned_swap
     from ..sampling.runner import FastOptions
-    from ..sampling.sampler import PATHS
+    from ..sampling.sampler import PATHS, resolve_path
     if path not in PATHS:
         raise ValueError(f"sampler must be one of {PATHS}, got {path!r}")
     model = handle.model
@@ -91,12 +97,30 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
         settings = _planned_swap(plan)
     if model.device.type == "cuda" or settings is None:
         ensure_block_swap(model, settings, device=model.device)
-    if path == "reference":
+    if resolve_path(path, model.device, model=model)[0] == "reference":
         from ..compile import uncompile_model
         if uncompile_model(model) and log is not None:
             log("reference sampler: removed the regional compile of an earlier optimized run")
-    return FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels),
-                       compile=getattr(handle, "compile_settings", None))
+    else:
+        compile_for_sampling(model, getattr(handle, "compile_settings", None), log=log)
+    return FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels))
+
+
+def compile_for_sampling(model, settings, log=None) -> str | None:
+    """Regional compile of the blocks for the optimized sampler (None settings: nothing); returns the mode."""
+    if settings is None:
+        return None
+    from ..compile.apply import compile_handle, compile_model
+    from ..compile.settings import coerce_settings
+    s = coerce_settings(settings)
+    if s.scope != "blocks":
+        if log is not None:
+            log("compile scope set to 'blocks' (the optimized path calls the blocks directly)")
+        s = s.replace(scope="blocks")
+    handle = compile_handle(model)
+    if handle is None or handle.settings != s:
+        compile_model(model, s)
+    return s.mode if s.backend == "inductor" else s.backend
 
 
 @dataclass

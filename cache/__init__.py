@@ -2,6 +2,7 @@
 from .fingerprint import fingerprint, fingerprint_id
 from .paths import ENV_VAR, default_cache_path
 from .store import KNOWN_NAMESPACES, SCHEMA_VERSION, CacheFormatError, LimitCache
+from .open import open_cache
 
 __all__ = ["LimitCache", "default_cache_path", "fingerprint", "fingerprint_id", "ENV_VAR", "SCHEMA_VERSION",
-           "KNOWN_NAMESPACES", "CacheFormatError"]
+           "KNOWN_NAMESPACES", "CacheFormatError", "open_cache"]

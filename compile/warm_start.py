@@ -11,12 +11,12 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import time
 from pathlib import Path
 
+from ..model.attachments import model_signature  # noqa: F401  (re-exported: the warm-start key)
 from . import compat
 
 log = logging.getLogger("wan_accel.compile")
@@ -53,23 +53,6 @@ def ensure_inductor_cache_dir(cache) -> tuple[str, bool]:
     target.mkdir(parents=True, exist_ok=True)
     os.environ[ENV_INDUCTOR] = str(target)
     return str(target), True
-
-
-def model_signature(model) -> str:
-    """Stable name of a model's compiled structure: class, block count, parameter names/shapes/dtypes/device."""
-    h = hashlib.sha256(type(model).__qualname__.encode())
-    config = getattr(model, "config", None)
-    to_dict = getattr(config, "to_dict", None)
-    if callable(to_dict):
-        try:
-            h.update(json.dumps(to_dict(), sort_keys=True, default=str).encode())
-        except Exception:  # noqa: BLE001 - the parameter list below still identifies the model
-            pass
-    for name, p in model.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.device.type};".encode())
-    blocks = getattr(model, "blocks", None)
-    n = len(blocks) if blocks is not None and hasattr(blocks, "__len__") else 0
-    return f"{type(model).__name__}-{n}b-{h.hexdigest()[:12]}"
 
 
 class WarmStart:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+from ..cache import open_cache  # noqa: F401  (re-exported)
+
 NAMESPACE = "memory"
 log = logging.getLogger("wan_accel")
 
@@ -19,19 +21,6 @@ def dit_limit_key(signature: str, width: int, height: int, frames: int, mode: st
 def vae_limit_key(kind: str, batch: int, latent_h: int, latent_w: int) -> str:
     """Key of the learned VAE decode limit (``size`` = latent frames per chunk that worked)."""
     return f"vae_decode/{kind}/b{batch}/{latent_h}x{latent_w}"
-
-
-def open_cache(cache=None):
-    """``cache`` itself, or the default LimitCache; None when the cache cannot be opened (never fatal)."""
-    if cache is not None:
-        return cache
-    try:
-        from ..cache import LimitCache
-
-        return LimitCache()
-    except Exception as exc:  # noqa: BLE001 - learning is an optimisation, never a failure
-        log.warning("wan_accel: limit cache unavailable (%s); memory limits will not be remembered", exc)
-        return None
 
 
 def read_limit(cache, key: str) -> dict | None:

@@ -1,22 +1,88 @@
-"""Transformer block of the Wan DiT (self-attention with RoPE and optional KV cache, cross-attention, FFN).
+"""Transformer block of the Wan DiT: self-attention with RoPE and an optional KV cache, cross-attention, FFN.
 
-Per-call state (the layer's KV cache, the cache step plan, the layer's cross-attention cache) is passed
-in as arguments, so each block can be wrapped, compiled or moved between devices on its own.
+There is one block forward. What differs between the reference and the optimized sampling paths are the parts
+plugged into it (``BlockParts``): the attention backend, the fused Triton kernels (LayerNorm+modulate,
+RMSNorm+RoPE, gated residual; torch fallbacks elsewhere) and one q/k/v GEMM over a concatenated weight
+(``fused_qkv``). Everything a call needs arrives in a ``LayerCall`` of tensors and of values that change only with
+the chunk's shape, so a compiled block (``compile.compile_model``, scope 'blocks') installs no guard on Python
+bookkeeping:
+
+* the layer's KV buffers and the step's device index of the slots each chunk row goes to (``kv_cache.write_kv``),
+  plus ``read_len`` (slots attended; it changes only when the attended window grows);
+* the cross-attention keys/values, computed once per prompt (``cross_kv``);
+* ``e0`` [B, G, 6, dim]: the time projection per token group (one group per latent frame, or one per chunk when
+  the chunk's timestep is uniform).
+
+``kv_only`` is the refresh pass of the last block: only its keys/values are used, so only they are computed.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from ..kernels import gated_residual, layernorm_modulate, rmsnorm_rope
 from .attention import attention
+from .fused_qkv import QKV_BIAS, QKV_WEIGHT
+from .kv_cache import write_kv
 from .layers import LayerNorm, RMSNorm, gated_add, modulate
 from .rope import apply_rope
 
-FAST_FORWARD = None     # set by wan.fast_block when the optimized path is loaded
+
+class BlockParts(NamedTuple):
+    """The parts plugged into the block forward (all of them keep the results within rounding)."""
+    attention: str = "auto"       # backend: 'auto' | 'sdpa' | 'fa3' | 'fa2' | ... (model/attention.py)
+    fused_kernels: bool = False   # the fused Triton kernels (only where Triton runs)
+    fused_qkv: bool = False       # one q/k/v GEMM over the concatenated weight (model/fused_qkv.py)
+
+
+class LayerCall(NamedTuple):
+    """One layer's inputs for one forward call besides x, e0 and rope."""
+    cross: tuple                       # (k, v) or (k, v, k_img, v_img), each [B, Lc, H, hd]
+    parts: BlockParts = BlockParts()
+    k_cache: torch.Tensor | None = None  # [B, capacity, H, hd] this layer's keys (None: attend within the call)
+    v_cache: torch.Tensor | None = None
+    write_idx: torch.Tensor | None = None  # [L] long: cache slot of each row of the call
+    read_len: int = 0                  # attend cache slots [0, read_len)
+    key_mask: torch.Tensor | None = None   # [B, L] bool, padded keys (no cache only)
 
 
 def _qk_norm(dim: int, eps: float, enabled: bool) -> nn.Module:
     return RMSNorm(dim, eps) if enabled else nn.Identity()
+
+
+# ----------------------------------------------------------------------------- pieces (plain or fused)
+def _modulated(norm, x, m, i: int, fused: bool):
+    """modulate(norm(x), shift=m[i], scale=m[i+1]) with m [B, G, 6, dim]; LayerNorm without affine."""
+    if fused:
+        return layernorm_modulate(x, m[:, :, i], m[:, :, i + 1], eps=norm.eps)
+    return modulate(norm(x), m[:, :, i:i + 1], m[:, :, i + 1:i + 2])
+
+
+def _gated(x, y, m, i: int, fused: bool):
+    if fused:
+        return gated_residual(x, y, m[:, :, i])
+    return gated_add(x, y, m[:, :, i:i + 1])
+
+
+def _norm_rope(norm, x, rope, heads: int, fused: bool):
+    cos, sin = rope
+    if fused and isinstance(norm, RMSNorm) and cos.dim() == 2:
+        return rmsnorm_rope(x, norm.weight, cos, sin, heads, norm.eps)
+    return apply_rope(norm(x).unflatten(2, (heads, -1)), cos, sin)
+
+
+def _project(sa, h, fused_qkv: bool, parts: int):
+    """The last ``parts`` of (q, k, v) for input h: one GEMM over the fused weight when available."""
+    w = getattr(sa, QKV_WEIGHT, None) if fused_qkv else None
+    if w is not None:
+        d = h.shape[-1]
+        b = getattr(sa, QKV_BIAS, None)
+        start = (3 - parts) * d
+        return F.linear(h, w[start:], None if b is None else b[start:]).split(d, dim=-1)
+    return tuple(m(h) for m in (sa.q, sa.k, sa.v)[3 - parts:])
 
 
 class WanSelfAttention(nn.Module):
@@ -26,19 +92,24 @@ class WanSelfAttention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.norm_q = _qk_norm(dim, eps, qk_norm)
         self.norm_k = _qk_norm(dim, eps, qk_norm)
-        self.attn_backend = "auto"
 
-    def forward(self, x, rope, kv=None, cache_step=None, key_mask=None):
-        heads = (self.num_heads, -1)
-        q = self.norm_q(self.q(x)).unflatten(2, heads)
-        k = self.norm_k(self.k(x)).unflatten(2, heads)
-        v = self.v(x).unflatten(2, heads)
-        q = apply_rope(q, *rope)
-        k = apply_rope(k, *rope)
-        if kv is not None:
-            k, v = kv.update(k, v, cache_step)
-            key_mask = None
-        out = attention(q, k, v, key_mask, backend=self.attn_backend)
+    def keys_values(self, h, rope, call: LayerCall, with_query: bool):
+        """(q, k, v) or (k, v) of the modulated input h, RoPE applied, [B, L, H, hd] each."""
+        p = call.parts
+        proj = _project(self, h, p.fused_qkv, 3 if with_query else 2)
+        k = _norm_rope(self.norm_k, proj[-2], rope, self.num_heads, p.fused_kernels)
+        v = proj[-1].unflatten(2, (self.num_heads, -1))
+        if not with_query:
+            return k, v
+        return _norm_rope(self.norm_q, proj[0], rope, self.num_heads, p.fused_kernels), k, v
+
+    def forward(self, h, rope, call: LayerCall):
+        q, k, v = self.keys_values(h, rope, call, with_query=True)
+        key_mask = call.key_mask
+        if call.k_cache is not None:
+            write_kv(call.k_cache, call.v_cache, call.write_idx, k, v)
+            k, v, key_mask = call.k_cache[:, :call.read_len], call.v_cache[:, :call.read_len], None
+        out = attention(q, k, v, key_mask, backend=call.parts.attention)
         return self.o(out.flatten(2))
 
 
@@ -56,29 +127,22 @@ class WanCrossAttention(nn.Module):
             self.k_img = nn.Linear(dim, dim)
             self.v_img = nn.Linear(dim, dim)
             self.norm_k_img = _qk_norm(dim, eps, qk_norm)
-        self.attn_backend = "auto"
 
-    def _context_kv(self, text, image):
+    def context_kv(self, text, image=None) -> tuple:
+        """Keys/values of the embedded prompt: (k, v) or (k, v, k_img, v_img), each [B, Lc, H, hd], contiguous."""
         heads = (self.num_heads, -1)
-        kv = {"k": self.norm_k(self.k(text)).unflatten(2, heads), "v": self.v(text).unflatten(2, heads)}
+        kv = [self.norm_k(self.k(text)).unflatten(2, heads), self.v(text).unflatten(2, heads)]
         if self.has_image:
             if image is None:
                 raise ValueError("this is an i2v model: pass the CLIP image features (clip_fea)")
-            kv["k_img"] = self.norm_k_img(self.k_img(image)).unflatten(2, heads)
-            kv["v_img"] = self.v_img(image).unflatten(2, heads)
-        return kv
+            kv += [self.norm_k_img(self.k_img(image)).unflatten(2, heads), self.v_img(image).unflatten(2, heads)]
+        return tuple(t.contiguous() for t in kv)
 
-    def forward(self, x, text, image=None, cross_kv=None):
-        q = self.norm_q(self.q(x)).unflatten(2, (self.num_heads, -1))
-        if cross_kv is not None and cross_kv.ready:
-            kv = cross_kv.tensors
-        else:
-            kv = self._context_kv(text, image)
-            if cross_kv is not None:
-                cross_kv.store(kv)
-        out = attention(q, kv["k"], kv["v"], backend=self.attn_backend)
-        if self.has_image:
-            out = out + attention(q, kv["k_img"], kv["v_img"], backend=self.attn_backend)
+    def forward(self, h, cross: tuple, backend: str):
+        q = self.norm_q(self.q(h)).unflatten(2, (self.num_heads, -1))
+        out = attention(q, cross[0], cross[1], backend=backend)
+        if len(cross) == 4:
+            out = out + attention(q, cross[2], cross[3], backend=backend)
         return self.o(out.flatten(2))
 
 
@@ -95,25 +159,44 @@ class WanBlock(nn.Module):
         self.modulation = nn.Parameter(torch.zeros(1, 6, dim))
         self.compute_dtype = torch.float32
 
-    def forward(self, x: torch.Tensor, e0: torch.Tensor, text: torch.Tensor, rope: tuple,
-                kv=None, cache_step=None, cross_kv=None, key_mask=None, image=None, actions=None,
-                fast=None) -> torch.Tensor:
-        """x [B, L, dim] residual stream; e0 [B, G, 6, dim] time projection per token group (G groups of
-        L/G tokens: one per latent frame in the causal model, one per video otherwise); text [B, Lt, dim]
-        embedded text; rope (cos, sin) tables [L, head_dim/2]; kv/cache_step: this layer's KV cache and the
-        call's host-side write plan; cross_kv: this layer's cross-attention cache; key_mask [B, L] bool;
-        actions: per-call state for an optional ``action_model`` submodule (Matrix-Game-2), which runs
-        between cross-attention and the FFN. fast: a ``wan.fast_block.FastArgs`` selects the optimized path
-        (KV buffers, precomputed cross K/V; text, kv, cache_step and cross_kv are then unused)."""
-        if fast is not None:
-            return FAST_FORWARD(self, x, e0, rope, fast, actions)
-        cd = self.compute_dtype
-        m = self.modulation.unsqueeze(1) + e0                       # [B, G, 6, dim]
-        m = [m[:, :, i:i + 1] for i in range(6)]                    # each [B, G, 1, dim]
-        y = self.self_attn(modulate(self.norm1(x), m[0], m[1]).to(cd), rope, kv, cache_step, key_mask)
-        x = gated_add(x, y, m[2])
-        x = x + self.cross_attn(self.norm3(x).to(cd), text, image, cross_kv)
+    def forward(self, x: torch.Tensor, e0: torch.Tensor, rope: tuple, call: LayerCall, actions=None) -> torch.Tensor:
+        """x [B, L, dim] residual stream; e0 [B, G, 6, dim] time projection per token group (G groups of L/G
+        tokens); rope (cos, sin) tables [L, head_dim/2] (or per sample [B, L, head_dim/2]); call: this layer's
+        caches, prompt keys/values and parts; actions: per-call state for an optional ``action_model`` submodule
+        (Matrix-Game-2), which runs between cross-attention and the FFN."""
+        cd, fused = self.compute_dtype, call.parts.fused_kernels
+        m = self.modulation.unsqueeze(1) + e0                                    # [B, G, 6, dim]
+        y = self.self_attn(_modulated(self.norm1, x, m, 0, fused).to(cd), rope, call)
+        x = _gated(x, y, m, 2, fused)
+        x = x + self.cross_attn(self.norm3(x).to(cd), call.cross, call.parts.attention)
         if actions is not None and getattr(self, "action_model", None) is not None:
             x = self.action_model(x, actions)
-        y = self.ffn(modulate(self.norm2(x), m[3], m[4]).to(cd))
-        return gated_add(x, y, m[5])
+        y = self.ffn(_modulated(self.norm2, x, m, 3, fused).to(cd))
+        return _gated(x, y, m, 5, fused)
+
+    def kv_only(self, x: torch.Tensor, e0: torch.Tensor, rope: tuple, call: LayerCall) -> None:
+        """The block's self-attention keys/values for x, written to its cache; nothing else (refresh, last block)."""
+        m = self.modulation[:, :2].unsqueeze(1) + e0[:, :, :2]
+        h = _modulated(self.norm1, x, m, 0, call.parts.fused_kernels).to(self.compute_dtype)
+        k, v = self.self_attn.keys_values(h, rope, call, with_query=False)
+        write_kv(call.k_cache, call.v_cache, call.write_idx, k, v)
+
+
+def cross_kv(block: WanBlock, text, image=None) -> tuple:
+    """The block's cross-attention keys/values for an embedded prompt: (k, v) or (k, v, k_img, v_img).
+
+    Works for a block whose weights live elsewhere (block swap): they are copied to the prompt's device for
+    this one computation and put back."""
+    ca = block.cross_attn
+    params = list(ca.parameters())
+    saved = [p.data for p in params]
+    moved = any(p.device != text.device for p in params)
+    try:
+        if moved:
+            for p in params:
+                p.data = p.data.to(text.device, non_blocking=True)
+        return ca.context_kv(text, image)
+    finally:
+        if moved:
+            for p, d in zip(params, saved):
+                p.data = d

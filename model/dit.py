@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .attention import check_backend
-from .blocks import WanBlock
+from .blocks import BlockParts, LayerCall, WanBlock
 from .config import WanConfig
 from .layers import Head, ImageProjection, sinusoidal_embedding
 from .rope import RopeCache
@@ -83,10 +83,11 @@ class WanModel(nn.Module):
 
     def set_attention_backend(self, backend: str) -> "WanModel":
         self.attn_backend = check_backend(backend)
-        for block in self.blocks:
-            block.self_attn.attn_backend = backend
-            block.cross_attn.attn_backend = backend
         return self
+
+    def reference_parts(self) -> BlockParts:
+        """The parts of the plain forward: the model's attention backend, no fused kernels, separate q/k/v."""
+        return BlockParts(self.attn_backend)
 
     @property
     def device(self) -> torch.device:
@@ -134,12 +135,16 @@ class WanModel(nn.Module):
                              f"{self.config.patch_size}")
         return self.patch_embedding(x.to(self.compute_dtype))
 
-    def _run_blocks(self, x, e0, text, rope, kv_cache=None, cache_step=None, cross_cache=None,
-                    key_mask=None, image=None, actions=None):
-        for i, block in enumerate(self.blocks):
-            kv = kv_cache.layers[i] if kv_cache is not None else None
-            ckv = cross_cache.layers[i] if cross_cache is not None else None
-            x = block(x, e0, text, rope, kv, cache_step, ckv, key_mask, image, actions)
+    def run_blocks(self, x, e0, rope, calls, actions=None, kv_only_last: bool = False):
+        """The blocks over the residual stream x [B, L, dim] with one ``LayerCall`` per block. kv_only_last: the last
+        block only writes its keys/values (a refresh pass whose output is unused); returns None then."""
+        blocks = self.blocks
+        n_full = len(blocks) - 1 if kv_only_last else len(blocks)
+        for i in range(n_full):
+            x = blocks[i](x, e0, rope, calls[i], actions)
+        if kv_only_last:
+            blocks[-1].kv_only(x, e0, rope, calls[-1])
+            return None
         return x
 
     # ----------------------------------------------------------------- full sequence (Wan 2.1)
@@ -167,7 +172,9 @@ class WanModel(nn.Module):
         e, e0 = self.time_embed(t.to(self.device))
         text = self.embed_text(context_list).tensor
         rope = self._rope_full(grids, seq_len, x.device)
-        x = self._run_blocks(x, e0[:, None], text, rope, key_mask=key_mask, image=self.embed_image(clip_fea))
+        image, parts = self.embed_image(clip_fea), self.reference_parts()
+        calls = [LayerCall(b.cross_attn.context_kv(text, image), parts, key_mask=key_mask) for b in self.blocks]
+        x = self.run_blocks(x, e0[:, None], rope, calls)
         out = self.head(x, e[:, None])
         return [self._unpatchify_video(out[i, :n], g) for i, (n, g) in enumerate(zip(lens, grids))]
 
@@ -199,39 +206,67 @@ class WanModel(nn.Module):
         return u.permute(6, 0, 3, 1, 4, 2, 5).reshape(self.config.out_dim, f * pt, h * ph, w * pw)
 
     # ----------------------------------------------------------------- causal chunk
-    def forward_chunk(self, x, t, context, kv_cache=None, crossattn_cache=None, current_start: int = 0,
-                      clip_fea=None, y=None, return_output: bool = True, actions=None):
-        """Causal chunk forward. x [B, Fb, C, H, W]; t [B, Fb] per-frame timesteps; context [B, L, text_dim]
-        or an EmbeddedText; kv_cache: KVCache or None (plain attention over the chunk); current_start: token
-        offset of the chunk (a host int, a multiple of the tokens per frame). Returns flow [B, Fb, C_out, H, W]
-        (None with return_output=False, e.g. for a cache-refresh pass). actions: optional per-run state for
-        blocks with an ``action_model`` (Matrix-Game-2); its ``begin(start_frame, frames, batch, frame_tokens,
-        device, dtype)`` is called once per forward before the blocks run."""
-        pt, ph, pw = self.config.patch_size
+    def chunk_tokens(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        """Latent chunk x [B, Fb, C, H, W] (+ conditioning y on channels) -> (tokens [B, L, dim] in the stream dtype,
+        token grid (f, h, w))."""
+        pt = self.config.patch_size[0]
         if pt != 1:
             raise ValueError("the causal chunk forward needs a temporal patch size of 1")
         if y is not None:
             x = torch.cat([x, y], dim=2)
         patches = self._patchify(x.transpose(1, 2))
-        _, _, f, h, w = patches.shape
+        grid = tuple(patches.shape[2:])
+        return patches.flatten(2).transpose(1, 2).to(self.stream_dtype).contiguous(), grid
+
+    def chunk_output(self, hidden: torch.Tensor, e: torch.Tensor, grid) -> torch.Tensor:
+        """Head and unpatchify: hidden [B, L, dim], e [B, G, dim] -> flow [B, Fb, C_out, H, W]."""
+        return self._unpatchify_chunk(self.head(hidden, e), grid)
+
+    def rope_dtype(self) -> torch.dtype:
+        return torch.float64 if self.stream_dtype == torch.float64 else torch.float32
+
+    def forward_chunk(self, x, t, context, kv_cache=None, crossattn_cache=None, current_start: int = 0,
+                      clip_fea=None, y=None, return_output: bool = True, actions=None, parts: BlockParts | None = None):
+        """Causal chunk forward. x [B, Fb, C, H, W]; t [B, Fb] per-frame timesteps; context [B, L, text_dim]
+        or an EmbeddedText; kv_cache: KVCache or None (plain attention over the chunk); crossattn_cache: a
+        CrossAttnCache (prompt keys/values computed once) or None; current_start: token offset of the chunk (a host
+        int, a multiple of the tokens per frame). Returns flow [B, Fb, C_out, H, W] (None with return_output=False,
+        e.g. for a cache-refresh pass). actions: optional per-run state for blocks with an ``action_model``
+        (Matrix-Game-2); its ``begin(start_frame, frames, batch, frame_tokens, device, dtype)`` is called once per
+        forward before the blocks run. parts: the block parts (default: ``reference_parts()``)."""
+        tokens, (f, h, w) = self.chunk_tokens(x, y)
         frame_tokens = h * w
         if current_start % frame_tokens:
             raise ValueError(f"current_start={current_start} is not a multiple of the {frame_tokens} tokens "
                              f"per latent frame")
-        tokens = patches.flatten(2).transpose(1, 2).to(self.stream_dtype)
         e, e0 = self.time_embed(t.to(self.device))
         text = self.embed_text(context).tensor
-        tdtype = torch.float64 if self.stream_dtype == torch.float64 else torch.float32
-        rope = self.rope.get(self.config.head_dim, (f, h, w), current_start // frame_tokens, tokens.device, tdtype)
+        rope = self.rope.get(self.config.head_dim, (f, h, w), current_start // frame_tokens, tokens.device,
+                             self.rope_dtype())
         step = kv_cache.plan(current_start, tokens.shape[1]) if kv_cache is not None else None
         if actions is not None:
             actions.begin(current_start // frame_tokens, f, tokens.shape[0], frame_tokens, tokens.device,
                           self.compute_dtype)
-        hidden = self._run_blocks(tokens, e0, text, rope, kv_cache, step, crossattn_cache,
-                                  image=self.embed_image(clip_fea), actions=actions)
+        image = self.embed_image(clip_fea)
+        parts = parts if parts is not None else self.reference_parts()
+        calls = []
+        for i, block in enumerate(self.blocks):
+            ckv = crossattn_cache.layers[i] if crossattn_cache is not None else None
+            if ckv is not None and ckv.ready:
+                cross = ckv.tensors
+            else:
+                cross = block.cross_attn.context_kv(text, image)
+                if ckv is not None:
+                    ckv.store(cross)
+            if step is None:
+                calls.append(LayerCall(cross, parts))
+            else:
+                layer = kv_cache.layers[i]
+                calls.append(LayerCall(cross, parts, layer.k, layer.v, step.index, step.read_len))
+        hidden = self.run_blocks(tokens, e0, rope, calls, actions)
         if not return_output:
             return None
-        return self._unpatchify_chunk(self.head(hidden, e), (f, h, w))
+        return self.chunk_output(hidden, e, (f, h, w))
 
     def _unpatchify_chunk(self, out: torch.Tensor, grid) -> torch.Tensor:
         """[B, F'H'W', ph*pw*C] -> [B, F, C, H, W] (temporal patch 1)."""

@@ -1,13 +1,15 @@
 """Self-attention KV cache (global or rolling window with sink frames) and the cross-attention cache.
 
 Bookkeeping is host-side Python ints: every forward call gets a ``CacheStep`` (which slots to write, how
-many slots to attend) computed once and shared by all layers. The rolling window is a ring buffer: the
+many slots to attend) computed once and shared by all layers. The step also carries the slots as a device index
+tensor (built once per write pattern and kept), so every write is one ``index_copy_`` with no host sync; the
+optimized path's CUDA graphs replay those writes. The rolling window is a ring buffer: the
 first ``sink`` tokens keep their slots; later tokens go to slot ``sink + (g - sink) % ring``. Attention is
 order-independent over keys (RoPE is already applied to cached keys), so no data is ever shifted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +18,15 @@ import torch
 class CacheStep:
     writes: tuple          # ((dst_start, dst_end, src_start, src_end), ...) slot ranges <- chunk rows
     read_len: int          # attend to slots [0, read_len)
+    index: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
+    # [rows] long on the cache's device: the slot of each chunk row (same information as ``writes``)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """The one KV writer: row i of k/v [B, rows, H, hd] goes to slot index[i] of the caches [B, capacity, H, hd]."""
+    k_cache.index_copy_(1, index, k.to(k_cache.dtype))
+    v_cache.index_copy_(1, index, v.to(v_cache.dtype))
 
 
 class LayerKV:
@@ -28,9 +39,7 @@ class LayerKV:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep):
         """Write this call's keys/values, return the views to attend to."""
-        for d0, d1, s0, s1 in step.writes:
-            self.k[:, d0:d1] = k[:, s0:s1]
-            self.v[:, d0:d1] = v[:, s0:s1]
+        write_kv(self.k, self.v, step.index, k, v)
         return self.k[:, :step.read_len], self.v[:, :step.read_len]
 
 
@@ -50,6 +59,9 @@ class KVCache:
         self.layers = [LayerKV(torch.zeros(shape, device=device, dtype=dtype),
                                torch.zeros(shape, device=device, dtype=dtype)) for _ in range(num_layers)]
         self.end = 0        # global token index one past the newest token written
+        self.device = self.layers[0].k.device if self.layers else torch.device(device or "cpu")
+        self._index: dict = {}   # writes -> device index tensor (kept: graphs captured on it read its memory;
+        # bounded: a global cache has one pattern per chunk position, a rolling one repeats them)
 
     @classmethod
     def for_model(cls, model, batch: int, frame_tokens: int, num_frames: int, kv_window: int = -1,
@@ -81,7 +93,7 @@ class KVCache:
                 raise ValueError(f"KV cache holds {self.capacity} tokens but the call reaches token {end}; "
                                  f"use a rolling window (kv_window) for longer videos")
             self.end = end
-            return CacheStep(((start, end, 0, num_tokens),), end)
+            return self._step(((start, end, 0, num_tokens),), end)
         if num_tokens > self.ring:
             raise ValueError(f"a chunk of {num_tokens} tokens does not fit the rolling window of "
                              f"{self.ring} non-sink tokens; raise kv_window or lower sink")
@@ -89,7 +101,15 @@ class KVCache:
             raise ValueError("a rolling KV cache only appends the next chunk or recomputes the newest one "
                              f"(cached up to token {self.end}, call covers [{start}, {end}))")
         self.end = max(self.end, end)
-        return CacheStep(self._segments(start, end), min(self.end, self.capacity))
+        return self._step(self._segments(start, end), min(self.end, self.capacity))
+
+    def _step(self, writes: tuple, read_len: int) -> CacheStep:
+        idx = self._index.get(writes)
+        if idx is None:
+            parts = [torch.arange(d0, d1, device=self.device) for d0, d1, _s0, _s1 in sorted(writes, key=lambda w: w[2])]
+            idx = torch.cat(parts) if len(parts) > 1 else parts[0]
+            self._index[writes] = idx
+        return CacheStep(writes, read_len, idx)
 
     def _segments(self, g0: int, g1: int) -> tuple:
         segs, g, s, r = [], g0, self.sink_tokens, self.ring

@@ -49,15 +49,33 @@ def build_angles(head_dim: int, frames: int, height: int, width: int, start_fram
 
 
 class RopeCache:
-    """(cos, sin) tables keyed by (device, dtype, grid, start frame, padded length).
+    """The one RoPE provider: (cos, sin) tables [L, head_dim/2] for a token grid starting at a latent frame.
 
-    Padded token rows (beyond the video tokens) get cos=1, sin=0: they are left unrotated, as in the
-    original implementation.
+    Per-axis tables (frames: every position of the rotary table; height and width of the grid) are built once per
+    (device, dtype, head_dim, grid height/width) from float64 angles and kept on the device; a call's table is
+    assembled from them on the device (no host-to-device copy per chunk) and cached by (start frame, frames,
+    padded length). Padded token rows (beyond the video tokens) get cos=1, sin=0: they are left unrotated, as in
+    the original implementation.
     """
 
     def __init__(self, max_entries: int = 64):
         self.max_entries = max_entries
+        self._axes: dict = {}
         self._tables: dict = {}
+
+    def _axis_tables(self, head_dim: int, h: int, w: int, device, dtype):
+        key = (str(device), dtype, head_dim, h, w)
+        hit = self._axes.get(key)
+        if hit is None:
+            out = []
+            for n, count in zip(axis_pairs(head_dim), (MAX_POSITIONS, h, w)):
+                ang = _axis_angles(torch.arange(count, dtype=torch.float64), n)
+                out.append((torch.cos(ang).to(device=device, dtype=dtype),
+                            torch.sin(ang).to(device=device, dtype=dtype)))
+            if len(self._axes) >= 8:
+                self._axes.clear()
+            hit = self._axes[key] = out
+        return hit
 
     def get(self, head_dim: int, grid: tuple[int, int, int], start_frame: int, device,
             dtype=torch.float32, padded_len: int | None = None):
@@ -68,20 +86,25 @@ class RopeCache:
         hit = self._tables.get(key)
         if hit is not None:
             return hit
-        ang = build_angles(head_dim, f, h, w, start_frame)
-        cos, sin = torch.cos(ang), torch.sin(ang)
-        if padded_len > n:
-            pad = padded_len - n
-            cos = torch.cat([cos, torch.ones(pad, head_dim // 2, dtype=cos.dtype)])
-            sin = torch.cat([sin, torch.zeros(pad, head_dim // 2, dtype=sin.dtype)])
-        table = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
+        check_positions(start_frame, f, h, w)
+        axes = self._axis_tables(head_dim, h, w, device, dtype)
+        tabs = []
+        for i, fill in ((0, 1.0), (1, 0.0)):
+            ft, ht, wt = axes[0][i][start_frame:start_frame + f], axes[1][i], axes[2][i]
+            grid_tab = torch.cat([ft[:, None, None, :].expand(f, h, w, ft.shape[-1]),
+                                  ht[None, :, None, :].expand(f, h, w, ht.shape[-1]),
+                                  wt[None, None, :, :].expand(f, h, w, wt.shape[-1])], dim=-1).reshape(n, -1)
+            if padded_len > n:
+                grid_tab = torch.cat([grid_tab, grid_tab.new_full((padded_len - n, grid_tab.shape[-1]), fill)])
+            tabs.append(grid_tab)
         if len(self._tables) >= self.max_entries:
             self._tables.clear()
-        self._tables[key] = table
+        table = self._tables[key] = (tabs[0], tabs[1])
         return table
 
     def clear(self) -> None:
         self._tables.clear()
+        self._axes.clear()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

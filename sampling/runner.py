@@ -1,16 +1,19 @@
-"""The optimized forward of causal chunks: static buffers, precomputed inputs, CUDA graphs, compile.
+"""The optimized executor of causal chunks: static buffers, precomputed inputs, CUDA graphs.
 
 ``get_runner(model)`` returns the model's runner (kept on the model, outside its state dict). ``runner.start``
-prepares one sampling run and returns a ``Run``:
+prepares one sampling run and returns a ``Run``, the executor the chunk loop (``sampling/loop.py``) drives:
 
-* static, preallocated KV cache (host-int bookkeeping, ``KVCache.plan``; slots written with a device index
-  tensor cached per write plan), kept between runs of the same geometry so CUDA graphs stay valid;
+* static, preallocated KV cache (host-int bookkeeping and device write indices, ``KVCache.plan``), kept between runs
+  of the same geometry so CUDA graphs stay valid;
 * cross-attention K/V computed once per prompt into static buffers;
-* time embeddings (sinusoid, e, e0) once per distinct timestep; RoPE cos/sin built on the device per chunk start
-  from per-axis tables (uploaded once) and cached;
-* one q/k/v GEMM (``fast_block.ensure_fused_qkv``), the fused kernels, regional torch.compile
-  (``compile.compile_model``, scope 'blocks') and the attention backend resolved once;
+* time embeddings (sinusoid, e, e0) once per distinct timestep; RoPE tables from the model's one provider;
+* the block parts: one q/k/v GEMM (``model/fused_qkv.py``), the fused kernels where Triton runs, the attention
+  backend resolved once;
 * refresh passes that skip the last block's unused work and the head.
+
+The block forward is the model's own (``model/blocks.py``); only the parts differ from the reference executor. What
+the policy floors did to the model (block swap, compile) is read through ``model/attachments.py``: the model is
+compiled, swapped or offloaded by its owner before sampling, never from here.
 """
 from __future__ import annotations
 
@@ -20,14 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import fast_block
+from ..kernels import use_triton
+from ..model.attachments import RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, swapped_blocks
 from ..model.attention import explain_backend
-from .cuda_graphs import CudaGraphBackend, GraphManager, recorded_failure
+from ..model.blocks import BlockParts, LayerCall, cross_kv
+from ..model.fused_qkv import drop_fused_qkv, ensure_fused_qkv
 from ..model.kv_cache import KVCache
-from ..model.rope import MAX_POSITIONS, _axis_angles, axis_pairs
+from .cuda_graphs import CudaGraphBackend, GraphManager, recorded_failure
 
 log = logging.getLogger("wan_accel")
-RUNNER_ATTR = "_wan_accel_fast"
 CUDA_GRAPH_MODES = ("auto", "off")
 LATENT_DTYPES = ("float32", "stream")
 
@@ -41,11 +45,11 @@ class FastOptions:
     fused_kernels:     the fused Triton kernels (LayerNorm+modulate, RMSNorm+RoPE, gated residual) where Triton
                        runs (CUDA; the CPU under TRITON_INTERPRET=1); plain torch ops elsewhere.
     cuda_graphs:       'auto' (on CUDA, unless block swap, compile-mode graphs or action modules rule it out) | 'off'.
+                       (Compile the model with ``compile.compile_model`` before sampling; the runner keeps its graphs
+                       in charge of compiled blocks unless the compile itself uses CUDA graphs.)
     lean_refresh:      in refresh passes compute only what the cache needs (last block: k/v only; no head).
     skip_last_refresh: skip the final chunk's refresh (its result is never used).
-    compile:           CompileSettings (or dict) for regional torch.compile of the blocks; None: no compile.
     keep_buffers:      keep the static KV cache and graphs after a run (fast repeats; holds their memory).
-    oom_retry:         'auto' (CUDA) | 'on' | 'off': on out-of-memory in a chunk, swap more blocks and redo it.
     max_graphs:        most graphs kept per session (beyond it, calls run eagerly).
     latent_dtype:      'float32': the sampler's latent state (xt, x0, flow->x0, re-noising) is kept in at least
                        float32 whatever the model dtype (elementwise work on latents only) | 'stream': in the
@@ -58,17 +62,13 @@ class FastOptions:
     cuda_graphs: str = "auto"
     lean_refresh: bool = True
     skip_last_refresh: bool = True
-    compile: object = None
     keep_buffers: bool = True
-    oom_retry: str = "auto"
     max_graphs: int = 64
     latent_dtype: str = "float32"
 
     def __post_init__(self):
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
-        if self.oom_retry not in ("auto", "on", "off"):
-            raise ValueError(f"oom_retry must be 'auto', 'on' or 'off', got {self.oom_retry!r}")
         if self.latent_dtype not in LATENT_DTYPES:
             raise ValueError(f"latent_dtype must be one of {LATENT_DTYPES}, got {self.latent_dtype!r}")
 
@@ -100,7 +100,6 @@ def graphs_device(device) -> bool:
 def kernels_run_on(device) -> bool:
     """Whether the fused Triton kernels run on this device (CUDA, or the CPU under TRITON_INTERPRET=1). Elsewhere
     their torch fallbacks would only add work, so the plain block math is used."""
-    from ..kernels import use_triton
     return use_triton(torch.empty(0, device=device))
 
 
@@ -118,63 +117,17 @@ def release_buffers(model) -> bool:
     return runner.release() if runner is not None else False
 
 
-def swapped_blocks(model) -> set:
-    from ..memory.block_swap import active_swap
-    swap = active_swap(model)
-    return {k for k in swap.units if isinstance(k, int)} if swap is not None else set()
-
-
-def _rope_axes(head_dim: int, h: int, w: int, device, dtype):
-    """Per-axis (cos, sin) tables: frames [MAX_POSITIONS, nf], height [h, nh], width [w, nw] (float64 angles)."""
-    nf, nh, nw = axis_pairs(head_dim)
-    out = []
-    for n, count in ((nf, MAX_POSITIONS), (nh, h), (nw, w)):
-        ang = _axis_angles(torch.arange(count, dtype=torch.float64), n)
-        out.append((torch.cos(ang).to(device=device, dtype=dtype), torch.sin(ang).to(device=device, dtype=dtype)))
-    return out
+GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune", "cudagraphs")
 
 
 class _Session:
     """Static buffers of one geometry (batch, cache layout, grid, dtype): reused by later runs."""
 
-    def __init__(self, key, model, kv: KVCache, grid_hw, device, tdtype, external: bool):
+    def __init__(self, key, kv: KVCache, external: bool):
         self.key, self.kv, self.external = key, kv, external
-        self.device, self.tdtype = device, tdtype
-        self.axes = _rope_axes(model.config.head_dim, grid_hw[0], grid_hw[1], device, tdtype)
-        self.grid_hw = grid_hw
-        self.rope: dict = {}
-        self.idx: dict = {}
-        self.args: dict = {}
+        self.calls: dict = {}
         self.cross: list | None = None
         self.graphs: GraphManager | None = None
-
-    def rope_for(self, start_frame: int, frames: int):
-        key = (start_frame, frames)
-        hit = self.rope.get(key)
-        if hit is None:
-            if start_frame + frames > MAX_POSITIONS:
-                raise ValueError(f"RoPE position out of range: frames [{start_frame}, {start_frame + frames}); the "
-                                 f"model's rotary table has {MAX_POSITIONS} positions")
-            h, w = self.grid_hw
-            tabs = []
-            for i in range(2):
-                f_tab = self.axes[0][i][start_frame:start_frame + frames]
-                parts = [f_tab[:, None, None, :].expand(frames, h, w, f_tab.shape[-1]),
-                         self.axes[1][i][None, :, None, :].expand(frames, h, w, self.axes[1][i].shape[-1]),
-                         self.axes[2][i][None, None, :, :].expand(frames, h, w, self.axes[2][i].shape[-1])]
-                tabs.append(torch.cat(parts, dim=-1).reshape(frames * h * w, -1))
-            if len(self.rope) >= 32:
-                self.rope.clear()
-            hit = self.rope[key] = (tabs[0], tabs[1])
-        return hit
-
-    def write_index(self, step) -> torch.Tensor:
-        idx = self.idx.get(step.writes)
-        if idx is None:
-            parts = [torch.arange(d0, d1, device=self.device) for d0, d1, _s0, _s1 in
-                     sorted(step.writes, key=lambda w: w[2])]
-            idx = self.idx[step.writes] = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return idx
 
 
 class FastRunner:
@@ -185,28 +138,14 @@ class FastRunner:
         self.runs = 0
 
     # ------------------------------------------------------------------ preparation
-    def _compile(self, options: FastOptions) -> str | None:
-        from ..compile.apply import compile_handle, compile_model
-        from ..compile.settings import coerce_settings
-        if options.compile is None:
-            return None
-        s = coerce_settings(options.compile)
-        if s.scope != "blocks":
-            self.notes.append("compile scope set to 'blocks' (the optimized path calls the blocks directly)")
-            s = s.replace(scope="blocks")
-        handle = compile_handle(self.model)
-        if handle is None or handle.settings != s:
-            compile_model(self.model, s)
-        return s.mode if s.backend == "inductor" else s.backend
-
     def _fuse(self, options: FastOptions, swapped: set) -> int:
         fused = 0
         for i, block in enumerate(self.model.blocks):
             sa = block.self_attn
             if options.fused_qkv and i not in swapped:
-                fused += bool(fast_block.ensure_fused_qkv(sa))
+                fused += bool(ensure_fused_qkv(sa))
             elif i in swapped:
-                fast_block.drop_fused_qkv(sa)
+                drop_fused_qkv(sa)
         return fused
 
     def _graphs_reason(self, options, device, swapped, compile_mode, actions, cache) -> str | None:
@@ -217,29 +156,27 @@ class FastRunner:
             return "not a CUDA device"
         if swapped:
             return "block swap moves weights between calls"
-        if compile_mode in ("reduce-overhead", "max-autotune", "cudagraphs"):
+        if compile_mode in GRAPHING_COMPILE_MODES:
             return f"the compile settings ({compile_mode}) already use CUDA graphs"
         if actions is not None:
             return "action modules allocate their caches per run"
-        from ..compile.warm_start import model_signature
         failed = recorded_failure(cache, model_signature(self.model))
         if failed:
             return f"capture failed earlier on this machine ({failed}); clear the 'sampler' namespace to retry"
         return None
 
-    def _session(self, key, kv_factory, grid_hw, device, tdtype, external_kv) -> _Session:
+    def _session(self, key, kv_factory, external_kv) -> _Session:
         if external_kv is not None:         # the caller's cache: a session for this run only
-            return _Session(("external",) + key, self.model, external_kv, grid_hw, device, tdtype, True)
+            return _Session(("external",) + key, external_kv, True)
         s = self.session
         if s is None or s.key != key:
             self.release()                  # free the old buffers before allocating new ones
-            s = self.session = _Session(key, self.model, kv_factory(), grid_hw, device, tdtype, False)
+            s = self.session = _Session(key, kv_factory(), False)
         s.kv.reset()
         return s
 
     def _attach_graphs(self, sess: _Session, options: FastOptions, device, cache, compile_mode) -> None:
         """Keep the session's graphs while the weights (addresses) and compiled code are those they captured."""
-        from ..compile.warm_start import model_signature
         identity = (self._weights_id(), compile_mode)
         g = sess.graphs
         if g is not None and g.enabled and getattr(g, "identity", None) == identity:
@@ -256,18 +193,17 @@ class FastRunner:
         model = self.model
         self.notes = []
         device = model.device
-        compile_mode = self._compile(options)
+        compile_mode = compiled_mode(model)
         swapped = swapped_blocks(model)
         fused = self._fuse(options, swapped)
         requested = options.attention or getattr(model, "attn_backend", "auto")
         backend, backend_reason = explain_backend(requested, device, model.compute_dtype, model.config.head_dim)
         frame_tokens = grid_hw[0] * grid_hw[1]
-        tdtype = torch.float64 if model.stream_dtype == torch.float64 else torch.float32
         rolling = 0 < kv_window < num_frames
         layout = (kv_window, sink) if rolling else (num_frames, 0)
-        key = (batch, rolling) + layout + (tuple(grid_hw), str(device), model.compute_dtype, tdtype)
+        key = (batch, rolling) + layout + (tuple(grid_hw), str(device), model.compute_dtype, model.rope_dtype())
         sess = self._session(key, lambda: KVCache.for_model(model, batch, frame_tokens, num_frames, kv_window, sink),
-                             grid_hw, device, tdtype, kv_cache)
+                             kv_cache)
         graph_reason = "the caller passed its own KV cache" if sess.external else \
             self._graphs_reason(options, device, swapped, compile_mode, actions, cache)
         if graph_reason is None:
@@ -276,9 +212,9 @@ class FastRunner:
             sess.graphs.release()
             sess.graphs = None
         kernels = bool(options.fused_kernels) and kernels_run_on(device)
-        flags = fast_block.FastFlags(backend, kernels, bool(options.fused_qkv))
+        parts = BlockParts(backend, kernels, bool(options.fused_qkv))
         self.runs += 1
-        return Run(self, options, sess, flags, actions, info={
+        return Run(self, options, sess, parts, actions, frame_tokens, info={
             "path": "optimized", "attention": backend, "attention_reason": backend_reason,
             "fused_qkv_blocks": fused, "fused_kernels": kernels,
             "compile": compile_mode, "cuda_graphs": graph_reason is None,
@@ -296,11 +232,12 @@ class FastRunner:
 
 
 class Run:
-    """One sampling run of the optimized path: precomputed inputs and the per-call forward."""
+    """One sampling run of the optimized path: the executor of the chunk loop (precomputed inputs, graphs)."""
 
-    def __init__(self, runner: FastRunner, options: FastOptions, sess: _Session, flags, actions, info: dict):
+    def __init__(self, runner: FastRunner, options: FastOptions, sess: _Session, parts: BlockParts, actions,
+                 frame_tokens: int, info: dict):
         self.runner, self.model, self.options, self.sess = runner, runner.model, options, sess
-        self.flags, self.actions, self.info = flags, actions, info
+        self.parts, self.actions, self.frame_tokens, self.info = parts, actions, frame_tokens, info
         self.emb: dict = {}
         self.cross: list = []
 
@@ -316,7 +253,7 @@ class Run:
     # ------------------------------------------------------------------ per-run inputs
     def set_prompt(self, text, image=None) -> None:
         """Cross-attention K/V of every block for this prompt, into the session's static buffers."""
-        fresh = [fast_block.cross_kv(block, text, image) for block in self.model.blocks]
+        fresh = [cross_kv(block, text, image) for block in self.model.blocks]
         old = self.sess.cross
         if old is not None and len(old) == len(fresh) and all(
                 len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
@@ -326,7 +263,7 @@ class Run:
                     x.copy_(y)
         else:
             self.sess.cross = fresh
-            self.sess.args.clear()
+            self.sess.calls.clear()
             if self.sess.graphs is not None:
                 self.sess.graphs.release()      # captured graphs read the previous buffers
         self.cross = self.sess.cross
@@ -339,18 +276,26 @@ class Run:
                 tt = torch.full((batch, 1), float(t), dtype=torch.float32, device=dev)
                 self.emb[t] = self.model.time_embed(tt)
 
+    def prepare(self, text, clip_fea, timesteps, batch: int) -> None:
+        """text: the embedded prompt (EmbeddedText); clip_fea: raw image features or None."""
+        self.set_prompt(text.tensor, self.model.embed_image(clip_fea))
+        self.embed_timesteps(timesteps, batch)
+
+    def begin_chunk(self, start_frame: int, frames: int):
+        """The chunk's KV write plan (host ints + device slot index), shared by every call of the chunk."""
+        return self.kv.plan(start_frame * self.frame_tokens, frames * self.frame_tokens)
+
     # ------------------------------------------------------------------ forward
-    def _layer_args(self, step) -> list:
-        key = (step, self.flags)
-        args = self.sess.args.get(key)
-        if args is None:
-            idx = self.sess.write_index(step)
-            args = [fast_block.FastArgs(layer.k, layer.v, idx, step.read_len, cross, self.flags)
-                    for layer, cross in zip(self.kv.layers, self.cross)]
-            if len(self.sess.args) >= 256:
-                self.sess.args.clear()
-            self.sess.args[key] = args
-        return args
+    def _layer_calls(self, step) -> list:
+        key = (step, self.parts)
+        calls = self.sess.calls.get(key)
+        if calls is None:
+            calls = [LayerCall(cross, self.parts, layer.k, layer.v, step.index, step.read_len)
+                     for layer, cross in zip(self.kv.layers, self.cross)]
+            if len(self.sess.calls) >= 256:
+                self.sess.calls.clear()
+            self.sess.calls[key] = calls
+        return calls
 
     def _lean_last(self) -> bool:
         if not self.options.lean_refresh:
@@ -361,31 +306,27 @@ class Run:
 
     def _forward(self, inp: dict, start_frame: int, step, want_output: bool, lean: bool):
         model = self.model
-        x = inp["xt"] if inp.get("y") is None else torch.cat([inp["xt"], inp["y"]], dim=2)
-        patches = model._patchify(x.transpose(1, 2))
-        b, _, f, h, w = patches.shape
-        tokens = patches.flatten(2).transpose(1, 2).to(model.stream_dtype).contiguous()
+        tokens, grid = model.chunk_tokens(inp["xt"], inp.get("y"))
         if self.actions is not None:
-            self.actions.begin(start_frame, f, b, h * w, tokens.device, model.compute_dtype)
-        args, e0, rope = self._layer_args(step), inp["e0"], (inp["cos"], inp["sin"])
-        blocks = model.blocks
-        n_full = len(blocks) - 1 if (lean and not want_output) else len(blocks)
-        for i in range(n_full):
-            tokens = blocks[i](tokens, e0, None, rope, fast=args[i], actions=self.actions)
+            self.actions.begin(start_frame, grid[0], tokens.shape[0], grid[1] * grid[2], tokens.device,
+                               model.compute_dtype)
+        hidden = model.run_blocks(tokens, inp["e0"], (inp["cos"], inp["sin"]), self._layer_calls(step), self.actions,
+                                  kv_only_last=lean and not want_output)
         if not want_output:
-            if n_full < len(blocks):
-                fast_block.kv_only(blocks[-1], tokens, e0, rope, args[-1])
             return None
-        return model._unpatchify_chunk(model.head(tokens, inp["e"]), (f, h, w))
+        return model.chunk_output(hidden, inp["e"], grid)
 
     def forward(self, kind: str, xt, t: float, start_frame: int, step, y=None, want_output: bool = True):
         """Flow [B, F, C, H, W] for latent chunk xt at timestep t (None when want_output is False)."""
+        model = self.model
         e, e0 = self.emb[t]
-        cos, sin = self.sess.rope_for(start_frame, xt.shape[1])
+        h, w = xt.shape[-2] // model.config.patch_size[1], xt.shape[-1] // model.config.patch_size[2]
+        cos, sin = model.rope.get(model.config.head_dim, (xt.shape[1], h, w), start_frame, model.device,
+                                  model.rope_dtype())
         inp = {"xt": xt, "y": y, "e": e, "e0": e0, "cos": cos, "sin": sin}
         lean = self._lean_last()
         graphs = self.graphs
-        if graphs is not None and swapped_blocks(self.model):
+        if graphs is not None and swapped_blocks(model):
             # a swap installed after start (learned limit / OOM fallback): a graph would bake in the addresses
             # of per-call weight copies (and capture the swap's side-stream copies)
             graphs.disable("block swap moves weights between calls")
@@ -393,7 +334,7 @@ class Run:
             self.info.update(cuda_graphs=False, cuda_graphs_reason="block swap moves weights between calls")
         if graphs is None:
             return self._forward(inp, start_frame, step, want_output, lean)
-        key = (kind, want_output, lean, tuple(xt.shape), xt.dtype, step, self.flags)
+        key = (kind, want_output, lean, tuple(xt.shape), xt.dtype, step, self.parts)
         return graphs.run(key, inp, lambda static: self._forward(static, start_frame, step, want_output, lean))
 
     # ------------------------------------------------------------------ end
@@ -403,14 +344,13 @@ class Run:
         if g is not None:
             g.disable("out of memory: running eagerly with block swap")
             self.sess.graphs = None
-        self.sess.args.clear()
+        self.sess.calls.clear()
 
     def finish(self, completed: bool = True) -> dict:
         """End of the run (also after an error or interrupt): ends compile warm-up after a completed run, frees
         the buffers unless they are kept; returns the run's report."""
-        from ..compile.apply import end_warmup
         if completed:
-            end_warmup(self.model)
+            end_compile_warmup(self.model)
         g = self.sess.graphs
         report = dict(self.info, graphs=g.report() if g is not None else None)
         if not self.options.keep_buffers and not self.sess.external:

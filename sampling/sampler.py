@@ -1,10 +1,5 @@
-"""Causal (chunk-autoregressive, KV-cached) few-step sampler of Self-Forcing / CausVid models.
-
-for each chunk of frames_per_block latent frames:
-    xt = noise[chunk]
-    for each step k: flow = model(xt, t_k); x0 = xt - sigma(t_k) * flow (float64)
-                     if not last: xt = (1 - sigma(t_{k+1})) * x0 + sigma(t_{k+1}) * eps (float32)
-    output[chunk] = x0; then one pass with t = refresh_t (0) on x0 rewrites the chunk's cache slots.
+"""The causal sampler's entry point: ``sample_causal`` resolves a request once and runs the one chunk loop
+(``loop.py``) with the executor of the chosen path (reference: ``loop.EagerExecutor``; optimized: ``runner.Run``).
 """
 from __future__ import annotations
 
@@ -13,9 +8,13 @@ import contextvars
 
 import torch
 
-from ..model.kv_cache import CrossAttnCache, KVCache
+from ..cache import open_cache
+from ..model.kv_cache import KVCache
 from ..model.rope import check_positions
-from .scheduler import FlowMatchScheduler, Schedule, resolve_schedule
+from .loop import EagerExecutor, run_chunks, text_batch
+from .request import SamplingHooks, SamplingInputs, SamplingRequest
+from .runner import FastOptions, get_runner
+from .scheduler import Schedule, resolve_schedule
 
 
 PATHS = ("auto", "optimized", "reference")
@@ -89,18 +88,12 @@ def _as_schedule(schedule) -> Schedule:
                     f"got {type(schedule).__name__}")
 
 
-def _text_batch(context, batch):
-    if isinstance(context, torch.Tensor) and context.dim() == 3 and context.shape[0] == 1 and batch > 1:
-        return context.expand(batch, -1, -1)
-    return context
-
-
 def sample_causal(model, context, noise, schedule="self_forcing", frames_per_block: int = 3,
                   generator: torch.Generator | None = None, noise_provider=None, kv_window: int = -1,
                   sink: int = 0, skip_last_refresh: bool = False, callback=None, *, refresh_t: float = 0.0,
                   independent_first_frame: bool = False, tracer=None, on_chunk=None, clip_fea=None, y=None,
                   kv_cache: KVCache | None = None, model_kwargs: dict | None = None, path: str = "auto",
-                  fast_options=None, report: dict | None = None):
+                  fast_options=None, report: dict | None = None, chunk_guard=None, cache=None):
     """Sample latents [B, F, C, H, W] (float32) from initial noise [B, F, C, H, W].
 
     noise may also be just the shape (B, F, C, H, W): each chunk's initial noise is then drawn from the noise
@@ -111,102 +104,80 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     schedule: preset name, dict for resolve_schedule, or a Schedule.
     noise_provider(chunk, step, shape, dtype, device) -> eps used to go from step k to k+1; defaults to
     draws from ``generator`` (a fresh generator seeded 0 when none is given).
-    callback(chunk_index, step_index, num_chunks, num_steps, x0_chunk) after every step (may raise to stop).
-    tracer(dict) receives every model call (chunk, kind, step, current_start, t, xt, flow, x0) for checks.
-    on_chunk(chunk_index, num_chunks) after each chunk including its cache refresh.
+    callback / on_chunk / tracer / chunk_guard: see ``request.SamplingHooks``.
     y [B, F, C_y, H, W] (i2v conditioning latents, concatenated on channels) and clip_fea are optional.
     kv_cache: a fresh KVCache to use (e.g. to inspect it afterwards); built from kv_window/sink when None.
-    model_kwargs: extra keyword arguments of every forward_chunk call (e.g. ``actions`` for Matrix-Game-2).
-    path: 'reference' (the plain loop over ``forward_chunk``), 'optimized' (``wan.fast_sampler``: static buffers,
-    fused kernels, CUDA graphs, compile; same results within rounding) or 'auto' (see ``resolve_path``).
+    model_kwargs: extra keyword arguments of every forward call (``actions`` for Matrix-Game-2).
+    path: 'reference' (``loop.EagerExecutor``: one ``forward_chunk`` per call), 'optimized' (``runner.Run``: static
+    buffers, fused parts, CUDA graphs; same results within rounding) or 'auto' (see ``resolve_path``).
     fast_options: FastOptions (or dict) of the optimized path. report: a dict that receives what the run did.
+    cache: the LimitCache of the optimized path (recorded graph failures); None: the default one.
     """
+    req, inputs = resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider,
+                                  kv_window, sink, skip_last_refresh, refresh_t, independent_first_frame, tracer,
+                                  clip_fea, y, kv_cache, model_kwargs, path, fast_options)
+    hooks = SamplingHooks(callback, on_chunk, tracer, chunk_guard)
+    if report is not None:
+        report["path"] = req.path
+    if req.path == "optimized":
+        executor = get_runner(model).start(req.options, batch=req.batch, num_frames=req.num_frames,
+                                           grid_hw=req.grid_hw, kv_window=req.kv_window, sink=req.sink,
+                                           kv_cache=inputs.kv_cache, actions=inputs.model_kwargs.get("actions"),
+                                           cache=open_cache(cache))
+    else:
+        executor = EagerExecutor(model, req, inputs)
+    out, info = run_chunks(model, executor, req, inputs, hooks)
+    if report is not None:
+        report.update(info, skipped_last_refresh=req.skip_last_refresh)
+    return out
+
+
+def resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider, kv_window, sink,
+                    skip_last_refresh, refresh_t, independent_first_frame, tracer, clip_fea, y, kv_cache,
+                    model_kwargs, path, fast_options) -> tuple[SamplingRequest, SamplingInputs]:
+    """Validate the arguments of ``sample_causal`` once: (the frozen request, the run's tensors)."""
     sched = _as_schedule(schedule)
     shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
+    if len(shape) != 5:
+        raise ValueError(f"noise must be [B, F, C, H, W] (or that shape), got {shape}")
     b, num_frames, _, h, w = shape
     plan = chunk_plan(num_frames, frames_per_block, independent_first_frame)
     ph, pw = model.config.patch_size[1:]
     if h % ph or w % pw:
         raise ValueError(f"latent height/width {h}x{w} must be divisible by the patch size {ph}x{pw}")
-    frame_tokens = (h // ph) * (w // pw)
     check_positions(0, num_frames, h // ph, w // pw)
-    device, dtype = model.device, model.stream_dtype
+    check_window(num_frames, frames_per_block, kv_window, sink)
+    device = model.device
     generator = generator if generator is not None or noise_provider is not None else \
         torch.Generator(device=device).manual_seed(0)
     if noise_provider is None:
         noise_provider = generator_noise(generator)
     chosen, ctx_options = resolve_path(path, device, tracer, model)
-    if report is not None:
-        report["path"] = chosen
+    extra = dict(model_kwargs or {})
     if chosen == "optimized":
-        from .fast_sampler import sample_fast
-        return sample_fast(model, context, noise, sched, plan, frame_tokens, (h // ph, w // pw), noise_provider,
-                           generator=generator, kv_window=kv_window, sink=sink, skip_last_refresh=skip_last_refresh,
-                           callback=callback, refresh_t=refresh_t, tracer=tracer, on_chunk=on_chunk,
-                           clip_fea=clip_fea, y=y, kv_cache=kv_cache, model_kwargs=model_kwargs,
-                           options=fast_options if fast_options is not None else ctx_options, report=report)
-    kv = kv_cache if kv_cache is not None else KVCache.for_model(model, b, frame_tokens, num_frames,
-                                                                   kv_window, sink)
-    cross = CrossAttnCache(model.config.num_layers)
-    with torch.no_grad():
-        text = model.embed_text(_text_batch(context, b))
-        image = clip_fea
-        out = torch.empty(shape, dtype=torch.float32, device=device)
-        for ci, (f0, n) in enumerate(plan):
-            ctx = _ChunkCall(model, text, kv, cross, f0 * frame_tokens, image,
-                             None if y is None else y[:, f0:f0 + n].to(device), model_kwargs or {})
-            if isinstance(noise, torch.Tensor):
-                xt = noise[:, f0:f0 + n].to(device, dtype)
-            else:
-                xt = noise_provider(ci, -1, (b, n) + shape[2:], dtype, device)
-            x0 = _denoise_chunk(ctx, sched, xt, ci, len(plan), noise_provider, callback, tracer)
-            out[:, f0:f0 + n] = x0.float()
-            if not (skip_last_refresh and ci == len(plan) - 1):
-                _refresh(ctx, sched, x0, refresh_t, ci, tracer)
-            if on_chunk is not None:
-                on_chunk(ci, len(plan))
-    return out
+        options = FastOptions.coerce(fast_options if fast_options is not None else ctx_options)
+        unknown = sorted(set(extra) - {"actions"})
+        if unknown:
+            raise ValueError(f"the optimized sampler does not take model arguments {unknown}; use path='reference'")
+        skip_last = skip_last_refresh or (options.skip_last_refresh and kv_cache is None and tracer is None)
+        latent_dtype = options.latent_dtype_for(model)
+    else:
+        options, skip_last, latent_dtype = None, bool(skip_last_refresh), model.stream_dtype
+    req = SamplingRequest(shape, sched, tuple(plan), (h // ph, w // pw), int(kv_window), int(sink), float(refresh_t),
+                          skip_last, chosen, options, latent_dtype)
+    inputs = SamplingInputs(context, noise if isinstance(noise, torch.Tensor) else None, noise_provider, generator,
+                            clip_fea, y, extra, kv_cache)
+    return req, inputs
 
 
-class _ChunkCall:
-    """Everything the model calls of one chunk share."""
-
-    def __init__(self, model, text, kv, cross, start, image, y, extra):
-        self.model, self.text, self.kv, self.cross, self.start, self.image, self.y, self.extra = (
-            model, text, kv, cross, start, image, y, extra)
-
-    def __call__(self, xt, t: float, return_output=True):
-        tt = torch.full(xt.shape[:2], t, dtype=torch.float32, device=xt.device)
-        return self.model.forward_chunk(xt, tt, self.text, self.kv, self.cross, self.start, clip_fea=self.image,
-                                        y=self.y, return_output=return_output, **self.extra)
-
-
-def _denoise_chunk(call: _ChunkCall, sched: Schedule, xt, ci, num_chunks, noise_provider, callback, tracer):
-    n = sched.num_steps
-    x0 = None
-    for k, t in enumerate(sched.timesteps):
-        flow = call(xt, t)
-        x0 = FlowMatchScheduler.to_x0(xt, flow, sched.x0_sigmas[k])
-        if tracer is not None:
-            tracer(dict(chunk=ci, kind="denoise", step=k, current_start=call.start, t=t, xt=xt, flow=flow, x0=x0))
-        if callback is not None:
-            callback(ci, k, num_chunks, n, x0)
-        if k < n - 1:
-            eps = noise_provider(ci, k, tuple(xt.shape), xt.dtype, xt.device)
-            a, s = sched.renoise[k + 1]
-            xt = FlowMatchScheduler.renoise(x0, eps, a, s, dtype=xt.dtype)
-    return x0
-
-
-def _refresh(call: _ChunkCall, sched: Schedule, x0, refresh_t: float, ci, tracer):
-    """Cache refresh: rewrite the chunk's KV slots with the keys/values of the clean x0."""
-    if tracer is None:
-        call(x0, refresh_t, return_output=False)
-        return
-    flow = call(x0, refresh_t)
-    x0_ctx = FlowMatchScheduler.to_x0(x0, flow, sched.x0_sigma_at(refresh_t))
-    tracer(dict(chunk=ci, kind="context", step=None, current_start=call.start, t=refresh_t,
-                xt=x0, flow=flow, x0=x0_ctx))
+def check_window(num_frames: int, frames_per_block: int, kv_window: int, sink: int) -> None:
+    """A rolling window must hold the sink frames plus one chunk; said in latent frames, before anything runs."""
+    if sink < 0:
+        raise ValueError(f"sink must be >= 0 latent frames, got {sink}")
+    if 0 < kv_window < num_frames and sink + frames_per_block > kv_window:
+        raise ValueError(f"a rolling KV window of {kv_window} latent frames cannot hold {sink} sink frame(s) plus "
+                         f"one {frames_per_block}-frame chunk; use kv_window >= {sink + frames_per_block} or "
+                         f"sink <= {max(0, kv_window - frames_per_block)}")
 
 
 def generate_latents(model, context, num_frames: int, height: int, width: int, seed: int = 0, batch: int = 1,

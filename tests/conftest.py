@@ -1,12 +1,15 @@
 """Shared test setup: every test gets its own limit cache file, never the user's."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))      # test helpers (kv_reference, ...)
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,7 @@ from torch._dynamo.utils import counters
 
 from wan_accel.compile import CompileSettings, uncompile_model
 from wan_accel.compile.apply import compile_handle
+from wan_accel.app.job import compile_for_sampling
 from wan_accel.sampling.sampler import generate_latents
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
@@ -23,13 +24,15 @@ def test_compiled_blocks_compile_once_per_distinct_chunk_shape():
     counters.clear()
     try:
         # two chunks (global cache: chunk 0 attends 1 chunk, chunk 1 attends 2: two distinct shapes) + refreshes
+        compile_for_sampling(model, settings)
         out = generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized",
-                               fast_options={"compile": settings, "skip_last_refresh": False})
+                               fast_options={"skip_last_refresh": False})
         assert compile_handle(model) is not None and compile_handle(model).settings.scope == "blocks"
         first = _graphs()
         assert 1 <= first <= 2, first
+        compile_for_sampling(model, settings)          # the same settings: kept, not recompiled
         generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized",
-                         fast_options={"compile": settings, "skip_last_refresh": False})
+                         fast_options={"skip_last_refresh": False})
         assert _graphs() == first                      # a second run compiles nothing
     finally:
         uncompile_model(model)

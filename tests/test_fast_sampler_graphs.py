@@ -7,7 +7,7 @@ from wan_accel.cache import LimitCache
 from wan_accel.compile.warm_start import model_signature
 from wan_accel.model import attention as att
 from wan_accel.sampling import runner as fast_runner
-from wan_accel.model.fast_block import QKV_WEIGHT, ensure_fused_qkv, fused_qkv_intact
+from wan_accel.model.fused_qkv import QKV_WEIGHT, ensure_fused_qkv, fused_qkv_intact
 from wan_accel.sampling.runner import FastOptions, get_runner, release_buffers
 from wan_accel.sampling.sampler import generate_latents, resolve_path, sampler_path
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
@@ -47,9 +47,11 @@ def fake_graphs(monkeypatch):
     return FakeGraphs
 
 
-def _run(model, report=None, **opts):
+def _run(model, report=None, oom_retry="off", **opts):
+    from wan_accel.memory.sampling_guard import oom_guard
+    guard = oom_guard(model, (1, 9, TINY_CONFIG.out_dim, 4, 6), 3, mode=oom_retry)
     return generate_latents(model, CTX, 9, 4, 6, seed=2, path="optimized", fast_options=opts,
-                            report=report if report is not None else {})
+                            report=report if report is not None else {}, chunk_guard=guard)
 
 
 def test_graphs_capture_on_second_use_then_replay(fake_graphs):
@@ -268,8 +270,10 @@ def test_fused_qkv_keeps_the_state_dict_and_heals_after_a_dtype_change():
 def test_options_validation_and_path_choice():
     with pytest.raises(ValueError, match="cuda_graphs"):
         FastOptions(cuda_graphs="always")
+    from wan_accel.memory.sampling_guard import oom_guard
     with pytest.raises(ValueError, match="oom_retry"):
-        FastOptions(oom_retry="sometimes")
+        oom_guard(tiny_causal_model(), (1, 3, 16, 4, 4), 3, mode="sometimes")
+    assert oom_guard(tiny_causal_model(), (1, 3, 16, 4, 4), 3, mode="auto") is None      # CPU: errors pass through
     assert FastOptions.coerce({"fused_kernels": False}).fused_kernels is False
     assert resolve_path("auto", "cpu")[0] == "reference"
     assert resolve_path("auto", "cuda")[0] == "optimized"

@@ -5,6 +5,7 @@ import torch
 from wan_accel.cache import LimitCache
 from wan_accel.memory.block_swap import active_swap, ensure_block_swap
 from wan_accel.memory.oom import NoFitError
+from wan_accel.memory.sampling_guard import oom_guard
 from wan_accel.sampling.sampler import generate_latents
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
@@ -30,8 +31,8 @@ def test_oom_in_a_chunk_swaps_a_block_and_redoes_the_chunk(cache_path):
     handle = _oom_at(model.blocks[1], {7})
     try:
         report = {}
-        out = generate_latents(model, CTX, 9, 4, 6, seed=3, path="optimized", fast_options={"oom_retry": "on"},
-                               report=report)
+        out = generate_latents(model, CTX, 9, 4, 6, seed=3, path="optimized", report=report,
+                               chunk_guard=oom_guard(model, (1, 9, TINY_CONFIG.out_dim, 4, 6), 3, mode="on"))
         swap = active_swap(model)
         assert swap is not None and swap.blocks_to_swap == 1
     finally:
@@ -47,7 +48,8 @@ def test_when_nothing_fits_the_error_says_so_and_the_model_stays_usable():
     handle = _oom_at(model.blocks[0], {"all"})
     try:
         with pytest.raises(NoFitError, match="ran out of memory"):
-            generate_latents(model, CTX, 6, 4, 6, seed=3, path="optimized", fast_options={"oom_retry": "on"})
+            generate_latents(model, CTX, 6, 4, 6, seed=3, path="optimized",
+                             chunk_guard=oom_guard(model, (1, 6, TINY_CONFIG.out_dim, 4, 6), 3, mode="on"))
     finally:
         handle.remove()
         ensure_block_swap(model, None)

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_reference import ShiftingCache
 
 from wan_accel.sampling.actions_script import parse_action_script
-from wan_accel.model.kv_cache import CacheStep
+
 from wan_accel.sampling.mg2 import build_cond_concat, generate_mg2, resolve_preset, sample_mg2
 from wan_accel.model.mg2_model import MatrixGameModel, tiny_mg2_model
 
@@ -58,37 +59,6 @@ def test_generate_batch_matches_seeded_single_runs(model):
     assert torch.equal(again, singles[:1])
 
 
-class _NaiveLayer:
-    def __init__(self, owner, rows):
-        self.owner, self.k, self.v = owner, None, None
-
-    def update(self, k, v, step):
-        start, end = step.writes[0][0], step.writes[0][1]
-        if self.k is None:
-            self.k = k.new_zeros(k.shape[0], self.owner.total, *k.shape[2:])
-            self.v = v.new_zeros(self.k.shape)
-        self.k[:, start:end], self.v[:, start:end] = k, v
-        lo = max(0, end - self.owner.window)        # exactly the window's entries, by absolute position
-        return self.k[:, lo:end].clone(), self.v[:, lo:end].clone()
-
-
-class NaiveWindowCache:
-    """Keeps every entry ever written at its absolute position; attention sees [end - window, end)."""
-
-    def __init__(self, layers, window, total):
-        self.window, self.total, self.end = window, total, 0
-        self.capacity = window
-        self.layers = [_NaiveLayer(self, 0) for _ in range(layers)]
-
-    def plan(self, start, n):
-        self.end = max(self.end, start + n)
-        return CacheStep(((start, start + n, 0, n),), 0)
-
-    def ordered(self, i):
-        lo = max(0, self.end - self.window)
-        return self.layers[i].k[:, lo:self.end], self.layers[i].v[:, lo:self.end]
-
-
 @pytest.mark.parametrize("window", [4, 5])
 def test_rolling_eviction_matches_naive_window(model, window):
     """More chunks than the window holds: the ring-buffer caches give the same video as caches that keep
@@ -100,10 +70,11 @@ def test_rolling_eviction_matches_naive_window(model, window):
 
     naive_actions = model.new_action_call(inp["mouse"], inp["keyboard"], window)
     naive_actions._alloc(1, tokens, "cpu", torch.float32)
-    n_act = len(model.action_config.blocks)
-    naive_actions.mouse_cache = NaiveWindowCache(n_act, window, frames)
-    naive_actions.keyboard_cache = NaiveWindowCache(n_act, window, frames)
-    kv = NaiveWindowCache(model.config.num_layers, window * tokens, frames * tokens)
+    a = model.action_config
+    n_act = len(a.blocks)
+    naive_actions.mouse_cache = ShiftingCache(n_act, tokens, window, a.heads_num, a.head_dim)
+    naive_actions.keyboard_cache = ShiftingCache(n_act, 1, window, a.heads_num, a.head_dim)
+    kv = ShiftingCache(model.config.num_layers, 1, window * tokens, model.config.num_heads, model.config.head_dim)
     naive = _run(model, inp, window, actions=naive_actions, kv_cache=kv)
     assert (ring - naive).abs().max().item() <= 1e-5
     for cache in ("mouse_cache", "keyboard_cache"):

@@ -4,6 +4,7 @@ import torch
 
 from wan_accel.model.config import WanConfig
 from wan_accel.model.kv_cache import CacheStep, KVCache
+from kv_reference import ShiftingCache
 from wan_accel.model.dit import WanModel
 from wan_accel.sampling.sampler import sample_causal
 from wan_accel.model.tiny import init_tiny_weights
@@ -55,33 +56,6 @@ def test_window_must_hold_a_chunk():
         kv.plan(0, 12)
 
 
-class _HistoryLayer:
-    """Keeps every token ever written; attends to the sink tokens plus the newest ``ring`` tokens by
-    explicit index selection (the definition of the window, without any ring arithmetic)."""
-
-    def __init__(self, owner):
-        self.owner, self.k, self.v = owner, None, None
-
-    def update(self, k, v, step):
-        start, end = step
-        if self.k is None:
-            shape = (k.shape[0], self.owner.total, *k.shape[2:])
-            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
-        self.k[:, start:end], self.v[:, start:end] = k, v
-        s, r = self.owner.sink, self.owner.ring
-        idx = list(range(min(s, end))) + list(range(max(s, end - r), end))
-        return self.k[:, idx], self.v[:, idx]
-
-
-class HistoryCache:
-    def __init__(self, layers, total, sink, window):
-        self.total, self.sink, self.ring = total, sink, window - sink
-        self.layers = [_HistoryLayer(self) for _ in range(layers)]
-
-    def plan(self, start, n):
-        return (start, start + n)
-
-
 FRAMES = 9
 SCHEDULE = {"preset": "custom", "steps": [1000, 500], "shift": 5.0}
 
@@ -107,8 +81,8 @@ def global_result(model):
 @pytest.mark.parametrize("window,sink", [(6, 0), (7, 1), (5, 2)])
 def test_rolling_window_equals_windowed_recompute(model, global_result, window, sink):
     ring = _run(model, kv_window=window, sink=sink)
-    ref = _run(model, HistoryCache(CFG.num_layers, FRAMES * FRAME_TOKENS, sink * FRAME_TOKENS,
-                                   window * FRAME_TOKENS))
+    ref = _run(model, ShiftingCache(CFG.num_layers, 1, window * FRAME_TOKENS, CFG.num_heads, CFG.dim // CFG.num_heads,
+                                    sink=sink * FRAME_TOKENS))
     torch.testing.assert_close(ring, ref, rtol=0, atol=1e-5)
     assert not torch.allclose(ring, global_result, atol=1e-4)      # the window really limits attention
 

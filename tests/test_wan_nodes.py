@@ -32,14 +32,23 @@ def test_mappings_and_input_metadata():
 @pytest.fixture(scope="module")
 def handle():
     (h,) = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "self_forcing", "sdpa",
-                                       compile_settings={"mode": "x"}, plan={"blocks_on_gpu": 2})
+                                       compile_settings={"backend": "eager", "warm_start": False},
+                                       plan={"blocks_on_gpu": 2})
     return h
 
 
 def test_loader_returns_a_handle(handle):
     assert handle.is_tiny and handle.precision == "float32" and handle.dtype == torch.float32
-    assert handle.compile_settings == {"mode": "x"} and handle.plan == {"blocks_on_gpu": 2}
+    from wan_accel.compile.settings import CompileSettings
+    assert handle.compile_settings == CompileSettings(backend="eager", warm_start=False)
+    assert handle.plan == {"blocks_on_gpu": 2}
     assert handle.model.attn_backend == "sdpa"
+
+
+def test_loader_rejects_invalid_compile_settings_at_once():
+    with pytest.raises(ValueError, match="mode='x'"):
+        CausalWanModelLoader().load("(built-in tiny model)", "fp32", "self_forcing", "sdpa",
+                                    compile_settings={"mode": "x"})
 
 
 def test_sampler_smoke_graph_without_conditioning(handle):

@@ -1,0 +1,57 @@
+"""One q/k/v GEMM: the self-attention's q, k and v weights as views into one concatenated buffer.
+
+``ensure_fused_qkv(sa)`` gives a ``WanSelfAttention`` a [3*dim, dim] weight (and [3*dim] bias) whose thirds are the
+q/k/v parameters themselves (views: no memory is duplicated, the state dict is unchanged). The block forward uses it
+when its parts ask for ``fused_qkv`` (``blocks.BlockParts``).
+"""
+from __future__ import annotations
+
+import torch
+
+QKV_WEIGHT, QKV_BIAS = "qkv_weight", "qkv_bias"
+
+
+def _aliases(buf: torch.Tensor, parts) -> bool:
+    step = parts[0].numel() * buf.element_size()
+    return all(p.device == buf.device and p.dtype == buf.dtype and p.data_ptr() == buf.data_ptr() + i * step
+               for i, p in enumerate(parts))
+
+
+def fused_qkv_intact(sa) -> bool:
+    """The self-attention's q/k/v parameters are still views into its concatenated weight."""
+    w = sa._buffers.get(QKV_WEIGHT)
+    if w is None or not _aliases(w, [sa.q.weight, sa.k.weight, sa.v.weight]):
+        return False
+    b = sa._buffers.get(QKV_BIAS)
+    return b is None or _aliases(b, [sa.q.bias, sa.k.bias, sa.v.bias])
+
+
+def drop_fused_qkv(sa) -> None:
+    sa._buffers.pop(QKV_WEIGHT, None)
+    sa._buffers.pop(QKV_BIAS, None)
+
+
+def ensure_fused_qkv(sa) -> bool:
+    """Give ``sa`` (WanSelfAttention) one [3*dim, dim] q/k/v weight; the q/k/v parameters become views into it,
+    so no memory is duplicated and the state dict (keys and values) is unchanged. The weight is a non-persistent
+    buffer. Rebuilt when the views were broken (``model.to``, ``set_precision``). Returns whether it is fused."""
+    if fused_qkv_intact(sa):
+        return True
+    drop_fused_qkv(sa)
+    lin = [sa.q, sa.k, sa.v]
+    ws = [m.weight for m in lin]
+    bs = [m.bias for m in lin]
+    if len({(w.device, w.dtype, w.shape) for w in ws}) != 1 or (any(b is None for b in bs) and
+                                                               not all(b is None for b in bs)):
+        return False
+    with torch.no_grad():
+        w = torch.cat([t.data for t in ws])
+        for m, part in zip(lin, w.chunk(3)):
+            m.weight.data = part
+        sa.register_buffer(QKV_WEIGHT, w, persistent=False)
+        if bs[0] is not None:
+            b = torch.cat([t.data for t in bs])
+            for m, part in zip(lin, b.chunk(3)):
+                m.bias.data = part
+            sa.register_buffer(QKV_BIAS, b, persistent=False)
+    return True

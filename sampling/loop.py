@@ -1,0 +1,119 @@
+"""The one chunk loop of causal (chunk-autoregressive, KV-cached) few-step sampling, and its eager executor.
+
+for each chunk of frames_per_block latent frames:
+    xt = noise[chunk]
+    for each step k: flow = model(xt, t_k); x0 = xt - sigma(t_k) * flow (float64)
+                     if not last: xt = (1 - sigma(t_{k+1})) * x0 + sigma(t_{k+1}) * eps
+    output[chunk] = x0; then one pass with t = refresh_t (0) on x0 rewrites the chunk's cache slots.
+
+An executor runs the model calls: ``EagerExecutor`` calls ``model.forward_chunk`` (the reference path: every call
+visible, a patched or whole-compiled ``forward_chunk`` honoured); the optimized ``runner.Run`` replays CUDA graphs
+over static buffers. Both use the model's one block forward; the loop, the schedule, the noise order, the refresh
+pass, the rolling window and the hooks are the same for both, and for text-to-video and Matrix-Game-2 alike.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.kv_cache import CrossAttnCache, KVCache
+from .request import SamplingHooks, SamplingInputs, SamplingRequest
+from .scheduler import FlowMatchScheduler
+
+
+def text_batch(context, batch: int):
+    if isinstance(context, torch.Tensor) and context.dim() == 3 and context.shape[0] == 1 and batch > 1:
+        return context.expand(batch, -1, -1)
+    return context
+
+
+class EagerExecutor:
+    """The reference executor: one ``model.forward_chunk`` per call over a plain KV cache."""
+
+    def __init__(self, model, req: SamplingRequest, inputs: SamplingInputs):
+        self.model, self.req = model, req
+        self.kv = inputs.kv_cache if inputs.kv_cache is not None else KVCache.for_model(
+            model, req.batch, req.frame_tokens, req.num_frames, req.kv_window, req.sink)
+        self.cross = CrossAttnCache(model.config.num_layers)
+        self.extra = dict(inputs.model_kwargs)
+        self.text = self.image = None
+
+    def prepare(self, text, image, timesteps, batch: int) -> None:
+        self.text, self.image = text, image
+
+    def begin_chunk(self, start_frame: int, frames: int):
+        return None                 # forward_chunk plans its own cache writes
+
+    def forward(self, kind: str, xt, t: float, start_frame: int, step, y=None, want_output: bool = True):
+        tt = torch.full(xt.shape[:2], t, dtype=torch.float32, device=xt.device)
+        return self.model.forward_chunk(xt, tt, self.text, self.kv, self.cross, start_frame * self.req.frame_tokens,
+                                        clip_fea=self.image, y=y, return_output=want_output, **self.extra)
+
+    def on_oom(self) -> None:
+        pass
+
+    def finish(self, completed: bool = True) -> dict:
+        return {"path": "reference"}
+
+
+def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks
+               ) -> tuple[torch.Tensor, dict]:
+    """Sample every chunk of ``req`` through ``executor``; returns (latents [B, F, C, H, W] float32, report)."""
+    device = model.device
+    steps = list(req.schedule.timesteps)
+    gen = inputs.generator
+    ok = False
+    try:
+        with torch.no_grad():
+            text = model.embed_text(text_batch(inputs.context, req.batch))
+            executor.prepare(text, inputs.clip_fea, steps + [float(req.refresh_t)], req.batch)
+            out = torch.empty(req.shape, dtype=torch.float32, device=device)
+            for ci, (f0, n) in enumerate(req.chunks):
+                state = gen.get_state() if gen is not None and hooks.chunk_guard is not None else None
+
+                def attempt(ci=ci, f0=f0, n=n, state=state):
+                    if state is not None:
+                        gen.set_state(state)
+                    return _chunk(executor, req, inputs, hooks, ci, f0, n, device)
+
+                x0 = attempt() if hooks.chunk_guard is None else hooks.chunk_guard(attempt, executor.on_oom)
+                out[:, f0:f0 + n] = x0.float()
+                if hooks.on_chunk is not None:
+                    hooks.on_chunk(ci, len(req.chunks))
+        ok = True
+    finally:
+        report = executor.finish(ok)
+    return out, report
+
+
+def _chunk(executor, req: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks, ci: int, f0: int, n: int,
+           device):
+    sched, tracer, callback = req.schedule, hooks.tracer, hooks.callback
+    steps = sched.timesteps
+    start = f0 * req.frame_tokens
+    step = executor.begin_chunk(f0, n)             # one write plan for every call of the chunk
+    y = None if inputs.y is None else inputs.y[:, f0:f0 + n].to(device)
+    dtype = req.latent_dtype
+    if inputs.noise is not None:
+        xt = inputs.noise[:, f0:f0 + n].to(device, dtype)
+    else:
+        xt = inputs.noise_provider(ci, -1, req.chunk_shape(n), dtype, device)
+    x0 = None
+    last = len(steps) - 1
+    for k, t in enumerate(steps):
+        flow = executor.forward("denoise", xt, t, f0, step, y=y)
+        x0 = FlowMatchScheduler.to_x0(xt, flow, sched.x0_sigmas[k])
+        if tracer is not None:
+            tracer(dict(chunk=ci, kind="denoise", step=k, current_start=start, t=t, xt=xt, flow=flow.clone(), x0=x0))
+        if callback is not None:
+            callback(ci, k, len(req.chunks), len(steps), x0)
+        if k < last:
+            eps = inputs.noise_provider(ci, k, tuple(xt.shape), xt.dtype, xt.device)
+            a, s = sched.renoise[k + 1]
+            xt = FlowMatchScheduler.renoise(x0, eps, a, s, dtype=xt.dtype)
+    if req.refreshes(ci):
+        flow = executor.forward("refresh", x0, float(req.refresh_t), f0, step, y=y, want_output=tracer is not None)
+        if tracer is not None:
+            ctx = FlowMatchScheduler.to_x0(x0, flow, sched.x0_sigma_at(req.refresh_t))
+            tracer(dict(chunk=ci, kind="context", step=None, current_start=start, t=req.refresh_t, xt=x0,
+                        flow=flow.clone(), x0=ctx))
+    return x0

@@ -1,0 +1,87 @@
+"""A sampling run as data: the request (resolved once, frozen) and the hooks (progress, interrupt, preview, traces,
+out-of-memory policy).
+
+``sample_causal`` validates its arguments once into a ``SamplingRequest``; the chunk loop, the executors and the
+policies read it instead of having parameters threaded through them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .scheduler import Schedule
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """What to sample. shape (B, F, C, H, W) of the latents; chunks [(first_frame, frames), ...]; grid_hw the token
+    grid of a frame after patching; path 'reference' | 'optimized' (resolved); options the optimized path's
+    FastOptions (None on the reference path); latent_dtype the dtype of the loop's latent state (xt, x0)."""
+    shape: tuple
+    schedule: Schedule
+    chunks: tuple
+    grid_hw: tuple
+    kv_window: int = -1
+    sink: int = 0
+    refresh_t: float = 0.0
+    skip_last_refresh: bool = False
+    path: str = "reference"
+    options: Any = None
+    latent_dtype: torch.dtype = torch.float32
+
+    @property
+    def batch(self) -> int:
+        return self.shape[0]
+
+    @property
+    def num_frames(self) -> int:
+        return self.shape[1]
+
+    @property
+    def frame_tokens(self) -> int:
+        return self.grid_hw[0] * self.grid_hw[1]
+
+    def chunk_shape(self, frames: int) -> tuple:
+        return (self.shape[0], frames) + tuple(self.shape[2:])
+
+    def refreshes(self, chunk_index: int) -> bool:
+        """Whether the chunk's clean output is written back to the cache (every chunk but a skipped last one)."""
+        return not (self.skip_last_refresh and chunk_index == len(self.chunks) - 1)
+
+    def replace(self, **changes) -> "SamplingRequest":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SamplingHooks:
+    """Observers and policies of a run (all optional).
+
+    callback(chunk_index, step_index, num_chunks, num_steps, x0_chunk) after every step (may raise to stop: interrupt);
+    on_chunk(chunk_index, num_chunks) after each chunk including its cache refresh;
+    tracer(dict) receives every model call (chunk, kind, step, current_start, t, xt, flow, x0) for checks;
+    chunk_guard(attempt, on_oom) runs one chunk: ``attempt()`` computes it (and may be called again: the noise
+    generator is rewound), ``on_oom()`` drops the executor's state that a retry must not reuse. The memory floor
+    provides the out-of-memory guard (swap more blocks, redo the chunk).
+    """
+    callback: Callable | None = None
+    on_chunk: Callable | None = None
+    tracer: Callable | None = None
+    chunk_guard: Callable | None = None
+
+
+@dataclass
+class SamplingInputs:
+    """The run's tensors: context [B or 1, L, text_dim] (or an EmbeddedText); noise [B, F, C, H, W] or None (drawn
+    per chunk from noise_provider); y / clip_fea conditioning; model_kwargs extra forward arguments (``actions``);
+    kv_cache a caller-made KVCache; generator the seeded generator the noise comes from (rewound on retries)."""
+    context: Any
+    noise: torch.Tensor | None
+    noise_provider: Callable
+    generator: torch.Generator | None = None
+    clip_fea: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+    model_kwargs: dict = dataclasses.field(default_factory=dict)
+    kv_cache: Any = None
