@@ -33,7 +33,7 @@ VARIANTS = {
     "optimized-no-graphs": {"path": "optimized", "dtype": None, "precision": "self_forcing", "attention": "auto",
                             "skip_last_refresh": True, "options": {"cuda_graphs": "off"}},
     "optimized-compiled": {"path": "optimized", "dtype": None, "precision": "self_forcing", "attention": "auto",
-                           "skip_last_refresh": True, "options": {"compile": {"backend": "inductor"}}},
+                           "skip_last_refresh": True, "options": {}, "compile": {"backend": "inductor"}},
 }
 SHAPES = {  # model kind -> shape -> (config factory name, video frames, height, width)
     "wan": {"tiny": (33, 128, 128), "1.3b": (81, 480, 832)},
@@ -128,8 +128,14 @@ def _inputs(model, kind: str, frames: int, height: int, width: int, seed: int) -
 
 
 def _sample(model, kind, inp, v, seed, on_chunk):
+    from ..compile import uncompile_model
     from ..sampling.sampler import generate_latents, sampler_path
+    from .job import compile_for_sampling
     opts = dict(v.get("options", {}))
+    if v.get("compile") is not None and v["path"] == "optimized":
+        compile_for_sampling(model, v["compile"])      # kept across repeats (same settings: not recompiled)
+    else:
+        uncompile_model(model)                         # models are shared between variants
     with sampler_path(v["path"], opts if v["path"] == "optimized" else None):
         if kind == "matrix-game2":
             from ..sampling.mg2 import generate_mg2
