@@ -69,8 +69,9 @@ def tuning_errors() -> tuple[type, ...]:
 
 def _is_transient(exc: BaseException) -> bool:
     """Errors that say nothing about the config (out of memory now, interrupted): never recorded."""
-    name = type(exc).__name__
-    return name in ("OutOfMemoryError", "KeyboardInterrupt") or "out of memory" in str(exc).lower()
+    from .oom import is_oom
+
+    return isinstance(exc, KeyboardInterrupt) or is_oom(exc)
 
 
 def describe_error(exc: BaseException) -> dict:

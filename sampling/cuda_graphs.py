@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from ..cache.oom import is_oom
+
 log = logging.getLogger("wan_accel")
 NAMESPACE = "sampler"
 
@@ -145,7 +147,6 @@ class GraphManager:
         try:
             graph, out = self.backend.capture(lambda: fn(static))
         except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly from now on
-            from ..memory.oom import is_oom
             if is_oom(exc):
                 raise
             self.disable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300],
