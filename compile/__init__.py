@@ -13,13 +13,6 @@ def compile_model(model, settings=None, cache=None):
     return _impl(model, settings, cache)
 
 
-def compile_for_comfy(patcher, settings=None, cache=None):
-    """See compile.apply.compile_for_comfy."""
-    from .apply import compile_for_comfy as _impl
-
-    return _impl(patcher, settings, cache)
-
-
 def end_warmup(model) -> bool:
     """See compile.apply.end_warmup."""
     from .apply import end_warmup as _impl
@@ -35,4 +28,4 @@ def uncompile_model(model) -> bool:
 
 
 __all__ = ["CompileSettings", "coerce_settings", "preset_options", "render_presets_table",
-           "resolve_inductor_options", "compile_model", "compile_for_comfy", "end_warmup", "uncompile_model"]
+           "resolve_inductor_options", "compile_model", "end_warmup", "uncompile_model"]
