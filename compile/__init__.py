@@ -2,7 +2,7 @@
 
 Importing this package does not import torch; the functions do when called.
 """
-from .presets import preset_options, render_presets_table, resolve_inductor_options
+from .presets import graph_safe_settings, preset_options, render_presets_table, resolve_inductor_options
 from .settings import CompileSettings, coerce_settings
 
 
@@ -27,5 +27,5 @@ def uncompile_model(model) -> bool:
     return _impl(model)
 
 
-__all__ = ["CompileSettings", "coerce_settings", "preset_options", "render_presets_table",
+__all__ = ["CompileSettings", "coerce_settings", "graph_safe_settings", "preset_options", "render_presets_table",
            "resolve_inductor_options", "compile_model", "end_warmup", "uncompile_model"]
