@@ -1,6 +1,8 @@
 """``python -m wan_accel bench offload``: DiT forward time and peak VRAM with 0, half and all-but-one blocks
 swapped, side by side, for a Wan-shaped block stack (random weights, realistic token count); optionally the
-VAE decode peak against the chunk length when a Wan VAE file and ComfyUI are available.
+VAE decode peak against the chunk length when the caller passes a decode function (``run(args, vae_decode=fn)``,
+``fn(latent [1, 16, T, H/8, W/8])``; e.g. a ComfyUI VAE's ``decode`` from a session that has one). This module
+imports neither ComfyUI nor the command-line layer.
 
 Without a GPU it says so and runs a tiny functional pass on the CPU (outputs identical with and without swap).
 """
@@ -21,7 +23,6 @@ def add_arguments(p) -> None:
     p.add_argument("--blocks", type=int, default=None, help="blocks in the stack (default: the model's)")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per setting (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed forwards first")
-    p.add_argument("--vae", default=None, help="a Wan VAE file: also measure decode peak (needs ComfyUI importable)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -111,13 +112,25 @@ def _cpu_pass(args) -> int:
     return 0 if ok else 1
 
 
-def _emit(args, rows, cols, extra) -> None:
-    from ..cli.output import print_json, print_table
+def _print_json(obj) -> None:
+    import json
 
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def _format_rows(rows, cols) -> str:
+    """A plain aligned text table of ``rows`` (dicts) over ``cols``."""
+    body = [[str(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(cols)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def _emit(args, rows, cols, extra) -> None:
     if args.json:
-        print_json(dict(extra, rows=rows))
+        _print_json(dict(extra, rows=rows))
     else:
-        print_table(rows, cols)
+        print(_format_rows(rows, cols))
 
 
 def _time_forward(stack, inputs, repeats, warmup):
@@ -140,17 +153,10 @@ def _time_forward(stack, inputs, repeats, warmup):
     return times[len(times) // 2], torch.cuda.max_memory_allocated()
 
 
-def _vae_rows(args, device):
-    """Decode peak for growing chunk lengths (ComfyUI's VAE loader; skipped when ComfyUI is absent)."""
+def _vae_rows(args, decode):
+    """Decode peak for growing chunk lengths with the caller's ``decode(latent)``."""
     import torch
 
-    try:
-        import comfy.sd
-        import comfy.utils
-    except ImportError:
-        print("VAE decode: skipped (ComfyUI is not importable here)")
-        return []
-    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(args.vae, safe_load=True))
     h, w = args.height // 8, args.width // 8
     rows = []
     for t in (1, 2, 3, 5, 9, 13, 21):
@@ -158,14 +164,15 @@ def _vae_rows(args, device):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        vae.decode(torch.randn(1, 16, t, h, w))
+        decode(torch.randn(1, 16, t, h, w))
         torch.cuda.synchronize()
         rows.append({"latent_frames": t, "video_frames": 1 + 4 * (t - 1), "seconds": round(time.perf_counter() - t0, 3),
                      "peak_gib": round(torch.cuda.max_memory_allocated() / 1024 ** 3, 3)})
     return rows
 
 
-def run(args) -> int:
+def run(args, vae_decode=None) -> int:
+    """The benchmark; ``vae_decode(latent)`` (optional) adds the VAE decode peak against the chunk length."""
     import torch
 
     from ..memory.block_swap import SwapSettings, apply_block_swap
@@ -191,11 +198,9 @@ def run(args) -> int:
                      "pinned_gib": round(swap.stats.pinned_bytes / 1024 ** 3, 3) if swap else 0.0})
         if swap is not None:
             swap.remove()
-    vrows = _vae_rows(args, device) if args.vae else []
+    vrows = _vae_rows(args, vae_decode) if vae_decode is not None else []
     if args.json:
-        from ..cli.output import print_json
-
-        print_json({"device": torch.cuda.get_device_name(), "model": args.model, "tokens": tokens,
+        _print_json({"device": torch.cuda.get_device_name(), "model": args.model, "tokens": tokens,
                     "keys": cached_tokens + tokens, "rows": rows, "vae_decode": vrows})
         return 0
     print(f"bench offload: {args.model} block shape (dim {dim}, ffn {ffn}, {n} blocks), {tokens} query tokens, "

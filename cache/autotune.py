@@ -69,8 +69,9 @@ def tuning_errors() -> tuple[type, ...]:
 
 def _is_transient(exc: BaseException) -> bool:
     """Errors that say nothing about the config (out of memory now, interrupted): never recorded."""
-    name = type(exc).__name__
-    return name in ("OutOfMemoryError", "KeyboardInterrupt") or "out of memory" in str(exc).lower()
+    from .oom import is_oom
+
+    return isinstance(exc, KeyboardInterrupt) or is_oom(exc)
 
 
 def describe_error(exc: BaseException) -> dict:
@@ -86,6 +87,24 @@ def describe_error(exc: BaseException) -> dict:
 def config_id(config: dict) -> str:
     """Canonical, order-independent id of a config dict, e.g. ``RBLOCK=64,YBLOCK=4,num_warps=4``."""
     return ",".join(f"{k}={config[k]}" for k in sorted(config))
+
+
+# ----------------------------------------------------------------------------- provisional results
+_PROVISIONAL = {"count": 0}
+_PROVISIONAL_LOCK = threading.Lock()
+
+
+def provisional_count() -> int:
+    """How many times, in this process, ``tune`` returned None only because nothing was measured yet (measuring
+    was not allowed, e.g. during a CUDA graph capture, or hit a transient error): the caller ran its torch
+    fallback this time, but a later call would get a tuned kernel. The graph manager compares this count around a
+    capture and does not keep a graph that baked such a fallback in."""
+    return _PROVISIONAL["count"]
+
+
+def _note_provisional() -> None:
+    with _PROVISIONAL_LOCK:
+        _PROVISIONAL["count"] += 1
 
 
 # ----------------------------------------------------------------------------- timers
@@ -182,6 +201,7 @@ class Autotuner:
         self._lock = threading.RLock()
         self._mem_entries: dict[str, dict] = {}  # the store when no cache is given
         self._transient = False  # set by _tune_locked when a config hit a transient error (out of memory)
+        self._provisional = False  # set by _tune_locked when None only means "not measured yet"
         self.stats = {"benchmarks": 0, "launch_checks": 0, "memo_hits": 0, "cache_hits": 0,
                       "pruned_known_failed": 0, "pruned_shared_memory": 0, "failures": 0}
 
@@ -278,9 +298,12 @@ class Autotuner:
                 self.stats["memo_hits"] += 1
                 return self._memo[memo_key]
             self._transient = False
+            self._provisional = False
             result = self._tune_locked(kernel, key, configs, ids, run, smem, policy, force and benchmark,
                                        benchmark)
             # a None caused by a transient error (out of memory now) is not final: the next call measures again
+            if result is None and self._provisional:
+                _note_provisional()
             if (benchmark and not self._transient) or result is not None:
                 self._memo[memo_key] = result
                 if isinstance(given, tuple):  # immutable: safe to recognise by identity next time
@@ -354,7 +377,9 @@ class Autotuner:
 
         usable = [(timings[c], c, cfg) for c, cfg in zip(ids, configs) if c in timings and c not in failed]
         if not usable and (not benchmark or self._transient):
-            return None  # nothing known yet (or only transient errors); the caller runs torch this time
+            # nothing known yet (or only transient errors); the caller runs torch this time
+            self._provisional = any(c not in failed for c, _cfg in candidates)
+            return None
         if not usable:
             report = (kernel, key)
             if report not in self._reported:

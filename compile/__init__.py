@@ -2,7 +2,7 @@
 
 Importing this package does not import torch; the functions do when called.
 """
-from .presets import preset_options, render_presets_table, resolve_inductor_options
+from .presets import graph_safe_settings, preset_options, render_presets_table, resolve_inductor_options
 from .settings import CompileSettings, coerce_settings
 
 
@@ -11,13 +11,6 @@ def compile_model(model, settings=None, cache=None):
     from .apply import compile_model as _impl
 
     return _impl(model, settings, cache)
-
-
-def compile_for_comfy(patcher, settings=None, cache=None):
-    """See compile.apply.compile_for_comfy."""
-    from .apply import compile_for_comfy as _impl
-
-    return _impl(patcher, settings, cache)
 
 
 def end_warmup(model) -> bool:
@@ -34,5 +27,5 @@ def uncompile_model(model) -> bool:
     return _impl(model)
 
 
-__all__ = ["CompileSettings", "coerce_settings", "preset_options", "render_presets_table",
-           "resolve_inductor_options", "compile_model", "compile_for_comfy", "end_warmup", "uncompile_model"]
+__all__ = ["CompileSettings", "coerce_settings", "graph_safe_settings", "preset_options", "render_presets_table",
+           "resolve_inductor_options", "compile_model", "end_warmup", "uncompile_model"]

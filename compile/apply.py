@@ -5,9 +5,9 @@ module gets an instance-level ``forward`` that calls ``torch.compile(<the class'
 inside a small scope (kernel tile caps, recompile limit where torch has no per-call argument, the stance after
 warm-up). Identical blocks share one code object, so Dynamo compiles one graph for all of them.
 
-``compile_for_comfy(patcher, settings, cache)`` does the same for ComfyUI's own Wan models without mutating
-the shared model: the ModelPatcher is cloned and the compiled blocks are swapped in only while its
-``apply_model`` runs (an APPLY_MODEL wrapper); the end of the first sampling run ends warm-up.
+``compile_regions(model, settings, cache)`` + ``swapped_in(root, regions)`` do the same for a shared model that
+must not change outside one call (ComfyUI's own Wan models: ``nodes/comfy_compile.py`` swaps the compiled blocks
+in only while ComfyUI's ``apply_model`` runs). This module is plain torch: no ComfyUI vocabulary.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from .warm_start import WarmStart, ensure_inductor_cache_dir, model_signature
 log = logging.getLogger("wan_accel.compile")
 
 HANDLE_ATTR = "_wan_accel_compile"
-COMFY_KEY = "wan_accel.compile"
 WHOLE_METHODS = ("forward", "forward_full", "forward_chunk")
 
 
@@ -245,26 +244,55 @@ def uncompile_model(model) -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------- ComfyUI native models
-def _comfy_wrapper_types() -> tuple[str, str]:
-    try:
-        from comfy.patcher_extension import WrappersMP
+# ----------------------------------------------------------------------------- regions swapped in per call
+def call_with_module_hooks(module, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` run the way ``module(*args, **kwargs)`` runs its forward: the module's forward
+    pre-hooks and forward hooks fire around it (the block swap's prefetch / drop hooks, for example).
 
-        return WrappersMP.APPLY_MODEL, WrappersMP.OUTER_SAMPLE
-    except ImportError:
-        return "apply_model", "outer_sample"
+    Needed wherever a compiled forward of ``module`` is called without going through ``module.__call__``."""
+    pre, pre_kw = module._forward_pre_hooks, getattr(module, "_forward_pre_hooks_with_kwargs", {})
+    for hook_id, hook in list(pre.items()):
+        if hook_id in pre_kw:
+            res = hook(module, args, kwargs)
+            if res is not None:
+                args, kwargs = res
+        else:
+            res = hook(module, args)
+            if res is not None:
+                args = res if isinstance(res, tuple) else (res,)
+    post, post_kw = module._forward_hooks, getattr(module, "_forward_hooks_with_kwargs", {})
+    always = getattr(module, "_forward_hooks_always_called", {})
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException:
+        for hook_id, hook in list(post.items()):
+            if hook_id in always:
+                try:
+                    hook(module, args, kwargs, None) if hook_id in post_kw else hook(module, args, None)
+                except Exception:  # noqa: BLE001 - the original error matters more
+                    log.debug("wan_accel: an always-called forward hook failed after an error", exc_info=True)
+        raise
+    for hook_id, hook in list(post.items()):
+        res = hook(module, args, kwargs, out) if hook_id in post_kw else hook(module, args, out)
+        if res is not None:
+            out = res
+    return out
 
 
 _REGION_CLASS: list = []
 
 
 def _region_class():
-    """nn.Module standing in for a block while apply_model runs (defined on first use: torch is lazy here)."""
+    """nn.Module standing in for a block while a caller's forward runs (defined on first use: torch is lazy
+    here)."""
     if not _REGION_CLASS:
         import torch
 
         class CompiledRegion(torch.nn.Module):
-            """Holds the original block as ``_orig_mod`` and runs its compiled forward in the handle's scope."""
+            """Holds the original block as ``_orig_mod`` and runs its compiled forward in the handle's scope.
+
+            The original's forward hooks fire around the compiled call (they sit on the original, which is no
+            longer called): a block swap installed before or after compiling keeps streaming the weights."""
 
             def __init__(self, original, scoped):
                 super().__init__()
@@ -272,7 +300,7 @@ def _region_class():
                 self.__dict__["_scoped"] = scoped
 
             def forward(self, *args, **kwargs):
-                return self.__dict__["_scoped"](*args, **kwargs)
+                return call_with_module_hooks(self._orig_mod, self.__dict__["_scoped"], args, kwargs)
 
         _REGION_CLASS.append(CompiledRegion)
     return _REGION_CLASS[0]
@@ -283,51 +311,40 @@ def _make_scoped_module(original, handle: CompileHandle, contiguous_input: bool 
     return _region_class()(original, scoped)
 
 
-def compile_for_comfy(patcher, settings: CompileSettings | dict | None = None, cache=None):
-    """A clone of a ComfyUI ModelPatcher whose diffusion model runs compiled, per block or whole.
+def compile_regions(model, settings: CompileSettings | dict | None = None, cache=None, *, prefix: str = ""):
+    """(handle, regions) for a model that must stay unchanged outside the caller's forward (a shared model).
 
-    The shared model is never changed outside ``apply_model``: the compiled regions are swapped in by an
-    APPLY_MODEL wrapper and swapped back in a ``finally``; the end of the first sampling run ends warm-up.
-    """
-    model = patcher.clone()
-    diffusion_model = model.get_model_object("diffusion_model")
-    handle = _prepare(diffusion_model, settings, cache)
+    ``regions`` maps an attribute path below the caller's root object (``prefix`` + ``blocks.<i>``, or ``prefix``
+    itself for scope 'whole') to ``(original module, compiled stand-in)``; ``swapped_in(root, regions)`` puts the
+    stand-ins in place for the duration of one call."""
+    handle = _prepare(model, settings, cache)
+    dot = f"{prefix}." if prefix else ""
     if handle.settings.scope == "blocks":
-        blocks = _blocks_of(diffusion_model)
-        regions = {f"diffusion_model.blocks.{i}": (blocks[i], _make_scoped_module(blocks[i], handle, True))
+        blocks = _blocks_of(model)
+        regions = {f"{dot}blocks.{i}": (blocks[i], _make_scoped_module(blocks[i], handle, True))
                    for i in range(len(blocks))}
     else:
-        regions = {"diffusion_model": (diffusion_model, _make_scoped_module(diffusion_model, handle))}
+        regions = {prefix: (model, _make_scoped_module(model, handle))}
     handle.targets = [(r, "forward") for _, r in regions.values()]
-    apply_type, outer_type = _comfy_wrapper_types()
+    return handle, regions
 
-    def apply_model_wrapper(executor, *args, **kwargs):
-        owner = executor.class_obj
-        swapped = []
-        try:
-            for path, (original, region) in regions.items():
-                parent_path, _, attr = path.rpartition(".")
-                parent = _get_attr(owner, parent_path)
-                if getattr(parent, attr) is original:
-                    setattr(parent, attr, region)
-                    swapped.append((parent, attr, original))
-            return executor(*args, **kwargs)
-        finally:
-            for parent, attr, original in reversed(swapped):
-                setattr(parent, attr, original)
 
-    def outer_sample_wrapper(executor, *args, **kwargs):
-        out = executor(*args, **kwargs)
-        handle.end_warmup()
-        return out
-
-    for wrapper_type, fn in ((apply_type, apply_model_wrapper), (outer_type, outer_sample_wrapper)):
-        fn.handle = handle  # reachable for reports; functions survive ComfyUI's deepcopy of model options as is
-        remove = getattr(model, "remove_wrappers_with_key", None)
-        if remove is not None:
-            remove(wrapper_type, COMFY_KEY)
-        model.add_wrapper_with_key(wrapper_type, COMFY_KEY, fn)
-    return model
+@contextlib.contextmanager
+def swapped_in(root, regions: dict):
+    """Put each compiled stand-in where its original sits below ``root`` (only where the original still sits
+    there), and put the originals back on exit, whatever happens."""
+    swapped = []
+    try:
+        for path, (original, region) in regions.items():
+            parent_path, _, attr = path.rpartition(".")
+            parent = _get_attr(root, parent_path)
+            if getattr(parent, attr) is original:
+                setattr(parent, attr, region)
+                swapped.append((parent, attr, original))
+        yield
+    finally:
+        for parent, attr, original in reversed(swapped):
+            setattr(parent, attr, original)
 
 
 def _get_attr(obj, path: str):

@@ -114,6 +114,48 @@ def resolve_inductor_options(options: dict) -> dict:
     return kept
 
 
+# ----------------------------------------------------------------------------- CUDA graphs: the pack's own stay in charge
+# Inductor's cudagraph trees skip a graph whose inputs are mutated in place; the optimized sampler's blocks write
+# their KV buffers with index_copy_, so 'reduce-overhead', 'max-autotune' and the 'cudagraphs' backend would end
+# with no graph at all (slower than 'default'). The sampler compiles their graph-free equivalent instead and
+# replays whole chunks with its own CUDA graphs (sampling/cuda_graphs.py).
+GRAPH_SAFE_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def uses_inductor_cudagraphs(settings) -> bool:
+    """Whether these settings would let torch.compile capture CUDA graphs itself."""
+    s = coerce_settings(settings)
+    return s.backend == "cudagraphs" or (s.backend == "inductor" and s.mode in GRAPH_SAFE_MODES)
+
+
+def graph_safe_settings(settings) -> tuple[CompileSettings | None, str]:
+    """(settings to compile with, note) so that the pack's own CUDA graphs stay in charge of graph capture.
+
+    'reduce-overhead' -> 'default' and 'max-autotune' -> 'max-autotune-no-cudagraphs' (the same Inductor options
+    without ``triton.cudagraphs``); backend 'cudagraphs' -> None (no torch.compile: the pack's graphs replay the
+    eager blocks); anything else is returned as is with an empty note."""
+    s = coerce_settings(settings)
+    if s.backend == "cudagraphs":
+        return None, ("backend 'cudagraphs': no torch.compile; the sampler's own CUDA graphs replay each chunk "
+                      "(torch's cudagraph backend would skip blocks that update the KV cache in place)")
+    if s.backend == "inductor" and s.mode in GRAPH_SAFE_MODES:
+        safe = GRAPH_SAFE_MODES[s.mode]
+        return s.replace(mode=safe), (f"mode '{s.mode}' compiled as '{safe}' with the sampler's own CUDA graphs "
+                                      "(Inductor's cudagraph trees would skip blocks that update the KV cache in "
+                                      "place)")
+    return s, ""
+
+
+def graphs_summary(settings) -> str:
+    """Who captures CUDA graphs in the optimized sampler for these settings (the presets table's last column)."""
+    s = coerce_settings(settings)
+    if s.backend == "cudagraphs":
+        return "the sampler's own, of the eager blocks (no torch.compile)"
+    if s.backend == "inductor" and s.mode in GRAPH_SAFE_MODES:
+        return f"the sampler's own; compiled as `{GRAPH_SAFE_MODES[s.mode]}`"
+    return "the sampler's own"
+
+
 # ----------------------------------------------------------------------------- documentation
 def _fmt(options: dict) -> str:
     if not options:
@@ -132,20 +174,22 @@ def render_presets_table(mode_table: dict[str, dict] | None = None) -> str:
     mode_table defaults to STATIC_MODE_OPTIONS so the documentation does not depend on the installed torch.
     """
     table = STATIC_MODE_OPTIONS if mode_table is None else mode_table
-    lines = ["| tiling_preset | lock_global_ops | mode | Inductor options | kernel caps |",
-             "|---|---|---|---|---|"]
+    lines = ["| tiling_preset | lock_global_ops | mode | Inductor options | kernel caps | CUDA graphs (optimized "
+             "sampler) |",
+             "|---|---|---|---|---|---|"]
     for preset in TILING_PRESETS:
         for lock in (True, False):
             for mode in MODES:
                 s = CompileSettings(tiling_preset=preset, lock_global_ops=lock, mode=mode)
                 options, caps = preset_options(s, mode_table=table)
                 lines.append(f"| {preset} | {'on' if lock else 'off'} | {mode} | {_fmt(options)} | "
-                             f"{_fmt_caps(caps)} |")
+                             f"{_fmt_caps(caps)} | {graphs_summary(s)} |")
     for backend in ("cudagraphs", "eager"):
         for lock in (True, False):
-            _, caps = preset_options(CompileSettings(backend=backend, lock_global_ops=lock), mode_table=table)
+            s = CompileSettings(backend=backend, lock_global_ops=lock)
+            _, caps = preset_options(s, mode_table=table)
             lines.append(f"| any | {'on' if lock else 'off'} | backend={backend} | (none: not Inductor) | "
-                         f"{_fmt_caps(caps)} |")
+                         f"{_fmt_caps(caps)} | {graphs_summary(s)} |")
     return "\n".join(lines)
 
 

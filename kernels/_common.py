@@ -201,6 +201,17 @@ def dtype_name(t) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
+# ----------------------------------------------------------------------------- device
+def device_guard(t):
+    """Make ``t``'s GPU the current device while a kernel launches: Triton launches on the current device, so a
+    model on ``cuda:1`` while device 0 is current would otherwise run on (and read the memory of) the wrong GPU."""
+    if t.device.type != "cuda":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(t.device)
+
+
 # ----------------------------------------------------------------------------- tuned launch
 def capturing(t) -> bool:
     """True while a CUDA graph is being captured on the current stream (no benchmarking possible then)."""

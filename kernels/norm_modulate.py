@@ -116,8 +116,9 @@ def _launcher(x, shift, scale, eps):
     def launch(cfg: dict):
         kernel = _common.jit(_lnmod_kernel)
         grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
-        kernel[grid](x2, sh, sc, out, rows, d, l, l // f, bstride, float(eps),
-                     YBLOCK=cfg["YBLOCK"], RBLOCK=cfg["RBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+        with _common.device_guard(x2):
+            kernel[grid](x2, sh, sc, out, rows, d, l, l // f, bstride, float(eps),
+                         YBLOCK=cfg["YBLOCK"], RBLOCK=cfg["RBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
 
     key = (f"D={d}|rows={_common.rows_bucket(rows)}|F={'1' if f == 1 else 'n'}|"
            f"{_common.dtype_name(x)}|{_common.dtype_name(sh)}")

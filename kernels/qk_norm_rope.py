@@ -53,13 +53,13 @@ def rmsnorm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Ten
 
 
 if tl is not None:
-    def _rmsrope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, L, half_hd, eps,
+    def _rmsrope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, L, half_hd, eps, x_row_stride,
                         YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * YBLOCK + tl.arange(0, YBLOCK)
         row_ok = rows < n_rows
         rows64 = rows.to(tl.int64)
-        x_rows = x_ptr + rows64[:, None] * D
+        x_rows = x_ptr + rows64[:, None] * x_row_stride   # rows of a q/k view of the fused q/k/v output
         # pass 1: mean of squares over the full width, float32
         cols0 = tl.arange(0, RBLOCK)
         acc = tl.zeros([YBLOCK], dtype=tl.float32)
@@ -106,10 +106,19 @@ def _smem(cfg: dict) -> int:
 _KERNEL_NAME = _common.kernel_name(NAME, _rmsrope_kernel) if tl is not None else NAME
 
 
+def _rows_view(x):
+    """x itself when its rows are evenly spaced with unit channel stride (the q or k slice of the fused q/k/v
+    output: row stride 3*D), so the kernel reads it in place; a contiguous copy otherwise."""
+    b, l, _d = x.shape
+    if x.stride(2) == 1 and (b == 1 or x.stride(0) == l * x.stride(1)) and x.stride(1) >= x.shape[2]:
+        return x
+    return x.contiguous()
+
+
 def _launcher(x, weight, cos, sin, num_heads, eps):
     b, l, d = x.shape
     hd = d // num_heads
-    x2, w = x.contiguous(), weight.contiguous()
+    x2, w = _rows_view(x), weight.contiguous()
     c, s = cos.contiguous(), sin.contiguous()
     out = torch.empty((b, l, num_heads, hd), dtype=x.dtype, device=x.device)
     rows = b * l
@@ -118,8 +127,9 @@ def _launcher(x, weight, cos, sin, num_heads, eps):
     def launch(cfg: dict):
         kernel = _common.jit(_rmsrope_kernel)
         grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
-        kernel[grid](x2, w, c, s, out, rows, d, l, hd // 2, float(eps),
-                     YBLOCK=cfg["YBLOCK"], RBLOCK=cfg["RBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+        with _common.device_guard(x2):
+            kernel[grid](x2, w, c, s, out, rows, d, l, hd // 2, float(eps), x2.stride(1),
+                         YBLOCK=cfg["YBLOCK"], RBLOCK=cfg["RBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
 
     key = (f"D={d}|hd={hd}|rows={_common.rows_bucket(rows)}|{_common.dtype_name(x)}|"
            f"w={_common.dtype_name(w)}|rope={_common.dtype_name(c)}")

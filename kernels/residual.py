@@ -81,8 +81,9 @@ def _launcher(x, y, gate):
     def launch(cfg: dict):
         kernel = _common.jit(_gres_kernel)
         grid = (_common.cdiv(rows, cfg["YBLOCK"]), _common.cdiv(d, cfg["XBLOCK"]))
-        kernel[grid](x2, y2, g, out, rows, d, l, l // f, bstride,
-                     YBLOCK=cfg["YBLOCK"], XBLOCK=cfg["XBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+        with _common.device_guard(x2):
+            kernel[grid](x2, y2, g, out, rows, d, l, l // f, bstride,
+                         YBLOCK=cfg["YBLOCK"], XBLOCK=cfg["XBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
 
     key = (f"D={d}|rows={_common.rows_bucket(rows)}|F={'1' if f == 1 else 'n'}|{_common.dtype_name(x)}|"
            f"y={_common.dtype_name(y)}|g={_common.dtype_name(g)}")

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .pinned import PinnedArena
+
 log = logging.getLogger("wan_accel")
 ATTR = "_wan_accel_block_swap"
 EMBEDDING_NAMES = ("text_embedding", "img_emb")
@@ -42,8 +44,8 @@ class SwapSettings:
 @dataclass
 class SwapStats:
     swapped_blocks: list = field(default_factory=list)
-    swapped_bytes: int = 0
-    pinned_bytes: int = 0
+    swapped_bytes: int = 0            # bytes held on the host for the swapped units (each storage once)
+    pinned_bytes: int = 0             # page-locked bytes as the host allocator takes them (power-of-two slabs)
     copies: int = 0                   # unit materialisations (host -> device)
     bytes_copied: int = 0
     sync_loads: int = 0               # materialisations that were not prefetched
@@ -86,12 +88,16 @@ class _Transfer:
 
 
 class _Slot:
-    """One swapped tensor: where it lives in its module, the host copy, the original device."""
-    __slots__ = ("module", "name", "is_param", "ref", "host", "orig_device")
+    """One swapped tensor: where it lives in its module and its layout inside its unit's segment."""
+    __slots__ = ("module", "name", "is_param", "ref", "host", "orig_device", "seg", "rel", "shape", "stride")
 
-    def __init__(self, module, name, is_param, ref, host, orig_device):
+    def __init__(self, module, name, is_param, ref, orig_device, seg, rel, shape, stride):
         self.module, self.name, self.is_param, self.ref = module, name, is_param, ref
-        self.host, self.orig_device = host, orig_device
+        self.orig_device, self.seg, self.rel, self.shape, self.stride = orig_device, seg, rel, shape, stride
+        self.host = None
+
+    def view_of(self, segment: torch.Tensor) -> torch.Tensor:
+        return segment.as_strided(self.shape, self.stride, segment.storage_offset() + self.rel)
 
     def current(self):
         return (self.module._parameters if self.is_param else self.module._buffers).get(self.name)
@@ -109,12 +115,52 @@ class _Slot:
             self.ref = t
 
 
-class _Unit:
-    __slots__ = ("name", "slots", "state", "pending", "nbytes")
+class _Segment:
+    """One element range of one storage, copied once for every tensor of the unit that views it (the q/k/v
+    parameters and the fused q/k/v buffer they are views of move as one tensor)."""
+    __slots__ = ("src", "lo", "numel", "dtype", "orig_device", "host", "ticket")
 
-    def __init__(self, name, slots):
-        self.name, self.slots, self.state, self.pending = name, slots, "host", None
-        self.nbytes = sum(s.host.numel() * s.host.element_size() for s in slots)
+    def __init__(self, src, lo, numel, dtype, orig_device):
+        self.src, self.lo, self.numel, self.dtype, self.orig_device = src, lo, numel, dtype, orig_device
+        self.host, self.ticket = None, None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def source(self) -> torch.Tensor:
+        return self.src.as_strided((self.numel,), (1,), self.lo)
+
+
+class _Unit:
+    __slots__ = ("name", "slots", "segments", "state", "pending", "nbytes")
+
+    def __init__(self, name, slots, segments):
+        self.name, self.slots, self.segments, self.state, self.pending = name, slots, segments, "host", None
+        self.nbytes = sum(seg.nbytes for seg in segments)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) storage element offsets a tensor reads."""
+    lo = t.storage_offset()
+    if t.numel() == 0:
+        return lo, lo
+    return lo, lo + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return (t.device, t.dtype, t.untyped_storage().data_ptr())
+    except Exception:  # noqa: BLE001 - a tensor without a plain storage: on its own
+        return (t.device, t.dtype, ("id", id(t)))
+
+
+def default_pin_limit() -> int:
+    """The pinned budget of this machine (memory.system.pinned_budget_for): every swap is capped by it unless the
+    caller passes its own limit."""
+    from .system import host_memory, pinned_budget_for
+
+    return pinned_budget_for(*host_memory())
 
 
 def _eager(fn):
@@ -136,13 +182,16 @@ class BlockSwap:
     """Swap the last ``blocks_to_swap`` blocks of ``blocks`` (and optionally ``embeddings``) through host memory.
 
     ``device``: the compute device (default: where the blocks are, else CUDA if available, else CPU).
-    ``pin_memory``: None pins when CUDA is available; ``pin_limit_bytes`` caps the pinned total (the rest stays
-    pageable). ``move_resident`` moves the resident blocks to ``device``. Use ``remove()`` to undo.
+    ``pin_memory``: None pins when CUDA is available; ``pin_limit_bytes`` caps the pinned total as the allocator
+    counts it (power-of-two slabs, ``memory.pinned``; None: this machine's pinned budget); the rest stays pageable.
+    ``pinned_alloc(nbytes)``: the pinned allocation function (tests). ``move_resident`` moves the resident blocks
+    to ``device``. Each storage is held and copied once per unit (views into one buffer move as one tensor).
+    Use ``remove()`` to undo.
     """
 
     def __init__(self, blocks: nn.ModuleList, *, blocks_to_swap: int, prefetch: int = 1, device=None,
                  embeddings=(), pin_memory: bool | None = None, pin_limit_bytes: int | None = None,
-                 use_stream: bool | None = None, move_resident: bool = True):
+                 use_stream: bool | None = None, move_resident: bool = True, pinned_alloc=None):
         if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
             raise TypeError(f"block swap needs an nn.ModuleList of blocks, got {type(blocks).__name__}")
         n = len(blocks)
@@ -155,11 +204,14 @@ class BlockSwap:
         self.blocks_to_swap, self.prefetch = int(blocks_to_swap), max(0, int(prefetch))
         self.device = _pick_device(blocks, device)
         cuda = self.device.type == "cuda"
-        self.pin = (torch.cuda.is_available() and cuda) if pin_memory is None else bool(pin_memory and torch.cuda.is_available())
+        can_pin = torch.cuda.is_available() or pinned_alloc is not None
+        self.pin = (can_pin and cuda) if pin_memory is None else bool(pin_memory and can_pin)
+        self._pinned_alloc = pinned_alloc
         self.transfer = _Transfer(self.device, cuda if use_stream is None else bool(use_stream and cuda))
         self.stats = SwapStats()
         self.settings: SwapSettings | None = None   # set by apply_block_swap
-        self._pin_left = pin_limit_bytes
+        self.pin_limit = (default_pin_limit() if pin_limit_bytes is None else int(pin_limit_bytes)) if self.pin else 0
+        self.arena = None
         self._handles = []
         self.first_swapped = n - self.blocks_to_swap
         self.units: dict[object, _Unit] = {}
@@ -173,6 +225,7 @@ class BlockSwap:
                 if mod is not None:
                     self.units[("emb", k)] = self._make_unit(type(mod).__name__, mod)
                     self._hook(mod, ("emb", k))
+            self._fill_host()
             for i in range(n):
                 self._hook(blocks[i], i)
         except BaseException:
@@ -182,39 +235,69 @@ class BlockSwap:
         setattr(blocks, ATTR, self)
 
     # ------------------------------------------------------------------ setup
-    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        nbytes = t.numel() * t.element_size()
-        pin = self.pin and (self._pin_left is None or nbytes <= self._pin_left)
-        if t.device.type == "cpu" and (not pin or t.is_pinned()):
-            return t.detach()  # already in (pinned) host memory: share it, no copy
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        host.copy_(t.detach())
-        if pin:
-            self.stats.pinned_bytes += nbytes
-            if self._pin_left is not None:
-                self._pin_left -= nbytes
-        return host
-
     def _make_unit(self, name: str, module: nn.Module) -> _Unit:
-        slots, seen = [], set()
+        entries, seen = [], set()
         for sub in module.modules():
-            for pname, p in list(sub._parameters.items()):
-                if p is None or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                slot = _Slot(sub, pname, True, p, self._host_copy(p.data), p.device)
-                slot.point_to(slot.host)
-                slots.append(slot)
-            for bname, b in list(sub._buffers.items()):
-                if b is None or id(b) in seen:
-                    continue
-                seen.add(id(b))
-                slot = _Slot(sub, bname, False, b, self._host_copy(b), b.device)
-                slot.point_to(slot.host)
-                slots.append(slot)
-        unit = _Unit(name, slots)
+            for is_param, table in ((True, sub._parameters), (False, sub._buffers)):
+                for tname, t in list(table.items()):
+                    if t is None or id(t) in seen:
+                        continue
+                    seen.add(id(t))
+                    entries.append((sub, tname, is_param, t))
+        groups: dict = {}
+        for entry in entries:
+            groups.setdefault(_storage_key(entry[3].data), []).append(entry)
+        slots, segments = [], []
+        for members in groups.values():
+            # tensors whose element ranges overlap share one segment; disjoint tensors of one storage (e.g. a
+            # whole checkpoint mapped as one storage) keep their own, so nothing outside the unit is copied
+            spans = sorted(((_extent(e[3].data), e) for e in members), key=lambda se: se[0])
+            runs: list = []
+            for (lo, hi), e in spans:
+                if runs and lo < runs[-1][1]:
+                    runs[-1][1] = max(runs[-1][1], hi)
+                    runs[-1][2].append(e)
+                else:
+                    runs.append([lo, hi, [e]])
+            for lo, hi, run in runs:
+                d0 = run[0][3].data
+                seg = _Segment(d0.detach(), lo, hi - lo, d0.dtype, d0.device)
+                segments.append(seg)
+                for sub, tname, is_param, t in run:
+                    d = t.data
+                    slots.append(_Slot(sub, tname, is_param, t, d.device, seg, d.storage_offset() - lo,
+                                       tuple(d.shape), tuple(d.stride())))
+        unit = _Unit(name, slots, segments)
         self.stats.swapped_bytes += unit.nbytes
         return unit
+
+    def _fill_host(self) -> None:
+        """Host copies of every segment (pinned ones packed into the arena within the pin limit), then every
+        swapped tensor pointed at its host view."""
+        segments = [seg for unit in self.units.values() for seg in unit.segments]
+        copy_pinned = []
+        if self.pin:
+            wanted = [seg for seg in segments if not (seg.orig_device.type == "cpu" and seg.src.is_pinned())]
+            self.arena = PinnedArena([seg.nbytes for seg in wanted], self.pin_limit, alloc=self._pinned_alloc)
+            for seg in wanted:
+                seg.ticket = self.arena.reserve(seg.nbytes)
+                if seg.ticket is not None:
+                    copy_pinned.append(seg)
+            self.arena.allocate()
+            self.stats.pinned_bytes = self.arena.pinned_bytes
+        for seg in segments:
+            src = seg.source()
+            if seg.ticket is not None:
+                seg.host = self.arena.view(seg.ticket, seg.dtype, seg.numel).copy_(src)
+            elif seg.orig_device.type == "cpu":
+                seg.host = src          # already in host memory: share it, no copy
+            else:
+                seg.host = torch.empty(seg.numel, dtype=seg.dtype, device="cpu").copy_(src)
+            seg.src = None
+        for unit in self.units.values():
+            for slot in unit.slots:
+                slot.host = slot.view_of(slot.seg.host)
+                slot.point_to(slot.host)
 
     def _hook(self, module: nn.Module, key) -> None:
         self._handles.append(module.register_forward_pre_hook(_eager(lambda m, args: self._before(key))))
@@ -223,7 +306,7 @@ class BlockSwap:
     # ------------------------------------------------------------------ runtime
     def _issue(self, unit: _Unit) -> None:
         if unit.state == "host":
-            unit.pending = self.transfer.start([s.host for s in unit.slots])
+            unit.pending = self.transfer.start([seg.host for seg in unit.segments])
             unit.state = "pending"
 
     def _materialize(self, unit: _Unit) -> None:
@@ -232,10 +315,10 @@ class BlockSwap:
         if unit.state == "host":
             self.stats.sync_loads += 1
             self._issue(unit)
-        tensors = self.transfer.finish(unit.pending)
-        for slot, t in zip(unit.slots, tensors):
+        tensors = dict(zip(map(id, unit.segments), self.transfer.finish(unit.pending)))
+        for slot in unit.slots:
             if slot.owned():
-                slot.point_to(t)
+                slot.point_to(slot.view_of(tensors[id(slot.seg)]))
         unit.pending, unit.state = None, "device"
         self.stats.copies += 1
         self.stats.bytes_copied += unit.nbytes
@@ -279,13 +362,12 @@ class BlockSwap:
             h.remove()
         self._handles.clear()
         for unit in self.units.values():
+            back = {id(seg): seg.host.to(seg.orig_device) for seg in unit.segments
+                    if restore and seg.orig_device.type != "cpu"}      # one copy per segment: views stay views
             for slot in unit.slots:
-                if not slot.owned():
-                    continue
-                target = slot.host
-                if restore and slot.orig_device.type != "cpu":
-                    target = slot.host.to(slot.orig_device)
-                slot.point_to(target)
+                if slot.owned():
+                    seg = back.get(id(slot.seg))
+                    slot.point_to(slot.host if seg is None else slot.view_of(seg))
             unit.pending, unit.state = None, "host"
         self.units.clear()
         if getattr(self.blocks, ATTR, None) is self:
@@ -322,7 +404,7 @@ def embedding_modules(model) -> list:
 
 
 def apply_block_swap(model, settings: SwapSettings | None = None, *, device=None, pin_limit_bytes=None,
-                     move_resident: bool = True, **kw) -> BlockSwap:
+                     move_resident: bool = True, pinned_alloc=None, **kw) -> BlockSwap:
     """Install a BlockSwap on ``model.blocks`` (or a ModuleList); ``settings`` or keyword fields of SwapSettings.
 
     With ``move_resident`` everything that is not swapped (resident blocks, and for a model its other layers)
@@ -333,7 +415,7 @@ def apply_block_swap(model, settings: SwapSettings | None = None, *, device=None
     blocks = find_blocks(model)
     swap = BlockSwap(blocks, blocks_to_swap=s.blocks_to_swap, prefetch=s.prefetch, device=device,
                      embeddings=emb, pin_memory=s.pin_memory, pin_limit_bytes=pin_limit_bytes,
-                     move_resident=move_resident)
+                     move_resident=move_resident, pinned_alloc=pinned_alloc)
     if move_resident and model is not blocks:
         try:
             for child in model.children():

@@ -16,11 +16,10 @@ import gc
 import logging
 from typing import Callable
 
+from ..cache.oom import OOM_MESSAGES, SoftOOM, is_oom  # noqa: F401 - re-exported: one definition
 from .limits import learned_size, record_size
 
 log = logging.getLogger("wan_accel")
-OOM_MESSAGES = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
-                "cudaerrormemoryallocation", "hiperroroutofmemory")
 
 
 class NoFitError(RuntimeError):
@@ -29,31 +28,6 @@ class NoFitError(RuntimeError):
     def __init__(self, message: str, *, key: str = "", size: int = 0):
         super().__init__(message)
         self.key, self.size = key, size
-
-
-class SoftOOM(Exception):
-    """Raised by a step that succeeded only in a degraded way (e.g. a VAE that fell back to tiling): treat the size
-    as too large, like an out-of-memory error."""
-
-
-def is_oom(exc: BaseException) -> bool:
-    """True for torch.OutOfMemoryError, CUDA/HIP allocation failures reported as RuntimeError, MemoryError and
-    SoftOOM."""
-    if isinstance(exc, (MemoryError, SoftOOM)):
-        return True
-    try:
-        import torch
-
-        oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
-                                      getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
-        if oom_types and isinstance(exc, oom_types):
-            return True
-    except ImportError:
-        pass
-    if isinstance(exc, RuntimeError):
-        text = str(exc).lower()
-        return any(m in text for m in OOM_MESSAGES)
-    return False
 
 
 def free_memory() -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from .estimate import (Workload, activation_bytes, attended_tokens, block_compute_ms, cross_cache_bytes,
                        kv_cache_bytes, query_tokens, transfer_ms, vae_decode_bytes, video_frames_for)
 from .limits import dit_limit_key, learned_size, vae_limit_key
+from .pinned import plan_pinned
 from .system import HOST_RAM_HEADROOM, SystemInfo, detect_system, gib
 from .weights import ModelWeights
 
@@ -35,6 +36,7 @@ class MemoryPlan:
     vae_overlap: int
     budget_bytes: int
     estimated_peak_bytes: int
+    pinned_bytes: int = 0           # page-locked host RAM the swap takes, as the pinned allocator counts it
     breakdown: dict = field(default_factory=dict)
     reasons: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
@@ -79,6 +81,9 @@ class MemoryPlan:
             f"blocks: {self.blocks_to_swap} of {self.blocks_total} swapped ({self.blocks_resident} resident), "
             f"prefetch {self.prefetch} - {self.reasons.get('blocks_to_swap', '')}",
         ]
+        if self.blocks_to_swap:
+            lines.append(f"pinned host RAM: {gib(self.pinned_bytes)} ({self.pinned_blocks} of {self.blocks_to_swap} "
+                         "swapped blocks)")
         for k in ("prefetch", "pinned_blocks", "offload_embeddings"):
             if self.reasons.get(k):
                 lines.append(f"{k.replace('_', ' ')}: {self.reasons[k]}")
@@ -220,13 +225,12 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     prefetch = 1 if gpu and n > 0 else 0
     pinned_blocks = 0
     swapped = sum(blocks[L - n:]) + (emb if off_emb else 0)
+    pinned_total = 0
     if gpu and n > 0:
-        acc = 0
-        for b in blocks[L - n:]:
-            if acc + b > system.pinned_budget:
-                break
-            acc += b
-            pinned_blocks += 1
+        # the swap packs its tensors into power-of-two pinned slabs (memory.pinned) within the pinned budget,
+        # counted as the allocator counts them
+        pinned_blocks, pinned_total = plan_pinned(
+            [weights.block_tensor_bytes_at(i, elem) or [blocks[i]] for i in range(L - n, L)], system.pinned_budget)
         lk = attended_tokens(workload, frames_of(window), patch)
         copy = transfer_ms(max_block, pinned_blocks == n)
         comp = block_compute_ms(max(weights.block_float_numel), lq, lk, weights.dim, system.capability, B)
@@ -235,9 +239,11 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
                                f"current block's compute (~{comp:.1f} ms); expect ~{extra:.0f} ms more per forward "
                                "than fully resident" if extra >= 1 else
                                f"1 block ahead: the copy (~{copy:.1f} ms) hides behind compute (~{comp:.1f} ms)")
-        reasons["pinned_blocks"] = (f"all {n} swapped blocks pinned ({gib(swapped)})" if pinned_blocks == n else
-                                    f"{pinned_blocks} of {n} swapped blocks pinned (pinned budget "
-                                    f"{gib(system.pinned_budget)}); the rest copy from pageable memory, slower")
+        reasons["pinned_blocks"] = ((f"all {n} swapped blocks pinned ({gib(swapped)} of weights take "
+                                     f"{gib(pinned_total)} of page-locked RAM)") if pinned_blocks == n else
+                                    f"{pinned_blocks} of {n} swapped blocks pinned ({gib(pinned_total)} page-locked of "
+                                    f"the pinned budget {gib(system.pinned_budget)}); the rest copy from pageable "
+                                    "memory, slower")
         if swapped > system.host_ram_available:
             fits = False
             reasons["fits"] = (f"the swapped weights need {gib(swapped)} of host RAM but only "
@@ -302,7 +308,7 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
 
     return MemoryPlan(
         fits=fits, device=system.device, dtype=dtype, attention_backend=backend, blocks_total=L, blocks_to_swap=n,
-        prefetch=prefetch, pinned_blocks=pinned_blocks, offload_embeddings=off_emb, kv_window=window,
+        prefetch=prefetch, pinned_blocks=pinned_blocks, pinned_bytes=int(pinned_total), offload_embeddings=off_emb, kv_window=window,
         vae_chunk_frames=chunk, vae_overlap=overlap, budget_bytes=int(budget), estimated_peak_bytes=int(peak),
         breakdown={k: int(v) for k, v in need.items()}, reasons=reasons, notes=notes, learned=learned,
         system=system.to_dict(), model={k: v for k, v in weights.summary().items() if k != "block_bytes"},

@@ -158,3 +158,15 @@ def detect_system(device=None) -> SystemInfo:
                       capability=cap, bf16=bf16, fp8=cap >= (8, 9), host_ram_total=total_ram,
                       host_ram_available=avail_ram, pinned_budget=pinned_budget_for(total_ram, avail_ram),
                       device_index=int(index))
+
+
+def auto_dtype(system: SystemInfo) -> tuple[str, str]:
+    """('bf16' | 'fp16' | 'fp32', reason) for a model loaded with dtype 'auto' on ``system``: bf16 where the GPU has
+    bf16 tensor cores (SM 8.0+), fp16 on older GPUs (SM 7.5 runs bf16 matmuls emulated, several times slower),
+    fp32 on the CPU. The VRAM plan makes the same choice (``plan._choose_dtype``)."""
+    if not system.has_gpu:
+        return "fp32", "no CUDA device: the CPU computes in float32"
+    if system.bf16:
+        return "bf16", f"SM {system.capability_str} has bf16 tensor cores"
+    return "fp16", (f"SM {system.capability_str} has no bf16 tensor cores (bf16 would be emulated): float16; "
+                    "bf16-trained weights may lose a little precision")

@@ -149,6 +149,15 @@ class ModelWeights:
         """Bytes outside the blocks (embeddings, head)."""
         return self.total_bytes - sum(self.block_bytes)
 
+    def block_tensor_bytes_at(self, index: int, elem_bytes: int | None) -> list[int]:
+        """Bytes of each tensor of block ``index`` with float tensors held at ``elem_bytes`` (None: as stored)."""
+        out = []
+        for name, t in self.tensors.items():
+            m = BLOCK_RE.match(name)
+            if m is not None and int(m.group(1)) == index:
+                out.append(t.numel * elem_bytes if (elem_bytes and t.is_float) else t.nbytes)
+        return out
+
     def _other(self, prefixes=None):
         return [t for n, t in self.tensors.items() if not BLOCK_RE.match(n)
                 and (prefixes is None or n.startswith(prefixes))]

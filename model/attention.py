@@ -3,7 +3,9 @@
 Layout everywhere is ``[B, L, heads, head_dim]``. Backends:
 
 * ``fa3``: FlashAttention 3 (``flash_attn_interface``), Hopper GPUs (compute capability 9.x);
-* ``fa2``: FlashAttention 2 (``flash_attn``), compute capability 8.0 or newer;
+* ``fa2``: FlashAttention 2 (``flash_attn``), compute capability 8.0 or newer *and* kernels for this GPU in the
+  installed build: wheels built without sm_100 / sm_120 code fail with "no kernel image is available", so a tiny
+  probe call decides once per device (and a kernel-image error at run time falls back to SDPA for good);
 * ``sdpa``: torch's scaled_dot_product_attention (always available; it picks its own fused kernel).
 
 A request (``auto``, ``flash_attn``, ``fa3``, ``fa2``, ``sdpa``) is resolved by capability detection: the package
@@ -79,6 +81,52 @@ def capability_supports(name: str, capability: tuple) -> bool:
     return True
 
 
+_BUILD: dict = {}          # (name, device index) -> None (ok) or the probe's error
+
+
+NO_KERNEL_MESSAGES = ("no kernel image", "invalid device function", "not compiled for", "unsupported gpu",
+                      "sm_", "only supports ampere")
+
+
+def _is_no_kernel_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in NO_KERNEL_MESSAGES)
+
+
+def _probe_inputs(device, dtype):
+    """Tiny q/k/v for the build probe on ``device``, or None where they cannot be made (no CUDA here)."""
+    try:
+        q = torch.zeros(1, 1, 1, 64, dtype=dtype, device=device)
+    except Exception:  # noqa: BLE001 - no CUDA in this process: nothing to probe
+        return None
+    return q, q, q
+
+
+def build_supports(name: str, device, dtype=torch.float16) -> str | None:
+    """None when the installed FlashAttention ``name`` runs on ``device`` (one tiny call, cached per device);
+    else the error it gave (e.g. "no kernel image is available")."""
+    device = torch.device(device)
+    key = (name, device.index)
+    if key not in _BUILD:
+        fn = _FUNCS.get(name) or _load(name)
+        inputs = _probe_inputs(device, dtype) if fn is not None else None
+        error = None
+        if inputs is not None:
+            try:
+                fn(*inputs)
+            except Exception as exc:  # noqa: BLE001 - whatever fails here would fail in the model
+                error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:200]
+        _BUILD[key] = error
+    return _BUILD[key]
+
+
+def _mark_unusable(name: str, device, error: BaseException) -> None:
+    _BUILD[(name, torch.device(device).index)] = f"{type(error).__name__}: {str(error).strip()[:200]}"
+    resolve_backend.cache_clear()
+    log.warning("wan_accel: %s has no kernels for this GPU in the installed build (%s); using SDPA from now on",
+                _MODULES[name], str(error).strip()[:200])
+
+
 def head_dim_supported(head_dim: int) -> bool:
     return head_dim % 8 == 0 and 0 < head_dim <= 256
 
@@ -114,6 +162,10 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
         if not head_dim_supported(head_dim):
             why.append(f"{name}: head size {head_dim} not supported")
             continue
+        failed = build_supports(name, device, dtype)
+        if failed:
+            why.append(f"{name}: the installed build does not run on SM {cap[0]}.{cap[1]} ({failed})")
+            continue
         skipped = f" (skipped {'; '.join(why)})" if why else ""
         return name, f"{name} ({_MODULES[name]}) for requested '{requested}'{skipped}"
     reason = "torch SDPA" + (f" ({'; '.join(why)})" if why else "")
@@ -132,7 +184,15 @@ def _flash(name: str, q, k, v):
     fn = _FUNCS.get(name) or _load(name)
     if fn is None:
         raise RuntimeError(f"attention backend {name!r} needs {_MODULES[name]}, which does not import")
-    out = fn(q, k, v)
+    if _BUILD.get((name, q.device.index)):
+        return _sdpa(q, k, v)       # this build has no kernels for this GPU (found at run time)
+    try:
+        out = fn(q, k, v)
+    except RuntimeError as exc:
+        if not _is_no_kernel_error(exc):
+            raise
+        _mark_unusable(name, q.device, exc)
+        return _sdpa(q, k, v)
     return out[0] if isinstance(out, (tuple, list)) else out
 
 

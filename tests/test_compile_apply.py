@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import wan_accel.compile.compat as compat
-from wan_accel.compile import CompileSettings, compile_for_comfy, compile_model, end_warmup, uncompile_model
+from wan_accel.compile import CompileSettings, compile_model, end_warmup, uncompile_model
 from wan_accel.compile.apply import compile_handle
+from wan_accel.nodes.comfy_compile import compile_for_comfy
 from wan_accel.app.bench_compile import tiny_workload
 from wan_accel.kernels import current_caps
 
@@ -219,3 +220,48 @@ def test_native_block_regions_pass_a_contiguous_residual_input():
     assert seen[0][1] is other  # only the residual input is touched
     _ScopedForward(lambda a, b: a, Handle())(x, other)
     assert seen[1][0] is x  # our own model's regions are left as they are
+
+
+@pytest.mark.parametrize("swap_first", [True, False])
+def test_block_swap_streams_under_apply_compile_native(swap_first):
+    """The compiled stand-ins fire the original blocks' hooks: swapped blocks are materialised under compile, in
+    either order of the nodes (a swap installed before or after Apply Compile), and outputs match resident."""
+    from wan_accel.memory.block_swap import SwapSettings, apply_block_swap
+
+    diffusion_model, run = tiny_workload(blocks=3)
+    base = torch.nn.Module()
+    base.diffusion_model = diffusion_model
+    with torch.no_grad():
+        expected = run(diffusion_model)
+    swap = apply_block_swap(diffusion_model, SwapSettings(2, 1), device="cpu") if swap_first else None
+    patched = compile_for_comfy(FakePatcher(base), CompileSettings(**EAGER))
+    if swap is None:
+        swap = apply_block_swap(diffusion_model, SwapSettings(2, 1), device="cpu")
+    apply_wrapper = patched.wrappers["apply_model"]["wan_accel.compile"][0]
+    seen = []
+
+    def apply_model():
+        seen.append([type(b).__name__ for b in base.diffusion_model.blocks])
+        with torch.no_grad():
+            return run(base.diffusion_model)
+
+    for n in (1, 2):
+        out = apply_wrapper(Executor(base, apply_model))
+        assert seen[-1] == ["CompiledRegion"] * 3
+        assert torch.allclose(out, expected, atol=1e-6)
+        assert swap.stats.copies == 2 * n, "the swap's hooks did not fire under compile"
+        assert all(u.state == "host" for u in swap.units.values())  # dropped again after each block
+    swap.remove()
+
+
+def test_call_with_module_hooks_honours_kwargs_hooks_and_results():
+    from wan_accel.compile.apply import call_with_module_hooks
+
+    m = torch.nn.Linear(2, 2)
+    calls = []
+    m.register_forward_pre_hook(lambda mod, args: calls.append("pre") or (args[0] * 2,))
+    m.register_forward_pre_hook(lambda mod, args, kw: calls.append("pre_kw") or (args, kw), with_kwargs=True)
+    m.register_forward_hook(lambda mod, args, out: calls.append("post") or out + 1)
+    x = torch.ones(1, 2)
+    out = call_with_module_hooks(m, lambda a: a, (x,), {})
+    assert calls == ["pre", "pre_kw", "post"] and torch.equal(out, x * 2 + 1)

@@ -109,3 +109,23 @@ def test_kernel_default_caps_are_the_conservative_preset():
     from wan_accel.kernels import DEFAULT_CAPS
 
     assert DEFAULT_CAPS == CONSERVATIVE_CAPS
+
+
+def test_graph_safe_settings_keep_the_pack_graphs_in_charge():
+    from wan_accel.compile import graph_safe_settings
+    from wan_accel.compile.presets import STATIC_MODE_OPTIONS, uses_inductor_cudagraphs
+
+    for mode in ("reduce-overhead", "max-autotune"):
+        s = CompileSettings(mode=mode, tiling_preset="EXTREME-PLUS")
+        assert uses_inductor_cudagraphs(s)
+        safe, note = graph_safe_settings(s)
+        assert not uses_inductor_cudagraphs(safe) and note and mode in note
+        assert safe.tiling_preset == "EXTREME-PLUS" and safe.backend == "inductor"
+        opts, _ = preset_options(safe, mode_table=STATIC_MODE_OPTIONS)
+        assert not opts.get("triton.cudagraphs")
+    assert graph_safe_settings(CompileSettings(mode="max-autotune"))[0].mode == "max-autotune-no-cudagraphs"
+    none, note = graph_safe_settings(CompileSettings(backend="cudagraphs"))
+    assert none is None and "cudagraphs" in note
+    plain = CompileSettings(mode="max-autotune-no-cudagraphs")
+    assert graph_safe_settings(plain) == (plain, "") and graph_safe_settings({"mode": "default"})[1] == ""
+    assert "compiled as `default`" in render_presets_table()

@@ -20,7 +20,7 @@ CASES = [
      {"YBLOCK": 16, "RBLOCK": 128, "num_warps": 16}, 80),
     ("rmsnorm_rope", qk_norm_rope, "_rmsrope_kernel",
      {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16",
-      "n_rows": "i32", "D": "i32", "L": "i32", "half_hd": "i32", "eps": "fp32"},
+      "n_rows": "i32", "D": "i32", "L": "i32", "half_hd": "i32", "eps": "fp32", "x_row_stride": "i32"},
      {"YBLOCK": 16, "RBLOCK": 128, "num_warps": 16}, 90),
     ("gated_residual", residual, "_gres_kernel",
      {"x_ptr": "*bf16", "y_ptr": "*bf16", "g_ptr": "*fp32", "out_ptr": "*bf16", "n_rows": "i32", "D": "i32",

@@ -175,3 +175,12 @@ def test_cli_module_entry_point(tmp_path):
                           "--ram-gb", "64", "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["blocks_to_swap"] >= 30
+
+
+def test_auto_dtype_is_fp16_without_bf16_tensor_cores():
+    from wan_accel.memory.system import SystemInfo, auto_dtype
+
+    name, why = auto_dtype(SystemInfo.simulated_gpu(16, ram_gb=32, capability=(7, 5)))
+    assert name == "fp16" and "7.5" in why
+    assert auto_dtype(SystemInfo.simulated_gpu(16, ram_gb=32, capability=(8, 6)))[0] == "bf16"
+    assert auto_dtype(SystemInfo.cpu_only(ram_gb=8))[0] == "fp32"

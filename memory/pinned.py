@@ -1,0 +1,131 @@
+"""Pinned (page-locked) host memory as the allocator really takes it, and a slab arena that wastes little of it.
+
+PyTorch's CUDA host allocator (the one behind ``pin_memory=True``) rounds every allocation up to a power of two
+and caches the blocks: a 141.6 MB tensor takes 256 MB of page-locked RAM, about 1.45x over the 1.3B model's
+tensors. ``PinnedArena`` therefore packs the tensors to pin into a few power-of-two slabs (full slabs of
+``slab_bytes``, the last one sized to what it holds, rounded) and hands out aligned slices, so the rounding costs at
+most part of one slab; ``allocator_bytes`` is what an allocation of n bytes really takes, and every budget check
+counts that. The allocation function is injectable (tests count it on a CPU; the default pins).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+MiB = 1024 ** 2
+ALIGN = 512                 # byte alignment of every slice (enough for any dtype and for DMA)
+MIN_SLAB = 64 * MiB
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def allocator_bytes(nbytes: int) -> int:
+    """Bytes of page-locked memory that ``torch.empty(nbytes, pin_memory=True)`` takes (power-of-two rounding)."""
+    return next_pow2(int(nbytes)) if nbytes > 0 else 0
+
+
+def _aligned(n: int) -> int:
+    return -(-int(n) // ALIGN) * ALIGN
+
+
+def slab_size_for(largest: int, slab_bytes: int | None = None) -> int:
+    """The arena's slab size: a power of two, at least MIN_SLAB and at least the largest piece."""
+    return next_pow2(max(int(slab_bytes or MIN_SLAB), _aligned(largest), 1))
+
+
+class _Plan:
+    """First-fit packing of pieces into power-of-two slabs, under a byte budget counted as the allocator counts."""
+
+    def __init__(self, slab: int, budget: int | None):
+        self.slab, self.budget = slab, budget
+        self.used: list[int] = []      # bytes used per slab
+
+    def footprint(self, used=None) -> int:
+        used = self.used if used is None else used
+        if not used:
+            return 0
+        return self.slab * (len(used) - 1) + allocator_bytes(used[-1])
+
+    def place(self, nbytes: int):
+        """(slab index, offset) for a piece of ``nbytes``, or None when it would break the budget."""
+        need = _aligned(nbytes)
+        for i, u in enumerate(self.used):
+            if u + need <= self.slab:
+                trial = list(self.used)
+                trial[i] += need
+                if self.budget is None or self.footprint(trial) <= self.budget:
+                    self.used = trial
+                    return i, u
+                return None
+        trial = self.used + [need]
+        if self.budget is not None and self.footprint(trial) > self.budget:
+            return None
+        self.used = trial
+        return len(trial) - 1, 0
+
+
+def pinned_footprint(sizes, budget: int | None = None, slab_bytes: int | None = None) -> tuple[int, int]:
+    """(pieces pinned, bytes the allocator takes) when ``sizes`` are pinned in order through a PinnedArena with
+    ``budget``; pieces that do not fit stay pageable. For plans (no allocation)."""
+    sizes = [int(s) for s in sizes]
+    if not sizes:
+        return 0, 0
+    plan = _Plan(slab_size_for(max(sizes), slab_bytes), budget)
+    pinned = sum(1 for s in sizes if plan.place(s) is not None)
+    return pinned, plan.footprint()
+
+
+def plan_pinned(groups, budget: int | None = None, slab_bytes: int | None = None) -> tuple[int, int]:
+    """(groups whose every piece is pinned, bytes the allocator takes) for groups of piece sizes (e.g. the tensors
+    of each swapped block) pinned in order through a PinnedArena with ``budget``. For plans (no allocation)."""
+    groups = [[int(s) for s in g] for g in groups]
+    sizes = [s for g in groups for s in g]
+    if not sizes:
+        return 0, 0
+    plan = _Plan(slab_size_for(max(sizes), slab_bytes), budget)
+    full = 0
+    for g in groups:
+        placed = [plan.place(s) is not None for s in g]
+        full += all(placed)
+    return full, plan.footprint()
+
+
+def default_pinned_alloc(nbytes: int):
+    import torch
+
+    return torch.empty(int(nbytes), dtype=torch.uint8, device="cpu", pin_memory=True)
+
+
+class PinnedArena:
+    """Reserve pieces first (``reserve(nbytes) -> ticket or None``), then ``allocate()`` the slabs once and take
+    each piece with ``view(ticket, dtype, numel)``. ``pinned_bytes`` is what the allocator holds for the arena."""
+
+    def __init__(self, sizes_hint, budget: int | None = None, *, slab_bytes: int | None = None,
+                 alloc: Callable[[int], object] | None = None):
+        hint = [int(s) for s in sizes_hint] or [1]
+        self._plan = _Plan(slab_size_for(max(hint), slab_bytes), budget)
+        self._alloc = alloc or default_pinned_alloc
+        self.slabs: list = []
+        self.requested: list[int] = []          # sizes passed to the allocation function
+
+    def reserve(self, nbytes: int):
+        return self._plan.place(nbytes)
+
+    def allocate(self) -> None:
+        used = self._plan.used
+        for i, u in enumerate(used):
+            size = self._plan.slab if i < len(used) - 1 else allocator_bytes(u)
+            self.requested.append(size)
+            self.slabs.append(self._alloc(size))
+
+    def view(self, ticket, dtype, numel: int):
+        import torch
+
+        slab_index, offset = ticket
+        es = torch.empty((), dtype=dtype).element_size()
+        return self.slabs[slab_index][offset:offset + numel * es].view(dtype)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self.requested)
