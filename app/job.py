@@ -110,17 +110,25 @@ def compile_for_sampling(model, settings, log=None) -> str | None:
     """Regional compile of the blocks for the optimized sampler (None settings: nothing); returns the mode."""
     if settings is None:
         return None
+    from ..compile import uncompile_model
     from ..compile.apply import compile_handle, compile_model
+    from ..compile.presets import graph_safe_settings
     from ..compile.settings import coerce_settings
     s = coerce_settings(settings)
     if s.scope != "blocks":
         if log is not None:
             log("compile scope set to 'blocks' (the optimized path calls the blocks directly)")
         s = s.replace(scope="blocks")
+    safe, note = graph_safe_settings(s)         # the sampler's own CUDA graphs stay in charge of capture
+    if note and log is not None:
+        log(note)
+    if safe is None:
+        uncompile_model(model)
+        return s.backend
     handle = compile_handle(model)
-    if handle is None or handle.settings != s:
-        compile_model(model, s)
-    return s.mode if s.backend == "inductor" else s.backend
+    if handle is None or handle.settings != safe:
+        compile_model(model, safe)
+    return safe.mode if safe.backend == "inductor" else safe.backend
 
 
 @dataclass

@@ -335,7 +335,11 @@ class Run:
         if graphs is None:
             return self._forward(inp, start_frame, step, want_output, lean)
         key = (kind, want_output, lean, tuple(xt.shape), xt.dtype, step, self.parts)
-        return graphs.run(key, inp, lambda static: self._forward(static, start_frame, step, want_output, lean))
+        # the denoise and refresh calls of one chunk share a warm key: a refresh (once per chunk) is graphed at its
+        # first call once its chunk's denoise calls warmed up the same shapes
+        warm = (tuple(xt.shape), xt.dtype, step, self.parts)
+        return graphs.run(key, inp, lambda static: self._forward(static, start_frame, step, want_output, lean),
+                          warm_key=warm)
 
     # ------------------------------------------------------------------ end
     def on_oom(self) -> None:
