@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .keys import canonical_names
+from .checkpoint import canonical_names
 from .loader import METADATA_KEY, CheckpointError, expected_shapes, infer_config, validate_keys
 
 

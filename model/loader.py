@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .config import WanConfig
-from .keys import canonical_names
+from .checkpoint import canonical_names
 from .dit import WanModel
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl")
