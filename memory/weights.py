@@ -108,8 +108,10 @@ class ModelWeights:
 
     @property
     def signature(self) -> str:
-        """Short identity of the architecture and storage, used in learned-limit keys."""
-        return f"wan-{self.model_type}-d{self.dim}-f{self.ffn_dim}-l{self.num_layers}-{self.storage_dtype.lower()}"
+        """Short identity of the architecture (limits.model_identity: the same for every storage dtype)."""
+        from .limits import model_identity
+
+        return model_identity(self.config or self.__dict__)
 
     def summary(self) -> dict:
         return {"source": self.source, "signature": self.signature, "params": self.total_params,
