@@ -313,6 +313,8 @@ def infer_any_config(shapes: dict, num_heads: int | None = None, overrides: dict
     """infer_config, or the Matrix-Game-2 inference when the keys hold action modules."""
     if any(MG2_KEY_MARK in n for n in shapes):
         from .mg2_model import infer_mg2_config
+        pe = shapes.get("patch_embedding.weight")
+        num_heads = num_heads or (overrides or {}).get("num_heads") or (default_num_heads(pe[0]) if pe else None)
         try:
             return infer_mg2_config(shapes, num_heads=num_heads, overrides=overrides)
         except (KeyError, ValueError) as exc:
