@@ -28,6 +28,8 @@ def register(sub) -> None:
     p.add_argument("--capability", default="8.9", help="compute capability of the --vram-gb GPU (default 8.9)")
     p.add_argument("--ram-gb", type=float, default=None, help="host RAM in GiB (default: this machine's)")
     p.add_argument("--reserve-gb", type=float, default=0.0, help="VRAM (or RAM) to leave unused, in GiB")
+    p.add_argument("--vae", choices=("auto", "wan2.1", "wan2.2"), default="auto",
+                   help="the VAE that decodes, for its learned chunk limit (auto: from the model's latent channels)")
     p.add_argument("--no-learned", action="store_true", help="ignore limits learned on this machine")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
@@ -67,7 +69,7 @@ def _plan(args) -> int:
         return 2
     cache = None if args.no_learned else open_cache()
     plan = make_plan(weights, workload, system, reserve_bytes=int(args.reserve_gb * GiB), kv_window=args.kv_window,
-                     cache=cache, use_learned=not args.no_learned)
+                     cache=cache, use_learned=not args.no_learned, vae_kind=None if args.vae == "auto" else args.vae)
     if args.json:
         print_json(plan.to_dict())
     else:

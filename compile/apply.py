@@ -174,10 +174,6 @@ def _prepare(model, settings, cache) -> CompileHandle:
     handle = CompileHandle(s, options, caps, warm)
     if warm is not None:
         handle.loaded_artifacts = warm.load()
-    if s.backend == "inductor" and options.get("max_autotune") and warm is not None:
-        from ..cache.autotune import install_inductor_feedback
-
-        install_inductor_feedback(warm.cache)
     handle._setup_recompile_limit()
     return handle
 

@@ -13,13 +13,45 @@ NAMESPACE = "memory"
 log = logging.getLogger("wan_accel")
 
 
-def dit_limit_key(signature: str, width: int, height: int, frames: int, mode: str = "causal", batch: int = 1) -> str:
-    """Key of the learned DiT limit (``size`` = resident blocks that worked)."""
-    return f"dit/{signature}/{mode}/{width}x{height}x{frames}/b{batch}"
+def model_identity(config) -> str:
+    """Architecture of a model, the same however its weights are stored: ``wan-t2v-d1536-f8960-l30``.
+    ``config``: a WanConfig, its dict, or anything with those attributes (a loaded model's ``config``, a plan's
+    ``ModelWeights.config`` read from the checkpoint header)."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    return f"wan-{get('model_type', 't2v')}-d{int(get('dim', 0))}-f{int(get('ffn_dim', 0))}-l{int(get('num_layers', 0))}"
+
+
+def dtype_name(dtype) -> str:
+    """'bfloat16' for torch.bfloat16, 'bfloat16', 'bf16' or 'BF16'."""
+    name = str(dtype).replace("torch.", "").lower()
+    return {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16", "fp32": "float32",
+            "f32": "float32", "float": "float32"}.get(name, name)
+
+
+def dit_limit_key(config, compute_dtype, width: int, height: int, frames: int, mode: str = "causal",
+                  batch: int = 1) -> str:
+    """Key of the learned DiT limit (``size`` = resident blocks that worked): the model's architecture
+    (``model_identity``) and the dtype it computes in, never the dtype its file stores. The sampling guard writes
+    it from the running model (its config and compute dtype), the plan reads it from the checkpoint's config and
+    the dtype it plans, so an fp32 file run in bf16 finds the limit a bf16 file learned, and the other way round."""
+    return f"dit/{model_identity(config)}-{dtype_name(compute_dtype)}/{mode}/{width}x{height}x{frames}/b{batch}"
+
+
+VAE_KINDS = {16: "wan2.1", 48: "wan2.2"}
+
+
+def vae_kind(latent_channels: int, vae=None) -> str:
+    """The VAE a latent belongs to, from its channels: 16 -> 'wan2.1', 48 -> 'wan2.2'; another VAE is named by its
+    class and channels. Used by the decode node (writer) and the plan (reader, from the DiT's latent channels)."""
+    channels = int(latent_channels)
+    if channels in VAE_KINDS:
+        return VAE_KINDS[channels]
+    inner = getattr(vae, "first_stage_model", vae)
+    return f"{type(inner).__name__ if inner is not None else 'vae'}-c{channels}"
 
 
 def vae_limit_key(kind: str, batch: int, latent_h: int, latent_w: int) -> str:
-    """Key of the learned VAE decode limit (``size`` = latent frames per chunk that worked)."""
+    """Key of the learned VAE decode limit (``size`` = latent frames per chunk that worked); ``kind``: vae_kind."""
     return f"vae_decode/{kind}/b{batch}/{latent_h}x{latent_w}"
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .estimate import (Workload, activation_bytes, attended_tokens, block_compute_ms, cross_cache_bytes,
                        kv_cache_bytes, query_tokens, transfer_ms, vae_decode_bytes, video_frames_for)
-from .limits import dit_limit_key, learned_size, vae_limit_key
+from .limits import dit_limit_key, learned_size, vae_kind as vae_kind_of, vae_limit_key
 from .pinned import plan_pinned
 from .system import HOST_RAM_HEADROOM, SystemInfo, detect_system, gib
 from .weights import ModelWeights
@@ -124,9 +124,10 @@ def _choose_backend(system: SystemInfo) -> tuple[str, str]:
 
 def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | None = None, *,
               reserve_bytes: int = 0, kv_window: int | None = None, cache=None, use_learned: bool = True,
-              vae_kind: str = "wan2.1", vae_overlap: int = DEFAULT_VAE_OVERLAP) -> MemoryPlan:
+              vae_kind: str | None = None, vae_overlap: int = DEFAULT_VAE_OVERLAP) -> MemoryPlan:
     """Plan a generation. ``kv_window``: None = the model's own (its local_attn_size, else global), -1 = global,
-    N = N latent frames. ``cache``: a LimitCache whose learned limits override the estimates."""
+    N = N latent frames. ``cache``: a LimitCache whose learned limits override the estimates. ``vae_kind``: the VAE
+    whose learned decode limit applies ('wan2.1', 'wan2.2'; None: from the model's latent channels)."""
     system = system or detect_system()
     reasons, notes, learned = {}, list(workload.notes()), {}
     dtype, elem, reasons["dtype"] = _choose_dtype(weights, system)
@@ -193,7 +194,8 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
         window = -1     # the window holds the whole video: that is a global cache
 
     # limits learned on this machine
-    key = dit_limit_key(weights.signature, workload.width, workload.height, workload.frames, workload.mode, B)
+    key = dit_limit_key(weights.config or weights, dtype, workload.width, workload.height, workload.frames,
+                        workload.mode, B)
     resident_ok = learned_size(cache, key) if use_learned and gpu else None
     if resident_ok is not None and L - resident_ok > n:
         learned["dit"] = {"key": key, "resident_blocks": resident_ok}
@@ -297,7 +299,7 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     else:
         reason = (f"{chunk} latent frames per chunk (estimated {gib(vae_decode_bytes(chunk, lat_h, lat_w, v_elem, B))}) "
                   f"fit {where}; {t_lat} would need {gib(vae_decode_bytes(t_lat, lat_h, lat_w, v_elem, B))}")
-    vkey = vae_limit_key(vae_kind, B, lat_h, lat_w)
+    vkey = vae_limit_key(vae_kind or vae_kind_of(weights.out_dim), B, lat_h, lat_w)
     vlearned = learned_size(cache, vkey) if use_learned else None
     if vlearned is not None and vlearned < chunk:
         learned["vae"] = {"key": vkey, "chunk": vlearned}

@@ -41,9 +41,12 @@ def _no_fit_message(model, exc, shape, frames_per_block) -> str:
 
 
 def sampling_limit_key(model, shape) -> str:
-    """The learned-limit key of this model and video size (the one ``plan`` reads: limits.dit_limit_key)."""
+    """The learned-limit key of this model and video size (the one ``plan`` reads: limits.dit_limit_key), from the
+    model's config and the dtype it computes in (not the dtype its weights were stored in)."""
     b, f, _, h, w = shape
-    return dit_limit_key(weights_from_module(model).signature, w * 8, h * 8, 4 * (f - 1) + 1, batch=b)
+    dtype = getattr(model, "compute_dtype", None) or next(model.parameters()).dtype
+    config = getattr(model, "config", None) or weights_from_module(model).config
+    return dit_limit_key(config, dtype, w * 8, h * 8, 4 * (f - 1) + 1, batch=b)
 
 
 def oom_guard(model, shape, frames_per_block: int, *, mode: str = "auto", cache=None):

@@ -1,100 +1,22 @@
-"""Model sizes without loading tensors: the safetensors header, per-tensor and per-block bytes, preset shapes.
+"""Model sizes without loading tensors: per-tensor and per-block bytes of a checkpoint, a live module or a preset.
 
-A safetensors file starts with an 8-byte little-endian header length N, then N bytes of JSON
-``{name: {"dtype", "shape", "data_offsets": [start, end]}, "__metadata__": {...}}``; ``end - start`` is the exact
-byte size of a tensor. Only the header is read here.
+Files are read through ``model.checkpoint`` (the one safetensors header reader, key-name mapping and config
+inference the loader uses too), so a plan sees the config the loader would build: heads, rolling window, sizes.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 
-# bits per element of every safetensors dtype name we know
-DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FN": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
-    "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-    "F64": 64, "I64": 64, "U64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}
-FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E5M2", "F8_E4M3", "F8_E4M3FN", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
+from ..model.checkpoint import (DTYPE_BITS, FLOAT_DTYPES, HeaderError, TensorInfo, canonical_names,  # noqa: F401
+                                open_checkpoint, partial_config)
+
 BLOCK_RE = re.compile(r"^(?:blocks|transformer_blocks)\.(\d+)\.")
 EMBEDDING_PREFIXES = ("text_embedding.", "img_emb.")
 # dtype names accepted by plans, with their byte width
 COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
-
-
-class HeaderError(ValueError):
-    """The file is not a readable safetensors file."""
-
-
-@dataclass
-class TensorInfo:
-    name: str
-    dtype: str          # safetensors dtype name, e.g. 'BF16'
-    shape: tuple
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def is_float(self) -> bool:
-        return self.dtype in FLOAT_DTYPES
-
-
-def read_safetensors_header(path) -> tuple[dict[str, TensorInfo], dict]:
-    """Parse the header of a safetensors file: ({name: TensorInfo}, metadata). Raises HeaderError on damage."""
-    path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise HeaderError(f"{path}: only {len(head)} bytes; a safetensors file starts with an 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise HeaderError(f"{path}: header length {n} does not fit in a file of {size} bytes; "
-                                  "not a safetensors file or truncated")
-            raw = fh.read(n)
-    except OSError as exc:
-        raise HeaderError(f"cannot read {path}: {exc}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HeaderError(f"{path}: header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise HeaderError(f"{path}: header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    data_size = size - 8 - n
-    tensors = {}
-    for name, entry in header.items():
-        try:
-            dtype, shape = str(entry["dtype"]), tuple(int(s) for s in entry["shape"])
-            start, end = (int(v) for v in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise HeaderError(f"{path}: entry {name!r} lacks dtype/shape/data_offsets") from None
-        if not 0 <= start <= end <= data_size:
-            raise HeaderError(f"{path}: tensor {name!r} lies outside the data ({start}..{end} of {data_size} bytes); "
-                              "the file is truncated or damaged")
-        bits = DTYPE_BITS.get(dtype)
-        if bits is not None and (math.prod(shape) * bits + 7) // 8 != end - start:
-            raise HeaderError(f"{path}: tensor {name!r} ({dtype} {list(shape)}) has {end - start} bytes, "
-                              f"expected {(math.prod(shape) * bits + 7) // 8}")
-        tensors[name] = TensorInfo(name, dtype, shape, end - start)
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
-
-
-def strip_prefix(name: str) -> str:
-    for p in KEY_PREFIXES:
-        if name.startswith(p):
-            return name[len(p):]
-    return name
 
 
 @dataclass
@@ -113,6 +35,8 @@ class ModelWeights:
     model_type: str = "t2v"
     local_attn_size: int = -1
     sink_size: int = 0
+    out_dim: int = 16                  # latent channels (16: Wan 2.1 VAE, 48: Wan 2.2 VAE)
+    config: dict = field(default_factory=dict)   # the model config these sizes come from (see model.checkpoint)
     block_bytes: list = field(default_factory=list)
     block_float_numel: list = field(default_factory=list)
     block_other_bytes: list = field(default_factory=list)   # non-float bytes per block (kept as stored)
@@ -193,61 +117,44 @@ class ModelWeights:
 
     @property
     def signature(self) -> str:
-        """Short identity of the architecture and storage, used in learned-limit keys."""
-        return f"wan-{self.model_type}-d{self.dim}-f{self.ffn_dim}-l{self.num_layers}-{self.storage_dtype.lower()}"
+        """Short identity of the architecture (limits.model_identity: the same for every storage dtype)."""
+        from .limits import model_identity
+
+        return model_identity(self.config or self.__dict__)
 
     def summary(self) -> dict:
         return {"source": self.source, "signature": self.signature, "params": self.total_params,
                 "bytes": self.total_bytes, "blocks": self.num_layers, "block_bytes": self.block_bytes,
                 "other_bytes": self.other_bytes, "embedding_bytes": self.embedding_bytes,
                 "storage_dtype": self.storage_dtype, "dim": self.dim, "ffn_dim": self.ffn_dim,
-                "num_heads": self.num_heads, "model_type": self.model_type}
+                "num_heads": self.num_heads, "num_layers": self.num_layers, "model_type": self.model_type,
+                "local_attn_size": self.local_attn_size, "sink_size": self.sink_size, "in_dim": self.in_dim,
+                "out_dim": self.out_dim, "text_dim": self.text_dim}
 
 
-def _shape_of(tensors, name, axis=None):
-    t = tensors.get(name)
-    if t is None:
-        return None
-    return t.shape if axis is None else (t.shape[axis] if len(t.shape) > axis else None)
+_FIELDS = ("dim", "ffn_dim", "num_layers", "num_heads", "in_dim", "text_dim", "text_len", "model_type",
+           "local_attn_size", "sink_size", "out_dim")
 
 
 def weights_from_tensors(tensors: dict[str, TensorInfo], *, source: str = "", config: dict | None = None) -> ModelWeights:
-    """Build the table from {name: TensorInfo} (names may carry a ``model.`` prefix); shapes give the config."""
-    stripped = {}
-    for name, t in tensors.items():
-        s = strip_prefix(name)
-        stripped[s] = TensorInfo(s, t.dtype, tuple(t.shape), t.nbytes)
-    if not any(BLOCK_RE.match(n) for n in stripped):
+    """Build the table from {name: TensorInfo} (names may carry a wrapper prefix or diffusers names) and the model
+    config (a dict; what it lacks is read from the shapes by ``model.checkpoint.partial_config``)."""
+    official = {n: tensors[src] for n, src in canonical_names(tensors).items()}
+    table = {n: TensorInfo(n, t.dtype, tuple(t.shape), t.nbytes) for n, t in official.items()}
+    if not any(BLOCK_RE.match(n) for n in table):
         raise HeaderError(f"{source}: no 'blocks.<i>.' tensors; this is not a Wan DiT checkpoint")
-    cfg = dict(config or {})
-    dim = _shape_of(stripped, "blocks.0.self_attn.q.weight", 0) or _shape_of(stripped, "patch_embedding.weight", 0) or 0
-    ffn = _shape_of(stripped, "blocks.0.ffn.0.weight", 0) or 4 * dim
-    patch = _shape_of(stripped, "patch_embedding.weight")
-    kw = dict(dim=int(cfg.get("dim", dim)), ffn_dim=int(cfg.get("ffn_dim", ffn)),
-              in_dim=int(cfg.get("in_dim", patch[1] if patch else 16)),
-              text_dim=int(cfg.get("text_dim", _shape_of(stripped, "text_embedding.0.weight", 1) or 4096)),
-              text_len=int(cfg.get("text_len", 512)),
-              patch_size=tuple(cfg.get("patch_size", patch[2:] if patch and len(patch) == 5 else (1, 2, 2))),
-              model_type=cfg.get("model_type", "i2v" if any(n.startswith("img_emb.") or ".k_img." in n for n in stripped)
-                                 else "t2v"),
-              local_attn_size=int(cfg.get("local_attn_size", -1)), sink_size=int(cfg.get("sink_size", 0)))
-    # heads are not visible in the shapes; released Wan models use head_dim 128
-    heads = cfg.get("num_heads") or (kw["dim"] // 128 if kw["dim"] % 128 == 0 else max(1, kw["dim"] // 64))
-    return ModelWeights(stripped, source=source, num_heads=int(heads), num_layers=int(cfg.get("num_layers", 0)), **kw)
+    cfg = partial_config({n: t.shape for n, t in table.items()}, config)
+    kw = {k: cfg[k] for k in _FIELDS if cfg.get(k) is not None}
+    kw = {k: (v if k == "model_type" else int(v)) for k, v in kw.items()}
+    return ModelWeights(table, source=source, patch_size=tuple(cfg.get("patch_size", (1, 2, 2))), config=cfg, **kw)
 
 
 def weights_from_checkpoint(path, config: dict | None = None) -> ModelWeights:
-    """Header-only table of a safetensors checkpoint (a JSON 'config' in its metadata is honoured)."""
-    tensors, meta = read_safetensors_header(path)
-    cfg = {}
-    if "config" in meta:
-        try:
-            parsed = json.loads(meta["config"])
-            cfg = parsed if isinstance(parsed, dict) else {}
-        except json.JSONDecodeError:
-            cfg = {}
-    cfg.update(config or {})
-    return weights_from_tensors(tensors, source=os.fspath(path), config=cfg)
+    """Header-only table of a safetensors checkpoint, with the config the loader infers for it (shapes, and the
+    metadata's config: ours or ComfyUI's); ``config`` overrides fields of it."""
+    ckpt = open_checkpoint(path, strict=False)
+    cfg = {**ckpt.sizing_config(), **(config or {})}
+    return weights_from_tensors(ckpt.tensors, source=os.fspath(path), config=cfg)
 
 
 _TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
@@ -267,11 +174,13 @@ def weights_from_module(module, config: dict | None = None) -> ModelWeights:
     for name, t in list(module.named_parameters()) + persistent:
         dt = _TORCH_TO_ST.get(str(t.dtype).replace("torch.", ""), "U8")
         tensors[name] = TensorInfo(name, dt, tuple(t.shape), t.numel() * t.element_size())
-    cfg = dict(config or {})
+    cfg = {}
     mc = getattr(module, "config", None)
-    for k in ("num_heads", "num_layers", "text_len", "local_attn_size", "sink_size", "model_type"):
-        if mc is not None and hasattr(mc, k):
-            cfg.setdefault(k, getattr(mc, k))
+    if hasattr(mc, "to_dict"):
+        from ..model.checkpoint import config_dict
+
+        cfg = config_dict(mc)
+    cfg.update(config or {})
     return weights_from_tensors(tensors, source=type(module).__name__, config=cfg)
 
 
@@ -288,41 +197,13 @@ def preset_config(name: str) -> dict:
     return PRESETS[key].to_dict()
 
 
-def shape_table(cfg: dict) -> dict[str, tuple]:
-    """Every state-dict key of a Wan 2.1 DiT with its shape, from a config (official key names)."""
-    d, f, L = int(cfg["dim"]), int(cfg["ffn_dim"]), int(cfg["num_layers"])
-    pt, ph, pw = cfg.get("patch_size", (1, 2, 2))
-    s = {"patch_embedding.weight": (d, cfg["in_dim"], pt, ph, pw), "patch_embedding.bias": (d,),
-         "text_embedding.0.weight": (d, cfg["text_dim"]), "text_embedding.0.bias": (d,),
-         "text_embedding.2.weight": (d, d), "text_embedding.2.bias": (d,),
-         "time_embedding.0.weight": (d, cfg["freq_dim"]), "time_embedding.0.bias": (d,),
-         "time_embedding.2.weight": (d, d), "time_embedding.2.bias": (d,),
-         "time_projection.1.weight": (6 * d, d), "time_projection.1.bias": (6 * d,),
-         "head.modulation": (1, 2, d), "head.head.weight": (cfg["out_dim"] * pt * ph * pw, d),
-         "head.head.bias": (cfg["out_dim"] * pt * ph * pw,)}
-    i2v = cfg.get("model_type") == "i2v"
-    if i2v:
-        c = int(cfg.get("clip_dim", 1280))
-        s.update({"img_emb.proj.0.weight": (c,), "img_emb.proj.0.bias": (c,), "img_emb.proj.1.weight": (c, c),
-                  "img_emb.proj.1.bias": (c,), "img_emb.proj.3.weight": (d, c), "img_emb.proj.3.bias": (d,),
-                  "img_emb.proj.4.weight": (d,), "img_emb.proj.4.bias": (d,)})
-    for i in range(L):
-        b = f"blocks.{i}."
-        s[b + "modulation"] = (1, 6, d)
-        s[b + "norm3.weight"], s[b + "norm3.bias"] = (d,), (d,)
-        for attn in ("self_attn", "cross_attn"):
-            for p in ("q", "k", "v", "o") + (("k_img", "v_img") if i2v and attn == "cross_attn" else ()):
-                s[f"{b}{attn}.{p}.weight"], s[f"{b}{attn}.{p}.bias"] = (d, d), (d,)
-            for n in ("norm_q", "norm_k") + (("norm_k_img",) if i2v and attn == "cross_attn" else ()):
-                s[f"{b}{attn}.{n}.weight"] = (d,)
-        s[b + "ffn.0.weight"], s[b + "ffn.0.bias"] = (f, d), (f,)
-        s[b + "ffn.2.weight"], s[b + "ffn.2.bias"] = (d, f), (d,)
-    return s
-
-
 def preset_weights(name: str, dtype: str = "BF16") -> ModelWeights:
     """Synthetic byte table of a preset ('1.3b', '14b', '14b-i2v') stored as ``dtype`` (safetensors name)."""
+    from ..model.checkpoint import expected_shapes
+    from ..model.config import WanConfig
+
     cfg = preset_config(name)
     bits = DTYPE_BITS[dtype]
-    tensors = {n: TensorInfo(n, dtype, shape, math.prod(shape) * bits // 8) for n, shape in shape_table(cfg).items()}
+    shapes = expected_shapes(WanConfig.from_dict(cfg))
+    tensors = {n: TensorInfo(n, dtype, shape, math.prod(shape) * bits // 8) for n, shape in shapes.items()}
     return weights_from_tensors(tensors, source=f"preset {name}", config=cfg)

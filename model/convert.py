@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .keys import canonical_names
-from .loader import METADATA_KEY, CheckpointError, expected_shapes, infer_config, validate_keys
+from .checkpoint import (METADATA_KEY, OVERRIDABLE, CheckpointError, canonical_names, expected_shapes,
+                         infer_config, validate_keys)
 
 
 def _load_pt(src: Path):
@@ -50,8 +50,11 @@ def pick_state_dict(obj, ema: bool = False) -> tuple[dict, str]:
                           f"state dict (top-level keys: {sorted(map(str, obj))[:10]})")
 
 
-def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None = None) -> dict:
-    """Convert; returns a summary dict (source entry, number of tensors, config)."""
+def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None = None,
+                              config: dict | None = None) -> dict:
+    """Convert; returns a summary dict (source entry, number of tensors, config). The config written to the
+    metadata (``checkpoint.METADATA_KEY``) is inferred from the shapes; ``config`` may add what shapes cannot show
+    (``num_heads``, a rolling window: ``local_attn_size`` / ``sink_size``, ``text_len``, ...)."""
     from safetensors.torch import save_file
     src, dst = Path(src), Path(dst)
     if dst.suffix.lower() != ".safetensors":
@@ -60,7 +63,12 @@ def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     names = canonical_names(tensors)
     shapes = {n: tuple(tensors[src_name].shape) for n, src_name in names.items()}
-    config = infer_config(shapes, num_heads=num_heads)
+    extra = dict(config or {})
+    unknown = set(extra) - set(OVERRIDABLE) - {"num_heads"}
+    if unknown:
+        raise CheckpointError(f"convert: config keys {sorted(unknown)} are read from the tensor shapes and cannot "
+                              f"be set; settable: {sorted(set(OVERRIDABLE) | {'num_heads'})}")
+    config = infer_config(shapes, num_heads=num_heads, overrides=extra)
     validate_keys(expected_shapes(config), shapes, src.name)
     out = {n: tensors[src_name].contiguous() for n, src_name in names.items()}
     meta = {METADATA_KEY: json.dumps(config.to_dict()), "wan_accel.source": f"{src.name}:{entry}"}

@@ -85,6 +85,9 @@ def _resolve_settings(blocks_to_swap: int, prefetch: int, offload_embeddings: bo
     return SwapSettings(min(blocks_to_swap, n_blocks), prefetch, bool(offload_embeddings))
 
 
+VAE_KIND_CHOICES = ["auto", "wan2.1", "wan2.2"]
+
+
 class WanVRAMPlan:
     DESCRIPTION = ("Plans memory for a Wan / causal Wan generation on this GPU: dtype, how many blocks to swap, "
                    "prefetch, KV window, VAE chunk size and attention backend, each with its reason. Sizes come "
@@ -121,10 +124,14 @@ class WanVRAMPlan:
         }, "optional": {
             "causal_model": ("CAUSALWAN_MODEL", {"tooltip": "A loaded causal Wan model; its exact sizes are "
                                                             "used instead of the preset/checkpoint."}),
+            "vae_kind": (VAE_KIND_CHOICES, {"default": "auto",
+                                            "tooltip": "The VAE that will decode, whose learned chunk limit the plan "
+                                                       "uses. auto: from the model's latent channels (16: Wan 2.1 "
+                                                       "VAE, 48: Wan 2.2 VAE)."}),
         }}
 
     def plan(self, model_source="1.3b", checkpoint="", width=832, height=480, frames=81, reserve_gb=1.0,
-             sampling="causal", causal_model=None):
+             sampling="causal", causal_model=None, vae_kind="auto"):
         from ..memory.estimate import Workload
         from ..memory.limits import open_cache
         from ..memory.plan import make_plan
@@ -138,7 +145,8 @@ class WanVRAMPlan:
         else:
             weights = preset_weights(model_source)
         plan = make_plan(weights, Workload(width, height, frames, mode=sampling), detect_system(),
-                         reserve_bytes=int(reserve_gb * GiB), cache=open_cache())
+                         reserve_bytes=int(reserve_gb * GiB), cache=open_cache(),
+                         vae_kind=None if vae_kind in (None, "", "auto") else vae_kind)
         text = plan.summary()
         return {"ui": {"text": [text]}, "result": (plan, text)}
 
@@ -311,11 +319,9 @@ def _comfy_free(_size=None) -> None:
 
 
 def _vae_kind(vae, channels: int) -> str:
-    known = {16: "wan2.1", 48: "wan2.2"}
-    if channels in known:
-        return known[channels]
-    inner = getattr(vae, "first_stage_model", vae)
-    return f"{type(inner).__name__}-c{channels}"
+    from ..memory.limits import vae_kind
+
+    return vae_kind(channels, vae)
 
 
 def _time_ratio(vae):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from wan_accel.cache import LimitCache
-from wan_accel.cache.autotune import Autotuner, config_id, install_inductor_feedback, _record_inductor_feedback
+from wan_accel.cache.autotune import Autotuner, config_id
 
 errors = pytest.importorskip("triton.runtime.errors")
 
@@ -189,39 +189,6 @@ def test_second_process_performs_zero_benchmarks(tmp_path):
     assert out["best"] == first
     assert out["calls"] == {"timer": 0, "run": 0} and out["stats"]["benchmarks"] == 0
     assert out["stats"]["cache_hits"] == 1
-
-
-class _Node:
-    def __init__(self, size):
-        self.size = size
-
-    def get_size(self):
-        return self.size
-
-    def get_dtype(self):
-        return "torch.bfloat16"
-
-
-class _Choice:
-    def __init__(self, name):
-        self.name = name
-
-
-def test_inductor_feedback_records_winner_and_failures(tmp_path):
-    cache = LimitCache(tmp_path / "l.json")
-    timings = {_Choice("triton_mm_1"): 0.2, _Choice("aten_mm"): 0.3, _Choice("triton_mm_big"): float("inf")}
-    _record_inductor_feedback(cache, timings, "mm", [_Node([64, 32]), _Node([32, 16])])
-    rows = cache.entries("operator")
-    assert len(rows) == 1 and rows[0]["key"] == "inductor/mm/64x32:bfloat16|32x16:bfloat16"
-    value = rows[0]["value"]
-    assert value["best"] == {"choice": "triton_mm_1", "ms": 0.2} and value["failed"] == ["triton_mm_big"]
-
-
-def test_feedback_install_is_safe(tmp_path):
-    assert install_inductor_feedback(None) is False
-    cache = LimitCache(tmp_path / "l.json")
-    first = install_inductor_feedback(cache)
-    assert install_inductor_feedback(cache) is first  # idempotent, never raises
 
 
 def test_without_benchmarking_only_known_results_are_used(tmp_path):

@@ -113,7 +113,7 @@ def test_learned_limits_override_estimates(tmp_path):
     cache = LimitCache(tmp_path / "limits.json")
     weights = preset_weights("1.3b")
     wl = Workload(832, 480, 81)
-    cache.put(NAMESPACE, dit_limit_key(weights.signature, 832, 480, 81), {"size": 10, "unit": "resident_blocks"})
+    cache.put(NAMESPACE, dit_limit_key(weights.config, "bfloat16", 832, 480, 81), {"size": 10, "unit": "resident_blocks"})
     cache.put(NAMESPACE, vae_limit_key("wan2.1", 1, 60, 104), {"size": 5, "unit": "latent frames"})
     plan = make_plan(weights, wl, gpu(80), cache=cache)
     assert plan.blocks_to_swap == 20 and "learned" in plan.reasons["blocks_to_swap"]

@@ -10,8 +10,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from wan_accel.memory.weights import (HeaderError, preset_weights, read_safetensors_header, shape_table,
-                                      weights_from_checkpoint, weights_from_module)
+from wan_accel.memory.weights import HeaderError, preset_weights, weights_from_checkpoint, weights_from_module
+from wan_accel.model.checkpoint import expected_shapes, read_header as read_safetensors_header
+from wan_accel.model.config import WanConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "wan_reference"
 
@@ -73,7 +74,7 @@ def test_reference_fixture_matches_the_preset_key_spec():
     cfg = json.loads((FIXTURES / "causal_config.json").read_text())["config"]
     tensors, _ = read_safetensors_header(path)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
-    assert shapes == shape_table(dict(cfg))
+    assert shapes == expected_shapes(WanConfig.from_dict(cfg))
     w = weights_from_checkpoint(path)
     assert (w.dim, w.ffn_dim, w.num_layers, w.text_dim) == (cfg["dim"], cfg["ffn_dim"], cfg["num_layers"],
                                                             cfg["text_dim"])
