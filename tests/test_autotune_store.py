@@ -217,11 +217,44 @@ def test_inductor_feedback_records_winner_and_failures(tmp_path):
     assert value["best"] == {"choice": "triton_mm_1", "ms": 0.2} and value["failed"] == ["triton_mm_big"]
 
 
-def test_feedback_install_is_safe(tmp_path):
-    assert install_inductor_feedback(None) is False
+def _inductor_savers():
+    """The observers Inductor calls after benchmarking GEMM choices (the list its autotuner iterates)."""
+    from torch._inductor import select_algorithm
+    return select_algorithm.get_algorithm_selector_cache().feedback_saver_fns
+
+
+@pytest.fixture
+def fresh_feedback(monkeypatch):
+    """No saver installed yet, in this process and in Inductor (both restored afterwards)."""
+    from torch._inductor import select_algorithm
+    from wan_accel.cache import autotune
+    monkeypatch.setattr(autotune, "_FEEDBACK_INSTALLED", set())
+    monkeypatch.setattr(select_algorithm.get_algorithm_selector_cache(), "feedback_saver_fns", [])
+    return select_algorithm
+
+
+def test_feedback_install_registers_an_observer_inductor_calls(tmp_path, fresh_feedback):
+    assert install_inductor_feedback(None) is False and _inductor_savers() == []
     cache = LimitCache(tmp_path / "l.json")
-    first = install_inductor_feedback(cache)
-    assert install_inductor_feedback(cache) is first  # idempotent, never raises
+    assert install_inductor_feedback(cache) is True
+    assert install_inductor_feedback(cache) is True          # idempotent: still one observer
+    (saver,) = _inductor_savers()
+    # what Inductor's autotuner does with every saver after benchmarking (select_algorithm.py)
+    saver({_Choice("triton_mm_3"): 0.1, _Choice("aten_mm"): 0.4}, "addmm", [_Node([16, 8]), _Node([8, 4])], [],
+          lambda: None, {})
+    (row,) = cache.entries("operator")
+    assert row["key"] == "inductor/addmm/16x8:bfloat16|8x4:bfloat16"
+    assert row["value"]["best"] == {"choice": "triton_mm_3", "ms": 0.1}
+    saver({_Choice("x"): 0.1}, "mm", [object()], [], lambda: None, {})     # odd nodes: recorded as '?', no raise
+    assert len(cache.entries("operator")) == 2
+
+
+def test_feedback_install_without_the_inductor_hook(tmp_path, fresh_feedback, monkeypatch):
+    """A torch without add_feedback_saver: not installed, nothing registered, nothing recorded."""
+    monkeypatch.delattr(fresh_feedback, "add_feedback_saver")
+    cache = LimitCache(tmp_path / "l.json")
+    assert install_inductor_feedback(cache) is False
+    assert _inductor_savers() == [] and cache.entries("operator") == []
 
 
 def test_without_benchmarking_only_known_results_are_used(tmp_path):
