@@ -10,7 +10,18 @@ One process, the same random weights (or checkpoint) and the same inputs for eve
   optimized-compiled    the same plus regional torch.compile (inductor)
 
 Per variant: first (warm-up) and steady seconds (median of --repeat runs), per-chunk latency, DiT-only video
-FPS, FLOPs and MFU (peak by compute capability; n/a on a CPU), peak memory and speedups.
+FPS, FLOPs and MFU (peak by compute capability; n/a on a CPU), peak memory and speedups. Then one more, untimed run
+under ``profiling.dispatch_counts`` gives the structure of the path:
+
+  parity_max_abs / parity_mean_abs  its latents against the 'reference' variant's (float32 reference)
+  ops_per_step        aten ops dispatched in one steady-state chunk step (the last chunk's last denoising step:
+                      re-noise, one forward, flow -> x0): a kernel-launch proxy (a CUDA graph replay counts as none)
+  host_syncs          host syncs in a whole video (item(), nonzero, device->host copies, tensor->Python conversions);
+                      the schedule is resolved before the counted run (host-side tables, never on the device)
+  kv_bytes_per_chunk  self-attention KV bytes written per chunk, from the cache's write plan: rows written x
+                      forwards of the chunk x layers x 2 (k, v) x heads x head_dim x element size
+  kv_write_bytes      index_copy bytes counted over the video (the self-attention KV of every chunk, plus the
+                      Matrix-Game-2 action caches)
 """
 from __future__ import annotations
 
@@ -127,7 +138,16 @@ def _inputs(model, kind: str, frames: int, height: int, width: int, seed: int) -
             "context": torch.randn(1, min(cfg.text_len, 16), cfg.text_dim, generator=gen)}
 
 
-def _sample(model, kind, inp, v, seed, on_chunk):
+def _schedule(kind: str):
+    """The run's schedule, resolved once (host-side tables): the Matrix-Game-2 preset or 'self_forcing'."""
+    if kind == "matrix-game2":
+        from ..sampling.mg2 import resolve_preset
+        return resolve_preset("universal")
+    from ..sampling.scheduler import resolve_schedule
+    return resolve_schedule("self_forcing")
+
+
+def _sample(model, kind, inp, v, seed, on_chunk, callback=None):
     from ..compile import uncompile_model
     from ..sampling.sampler import generate_latents, sampler_path
     from .job import compile_for_sampling
@@ -136,6 +156,7 @@ def _sample(model, kind, inp, v, seed, on_chunk):
         compile_for_sampling(model, v["compile"])      # kept across repeats (same settings: not recompiled)
     else:
         uncompile_model(model)                         # models are shared between variants
+    schedule = inp["schedule"]
     with sampler_path(v["path"], opts if v["path"] == "optimized" else None):
         if kind == "matrix-game2":
             from ..sampling.mg2 import generate_mg2
@@ -143,14 +164,51 @@ def _sample(model, kind, inp, v, seed, on_chunk):
             mouse = None if inp["mouse"] is None else inp["mouse"].to(dev)
             keyboard = None if inp["keyboard"] is None else inp["keyboard"].to(dev)
             return generate_mg2(model, inp["image"].to(dev), inp["context"].to(dev), (mouse, keyboard),
-                                num_frames=inp["latent_frames"], seed=seed, on_chunk=on_chunk,
-                                skip_last_refresh=v["skip_last_refresh"])
+                                num_frames=inp["latent_frames"], seed=seed, preset=schedule, on_chunk=on_chunk,
+                                callback=callback, skip_last_refresh=v["skip_last_refresh"])
         return generate_latents(model, inp["context"], inp["latent_frames"], inp["lh"], inp["lw"], seed=seed,
-                                skip_last_refresh=v["skip_last_refresh"], on_chunk=on_chunk)
+                                schedule=schedule, skip_last_refresh=v["skip_last_refresh"], on_chunk=on_chunk,
+                                callback=callback)
+
+
+def _kv_plan(model, kind, inp, v) -> list:
+    """Self-attention KV bytes written in each chunk, from the cache's write plan (a meta-device cache: no memory):
+    rows the chunk's plan writes x forwards of the chunk x layers x 2 (k and v) x heads x head_dim x element size."""
+    from ..model.kv_cache import KVCache
+    cfg = model.config
+    ft = (inp["lh"] // cfg.patch_size[1]) * (inp["lw"] // cfg.patch_size[2])
+    frames = inp["latent_frames"]
+    if kind == "matrix-game2":
+        window, steps = inp["schedule"].window, len(inp["schedule"].schedule.timesteps)
+    else:
+        window, steps = -1, len(inp["schedule"].timesteps)
+    kv = KVCache.for_model(model, 1, ft, frames, window, 0, device="meta")
+    row = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * torch.empty(0, dtype=model.compute_dtype).element_size()
+    starts = list(range(0, frames, 3))
+    out = []
+    for i, f0 in enumerate(starts):
+        step = kv.plan(f0 * ft, min(3, frames - f0) * ft)
+        rows = sum(s1 - s0 for _d0, _d1, s0, s1 in step.writes)
+        forwards = steps + (0 if v["skip_last_refresh"] and i == len(starts) - 1 else 1)
+        out.append(rows * forwards * row)
+    return out
+
+
+def _count_run(model, kind, inp, v, seed) -> tuple:
+    """One untimed run under the dispatch counter: (latents on the CPU, structure figures)."""
+    from ..profiling.dispatch_counts import DispatchCounts
+    with torch.no_grad(), DispatchCounts() as counts:
+        out = _sample(model, kind, inp, v, seed, None, callback=counts.step_callback())
+    steady = counts.steady_step()
+    plan = _kv_plan(model, kind, inp, v)
+    return out.float().cpu(), {
+        "ops_per_step": steady.ops, "ops_per_video": counts.ops, "host_syncs": counts.syncs,
+        "host_sync_ops": dict(counts.sync_names), "syncs_per_step": steady.syncs,
+        "kv_bytes_per_chunk": plan, "kv_bytes_per_video": sum(plan), "kv_write_bytes": counts.index_copy_bytes}
 
 
 # ----------------------------------------------------------------------------- timing
-def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, width, peak) -> dict:
+def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, width, peak) -> tuple:
     from ..model import flops as fl
     from .handle import parse_dtype
     from .job import _peak_memory, _sync
@@ -159,7 +217,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     precision = "float32" if dtype == torch.float32 else v["precision"]
     device = models.device
     model = models.get(dtype, precision, v["attention"])
-    inp = _inputs(model, kind, frames, height, width, args.seed)
+    inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, chunks = [], []
@@ -176,6 +234,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
         _sync(device)
         times.append(time.perf_counter() - t0)
         chunks.append([b - a for a, b in zip([t0] + marks[:-1], marks)])
+    output, structure = _count_run(model, kind, inp, v, args.seed)
     steady = statistics.median(times[1:])
     timed = chunks[1:]
     per_chunk = [statistics.median(c[i] for c in timed) for i in range(len(timed[0]))]
@@ -191,9 +250,17 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
             "chunk_ms": [round(1e3 * c, 2) for c in per_chunk],
             "chunk_ms_mean": round(1e3 * statistics.mean(per_chunk), 2),
             "video_fps": round(frames / steady, 2), "latent_fps": round(inp["latent_frames"] / steady, 2),
-            "forwards": work["forwards"], "tflop": round(work["flops"] / 1e12, 6),
+            "forwards": work["forwards"], "flops": work["flops"], "tflop": round(work["flops"] / 1e12, 6),
             "tflops_per_s": round(work["flops"] / steady / 1e12, 4),
-            "mfu": None if util is None else round(util, 4), "peak_memory": _peak_memory(device)}
+            "mfu": None if util is None else round(util, 4), "peak_memory": _peak_memory(device),
+            **structure}, output
+
+
+def _parity(rows: list, outputs: list, reference) -> None:
+    """parity_max_abs / parity_mean_abs of every row's latents against the reference latents."""
+    for r, out in zip(rows, outputs):
+        diff = (out - reference).abs()
+        r["parity_max_abs"], r["parity_mean_abs"] = float(diff.max()), float(diff.mean())
 
 
 def _variant_names(args, run_dtype: str) -> list:
@@ -239,7 +306,16 @@ def run(args) -> int:
     frames, height, width = args.frames or d[0], args.height or d[1], args.width or d[2]
     peak, peak_src = fl.peak_tflops(device, args.peak_tflops)
     models = _Models(_base_model(args, kind, shape), device)
-    rows = [_time_variant(n, args, models, kind, run_dtype, frames, height, width, peak) for n in names]
+    timed = [_time_variant(n, args, models, kind, run_dtype, frames, height, width, peak) for n in names]
+    rows, outputs = [r for r, _o in timed], [o for _r, o in timed]
+    if "reference" in names:
+        reference = outputs[names.index("reference")]
+    else:       # parity needs the reference latents: one untimed reference run
+        v = VARIANTS["reference"]
+        model = models.get(torch.float32, v["precision"], v["attention"])
+        inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind))
+        reference = _sample(model, kind, inp, v, args.seed, None).float().cpu()
+    _parity(rows, outputs, reference)
     models.model = None
     base = rows[0]["steady_s"]
     same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference"}
@@ -258,8 +334,11 @@ def run(args) -> int:
     print(f"sampler bench on {result['device_name']} ({device}), {kind} {result['model']}, {frames} frames "
           f"{width}x{height}; peak {peak if peak else 'n/a'} TFLOP/s ({peak_src})")
     cols = ["variant", "dtype", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "tflop", "mfu",
-            "speedup_vs_first", "speedup_vs_reference_same_dtype"]
-    table = [[str("n/a" if r[c] is None else r[c]) for c in cols] for r in rows]
+            "speedup_vs_first", "speedup_vs_reference_same_dtype", "parity_max_abs", "parity_mean_abs",
+            "ops_per_step", "host_syncs", "kv_kb_per_chunk"]
+    shown = [dict(r, parity_max_abs=f"{r['parity_max_abs']:.2e}", parity_mean_abs=f"{r['parity_mean_abs']:.2e}",
+                  kv_kb_per_chunk=round(max(r["kv_bytes_per_chunk"]) / 1024, 1)) for r in rows]
+    table = [[str("n/a" if r[c] is None else r[c]) for c in cols] for r in shown]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for t in table:

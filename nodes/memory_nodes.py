@@ -10,8 +10,12 @@ log = logging.getLogger("wan_accel")
 CATEGORY = "wan_accel/memory"
 PATCH_KEY = "wan_accel_block_swap"
 PRESET_CHOICES = ["1.3b", "14b", "14b-i2v", "checkpoint"]
-# Block swap on a CPU-only ComfyUI only adds copies; tests turn this on to exercise the ComfyUI glue.
-ALLOW_CPU_SWAP = False
+
+
+def _swap_saves_memory(device) -> bool:
+    """Whether block swap can save memory on ``device`` (a torch.device): not on the CPU, where the blocks already
+    live in host RAM and a swap would only add copies."""
+    return device.type != "cpu"
 
 
 def _diffusion_model_files() -> list | None:
@@ -187,7 +191,7 @@ class _ComfySwapPatch:
         from ..memory.system import detect_system
 
         device = torch.device(device) if device is not None else None
-        if device is None or (device.type == "cpu" and not ALLOW_CPU_SWAP):
+        if device is None or not _swap_saves_memory(device):
             return
         current = self._lib.active_swap(dm)
         if current is not None and current is self.swap:
@@ -283,7 +287,7 @@ class CausalWanBlockSwap:
         module = _causal_module(causal_model)
         settings = _resolve_settings(blocks_to_swap, prefetch_blocks, offload_embeddings, plan, len(module.blocks))
         device = getattr(module, "device", None)
-        if isinstance(device, torch.device) and device.type == "cpu" and not ALLOW_CPU_SWAP:
+        if isinstance(device, torch.device) and not _swap_saves_memory(device):
             log.info("wan_accel: the causal model runs on the CPU; block swap has nothing to save there")
         else:
             from ..memory.system import detect_system

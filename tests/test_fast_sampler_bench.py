@@ -50,10 +50,47 @@ def test_bench_tiny_reports_every_metric(capsys, cache_path):
         assert len(r["chunk_ms"]) == 2 and r["steady_s"] > 0 and r["video_fps"] > 0 and r["mfu"] is None
         assert r["speedup_vs_first"] > 0
     assert opt["forwards"] == ref["forwards"] - 1 and opt["tflop"] < ref["tflop"]
-    est = flops.run_flops(TINY_CONFIG, flops.Geometry(1, 6, 4), 4, optimized=True, skip_last_refresh=True)
-    assert opt["tflop"] == pytest.approx(est["flops"] / 1e12, abs=1e-6)
+    # The FLOP figure against an independent count: torch's FlopCounterMode on the same run (6 latent frames of
+    # 4x4, i.e. 4 tokens a frame; math SDPA so attention is counted as its two bmm). model/flops.py counts exactly
+    # the ops FlopCounterMode counts (matmul, conv, attention products; nothing element-wise), so the stated
+    # tolerance is zero.
+    for row, path in ((ref, "reference"), (opt, "optimized")):
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            generate_latents(tiny_causal_model(), torch.zeros(1, 3, TINY_CONFIG.text_dim), 6, 4, 4, path=path,
+                             skip_last_refresh=row["variant"] == "optimized")
+        assert row["flops"] == counter.get_total_flops(), path
+        assert row["tflop"] == pytest.approx(counter.get_total_flops() / 1e12, abs=1e-6)
     records = history.read(cache_path.parent / history.FILE_NAME, kind="bench")
     assert {r["label"] for r in records} == {"sampler/reference", "sampler/optimized"}
+
+
+def test_bench_reports_parity_ops_syncs_and_kv_bytes(capsys):
+    out = _bench(capsys, "--shape", "tiny", "--frames", "21", "--height", "32", "--width", "32")
+    rows = {r["variant"]: r for r in out["rows"]}
+    ref, opt = rows["reference"], rows["optimized"]
+    assert ref["parity_max_abs"] == 0.0 and ref["parity_mean_abs"] == 0.0         # the reference against itself
+    assert 0.0 <= opt["parity_mean_abs"] <= opt["parity_max_abs"] <= 1e-4          # float32 on the CPU
+    assert opt["host_syncs"] == 0 and opt["syncs_per_step"] == 0 and opt["host_sync_ops"] == {}
+    assert isinstance(ref["host_syncs"], int) and ref["host_syncs"] >= 0
+    assert 0 < opt["ops_per_step"] < ref["ops_per_step"] and opt["ops_per_video"] > opt["ops_per_step"]
+    # KV bytes per chunk, by hand: 6 latent frames of 4x4 (patch 2x2: 4 tokens a frame) in 2 chunks of 3 frames;
+    # every forward of a chunk writes its 12 rows into each layer's k and v (heads x head_dim float32 values);
+    # a chunk has 4 denoising forwards + 1 refresh, except the optimized path's last chunk (refresh skipped)
+    c = TINY_CONFIG
+    per_forward = 3 * 4 * c.num_layers * 2 * c.num_heads * c.head_dim * 4
+    assert ref["kv_bytes_per_chunk"] == [5 * per_forward, 5 * per_forward]
+    assert opt["kv_bytes_per_chunk"] == [5 * per_forward, 4 * per_forward]
+    for r in (ref, opt):     # the plan agrees with the index_copy_ bytes counted while the run wrote them
+        assert r["kv_write_bytes"] == r["kv_bytes_per_video"] == sum(r["kv_bytes_per_chunk"])
+    table = bench.run(argparse.Namespace(**dict(vars(_args()), json=False)))
+    text = capsys.readouterr().out
+    assert table == 0 and "ops_per_step" in text and "host_syncs" in text and "parity_max_abs" in text
+
+
+def _args():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(["--device", "cpu", "--repeat", "1", "--frames", "9", "--height", "32", "--width", "32"])
 
 
 def test_bench_matrix_game2_tiny(capsys):
@@ -62,6 +99,9 @@ def test_bench_matrix_game2_tiny(capsys):
     assert out["model_kind"] == "matrix-game2" and [r["variant"] for r in out["rows"]] == [
         "reference", "optimized-no-graphs"]
     assert all(r["steady_s"] > 0 and len(r["chunk_ms"]) == 2 for r in out["rows"])
+    opt = out["rows"][1]
+    assert opt["host_syncs"] == 0 and opt["ops_per_step"] > 0 and opt["parity_max_abs"] <= 1e-4
+    assert opt["kv_write_bytes"] > opt["kv_bytes_per_video"] > 0      # plus the action modules' caches
 
 
 def test_generate_job_uses_the_chosen_path_and_writes_history(tmp_path, cache_path):

@@ -113,20 +113,40 @@ def test_bf16_on_cpu_within_bf16_error_of_fp32_reference(fixture, reference_fp32
         assert om <= 1.25 * rm + 2e-3 and oa <= 1.25 * ra + 2e-4, ((om, oa), (rm, ra))
 
 
-def test_bf16_latent_state_float32_by_default(fixture, reference_fp32):
-    """The optimized path keeps xt/x0 in float32 under any policy; 'stream' keeps them in the model's stream dtype
-    (bf16 under 'self_forcing'), as the reference path does."""
+def test_bf16_latent_state_float32_by_default(fixture):
+    """Under the bf16 'self_forcing' policy the optimized path keeps the latent state (xt, x0) in float32 and does
+    flow -> x0 (via float64) and the re-noising in float32; 'stream' keeps the state in bf16, as the reference path.
+
+    What the policy guarantees is checked call by call from the tracer's records: the dtypes, and each x0 and each
+    next xt against the same arithmetic redone here from that call's own inputs (its xt, the bf16 flow the model
+    returned, the fixture's noise). Element-wise IEEE float64/float32 operations and the casts round the same way
+    on every CPU, so these checks are exact (no margin). Whole-video errors against a float32 reference are not
+    compared: they are dominated by the bf16 GEMMs, whose rounding (accumulation order, AVX512-BF16 or not) depends
+    on the CPU; whether the float32 state lowers that error is a tendency, not a guarantee.
+    """
     _cfg, io, sched = fixture
     model = _model(fixture[0], torch.bfloat16, "self_forcing")
-    seen = {}
-    opt, _ = _run(model, io, sched, "optimized", callback=lambda ci, k, nc, ns, x0: seen.setdefault("f32", x0.dtype))
-    stream, _ = _run(model, io, sched, "optimized", fast_options={"latent_dtype": "stream"},
-                     callback=lambda ci, k, nc, ns, x0: seen.setdefault("stream", x0.dtype))
-    ref_bf16, _ = _run(model, io, sched, "reference")
-    assert seen == {"f32": torch.float32, "stream": torch.bfloat16}
-    assert (stream - ref_bf16).abs().max().item() <= 1e-3      # same state dtype as the reference loop
-    for (fm, fa), (sm, sa) in zip(_chunk_errors(opt, reference_fp32), _chunk_errors(stream, reference_fp32)):
-        assert fa < sa and fm <= sm + 2e-3, ((fm, fa), (sm, sa))
+    expected = {("optimized", None): torch.float32, ("optimized", "stream"): torch.bfloat16,
+                ("reference", None): torch.bfloat16}
+    for (path, latent), state in expected.items():
+        records = []
+        _run(model, io, sched, path, tracer=records.append,
+             fast_options=None if latent is None else {"latent_dtype": latent})
+        denoise = [r for r in records if r["kind"] == "denoise"]
+        assert len(denoise) == 2 * len(sched.timesteps)
+        for r in denoise:
+            assert r["xt"].dtype == r["x0"].dtype == state and r["flow"].dtype == torch.bfloat16, (path, latent)
+            sigma = sched.x0_sigmas[r["step"]]
+            assert torch.equal(r["x0"], (r["xt"].double() - sigma * r["flow"].double()).to(state)), (path, latent)
+        for a, b in zip(denoise, denoise[1:]):
+            if b["chunk"] != a["chunk"]:
+                continue
+            eps = io[f"extra_noise.block{a['chunk']}.step{a['step']}"].reshape(a["x0"].shape).to(state)
+            one_minus, sigma = sched.renoise[b["step"]]
+            assert torch.equal(b["xt"], (one_minus * a["x0"].float() + sigma * eps.float()).to(state)), (path, latent)
+        if state == torch.float32:      # the state really holds float32 values, not bf16 ones widened
+            x0 = denoise[-1]["x0"]
+            assert (x0.bfloat16().float() != x0).float().mean().item() > 0.5
     with pytest.raises(ValueError, match="latent_dtype"):
         _run(model, io, sched, "optimized", fast_options={"latent_dtype": "bf16"})
 

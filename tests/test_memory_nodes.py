@@ -96,7 +96,7 @@ class BaseModel(nn.Module):
 
 
 def test_wan_block_swap_patches_a_clone_and_keeps_outputs(monkeypatch):
-    monkeypatch.setattr(memory_nodes, "ALLOW_CPU_SWAP", True)
+    monkeypatch.setattr(memory_nodes, "_swap_saves_memory", lambda device: True)   # the glue on a CPU
     torch.manual_seed(0)
     base = FakePatcher(BaseModel())
     x = torch.randn(3, 8)
@@ -158,7 +158,7 @@ class CausalModel(DiffusionModel):
 
 
 def test_causal_block_swap_and_plan_from_a_live_model(monkeypatch):
-    monkeypatch.setattr(memory_nodes, "ALLOW_CPU_SWAP", True)
+    monkeypatch.setattr(memory_nodes, "_swap_saves_memory", lambda device: True)   # the glue on a CPU
     torch.manual_seed(0)
     handle = Handle(CausalModel())
     x = torch.randn(2, 8)
@@ -172,6 +172,13 @@ def test_causal_block_swap_and_plan_from_a_live_model(monkeypatch):
     plan = result["result"][0]
     assert plan.blocks_total == 5 and plan.model["params"] == sum(p.numel() for p in handle.model.parameters())
     active_swap(handle.model).remove()
+
+
+def test_causal_block_swap_on_a_cpu_model_only_carries_the_setting():
+    handle = Handle(CausalModel())
+    (out,) = CausalWanBlockSwap().apply(handle, blocks_to_swap=4, prefetch_blocks=1, offload_embeddings=False)
+    assert active_swap(handle.model) is None                  # nothing to save in host RAM
+    assert handle_swap_settings(out).blocks_to_swap == 4       # the sampler still sees the setting
 
 
 def test_plan_node_reads_a_checkpoint_header(tmp_path):

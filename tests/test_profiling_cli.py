@@ -1,4 +1,4 @@
-"""``python -m wan_accel profile``: on a stand-in model (always) and on the built-in tiny model (when present)."""
+"""``python -m wan_accel profile``: on a stand-in model and on the built-in tiny model (always in the build)."""
 from __future__ import annotations
 
 import json
@@ -74,16 +74,6 @@ def test_profile_command_text_and_argument_errors(tmp_path, capsys, stand_in):
     assert "--compile must be one of" in capsys.readouterr().err
 
 
-def _have_tiny_model() -> bool:
-    try:
-        import wan_accel.sampling.sampler  # noqa: F401
-        import wan_accel.model.tiny  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _have_tiny_model(), reason="the model library (wan.tiny, wan.sampler) is not in this build")
 def test_profile_command_on_the_tiny_model(tmp_path, capsys):
     assert main(["profile", "--out", str(tmp_path), "--warmup", "0", "--json", "--device", "cpu"]) == 0
     prof = json.loads(capsys.readouterr().out)["profile"]
@@ -92,7 +82,6 @@ def test_profile_command_on_the_tiny_model(tmp_path, capsys):
     assert history.read(kind="profile")[0]["settings"]["frames"] == targets.TINY_LATENT[0]
 
 
-@pytest.mark.skipif(not _have_tiny_model(), reason="the model library (wan.tiny, wan.sampler) is not in this build")
 def test_explain_factory_captures_a_real_block_call():
     spec = targets.explain_model(scope="block", device="cpu")
     model_block, args, kwargs = spec["fn"], spec["args"], spec["kwargs"]
