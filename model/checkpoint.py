@@ -43,6 +43,8 @@ DTYPE_BITS = {
     "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
     "F64": 64, "I64": 64, "U64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }
+TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E5M2", "F8_E4M3", "F8_E4M3FN", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
 LOADABLE_DTYPES = {"F32", "F16", "BF16", "F64"}
 # Matrix-Game-2 checkpoints are recognised by their action modules (mg2_model.py, imported lazily)
@@ -138,6 +140,7 @@ class TensorInfo:
     dtype: str          # safetensors dtype name, e.g. 'BF16'
     shape: tuple
     nbytes: int
+    offset: int = -1    # absolute file offset of the tensor's bytes (-1: unknown)
 
     @property
     def numel(self) -> int:
@@ -203,8 +206,25 @@ def read_header(path) -> tuple[dict[str, TensorInfo], dict]:
         if bits is not None and (math.prod(shape) * bits + 7) // 8 != end - start:
             raise HeaderError(f"{path.name}: tensor {name!r} ({dtype} {list(shape)}) has {end - start} bytes, "
                               f"expected {(math.prod(shape) * bits + 7) // 8}")
-        tensors[name] = TensorInfo(name, dtype, shape, end - start)
+        tensors[name] = TensorInfo(name, dtype, shape, end - start, 8 + n + start)
     return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def read_tensor_into(path, info: TensorInfo, out) -> bool:
+    """Read a tensor's bytes from the file straight into ``out`` (a contiguous CPU tensor of the file's dtype and
+    shape) with plain reads, so no page of the file stays mapped for it. False when ``out`` does not match."""
+    import torch
+    want = TORCH_DTYPES.get(info.dtype)
+    if want is None or info.offset < 0 or out.device.type != "cpu" or out.dtype != getattr(torch, want, None) \
+            or tuple(out.shape) != tuple(info.shape) or not out.is_contiguous():
+        return False
+    view = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    with open(path, "rb") as fh:
+        fh.seek(info.offset)
+        got = fh.readinto(view)
+    if got != info.nbytes:
+        raise HeaderError(f"{Path(path).name}: tensor {info.name!r} is truncated ({got} of {info.nbytes} bytes)")
+    return True
 
 
 # --------------------------------------------------------------------- the config in the metadata
