@@ -4,10 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import logging
+
 import torch
 
 TINY_NAME = "(built-in tiny model)"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+log = logging.getLogger("wan_accel")
 
 
 def parse_dtype(name) -> torch.dtype:
@@ -53,11 +58,16 @@ def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", a
     """Load a checkpoint (a .safetensors path) or, for None / TINY_NAME, build the tiny random model."""
     from ..model.loader import load_wan_checkpoint
     from ..model.tiny import tiny_causal_model
+    device = torch.device(device) if device is not None else default_device()
+    dtype_reason = ""
+    if dtype == "auto":                     # bf16 with bf16 tensor cores, fp16 on older GPUs, fp32 on the CPU
+        from ..memory.system import auto_dtype, detect_system
+        dtype, dtype_reason = auto_dtype(detect_system(device))
+        log.info("wan_accel: dtype auto -> %s (%s)", dtype, dtype_reason)
     torch_dtype = parse_dtype(dtype)
     if compile_settings is not None:        # a clear error now, not at the first sampling run
         from ..compile.settings import coerce_settings
         compile_settings = coerce_settings(compile_settings)
-    device = torch.device(device) if device is not None else default_device()
     if torch_dtype == torch.float32 or precision == "float32":
         torch_dtype, precision = torch.float32, "float32"
     if checkpoint in (None, "", TINY_NAME):
@@ -74,7 +84,8 @@ def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", a
 
             apply_block_swap(model, swap, device=device)
         source = str(checkpoint)
-    return ModelHandle(model, source, torch_dtype, precision, attention, compile_settings, plan)
+    return ModelHandle(model, source, torch_dtype, precision, attention, compile_settings, plan,
+                       extra={"dtype_reason": dtype_reason} if dtype_reason else {})
 
 
 def _planned_swap(plan):

@@ -58,8 +58,10 @@ class CausalWanModelLoader:
         return {
             "required": {
                 "checkpoint": _checkpoint_input(),
-                "dtype": (["bf16", "fp16", "fp32"], {"default": "bf16", "tooltip":
-                          "Weight / matmul dtype. bf16 is what causal checkpoints run in; fp32 for parity checks."}),
+                "dtype": (["auto", "bf16", "fp16", "fp32"], {"default": "auto", "tooltip":
+                          "Weight / matmul dtype. auto: bf16 on GPUs with bf16 tensor cores (SM 8.0+), fp16 on "
+                          "older GPUs (SM 7.5: bf16 would be emulated), fp32 on the CPU. bf16 is what causal "
+                          "checkpoints run in; fp32 for parity checks."}),
                 "precision": (["self_forcing", "wan21", "float32"], {"default": "self_forcing", "tooltip":
                               "self_forcing: whole model in dtype (as Self-Forcing runs). wan21: time embedding, "
                               "modulation, residual stream and head in float32. float32: everything float32."}),
