@@ -89,3 +89,18 @@ def test_rolling_window_equals_windowed_recompute(model, global_result, window, 
 
 def test_window_covering_the_video_is_global(model, global_result):
     assert torch.equal(_run(model, kv_window=FRAMES), global_result)
+
+
+def test_a_sink_that_leaves_no_room_for_a_chunk_is_refused_in_frames_before_any_work(model):
+    calls = []
+    handle = model.blocks[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"window of 4 latent frames cannot hold 2 sink frame\(s\) plus one "
+                                             r"3-frame chunk; use kv_window >= 5 or sink <= 1"):
+            _run(model, kv_window=4, sink=2)
+        with pytest.raises(ValueError, match="sink must be >= 0"):
+            _run(model, kv_window=6, sink=-1)
+    finally:
+        handle.remove()
+    assert not calls                                   # refused before the first model call
+    _run(model, kv_window=5, sink=2)                   # the suggested values pass
