@@ -50,7 +50,18 @@ def ensure_inductor_cache_dir(cache) -> tuple[str, bool]:
     if current and os.path.abspath(current) != _torch_default_cache_dir():
         return current, False
     target = Path(cache.directory) / INDUCTOR_DIR
-    target.mkdir(parents=True, exist_ok=True)
+    try:
+        from ..cache.safety import check_writable_place
+
+        check_writable_place(cache.path)
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # an unwritable cache folder: Inductor keeps its own default folder
+        from ..cache.safety import warn_once
+
+        warn_once(cache.path, "write", f"wan_accel: cannot keep Inductor's caches in {target} "
+                                       f"({exc.strerror or exc}); compiling with Inductor's default cache folder "
+                                       f"(no warm start across restarts)")
+        return current or (_torch_default_cache_dir() or ""), False
     os.environ[ENV_INDUCTOR] = str(target)
     return str(target), True
 
@@ -123,6 +134,9 @@ class WarmStart:
         blob, info = result
         counts = compat.cache_info_counts(info)
         try:
+            from ..cache.safety import check_writable_place
+
+            check_writable_place(self.cache.path)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             tmp.write_bytes(blob)
