@@ -20,7 +20,9 @@ def _diffusion_model_files() -> list | None:
     except ImportError:
         return None
     try:
-        return list(folder_paths.get_filename_list("diffusion_models"))
+        from .model_nodes import loadable_checkpoints
+
+        return loadable_checkpoints(folder_paths.get_filename_list("diffusion_models"))[0]
     except Exception:  # noqa: BLE001 - an odd folder setup must not break INPUT_TYPES
         return []
 
@@ -387,8 +389,9 @@ class WanChunkedVAEDecode:
         if getattr(latent, "is_nested", False):
             latent = latent.unbind()[0]
         if latent.dim() != 5:
-            images = vae.decode(latent)
-            return (images.reshape(-1, *images.shape[-3:]) if images.dim() == 5 else images,)
+            raise ValueError(f"Wan Chunked VAE Decode: 'samples' is a {latent.dim()}-D latent {list(latent.shape)}, "
+                             f"an image latent [B, C, H, W]; it decodes video latents [B, 16, T, H, W] (from a "
+                             f"Wan sampler or EmptyHunyuanLatentVideo-style nodes). Use VAE Decode for images.")
         b, c, t, h, w = latent.shape
         ratio = _time_ratio(vae)
         if (ratio or 4) > 1:
