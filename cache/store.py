@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import atexit
 import copy
+import errno
 import json
 import math
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -135,7 +137,8 @@ class LimitCache:
         self._stamp = None
         self._pending_hits: dict[tuple[str, str, str], list] = {}
         self._refused: str | None = None
-        self._write_error: str | None = None    # why the last write could not reach the disk        # why the file on disk may not be replaced (not the cache's own)
+        self._write_error: str | None = None    # why the last write could not reach the disk
+        self._unsaved: dict | None = None       # this process's view while writes fail (kept in memory)        # why the file on disk may not be replaced (not the cache's own)
         self.quarantined: list[dict] = []       # files this instance moved aside: path, moved_to, reason, time
         _LIVE.add(self)
 
@@ -167,7 +170,11 @@ class LimitCache:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def _parse_file(self) -> dict:
-        """Parse the file; raise CacheFormatError on any damage, FileNotFoundError when absent."""
+        """Parse the file; raise CacheFormatError on any damage, FileNotFoundError when absent, OSError when it is
+        not a regular file (a device, a pipe or a folder is never read: a pipe would block)."""
+        st = os.stat(self.path)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a device, a pipe or a folder)", str(self.path))
         raw = self.path.read_bytes()
         try:
             data = json.loads(raw.decode("utf-8"))
@@ -269,6 +276,8 @@ class LimitCache:
     def _snapshot(self) -> dict:
         """The current file contents for reading (reloaded only when the file changed)."""
         with self._thread_lock:
+            if self._unsaved is not None:
+                return self._unsaved
             stamp = self._stat_stamp()
             if self._data is not None and stamp == self._stamp:
                 return self._data
@@ -397,20 +406,26 @@ class LimitCache:
         """Apply ``change`` under the cross-process lock and write the file. When the file cannot be written:
         ``strict`` raises CacheUnavailableError; otherwise one warning, and the change is kept in memory."""
         with self._thread_lock:
+            applied = None
             try:
                 check_writable_place(self.path)
+                self._snapshot()  # a file that is not the cache's is refused here, before a lock file is made
+                if self._refused:
+                    raise CacheUnavailableError(self._refused)
                 self.path.parent.mkdir(parents=True, exist_ok=True)  # the lock file lives there too
                 with self._file_lock:
                     self._remove_orphaned_temps()
                     data = self._load_locked()
                     if self._refused:
                         raise CacheUnavailableError(self._refused)
+                    self._merge_unsaved(data)
                     result = change(data)
+                    applied = (data, result)
                     self._apply_pending_hits(data)
                     self._evict(data)
                     self._write(data)
                     self._data, self._stamp = data, self._stat_stamp()
-                    self._write_error = None
+                    self._write_error, self._unsaved = None, None
                     return result
             except Timeout:
                 raise TimeoutError(f"could not lock the limit cache {self.path} within {LOCK_TIMEOUT_S:.0f} s; "
@@ -426,12 +441,25 @@ class LimitCache:
                 raise error
             _warn_once(self.path, "write", f"wan_accel: {error}. Continuing without saving to the cache (results "
                                            f"are kept in memory for this run).")
-            data = copy.deepcopy(self._data) if self._data is not None else _empty()
-            result = change(data)
+            if applied is not None:
+                data, result = applied
+            else:
+                base = self._unsaved if self._unsaved is not None else self._data
+                data = copy.deepcopy(base) if base is not None else _empty()
+                result = change(data)
             self._apply_pending_hits(data)
             self._evict(data)
-            self._data, self._stamp = data, self._stat_stamp()
+            self._unsaved = data
             return result
+
+    def _merge_unsaved(self, data: dict) -> None:
+        """Entries this process kept in memory while the file could not be written join the fresh data."""
+        if self._unsaved is None:
+            return
+        data["fingerprints"].update(copy.deepcopy(self._unsaved["fingerprints"]))
+        for ns, by_fp in self._unsaved["namespaces"].items():
+            for fid, entries in by_fp.items():
+                data["namespaces"].setdefault(ns, {}).setdefault(fid, {}).update(copy.deepcopy(entries))
 
     @property
     def writable_problem(self) -> str | None:
