@@ -159,7 +159,7 @@ def check_writable_place(path) -> None:
     for p in [path.parent, *path.parent.parents]:
         try:
             st = os.stat(p)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # absent, or below a file: the next level up says which
             continue
         except OSError as exc:
             raise CacheUnavailableError(f"the limit cache folder {p} cannot be inspected ({exc.strerror or exc})")
@@ -170,7 +170,7 @@ def check_writable_place(path) -> None:
     for p, what in ((path, "the cache file"), (Path(str(path) + ".lock"), "its lock file")):
         try:
             st = os.lstat(p)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             continue
         except OSError as exc:
             raise CacheUnavailableError(f"{what} {p} cannot be inspected ({exc.strerror or exc})")

@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         mod.register(sub)
+    from .validate import friendly_numbers
+    friendly_numbers(parser)
     return parser
 
 

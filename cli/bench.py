@@ -62,6 +62,8 @@ def _run(args) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m wan_accel bench {args.what}", description=help_text)
     mod.add_arguments(parser)
     wants_torch = _one_dtype_vocabulary(parser)
+    from .validate import friendly_numbers
+    friendly_numbers(parser)
     ns = parser.parse_args(args.bench_args)
     if wants_torch and getattr(ns, "dtype", None):
         ns.dtype = TORCH_NAMES[ns.dtype]

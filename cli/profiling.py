@@ -218,6 +218,10 @@ def run_report(args) -> int:
     from ..profiling import history
     from ..profiling.history_view import COLUMNS, PlotUnavailable, plot_history, table_rows
 
+    if args.last is not None:
+        check_int("--last", args.last, 1, 10**9)
+    if args.history is not None and Path(args.history).expanduser().exists():
+        check_input_file("--history", args.history, kind="jsonl")
     path = history.history_path(args.history)
     records = history.read(path, kind=args.kind, last=args.last)
     if args.json:

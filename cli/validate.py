@@ -260,3 +260,37 @@ def check_output_dir(name: str, value) -> Path:
             raise UsageError(f"{name} {path}: {p} is a file, not a folder; choose another {name}")
         break
     return path
+
+
+# ------------------------------------------------------------------------------------------------- argparse
+def _whole_number(text):
+    import argparse
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
+def _number(text):
+    import argparse
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def friendly_numbers(parser) -> None:
+    """int/float options of ``parser`` and its subcommands answer 'must be a whole number, got ...' (argparse's
+    own message for 'abc' is 'invalid int value'); floats also refuse nan and inf."""
+    import argparse
+    for action in parser._actions:
+        if action.type is int:
+            action.type = _whole_number
+        elif action.type is float:
+            action.type = _number
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                friendly_numbers(sub)

@@ -51,9 +51,11 @@ def ensure_inductor_cache_dir(cache) -> tuple[str, bool]:
         return current, False
     target = Path(cache.directory) / INDUCTOR_DIR
     try:
-        from ..cache.safety import check_writable_place
+        from ..cache.safety import CacheUnavailableError
 
-        check_writable_place(cache.path)
+        problem = getattr(cache, "writable_problem", None)
+        if problem:
+            raise CacheUnavailableError(problem)
         target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # an unwritable cache folder: Inductor keeps its own default folder
         from ..cache.safety import warn_once
@@ -134,9 +136,11 @@ class WarmStart:
         blob, info = result
         counts = compat.cache_info_counts(info)
         try:
-            from ..cache.safety import check_writable_place
+            from ..cache.safety import CacheUnavailableError
 
-            check_writable_place(self.cache.path)
+            problem = getattr(self.cache, "writable_problem", None)
+            if problem:
+                raise CacheUnavailableError(problem)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             tmp.write_bytes(blob)

@@ -133,6 +133,10 @@ class WanVRAMPlan:
         from ..memory.system import GiB, detect_system
         from ..memory.weights import preset_weights, weights_from_checkpoint, weights_from_module
 
+        from ..cli.validate import check_float, check_geometry
+
+        check_geometry(frames, height, width, 1)  # names as the widgets: frames, height, width
+        check_float("reserve_gb", reserve_gb, 0.0, 1024.0)
         if causal_model is not None:
             weights = weights_from_module(_causal_module(causal_model))
         elif model_source == "checkpoint":

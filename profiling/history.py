@@ -98,9 +98,11 @@ def append(record: dict, path=None) -> dict:
     p = history_path(path)
     if path is None:  # beside the limit cache: only where the cache itself may write
         from ..cache import LimitCache
-        from ..cache.safety import check_writable_place
+        from ..cache.safety import CacheUnavailableError
 
-        check_writable_place(LimitCache().path)
+        problem = LimitCache().writable_problem
+        if problem:
+            raise CacheUnavailableError(problem)
     p.parent.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 

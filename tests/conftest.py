@@ -16,6 +16,16 @@ def _isolated_limit_cache(tmp_path, monkeypatch):
     return path
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cache_warnings():
+    """Each test starts like a new process: the limit cache's warn-once registry is empty."""
+    from wan_accel.cache import safety
+
+    safety._WARNED.clear()
+    yield
+    safety._WARNED.clear()
+
+
 @pytest.fixture
 def cache_path(_isolated_limit_cache) -> Path:
     return _isolated_limit_cache
