@@ -405,3 +405,14 @@ def test_matrix_game2_ships_its_start_image():
     name = next(n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "LoadImage")
     with Image.open(WORKFLOWS / name) as im:
         assert im.size == (640, 352)
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=[p.stem for p in UI_FILES])
+def test_every_template_has_its_thumbnail(path):
+    """The template browser asks for ``<name>.jpg`` beside ``<name>.json`` (custom node templates)."""
+    from PIL import Image
+
+    thumb = path.with_suffix(".jpg")
+    assert thumb.is_file(), f"{thumb.name} is missing (make it with tests/e2e/thumbnails.py)"
+    with Image.open(thumb) as im:
+        assert im.format == "JPEG" and im.size == (640, 480)

@@ -159,6 +159,10 @@ def test_example_workflows_are_served(comfy):
     assert set(listing.get(PACK_NAME, [])) == names
     status, served = http(comfy["url"] + f"/api/workflow_templates/{PACK_NAME}/tiny_smoke.json")
     assert status == 200 and served == json.loads((WORKFLOWS / "tiny_smoke.json").read_text())
+    for name in names:  # the thumbnail the template browser shows (custom node templates: <name>.jpg)
+        req = urllib.request.Request(comfy["url"] + f"/api/workflow_templates/{PACK_NAME}/{name}.jpg")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200 and r.read(3) == b"\xff\xd8\xff", name
 
 
 def test_tiny_smoke_runs_and_saves_its_image(comfy):
