@@ -392,10 +392,17 @@ class WanChunkedVAEDecode:
         latent = samples["samples"]
         if getattr(latent, "is_nested", False):
             latent = latent.unbind()[0]
+        if latent.dim() == 4 and getattr(vae, "latent_dim", 2) == 3:
+            latent = latent.unsqueeze(2)  # an image latent for a video VAE: one latent frame
         if latent.dim() != 5:
-            raise ValueError(f"Wan Chunked VAE Decode: 'samples' is a {latent.dim()}-D latent {list(latent.shape)}, "
-                             f"an image latent [B, C, H, W]; it decodes video latents [B, 16, T, H, W] (from a "
-                             f"Wan sampler or EmptyHunyuanLatentVideo-style nodes). Use VAE Decode for images.")
+            try:
+                images = vae.decode(latent)
+            except (IndexError, RuntimeError, ValueError, TypeError) as exc:
+                raise ValueError(f"Wan Chunked VAE Decode: 'samples' is a {latent.dim()}-D latent "
+                                 f"{list(latent.shape)} (an image latent [B, C, H, W]) that this VAE cannot decode "
+                                 f"({type(exc).__name__}: {exc}); connect a video latent [B, 16, T, H, W] or use "
+                                 f"VAE Decode with the VAE that made this latent") from None
+            return (images.reshape(-1, *images.shape[-3:]) if images.dim() == 5 else images,)
         b, c, t, h, w = latent.shape
         ratio = _time_ratio(vae)
         if (ratio or 4) > 1:
