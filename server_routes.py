@@ -90,8 +90,13 @@ def limits_payload(cache=None, max_entries: int = MAX_ENTRIES_PER_NAMESPACE) -> 
         ns["entries"].append({"key": row["key"], "value": row["value"], "summary": summarize_value(row["value"]),
                               "hits": row["hits"], "created": row["created"], "updated": row["updated"],
                               "last_used": row["last_used"]})
+    try:
+        notices = cache.notices()
+    except Exception as exc:  # noqa: BLE001 - the entries matter more than the notes about the file
+        notices = [f"could not check the cache file: {exc}"]
     return {
         "path": str(cache.path),
+        "notices": notices,
         "fingerprint_id": fid,
         "fingerprint": dict(cache.fingerprint),
         "known_namespaces": list(KNOWN_NAMESPACES),
@@ -136,7 +141,12 @@ def clear_limits(body, cache=None) -> dict:
         present = {row["namespace"] for row in cache.entries(None, all_fingerprints=True)}
         if ns not in present:
             raise RequestError(f"unknown namespace {ns!r}; known: {sorted(set(KNOWN_NAMESPACES) | present)} or 'all'")
-    removed = cache.clear(ns)
+    from .cache.safety import CacheUnavailableError
+
+    try:
+        removed = cache.clear(ns)
+    except CacheUnavailableError as exc:
+        raise RequestError(str(exc)) from None
     return {"cleared": int(removed), "namespace": "all" if ns is None else ns}
 
 

@@ -62,14 +62,11 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
     (``memory.sampling_guard``)."""
     from ..memory.sampling_guard import oom_guard
     from ..sampling.sampler import generate_latents
+    from .validate import check_geometry
+    check_geometry(num_frames, height, width, frames_per_block, kv_window, sink,
+                   names={"frames": "num_frames"})  # one check for every entry point; its advice passes it
     lf = latent_frames(num_frames)
     lh, lw = latent_size(height, width, model.config.patch_size[1:])
-    if frames_per_block < 1 or lf % frames_per_block:
-        fpb = max(1, frames_per_block)
-        lower, upper = max(fpb, lf // fpb * fpb), (lf // fpb + 1) * fpb
-        video = sorted({VAE_TIME_STRIDE * (n - 1) + 1 for n in (lower, upper)})
-        raise ValueError(f"{num_frames} video frames give {lf} latent frames, not a whole number of "
-                         f"{fpb}-frame blocks; use {' or '.join(map(str, video))} video frames")
     guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
     return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
                             frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
@@ -201,8 +198,8 @@ def _resolve(opts: GenerateOptions):
     device = torch.device(opts.device) if opts.device else default_device()
     dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
     defaults = MODEL_DEFAULTS if opts.checkpoint else TINY_DEFAULTS
-    frames = opts.frames or defaults["frames"]
-    height, width = opts.height or defaults["height"], opts.width or defaults["width"]
+    pick = lambda value, key: defaults[key] if value is None else value  # noqa: E731 - 0 is an error, not "default"
+    frames, height, width = pick(opts.frames, "frames"), pick(opts.height, "height"), pick(opts.width, "width")
     return device, dtype, frames, height, width
 
 

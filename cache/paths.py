@@ -22,15 +22,25 @@ def _comfy_user_directory() -> Path | None:
         return None
 
 
+def cache_path_from_env(value: str) -> Path:
+    """The cache file that a ``WAN_ACCEL_CACHE`` value names.
+
+    The value names the cache folder: ``limits.json`` and every side file (``limits.json.lock``,
+    ``history.jsonl``, ``inductor/``, ``compile_artifacts/``) live inside it, and it is created on the first
+    write. A value ending in ``.json`` names the cache file itself instead; its side files go beside it. The rule
+    depends on the name only, never on what exists on disk, so a folder that does not exist yet is a folder."""
+    p = Path(value).expanduser()
+    if p.suffix.lower() == ".json" and not value.endswith(("/", os.sep)):
+        return p
+    return p / FILE_NAME
+
+
 def default_cache_path() -> Path:
-    """``$WAN_ACCEL_CACHE`` (a file, or a folder that gets ``limits.json``) wins; inside ComfyUI the
-    ``wan_accel`` folder of its user directory; else the platform user-cache directory."""
+    """``$WAN_ACCEL_CACHE`` (the cache folder, or a ``.json`` file: see :func:`cache_path_from_env`) wins;
+    inside ComfyUI the ``wan_accel`` folder of its user directory; else the platform user-cache directory."""
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
-        p = Path(env).expanduser()
-        if p.is_dir() or env.endswith(("/", os.sep)):
-            return p / FILE_NAME
-        return p
+        return cache_path_from_env(env)
     comfy = _comfy_user_directory()
     if comfy is not None:
         return comfy / APP_NAME / FILE_NAME

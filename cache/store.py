@@ -10,16 +10,24 @@ Layout on disk (schema 1)::
 Writers take a cross-process file lock, re-read the file, apply their change (so another process's entries are
 never dropped), write a temporary file in the same folder, fsync it and ``os.replace`` it over the old one.
 Readers never lock: a replace is atomic, so they see either the old or the new file. A file that cannot be
-parsed or has the wrong shape is moved aside as ``<name>.corrupt-<time>`` with one warning.
+parsed or has the wrong shape is moved aside as ``<name>.corrupt-<time>`` with one warning, and only when it is
+the cache's own regular file (cache/safety.py): a device, a directory, a symlink, a file in a system folder or a
+file that is not a limit cache is left untouched, and the cache runs empty and in memory for that process.
+
+A cache that cannot be written (permissions, a read-only disk, a refused place) never stops a feature: it warns
+once, naming the file and the reason, and keeps the change in memory. Only the explicit maintenance actions
+(``clear``, ``prune_stale``) raise :class:`CacheUnavailableError`, whose message says where and why.
 """
 from __future__ import annotations
 
 import atexit
 import copy
+import errno
 import json
 import math
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -32,6 +40,8 @@ from filelock import FileLock, Timeout
 
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
 from .paths import default_cache_path
+from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, quarantine_refusal,
+                     warn_once)
 
 SCHEMA_VERSION = 1
 FILE_KIND = "wan_accel.limit_cache"
@@ -105,13 +115,8 @@ def _validate(data) -> dict:
 _LIVE: "weakref.WeakSet[LimitCache]" = weakref.WeakSet()
 
 
-@atexit.register
-def _flush_all_at_exit() -> None:
-    for cache in list(_LIVE):
-        try:
-            cache.flush()
-        except Exception:  # noqa: BLE001 - never fail interpreter exit because of hit counters
-            pass
+def _warn_once(path, what: str, message: str) -> None:
+    warn_once(path, what, message, stacklevel=4)
 
 
 class LimitCache:
@@ -131,6 +136,10 @@ class LimitCache:
         self._data: dict | None = None
         self._stamp = None
         self._pending_hits: dict[tuple[str, str, str], list] = {}
+        self._refused: str | None = None
+        self._write_error: str | None = None    # why the last write could not reach the disk
+        self._unsaved: dict | None = None       # this process's view while writes fail (kept in memory)        # why the file on disk may not be replaced (not the cache's own)
+        self.quarantined: list[dict] = []       # files this instance moved aside: path, moved_to, reason, time
         _LIVE.add(self)
 
     # ---------------------------------------------------------------- identity
@@ -156,12 +165,16 @@ class LimitCache:
     def _stat_stamp(self):
         try:
             st = os.stat(self.path)
-        except FileNotFoundError:
+        except OSError:  # absent, or a folder part that is not a folder
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def _parse_file(self) -> dict:
-        """Parse the file; raise CacheFormatError on any damage, FileNotFoundError when absent."""
+        """Parse the file; raise CacheFormatError on any damage, FileNotFoundError when absent, OSError when it is
+        not a regular file (a device, a pipe or a folder is never read: a pipe would block)."""
+        st = os.stat(self.path)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a device, a pipe or a folder)", str(self.path))
         raw = self.path.read_bytes()
         try:
             data = json.loads(raw.decode("utf-8"))
@@ -169,7 +182,14 @@ class LimitCache:
             raise CacheFormatError(f"not valid JSON ({exc})") from None
         return _validate(data)
 
-    def _quarantine(self, reason: str) -> None:
+    def _quarantine(self, reason: str, refusal: str | None = None) -> None:
+        refusal = refusal or quarantine_refusal(self.path)
+        if refusal is not None:
+            hint = "" if "WAN_ACCEL_CACHE" in refusal else "; set WAN_ACCEL_CACHE to a folder of your own"
+            self._refused = f"{self.path} is not a usable limit cache ({reason}) and was left untouched: {refusal}{hint}"
+            _warn_once(self.path, "refused", f"wan_accel limit cache: {self._refused}. Using an empty cache in "
+                                             f"memory.")
+            return
         stamp = time.strftime("%Y%m%d-%H%M%S")
         target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
         n = 1
@@ -184,8 +204,38 @@ class LimitCache:
             warnings.warn(f"wan_accel limit cache {self.path} is damaged ({reason}) and could not be moved aside "
                           f"({exc}); using an empty cache", RuntimeWarning, stacklevel=4)
             return
+        self.quarantined.append({"path": str(self.path), "moved_to": str(target), "reason": reason,
+                                 "time": time.time()})
         warnings.warn(f"wan_accel limit cache {self.path} was damaged ({reason}); moved it to {target} and "
                       f"started an empty cache", RuntimeWarning, stacklevel=4)
+
+    def quarantined_files(self) -> list[Path]:
+        """Damaged cache files moved aside beside the cache (``limits.json.corrupt-<time>``), newest first."""
+        try:
+            found = [p for p in self.path.parent.glob(f"{self.path.name}.corrupt-*") if p.is_file()]
+            return sorted(found, key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+        except OSError:
+            return []
+
+    def notices(self) -> list[str]:
+        """What the user should know about the cache file itself: a damaged file moved aside (by this or an
+        earlier process), a file refused, a cache that could not be written. Empty when all is well."""
+        from .safety import write_problem
+
+        self._snapshot()
+        out = []
+        if self._refused:
+            out.append(self._refused)
+        problem = self._write_error or write_problem(self.path)
+        if problem and not any(problem in o for o in out):
+            out.append(problem)
+        reasons = {Path(q["moved_to"]).name: q["reason"] for q in self.quarantined}
+        for p in self.quarantined_files():
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.stat().st_mtime)) if p.exists() else "?"
+            why = f" ({reasons[p.name]})" if p.name in reasons else ""
+            out.append(f"a damaged cache file was moved aside to {p.name}{why} on {when}, and the cache started "
+                       f"empty; delete {p} when you no longer need it")
+        return out
 
     def _load_locked(self) -> dict:
         """Fresh read while holding the file lock; damaged files are quarantined."""
@@ -197,15 +247,37 @@ class LimitCache:
             self._quarantine(str(exc))
             data = _empty()
         except OSError as exc:
-            warnings.warn(f"wan_accel limit cache {self.path} cannot be read ({exc}); using an empty cache",
-                          RuntimeWarning, stacklevel=3)
+            _warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
+                                          f"({describe_os_error(exc)}); using an empty cache")
             data = _empty()
         self._data, self._stamp = data, self._stat_stamp()
         return data
 
+    def _recover(self, reason: str, stamp) -> dict:
+        """A reader found a damaged file: move it aside under the lock when it is the cache's own file in a place
+        the cache may write; otherwise leave it untouched (one warning) and run empty in memory."""
+        try:
+            check_writable_place(self.path)
+            refusal = quarantine_refusal(self.path)
+        except CacheUnavailableError as exc:
+            refusal = str(exc)
+        if refusal is None:
+            try:
+                with self._file_lock:
+                    return self._load_locked()
+            except Timeout:
+                return _empty()
+            except OSError as exc:
+                refusal = f"its folder cannot be written ({describe_os_error(exc)})"
+        self._quarantine(reason, refusal)
+        self._data, self._stamp = _empty(), stamp
+        return self._data
+
     def _snapshot(self) -> dict:
         """The current file contents for reading (reloaded only when the file changed)."""
         with self._thread_lock:
+            if self._unsaved is not None:
+                return self._unsaved
             stamp = self._stat_stamp()
             if self._data is not None and stamp == self._stamp:
                 return self._data
@@ -216,16 +288,13 @@ class LimitCache:
                 data = self._parse_file()
             except FileNotFoundError:
                 data = _empty()
-            except CacheFormatError:
-                try:
-                    with self._file_lock:
-                        return self._load_locked()
-                except Timeout:
-                    return _empty()
+            except CacheFormatError as exc:
+                return self._recover(str(exc), stamp)
             except OSError as exc:
-                warnings.warn(f"wan_accel limit cache {self.path} cannot be read ({exc}); using an empty cache",
-                              RuntimeWarning, stacklevel=3)
-                return _empty()
+                _warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
+                                              f"({describe_os_error(exc)}); using an empty cache")
+                self._data, self._stamp = _empty(), stamp
+                return self._data
             self._data, self._stamp = data, stamp
             return data
 
@@ -297,7 +366,8 @@ class LimitCache:
         that died mid-write (SIGKILL, power loss): remove them."""
         for tmp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
             try:
-                tmp.unlink()
+                if not tmp.is_symlink() and tmp.is_file():
+                    tmp.unlink()
             except OSError:
                 pass
 
@@ -332,22 +402,74 @@ class LimitCache:
         for fid in [f for f in data["fingerprints"] if f not in used]:
             del data["fingerprints"][fid]
 
-    def _mutate(self, change: Callable[[dict], object]):
+    def _mutate(self, change: Callable[[dict], object], strict: bool = False):
+        """Apply ``change`` under the cross-process lock and write the file. When the file cannot be written:
+        ``strict`` raises CacheUnavailableError; otherwise one warning, and the change is kept in memory."""
         with self._thread_lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)  # the lock file lives there too
+            applied = None
             try:
+                check_writable_place(self.path)
+                self._snapshot()  # a file that is not the cache's is refused here, before a lock file is made
+                if self._refused:
+                    raise CacheUnavailableError(self._refused)
+                self.path.parent.mkdir(parents=True, exist_ok=True)  # the lock file lives there too
                 with self._file_lock:
                     self._remove_orphaned_temps()
                     data = self._load_locked()
+                    if self._refused:
+                        raise CacheUnavailableError(self._refused)
+                    self._merge_unsaved(data)
                     result = change(data)
+                    applied = (data, result)
                     self._apply_pending_hits(data)
                     self._evict(data)
                     self._write(data)
                     self._data, self._stamp = data, self._stat_stamp()
+                    self._write_error, self._unsaved = None, None
                     return result
             except Timeout:
                 raise TimeoutError(f"could not lock the limit cache {self.path} within {LOCK_TIMEOUT_S:.0f} s; "
                                    f"another process holds {self._file_lock.lock_file}") from None
+            except CacheUnavailableError as exc:
+                error = exc
+            except OSError as exc:
+                where = exc.filename or self.path.parent
+                error = CacheUnavailableError(f"the limit cache {self.path} cannot be written: {where}: "
+                                              f"{describe_os_error(exc)}; set WAN_ACCEL_CACHE to a writable folder")
+            self._write_error = str(error)
+            if strict:
+                raise error
+            _warn_once(self.path, "write", f"wan_accel: {error}. Continuing without saving to the cache (results "
+                                           f"are kept in memory for this run).")
+            if applied is not None:
+                data, result = applied
+            else:
+                base = self._unsaved if self._unsaved is not None else self._data
+                data = copy.deepcopy(base) if base is not None else _empty()
+                result = change(data)
+            self._apply_pending_hits(data)
+            self._evict(data)
+            self._unsaved = data
+            return result
+
+    def _merge_unsaved(self, data: dict) -> None:
+        """Entries this process kept in memory while the file could not be written join the fresh data."""
+        if self._unsaved is None:
+            return
+        data["fingerprints"].update(copy.deepcopy(self._unsaved["fingerprints"]))
+        for ns, by_fp in self._unsaved["namespaces"].items():
+            for fid, entries in by_fp.items():
+                data["namespaces"].setdefault(ns, {}).setdefault(fid, {}).update(copy.deepcopy(entries))
+
+    @property
+    def writable_problem(self) -> str | None:
+        """Why the cache cannot be written here (without trying a write), or None."""
+        try:
+            check_writable_place(self.path)
+        except CacheUnavailableError as exc:
+            return str(exc)
+        self._snapshot()
+        return self._refused
 
     @staticmethod
     def _check_names(namespace: str, key) -> str:
@@ -420,7 +542,7 @@ class LimitCache:
                 removed += sum(len(e) for e in data["namespaces"].pop(ns, {}).values())
             return removed
 
-        return int(self._mutate(change))
+        return int(self._mutate(change, strict=True))
 
     def prune_stale(self) -> int:
         """Remove entries measured with other software (driver, CUDA, torch, triton) than the current one:
@@ -438,7 +560,7 @@ class LimitCache:
                         removed += len(by_fp.pop(fid))
             return removed
 
-        return int(self._mutate(change))
+        return int(self._mutate(change, strict=True))
 
     def flush(self) -> None:
         """Write pending hit counters (they are otherwise written with the next change or at exit)."""

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 # Modules under cli/ that define register(subparsers); absent ones are skipped.
 COMMAND_MODULES = ("model", "cache", "nodes", "memory", "compile", "profiling", "mg2", "bench")
@@ -25,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         mod.register(sub)
+    from ..app.validate import friendly_numbers
+    friendly_numbers(parser)
     return parser
 
 
@@ -35,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    try:
-        return int(func(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    from .errors import announce_cache_problem, clean_warnings, run_guarded
+
+    with clean_warnings():
+        announce_cache_problem(args.command)
+        return run_guarded(func, args)

@@ -9,6 +9,8 @@ import argparse
 import importlib
 import importlib.util
 
+from ..app.validate import TORCH_NAMES
+
 # bench name -> module (relative to the package) providing add_arguments(parser) and run(args) -> int
 BENCHES = {
     "sampler": ("..app.bench_sampler", "reference vs optimized causal sampler"),
@@ -18,12 +20,55 @@ BENCHES = {
 }
 
 
+def _one_dtype_vocabulary(parser) -> bool:
+    """Every bench takes --dtype as bf16/fp16/fp32 (the nodes' spelling; bfloat16/float16/float32 with a note).
+    True when the bench itself wants the torch spelling (it gets that after parsing)."""
+    from ..app.validate import dtype_arg, normalize_dtype
+
+    wants_torch = False
+    for action in parser._actions:
+        if "--dtype" in action.option_strings:
+            wants_torch = any(c in TORCH_NAMES.values() for c in (action.choices or ()))
+            action.choices, action.type, action.metavar = None, dtype_arg("--dtype"), "{bf16,fp16,fp32}"
+            if isinstance(action.default, str):
+                action.default = normalize_dtype("--dtype", action.default, quiet=True)
+    return wants_torch
+
+
+def check_bench_args(what: str, ns) -> None:
+    """The values every bench shares, checked before anything runs (0 or a negative count is an error)."""
+    from ..app.validate import check_geometry, check_input_file, check_int, check_pixels
+
+    if getattr(ns, "checkpoint", None):
+        check_input_file("--checkpoint", ns.checkpoint)
+    for name in ("repeat", "repeats", "blocks", "dim", "kv_frames", "frames_per_block"):
+        value = getattr(ns, name, None)
+        if value is not None:
+            check_int("--" + name.replace("_", "-"), value, 1, 100000)
+    if getattr(ns, "warmup", None) is not None:
+        check_int("--warmup", ns.warmup, 0, 1000)
+    for name in ("height", "width"):
+        if getattr(ns, name, None) is not None:
+            check_pixels("--" + name, getattr(ns, name))
+    if what == "sampler" and ns.frames is not None:
+        check_geometry(ns.frames, 16, 16, 3, names={"frames": "--frames"})
+    elif getattr(ns, "frames", None) is not None:
+        check_int("--frames", ns.frames, 1, 4096)
+
+
 def _run(args) -> int:
     module, help_text = BENCHES[args.what]
     mod = importlib.import_module(importlib.util.resolve_name(module, __package__))
     parser = argparse.ArgumentParser(prog=f"python -m wan_accel bench {args.what}", description=help_text)
     mod.add_arguments(parser)
-    return int(mod.run(parser.parse_args(args.bench_args)) or 0)
+    wants_torch = _one_dtype_vocabulary(parser)
+    from ..app.validate import friendly_numbers
+    friendly_numbers(parser)
+    ns = parser.parse_args(args.bench_args)
+    if wants_torch and getattr(ns, "dtype", None):
+        ns.dtype = TORCH_NAMES[ns.dtype]
+    check_bench_args(args.what, ns)
+    return int(mod.run(ns) or 0)
 
 
 def register(sub) -> None:

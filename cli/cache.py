@@ -1,7 +1,9 @@
 """``python -m wan_accel cache show|path|clear|prune-stale``."""
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 from .output import print_json, print_table
 
@@ -10,14 +12,47 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "-"
 
 
+def plural(n: int, word: str) -> str:
+    """'1 entry', '2 entries', '0 entries'."""
+    if n == 1:
+        return f"1 {word}"
+    return f"{n} {word[:-1] + 'ies' if word.endswith('y') else word + 's'}"
+
+
+def check_namespace(cache, namespace):
+    """A namespace the pack uses or the file holds; else UsageError listing them."""
+    from ..cache import KNOWN_NAMESPACES
+    from .errors import UsageError
+
+    if namespace is None:
+        return None
+    present = {r["namespace"] for r in cache.entries(None, all_fingerprints=True)}
+    valid = sorted(set(KNOWN_NAMESPACES) | present)
+    if namespace not in valid:
+        raise UsageError(f"--namespace {namespace!r} is not a namespace of the limit cache; use one of "
+                         f"{', '.join(valid)} (or leave --namespace out for all)")
+    return namespace
+
+
+def _print_notices(cache) -> list[str]:
+    notes = cache.notices()
+    warned = [Path(q["moved_to"]).name for q in cache.quarantined]  # this run's warning named them already
+    for note in notes:
+        if not any(name in note for name in warned):
+            print(f"warning: {note}", file=sys.stderr)
+    return notes
+
+
 def _show(args) -> int:
     from ..cache import LimitCache
 
     cache = LimitCache()
+    check_namespace(cache, args.namespace)
     rows = cache.entries(args.namespace, all_fingerprints=args.all)
+    notes = _print_notices(cache)
     if args.json:
         print_json({"path": str(cache.path), "fingerprint": cache.fingerprint,
-                    "fingerprint_id": cache.fingerprint_id, "entries": rows})
+                    "fingerprint_id": cache.fingerprint_id, "entries": rows, "notices": notes})
         return 0
     fp = cache.fingerprint
     print(f"limit cache: {cache.path}")
@@ -47,23 +82,28 @@ def _path(args) -> int:
 def _clear(args) -> int:
     from ..cache import LimitCache
 
-    n = LimitCache().clear(args.namespace)
+    cache = LimitCache()
+    check_namespace(cache, args.namespace)
+    _print_notices(cache)
+    n = cache.clear(args.namespace)
     scope = f"namespace '{args.namespace}'" if args.namespace else "every namespace"
     if args.json:
         print_json({"removed": n, "namespace": args.namespace})
     else:
-        print(f"removed {n} entries from {scope}")
+        print(f"removed {plural(n, 'entry')} from {scope}")
     return 0
 
 
 def _prune(args) -> int:
     from ..cache import LimitCache
 
-    n = LimitCache().prune_stale()
+    cache = LimitCache()
+    _print_notices(cache)
+    n = cache.prune_stale()
     if args.json:
         print_json({"removed": n})
     else:
-        print(f"removed {n} entries measured with other driver/CUDA/torch/triton versions")
+        print(f"removed {plural(n, 'entry')} measured with other driver/CUDA/torch/triton versions")
     return 0
 
 

@@ -5,6 +5,9 @@ import argparse
 import json
 import sys
 
+from ..app.validate import (UsageError, check_device, check_float, check_geometry, check_input_file,
+                       check_int, check_output_dir, check_steps, dtype_arg)
+
 
 def register(subparsers) -> None:
     _add_generate(subparsers)
@@ -31,11 +34,12 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--shift", type=float, help="timestep shift (overrides the preset)")
     p.add_argument("--no-warp", action="store_true", help="use the step list as raw timesteps (custom preset)")
     p.add_argument("--device", help="cuda / cpu (default: cuda if available)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--dtype", type=dtype_arg("--dtype"), metavar="{bf16,fp16,fp32}",
+                   help="default: bf16 on cuda, fp32 on cpu (bfloat16/float16/float32 are accepted too)")
     p.add_argument("--precision", default="self_forcing", choices=["float32", "wan21", "self_forcing"])
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn", "fa3", "fa2"],
                    help="auto: FlashAttention 3, then 2, then SDPA, by what is installed and the GPU supports")
-    p.add_argument("--frames-per-block", type=int, default=3)
+    p.add_argument("--frames-per-block", type=int, default=3, help="latent frames per chunk, 1-64 (default 3)")
     p.add_argument("--kv-window", type=int, default=-1, help="rolling KV window in latent frames (-1: global)")
     p.add_argument("--sink", type=int, default=0, help="sink frames kept in a rolling window")
     p.add_argument("--skip-last-refresh", action="store_true", help="skip the final chunk's cache refresh")
@@ -62,7 +66,7 @@ def _run_job(args, log):
         fields = dict(out_dir=args.out, checkpoint=args.checkpoint, conditioning=args.conditioning,
                       preset=args.preset, window=args.window, seed=args.seed, device=args.device, dtype=args.dtype,
                       precision=args.precision, attention=args.attention, actions=args.actions,
-                      frames=latent_frames(args.frames) if args.frames else None, steps=args.steps,
+                      frames=latent_frames(args.frames) if args.frames is not None else None, steps=args.steps,
                       shift=args.shift, num_heads=args.num_heads,
                       skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview)
         options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels}
@@ -81,13 +85,51 @@ def _run_job(args, log):
     return run_generate(opts, log=log)
 
 
+GENERATE_NAMES = {"frames": "--frames", "height": "--height", "width": "--width",
+                  "frames_per_block": "--frames-per-block", "kv_window": "--kv-window", "sink": "--sink"}
+
+
+def check_generate_args(args) -> None:
+    """Every value of ``generate`` checked before anything is loaded (UsageError names the option and the fix)."""
+    from ..app.job import MODEL_DEFAULTS, TINY_DEFAULTS
+    check_output_dir("--out", args.out)
+    if args.checkpoint:
+        check_input_file("--checkpoint", args.checkpoint)
+    if args.text_embeds:
+        check_input_file("--text-embeds", args.text_embeds)
+    if getattr(args, "conditioning", None):
+        check_input_file("--conditioning", args.conditioning)
+    check_int("--seed", args.seed, 0, 0xFFFFFFFFFFFFFFFF)
+    check_steps("--steps", args.steps)
+    if args.shift is not None:
+        check_float("--shift", args.shift, 0.0, 100.0, lo_open=True)
+    if args.num_heads is not None:
+        check_int("--num-heads", args.num_heads, 1, 1024)
+    check_device("--device", args.device)
+    if args.model_kind == "matrix-game2":
+        for opt, value in (("--height", args.height), ("--width", args.width), ("--text-embeds", args.text_embeds)):
+            if value is not None:
+                raise UsageError(f"{opt} is not used with --model-kind matrix-game2 (the size comes from the start "
+                                 f"latent of --conditioning); leave it out")
+        if args.window is not None:
+            check_int("--window", args.window, 3, 1024, hint=" (latent frames, at least one 3-frame chunk)")
+        if args.frames is not None:
+            check_geometry(args.frames, 128, 128, 3, names=GENERATE_NAMES)
+        return
+    if args.actions is not None or args.conditioning is not None or args.window is not None:
+        raise UsageError("--actions, --conditioning and --window are for --model-kind matrix-game2; leave them out "
+                         "or add --model-kind matrix-game2")
+    defaults = MODEL_DEFAULTS if args.checkpoint else TINY_DEFAULTS
+    check_geometry(args.frames if args.frames is not None else defaults["frames"],
+                   args.height if args.height is not None else defaults["height"],
+                   args.width if args.width is not None else defaults["width"],
+                   args.frames_per_block, args.kv_window, args.sink, names=GENERATE_NAMES)
+
+
 def _generate(args) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    try:
-        report = _run_job(args, log)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    check_generate_args(args)
+    report = _run_job(args, log)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -112,12 +154,23 @@ def _add_convert(subparsers) -> None:
 
 
 def _convert(args) -> int:
+    from pathlib import Path
+
     from ..model.convert import convert_pt_to_safetensors
-    try:
-        summary = convert_pt_to_safetensors(args.src, args.dst, ema=args.ema, num_heads=args.num_heads)
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    src = check_input_file("SRC", args.src, kind="pt")
+    if src.suffix.lower() == ".safetensors":
+        check_input_file("SRC", args.src)  # a damaged file gets its own message first
+        raise UsageError(f"SRC {src} is already a .safetensors file: load it directly (convert reads .pt/.pth "
+                         f"training checkpoints)")
+    dst = Path(args.dst)
+    if dst.suffix.lower() != ".safetensors":
+        raise UsageError(f"DST {dst} must end in .safetensors")
+    check_output_dir("DST's folder", dst.parent if str(dst.parent) else ".")
+    if dst.exists() and not dst.is_file():
+        raise UsageError(f"DST {dst} exists and is not a file; choose another output path")
+    if args.num_heads is not None:
+        check_int("--num-heads", args.num_heads, 1, 1024)
+    summary = convert_pt_to_safetensors(args.src, args.dst, ema=args.ema, num_heads=args.num_heads)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -159,4 +212,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="wan_accel")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    from .errors import clean_warnings, run_guarded
+    with clean_warnings():
+        return run_guarded(args.func, args)

@@ -1,10 +1,22 @@
 """``python -m wan_accel profile`` (profile one sampler run) and ``python -m wan_accel report`` (metrics history)."""
 from __future__ import annotations
 
+import os
 import sys
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from .output import format_table, print_json
+from ..app.validate import (TORCH_NAMES, UsageError, check_device, check_geometry, check_input_file,
+                       check_int, check_output_dir, check_steps, dtype_arg)
+
+# Defaults in the units every command uses (video frames, pixels): the tiny model's 6x8x8 latent and 81 frames
+# at 480x832 for a checkpoint.
+TINY_DEFAULTS = {"frames": 21, "height": 64, "width": 64}
+CHECKPOINT_DEFAULTS = {"frames": 81, "height": 480, "width": 832}
+PROFILE_NAMES = {"frames": "--frames", "height": "--height", "width": "--width"}
 
 
 def register(sub) -> None:
@@ -19,11 +31,12 @@ def register(sub) -> None:
     p.add_argument("--runs", type=int, default=1, help="profiled runs (default 1)")
     p.add_argument("--warmup", type=int, default=1, help="unprofiled runs first, compile happens there (default 1)")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="default: float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--frames", type=int, help="latent frames (default 6 tiny, 21 checkpoint)")
-    p.add_argument("--height", type=int, help="latent height (default 8 tiny, 60 checkpoint)")
-    p.add_argument("--width", type=int, help="latent width (default 8 tiny, 104 checkpoint)")
+    p.add_argument("--dtype", type=dtype_arg("--dtype"), metavar="{bf16,fp16,fp32}",
+                   help="default: fp32 on CPU, bf16 on GPU (bfloat16/float16/float32 are accepted too)")
+    p.add_argument("--frames", type=int, help="video frames, 4k+1 in whole 3-frame latent blocks "
+                                              "(default 21 tiny, 81 checkpoint)")
+    p.add_argument("--height", type=int, help="pixels, multiple of 16 (default 64 tiny, 480 checkpoint)")
+    p.add_argument("--width", type=int, help="pixels, multiple of 16 (default 64 tiny, 832 checkpoint)")
     p.add_argument("--steps", help="sampler step list, e.g. 1000,750,500,250 (default: the preset's)")
     p.add_argument("--preset", help="sampler schedule preset: self_forcing, causvid, custom (default self_forcing)")
     p.add_argument("--seed", type=int, default=0)
@@ -51,23 +64,93 @@ def register(sub) -> None:
 
 
 # ---------------------------------------------------------------------- profile
+@contextmanager
+def _without_profiler_chatter():
+    """The profiler library prints 'USDT:' marker lines straight to the process's stderr; drop those lines and
+    pass every other line through as it comes."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        read_fd, write_fd = os.pipe()
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+
+    def pump():
+        with os.fdopen(read_fd, "rb") as src:
+            for line in src:
+                if not line.startswith(b"USDT:"):
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    try:
+        yield
+    finally:
+        try:
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        os.dup2(saved, 2)   # closes the pipe's last write end: the pump sees the end and stops
+        thread.join(timeout=5)
+        os.close(saved)
+
+
+def _with_progress(fn, warmup: int, runs: int, compile_mode: str, quiet: bool):
+    """``fn`` announcing each warm-up and profiled run on stderr (the first warm-up compiles: it can be long)."""
+    state = {"n": 0}
+    total = warmup + runs
+
+    def run():
+        i = state["n"]
+        state["n"] += 1
+        phase = f"warm-up {i + 1}/{warmup}" if i < warmup else f"profiled run {i - warmup + 1}/{runs}"
+        if i == 0 and compile_mode != "none":
+            phase += f" (compiling the blocks with '{compile_mode}'; the first run can take a minute)"
+        if not quiet:
+            print(f"profile: {phase} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        out = fn()
+        if not quiet and (i == 0 or i == total - 1):
+            print(f"profile: {phase.split(' (')[0]} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                  flush=True)
+        return out
+
+    return run
+
+
+def profile_geometry(args) -> dict:
+    """--frames/--height/--width (video frames, pixels, as every command) checked and turned into the latent
+    sizes the profiled sampler takes."""
+    d = CHECKPOINT_DEFAULTS if args.checkpoint else TINY_DEFAULTS
+    return check_geometry(d["frames"] if args.frames is None else args.frames,
+                          d["height"] if args.height is None else args.height,
+                          d["width"] if args.width is None else args.width, 3, names=PROFILE_NAMES)
+
+
 def run_profile(args) -> int:
     from ..profiling import ExplainError, explain_in_subprocess, package_target, profile_run
     from ..app import profile_targets as targets
     from ..profiling import history
 
-    if args.checkpoint and not Path(args.checkpoint).is_file():
-        print(f"checkpoint not found: {args.checkpoint}", file=sys.stderr)
-        return 2
+    if args.checkpoint:
+        check_input_file("--checkpoint", args.checkpoint)
     if args.compile not in targets.COMPILE_MODES:
-        print(f"--compile must be one of {', '.join(targets.COMPILE_MODES)}", file=sys.stderr)
-        return 2
-    if args.runs < 1 or args.warmup < 0:
-        print("--runs must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return 2
-    target = targets.ProfileTarget(checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
-                                   frames=args.frames, height=args.height, width=args.width, steps=args.steps,
-                                   preset=args.preset, seed=args.seed).resolved()
+        raise UsageError(f"--compile must be one of {', '.join(targets.COMPILE_MODES)}, got {args.compile!r}")
+    check_int("--runs", args.runs, 1, 1000)
+    check_int("--warmup", args.warmup, 0, 100)
+    check_int("--seed", args.seed, 0, 0xFFFFFFFFFFFFFFFF)
+    check_steps("--steps", args.steps)
+    check_output_dir("--out", args.out)
+    check_device("--device", args.device)
+    geo = profile_geometry(args)
+    target = targets.ProfileTarget(checkpoint=args.checkpoint, device=args.device,
+                                   dtype=TORCH_NAMES[args.dtype] if args.dtype else None,
+                                   frames=geo["latent_frames"], height=geo["latent_height"],
+                                   width=geo["latent_width"], steps=args.steps, preset=args.preset,
+                                   seed=args.seed).resolved()
     result: dict = {}
     if args.explain or args.explain_only or args.explain_target:
         # First, before this process loads the model: the subprocess needs the memory too.
@@ -92,12 +175,15 @@ def run_profile(args) -> int:
     model = targets.load_model(target)
     targets.apply_compile(model, args.compile)
     inputs = targets.make_inputs(model, target)
-    fn = targets.sampler_call(model, target, inputs)
+    fn = _with_progress(targets.sampler_call(model, target, inputs), args.warmup, args.runs, args.compile,
+                        quiet=False)
     label = Path(args.checkpoint).stem if args.checkpoint else "tiny"
-    report = profile_run(fn, runs=args.runs, warmup=args.warmup, out_dir=args.out,
-                         trace_name=f"profile_{label}_{args.compile}", device=target.device)
+    with _without_profiler_chatter():
+        report = profile_run(fn, runs=args.runs, warmup=args.warmup, out_dir=args.out,
+                             trace_name=f"profile_{label}_{args.compile}", device=target.device)
     report.result = None
-    settings = {**target.settings(), "compile": args.compile, "runs": args.runs, "warmup": args.warmup}
+    settings = {**target.settings(), "compile": args.compile, "runs": args.runs, "warmup": args.warmup,
+                "video_frames": geo["frames"], "pixel_height": geo["height"], "pixel_width": geo["width"]}
     if not args.no_history:
         try:
             history.append(report.history_record(settings))
@@ -133,6 +219,10 @@ def run_report(args) -> int:
     from ..profiling import history
     from ..profiling.history_view import COLUMNS, PlotUnavailable, plot_history, table_rows
 
+    if args.last is not None:
+        check_int("--last", args.last, 1, 10**9)
+    if args.history is not None and Path(args.history).expanduser().exists():
+        check_input_file("--history", args.history, kind="jsonl")
     path = history.history_path(args.history)
     records = history.read(path, kind=args.kind, last=args.last)
     if args.json:

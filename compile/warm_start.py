@@ -50,7 +50,20 @@ def ensure_inductor_cache_dir(cache) -> tuple[str, bool]:
     if current and os.path.abspath(current) != _torch_default_cache_dir():
         return current, False
     target = Path(cache.directory) / INDUCTOR_DIR
-    target.mkdir(parents=True, exist_ok=True)
+    try:
+        from ..cache.safety import CacheUnavailableError
+
+        problem = getattr(cache, "writable_problem", None)
+        if problem:
+            raise CacheUnavailableError(problem)
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # an unwritable cache folder: Inductor keeps its own default folder
+        from ..cache.safety import warn_once
+
+        warn_once(cache.path, "write", f"wan_accel: cannot keep Inductor's caches in {target} "
+                                       f"({exc.strerror or exc}); compiling with Inductor's default cache folder "
+                                       f"(no warm start across restarts)")
+        return current or (_torch_default_cache_dir() or ""), False
     os.environ[ENV_INDUCTOR] = str(target)
     return str(target), True
 
@@ -106,6 +119,11 @@ class WarmStart:
         blob, info = result
         counts = compat.cache_info_counts(info)
         try:
+            from ..cache.safety import CacheUnavailableError
+
+            problem = getattr(self.cache, "writable_problem", None)
+            if problem:
+                raise CacheUnavailableError(problem)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             tmp.write_bytes(blob)

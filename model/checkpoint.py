@@ -263,11 +263,22 @@ def is_causal(meta: dict) -> bool:
 
 
 # --------------------------------------------------------------------- config inference
+# Rank and layout of the tensors the config is read from.
+_INFER_SHAPES = {"patch_embedding.weight": "[dim, in_dim, pt, ph, pw]", "head.head.weight": "[out_dim * patch, dim]",
+                 "blocks.0.ffn.0.weight": "[ffn_dim, dim]", "time_embedding.0.weight": "[dim, freq_dim]",
+                 "text_embedding.0.weight": "[dim, text_dim]", "img_emb.proj.1.weight": "[dim, clip_dim]"}
+
+
 def _shape(shapes, name):
     if name not in shapes:
         raise CheckpointError(f"cannot infer the model config: key '{name}' is missing. Is this a Wan 2.1 "
                               f"DiT checkpoint?")
-    return shapes[name]
+    shape = tuple(shapes[name])
+    layout = _INFER_SHAPES.get(name)
+    if layout is not None and len(shape) != layout.count(",") + 1:
+        raise CheckpointError(f"tensor '{name}' has shape {list(shape)}, expected {layout} "
+                              f"({layout.count(',') + 1}-D); this is not a Wan 2.1 DiT checkpoint or it is damaged")
+    return shape
 
 
 def default_num_heads(dim: int) -> int | None:
@@ -310,7 +321,7 @@ def infer_config(shapes: dict, num_heads: int | None = None, overrides: dict | N
         qk_norm="blocks.0.self_attn.norm_q.weight" in shapes,
         cross_attn_norm="blocks.0.norm3.weight" in shapes)
     if "img_emb.proj.1.weight" in shapes:
-        cfg["clip_dim"] = shapes["img_emb.proj.1.weight"][1]
+        cfg["clip_dim"] = _shape(shapes, "img_emb.proj.1.weight")[1]
     for key in OVERRIDABLE:
         if key in overrides:
             cfg[key] = overrides[key]

@@ -16,6 +16,7 @@ def render_cache_text(namespace: str = "all", all_machines: bool = False, cache=
     fp = cache.fingerprint
     lines = [f"limit cache: {cache.path}",
              f"machine: {fp['gpu']} [{fp['device']} {fp['capability']}], torch {fp['torch']}, triton {fp['triton']}"]
+    lines += [f"WARNING: {note}" for note in cache.notices()]
     if not rows:
         lines.append("(no entries" + (f" in '{ns}'" if ns else "") + ")")
         return "\n".join(lines)
@@ -24,7 +25,7 @@ def render_cache_text(namespace: str = "all", all_machines: bool = False, cache=
         if r["namespace"] != current:
             current = r["namespace"]
             count = sum(1 for x in rows if x["namespace"] == current)
-            lines.append(f"\n[{current}] {count} entries")
+            lines.append(f"\n[{current}] {count} {'entry' if count == 1 else 'entries'}")
         value = json.dumps(r["value"], sort_keys=True)
         if len(value) > 160:
             value = value[:157] + "..."
@@ -69,8 +70,10 @@ class WanAccelLimitCache:
             if not confirm_clear:
                 header = "Nothing cleared: turn on confirm_clear to clear.\n"
             else:
+                if namespace not in NAMESPACE_CHOICES:
+                    raise ValueError(f"namespace {namespace!r} is not one of {', '.join(NAMESPACE_CHOICES)}")
                 n = cache.clear(None if namespace == "all" else namespace)
-                header = f"Cleared {n} entries from {namespace}.\n"
+                header = f"Cleared {n} {'entry' if n == 1 else 'entries'} from {namespace}.\n"
         text = header + render_cache_text(namespace, all_machines, cache)
         return {"ui": {"text": [text]}, "result": (text,)}
 

@@ -24,7 +24,9 @@ def _diffusion_model_files() -> list | None:
     except ImportError:
         return None
     try:
-        return list(folder_paths.get_filename_list("diffusion_models"))
+        from .model_nodes import loadable_checkpoints
+
+        return loadable_checkpoints(folder_paths.get_filename_list("diffusion_models"))[0]
     except Exception:  # noqa: BLE001 - an odd folder setup must not break INPUT_TYPES
         return []
 
@@ -142,6 +144,10 @@ class WanVRAMPlan:
         from ..memory.system import GiB, detect_system
         from ..memory.weights import preset_weights, weights_from_checkpoint, weights_from_module
 
+        from ..app.validate import check_float, check_geometry
+
+        check_geometry(frames, height, width, 1)  # names as the widgets: frames, height, width
+        check_float("reserve_gb", reserve_gb, 0.0, 1024.0)
         if causal_model is not None:
             weights = weights_from_module(_causal_module(causal_model))
         elif model_source == "checkpoint":
@@ -396,8 +402,16 @@ class WanChunkedVAEDecode:
         latent = samples["samples"]
         if getattr(latent, "is_nested", False):
             latent = latent.unbind()[0]
+        if latent.dim() == 4 and getattr(vae, "latent_dim", 2) == 3:
+            latent = latent.unsqueeze(2)  # an image latent for a video VAE: one latent frame
         if latent.dim() != 5:
-            images = vae.decode(latent)
+            try:
+                images = vae.decode(latent)
+            except (IndexError, RuntimeError, ValueError, TypeError) as exc:
+                raise ValueError(f"Wan Chunked VAE Decode: 'samples' is a {latent.dim()}-D latent "
+                                 f"{list(latent.shape)} (an image latent [B, C, H, W]) that this VAE cannot decode "
+                                 f"({type(exc).__name__}: {exc}); connect a video latent [B, 16, T, H, W] or use "
+                                 f"VAE Decode with the VAE that made this latent") from None
             return (images.reshape(-1, *images.shape[-3:]) if images.dim() == 5 else images,)
         b, c, t, h, w = latent.shape
         ratio = _time_ratio(vae)

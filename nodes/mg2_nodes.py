@@ -101,6 +101,13 @@ class MatrixGame2Sampler:
                              "CausalWan Sampler for text-to-video models)")
         if actions is None or not hasattr(actions, "tensors"):
             raise ValueError("actions must come from a Game Actions node")
+        if 0 < kv_window < 3:
+            raise ValueError(f"kv_window {kv_window} is too small: 0 (the preset's window) or at least 3 latent "
+                             f"frames (one chunk)")
+        if num_frames < 0 or num_frames % 3:
+            near = sorted({v for v in (num_frames // 3 * 3, num_frames // 3 * 3 + 3) if v >= 3})
+            raise ValueError(f"num_frames {num_frames} must be 0 (every whole chunk the actions cover) or a multiple "
+                             f"of 3 latent frames; use {' or '.join(map(str, near))}")
         if preset in LIB_PRESETS and actions.mode != LIB_PRESETS[preset]["mode"]:
             raise ValueError(f"the actions were written for mode {actions.mode!r} but preset {preset!r} is for "
                              f"{LIB_PRESETS[preset]['mode']!r}: set both to the checkpoint's mode")

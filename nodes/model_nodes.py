@@ -1,7 +1,7 @@
 """ComfyUI nodes of the model area: CausalWan Model Loader and CausalWan Sampler (thin adapters over wan/)."""
 from __future__ import annotations
 
-TINY_NAME = "(built-in tiny model)"   # same string as wan.handle.TINY_NAME (kept here: no heavy import)
+TINY_NAME = "(built-in tiny model)"   # same string as app.handle.TINY_NAME (kept here: no heavy import)
 PRESETS = ["self_forcing", "causvid", "custom"]
 SAMPLER_CHOICES = {   # widget value -> (path, cuda_graphs, fused_kernels)
     "auto": ("auto", "auto", True),
@@ -12,13 +12,25 @@ SAMPLER_CHOICES = {   # widget value -> (path, cuda_graphs, fused_kernels)
 }
 
 
+LOADABLE_SUFFIXES = (".safetensors", ".sft")   # pickle files (.pt, .ckpt, ...) are never opened: convert them
+
+
+def loadable_checkpoints(names) -> tuple[list, list]:
+    """(files the loader can open, pickle files it will always refuse) of a model folder listing."""
+    keep = [n for n in names if str(n).lower().endswith(LOADABLE_SUFFIXES)]
+    return keep, [n for n in names if n not in keep]
+
+
 def _checkpoint_input():
     try:
         import folder_paths
-        names = list(folder_paths.get_filename_list("diffusion_models"))
+        names, refused = loadable_checkpoints(folder_paths.get_filename_list("diffusion_models"))
+        hidden = (f" {len(refused)} pickle file(s) there are not listed ({', '.join(map(str, refused[:3]))}"
+                  f"{', ...' if len(refused) > 3 else ''}): convert them first." if refused else "")
         return ([TINY_NAME] + names, {"default": TINY_NAME, "tooltip":
                 "Causal Wan DiT (.safetensors in models/diffusion_models), or the built-in tiny random model "
-                "for smoke tests. Convert .pt checkpoints with: python -m wan_accel convert"})
+                "for smoke tests. Convert .pt checkpoints with: python -m wan_accel convert IN.pt OUT.safetensors."
+                + hidden})
     except ImportError:
         return ("STRING", {"default": TINY_NAME, "tooltip":
                 "Path of a causal Wan DiT .safetensors file, or '(built-in tiny model)'."})

@@ -96,6 +96,13 @@ def append(record: dict, path=None) -> dict:
         raise TypeError(f"history record is not JSON-serialisable: {exc}") from exc
     data = (line + "\n").encode("utf-8")
     p = history_path(path)
+    if path is None:  # beside the limit cache: only where the cache itself may write
+        from ..cache import LimitCache
+        from ..cache.safety import CacheUnavailableError
+
+        problem = LimitCache().writable_problem
+        if problem:
+            raise CacheUnavailableError(problem)
     p.parent.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 

@@ -19,6 +19,60 @@ def _isolated_limit_cache(tmp_path, monkeypatch):
     return path
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cache_warnings():
+    """Each test starts like a new process: the limit cache's warn-once registry is empty."""
+    from wan_accel.cache import safety
+
+    safety._WARNED.clear()
+    yield
+    safety._WARNED.clear()
+
+
 @pytest.fixture
 def cache_path(_isolated_limit_cache) -> Path:
     return _isolated_limit_cache
+
+
+_SYSTEM_PREFIXES = ("/dev/", "/etc/", "/usr/", "/bin/", "/sbin/", "/lib/", "/lib64/", "/boot/", "/proc/", "/sys/")
+
+
+@pytest.fixture(autouse=True)
+def _never_touch_system_folders(monkeypatch):
+    """A safety net for the machine running the tests: renaming, replacing or creating a file in a system folder
+    is refused (PermissionError) and fails the test, so a broken fix can never damage /dev/null or /etc."""
+    import os
+
+    attempts: list[str] = []
+
+    def _system(path) -> bool:
+        try:
+            p = os.path.abspath(os.fsdecode(path))
+        except (TypeError, ValueError):
+            return False
+        return p.startswith(_SYSTEM_PREFIXES)
+
+    def guard(name, real):
+        def call(src, dst, *a, **k):
+            for p in (src, dst):
+                if _system(p):
+                    attempts.append(f"{name}({src!r}, {dst!r})")
+                    raise PermissionError(13, "refused by the test safety net", os.fsdecode(p))
+            return real(src, dst, *a, **k)
+        return call
+
+    real_open = os.open
+
+    def guarded_open(path, flags, *a, **k):
+        if flags & os.O_CREAT and isinstance(path, (str, bytes, os.PathLike)) and _system(path):
+            p = os.fsdecode(path)
+            if not os.path.exists(p):
+                attempts.append(f"os.open({p!r}, O_CREAT)")
+                raise PermissionError(13, "refused by the test safety net", p)
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "replace", guard("os.replace", os.replace))
+    monkeypatch.setattr(os, "rename", guard("os.rename", os.rename))
+    monkeypatch.setattr(os, "open", guarded_open)
+    yield attempts
+    assert not attempts, f"the test tried to change a system folder: {attempts}"

@@ -147,3 +147,16 @@ def test_node_returns_comfy_images_and_learns_from_tiling_fallback(tmp_path, mon
     assert max(again.calls) <= 4               # starts at the learned size
     (img,) = node.decode({"samples": torch.randn(2, 16, 4, 6)}, FakeVAE(), chunk_frames=0, overlap=1)
     assert img.shape == (2, 4, 6, 3)
+
+
+def test_image_latent_on_a_video_vae_is_one_frame():
+    """An image latent [B, C, H, W] given to a video VAE (ComfyUI's latent_dim 3) decodes as one latent frame
+    instead of failing inside the VAE."""
+    from wan_accel.nodes.memory_nodes import WanChunkedVAEDecode
+
+    vae = FakeVAE()
+    vae.latent_dim = 3
+    latent = torch.randn(2, 16, 4, 6)
+    (img,) = WanChunkedVAEDecode().decode({"samples": latent}, vae, chunk_frames=0, overlap=1)
+    assert img.shape == (2, 4, 6, 3)
+    torch.testing.assert_close(img, invariant_decode(latent.unsqueeze(2)).reshape(-1, 4, 6, 3), rtol=0, atol=1e-6)

@@ -145,9 +145,11 @@ def _cli(*argv):
     parser = argparse.ArgumentParser()
     cli_memory.register(parser.add_subparsers())
     args = parser.parse_args(list(argv))
+    from wan_accel.cli.errors import run_guarded
+
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = args.func(args)
+        rc = run_guarded(args.func, args)       # as main() runs a command: usage errors become exit code 2
     return rc, buf.getvalue()
 
 

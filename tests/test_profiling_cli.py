@@ -69,7 +69,8 @@ def test_profile_command_text_and_argument_errors(tmp_path, capsys, stand_in):
     assert out.startswith("Wan profile: profile_tiny_none") and "GPU idle      : N/A" in out
     assert history.read() == []
     assert main(["profile", "--checkpoint", str(tmp_path / "missing.safetensors")]) == 2
-    assert "checkpoint not found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: --checkpoint") and "missing.safetensors: file not found" in err
     assert main(["profile", "--compile", "fastest"]) == 2
     assert "--compile must be one of" in capsys.readouterr().err
 

@@ -54,7 +54,7 @@ def test_generate_cli(tmp_path, capsys):
     assert cli_main(["generate", "--out", str(tmp_path), "--frames", "10"]) == 2
     assert "4k+1" in capsys.readouterr().err
     assert cli_main(["generate", "--out", str(tmp_path), "--frames", "17"]) == 2
-    assert "use 9 or 21 video frames" in capsys.readouterr().err
+    assert "use 9 or 21" in capsys.readouterr().err
 
 
 def test_geometry_errors():

@@ -339,3 +339,80 @@ def test_checker_catches_broken_graphs():
     assert not types_match("LATENT", "IMAGE") and types_match("IMAGE", "*")
     with pytest.raises(KeyError):
         node_spec("NoSuchNode")
+
+
+# ------------------------------------------------------------------ a user can finish every workflow
+FILE_WIDGET_NODES = {"CLIPLoader": 0, "UNETLoader": 0, "VAELoader": 0, "CLIPVisionLoader": 0,
+                     "CausalWanModelLoader": 0, "LoadImage": 0}
+OUTPUT_TYPES = {"SaveAnimatedWEBP", "SaveImage", "PreviewImage", "WanAccelLimitCache", "WanAccelVRAMPlan",
+                "WanAccelProfileReport"}
+TINY = "(built-in tiny model)"
+
+
+def _files_needed(wf: dict) -> list[str]:
+    out = []
+    for n in wf["nodes"]:
+        if n["type"] in FILE_WIDGET_NODES and n.get("mode", 0) == 0:
+            value = n["widgets_values"][FILE_WIDGET_NODES[n["type"]]]
+            if value != TINY:
+                out.append(value)
+        if n["type"] == "WanAccelVRAMPlan" and n["widgets_values"][0] == "checkpoint":
+            out.append(n["widgets_values"][1])
+    return out
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=[p.stem for p in UI_FILES])
+def test_note_says_which_files_where_and_from_where(path):
+    wf = json.loads(path.read_text())
+    note = " ".join(n["widgets_values"][0] for n in wf["nodes"] if n["type"] in FRONTEND_ONLY)
+    for name in _files_needed(wf):
+        assert f"`{name}`" in note, f"{path.name}: the note does not name {name}"
+    if _files_needed(wf):
+        assert "models/" in note and ("huggingface.co/" in note or "github.com/" in note), path.name
+        readme = (REPO / "README.md").read_text()
+        for name in _files_needed(wf):
+            assert name in readme, f"README does not say where {name} comes from"
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=[p.stem for p in UI_FILES])
+def test_no_output_runs_without_the_model_files(path):
+    """With model files missing, ComfyUI would still run every output that needs none of them and report the
+    rest as errors: a half-run graph. Every output of a workflow that needs files depends on one of them."""
+    wf = json.loads(path.read_text())
+    if not _files_needed(wf):
+        return
+    ups: dict[int, set] = {}
+    for link in wf["links"]:
+        ups.setdefault(link[3], set()).add(link[1])
+    needs = {n["id"] for n in wf["nodes"] if n["type"] in FILE_WIDGET_NODES
+             or (n["type"] == "WanAccelVRAMPlan" and n["widgets_values"][0] == "checkpoint")}
+    for n in wf["nodes"]:
+        if n["type"] not in OUTPUT_TYPES:
+            continue
+        seen, todo = set(), [n["id"]]
+        while todo:
+            i = todo.pop()
+            if i not in seen:
+                seen.add(i)
+                todo.extend(ups.get(i, ()))
+        assert seen & needs, f"{path.name}: output node {n['id']} ({n['type']}) runs without any model file"
+
+
+def test_matrix_game2_ships_its_start_image():
+    from PIL import Image
+
+    wf = json.loads((WORKFLOWS / "matrix_game2.json").read_text())
+    name = next(n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "LoadImage")
+    with Image.open(WORKFLOWS / name) as im:
+        assert im.size == (640, 352)
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=[p.stem for p in UI_FILES])
+def test_every_template_has_its_thumbnail(path):
+    """The template browser asks for ``<name>.jpg`` beside ``<name>.json`` (custom node templates)."""
+    from PIL import Image
+
+    thumb = path.with_suffix(".jpg")
+    assert thumb.is_file(), f"{thumb.name} is missing (make it with tests/e2e/thumbnails.py)"
+    with Image.open(thumb) as im:
+        assert im.format == "JPEG" and im.size == (640, 480)

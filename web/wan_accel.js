@@ -25,6 +25,19 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
+function plural(n, one, many) {
+  return `${n} ${n === 1 ? one : many}`;
+}
+
+function renderNotices(notices) {
+  // the cache file itself: a damaged file moved aside, a refused or unwritable location (never silent)
+  return (notices || []).map((text) => el("div", {
+    class: "wan-accel-notice",
+    style: { background: "rgba(200, 120, 0, 0.18)", border: "1px solid rgba(200, 120, 0, 0.6)",
+             borderRadius: "4px", padding: "4px 6px", margin: "4px 0", whiteSpace: "normal" },
+  }, `⚠ ${text}`));
+}
+
 function toast(severity, summary, detail) {
   const t = app.extensionManager?.toast;
   if (t?.add) t.add({ severity, summary, detail, life: 4000 });
@@ -105,12 +118,12 @@ function renderNamespace(ns, refresh) {
     onclick: async () => {
       const total = ns.count + ns.other_machines;
       const ok = await confirmDialog(`Clear '${ns.name}'?`,
-        `This removes ${total} entr${total === 1 ? "y" : "ies"} of '${ns.name}' (of every machine). ` +
+        `This removes ${plural(total, "entry", "entries")} of '${ns.name}' (of every machine). ` +
         "They are measured again the next time they are needed.");
       if (!ok) return;
       try {
         const res = await clearNamespace(ns.name);
-        toast("success", "Limit cache", `Cleared ${res.cleared} entries from ${res.namespace}.`);
+        toast("success", "Limit cache", `Cleared ${plural(res.cleared, "entry", "entries")} from ${res.namespace}.`);
       } catch (e) {
         toast("error", "Limit cache", String(e.message || e));
       }
@@ -122,7 +135,7 @@ function renderNamespace(ns, refresh) {
                           "data-total": String(ns.count + ns.other_machines) },
     el("div", { style: STYLE.nsHead },
       el("span", {}, `${ns.name} `, el("span", { style: { fontWeight: "normal", opacity: "0.7" } },
-        `${ns.count} entr${ns.count === 1 ? "y" : "ies"}` +
+        plural(ns.count, "entry", "entries") +
         (ns.other_machines ? `, ${ns.other_machines} from other machines` : ""))),
       clear));
   if (NS_HINT[ns.name]) box.append(el("div", { style: { opacity: "0.6", marginBottom: "2px" } }, NS_HINT[ns.name]));
@@ -155,6 +168,7 @@ function mountPanel(container) {
       el("div", { style: STYLE.machine },
         `${fp.gpu ?? "?"} [${fp.device ?? "?"} ${fp.capability ?? ""}] · torch ${fp.torch ?? "?"} · triton ${fp.triton ?? "?"}`,
         el("br"), el("span", { style: { fontFamily: "monospace" } }, `id ${data.fingerprint_id}`)),
+      ...renderNotices(data.notices),
       ...data.namespaces.map((ns) => renderNamespace(ns, refresh)));
   };
   refresh();

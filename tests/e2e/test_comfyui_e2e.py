@@ -159,6 +159,10 @@ def test_example_workflows_are_served(comfy):
     assert set(listing.get(PACK_NAME, [])) == names
     status, served = http(comfy["url"] + f"/api/workflow_templates/{PACK_NAME}/tiny_smoke.json")
     assert status == 200 and served == json.loads((WORKFLOWS / "tiny_smoke.json").read_text())
+    for name in names:  # the thumbnail the template browser shows (custom node templates: <name>.jpg)
+        req = urllib.request.Request(comfy["url"] + f"/api/workflow_templates/{PACK_NAME}/{name}.jpg")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200 and r.read(3) == b"\xff\xd8\xff", name
 
 
 def test_tiny_smoke_runs_and_saves_its_image(comfy):
@@ -182,6 +186,47 @@ def test_tiny_smoke_runs_and_saves_its_image(comfy):
     for img in images:
         path = comfy["work"] / "output" / img.get("subfolder", "") / img["filename"]
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+
+
+# Bad values sent to the nodes inside ComfyUI (values within the widgets' ranges, so they reach the nodes): each
+# run ends in a node error whose message names the input and the fix, raised as the pack's ValueError.
+E2E_BAD_INPUTS = [
+    ("frames-not-4k1", {"3": {"num_frames": 10}}, ["num_frames 10", "use 9 or 21"]),
+    ("frames-not-blocks", {"3": {"num_frames": 13}}, ["num_frames 13", "use 9 or 21"]),
+    ("sink-over-window", {"3": {"kv_window": 3, "sink": 5}}, ["sink 5", "latent frames"]),
+    ("kv-window-zero", {"3": {"kv_window": 0}}, ["kv_window 0", "-1"]),
+    ("custom-steps-bogus", {"3": {"preset": "custom", "custom_steps": "fast"}}, ["steps", "fast"]),
+]
+
+
+def _run_prompt(comfy, prompt) -> dict:
+    status, resp = http(comfy["url"] + "/prompt", {"prompt": prompt, "client_id": "wan_accel_e2e"})
+    if status != 200:
+        return {"rejected": resp}
+    pid = resp["prompt_id"]
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        hist = http(comfy["url"] + f"/history/{pid}")[1]
+        if pid in hist and hist[pid].get("status", {}).get("status_str") in ("success", "error"):
+            return hist[pid]
+        time.sleep(0.3)
+    raise AssertionError("the prompt did not finish in 120 s")
+
+
+@pytest.mark.parametrize("case", E2E_BAD_INPUTS, ids=[c[0] for c in E2E_BAD_INPUTS])
+def test_bad_values_give_node_errors_that_name_the_fix(comfy, case):
+    _, changes, expect = case
+    prompt = json.loads((WORKFLOWS / "api" / "tiny_smoke.json").read_text())
+    for node, inputs in changes.items():
+        prompt[node]["inputs"].update(inputs)
+    entry = _run_prompt(comfy, prompt)
+    assert "rejected" not in entry, entry
+    errors = [m[1] for m in entry["status"].get("messages", []) if m[0] == "execution_error"]
+    assert entry["status"]["status_str"] == "error" and errors, entry["status"]
+    err = errors[0]
+    assert err["exception_type"].rsplit(".", 1)[-1] in ("UsageError", "ValueError", "CheckpointError"), err
+    for text in expect:
+        assert text in err["exception_message"], err["exception_message"]
 
 
 def _browser_ready() -> str | None:

@@ -1,0 +1,300 @@
+"""Input checks shared by the command line and the nodes: every value is checked before any work, and every
+message names the input, its valid range and, where there is one, a value that passes every check.
+
+Pure Python (no torch at import). Names of inputs are passed in, so the same check says ``--frames`` on the
+command line and ``num_frames`` in a node.
+"""
+from __future__ import annotations
+
+import math
+import os
+import stat
+import sys
+from pathlib import Path
+
+
+
+class UsageError(ValueError):
+    """A value that no command or node can run with; the message names the input and its valid range."""
+
+
+VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
+PIXEL_MULTIPLE = 16                 # 8x VAE downsampling x 2x2 patches (every Wan 2.1 model)
+MAX_VIDEO_FRAMES = 4093             # as the sampler node's widget
+MIN_PIXELS, MAX_PIXELS = 16, 4096   # as the sampler node's widgets
+MAX_FRAMES_PER_BLOCK = 64
+MAX_KV_WINDOW = 1024
+MAX_SEED = 0xFFFFFFFFFFFFFFFF
+MAX_STEP = 1000.0
+
+DTYPES = ("bf16", "fp16", "fp32")   # the nodes' spelling
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+                 "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------- numbers
+def check_int(name: str, value, lo: int | None = None, hi: int | None = None, hint: str = "") -> int:
+    """An int within [lo, hi], else UsageError naming ``name`` and the range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            value = int(value)
+        except (TypeError, ValueError, OverflowError):
+            raise UsageError(f"{name} must be a whole number, got {value!r}{hint}") from None
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = (f"between {lo} and {hi}" if lo is not None and hi is not None
+               else f"at least {lo}" if lo is not None else f"at most {hi}")
+        raise UsageError(f"{name} must be {rng}, got {value}{hint}")
+    return value
+
+
+def check_float(name: str, value, lo: float | None = None, hi: float | None = None, *, lo_open=False) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(value):
+        raise UsageError(f"{name} must be a finite number, got {value}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise UsageError(f"{name} must be {'greater than' if lo_open else 'at least'} {lo:g}, got {value:g}")
+    if hi is not None and value > hi:
+        raise UsageError(f"{name} must be at most {hi:g}, got {value:g}")
+    return value
+
+
+def check_steps(name: str, text) -> str:
+    """A step list like '1000,750,500,250': numbers in (0, 1000], at least one."""
+    if text is None:
+        return text
+    parts = str(text).replace(",", " ").split()
+    if not parts:
+        raise UsageError(f"{name} is empty: give timesteps in (0, 1000] separated by commas, e.g. 1000,750,500,250")
+    for p in parts:
+        try:
+            v = float(p)
+        except ValueError:
+            raise UsageError(f"{name}: {p!r} is not a number; give timesteps in (0, 1000] separated by commas, "
+                             f"e.g. 1000,750,500,250") from None
+        if not math.isfinite(v) or not 0 < v <= MAX_STEP:
+            raise UsageError(f"{name}: timestep {p} is outside (0, 1000]; e.g. 1000,750,500,250")
+    return str(text)
+
+
+# ------------------------------------------------------------------------------------------------- geometry
+def valid_video_frames_near(video_frames: int, frames_per_block: int) -> list[int]:
+    """Video frame counts nearest to ``video_frames`` (one below or equal, one above) that are 4k+1 and give a
+    whole number of ``frames_per_block``-frame latent blocks, within [1, MAX_VIDEO_FRAMES]."""
+    fpb = max(1, int(frames_per_block))
+    step = VAE_TIME_STRIDE * fpb
+
+    def video(m):  # m blocks -> video frames
+        return VAE_TIME_STRIDE * (m * fpb - 1) + 1
+
+    m = max(1, (int(video_frames) + VAE_TIME_STRIDE - 1 + step - 1) // step)  # first m with video(m) >= n
+    while m > 1 and video(m - 1) >= video_frames:
+        m -= 1
+    out = []
+    if m > 1 and video(m) > video_frames:
+        out.append(video(m - 1))
+    out.append(video(m))
+    if video(m) == video_frames and video(m + 1) <= MAX_VIDEO_FRAMES:
+        out.append(video(m + 1))
+    return sorted({v for v in out if 1 <= v <= MAX_VIDEO_FRAMES}) or [video(1)]
+
+
+def _near_multiples(value: int, multiple: int, lo: int, hi: int) -> list[int]:
+    below = max(lo, value // multiple * multiple)
+    above = min(hi, -(-value // multiple) * multiple)
+    return sorted({below, above})
+
+
+def check_pixels(name: str, value, default_hint: str = "") -> int:
+    value = check_int(name, value, MIN_PIXELS, MAX_PIXELS,
+                      hint=f" (pixels, a multiple of {PIXEL_MULTIPLE}{default_hint})")
+    if value % PIXEL_MULTIPLE:
+        near = _near_multiples(value, PIXEL_MULTIPLE, MIN_PIXELS, MAX_PIXELS)
+        raise UsageError(f"{name} {value} is not a multiple of {PIXEL_MULTIPLE} (8x VAE downsampling x 2x2 "
+                         f"patches); use {' or '.join(map(str, near))}")
+    return value
+
+
+def check_geometry(frames, height, width, frames_per_block=3, kv_window=-1, sink=0, *, names=None) -> dict:
+    """Check a causal Wan request in the user's units (video frames, pixels) and return the latent sizes:
+    ``{"latent_frames", "latent_height", "latent_width"}``. ``names`` maps 'frames', 'height', 'width',
+    'frames_per_block', 'kv_window', 'sink' to the input names shown in messages."""
+    n = {"frames": "frames", "height": "height", "width": "width", "frames_per_block": "frames_per_block",
+         "kv_window": "kv_window", "sink": "sink"}
+    n.update(names or {})
+    fpb = check_int(n["frames_per_block"], frames_per_block, 1, MAX_FRAMES_PER_BLOCK,
+                    hint=" (latent frames per chunk; 3 for the released models)")
+    frames = check_int(n["frames"], frames, 1, MAX_VIDEO_FRAMES, hint=" (video frames, 4k+1)")
+    lf_exact = (frames - 1) % VAE_TIME_STRIDE == 0
+    lf = (frames - 1) // VAE_TIME_STRIDE + 1
+    if not lf_exact or lf % fpb:
+        use = " or ".join(map(str, valid_video_frames_near(frames, fpb)))
+        if not lf_exact:
+            why = "is not 4k+1 (the Wan VAE packs 4 video frames per latent frame after the first)"
+        else:
+            why = (f"give {lf} latent frames, not a whole number of {fpb}-frame blocks "
+                   f"({n['frames_per_block']} {fpb})")
+        raise UsageError(f"{n['frames']} {frames} {why}; use {use}")
+    height, width = check_pixels(n["height"], height), check_pixels(n["width"], width)
+    window = check_int(n["kv_window"], kv_window, -1, MAX_KV_WINDOW,
+                       hint=" (latent frames; -1 keeps every frame)")
+    sink = check_int(n["sink"], sink, 0, MAX_KV_WINDOW, hint=" (latent frames)")
+    if window == 0 or 0 < window < fpb:
+        raise UsageError(f"{n['kv_window']} {window} is too small: use -1 (keep every frame) or at least "
+                         f"{n['frames_per_block']} ({fpb}) latent frames")
+    if sink and window == -1:
+        raise UsageError(f"{n['sink']} {sink} needs a rolling window: set {n['kv_window']} (latent frames), or "
+                         f"{n['sink']} 0")
+    if sink and sink + fpb > window:
+        raise UsageError(f"{n['sink']} {sink} latent frames leaves no room in the {n['kv_window']} of {window} "
+                         f"latent frames for a {fpb}-frame chunk: use {n['sink']} at most {max(0, window - fpb)}, "
+                         f"or {n['kv_window']} at least {sink + fpb}")
+    return {"latent_frames": lf, "latent_height": height // VAE_SPACE_STRIDE,
+            "latent_width": width // VAE_SPACE_STRIDE, "frames": frames, "height": height, "width": width}
+
+
+# ------------------------------------------------------------------------------------------------- names
+def normalize_dtype(name: str, value, *, quiet: bool = False) -> str | None:
+    """bf16 / fp16 / fp32 (the nodes' spelling); bfloat16 / float16 / float32 are accepted with a note."""
+    if value is None:
+        return None
+    v = str(value).strip().lower()
+    if v in DTYPES:
+        return v
+    if v in DTYPE_ALIASES:
+        if not quiet:
+            _note(f"{name} {value} is spelled {DTYPE_ALIASES[v]} (as in the nodes); using {DTYPE_ALIASES[v]}")
+        return DTYPE_ALIASES[v]
+    raise UsageError(f"{name} must be one of {', '.join(DTYPES)} (also accepted: bfloat16, float16, float32), "
+                     f"got {value!r}")
+
+
+def dtype_arg(option: str):
+    """argparse ``type=`` for a dtype option."""
+    def parse(value):
+        try:
+            return normalize_dtype(option, value)
+        except UsageError as exc:
+            import argparse
+            raise argparse.ArgumentTypeError(str(exc).replace(f"{option} ", "", 1)) from None
+    parse.__name__ = "dtype"
+    return parse
+
+
+def check_device(name: str, value) -> str | None:
+    """cpu, cuda or cuda:N, and CUDA only when there is a CUDA device."""
+    if value is None:
+        return None
+    v = str(value).strip().lower()
+    if v == "cpu":
+        return v
+    if v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit()):
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError(f"{name} {value}: no CUDA device is available here; use {name} cpu")
+        index = int(v[5:]) if ":" in v else 0
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"{name} {value}: there are {torch.cuda.device_count()} CUDA device(s); use cuda:0"
+                             f"..cuda:{torch.cuda.device_count() - 1}")
+        return v
+    raise UsageError(f"{name} must be cpu, cuda or cuda:N, got {value!r}")
+
+
+# ------------------------------------------------------------------------------------------------- files
+def check_input_file(name: str, value, kind: str = "safetensors") -> Path:
+    """An existing, non-empty regular file; for kind 'safetensors' also a readable safetensors header."""
+    if value is None or str(value).strip() == "":
+        raise UsageError(f"{name} is empty: give the path of a .{kind} file")
+    path = Path(str(value)).expanduser()
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise UsageError(f"{name} {path}: file not found") from None
+    except OSError as exc:
+        raise UsageError(f"{name} {path}: cannot be opened ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{name} {path} is a folder; give the path of a .{kind} file")
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{name} {path} is not a regular file (a device or a pipe); give the path of a .{kind} "
+                         f"file")
+    if st.st_size == 0:
+        raise UsageError(f"{name} {path} is empty (0 bytes); give a complete .{kind} file")
+    if kind == "safetensors":
+        if path.suffix.lower() in (".pt", ".pth", ".ckpt", ".bin", ".pkl"):
+            raise UsageError(f"{name} {path} is a pickle checkpoint; only .safetensors files are loaded. Convert it "
+                             f"once: python -m wan_accel convert {path} {path.with_suffix('.safetensors')}")
+        try:
+            from safetensors import safe_open
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                f.keys()
+        except Exception as exc:  # noqa: BLE001 - any failure means the header is unreadable
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UsageError(f"{name} {path} is not a readable safetensors file ({detail}); it may be damaged or "
+                             f"incomplete: download or write it again") from None
+    return path
+
+
+def check_output_dir(name: str, value) -> Path:
+    """A folder to write into (created when absent): not a file, not a device, not a system folder."""
+    from ..cache.safety import system_folder
+
+    if value is None or str(value).strip() == "":
+        raise UsageError(f"{name} is empty: give an output folder")
+    path = Path(str(value)).expanduser()
+    root = system_folder(path / "x")
+    if root is not None:
+        raise UsageError(f"{name} {path} is in the system folder {root}; choose a folder of your own")
+    for p in [path, *path.parents]:
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise UsageError(f"{name} {path}: {p} cannot be used ({exc.strerror or exc})") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{name} {path}: {p} is a file, not a folder; choose another {name}")
+        break
+    return path
+
+
+# ------------------------------------------------------------------------------------------------- argparse
+def _whole_number(text):
+    import argparse
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
+def _number(text):
+    import argparse
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def friendly_numbers(parser) -> None:
+    """int/float options of ``parser`` and its subcommands answer 'must be a whole number, got ...' (argparse's
+    own message for 'abc' is 'invalid int value'); floats also refuse nan and inf."""
+    import argparse
+    for action in parser._actions:
+        if action.type is int:
+            action.type = _whole_number
+        elif action.type is float:
+            action.type = _number
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                friendly_numbers(sub)
