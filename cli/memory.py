@@ -61,20 +61,20 @@ def _plan(args) -> int:
 
     from ..app.validate import check_float, check_geometry, check_input_file, check_int
 
-    if args.checkpoint:
-        check_input_file("--checkpoint", args.checkpoint)
-    check_geometry(args.frames, args.height, args.width, args.frames_per_block if args.mode == "causal" else 1,
-                   names={"frames": "--frames", "height": "--height", "width": "--width",
-                          "frames_per_block": "--frames-per-block"})
-    check_int("--batch", args.batch, 1, 64)
-    if args.kv_window is not None and args.kv_window != -1:
-        check_int("--kv-window", args.kv_window, max(1, args.frames_per_block), 1024,
-                  hint=" (latent frames; -1 keeps every frame)")
-    for name, value, lo in (("--vram-gb", args.vram_gb, 0.0), ("--ram-gb", args.ram_gb, 0.0)):
-        if value is not None:
-            check_float(name, value, lo, 100000.0, lo_open=True)
-    check_float("--reserve-gb", args.reserve_gb, 0.0, 100000.0)
     try:
+        if args.checkpoint:
+            check_input_file("--checkpoint", args.checkpoint)
+        check_geometry(args.frames, args.height, args.width, args.frames_per_block if args.mode == "causal" else 1,
+                       names={"frames": "--frames", "height": "--height", "width": "--width",
+                              "frames_per_block": "--frames-per-block"})
+        check_int("--batch", args.batch, 1, 64)
+        if args.kv_window is not None and args.kv_window != -1:
+            check_int("--kv-window", args.kv_window, max(1, args.frames_per_block), 1024,
+                      hint=" (latent frames; -1 keeps every frame)")
+        for name, value, lo in (("--vram-gb", args.vram_gb, 0.0), ("--ram-gb", args.ram_gb, 0.0)):
+            if value is not None:
+                check_float(name, value, lo, 100000.0, lo_open=True)
+        check_float("--reserve-gb", args.reserve_gb, 0.0, 100000.0)
         weights = weights_from_checkpoint(args.checkpoint) if args.checkpoint else preset_weights(args.model)
         workload = Workload(args.width, args.height, args.frames, batch=args.batch, mode=args.mode,
                             frames_per_block=args.frames_per_block)
