@@ -174,7 +174,10 @@ def check_window(num_frames: int, frames_per_block: int, kv_window: int, sink: i
     """A rolling window must hold the sink frames plus one chunk; said in latent frames, before anything runs."""
     if sink < 0:
         raise ValueError(f"sink must be >= 0 latent frames, got {sink}")
-    if 0 < kv_window < num_frames and sink + frames_per_block > kv_window:
+    if sink and kv_window <= 0:
+        raise ValueError(f"sink ({sink} latent frames) needs a rolling KV window (kv_window > 0); with a global "
+                         f"cache every frame is kept anyway: use sink 0")
+    if kv_window > 0 and sink + frames_per_block > kv_window:      # whether or not this video reaches the window
         raise ValueError(f"a rolling KV window of {kv_window} latent frames cannot hold {sink} sink frame(s) plus "
                          f"one {frames_per_block}-frame chunk; use kv_window >= {sink + frames_per_block} or "
                          f"sink <= {max(0, kv_window - frames_per_block)}")

@@ -60,11 +60,11 @@ FRAMES = 9
 SCHEDULE = {"preset": "custom", "steps": [1000, 500], "shift": 5.0}
 
 
-def _run(model, cache=None, **kw):
+def _run(model, cache=None, frames_per_block=3, **kw):
     g = torch.Generator().manual_seed(5)
     noise = torch.randn(1, FRAMES, 16, 4, 4, generator=g)
     ctx = torch.randn(1, 3, CFG.text_dim, generator=g)
-    return sample_causal(model, ctx, noise, SCHEDULE, 3, generator=torch.Generator().manual_seed(9),
+    return sample_causal(model, ctx, noise, SCHEDULE, frames_per_block, generator=torch.Generator().manual_seed(9),
                          kv_cache=cache, **kw)
 
 
@@ -100,6 +100,10 @@ def test_a_sink_that_leaves_no_room_for_a_chunk_is_refused_in_frames_before_any_
             _run(model, kv_window=4, sink=2)
         with pytest.raises(ValueError, match="sink must be >= 0"):
             _run(model, kv_window=6, sink=-1)
+        with pytest.raises(ValueError, match="cannot hold 3 sink"):       # even when the video is shorter than
+            _run(model, kv_window=FRAMES + 1, sink=3, frames_per_block=9)  # the window (one chunk)
+        with pytest.raises(ValueError, match="needs a rolling KV window"):
+            _run(model, sink=1)
     finally:
         handle.remove()
     assert not calls                                   # refused before the first model call
