@@ -6,7 +6,7 @@ import importlib
 import sys
 
 # Modules under cli/ that define register(subparsers); absent ones are skipped.
-COMMAND_MODULES = ("model", "cache", "nodes", "memory", "compile", "profiling", "mg2", "bench")
+COMMAND_MODULES = ("model", "cache", "nodes", "memory", "compile", "profiling", "mg2", "bench", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:
