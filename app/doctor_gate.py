@@ -3,10 +3,12 @@
 ``gate_options`` checks (probing once per machine) each feature the optimized path is about to use for this model
 (its device, dtype and head size) and returns FastOptions whose ``switched_off`` names the ones that are not
 trusted, with one line per feature for the console and the node's text. ``gate_compile`` and ``gate_swap`` do the
-same for the compile and the block swap that ``app/job.sampler_setup`` applies.
+same for the compile and the block swap that ``app/job.sampler_setup`` applies; ``gated_sampling`` routes callers
+that take no FastOptions (the Matrix-Game-2 loop).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -14,6 +16,7 @@ import torch
 
 from ..model.attention import explain_backend
 from ..sampling.runner import FastOptions, graphs_device, kernels_part
+from ..sampling.sampler import sampler_path
 from .doctor import Doctor, doctor_for
 
 log = logging.getLogger("wan_accel")
@@ -90,3 +93,15 @@ def gate_swap(model, settings, doctor: Doctor | None = None, log_fn=None, lines:
         _say(lines if lines is not None else [], "block_swap (prefetch stream)", why, log_fn)
         return dataclasses.replace(settings, prefetch=0)
     return settings
+
+
+def gated_sampling(model, notes: list | None = None, log_fn=None, only_cuda: bool = True):
+    """A context in which ``sample_causal`` calls left on path 'auto' run the optimized path with the doctor's
+    verdicts applied (on CUDA, where 'auto' means the optimized path; elsewhere nothing changes unless
+    ``only_cuda`` is False)."""
+    if only_cuda and torch.device(model.device).type != "cuda":
+        return contextlib.nullcontext()
+    options, lines = gate_options(model, FastOptions(), log_fn=log_fn)
+    if notes is not None:
+        notes.extend(lines)
+    return sampler_path("optimized", options)

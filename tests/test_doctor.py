@@ -2,6 +2,7 @@
 them, probes counted across processes and fingerprints, and damaged or unwritable caches."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -258,3 +259,31 @@ def test_doctor_command_table_json_and_report(tmp_path, capsys):
     text = report.read_text()
     assert str(Path.home()) not in text and str(tmp_path) not in text     # nothing personal
     assert main(["doctor", "--feature", "nope"]) == 2
+
+
+def test_matrix_game2_runs_with_the_verdicts(monkeypatch):
+    """The Matrix-Game-2 loop takes no FastOptions: gated_sampling routes the verdicts to it."""
+    from wan_accel.app.doctor_gate import gated_sampling
+    from wan_accel.model.mg2_model import tiny_mg2_model
+    from wan_accel.sampling.mg2 import generate_mg2
+    from wan_accel.sampling.runner import FastOptions
+    from wan_accel.sampling.sampler import sampler_path
+    model = tiny_mg2_model()
+    cfg, a = model.config, model.action_config
+    g = torch.Generator().manual_seed(0)
+    image, visual = torch.randn(1, 16, 1, 4, 4, generator=g), torch.randn(1, cfg.clip_tokens, cfg.clip_dim, generator=g)
+    mouse = 0.1 * torch.randn(1, 9, a.mouse_dim_in, generator=g) if a.enable_mouse else None
+    keyboard = (torch.rand(1, 9, a.keyboard_dim_in, generator=g) > 0.5).float() if a.enable_keyboard else None
+
+    def run():
+        return generate_mg2(model, image, visual, (mouse, keyboard), num_frames=3, steps=[1000, 500])
+    with sampler_path("optimized", FastOptions(fused_qkv=False)):
+        fallback = run()
+    _sabotage_fused_qkv(monkeypatch, "wrong")
+    with sampler_path("optimized"):
+        assert not torch.equal(run(), fallback)                 # unchecked, the sabotage shows
+    assert isinstance(gated_sampling(model, []), contextlib.nullcontext)     # CPU: 'auto' stays the reference
+    notes: list = []
+    with gated_sampling(model, notes, only_cuda=False):
+        assert torch.equal(run(), fallback)
+    assert len(notes) == 1 and "fused_qkv" in notes[0]
