@@ -2,7 +2,7 @@
 
 A row per feature: available, verified, difference, speed against the fallback, why it is off and what to
 install or change. The report holds the machine fingerprint, the rows, library versions and the last errors:
-nothing beyond what ``doctor`` prints (no paths, user or host names).
+nothing beyond what ``doctor`` prints (no paths, user or host names; the table prints the versions too).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _speed(value: dict) -> str:
     f, b = value.get("feature_ms"), value.get("fallback_ms")
     if f is None or b is None:
         return "-"
-    ratio = f"x{b / f:.2f}" if f > 0 else "-"
+    ratio = f"speed-up x{b / f:.2f}" if f > 0 else "-"
     judged = "" if value.get("speed_judged", True) else " (not judged here)"
     return f"{_ms(f)} vs {_ms(b)} ({ratio}){judged}"
 
@@ -71,7 +71,9 @@ def doctor_rows(doctor: Doctor, names=None, probe: bool = True, recheck: bool = 
 def machine_line(doctor: Doctor) -> str:
     fp = doctor.cache.fingerprint
     ctx = doctor.context
-    return (f"machine: {fp.get('gpu')} ({fp.get('device')}, capability {fp.get('capability')}), driver "
+    mem = int(fp.get("total_memory") or 0)
+    gib = f", {mem / 2**30:.0f} GiB" if mem else ""
+    return (f"machine: {fp.get('gpu')} ({fp.get('device')}, capability {fp.get('capability')}{gib}), driver "
             f"{fp.get('driver')}, CUDA {fp.get('cuda')}, torch {fp.get('torch')}, triton {fp.get('triton')}; "
             f"probes: {str(ctx.dtype).replace('torch.', '')}, head size {ctx.head_dim}, {ctx.tokens} tokens")
 
@@ -92,7 +94,8 @@ def doctor_text(doctor: Doctor, rows: list[dict]) -> str:
     off = [r["feature"] for r in rows if r["status"] in ("failed", "slower")]
     tail = (f"switched off on this machine: {', '.join(off)}" if off else
             "no feature is switched off on this machine")
-    return f"{machine_line(doctor)}\n\n{format_rows(rows)}\n\n{tail}"
+    soft = ", ".join(f"{k} {v}" for k, v in versions().items())
+    return f"{machine_line(doctor)}\nversions: {soft}\n\n{format_rows(rows)}\n\n{tail}"
 
 
 def versions() -> dict:
