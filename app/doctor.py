@@ -30,7 +30,7 @@ log = logging.getLogger("wan_accel")
 
 NAMESPACE = "doctor"
 PROBE_VERSION = 1
-TOLERANCE_ULPS = 32          # tolerance = TOLERANCE_ULPS * eps(dtype) * max(1, |fallback|max)
+TOLERANCE_ULPS = 8           # tolerance = ulps * eps(dtype) * max(1, |fallback|max); Probe.ulps overrides
 SLOWER_MARGIN = 1.10         # "slower" when the feature takes more than 110 % of the fallback's time
 SLOWER_MIN_S = 20e-6         # ... and at least this much longer (below it, timings are noise)
 STATUSES = ("passed", "failed", "slower")
@@ -46,9 +46,9 @@ def library_version(feature: Feature) -> str:
     return "none"
 
 
-def tolerance(dtype: torch.dtype, magnitude: float) -> float:
-    """The largest difference accepted in ``dtype``: a few dozen units of its resolution at this magnitude."""
-    return TOLERANCE_ULPS * torch.finfo(dtype).eps * max(1.0, float(magnitude))
+def tolerance(dtype: torch.dtype, magnitude: float, ulps: int = TOLERANCE_ULPS) -> float:
+    """The largest difference accepted in ``dtype``: ``ulps`` units of its resolution at this magnitude."""
+    return ulps * torch.finfo(dtype).eps * max(1.0, float(magnitude))
 
 
 def _sync(device) -> None:
@@ -214,7 +214,7 @@ class Doctor:
             value["error"] = f"wrong shape {tuple(out.shape)}, expected {tuple(reference.shape)}"
             return value
         diff = _finite_max(out.to(probe.dtype).float() - reference.to(probe.dtype).float())
-        tol = tolerance(probe.dtype, _finite_max(reference))
+        tol = tolerance(probe.dtype, _finite_max(reference), probe.ulps)
         value.update(difference=diff if diff != float("inf") else None, tolerance=tol)
         if not diff <= tol:
             value["error"] = (f"wrong numbers: max difference {diff:.3g} against the fallback exceeds "

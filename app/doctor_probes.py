@@ -158,6 +158,7 @@ def _probe_model(ctx: ProbeContext):
 
 
 CHUNK_SCHEDULE = {"preset": "custom", "steps": [1000, 500], "shift": 5.0}   # two denoising calls and a refresh
+CHUNK_ULPS = 64     # a whole chunk (every block, two steps) accumulates more rounding than one op
 
 
 def _chunk(model, ctx: ProbeContext, **options):
@@ -179,7 +180,8 @@ def _needs_graphs(ctx: ProbeContext) -> None:
 def _check_graphs(ctx: ProbeContext) -> Probe:
     _needs_graphs(ctx)
     graphed, eager = _probe_model(ctx), _probe_model(ctx)
-    return Probe(lambda: _chunk(graphed, ctx, cuda_graphs="auto"), lambda: _chunk(eager, ctx), ctx.dtype)
+    return Probe(lambda: _chunk(graphed, ctx, cuda_graphs="auto"), lambda: _chunk(eager, ctx), ctx.dtype,
+                 ulps=CHUNK_ULPS)
 
 
 def _needs_compile(ctx: ProbeContext) -> None:
@@ -196,6 +198,7 @@ def _check_compile(ctx: ProbeContext) -> Probe:
     compile_model(compiled, CompileSettings(backend=ctx.compile_backend or "inductor", scope="blocks",
                                             warm_start=False))
     return Probe(lambda: _chunk(compiled, ctx), lambda: _chunk(eager, ctx), ctx.dtype, judge_speed=False,
+                 ulps=CHUNK_ULPS,
                  note="speed not judged: a probe this small does not show what compiling gains")
 
 
@@ -204,6 +207,7 @@ def _check_swap(ctx: ProbeContext) -> Probe:
     swapped, resident = _probe_model(ctx), _probe_model(ctx)
     apply_block_swap(swapped, SwapSettings(blocks_to_swap=1, prefetch=1), device=ctx.device)
     return Probe(lambda: _chunk(swapped, ctx), lambda: _chunk(resident, ctx), ctx.dtype, judge_speed=False,
+                 ulps=CHUNK_ULPS,
                  note="feature time minus fallback time is the transfer time of one swapped block per call")
 
 

@@ -27,6 +27,8 @@ class Probe:
     dtype: torch.dtype
     judge_speed: bool | None = None      # None: on CUDA only (CPU timings of GPU paths mean nothing)
     note: str = ""
+    ulps: int = 8                        # tolerance in units of the dtype's resolution at the output's magnitude
+    #                                      (more for whole-chunk probes: many ops, two steps)
 
 
 @dataclass(frozen=True)

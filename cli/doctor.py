@@ -17,7 +17,7 @@ def _doctor(args):
     try:
         dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
         ctx = default_context(device, dtype, args.head_dim, with_compile=args.with_compile)
-    except (RuntimeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - e.g. "Torch not compiled with CUDA enabled": say what to do
         raise SystemExit(f"doctor: cannot probe on device {device!r} ({exc}); use --device cpu or cuda[:N]")
     return doctor_for(ctx.device, ctx.dtype, ctx.head_dim, with_compile=args.with_compile)
 
