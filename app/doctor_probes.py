@@ -34,6 +34,9 @@ def _qkv(ctx: ProbeContext):
     return tuple(_rand(ctx, *shape, seed=s) for s in (1, 2, 3))
 
 
+ATTENTION_ULPS = 16     # two reductions (over the head size, then over a few hundred keys) in another order
+
+
 def _softmax_math(q, k, v):
     qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
     w = torch.softmax(qf @ kf.transpose(-1, -2) / qf.shape[-1] ** 0.5, dim=-1)
@@ -43,7 +46,8 @@ def _softmax_math(q, k, v):
 def _check_sdpa(ctx: ProbeContext) -> Probe:
     q, k, v = _qkv(ctx)
     return Probe(lambda: attn.attention(q, k, v, backend="sdpa"), lambda: _softmax_math(q, k, v), ctx.dtype,
-                 judge_speed=False, note="SDPA is the fallback of every attention backend; checked against math")
+                 judge_speed=False, ulps=ATTENTION_ULPS,
+                 note="SDPA is the fallback of every attention backend; checked against math")
 
 
 FA_HINTS = {"fa3": "install FlashAttention 3 (the 'hopper' build, module flash_attn_interface) on an SM 9.x GPU",
@@ -71,7 +75,7 @@ def _fa_checker(name: str):
         def feature():
             out = fn(q, k, v)
             return out[0] if isinstance(out, (tuple, list)) else out
-        return Probe(feature, lambda: attn._sdpa(q, k, v), ctx.dtype)
+        return Probe(feature, lambda: attn._sdpa(q, k, v), ctx.dtype, ulps=ATTENTION_ULPS)
     return check
 
 
