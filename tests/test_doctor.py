@@ -287,3 +287,28 @@ def test_matrix_game2_runs_with_the_verdicts(monkeypatch):
     with gated_sampling(model, notes, only_cuda=False):
         assert torch.equal(run(), fallback)
     assert len(notes) == 1 and "fused_qkv" in notes[0]
+
+
+def test_failed_compile_and_block_swap_are_switched_off_alone(cache_path):
+    """gate_compile drops the compile, gate_swap keeps the swap without its prefetch stream; a passing verdict
+    changes nothing."""
+    from wan_accel.app.doctor_gate import gate_compile, gate_swap
+    from wan_accel.compile import CompileSettings
+    from wan_accel.memory.block_swap import SwapSettings
+    from wan_accel.model.tiny import tiny_causal_model
+    fakes = _fakes({})
+    bad = {"compile": Feature("compile", "c", fakes["fake.raises"].check),
+           "block_swap": Feature("block_swap", "s", fakes["fake.wrong"].check)}
+    good = {"compile": Feature("compile", "c", fakes["fake.good"].check),
+            "block_swap": Feature("block_swap", "s", fakes["fake.good"].check)}
+    model = tiny_causal_model()
+    settings, swap = CompileSettings(backend="eager"), SwapSettings(blocks_to_swap=1, prefetch=2)
+    for feats, off in ((good, False), (bad, True)):
+        d = Doctor(cache=LimitCache(cache_path, fingerprint=dict(FP, gpu=str(off))), context=CTX, timer=_timer,
+                   features=feats)
+        lines: list = []
+        assert (gate_compile(model, settings, doctor=d, lines=lines) is None) is off
+        kept = gate_swap(model, swap, doctor=d, lines=lines)
+        assert kept.blocks_to_swap == 1 and kept.prefetch == (0 if off else 2)
+        assert len(lines) == (2 if off else 0)
+    assert "compile is switched off" in lines[0] and "PTXAS" in lines[0] and "prefetch stream" in lines[1]
