@@ -2,6 +2,8 @@
 
 ``GET  /wan_accel/limits``        the limit cache (entries per namespace) and the machine's fingerprint, as JSON
 ``POST /wan_accel/limits/clear``  body ``{"namespace": "<name>" | "all"}``; clears that namespace (every machine)
+``GET  /wan_accel/doctor``        each accelerated feature's recorded verdict on this machine (never probes)
+``POST /wan_accel/doctor/recheck`` body ``{"feature": "<name>" | "all"}``; probes again and answers the new rows
 
 ComfyUI also serves every route under ``/api`` (``/api/wan_accel/limits``), which is what the frontend calls.
 The logic lives in plain functions (:func:`limits_payload`, :func:`clear_limits`) that tests call without
@@ -20,6 +22,8 @@ log = logging.getLogger("wan_accel")
 
 ROUTE_LIMITS = "/wan_accel/limits"
 ROUTE_CLEAR = "/wan_accel/limits/clear"
+ROUTE_DOCTOR = "/wan_accel/doctor"
+ROUTE_RECHECK = "/wan_accel/doctor/recheck"
 MAX_ENTRIES_PER_NAMESPACE = 200   # the panel shows at most this many rows per namespace
 MAX_BODY_BYTES = 4096
 SUMMARY_CHARS = 140
@@ -150,6 +154,47 @@ def clear_limits(body, cache=None) -> dict:
     return {"cleared": int(removed), "namespace": "all" if ns is None else ns}
 
 
+def _doctor(doctor):
+    if doctor is not None:
+        return doctor
+    import torch
+
+    from .app.doctor import doctor_for
+
+    return doctor_for("cuda" if torch.cuda.is_available() else "cpu", None)
+
+
+def _doctor_answer(doctor, rows) -> dict:
+    from .app.doctor_report import machine_line
+
+    keep = ("feature", "summary", "available", "verified", "status", "difference", "speed", "why_off", "fix")
+    return {"machine": machine_line(doctor), "fingerprint_id": doctor.cache.fingerprint_id,
+            "features": [{k: r[k] for k in keep} for r in rows]}
+
+
+def doctor_payload(doctor=None) -> dict:
+    """What ``GET /wan_accel/doctor`` answers: ``{"machine", "fingerprint_id", "features": [row, ...]}`` with the
+    recorded verdicts only (a feature never checked here says so; the page never waits for a probe)."""
+    from .app.doctor_report import doctor_rows
+
+    doctor = _doctor(doctor)
+    return _doctor_answer(doctor, doctor_rows(doctor, probe=False))
+
+
+def recheck_feature(body, doctor=None) -> dict:
+    """What ``POST /wan_accel/doctor/recheck`` answers: the rows after probing ``{"feature": name | "all"}`` again."""
+    from .app.doctor_report import doctor_rows
+
+    if not isinstance(body, dict) or set(body) != {"feature"} or not isinstance(body["feature"], str):
+        raise RequestError('body must be a JSON object like {"feature": "fused_qkv"} or {"feature": "all"}')
+    doctor = _doctor(doctor)
+    name = body["feature"]
+    if name != "all" and name not in doctor.catalogue:
+        raise RequestError(f"unknown feature {name[:80]!r}; known: {sorted(doctor.catalogue)} or 'all'")
+    doctor_rows(doctor, None if name == "all" else [name], recheck=True)
+    return _doctor_answer(doctor, doctor_rows(doctor, probe=False))
+
+
 def decode_json_body(raw: bytes):
     """Decode a request body, raising :class:`RequestError` for anything that is not small UTF-8 JSON."""
     if len(raw) > MAX_BODY_BYTES:
@@ -184,7 +229,24 @@ def _make_handlers(web):
             log.warning("wan_accel: POST %s failed: %r", ROUTE_CLEAR, exc)
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
 
-    return get_limits, post_clear
+    async def get_doctor(request):
+        try:
+            return web.json_response(await _call(doctor_payload))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("wan_accel: GET %s failed: %r", ROUTE_DOCTOR, exc)
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+
+    async def post_recheck(request):
+        try:
+            body = decode_json_body(await request.read())
+            return web.json_response(await _call(recheck_feature, body))
+        except RequestError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("wan_accel: POST %s failed: %r", ROUTE_RECHECK, exc)
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+
+    return get_limits, post_clear, get_doctor, post_recheck
 
 
 def register_routes(prompt_server=None) -> bool:
@@ -206,9 +268,11 @@ def register_routes(prompt_server=None) -> bool:
     try:
         from aiohttp import web
 
-        get_limits, post_clear = _make_handlers(web)
+        get_limits, post_clear, get_doctor, post_recheck = _make_handlers(web)
         routes.get(ROUTE_LIMITS)(get_limits)
         routes.post(ROUTE_CLEAR)(post_clear)
+        routes.get(ROUTE_DOCTOR)(get_doctor)
+        routes.post(ROUTE_RECHECK)(post_recheck)
     except Exception as exc:  # noqa: BLE001 - the panel is optional; the nodes must still load
         log.warning("wan_accel: could not add the web panel routes: %r", exc)
         return False

@@ -75,12 +75,17 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
 
 
 def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_kernels: bool = True,
-                  log=None):
+                  log=None, doctor: bool = True, notes: list | None = None):
     """FastOptions for a handle, with its block swap / VRAM plan and its compile settings applied to the model.
 
     The swap carried by the handle (or its plan's) is (re)applied on CUDA, or removed when the handle has none;
     the handle's compile settings compile the blocks (scope 'blocks': the optimized path calls them directly) unless
-    they already are; a reference run removes a regional compile left by an optimized run (it runs eager)."""
+    they already are; a reference run removes a regional compile left by an optimized run (it runs eager).
+
+    doctor: each accelerated feature the run is about to use is checked on this machine first (once; the verdict
+    is remembered in the limit cache, ``app/doctor.py``); one that failed or was slower is switched off and a
+    line saying so goes to ``log`` and to ``notes``."""
+    from .doctor_gate import gate_compile, gate_options, gate_swap
     from ..memory.block_swap import ensure_block_swap, handle_swap_settings
     from .handle import _planned_swap
     from ..sampling.runner import FastOptions
@@ -92,15 +97,29 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
     plan = getattr(handle, "plan", None)
     if settings is None and plan is not None:
         settings = _planned_swap(plan)
+    lines = notes if notes is not None else []
+    if doctor and model.device.type == "cuda":
+        settings = gate_swap(model, settings, log_fn=log, lines=lines)
     if model.device.type == "cuda" or settings is None:
         ensure_block_swap(model, settings, device=model.device)
-    if resolve_path(path, model.device, model=model)[0] == "reference":
+    optimized = resolve_path(path, model.device, model=model)[0] != "reference"
+    if not optimized:
         from ..compile import uncompile_model
         if uncompile_model(model) and log is not None:
             log("reference sampler: removed the regional compile of an earlier optimized run")
     else:
-        compile_for_sampling(model, getattr(handle, "compile_settings", None), log=log)
-    return FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels))
+        compile_settings = getattr(handle, "compile_settings", None)
+        if doctor and compile_settings is not None:
+            compile_settings = gate_compile(model, compile_settings, log_fn=log, lines=lines)
+            if compile_settings is None:
+                from ..compile import uncompile_model
+                uncompile_model(model)
+        compile_for_sampling(model, compile_settings, log=log)
+    options = FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels))
+    if doctor and optimized:
+        options, switched = gate_options(model, options, log_fn=log)
+        lines.extend(switched)
+    return options
 
 
 def compile_for_sampling(model, settings, log=None) -> str | None:

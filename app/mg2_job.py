@@ -78,6 +78,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
     from ..sampling.actions_script import parse_action_script
     from .job import ChunkTimer, _peak_memory, _sync, _write_outputs
     from ..sampling.mg2 import generate_mg2, resolve_preset
+    from .doctor_gate import gated_sampling
     from .preview import latents_to_rgb, save_animation, to_vae_latents
     from .handle import default_device
     device = torch.device(opts.device) if opts.device else default_device()
@@ -101,8 +102,9 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
     on_chunk = ChunkTimer(device, log, progress)
     chunk_seconds = on_chunk.seconds
     t_start = on_chunk.start()
-    latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings,
-                           on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh)
+    with gated_sampling(handle.model, notes, log_fn=log):      # the doctor's verdicts (optimized path on CUDA)
+        latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings,
+                               on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh)
     _sync(device)
     sample_s = time.perf_counter() - t_start
     out = Path(opts.out_dir)

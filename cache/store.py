@@ -48,7 +48,7 @@ FILE_KIND = "wan_accel.limit_cache"
 DEFAULT_MAX_ENTRIES = 4096  # per namespace, over all fingerprints
 LOCK_TIMEOUT_S = 120.0
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-KNOWN_NAMESPACES = ("operator", "compile", "memory", "sampler")
+KNOWN_NAMESPACES = ("operator", "compile", "memory", "sampler", "doctor")
 
 # Migrations from older schema versions: version -> function(old_data) -> data of version + 1.
 MIGRATIONS: dict[int, Callable[[dict], dict]] = {}

@@ -5,7 +5,7 @@ import argparse
 import importlib
 
 # Modules under cli/ that define register(subparsers); absent ones are skipped.
-COMMAND_MODULES = ("model", "cache", "nodes", "memory", "compile", "profiling", "mg2", "bench")
+COMMAND_MODULES = ("model", "cache", "nodes", "memory", "compile", "profiling", "mg2", "bench", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,7 +34,8 @@ from .rope import apply_rope
 class BlockParts(NamedTuple):
     """The parts plugged into the block forward (all of them keep the results within rounding)."""
     attention: str = "auto"       # backend: 'auto' | 'sdpa' | 'fa3' | 'fa2' | ... (model/attention.py)
-    fused_kernels: bool = False   # the fused Triton kernels (only where Triton runs)
+    fused_kernels: bool | tuple = False   # the fused Triton kernels (only where Triton runs): all, none, or a
+    #                                       tuple of the names in use (KERNEL_NAMES; the others run as torch ops)
     fused_qkv: bool = False       # one q/k/v GEMM over the concatenated weight (model/fused_qkv.py)
 
 
@@ -49,6 +50,14 @@ class LayerCall(NamedTuple):
     key_mask: torch.Tensor | None = None   # [B, L] bool, padded keys (no cache only)
 
 
+KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual")
+
+
+def uses_kernel(fused, kernel: str) -> bool:
+    """Whether ``BlockParts.fused_kernels`` (True, False or a tuple of kernel names) includes ``kernel``."""
+    return fused is True or (not isinstance(fused, bool) and kernel in fused)
+
+
 def _qk_norm(dim: int, eps: float, enabled: bool) -> nn.Module:
     return RMSNorm(dim, eps) if enabled else nn.Identity()
 
@@ -56,20 +65,20 @@ def _qk_norm(dim: int, eps: float, enabled: bool) -> nn.Module:
 # ----------------------------------------------------------------------------- pieces (plain or fused)
 def _modulated(norm, x, m, i: int, fused: bool):
     """modulate(norm(x), shift=m[i], scale=m[i+1]) with m [B, G, 6, dim]; LayerNorm without affine."""
-    if fused:
+    if uses_kernel(fused, "layernorm_modulate"):
         return layernorm_modulate(x, m[:, :, i], m[:, :, i + 1], eps=norm.eps)
     return modulate(norm(x), m[:, :, i:i + 1], m[:, :, i + 1:i + 2])
 
 
 def _gated(x, y, m, i: int, fused: bool):
-    if fused:
+    if uses_kernel(fused, "gated_residual"):
         return gated_residual(x, y, m[:, :, i])
     return gated_add(x, y, m[:, :, i:i + 1])
 
 
 def _norm_rope(norm, x, rope, heads: int, fused: bool):
     cos, sin = rope
-    if fused and isinstance(norm, RMSNorm) and cos.dim() == 2:
+    if uses_kernel(fused, "rmsnorm_rope") and isinstance(norm, RMSNorm) and cos.dim() == 2:
         return rmsnorm_rope(x, norm.weight, cos, sin, heads, norm.eps)
     return apply_rope(norm(x).unflatten(2, (heads, -1)), cos, sin)
 

@@ -1,7 +1,7 @@
 """Node "Limit Cache": shows (and on explicit confirmation clears) the pack's limit cache."""
 from __future__ import annotations
 
-NAMESPACE_CHOICES = ["all", "operator", "compile", "memory", "sampler"]
+NAMESPACE_CHOICES = ["all", "operator", "compile", "memory", "sampler", "doctor"]
 
 
 def render_cache_text(namespace: str = "all", all_machines: bool = False, cache=None) -> str:

@@ -132,10 +132,14 @@ class MatrixGame2Sampler:
                 state["bar"] = state["bar"] or bar_cls(n)
                 state["bar"].update_absolute(ci + 1, n)
 
-        with torch.inference_mode():
+        from ..app.doctor_gate import gated_sampling
+        doctor_notes: list = []
+        with torch.inference_mode(), gated_sampling(net, doctor_notes):
             latents = generate_mg2(net, image, tokens, actions, num_frames, seed, preset,
                                    window=kv_window or None, callback=on_step, on_chunk=on_chunk)
         out = latents.float().cpu() * std + mean
+        if doctor_notes:        # features that failed their self-check here: say so in the node's text
+            return {"ui": {"text": ["\n".join(doctor_notes)]}, "result": ({"samples": out},)}
         return ({"samples": out},)
 
 

@@ -209,13 +209,17 @@ class CausalWanSampler:
         if sampler not in SAMPLER_CHOICES:
             raise ValueError(f"sampler must be one of {list(SAMPLER_CHOICES)}, got {sampler!r}")
         path, graphs, fused = SAMPLER_CHOICES[sampler]
-        options = sampler_setup(model, path, graphs, fused)
+        doctor_notes: list = []
+        options = sampler_setup(model, path, graphs, fused, notes=doctor_notes)
         report: dict = {}
         latents = maybe_profile(model, sample_latents, model.model, context, width, height, num_frames, seed,
                                 schedule, frames_per_block, kv_window, sink, skip_last_refresh,
                                 callback=_ComfyProgress(), path=path, fast_options=options, report=report)
         self.last_report = report
-        return ({"samples": to_vae_latents(latents).cpu()},)
+        result = ({"samples": to_vae_latents(latents).cpu()},)
+        if doctor_notes:        # features that failed their self-check here: say so in the node's text
+            return {"ui": {"text": ["\n".join(doctor_notes)]}, "result": result}
+        return result
 
 
 NODE_CLASS_MAPPINGS = {

@@ -26,7 +26,7 @@ import torch
 from ..kernels import use_triton
 from ..model.attachments import RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, swapped_blocks
 from ..model.attention import explain_backend
-from ..model.blocks import BlockParts, LayerCall, cross_kv
+from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fused_qkv import drop_fused_qkv, ensure_fused_qkv
 from ..model.kv_cache import KVCache
 from .cuda_graphs import CudaGraphBackend, GraphManager, recorded_failure
@@ -55,6 +55,9 @@ class FastOptions:
                        float32 whatever the model dtype (elementwise work on latents only) | 'stream': in the
                        model's stream dtype, as the reference path and the original pipelines (bf16 under the
                        'self_forcing' policy).
+    switched_off:      features that failed their self-check on this machine (``app/doctor.py``): names such as
+                       'attention.fa3', 'attention.fa2', 'kernel.<name>', 'fused_qkv', 'cuda_graphs'; each is
+                       replaced by its plain fallback and everything else stays on.
     """
     attention: str | None = None
     fused_qkv: bool = True
@@ -65,8 +68,10 @@ class FastOptions:
     keep_buffers: bool = True
     max_graphs: int = 64
     latent_dtype: str = "float32"
+    switched_off: frozenset = frozenset()
 
     def __post_init__(self):
+        object.__setattr__(self, "switched_off", frozenset(self.switched_off or ()))
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
         if self.latent_dtype not in LATENT_DTYPES:
@@ -101,6 +106,30 @@ def kernels_run_on(device) -> bool:
     """Whether the fused Triton kernels run on this device (CUDA, or the CPU under TRITON_INTERPRET=1). Elsewhere
     their torch fallbacks would only add work, so the plain block math is used."""
     return use_triton(torch.empty(0, device=device))
+
+
+SELF_CHECK_OFF = "switched off: it failed its self-check on this machine (python -m wan_accel doctor)"
+
+
+def checked_backend(requested: str, device, dtype, head_dim: int, off: frozenset) -> tuple[str, str]:
+    """``explain_backend``, skipping FlashAttention generations that failed their self-check here."""
+    backend, reason = explain_backend(requested, device, dtype, head_dim)
+    skipped = []
+    while backend != "sdpa" and f"attention.{backend}" in off:
+        skipped.append(backend)
+        nxt = "fa2" if backend == "fa3" and requested in ("auto", "flash_attn") else "sdpa"
+        backend, reason = explain_backend(nxt, device, dtype, head_dim)
+    if skipped:
+        reason += f" ({', '.join(skipped)} {SELF_CHECK_OFF})"
+    return backend, reason
+
+
+def kernels_part(options: FastOptions, device):
+    """BlockParts.fused_kernels for a run: True (all), False (none) or the tuple of kernels still trusted."""
+    if not (options.fused_kernels and kernels_run_on(device)):
+        return False
+    kept = tuple(k for k in KERNEL_NAMES if f"kernel.{k}" not in options.switched_off)
+    return True if len(kept) == len(KERNEL_NAMES) else (kept or False)
 
 
 def get_runner(model) -> "FastRunner":
@@ -152,6 +181,8 @@ class FastRunner:
         """Why CUDA graphs are not used for this run (None: they are)."""
         if options.cuda_graphs == "off":
             return "switched off"
+        if "cuda_graphs" in options.switched_off:
+            return SELF_CHECK_OFF
         if not graphs_device(device):
             return "not a CUDA device"
         if swapped:
@@ -193,11 +224,14 @@ class FastRunner:
         model = self.model
         self.notes = []
         device = model.device
+        if "fused_qkv" in options.switched_off:
+            options = options.replace(fused_qkv=False)
         compile_mode = compiled_mode(model)
         swapped = swapped_blocks(model)
         fused = self._fuse(options, swapped)
         requested = options.attention or getattr(model, "attn_backend", "auto")
-        backend, backend_reason = explain_backend(requested, device, model.compute_dtype, model.config.head_dim)
+        backend, backend_reason = checked_backend(requested, device, model.compute_dtype, model.config.head_dim,
+                                                  options.switched_off)
         frame_tokens = grid_hw[0] * grid_hw[1]
         rolling = 0 < kv_window < num_frames
         layout = (kv_window, sink) if rolling else (num_frames, 0)
@@ -211,12 +245,12 @@ class FastRunner:
         elif sess.graphs is not None:
             sess.graphs.release()
             sess.graphs = None
-        kernels = bool(options.fused_kernels) and kernels_run_on(device)
+        kernels = kernels_part(options, device)
         parts = BlockParts(backend, kernels, bool(options.fused_qkv))
         self.runs += 1
         return Run(self, options, sess, parts, actions, frame_tokens, info={
             "path": "optimized", "attention": backend, "attention_reason": backend_reason,
-            "fused_qkv_blocks": fused, "fused_kernels": kernels,
+            "fused_qkv_blocks": fused, "fused_kernels": bool(kernels),
             "compile": compile_mode, "cuda_graphs": graph_reason is None,
             "cuda_graphs_reason": graph_reason or "on", "swapped_blocks": len(swapped), "notes": self.notes})
 

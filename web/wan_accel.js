@@ -2,6 +2,8 @@
 //  * "Wan Accel" panel (a sidebar tab, or a floating panel on frontends without sidebar tabs): the limit cache
 //    per namespace (entries measured on this machine, best configs, learned memory limits) with a clear
 //    button per namespace. Talks to GET /api/wan_accel/limits and POST /api/wan_accel/limits/clear.
+//    Below it, the doctor: each accelerated feature's verdict on this machine with a re-check button
+//    (GET /api/wan_accel/doctor, POST /api/wan_accel/doctor/recheck).
 //  * Badges on compile settings nodes: EXTREME-PLUS tiling preset (red), lock_global_ops on (blue).
 //  * A read-only text box on the pack's output nodes that return {"ui": {"text": [...]}}.
 // Only the public modules scripts/app.js and scripts/api.js are imported.
@@ -112,6 +114,59 @@ async function clearNamespace(name) {
   return data;
 }
 
+async function fetchDoctor() {
+  const r = await api.fetchApi("/wan_accel/doctor", { cache: "no-store" });
+  const data = await r.json();
+  if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
+  return data;
+}
+
+async function recheckFeature(name) {
+  const r = await api.fetchApi("/wan_accel/doctor/recheck", {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ feature: name }),
+  });
+  const data = await r.json();
+  if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
+  return data;
+}
+
+const VERDICT_COLOR = { passed: "#4caf50", failed: "#e53935", slower: "#fb8c00" };
+
+function renderDoctor(data, refresh) {
+  const box = el("div", { style: STYLE.ns, class: "wan-accel-doctor" },
+    el("div", { style: STYLE.nsHead }, el("span", {}, "doctor ",
+      el("span", { style: { fontWeight: "normal", opacity: "0.7" } }, "accelerated paths checked on this machine"))));
+  for (const f of data.features) {
+    const recheck = el("button", {
+      style: STYLE.button, title: `Probe ${f.feature} again against its fallback`,
+      onclick: async () => {
+        recheck.disabled = true;
+        recheck.textContent = "checking…";
+        try {
+          const res = await recheckFeature(f.feature);
+          const row = res.features.find((x) => x.feature === f.feature);
+          toast(row?.status === "passed" ? "success" : "warn", "Doctor", `${f.feature}: ${row?.verified ?? "?"}`);
+        } catch (e) {
+          toast("error", "Doctor", String(e.message || e));
+        }
+        refresh();
+      },
+    }, "Re-check");
+    if (!f.available) recheck.disabled = true;
+    const color = VERDICT_COLOR[f.status] || "var(--fg-color, #ddd)";
+    box.append(el("div", { style: STYLE.row, "data-feature": f.feature, "data-status": f.status },
+      el("div", { style: STYLE.nsHead },
+        el("span", { style: STYLE.key, title: f.summary }, f.feature),
+        el("span", {}, el("span", { style: { color, marginRight: "6px" } },
+          f.available ? f.verified : "not available"), recheck)),
+      f.available && f.difference !== "-" ? el("div", { style: { opacity: "0.75" } },
+        `difference ${f.difference} · ${f.speed}`) : "",
+      f.why_off ? el("div", { style: { opacity: "0.75" } }, f.why_off) : "",
+      f.fix ? el("div", { style: { opacity: "0.6" } }, f.fix) : ""));
+  }
+  return box;
+}
+
 function renderNamespace(ns, refresh) {
   const clear = el("button", {
     style: STYLE.button, title: `Remove every entry of '${ns.name}' (all machines)`,
@@ -170,6 +225,11 @@ function mountPanel(container) {
         el("br"), el("span", { style: { fontFamily: "monospace" } }, `id ${data.fingerprint_id}`)),
       ...renderNotices(data.notices),
       ...data.namespaces.map((ns) => renderNamespace(ns, refresh)));
+    try {
+      root.append(renderDoctor(await fetchDoctor(), refresh));
+    } catch (e) {
+      root.append(el("div", { style: { opacity: "0.6" } }, `Could not read the doctor's verdicts: ${e.message || e}`));
+    }
   };
   refresh();
   return root;
@@ -301,7 +361,7 @@ app.registerExtension({
         return r;
       };
     }
-    if (nodeData.output_node) {
+    {   // output nodes, and any pack node that reports something (e.g. a feature switched off by the doctor)
       const onExecuted = nodeType.prototype.onExecuted;
       nodeType.prototype.onExecuted = function (message) {
         const r = onExecuted?.apply(this, arguments);

@@ -152,6 +152,30 @@ def test_web_routes_answer_inside_comfyui(comfy):
     assert status == 200 and "registerExtension" in js
 
 
+def test_doctor_routes_and_node_inside_comfyui(comfy):
+    status, page = http(comfy["url"] + "/api/wan_accel/doctor")
+    assert status == 200, page
+    rows = {f["feature"]: f for f in page["features"]}
+    assert {"attention.sdpa", "fused_qkv", "cuda_graphs", "block_swap", "native_model"} <= set(rows)
+    assert rows["cuda_graphs"]["available"] is False and rows["cuda_graphs"]["why_off"]   # --cpu: says why
+    assert http(comfy["url"] + "/api/wan_accel/doctor/recheck", {"feature": "../x"})[0] == 400
+    status, after = http(comfy["url"] + "/api/wan_accel/doctor/recheck", {"feature": "fused_qkv"})
+    assert status == 200 and {f["feature"]: f for f in after["features"]}["fused_qkv"]["status"] == "passed"
+    prompt = {"1": {"class_type": "WanAccelDoctor",
+                    "inputs": {"feature": "all", "recheck": False, "dtype": "auto", "with_compile": False}}}
+    status, resp = http(comfy["url"] + "/prompt", {"prompt": prompt, "client_id": "wan_accel_e2e"})
+    assert status == 200, resp
+    pid, deadline, entry = resp["prompt_id"], time.time() + 120, None
+    while time.time() < deadline and entry is None:
+        hist = http(comfy["url"] + f"/history/{pid}")[1]
+        if pid in hist and hist[pid].get("status", {}).get("status_str") in ("success", "error"):
+            entry = hist[pid]
+        time.sleep(0.5)
+    assert entry is not None and entry["status"]["status_str"] == "success", entry
+    text = "\n".join(entry["outputs"]["1"]["text"])
+    assert "fused_qkv" in text and "passed" in text and "CUDA graphs need a CUDA GPU" in text
+
+
 def test_example_workflows_are_served(comfy):
     status, listing = http(comfy["url"] + "/api/workflow_templates")
     assert status == 200

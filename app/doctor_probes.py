@@ -1,0 +1,256 @@
+"""The probes of the doctor (``app/doctor.py``): each accelerated feature against its plain fallback.
+
+Per feature family: the attention backends (SDPA against plain softmax math; FlashAttention 3 / 2 against SDPA),
+the fused Triton kernels against their torch references (compiled on CUDA, interpreted on a CPU under
+TRITON_INTERPRET=1), fused q/k/v against three GEMMs, CUDA-graph replay of one chunk against eager, a compiled
+block against eager, block swap against resident, and the native ``MODEL`` path where this build has one. Inputs are
+seeded and shaped like the real call (head size, dtype, layout) with a few hundred tokens.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ..kernels import _common, norm_modulate, qk_norm_rope, residual, use_triton
+from ..model import attention as attn
+from ..model import fused_qkv as fq
+from ..model.blocks import WanSelfAttention, _project
+from .doctor_types import Feature, NotAvailable, Probe, ProbeContext, register_feature
+
+
+def _rand(ctx: ProbeContext, *shape, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(ctx.device, ctx.dtype)
+
+
+def _dim(ctx: ProbeContext) -> int:
+    return ctx.heads * ctx.head_dim
+
+
+# ----------------------------------------------------------------------------------------------- attention
+def _qkv(ctx: ProbeContext):
+    shape = (1, ctx.tokens, ctx.heads, ctx.head_dim)
+    return tuple(_rand(ctx, *shape, seed=s) for s in (1, 2, 3))
+
+
+ATTENTION_ULPS = 16     # two reductions (over the head size, then over a few hundred keys) in another order
+
+
+def _softmax_math(q, k, v):
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    w = torch.softmax(qf @ kf.transpose(-1, -2) / qf.shape[-1] ** 0.5, dim=-1)
+    return (w @ vf).transpose(1, 2).to(q.dtype)
+
+
+def _check_sdpa(ctx: ProbeContext) -> Probe:
+    q, k, v = _qkv(ctx)
+    return Probe(lambda: attn.attention(q, k, v, backend="sdpa"), lambda: _softmax_math(q, k, v), ctx.dtype,
+                 judge_speed=False, ulps=ATTENTION_ULPS,
+                 note="SDPA is the fallback of every attention backend; checked against math")
+
+
+FA_HINTS = {"fa3": "install FlashAttention 3 (the 'hopper' build, module flash_attn_interface) on an SM 9.x GPU",
+            "fa2": "pip install flash-attn (2.x) built for this GPU's architecture; needs SM 8.0+"}
+
+
+def _fa_checker(name: str):
+    def check(ctx: ProbeContext) -> Probe:
+        hint = FA_HINTS[name]
+        if ctx.device.type != "cuda":
+            raise NotAvailable("needs a CUDA GPU", hint)
+        if ctx.dtype not in (torch.float16, torch.bfloat16):
+            raise NotAvailable(f"needs fp16/bf16 weights (probe dtype {ctx.dtype})", "load bf16 or fp16 weights")
+        fn = attn._load(name)
+        if fn is None:
+            raise NotAvailable(f"{attn._MODULES[name]} is not installed", hint)
+        cap = torch.cuda.get_device_capability(ctx.device)
+        if not attn.capability_supports(name, cap):
+            raise NotAvailable(f"compute capability {cap[0]}.{cap[1]} not supported by {name}",
+                               "use 'sdpa' or the FlashAttention generation for this GPU")
+        if not attn.head_dim_supported(ctx.head_dim):
+            raise NotAvailable(f"head size {ctx.head_dim} not supported")
+        q, k, v = _qkv(ctx)
+
+        def feature():
+            out = fn(q, k, v)
+            return out[0] if isinstance(out, (tuple, list)) else out
+        return Probe(feature, lambda: attn._sdpa(q, k, v), ctx.dtype, ulps=ATTENTION_ULPS)
+    return check
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+def _kernel_ready(ctx: ProbeContext) -> None:
+    if _common.triton_module() is None:
+        raise NotAvailable("triton does not import", "pip install triton (on Windows: the triton-windows build "
+                                                     "matching your torch)")
+    if not use_triton(torch.empty(0, device=ctx.device)):
+        raise NotAvailable("needs a CUDA GPU (or the Triton interpreter on a CPU: TRITON_INTERPRET=1 set before "
+                           "the process starts)", "run on a CUDA GPU")
+
+
+def _tuned(mod, launch, key, x):
+    if not _common.tuned_launch(mod._KERNEL_NAME, key, mod.CANDIDATES, launch, smem=mod._smem,
+                                benchmark=not _common.capturing(x)):
+        raise RuntimeError(f"every Triton config of {mod.NAME} failed on this machine (see the operator store)")
+
+
+def _check_lnmod(ctx: ProbeContext) -> Probe:
+    _kernel_ready(ctx)
+    d, frames = _dim(ctx), 2
+    x = _rand(ctx, 1, ctx.tokens - ctx.tokens % frames, d, seed=4)
+    shift, scale = _rand(ctx, 1, frames, d, scale=0.1, seed=5), _rand(ctx, 1, frames, d, scale=0.1, seed=6)
+
+    def feature():
+        sh, sc = norm_modulate._check(x, shift, scale)
+        launch, key, out = norm_modulate._launcher(x, sh, sc, 1e-6)
+        _tuned(norm_modulate, launch, key, x)
+        return out
+    return Probe(feature, lambda: norm_modulate.layernorm_modulate_reference(x, shift, scale, 1e-6), ctx.dtype)
+
+
+def _check_rmsrope(ctx: ProbeContext) -> Probe:
+    _kernel_ready(ctx)
+    d, hd = _dim(ctx), ctx.head_dim
+    x, w = _rand(ctx, 1, ctx.tokens, d, seed=7), 1 + _rand(ctx, d, scale=0.1, seed=8)
+    angles = torch.arange(ctx.tokens)[:, None] * torch.rand(hd // 2, generator=torch.Generator().manual_seed(9))
+    cos, sin = angles.cos().to(ctx.device), angles.sin().to(ctx.device)
+
+    def feature():
+        qk_norm_rope._check(x, w, cos, sin, ctx.heads)
+        launch, key, out = qk_norm_rope._launcher(x, w, cos, sin, ctx.heads, 1e-6)
+        _tuned(qk_norm_rope, launch, key, x)
+        return out
+    return Probe(feature, lambda: qk_norm_rope.rmsnorm_rope_reference(x, w, cos, sin, ctx.heads, 1e-6), ctx.dtype)
+
+
+def _check_gres(ctx: ProbeContext) -> Probe:
+    _kernel_ready(ctx)
+    d, frames = _dim(ctx), 2
+    n = ctx.tokens - ctx.tokens % frames
+    x, y, gate = _rand(ctx, 1, n, d, seed=10), _rand(ctx, 1, n, d, seed=11), _rand(ctx, 1, frames, d, seed=12)
+
+    def feature():
+        g = residual._check(x, y, gate)
+        launch, key, out = residual._launcher(x, y, g)
+        _tuned(residual, launch, key, x)
+        return out
+    return Probe(feature, lambda: residual.gated_residual_reference(x, y, gate), ctx.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- fused q/k/v
+def _check_fused_qkv(ctx: ProbeContext) -> Probe:
+    d = _dim(ctx)
+    torch.manual_seed(13)
+    sa = WanSelfAttention(d, ctx.heads, True, 1e-6).to(ctx.device, ctx.dtype).requires_grad_(False)
+    h = _rand(ctx, 1, ctx.tokens, d, seed=14)
+
+    def feature():
+        if not fq.ensure_fused_qkv(sa):
+            raise RuntimeError("the q/k/v weights could not be fused")
+        return torch.cat(_project(sa, h, True, 3), dim=-1)
+    return Probe(feature, lambda: torch.cat(_project(sa, h, False, 3), dim=-1), ctx.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- whole chunks
+def _probe_model(ctx: ProbeContext):
+    from ..model.config import WanConfig
+    from ..model.tiny import TINY_CONFIG, tiny_causal_model
+    cfg = WanConfig.from_dict(dict(TINY_CONFIG.to_dict(), dim=_dim(ctx), ffn_dim=2 * _dim(ctx),
+                                   num_heads=ctx.heads, text_dim=64))
+    return tiny_causal_model(0, ctx.device, ctx.dtype, config=cfg)
+
+
+CHUNK_SCHEDULE = {"preset": "custom", "steps": [1000, 500], "shift": 5.0}   # two denoising calls and a refresh
+CHUNK_ULPS = 64     # a whole chunk (every block, two steps) accumulates more rounding than one op
+
+
+def _chunk(model, ctx: ProbeContext, **options):
+    """One chunk (3 latent frames, 16x16 latents: 192 tokens) of the optimized path."""
+    from ..sampling.runner import FastOptions
+    from ..sampling.sampler import generate_latents
+    context = torch.randn(1, model.config.text_len, model.config.text_dim,
+                          generator=torch.Generator().manual_seed(15)).to(ctx.device)
+    opts = FastOptions(fused_kernels=False, keep_buffers=True, **{"cuda_graphs": "off", **options})
+    return generate_latents(model, context, 3, 16, 16, seed=0, frames_per_block=3, path="optimized",
+                            fast_options=opts, schedule=CHUNK_SCHEDULE).to(ctx.dtype)
+
+
+def _needs_graphs(ctx: ProbeContext) -> None:
+    if ctx.device.type != "cuda":
+        raise NotAvailable("CUDA graphs need a CUDA GPU", "run on a CUDA GPU")
+
+
+def _check_graphs(ctx: ProbeContext) -> Probe:
+    _needs_graphs(ctx)
+    graphed, eager = _probe_model(ctx), _probe_model(ctx)
+    return Probe(lambda: _chunk(graphed, ctx, cuda_graphs="auto"), lambda: _chunk(eager, ctx), ctx.dtype,
+                 ulps=CHUNK_ULPS)
+
+
+def _needs_compile(ctx: ProbeContext) -> None:
+    if ctx.device.type != "cuda" and not ctx.with_compile:
+        raise NotAvailable("not probed on a CPU by default (an Inductor compile takes tens of seconds here)",
+                           "python -m wan_accel doctor --with-compile")
+
+
+def _check_compile(ctx: ProbeContext) -> Probe:
+    _needs_compile(ctx)
+    from ..compile.apply import compile_model
+    from ..compile.settings import CompileSettings
+    compiled, eager = _probe_model(ctx), _probe_model(ctx)
+    compile_model(compiled, CompileSettings(backend=ctx.compile_backend or "inductor", scope="blocks",
+                                            warm_start=False))
+    return Probe(lambda: _chunk(compiled, ctx), lambda: _chunk(eager, ctx), ctx.dtype, judge_speed=False,
+                 ulps=CHUNK_ULPS,
+                 note="speed not judged: a probe this small does not show what compiling gains")
+
+
+def _check_swap(ctx: ProbeContext) -> Probe:
+    from ..memory.block_swap import apply_block_swap, SwapSettings
+    swapped, resident = _probe_model(ctx), _probe_model(ctx)
+    apply_block_swap(swapped, SwapSettings(blocks_to_swap=1, prefetch=1), device=ctx.device)
+    return Probe(lambda: _chunk(swapped, ctx), lambda: _chunk(resident, ctx), ctx.dtype, judge_speed=False,
+                 ulps=CHUNK_ULPS,
+                 note="feature time minus fallback time is the transfer time of one swapped block per call")
+
+
+def _native_probe():
+    try:
+        module = importlib.import_module(".native_model", __package__)
+    except ImportError:
+        module = None
+    probe = getattr(module, "doctor_probe", None)
+    if probe is None:
+        raise NotAvailable("not available in this build (the native ComfyUI MODEL path is not part of this "
+                           "version)", "update the pack to a version with the native MODEL path")
+    return probe
+
+
+def _check_native(ctx: ProbeContext) -> Probe:
+    return _native_probe()(ctx)
+
+
+for _feature in (
+    Feature("attention.sdpa", "torch scaled_dot_product_attention", _check_sdpa, switches_off="nothing (fallback)"),
+    Feature("attention.fa3", "FlashAttention 3", _fa_checker("fa3"), ("flash_attn_3", "flash-attn-3"),
+            "fa3 (fa2 or SDPA is used)"),
+    Feature("attention.fa2", "FlashAttention 2", _fa_checker("fa2"), ("flash-attn", "flash_attn"),
+            "fa2 (SDPA is used)"),
+    Feature("kernel.layernorm_modulate", "fused LayerNorm + modulate (Triton)", _check_lnmod, ("triton",),
+            "this kernel (torch ops)"),
+    Feature("kernel.rmsnorm_rope", "fused RMSNorm + RoPE (Triton)", _check_rmsrope, ("triton",),
+            "this kernel (torch ops)"),
+    Feature("kernel.gated_residual", "fused gated residual (Triton)", _check_gres, ("triton",),
+            "this kernel (torch ops)"),
+    Feature("fused_qkv", "one q/k/v GEMM", _check_fused_qkv, switches_off="fused q/k/v (three GEMMs)"),
+    Feature("cuda_graphs", "CUDA-graph replay of a chunk", _check_graphs, switches_off="CUDA graphs (eager)",
+            requires=_needs_graphs),
+    Feature("compile", "compiled blocks (torch.compile)", _check_compile, switches_off="the compile (eager)",
+            requires=_needs_compile),
+    Feature("block_swap", "block swap with a prefetch stream", _check_swap,
+            switches_off="the prefetch stream (synchronous copies)", requires=lambda ctx: None),
+    Feature("native_model", "native ComfyUI MODEL path", _check_native, switches_off="the native MODEL path",
+            requires=lambda ctx: _native_probe() and None),
+):
+    register_feature(_feature)

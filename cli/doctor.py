@@ -1,0 +1,70 @@
+"""``python -m wan_accel doctor [--json] [--report FILE] [--recheck] [--feature NAME] [--with-compile]``."""
+from __future__ import annotations
+
+import sys
+
+from .output import print_json
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _doctor(args):
+    import torch
+
+    from ..app.doctor import doctor_for, default_context
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+        ctx = default_context(device, dtype, args.head_dim, with_compile=args.with_compile)
+    except Exception as exc:  # noqa: BLE001 - e.g. "Torch not compiled with CUDA enabled": say what to do
+        raise SystemExit(f"doctor: cannot probe on device {device!r} ({exc}); use --device cpu or cuda[:N]")
+    return doctor_for(ctx.device, ctx.dtype, ctx.head_dim, with_compile=args.with_compile)
+
+
+def _run(args) -> int:
+    from ..app.doctor_report import doctor_rows, doctor_text, report, write_report
+
+    doctor = _doctor(args)
+    names = None
+    if args.feature:
+        unknown = [n for n in args.feature if n not in doctor.catalogue]
+        if unknown:
+            print(f"doctor: unknown feature(s) {unknown}; known: {', '.join(doctor.catalogue)}", file=sys.stderr)
+            return 2
+        names = args.feature
+    rows = doctor_rows(doctor, names, recheck=args.recheck)
+    if args.report:
+        try:
+            write_report(args.report, doctor, rows)
+        except OSError as exc:
+            print(f"doctor: cannot write the report to {args.report} ({exc}); choose a writable file",
+                  file=sys.stderr)
+            return 1
+    if args.json:
+        print_json(report(doctor, rows))
+    else:
+        print(doctor_text(doctor, rows))
+        if args.report:
+            print(f"\nreport written to {args.report}: attach it to an issue (it holds only what is shown above, "
+                  f"versions and the last errors)")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("doctor", help="check every accelerated path on this machine and show the verdicts",
+                       description="Each accelerated feature (attention backends, fused kernels, fused q/k/v, CUDA "
+                                   "graphs, compiled blocks, block swap) runs against its plain fallback on a small "
+                                   "probe, once per machine; the verdict is remembered in the limit cache and a "
+                                   "failed or slower feature is switched off.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--report", metavar="FILE", help="write a bug-report file (fingerprint, verdicts, versions, "
+                                                    "last errors) to attach to an issue")
+    p.add_argument("--recheck", action="store_true", help="probe again even where a verdict is recorded")
+    p.add_argument("--feature", action="append", metavar="NAME", help="only this feature (repeatable)")
+    p.add_argument("--with-compile", action="store_true",
+                   help="also probe torch.compile on a CPU (tens of seconds; always probed on a GPU)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="probe dtype (default: bf16 on CUDA, fp32 on a CPU)")
+    p.add_argument("--head-dim", type=int, default=128, help="head size of the probes (Wan: 128)")
+    p.set_defaults(func=_run)

@@ -1,0 +1,56 @@
+"""Node "Wan Doctor": every accelerated feature's verdict on this machine (the ``doctor`` command's table)."""
+from __future__ import annotations
+
+FEATURE_CHOICES = ["all", "attention.sdpa", "attention.fa3", "attention.fa2", "kernel.layernorm_modulate",
+                   "kernel.rmsnorm_rope", "kernel.gated_residual", "fused_qkv", "cuda_graphs", "compile",
+                   "block_swap", "native_model"]
+DTYPE_CHOICES = ["auto", "bf16", "fp16", "fp32"]
+
+
+class WanAccelDoctor:
+    DESCRIPTION = ("Checks each accelerated path of the pack (attention backends, fused Triton kernels, fused "
+                   "q/k/v, CUDA graphs, compiled blocks, block swap) against its plain fallback on this GPU, once, "
+                   "and shows the verdicts: a feature that failed or was slower is switched off here. The same "
+                   "table as `python -m wan_accel doctor`.")
+    CATEGORY = "wan_accel"
+    FUNCTION = "run"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("report",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "feature": (FEATURE_CHOICES, {"default": "all", "tooltip": "Which feature to show (or re-check)."}),
+            "recheck": ("BOOLEAN", {"default": False, "tooltip": "Probe again even where a verdict is recorded "
+                                                                 "(after a driver, torch or library update the "
+                                                                 "check runs again by itself)."}),
+            "dtype": (DTYPE_CHOICES, {"default": "auto", "tooltip": "dtype of the probes: auto is bf16 on a GPU, "
+                                                                    "fp32 on a CPU; use your model's dtype."}),
+            "with_compile": ("BOOLEAN", {"default": False, "tooltip": "Also probe torch.compile on a CPU (tens of "
+                                                                      "seconds); on a GPU it is always probed."}),
+        }}
+
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return float("nan")  # always read the current verdicts
+
+    def run(self, feature="all", recheck=False, dtype="auto", with_compile=False):
+        import torch
+
+        from ..app.doctor import doctor_for
+        from ..app.doctor_report import doctor_rows, doctor_text
+        if feature not in FEATURE_CHOICES:
+            raise ValueError(f"feature must be one of {FEATURE_CHOICES}, got {feature!r}")
+        if dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dt = None if dtype == "auto" else {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        doctor = doctor_for(device, dt, with_compile=bool(with_compile))
+        rows = doctor_rows(doctor, None if feature == "all" else [feature], recheck=bool(recheck))
+        text = doctor_text(doctor, rows)
+        return {"ui": {"text": [text]}, "result": (text,)}
+
+
+NODE_CLASS_MAPPINGS = {"WanAccelDoctor": WanAccelDoctor}
+NODE_DISPLAY_NAME_MAPPINGS = {"WanAccelDoctor": "Wan Doctor"}
