@@ -144,12 +144,16 @@ class Doctor:
 
     def _record(self, key: str, value: dict) -> None:
         try:
-            self.cache.put(NAMESPACE, key, value)
-            _UNSAVED.pop(self._unsaved_key(key), None)
+            self.cache.put(NAMESPACE, key, value)       # an unwritable cache keeps it in memory and warns once
+            problem = getattr(self.cache, "writable_problem", None)
         except Exception as exc:  # noqa: BLE001 - unwritable cache: the verdict holds for this process only
+            problem = _error_text(exc)
+        if problem:
             _UNSAVED[self._unsaved_key(key)] = value
             log.warning("wan_accel doctor: cannot write the limit cache (%s); the check runs again next time",
-                        _error_text(exc))
+                        problem)
+        else:
+            _UNSAVED.pop(self._unsaved_key(key), None)
 
     # ------------------------------------------------------------------ checking
     def availability(self, name: str) -> str | None:

@@ -153,7 +153,7 @@ CLI_CASES = [
     ("plan-reserve-negative", ["plan", "--model", "1.3b", "--reserve-gb", "-1"], ["--reserve-gb", "at least 0"]),
     ("plan-batch-zero", ["plan", "--model", "1.3b", "--batch", "0"], ["--batch", "between 1"]),
     ("cache-namespace-bogus", ["cache", "clear", "--namespace", "bogus"], ["bogus", "operator, sampler"]),
-    ("cache-show-namespace-bogus", ["cache", "show", "--namespace", "bogus"], ["bogus", "compile, memory"]),
+    ("cache-show-namespace-bogus", ["cache", "show", "--namespace", "bogus"], ["bogus", "compile, doctor, memory"]),
     ("report-last-text", ["report", "--last", "x"], ["--last", "whole number"]),
     # --- files: missing, empty, damaged, wrong kind, hostile
     ("ckpt-missing", GEN + ["--checkpoint", F + "/nope.safetensors"], ["--checkpoint", "not found"]),

@@ -114,7 +114,7 @@ def test_damaged_or_unwritable_cache_never_stops_a_check(tmp_path, cache_path, c
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     bad = blocker / "limits.json"                         # its folder is a file: nothing can be written
-    with caplog.at_level(logging.WARNING, logger="wan_accel"):
+    with caplog.at_level(logging.WARNING, logger="wan_accel"), pytest.warns(RuntimeWarning, match="cannot be written"):
         d3 = Doctor(cache=LimitCache(bad, fingerprint=FP), context=CTX, timer=_timer, features=feats)
         assert d3.check("fake.slow")["status"] == "slower" and d3.probes == 1
     assert "runs again next time" in caplog.text
