@@ -1,0 +1,98 @@
+"""Sequence parallelism on gloo: 2 and 3 local processes (spawned here, loopback only, bounded in time) give one
+process's latents within float32 rounding, each rank keeps 1/N of the KV cache (its heads), and a rank that dies
+makes the others stop with a clear error within the collective timeout."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import seq_parallel_scenarios as scenarios
+from wan_accel.app.parallel import run_ranks
+from wan_accel.model.seq_parallel import ParallelError, SeqParallel, check_heads, enable, valid_rank_counts
+from wan_accel.model.tiny import tiny_causal_model
+
+PARITY = 1e-5          # float32 rounding: the ranks compute the same sums in other blockings
+FIXTURE_TOL = 1e-4     # the public fixtures' acceptance bound (official implementations)
+
+JOBS = {
+    2: [("t2v_global", "t2v_fixture", {}),
+        ("t2v_rolling", "t2v_fixture", {"kv_window": 4}),
+        ("tiny_rolling_optimized", "tiny6", {"kv_window": 6, "sink": 1, "path": "optimized"}),
+        ("mg2_fixture", "mg2", {})],
+    3: [("tiny_global", "tiny6", {}),
+        ("tiny_rolling", "tiny6", {"kv_window": 6, "sink": 1}),
+        ("mg2_6heads", "mg2", {"heads": 6})],
+}
+CASES = [(w, name) for w, jobs in JOBS.items() for name, _, _ in jobs]
+_RUNS: dict = {}
+
+
+def _runs(world: int):
+    """(one process's results, the ranks' results) for the jobs of ``world`` (the ranks are started once)."""
+    if world not in _RUNS:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)        # tiny tensors: threads only contend with the ranks for the cores
+        try:
+            one = scenarios.several(None, JOBS[world])
+        finally:
+            torch.set_num_threads(threads)
+        ranks = run_ranks(scenarios.several, world, (JOBS[world],), timeout_s=120, collective_timeout_s=60)
+        _RUNS[world] = (one, ranks)
+    return _RUNS[world]
+
+
+@pytest.mark.parametrize("world,name", CASES)
+def test_ranks_match_one_process(world, name):
+    one, ranks = _runs(world)
+    ref = one[name]
+    if ref.get("fixture") is not None and "rolling" not in name:
+        assert float((ref["out"] - ref["fixture"]).abs().max()) <= FIXTURE_TOL
+    heads = ref["k0"].shape[2]
+    for rank, res in enumerate(ranks):
+        got = res[name]
+        assert float((got["out"] - ref["out"]).abs().max()) <= PARITY, (rank, name)
+        # the rank's cache: 1/N of the bytes, holding exactly its heads of the one-process cache
+        assert got["kv_bytes"] * world == ref["kv_bytes"]
+        share = slice(rank * heads // world, (rank + 1) * heads // world)
+        for key in ("k0", "v0"):
+            assert got[key].shape[2] == heads // world
+            assert float((got[key] - ref[key][:, :, share]).abs().max()) <= PARITY
+        if "mg2" in name:           # the per-position action cache is split by position: 1/N as well (rounded)
+            assert abs(got["mouse_bytes"] * world - ref["mouse_bytes"]) <= ref["mouse_bytes"] // 2
+
+
+def test_communication_is_counted():
+    _, ranks = _runs(2)
+    stats = ranks[0]["t2v_global"]["stats"]
+    # per layer call: 1 all-to-all before (q, k, v), 1 after; per model call 1 all-gather; refresh: last block's k, v
+    assert stats["collectives"] > 0 and stats["bytes_sent"] > 0
+
+
+def test_head_counts_that_do_not_divide_name_the_valid_rank_counts():
+    assert valid_rank_counts(12) == [1, 2, 3, 4, 6, 12]
+    assert valid_rank_counts(40) == [1, 2, 4, 5, 8, 10, 20, 40]
+    with pytest.raises(ValueError, match=r"12 is not divisible by 5: use one of 1, 2, 3, 4, 6, 12 ranks"):
+        check_heads(12, 5)
+    model = tiny_causal_model()                       # 4 heads
+    with pytest.raises(ValueError, match=r"4 is not divisible by 3: use one of 1, 2, 4 ranks"):
+        enable(model, SeqParallel(0, 3))
+    assert getattr(model, "_wan_accel_seq_parallel", None) is None
+    with pytest.raises(ValueError, match="outside a group of 2"):
+        SeqParallel(2, 2)
+    with pytest.raises(ValueError, match="cannot be split across 4 ranks"):
+        SeqParallel(0, 4).layout(3, 2)
+
+
+def test_a_rank_that_dies_stops_the_others_with_a_clear_error():
+    timeout = 15.0
+    t0 = time.monotonic()
+    with pytest.raises(ParallelError, match="rank 1 died") as info:
+        run_ranks(scenarios.dies_mid_run, 2, timeout_s=90, collective_timeout_s=timeout)
+    elapsed = time.monotonic() - t0
+    kind, message = info.value.outcomes[0]
+    assert kind == "parallel", message                 # the survivor stopped on its own, with the clear error
+    assert "sequence-parallel rank 0 of 2" in message and "another rank stopped" in message
+    assert elapsed < timeout + 30                     # 30 s: starting two interpreters with torch on a slow CI
+    assert not torch.distributed.is_initialized()
