@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, SeqParallel
+from ..model.kv_cache import KVCache
+from ..model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, SeqParallel, enable
 
 ENV_TIMEOUT = "WAN_ACCEL_PARALLEL_TIMEOUT"
 
@@ -78,6 +79,34 @@ def group_from_env(device=None, timeout_s: float | None = None) -> tuple[SeqPara
 def stop_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def enable_parallel(model, sp: SeqParallel | None) -> None:
+    """Put a job's model on this rank's group (nothing for None); counts start from zero."""
+    if sp is not None:
+        enable(model, sp)
+        sp.reset_stats()
+
+
+def kv_bytes(model, shape, kv_window: int = -1, sink: int = 0) -> tuple[int, int]:
+    """(this process's, one whole process's) self-attention KV cache bytes of ``model`` for latents ``shape``
+    [B, F, C, H, W]: under sequence parallelism a rank's cache holds its share of the heads. From a cache on the
+    meta device (nothing is allocated)."""
+    b, f, _, h, w = shape
+    c = model.config
+    ft = (h // c.patch_size[1]) * (w // c.patch_size[2])
+    kv = KVCache.for_model(model, b, ft, f, kv_window, sink, device="meta")
+    mine = sum(layer.k.nbytes + layer.v.nbytes for layer in kv.layers)
+    return mine, mine * c.num_heads // kv.layers[0].k.shape[2]
+
+
+def parallel_report(model, sp: SeqParallel, shape, kv_window: int, sink: int, chunks: int) -> dict:
+    """What a rank did: the group, its KV bytes (1/world of one process's) and what it sent per chunk."""
+    mine, whole = kv_bytes(model, shape, kv_window, sink)
+    return {"world_size": sp.world, "rank": sp.rank, "backend": dist.get_backend() if dist.is_initialized() else None,
+            "kv_bytes_per_rank": mine, "kv_bytes_one_process": whole,
+            "comm_bytes_sent": sp.stats["bytes_sent"], "collectives": sp.stats["collectives"],
+            "comm_bytes_per_chunk": sp.stats["bytes_sent"] // max(1, chunks)}
 
 
 # ---------------------------------------------------------------------------------------------- local workers

@@ -115,3 +115,21 @@ def dies_mid_run(sp, dying_rank: int = 1) -> dict:
 
     generate_latents(model, torch.zeros(1, 4, model.config.text_dim), 9, 10, 12, on_chunk=on_chunk)
     return {"finished": True}
+
+
+
+def cli_generate(sp, argv, out) -> dict:
+    """``python -m wan_accel generate ... --out OUT`` in one process or as one rank of a torchrun launch (its
+    environment variables; the command ends the group, so this runs last); rank 0's latents and report."""
+    import json
+    from safetensors.torch import load_file
+    from wan_accel.cli import main
+    if sp is not None:
+        os.environ.update(WORLD_SIZE=str(sp.world), RANK=str(sp.rank), LOCAL_RANK=str(sp.rank))
+    out = Path(out) / ("one" if sp is None else f"ranks{sp.world}")
+    code = main(list(argv) + ["--out", str(out)])
+    if sp is not None and sp.rank != 0:
+        return {"code": code}
+    report = json.loads((out / "report.json").read_text())
+    return {"code": code, "out": load_file(str(out / "latents.safetensors"))["latents"],
+            "parallel": report.get("parallel")}

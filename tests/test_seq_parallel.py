@@ -16,17 +16,28 @@ from wan_accel.model.tiny import tiny_causal_model
 PARITY = 1e-5          # float32 rounding: the ranks compute the same sums in other blockings
 FIXTURE_TOL = 1e-4     # the public fixtures' acceptance bound (official implementations)
 
+CLI = ["generate", "--device", "cpu", "--frames", "9", "--height", "64", "--width", "64", "--no-preview",
+       "--kv-window", "2", "--frames-per-block", "1"]
 JOBS = {
     2: [("t2v_global", "t2v_fixture", {}),
         ("t2v_rolling", "t2v_fixture", {"kv_window": 4}),
         ("tiny_rolling_optimized", "tiny6", {"kv_window": 6, "sink": 1, "path": "optimized"}),
-        ("mg2_fixture", "mg2", {})],
+        ("mg2_fixture", "mg2", {}),
+        ("cli", "cli_generate", {"argv": CLI, "out": None})],     # last: the command ends the group
     3: [("tiny_global", "tiny6", {}),
         ("tiny_rolling", "tiny6", {"kv_window": 6, "sink": 1}),
         ("mg2_6heads", "mg2", {"heads": 6})],
 }
-CASES = [(w, name) for w, jobs in JOBS.items() for name, _, _ in jobs]
+CASES = [(w, name) for w, jobs in JOBS.items() for name, _, _ in jobs if name != "cli"]
 _RUNS: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _out_dir(tmp_path_factory):
+    for jobs in JOBS.values():
+        for _name, fn, kw in jobs:
+            if fn == "cli_generate":
+                kw["out"] = str(tmp_path_factory.mktemp("generate"))
 
 
 def _runs(world: int):
@@ -96,3 +107,19 @@ def test_a_rank_that_dies_stops_the_others_with_a_clear_error():
     assert "sequence-parallel rank 0 of 2" in message and "another rank stopped" in message
     assert elapsed < timeout + 30                     # 30 s: starting two interpreters with torch on a slow CI
     assert not torch.distributed.is_initialized()
+
+
+
+def test_generate_command_as_torchrun_ranks():
+    """The generate command under torchrun's environment (the ranks' last job): rank 0 writes one process's latents,
+    and its report says what each rank held and sent."""
+    one, ranks = _runs(2)
+    ref = one["cli"]
+    assert ref["code"] == 0 and ref["parallel"] is None
+    assert [r["cli"]["code"] for r in ranks] == [0, 0]
+    got = ranks[0]["cli"]
+    assert float((got["out"] - ref["out"]).abs().max()) <= PARITY
+    par = got["parallel"]
+    assert par["world_size"] == 2 and par["rank"] == 0 and par["backend"] == "gloo"
+    assert par["kv_bytes_per_rank"] * 2 == par["kv_bytes_one_process"]
+    assert par["comm_bytes_per_chunk"] > 0
