@@ -118,6 +118,14 @@ def dies_mid_run(sp, dying_rank: int = 1) -> dict:
 
 
 
+
+def bench_rank(sp) -> dict:
+    """One rank of ``bench sampler --world-size N`` (tiny model, CPU, 9 frames 64x64, one timed run)."""
+    from wan_accel.app import bench_parallel
+    opts = dict(checkpoint=None, seed=0, repeat=1, kind="wan", shape="tiny", geometry=(9, 64, 64),
+                run_dtype="fp32", variant="reference", devices=["cpu"] * (1 if sp is None else sp.world))
+    return bench_parallel._rank_run(sp, opts)
+
 def cli_generate(sp, argv, out) -> dict:
     """``python -m wan_accel generate ... --out OUT`` in one process or as one rank of a torchrun launch (its
     environment variables; the command ends the group, so this runs last); rank 0's latents and report."""

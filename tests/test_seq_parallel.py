@@ -23,12 +23,13 @@ JOBS = {
         ("t2v_rolling", "t2v_fixture", {"kv_window": 4}),
         ("tiny_rolling_optimized", "tiny6", {"kv_window": 6, "sink": 1, "path": "optimized"}),
         ("mg2_fixture", "mg2", {}),
+        ("bench", "bench_rank", {}),
         ("cli", "cli_generate", {"argv": CLI, "out": None})],     # last: the command ends the group
     3: [("tiny_global", "tiny6", {}),
         ("tiny_rolling", "tiny6", {"kv_window": 6, "sink": 1}),
         ("mg2_6heads", "mg2", {"heads": 6})],
 }
-CASES = [(w, name) for w, jobs in JOBS.items() for name, _, _ in jobs if name != "cli"]
+CASES = [(w, name) for w, jobs in JOBS.items() for name, _, _ in jobs if name not in ("cli", "bench")]
 _RUNS: dict = {}
 
 
@@ -75,10 +76,31 @@ def test_ranks_match_one_process(world, name):
 
 
 def test_communication_is_counted():
+    """What a rank sends, from the shapes: per layer and model call the all-to-all of q, k, v (the other ranks'
+    heads of this rank's tokens) and of the attention output (this rank's heads of the other ranks' tokens); per
+    denoising call the all-gather of the head's output (the refresh pass has no output)."""
     _, ranks = _runs(2)
-    stats = ranks[0]["t2v_global"]["stats"]
-    # per layer call: 1 all-to-all before (q, k, v), 1 after; per model call 1 all-gather; refresh: last block's k, v
-    assert stats["collectives"] > 0 and stats["bytes_sent"] > 0
+    n, layers, dim, out_dim, steps, chunks = 2, 2, 64, 16 * 4, 4, 2     # the public causal fixture
+    tokens = 3 * 24 // n                                               # this rank's tokens of a 3-frame chunk
+    fp32 = 4
+    per_layer = (3 * tokens * dim + tokens * dim) * (n - 1) // n * fp32
+    gather = tokens * out_dim * (n - 1) * fp32
+    per_chunk = steps * (layers * per_layer + gather) + layers * per_layer
+    for rank in ranks:
+        stats = rank["t2v_global"]["stats"]
+        assert stats["bytes_sent"] == chunks * per_chunk
+        assert stats["collectives"] == chunks * (steps * (2 * layers + 1) + 2 * layers)
+
+
+def test_bench_reports_kv_and_communication_per_rank():
+    one, ranks = _runs(2)
+    ref = one["bench"]
+    assert ref["world_size"] == 1 and ref["comm_bytes_per_chunk"] == 0
+    for res in ranks:
+        got = res["bench"]
+        assert got["world_size"] == 2 and got["kv_bytes_per_rank"] * 2 == ref["kv_bytes_per_rank"]
+        assert got["comm_bytes_per_chunk"] > 0 and got["collectives_per_chunk"] > 0
+    assert float((ranks[0]["bench"]["latents"] - ref["latents"]).abs().max()) <= PARITY
 
 
 def test_head_counts_that_do_not_divide_name_the_valid_rank_counts():
