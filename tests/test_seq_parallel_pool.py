@@ -1,0 +1,69 @@
+"""The worker ranks kept beside a model (the ComfyUI face's pool), on gloo CPU processes: the same latents as one
+process, workers reused between runs, and torn down by an interrupt or error on rank 0, by a dying worker, and with
+the model."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from wan_accel.app.handle import load_model_handle
+from wan_accel.app.job import sample_latents
+from wan_accel.app.rank_pool import POOL_KEY, RankPool
+from wan_accel.model.attachments import seq_parallel_of
+from wan_accel.model.seq_parallel import ParallelError
+
+ARGS = (torch.zeros(1, 0, 64), 64, 64, 9, 3, "self_forcing", 3, -1, 0, False)   # tiny model, 9 frames 64x64
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt_at(step: int):
+    def callback(ci, k, nc, ns, x0):
+        if k == step:
+            raise Interrupted("processing interrupted")
+    return callback
+
+
+def test_pool_matches_one_process_and_leaves_no_worker_behind():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        handle = load_model_handle(None, "fp32", "float32", "sdpa", "cpu")
+        with torch.no_grad():
+            one = sample_latents(handle.model, *ARGS, path="reference")
+        with pytest.raises(ValueError, match="use one of 1, 2, 4 ranks"):
+            RankPool.attach(handle, 3)
+        pool = RankPool.attach(handle, 2, timeout_s=20)
+        assert handle.extra[POOL_KEY] is pool and not pool.running
+        two = pool.sample(handle.model, *ARGS, path="reference")
+        assert float((two - one).abs().max()) <= 1e-5
+        workers = list(pool.procs)
+        assert float((pool.sample(handle.model, *ARGS, path="reference") - one).abs().max()) <= 1e-5
+        assert pool.procs == workers and all(p.is_alive() for p in workers)      # reused, not restarted
+
+        with pytest.raises(Interrupted):                  # an interrupt on rank 0: the workers go
+            pool.sample(handle.model, *ARGS, path="reference", callback=_interrupt_at(1))
+        assert not pool.running and not any(p.is_alive() for p in workers)
+        assert seq_parallel_of(handle.model) is None
+        assert not torch.distributed.is_initialized()
+
+        assert float((pool.sample(handle.model, *ARGS, path="reference") - one).abs().max()) <= 1e-5  # restarted
+        pool.procs[0].kill()                              # a worker dies: one clear error, no hang
+        with pytest.raises(ParallelError, match="another rank stopped|died"):
+            pool.sample(handle.model, *ARGS, path="reference")
+        assert not pool.running and not torch.distributed.is_initialized()
+
+        pool.sample(handle.model, *ARGS, path="reference")
+        workers = list(pool.procs)
+        del handle, pool                                  # dropping the model stops its workers
+        gc.collect()
+        for p in workers:
+            p.join(10)
+        assert not any(p.is_alive() for p in workers)
+        assert not torch.distributed.is_initialized()
+    finally:
+        torch.set_num_threads(threads)
