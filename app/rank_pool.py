@@ -10,6 +10,7 @@ Idle workers wait on their pipe, never in a collective, and exit when this proce
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 import traceback
@@ -24,25 +25,60 @@ from .parallel import _loopback, start_group, stop_group
 POOL_KEY = "rank_pool"          # in ModelHandle.extra
 
 
-def _serve(rank: int, world: int, init: str, timeout_s: float, spec: dict, device: str, conn) -> None:
-    """A worker rank: load the model, join the group, then run jobs from the pipe until it closes."""
+def _plain(value):
+    """A job argument as plain data for the worker: tensors on the CPU, a Schedule as resolve_schedule arguments."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if hasattr(value, "steps_config") and hasattr(value, "warp"):
+        return {"preset": "custom", "steps": list(value.steps_config), "shift": float(value.shift),
+                "warp": bool(value.warp)}
+    return value
+
+
+# The worker is a fresh interpreter (not a multiprocessing child: a host such as ComfyUI loads this package under a
+# path-like module name and runs its own main module, neither of which a spawned child can re-import). It loads the
+# package from its folder under a private name, then serves jobs from its stdin; replies go to its stdout (the
+# process's own prints are sent to stderr). Jobs are plain data (no classes of this package).
+_BOOT = ("import importlib, importlib.util, sys\n"
+         "root, name = sys.argv[1], '_wan_accel_rank'\n"
+         "spec = importlib.util.spec_from_file_location(name, root + '/__init__.py', submodule_search_locations=[root])\n"
+         "mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)\n"
+         "importlib.import_module(name + '.app.rank_pool').serve(sys.argv[2:])\n")
+
+
+def _channel():
+    """(reader of stdin, writer to the real stdout) as message connections; fd 1 then points at stderr."""
+    from multiprocessing.connection import Connection
+    import os
+    out = os.dup(1)
+    os.dup2(2, 1)
+    return Connection(0, writable=False), Connection(out, readable=False)
+
+
+def serve(argv: list) -> None:
+    """A worker rank: load the model, join the group, then run jobs until its stdin closes."""
+    import json
+    rank, world, init, timeout_s, device = int(argv[0]), int(argv[1]), argv[2], float(argv[3]), argv[4]
+    spec = json.loads(argv[5])
+    inbox, outbox = _channel()
     _loopback()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
         from .handle import load_model_handle
         from .job import sample_latents, sampler_setup
         handle = load_model_handle(spec["source"], spec["dtype"], spec["precision"], spec["attention"], device,
-                                   plan=spec.get("plan"), num_heads=spec.get("num_heads"))
-        conn.send(("loaded", rank))
+                                   num_heads=spec.get("num_heads"))
+        outbox.send(("loaded", rank))
         sp = start_group(rank, world, init, device, timeout_s)
         enable(handle.model, sp)
-        conn.send(("ready", rank))
+        outbox.send(("ready", rank))
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        outbox.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     try:
         while True:
             try:
-                job = conn.recv()
+                job = inbox.recv()
             except (EOFError, OSError):          # rank 0 went away: leave
                 return
             if job is None:
@@ -52,9 +88,9 @@ def _serve(rank: int, world: int, init: str, timeout_s: float, spec: dict, devic
                 with torch.no_grad():
                     sample_latents(handle.model, *job["args"], path=job["path"], fast_options=options,
                                    oom_retry="off", **job["kwargs"])
-                conn.send(("done", rank))
+                outbox.send(("done", rank))
             except BaseException as exc:  # noqa: BLE001
-                conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
+                outbox.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
     finally:
         try:
             stop_group()
@@ -91,9 +127,9 @@ class RankPool:
         old = handle.extra.get(POOL_KEY)
         if old is not None:
             old.close(handle.model)
-        spec = {"source": handle.source, "dtype": handle.dtype, "precision": handle.precision,
-                "attention": handle.attention, "plan": handle.plan,
-                "num_heads": handle.model.config.num_heads}
+        spec = {"source": handle.source, "dtype": str(handle.dtype).replace("torch.", "").replace("bfloat16", "bf16")
+                .replace("float16", "fp16").replace("float32", "fp32"), "precision": handle.precision,
+                "attention": handle.attention, "num_heads": handle.model.config.num_heads}
         pool = cls(world, spec, devices, timeout_s)
         handle.extra[POOL_KEY] = pool
         weakref.finalize(handle.model, pool.close)       # the workers go with the model
@@ -106,19 +142,23 @@ class RankPool:
     def start(self, model) -> None:
         if self.running:
             return
-        import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
+        import json
+        import subprocess
+        import sys
+        from multiprocessing.connection import Connection
         self._tmp = tempfile.TemporaryDirectory(prefix="wan_accel_pool_")
         init = Path(self._tmp.name, "store").as_uri()
+        root = str(Path(__file__).resolve().parents[1])
         try:
             for rank in range(1, self.world):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=_serve, args=(rank, self.world, init, self.timeout_s, self.spec,
-                                                     self.devices[rank], child), daemon=True)
-                p.start()
-                child.close()
+                p = subprocess.Popen([sys.executable, "-c", _BOOT, root, str(rank), str(self.world), init,
+                                      str(self.timeout_s), self.devices[rank], json.dumps(self.spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                 self.procs.append(p)
-                self.conns.append(parent)
+                self.conns.append((Connection(os.dup(p.stdin.fileno()), readable=False),
+                                   Connection(os.dup(p.stdout.fileno()), writable=False)))
+                p.stdin.close()
+                p.stdout.close()
             self._collect("loaded", self.load_timeout_s)     # notices a worker that dies while loading
             _loopback()
             sp = start_group(0, self.world, init, self.devices[0], self.timeout_s)
@@ -131,10 +171,10 @@ class RankPool:
 
     def _collect(self, want: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+        for rank, (p, (_out, conn)) in enumerate(zip(self.procs, self.conns), start=1):
             while not conn.poll(0.1):
-                if not p.is_alive():
-                    raise ParallelError(f"sequence-parallel worker rank {rank} died (exit code {p.exitcode})")
+                if p.poll() is not None:
+                    raise ParallelError(f"sequence-parallel worker rank {rank} died (exit code {p.returncode})")
                 if time.monotonic() > deadline:
                     raise ParallelError(f"sequence-parallel worker rank {rank} did not answer within "
                                         f"{timeout_s:g} s")
@@ -148,12 +188,11 @@ class RankPool:
         tears the workers down before it propagates."""
         from .job import sample_latents
         self.start(model)
-        cpu = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v      # noqa: E731
-        job = {"args": tuple(cpu(a) for a in args), "kwargs": {k: cpu(v) for k, v in kwargs.items()}, "path": path,
-               "setup": dict(setup or {})}
+        job = {"args": tuple(_plain(a) for a in args), "kwargs": {k: _plain(v) for k, v in kwargs.items()},
+               "path": path, "setup": dict(setup or {})}
         try:
-            for conn in self.conns:
-                conn.send(job)
+            for out, _inbox in self.conns:
+                out.send(job)
             latents = sample_latents(model, *args, callback=callback, path=path, fast_options=fast_options,
                                      report=report, oom_retry="off", **kwargs)
             self._collect("done", self.timeout_s)
@@ -162,20 +201,26 @@ class RankPool:
             self.close(model)
             raise
 
+    def alive(self) -> list:
+        """Whether each worker process is still running."""
+        return [p.poll() is None for p in self.procs]
+
     def close(self, model=None) -> None:
         """Stop the workers and leave the group (idempotent); the model samples on one GPU again."""
-        for conn in self.conns:
+        for out, _inbox in self.conns:
             try:
-                conn.send(None)
+                out.send(None)
             except Exception:  # noqa: BLE001 - the worker may be gone
                 pass
         for p in self.procs:
-            p.join(timeout=2)
-            if p.is_alive():
+            try:
+                p.wait(timeout=2)
+            except Exception:  # noqa: BLE001 - busy in a collective of a broken group: stop it
                 p.kill()
-                p.join(5)
-        for conn in self.conns:
-            conn.close()
+                p.wait(5)
+        for pair in self.conns:
+            for conn in pair:
+                conn.close()
         self.procs, self.conns = [], []
         if self.sp is not None or model is not None:
             try:
