@@ -10,11 +10,14 @@ import torch
 
 from wan_accel.app.handle import load_model_handle
 from wan_accel.app.job import sample_latents
-from wan_accel.app.rank_pool import POOL_KEY, RankPool
+from wan_accel.app.rank_pool import POOL_KEY
 from wan_accel.model.attachments import seq_parallel_of
 from wan_accel.model.seq_parallel import ParallelError
+from wan_accel.nodes.model_nodes import CausalWanSampler
+from wan_accel.nodes.parallel_nodes import CausalWanSequenceParallel
 
 ARGS = (torch.zeros(1, 0, 64), 64, 64, 9, 3, "self_forcing", 3, -1, 0, False)   # tiny model, 9 frames 64x64
+NODE_ARGS = (64, 64, 9, 3, "self_forcing", 3, -1, 0)       # the sampler node's widgets for the same run
 
 
 class Interrupted(Exception):
@@ -35,10 +38,14 @@ def test_pool_matches_one_process_and_leaves_no_worker_behind():
         handle = load_model_handle(None, "fp32", "float32", "sdpa", "cpu")
         with torch.no_grad():
             one = sample_latents(handle.model, *ARGS, path="reference")
+            node_one = CausalWanSampler().sample(handle, *NODE_ARGS, sampler="reference")[0]["samples"]
         with pytest.raises(ValueError, match="use one of 1, 2, 4 ranks"):
-            RankPool.attach(handle, 3)
-        pool = RankPool.attach(handle, 2, timeout_s=20)
-        assert handle.extra[POOL_KEY] is pool and not pool.running
+            CausalWanSequenceParallel().apply(handle, 3, 20)
+        (same,) = CausalWanSequenceParallel().apply(handle, 2, 20)     # the node: the same handle, with a pool
+        pool = handle.extra[POOL_KEY]
+        assert same is handle and not pool.running
+        node_two = CausalWanSampler().sample(handle, *NODE_ARGS, sampler="reference")[0]["samples"]
+        assert pool.running and float((node_two - node_one).abs().max()) <= 1e-5
         two = pool.sample(handle.model, *ARGS, path="reference")
         assert float((two - one).abs().max()) <= 1e-5
         workers = list(pool.procs)
@@ -59,7 +66,7 @@ def test_pool_matches_one_process_and_leaves_no_worker_behind():
 
         pool.sample(handle.model, *ARGS, path="reference")
         workers = list(pool.procs)
-        del handle, pool                                  # dropping the model stops its workers
+        del handle, same, pool                            # dropping the model stops its workers
         gc.collect()
         for p in workers:
             p.wait(10)                                    # raises if a worker is still running
