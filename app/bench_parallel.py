@@ -10,6 +10,9 @@ first and steady seconds (median of --repeat runs), per-chunk latency, video FPS
   comm_bytes_per_chunk  bytes one rank sends to the others per chunk (all-to-alls around self-attention and the
                         all-gather of the head's output), counted over one run
   collectives_per_chunk collectives one rank waits on per chunk
+
+On a CPU the ranks are processes with one thread each, the one-process run uses this process's threads: CPU times
+show the mechanism working, not what GPUs gain.
 """
 from __future__ import annotations
 
@@ -74,7 +77,7 @@ def _rank_run(sp, opts: dict) -> dict:
     mine, whole = kv_bytes(model, (1,) + lat, model.config.local_attn_size if opts["kind"] == "matrix-game2" else -1)
     steady = statistics.median(times[1:])
     res = {"world_size": 1 if sp is None else sp.world, "rank": 0 if sp is None else sp.rank,
-           "device": str(device), "variant": opts["variant"], "dtype": str(dtype).replace("torch.", ""),
+           "device": str(device), "threads": torch.get_num_threads(), "variant": opts["variant"], "dtype": str(dtype).replace("torch.", ""),
            "first_s": round(times[0], 4), "steady_s": round(steady, 4),
            "chunk_ms_mean": round(1e3 * statistics.mean(statistics.median(c[i] for c in chunks[1:])
                                                         for i in range(n)), 2),
@@ -142,7 +145,7 @@ def run(args) -> int:
         return 0
     print(f"sequence-parallel sampler bench on {result['device_name']}, {kind} {result['model']}, "
           f"{geometry[0]} frames {geometry[2]}x{geometry[1]}, {opts['variant']} path")
-    cols = ["world_size", "device", "dtype", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "parity_max_abs",
+    cols = ["world_size", "device", "threads", "dtype", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "parity_max_abs",
             "kv_bytes_per_rank", "comm_bytes_per_chunk", "collectives_per_chunk"]
     table = [[f"{r[c]:.2e}" if c == "parity_max_abs" else str(r[c]) for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
