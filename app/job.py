@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .parallel import enable_parallel, parallel_report
+
 VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
 TINY_DEFAULTS = {"frames": 33, "height": 128, "width": 128}
 MODEL_DEFAULTS = {"frames": 81, "height": 480, "width": 832}
@@ -222,8 +224,9 @@ def _resolve(opts: GenerateOptions):
     return device, dtype, frames, height, width
 
 
-def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
-    """Run the job; progress(chunk, step, num_chunks, num_steps) per step. Returns the report dict."""
+def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None) -> dict:
+    """Run the job; progress(chunk, step, num_chunks, num_steps) per step. Returns the report dict.
+    parallel: this rank's ``SeqParallel`` (``app/parallel.py``) to sample sequence-parallel; rank 0 writes the files."""
     from .handle import load_model_handle
     from .preview import latents_to_rgb, save_animation, to_vae_latents
     from ..sampling.scheduler import resolve_schedule
@@ -236,6 +239,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
     handle = load_model_handle(opts.checkpoint, dtype, opts.precision, opts.attention, device,
                                num_heads=opts.num_heads, compile_settings=compile_settings)
     model, notes = handle.model, []
+    enable_parallel(model, parallel)
     if handle.is_tiny:
         log("using the built-in tiny random model (deterministic random weights; output is not a real video)")
         notes.append("tiny random model")
@@ -265,12 +269,14 @@ def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
     latents = maybe_profile(handle, sample_latents, model, context, width, height, frames, opts.seed, schedule,
                             opts.frames_per_block, opts.kv_window, opts.sink, opts.skip_last_refresh,
                             callback=on_step, on_chunk=on_chunk, path=opts.sampler, fast_options=fast_options,
-                            report=sampler_report)
+                            report=sampler_report, oom_retry="off" if parallel is not None else "auto")
     _sync(device)
     sample_s = time.perf_counter() - t_start
     out = Path(opts.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = _write_outputs(out, latents, opts, to_vae_latents, latents_to_rgb, save_animation)
+    writes = parallel is None or parallel.rank == 0
+    if writes:
+        out.mkdir(parents=True, exist_ok=True)
+    files = _write_outputs(out, latents, opts, to_vae_latents, latents_to_rgb, save_animation) if writes else {}
     report = {
         "model": handle.source, "tiny_random_model": handle.is_tiny, "config": cfg.to_dict(),
         "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -281,9 +287,13 @@ def run_generate(opts: GenerateOptions, progress=None, log=print) -> dict:
         "chunk_seconds": chunk_seconds, "peak_memory": _peak_memory(device), "files": files, "notes": notes,
         "torch": torch.__version__, "sampler": _jsonable(sampler_report),
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    _append_history(report, frames)
-    report["files"]["report"] = str(out / "report.json")
+    if parallel is not None:
+        report["parallel"] = parallel_report(model, parallel, latents.shape, opts.kv_window, opts.sink,
+                                             len(chunk_seconds))
+    if writes:
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        _append_history(report, frames)
+        report["files"]["report"] = str(out / "report.json")
     return report
 
 

@@ -73,8 +73,10 @@ def _conditioning(opts: MG2Options, model, device):
     return image.to(device), ctx.to(device)
 
 
-def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
-    """Run the job; progress(chunk, num_chunks) per chunk. Returns the report dict."""
+def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) -> dict:
+    """Run the job; progress(chunk, num_chunks) per chunk. Returns the report dict. parallel: this rank's
+    ``SeqParallel`` to sample sequence-parallel (``app/parallel.py``); rank 0 writes the files."""
+    from .parallel import enable_parallel, parallel_report
     from ..sampling.actions_script import parse_action_script
     from .job import ChunkTimer, _peak_memory, _sync, _write_outputs
     from ..sampling.mg2 import generate_mg2, resolve_preset
@@ -92,6 +94,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
                              seed=opts.seed if not opts.checkpoint else 0, num_heads=opts.num_heads,
                              mode=settings.mode)
     load_s = time.perf_counter() - t0
+    enable_parallel(handle.model, parallel)
     notes = []
     if handle.is_tiny:
         log("using the built-in tiny Matrix-Game-2 model (random weights; output is not a real video)")
@@ -108,8 +111,11 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
     _sync(device)
     sample_s = time.perf_counter() - t_start
     out = Path(opts.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = _write_outputs(out, latents.transpose(1, 2), opts, to_vae_latents, latents_to_rgb, save_animation)
+    writes = parallel is None or parallel.rank == 0
+    if writes:
+        out.mkdir(parents=True, exist_ok=True)
+    files = _write_outputs(out, latents.transpose(1, 2), opts, to_vae_latents, latents_to_rgb,
+                           save_animation) if writes else {}
     report = {
         "model": handle.source, "model_kind": "matrix-game2", "tiny_random_model": handle.is_tiny,
         "config": handle.config.to_dict() | {"action_config": handle.model.action_config.to_dict()},
@@ -121,6 +127,10 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print) -> dict:
         "load_seconds": load_s, "sample_seconds": sample_s, "chunk_seconds": chunk_seconds,
         "peak_memory": _peak_memory(device), "files": files, "notes": notes, "torch": torch.__version__,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    report["files"]["report"] = str(out / "report.json")
+    if parallel is not None:
+        report["parallel"] = parallel_report(handle.model, parallel, latents.transpose(1, 2).shape, settings.window,
+                                             0, len(chunk_seconds))
+    if writes:
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        report["files"]["report"] = str(out / "report.json")
     return report

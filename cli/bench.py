@@ -56,8 +56,19 @@ def check_bench_args(what: str, ns) -> None:
         check_int("--frames", ns.frames, 1, 4096)
 
 
+# a bench run with one of these options -> the module that runs it
+ROUTES = {("sampler", "--world-size"): ("..app.bench_parallel", "one process vs N sequence-parallel ranks")}
+
+
+def _route(what: str, bench_args: list) -> tuple:
+    for (name, option), target in ROUTES.items():
+        if name == what and any(a == option or a.startswith(option + "=") for a in bench_args):
+            return target
+    return BENCHES[what]
+
+
 def _run(args) -> int:
-    module, help_text = BENCHES[args.what]
+    module, help_text = _route(args.what, args.bench_args)
     mod = importlib.import_module(importlib.util.resolve_name(module, __package__))
     parser = argparse.ArgumentParser(prog=f"python -m wan_accel bench {args.what}", description=help_text)
     mod.add_arguments(parser)

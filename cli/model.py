@@ -58,7 +58,7 @@ def _add_generate(subparsers) -> None:
     p.set_defaults(func=_generate)
 
 
-def _run_job(args, log):
+def _run_job(args, log, parallel=None):
     if args.model_kind == "matrix-game2":
         from ..app.mg2_job import MG2Options, run_mg2_generate
         from ..sampling.sampler import sampler_path
@@ -71,7 +71,8 @@ def _run_job(args, log):
                       skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview)
         options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels}
         with sampler_path(args.sampler, options):
-            return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log)
+            return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log,
+                                    parallel=parallel)
     from ..app.job import GenerateOptions, run_generate
     opts = GenerateOptions(
         out_dir=args.out, checkpoint=args.checkpoint, text_embeds=args.text_embeds, frames=args.frames,
@@ -82,7 +83,7 @@ def _run_job(args, log):
         skip_last_refresh=args.skip_last_refresh, num_heads=args.num_heads, preview=not args.no_preview,
         sampler=args.sampler, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
         compile=args.compile)
-    return run_generate(opts, log=log)
+    return run_generate(opts, log=log, parallel=parallel)
 
 
 GENERATE_NAMES = {"frames": "--frames", "height": "--height", "width": "--width",
@@ -129,7 +130,23 @@ def check_generate_args(args) -> None:
 def _generate(args) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     check_generate_args(args)
-    report = _run_job(args, log)
+    # under torchrun (WORLD_SIZE > 1): one rank of a sequence-parallel run, one GPU (or CPU process) each
+    from ..app.parallel import group_from_env, stop_group
+    parallel, device = group_from_env(args.device)
+    if parallel is not None:
+        args.device = str(device)
+        if parallel.rank != 0:
+            log = lambda *a, **k: None      # noqa: E731 - rank 0 speaks for the run
+    try:
+        report = _run_job(args, log, parallel)
+    except Exception:
+        if parallel is not None:            # which rank; run_guarded prints the one error line
+            print(f"rank {parallel.rank} of {parallel.world}:", file=sys.stderr, end=" ")
+        raise
+    finally:
+        stop_group()
+    if parallel is not None and parallel.rank != 0:
+        return 0
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -14,6 +14,7 @@ import torch.nn as nn
 SWAP_ATTR = "_wan_accel_block_swap"        # on model.blocks: the active BlockSwap (units keyed by block index)
 COMPILE_ATTR = "_wan_accel_compile"        # on the model: the CompileHandle (settings, end_warmup())
 RUNNER_ATTR = "_wan_accel_fast"            # on the model: the optimized sampler's runner (static buffers, graphs)
+SEQ_PARALLEL_ATTR = "_wan_accel_seq_parallel"  # on the model: its sequence-parallel group (model/seq_parallel.py)
 
 
 def block_list(model) -> nn.ModuleList | None:
@@ -33,6 +34,11 @@ def swapped_blocks(model) -> set:
     """Indices of the blocks whose weights a block swap moves between calls."""
     swap = block_swap_of(model)
     return {k for k in getattr(swap, "units", {}) if isinstance(k, int)} if swap is not None else set()
+
+
+def seq_parallel_of(model):
+    """The model's sequence-parallel group (``model/seq_parallel.SeqParallel``), or None: one rank."""
+    return model.__dict__.get(SEQ_PARALLEL_ATTR) if hasattr(model, "__dict__") else None
 
 
 def compile_handle_of(model):

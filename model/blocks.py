@@ -48,6 +48,7 @@ class LayerCall(NamedTuple):
     write_idx: torch.Tensor | None = None  # [L] long: cache slot of each row of the call
     read_len: int = 0                  # attend cache slots [0, read_len)
     key_mask: torch.Tensor | None = None   # [B, L] bool, padded keys (no cache only)
+    seq: object = None                 # a seq_parallel.SeqShard: x holds this rank's tokens, the cache its heads
 
 
 KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual")
@@ -114,11 +115,15 @@ class WanSelfAttention(nn.Module):
 
     def forward(self, h, rope, call: LayerCall):
         q, k, v = self.keys_values(h, rope, call, with_query=True)
+        if call.seq is not None:                 # sequence shards -> head shards (every token, this rank's heads)
+            q, k, v = call.seq.to_heads(q, k, v)
         key_mask = call.key_mask
         if call.k_cache is not None:
             write_kv(call.k_cache, call.v_cache, call.write_idx, k, v)
             k, v, key_mask = call.k_cache[:, :call.read_len], call.v_cache[:, :call.read_len], None
         out = attention(q, k, v, key_mask, backend=call.parts.attention)
+        if call.seq is not None:
+            out = call.seq.to_tokens(out)
         return self.o(out.flatten(2))
 
 
@@ -188,6 +193,8 @@ class WanBlock(nn.Module):
         m = self.modulation[:, :2].unsqueeze(1) + e0[:, :, :2]
         h = _modulated(self.norm1, x, m, 0, call.parts.fused_kernels).to(self.compute_dtype)
         k, v = self.self_attn.keys_values(h, rope, call, with_query=False)
+        if call.seq is not None:
+            k, v = call.seq.to_heads(k, v)
         write_kv(call.k_cache, call.v_cache, call.write_idx, k, v)
 
 

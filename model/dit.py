@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .attachments import seq_parallel_of
 from .attention import check_backend
 from .blocks import BlockParts, LayerCall, WanBlock
 from .config import WanConfig
@@ -218,9 +219,20 @@ class WanModel(nn.Module):
         grid = tuple(patches.shape[2:])
         return patches.flatten(2).transpose(1, 2).to(self.stream_dtype).contiguous(), grid
 
-    def chunk_output(self, hidden: torch.Tensor, e: torch.Tensor, grid) -> torch.Tensor:
-        """Head and unpatchify: hidden [B, L, dim], e [B, G, dim] -> flow [B, Fb, C_out, H, W]."""
-        return self._unpatchify_chunk(self.head(hidden, e), grid)
+    def chunk_output(self, hidden: torch.Tensor, e: torch.Tensor, grid, seq=None) -> torch.Tensor:
+        """Head and unpatchify: hidden [B, L, dim], e [B, G, dim] -> flow [B, Fb, C_out, H, W]. seq: the chunk's
+        sequence-parallel split (hidden holds this rank's tokens; the head's output is gathered from every rank)."""
+        out = self.head(hidden, e)
+        return self._unpatchify_chunk(out if seq is None else seq.gather(out), grid)
+
+    def shard_chunk(self, tokens: torch.Tensor, rope: tuple, grid):
+        """(tokens, rope, seq): under sequence parallelism (``model/seq_parallel.py``) this rank's tokens and RoPE
+        rows and the chunk's split; else the inputs unchanged and None."""
+        sp = seq_parallel_of(self)
+        if sp is None or sp.world == 1:
+            return tokens, rope, None
+        seq = sp.layout(grid[0], grid[1] * grid[2])
+        return seq.shard(tokens), seq.shard_rope(rope), seq
 
     def rope_dtype(self) -> torch.dtype:
         return torch.float64 if self.stream_dtype == torch.float64 else torch.float32
@@ -244,8 +256,9 @@ class WanModel(nn.Module):
         rope = self.rope.get(self.config.head_dim, (f, h, w), current_start // frame_tokens, tokens.device,
                              self.rope_dtype())
         step = kv_cache.plan(current_start, tokens.shape[1]) if kv_cache is not None else None
+        tokens, rope, seq = self.shard_chunk(tokens, rope, (f, h, w))
         if actions is not None:
-            actions.begin(current_start // frame_tokens, f, tokens.shape[0], frame_tokens, tokens.device,
+            actions.begin(current_start // frame_tokens, f, tokens.shape[0], tokens.shape[1] // f, tokens.device,
                           self.compute_dtype)
         image = self.embed_image(clip_fea)
         parts = parts if parts is not None else self.reference_parts()
@@ -259,14 +272,14 @@ class WanModel(nn.Module):
                 if ckv is not None:
                     ckv.store(cross)
             if step is None:
-                calls.append(LayerCall(cross, parts))
+                calls.append(LayerCall(cross, parts, seq=seq))
             else:
                 layer = kv_cache.layers[i]
-                calls.append(LayerCall(cross, parts, layer.k, layer.v, step.index, step.read_len))
+                calls.append(LayerCall(cross, parts, layer.k, layer.v, step.index, step.read_len, seq=seq))
         hidden = self.run_blocks(tokens, e0, rope, calls, actions)
         if not return_output:
             return None
-        return self.chunk_output(hidden, e, (f, h, w))
+        return self.chunk_output(hidden, e, (f, h, w), seq)
 
     def _unpatchify_chunk(self, out: torch.Tensor, grid) -> torch.Tensor:
         """[B, F'H'W', ph*pw*C] -> [B, F, C, H, W] (temporal patch 1)."""

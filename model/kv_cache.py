@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attachments import seq_parallel_of
+
 
 @dataclass(frozen=True)
 class CacheStep:
@@ -67,11 +69,14 @@ class KVCache:
     def for_model(cls, model, batch: int, frame_tokens: int, num_frames: int, kv_window: int = -1,
                   sink: int = 0, device=None, dtype=None) -> "KVCache":
         """Global cache for ``num_frames`` latent frames (kv_window <= 0 or >= num_frames), else a rolling
-        window of ``kv_window`` frames whose first ``sink`` frames are kept."""
+        window of ``kv_window`` frames whose first ``sink`` frames are kept. Under sequence parallelism
+        (``model/seq_parallel.py``) a rank's cache holds its share of the heads only."""
         c = model.config
+        sp = seq_parallel_of(model)
+        heads = c.num_heads if sp is None else sp.local_heads(c.num_heads)
         rolling = 0 < kv_window < num_frames
         frames = kv_window if rolling else num_frames
-        return cls(c.num_layers, batch, frames * frame_tokens, c.num_heads, c.head_dim,
+        return cls(c.num_layers, batch, frames * frame_tokens, heads, c.head_dim,
                    device=device if device is not None else model.device,
                    dtype=dtype if dtype is not None else model.compute_dtype,
                    rolling=rolling, sink_tokens=sink * frame_tokens)

@@ -198,6 +198,7 @@ class CausalWanSampler:
     def sample(self, model, width, height, num_frames, seed, preset, frames_per_block, kv_window, sink,
                positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False,
                sampler="auto"):
+        import functools
         from ..profiling.session import maybe_profile
         from ..app.job import sample_latents, sampler_setup
         from ..app.preview import to_vae_latents
@@ -212,7 +213,10 @@ class CausalWanSampler:
         doctor_notes: list = []
         options = sampler_setup(model, path, graphs, fused, notes=doctor_notes)
         report: dict = {}
-        latents = maybe_profile(model, sample_latents, model.model, context, width, height, num_frames, seed,
+        pool = getattr(model, "extra", {}).get("rank_pool")       # CausalWan Sequence Parallel: several GPUs
+        run = sample_latents if pool is None else functools.partial(pool.sample, setup={
+            "cuda_graphs": graphs, "fused_kernels": fused})
+        latents = maybe_profile(model, run, model.model, context, width, height, num_frames, seed,
                                 schedule, frames_per_block, kv_window, sink, skip_last_refresh,
                                 callback=_ComfyProgress(), path=path, fast_options=options, report=report)
         self.last_report = report

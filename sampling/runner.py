@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import use_triton
-from ..model.attachments import RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, swapped_blocks
+from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, seq_parallel_of,
+                                 swapped_blocks)
 from ..model.attention import explain_backend
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fused_qkv import drop_fused_qkv, ensure_fused_qkv
@@ -191,6 +192,8 @@ class FastRunner:
             return f"the compile settings ({compile_mode}) already use CUDA graphs"
         if actions is not None:
             return "action modules allocate their caches per run"
+        if seq_parallel_of(self.model) is not None:
+            return "sequence parallelism: its collectives wait with a timeout, outside graphs"
         failed = recorded_failure(cache, model_signature(self.model))
         if failed:
             return f"capture failed earlier on this machine ({failed}); clear the 'sampler' namespace to retry"
@@ -235,7 +238,9 @@ class FastRunner:
         frame_tokens = grid_hw[0] * grid_hw[1]
         rolling = 0 < kv_window < num_frames
         layout = (kv_window, sink) if rolling else (num_frames, 0)
-        key = (batch, rolling) + layout + (tuple(grid_hw), str(device), model.compute_dtype, model.rope_dtype())
+        sp = seq_parallel_of(model)
+        key = (batch, rolling) + layout + (tuple(grid_hw), str(device), model.compute_dtype, model.rope_dtype(),
+                                           None if sp is None else (sp.rank, sp.world))
         sess = self._session(key, lambda: KVCache.for_model(model, batch, frame_tokens, num_frames, kv_window, sink),
                              kv_cache)
         graph_reason = "the caller passed its own KV cache" if sess.external else \
@@ -320,11 +325,11 @@ class Run:
         return self.kv.plan(start_frame * self.frame_tokens, frames * self.frame_tokens)
 
     # ------------------------------------------------------------------ forward
-    def _layer_calls(self, step) -> list:
-        key = (step, self.parts)
+    def _layer_calls(self, step, seq=None) -> list:
+        key = (step, self.parts, seq)
         calls = self.sess.calls.get(key)
         if calls is None:
-            calls = [LayerCall(cross, self.parts, layer.k, layer.v, step.index, step.read_len)
+            calls = [LayerCall(cross, self.parts, layer.k, layer.v, step.index, step.read_len, seq=seq)
                      for layer, cross in zip(self.kv.layers, self.cross)]
             if len(self.sess.calls) >= 256:
                 self.sess.calls.clear()
@@ -341,14 +346,15 @@ class Run:
     def _forward(self, inp: dict, start_frame: int, step, want_output: bool, lean: bool):
         model = self.model
         tokens, grid = model.chunk_tokens(inp["xt"], inp.get("y"))
+        tokens, rope, seq = model.shard_chunk(tokens, (inp["cos"], inp["sin"]), grid)
         if self.actions is not None:
-            self.actions.begin(start_frame, grid[0], tokens.shape[0], grid[1] * grid[2], tokens.device,
+            self.actions.begin(start_frame, grid[0], tokens.shape[0], tokens.shape[1] // grid[0], tokens.device,
                                model.compute_dtype)
-        hidden = model.run_blocks(tokens, inp["e0"], (inp["cos"], inp["sin"]), self._layer_calls(step), self.actions,
+        hidden = model.run_blocks(tokens, inp["e0"], rope, self._layer_calls(step, seq), self.actions,
                                   kv_only_last=lean and not want_output)
         if not want_output:
             return None
-        return model.chunk_output(hidden, inp["e"], grid)
+        return model.chunk_output(hidden, inp["e"], grid, seq)
 
     def forward(self, kind: str, xt, t: float, start_frame: int, step, y=None, want_output: bool = True):
         """Flow [B, F, C, H, W] for latent chunk xt at timestep t (None when want_output is False)."""

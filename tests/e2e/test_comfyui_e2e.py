@@ -253,6 +253,33 @@ def test_bad_values_give_node_errors_that_name_the_fix(comfy, case):
         assert text in err["exception_message"], err["exception_message"]
 
 
+def test_sequence_parallel_node_samples_on_two_ranks(comfy):
+    """tiny_smoke with CausalWan Sequence Parallel (2 ranks: the server process and one worker, gloo on the CPU)
+    between the loader and the sampler: the run succeeds and saves its image."""
+    prompt = json.loads((WORKFLOWS / "api" / "tiny_smoke.json").read_text())
+    prompt["9"] = {"inputs": {"model": ["2", 0], "world_size": 2, "timeout_s": 120},
+                   "class_type": "CausalWanSequenceParallel"}
+    prompt["3"]["inputs"].update(model=["9", 0], sampler="reference")
+    prompt["5"]["inputs"]["filename_prefix"] = "wan_accel/tiny_parallel"
+    status, resp = http(comfy["url"] + "/prompt", {"prompt": prompt, "client_id": "wan_accel_e2e"})
+    assert status == 200, resp
+    pid = resp["prompt_id"]
+    deadline = time.time() + 300
+    entry = None
+    while time.time() < deadline:
+        hist = http(comfy["url"] + f"/history/{pid}")[1]
+        if pid in hist and hist[pid].get("status", {}).get("status_str") in ("success", "error"):
+            entry = hist[pid]
+            break
+        time.sleep(0.5)
+    assert entry is not None, "the sequence-parallel run did not finish in 300 s"
+    errors = [m[1] for m in entry["status"].get("messages", []) if m[0] == "execution_error"]
+    assert entry["status"]["status_str"] == "success", errors
+    images = [img for out in entry["outputs"].values() for img in out.get("images", []) if img.get("type") == "output"]
+    assert images and all((comfy["work"] / "output" / i.get("subfolder", "") / i["filename"]).is_file()
+                          for i in images)
+
+
 def _browser_ready() -> str | None:
     chromium = os.environ.get("CHROMIUM") or shutil.which("chromium")
     if not chromium:

@@ -1,0 +1,155 @@
+"""`python -m wan_accel bench sampler --world-size N`: one process against N sequence-parallel ranks.
+
+The same model (random weights from ``--seed``, or ``--checkpoint``), inputs and seed on 1 rank and on N ranks
+(``model/seq_parallel.py``). The N ranks are this machine's first N GPUs (NCCL) when it has them, else N CPU
+processes (gloo); under ``torchrun --nproc-per-node N`` the launched processes are the ranks. Per world size:
+first and steady seconds (median of --repeat runs), per-chunk latency, video FPS, and
+
+  parity_max_abs        its latents against the one-process latents (float32 runs: within float32 rounding)
+  kv_bytes_per_rank     the self-attention KV cache one rank holds (its heads only: 1/N of one process's)
+  comm_bytes_per_chunk  bytes one rank sends to the others per chunk (all-to-alls around self-attention and the
+                        all-gather of the head's output), counted over one run
+  collectives_per_chunk collectives one rank waits on per chunk
+
+On a CPU the ranks are processes with one thread each, the one-process run uses this process's threads: CPU times
+show the mechanism working, not what GPUs gain.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from ..cache.fingerprint import cpu_name
+from . import bench_sampler as bs
+from .parallel import enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
+
+
+def add_arguments(parser) -> None:
+    bs.add_arguments(parser)
+    parser.add_argument("--world-size", type=int, default=1, help="sequence-parallel ranks to compare with one "
+                        "process (the first N GPUs, else N CPU processes on gloo)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the whole parallel run may take")
+
+
+def _variant(args, device) -> str:
+    if args.variants:
+        return args.variants.split(",")[0].strip()
+    return "optimized" if device.type == "cuda" else "reference"
+
+
+def _rank_run(sp, opts: dict) -> dict:
+    """One rank's (or, sp None, the one process's) timed runs: figures and, on rank 0, the latents."""
+    args = argparse.Namespace(**opts)
+    device = torch.device(opts["devices"][sp.rank] if sp is not None else opts["devices"][0])
+    from .handle import parse_dtype
+    v = bs.VARIANTS[opts["variant"]]
+    dtype = parse_dtype(v["dtype"] or opts["run_dtype"])
+    precision = "float32" if dtype == torch.float32 else v["precision"]
+    model = bs._base_model(args, opts["kind"], opts["shape"]).set_precision(precision, dtype).to(device)
+    model.set_attention_backend(v["attention"])
+    enable_parallel(model, sp)
+    inp = dict(bs._inputs(model, opts["kind"], *opts["geometry"], args.seed), schedule=bs._schedule(opts["kind"]))
+    times, chunks = [], []
+    for _ in range(1 + max(1, args.repeat)):
+        marks = []
+        if sp is not None:
+            sp.barrier("the barrier before a timed run")
+            sp.reset_stats()
+        _sync(device)
+        t0 = time.perf_counter()
+
+        def on_chunk(_ci, _n):
+            _sync(device)
+            marks.append(time.perf_counter())
+
+        with torch.no_grad():
+            out = bs._sample(model, opts["kind"], inp, v, args.seed, on_chunk)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        chunks.append([b - a for a, b in zip([t0] + marks[:-1], marks)])
+    n = len(chunks[-1])
+    lat = (inp["latent_frames"], 16, inp["lh"], inp["lw"])
+    mine, whole = kv_bytes(model, (1,) + lat, model.config.local_attn_size if opts["kind"] == "matrix-game2" else -1)
+    steady = statistics.median(times[1:])
+    res = {"world_size": 1 if sp is None else sp.world, "rank": 0 if sp is None else sp.rank,
+           "device": str(device), "threads": torch.get_num_threads(), "variant": opts["variant"], "dtype": str(dtype).replace("torch.", ""),
+           "first_s": round(times[0], 4), "steady_s": round(steady, 4),
+           "chunk_ms_mean": round(1e3 * statistics.mean(statistics.median(c[i] for c in chunks[1:])
+                                                        for i in range(n)), 2),
+           "video_fps": round(opts["geometry"][0] / steady, 2), "kv_bytes_per_rank": mine,
+           "kv_bytes_one_process": whole,
+           "comm_bytes_per_chunk": 0 if sp is None else sp.stats["bytes_sent"] // n,
+           "collectives_per_chunk": 0 if sp is None else round(sp.stats["collectives"] / n, 1)}
+    if sp is None or sp.rank == 0:
+        res["latents"] = out.float().cpu()
+    return res
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args) -> int:
+    from .handle import default_device
+    world = int(args.world_size)
+    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not under_torchrun and world < 2:
+        return bs.run(args)
+    device = torch.device(args.device) if args.device else default_device()
+    kind, shape = args.model_kind, args.shape or "tiny"
+    d = {"wan": (81, 480, 832), "matrix-game2": (57, 352, 640)}[kind] if args.checkpoint else bs.SHAPES[kind][shape]
+    geometry = (args.frames or d[0], args.height or d[1], args.width or d[2])
+    run_dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    opts = dict(vars(args), kind=kind, shape=shape, geometry=geometry, run_dtype=run_dtype,
+                variant=_variant(args, device))
+    if opts["variant"] not in bs.VARIANTS:
+        print(f"error: unknown variant {opts['variant']!r}; choose from {list(bs.VARIANTS)}")
+        return 2
+    if under_torchrun:
+        sp, dev = group_from_env(args.device)
+        opts["devices"] = [str(dev)] * sp.world
+        try:
+            mine = _rank_run(sp, opts)
+        finally:
+            stop_group()
+        if sp.rank != 0:
+            return 0
+        ranks = [mine]
+        world = sp.world
+    else:
+        if device.type == "cuda":
+            if torch.cuda.device_count() < world:
+                print(f"error: {world} ranks need {world} GPUs; this machine has {torch.cuda.device_count()} "
+                      f"(use --device cpu for CPU ranks)")
+                return 2
+            opts["devices"] = [f"cuda:{i}" for i in range(world)]
+        else:
+            opts["devices"] = ["cpu"] * world
+        ranks = run_ranks(_rank_run, world, (opts,), timeout_s=args.timeout)
+    one = _rank_run(None, dict(opts, devices=[opts["devices"][0]]))
+    rows, reference = [one, ranks[0]], one["latents"]
+    for r in rows:
+        r["parity_max_abs"] = float((r.pop("latents") - reference).abs().max())
+    result = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+              "threads": torch.get_num_threads(), "model": args.checkpoint or f"random {shape}", "model_kind": kind,
+              "frames": geometry[0], "height": geometry[1], "width": geometry[2], "world_size": world,
+              "torch": torch.__version__, "rows": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"sequence-parallel sampler bench on {result['device_name']}, {kind} {result['model']}, "
+          f"{geometry[0]} frames {geometry[2]}x{geometry[1]}, {opts['variant']} path")
+    cols = ["world_size", "device", "threads", "dtype", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "parity_max_abs",
+            "kv_bytes_per_rank", "comm_bytes_per_chunk", "collectives_per_chunk"]
+    table = [[f"{r[c]:.2e}" if c == "parity_max_abs" else str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for t in table:
+        print("  ".join(s.ljust(w) for s, w in zip(t, widths)))
+    return 0
