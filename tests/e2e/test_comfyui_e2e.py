@@ -60,8 +60,8 @@ def http(url: str, body=None, timeout: float = 60):
         return status, raw.decode("utf-8", "replace")
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
+def comfy_server(tmp_path_factory, extra_args=()):
+    """Start ComfyUI (generator: yields url/work/log, stops it after); extra_args go to main.py."""
     comfy_dir = Path(COMFY_DIR)
     assert (comfy_dir / "main.py").is_file(), f"COMFYUI_DIR={comfy_dir} has no main.py"
     assert _python().is_file(), f"COMFYUI_VENV={COMFY_VENV} has no bin/python"
@@ -84,7 +84,7 @@ def comfy(tmp_path_factory):
     cmd = [str(_python()), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
            "--disable-auto-launch", "--output-directory", str(work / "output"), "--input-directory",
            str(work / "input"), "--temp-directory", str(work / "temp"), "--user-directory", str(work / "user"),
-           "--database-url", f"sqlite:///{work / 'comfy.db'}"]
+           "--database-url", f"sqlite:///{work / 'comfy.db'}", *extra_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=comfy_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env)
@@ -111,6 +111,11 @@ def comfy(tmp_path_factory):
             proc.wait(timeout=10)
         if created:
             link.unlink()
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    yield from comfy_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,155 @@
+"""The Wan Accel AR Sampler on ComfyUI's own causal Wan MODEL, in a real ComfyUI through ``/prompt``
+(skipped unless COMFYUI_DIR and COMFYUI_VENV are set).
+
+The public causal fixture's weights are saved as a file ``UNETLoader`` (Load Diffusion Model) loads as
+``WAN21_CausalAR`` (metadata ``config.transformer``: causal_ar, and the tiny model's heads, text length, frequency
+and text widths), its recorded inputs go to the input folder (``Wan Recorded Run``), and the graph
+UNETLoader -> [LoraLoaderModelOnly] -> Wan Recorded Run -> BasicGuider / Wan Causal Sigmas / Wan Accel AR Sampler ->
+SamplerCustomAdvanced -> SaveLatent runs. The saved latent (VAE space) is mapped back to the model's space with
+ComfyUI's Wan 2.1 latent format and compared with the official output, the pack's own loader and engine, or another
+run of the same graph.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from e2e.test_comfyui_e2e import COMFY_DIR, COMFY_VENV, comfy_server, http
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE = REPO / "tests" / "fixtures" / "wan_reference"
+UNET = "wan_accel_causal_fixture.safetensors"
+
+pytestmark = pytest.mark.skipif(not (COMFY_DIR and COMFY_VENV),
+                                reason="set COMFYUI_DIR and COMFYUI_VENV to run the native causal sampler check")
+
+
+def _fixture_config() -> dict:
+    return json.loads((FIXTURE / "causal_config.json").read_text())
+
+
+def core_metadata(cfg: dict) -> dict:
+    """What makes core detect the fixture's tiny model as WAN21_CausalAR (its sizes differ from core's defaults)."""
+    c = cfg["config"]
+    return {"config": json.dumps({"transformer": {"causal_ar": True, "num_heads": c["num_heads"],
+                                                  "text_len": c["text_len"], "freq_dim": c["freq_dim"],
+                                                  "text_dim": c["text_dim"]}})}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    for sub in ("diffusion_models", "loras"):
+        (root / sub).mkdir()
+    (root / "extra_model_paths.yaml").write_text(
+        f"wan_accel_e2e:\n  diffusion_models: {root / 'diffusion_models'}\n  loras: {root / 'loras'}\n")
+    save_file(load_file(str(FIXTURE / "causal_weights.safetensors")), str(root / "diffusion_models" / UNET),
+              metadata=core_metadata(_fixture_config()))
+    return root
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory, models):
+    yield from comfy_server(tmp_path_factory, ("--extra-model-paths-config", str(models / "extra_model_paths.yaml")))
+
+
+@pytest.fixture(scope="module")
+def latent_format():
+    """(mean, std, scale) of ComfyUI's Wan 2.1 latent format, read with ComfyUI's Python."""
+    code = ("import json, comfy.latent_formats as f; w = f.Wan21(); print(json.dumps([w.latents_mean.flatten()"
+            ".tolist(), w.latents_std.flatten().tolist(), w.scale_factor]))")
+    out = subprocess.run([str(Path(COMFY_VENV) / "bin" / "python"), "-c", code], cwd=COMFY_DIR, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    mean, std, scale = json.loads(out.stdout.strip().splitlines()[-1])
+    return torch.tensor(mean).view(1, -1, 1, 1, 1), torch.tensor(std).view(1, -1, 1, 1, 1), scale
+
+
+def recorded_io(comfy, name: str, tensors: dict) -> str:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(comfy["work"] / "input" / name))
+    return name
+
+
+def graph(io_file: str, prefix: str, unet=UNET, lora=None, weight_dtype="default", sampler=None) -> dict:
+    g = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": weight_dtype}},
+        "2": {"class_type": "WanRecordedRun", "inputs": {"model": ["1", 0], "file": io_file}},
+        "3": sampler or {"class_type": "WanAccelARSampler", "inputs": {
+            "frames_per_block": 3, "kv_window": -1, "sink": 0, "path": "reference", "cuda_graphs": False}},
+        "4": {"class_type": "WanCausalSigmas", "inputs": {"preset": "self_forcing", "steps": "1000,750,500,250",
+                                                           "shift": 5.0, "warp": True}},
+        "5": {"class_type": "BasicGuider", "inputs": {"model": ["2", 0], "conditioning": ["2", 2]}},
+        "6": {"class_type": "SamplerCustomAdvanced", "inputs": {
+            "noise": ["2", 1], "guider": ["5", 0], "sampler": ["3", 0], "sigmas": ["4", 0],
+            "latent_image": ["2", 3]}},
+        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"wan_accel_e2e/{prefix}"}},
+    }
+    if lora is not None:
+        g["8"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora,
+                                                                  "strength_model": 1.0}}
+        g["2"]["inputs"]["model"] = ["8", 0]
+    return g
+
+
+def run(comfy, prompt: dict, timeout: float = 300) -> dict:
+    status, resp = http(comfy["url"] + "/prompt", {"prompt": prompt, "client_id": "wan_accel_native_e2e"})
+    assert status == 200, resp
+    pid = resp["prompt_id"]
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        hist = http(comfy["url"] + f"/history/{pid}")[1]
+        if pid in hist and hist[pid].get("status", {}).get("status_str") in ("success", "error"):
+            entry = hist[pid]
+            errors = [m[1] for m in entry["status"].get("messages", []) if m[0] == "execution_error"]
+            assert entry["status"]["status_str"] == "success", errors
+            return entry
+        time.sleep(0.2)
+    raise AssertionError(f"the prompt did not finish in {timeout} s")
+
+
+def model_space(comfy, prefix: str, latent_format) -> torch.Tensor:
+    """The newest saved latent of ``prefix`` in the model's space, as [B, F, C, H, W]."""
+    files = sorted((comfy["work"] / "output" / "wan_accel_e2e").glob(f"{prefix}_*.latent"), key=os.path.getmtime)
+    assert files, f"no latent saved for {prefix}"
+    mean, std, scale = latent_format
+    vae = load_file(str(files[-1]))["latent_tensor"].float()
+    return ((vae - mean) * scale / std).movedim(1, 2)
+
+
+def test_native_model_reproduces_the_official_causal_output(comfy, latent_format):
+    io = load_file(str(FIXTURE / "causal_io.safetensors"))
+    run(comfy, graph(recorded_io(comfy, "causal_io.safetensors", io), "global"))
+    out = model_space(comfy, "global", latent_format)
+    assert (out - io["output"]).abs().max() < 1e-4
+    log = comfy["log"].read_text(errors="replace")
+    assert "WAN21_CausalAR" in log, "core did not load the file as WAN21_CausalAR"
+
+
+def test_rolling_window_with_sink_matches_the_pack_loader(comfy, latent_format):
+    from wan_accel.app.reference import _load_model, _schedule_from
+    from wan_accel.sampling.sampler import sample_causal
+    cfg = _fixture_config()
+    io = load_file(str(FIXTURE / "causal_io.safetensors"))
+    g = torch.Generator().manual_seed(11)
+    noise = io["initial_noise"]
+    b, f, c, h, w = noise.shape
+    rec = {f"extra_noise.block{ci}.step{k}": torch.randn(b, c, h, w, generator=g) for ci in range(f) for k in range(3)}
+    name = recorded_io(comfy, "window_io.safetensors", dict(rec, initial_noise=noise, context=io["context"]))
+    sampler = {"class_type": "WanAccelARSampler", "inputs": {"frames_per_block": 1, "kv_window": 3, "sink": 1,
+                                                              "path": "reference", "cuda_graphs": False}}
+    run(comfy, graph(name, "window", sampler=sampler))
+    out = model_space(comfy, "window", latent_format)
+    model = _load_model(FIXTURE, cfg, "cpu")
+    want = sample_causal(model, io["context"], noise, _schedule_from(cfg), 1, kv_window=3, sink=1, path="reference",
+                         noise_provider=lambda ci, k, shape, dt, dev: rec[f"extra_noise.block{ci}.step{k}"].reshape(shape))
+    assert (out - want).abs().max() < 1e-5
+    unwindowed = sample_causal(model, io["context"], noise, _schedule_from(cfg), 1, path="reference",
+                               noise_provider=lambda ci, k, shape, dt, dev: rec[f"extra_noise.block{ci}.step{k}"].reshape(shape))
+    assert (out - unwindowed).abs().max() > 1e-3      # the window and sink were used
