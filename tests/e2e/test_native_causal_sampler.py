@@ -153,3 +153,81 @@ def test_rolling_window_with_sink_matches_the_pack_loader(comfy, latent_format):
     unwindowed = sample_causal(model, io["context"], noise, _schedule_from(cfg), 1, path="reference",
                                noise_provider=lambda ci, k, shape, dt, dev: rec[f"extra_noise.block{ci}.step{k}"].reshape(shape))
     assert (out - unwindowed).abs().max() > 1e-3      # the window and sink were used
+
+
+def _pack_run(state_dict: dict, tmp_path, io: dict, rec: dict | None = None) -> torch.Tensor:
+    """The pack's own loader and engine on a state dict (float32), with the fixture's recorded noise."""
+    from wan_accel.app.reference import _load_model, _schedule_from
+    from wan_accel.sampling.sampler import sample_causal
+    cfg = _fixture_config()
+    (tmp_path / "w").mkdir(exist_ok=True)
+    save_file(state_dict, str(tmp_path / "w" / cfg["weights_file"]))
+    model = _load_model(tmp_path / "w", cfg, "cpu")
+    rec = rec or io
+    return sample_causal(model, io["context"], io["initial_noise"], _schedule_from(cfg), 3, path="reference",
+                         noise_provider=lambda ci, k, shape, dt, dev: rec[f"extra_noise.block{ci}.step{k}"].reshape(shape))
+
+
+def test_lora_matches_the_pack_loader_on_merged_weights(comfy, models, latent_format, tmp_path):
+    io = load_file(str(FIXTURE / "causal_io.safetensors"))
+    weights = load_file(str(FIXTURE / "causal_weights.safetensors"))
+    g = torch.Generator().manual_seed(21)
+    rank, alpha, lora, merged = 4, 2.0, {}, dict(weights)
+    for name, w in weights.items():
+        if w.dim() == 2 and name.startswith("blocks.") and ("attn." in name or "ffn." in name):
+            layer = name[:-len(".weight")]
+            down = 0.1 * torch.randn(rank, w.shape[1], generator=g)
+            up = 0.1 * torch.randn(w.shape[0], rank, generator=g)
+            lora[f"diffusion_model.{layer}.lora_down.weight"] = down
+            lora[f"diffusion_model.{layer}.lora_up.weight"] = up
+            lora[f"diffusion_model.{layer}.alpha"] = torch.tensor(alpha)
+            merged[name] = w + (alpha / rank) * (up @ down)
+    save_file(lora, str(models / "loras" / "wan_accel_random_lora.safetensors"))
+    run(comfy, graph(recorded_io(comfy, "causal_io.safetensors", io), "lora", lora="wan_accel_random_lora.safetensors"))
+    out = model_space(comfy, "lora", latent_format)
+    want = _pack_run(merged, tmp_path, io)
+    assert (out - want).abs().max() < 1e-5
+    assert (out - io["output"]).abs().max() > 1e-3           # the LoRA changed the result: it was applied
+
+
+def _fp8_files(models) -> dict:
+    """The fixture's weights as float8_e4m3fn (plain; and scaled: per-layer scale_weight, Linear weights divided by
+    it) with their dequantized float32 copies; every tensor holds float8 values, so a copy is exact."""
+    weights = load_file(str(FIXTURE / "causal_weights.safetensors"))
+    meta = core_metadata(_fixture_config())
+    fp8 = torch.float8_e4m3fn
+    plain = {k: v.to(fp8) for k, v in weights.items()}
+    scaled, scaled_deq = {"scaled_fp8": torch.empty(0, dtype=fp8)}, {}
+    for k, v in weights.items():
+        if v.dim() == 2 and k.endswith(".weight"):
+            scale = (v.abs().max() / 448.0).float()
+            q = (v / scale).to(fp8)
+            scaled[k], scaled[k[:-len(".weight")] + ".scale_weight"] = q, scale.reshape(())
+            scaled_deq[k] = q.float() * scale
+        else:
+            scaled[k] = v.to(fp8)
+            scaled_deq[k] = scaled[k].float()
+    files = {"fp8": plain, "fp8_deq": {k: v.float() for k, v in plain.items()}, "fp8s": scaled,
+             "fp8s_deq": scaled_deq}
+    for name, sd in files.items():
+        save_file(sd, str(models / "diffusion_models" / f"wan_accel_{name}.safetensors"), metadata=meta)
+    return files
+
+
+def test_fp8_weights_match_their_dequantized_copy(comfy, models, latent_format):
+    io = load_file(str(FIXTURE / "causal_io.safetensors"))
+    _fp8_files(models)
+    name = recorded_io(comfy, "causal_io.safetensors", io)
+    outs = {}
+    for kind in ("fp8", "fp8_deq", "fp8s", "fp8s_deq"):
+        # plain float8 is kept as float8 only when asked (on a CPU core upcasts it by default); scaled float8 is
+        # kept quantized by core's mixed-precision ops
+        dtype = "fp8_e4m3fn" if kind == "fp8" else "default"
+        run(comfy, graph(name, kind, unet=f"wan_accel_{kind}.safetensors", weight_dtype=dtype))
+        outs[kind] = model_space(comfy, kind, latent_format)
+    assert (outs["fp8"] - outs["fp8_deq"]).abs().max() < 1e-5
+    assert (outs["fp8s"] - outs["fp8s_deq"]).abs().max() < 1e-5
+    assert (outs["fp8s"] - outs["fp8"]).abs().max() > 1e-4    # the scales were used (not the raw float8 values)
+    log = comfy["log"].read_text(errors="replace")
+    assert "model weight dtype torch.float8_e4m3fn, manual cast: torch.float32" in log, "plain fp8 was not kept"
+    assert "Detected mixed precision quantization" in log, "core did not read the scaled fp8 file as quantized"
