@@ -1,9 +1,9 @@
 """The Wan Accel AR Sampler on ComfyUI's own causal Wan MODEL, in a real ComfyUI through ``/prompt``
 (skipped unless COMFYUI_DIR and COMFYUI_VENV are set).
 
-The public causal fixture's weights are saved as a file ``UNETLoader`` (Load Diffusion Model) loads as
-``WAN21_CausalAR`` (metadata ``config.transformer``: causal_ar, and the tiny model's heads, text length, frequency
-and text widths), its recorded inputs go to the input folder (``Wan Recorded Run``), and the graph
+The public causal fixture's weights, as a training-style .pt converted by the pack's ``convert``, make a file
+``UNETLoader`` (Load Diffusion Model) loads as ``WAN21_CausalAR`` (the converter writes core's ``config.transformer``
+metadata: causal_ar, and the tiny model's heads, text length, frequency and text widths), its recorded inputs go to the input folder (``Wan Recorded Run``), and the graph
 UNETLoader -> [LoraLoaderModelOnly] -> Wan Recorded Run -> BasicGuider / Wan Causal Sigmas / Wan Accel AR Sampler ->
 SamplerCustomAdvanced -> SaveLatent runs. The saved latent (VAE space) is mapped back to the model's space with
 ComfyUI's Wan 2.1 latent format and compared with the official output, the pack's own loader and engine, or another
@@ -37,10 +37,9 @@ def _fixture_config() -> dict:
 
 def core_metadata(cfg: dict) -> dict:
     """What makes core detect the fixture's tiny model as WAN21_CausalAR (its sizes differ from core's defaults)."""
-    c = cfg["config"]
-    return {"config": json.dumps({"transformer": {"causal_ar": True, "num_heads": c["num_heads"],
-                                                  "text_len": c["text_len"], "freq_dim": c["freq_dim"],
-                                                  "text_dim": c["text_dim"]}})}
+    from wan_accel.model.checkpoint import core_causal_metadata
+    from wan_accel.model.config import WanConfig
+    return core_causal_metadata(WanConfig.from_dict(cfg["config"]))
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +49,14 @@ def models(tmp_path_factory):
         (root / sub).mkdir()
     (root / "extra_model_paths.yaml").write_text(
         f"wan_accel_e2e:\n  diffusion_models: {root / 'diffusion_models'}\n  loras: {root / 'loras'}\n")
-    save_file(load_file(str(FIXTURE / "causal_weights.safetensors")), str(root / "diffusion_models" / UNET),
-              metadata=core_metadata(_fixture_config()))
+    # the file core loads is written by the pack's converter from a training-style .pt
+    from wan_accel.model.convert import convert_pt_to_safetensors
+    c = _fixture_config()["config"]
+    pt = root / "fixture_dmd.pt"
+    torch.save({"generator": {f"model.{k}": v for k, v in load_file(str(FIXTURE / "causal_weights.safetensors")).items()}},
+               str(pt))
+    convert_pt_to_safetensors(pt, root / "diffusion_models" / UNET, num_heads=c["num_heads"],
+                              config={"text_len": c["text_len"]})
     return root
 
 
