@@ -139,12 +139,46 @@ class _RecordedNoise:
         return self.noise.clone()
 
 
+class WanTinyNativeModel:
+    DESCRIPTION = ("The built-in tiny random causal model as ComfyUI's own MODEL (loaded by core as WAN21_CausalAR, "
+                   "as Load Diffusion Model would load a converted file) with a random prompt embedding of its "
+                   "width: runs a native causal workflow with no model files, in seconds on a CPU. Noise-like "
+                   "output is expected.")
+    CATEGORY = CATEGORY
+    FUNCTION = "load"
+    RETURN_TYPES = ("MODEL", "CONDITIONING")
+    RETURN_NAMES = ("model", "conditioning")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31 - 1, "tooltip":
+                     "Seed of the tiny model's random weights and of its random prompt embedding."}),
+        }}
+
+    def load(self, seed=0):
+        import comfy.sd
+        import torch
+        from ..model.checkpoint import core_causal_metadata
+        from ..model.tiny import TINY_CONFIG, tiny_causal_model
+        sd = tiny_causal_model(seed=int(seed)).state_dict()
+        patcher = comfy.sd.load_diffusion_model_state_dict(sd, metadata=core_causal_metadata(TINY_CONFIG))
+        if patcher is None:
+            raise ValueError("this ComfyUI did not recognise the tiny causal Wan model; it needs ComfyUI 0.33 or "
+                             "newer (WAN21_CausalAR)")
+        g = torch.Generator().manual_seed(int(seed) + 1)
+        context = torch.randn(1, TINY_CONFIG.text_len, TINY_CONFIG.text_dim, generator=g)
+        return (patcher, [[context, {}]])
+
+
 NODE_CLASS_MAPPINGS = {
+    "WanTinyNativeModel": WanTinyNativeModel,
     "WanAccelARSampler": WanAccelARSampler,
     "WanCausalSigmas": WanCausalSigmas,
     "WanRecordedRun": WanRecordedRun,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
+    "WanTinyNativeModel": "Wan Tiny Model (native MODEL)",
     "WanAccelARSampler": "Wan Accel AR Sampler (native MODEL)",
     "WanCausalSigmas": "Wan Causal Sigmas",
     "WanRecordedRun": "Wan Recorded Run",

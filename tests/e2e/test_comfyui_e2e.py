@@ -211,7 +211,8 @@ def test_every_workflow_loads_in_the_browser(comfy, tmp_path):
     shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
     report_path = tmp_path / "browser.json"
     cmd = [str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
-           "--out-dir", str(shots), "--api-dir", str(WORKFLOWS / "api"), "--queue", "tiny_smoke", "--panel",
+           "--out-dir", str(shots), "--api-dir", str(WORKFLOWS / "api"), "--queue", "tiny_smoke",
+           "--queue", "native_causal_tiny", "--panel",
            "--clear", "sampler", "--report", str(report_path)]
     for wf in sorted(WORKFLOWS.glob("*.json")):
         cmd += ["--workflow", str(wf)]
@@ -227,6 +228,8 @@ def test_every_workflow_loads_in_the_browser(comfy, tmp_path):
         assert Path(wf["screenshot"]).stat().st_size > 10_000
     smoke = next(w for w in report["workflows"] if w["workflow"] == "tiny_smoke")
     assert smoke["run"]["status"] == "success", smoke["run"]
+    native = next(w for w in report["workflows"] if w["workflow"] == "native_causal_tiny")
+    assert native["run"]["status"] == "success", native["run"]      # the native MODEL path, run in the browser
     # the Limit Cache node's text shows on the node after the run (the pack's text display)
     limit_node = next(n["id"] for n in json.loads((WORKFLOWS / "tiny_smoke.json").read_text())["nodes"]
                       if n["type"] == "WanAccelLimitCache")
@@ -237,3 +240,21 @@ def test_every_workflow_loads_in_the_browser(comfy, tmp_path):
     assert "sampler" in clear["dialog"], clear["dialog"]
     assert LimitCache(comfy["work"] / "wan_accel" / "limits.json").entries("sampler", all_fingerprints=True) == []
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_native_causal_tiny_runs_through_prompt(comfy):
+    """The no-model-files native workflow: the tiny model as core's WAN21_CausalAR MODEL, the Wan Accel AR Sampler
+    in SamplerCustomAdvanced, a preview image saved."""
+    prompt = json.loads((WORKFLOWS / "api" / "native_causal_tiny.json").read_text())
+    status, resp = http(comfy["url"] + "/prompt", {"prompt": prompt, "client_id": "wan_accel_e2e"})
+    assert status == 200, resp
+    pid, deadline, entry = resp["prompt_id"], time.time() + 300, None
+    while time.time() < deadline:
+        hist = http(comfy["url"] + f"/history/{pid}")[1]
+        if pid in hist and hist[pid].get("status", {}).get("status_str") in ("success", "error"):
+            entry = hist[pid]
+            break
+        time.sleep(0.5)
+    assert entry is not None and entry["status"]["status_str"] == "success", entry and entry["status"]
+    images = [img for out in entry["outputs"].values() for img in out.get("images", []) if img.get("type") == "output"]
+    assert images, entry["outputs"]
