@@ -138,3 +138,21 @@ def test_schedule_from_sigmas_keeps_the_preset_exactly():
     assert (back.timesteps, back.x0_sigmas, back.renoise) == (sched.timesteps, sched.x0_sigmas, sched.renoise)
     with pytest.raises(ValueError, match="decrease"):
         schedule_from_sigmas([0.5, 0.9, 0.0])
+
+
+def test_start_image_of_ar_video_i2v_is_honoured():
+    model = tiny_causal_model(seed=2)
+    ctx = torch.randn(1, 5, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(8)
+    x, start_vae = torch.randn(1, 16, 7, 8, 8, generator=g), torch.randn(1, 16, 1, 8, 8, generator=g)
+    model_k, base = _native(model, ctx)
+    sigmas = torch.tensor(resolve_schedule("self_forcing").sigmas())
+    opts = {"model_options": {"transformer_options": {"ar_config": {"initial_latent": start_vae}}}, "seed": 3}
+    out = sample_wan_accel(model_k, x, sigmas, extra_args=opts, frames_per_block=3, path="reference")
+    start = base.process_latent_in(start_vae)                  # core puts the start latent in the model's space
+    torch.testing.assert_close(out[:, :, :1], start, rtol=0, atol=0)
+    want = sample_causal(model, ctx, x.movedim(1, 2), schedule_from_sigmas(sigmas), 3, path="reference",
+                         generator=torch.Generator().manual_seed(3), prefix=start.movedim(1, 2))
+    torch.testing.assert_close(out, want.movedim(1, 2), rtol=0, atol=0)
+    plain = sample_wan_accel(model_k, x, sigmas, extra_args={"seed": 3}, frames_per_block=1, path="reference")
+    assert (plain[:, :, 1:] - out[:, :, 1:]).abs().max() > 1e-3     # the start frame conditioned what follows
