@@ -69,7 +69,32 @@ class _CastModulation:
 
 
 class BorrowedBlock(WanBlock):
+    """A WanBlock over a source block's layers. Each call also fires the source block's own forward pre-hooks and
+    forward hooks (with this call's x), so what the owner hung on its blocks (e.g. weight streaming of a block swap)
+    still happens around the block's work."""
+
     modulation = _CastModulation()
+
+    def _source_hooks(self):
+        src = self.__dict__["modulation_owner"]
+        return src, list(src._forward_pre_hooks.values()), list(src._forward_hooks.values())
+
+    def forward(self, x, e0, rope, call, actions=None):
+        src, pre, post = self._source_hooks()
+        for hook in pre:
+            hook(src, (x,))
+        out = super().forward(x, e0, rope, call, actions)
+        for hook in post:
+            hook(src, (x,), out)
+        return out
+
+    def kv_only(self, x, e0, rope, call) -> None:
+        src, pre, post = self._source_hooks()
+        for hook in pre:
+            hook(src, (x,))
+        super().kv_only(x, e0, rope, call)
+        for hook in post:
+            hook(src, (x,), None)
 
     def __init__(self, source: nn.Module, num_heads: int, dtype: torch.dtype):
         nn.Module.__init__(self)

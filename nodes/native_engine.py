@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from ..memory.block_swap import active_swap
 from ..model.borrowed import borrow_wan_model
 from ..sampling.runner import FastOptions
 from ..sampling.sampler import PATHS, generator_noise, sample_causal
@@ -119,7 +120,8 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     if prefix is not None:
         prefix = base.process_latent_in(prefix).to(device=device, dtype=torch.float32).movedim(1, 2)
     noise = x.movedim(1, 2).float()
-    fast = FastOptions(fused_qkv=False, cuda_graphs="auto" if cuda_graphs else "off")
+    swapped = active_swap(base.diffusion_model) is not None      # Wan Block Swap streams weights between calls
+    fast = FastOptions(fused_qkv=False, cuda_graphs="auto" if cuda_graphs and not swapped else "off")
     out = sample_causal(engine, context, noise, schedule, int(frames_per_block), generator=gen,
                         noise_provider=provider, kv_window=int(kv_window), sink=int(sink),
                         callback=_progress(callback, sigmas, None), path=path, fast_options=fast, prefix=prefix)

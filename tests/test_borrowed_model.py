@@ -84,3 +84,18 @@ def test_set_precision_is_refused_and_config_needs_a_dit():
         engine.set_precision("float32")
     with pytest.raises(ValueError, match="not a Wan 2.1 DiT"):
         borrowed_config(nn.Linear(2, 2))
+
+
+def test_source_block_hooks_fire_around_each_block_call():
+    source = tiny_causal_model(seed=5)
+    events = []
+    for i, block in enumerate(source.blocks):
+        block.register_forward_pre_hook(lambda m, args, i=i: events.append(("pre", i, args[0].shape[1])))
+        block.register_forward_hook(lambda m, args, out, i=i: events.append(("post", i)))
+    engine = borrow_wan_model(source)
+    generate_latents(engine, CTX, 3, 8, 8, seed=3, frames_per_block=3, path="reference")
+    calls = 4 + 1                                         # 4 steps and the refresh pass of the one chunk
+    assert events == [("pre", 0, 48), ("post", 0), ("pre", 1, 48), ("post", 1)] * calls
+    events.clear()
+    generate_latents(engine, CTX, 3, 8, 8, seed=3, frames_per_block=3, path="optimized")   # lean refresh: kv_only
+    assert events.count(("post", 1)) == events.count(("post", 0)) > 0
