@@ -70,6 +70,31 @@ def positive_context(guider) -> torch.Tensor:
                      "in the guider")
 
 
+def native_compile_settings(guider, transformer_options: dict):
+    """The compile settings Apply Compile (native Wan) put on this MODEL (its APPLY_MODEL wrapper carries its
+    handle), or None. The engine compiles its own blocks with them: it calls the layers, not ComfyUI's blocks."""
+    from .comfy_compile import COMFY_KEY, _comfy_wrapper_types
+    apply_type = _comfy_wrapper_types()[0]
+    sources = [getattr(getattr(guider, "model_patcher", None), "wrappers", None) or {},
+               transformer_options.get("wrappers", {}) or {}]
+    for wrappers in sources:
+        for fn in wrappers.get(apply_type, {}).get(COMFY_KEY, []):
+            handle = getattr(fn, "handle", None)
+            if handle is not None:
+                return handle.settings
+    return None
+
+
+def _apply_compile(engine, settings, path: str, device) -> None:
+    from ..app.job import compile_for_sampling
+    from ..compile import uncompile_model
+    from ..sampling.sampler import resolve_path
+    if settings is not None and resolve_path(path, device, model=engine)[0] == "optimized":
+        compile_for_sampling(engine, settings)
+    else:
+        uncompile_model(engine)          # the reference path runs eager, as the pack's own sampler node
+
+
 def _recorded_noise_provider(recorded: dict):
     def provide(ci, k, shape, dtype, device):
         key = f"extra_noise.block{ci}.step{k}"
@@ -120,6 +145,7 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     if prefix is not None:
         prefix = base.process_latent_in(prefix).to(device=device, dtype=torch.float32).movedim(1, 2)
     noise = x.movedim(1, 2).float()
+    _apply_compile(engine, native_compile_settings(guider, options), path, device)
     swapped = active_swap(base.diffusion_model) is not None      # Wan Block Swap streams weights between calls
     fast = FastOptions(fused_qkv=False, cuda_graphs="auto" if cuda_graphs and not swapped else "off")
     out = sample_causal(engine, context, noise, schedule, int(frames_per_block), generator=gen,

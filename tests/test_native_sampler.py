@@ -156,3 +156,27 @@ def test_start_image_of_ar_video_i2v_is_honoured():
     torch.testing.assert_close(out, want.movedim(1, 2), rtol=0, atol=0)
     plain = sample_wan_accel(model_k, x, sigmas, extra_args={"seed": 3}, frames_per_block=1, path="reference")
     assert (plain[:, :, 1:] - out[:, :, 1:]).abs().max() > 1e-3     # the start frame conditioned what follows
+
+
+def test_apply_compile_native_settings_compile_the_engine_blocks():
+    from wan_accel.compile.apply import compile_handle
+    from wan_accel.nodes.comfy_compile import COMFY_KEY
+    model = tiny_causal_model(seed=2)
+    ctx = torch.randn(1, 5, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    sigmas = torch.tensor(resolve_schedule("self_forcing").sigmas())
+    model_k, base = _native(model, ctx)
+    plain = sample_wan_accel(model_k, x, sigmas, extra_args={"seed": 1}, path="optimized")
+
+    def apply_model_wrapper(executor, *a, **kw):        # what Apply Compile (native Wan) adds to the patcher
+        return executor(*a, **kw)
+    apply_model_wrapper.handle = SimpleNamespace(settings={"backend": "eager", "scope": "blocks"})
+    model_k.inner_model.model_patcher = SimpleNamespace(wrappers={"apply_model": {COMFY_KEY: [apply_model_wrapper]}})
+    out = sample_wan_accel(model_k, x, sigmas, extra_args={"seed": 1}, path="optimized")
+    from wan_accel.nodes.native_engine import _ENGINES
+    engine = _ENGINES[model]
+    handle = compile_handle(engine)
+    assert handle is not None and handle.settings.backend == "eager" and handle.calls > 0
+    torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+    sample_wan_accel(model_k, x, sigmas, extra_args={"seed": 1}, path="reference")
+    assert compile_handle(engine) is None                  # the reference path runs eager
