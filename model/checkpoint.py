@@ -331,6 +331,27 @@ def infer_config(shapes: dict, num_heads: int | None = None, overrides: dict | N
         raise CheckpointError(f"inferred config is invalid: {exc}") from exc
 
 
+CORE_CONFIG_KEY = "config"          # ComfyUI's metadata entry: {"transformer": {...}} merged over its detection
+_CORE_DEFAULTS = {"text_len": 512, "freq_dim": 256, "text_dim": 4096, "eps": 1e-6}   # what core assumes for Wan 2.1
+
+
+def core_causal_metadata(config: WanConfig) -> dict:
+    """The ComfyUI metadata that makes core load a causal text-to-video file as ``WAN21_CausalAR``: ``causal_ar``,
+    and each size core does not read from the shapes when it differs from core's assumption (heads: dim // 128;
+    text length, frequency and text widths, eps). Empty for models core cannot run that way (image branch, action
+    modules, another patch size)."""
+    if config.model_type != "t2v" or config.extra.get("action_config") is not None or \
+            tuple(config.patch_size) != (1, 2, 2):
+        return {}
+    transformer = {"causal_ar": True}
+    if config.num_heads != config.dim // REAL_HEAD_DIM:
+        transformer["num_heads"] = config.num_heads
+    for key, core_default in _CORE_DEFAULTS.items():
+        if getattr(config, key) != core_default:
+            transformer[key] = getattr(config, key)
+    return {CORE_CONFIG_KEY: json.dumps({"transformer": transformer})}
+
+
 def model_class(config: WanConfig):
     """The nn.Module class a config describes: the plain Wan DiT, or Matrix-Game-2 (action modules)."""
     if config.extra.get("action_config") is not None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (METADATA_KEY, OVERRIDABLE, CheckpointError, canonical_names, expected_shapes,
-                         infer_config, validate_keys)
+from .checkpoint import (METADATA_KEY, OVERRIDABLE, CheckpointError, canonical_names, core_causal_metadata,
+                         expected_shapes, infer_config, validate_keys)
 
 
 def _load_pt(src: Path):
@@ -58,7 +58,8 @@ def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None
                               config: dict | None = None) -> dict:
     """Convert; returns a summary dict (source entry, number of tensors, config). The config written to the
     metadata (``checkpoint.METADATA_KEY``) is inferred from the shapes; ``config`` may add what shapes cannot show
-    (``num_heads``, a rolling window: ``local_attn_size`` / ``sink_size``, ``text_len``, ...)."""
+    (``num_heads``, a rolling window: ``local_attn_size`` / ``sink_size``, ``text_len``, ...). ComfyUI's ``config``
+    entry (``checkpoint.core_causal_metadata``) is written too, so core loads the file as ``WAN21_CausalAR``."""
     from safetensors.torch import save_file
     src, dst = Path(src), Path(dst)
     if dst.suffix.lower() != ".safetensors":
@@ -75,7 +76,8 @@ def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None
     config = infer_config(shapes, num_heads=num_heads, overrides=extra)
     validate_keys(expected_shapes(config), shapes, src.name)
     out = {n: tensors[src_name].contiguous() for n, src_name in names.items()}
-    meta = {METADATA_KEY: json.dumps(config.to_dict()), "wan_accel.source": f"{src.name}:{entry}"}
+    meta = {METADATA_KEY: json.dumps(config.to_dict()), "wan_accel.source": f"{src.name}:{entry}",
+            **core_causal_metadata(config)}     # ComfyUI's Load Diffusion Model reads it as WAN21_CausalAR
     dst.parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst), metadata=meta)
     return {"source": str(src), "entry": entry, "tensors": len(out), "output": str(dst),

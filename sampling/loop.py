@@ -67,6 +67,8 @@ def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, ho
             text = model.embed_text(text_batch(inputs.context, req.batch))
             executor.prepare(text, inputs.clip_fea, steps + [float(req.refresh_t)], req.batch)
             out = torch.empty(req.shape, dtype=torch.float32, device=device)
+            if inputs.prefix is not None:
+                _prefix(executor, req, inputs.prefix.to(device, req.latent_dtype), out)
             for ci, (f0, n) in enumerate(req.chunks):
                 state = gen.get_state() if gen is not None and hooks.chunk_guard is not None else None
 
@@ -83,6 +85,14 @@ def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, ho
     finally:
         report = executor.finish(ok)
     return out, report
+
+
+def _prefix(executor, req: SamplingRequest, prefix: torch.Tensor, out: torch.Tensor) -> None:
+    """Known clean first frames: one refresh pass writes them into the cache; they are the output's first frames."""
+    n = prefix.shape[1]
+    step = executor.begin_chunk(0, n)
+    executor.forward("refresh", prefix, float(req.refresh_t), 0, step, want_output=False)
+    out[:, :n] = prefix.float()
 
 
 def _chunk(executor, req: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks, ci: int, f0: int, n: int,

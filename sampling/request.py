@@ -76,7 +76,8 @@ class SamplingHooks:
 class SamplingInputs:
     """The run's tensors: context [B or 1, L, text_dim] (or an EmbeddedText); noise [B, F, C, H, W] or None (drawn
     per chunk from noise_provider); y / clip_fea conditioning; model_kwargs extra forward arguments (``actions``);
-    kv_cache a caller-made KVCache; generator the seeded generator the noise comes from (rewound on retries)."""
+    kv_cache a caller-made KVCache; prefix clean first frames [B, P, C, H, W] put in the cache before the first chunk;
+    generator the seeded generator the noise comes from (rewound on retries)."""
     context: Any
     noise: torch.Tensor | None
     noise_provider: Callable
@@ -85,3 +86,4 @@ class SamplingInputs:
     y: torch.Tensor | None = None
     model_kwargs: dict = dataclasses.field(default_factory=dict)
     kv_cache: Any = None
+    prefix: torch.Tensor | None = None

@@ -93,7 +93,7 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
                   sink: int = 0, skip_last_refresh: bool = False, callback=None, *, refresh_t: float = 0.0,
                   independent_first_frame: bool = False, tracer=None, on_chunk=None, clip_fea=None, y=None,
                   kv_cache: KVCache | None = None, model_kwargs: dict | None = None, path: str = "auto",
-                  fast_options=None, report: dict | None = None, chunk_guard=None, cache=None):
+                  fast_options=None, report: dict | None = None, chunk_guard=None, cache=None, prefix=None):
     """Sample latents [B, F, C, H, W] (float32) from initial noise [B, F, C, H, W].
 
     noise may also be just the shape (B, F, C, H, W): each chunk's initial noise is then drawn from the noise
@@ -112,10 +112,13 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     buffers, fused parts, CUDA graphs; same results within rounding) or 'auto' (see ``resolve_path``).
     fast_options: FastOptions (or dict) of the optimized path. report: a dict that receives what the run did.
     cache: the LimitCache of the optimized path (recorded graph failures); None: the default one.
+    prefix: clean latent frames [B, P, C, H, W] that begin the video (e.g. an encoded start image): written into the
+    KV cache by one refresh pass before the first chunk and returned as the first P frames; the chunks cover the
+    frames after them.
     """
     req, inputs = resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider,
                                   kv_window, sink, skip_last_refresh, refresh_t, independent_first_frame, tracer,
-                                  clip_fea, y, kv_cache, model_kwargs, path, fast_options)
+                                  clip_fea, y, kv_cache, model_kwargs, path, fast_options, prefix)
     hooks = SamplingHooks(callback, on_chunk, tracer, chunk_guard)
     if report is not None:
         report["path"] = req.path
@@ -134,14 +137,21 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
 
 def resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider, kv_window, sink,
                     skip_last_refresh, refresh_t, independent_first_frame, tracer, clip_fea, y, kv_cache,
-                    model_kwargs, path, fast_options) -> tuple[SamplingRequest, SamplingInputs]:
+                    model_kwargs, path, fast_options, prefix=None) -> tuple[SamplingRequest, SamplingInputs]:
     """Validate the arguments of ``sample_causal`` once: (the frozen request, the run's tensors)."""
     sched = _as_schedule(schedule)
     shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
     if len(shape) != 5:
         raise ValueError(f"noise must be [B, F, C, H, W] (or that shape), got {shape}")
     b, num_frames, _, h, w = shape
-    plan = chunk_plan(num_frames, frames_per_block, independent_first_frame)
+    first = 0
+    if prefix is not None:
+        first = int(prefix.shape[1])
+        if prefix.dim() != 5 or prefix.shape[0] != b or tuple(prefix.shape[2:]) != tuple(shape[2:]) or \
+                not 0 < first < num_frames:
+            raise ValueError(f"the start latent {tuple(prefix.shape)} does not fit the video latent {shape}: it "
+                             f"needs the same batch, channels and size, and fewer frames")
+    plan = [(f + first, n) for f, n in chunk_plan(num_frames - first, frames_per_block, independent_first_frame)]
     ph, pw = model.config.patch_size[1:]
     if h % ph or w % pw:
         raise ValueError(f"latent height/width {h}x{w} must be divisible by the patch size {ph}x{pw}")
@@ -166,7 +176,7 @@ def resolve_request(model, context, noise, schedule, frames_per_block, generator
     req = SamplingRequest(shape, sched, tuple(plan), (h // ph, w // pw), int(kv_window), int(sink), float(refresh_t),
                           skip_last, chosen, options, latent_dtype)
     inputs = SamplingInputs(context, noise if isinstance(noise, torch.Tensor) else None, noise_provider, generator,
-                            clip_fea, y, extra, kv_cache)
+                            clip_fea, y, extra, kv_cache, prefix)
     return req, inputs
 
 

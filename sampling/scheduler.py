@@ -73,7 +73,13 @@ class Schedule:
         return len(self.timesteps)
 
     def x0_sigma_at(self, t: float) -> float:
+        if self.scheduler is None:                      # a schedule given as sigmas: sigma = t / N
+            return float(t) / NUM_TRAIN_TIMESTEPS
         return self.scheduler.sigma(t, torch.float64)
+
+    def sigmas(self) -> list:
+        """The step list as sigmas, one per step plus the final 0 (what ComfyUI's SIGMAS carry)."""
+        return [float(s) for s in self.x0_sigmas] + [0.0]
 
 
 def parse_steps(text: str) -> list:
@@ -109,3 +115,21 @@ def resolve_schedule(preset: str = "self_forcing", steps=None, shift=None, warp=
         renoise.append((float(1 - s32), float(s32)))
     return Schedule(preset, shift, list(steps), warp, timesteps,
                     [sched.sigma(v, torch.float64) for v in timesteps], renoise, sched)
+
+
+def schedule_from_sigmas(sigmas, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS) -> Schedule:
+    """A Schedule from a descending sigma list ending in 0 (one step per sigma before it): timesteps
+    sigma * N in float32, flow -> x0 with sigma, re-noising to sigma with (1 - sigma, sigma) in float32. Sigmas of
+    a preset (``Schedule.sigmas``) give back the preset's timesteps and sigmas exactly."""
+    s32 = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
+    if s32.numel() < 2:
+        raise ValueError(f"sigmas need at least one step and the final 0, got {s32.tolist()}")
+    if float(s32[-1]) != 0.0:
+        raise ValueError(f"the last sigma must be 0 (the clean output), got {float(s32[-1])}; "
+                         f"use the Wan Causal Sigmas node or end the list with 0")
+    steps = s32[:-1]
+    if bool((steps <= 0).any()) or bool((steps > 1).any()) or bool((steps[1:] >= steps[:-1]).any()):
+        raise ValueError(f"sigmas before the final 0 must decrease within (0, 1], got {s32.tolist()}")
+    t = steps * num_train_timesteps
+    return Schedule("sigmas", 1.0, [float(v) for v in t], False, [float(v) for v in t],
+                    [float(v) for v in steps], [(float(1 - v), float(v)) for v in steps], None)

@@ -97,3 +97,22 @@ def test_our_metadata_key_wins_over_comfyui(tmp_path):
                                        "config": json.dumps({"transformer": {"num_heads": 2, "local_attn_size": 3}})})
     assert open_checkpoint(path).config == WanConfig.from_dict(ours)
     assert weights_from_checkpoint(path).local_attn_size == 9
+
+
+def test_convert_writes_the_metadata_core_loads_as_causal_wan(tmp_path):
+    from safetensors import safe_open
+
+    from wan_accel.model.checkpoint import core_causal_metadata
+    dst = tmp_path / "tiny_core.safetensors"
+    convert_pt_to_safetensors(_training_pt(tmp_path), dst, num_heads=TINY_CONFIG.num_heads,
+                              config={"local_attn_size": 6, "sink_size": 1, "text_len": TINY_CONFIG.text_len})
+    with safe_open(str(dst), "pt") as f:
+        meta = f.metadata()
+    transformer = json.loads(meta["config"])["transformer"]
+    c = TINY_CONFIG       # dim 64: core's dim // 128 rule gives no heads, so they are written; so are the sizes
+    assert transformer == {"causal_ar": True, "num_heads": c.num_heads, "text_len": c.text_len,
+                           "freq_dim": c.freq_dim, "text_dim": c.text_dim}     # no window keys: core's model has none
+    assert load_wan_checkpoint(dst).config.local_attn_size == 6          # ours still wins for the pack's loader
+    real = WanConfig(dim=1536, num_heads=12, ffn_dim=8960, num_layers=30)
+    assert json.loads(core_causal_metadata(real)["config"]) == {"transformer": {"causal_ar": True}}
+    assert core_causal_metadata(real.replace(model_type="i2v", in_dim=36)) == {}

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO / "workflows"
 API_DIR = WORKFLOWS / "api"
 UI_FILES = sorted(WORKFLOWS.glob("*.json"))
-EXPECTED_WORKFLOWS = {"causal_wan_t2v", "native_wan_compile", "low_vram", "profile_run", "tiny_smoke"}
+EXPECTED_WORKFLOWS = {"causal_wan_t2v", "native_wan_compile", "low_vram", "profile_run", "tiny_smoke",
+                      "native_causal_wan", "native_causal_tiny"}
 
 FILE_LIST = "FILE_LIST"  # a combo listing model files: its choices depend on the user's models folder
 WIDGET_TYPES = {"INT", "FLOAT", "BOOLEAN", "STRING", "COMBO"}
@@ -92,6 +93,25 @@ CORE_NODES: dict[str, dict] = {
     "CLIPVisionEncode": {"input": {"required": {"clip_vision": ("CLIP_VISION",), "image": ("IMAGE",),
                                                 "crop": (["center", "none"],)}},
                          "output": ("CLIP_VISION_OUTPUT",)},
+    "LoraLoaderModelOnly": {"input": {"required": {
+        "model": ("MODEL",), "lora_name": (FILE_LIST,),
+        "strength_model": ("FLOAT", {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01})}},
+        "output": ("MODEL",)},
+    "RandomNoise": {"input": {"required": {
+        "noise_seed": ("INT", {"default": 0, "min": 0, "max": U64, "control_after_generate": True})}},
+        "output": ("NOISE",)},
+    "BasicGuider": {"input": {"required": {"model": ("MODEL",), "conditioning": ("CONDITIONING",)}},
+                    "output": ("GUIDER",)},
+    "SamplerCustomAdvanced": {"input": {"required": {
+        "noise": ("NOISE",), "guider": ("GUIDER",), "sampler": ("SAMPLER",), "sigmas": ("SIGMAS",),
+        "latent_image": ("LATENT",)}},
+        "output": ("LATENT", "LATENT")},
+    "EmptyARVideoLatent": {"input": {"required": {
+        "width": ("INT", {"default": 832, "min": 16, "max": 8192, "step": 16}),
+        "height": ("INT", {"default": 480, "min": 16, "max": 8192, "step": 16}),
+        "length": ("INT", {"default": 81, "min": 1, "max": 1024, "step": 4}),
+        "batch_size": ("INT", {"default": 1, "min": 1, "max": 64})}},
+        "output": ("LATENT",)},
 }
 
 # Pack inputs that list model files inside ComfyUI (a STRING outside it): a model file name or one of these.

@@ -200,7 +200,8 @@ def main() -> int:
     ap.add_argument("--workflow", action="append", default=[], help="UI-format workflow file (repeatable)")
     ap.add_argument("--api-dir", help="folder with API-format copies (same file names) to compare with")
     ap.add_argument("--out-dir", required=True, help="folder for screenshots")
-    ap.add_argument("--queue", help="file stem of the workflow to run through the UI after loading it")
+    ap.add_argument("--queue", action="append", default=[],
+                    help="file stem of a workflow to run through the UI after loading it (repeatable)")
     ap.add_argument("--panel", action="store_true", help="open the pack's sidebar panel and screenshot it")
     ap.add_argument("--clear", help="with --panel: clear this namespace with the panel's button (confirming)")
     ap.add_argument("--report", help="write the JSON report here")
@@ -233,7 +234,7 @@ def main() -> int:
                 api_dir = Path(args.api_dir) if args.api_dir else None
                 for wf in args.workflow:
                     res = check_workflow(page, Path(wf), api_dir, known, out_dir)
-                    if args.queue and Path(wf).stem == args.queue:
+                    if Path(wf).stem in args.queue:
                         res["run"] = run_queued(page, base, args.timeout, out_dir, Path(wf).stem)
                         if res["run"]["status"] != "success" or not res["run"].get("saved_widgets_unchanged"):
                             res["problems"].append(f"run: {res['run']}")

@@ -60,8 +60,8 @@ def http(url: str, body=None, timeout: float = 60):
         return status, raw.decode("utf-8", "replace")
 
 
-@pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
+def comfy_server(tmp_path_factory, extra_args=()):
+    """Start ComfyUI (generator: yields url/work/log, stops it after); extra_args go to main.py."""
     comfy_dir = Path(COMFY_DIR)
     assert (comfy_dir / "main.py").is_file(), f"COMFYUI_DIR={comfy_dir} has no main.py"
     assert _python().is_file(), f"COMFYUI_VENV={COMFY_VENV} has no bin/python"
@@ -84,7 +84,7 @@ def comfy(tmp_path_factory):
     cmd = [str(_python()), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
            "--disable-auto-launch", "--output-directory", str(work / "output"), "--input-directory",
            str(work / "input"), "--temp-directory", str(work / "temp"), "--user-directory", str(work / "user"),
-           "--database-url", f"sqlite:///{work / 'comfy.db'}"]
+           "--database-url", f"sqlite:///{work / 'comfy.db'}", *extra_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=comfy_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env)
@@ -111,6 +111,11 @@ def comfy(tmp_path_factory):
             proc.wait(timeout=10)
         if created:
             link.unlink()
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    yield from comfy_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +307,8 @@ def test_every_workflow_loads_in_the_browser(comfy, tmp_path):
     shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
     report_path = tmp_path / "browser.json"
     cmd = [str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
-           "--out-dir", str(shots), "--api-dir", str(WORKFLOWS / "api"), "--queue", "tiny_smoke", "--panel",
+           "--out-dir", str(shots), "--api-dir", str(WORKFLOWS / "api"), "--queue", "tiny_smoke",
+           "--queue", "native_causal_tiny", "--panel",
            "--clear", "sampler", "--report", str(report_path)]
     for wf in sorted(WORKFLOWS.glob("*.json")):
         cmd += ["--workflow", str(wf)]
@@ -318,6 +324,8 @@ def test_every_workflow_loads_in_the_browser(comfy, tmp_path):
         assert Path(wf["screenshot"]).stat().st_size > 10_000
     smoke = next(w for w in report["workflows"] if w["workflow"] == "tiny_smoke")
     assert smoke["run"]["status"] == "success", smoke["run"]
+    native = next(w for w in report["workflows"] if w["workflow"] == "native_causal_tiny")
+    assert native["run"]["status"] == "success", native["run"]      # the native MODEL path, run in the browser
     # the Limit Cache node's text shows on the node after the run (the pack's text display)
     limit_node = next(n["id"] for n in json.loads((WORKFLOWS / "tiny_smoke.json").read_text())["nodes"]
                       if n["type"] == "WanAccelLimitCache")
@@ -328,3 +336,21 @@ def test_every_workflow_loads_in_the_browser(comfy, tmp_path):
     assert "sampler" in clear["dialog"], clear["dialog"]
     assert LimitCache(comfy["work"] / "wan_accel" / "limits.json").entries("sampler", all_fingerprints=True) == []
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_native_causal_tiny_runs_through_prompt(comfy):
+    """The no-model-files native workflow: the tiny model as core's WAN21_CausalAR MODEL, the Wan Accel AR Sampler
+    in SamplerCustomAdvanced, a preview image saved."""
+    prompt = json.loads((WORKFLOWS / "api" / "native_causal_tiny.json").read_text())
+    status, resp = http(comfy["url"] + "/prompt", {"prompt": prompt, "client_id": "wan_accel_e2e"})
+    assert status == 200, resp
+    pid, deadline, entry = resp["prompt_id"], time.time() + 300, None
+    while time.time() < deadline:
+        hist = http(comfy["url"] + f"/history/{pid}")[1]
+        if pid in hist and hist[pid].get("status", {}).get("status_str") in ("success", "error"):
+            entry = hist[pid]
+            break
+        time.sleep(0.5)
+    assert entry is not None and entry["status"]["status_str"] == "success", entry and entry["status"]
+    images = [img for out in entry["outputs"].values() for img in out.get("images", []) if img.get("type") == "output"]
+    assert images, entry["outputs"]

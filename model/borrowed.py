@@ -1,0 +1,168 @@
+"""The engine over another implementation's Wan modules: a ``WanModel`` whose layers are borrowed, not copied.
+
+Any module tree with the official Wan 2.1 attribute names (``patch_embedding``, ``text_embedding``,
+``time_embedding``, ``time_projection``, ``blocks[i].{norm1, norm2, norm3, self_attn.{q, k, v, o, norm_q, norm_k},
+cross_attn.{...}, ffn, modulation}``, ``head.{norm, head, modulation}``) can be sampled by the pack's one block
+forward and chunk loop: ``borrow_wan_model`` builds a thin ``WanModel`` whose submodules *are* the source's
+modules (the same objects: no second copy of a weight, and whatever the source's layers do when called, e.g. cast
+a stored float8 weight or apply a patch, still happens). The ``modulation`` tables, plain parameters in the
+source, are read through a cast to the run's dtype and device at each use, as the source does.
+
+Nothing here knows where the source comes from; ``nodes/native_engine.py`` feeds it ComfyUI's model.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from .blocks import WanBlock, WanCrossAttention, WanSelfAttention
+from .config import WanConfig
+from .dit import WanModel
+from .layers import Head
+from .rope import RopeCache
+
+_ATTN_PARTS = ("q", "k", "v", "o", "norm_q", "norm_k")
+
+
+def _is_identity(m) -> bool:
+    return m is None or isinstance(m, nn.Identity)
+
+
+def borrowed_config(source: nn.Module, num_heads: int | None = None, text_len: int | None = None,
+                    eps: float | None = None) -> WanConfig:
+    """The WanConfig of a source module tree, read from its layer shapes (heads/text_len/eps from the source's
+    attributes when not given). Raises a clear error when a part the engine needs is missing."""
+    missing = [n for n in ("patch_embedding", "text_embedding", "time_embedding", "time_projection", "blocks",
+                           "head") if getattr(source, n, None) is None]
+    if missing or len(source.blocks) == 0:
+        raise ValueError(f"{type(source).__name__} is not a Wan 2.1 DiT: it has no {missing or ['blocks']}")
+    pe = source.patch_embedding.weight
+    patch = tuple(int(p) for p in getattr(source.patch_embedding, "kernel_size", pe.shape[2:]))
+    b0 = source.blocks[0]
+    heads = num_heads or getattr(source, "num_heads", None) or getattr(b0.self_attn, "num_heads", None)
+    if not heads:
+        raise ValueError("the source model does not say its number of attention heads")
+    return WanConfig(
+        model_type="i2v" if getattr(source, "img_emb", None) is not None else "t2v",
+        patch_size=patch, in_dim=int(pe.shape[1]), dim=int(pe.shape[0]),
+        text_len=int(text_len or getattr(source, "text_len", None)
+                     or getattr(getattr(source, "config", None), "text_len", 512)),
+        ffn_dim=int(b0.ffn[0].weight.shape[0]), freq_dim=int(source.time_embedding[0].weight.shape[1]),
+        text_dim=int(source.text_embedding[0].weight.shape[1]),
+        out_dim=int(source.head.head.weight.shape[0]) // math.prod(patch), num_heads=int(heads),
+        num_layers=len(source.blocks), qk_norm=not _is_identity(getattr(b0.self_attn, "norm_q", None)),
+        cross_attn_norm=not _is_identity(getattr(b0, "norm3", None)),
+        eps=float(eps if eps is not None else getattr(b0.norm1, "eps", 1e-6)))
+
+
+class _CastModulation:
+    """``modulation`` read from the source module at each use (its owner may replace the parameter object, e.g.
+    when it patches weights), cast to the run's dtype and device."""
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        p = obj.__dict__["modulation_owner"].modulation
+        return p.to(device=obj.run_device or p.device, dtype=obj.compute_dtype)
+
+
+class BorrowedBlock(WanBlock):
+    """A WanBlock over a source block's layers. Each call also fires the source block's own forward pre-hooks and
+    forward hooks (with this call's x), so what the owner hung on its blocks (e.g. weight streaming of a block swap)
+    still happens around the block's work."""
+
+    modulation = _CastModulation()
+
+    def _source_hooks(self):
+        src = self.__dict__["modulation_owner"]
+        return src, list(src._forward_pre_hooks.values()), list(src._forward_hooks.values())
+
+    def forward(self, x, e0, rope, call, actions=None):
+        src, pre, post = self._source_hooks()
+        for hook in pre:
+            hook(src, (x,))
+        out = super().forward(x, e0, rope, call, actions)
+        for hook in post:
+            hook(src, (x,), out)
+        return out
+
+    def kv_only(self, x, e0, rope, call) -> None:
+        src, pre, post = self._source_hooks()
+        for hook in pre:
+            hook(src, (x,))
+        super().kv_only(x, e0, rope, call)
+        for hook in post:
+            hook(src, (x,), None)
+
+    def __init__(self, source: nn.Module, num_heads: int, dtype: torch.dtype):
+        nn.Module.__init__(self)
+        self.norm1, self.norm2, self.norm3, self.ffn = source.norm1, source.norm2, source.norm3, source.ffn
+        self.self_attn = _borrow_attention(WanSelfAttention, source.self_attn, num_heads)
+        self.cross_attn = _borrow_attention(WanCrossAttention, source.cross_attn, num_heads)
+        self.__dict__["modulation_owner"] = source      # not a submodule: its layers are borrowed one by one
+        self.compute_dtype, self.run_device = dtype, None
+
+
+class BorrowedHead(Head):
+    modulation = _CastModulation()
+
+    def __init__(self, source: nn.Module, dtype: torch.dtype):
+        nn.Module.__init__(self)
+        self.norm, self.head = source.norm, source.head
+        self.__dict__["modulation_owner"] = source
+        self.compute_dtype, self.run_device = dtype, None
+
+
+def _borrow_attention(cls, source: nn.Module, num_heads: int):
+    attn = cls.__new__(cls)
+    nn.Module.__init__(attn)
+    attn.num_heads = num_heads
+    for name in _ATTN_PARTS:
+        setattr(attn, name, getattr(source, name))
+    if cls is WanCrossAttention:
+        attn.has_image = False
+    return attn
+
+
+class BorrowedWanModel(WanModel):
+    """A WanModel over borrowed modules; ``set_run`` picks the dtype and device of a run (never casts weights)."""
+
+    def __init__(self, source: nn.Module, config: WanConfig, dtype: torch.dtype = torch.float32, device=None):
+        nn.Module.__init__(self)
+        if config.model_type != "t2v":
+            raise ValueError("only text-to-video Wan 2.1 models can be borrowed (this one has an image branch)")
+        self.config = config
+        self.patch_embedding = source.patch_embedding
+        self.text_embedding = source.text_embedding
+        self.time_embedding = source.time_embedding
+        self.time_projection = source.time_projection
+        self.blocks = nn.ModuleList(BorrowedBlock(b, config.num_heads, dtype) for b in source.blocks)
+        self.head = BorrowedHead(source.head, dtype)
+        self.attn_backend = "auto"
+        self.rope = RopeCache()
+        self._run_device = None
+        self.set_run(dtype, device)
+
+    def set_precision(self, precision: str, dtype: torch.dtype = torch.bfloat16):
+        raise RuntimeError("a borrowed model keeps its owner's weights as they are; use set_run(dtype, device)")
+
+    def set_run(self, dtype: torch.dtype, device=None) -> "BorrowedWanModel":
+        """Run in ``dtype`` (residual stream and matmul inputs, as causal checkpoints run) on ``device``."""
+        self.precision = "float32" if dtype == torch.float32 else "self_forcing"
+        self.stream_dtype = self.compute_dtype = dtype
+        self._run_device = None if device is None else torch.device(device)
+        for part in (*self.blocks, self.head):
+            part.compute_dtype, part.run_device = dtype, self._run_device
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self._run_device if self._run_device is not None else self.patch_embedding.weight.device
+
+
+def borrow_wan_model(source: nn.Module, dtype: torch.dtype = torch.float32, device=None, **config_overrides
+                     ) -> BorrowedWanModel:
+    """The engine's model over ``source``'s modules (see module doc); config_overrides: num_heads, text_len, eps."""
+    return BorrowedWanModel(source, borrowed_config(source, **config_overrides), dtype, device)

@@ -1,0 +1,185 @@
+"""Nodes for ComfyUI's own causal Wan MODEL: the Wan Accel AR Sampler (a SAMPLER for SamplerCustomAdvanced, a
+drop-in for core's SamplerARVideo), the released causal schedules as SIGMAS, and a recorded run's inputs (noise,
+re-noising draws, text) to replay an official output."""
+from __future__ import annotations
+
+from ..sampling.sampler import PATHS
+from ..sampling.scheduler import PRESET_NAMES, resolve_schedule
+
+CATEGORY = "wan_accel/native"
+
+
+class WanAccelARSampler:
+    DESCRIPTION = ("The pack's causal engine as a SAMPLER for SamplerCustomAdvanced, on the MODEL of Load Diffusion "
+                   "Model (WAN21_CausalAR, or WAN21 with Self-Forcing / CausVid weights): a drop-in for Sampler AR "
+                   "Video. Uses the weights as ComfyUI holds them (fp8, LoRA, offload); adds a rolling KV window with "
+                   "sink frames and the optimized path (static buffers, CUDA graphs).")
+    CATEGORY = CATEGORY
+    FUNCTION = "get_sampler"
+    RETURN_TYPES = ("SAMPLER",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "frames_per_block": ("INT", {"default": 3, "min": 1, "max": 64, "tooltip":
+                                 "Latent frames per autoregressive block (3 for Self-Forcing / CausVid, 1 for "
+                                 "frame-wise models); the latent's frames after a start image must be whole blocks."}),
+            "kv_window": ("INT", {"default": -1, "min": -1, "max": 1024, "tooltip":
+                          "Rolling KV cache window in latent frames; -1 keeps every frame (global cache, as core)."}),
+            "sink": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip":
+                     "First latent frames always kept in a rolling window (0 with the global cache)."}),
+            "path": (list(PATHS), {"default": "auto", "tooltip":
+                     "auto: optimized on CUDA, reference elsewhere. optimized: static buffers and CUDA graphs (same "
+                     "results within rounding). reference: one plain model call per step."}),
+            "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip":
+                            "Replay CUDA graphs on the optimized path (off: plain launches, for debugging)."}),
+        }}
+
+    def get_sampler(self, frames_per_block=3, kv_window=-1, sink=0, path="auto", cuda_graphs=True):
+        import comfy.samplers
+        from ..sampling.sampler import check_window
+        from .native_engine import sample_wan_accel
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
+        if kv_window > 0:
+            check_window(10 ** 6, frames_per_block, kv_window, sink)
+        options = {"frames_per_block": int(frames_per_block), "kv_window": int(kv_window), "sink": int(sink),
+                   "path": path, "cuda_graphs": bool(cuda_graphs)}
+        return (comfy.samplers.KSAMPLER(sample_wan_accel, extra_options=options),)
+
+
+def causal_sigmas(preset: str, steps: str = "1000,750,500,250", shift: float = 5.0, warp: bool = True):
+    """The step list of a released causal schedule (or a custom one) as a float32 SIGMAS tensor ending in 0."""
+    import torch
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"preset must be one of {list(PRESET_NAMES)}, got {preset!r}")
+    sched = resolve_schedule("custom", steps, shift, warp) if preset == "custom" else resolve_schedule(preset)
+    return torch.tensor(sched.sigmas(), dtype=torch.float32)
+
+
+class WanCausalSigmas:
+    DESCRIPTION = ("SIGMAS of the released causal Wan schedules for SamplerCustomAdvanced: Self-Forcing (steps "
+                   "1000,750,500,250 warped, shift 5), CausVid (1000,757,522, shift 8) or a custom list and shift.")
+    CATEGORY = CATEGORY
+    FUNCTION = "get_sigmas"
+    RETURN_TYPES = ("SIGMAS",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "preset": (list(PRESET_NAMES), {"default": "self_forcing", "tooltip":
+                       "self_forcing: 4 warped steps, shift 5. causvid: [1000, 757, 522], shift 8. custom: the "
+                       "steps, shift and warp below."}),
+            "steps": ("STRING", {"default": "1000,750,500,250", "tooltip":
+                      "custom only: timesteps in [0, 1000], comma separated, highest first."}),
+            "shift": ("FLOAT", {"default": 5.0, "min": 0.1, "max": 100.0, "step": 0.1, "tooltip":
+                      "custom only: the timestep shift of the flow-matching schedule."}),
+            "warp": ("BOOLEAN", {"default": True, "tooltip":
+                     "custom only: map each step through the shifted schedule (Self-Forcing's warp); off: use "
+                     "the steps as timesteps (CausVid)."}),
+        }}
+
+    def get_sigmas(self, preset="self_forcing", steps="1000,750,500,250", shift=5.0, warp=True):
+        return (causal_sigmas(preset, steps, shift, warp),)
+
+
+class WanRecordedRun:
+    DESCRIPTION = ("Replay a recorded causal run (e.g. an official implementation's output, saved as safetensors in "
+                   "ComfyUI's input folder with initial_noise [B, F, C, H, W], context [B, L, C] and "
+                   "extra_noise.block{b}.step{k}): gives its noise, its text conditioning, an empty latent of its "
+                   "size, and the MODEL carrying its re-noising draws for the Wan Accel AR Sampler.")
+    CATEGORY = CATEGORY
+    FUNCTION = "load"
+    RETURN_TYPES = ("MODEL", "NOISE", "CONDITIONING", "LATENT")
+    RETURN_NAMES = ("model", "noise", "conditioning", "latent")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The causal Wan MODEL to sample (from Load Diffusion Model)."}),
+            "file": ("STRING", {"default": "causal_io.safetensors", "tooltip":
+                     "A .safetensors file in ComfyUI's input folder holding the recorded tensors."}),
+        }}
+
+    def load(self, model, file="causal_io.safetensors"):
+        import os
+
+        import folder_paths
+        import torch
+        from safetensors.torch import load_file
+        from .native_engine import RECORDED_NOISE_KEY
+        path = os.path.join(folder_paths.get_input_directory(), file)
+        if not file.endswith(".safetensors") or not os.path.isfile(path):
+            raise ValueError(f"no recorded run {file!r} in ComfyUI's input folder: put a .safetensors file there")
+        io = load_file(path)
+        missing = [k for k in ("initial_noise", "context") if k not in io]
+        if missing:
+            raise ValueError(f"{file} has no {missing}: a recorded run holds initial_noise [B, F, C, H, W], context "
+                             f"[B, L, C] and extra_noise.block<b>.step<k>")
+        noise = io["initial_noise"].movedim(1, 2).float().contiguous()
+        m = model.clone()
+        options = m.model_options.setdefault("transformer_options", {})
+        options[RECORDED_NOISE_KEY] = {k: v for k, v in io.items() if k.startswith("extra_noise.")}
+        latent = {"samples": torch.zeros_like(noise)}
+        return (m, _RecordedNoise(noise), [[io["context"].float(), {}]], latent)
+
+
+class _RecordedNoise:
+    """A NOISE whose draw is the recorded initial noise (the re-noising draws travel on the MODEL)."""
+
+    seed = 0
+
+    def __init__(self, noise):
+        self.noise = noise
+
+    def generate_noise(self, input_latent):
+        want = tuple(input_latent["samples"].shape)
+        if tuple(self.noise.shape) != want:
+            raise ValueError(f"the recorded noise is {tuple(self.noise.shape)} but the latent is {want}")
+        return self.noise.clone()
+
+
+class WanTinyNativeModel:
+    DESCRIPTION = ("The built-in tiny random causal model as ComfyUI's own MODEL (loaded by core as WAN21_CausalAR, "
+                   "as Load Diffusion Model would load a converted file) with a random prompt embedding of its "
+                   "width: runs a native causal workflow with no model files, in seconds on a CPU. Noise-like "
+                   "output is expected.")
+    CATEGORY = CATEGORY
+    FUNCTION = "load"
+    RETURN_TYPES = ("MODEL", "CONDITIONING")
+    RETURN_NAMES = ("model", "conditioning")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31 - 1, "tooltip":
+                     "Seed of the tiny model's random weights and of its random prompt embedding."}),
+        }}
+
+    def load(self, seed=0):
+        import comfy.sd
+        import torch
+        from ..model.checkpoint import core_causal_metadata
+        from ..model.tiny import TINY_CONFIG, tiny_causal_model
+        sd = tiny_causal_model(seed=int(seed)).state_dict()
+        patcher = comfy.sd.load_diffusion_model_state_dict(sd, metadata=core_causal_metadata(TINY_CONFIG))
+        if patcher is None:
+            raise ValueError("this ComfyUI did not recognise the tiny causal Wan model; it needs ComfyUI 0.33 or "
+                             "newer (WAN21_CausalAR)")
+        g = torch.Generator().manual_seed(int(seed) + 1)
+        context = torch.randn(1, TINY_CONFIG.text_len, TINY_CONFIG.text_dim, generator=g)
+        return (patcher, [[context, {}]])
+
+
+NODE_CLASS_MAPPINGS = {
+    "WanTinyNativeModel": WanTinyNativeModel,
+    "WanAccelARSampler": WanAccelARSampler,
+    "WanCausalSigmas": WanCausalSigmas,
+    "WanRecordedRun": WanRecordedRun,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "WanTinyNativeModel": "Wan Tiny Model (native MODEL)",
+    "WanAccelARSampler": "Wan Accel AR Sampler (native MODEL)",
+    "WanCausalSigmas": "Wan Causal Sigmas",
+    "WanRecordedRun": "Wan Recorded Run",
+}

@@ -1,0 +1,47 @@
+"""The engine over ComfyUI's own model against core's forward and core's SamplerARVideo, with ComfyUI's Python
+(skipped unless COMFYUI_DIR and COMFYUI_VENV are set): one chunk forward each way on the public causal fixture, and
+wall time per video of both samplers at the tiny shape, measured in one run (the mid shape, dim 512, 8 layers,
+21 latent frames of 16x16, takes minutes on a CPU: ``bench_native_vs_core.py --shape mid``, figures in
+docs/benchmarks.md)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+COMFY_DIR = os.environ.get("COMFYUI_DIR")
+COMFY_VENV = os.environ.get("COMFYUI_VENV")
+
+pytestmark = pytest.mark.skipif(not (COMFY_DIR and COMFY_VENV),
+                                reason="set COMFYUI_DIR and COMFYUI_VENV to compare with ComfyUI's own sampler")
+
+
+def _run(tmp_path, script: str, *args) -> dict:
+    (tmp_path / "pkg").mkdir(exist_ok=True)
+    link = tmp_path / "pkg" / "wan_accel"
+    if not link.exists():
+        link.symlink_to(REPO, target_is_directory=True)
+    env = dict(os.environ, WAN_ACCEL_CACHE=str(tmp_path / "limits.json"),
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "pkg"), COMFY_DIR]))
+    out = subprocess.run([str(Path(COMFY_VENV) / "bin" / "python"), str(HERE / script), *args], cwd=COMFY_DIR,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def test_engine_forward_matches_cores_own_forward(tmp_path):
+    res = _run(tmp_path, "native_forward_parity.py", str(REPO / "tests" / "fixtures" / "wan_reference"))
+    assert res["model"] == "WAN21_CausalAR" and res["diffusion_model"] == "CausalWanModel"
+    assert max(res["max_abs_diff_per_chunk"]) < 1e-4, res
+
+
+def test_not_slower_than_core_ar_video_at_the_tiny_shape(tmp_path):
+    res = _run(tmp_path, "bench_native_vs_core.py", "--shape", "tiny", "--repeats", "3")
+    print("tiny shape:", json.dumps(res))
+    assert res["model"] == "WAN21_CausalAR"
+    assert res["min_s"]["wan_accel"] <= res["min_s"]["core_ar_video"], res["times_s"]
