@@ -62,6 +62,16 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
     (``memory.sampling_guard``)."""
     from ..memory.sampling_guard import oom_guard
     from ..sampling.sampler import generate_latents
+    lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block)
+    guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
+    return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
+                            frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
+                            skip_last_refresh=skip_last_refresh, callback=callback, on_chunk=on_chunk,
+                            path=path, fast_options=fast_options, report=report, chunk_guard=guard)
+
+
+def _latent_geometry(model, width: int, height: int, num_frames: int, frames_per_block: int) -> tuple:
+    """(latent frames, latent height, latent width); clear errors for 4k+1 frames, multiples of 16, whole blocks."""
     lf = latent_frames(num_frames)
     lh, lw = latent_size(height, width, model.config.patch_size[1:])
     if frames_per_block < 1 or lf % frames_per_block:
@@ -70,11 +80,25 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
         video = sorted({VAE_TIME_STRIDE * (n - 1) + 1 for n in (lower, upper)})
         raise ValueError(f"{num_frames} video frames give {lf} latent frames, not a whole number of "
                          f"{fpb}-frame blocks; use {' or '.join(map(str, video))} video frames")
+    return lf, lh, lw
+
+
+def sample_latents_with_state(model, context, width: int, height: int, num_frames: int, seed: int = 0,
+                              schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1,
+                              sink: int = 0, state=None, keep_state: bool = True, state_device="cpu",
+                              oom_retry: str = "auto", **kwargs):
+    """``sample_latents`` that can continue a video: ``num_frames`` is the video length to reach (4k+1 video
+    frames); with ``state`` (a ``SamplerState``) only the frames after it are sampled, exactly as one long run
+    would have. Returns (latents of the new frames [B, n, 16, H/8, W/8], the state after them or None when
+    ``keep_state`` is off; kept on ``state_device``, the CPU by default, between prompts)."""
+    from ..memory.sampling_guard import oom_guard
+    from ..sampling.continuation import sample_continuable
+    lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block)
+    batch = int(kwargs.pop("batch", 1))
     guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
-    return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
-                            frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
-                            skip_last_refresh=skip_last_refresh, callback=callback, on_chunk=on_chunk,
-                            path=path, fast_options=fast_options, report=report, chunk_guard=guard)
+    return sample_continuable(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
+                              frames_per_block=frames_per_block, kv_window=kv_window, sink=sink, state=state,
+                              keep_state=keep_state, state_device=state_device, chunk_guard=guard, **kwargs)
 
 
 def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_kernels: bool = True,

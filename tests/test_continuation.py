@@ -81,3 +81,13 @@ def test_state_refuses_other_settings_and_models(model, context):
         sample_continuable(model, context, 4, 4, 6, schedule=SCHEDULE, frames_per_block=2, skip_last_refresh=True)
     with pytest.raises(TypeError, match="causal sampler state"):
         sample_continuable(model, context, 8, 4, 6, schedule=SCHEDULE, frames_per_block=2, state={"frames": 4})
+
+
+@pytest.mark.parametrize("window", [-1, 4])
+def test_optimized_path_continues_exactly_too(model, context, window):
+    long = generate_latents(model, context, 8, 4, 6, seed=1, schedule=SCHEDULE, frames_per_block=2,
+                            path="optimized", kv_window=window)
+    kw = dict(schedule=SCHEDULE, frames_per_block=2, path="optimized", kv_window=window)
+    a, state = sample_continuable(model, context, 4, 4, 6, seed=1, **kw)
+    b, _ = sample_continuable(model, context, 8, 4, 6, state=state, **kw)
+    assert torch.equal(torch.cat([a, b], 1), long)

@@ -1,0 +1,102 @@
+"""Run with ComfyUI's python inside its work tree (tests/e2e/test_streaming_decode.py does):
+
+    python streaming_decode_check.py parity   -> JSON: max |streaming - VAE.decode| per (frames, chunk size)
+    python streaming_decode_check.py memory N -> JSON: peak RSS growth of a streaming decode of N latent frames
+
+A random-weight Wan 2.1 VAE is built from ComfyUI's own class (comfy.ldm.wan.vae.WanVAE) at a small width and loaded
+through ``comfy.sd.VAE`` like a real file; float32 on the CPU. The adapter module is loaded on its own (it imports
+only torch at import time), so the pack need not be installed in ComfyUI's environment.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ADAPTER = Path(__file__).resolve().parents[2] / "nodes" / "streaming_decode.py"
+
+
+def adapter():
+    spec = importlib.util.spec_from_file_location("wan_accel_streaming_decode", ADAPTER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def small_vae(dim: int = 16, seed: int = 0):
+    import comfy.sd
+    from comfy.ldm.wan.vae import WanVAE
+    torch.manual_seed(seed)
+    model = WanVAE(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                   temperal_downsample=[False, True, True])
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():                       # ComfyUI's ops leave weights uninitialised: fill them
+        for name, p in model.named_parameters():
+            if name.endswith("gamma"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif p.dim() == 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / (p[0].numel() ** 0.5))
+    return comfy.sd.VAE(sd=model.state_dict(), dtype=torch.float32)
+
+
+def stream(mod, vae, z, chunk: int):
+    dec, parts = mod.WanStreamDecoder(vae), []
+    for f in range(0, z.shape[2], chunk):
+        out = dec.push(z[:, :, f:f + chunk])
+        if out is not None:
+            parts.append(out)
+    out = dec.finish()
+    if out is not None:
+        parts.append(out)
+    return torch.cat(parts, 1)
+
+
+def parity() -> dict:
+    mod, vae = adapter(), small_vae()
+    assert vae.vae_dtype == torch.float32, vae.vae_dtype
+    result = {}
+    for frames in (5, 6, 7):
+        z = torch.randn(1, 16, frames, 4, 4, generator=torch.Generator().manual_seed(frames))
+        whole = vae.decode(z)
+        for chunk in (1, 2, 3):
+            got = stream(mod, vae, z, chunk)
+            assert got.shape == whole.shape, (got.shape, whole.shape)
+            result[f"{frames}x{chunk}"] = (got - whole).abs().max().item()
+    result["frames_of_7"] = int(vae.decode(torch.zeros(1, 16, 7, 4, 4)).shape[1])
+    return result
+
+
+def memory(frames: int, chunk: int = 3) -> dict:
+    """Peak RSS growth while decoding ``frames`` latent frames chunk by chunk; each chunk's images are dropped once
+    made (a consumer that shows or saves them), so what remains is the decoder's own working memory."""
+    mod, vae = adapter(), small_vae(dim=16)
+    z = torch.randn(1, 16, frames, 4, 4, generator=torch.Generator().manual_seed(1))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    dec, made, t0, first = mod.WanStreamDecoder(vae), 0, time.perf_counter(), None
+    for f in range(0, frames, chunk):
+        out = dec.push(z[:, :, f:f + chunk])
+        if out is not None:
+            made += out.shape[1]
+            first = first if first is not None else time.perf_counter() - t0
+        del out
+    out = dec.finish()
+    made += 0 if out is None else out.shape[1]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"latent_frames": frames, "video_frames": made, "rss_growth_kb": peak - base, "peak_rss_kb": peak,
+            "seconds": time.perf_counter() - t0, "first_frames_s": first}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path.cwd()))         # the ComfyUI work tree
+    from comfy.cli_args import args
+    args.cpu = True                             # as main.py --cpu
+    torch.set_num_threads(2)
+    what = sys.argv[1]
+    print(json.dumps(parity() if what == "parity" else memory(int(sys.argv[2]))))
