@@ -63,7 +63,8 @@ class WanStreamDecoder:
                              f"{tuple(latent.shape)}")
         if latent.shape[2] == 0:
             return None
-        self._load(latent.shape)
+        if self.frames_in == 0:                     # load once: nothing else is loaded between chunks
+            self._load(latent.shape)
         x = self.model.conv2(latent.to(device=self.vae.device, dtype=self.vae.vae_dtype))
         first = self.frames_in == 0
         self.frames_in += latent.shape[2]

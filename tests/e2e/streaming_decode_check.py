@@ -1,7 +1,8 @@
 """Run with ComfyUI's python inside its work tree (tests/e2e/test_streaming_decode.py does):
 
     python streaming_decode_check.py parity   -> JSON: max |streaming - VAE.decode| per (frames, chunk size)
-    python streaming_decode_check.py memory N -> JSON: peak RSS growth of a streaming decode of N latent frames
+    python streaming_decode_check.py memory N [S] -> JSON: peak RSS growth of a streaming decode of N latent frames of SxS (4)
+    python streaming_decode_check.py memory-whole N [S] -> the same for ComfyUI's whole VAE.decode (for contrast)
 
 A random-weight Wan 2.1 VAE is built from ComfyUI's own class (comfy.ldm.wan.vae.WanVAE) at a small width and loaded
 through ``comfy.sd.VAE`` like a real file; float32 on the CPU. The adapter module is loaded on its own (it imports
@@ -28,7 +29,7 @@ def adapter():
     return mod
 
 
-def small_vae(dim: int = 16, seed: int = 0):
+def small_vae(dim: int = 8, seed: int = 0):
     import comfy.sd
     from comfy.ldm.wan.vae import WanVAE
     torch.manual_seed(seed)
@@ -63,7 +64,7 @@ def parity() -> dict:
     assert vae.vae_dtype == torch.float32, vae.vae_dtype
     result = {}
     for frames in (5, 6, 7):
-        z = torch.randn(1, 16, frames, 4, 4, generator=torch.Generator().manual_seed(frames))
+        z = torch.randn(1, 16, frames, 2, 2, generator=torch.Generator().manual_seed(frames))
         whole = vae.decode(z)
         for chunk in (1, 2, 3):
             got = stream(mod, vae, z, chunk)
@@ -73,12 +74,18 @@ def parity() -> dict:
     return result
 
 
-def memory(frames: int, chunk: int = 3) -> dict:
+def memory(frames: int, chunk: int = 3, whole: bool = False, side: int = 4) -> dict:
     """Peak RSS growth while decoding ``frames`` latent frames chunk by chunk; each chunk's images are dropped once
     made (a consumer that shows or saves them), so what remains is the decoder's own working memory."""
-    mod, vae = adapter(), small_vae(dim=16)
-    z = torch.randn(1, 16, frames, 4, 4, generator=torch.Generator().manual_seed(1))
+    mod, vae = adapter(), small_vae()
+    z = torch.randn(1, 16, frames, side, side, generator=torch.Generator().manual_seed(1))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if whole:                                   # for contrast: ComfyUI's VAE.decode of the whole video
+        t0 = time.perf_counter()
+        made = vae.decode(z).shape[1]
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"latent_frames": frames, "video_frames": made, "rss_growth_kb": peak - base, "peak_rss_kb": peak,
+                "seconds": time.perf_counter() - t0, "first_frames_s": None}
     dec, made, t0, first = mod.WanStreamDecoder(vae), 0, time.perf_counter(), None
     for f in range(0, frames, chunk):
         out = dec.push(z[:, :, f:f + chunk])
@@ -99,4 +106,5 @@ if __name__ == "__main__":
     args.cpu = True                             # as main.py --cpu
     torch.set_num_threads(2)
     what = sys.argv[1]
-    print(json.dumps(parity() if what == "parity" else memory(int(sys.argv[2]))))
+    print(json.dumps(parity() if what == "parity" else memory(int(sys.argv[2]), whole=what == "memory-whole",
+                                                                     side=int(sys.argv[3]) if len(sys.argv) > 3 else 4)))
