@@ -11,6 +11,8 @@ import base64
 import io
 import time
 
+import torch
+
 from .model_nodes import CausalWanSampler, _ComfyProgress
 
 EVENT = "wan_accel.frames"
@@ -59,29 +61,27 @@ class _DecodeInLockstep(_ComfyProgress):
         self.chunk_s: list = []
         self.decode_s: list = []
         self.frames = 0
+        self.last_chunk = -1
 
     def __call__(self, ci, k, num_chunks, num_steps, x0):
         super().__call__(ci, k, num_chunks, num_steps, x0)
-        if k == num_steps - 1:
-            from ..app.preview import to_vae_latents
-            t = time.perf_counter()
-            images = self.decoder.push(to_vae_latents(x0.float()))
-            self.decode_s.append(time.perf_counter() - t)
-            self._emit(images, ci, num_chunks)
-
-    def finish(self, num_chunks: int):
+        if k != num_steps - 1 or ci <= self.last_chunk:     # a chunk redone after an out-of-memory retry: once
+            return
+        from ..app.preview import to_vae_latents
+        self.last_chunk = ci
         t = time.perf_counter()
-        images = self.decoder.finish()
-        if images is not None:
-            self.decode_s[-1] += time.perf_counter() - t
-        self._emit(images, num_chunks - 1, num_chunks, last=True)
-        self.decoder.release()
+        parts = [self.decoder.push(to_vae_latents(x0.float()))]
+        if ci == num_chunks - 1:                            # the last chunk also ends the decode walk
+            parts.append(self.decoder.finish())
+        parts = [p for p in parts if p is not None]
+        images = torch.cat(parts, 1) if parts else None
+        self.decode_s.append(time.perf_counter() - t)
+        self._emit(images, ci, num_chunks)
 
-    def _emit(self, images, ci, num_chunks, last=False):
+    def _emit(self, images, ci, num_chunks):
         now = time.perf_counter()
-        if not last:
-            self.chunk_s.append(now - self.mark)
-            self.mark = now
+        self.chunk_s.append(now - self.mark)
+        self.mark = now
         if images is None:
             return
         images = images.reshape(-1, *images.shape[-3:]).cpu()
@@ -112,13 +112,10 @@ class CausalWanSamplerDecode(CausalWanSampler):
         return spec
 
     def sample(self, vae, model, *args, live_preview=True, unique_id=None, **kwargs):
-        import torch
         from .streaming_decode import WanStreamDecoder
         self._lockstep = _DecodeInLockstep(WanStreamDecoder(vae), unique_id, bool(live_preview))
         try:
             latent, state = super().sample(model, *args, **kwargs)
-            chunks = len(self._lockstep.chunk_s)
-            self._lockstep.finish(max(1, chunks))
         finally:
             self._lockstep.decoder.release()
         run = self._lockstep

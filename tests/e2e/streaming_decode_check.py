@@ -2,6 +2,7 @@
 
     python streaming_decode_check.py parity   -> JSON: max |streaming - VAE.decode| per (frames, chunk size)
     python streaming_decode_check.py memory N [S] -> JSON: peak RSS growth of a streaming decode of N latent frames of SxS (4)
+    python streaming_decode_check.py write-vae PATH -> a small random-weight Wan 2.1 VAE .safetensors at PATH
     python streaming_decode_check.py memory-whole N [S] -> the same for ComfyUI's whole VAE.decode (for contrast)
 
 A random-weight Wan 2.1 VAE is built from ComfyUI's own class (comfy.ldm.wan.vae.WanVAE) at a small width and loaded
@@ -45,6 +46,17 @@ def small_vae(dim: int = 8, seed: int = 0):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / (p[0].numel() ** 0.5))
     return comfy.sd.VAE(sd=model.state_dict(), dtype=torch.float32)
+
+
+def write_vae(path: str, dim: int = 8) -> dict:
+    """A random-weight Wan 2.1 VAE file (ComfyUI's class, small width) for a server to load like a real one."""
+    from comfy.ldm.wan.vae import WanVAE
+    from safetensors.torch import save_file
+    vae = small_vae(dim)
+    sd = {k: v.contiguous() for k, v in vae.first_stage_model.state_dict().items()}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, path)
+    return {"path": path, "tensors": len(sd), "class": WanVAE.__name__}
 
 
 def stream(mod, vae, z, chunk: int):
@@ -106,5 +118,8 @@ if __name__ == "__main__":
     args.cpu = True                             # as main.py --cpu
     torch.set_num_threads(2)
     what = sys.argv[1]
+    if what == "write-vae":
+        print(json.dumps(write_vae(sys.argv[2])))
+        sys.exit(0)
     print(json.dumps(parity() if what == "parity" else memory(int(sys.argv[2]), whole=what == "memory-whole",
                                                                      side=int(sys.argv[3]) if len(sys.argv) > 3 else 4)))
