@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO / "workflows"
 API_DIR = WORKFLOWS / "api"
 UI_FILES = sorted(WORKFLOWS.glob("*.json"))
-EXPECTED_WORKFLOWS = {"causal_wan_t2v", "native_wan_compile", "low_vram", "profile_run", "tiny_smoke"}
+EXPECTED_WORKFLOWS = {"causal_wan_t2v", "native_wan_compile", "low_vram", "profile_run", "tiny_smoke", "streaming_t2v"}
 
 FILE_LIST = "FILE_LIST"  # a combo listing model files: its choices depend on the user's models folder
 WIDGET_TYPES = {"INT", "FLOAT", "BOOLEAN", "STRING", "COMBO"}

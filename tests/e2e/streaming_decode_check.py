@@ -3,6 +3,7 @@
     python streaming_decode_check.py parity   -> JSON: max |streaming - VAE.decode| per (frames, chunk size)
     python streaming_decode_check.py memory N [S] -> JSON: peak RSS growth of a streaming decode of N latent frames of SxS (4)
     python streaming_decode_check.py write-vae PATH -> a small random-weight Wan 2.1 VAE .safetensors at PATH
+    python streaming_decode_check.py timing [FRAMES SIDE] -> JSON: first-frame time, chunk latency, decode share
     python streaming_decode_check.py memory-whole N [S] -> the same for ComfyUI's whole VAE.decode (for contrast)
 
 A random-weight Wan 2.1 VAE is built from ComfyUI's own class (comfy.ldm.wan.vae.WanVAE) at a small width and loaded
@@ -112,12 +113,38 @@ def memory(frames: int, chunk: int = 3, whole: bool = False, side: int = 4) -> d
             "seconds": time.perf_counter() - t0, "first_frames_s": first}
 
 
+def timing(num_frames: int = 33, side: int = 64) -> dict:
+    """CausalWan Sampler + Decode on the built-in tiny model with the small VAE: time to the first decoded frames,
+    per-chunk latency and the decode's share of it (the pack loaded from this checkout as ``wan_accel``)."""
+    import importlib
+    root = ADAPTER.parents[1]
+    spec = importlib.util.spec_from_file_location("wan_accel", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["wan_accel"] = pkg
+    spec.loader.exec_module(pkg)
+    nodes = importlib.import_module("wan_accel.nodes.model_nodes")
+    stream_nodes = importlib.import_module("wan_accel.nodes.stream_nodes")
+    (handle,) = nodes.CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", "sdpa")
+    node, vae = stream_nodes.CausalWanSamplerDecode(), small_vae()
+    t0 = time.perf_counter()
+    images, _, _ = node.sample(vae, handle, side, side, num_frames, 1, "self_forcing", 3, -1, 0, live_preview=False)
+    total = time.perf_counter() - t0
+    r = node.last_report
+    return {"video_frames": int(images.shape[0]), "size": side, "total_s": total, "first_frames_s": r["first_frames_s"],
+            "chunk_s": r["chunk_s"], "decode_s": r["decode_s"],
+            "decode_share": sum(r["decode_s"]) / max(sum(r["chunk_s"]), 1e-9), "torch": torch.__version__}
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path.cwd()))         # the ComfyUI work tree
     from comfy.cli_args import args
     args.cpu = True                             # as main.py --cpu
     torch.set_num_threads(2)
     what = sys.argv[1]
+    if what == "timing":
+        print(json.dumps(timing(*(int(v) for v in sys.argv[2:]))))
+        sys.exit(0)
     if what == "write-vae":
         print(json.dumps(write_vae(sys.argv[2])))
         sys.exit(0)
