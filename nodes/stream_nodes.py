@@ -11,8 +11,6 @@ import base64
 import io
 import time
 
-import torch
-
 from .model_nodes import CausalWanSampler, _ComfyProgress
 
 EVENT = "wan_accel.frames"
@@ -67,6 +65,7 @@ class _DecodeInLockstep(_ComfyProgress):
         super().__call__(ci, k, num_chunks, num_steps, x0)
         if k != num_steps - 1 or ci <= self.last_chunk:     # a chunk redone after an out-of-memory retry: once
             return
+        import torch
         from ..app.preview import to_vae_latents
         self.last_chunk = ci
         t = time.perf_counter()
@@ -112,6 +111,7 @@ class CausalWanSamplerDecode(CausalWanSampler):
         return spec
 
     def sample(self, vae, model, *args, live_preview=True, unique_id=None, **kwargs):
+        import torch
         from .streaming_decode import WanStreamDecoder
         self._lockstep = _DecodeInLockstep(WanStreamDecoder(vae), unique_id, bool(live_preview))
         try:

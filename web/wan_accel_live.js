@@ -28,7 +28,7 @@ function livePlayer(node) {
   widget.serialize = false;
   const player = { img, caption, frames: [], shown: 0, fps: 16, timer: null, info: "" };
   widget._player = player;
-  node.setSize?.([Math.max(node.size[0], 360), Math.max(node.size[1], 420)]);
+  node.setSize?.([Math.max(node.size[0], 360), node.size[1] + 240]);
   return player;
 }
 
