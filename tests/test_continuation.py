@@ -91,3 +91,24 @@ def test_optimized_path_continues_exactly_too(model, context, window):
     a, state = sample_continuable(model, context, 4, 4, 6, seed=1, **kw)
     b, _ = sample_continuable(model, context, 8, 4, 6, state=state, **kw)
     assert torch.equal(torch.cat([a, b], 1), long)
+
+
+def test_matrix_game2_continuation_equals_one_long_run():
+    from wan_accel.model.mg2_model import tiny_mg2_model
+    from wan_accel.sampling.mg2 import generate_mg2
+    from wan_accel.sampling.mg2_continuation import sample_mg2_continuable
+    mg2 = tiny_mg2_model(seed=7)
+    g = torch.Generator().manual_seed(4)
+    img, ctx = torch.randn(1, 16, 1, 4, 4, generator=g), torch.randn(1, 9, 32, generator=g)
+    mouse, keyboard = 0.1 * torch.randn(1, 33, 2, generator=g), (torch.rand(1, 33, 4, generator=g) < 0.4).float()
+    long = generate_mg2(mg2, img, ctx, (mouse, keyboard), num_frames=9, seed=3)   # window 6: the caches roll
+    a, state = sample_mg2_continuable(mg2, img, ctx, mouse[:, :9], keyboard[:, :9], 3, seed=3)
+    b, mid = sample_mg2_continuable(mg2, img, ctx, mouse[:, 9:21], keyboard[:, 9:21], 6, state=state)
+    c, state = sample_mg2_continuable(mg2, img, ctx, mouse[:, 21:], keyboard[:, 21:], 9, state=mid)
+    assert torch.equal(torch.cat([a, b, c], 2), long)
+    assert state.actions["keyboard"].shape[1] == 33
+    other = keyboard[:, 21:].flip(1)                  # other actions for the last chunk change its frames
+    d, _ = sample_mg2_continuable(mg2, img, ctx, mouse[:, 21:], other, 9, state=mid)
+    assert not torch.equal(d, c)
+    with pytest.raises(ValueError, match="give 12 for the new frames"):
+        sample_mg2_continuable(mg2, img, ctx, mouse[:, 21:25], keyboard[:, 21:25], 9, state=mid)
