@@ -49,4 +49,6 @@ def test_decoder_memory_is_flat_in_video_length():
           f"{long['rss_growth_kb']} kB, ratio {ratio:.2f}; whole VAE.decode {whole_short['rss_growth_kb']} kB, "
           f"{whole_long['rss_growth_kb']} kB, ratio {whole:.2f}", file=sys.stderr)
     assert whole > 2.0, (whole_short, whole_long)
-    assert ratio < 1.5, (short, long)
+    # flat: 60 more latent frames add less than 5 % of what they add to the whole decode (RSS noise is a few MB)
+    grown = long["rss_growth_kb"] - short["rss_growth_kb"]
+    assert grown < 0.05 * (whole_long["rss_growth_kb"] - whole_short["rss_growth_kb"]), (short, long)
