@@ -164,6 +164,10 @@ def run_live(page, base: str, api_path: Path, timeout: float, out_dir: Path) -> 
     prompt = json.loads(api_path.read_text())
     page.evaluate("async (p) => { await window.app.loadApiJson(p, 'streaming_live'); }", prompt)
     page.wait_for_timeout(1000)
+    tab = page.locator(".wan-accel-limits-tab-button")        # the panel open: it plays the frames too
+    if tab.count():
+        tab.first.click()
+        page.wait_for_selector(".wan-accel-panel", timeout=15000)
     page.evaluate("() => { window.app.canvas.ds.offset = [40, 40]; window.app.canvas.setDirty(true, true); }")
     page.evaluate("() => { window.__wanAccelLive.events.length = 0; window.__wanAccelLive.ends.length = 0; }")
     queued = page.evaluate("async () => { const t = performance.now(); await window.app.queuePrompt(0, 1); return t; }")
@@ -181,7 +185,9 @@ def run_live(page, base: str, api_path: Path, timeout: float, out_dir: Path) -> 
     after = out_dir / "streaming_live_after_run.png"
     page.screenshot(path=str(after))
     log = page.evaluate("() => JSON.parse(JSON.stringify(window.__wanAccelLive))")
+    panel_src = page.evaluate("() => document.querySelector('.wan-accel-panel-live img')?.src || ''")
     return {"queued_at": queued, "events": log["events"], "ends": log["ends"],
+            "panel_playing": panel_src.startswith("data:image/jpeg"),
             "screenshot_during": str(mid) if mid else None, "screenshot_after": str(after)}
 
 

@@ -280,4 +280,5 @@ def test_live_frames_reach_the_page_before_the_prompt_ends(comfy, tmp_path):
     assert sum(e["frames"] for e in events) == 21                    # every video frame, chunk by chunk
     assert events[0]["t"] < live["ends"][0]["t"]                     # the first frames came before the end
     assert all(e["latency_s"] > 0 for e in events)
+    assert live["panel_playing"], "the pack's panel shows no live frames"
     assert Path(live["screenshot_after"]).stat().st_size > 10_000
