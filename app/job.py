@@ -64,16 +64,41 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
     (``memory.sampling_guard``)."""
     from ..memory.sampling_guard import oom_guard
     from ..sampling.sampler import generate_latents
-    from .validate import check_geometry
-    check_geometry(num_frames, height, width, frames_per_block, kv_window, sink,
-                   names={"frames": "num_frames"})  # one check for every entry point; its advice passes it
-    lf = latent_frames(num_frames)
-    lh, lw = latent_size(height, width, model.config.patch_size[1:])
+    lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink)
     guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
     return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
                             frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
                             skip_last_refresh=skip_last_refresh, callback=callback, on_chunk=on_chunk,
                             path=path, fast_options=fast_options, report=report, chunk_guard=guard)
+
+
+def _latent_geometry(model, width: int, height: int, num_frames: int, frames_per_block: int, kv_window: int = -1,
+                     sink: int = 0) -> tuple:
+    """(latent frames, latent height, latent width), after the one geometry check of every entry point (4k+1
+    frames, multiples of 16, whole blocks, window and sink; its advice passes it)."""
+    from .validate import check_geometry
+    check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names={"frames": "num_frames"})
+    lf = latent_frames(num_frames)
+    lh, lw = latent_size(height, width, model.config.patch_size[1:])
+    return lf, lh, lw
+
+
+def sample_latents_with_state(model, context, width: int, height: int, num_frames: int, seed: int = 0,
+                              schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1,
+                              sink: int = 0, state=None, keep_state: bool = True, state_device="cpu",
+                              oom_retry: str = "auto", **kwargs):
+    """``sample_latents`` that can continue a video: ``num_frames`` is the video length to reach (4k+1 video
+    frames); with ``state`` (a ``SamplerState``) only the frames after it are sampled, exactly as one long run
+    would have. Returns (latents of the new frames [B, n, 16, H/8, W/8], the state after them or None when
+    ``keep_state`` is off; kept on ``state_device``, the CPU by default, between prompts)."""
+    from ..memory.sampling_guard import oom_guard
+    from ..sampling.continuation import sample_continuable
+    lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink)
+    batch = int(kwargs.pop("batch", 1))
+    guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
+    return sample_continuable(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
+                              frames_per_block=frames_per_block, kv_window=kv_window, sink=sink, state=state,
+                              keep_state=keep_state, state_device=state_device, chunk_guard=guard, **kwargs)
 
 
 def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_kernels: bool = True,

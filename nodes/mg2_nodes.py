@@ -56,11 +56,15 @@ def clip_tokens(clip_vision_output):
 class MatrixGame2Sampler:
     DESCRIPTION = ("Interactive Matrix-Game-2 video: samples latents chunk by chunk (3 latent frames each) from "
                    "the start image latent, its CLIP vision tokens and the Game Actions, with rolling self, "
-                   "mouse and keyboard caches, exactly as the released pipeline. Outputs a Wan 2.1 LATENT.")
+                   "mouse and keyboard caches, exactly as the released pipeline. Outputs a Wan 2.1 LATENT and, "
+                   "with keep_state, the state a later prompt continues the video from with the next actions.")
     CATEGORY = "wan_accel/matrix_game2"
     FUNCTION = "sample"
-    RETURN_TYPES = ("LATENT",)
-    RETURN_NAMES = ("latent",)
+    RETURN_TYPES = ("LATENT", "CAUSALWAN_STATE")
+    RETURN_NAMES = ("latent", "state")
+    OUTPUT_TOOLTIPS = ("Wan 2.1 latent of the frames made by this prompt (only the new ones when continuing).",
+                       "Where the video stopped (caches, noise generators, the actions so far), kept in RAM: connect "
+                       "it to continue_from of a later Matrix-Game-2 Sampler. Empty unless keep_state is on.")
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -86,11 +90,18 @@ class MatrixGame2Sampler:
             "optional": {
                 "kv_window": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip":
                               "Override the rolling cache window in latent frames (0: the preset's; >= 3)."}),
+                "keep_state": ("BOOLEAN", {"default": False, "tooltip":
+                               "Output the sampler state (caches, noise generators, actions so far; kept in RAM) so "
+                               "a later prompt can continue this video with new actions."}),
+                "continue_from": ("CAUSALWAN_STATE", {"tooltip":
+                                  "A state from an earlier Matrix-Game-2 Sampler with keep_state on: the actions then "
+                                  "drive the new frames only (4 video frames per latent frame), num_frames is the "
+                                  "total to reach (0: every whole chunk the actions cover) and seed is not used."}),
             },
         }
 
     def sample(self, model, start_latent, clip_vision_output, actions, seed=0, num_frames=0, preset="universal",
-               kv_window=0):
+               kv_window=0, keep_state=False, continue_from=None):
         import torch
         from ..sampling.mg2 import PRESETS as LIB_PRESETS, generate_mg2
         from ._comfy import progress_and_interrupt
@@ -135,12 +146,37 @@ class MatrixGame2Sampler:
         from ..app.doctor_gate import gated_sampling
         doctor_notes: list = []
         with torch.inference_mode(), gated_sampling(net, doctor_notes):
-            latents = generate_mg2(net, image, tokens, actions, num_frames, seed, preset,
-                                   window=kv_window or None, callback=on_step, on_chunk=on_chunk)
+            if keep_state or continue_from is not None:
+                latents, kept = _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window,
+                                             continue_from, bool(keep_state), on_step, on_chunk)
+            else:
+                latents, kept = generate_mg2(net, image, tokens, actions, num_frames, seed, preset,
+                                             window=kv_window or None, callback=on_step, on_chunk=on_chunk), None
         out = latents.float().cpu() * std + mean
+        result = ({"samples": out}, kept)
         if doctor_notes:        # features that failed their self-check here: say so in the node's text
-            return {"ui": {"text": ["\n".join(doctor_notes)]}, "result": ({"samples": out},)}
-        return ({"samples": out},)
+            return {"ui": {"text": ["\n".join(doctor_notes)]}, "result": result}
+        return result
+
+
+def _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window, state, keep_state, on_step,
+                 on_chunk):
+    """A Matrix-Game-2 run that keeps its state, or continues one (the actions then drive the new frames only)."""
+    from ..sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
+    from ..sampling.mg2_continuation import sample_mg2_continuable
+    settings = resolve_preset(preset, window=kv_window or None)
+    mouse, keyboard = actions.tensors(batch=1)
+    seq = keyboard if keyboard is not None else mouse
+    done = 0 if state is None else getattr(state, "frames", 0)
+    if state is None:
+        cover = 1 + (seq.shape[1] - 1) // 4
+    else:
+        cover = done + seq.shape[1] // 4
+        mouse = None if mouse is None else mouse[:, :4 * (cover - done)]
+        keyboard = None if keyboard is None else keyboard[:, :4 * (cover - done)]
+    total = num_frames or done + (cover - done) // FRAMES_PER_BLOCK * FRAMES_PER_BLOCK
+    return sample_mg2_continuable(net, image, tokens, mouse, keyboard, total, seed, settings, state=state,
+                                  keep_state=keep_state, state_device="cpu", callback=on_step, on_chunk=on_chunk)
 
 
 class MatrixGame2StartLatent:

@@ -149,11 +149,15 @@ class _ComfyProgress:
 
 class CausalWanSampler:
     DESCRIPTION = ("Chunk-autoregressive few-step sampling of a causal Wan model with a KV cache "
-                   "(Self-Forcing / CausVid). Outputs a Wan 2.1 LATENT for the Wan VAE decoder.")
+                   "(Self-Forcing / CausVid). Outputs a Wan 2.1 LATENT for the Wan VAE decoder and, with "
+                   "keep_state on, the sampler state a later prompt continues the video from (continue_from).")
     CATEGORY = "wan_accel/model"
     FUNCTION = "sample"
-    RETURN_TYPES = ("LATENT",)
-    RETURN_NAMES = ("latent",)
+    RETURN_TYPES = ("LATENT", "CAUSALWAN_STATE")
+    RETURN_NAMES = ("latent", "state")
+    OUTPUT_TOOLTIPS = ("Wan 2.1 latent of the frames made by this prompt (only the new ones when continuing).",
+                       "Where the video stopped (KV caches, frame position, noise generator), kept in RAM: connect "
+                       "it to continue_from of a later sampler. Empty unless keep_state is on.")
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -192,15 +196,23 @@ class CausalWanSampler:
                             "buffers, fused kernels, CUDA graphs, the loader's compile settings (same results "
                             "within rounding). The 'no CUDA graphs' / 'no fused kernels' variants switch one part "
                             "off for debugging. reference: the plain loop."}),
+                "keep_state": ("BOOLEAN", {"default": False, "tooltip":
+                               "Output the sampler state (the KV caches: about the size of the model's cache for "
+                               "the whole window, kept in RAM) so a later prompt can continue this video. Needs "
+                               "skip_last_refresh off."}),
+                "continue_from": ("CAUSALWAN_STATE", {"tooltip":
+                                  "A state from an earlier sampler with keep_state on: go on from where it stopped, "
+                                  "exactly as one long run. num_frames is then the total length to reach, seed is "
+                                  "not used (the noise goes on), the other settings must match the earlier run."}),
             },
         }
 
     def sample(self, model, width, height, num_frames, seed, preset, frames_per_block, kv_window, sink,
                positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False,
-               sampler="auto"):
+               sampler="auto", keep_state=False, continue_from=None):
         import functools
         from ..profiling.session import maybe_profile
-        from ..app.job import sample_latents, sampler_setup
+        from ..app.job import sample_latents, sample_latents_with_state, sampler_setup
         from ..app.preview import to_vae_latents
         from ..sampling.scheduler import resolve_schedule
         schedule = (resolve_schedule("custom", custom_steps, shift, True) if preset == "custom"
@@ -214,16 +226,31 @@ class CausalWanSampler:
         options = sampler_setup(model, path, graphs, fused, notes=doctor_notes)
         report: dict = {}
         pool = getattr(model, "extra", {}).get("rank_pool")       # CausalWan Sequence Parallel: several GPUs
-        run = sample_latents if pool is None else functools.partial(pool.sample, setup={
-            "cuda_graphs": graphs, "fused_kernels": fused})
-        latents = maybe_profile(model, run, model.model, context, width, height, num_frames, seed,
-                                schedule, frames_per_block, kv_window, sink, skip_last_refresh,
-                                callback=_ComfyProgress(), path=path, fast_options=options, report=report)
+        if keep_state or continue_from is not None:
+            if pool is not None:
+                raise ValueError("keep_state / continue_from do not run on several GPUs yet: remove the CausalWan "
+                                 "Sequence Parallel node (or set its world_size to 1) to keep or continue a video")
+            latents, state = maybe_profile(
+                model, sample_latents_with_state, model.model, context, width, height, num_frames, seed, schedule,
+                frames_per_block, kv_window, sink, state=continue_from, keep_state=bool(keep_state),
+                skip_last_refresh=skip_last_refresh, callback=self._progress(), path=path, fast_options=options,
+                report=report)
+        else:
+            run = sample_latents if pool is None else functools.partial(pool.sample, setup={
+                "cuda_graphs": graphs, "fused_kernels": fused})
+            latents, state = maybe_profile(model, run, model.model, context, width, height, num_frames, seed,
+                                           schedule, frames_per_block, kv_window, sink, skip_last_refresh,
+                                           callback=self._progress(), path=path, fast_options=options,
+                                           report=report), None
         self.last_report = report
-        result = ({"samples": to_vae_latents(latents).cpu()},)
+        result = ({"samples": to_vae_latents(latents).cpu()}, state)
         if doctor_notes:        # features that failed their self-check here: say so in the node's text
             return {"ui": {"text": ["\n".join(doctor_notes)]}, "result": result}
         return result
+
+    def _progress(self):
+        """The per-step callback (progress bar, preview, interrupt); the sampler+decode node adds its decode."""
+        return _ComfyProgress()
 
 
 NODE_CLASS_MAPPINGS = {

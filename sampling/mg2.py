@@ -87,14 +87,16 @@ def build_cond_concat(image_latent: torch.Tensor, num_frames: int) -> torch.Tens
 def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_context: torch.Tensor,
                mouse: torch.Tensor | None, keyboard: torch.Tensor | None, schedule, window: int,
                noise_provider=None, generator: torch.Generator | None = None, callback=None, tracer=None,
-               on_chunk=None, skip_last_refresh: bool = False, kv_cache=None, actions=None) -> torch.Tensor:
+               on_chunk=None, skip_last_refresh: bool = False, kv_cache=None, actions=None,
+               start_frame: int = 0) -> torch.Tensor:
     """Run the Matrix-Game-2 loop; returns x0 latents ``[B, 16, F, H, W]`` (float32, model space).
 
     noise ``[B, 16, F, H, W]``, or just that shape: each chunk's initial noise ``[B, 3, 16, H, W]`` then
     comes from noise_provider (step -1) when the chunk starts; cond_concat ``[B, 20, F, H, W]``;
     visual_context ``[B or 1, tokens, clip_dim]``; mouse/keyboard ``[B or 1, video frames, dims]`` (at least
     ``4*(F-1)`` frames, ``1 + 4*(F-1)`` as released); schedule: a Schedule or preset name; window: the
-    rolling window of every cache in latent frames.
+    rolling window of every cache in latent frames. start_frame: sample only the chunks from that latent frame on
+    over caches holding the earlier frames (continue a video: ``mg2_continuation``); returns those frames.
     noise_provider(chunk, step, shape [B, 3, 16, H, W], dtype, device) supplies the re-noising draws
     (default: ``generator``). callback/tracer/on_chunk as in ``sample_causal`` (tracer tensors are
     ``[B, 3, C, H, W]``). kv_cache / actions: pre-built caches to inspect afterwards.
@@ -127,7 +129,7 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
     out = sample_causal(model, visual_context.to(device), base_noise, schedule, FRAMES_PER_BLOCK,
                         generator=generator, noise_provider=noise_provider, kv_window=window, sink=0,
                         skip_last_refresh=skip_last_refresh, callback=callback, tracer=tracer,
-                        on_chunk=on_chunk, y=y, kv_cache=kv, model_kwargs={"actions": call})
+                        on_chunk=on_chunk, y=y, kv_cache=kv, model_kwargs={"actions": call}, start_frame=start_frame)
     return out.transpose(1, 2)
 
 

@@ -93,7 +93,8 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
                   sink: int = 0, skip_last_refresh: bool = False, callback=None, *, refresh_t: float = 0.0,
                   independent_first_frame: bool = False, tracer=None, on_chunk=None, clip_fea=None, y=None,
                   kv_cache: KVCache | None = None, model_kwargs: dict | None = None, path: str = "auto",
-                  fast_options=None, report: dict | None = None, chunk_guard=None, cache=None, prefix=None):
+                  fast_options=None, report: dict | None = None, chunk_guard=None, cache=None, prefix=None,
+                  start_frame: int = 0):
     """Sample latents [B, F, C, H, W] (float32) from initial noise [B, F, C, H, W].
 
     noise may also be just the shape (B, F, C, H, W): each chunk's initial noise is then drawn from the noise
@@ -115,10 +116,13 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     prefix: clean latent frames [B, P, C, H, W] that begin the video (e.g. an encoded start image): written into the
     KV cache by one refresh pass before the first chunk and returned as the first P frames; the chunks cover the
     frames after them.
+    start_frame: sample only the chunks from this latent frame on (a chunk boundary of the F-frame plan) and return
+    [B, F - start_frame, C, H, W]; ``kv_cache`` must then hold frames [0, start_frame) and the generator be where
+    the earlier frames left it (``continuation.sample_continuable`` does both: continue a video later).
     """
     req, inputs = resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider,
                                   kv_window, sink, skip_last_refresh, refresh_t, independent_first_frame, tracer,
-                                  clip_fea, y, kv_cache, model_kwargs, path, fast_options, prefix)
+                                  clip_fea, y, kv_cache, model_kwargs, path, fast_options, prefix, start_frame)
     hooks = SamplingHooks(callback, on_chunk, tracer, chunk_guard)
     if report is not None:
         report["path"] = req.path
@@ -132,12 +136,13 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     out, info = run_chunks(model, executor, req, inputs, hooks)
     if report is not None:
         report.update(info, skipped_last_refresh=req.skip_last_refresh)
-    return out
+    return out[:, start_frame:] if start_frame else out      # a continued run returns its new frames
 
 
 def resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider, kv_window, sink,
                     skip_last_refresh, refresh_t, independent_first_frame, tracer, clip_fea, y, kv_cache,
-                    model_kwargs, path, fast_options, prefix=None) -> tuple[SamplingRequest, SamplingInputs]:
+                    model_kwargs, path, fast_options, prefix=None, start_frame: int = 0
+                    ) -> tuple[SamplingRequest, SamplingInputs]:
     """Validate the arguments of ``sample_causal`` once: (the frozen request, the run's tensors)."""
     sched = _as_schedule(schedule)
     shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
@@ -151,7 +156,18 @@ def resolve_request(model, context, noise, schedule, frames_per_block, generator
                 not 0 < first < num_frames:
             raise ValueError(f"the start latent {tuple(prefix.shape)} does not fit the video latent {shape}: it "
                              f"needs the same batch, channels and size, and fewer frames")
+        if start_frame:
+            raise ValueError("a start latent (prefix) begins a video; a continued run (start_frame) already has it")
     plan = [(f + first, n) for f, n in chunk_plan(num_frames - first, frames_per_block, independent_first_frame)]
+    if start_frame:
+        starts = [f0 for f0, _ in plan]
+        if start_frame not in starts:
+            raise ValueError(f"start_frame {start_frame} is not the first frame of a chunk of the {num_frames}-frame "
+                             f"plan (chunks start at {starts[:8]}{'...' if len(starts) > 8 else ''})")
+        if kv_cache is None or kv_cache.end < start_frame * (h // model.config.patch_size[1]) * (
+                w // model.config.patch_size[2]):
+            raise ValueError(f"starting at latent frame {start_frame} needs a KV cache holding the frames before it")
+        plan = [c for c in plan if c[0] >= start_frame]
     ph, pw = model.config.patch_size[1:]
     if h % ph or w % pw:
         raise ValueError(f"latent height/width {h}x{w} must be divisible by the patch size {ph}x{pw}")

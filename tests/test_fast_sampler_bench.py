@@ -137,11 +137,11 @@ def test_sampler_node_paths_and_profile_request(tmp_path):
     from wan_accel.profiling.session import ProfileRequest, attach_profile_request
     (handle,) = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", "auto")
     node = CausalWanSampler()
-    (ref,) = node.sample(handle, 32, 32, 9, 1, "self_forcing", 3, -1, 0, sampler="reference")
+    ref, _ = node.sample(handle, 32, 32, 9, 1, "self_forcing", 3, -1, 0, sampler="reference")
     assert node.last_report["path"] == "reference"
     request = ProfileRequest(runs=1, out_dir=tmp_path, history=False)
-    (opt,) = node.sample(attach_profile_request(handle, request), 32, 32, 9, 1, "self_forcing", 3, -1, 0,
-                         sampler="optimized, no fused kernels")
+    opt, _ = node.sample(attach_profile_request(handle, request), 32, 32, 9, 1, "self_forcing", 3, -1, 0,
+                       sampler="optimized, no fused kernels")
     assert node.last_report["path"] == "optimized" and node.last_report["fused_kernels"] is False
     assert (ref["samples"] - opt["samples"]).abs().max().item() <= 1e-5
     assert request.latest is not None and request.remaining == 0      # the Wan Profile node sees this run

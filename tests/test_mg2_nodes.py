@@ -41,12 +41,31 @@ def test_sampler_node_outputs_a_latent():
     actions = GameActions().build("W*8, look_left*12, idle*4", "universal")["result"][0]
     start = {"samples": torch.randn(1, 16, 1, 8, 8)}
     clip = SimpleNamespace(penultimate_hidden_states=torch.randn(1, 9, 32))
-    (latent,) = MatrixGame2Sampler().sample(handle, start, clip, actions, seed=1, num_frames=0, preset="universal")
+    latent, _ = MatrixGame2Sampler().sample(handle, start, clip, actions, seed=1, num_frames=0, preset="universal")
     assert latent["samples"].shape == (1, 16, 6, 8, 8)
-    (again,) = MatrixGame2Sampler().sample(handle, start, clip, actions, seed=1, num_frames=3, preset="universal")
+    again, _ = MatrixGame2Sampler().sample(handle, start, clip, actions, seed=1, num_frames=3, preset="universal")
     assert again["samples"].shape == (1, 16, 3, 8, 8)
     # the first chunk does not depend on later frames
     assert torch.allclose(again["samples"], latent["samples"][:, :, :3], atol=1e-5)
+
+
+def test_sampler_node_continues_with_the_next_actions():
+    from wan_accel.sampling.actions_script import GameActions as Actions
+    handle = _handle()
+    actions = GameActions().build("W*8, look_left*12, idle*4", "universal")["result"][0]
+    start = {"samples": torch.randn(1, 16, 1, 8, 8)}
+    clip = SimpleNamespace(penultimate_hidden_states=torch.randn(1, 9, 32))
+    long, _ = MatrixGame2Sampler().sample(handle, start, clip, actions, seed=1, num_frames=6, preset="universal")
+    first, state = MatrixGame2Sampler().sample(handle, start, clip, actions, seed=1, num_frames=3,
+                                               preset="universal", keep_state=True)
+    assert state.frames == 3 and state.kv.device.type == "cpu"
+    later = Actions(actions.mode, actions.keyboard[9:21], actions.mouse[9:21])      # the next chunk's 12 frames
+    rest, after = MatrixGame2Sampler().sample(handle, start, clip, later, seed=99, preset="universal",
+                                              continue_from=state)
+    assert after is None and rest["samples"].shape[2] == 3
+    assert torch.equal(torch.cat([first["samples"], rest["samples"]], 2), long["samples"])
+    with pytest.raises(ValueError, match="KV window"):
+        MatrixGame2Sampler().sample(handle, start, clip, later, preset="universal", kv_window=3, continue_from=state)
 
 
 def test_sampler_node_errors():

@@ -52,20 +52,35 @@ def test_loader_rejects_invalid_compile_settings_at_once():
 
 
 def test_sampler_smoke_graph_without_conditioning(handle):
-    (latent,) = CausalWanSampler().sample(handle, 64, 32, 9, 0, "self_forcing", 3, -1, 0)
+    latent, _ = CausalWanSampler().sample(handle, 64, 32, 9, 0, "self_forcing", 3, -1, 0)
     assert latent["samples"].shape == (1, 16, 3, 4, 8)           # [B, C, T, H/8, W/8]
-    (again,) = CausalWanSampler().sample(handle, 64, 32, 9, 0, "self_forcing", 3, -1, 0)
+    again, _ = CausalWanSampler().sample(handle, 64, 32, 9, 0, "self_forcing", 3, -1, 0)
     assert torch.equal(latent["samples"], again["samples"])
-    (custom,) = CausalWanSampler().sample(handle, 64, 32, 9, 0, "custom", 3, -1, 0,
+    custom, _ = CausalWanSampler().sample(handle, 64, 32, 9, 0, "custom", 3, -1, 0,
                                           custom_steps="1000,500", shift=3.0)
     assert not torch.equal(custom["samples"], latent["samples"])
 
 
 def test_sampler_with_matching_conditioning(handle):
     cond = [[torch.randn(1, 5, handle.config.text_dim), {"pooled_output": None}]]
-    (a,) = CausalWanSampler().sample(handle, 32, 32, 9, 1, "causvid", 3, -1, 0, positive=cond)
-    (b,) = CausalWanSampler().sample(handle, 32, 32, 9, 1, "causvid", 3, -1, 0)
+    a, _ = CausalWanSampler().sample(handle, 32, 32, 9, 1, "causvid", 3, -1, 0, positive=cond)
+    b, _ = CausalWanSampler().sample(handle, 32, 32, 9, 1, "causvid", 3, -1, 0)
     assert not torch.equal(a["samples"], b["samples"])
+
+
+def test_sampler_state_continues_the_video_in_a_later_prompt(handle):
+    long, none = CausalWanSampler().sample(handle, 32, 32, 21, 4, "self_forcing", 3, 4, 1)
+    assert none is None                                           # keep_state off: no state kept
+    first, state = CausalWanSampler().sample(handle, 32, 32, 9, 4, "self_forcing", 3, 4, 1, keep_state=True)
+    assert state.frames == 3 and state.kv.device.type == "cpu"   # waits in RAM between prompts
+    rest, _ = CausalWanSampler().sample(handle, 32, 32, 21, 99, "self_forcing", 3, 4, 1, continue_from=state)
+    assert rest["samples"].shape[2] == 3
+    assert torch.equal(torch.cat([first["samples"], rest["samples"]], 2), long["samples"])
+    with pytest.raises(ValueError, match="KV window: the state has 4, this run -1"):
+        CausalWanSampler().sample(handle, 32, 32, 21, 0, "self_forcing", 3, -1, 1, continue_from=state)
+    with pytest.raises(ValueError, match="skip_last_refresh"):
+        CausalWanSampler().sample(handle, 32, 32, 9, 0, "self_forcing", 3, 4, 1, skip_last_refresh=True,
+                                  keep_state=True)
 
 
 def test_sampler_errors_are_clear(handle):

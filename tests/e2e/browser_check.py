@@ -154,6 +154,43 @@ def run_queued(page, base: str, timeout: float, out_dir: Path, stem: str) -> dic
                                         "w => w.name === 'wan_accel_text' && w.value)).map(n => n.id)")}
 
 
+LIVE_STATE = "() => ({events: window.__wanAccelLive?.events.length || 0, ends: window.__wanAccelLive?.ends.length || 0})"
+
+
+def run_live(page, base: str, api_path: Path, timeout: float, out_dir: Path) -> dict:
+    """Load an API-format prompt, queue it from the page and record when the pack's live frames arrive
+    (``window.__wanAccelLive``, kept by web/wan_accel_live.js) against when the prompt ends; screenshots of the
+    node while frames play and after the run."""
+    prompt = json.loads(api_path.read_text())
+    page.evaluate("async (p) => { await window.app.loadApiJson(p, 'streaming_live'); }", prompt)
+    page.wait_for_timeout(1000)
+    tab = page.locator(".wan-accel-limits-tab-button")        # the panel open: it plays the frames too
+    if tab.count():
+        tab.first.click()
+        page.wait_for_selector(".wan-accel-panel", timeout=15000)
+    page.evaluate("() => { window.app.canvas.ds.offset = [40, 40]; window.app.canvas.setDirty(true, true); }")
+    page.evaluate("() => { window.__wanAccelLive.events.length = 0; window.__wanAccelLive.ends.length = 0; }")
+    queued = page.evaluate("async () => { const t = performance.now(); await window.app.queuePrompt(0, 1); return t; }")
+    end, mid = time.time() + timeout, None
+    while time.time() < end:
+        state = page.evaluate(LIVE_STATE)
+        if state["ends"]:
+            break
+        if state["events"] and mid is None:
+            page.wait_for_timeout(400)
+            mid = out_dir / "streaming_live_during_run.png"
+            page.screenshot(path=str(mid))
+        time.sleep(0.2)
+    page.wait_for_timeout(2500)
+    after = out_dir / "streaming_live_after_run.png"
+    page.screenshot(path=str(after))
+    log = page.evaluate("() => JSON.parse(JSON.stringify(window.__wanAccelLive))")
+    panel_src = page.evaluate("() => document.querySelector('.wan-accel-panel-live img')?.src || ''")
+    return {"queued_at": queued, "events": log["events"], "ends": log["ends"],
+            "panel_playing": panel_src.startswith("data:image/jpeg"),
+            "screenshot_during": str(mid) if mid else None, "screenshot_after": str(after)}
+
+
 def panel_counts(page) -> dict:
     return page.eval_on_selector_all(
         ".wan-accel-panel [data-namespace]",
@@ -204,6 +241,7 @@ def main() -> int:
                     help="file stem of a workflow to run through the UI after loading it (repeatable)")
     ap.add_argument("--panel", action="store_true", help="open the pack's sidebar panel and screenshot it")
     ap.add_argument("--clear", help="with --panel: clear this namespace with the panel's button (confirming)")
+    ap.add_argument("--live", help="API-format prompt to queue from the page, recording the live frames it sends")
     ap.add_argument("--report", help="write the JSON report here")
     ap.add_argument("--timeout", type=float, default=120)
     ap.add_argument("--chromium", default=os.environ.get("CHROMIUM") or shutil.which("chromium") or "chromium")
@@ -240,6 +278,10 @@ def main() -> int:
                             res["problems"].append(f"run: {res['run']}")
                     report["workflows"].append(res)
                     if res["problems"]:
+                        status = 1
+                if args.live:
+                    report["live"] = run_live(page, base, Path(args.live), args.timeout, out_dir)
+                    if not report["live"]["events"]:
                         status = 1
                 if args.panel:
                     report["panel"] = open_panel(page, out_dir)

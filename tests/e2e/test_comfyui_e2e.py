@@ -76,6 +76,12 @@ def comfy_server(tmp_path_factory, extra_args=()):
     work = tmp_path_factory.mktemp("comfy_run")
     for sub in ("output", "input", "temp", "user"):
         (work / sub).mkdir()
+    # a small random-weight Wan 2.1 VAE under the run's own model folder (the streaming decode node loads it)
+    vae = subprocess.run([str(_python()), str(Path(__file__).with_name("streaming_decode_check.py")), "write-vae",
+                          str(work / "models" / "vae" / "wan_2.1_vae.safetensors")], cwd=comfy_dir,
+                         capture_output=True, text=True, timeout=300)
+    assert vae.returncode == 0, vae.stderr[-3000:]
+    (work / "extra_model_paths.yaml").write_text(f"wan_accel_e2e:\n    base_path: {work}\n    vae: models/vae\n")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, WAN_ACCEL_CACHE=str(work / "wan_accel" / "limits.json"))
@@ -84,7 +90,8 @@ def comfy_server(tmp_path_factory, extra_args=()):
     cmd = [str(_python()), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
            "--disable-auto-launch", "--output-directory", str(work / "output"), "--input-directory",
            str(work / "input"), "--temp-directory", str(work / "temp"), "--user-directory", str(work / "user"),
-           "--database-url", f"sqlite:///{work / 'comfy.db'}", *extra_args]
+           "--database-url", f"sqlite:///{work / 'comfy.db'}", "--extra-model-paths-config",
+           str(work / "extra_model_paths.yaml"), *extra_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=comfy_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env)
@@ -354,3 +361,46 @@ def test_native_causal_tiny_runs_through_prompt(comfy):
     assert entry is not None and entry["status"]["status_str"] == "success", entry and entry["status"]
     images = [img for out in entry["outputs"].values() for img in out.get("images", []) if img.get("type") == "output"]
     assert images, entry["outputs"]
+
+
+def live_prompt(num_frames: int = 21, side: int = 64) -> dict:
+    """The tiny model sampled by CausalWan Sampler + Decode with the run's small Wan 2.1 VAE file."""
+    return {
+        "1": {"class_type": "CausalWanModelLoader", "inputs": {"checkpoint": "(built-in tiny model)", "dtype": "fp32",
+                                                               "precision": "float32", "attention": "sdpa"}},
+        "2": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_2.1_vae.safetensors"}},
+        "3": {"class_type": "CausalWanSamplerDecode", "inputs": {
+            "vae": ["2", 0], "model": ["1", 0], "width": side, "height": side, "num_frames": num_frames, "seed": 1,
+            "preset": "self_forcing", "frames_per_block": 3, "kv_window": -1, "sink": 0,
+            "custom_steps": "1000,750,500,250", "shift": 5.0, "skip_last_refresh": False, "sampler": "auto",
+            "keep_state": False, "live_preview": True}},
+        "4": {"class_type": "SaveAnimatedWEBP", "inputs": {"images": ["3", 0], "filename_prefix": "wan_accel/live",
+                                                           "fps": 16.0, "lossless": False, "quality": 80,
+                                                           "method": "default"}},
+    }
+
+
+def test_live_frames_reach_the_page_before_the_prompt_ends(comfy, tmp_path):
+    why = _browser_ready()
+    if why:
+        pytest.skip(why)
+    prompt = tmp_path / "live.json"
+    prompt.write_text(json.dumps(live_prompt()))
+    shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
+    report_path = tmp_path / "live_report.json"
+    out = subprocess.run([str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
+                          "--out-dir", str(shots), "--live", str(prompt), "--report", str(report_path),
+                          "--timeout", "300"], capture_output=True, text=True, timeout=600)
+    assert report_path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert "error" not in report, report["error"]
+    live = report["live"]
+    assert live["ends"] and live["ends"][0]["kind"] == "execution_success", (live, comfy["log"].read_text()[-3000:])
+    events = live["events"]
+    assert [e["chunk"] for e in events] == [0, 1], events           # 6 latent frames: two 3-frame chunks
+    assert all(e["node"] == "3" for e in events)
+    assert sum(e["frames"] for e in events) == 21                    # every video frame, chunk by chunk
+    assert events[0]["t"] < live["ends"][0]["t"]                     # the first frames came before the end
+    assert all(e["latency_s"] > 0 for e in events)
+    assert live["panel_playing"], "the pack's panel shows no live frames"
+    assert Path(live["screenshot_after"]).stat().st_size > 10_000

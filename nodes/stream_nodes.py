@@ -1,0 +1,132 @@
+"""CausalWan Sampler + Decode: sampling with the Wan 2.1 VAE decode in lockstep, and live frames to the browser.
+
+Each chunk's clean latents are decoded as soon as the chunk is done (``streaming_decode.WanStreamDecoder``: the
+frames of one whole decode, flat decoder memory), and its frames are sent to the page (event ``wan_accel.frames``)
+where the node and the panel play them at the video's frame rate with the chunk's latency. The node returns the
+IMAGE frames, the LATENT and, with keep_state, the state a later prompt continues from.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+from .model_nodes import CausalWanSampler, _ComfyProgress
+
+EVENT = "wan_accel.frames"
+FPS = 16                         # Wan 2.1 video frame rate
+PREVIEW_SIDE = 320               # longest side of the frames sent to the page
+
+
+def _jpeg_frames(images, side: int = PREVIEW_SIDE) -> list:
+    """images [frames, H, W, 3] 0..1 -> base64 JPEGs no larger than ``side`` pixels."""
+    from PIL import Image
+    out = []
+    arr = (images.clamp(0, 1) * 255).round().to("cpu").byte().numpy()
+    for frame in arr:
+        img = Image.fromarray(frame)
+        if max(img.size) > side:
+            img.thumbnail((side, side))
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=80)
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    return out
+
+
+def send_frames(node_id, chunk: int, num_chunks: int, images, latency_s: float, first_frame: int) -> bool:
+    """Send a chunk's frames to the browser (no-op outside a ComfyUI server); True when sent."""
+    try:
+        from server import PromptServer
+        server = PromptServer.instance
+    except (ImportError, AttributeError):
+        return False
+    server.send_sync(EVENT, {"node": str(node_id) if node_id is not None else None, "chunk": chunk,
+                             "chunks": num_chunks, "first_frame": first_frame, "fps": FPS,
+                             "latency_s": round(latency_s, 4), "frames": _jpeg_frames(images)},
+                     getattr(server, "client_id", None))
+    return True
+
+
+class _DecodeInLockstep(_ComfyProgress):
+    """Progress callback that also decodes each finished chunk (its last step's x0) and sends its frames."""
+
+    def __init__(self, decoder, node_id=None, live: bool = True):
+        super().__init__()
+        self.decoder, self.node_id, self.live = decoder, node_id, live
+        self.parts: list = []
+        self.t0 = self.mark = time.perf_counter()
+        self.first_frames_s = None
+        self.chunk_s: list = []
+        self.decode_s: list = []
+        self.frames = 0
+        self.last_chunk = -1
+
+    def __call__(self, ci, k, num_chunks, num_steps, x0):
+        super().__call__(ci, k, num_chunks, num_steps, x0)
+        if k != num_steps - 1 or ci <= self.last_chunk:     # a chunk redone after an out-of-memory retry: once
+            return
+        import torch
+        from ..app.preview import to_vae_latents
+        self.last_chunk = ci
+        t = time.perf_counter()
+        parts = [self.decoder.push(to_vae_latents(x0.float()))]
+        if ci == num_chunks - 1:                            # the last chunk also ends the decode walk
+            parts.append(self.decoder.finish())
+        parts = [p for p in parts if p is not None]
+        images = torch.cat(parts, 1) if parts else None
+        self.decode_s.append(time.perf_counter() - t)
+        self._emit(images, ci, num_chunks)
+
+    def _emit(self, images, ci, num_chunks):
+        now = time.perf_counter()
+        self.chunk_s.append(now - self.mark)
+        self.mark = now
+        if images is None:
+            return
+        images = images.reshape(-1, *images.shape[-3:]).cpu()
+        if self.first_frames_s is None:
+            self.first_frames_s = now - self.t0
+        if self.live:
+            send_frames(self.node_id, ci, num_chunks, images, self.chunk_s[-1] if self.chunk_s else 0.0, self.frames)
+        self.frames += images.shape[0]
+        self.parts.append(images)
+
+
+class CausalWanSamplerDecode(CausalWanSampler):
+    DESCRIPTION = ("CausalWan Sampler with the Wan 2.1 VAE decode in lockstep: each chunk is decoded as soon as it "
+                   "is sampled (the frames of one whole decode, with decoder memory that stays flat in video "
+                   "length) and its frames play live in this node while the rest is made.")
+    RETURN_TYPES = ("IMAGE", "LATENT", "CAUSALWAN_STATE")
+    RETURN_NAMES = ("images", "latent", "state")
+    OUTPUT_TOOLTIPS = ("The decoded video frames (same as VAE Decode of the latent).",) + CausalWanSampler.OUTPUT_TOOLTIPS
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        spec = CausalWanSampler.INPUT_TYPES()
+        spec["required"] = {"vae": ("VAE", {"tooltip": "The Wan 2.1 VAE (wan_2.1_vae.safetensors) from Load VAE."}),
+                            **spec["required"]}
+        spec["optional"]["live_preview"] = ("BOOLEAN", {"default": True, "tooltip":
+                                            "Send each decoded chunk's frames to this node while sampling."})
+        spec["hidden"] = {"unique_id": "UNIQUE_ID"}
+        return spec
+
+    def sample(self, vae, model, *args, live_preview=True, unique_id=None, **kwargs):
+        import torch
+        from .streaming_decode import WanStreamDecoder
+        self._lockstep = _DecodeInLockstep(WanStreamDecoder(vae), unique_id, bool(live_preview))
+        try:
+            latent, state = super().sample(model, *args, **kwargs)
+        finally:
+            self._lockstep.decoder.release()
+        run = self._lockstep
+        self.last_report = dict(getattr(self, "last_report", {}), first_frames_s=run.first_frames_s,
+                                chunk_s=run.chunk_s, decode_s=run.decode_s)
+        images = torch.cat(run.parts, 0) if run.parts else torch.zeros(0, 8, 8, 3)
+        return images, latent, state
+
+    def _progress(self):
+        return self._lockstep
+
+
+NODE_CLASS_MAPPINGS = {"CausalWanSamplerDecode": CausalWanSamplerDecode}
+NODE_DISPLAY_NAME_MAPPINGS = {"CausalWanSamplerDecode": "CausalWan Sampler + Decode (streaming)"}

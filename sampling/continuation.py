@@ -1,0 +1,161 @@
+"""Continue a video later: the state a causal run ends in, and a run that goes on from it.
+
+A causal run's future depends only on its KV caches (self-attention, and Matrix-Game-2's action caches), the next
+latent frame's position and the noise generator's state. ``sample_continuable`` returns them as a
+``SamplerState`` beside the latents; given that state, a later call samples the next frames exactly as one long run
+would have (same chunks, same noise draws, same cache contents and layout: bit for bit on the same device). The
+state records the model and the settings it was made with and refuses others with an error naming the difference.
+
+The one long run of F frames holds a global cache of F frames, or a rolling window when ``0 < kv_window < F``; a
+continuation builds the cache of that long run and copies the earlier frames in (below the window, a global cache's
+slot of a token is the rolling one's, so a short global cache grows into a rolling one unchanged).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..model.attachments import model_signature
+from ..model.kv_cache import KVCache
+from .sampler import _as_schedule, sample_causal
+
+
+@dataclass(frozen=True)
+class SamplerState:
+    """Where a causal run stopped. settings: what must match to go on (model signature, latent size, batch,
+    chunking, window, schedule, dtypes); frames: latent frames made so far (the next chunk starts there); kv: the
+    self-attention cache after the last chunk's refresh; generator: (device, state) of the noise generator;
+    actions: Matrix-Game-2's action history and caches (None for text-to-video)."""
+    settings: dict
+    frames: int
+    kv: KVCache
+    generator: tuple
+    actions: dict | None = None
+
+    def describe(self) -> str:
+        s = self.settings
+        return (f"causal sampler state after {self.frames} latent frames ({s['model']}, {s['height']}x{s['width']} "
+                f"latents, {s['frames_per_block']}-frame chunks, window {s['kv_window']}, sink {s['sink']})")
+
+    def to(self, device) -> "SamplerState":
+        """The state with its cache tensors on ``device`` (e.g. the CPU between prompts); values unchanged."""
+        return dataclasses.replace(self, kv=copy_cache(self.kv, device=device),
+                                   actions=_actions_to(self.actions, device))
+
+
+def copy_cache(src: KVCache, dst: KVCache | None = None, device=None) -> KVCache:
+    """A copy of ``src`` (same layout, on ``device``), or ``src``'s tokens written into ``dst`` (the cache of the
+    longer run: same layers and rows, a global cache at least as long, or the same rolling window)."""
+    if dst is None:
+        dst = KVCache(len(src.layers), *src.layers[0].k.shape[:1], src.capacity, *src.layers[0].k.shape[2:],
+                      device=device if device is not None else src.device, dtype=src.layers[0].k.dtype,
+                      rolling=src.rolling, sink_tokens=src.sink_tokens)
+    same_ring = src.rolling and dst.rolling and (src.capacity, src.sink_tokens) == (dst.capacity, dst.sink_tokens)
+    if src.rolling and not same_ring:
+        raise ValueError(f"a rolling cache of {src.capacity} tokens (sink {src.sink_tokens}) cannot continue in a "
+                         f"cache of {dst.capacity} tokens (sink {dst.sink_tokens})")
+    n = src.capacity if src.rolling else src.end
+    if n > dst.capacity or len(src.layers) != len(dst.layers):
+        raise ValueError(f"the earlier run's cache ({len(src.layers)} layers, {n} tokens) does not fit the new one "
+                         f"({len(dst.layers)} layers, {dst.capacity} tokens)")
+    for a, b in zip(src.layers, dst.layers):
+        b.k[:, :n].copy_(a.k[:, :n])
+        b.v[:, :n].copy_(a.v[:, :n])
+    dst.end = src.end
+    return dst
+
+
+def _actions_to(actions, device):
+    if actions is None:
+        return None
+    return {k: (copy_cache(v, device=device) if isinstance(v, KVCache) else v) for k, v in actions.items()}
+
+
+def run_settings(model, batch: int, height: int, width: int, schedule, frames_per_block: int, kv_window: int,
+                 sink: int, refresh_t: float = 0.0, **extra) -> dict:
+    """What a state must share with the run that continues it (plain values: compared and shown in errors)."""
+    sched = _as_schedule(schedule)
+    return {"model": model_signature(model), "batch": int(batch), "height": int(height), "width": int(width),
+            "frames_per_block": int(frames_per_block), "kv_window": int(kv_window), "sink": int(sink),
+            "refresh_t": float(refresh_t), "timesteps": [float(t) for t in sched.timesteps],
+            "shift": float(getattr(sched, "shift", 0.0) or 0.0),
+            "compute_dtype": str(model.compute_dtype), "stream_dtype": str(model.stream_dtype), **extra}
+
+
+NAMES = {"model": "model (checkpoint, precision or attention heads)", "batch": "batch size",
+         "height": "latent height", "width": "latent width", "frames_per_block": "frames per block",
+         "kv_window": "KV window", "sink": "sink frames", "refresh_t": "refresh timestep",
+         "timesteps": "schedule steps", "shift": "schedule shift", "compute_dtype": "compute dtype",
+         "stream_dtype": "stream dtype"}
+
+
+def check_state(state, settings: dict) -> None:
+    """Clear error when ``state`` was made with another model or other settings than ``settings``."""
+    if not isinstance(state, SamplerState):
+        raise TypeError(f"expected a causal sampler state (the 'state' output of a causal sampler), got "
+                        f"{type(state).__name__}")
+    diffs = [f"{NAMES.get(k, k)}: the state has {state.settings.get(k)!r}, this run {v!r}"
+             for k, v in settings.items() if state.settings.get(k) != v]
+    if diffs:
+        raise ValueError("this sampler state was made with other settings and cannot be continued here; use the "
+                         "settings it was made with (or start a new video): " + "; ".join(diffs))
+
+
+def capture(settings: dict, frames: int, kv: KVCache, generator: torch.Generator, actions=None,
+            device=None) -> SamplerState:
+    """The state after ``frames`` latent frames (a copy: the caller's buffers may be reused)."""
+    return SamplerState(dict(settings), int(frames), copy_cache(kv, device=device),
+                        (str(generator.device), generator.get_state().clone()), _actions_to(actions, device))
+
+
+def restore_generator(state: SamplerState, device) -> torch.Generator:
+    want, saved = state.generator
+    if torch.device(want).type != torch.device(device).type:
+        raise ValueError(f"the state's noise generator ran on {want}; continue on the same device type "
+                         f"(this model is on {device})")
+    gen = torch.Generator(device=device)
+    gen.set_state(saved)
+    return gen
+
+
+def sample_continuable(model, context, num_frames: int, height: int, width: int, seed: int = 0, batch: int = 1,
+                       schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1, sink: int = 0,
+                       state: SamplerState | None = None, keep_state: bool = True, state_device=None,
+                       refresh_t: float = 0.0, **kwargs):
+    """Sample latent frames up to ``num_frames`` in all: from 0 (state None, seeded by ``seed``) or from where
+    ``state`` stopped (seed unused: the noise goes on from the state's generator). Returns (latents of the new frames
+    [B, n, C, H, W] float32, the state after them or None when ``keep_state`` is off). ``state_device``: where the
+    returned state's caches live (default: the model's device). kwargs go to ``sample_causal`` (callback, on_chunk,
+    path, fast_options, report, chunk_guard; independent_first_frame for a first run)."""
+    settings = run_settings(model, batch, height, width, schedule, frames_per_block, kv_window, sink, refresh_t)
+    c = model.config
+    frame_tokens = (height // c.patch_size[1]) * (width // c.patch_size[2])
+    if keep_state and kwargs.get("skip_last_refresh"):
+        raise ValueError("skip_last_refresh leaves the last chunk out of the KV cache: turn it off to keep a state "
+                         "that can be continued")
+    kwargs.pop("skip_last_refresh", None)
+    start = 0
+    if state is not None:
+        check_state(state, settings)
+        start = state.frames
+        if kwargs.pop("independent_first_frame", False):
+            raise ValueError("independent_first_frame applies to the first run only, not to a continuation")
+        if num_frames <= start:
+            raise ValueError(f"the video already has {start} latent frames: ask for more than that in all "
+                             f"(num_frames is the length to reach)")
+    kv = KVCache.for_model(model, batch, frame_tokens, num_frames, kv_window, sink)
+    if state is None:
+        gen = torch.Generator(device=model.device).manual_seed(int(seed))
+    else:
+        copy_cache(state.kv, kv)
+        gen = restore_generator(state, model.device)
+    shape = (batch, num_frames, c.out_dim, height, width)
+    out = sample_causal(model, context, shape, schedule, frames_per_block, generator=gen, kv_window=kv_window,
+                        sink=sink, refresh_t=refresh_t, kv_cache=kv, start_frame=start, **kwargs)
+    new_state = capture(settings, num_frames, kv, gen, device=state_device) if keep_state else None
+    return out, new_state
+
+
+__all__ = ["SamplerState", "sample_continuable", "check_state", "run_settings", "copy_cache"]

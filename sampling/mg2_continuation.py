@@ -1,0 +1,89 @@
+"""Continue a Matrix-Game-2 video: the state after a run (self-attention and action caches, the per-batch-element
+noise generators, the actions so far) and a run that goes on from it with the next actions, exactly as one long run
+with all the actions would have gone (``sample_mg2_continuable``)."""
+from __future__ import annotations
+
+import torch
+
+from ..model.kv_cache import KVCache
+from .continuation import SamplerState, capture, check_state, copy_cache, run_settings
+from .mg2 import FRAMES_PER_BLOCK, MG2Settings, build_cond_concat, resolve_preset, sample_mg2
+
+VIDEO_PER_LATENT = 4
+
+
+def _video_frames(latent_frames: int) -> int:
+    return 1 + VIDEO_PER_LATENT * (latent_frames - 1)
+
+
+def _cat(old, new):
+    if new is None:
+        return old
+    return new if old is None else torch.cat([old.to(new.device, new.dtype).expand(new.shape[0], -1, -1)
+                                              if old.shape[0] != new.shape[0] else old.to(new.device, new.dtype),
+                                              new], 1)
+
+
+def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: torch.Tensor, mouse, keyboard,
+                           num_frames: int, seed: int = 0, preset="universal", state: SamplerState | None = None,
+                           keep_state: bool = True, state_device=None, callback=None, on_chunk=None):
+    """Sample Matrix-Game-2 latents ``[B, 16, n, H, W]`` up to ``num_frames`` latent frames in all.
+
+    First run (state None): mouse/keyboard ``[B or 1, 1 + 4*(num_frames-1), dims]`` as for ``generate_mg2``; batch
+    element i is seeded ``seed + i``. Continuation: mouse/keyboard are the actions of the new frames only, ``4`` video
+    frames per new latent frame; they are appended to the state's. Returns (new latents, state or None)."""
+    settings_obj = preset if isinstance(preset, MG2Settings) else resolve_preset(preset)
+    b, _, _, h, w = image_latent.shape
+    c = model.config
+    settings = run_settings(model, b, h, w, settings_obj.schedule, FRAMES_PER_BLOCK, settings_obj.window, 0,
+                            mode=settings_obj.mode)
+    start = 0
+    if state is not None:
+        check_state(state, settings)
+        start = state.frames
+        mouse, keyboard = _cat(state.actions["mouse"], mouse), _cat(state.actions["keyboard"], keyboard)
+    if num_frames <= start or num_frames % FRAMES_PER_BLOCK:
+        raise ValueError(f"num_frames must be a multiple of {FRAMES_PER_BLOCK} latent frames above the {start} made "
+                         f"so far, got {num_frames}")
+    need = _video_frames(num_frames)
+    for name, seq in (("mouse", mouse), ("keyboard", keyboard)):
+        if seq is not None and seq.shape[1] < need:
+            have = seq.shape[1] - (_video_frames(start) if start else 0)
+            raise ValueError(f"{num_frames} latent frames need {need} video frames of {name} actions in all; "
+                             f"give {need - (_video_frames(start) if start else 0)} for the new frames (got {have})")
+    device = model.device
+    frame_tokens = (h // c.patch_size[1]) * (w // c.patch_size[2])
+    window = settings_obj.window
+    kv = KVCache.for_model(model, b, frame_tokens, num_frames, window, 0)
+    to_dev = lambda t: None if t is None else t[:, :need].to(device)
+    call = model.new_action_call(to_dev(mouse), to_dev(keyboard), window)
+    if state is None:
+        gens = [torch.Generator(device=device).manual_seed(int(seed) + i) for i in range(b)]
+    else:
+        copy_cache(state.kv, kv)
+        call._alloc(b, frame_tokens, device, call.dtype or model.compute_dtype)
+        for name in ("mouse_cache", "keyboard_cache"):
+            if getattr(call, name) is not None:
+                copy_cache(state.actions[name], getattr(call, name))
+        gens = []
+        for dev, saved in state.actions["generators"]:
+            g = torch.Generator(device=device)
+            g.set_state(saved)
+            gens.append(g)
+
+    def provide(_ci, _k, shape, dtype, dev):
+        eps = [torch.randn((1,) + tuple(shape[1:]), generator=g, device=device) for g in gens]
+        return torch.cat(eps).to(device=dev, dtype=dtype)
+
+    cond = build_cond_concat(image_latent.to(device), num_frames)
+    out = sample_mg2(model, (b, c.out_dim, num_frames, h, w), cond, visual_context.to(device), to_dev(mouse),
+                     to_dev(keyboard), settings_obj.schedule, window, noise_provider=provide, callback=callback,
+                     on_chunk=on_chunk, kv_cache=kv, actions=call, start_frame=start)
+    if not keep_state:
+        return out, None
+    keep = lambda t: None if t is None else t[:, :need].detach().to(state_device or t.device).clone()
+    actions = {"mouse": keep(mouse), "keyboard": keep(keyboard),
+               "generators": [(str(g.device), g.get_state().clone()) for g in gens],
+               "mouse_cache": call.mouse_cache, "keyboard_cache": call.keyboard_cache}
+    new_state = capture(settings, num_frames, kv, gens[0], actions=actions, device=state_device)
+    return out, new_state
