@@ -77,7 +77,7 @@ def test_sampler_state_continues_the_video_in_a_later_prompt(handle):
     assert rest["samples"].shape[2] == 3
     assert torch.equal(torch.cat([first["samples"], rest["samples"]], 2), long["samples"])
     with pytest.raises(ValueError, match="KV window: the state has 4, this run -1"):
-        CausalWanSampler().sample(handle, 32, 32, 21, 0, "self_forcing", 3, -1, 1, continue_from=state)
+        CausalWanSampler().sample(handle, 32, 32, 21, 0, "self_forcing", 3, -1, 0, continue_from=state)
     with pytest.raises(ValueError, match="skip_last_refresh"):
         CausalWanSampler().sample(handle, 32, 32, 9, 0, "self_forcing", 3, 4, 1, skip_last_refresh=True,
                                   keep_state=True)
