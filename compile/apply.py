@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 
+from ..model.attachments import COMPILE_ATTR, compile_handle_of, end_compile_warmup
 from . import compat
 from .presets import preset_options, resolve_inductor_options
 from .settings import CompileSettings, coerce_settings
@@ -22,7 +23,7 @@ from .warm_start import WarmStart, ensure_inductor_cache_dir, model_signature
 
 log = logging.getLogger("wan_accel.compile")
 
-HANDLE_ATTR = "_wan_accel_compile"
+HANDLE_ATTR = COMPILE_ATTR
 WHOLE_METHODS = ("forward", "forward_full", "forward_chunk")
 
 
@@ -216,17 +217,8 @@ def compile_model(model, settings: CompileSettings | dict | None = None, cache=N
     return model
 
 
-def compile_handle(model) -> CompileHandle | None:
-    return model.__dict__.get(HANDLE_ATTR) if hasattr(model, "__dict__") else None
-
-
-def end_warmup(model) -> bool:
-    """Mark warm-up of a compiled model as done; True when the model was compiled by the pack."""
-    handle = compile_handle(model)
-    if handle is None:
-        return False
-    handle.end_warmup()
-    return True
+compile_handle = compile_handle_of     # the handle this module hangs on a model (read at the model floor)
+end_warmup = end_compile_warmup        # mark warm-up of a compiled model as done; True when the pack compiled it
 
 
 def uncompile_model(model) -> bool:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..model.attachments import SWAP_ATTR
 from .pinned import PinnedArena
 
 log = logging.getLogger("wan_accel")
-ATTR = "_wan_accel_block_swap"
+ATTR = SWAP_ATTR                          # model/attachments.py reads it
 EMBEDDING_NAMES = ("text_embedding", "img_emb")
 
 

@@ -235,18 +235,18 @@ E2E_BAD_INPUTS = [
 ]
 
 
-def _run_prompt(comfy, prompt) -> dict:
+def _run_prompt(comfy, prompt, timeout_s: float = 120) -> dict:
     status, resp = http(comfy["url"] + "/prompt", {"prompt": prompt, "client_id": "wan_accel_e2e"})
     if status != 200:
         return {"rejected": resp}
     pid = resp["prompt_id"]
-    deadline = time.time() + 120
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         hist = http(comfy["url"] + f"/history/{pid}")[1]
         if pid in hist and hist[pid].get("status", {}).get("status_str") in ("success", "error"):
             return hist[pid]
         time.sleep(0.3)
-    raise AssertionError("the prompt did not finish in 120 s")
+    raise AssertionError(f"the prompt did not finish in {timeout_s:.0f} s")
 
 
 @pytest.mark.parametrize("case", E2E_BAD_INPUTS, ids=[c[0] for c in E2E_BAD_INPUTS])
@@ -273,18 +273,8 @@ def test_sequence_parallel_node_samples_on_two_ranks(comfy):
                    "class_type": "CausalWanSequenceParallel"}
     prompt["3"]["inputs"].update(model=["9", 0], sampler="reference")
     prompt["5"]["inputs"]["filename_prefix"] = "wan_accel/tiny_parallel"
-    status, resp = http(comfy["url"] + "/prompt", {"prompt": prompt, "client_id": "wan_accel_e2e"})
-    assert status == 200, resp
-    pid = resp["prompt_id"]
-    deadline = time.time() + 300
-    entry = None
-    while time.time() < deadline:
-        hist = http(comfy["url"] + f"/history/{pid}")[1]
-        if pid in hist and hist[pid].get("status", {}).get("status_str") in ("success", "error"):
-            entry = hist[pid]
-            break
-        time.sleep(0.5)
-    assert entry is not None, "the sequence-parallel run did not finish in 300 s"
+    entry = _run_prompt(comfy, prompt, timeout_s=300)
+    assert "rejected" not in entry, entry
     errors = [m[1] for m in entry["status"].get("messages", []) if m[0] == "execution_error"]
     assert entry["status"]["status_str"] == "success", errors
     images = [img for out in entry["outputs"].values() for img in out.get("images", []) if img.get("type") == "output"]
@@ -349,16 +339,8 @@ def test_native_causal_tiny_runs_through_prompt(comfy):
     """The no-model-files native workflow: the tiny model as core's WAN21_CausalAR MODEL, the Wan Accel AR Sampler
     in SamplerCustomAdvanced, a preview image saved."""
     prompt = json.loads((WORKFLOWS / "api" / "native_causal_tiny.json").read_text())
-    status, resp = http(comfy["url"] + "/prompt", {"prompt": prompt, "client_id": "wan_accel_e2e"})
-    assert status == 200, resp
-    pid, deadline, entry = resp["prompt_id"], time.time() + 300, None
-    while time.time() < deadline:
-        hist = http(comfy["url"] + f"/history/{pid}")[1]
-        if pid in hist and hist[pid].get("status", {}).get("status_str") in ("success", "error"):
-            entry = hist[pid]
-            break
-        time.sleep(0.5)
-    assert entry is not None and entry["status"]["status_str"] == "success", entry and entry["status"]
+    entry = _run_prompt(comfy, prompt, timeout_s=300)
+    assert entry.get("status", {}).get("status_str") == "success", entry.get("status", entry)
     images = [img for out in entry["outputs"].values() for img in out.get("images", []) if img.get("type") == "output"]
     assert images, entry["outputs"]
 
