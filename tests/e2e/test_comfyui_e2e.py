@@ -61,7 +61,7 @@ def http(url: str, body=None, timeout: float = 60):
 
 
 def comfy_server(tmp_path_factory, extra_args=()):
-    """Start ComfyUI (generator: yields url/work/log, stops it after); extra_args go to main.py."""
+    """Start ComfyUI (generator: yields the url, the work folder and the log; stops it after); extra_args go to main.py."""
     comfy_dir = Path(COMFY_DIR)
     assert (comfy_dir / "main.py").is_file(), f"COMFYUI_DIR={comfy_dir} has no main.py"
     assert _python().is_file(), f"COMFYUI_VENV={COMFY_VENV} has no bin/python"
