@@ -212,40 +212,24 @@ def _make_handlers(web):
     async def _call(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    async def get_limits(request):
-        try:
-            return web.json_response(await _call(limits_payload))
-        except Exception as exc:  # noqa: BLE001 - report, never take the server down
-            log.warning("wan_accel: GET %s failed: %r", ROUTE_LIMITS, exc)
-            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+    def _answer(route: str, fn, with_body: bool):
+        """A handler: ``fn()`` (GET) or ``fn(json body)`` (POST) run off the event loop; a bad body is HTTP 400,
+        anything else HTTP 500 with the error named (the server never goes down for a route)."""
+        async def handler(request):
+            try:
+                args = (decode_json_body(await request.read()),) if with_body else ()
+                return web.json_response(await _call(fn, *args))
+            except RequestError as exc:
+                return web.json_response({"error": str(exc)}, status=400)
+            except Exception as exc:  # noqa: BLE001 - report, never take the server down
+                log.warning("wan_accel: %s %s failed: %r", "POST" if with_body else "GET", route, exc)
+                return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+        return handler
 
-    async def post_clear(request):
-        try:
-            body = decode_json_body(await request.read())
-            return web.json_response(await _call(clear_limits, body))
-        except RequestError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("wan_accel: POST %s failed: %r", ROUTE_CLEAR, exc)
-            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
-
-    async def get_doctor(request):
-        try:
-            return web.json_response(await _call(doctor_payload))
-        except Exception as exc:  # noqa: BLE001
-            log.warning("wan_accel: GET %s failed: %r", ROUTE_DOCTOR, exc)
-            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
-
-    async def post_recheck(request):
-        try:
-            body = decode_json_body(await request.read())
-            return web.json_response(await _call(recheck_feature, body))
-        except RequestError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("wan_accel: POST %s failed: %r", ROUTE_RECHECK, exc)
-            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
-
+    get_limits = _answer(ROUTE_LIMITS, limits_payload, with_body=False)
+    post_clear = _answer(ROUTE_CLEAR, clear_limits, with_body=True)
+    get_doctor = _answer(ROUTE_DOCTOR, doctor_payload, with_body=False)
+    post_recheck = _answer(ROUTE_RECHECK, recheck_feature, with_body=True)
     return get_limits, post_clear, get_doctor, post_recheck
 
 

@@ -253,7 +253,6 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     """Run the job; progress(chunk, step, num_chunks, num_steps) per step. Returns the report dict.
     parallel: this rank's ``SeqParallel`` (``app/parallel.py``) to sample sequence-parallel; rank 0 writes the files."""
     from .handle import load_model_handle
-    from .preview import latents_to_rgb, save_animation, to_vae_latents
     from ..sampling.scheduler import resolve_schedule
     device, dtype, frames, height, width = _resolve(opts)
     t0 = time.perf_counter()
@@ -297,11 +296,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
                             report=sampler_report, oom_retry="off" if parallel is not None else "auto")
     _sync(device)
     sample_s = time.perf_counter() - t_start
-    out = Path(opts.out_dir)
-    writes = parallel is None or parallel.rank == 0
-    if writes:
-        out.mkdir(parents=True, exist_ok=True)
-    files = _write_outputs(out, latents, opts, to_vae_latents, latents_to_rgb, save_animation) if writes else {}
+    files = _write_outputs(latents, opts, parallel)
     report = {
         "model": handle.source, "tiny_random_model": handle.is_tiny, "config": cfg.to_dict(),
         "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -315,10 +310,8 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     if parallel is not None:
         report["parallel"] = parallel_report(model, parallel, latents.shape, opts.kv_window, opts.sink,
                                              len(chunk_seconds))
-    if writes:
-        (out / "report.json").write_text(json.dumps(report, indent=2))
+    if _write_report(report, opts, parallel):
         _append_history(report, frames)
-        report["files"]["report"] = str(out / "report.json")
     return report
 
 
@@ -350,8 +343,21 @@ def _append_history(report: dict, frames: int) -> None:
         pass
 
 
-def _write_outputs(out: Path, latents, opts, to_vae_latents, latents_to_rgb, save_animation) -> dict:
+def _writes(parallel) -> bool:
+    """Whether this process writes the run's files (always, but for ranks other than 0 of a parallel run)."""
+    return parallel is None or parallel.rank == 0
+
+
+def _write_outputs(latents, opts, parallel=None) -> dict:
+    """latents.safetensors (model and VAE space) and the animated preview in ``opts.out_dir`` (created); {} where
+    another rank writes. latents [B, F, C, H, W]."""
+    if not _writes(parallel):
+        return {}
     from safetensors.torch import save_file
+
+    from .preview import latents_to_rgb, save_animation, to_vae_latents
+    out = Path(opts.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     lat = latents.detach().float().cpu().contiguous()
     meta = {"layout.latents": "[B, F, C, H, W] model space", "layout.vae_latents": "[B, C, F, H, W] VAE space",
             "seed": str(opts.seed), "preset": opts.preset}
@@ -361,3 +367,13 @@ def _write_outputs(out: Path, latents, opts, to_vae_latents, latents_to_rgb, sav
     if opts.preview:
         files["preview"] = str(save_animation(latents_to_rgb(lat)[0], out / "preview.webp"))
     return files
+
+
+def _write_report(report: dict, opts, parallel=None) -> bool:
+    """report.json beside the outputs (then its path joins ``report['files']``); False where another rank writes."""
+    if not _writes(parallel):
+        return False
+    path = Path(opts.out_dir) / "report.json"
+    path.write_text(json.dumps(report, indent=2))
+    report["files"]["report"] = str(path)
+    return True

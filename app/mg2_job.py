@@ -5,10 +5,8 @@ CPU in seconds; with one, pass the start image latent and CLIP tokens as safeten
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -78,10 +76,9 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     ``SeqParallel`` to sample sequence-parallel (``app/parallel.py``); rank 0 writes the files."""
     from .parallel import enable_parallel, parallel_report
     from ..sampling.actions_script import parse_action_script
-    from .job import ChunkTimer, _peak_memory, _sync, _write_outputs
+    from .job import ChunkTimer, _peak_memory, _sync, _write_outputs, _write_report
     from ..sampling.mg2 import generate_mg2, resolve_preset
     from .doctor_gate import gated_sampling
-    from .preview import latents_to_rgb, save_animation, to_vae_latents
     from .handle import default_device
     device = torch.device(opts.device) if opts.device else default_device()
     dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -110,12 +107,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
                                on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh)
     _sync(device)
     sample_s = time.perf_counter() - t_start
-    out = Path(opts.out_dir)
-    writes = parallel is None or parallel.rank == 0
-    if writes:
-        out.mkdir(parents=True, exist_ok=True)
-    files = _write_outputs(out, latents.transpose(1, 2), opts, to_vae_latents, latents_to_rgb,
-                           save_animation) if writes else {}
+    files = _write_outputs(latents.transpose(1, 2), opts, parallel)
     report = {
         "model": handle.source, "model_kind": "matrix-game2", "tiny_random_model": handle.is_tiny,
         "config": handle.config.to_dict() | {"action_config": handle.model.action_config.to_dict()},
@@ -130,7 +122,5 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     if parallel is not None:
         report["parallel"] = parallel_report(handle.model, parallel, latents.transpose(1, 2).shape, settings.window,
                                              0, len(chunk_seconds))
-    if writes:
-        (out / "report.json").write_text(json.dumps(report, indent=2))
-        report["files"]["report"] = str(out / "report.json")
+    _write_report(report, opts, parallel)
     return report

@@ -5,8 +5,6 @@ the run afterwards equals a run with that kernel's torch fallback.
 TRITON_INTERPRET must be set before triton is first imported, so the check runs in a child process.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -66,18 +64,8 @@ def _child() -> None:
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     pytest.importorskip("triton")
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["WAN_ACCEL_CACHE"] = str(tmp_path_factory.mktemp("doctor_interp") / "limits.json")
-    import wan_accel
-    parent = str(Path(wan_accel.__path__[0]).parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (parent, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, str(HERE), "--child"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    pytest.fail(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    from interpret_child import run_interpreted_child
+    return run_interpreted_child(HERE, tmp_path_factory.mktemp("doctor_interp"), MARK)
 
 
 def test_kernel_probes_pass_under_the_interpreter(result):

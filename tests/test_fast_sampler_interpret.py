@@ -3,8 +3,6 @@
 TRITON_INTERPRET must be set before triton is first imported, so the check runs in a child process.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -49,18 +47,8 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["WAN_ACCEL_CACHE"] = str(tmp_path_factory.mktemp("interp") / "limits.json")
-    import wan_accel                     # the folder that makes `import wan_accel` work, for the child
-    parent = str(Path(wan_accel.__path__[0]).parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (parent, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, str(HERE), "--child"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    pytest.fail(f"interpreter child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    from interpret_child import run_interpreted_child
+    return run_interpreted_child(HERE, tmp_path_factory.mktemp("interp"), MARK)
 
 
 def test_optimized_path_with_interpreted_kernels_matches_reference(result):
