@@ -25,10 +25,15 @@ WAN21_LATENT_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.07
                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
 
 
+def _latent_stats(device) -> tuple:
+    """(mean, std) of the Wan 2.1 VAE latent channels, float32 [16] on ``device``."""
+    return (torch.tensor(WAN21_LATENT_MEAN, dtype=torch.float32, device=device),
+            torch.tensor(WAN21_LATENT_STD, dtype=torch.float32, device=device))
+
+
 def to_vae_latents(latents: torch.Tensor) -> torch.Tensor:
     """Model-space latents [B, F, 16, H, W] -> raw VAE latents [B, 16, F, H, W] (ComfyUI LATENT layout)."""
-    mean = torch.tensor(WAN21_LATENT_MEAN, dtype=torch.float32, device=latents.device)
-    std = torch.tensor(WAN21_LATENT_STD, dtype=torch.float32, device=latents.device)
+    mean, std = _latent_stats(latents.device)
     x = latents.float() * std[:, None, None] + mean[:, None, None]
     return x.permute(0, 2, 1, 3, 4).contiguous()
 
@@ -37,8 +42,7 @@ def from_vae_latents(latents: torch.Tensor) -> torch.Tensor:
     """Raw VAE latents [B, 16, F, H, W] (ComfyUI LATENT layout) -> model-space latents [B, F, 16, H, W]."""
     if latents.dim() != 5 or latents.shape[1] != len(WAN21_LATENT_MEAN):
         raise ValueError(f"expected a Wan latent [B, {len(WAN21_LATENT_MEAN)}, F, H, W], got {tuple(latents.shape)}")
-    mean = torch.tensor(WAN21_LATENT_MEAN, dtype=torch.float32, device=latents.device)
-    std = torch.tensor(WAN21_LATENT_STD, dtype=torch.float32, device=latents.device)
+    mean, std = _latent_stats(latents.device)
     x = (latents.float() - mean[:, None, None, None]) / std[:, None, None, None]
     return x.permute(0, 2, 1, 3, 4).contiguous()
 
