@@ -30,11 +30,11 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
-def resolve_config(path, config=None, num_heads=None):
-    """(config, {official name: file name}) for a safetensors checkpoint, validated against the model."""
+def resolve_checkpoint(path, config=None, num_heads=None):
+    """The checkpoint (header, names, settled config) of a safetensors file, validated against the model."""
     ckpt = open_checkpoint(path, config, num_heads)
     check_dtypes({n: t.dtype for n, t in ckpt.tensors.items()})
-    return ckpt.config, ckpt.names
+    return ckpt
 
 
 def _load_fused_qkv(model, f, path, ckpt, names: dict, device, targets: dict) -> set:
@@ -71,12 +71,12 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     (default: 'float32' for float32, else 'self_forcing'). config: WanConfig/dict to use instead of inferring."""
     from safetensors import safe_open
     precision = precision or ("float32" if dtype == torch.float32 else "self_forcing")
-    config, names = resolve_config(path, config, num_heads)
+    ckpt = resolve_checkpoint(path, config, num_heads)          # the header is read once
+    config, names = ckpt.config, ckpt.names
     with torch.device("meta"):
         model = model_class(config)(config)
     model.set_precision(precision, dtype)
     targets = {n: p.dtype for n, p in model.named_parameters()}
-    ckpt = open_checkpoint(path, config, num_heads)
     with safe_open(str(path), framework="pt", device="cpu") as f:
         fused = _load_fused_qkv(model, f, path, ckpt, names, device, targets)
         for name, src in names.items():
