@@ -4,6 +4,10 @@
 ``POST /wan_accel/limits/clear``  body ``{"namespace": "<name>" | "all"}``; clears that namespace (every machine)
 ``GET  /wan_accel/doctor``        each accelerated feature's recorded verdict on this machine (never probes)
 ``POST /wan_accel/doctor/recheck`` body ``{"feature": "<name>" | "all"}``; probes again and answers the new rows
+``GET  /wan_accel/play``          the Matrix-Game-2 play sessions of this server
+``POST /wan_accel/play/touch``    body ``{"session": id}``; the session, with the actions each chunk was given
+                                  (the panel calls it while it shows the session: a watched session is not idle)
+``POST /wan_accel/play/end``      body ``{"session": id}``; ends the session and frees its memory
 
 ComfyUI also serves every route under ``/api`` (``/api/wan_accel/limits``), which is what the frontend calls.
 The logic lives in plain functions (:func:`limits_payload`, :func:`clear_limits`) that tests call without
@@ -24,6 +28,10 @@ ROUTE_LIMITS = "/wan_accel/limits"
 ROUTE_CLEAR = "/wan_accel/limits/clear"
 ROUTE_DOCTOR = "/wan_accel/doctor"
 ROUTE_RECHECK = "/wan_accel/doctor/recheck"
+ROUTE_PLAY = "/wan_accel/play"
+ROUTE_PLAY_TOUCH = "/wan_accel/play/touch"
+ROUTE_PLAY_END = "/wan_accel/play/end"
+_SESSION_RE = re.compile(r"^[0-9a-f]{1,64}$")
 MAX_ENTRIES_PER_NAMESPACE = 200   # the panel shows at most this many rows per namespace
 MAX_BODY_BYTES = 4096
 SUMMARY_CHARS = 140
@@ -195,6 +203,40 @@ def recheck_feature(body, doctor=None) -> dict:
     return _doctor_answer(doctor, doctor_rows(doctor, probe=False))
 
 
+def play_sessions(registry=None) -> dict:
+    """What ``GET /wan_accel/play`` answers: ``{"sessions": [{session, mode, keys, chunks, ended, idle_s, ...}]}``."""
+    from .app.play import REGISTRY
+
+    return {"sessions": (registry or REGISTRY).listing()}
+
+
+def _play_session(body, registry):
+    from .app.play import REGISTRY, PlayError
+
+    if not isinstance(body, dict) or set(body) != {"session"} or not isinstance(body["session"], str):
+        raise RequestError('body must be a JSON object like {"session": "<id from the Play Session node>"}')
+    if not _SESSION_RE.match(body["session"]):
+        raise RequestError(f"{body['session'][:80]!r} is not a play session id")
+    try:
+        return (registry or REGISTRY).get(body["session"])
+    except PlayError as exc:
+        raise RequestError(str(exc)) from None
+
+
+def play_touch(body, registry=None) -> dict:
+    """What ``POST /wan_accel/play/touch`` answers: the session and, per chunk, the action and the keyboard and mouse
+    rows the model was given (a watched session is kept alive)."""
+    play = _play_session(body, registry)
+    return dict(play.describe(), session=body["session"], chunk_actions=list(play.log))
+
+
+def play_end(body, registry=None) -> dict:
+    """What ``POST /wan_accel/play/end`` answers: the session after ending it (its memory freed)."""
+    play = _play_session(body, registry)
+    play.free("ended by the user")
+    return dict(play.describe(), session=body["session"])
+
+
 def decode_json_body(raw: bytes):
     """Decode a request body, raising :class:`RequestError` for anything that is not small UTF-8 JSON."""
     if len(raw) > MAX_BODY_BYTES:
@@ -230,7 +272,10 @@ def _make_handlers(web):
     post_clear = _answer(ROUTE_CLEAR, clear_limits, with_body=True)
     get_doctor = _answer(ROUTE_DOCTOR, doctor_payload, with_body=False)
     post_recheck = _answer(ROUTE_RECHECK, recheck_feature, with_body=True)
-    return get_limits, post_clear, get_doctor, post_recheck
+    get_play = _answer(ROUTE_PLAY, play_sessions, with_body=False)
+    post_touch = _answer(ROUTE_PLAY_TOUCH, play_touch, with_body=True)
+    post_end = _answer(ROUTE_PLAY_END, play_end, with_body=True)
+    return get_limits, post_clear, get_doctor, post_recheck, get_play, post_touch, post_end
 
 
 def register_routes(prompt_server=None) -> bool:
@@ -252,11 +297,14 @@ def register_routes(prompt_server=None) -> bool:
     try:
         from aiohttp import web
 
-        get_limits, post_clear, get_doctor, post_recheck = _make_handlers(web)
+        get_limits, post_clear, get_doctor, post_recheck, get_play, post_touch, post_end = _make_handlers(web)
         routes.get(ROUTE_LIMITS)(get_limits)
         routes.post(ROUTE_CLEAR)(post_clear)
         routes.get(ROUTE_DOCTOR)(get_doctor)
         routes.post(ROUTE_RECHECK)(post_recheck)
+        routes.get(ROUTE_PLAY)(get_play)
+        routes.post(ROUTE_PLAY_TOUCH)(post_touch)
+        routes.post(ROUTE_PLAY_END)(post_end)
     except Exception as exc:  # noqa: BLE001 - the panel is optional; the nodes must still load
         log.warning("wan_accel: could not add the web panel routes: %r", exc)
         return False

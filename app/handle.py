@@ -9,6 +9,8 @@ import logging
 import torch
 
 TINY_NAME = "(built-in tiny model)"
+TINY_MG2_NAME = "(built-in tiny Matrix-Game-2 model)"    # universal action layout (4 keys + mouse)
+TINY_NAMES = (TINY_NAME, TINY_MG2_NAME)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -46,7 +48,7 @@ class ModelHandle:
 
     @property
     def is_tiny(self) -> bool:
-        return self.source == TINY_NAME
+        return self.source in TINY_NAMES
 
     @property
     def device(self) -> torch.device:
@@ -55,7 +57,8 @@ class ModelHandle:
 
 def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", attention="auto", device=None,
                       compile_settings=None, plan=None, num_heads=None, seed: int = 0) -> ModelHandle:
-    """Load a checkpoint (a .safetensors path) or, for None / TINY_NAME, build the tiny random model."""
+    """Load a checkpoint (a .safetensors path) or, for None / TINY_NAME, build the tiny random model (TINY_MG2_NAME:
+    the tiny Matrix-Game-2 model)."""
     from ..model.loader import load_wan_checkpoint
     from ..model.tiny import tiny_causal_model
     device = torch.device(device) if device is not None else default_device()
@@ -73,6 +76,10 @@ def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", a
     if checkpoint in (None, "", TINY_NAME):
         model = tiny_causal_model(seed, device, torch_dtype, precision).set_attention_backend(attention)
         source = TINY_NAME
+    elif checkpoint == TINY_MG2_NAME:
+        from ..model.mg2_model import tiny_mg2_model
+        model = tiny_mg2_model(seed, device, torch_dtype, precision).set_attention_backend(attention)
+        source = TINY_MG2_NAME
     else:
         swap = _planned_swap(plan) if device.type == "cuda" else None
         # A plan that swaps blocks: load on the CPU and move only the resident part to the GPU, so a model larger

@@ -36,9 +36,17 @@ class GameActions:
                 "result": (actions, actions.video_frames, actions.latent_frames, summary)}
 
 
-def clip_tokens(clip_vision_output):
-    """CLIP_VISION_OUTPUT (penultimate_hidden_states [B, 257, 1280]) or a tensor -> float tensor [B, L, C]."""
+def clip_tokens(clip_vision_output, model=None):
+    """CLIP_VISION_OUTPUT (penultimate_hidden_states [B, 257, 1280]) or a tensor -> float tensor [B, L, C].
+
+    None is taken only by a built-in tiny model (given zero tokens of its own size)."""
     import torch
+    if clip_vision_output is None:
+        config = getattr(model, "config", None)
+        if getattr(model, "source", "").startswith("(built-in tiny") and config is not None:
+            return torch.zeros(1, config.clip_tokens, config.clip_dim)
+        raise ValueError("connect clip_vision_output: CLIP Vision Encode (CLIP ViT-H/14, clip_vision_h) of the start "
+                         "image (only the built-in tiny model runs without it)")
     if isinstance(clip_vision_output, torch.Tensor):
         t = clip_vision_output
     else:
@@ -51,6 +59,34 @@ def clip_tokens(clip_vision_output):
     if t.dim() == 2:
         t = t[None]
     return t.float()
+
+
+CLIP_INPUT = ("CLIP_VISION_OUTPUT", {"tooltip": "CLIP Vision Encode of the start image (penultimate hidden states, "
+                                                "257 tokens x 1280). Only the built-in tiny model runs without it."})
+
+
+def _latent_stats():
+    from ..app.preview import _latent_stats as stats
+    return tuple(t.view(1, -1, 1, 1, 1) for t in stats("cpu"))
+
+
+def model_space_start(start_latent):
+    """A Wan 2.1 LATENT (VAE space) of the start image -> the model-space start latent [B, 16, frames, h, w]."""
+    raw = start_latent["samples"] if isinstance(start_latent, dict) else start_latent
+    if getattr(raw, "dim", None) is None:
+        raise ValueError("start_latent must be a LATENT (VAE Encode or Matrix-Game-2 Start Latent of the start image)")
+    if raw.dim() == 4:
+        raw = raw[:, :, None]
+    if raw.dim() != 5 or raw.shape[1] != 16:
+        raise ValueError(f"start_latent must be a Wan 2.1 LATENT [B, 16, frames, h, w], got {tuple(raw.shape)}")
+    mean, std = _latent_stats()
+    return (raw.float().cpu() - mean) / std
+
+
+def to_latent_space(latents):
+    """Model-space latents -> a Wan 2.1 LATENT's samples (VAE space, float32, CPU)."""
+    mean, std = _latent_stats()
+    return latents.float().cpu() * std + mean
 
 
 class MatrixGame2Sampler:
@@ -74,9 +110,6 @@ class MatrixGame2Sampler:
                 "start_latent": ("LATENT", {"tooltip":
                                  "VAE Encode (Wan 2.1 VAE) of the start image, [B, 16, 1, h, w]; or of the start "
                                  "image followed by 4*(F-1) gray frames (exact to the released pipeline)."}),
-                "clip_vision_output": ("CLIP_VISION_OUTPUT", {"tooltip":
-                                       "CLIP Vision Encode of the start image (penultimate hidden states, "
-                                       "257 tokens x 1280)."}),
                 "actions": ("GAME_ACTIONS", {"tooltip": "From Game Actions; its mode must match the checkpoint."}),
                 "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
                          "Seed of the initial and per-step noise (batch element i uses seed + i)."}),
@@ -88,6 +121,7 @@ class MatrixGame2Sampler:
                            "[1000,750,500,250]; all shift 5. Rolling window 6 latent frames (gta_drive 4)."}),
             },
             "optional": {
+                "clip_vision_output": CLIP_INPUT,
                 "kv_window": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip":
                               "Override the rolling cache window in latent frames (0: the preset's; >= 3)."}),
                 "keep_state": ("BOOLEAN", {"default": False, "tooltip":
@@ -100,12 +134,11 @@ class MatrixGame2Sampler:
             },
         }
 
-    def sample(self, model, start_latent, clip_vision_output, actions, seed=0, num_frames=0, preset="universal",
-               kv_window=0, keep_state=False, continue_from=None):
+    def sample(self, model, start_latent, clip_vision_output=None, actions=None, seed=0, num_frames=0,
+               preset="universal", kv_window=0, keep_state=False, continue_from=None):
         import torch
         from ..sampling.mg2 import PRESETS as LIB_PRESETS, generate_mg2
         from ._comfy import progress_and_interrupt
-        from ..app.preview import WAN21_LATENT_MEAN, WAN21_LATENT_STD
         net = getattr(model, "model", model)
         if not hasattr(net, "action_config"):
             raise ValueError("this model has no action modules: load a Matrix-Game-2 checkpoint (or use the "
@@ -122,15 +155,8 @@ class MatrixGame2Sampler:
         if preset in LIB_PRESETS and actions.mode != LIB_PRESETS[preset]["mode"]:
             raise ValueError(f"the actions were written for mode {actions.mode!r} but preset {preset!r} is for "
                              f"{LIB_PRESETS[preset]['mode']!r}: set both to the checkpoint's mode")
-        raw = start_latent["samples"] if isinstance(start_latent, dict) else start_latent
-        if raw.dim() == 4:
-            raw = raw[:, :, None]
-        mean = torch.tensor(WAN21_LATENT_MEAN).view(1, 16, 1, 1, 1)
-        std = torch.tensor(WAN21_LATENT_STD).view(1, 16, 1, 1, 1)
-        if raw.dim() != 5 or raw.shape[1] != 16:
-            raise ValueError(f"start_latent must be a Wan 2.1 LATENT [B, 16, frames, h, w], got {tuple(raw.shape)}")
-        image = (raw.float().cpu() - mean) / std
-        tokens = clip_tokens(clip_vision_output)
+        image = model_space_start(start_latent)
+        tokens = clip_tokens(clip_vision_output, model)
         bar_cls, interrupt = progress_and_interrupt()
         state = {"bar": None}
 
@@ -152,7 +178,7 @@ class MatrixGame2Sampler:
             else:
                 latents, kept = generate_mg2(net, image, tokens, actions, num_frames, seed, preset,
                                              window=kv_window or None, callback=on_step, on_chunk=on_chunk), None
-        out = latents.float().cpu() * std + mean
+        out = to_latent_space(latents)
         result = ({"samples": out}, kept)
         if doctor_notes:        # features that failed their self-check here: say so in the node's text
             return {"ui": {"text": ["\n".join(doctor_notes)]}, "result": result}

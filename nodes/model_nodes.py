@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 TINY_NAME = "(built-in tiny model)"   # same string as app.handle.TINY_NAME (kept here: no heavy import)
+TINY_MG2_NAME = "(built-in tiny Matrix-Game-2 model)"   # app.handle.TINY_MG2_NAME
 PRESETS = ["self_forcing", "causvid", "custom"]
 SAMPLER_CHOICES = {   # widget value -> (path, cuda_graphs, fused_kernels)
     "auto": ("auto", "auto", True),
@@ -27,9 +28,9 @@ def _checkpoint_input():
         names, refused = loadable_checkpoints(folder_paths.get_filename_list("diffusion_models"))
         hidden = (f" {len(refused)} pickle file(s) there are not listed ({', '.join(map(str, refused[:3]))}"
                   f"{', ...' if len(refused) > 3 else ''}): convert them first." if refused else "")
-        return ([TINY_NAME] + names, {"default": TINY_NAME, "tooltip":
-                "Causal Wan DiT (.safetensors in models/diffusion_models), or the built-in tiny random model "
-                "for smoke tests. Convert .pt checkpoints with: python -m wan_accel convert IN.pt OUT.safetensors."
+        return ([TINY_NAME, TINY_MG2_NAME] + names, {"default": TINY_NAME, "tooltip":
+                "Causal Wan DiT (.safetensors in models/diffusion_models), or a built-in tiny random model "
+                "for smoke tests (text-to-video, or Matrix-Game-2 with the universal keys). Convert .pt checkpoints with: python -m wan_accel convert IN.pt OUT.safetensors."
                 + hidden})
     except ImportError:
         return ("STRING", {"default": TINY_NAME, "tooltip":
@@ -37,8 +38,8 @@ def _checkpoint_input():
 
 
 def _resolve_checkpoint(name: str) -> str:
-    if name in ("", TINY_NAME):
-        return TINY_NAME
+    if name in ("", TINY_NAME, TINY_MG2_NAME):
+        return name or TINY_NAME
     try:
         import folder_paths
         path = folder_paths.get_full_path("diffusion_models", name)

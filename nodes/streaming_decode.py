@@ -36,7 +36,8 @@ class WanStreamDecoder:
         self.frames_in = 0               # latent frames received
         self.frames_out = 0              # video frames returned
 
-    def _load(self, shape) -> None:
+    def load(self, shape) -> None:
+        """Have ComfyUI load the VAE for latents of ``shape`` (done by the first push; again after other prompts ran)."""
         from comfy import model_management
         vae = self.vae
         need = vae.memory_used_decode((shape[0], shape[1], 2) + tuple(shape[3:]), vae.vae_dtype)
@@ -64,7 +65,7 @@ class WanStreamDecoder:
         if latent.shape[2] == 0:
             return None
         if self.frames_in == 0:                     # load once: nothing else is loaded between chunks
-            self._load(latent.shape)
+            self.load(latent.shape)
         x = self.model.conv2(latent.to(device=self.vae.device, dtype=self.vae.vae_dtype))
         first = self.frames_in == 0
         self.frames_in += latent.shape[2]

@@ -103,7 +103,8 @@ def test_loader_lists_only_files_it_can_load(monkeypatch):
     from wan_accel.nodes.model_nodes import CausalWanModelLoader
 
     choices, opts = CausalWanModelLoader.INPUT_TYPES()["required"]["checkpoint"]
-    assert choices[1:] == ["a.safetensors", "sub/c.safetensors"]
+    assert choices == ["(built-in tiny model)", "(built-in tiny Matrix-Game-2 model)", "a.safetensors",
+                       "sub/c.safetensors"]
     assert "old.pt" in opts["tooltip"] and "convert" in opts["tooltip"]
     assert _diffusion_model_files() == ["a.safetensors", "sub/c.safetensors"]
 

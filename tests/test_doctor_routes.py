@@ -42,7 +42,7 @@ def test_recheck_route_answers_400_and_json(monkeypatch):
     web = types.SimpleNamespace(json_response=lambda data, status=200: types.SimpleNamespace(data=data,
                                                                                             status=status))
     monkeypatch.setitem(sys.modules, "aiohttp", types.SimpleNamespace(web=web))
-    _, _, get_doctor, post_recheck = sr._make_handlers(web)
+    get_doctor, post_recheck = sr._make_handlers(web)[2:4]
 
     class Req:
         def __init__(self, raw):

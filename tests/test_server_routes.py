@@ -164,7 +164,8 @@ def test_registered_handlers_answer_json_and_400(monkeypatch, fake_aiohttp, cach
     assert sr.register_routes() is True
     assert sr.register_routes() is False  # once only: aiohttp refuses a second GET on the same path
     assert set(routes.added) == {("GET", sr.ROUTE_LIMITS), ("POST", sr.ROUTE_CLEAR), ("GET", sr.ROUTE_DOCTOR),
-                                 ("POST", sr.ROUTE_RECHECK)}
+                                 ("POST", sr.ROUTE_RECHECK), ("GET", sr.ROUTE_PLAY), ("POST", sr.ROUTE_PLAY_TOUCH),
+                                 ("POST", sr.ROUTE_PLAY_END)}
 
     get_limits, post_clear = routes.added[("GET", sr.ROUTE_LIMITS)], routes.added[("POST", sr.ROUTE_CLEAR)]
     r = asyncio.run(get_limits(_Request(b"")))

@@ -7,29 +7,7 @@ import torch
 from wan_accel.nodes import streaming_decode
 from wan_accel.nodes.model_nodes import CausalWanModelLoader
 from wan_accel.nodes.stream_nodes import CausalWanSamplerDecode, _DecodeInLockstep
-
-
-class FakeDecoder:
-    """Stands in for WanStreamDecoder: one 'image' per latent frame (its mean), the last frame held back."""
-
-    def __init__(self, vae):
-        self.pushed, self.held, self.finished, self.released = [], None, 0, 0
-
-    def push(self, latent):
-        self.pushed.append(latent.clone())
-        frames = [latent[:, :, i].mean(dim=(1, 2, 3)) for i in range(latent.shape[2])]
-        if self.held is not None:
-            frames.insert(0, self.held)
-        self.held = frames.pop()
-        return None if not frames else torch.stack(frames, 1)[..., None, None, None].expand(-1, -1, 2, 2, 3)
-
-    def finish(self):
-        self.finished += 1
-        held, self.held = self.held, None
-        return None if held is None else held[:, None, None, None, None].expand(-1, 1, 2, 2, 3)
-
-    def release(self):
-        self.released += 1
+from fake_decoder import FakeDecoder
 
 
 @pytest.fixture()

@@ -4,6 +4,7 @@
 //    button per namespace. Talks to GET /api/wan_accel/limits and POST /api/wan_accel/limits/clear.
 //    Below it, the doctor: each accelerated feature's verdict on this machine with a re-check button
 //    (GET /api/wan_accel/doctor, POST /api/wan_accel/doctor/recheck).
+//    Above it, Matrix-Game-2 play mode (web/wan_accel_play.js, told by the event "wan_accel:panel").
 //  * Badges on compile settings nodes: EXTREME-PLUS tiling preset (red), lock_global_ops on (blue).
 //  * A read-only text box on the pack's output nodes that return {"ui": {"text": [...]}}.
 // Only the public modules scripts/app.js and scripts/api.js are imported.
@@ -206,6 +207,8 @@ function renderNamespace(ns, refresh) {
 function mountPanel(container) {
   const root = el("div", { style: STYLE.root, class: "wan-accel-panel" });
   container.append(root);
+  // other parts of the pack (Matrix-Game-2 play mode) add their boxes above the limit cache
+  document.dispatchEvent(new CustomEvent("wan_accel:panel", { detail: { container } }));
   const refresh = async () => {
     const reload = el("button", { style: STYLE.button, onclick: refresh }, "Reload");
     root.replaceChildren(el("div", { style: STYLE.head }, el("b", {}, "Wan Accel limit cache"), reload),

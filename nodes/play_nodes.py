@@ -1,0 +1,339 @@
+"""Matrix-Game-2 play mode in ComfyUI: start a session, make its chunks one prompt at a time, save it.
+
+* **Matrix-Game-2 Play Session** (in a graph): takes a loaded Matrix-Game-2 model, the VAE and the start image's
+  latent, registers a play session (``app.play.REGISTRY``) and tells the page (event ``wan_accel.play``, kind
+  ``ready``). Nothing is sampled: the prompt ends at once.
+* **Matrix-Game-2 Play Step** (queued by the pack's panel, one prompt per chunk): generates the next chunk with the
+  keys and camera motion held, decodes it in lockstep (``streaming_decode.WanStreamDecoder``, the walk kept between
+  chunks) and sends its frames (kind ``chunk``). Each chunk is its own prompt, so other prompts wait at most one
+  chunk, and a stalled or paused session holds nothing in the queue. A chunk that fails or is interrupted ends the
+  session (its memory is freed; what was made can still be saved).
+* **Matrix-Game-2 Play Save**: the session as a video (mp4, or animated WEBP), the Game Actions script that
+  reproduces it, and its LATENT (``.latent``, as Save Latent writes it).
+"""
+from __future__ import annotations
+
+import re
+import time
+
+EVENT = "wan_accel.play"
+FPS = 16
+PRESETS = ["universal", "gta_drive", "templerun"]
+STATE_PLACES = ["model device", "cpu"]
+
+
+def _registry():
+    from ..app.play import REGISTRY
+    return REGISTRY
+
+
+def _server():
+    try:
+        from server import PromptServer
+        return PromptServer.instance
+    except (ImportError, AttributeError):
+        return None
+
+
+def send_play_event(kind: str, session: str, **payload) -> bool:
+    """Send a play event to the page that queued the running prompt (no-op outside a ComfyUI server)."""
+    server = _server()
+    if server is None:
+        return False
+    server.send_sync(EVENT, {"kind": kind, "session": session, **payload}, getattr(server, "client_id", None))
+    return True
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    return type(exc).__name__ in ("InterruptProcessingException", "KeyboardInterrupt")
+
+
+class MatrixGame2PlaySession:
+    DESCRIPTION = ("Starts a Matrix-Game-2 play session: open the Wan Accel panel and press Play, then drive the "
+                   "video live with the keyboard (W A S D, or the checkpoint's keys) and a mouse drag (camera). "
+                   "Each chunk is made by its own short prompt with the keys held while you watched the previous "
+                   "one, so other prompts never wait longer than one chunk. Save writes the video, the Game "
+                   "Actions script that reproduces it exactly and its latent.")
+    CATEGORY = "wan_accel/matrix_game2"
+    FUNCTION = "start"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("session",)
+    OUTPUT_TOOLTIPS = ("The play session's id (the panel drives it; Play Step and Play Save take it).",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        from .mg2_nodes import CLIP_INPUT
+        return {
+            "required": {
+                "model": ("CAUSALWAN_MODEL", {"tooltip": "A Matrix-Game-2 checkpoint from CausalWan Model Loader "
+                                                         "(or its built-in tiny Matrix-Game-2 model)."}),
+                "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE: each chunk is decoded as it is made and shown live."}),
+                "start_latent": ("LATENT", {"tooltip": "The start image's latent (VAE Encode, or Matrix-Game-2 Start "
+                                                       "Latent); its first latent frame starts the video."}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
+                         "Seed of the noise; the saved script with this seed reproduces the session."}),
+                "preset": (PRESETS, {"default": "universal", "tooltip":
+                           "The checkpoint's released settings and action layout: universal (W A S D + camera), "
+                           "gta_drive (W S + camera), templerun (7 keys, no camera)."}),
+            },
+            "optional": {
+                "clip_vision_output": CLIP_INPUT,
+                "kv_window": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip":
+                              "Rolling cache window in latent frames (0: the preset's; at least 3)."}),
+                "idle_timeout_s": ("INT", {"default": 300, "min": 10, "max": 86400, "tooltip":
+                                   "End the session (freeing its memory) after this many seconds with no chunk made "
+                                   "and no panel watching it (a closed browser tab)."}),
+                "state_on": (STATE_PLACES, {"default": "model device", "tooltip":
+                             "Where the session's caches wait between chunks: the model's device (fastest), or "
+                             "the CPU (frees GPU memory for other prompts between chunks)."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, **_kwargs):
+        return float("nan")         # every run starts a new session (a cached result would name an ended one)
+
+    def start(self, model, vae, start_latent, seed=0, preset="universal", clip_vision_output=None, kv_window=0,
+              idle_timeout_s=300, state_on="model device", unique_id=None):
+        from ..app.play import PlaySession
+        from ..sampling.mg2 import PRESETS as LIB_PRESETS
+        from . import streaming_decode
+        from .mg2_nodes import clip_tokens, model_space_start
+        net = getattr(model, "model", model)
+        if not hasattr(net, "action_config"):
+            raise ValueError("play mode needs a Matrix-Game-2 model: load a Matrix-Game-2 checkpoint (or the built-in "
+                             "tiny Matrix-Game-2 model) with CausalWan Model Loader")
+        if 0 < kv_window < 3:
+            raise ValueError(f"kv_window {kv_window} is too small: 0 (the preset's window) or at least 3")
+        keys_in = getattr(net.action_config, "keyboard_dim_in", None)
+        from ..sampling.actions_script import MODES
+        mode = LIB_PRESETS[preset]["mode"] if preset in LIB_PRESETS else preset
+        if keys_in is not None and mode in MODES and len(MODES[mode]["keys"]) != keys_in:
+            fits = [p for p in PRESETS if len(MODES[LIB_PRESETS[p]["mode"]]["keys"]) == keys_in]
+            raise ValueError(f"preset {preset!r} drives {len(MODES[mode]['keys'])} keys but this checkpoint has "
+                             f"{keys_in}: use preset {' or '.join(fits) or '(none fits)'}")
+        image = model_space_start(start_latent)[:1, :, :1]
+        tokens = clip_tokens(clip_vision_output, model)[:1]
+        decoder = streaming_decode.WanStreamDecoder(vae)        # a clear error now for a VAE that is not Wan 2.1
+        session = PlaySession(net, image.to(net.device), tokens.to(net.device), seed=seed, preset=preset,
+                              window=kv_window or None, state_device="cpu" if state_on == "cpu" else None)
+        session.attached["decoder"] = decoder
+        session.kept["vae"] = vae
+        server = _server()
+        owner = f"{getattr(server, 'client_id', None)}:{unique_id}"
+        sid = _registry().open(session, owner=owner, idle_timeout_s=float(idle_timeout_s))
+        info = dict(session.describe(), node=str(unique_id) if unique_id is not None else None, fps=FPS,
+                    idle_timeout_s=float(idle_timeout_s))
+        send_play_event("ready", sid, **info)
+        keys = " ".join(k.upper() if len(k) == 1 else k for k in session.keys)
+        text = (f"Play session {sid} ready ({session.mode}: keys {keys}{', drag for the camera' if session.has_mouse else ''}). "
+                f"Open the Wan Accel panel and press Play.")
+        return {"ui": {"text": [text], "wan_accel_play": [sid]}, "result": (sid,)}
+
+
+def parse_keys(keys: str) -> list:
+    """'w+a', 'W A', 'w,a' -> ['w', 'a']; '' or 'idle' -> []."""
+    names = [k for k in re.split(r"[+,\s]+", str(keys or "").strip().lower()) if k]
+    return [] if names == ["idle"] else names
+
+
+class MatrixGame2PlayStep:
+    DESCRIPTION = ("Makes the next chunk of a Matrix-Game-2 play session with the given keys and camera motion held "
+                   "for the whole chunk, decodes it and shows its frames in the Wan Accel panel. The panel queues "
+                   "this node once per chunk; it can also be queued by hand.")
+    CATEGORY = "wan_accel/matrix_game2"
+    FUNCTION = "step"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ()
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "session": ("STRING", {"default": "", "tooltip": "The id from Matrix-Game-2 Play Session."}),
+            "keys": ("STRING", {"default": "", "tooltip":
+                     "Keys held during the chunk, joined with '+' (e.g. 'w+a'); empty for none."}),
+            "mouse_pitch": ("FLOAT", {"default": 0.0, "min": -1.0, "max": 1.0, "step": 0.01, "tooltip":
+                            "Camera pitch per frame (the released demos use 0.1)."}),
+            "mouse_yaw": ("FLOAT", {"default": 0.0, "min": -1.0, "max": 1.0, "step": 0.01, "tooltip":
+                          "Camera yaw per frame (the released demos use 0.1)."}),
+            "chunk": ("INT", {"default": -1, "min": -1, "max": 1_000_000, "tooltip":
+                      "The chunk this step should make (refused if the session is elsewhere, e.g. driven from "
+                      "another tab); -1: the next one."}),
+        }}
+
+    @classmethod
+    def IS_CHANGED(cls, **_kwargs):
+        return float("nan")
+
+    def step(self, session, keys="", mouse_pitch=0.0, mouse_yaw=0.0, chunk=-1):
+        import torch
+        from ..app.play import PlayError
+        from ._comfy import progress_and_interrupt
+        from .mg2_nodes import to_latent_space
+        from .stream_nodes import _jpeg_frames
+        registry = _registry()
+        play = registry.get(session)
+        if chunk >= 0 and chunk != play.chunks:
+            raise ValueError(f"chunk {chunk} was asked for but the session has made {play.chunks}: is another tab "
+                             f"playing it? Reload the panel")
+        names = parse_keys(keys)
+        bar_cls, interrupt = progress_and_interrupt()
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                latents = play.step(names, (float(mouse_pitch), float(mouse_yaw)),
+                                    callback=(lambda *_a: interrupt()) if interrupt is not None else None)
+                t1 = time.perf_counter()
+                decoder = play.attached.get("decoder")
+                images = None
+                if decoder is not None:
+                    vae_latents = to_latent_space(latents)
+                    decoder.load(vae_latents.shape)       # other prompts may have unloaded the VAE between chunks
+                    images = decoder.push(vae_latents)
+        except PlayError:
+            raise                                          # a refused action: nothing was made, the session goes on
+        except BaseException as exc:
+            why = "interrupted" if _is_interrupt(exc) else f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            registry.end(session, why)
+            send_play_event("ended", session, reason=why, chunks=play.chunks)
+            raise
+        t2 = time.perf_counter()
+        frames = 0 if images is None else images.shape[1]
+        entry = play.log[-1]
+        send_play_event("chunk", session, chunk=entry["chunk"], action=entry["action"], fps=FPS,
+                        latency_s=round(t2 - t0, 4), decode_s=round(t2 - t1, 4), first_frame=play.frames_shown,
+                        frames=[] if images is None else _jpeg_frames(images[0].cpu()))
+        play.frames_shown += frames
+        return {"ui": {"text": [f"chunk {entry['chunk']}: {entry['action']} ({t2 - t0:.2f} s)"]}}
+
+
+def _write_mp4(path, batches, fps: int) -> int:
+    import av
+    frames = 0
+    with av.open(str(path), mode="w") as out:
+        stream = None
+        for images in batches:
+            arr = (images.clamp(0, 1) * 255).round().byte().cpu().numpy()
+            arr = arr[:, : arr.shape[1] // 2 * 2, : arr.shape[2] // 2 * 2]      # h264 (yuv420p) wants even sizes
+            if stream is None:
+                stream = out.add_stream("h264", rate=fps)
+                stream.width, stream.height, stream.pix_fmt = arr.shape[2], arr.shape[1], "yuv420p"
+            for frame in arr:
+                out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+                frames += 1
+        if stream is not None:
+            out.mux(stream.encode())
+    return frames
+
+
+def _write_webp(path, batches, fps: int) -> int:
+    from PIL import Image
+    images = [Image.fromarray(f) for b in batches for f in (b.clamp(0, 1) * 255).round().byte().cpu().numpy()]
+    if images:
+        images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0,
+                       quality=90)
+    return len(images)
+
+
+def _have_av() -> bool:
+    try:
+        import av  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+class MatrixGame2PlaySave:
+    DESCRIPTION = ("Saves a Matrix-Game-2 play session to the output folder: the video (mp4, or animated WEBP), the "
+                   "Game Actions script that reproduces it exactly with the session's seed, and its LATENT "
+                   "(.latent, as Save Latent writes it). Works after the session ended, too.")
+    CATEGORY = "wan_accel/matrix_game2"
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("script",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "session": ("STRING", {"default": "", "tooltip": "The id from Matrix-Game-2 Play Session."}),
+            "filename_prefix": ("STRING", {"default": "wan_accel/play", "tooltip":
+                                "Output file prefix (a sub-folder of the output folder may be given)."}),
+            "video_format": (["mp4", "webp"], {"default": "mp4", "tooltip":
+                             "mp4 (H.264, written frame by frame) or animated WEBP (mp4 needs PyAV, which ComfyUI "
+                             "installs; WEBP is used when it is missing)."}),
+        }}
+
+    @classmethod
+    def IS_CHANGED(cls, **_kwargs):
+        return float("nan")
+
+    def save(self, session, filename_prefix="wan_accel/play", video_format="mp4"):
+        import torch
+        from safetensors.torch import save_file
+        from . import streaming_decode
+        from .mg2_nodes import to_latent_space
+        play = _registry().get(session)
+        with play.lock:
+            latents = play.latent_video()
+            script_text, seed = play.script_file(), play.seed
+        try:
+            import folder_paths
+            out_dir = folder_paths.get_output_directory()
+            full, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, out_dir)
+        except ImportError:
+            raise ValueError("Play Save writes into ComfyUI's output folder: run it inside ComfyUI") from None
+        fmt = video_format if video_format != "mp4" or _have_av() else "webp"
+        base = f"{name}_{counter:05}_"
+        from pathlib import Path
+        folder = Path(full)
+        folder.mkdir(parents=True, exist_ok=True)
+        files = {"video": f"{base}.{fmt}", "script": f"{base}.txt", "latent": f"{base}.latent"}
+        vae = play.kept.get("vae")
+        written = 0
+        if vae is not None:
+            decoder = streaming_decode.WanStreamDecoder(vae)
+            try:
+                def batches():
+                    for part in play_chunks(latents):
+                        lat = to_latent_space(part)
+                        decoder.load(lat.shape)
+                        images = decoder.push(lat)
+                        if images is not None:
+                            yield images[0]
+                    tail = decoder.finish()
+                    if tail is not None:
+                        yield tail[0]
+                with torch.inference_mode():
+                    writer = _write_mp4 if fmt == "mp4" else _write_webp
+                    written = writer(folder / files["video"], batches(), FPS)
+            finally:
+                decoder.release()
+        else:
+            files.pop("video")
+        (folder / files["script"]).write_text(script_text, encoding="utf-8")
+        save_file({"latent_tensor": to_latent_space(latents).contiguous(),
+                   "latent_format_version_0": torch.tensor([])}, str(folder / files["latent"]))
+        send_play_event("saved", session, subfolder=subfolder, files=files, frames=written, seed=seed)
+        ui = {"text": [f"saved {', '.join(files.values())} ({written} frames) in output/{subfolder}"],
+              "wan_accel_play_saved": [{"subfolder": subfolder, **files}]}
+        return {"ui": ui, "result": (play.script,)}
+
+
+def play_chunks(latents, size: int = 3):
+    """The session's latents cut back into its chunks (3 latent frames each), in order."""
+    return [latents[:, :, i:i + size] for i in range(0, latents.shape[2], size)]
+
+
+NODE_CLASS_MAPPINGS = {
+    "MatrixGame2PlaySession": MatrixGame2PlaySession,
+    "MatrixGame2PlayStep": MatrixGame2PlayStep,
+    "MatrixGame2PlaySave": MatrixGame2PlaySave,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "MatrixGame2PlaySession": "Matrix-Game-2 Play Session",
+    "MatrixGame2PlayStep": "Matrix-Game-2 Play Step",
+    "MatrixGame2PlaySave": "Matrix-Game-2 Play Save",
+}
