@@ -19,7 +19,7 @@ WORKFLOWS = REPO / "workflows"
 API_DIR = WORKFLOWS / "api"
 UI_FILES = sorted(WORKFLOWS.glob("*.json"))
 EXPECTED_WORKFLOWS = {"causal_wan_t2v", "native_wan_compile", "low_vram", "profile_run", "tiny_smoke",
-                      "native_causal_wan", "native_causal_tiny", "streaming_t2v"}
+                      "native_causal_wan", "native_causal_tiny", "streaming_t2v", "matrix_game2_play"}
 
 FILE_LIST = "FILE_LIST"  # a combo listing model files: its choices depend on the user's models folder
 WIDGET_TYPES = {"INT", "FLOAT", "BOOLEAN", "STRING", "COMBO"}

@@ -191,6 +191,75 @@ def run_live(page, base: str, api_path: Path, timeout: float, out_dir: Path) -> 
             "screenshot_during": str(mid) if mid else None, "screenshot_after": str(after)}
 
 
+PLAY_LOG = "() => JSON.parse(JSON.stringify(window.__wanAccelPlay || {}))"
+
+
+def _wait_play(page, condition: str, timeout: float, what: str) -> dict:
+    """Poll the page's play log until ``condition`` (a JS expression over ``p``, the log) holds."""
+    end = time.time() + timeout
+    while time.time() < end:
+        log = page.evaluate(PLAY_LOG)
+        if page.evaluate(f"(p) => !!({condition})", log):
+            return log
+        time.sleep(0.2)
+    raise TimeoutError(f"play mode: {what} did not happen in {timeout:.0f} s; log: {json.dumps(page.evaluate(PLAY_LOG))[:1500]}")
+
+
+def run_play(page, api_path: Path, timeout: float, out_dir: Path) -> dict:
+    """Matrix-Game-2 play mode as a user drives it: load the graph with a Play Session node, open the panel, press
+    Start session, then Play; hold W for a chunk, drag on the video, let go of everything; Pause, Save, End. Reports
+    what the page sent per chunk, what arrived, and what the server says the model was given."""
+    prompt = json.loads(api_path.read_text())
+    page.evaluate("async (p) => { await window.app.loadApiJson(p, 'play'); }", prompt)
+    page.wait_for_timeout(800)
+    tab = page.locator(".wan-accel-limits-tab-button")
+    if tab.count():
+        tab.first.click()
+    else:
+        page.get_by_role("button", name="Wan Accel").first.click()
+    page.wait_for_selector(".wan-accel-play", timeout=15000)
+    box = page.locator(".wan-accel-play")
+    box.get_by_role("button", name="Start session").click()
+    _wait_play(page, "p.ready.length > 0", timeout, "the session start")
+    page.wait_for_timeout(300)
+    box.get_by_role("button", name="Play").click()
+    sent = lambda cond: f"p.sent.some(s => {cond}) && p.chunks.length >= p.sent.length"
+    page.keyboard.down("w")                              # held until a chunk was asked for with it, and made
+    _wait_play(page, sent("s.keys === 'w'"), timeout, "a chunk with W held")
+    page.keyboard.up("w")
+    img = page.locator(".wan-accel-play-video").bounding_box()
+    cx, cy = img["x"] + img["width"] / 2, img["y"] + img["height"] / 2
+    page.mouse.move(cx, cy)
+    page.mouse.down()
+    for i in range(1, 7):                                # a 60 px drag to the right: the camera turns right
+        page.mouse.move(cx + 10 * i, cy)
+        page.wait_for_timeout(30)
+    page.mouse.up()
+    _wait_play(page, sent("s.mouse_yaw > 0"), timeout, "a chunk with a camera drag")
+    _wait_play(page, "p.sent.length >= 2 && p.sent[p.sent.length - 1].keys === '' && "
+                     "p.sent[p.sent.length - 1].mouse_yaw === 0 && p.chunks.length >= p.sent.length",
+               timeout, "an idle chunk")
+    box.get_by_role("button", name="Pause").click()
+    log = _wait_play(page, "p.chunks.length >= p.sent.length", timeout, "the last chunk after Pause")
+    page.wait_for_timeout(1500)                          # the frames play out
+    shot = out_dir / "play_mode.png"
+    page.screenshot(path=str(shot))
+    session = log["ready"][-1]["session"]
+    info = page.evaluate("async (s) => { const r = await fetch('/api/wan_accel/play/touch', {method: 'POST', "
+                         "headers: {'Content-Type': 'application/json'}, body: JSON.stringify({session: s})}); "
+                         "return await r.json(); }", session)
+    box.get_by_role("button", name="Save").click()
+    log = _wait_play(page, "p.saved.length > 0", timeout, "the save")
+    page.wait_for_selector(".wan-accel-play-script", timeout=15000)
+    return {"session": session, "sent": log["sent"], "chunks": log["chunks"], "saved": log["saved"][-1],
+            "errors": log["errors"], "server": info, "screenshot": str(shot)}
+
+
+def end_play(page, timeout: float) -> dict:
+    page.locator(".wan-accel-play").get_by_role("button", name="End").click()
+    return _wait_play(page, "p.ended.length > 0", timeout, "the end")["ended"][-1]
+
+
 def panel_counts(page) -> dict:
     return page.eval_on_selector_all(
         ".wan-accel-panel [data-namespace]",
@@ -242,6 +311,7 @@ def main() -> int:
     ap.add_argument("--panel", action="store_true", help="open the pack's sidebar panel and screenshot it")
     ap.add_argument("--clear", help="with --panel: clear this namespace with the panel's button (confirming)")
     ap.add_argument("--live", help="API-format prompt to queue from the page, recording the live frames it sends")
+    ap.add_argument("--play", help="API-format prompt with a Matrix-Game-2 Play Session node: play it from the panel")
     ap.add_argument("--report", help="write the JSON report here")
     ap.add_argument("--timeout", type=float, default=120)
     ap.add_argument("--chromium", default=os.environ.get("CHROMIUM") or shutil.which("chromium") or "chromium")
@@ -283,6 +353,9 @@ def main() -> int:
                     report["live"] = run_live(page, base, Path(args.live), args.timeout, out_dir)
                     if not report["live"]["events"]:
                         status = 1
+                if args.play:
+                    report["play"] = run_play(page, Path(args.play), args.timeout, out_dir)
+                    report["play"]["ended"] = end_play(page, args.timeout)
                 if args.panel:
                     report["panel"] = open_panel(page, out_dir)
                     if args.clear:

@@ -386,3 +386,112 @@ def test_live_frames_reach_the_page_before_the_prompt_ends(comfy, tmp_path):
     assert all(e["latency_s"] > 0 for e in events)
     assert live["panel_playing"], "the pack's panel shows no live frames"
     assert Path(live["screenshot_after"]).stat().st_size > 10_000
+
+
+TINY_MG2 = "(built-in tiny Matrix-Game-2 model)"
+
+
+def play_prompt(seed: int = 7, side: int = 64) -> dict:
+    """The tiny Matrix-Game-2 model, the run's small Wan 2.1 VAE and a flat start image, into a Play Session node."""
+    return {
+        "1": {"class_type": "CausalWanModelLoader", "inputs": {"checkpoint": TINY_MG2, "dtype": "fp32",
+                                                               "precision": "float32", "attention": "sdpa"}},
+        "2": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_2.1_vae.safetensors"}},
+        "3": {"class_type": "EmptyImage", "inputs": {"width": side, "height": side, "batch_size": 1, "color": 0x708090}},
+        "4": {"class_type": "MatrixGame2StartLatent", "inputs": {"vae": ["2", 0], "start_image": ["3", 0],
+                                                                 "latent_frames": 1}},
+        "5": {"class_type": "MatrixGame2PlaySession", "inputs": {
+            "model": ["1", 0], "vae": ["2", 0], "start_latent": ["4", 0], "seed": seed, "preset": "universal",
+            "kv_window": 0, "idle_timeout_s": 300, "state_on": "model device"}},
+    }
+
+
+def replay_prompt(script: str, seed: int, prefix: str) -> dict:
+    """The same model and start latent, the saved script through Game Actions and the Matrix-Game-2 Sampler."""
+    prompt = {k: v for k, v in play_prompt(seed).items() if k != "5"}
+    prompt.update({
+        "6": {"class_type": "MatrixGame2Actions", "inputs": {"script": script, "mode": "universal"}},
+        "7": {"class_type": "MatrixGame2Sampler", "inputs": {
+            "model": ["1", 0], "start_latent": ["4", 0], "actions": ["6", 0], "seed": seed, "num_frames": 0,
+            "preset": "universal", "kv_window": 0, "keep_state": False}},
+        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": prefix}},
+    })
+    return prompt
+
+
+def _latent_of(comfy, entry) -> "torch.Tensor":
+    from safetensors.torch import load_file
+    saved = [x for out in entry["outputs"].values() for x in out.get("latents", [])]
+    assert saved, entry["outputs"]
+    f = comfy["work"] / "output" / saved[0]["subfolder"] / saved[0]["filename"]
+    return load_file(str(f))["latent_tensor"]
+
+
+def _one_hot(keys: str) -> list:
+    return [[float(k in keys.split("+")) for k in ("w", "s", "a", "d")]]
+
+
+def test_play_mode_keys_reach_the_model_and_the_saved_script_reproduces_it(comfy, tmp_path):
+    why = _browser_ready()
+    if why:
+        pytest.skip(why)
+    import torch
+    from safetensors.torch import load_file
+    prompt = tmp_path / "play.json"
+    prompt.write_text(json.dumps(play_prompt()))
+    shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
+    report_path = tmp_path / "play_report.json"
+    out = subprocess.run([str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
+                          "--out-dir", str(shots), "--play", str(prompt), "--report", str(report_path),
+                          "--timeout", "240"], capture_output=True, text=True, timeout=900)
+    assert report_path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert "error" not in report, (report["error"], comfy["log"].read_text()[-3000:])
+    play = report["play"]
+    assert not play["errors"], play["errors"]
+    sent, server = play["sent"], play["server"]["chunk_actions"]
+    assert [s["chunk"] for s in sent] == list(range(len(sent))) == [c["chunk"] for c in play["chunks"]]
+    assert len(server) == len(sent)
+    for s, given in zip(sent, server):              # what the page sent is what the model was given, chunk by chunk
+        assert given["keyboard"] == _one_hot(s["keys"]) * len(given["keyboard"]), (s, given)
+        assert given["mouse"] == [[pytest.approx(s["mouse_pitch"]), pytest.approx(s["mouse_yaw"])]] * len(given["mouse"])
+    assert any(s["keys"] == "w" for s in sent) and any(s["mouse_yaw"] > 0 for s in sent) and sent[-1]["keys"] == ""
+    assert all(c["frames"] > 0 for c in play["chunks"][1:]) and play["chunks"][0]["frames"] == 9
+    assert Path(play["screenshot"]).stat().st_size > 10_000
+    assert play["ended"]["reason"] == "ended by the user"
+
+    # the saved files: a video, the script, the latent; the script with the seed reproduces the session exactly
+    saved = play["saved"]
+    folder = comfy["work"] / "output" / saved["subfolder"]
+    assert (folder / saved["files"]["video"]).stat().st_size > 1000 and saved["files"]["video"].endswith(".mp4")
+    assert saved["frames"] == 1 + 4 * (3 * len(sent) - 1)
+    script = (folder / saved["files"]["script"]).read_text()
+    session_latent = load_file(str(folder / saved["files"]["latent"]))["latent_tensor"]
+
+    # a second, stalled session does not hold the queue: other prompts (the replays) run while it waits
+    started = _run_prompt(comfy, play_prompt(seed=3), timeout_s=300)
+    assert started["status"]["status_str"] == "success", started["status"]
+    other = started["outputs"]["5"]["wan_accel_play"][0]
+    step = _run_prompt(comfy, {"1": {"class_type": "MatrixGame2PlayStep", "inputs": {
+        "session": other, "keys": "d", "mouse_pitch": 0.0, "mouse_yaw": 0.0, "chunk": 0}}}, timeout_s=300)
+    assert step["status"]["status_str"] == "success", step["status"]
+
+    replay = _run_prompt(comfy, replay_prompt(script, 7, "wan_accel/replay"), timeout_s=300)
+    assert replay["status"]["status_str"] == "success", replay["status"]
+    assert torch.equal(_latent_of(comfy, replay), session_latent)          # same seed, same actions: same frames
+    items = script.strip().splitlines()[-1].split(", ")                 # one item per chunk
+    i = next(k for k, x in enumerate(sent) if x["keys"] == "w")        # the chunk W was held for
+    assert items[i].startswith("w*"), (i, items)
+    items[i] = "s" + items[i][1:]
+    changed = _run_prompt(comfy, replay_prompt(", ".join(items), 7, "wan_accel/changed"), timeout_s=300)
+    other_latent = _latent_of(comfy, changed)
+    assert torch.equal(other_latent[:, :, :3 * i], session_latent[:, :, :3 * i])
+    assert not torch.equal(other_latent[:, :, 3 * i:3 * i + 3], session_latent[:, :, 3 * i:3 * i + 3])  # S, not W
+
+    sessions = {s["session"]: s for s in http(comfy["url"] + "/api/wan_accel/play")[1]["sessions"]}
+    assert sessions[other]["ended"] is None and sessions[other]["chunks"] == 1    # stalled, still there
+    assert sessions[play["session"]]["ended"] == "ended by the user"
+    status, ended = http(comfy["url"] + "/api/wan_accel/play/end", {"session": other})
+    assert status == 200 and ended["ended"] == "ended by the user"
+    status, err = http(comfy["url"] + "/api/wan_accel/play/touch", {"session": "../etc"})
+    assert status == 400 and "not a play session id" in err["error"]
