@@ -115,6 +115,7 @@ async function loop() {
   while (S.playing && S.session && !S.info?.ended) {
     const chunk = S.info.chunks;
     const acts = takeActions();
+    const asked = performance.now();
     let promptId;
     try {
       promptId = await queueNode("MatrixGame2PlayStep", { session: S.session, chunk, ...acts });
@@ -124,7 +125,7 @@ async function loop() {
       S.playing = false;
       break;
     }
-    log.sent.push({ t: performance.now(), chunk, prompt_id: promptId, ...acts });
+    log.sent.push({ t: asked, chunk, prompt_id: promptId, ...acts });
     setStatus(`making chunk ${chunk + 1}…`);
     const res = await waitFor(promptId, chunk);
     if (res.kind !== "chunk") { S.playing = false; break; }

@@ -446,6 +446,8 @@ def test_play_mode_keys_reach_the_model_and_the_saved_script_reproduces_it(comfy
                           "--timeout", "240"], capture_output=True, text=True, timeout=900)
     assert report_path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(report_path.read_text())
+    if os.environ.get("WAN_ACCEL_SCREENSHOTS"):                 # kept beside the screenshot (timings for the docs)
+        shutil.copy(report_path, shots / "play_report.json")
     assert "error" not in report, (report["error"], comfy["log"].read_text()[-3000:])
     play = report["play"]
     assert not play["errors"], play["errors"]
