@@ -168,7 +168,10 @@ class MatrixGame2PlayStep:
         return float("nan")
 
     def step(self, session, keys="", mouse_pitch=0.0, mouse_yaw=0.0, chunk=-1):
+        import contextlib
+
         import torch
+        from ..app.doctor_gate import gated_sampling
         from ..app.play import PlayError
         from ._comfy import progress_and_interrupt
         from .mg2_nodes import to_latent_space
@@ -179,10 +182,12 @@ class MatrixGame2PlayStep:
             raise ValueError(f"chunk {chunk} was asked for but the session has made {play.chunks}: is another tab "
                              f"playing it? Reload the panel")
         names = parse_keys(keys)
-        bar_cls, interrupt = progress_and_interrupt()
+        _bar, interrupt = progress_and_interrupt()
+        notes: list = []
+        gate = gated_sampling(play.model, notes) if play.model is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), gate:          # the doctor's verdicts, as the samplers apply them
                 latents = play.step(names, (float(mouse_pitch), float(mouse_yaw)),
                                     callback=(lambda *_a: interrupt()) if interrupt is not None else None)
                 t1 = time.perf_counter()
@@ -206,7 +211,7 @@ class MatrixGame2PlayStep:
                         latency_s=round(t2 - t0, 4), decode_s=round(t2 - t1, 4), first_frame=play.frames_shown,
                         frames=[] if images is None else _jpeg_frames(images[0].cpu()))
         play.frames_shown += frames
-        return {"ui": {"text": [f"chunk {entry['chunk']}: {entry['action']} ({t2 - t0:.2f} s)"]}}
+        return {"ui": {"text": [f"chunk {entry['chunk']}: {entry['action']} ({t2 - t0:.2f} s)", *notes]}}
 
 
 def _write_mp4(path, batches, fps: int) -> int:

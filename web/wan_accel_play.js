@@ -256,6 +256,7 @@ async function startSession() {
                           "workflow), then press Start session.");
     return;
   }
+  if (S.session && !S.info?.ended) await endSession();   // its caches and model go before the new ones load
   setStatus("starting: running the graph (loads the model and the start image)…");
   await app.queuePrompt(0, 1);
 }
