@@ -50,9 +50,11 @@ def send_frames(node_id, chunk: int, num_chunks: int, images, latency_s: float, 
 class _DecodeInLockstep(_ComfyProgress):
     """Progress callback that also decodes each finished chunk (its last step's x0) and sends its frames."""
 
-    def __init__(self, decoder, node_id=None, live: bool = True):
+    def __init__(self, decoder, node_id=None, live: bool = True, keep_walk: bool = False, skip: int = 0):
         super().__init__()
         self.decoder, self.node_id, self.live = decoder, node_id, live
+        self.keep_walk, self.skip = keep_walk, skip      # keep the walk for a continuation; frames shown already
+        self.walk = None
         self.parts: list = []
         self.t0 = self.mark = time.perf_counter()
         self.first_frames_s = None
@@ -71,6 +73,8 @@ class _DecodeInLockstep(_ComfyProgress):
         t = time.perf_counter()
         parts = [self.decoder.push(to_vae_latents(x0.float()))]
         if ci == num_chunks - 1:                            # the last chunk also ends the decode walk
+            if self.keep_walk:                              # (a continuation goes on from before that end)
+                self.walk = self.decoder.snapshot()
             parts.append(self.decoder.finish())
         parts = [p for p in parts if p is not None]
         images = torch.cat(parts, 1) if parts else None
@@ -81,7 +85,10 @@ class _DecodeInLockstep(_ComfyProgress):
         now = time.perf_counter()
         self.chunk_s.append(now - self.mark)
         self.mark = now
-        if images is None:
+        if images is not None and self.skip:              # frames the run this one continues has shown
+            cut = min(self.skip, images.shape[1])
+            images, self.skip = images[:, cut:], self.skip - cut
+        if images is None or images.shape[1] == 0:
             return
         images = images.reshape(-1, *images.shape[-3:]).cpu()
         if self.first_frames_s is None:
@@ -111,14 +118,27 @@ class CausalWanSamplerDecode(CausalWanSampler):
         return spec
 
     def sample(self, vae, model, *args, live_preview=True, unique_id=None, **kwargs):
+        import dataclasses
+        import inspect
+
         import torch
         from .streaming_decode import WanStreamDecoder
-        self._lockstep = _DecodeInLockstep(WanStreamDecoder(vae), unique_id, bool(live_preview))
+        decoder = WanStreamDecoder(vae)
+        given = inspect.signature(CausalWanSampler.sample).bind(self, model, *args, **kwargs).arguments
+        before = getattr(given.get("continue_from"), "extra", None) or {}
+        skip = 0
+        if before.get("decoder") is not None:       # go on with the first run's decode walk: no seam
+            decoder.restore(before["decoder"])
+            skip = 4 if before["decoder"]["held"] is not None else 0   # its held frame, shown when that run ended
+        self._lockstep = _DecodeInLockstep(decoder, unique_id, bool(live_preview),
+                                           keep_walk=bool(given.get("keep_state")), skip=skip)
         try:
             latent, state = super().sample(model, *args, **kwargs)
         finally:
             self._lockstep.decoder.release()
         run = self._lockstep
+        if state is not None and run.walk is not None:
+            state = dataclasses.replace(state, extra=dict(state.extra or {}, decoder=run.walk))
         self.last_report = dict(getattr(self, "last_report", {}), first_frames_s=run.first_frames_s,
                                 chunk_s=run.chunk_s, decode_s=run.decode_s)
         images = torch.cat(run.parts, 0) if run.parts else torch.zeros(0, 8, 8, 3)

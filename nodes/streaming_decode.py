@@ -35,9 +35,11 @@ class WanStreamDecoder:
         self.held = None                 # conv2 output of a latent frame waiting for its pair
         self.frames_in = 0               # latent frames received
         self.frames_out = 0              # video frames returned
+        self.loaded = False              # the VAE loaded for this decoder's first push
 
     def load(self, shape) -> None:
         """Have ComfyUI load the VAE for latents of ``shape`` (done by the first push; again after other prompts ran)."""
+        self.loaded = True
         from comfy import model_management
         vae = self.vae
         need = vae.memory_used_decode((shape[0], shape[1], 2) + tuple(shape[3:]), vae.vae_dtype)
@@ -64,7 +66,7 @@ class WanStreamDecoder:
                              f"{tuple(latent.shape)}")
         if latent.shape[2] == 0:
             return None
-        if self.frames_in == 0:                     # load once: nothing else is loaded between chunks
+        if not self.loaded:                         # load once: nothing else is loaded between chunks
             self.load(latent.shape)
         x = self.model.conv2(latent.to(device=self.vae.device, dtype=self.vae.vae_dtype))
         first = self.frames_in == 0
@@ -89,6 +91,31 @@ class WanStreamDecoder:
             return None
         x, self.held = self.held, None
         return self._images([self._step(x)])
+
+    def snapshot(self) -> dict:
+        """The walk so far (the feature cache, a frame held back, the counts), copied to the CPU: a decoder that
+        ``restore``s it goes on as this one would have (a later prompt continuing the video decodes without a seam)."""
+        def cpu(t):
+            return t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t
+        return {"vae": self._signature(), "feat_map": [cpu(t) for t in self.feat_map], "held": cpu(self.held),
+                "frames_in": self.frames_in, "frames_out": self.frames_out}
+
+    def restore(self, snap: dict) -> None:
+        """Continue the walk of ``snapshot()`` (made with the same VAE; another VAE raises ValueError)."""
+        if snap.get("vae") != self._signature() or len(snap.get("feat_map", ())) != len(self.feat_map):
+            raise ValueError("the state's decode was made with another VAE: connect the VAE of the first run, or "
+                             "decode this run on its own with VAE Decode")
+        dev, dtype = self.vae.device, self.vae.vae_dtype
+        move = lambda t: t.to(device=dev, dtype=dtype) if isinstance(t, torch.Tensor) else t
+        self.feat_map = [move(t) for t in snap["feat_map"]]
+        self.held = move(snap["held"])
+        self.frames_in, self.frames_out = int(snap["frames_in"]), int(snap["frames_out"])
+
+    def _signature(self) -> tuple:
+        """What identifies this VAE's weights for a continued walk: its class, sizes and a few weight values."""
+        first = next(self.model.decoder.parameters())
+        return (type(self.model).__name__, int(self.model.z_dim), tuple(first.shape),
+                float(first.detach().flatten()[:8].double().sum()))
 
     def release(self) -> None:
         self.feat_map = [None] * len(self.feat_map)

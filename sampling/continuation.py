@@ -27,12 +27,14 @@ class SamplerState:
     """Where a causal run stopped. settings: what must match to go on (model signature, latent size, batch,
     chunking, window, schedule, dtypes); frames: latent frames made so far (the next chunk starts there); kv: the
     self-attention cache after the last chunk's refresh; generator: (device, state) of the noise generator;
-    actions: Matrix-Game-2's action history and caches (None for text-to-video)."""
+    actions: Matrix-Game-2's action history and caches (None for text-to-video); extra: kept alongside, unchecked
+    (the streaming decode node keeps its decoder's walk there, so a continuation decodes without a seam)."""
     settings: dict
     frames: int
     kv: KVCache
     generator: tuple
     actions: dict | None = None
+    extra: dict | None = None       # what other floors keep with the state (the streaming decoder's walk)
 
     def describe(self) -> str:
         s = self.settings

@@ -70,7 +70,7 @@ def test_keys_reach_their_chunk_and_the_saved_script_reproduces_the_session(hand
     chunks = [e for e in env.events if e["kind"] == "chunk"]
     assert [e["chunk"] for e in chunks] == [0, 1, 2, 3]
     assert [e["action"] for e in chunks] == ["w", "w+a+mouse(0.0,0.1)", "idle", "d+mouse(-0.1,0.0)"]
-    assert [len(e["frames"]) for e in chunks] == [2, 3, 3, 3] and [e["first_frame"] for e in chunks] == [0, 2, 5, 8]
+    assert [len(e["frames"]) for e in chunks] == [9, 8, 16, 8] and [e["first_frame"] for e in chunks] == [0, 9, 17, 33]
     dec = env.decoders[0]
     assert torch.equal(torch.cat(dec.pushed, 2), to_latent_space(play.latent_video()))  # decoded as made
 
@@ -87,7 +87,7 @@ def test_keys_reach_their_chunk_and_the_saved_script_reproduces_the_session(hand
     script = (folder / files["script"]).read_text()
     assert saved["result"] == (play.script,) and "seed 11" in script
     assert (folder / files["video"]).stat().st_size > 0
-    assert env.events[-1]["kind"] == "saved" and env.events[-1]["frames"] == 2 + 3 + 3 + 3 + 1   # the held one too
+    assert env.events[-1]["kind"] == "saved" and env.events[-1]["frames"] == 1 + 4 * 11   # the held frame's too
     session_latent = load_file(str(folder / files["latent"]))["latent_tensor"]
 
     actions = GameActions().build(script, "universal")["result"][0]

@@ -25,7 +25,8 @@ def test_each_chunk_is_decoded_once_in_lockstep(fake):
     assert [p.shape[2] for p in dec.pushed] == [3, 3, 3] and dec.finished == 1 and dec.released >= 1
     assert torch.equal(torch.cat(dec.pushed, 2), latent["samples"])     # what was decoded is the LATENT output
     means = latent["samples"].mean(dim=(1, 3, 4))[0]
-    assert images.shape == (9, 2, 2, 3) and torch.equal(images[:, 0, 0, 0], means)
+    per_frame = torch.tensor([1] + [4] * 8)                             # a walk: first frame 1 image, then 4 each
+    assert images.shape == (33, 2, 2, 3) and torch.equal(images[:, 0, 0, 0], means.repeat_interleave(per_frame))
     assert state is None and len(node.last_report["chunk_s"]) == 3 and node.last_report["first_frames_s"] > 0
 
 
@@ -36,4 +37,27 @@ def test_a_chunk_redone_after_an_out_of_memory_retry_is_decoded_once():
     for ci in (0, 0, 1):                    # chunk 0's last step seen twice (the chunk was redone)
         run(ci, 3, 2, 4, x0)
     assert len(dec.pushed) == 2 and dec.finished == 1
-    assert sum(p.shape[0] for p in run.parts) == 4
+    assert sum(p.shape[0] for p in run.parts) == 1 + 4 * 3
+
+
+def _frames(node, *args, **kw):
+    images, latent, state = node.sample(object(), *args, **kw)
+    return images, latent, state
+
+
+@pytest.mark.parametrize("first_frames", [21, 33])      # 6 latent frames (one held back at the end) and 9 (none)
+def test_a_continued_video_decodes_without_a_seam(fake, first_frames):
+    (handle,) = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", "sdpa")
+    args = (handle, 32, 32)
+    rest = (1, "self_forcing", 3, -1, 0)
+    whole, whole_latent, _ = _frames(CausalWanSamplerDecode(), *args, 45, *rest)
+    first, _, state = _frames(CausalWanSamplerDecode(), *args, first_frames, *rest, keep_state=True)
+    walk = state.extra["decoder"]
+    assert (walk["held"] is not None) == (first_frames == 21)
+    more, _, _ = _frames(CausalWanSamplerDecode(), *args, 45, *rest, continue_from=state)
+    assert fake[2].restored is walk
+    # the first run's frames, then the continuation's: one decode of the whole video (a frame the first run had to
+    # decode alone at its end is shown once, the continuation's decode of it in its pair is not shown again)
+    assert torch.equal(torch.cat([first, more])[:, 0, 0, 0], whole[:, 0, 0, 0]) and len(whole) == 45
+    fresh, _, _ = _frames(CausalWanSamplerDecode(), *args, first_frames, *rest)
+    assert torch.equal(fresh, first) and not hasattr(fake[-1], "restored")

@@ -1,6 +1,7 @@
 """Run with ComfyUI's python inside its work tree (tests/e2e/test_streaming_decode.py does):
 
-    python streaming_decode_check.py parity   -> JSON: max |streaming - VAE.decode| per (frames, chunk size)
+    python streaming_decode_check.py parity   -> JSON: max |streaming - VAE.decode| per (frames, chunk size), and for a
+                                                 walk continued by another decoder (snapshot / restore)
     python streaming_decode_check.py memory N [S] -> JSON: peak RSS growth of a streaming decode of N latent frames of SxS (4)
     python streaming_decode_check.py write-vae PATH -> a small random-weight Wan 2.1 VAE .safetensors at PATH
     python streaming_decode_check.py timing [FRAMES SIDE] -> JSON: first-frame time, chunk latency, decode share
@@ -84,6 +85,28 @@ def parity() -> dict:
             assert got.shape == whole.shape, (got.shape, whole.shape)
             result[f"{frames}x{chunk}"] = (got - whole).abs().max().item()
     result["frames_of_7"] = int(vae.decode(torch.zeros(1, 16, 7, 4, 4)).shape[1])
+    # a continued video: one decoder's walk up to frame k (its ``finish`` not called), snapshot, a new decoder
+    # restores it and decodes the rest: together, the whole decode (k = 3: nothing held back; k = 4: one frame)
+    z = torch.randn(1, 16, 9, 2, 2, generator=torch.Generator().manual_seed(9))
+    whole = vae.decode(z)
+    for k in (3, 4):
+        first = mod.WanStreamDecoder(vae)
+        parts = [p for p in (first.push(z[:, :, :2]), first.push(z[:, :, 2:k])) if p is not None]
+        walk = first.snapshot()
+        first.release()
+        second = mod.WanStreamDecoder(vae)
+        second.restore(walk)
+        parts += [p for p in (second.push(z[:, :, k:k + 3]), second.push(z[:, :, k + 3:]), second.finish())
+                  if p is not None]
+        got = torch.cat(parts, 1)
+        assert got.shape == whole.shape, (got.shape, whole.shape)
+        result[f"continued_at_{k}"] = (got - whole).abs().max().item()
+    other = mod.WanStreamDecoder(small_vae(seed=1))
+    try:
+        other.restore(walk)
+        result["other_vae_refused"] = False
+    except ValueError:
+        result["other_vae_refused"] = True
     return result
 
 

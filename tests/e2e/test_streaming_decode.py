@@ -31,7 +31,8 @@ def _run(*args) -> dict:
 def test_streaming_decode_equals_whole_decode():
     result = _run("parity")
     assert result.pop("frames_of_7") == 25                     # 1 + 4 * 6 video frames
-    assert set(result) == {f"{f}x{c}" for f in (5, 6, 7) for c in (1, 2, 3)}
+    assert result.pop("other_vae_refused") is True              # a walk goes on with the VAE that made it only
+    assert set(result) == {f"{f}x{c}" for f in (5, 6, 7) for c in (1, 2, 3)} | {"continued_at_3", "continued_at_4"}
     for case, err in result.items():                           # frames x chunk size
         assert err <= 1e-5, (case, err)
 
