@@ -16,9 +16,10 @@ from __future__ import annotations
 import re
 import time
 
+from .mg2_nodes import PRESETS
+
 EVENT = "wan_accel.play"
 FPS = 16
-PRESETS = ["universal", "gta_drive", "templerun"]
 STATE_PLACES = ["model device", "cpu"]
 
 

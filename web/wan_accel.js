@@ -7,7 +7,8 @@
 //    Above it, Matrix-Game-2 play mode (web/wan_accel_play.js, told by the event "wan_accel:panel").
 //  * Badges on compile settings nodes: EXTREME-PLUS tiling preset (red), lock_global_ops on (blue).
 //  * A read-only text box on the pack's output nodes that return {"ui": {"text": [...]}}.
-// Only the public modules scripts/app.js and scripts/api.js are imported.
+// Only the public modules scripts/app.js and scripts/api.js are imported; el and toast are shared with the
+// pack's other scripts.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -17,7 +18,7 @@ const TEXT_WIDGET = "wan_accel_text";
 const RISKY_PRESET = "EXTREME-PLUS";
 
 // ------------------------------------------------------------------------------------------------ helpers
-function el(tag, attrs = {}, ...children) {
+export function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) {
     if (k === "style") Object.assign(node.style, v);
@@ -41,9 +42,9 @@ function renderNotices(notices) {
   }, `⚠ ${text}`));
 }
 
-function toast(severity, summary, detail) {
+export function toast(severity, summary, detail, life = 4000) {
   const t = app.extensionManager?.toast;
-  if (t?.add) t.add({ severity, summary, detail, life: 4000 });
+  if (t?.add) t.add({ severity, summary, detail, life });
   else console[severity === "error" ? "error" : "log"](`[wan_accel] ${summary}: ${detail}`);
 }
 

@@ -10,6 +10,7 @@
 // window.__wanAccelPlay keeps what was sent and what arrived, read by the end-to-end check.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { el, toast as toastFor } from "./wan_accel.js";
 
 const EVENT = "wan_accel.play";
 const SESSION_NODE = "MatrixGame2PlaySession";
@@ -27,26 +28,11 @@ const log = (window.__wanAccelPlay = window.__wanAccelPlay || { sent: [], chunks
 const S = { session: null, info: null, playing: false, waiting: null, held: new Set(), tapped: new Set(),
             drag: [0, 0], dragging: null, frames: [], shown: 0, timer: null, view: null, beat: null };
 
-function el(tag, attrs = {}, ...children) {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) {
-    if (k === "style") Object.assign(node.style, v);
-    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-    else node.setAttribute(k, v);
-  }
-  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
-  return node;
-}
-
 const BUTTON = { cursor: "pointer", fontSize: "11px", padding: "2px 8px", borderRadius: "4px", marginRight: "4px",
                  border: "1px solid var(--border-color, #555)", background: "var(--comfy-input-bg, #222)",
                  color: "var(--fg-color, #ddd)" };
 
-function toast(severity, summary, detail) {
-  const t = app.extensionManager?.toast;
-  if (t?.add) t.add({ severity, summary, detail, life: 5000 });
-  else console[severity === "error" ? "error" : "log"](`[wan_accel] ${summary}: ${detail}`);
-}
+const toast = (severity, summary, detail) => toastFor(severity, summary, detail, 5000);
 
 async function postJson(path, body) {
   const r = await api.fetchApi(path, { method: "POST", headers: { "Content-Type": "application/json" },

@@ -345,6 +345,27 @@ def test_native_causal_tiny_runs_through_prompt(comfy):
     assert images, entry["outputs"]
 
 
+def _browser_with_prompt(comfy, tmp_path, mode: str, prompt: dict, timeout_s: float) -> dict:
+    """Run browser_check.py with ``--<mode> <API prompt>`` against the server; its report (also kept beside the
+    screenshots when WAN_ACCEL_SCREENSHOTS is set, for the timings in the docs). Skips without a browser."""
+    why = _browser_ready()
+    if why:
+        pytest.skip(why)
+    path = tmp_path / f"{mode}.json"
+    path.write_text(json.dumps(prompt))
+    shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
+    report_path = tmp_path / f"{mode}_report.json"
+    out = subprocess.run([str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
+                          "--out-dir", str(shots), f"--{mode}", str(path), "--report", str(report_path),
+                          "--timeout", str(timeout_s)], capture_output=True, text=True, timeout=3 * timeout_s)
+    assert report_path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    if os.environ.get("WAN_ACCEL_SCREENSHOTS"):
+        shutil.copy(report_path, shots / f"{mode}_report.json")
+    assert "error" not in report, (report["error"], comfy["log"].read_text()[-3000:])
+    return report
+
+
 def live_prompt(num_frames: int = 21, side: int = 64) -> dict:
     """The tiny model sampled by CausalWan Sampler + Decode with the run's small Wan 2.1 VAE file."""
     return {
@@ -363,19 +384,7 @@ def live_prompt(num_frames: int = 21, side: int = 64) -> dict:
 
 
 def test_live_frames_reach_the_page_before_the_prompt_ends(comfy, tmp_path):
-    why = _browser_ready()
-    if why:
-        pytest.skip(why)
-    prompt = tmp_path / "live.json"
-    prompt.write_text(json.dumps(live_prompt()))
-    shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
-    report_path = tmp_path / "live_report.json"
-    out = subprocess.run([str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
-                          "--out-dir", str(shots), "--live", str(prompt), "--report", str(report_path),
-                          "--timeout", "300"], capture_output=True, text=True, timeout=600)
-    assert report_path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
-    report = json.loads(report_path.read_text())
-    assert "error" not in report, report["error"]
+    report = _browser_with_prompt(comfy, tmp_path, "live", live_prompt(), timeout_s=300)
     live = report["live"]
     assert live["ends"] and live["ends"][0]["kind"] == "execution_success", (live, comfy["log"].read_text()[-3000:])
     events = live["events"]
@@ -432,23 +441,9 @@ def _one_hot(keys: str) -> list:
 
 
 def test_play_mode_keys_reach_the_model_and_the_saved_script_reproduces_it(comfy, tmp_path):
-    why = _browser_ready()
-    if why:
-        pytest.skip(why)
     import torch
     from safetensors.torch import load_file
-    prompt = tmp_path / "play.json"
-    prompt.write_text(json.dumps(play_prompt()))
-    shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
-    report_path = tmp_path / "play_report.json"
-    out = subprocess.run([str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
-                          "--out-dir", str(shots), "--play", str(prompt), "--report", str(report_path),
-                          "--timeout", "240"], capture_output=True, text=True, timeout=900)
-    assert report_path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
-    report = json.loads(report_path.read_text())
-    if os.environ.get("WAN_ACCEL_SCREENSHOTS"):                 # kept beside the screenshot (timings for the docs)
-        shutil.copy(report_path, shots / "play_report.json")
-    assert "error" not in report, (report["error"], comfy["log"].read_text()[-3000:])
+    report = _browser_with_prompt(comfy, tmp_path, "play", play_prompt(), timeout_s=240)
     play = report["play"]
     assert not play["errors"], play["errors"]
     sent, server = play["sent"], play["server"]["chunk_actions"]
