@@ -3,8 +3,9 @@
 //    image and registers a session; event "wan_accel.play", kind "ready").
 //  * Play: each chunk is one short prompt (MatrixGame2PlayStep) queued with the keys held since the last chunk
 //    was asked for (W A S D, or the checkpoint's keys; arrows turn the camera) and the mouse drag over the video
-//    (camera pitch/yaw); the next chunk is asked for when this one's frames arrive (kind "chunk"), so other prompts
-//    never wait longer than one chunk. Pause stops asking; Resume goes on. Save queues MatrixGame2PlaySave (the
+//    (camera pitch/yaw); the next chunk is asked for when this one's frames arrive (kind "chunk") and have nearly
+//    played out (no growing backlog between the keys and the screen), so other prompts never wait longer than
+//    one chunk. Pause stops asking; Resume goes on. Save queues MatrixGame2PlaySave (the
 //    video, the Game Actions script, the latent). End frees the session's memory at once; a session nobody plays
 //    or watches is freed by the server after its idle timeout (the panel tells the server it is watching).
 // window.__wanAccelPlay keeps what was sent and what arrived, read by the end-to-end check.
@@ -115,8 +116,23 @@ async function loop() {
     setStatus(`making chunk ${chunk + 1}…`);
     const res = await waitFor(promptId, chunk);
     if (res.kind !== "chunk") { S.playing = false; break; }
+    await untilPlayedOut((performance.now() - asked) * 1.2);
   }
   renderButtons();
+}
+
+// When chunks come faster than they play (16 fps), ask for the next one only once the frames still to show last
+// about as long as making a chunk takes: the video plays without a gap and the keys act on what is on screen, not
+// on a growing backlog.
+function untilPlayedOut(leadMs) {
+  return new Promise((resolve) => {
+    const check = () => {
+      const leftMs = (S.frames.length - S.shown) * (1000 / (S.fps || 16));
+      if (!S.playing || leftMs <= leadMs) resolve();
+      else setTimeout(check, 20);
+    };
+    check();
+  });
 }
 
 function setPlaying(on) {
@@ -131,6 +147,7 @@ api.addEventListener(EVENT, (ev) => {
   if (d.kind === "ready") {
     log.ready.push({ t: performance.now(), session: d.session });
     adopt(d.session, d);
+    if (!S.box?.isConnected) toast("info", "Matrix-Game-2 play", "Session ready: open the Wan Accel panel and press Play.");
     return;
   }
   if (d.session !== S.session) return;
