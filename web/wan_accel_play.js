@@ -88,7 +88,13 @@ function onKey(ev, down) {
 }
 
 // ------------------------------------------------------------------------------------------------ the loop
+// A chunk's frames (or its prompt's failure) may come over the websocket before /prompt has answered: what has
+// come is kept, and waiting for it then ends at once.
+const came = { chunks: new Map(), prompts: new Map() };
+
 function waitFor(promptId, chunk) {
+  const done = came.chunks.get(chunk) || came.prompts.get(promptId);
+  if (done) return Promise.resolve(done);
   return new Promise((resolve) => { S.waiting = { promptId, chunk, resolve }; });
 }
 
@@ -99,6 +105,17 @@ function settle(result) {
 }
 
 async function loop() {
+  if (S.looping) return;                      // Resume while a chunk is still being made: that loop goes on
+  S.looping = true;
+  try {
+    await steps();
+  } finally {
+    S.looping = false;
+    renderButtons();
+  }
+}
+
+async function steps() {
   while (S.playing && S.session && !S.info?.ended) {
     const chunk = S.info.chunks;
     const acts = takeActions();
@@ -118,7 +135,6 @@ async function loop() {
     if (res.kind !== "chunk") { S.playing = false; break; }
     await untilPlayedOut((performance.now() - asked) * 1.2);
   }
-  renderButtons();
 }
 
 // When chunks come faster than they play (16 fps), ask for the next one only once the frames still to show last
@@ -155,6 +171,7 @@ api.addEventListener(EVENT, (ev) => {
     log.chunks.push({ t: performance.now(), chunk: d.chunk, action: d.action, frames: (d.frames || []).length,
                       latency_s: d.latency_s, decode_s: d.decode_s });
     S.info.chunks = d.chunk + 1;
+    came.chunks.set(d.chunk, { kind: "chunk" });
     S.frames.push(...(d.frames || []));
     S.fps = d.fps || 16;
     playFrames();
@@ -164,6 +181,7 @@ api.addEventListener(EVENT, (ev) => {
   } else if (d.kind === "ended") {
     log.ended.push({ t: performance.now(), reason: d.reason });
     S.info.ended = d.reason;
+    came.chunks.set(S.info.chunks, { kind: "ended" });
     setStatus(`session ended (${d.reason}); Save still writes what was made`);
     settle({ kind: "ended" });
     renderButtons();
@@ -175,6 +193,7 @@ api.addEventListener(EVENT, (ev) => {
 
 for (const name of ["execution_error", "execution_interrupted"]) {
   api.addEventListener(name, (ev) => {
+    if (ev.detail?.prompt_id) came.prompts.set(ev.detail.prompt_id, { kind: name });
     if (S.waiting && ev.detail?.prompt_id === S.waiting.promptId) {
       const why = ev.detail.exception_message || name.replace("execution_", "");
       log.errors.push(why);
@@ -238,6 +257,8 @@ function adopt(session, info) {
   S.tapped.clear();
   S.drag = [0, 0];
   S.playing = false;
+  came.chunks.clear();
+  came.prompts.clear();
   settle({ kind: "replaced" });
   clearInterval(S.beat);
   S.beat = setInterval(() => {              // a watched session is not abandoned

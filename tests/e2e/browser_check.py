@@ -207,7 +207,8 @@ def _wait_play(page, condition: str, timeout: float, what: str) -> dict:
 
 def run_play(page, api_path: Path, timeout: float, out_dir: Path) -> dict:
     """Matrix-Game-2 play mode as a user drives it: load the graph with a Play Session node, open the panel, press
-    Start session, then Play; hold W for a chunk, drag on the video, let go of everything; Pause, Save, End. Reports
+    Start session, then Play; hold W for a chunk, drag on the video, let go of everything; Pause and Resume at once;
+    Pause, Save, End. Reports
     what the page sent per chunk, what arrived, and what the server says the model was given."""
     prompt = json.loads(api_path.read_text())
     page.evaluate("async (p) => { await window.app.loadApiJson(p, 'play'); }", prompt)
@@ -239,6 +240,11 @@ def run_play(page, api_path: Path, timeout: float, out_dir: Path) -> dict:
     _wait_play(page, "p.sent.length >= 2 && p.sent[p.sent.length - 1].keys === '' && "
                      "p.sent[p.sent.length - 1].mouse_yaw === 0 && p.chunks.length >= p.sent.length",
                timeout, "an idle chunk")
+    # Pause and Resume at once, while a chunk may still be on its way: one loop goes on, no chunk asked twice
+    box.get_by_role("button", name="Pause").click()
+    box.get_by_role("button", name="Resume").click()
+    resumed = len(page.evaluate(PLAY_LOG)["sent"])
+    _wait_play(page, f"p.chunks.length >= {resumed + 2}", timeout, "two chunks after Resume")
     box.get_by_role("button", name="Pause").click()
     log = _wait_play(page, "p.chunks.length >= p.sent.length", timeout, "the last chunk after Pause")
     page.wait_for_timeout(1500)                          # the frames play out
