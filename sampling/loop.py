@@ -57,7 +57,8 @@ class EagerExecutor:
 
 def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks
                ) -> tuple[torch.Tensor, dict]:
-    """Sample every chunk of ``req`` through ``executor``; returns (latents [B, F, C, H, W] float32, report)."""
+    """Sample every chunk of ``req`` through ``executor``; returns (latents [B, F, C, H, W] float32 from the first
+    chunk's frame on: all F, or a continued run's new frames, report)."""
     device = model.device
     steps = list(req.schedule.timesteps)
     gen = inputs.generator
@@ -66,7 +67,10 @@ def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, ho
         with torch.no_grad():
             text = model.embed_text(text_batch(inputs.context, req.batch))
             executor.prepare(text, inputs.clip_fea, steps + [float(req.refresh_t)], req.batch)
-            out = torch.empty(req.shape, dtype=torch.float32, device=device)
+            # the frames this run makes (a continued run starts at its first chunk: memory flat in video length)
+            base = 0 if inputs.prefix is not None or not req.chunks else req.chunks[0][0]
+            out = torch.empty((req.shape[0], req.shape[1] - base) + tuple(req.shape[2:]), dtype=torch.float32,
+                              device=device)
             if inputs.prefix is not None:
                 _prefix(executor, req, inputs.prefix.to(device, req.latent_dtype), out)
             for ci, (f0, n) in enumerate(req.chunks):
@@ -78,7 +82,7 @@ def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, ho
                     return _chunk(executor, req, inputs, hooks, ci, f0, n, device)
 
                 x0 = attempt() if hooks.chunk_guard is None else hooks.chunk_guard(attempt, executor.on_oom)
-                out[:, f0:f0 + n] = x0.float()
+                out[:, f0 - base:f0 - base + n] = x0.float()
                 if hooks.on_chunk is not None:
                     hooks.on_chunk(ci, len(req.chunks))
         ok = True
@@ -101,7 +105,10 @@ def _chunk(executor, req: SamplingRequest, inputs: SamplingInputs, hooks: Sampli
     steps = sched.timesteps
     start = f0 * req.frame_tokens
     step = executor.begin_chunk(f0, n)             # one write plan for every call of the chunk
-    y = None if inputs.y is None else inputs.y[:, f0:f0 + n].to(device)
+    y = None
+    if inputs.y is not None:                        # all frames, or (continuing) the frames from the first chunk on
+        off = req.shape[1] - inputs.y.shape[1]
+        y = inputs.y[:, f0 - off:f0 - off + n].to(device)
     dtype = req.latent_dtype
     if inputs.noise is not None:
         xt = inputs.noise[:, f0:f0 + n].to(device, dtype)

@@ -62,25 +62,30 @@ def start_video(image: torch.Tensor, latent_frames: int) -> torch.Tensor:
     return video
 
 
-def build_cond_concat(image_latent: torch.Tensor, num_frames: int) -> torch.Tensor:
-    """cond_concat ``[B, 20, F, H, W]``: a 4-channel first-frame mask, then the conditioning latent.
+def build_cond_concat(image_latent: torch.Tensor, num_frames: int, start: int = 0) -> torch.Tensor:
+    """cond_concat ``[B, 20, F - start, H, W]`` (frames ``start`` to ``F``): a 4-channel first-frame mask, then the
+    conditioning latent.
 
     ``image_latent`` (model space) is ``[B, 16, 1, H, W]`` (the start image: the later frames are zero) or
     ``[B, 16, >=F, H, W]`` (the VAE encoding of the start image followed by blank frames, as the released
-    pipeline builds it: exact)."""
+    pipeline builds it: exact). ``start`` > 0: only the frames a continued run makes (its memory stays flat)."""
     if image_latent.dim() != 5 or image_latent.shape[1] != 16:
         raise ValueError(f"the start image latent must be [B, 16, frames, H, W], got {tuple(image_latent.shape)}")
     b, c, fi, h, w = image_latent.shape
-    lat = image_latent.float()
+    if not 0 <= start < num_frames:
+        raise ValueError(f"start {start} must be a frame of the {num_frames}-frame video")
     if fi >= num_frames:
-        lat = lat[:, :, :num_frames]
+        lat = image_latent[:, :, start:num_frames].float()
     elif fi == 1:
-        lat = torch.cat([lat, lat.new_zeros(b, c, num_frames - 1, h, w)], dim=2)
+        lat = image_latent.new_zeros(b, c, num_frames - start, h, w, dtype=torch.float32)
+        if start == 0:
+            lat[:, :, 0] = image_latent[:, :, 0].float()
     else:
         raise ValueError(f"the conditioning latent has {fi} frames: give 1 (start image) or at least "
                          f"{num_frames} (start image + blank frames)")
-    mask = lat.new_zeros(b, MASK_CHANNELS, num_frames, h, w)
-    mask[:, :, 0] = 1.0
+    mask = lat.new_zeros(b, MASK_CHANNELS, num_frames - start, h, w)
+    if start == 0:
+        mask[:, :, 0] = 1.0
     return torch.cat([mask, lat], dim=1)
 
 
@@ -92,7 +97,8 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
     """Run the Matrix-Game-2 loop; returns x0 latents ``[B, 16, F, H, W]`` (float32, model space).
 
     noise ``[B, 16, F, H, W]``, or just that shape: each chunk's initial noise ``[B, 3, 16, H, W]`` then
-    comes from noise_provider (step -1) when the chunk starts; cond_concat ``[B, 20, F, H, W]``;
+    comes from noise_provider (step -1) when the chunk starts; cond_concat ``[B, 20, F, H, W]`` (or, continuing,
+    its frames from start_frame on);
     visual_context ``[B or 1, tokens, clip_dim]``; mouse/keyboard ``[B or 1, video frames, dims]`` (at least
     ``4*(F-1)`` frames, ``1 + 4*(F-1)`` as released); schedule: a Schedule or preset name; window: the
     rolling window of every cache in latent frames. start_frame: sample only the chunks from that latent frame on
@@ -110,9 +116,10 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
     if isinstance(schedule, str):
         schedule = resolve_preset(schedule).schedule
     shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
-    if len(shape) != 5 or cond_concat.dim() != 5 or shape[2:] != tuple(cond_concat.shape[2:]):
-        raise ValueError(f"noise [B, 16, F, H, W] and cond_concat [B, 20, F, H, W] must agree, got "
-                         f"{shape} and {tuple(cond_concat.shape)}")
+    if len(shape) != 5 or cond_concat.dim() != 5 or shape[3:] != tuple(cond_concat.shape[3:]) or \
+            cond_concat.shape[2] not in (shape[2], shape[2] - start_frame):
+        raise ValueError(f"noise [B, 16, F, H, W] and cond_concat [B, 20, F (or F - start_frame), H, W] must agree, "
+                         f"got {shape} and {tuple(cond_concat.shape)}")
     c = model.config
     if shape[1] + cond_concat.shape[1] != c.in_dim:
         raise ValueError(f"noise ({shape[1]}) + cond_concat ({cond_concat.shape[1]}) channels must equal "

@@ -75,7 +75,7 @@ def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: to
         eps = [torch.randn((1,) + tuple(shape[1:]), generator=g, device=device) for g in gens]
         return torch.cat(eps).to(device=dev, dtype=dtype)
 
-    cond = build_cond_concat(image_latent.to(device), num_frames)
+    cond = build_cond_concat(image_latent.to(device), num_frames, start)      # the new frames' part only
     out = sample_mg2(model, (b, c.out_dim, num_frames, h, w), cond, visual_context.to(device), to_dev(mouse),
                      to_dev(keyboard), settings_obj.schedule, window, noise_provider=provide, callback=callback,
                      on_chunk=on_chunk, kv_cache=kv, actions=call, start_frame=start)

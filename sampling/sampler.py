@@ -106,7 +106,8 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     noise_provider(chunk, step, shape, dtype, device) -> eps used to go from step k to k+1; defaults to
     draws from ``generator`` (a fresh generator seeded 0 when none is given).
     callback / on_chunk / tracer / chunk_guard: see ``request.SamplingHooks``.
-    y [B, F, C_y, H, W] (i2v conditioning latents, concatenated on channels) and clip_fea are optional.
+    y [B, F, C_y, H, W] (i2v conditioning latents, concatenated on channels) and clip_fea are optional; a continued
+    run's y may cover its frames only ([B, F - start_frame, ...]), so its memory does not grow with the video.
     kv_cache: a fresh KVCache to use (e.g. to inspect it afterwards); built from kv_window/sink when None.
     model_kwargs: extra keyword arguments of every forward call (``actions`` for Matrix-Game-2).
     path: 'reference' (``loop.EagerExecutor``: one ``forward_chunk`` per call), 'optimized' (``runner.Run``: static
@@ -136,7 +137,7 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     out, info = run_chunks(model, executor, req, inputs, hooks)
     if report is not None:
         report.update(info, skipped_last_refresh=req.skip_last_refresh)
-    return out[:, start_frame:] if start_frame else out      # a continued run returns its new frames
+    return out                                                # a continued run: its new frames only
 
 
 def resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider, kv_window, sink,
@@ -168,6 +169,9 @@ def resolve_request(model, context, noise, schedule, frames_per_block, generator
                 w // model.config.patch_size[2]):
             raise ValueError(f"starting at latent frame {start_frame} needs a KV cache holding the frames before it")
         plan = [c for c in plan if c[0] >= start_frame]
+    if y is not None and y.shape[1] not in (num_frames, num_frames - start_frame):
+        raise ValueError(f"y covers {y.shape[1]} latent frames: give all {num_frames}, or (continuing) the "
+                         f"{num_frames - start_frame} from start_frame {start_frame} on")
     ph, pw = model.config.patch_size[1:]
     if h % ph or w % pw:
         raise ValueError(f"latent height/width {h}x{w} must be divisible by the patch size {ph}x{pw}")

@@ -160,3 +160,19 @@ def test_keyboard_only_model_loads_and_samples(tmp_path):
     acts = parse_action_script("jump*8, turnleft+leftside*12, nomove*4", mode="templerun")
     out = generate_mg2(loaded, torch.randn(1, 16, 1, H, W), torch.randn(1, 9, 32), acts, preset="templerun")
     assert out.shape == (1, 16, 6, H, W) and torch.isfinite(out).all()
+
+
+def test_the_conditioning_of_a_continued_run_is_its_frames_only():
+    from wan_accel.sampling.mg2 import build_cond_concat
+    g = torch.Generator().manual_seed(0)
+    one, many = torch.randn(1, 16, 1, 4, 4, generator=g), torch.randn(1, 16, 12, 4, 4, generator=g)
+    for image in (one, many):
+        whole = build_cond_concat(image, 9)
+        assert whole.shape == (1, 20, 9, 4, 4) and torch.equal(build_cond_concat(image, 9, 0), whole)
+        assert torch.equal(build_cond_concat(image, 9, 6), whole[:, :, 6:])
+    with pytest.raises(ValueError, match="start 9 must be a frame"):
+        build_cond_concat(one, 9, 9)
+    model = tiny_mg2_model(seed=1)
+    with pytest.raises(ValueError, match="must agree"):       # neither the whole video nor the frames from start_frame
+        sample_mg2(model, (1, 16, 9, 4, 4), build_cond_concat(one, 9, 4), torch.zeros(1, 9, 32), None,
+                   torch.zeros(1, 33, 4), "universal", 6, start_frame=3)

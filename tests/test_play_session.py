@@ -45,3 +45,48 @@ def test_play_session_errors_are_clear(inputs):
     from wan_accel.model.tiny import init_tiny_weights  # noqa: F401 - a text-to-video model is refused
     with pytest.raises(ValueError, match="Matrix-Game-2 model"):
         PlaySession(torch.nn.Linear(1, 1), img, ctx)
+
+
+class _Allocations:
+    """Counts the elements of every new (non-view) tensor made inside the block, and the largest one."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if all(r.alias_info is None for r in func._schema.returns):
+                    for t in out if isinstance(out, (tuple, list)) else [out]:
+                        if isinstance(t, torch.Tensor):
+                            counter.total += t.numel()
+                            counter.largest = max(counter.largest, t.numel())
+                return out
+
+        self.total, self.largest, self.mode = 0, 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def test_a_chunk_costs_the_same_memory_however_long_the_session():
+    """A continued chunk allocates its own frames only (no conditioning or output tensor of the whole video), so a
+    play session can go on: the largest tensor of chunk 30 is that of chunk 4, and all it makes grows only by the
+    action history (a few numbers per frame)."""
+    g = torch.Generator().manual_seed(0)
+    play = PlaySession(tiny_mg2_model(seed=1), torch.randn(1, 16, 1, 16, 16, generator=g),
+                       torch.randn(1, 9, 32, generator=g), seed=3)
+    seen = {}
+    for i in range(30):
+        if i in (3, 29):
+            with _Allocations() as a:
+                play.step({"w"})
+            seen[i] = a
+        else:
+            play.step({"w"})
+    assert seen[29].largest == seen[3].largest
+    assert seen[29].total - seen[3].total < 0.01 * seen[3].total, (seen[3].total, seen[29].total)
