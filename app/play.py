@@ -100,7 +100,7 @@ class PlaySession:
             out, self.state = sample_mg2_continuable(
                 self.model, self.image, self.context, mouse_t, keyboard_t, self.frames + FRAMES_PER_BLOCK,
                 seed=self.seed, preset=self.settings, state=self.state, state_device=self.state_device,
-                callback=callback)
+                callback=callback, in_place=True)       # the session owns its state: caches written in place
             first = 0 if self.chunks == 0 else 1 + FIRST_CHUNK_FRAMES + CHUNK_FRAMES * (self.chunks - 1)
             given = self.state.actions             # exactly the tensors the model's action modules were given
             rows = lambda t: None if t is None else t[0, first:first + keyboard_t.shape[1]]

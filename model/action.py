@@ -255,6 +255,15 @@ class ActionCall:
         self.keyboard_cache = make(batch) if c.enable_keyboard else None
         self._shape = (batch, frame_tokens)
 
+    def adopt_caches(self, mouse_cache, keyboard_cache, batch: int, frame_tokens: int) -> None:
+        """Go on with the caches of an earlier call (same layout), in place: a continued run that owns them."""
+        if self.mouse is not None and self.mouse.shape[0] != batch:
+            self.mouse = self.mouse.expand(batch, -1, -1)
+        if self.keyboard is not None and self.keyboard.shape[0] != batch:
+            self.keyboard = self.keyboard.expand(batch, -1, -1)
+        self.mouse_cache, self.keyboard_cache = mouse_cache, keyboard_cache
+        self._shape = (batch, frame_tokens)
+
     def begin(self, start_frame: int, num_frames: int, batch: int, frame_tokens: int, device, dtype) -> None:
         """Plan the cache writes of a model call over latent frames [start_frame, start_frame + num_frames)."""
         if self.mouse_cache is None and self.keyboard_cache is None:

@@ -106,8 +106,12 @@ def check_state(state, settings: dict) -> None:
 
 
 def capture(settings: dict, frames: int, kv: KVCache, generator: torch.Generator, actions=None,
-            device=None) -> SamplerState:
-    """The state after ``frames`` latent frames (a copy: the caller's buffers may be reused)."""
+            device=None, copy: bool = True) -> SamplerState:
+    """The state after ``frames`` latent frames: a copy (the caller's buffers may be reused), or with ``copy``
+    False the caller's caches themselves (an owner that goes on from it in place, and only once)."""
+    if not copy:
+        return SamplerState(dict(settings), int(frames), kv, (str(generator.device), generator.get_state().clone()),
+                            dict(actions) if actions is not None else None)
     return SamplerState(dict(settings), int(frames), copy_cache(kv, device=device),
                         (str(generator.device), generator.get_state().clone()), _actions_to(actions, device))
 

@@ -26,12 +26,17 @@ def _cat(old, new):
 
 def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: torch.Tensor, mouse, keyboard,
                            num_frames: int, seed: int = 0, preset="universal", state: SamplerState | None = None,
-                           keep_state: bool = True, state_device=None, callback=None, on_chunk=None):
+                           keep_state: bool = True, state_device=None, callback=None, on_chunk=None,
+                           in_place: bool = False):
     """Sample Matrix-Game-2 latents ``[B, 16, n, H, W]`` up to ``num_frames`` latent frames in all.
 
     First run (state None): mouse/keyboard ``[B or 1, 1 + 4*(num_frames-1), dims]`` as for ``generate_mg2``; batch
     element i is seeded ``seed + i``. Continuation: mouse/keyboard are the actions of the new frames only, ``4`` video
-    frames per new latent frame; they are appended to the state's. Returns (new latents, state or None)."""
+    frames per new latent frame; they are appended to the state's. Returns (new latents, state or None).
+
+    in_place: the caller owns ``state`` and will only go on from the state returned (a play session): caches of the
+    same layout on the model's device are then written in place instead of copied in and out (one cache in memory
+    instead of three at the end of a chunk); the frames are the same."""
     settings_obj = preset if isinstance(preset, MG2Settings) else resolve_preset(preset)
     b, _, _, h, w = image_latent.shape
     c = model.config
@@ -54,17 +59,25 @@ def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: to
     device = model.device
     frame_tokens = (h // c.patch_size[1]) * (w // c.patch_size[2])
     window = settings_obj.window
-    kv = KVCache.for_model(model, b, frame_tokens, num_frames, window, 0)
+    rolling = 0 < window < num_frames              # the layout of the one long run's cache at this length
+    in_place = in_place and (state_device is None or torch.device(state_device) == torch.device(device))
+    reuse = (in_place and state is not None and state.kv.rolling == rolling and state.kv.sink_tokens == 0
+             and state.kv.capacity == (window if rolling else num_frames) * frame_tokens
+             and torch.device(state.kv.device) == torch.device(device))
+    kv = state.kv if reuse else KVCache.for_model(model, b, frame_tokens, num_frames, window, 0)
     to_dev = lambda t: None if t is None else t[:, :need].to(device)
     call = model.new_action_call(to_dev(mouse), to_dev(keyboard), window)
     if state is None:
         gens = [torch.Generator(device=device).manual_seed(int(seed) + i) for i in range(b)]
+    elif reuse:
+        call.adopt_caches(state.actions["mouse_cache"], state.actions["keyboard_cache"], b, frame_tokens)
     else:
         copy_cache(state.kv, kv)
         call._alloc(b, frame_tokens, device, call.dtype or model.compute_dtype)
         for name in ("mouse_cache", "keyboard_cache"):
             if getattr(call, name) is not None:
                 copy_cache(state.actions[name], getattr(call, name))
+    if state is not None:
         gens = []
         for dev, saved in state.actions["generators"]:
             g = torch.Generator(device=device)
@@ -85,5 +98,5 @@ def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: to
     actions = {"mouse": keep(mouse), "keyboard": keep(keyboard),
                "generators": [(str(g.device), g.get_state().clone()) for g in gens],
                "mouse_cache": call.mouse_cache, "keyboard_cache": call.keyboard_cache}
-    new_state = capture(settings, num_frames, kv, gens[0], actions=actions, device=state_device)
+    new_state = capture(settings, num_frames, kv, gens[0], actions=actions, device=state_device, copy=not in_place)
     return out, new_state

@@ -90,3 +90,19 @@ def test_a_chunk_costs_the_same_memory_however_long_the_session():
             play.step({"w"})
     assert seen[29].largest == seen[3].largest
     assert seen[29].total - seen[3].total < 0.01 * seen[3].total, (seen[3].total, seen[29].total)
+
+
+def test_a_session_writes_its_caches_in_place(inputs):
+    """Once its cache has the long run's rolling layout, a session goes on in the same cache objects (no copy in,
+    no copy out: one cache in memory instead of three); the frames stay those of one long run (the test above)."""
+    model, img, ctx = inputs
+    play = PlaySession(model, img, ctx, seed=5)
+    for keys in ({"w"}, {"w"}, {"a"}):                   # 9 latent frames: past the 6-frame window, rolling
+        play.step(keys)
+    kv, mouse_cache = play.state.kv, play.state.actions["mouse_cache"]
+    play.step({"d"})
+    assert play.state.kv is kv and play.state.actions["mouse_cache"] is mouse_cache
+    offloaded = PlaySession(model, img, ctx, seed=5, state_device="cpu")
+    for keys in ({"w"}, {"w"}, {"a"}, {"d"}):
+        last = offloaded.step(keys)
+    assert torch.equal(last, play.latents[-1])           # kept on the CPU between chunks (copies): same frames

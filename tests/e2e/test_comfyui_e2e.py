@@ -492,3 +492,8 @@ def test_play_mode_keys_reach_the_model_and_the_saved_script_reproduces_it(comfy
     assert status == 200 and ended["ended"] == "ended by the user"
     status, err = http(comfy["url"] + "/api/wan_accel/play/touch", {"session": "../etc"})
     assert status == 400 and "not a play session id" in err["error"]
+    for sid, says in ((other, "has ended (ended by the user): start a new one"), ("beef", "there is no play session")):
+        late = _run_prompt(comfy, {"1": {"class_type": "MatrixGame2PlayStep", "inputs": {
+            "session": sid, "keys": "w", "mouse_pitch": 0.0, "mouse_yaw": 0.0, "chunk": -1}}})
+        errors = [m[1] for m in late["status"].get("messages", []) if m[0] == "execution_error"]
+        assert late["status"]["status_str"] == "error" and says in errors[0]["exception_message"], late["status"]
