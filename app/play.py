@@ -35,7 +35,7 @@ class PlayError(ValueError):
 
 class PlaySession:
     def __init__(self, model, image_latent: torch.Tensor, visual_context: torch.Tensor, seed: int = 0,
-                 preset: str = "universal", window: int | None = None, state_device=None):
+                 preset: str = "universal", window: int | None = None, state_device=None, in_place: bool = True):
         if not hasattr(model, "action_config"):
             raise PlayError("play mode needs a Matrix-Game-2 model (a checkpoint with action modules)")
         if image_latent.dim() != 5 or image_latent.shape[0] != 1:
@@ -44,6 +44,7 @@ class PlaySession:
         self.settings = resolve_preset(preset, window=window)
         self.preset, self.window = preset, window
         self.mode, self.seed, self.state_device = self.settings.mode, int(seed), state_device
+        self.in_place = bool(in_place)      # the session owns its state: caches written in place (False: copies)
         self.state = None
         self.items: list[str] = []          # one script item per chunk
         self.log: list[dict] = []           # per chunk: the action and the action tensor rows the model was given
@@ -100,7 +101,7 @@ class PlaySession:
             out, self.state = sample_mg2_continuable(
                 self.model, self.image, self.context, mouse_t, keyboard_t, self.frames + FRAMES_PER_BLOCK,
                 seed=self.seed, preset=self.settings, state=self.state, state_device=self.state_device,
-                callback=callback, in_place=True)       # the session owns its state: caches written in place
+                callback=callback, in_place=self.in_place)
             first = 0 if self.chunks == 0 else 1 + FIRST_CHUNK_FRAMES + CHUNK_FRAMES * (self.chunks - 1)
             given = self.state.actions             # exactly the tensors the model's action modules were given
             rows = lambda t: None if t is None else t[0, first:first + keyboard_t.shape[1]]

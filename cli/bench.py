@@ -17,6 +17,7 @@ BENCHES = {
     "compile": ("..app.bench_compile", "cold vs warm compile of the tiny model"),
     "kernels": ("..app.bench_kernels", "fused kernels vs torch, autotune cold vs warm"),
     "offload": ("..app.bench_memory", "block swap step time and peak VRAM"),
+    "play": ("..app.bench_play", "Matrix-Game-2 play chunks: caches in place vs copied"),
 }
 
 

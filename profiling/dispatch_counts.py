@@ -17,6 +17,8 @@ it is active:
   code would cost on CUDA.
 * ``index_copy_bytes``: bytes written by ``index_copy`` / ``index_copy_`` (the one KV writer,
   ``model/kv_cache.write_kv``): source elements x element size.
+* ``alloc_bytes``: bytes of every new tensor an op returns (not views, not in-place results), and
+  ``largest_alloc_bytes`` the largest one: what a piece of code allocates, whatever the allocator reuses.
 
 ``snapshot()`` gives the running totals (a ``Counts``; ``b - a`` is what happened between two snapshots), and
 ``step_callback()`` gives a sampler ``callback`` that snapshots after every denoising step, so ``steady_step()`` is
@@ -54,14 +56,16 @@ class Counts:
     index_copy_bytes: int = 0
     sync_names: tuple = ()         # ((name, count), ...) sorted by name
     op_names: tuple = ()
+    alloc_bytes: int = 0
 
     def __sub__(self, other: "Counts") -> "Counts":
         return Counts(self.ops - other.ops, self.syncs - other.syncs, self.index_copy_bytes - other.index_copy_bytes,
-                      _diff(self.sync_names, other.sync_names), _diff(self.op_names, other.op_names))
+                      _diff(self.sync_names, other.sync_names), _diff(self.op_names, other.op_names),
+                      self.alloc_bytes - other.alloc_bytes)
 
     def as_dict(self) -> dict:
         return {"ops": self.ops, "syncs": self.syncs, "index_copy_bytes": self.index_copy_bytes,
-                "sync_names": dict(self.sync_names)}
+                "alloc_bytes": self.alloc_bytes, "sync_names": dict(self.sync_names)}
 
 
 def _diff(a: tuple, b: tuple) -> tuple:
@@ -112,7 +116,14 @@ class _Dispatch(TorchDispatchMode):
             o.sync_names[packet] += 1
         if packet in _KV_WRITE_OPS and len(args) > 3 and isinstance(args[3], torch.Tensor):
             o.index_copy_bytes += args[3].numel() * args[3].element_size()
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if all(r.alias_info is None for r in func._schema.returns):       # new tensors (not views, not in place)
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    n = t.numel() * t.element_size()
+                    o.alloc_bytes += n
+                    o.largest_alloc_bytes = max(o.largest_alloc_bytes, n)
+        return out
 
 
 class _Function(TorchFunctionMode):
@@ -137,10 +148,12 @@ class _Function(TorchFunctionMode):
 
 @dataclass
 class DispatchCounts:
-    """Counts ops, host syncs and index_copy bytes while active (``with DispatchCounts() as c: ...``)."""
+    """Counts ops, host syncs, index_copy bytes and allocated bytes while active (``with DispatchCounts() as c:``)."""
     op_names: Counter = field(default_factory=Counter)
     sync_names: Counter = field(default_factory=Counter)
     index_copy_bytes: int = 0
+    alloc_bytes: int = 0
+    largest_alloc_bytes: int = 0
     steps: dict = field(default_factory=dict)       # (chunk, step) -> Counts of that step (see step_callback)
     _converting: int = 0
 
@@ -173,7 +186,7 @@ class DispatchCounts:
 
     def snapshot(self) -> Counts:
         return Counts(self.ops, self.syncs, self.index_copy_bytes, tuple(sorted(self.sync_names.items())),
-                      tuple(sorted(self.op_names.items())))
+                      tuple(sorted(self.op_names.items())), self.alloc_bytes)
 
     # ------------------------------------------------------------------ per sampler step
     def step_callback(self, then=None):

@@ -106,3 +106,14 @@ def test_a_sync_in_the_optimized_forward_is_caught(monkeypatch):
     c = _wan("optimized")
     assert c.syncs == 4 * 4 + 3 and dict(c.sync_names) == {"__float__": 19}   # 4 chunks x 4 steps + 3 refreshes
     assert c.steady_step().syncs == 1
+
+
+def test_allocated_bytes_count_new_tensors_only():
+    x = torch.ones(8, 4)
+    with DispatchCounts() as c:
+        y = x * 2                          # new: 128 bytes
+        y.add_(1)                          # in place: nothing new
+        z = y.view(32)[:16]                # views: nothing new
+        w = torch.cat([z, z])              # new: 128 bytes
+    assert (c.alloc_bytes, c.largest_alloc_bytes) == (256, 128) and w.numel() == 32
+    assert c.snapshot().alloc_bytes == 256

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from wan_accel.app.play import PlaySession
+from wan_accel.profiling.dispatch_counts import DispatchCounts
 from wan_accel.model.mg2_model import tiny_mg2_model
 from wan_accel.sampling.actions_script import parse_action_script
 from wan_accel.sampling.mg2 import generate_mg2
@@ -47,32 +48,6 @@ def test_play_session_errors_are_clear(inputs):
         PlaySession(torch.nn.Linear(1, 1), img, ctx)
 
 
-class _Allocations:
-    """Counts the elements of every new (non-view) tensor made inside the block, and the largest one."""
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if all(r.alias_info is None for r in func._schema.returns):
-                    for t in out if isinstance(out, (tuple, list)) else [out]:
-                        if isinstance(t, torch.Tensor):
-                            counter.total += t.numel()
-                            counter.largest = max(counter.largest, t.numel())
-                return out
-
-        self.total, self.largest, self.mode = 0, 0, Mode()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-
-
 def test_a_chunk_costs_the_same_memory_however_long_the_session():
     """A continued chunk allocates its own frames only (no conditioning or output tensor of the whole video), so a
     play session can go on: the largest tensor of chunk 30 is that of chunk 4, and all it makes grows only by the
@@ -83,13 +58,13 @@ def test_a_chunk_costs_the_same_memory_however_long_the_session():
     seen = {}
     for i in range(30):
         if i in (3, 29):
-            with _Allocations() as a:
+            with DispatchCounts() as counts:
                 play.step({"w"})
-            seen[i] = a
+            seen[i] = counts
         else:
             play.step({"w"})
-    assert seen[29].largest == seen[3].largest
-    assert seen[29].total - seen[3].total < 0.01 * seen[3].total, (seen[3].total, seen[29].total)
+    assert seen[29].largest_alloc_bytes == seen[3].largest_alloc_bytes
+    assert seen[29].alloc_bytes - seen[3].alloc_bytes < 0.01 * seen[3].alloc_bytes, (seen[3], seen[29])
 
 
 def test_a_session_writes_its_caches_in_place(inputs):
@@ -106,3 +81,20 @@ def test_a_session_writes_its_caches_in_place(inputs):
     for keys in ({"w"}, {"w"}, {"a"}, {"d"}):
         last = offloaded.step(keys)
     assert torch.equal(last, play.latents[-1])           # kept on the CPU between chunks (copies): same frames
+
+
+def test_the_play_bench_compares_in_place_with_copies(capsys):
+    """``bench play`` (CPU, tiny model): both modes make the same frames, and the in-place mode makes fewer new bytes
+    per chunk (the two cache copies it does without). Nothing is timed here."""
+    import json
+
+    from wan_accel.cli import main
+
+    assert main(["bench", "play", "--chunks", "1", "--warmup", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    inplace, copies = report["rows"]
+    assert (inplace["mode"], copies["mode"], report["same_frames"]) == ("in place", "copies", True)
+    assert inplace["new_bytes_per_chunk"] < copies["new_bytes_per_chunk"] and report["new_bytes_ratio"] > 1
+    assert inplace["peak_bytes_per_chunk"] is None                       # no allocator peak on a CPU
+    assert main(["bench", "play", "--model", "released", "--device", "cpu"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
