@@ -245,18 +245,14 @@ class ActionCall:
     def _alloc(self, batch: int, frame_tokens: int, device, dtype) -> None:
         from .kv_cache import KVCache
         c, n = self.cfg, len(self.cfg.blocks)
-        if self.mouse is not None and self.mouse.shape[0] != batch:
-            self.mouse = self.mouse.expand(batch, -1, -1)
-        if self.keyboard is not None and self.keyboard.shape[0] != batch:
-            self.keyboard = self.keyboard.expand(batch, -1, -1)
         make = lambda rows: KVCache(n, rows, self.window, c.heads_num, c.head_dim, device=device, dtype=dtype,
                                     rolling=True)
-        self.mouse_cache = make(batch * frame_tokens) if c.enable_mouse else None
-        self.keyboard_cache = make(batch) if c.enable_keyboard else None
-        self._shape = (batch, frame_tokens)
+        self.adopt_caches(make(batch * frame_tokens) if c.enable_mouse else None,
+                          make(batch) if c.enable_keyboard else None, batch, frame_tokens)
 
     def adopt_caches(self, mouse_cache, keyboard_cache, batch: int, frame_tokens: int) -> None:
-        """Go on with the caches of an earlier call (same layout), in place: a continued run that owns them."""
+        """Use these caches (new ones, or those of an earlier call with the same layout: a continued run that owns
+        them goes on in place) for a batch of ``batch`` with ``frame_tokens`` tokens per frame."""
         if self.mouse is not None and self.mouse.shape[0] != batch:
             self.mouse = self.mouse.expand(batch, -1, -1)
         if self.keyboard is not None and self.keyboard.shape[0] != batch:

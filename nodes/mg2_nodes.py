@@ -65,11 +65,6 @@ CLIP_INPUT = ("CLIP_VISION_OUTPUT", {"tooltip": "CLIP Vision Encode of the start
                                                 "257 tokens x 1280). Only the built-in tiny model runs without it."})
 
 
-def _latent_stats():
-    from ..app.preview import _latent_stats as stats
-    return tuple(t.view(1, -1, 1, 1, 1) for t in stats("cpu"))
-
-
 def model_space_start(start_latent):
     """A Wan 2.1 LATENT (VAE space) of the start image -> the model-space start latent [B, 16, frames, h, w]."""
     raw = start_latent["samples"] if isinstance(start_latent, dict) else start_latent
@@ -79,14 +74,14 @@ def model_space_start(start_latent):
         raw = raw[:, :, None]
     if raw.dim() != 5 or raw.shape[1] != 16:
         raise ValueError(f"start_latent must be a Wan 2.1 LATENT [B, 16, frames, h, w], got {tuple(raw.shape)}")
-    mean, std = _latent_stats()
-    return (raw.float().cpu() - mean) / std
+    from ..app.preview import from_vae_latents
+    return from_vae_latents(raw.float().cpu()).transpose(1, 2)
 
 
 def to_latent_space(latents):
     """Model-space latents -> a Wan 2.1 LATENT's samples (VAE space, float32, CPU)."""
-    mean, std = _latent_stats()
-    return latents.float().cpu() * std + mean
+    from ..app.preview import to_vae_latents
+    return to_vae_latents(latents.float().cpu().transpose(1, 2))
 
 
 class MatrixGame2Sampler:

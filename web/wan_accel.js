@@ -100,37 +100,24 @@ const NS_HINT = {
   sampler: "sampler capabilities",
 };
 
-async function fetchLimits() {
-  const r = await api.fetchApi("/wan_accel/limits", { cache: "no-store" });
-  const data = await r.json();
-  if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
+// GET (no body) or POST (a JSON body) to one of the server's routes; the answer's JSON, or an Error with the reason
+// the server gave (its "error", or the first node error of a refused prompt).
+export async function callJson(path, body) {
+  const init = body === undefined ? { cache: "no-store" }
+    : { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
+  const r = await api.fetchApi(path, init);
+  const data = await r.json().catch(() => ({}));
+  if (!r.ok) {
+    const nodeErr = Object.values(data.node_errors || {})[0]?.errors?.[0];
+    throw new Error(nodeErr ? `${nodeErr.message}: ${nodeErr.details}` : data.error?.message || data.error || `HTTP ${r.status}`);
+  }
   return data;
 }
 
-async function clearNamespace(name) {
-  const r = await api.fetchApi("/wan_accel/limits/clear", {
-    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ namespace: name }),
-  });
-  const data = await r.json();
-  if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
-  return data;
-}
-
-async function fetchDoctor() {
-  const r = await api.fetchApi("/wan_accel/doctor", { cache: "no-store" });
-  const data = await r.json();
-  if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
-  return data;
-}
-
-async function recheckFeature(name) {
-  const r = await api.fetchApi("/wan_accel/doctor/recheck", {
-    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ feature: name }),
-  });
-  const data = await r.json();
-  if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
-  return data;
-}
+const fetchLimits = () => callJson("/wan_accel/limits");
+const clearNamespace = (name) => callJson("/wan_accel/limits/clear", { namespace: name });
+const fetchDoctor = () => callJson("/wan_accel/doctor");
+const recheckFeature = (name) => callJson("/wan_accel/doctor/recheck", { feature: name });
 
 const VERDICT_COLOR = { passed: "#4caf50", failed: "#e53935", slower: "#fb8c00" };
 

@@ -11,7 +11,7 @@
 // window.__wanAccelPlay keeps what was sent and what arrived, read by the end-to-end check.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { el, toast as toastFor } from "./wan_accel.js";
+import { callJson, el, toast as toastFor } from "./wan_accel.js";
 
 const EVENT = "wan_accel.play";
 const SESSION_NODE = "MatrixGame2PlaySession";
@@ -35,21 +35,10 @@ const BUTTON = { cursor: "pointer", fontSize: "11px", padding: "2px 8px", border
 
 const toast = (severity, summary, detail) => toastFor(severity, summary, detail, 5000);
 
-async function postJson(path, body) {
-  const r = await api.fetchApi(path, { method: "POST", headers: { "Content-Type": "application/json" },
-                                       body: JSON.stringify(body) });
-  const data = await r.json().catch(() => ({}));
-  if (!r.ok) {
-    const nodeErr = Object.values(data.node_errors || {})[0]?.errors?.[0];
-    throw new Error(nodeErr ? `${nodeErr.message}: ${nodeErr.details}` : data.error?.message || data.error || `HTTP ${r.status}`);
-  }
-  return data;
-}
-
 // One-node prompt for this page (its events come back here).
 async function queueNode(classType, inputs) {
   const prompt = { 1: { class_type: classType, inputs } };
-  const res = await postJson("/prompt", { prompt, client_id: api.clientId ?? api.initialClientId });
+  const res = await callJson("/prompt", { prompt, client_id: api.clientId ?? api.initialClientId });
   return res.prompt_id;
 }
 
@@ -241,7 +230,7 @@ function showSaved(d) {
   const f = d.files || {};
   S.savedEl.replaceChildren(el("div", {}, `saved in output/${d.subfolder}: ${Object.values(f).join(", ")} ` +
                                           `(${d.frames} frames, seed ${d.seed})`));
-  postJson("/wan_accel/play/touch", { session: S.session }).then((info) => {
+  callJson("/wan_accel/play/touch", { session: S.session }).then((info) => {
     S.savedEl.append(el("textarea", { readonly: "readonly", class: "wan-accel-play-script",
       style: { width: "100%", height: "60px", fontFamily: "monospace", fontSize: "11px", boxSizing: "border-box" } },
       info.script));
@@ -263,7 +252,7 @@ function adopt(session, info) {
   clearInterval(S.beat);
   S.beat = setInterval(() => {              // a watched session is not abandoned
     if (!S.session || S.info?.ended) return;
-    postJson("/wan_accel/play/touch", { session: S.session }).catch((e) => {
+    callJson("/wan_accel/play/touch", { session: S.session }).catch((e) => {
       S.info.ended = String(e.message || e);
       setStatus(`session gone: ${S.info.ended}`);
       setPlaying(false);
@@ -289,7 +278,7 @@ async function endSession() {
   if (!S.session) return;
   setPlaying(false);
   try {
-    const res = await postJson("/wan_accel/play/end", { session: S.session });
+    const res = await callJson("/wan_accel/play/end", { session: S.session });
     S.info.ended = res.ended;
     log.ended.push({ t: performance.now(), reason: res.ended });
     setStatus(`session ended: its memory is freed; Save still writes what was made`);
@@ -370,8 +359,7 @@ document.addEventListener("wan_accel:panel", async (ev) => {
   render();
   if (S.session) return;
   try {
-    const r = await api.fetchApi("/wan_accel/play", { cache: "no-store" });
-    const live = ((await r.json()).sessions || []).filter((s) => !s.ended);
+    const live = ((await callJson("/wan_accel/play")).sessions || []).filter((s) => !s.ended);
     if (live.length && !S.session) adopt(live[live.length - 1].session, live[live.length - 1]);
   } catch (e) { /* no sessions to pick up */ }
 });
