@@ -167,13 +167,13 @@ def _doctor(doctor):
         return doctor
     import torch
 
-    from .app.doctor import doctor_for
+    from .app.doctor.core import doctor_for
 
     return doctor_for("cuda" if torch.cuda.is_available() else "cpu", None)
 
 
 def _doctor_answer(doctor, rows) -> dict:
-    from .app.doctor_report import machine_line
+    from .app.doctor.report import machine_line
 
     keep = ("feature", "summary", "available", "verified", "status", "difference", "speed", "why_off", "fix")
     return {"machine": machine_line(doctor), "fingerprint_id": doctor.cache.fingerprint_id,
@@ -183,7 +183,7 @@ def _doctor_answer(doctor, rows) -> dict:
 def doctor_payload(doctor=None) -> dict:
     """What ``GET /wan_accel/doctor`` answers: ``{"machine", "fingerprint_id", "features": [row, ...]}`` with the
     recorded verdicts only (a feature never checked here says so; the page never waits for a probe)."""
-    from .app.doctor_report import doctor_rows
+    from .app.doctor.report import doctor_rows
 
     doctor = _doctor(doctor)
     return _doctor_answer(doctor, doctor_rows(doctor, probe=False))
@@ -191,7 +191,7 @@ def doctor_payload(doctor=None) -> dict:
 
 def recheck_feature(body, doctor=None) -> dict:
     """What ``POST /wan_accel/doctor/recheck`` answers: the rows after probing ``{"feature": name | "all"}`` again."""
-    from .app.doctor_report import doctor_rows
+    from .app.doctor.report import doctor_rows
 
     if not isinstance(body, dict) or set(body) != {"feature"} or not isinstance(body["feature"], str):
         raise RequestError('body must be a JSON object like {"feature": "fused_qkv"} or {"feature": "all"}')
@@ -205,13 +205,13 @@ def recheck_feature(body, doctor=None) -> dict:
 
 def play_sessions(registry=None) -> dict:
     """What ``GET /wan_accel/play`` answers: ``{"sessions": [{session, mode, keys, chunks, ended, idle_s, ...}]}``."""
-    from .app.play import REGISTRY
+    from .app.play.registry import REGISTRY
 
     return {"sessions": (registry or REGISTRY).listing()}
 
 
 def _play_session(body, registry):
-    from .app.play import REGISTRY, PlayError
+    from .app.play.registry import REGISTRY, PlayError
 
     if not isinstance(body, dict) or set(body) != {"session"} or not isinstance(body["session"], str):
         raise RequestError('body must be a JSON object like {"session": "<id from the Play Session node>"}')

@@ -13,11 +13,11 @@ from ..app.validate import TORCH_NAMES
 
 # bench name -> module (relative to the package) providing add_arguments(parser) and run(args) -> int
 BENCHES = {
-    "sampler": ("..app.bench_sampler", "reference vs optimized causal sampler"),
-    "compile": ("..app.bench_compile", "cold vs warm compile of the tiny model"),
-    "kernels": ("..app.bench_kernels", "fused kernels vs torch, autotune cold vs warm"),
-    "offload": ("..app.bench_memory", "block swap step time and peak VRAM"),
-    "play": ("..app.bench_play", "Matrix-Game-2 play chunks: caches in place vs copied"),
+    "sampler": ("..app.bench.sampler", "reference vs optimized causal sampler"),
+    "compile": ("..app.bench.compile", "cold vs warm compile of the tiny model"),
+    "kernels": ("..app.bench.kernels", "fused kernels vs torch, autotune cold vs warm"),
+    "offload": ("..app.bench.memory", "block swap step time and peak VRAM"),
+    "play": ("..app.bench.play", "Matrix-Game-2 play chunks: caches in place vs copied"),
 }
 
 
@@ -58,7 +58,7 @@ def check_bench_args(what: str, ns) -> None:
 
 
 # a bench run with one of these options -> the module that runs it
-ROUTES = {("sampler", "--world-size"): ("..app.bench_parallel", "one process vs N sequence-parallel ranks")}
+ROUTES = {("sampler", "--world-size"): ("..app.bench.parallel", "one process vs N sequence-parallel ranks")}
 
 
 def _route(what: str, bench_args: list) -> tuple:

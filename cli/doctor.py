@@ -11,7 +11,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def _doctor(args):
     import torch
 
-    from ..app.doctor import doctor_for, default_context
+    from ..app.doctor.core import doctor_for, default_context
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -23,7 +23,7 @@ def _doctor(args):
 
 
 def _run(args) -> int:
-    from ..app.doctor_report import doctor_rows, doctor_text, report, write_report
+    from ..app.doctor.report import doctor_rows, doctor_text, report, write_report
 
     doctor = _doctor(args)
     names = None

@@ -60,9 +60,9 @@ def _add_generate(subparsers) -> None:
 
 def _run_job(args, log, parallel=None):
     if args.model_kind == "matrix-game2":
-        from ..app.mg2_job import MG2Options, run_mg2_generate
+        from ..app.jobs.mg2 import MG2Options, run_mg2_generate
         from ..sampling.sampler import sampler_path
-        from ..app.job import latent_frames
+        from ..app.jobs.generate import latent_frames
         fields = dict(out_dir=args.out, checkpoint=args.checkpoint, conditioning=args.conditioning,
                       preset=args.preset, window=args.window, seed=args.seed, device=args.device, dtype=args.dtype,
                       precision=args.precision, attention=args.attention, actions=args.actions,
@@ -73,7 +73,7 @@ def _run_job(args, log, parallel=None):
         with sampler_path(args.sampler, options):
             return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log,
                                     parallel=parallel)
-    from ..app.job import GenerateOptions, run_generate
+    from ..app.jobs.generate import GenerateOptions, run_generate
     opts = GenerateOptions(
         out_dir=args.out, checkpoint=args.checkpoint, text_embeds=args.text_embeds, frames=args.frames,
         height=args.height, width=args.width, seed=args.seed, preset=args.preset or "self_forcing",
@@ -92,7 +92,7 @@ GENERATE_NAMES = {"frames": "--frames", "height": "--height", "width": "--width"
 
 def check_generate_args(args) -> None:
     """Every value of ``generate`` checked before anything is loaded (UsageError names the option and the fix)."""
-    from ..app.job import MODEL_DEFAULTS, TINY_DEFAULTS
+    from ..app.jobs.generate import MODEL_DEFAULTS, TINY_DEFAULTS
     check_output_dir("--out", args.out)
     if args.checkpoint:
         check_input_file("--checkpoint", args.checkpoint)
@@ -131,7 +131,7 @@ def _generate(args) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     check_generate_args(args)
     # under torchrun (WORLD_SIZE > 1): one rank of a sequence-parallel run, one GPU (or CPU process) each
-    from ..app.parallel import group_from_env, stop_group
+    from ..app.ranks.parallel import group_from_env, stop_group
     parallel, device = group_from_env(args.device)
     if parallel is not None:
         args.device = str(device)
@@ -209,7 +209,7 @@ def _add_check(subparsers) -> None:
 
 
 def _check(args) -> int:
-    from ..app.reference import check_reference, format_table
+    from ..app.jobs.reference import check_reference, format_table
     try:
         rows = check_reference(args.dir, device=args.device)
     except (FileNotFoundError, ValueError) as exc:

@@ -132,7 +132,7 @@ def profile_geometry(args) -> dict:
 
 def run_profile(args) -> int:
     from ..profiling import ExplainError, explain_in_subprocess, package_target, profile_run
-    from ..app import profile_targets as targets
+    from ..app.jobs import profile_targets as targets
     from ..profiling import history
 
     if args.checkpoint:
@@ -157,7 +157,7 @@ def run_profile(args) -> int:
         if args.explain_target:
             name, kwargs = args.explain_target, {}
         else:
-            name = package_target("app.profile_targets:explain_model")
+            name = package_target("app.jobs.profile_targets:explain_model")
             kwargs = {"scope": args.explain_scope, **target.settings()}
         try:
             explained = explain_in_subprocess(name, kwargs=kwargs)

@@ -38,8 +38,8 @@ class WanAccelDoctor:
     def run(self, feature="all", recheck=False, dtype="auto", with_compile=False):
         import torch
 
-        from ..app.doctor import doctor_for
-        from ..app.doctor_report import doctor_rows, doctor_text
+        from ..app.doctor.core import doctor_for
+        from ..app.doctor.report import doctor_rows, doctor_text
         if feature not in FEATURE_CHOICES:
             raise ValueError(f"feature must be one of {FEATURE_CHOICES}, got {feature!r}")
         if dtype not in DTYPE_CHOICES:

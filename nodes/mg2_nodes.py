@@ -74,13 +74,13 @@ def model_space_start(start_latent):
         raw = raw[:, :, None]
     if raw.dim() != 5 or raw.shape[1] != 16:
         raise ValueError(f"start_latent must be a Wan 2.1 LATENT [B, 16, frames, h, w], got {tuple(raw.shape)}")
-    from ..app.preview import from_vae_latents
+    from ..app.jobs.preview import from_vae_latents
     return from_vae_latents(raw.float().cpu()).transpose(1, 2)
 
 
 def to_latent_space(latents):
     """Model-space latents -> a Wan 2.1 LATENT's samples (VAE space, float32, CPU)."""
-    from ..app.preview import to_vae_latents
+    from ..app.jobs.preview import to_vae_latents
     return to_vae_latents(latents.float().cpu().transpose(1, 2))
 
 
@@ -164,7 +164,7 @@ class MatrixGame2Sampler:
                 state["bar"] = state["bar"] or bar_cls(n)
                 state["bar"].update_absolute(ci + 1, n)
 
-        from ..app.doctor_gate import gated_sampling
+        from ..app.doctor.gate import gated_sampling
         doctor_notes: list = []
         with torch.inference_mode(), gated_sampling(net, doctor_notes):
             if keep_state or continue_from is not None:

@@ -1,8 +1,8 @@
 """ComfyUI nodes of the model area: CausalWan Model Loader and CausalWan Sampler (thin adapters over wan/)."""
 from __future__ import annotations
 
-TINY_NAME = "(built-in tiny model)"   # same string as app.handle.TINY_NAME (kept here: no heavy import)
-TINY_MG2_NAME = "(built-in tiny Matrix-Game-2 model)"   # app.handle.TINY_MG2_NAME
+TINY_NAME = "(built-in tiny model)"   # same string as app.jobs.handle.TINY_NAME (kept here: no heavy import)
+TINY_MG2_NAME = "(built-in tiny Matrix-Game-2 model)"   # app.jobs.handle.TINY_MG2_NAME
 PRESETS = ["self_forcing", "causvid", "custom"]
 SAMPLER_CHOICES = {   # widget value -> (path, cuda_graphs, fused_kernels)
     "auto": ("auto", "auto", True),
@@ -91,7 +91,7 @@ class CausalWanModelLoader:
 
     def load(self, checkpoint, dtype="bf16", precision="self_forcing", attention="auto",
              compile_settings=None, plan=None):
-        from ..app.handle import load_model_handle
+        from ..app.jobs.handle import load_model_handle
         handle = load_model_handle(_resolve_checkpoint(checkpoint), dtype, precision, attention,
                                    device=_torch_device(), compile_settings=compile_settings, plan=plan)
         return (handle,)
@@ -140,7 +140,7 @@ class _ComfyProgress:
     def _preview(x0):
         try:
             from PIL import Image
-            from ..app.preview import latents_to_rgb
+            from ..app.jobs.preview import latents_to_rgb
             frame = latents_to_rgb(x0[:1, -1:])[0, 0]
             h, w, _ = frame.shape
             return ("JPEG", Image.frombytes("RGB", (w, h), frame.contiguous().numpy().tobytes()), 512)
@@ -213,8 +213,8 @@ class CausalWanSampler:
                sampler="auto", keep_state=False, continue_from=None):
         import functools
         from ..profiling.session import maybe_profile
-        from ..app.job import sample_latents, sample_latents_with_state, sampler_setup
-        from ..app.preview import to_vae_latents
+        from ..app.jobs.generate import sample_latents, sample_latents_with_state, sampler_setup
+        from ..app.jobs.preview import to_vae_latents
         from ..sampling.scheduler import resolve_schedule
         schedule = (resolve_schedule("custom", custom_steps, shift, True) if preset == "custom"
                     else resolve_schedule(preset))

@@ -86,7 +86,7 @@ def native_compile_settings(guider, transformer_options: dict):
 
 
 def _apply_compile(engine, settings, path: str, device) -> None:
-    from ..app.job import compile_for_sampling
+    from ..app.jobs.generate import compile_for_sampling
     from ..compile import uncompile_model
     from ..sampling.sampler import resolve_path
     if settings is not None and resolve_path(path, device, model=engine)[0] == "optimized":

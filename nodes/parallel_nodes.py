@@ -30,7 +30,7 @@ class CausalWanSequenceParallel:
         }
 
     def apply(self, model, world_size=2, timeout_s=300):
-        from ..app.rank_pool import POOL_KEY, RankPool
+        from ..app.ranks.pool import POOL_KEY, RankPool
         if not hasattr(model, "extra") or not hasattr(model, "model"):
             raise ValueError("model must come from CausalWan Model Loader (a CAUSALWAN_MODEL)")
         if int(world_size) <= 1:

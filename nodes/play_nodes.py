@@ -1,7 +1,7 @@
 """Matrix-Game-2 play mode in ComfyUI: start a session, make its chunks one prompt at a time, save it.
 
 * **Matrix-Game-2 Play Session** (in a graph): takes a loaded Matrix-Game-2 model, the VAE and the start image's
-  latent, registers a play session (``app.play.REGISTRY``) and tells the page (event ``wan_accel.play``, kind
+  latent, registers a play session (``app.play.registry.REGISTRY``) and tells the page (event ``wan_accel.play``, kind
   ``ready``). Nothing is sampled: the prompt ends at once.
 * **Matrix-Game-2 Play Step** (queued by the pack's panel, one prompt per chunk): generates the next chunk with the
   keys and camera motion held, decodes it in lockstep (``streaming_decode.WanStreamDecoder``, the walk kept between
@@ -24,7 +24,7 @@ STATE_PLACES = ["model device", "cpu"]
 
 
 def _registry():
-    from ..app.play import REGISTRY
+    from ..app.play.registry import REGISTRY
     return REGISTRY
 
 
@@ -98,7 +98,7 @@ class MatrixGame2PlaySession:
 
     def start(self, model, vae, start_latent, seed=0, preset="universal", clip_vision_output=None, kv_window=0,
               idle_timeout_s=300, state_on="model device", unique_id=None):
-        from ..app.play import PlaySession
+        from ..app.play.registry import PlaySession
         from ..sampling.mg2 import PRESETS as LIB_PRESETS
         from . import streaming_decode
         from .mg2_nodes import clip_tokens, model_space_start
@@ -172,8 +172,8 @@ class MatrixGame2PlayStep:
         import contextlib
 
         import torch
-        from ..app.doctor_gate import gated_sampling
-        from ..app.play import PlayError
+        from ..app.doctor.gate import gated_sampling
+        from ..app.play.registry import PlayError
         from ._comfy import progress_and_interrupt
         from .mg2_nodes import to_latent_space
         from .stream_nodes import _jpeg_frames

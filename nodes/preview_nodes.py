@@ -22,7 +22,7 @@ class WanAccelLatentPreview:
     def preview(self, samples, upscale=8):
         import torch
 
-        from ..app.preview import from_vae_latents, latents_to_rgb
+        from ..app.jobs.preview import from_vae_latents, latents_to_rgb
 
         latent = samples["samples"] if isinstance(samples, dict) else samples
         frames = latents_to_rgb(from_vae_latents(latent))  # [B, T, h, w, 3] uint8

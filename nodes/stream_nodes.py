@@ -68,7 +68,7 @@ class _DecodeInLockstep(_ComfyProgress):
         if k != num_steps - 1 or ci <= self.last_chunk:     # a chunk redone after an out-of-memory retry: once
             return
         import torch
-        from ..app.preview import to_vae_latents
+        from ..app.jobs.preview import to_vae_latents
         self.last_chunk = ci
         t = time.perf_counter()
         parts = [self.decoder.push(to_vae_latents(x0.float()))]

@@ -61,7 +61,7 @@ def _pack_search_path() -> Path:
 
 def package_target(relative: str) -> str:
     """A target inside this pack, under whatever name the pack was imported:
-    ``package_target("app.profile_targets:explain_model")``."""
+    ``package_target("app.jobs.profile_targets:explain_model")``."""
     return f"{_pack_name()}.{relative}"
 
 

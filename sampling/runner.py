@@ -56,7 +56,7 @@ class FastOptions:
                        float32 whatever the model dtype (elementwise work on latents only) | 'stream': in the
                        model's stream dtype, as the reference path and the original pipelines (bf16 under the
                        'self_forcing' policy).
-    switched_off:      features that failed their self-check on this machine (``app/doctor.py``): names such as
+    switched_off:      features that failed their self-check on this machine (``app/doctor/core.py``): names such as
                        'attention.fa3', 'attention.fa2', 'kernel.<name>', 'fused_qkv', 'cuda_graphs'; each is
                        replaced by its plain fallback and everything else stays on.
     """

@@ -26,7 +26,7 @@ def t2v_fixture(sp, kv_window: int = -1, path: str = "reference") -> dict:
     """The public causal fixture (4 heads): its weights, noise and re-noising draws; global or rolling cache."""
     import json
     from safetensors.torch import load_file
-    from wan_accel.app.reference import _load_model, _schedule_from
+    from wan_accel.app.jobs.reference import _load_model, _schedule_from
     from wan_accel.model.kv_cache import KVCache
     from wan_accel.sampling.sampler import sample_causal
     d = FIXTURES / "wan_reference"
@@ -69,8 +69,8 @@ def mg2(sp, heads: int = 4) -> dict:
     """Matrix-Game-2: the public fixture (4 heads) or the tiny model with ``heads`` heads; rolling caches."""
     import json
     from safetensors.torch import load_file
-    from wan_accel.app.mg2_reference import load_fixture_model
-    from wan_accel.app.reference import _schedule_from
+    from wan_accel.app.jobs.mg2_reference import load_fixture_model
+    from wan_accel.app.jobs.reference import _schedule_from
     from wan_accel.model.kv_cache import KVCache
     from wan_accel.sampling.mg2 import sample_mg2
     d = FIXTURES / "matrix_game2"
@@ -121,7 +121,7 @@ def dies_mid_run(sp, dying_rank: int = 1) -> dict:
 
 def bench_rank(sp) -> dict:
     """One rank of ``bench sampler --world-size N`` (tiny model, CPU, 9 frames 64x64, one timed run)."""
-    from wan_accel.app import bench_parallel
+    from wan_accel.app.bench import parallel as bench_parallel
     opts = dict(checkpoint=None, seed=0, repeat=1, kind="wan", shape="tiny", geometry=(9, 64, 64),
                 run_dtype="fp32", variant="reference", devices=["cpu"] * (1 if sp is None else sp.world))
     return bench_parallel._rank_run(sp, opts)

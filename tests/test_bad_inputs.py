@@ -276,7 +276,7 @@ def test_cli_odd_cache_location(case, world, monkeypatch, capsys):
 
 # ------------------------------------------------------------------------------------------------ node cases
 def _tiny_handle():
-    from wan_accel.app.handle import load_model_handle
+    from wan_accel.app.jobs.handle import load_model_handle
 
     return load_model_handle(None, "fp32", "float32", "sdpa", "cpu")
 

@@ -31,7 +31,7 @@ def test_every_suggested_frame_count_passes_every_check(fpb, capsys):
 
 
 def test_library_entry_gives_the_same_advice():
-    from wan_accel.app.job import sample_latents
+    from wan_accel.app.jobs.generate import sample_latents
     from wan_accel.model.tiny import tiny_causal_model
 
     model = tiny_causal_model(0, "cpu", torch.float32, "float32")
@@ -44,7 +44,7 @@ def test_library_entry_gives_the_same_advice():
 
 @pytest.mark.parametrize("field", ["frames", "height", "width"])
 def test_zero_is_not_a_default_in_the_job(field, tmp_path):
-    from wan_accel.app.job import GenerateOptions, run_generate
+    from wan_accel.app.jobs.generate import GenerateOptions, run_generate
 
     with pytest.raises(ValueError, match="between"):
         run_generate(GenerateOptions(out_dir=str(tmp_path / "o"), **{field: 0}), log=lambda *a: None)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from wan_accel.app import doctor as doc
-from wan_accel.app.doctor import Doctor, Feature, NotAvailable, Probe, default_context
-from wan_accel.app.doctor_report import doctor_rows, doctor_text
+from wan_accel.app.doctor import core as doc
+from wan_accel.app.doctor.core import Doctor, Feature, NotAvailable, Probe, default_context
+from wan_accel.app.doctor.report import doctor_rows, doctor_text
 from wan_accel.cache import LimitCache
 
 FP = {"device": "cuda", "gpu": "GPU A", "capability": "9.0", "total_memory": 80, "driver": "550.1",
@@ -158,8 +158,8 @@ def _run(model, options):
 
 @pytest.mark.parametrize("mode", ["wrong", "raise"])
 def test_broken_fused_qkv_is_switched_off_and_the_run_equals_the_fallback(monkeypatch, mode, caplog):
-    from wan_accel.app.handle import load_model_handle
-    from wan_accel.app.job import sampler_setup
+    from wan_accel.app.jobs.handle import load_model_handle
+    from wan_accel.app.jobs.generate import sampler_setup
     from wan_accel.sampling.runner import FastOptions
     handle = load_model_handle(None, "fp32", device="cpu")
     fallback = _run(handle.model, FastOptions(cuda_graphs="off", fused_kernels=False, fused_qkv=False))
@@ -185,8 +185,8 @@ def test_broken_fused_qkv_is_switched_off_and_the_run_equals_the_fallback(monkey
 
 
 def test_slower_fused_qkv_is_switched_off_by_the_pluggable_timer():
-    from wan_accel.app.doctor_gate import gate_options
-    from wan_accel.app.handle import load_model_handle
+    from wan_accel.app.doctor.gate import gate_options
+    from wan_accel.app.jobs.handle import load_model_handle
     from wan_accel.sampling.runner import FastOptions
     model = load_model_handle(None, "fp32", device="cpu").model
     times = iter([0.004, 0.001])          # feature, then fallback
@@ -214,7 +214,7 @@ def test_runner_skips_switched_off_attention_and_kernels():
 # ------------------------------------------------------------------------------------------- processes, command
 CHILD = """
 import json, torch
-from wan_accel.app.doctor import doctor_for
+from wan_accel.app.doctor.core import doctor_for
 d = doctor_for('cpu', torch.float32, 16)
 v = d.check('fused_qkv')
 print('DOCTOR', json.dumps({'probes': d.probes, 'status': v['status']}))
@@ -263,7 +263,7 @@ def test_doctor_command_table_json_and_report(tmp_path, capsys):
 
 def test_matrix_game2_runs_with_the_verdicts(monkeypatch):
     """The Matrix-Game-2 loop takes no FastOptions: gated_sampling routes the verdicts to it."""
-    from wan_accel.app.doctor_gate import gated_sampling
+    from wan_accel.app.doctor.gate import gated_sampling
     from wan_accel.model.mg2_model import tiny_mg2_model
     from wan_accel.sampling.mg2 import generate_mg2
     from wan_accel.sampling.runner import FastOptions
@@ -292,7 +292,7 @@ def test_matrix_game2_runs_with_the_verdicts(monkeypatch):
 def test_failed_compile_and_block_swap_are_switched_off_alone(cache_path):
     """gate_compile drops the compile, gate_swap keeps the swap without its prefetch stream; a passing verdict
     changes nothing."""
-    from wan_accel.app.doctor_gate import gate_compile, gate_swap
+    from wan_accel.app.doctor.gate import gate_compile, gate_swap
     from wan_accel.compile import CompileSettings
     from wan_accel.memory.block_swap import SwapSettings
     from wan_accel.model.tiny import tiny_causal_model

@@ -17,8 +17,8 @@ HERE = Path(__file__).resolve()
 def _child() -> None:
     import torch
 
-    from wan_accel.app.doctor import doctor_for
-    from wan_accel.app.doctor_gate import gate_options
+    from wan_accel.app.doctor.core import doctor_for
+    from wan_accel.app.doctor.gate import gate_options
     from wan_accel.kernels import norm_modulate
     from wan_accel.model.tiny import tiny_causal_model
     from wan_accel.sampling.runner import FastOptions, get_runner

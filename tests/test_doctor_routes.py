@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wan_accel import server_routes as sr
-from wan_accel.app.doctor import doctor_for
+from wan_accel.app.doctor.core import doctor_for
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_panel_calls_the_doctor_routes():
 
 def test_doctor_node_shows_the_table():
     from wan_accel.nodes.doctor_nodes import FEATURE_CHOICES, WanAccelDoctor
-    from wan_accel.app.doctor import FEATURES
+    from wan_accel.app.doctor.core import FEATURES
     assert FEATURE_CHOICES[1:] == list(FEATURES)            # every feature can be picked
     spec = WanAccelDoctor.INPUT_TYPES()["required"]
     assert all("tooltip" in opts for _, opts in spec.values())

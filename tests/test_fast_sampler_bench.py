@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from wan_accel.app import bench_sampler as bench
+from wan_accel.app.bench import sampler as bench
 from wan_accel.model import flops
 from wan_accel.sampling.sampler import generate_latents
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
@@ -106,7 +106,7 @@ def test_bench_matrix_game2_tiny(capsys):
 
 def test_generate_job_uses_the_chosen_path_and_writes_history(tmp_path, cache_path):
     from wan_accel.profiling import history
-    from wan_accel.app.job import GenerateOptions, run_generate
+    from wan_accel.app.jobs.generate import GenerateOptions, run_generate
     from safetensors.torch import load_file
     reports = {}
     for path in ("reference", "optimized"):
@@ -154,8 +154,8 @@ def test_sampler_node_paths_and_profile_request(tmp_path):
 def test_sampler_setup_honours_compile_settings_and_reference_uncompiles():
     from wan_accel.compile import CompileSettings, compile_model
     from wan_accel.compile.apply import compile_handle
-    from wan_accel.app.handle import load_model_handle
-    from wan_accel.app.job import sampler_setup
+    from wan_accel.app.jobs.handle import load_model_handle
+    from wan_accel.app.jobs.generate import sampler_setup
     settings = CompileSettings(backend="eager", warm_start=False)
     handle = load_model_handle(None, "fp32", device="cpu", compile_settings=settings)
     opts = sampler_setup(handle, "optimized", "off", False)

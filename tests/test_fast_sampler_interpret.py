@@ -19,7 +19,7 @@ def _child() -> None:
     from wan_accel.kernels._common import interpreter_usable
     from wan_accel.model.config import WanConfig
     from wan_accel.model.loader import load_wan_checkpoint
-    from wan_accel.app.reference import _load_io
+    from wan_accel.app.jobs.reference import _load_io
     from wan_accel.sampling.sampler import sample_causal
     from wan_accel.sampling.scheduler import resolve_schedule
 

@@ -15,7 +15,7 @@ import torch
 from wan_accel.model.config import WanConfig
 from wan_accel.model.kv_cache import KVCache
 from wan_accel.model.loader import load_wan_checkpoint
-from wan_accel.app.reference import _load_io, _schedule_from
+from wan_accel.app.jobs.reference import _load_io, _schedule_from
 from wan_accel.sampling.sampler import generate_latents, sample_causal, sampler_path
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
@@ -176,7 +176,7 @@ def test_i2v_image_branch_and_independent_first_frame():
 
 
 def test_matrix_game2_fixture_through_the_optimized_path():
-    from wan_accel.app import mg2_reference
+    from wan_accel.app.jobs import mg2_reference
     cfg = json.loads((MG2 / "mg2_config.json").read_text())
     with sampler_path("optimized"):
         rows = mg2_reference.run(MG2, cfg)

@@ -5,7 +5,7 @@ from wan_accel.memory.block_swap import SwapSettings
 from wan_accel.memory.plan import Workload, make_plan
 from wan_accel.memory.system import SystemInfo
 from wan_accel.memory.weights import preset_weights
-from wan_accel.app.handle import _planned_swap
+from wan_accel.app.jobs.handle import _planned_swap
 
 
 def test_planned_swap_from_dicts():
@@ -25,7 +25,7 @@ def test_planned_swap_follows_a_real_plan():
 
 def test_auto_dtype_follows_the_device(monkeypatch):
     """dtype 'auto': fp32 on the CPU; fp16 on a GPU without bf16 tensor cores (SM 7.5), with the reason."""
-    from wan_accel.app import handle as h
+    from wan_accel.app.jobs import handle as h
     from wan_accel.memory import system
     cpu = h.load_model_handle(None, "auto", device="cpu")
     assert cpu.dtype == torch.float32 and "CPU" in cpu.extra["dtype_reason"]

@@ -284,7 +284,7 @@ def _calls(records, frames_per_block, frame_tokens, ends=None):
 def test_check_reference_on_unpublished_style_fixtures(tmp_path):
     """Fixture directories in the published formats, with other sizes, produced by the float64 reference,
     pass the package's check-reference at the acceptance tolerance."""
-    from wan_accel.app.reference import check_reference
+    from wan_accel.app.jobs.reference import check_reference
     g = torch.Generator().manual_seed(99)
     # full forward, non-square, sequence padding
     c = _base(80, 5, 2)

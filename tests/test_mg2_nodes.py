@@ -12,7 +12,7 @@ from wan_accel.sampling.actions_script import ActionScriptError
 
 
 def _handle():
-    from wan_accel.app.mg2_job import load_mg2_handle
+    from wan_accel.app.jobs.mg2 import load_mg2_handle
     return load_mg2_handle(None, dtype="fp32", device="cpu", seed=3)
 
 
@@ -79,7 +79,7 @@ def test_sampler_node_errors():
         MatrixGame2Sampler().sample(handle, start, clip, acts, preset="templerun")
     with pytest.raises(ValueError, match="penultimate_hidden_states"):
         MatrixGame2Sampler().sample(handle, start, object(), acts, preset="templerun")
-    from wan_accel.app.handle import load_model_handle
+    from wan_accel.app.jobs.handle import load_model_handle
     t2v = load_model_handle(None, dtype="fp32", device="cpu")
     with pytest.raises(ValueError, match="action modules"):
         MatrixGame2Sampler().sample(t2v, start, clip, acts, preset="templerun")

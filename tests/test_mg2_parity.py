@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from wan_accel.app import mg2_reference
-from wan_accel.app.reference import check_reference, discover
+from wan_accel.app.jobs import mg2_reference
+from wan_accel.app.jobs.reference import check_reference, discover
 
 FIX = Path(__file__).parent / "fixtures" / "matrix_game2"
 TOL = 1e-4
@@ -69,7 +69,7 @@ def _write_variant(directory: Path, seed=5, layers=3, blocks=(1, 2), dim=48, hea
     from wan_accel.model.kv_cache import KVCache
     from wan_accel.sampling.mg2 import build_cond_concat, sample_mg2
     from wan_accel.model.mg2_model import MatrixGameModel
-    from wan_accel.app.reference import _schedule_from
+    from wan_accel.app.jobs.reference import _schedule_from
     from wan_accel.model.tiny import init_tiny_weights
     action = {"blocks": list(blocks), "mouse_dim_in": 2, "keyboard_dim_in": 3, "heads_num": action_heads,
               "mouse_hidden_dim": 64 * action_heads, "keyboard_hidden_dim": 64 * action_heads, "hidden_size": 8,

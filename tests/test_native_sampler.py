@@ -74,7 +74,7 @@ def test_sampler_function_runs_the_engine_on_the_native_model():
 def test_sampler_function_reproduces_the_official_causal_fixture():
     from safetensors.torch import load_file
 
-    from wan_accel.app.reference import _load_model, _schedule_from
+    from wan_accel.app.jobs.reference import _load_model, _schedule_from
     cfg = json.loads((FIXTURE / "causal_config.json").read_text())
     io = load_file(str(FIXTURE / "causal_io.safetensors"))
     model = _load_model(FIXTURE, cfg, "cpu")

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import wan_accel.app.play as play_mod
+import wan_accel.app.play.registry as play_mod
 import wan_accel.server_routes as sr
 from fake_decoder import FakeDecoder
-from wan_accel.app.play import PlayError, PlayRegistry, PlaySession
+from wan_accel.app.play.registry import PlayError, PlayRegistry, PlaySession
 from wan_accel.nodes import play_nodes, streaming_decode
 from wan_accel.nodes.mg2_nodes import GameActions, MatrixGame2Sampler, to_latent_space
 from wan_accel.nodes.model_nodes import TINY_MG2_NAME, CausalWanModelLoader

@@ -3,7 +3,7 @@ actions, change its frames, and the session's script reproduces it exactly with 
 import pytest
 import torch
 
-from wan_accel.app.play import PlaySession
+from wan_accel.app.play.registry import PlaySession
 from wan_accel.profiling.dispatch_counts import DispatchCounts
 from wan_accel.model.mg2_model import tiny_mg2_model
 from wan_accel.sampling.actions_script import parse_action_script

@@ -10,7 +10,7 @@ import torch
 
 from wan_accel.cli import main
 from wan_accel.profiling import history
-from wan_accel.app import profile_targets as targets
+from wan_accel.app.jobs import profile_targets as targets
 
 HERE = Path(__file__).resolve().parent
 

@@ -87,7 +87,7 @@ def test_request_in_extra_survives_later_dataclass_replace():
 
 
 def test_real_model_handle_carries_a_request():
-    handle_mod = pytest.importorskip("wan_accel.app.handle", reason="the model library is not in this build")
+    handle_mod = pytest.importorskip("wan_accel.app.jobs.handle", reason="the model library is not in this build")
     req = ProfileRequest()
     h = handle_mod.ModelHandle(model=torch.nn.Linear(2, 2), source="x", dtype=torch.float32, precision="float32")
     new = attach_profile_request(h, req)

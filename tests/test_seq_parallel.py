@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import seq_parallel_scenarios as scenarios
-from wan_accel.app.parallel import run_ranks
+from wan_accel.app.ranks.parallel import run_ranks
 from wan_accel.model.seq_parallel import ParallelError, SeqParallel, check_heads, enable, valid_rank_counts
 from wan_accel.model.tiny import tiny_causal_model
 

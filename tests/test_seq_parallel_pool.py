@@ -8,9 +8,9 @@ import gc
 import pytest
 import torch
 
-from wan_accel.app.handle import load_model_handle
-from wan_accel.app.job import sample_latents
-from wan_accel.app.rank_pool import POOL_KEY
+from wan_accel.app.jobs.handle import load_model_handle
+from wan_accel.app.jobs.generate import sample_latents
+from wan_accel.app.ranks.pool import POOL_KEY
 from wan_accel.model.attachments import seq_parallel_of
 from wan_accel.model.seq_parallel import ParallelError
 from wan_accel.nodes.model_nodes import CausalWanSampler

@@ -7,8 +7,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from wan_accel.cli.model import main as cli_main
-from wan_accel.app.job import GenerateOptions, latent_frames, latent_size, run_generate
-from wan_accel.app.preview import latents_to_rgb, to_vae_latents
+from wan_accel.app.jobs.generate import GenerateOptions, latent_frames, latent_size, run_generate
+from wan_accel.app.jobs.preview import latents_to_rgb, to_vae_latents
 
 
 def test_generate_tiny_end_to_end(tmp_path):
@@ -78,7 +78,7 @@ def test_preview_projection():
 
 def test_sampler_bench_runs_both_variants(capsys):
     import argparse
-    from wan_accel.app import bench_sampler as bench
+    from wan_accel.app.bench import sampler as bench
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--frames", "9", "--height", "32", "--width", "32", "--repeat", "1", "--json",

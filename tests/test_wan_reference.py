@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from wan_accel.cli.model import main as cli_main
 from wan_accel.model.config import WanConfig
 from wan_accel.model.loader import save_wan_checkpoint
-from wan_accel.app.reference import FORMATS, check_reference, discover, format_table
+from wan_accel.app.jobs.reference import FORMATS, check_reference, discover, format_table
 from wan_accel.sampling.sampler import sample_causal
 from wan_accel.sampling.scheduler import resolve_schedule
 from wan_accel.model.tiny import init_tiny_weights

@@ -138,7 +138,7 @@ def test_native_model_reproduces_the_official_causal_output(comfy, latent_format
 
 
 def test_rolling_window_with_sink_matches_the_pack_loader(comfy, latent_format):
-    from wan_accel.app.reference import _load_model, _schedule_from
+    from wan_accel.app.jobs.reference import _load_model, _schedule_from
     from wan_accel.sampling.sampler import sample_causal
     cfg = _fixture_config()
     io = load_file(str(FIXTURE / "causal_io.safetensors"))
@@ -162,7 +162,7 @@ def test_rolling_window_with_sink_matches_the_pack_loader(comfy, latent_format):
 
 def _pack_run(state_dict: dict, tmp_path, io: dict, rec: dict | None = None) -> torch.Tensor:
     """The pack's own loader and engine on a state dict (float32), with the fixture's recorded noise."""
-    from wan_accel.app.reference import _load_model, _schedule_from
+    from wan_accel.app.jobs.reference import _load_model, _schedule_from
     from wan_accel.sampling.sampler import sample_causal
     cfg = _fixture_config()
     (tmp_path / "w").mkdir(exist_ok=True)

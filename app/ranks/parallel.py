@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..model.kv_cache import KVCache
-from ..model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, SeqParallel, enable
+from ...model.kv_cache import KVCache
+from ...model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, SeqParallel, enable
 
 ENV_TIMEOUT = "WAN_ACCEL_PARALLEL_TIMEOUT"
 

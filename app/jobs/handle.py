@@ -59,17 +59,17 @@ def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", a
                       compile_settings=None, plan=None, num_heads=None, seed: int = 0) -> ModelHandle:
     """Load a checkpoint (a .safetensors path) or, for None / TINY_NAME, build the tiny random model (TINY_MG2_NAME:
     the tiny Matrix-Game-2 model)."""
-    from ..model.loader import load_wan_checkpoint
-    from ..model.tiny import tiny_causal_model
+    from ...model.loader import load_wan_checkpoint
+    from ...model.tiny import tiny_causal_model
     device = torch.device(device) if device is not None else default_device()
     dtype_reason = ""
     if dtype == "auto":                     # bf16 with bf16 tensor cores, fp16 on older GPUs, fp32 on the CPU
-        from ..memory.system import auto_dtype, detect_system
+        from ...memory.system import auto_dtype, detect_system
         dtype, dtype_reason = auto_dtype(detect_system(device))
         log.info("wan_accel: dtype auto -> %s (%s)", dtype, dtype_reason)
     torch_dtype = parse_dtype(dtype)
     if compile_settings is not None:        # a clear error now, not at the first sampling run
-        from ..compile.settings import coerce_settings
+        from ...compile.settings import coerce_settings
         compile_settings = coerce_settings(compile_settings)
     if torch_dtype == torch.float32 or precision == "float32":
         torch_dtype, precision = torch.float32, "float32"
@@ -77,7 +77,7 @@ def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", a
         model = tiny_causal_model(seed, device, torch_dtype, precision).set_attention_backend(attention)
         source = TINY_NAME
     elif checkpoint == TINY_MG2_NAME:
-        from ..model.mg2_model import tiny_mg2_model
+        from ...model.mg2_model import tiny_mg2_model
         model = tiny_mg2_model(seed, device, torch_dtype, precision).set_attention_backend(attention)
         source = TINY_MG2_NAME
     else:
@@ -87,7 +87,7 @@ def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", a
         model = load_wan_checkpoint(checkpoint, device="cpu" if swap else device, dtype=torch_dtype,
                                     precision=precision, num_heads=num_heads, attention=attention)
         if swap:
-            from ..memory.block_swap import apply_block_swap
+            from ...memory.block_swap import apply_block_swap
 
             apply_block_swap(model, swap, device=device)
         source = str(checkpoint)
@@ -101,7 +101,7 @@ def _planned_swap(plan):
         return None
     swap = plan.swap_settings() if hasattr(plan, "swap_settings") else None
     if swap is None and isinstance(plan, dict) and plan.get("blocks_to_swap"):
-        from ..memory.block_swap import SwapSettings
+        from ...memory.block_swap import SwapSettings
 
         swap = SwapSettings(int(plan["blocks_to_swap"]), int(plan.get("prefetch", 1)),
                             bool(plan.get("offload_embeddings", False)))

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from ..sampling.actions_script import MODES, parse_action_script
-from ..sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
-from ..sampling.mg2_continuation import sample_mg2_continuable
+from ...sampling.actions_script import MODES, parse_action_script
+from ...sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
+from ...sampling.mg2_continuation import sample_mg2_continuable
 
 FIRST_CHUNK_FRAMES = 4 * (FRAMES_PER_BLOCK - 1)     # scripted video frames of the first chunk (after the start frame)
 CHUNK_FRAMES = 4 * FRAMES_PER_BLOCK                 # video frames of every later chunk

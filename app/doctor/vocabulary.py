@@ -1,6 +1,6 @@
 """The doctor's vocabulary: a feature, its probe, the probe's shape, and the registry of features.
 
-Kept apart from ``app/doctor.py`` (which runs and remembers the checks) so the probes (``app/doctor_probes.py``)
+Kept apart from ``app/doctor/core.py`` (which runs and remembers the checks) so the probes (``app/doctor/probes.py``)
 can register themselves without an import circle.
 """
 from __future__ import annotations

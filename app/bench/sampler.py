@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from ..cache.fingerprint import cpu_name
+from ...cache.fingerprint import cpu_name
 
 VARIANTS = {
     "reference": {"path": "reference", "dtype": "fp32", "precision": "float32", "attention": "sdpa",
@@ -72,7 +72,7 @@ def add_arguments(parser) -> None:
 
 # ----------------------------------------------------------------------------- models and inputs
 def mg2_config_1_3b():
-    from ..model.config import WAN_1_3B
+    from ...model.config import WAN_1_3B
     action = {"blocks": list(range(15)), "mouse_dim_in": 2, "keyboard_dim_in": 4, "heads_num": 16,
               "mouse_hidden_dim": 1024, "keyboard_hidden_dim": 1024, "hidden_size": 128, "img_hidden_size": 1536,
               "vae_time_compression_ratio": 4, "windows_size": 3, "rope_theta": 256,
@@ -83,21 +83,21 @@ def mg2_config_1_3b():
 
 def _base_model(args, kind: str, shape: str):
     """float32 model on the CPU with deterministic weights (random, or the checkpoint's)."""
-    from ..model.tiny import init_tiny_weights
+    from ...model.tiny import init_tiny_weights
     if args.checkpoint:
         if kind == "matrix-game2":
-            from .mg2_job import load_mg2_handle
+            from ..jobs.mg2 import load_mg2_handle
             return load_mg2_handle(args.checkpoint, "fp32", "float32", "auto", "cpu").model
-        from ..model.loader import load_wan_checkpoint
+        from ...model.loader import load_wan_checkpoint
         return load_wan_checkpoint(args.checkpoint, device="cpu", dtype=torch.float32, precision="float32")
     if kind == "matrix-game2":
-        from ..model.mg2_model import MatrixGameModel, tiny_mg2_config
+        from ...model.mg2_model import MatrixGameModel, tiny_mg2_config
         cfg = tiny_mg2_config() if shape == "tiny" else mg2_config_1_3b()
         model = MatrixGameModel(cfg)
     else:
-        from ..model.config import WAN_1_3B
-        from ..model.dit import WanModel
-        from ..model.tiny import TINY_CONFIG
+        from ...model.config import WAN_1_3B
+        from ...model.dit import WanModel
+        from ...model.tiny import TINY_CONFIG
         model = WanModel(TINY_CONFIG if shape == "tiny" else WAN_1_3B)
     return init_tiny_weights(model, args.seed).eval().requires_grad_(False)
 
@@ -120,7 +120,7 @@ class _Models:
 
 
 def _inputs(model, kind: str, frames: int, height: int, width: int, seed: int) -> dict:
-    from .job import latent_frames, latent_size
+    from ..jobs.generate import latent_frames, latent_size
     gen = torch.Generator().manual_seed(seed + 1)
     cfg = model.config
     lf = latent_frames(frames)
@@ -141,16 +141,16 @@ def _inputs(model, kind: str, frames: int, height: int, width: int, seed: int) -
 def _schedule(kind: str):
     """The run's schedule, resolved once (host-side tables): the Matrix-Game-2 preset or 'self_forcing'."""
     if kind == "matrix-game2":
-        from ..sampling.mg2 import resolve_preset
+        from ...sampling.mg2 import resolve_preset
         return resolve_preset("universal")
-    from ..sampling.scheduler import resolve_schedule
+    from ...sampling.scheduler import resolve_schedule
     return resolve_schedule("self_forcing")
 
 
 def _sample(model, kind, inp, v, seed, on_chunk, callback=None):
-    from ..compile import uncompile_model
-    from ..sampling.sampler import generate_latents, sampler_path
-    from .job import compile_for_sampling
+    from ...compile import uncompile_model
+    from ...sampling.sampler import generate_latents, sampler_path
+    from ..jobs.generate import compile_for_sampling
     opts = dict(v.get("options", {}))
     if v.get("compile") is not None and v["path"] == "optimized":
         compile_for_sampling(model, v["compile"])      # kept across repeats (same settings: not recompiled)
@@ -159,7 +159,7 @@ def _sample(model, kind, inp, v, seed, on_chunk, callback=None):
     schedule = inp["schedule"]
     with sampler_path(v["path"], opts if v["path"] == "optimized" else None):
         if kind == "matrix-game2":
-            from ..sampling.mg2 import generate_mg2
+            from ...sampling.mg2 import generate_mg2
             dev = model.device
             mouse = None if inp["mouse"] is None else inp["mouse"].to(dev)
             keyboard = None if inp["keyboard"] is None else inp["keyboard"].to(dev)
@@ -174,7 +174,7 @@ def _sample(model, kind, inp, v, seed, on_chunk, callback=None):
 def _kv_plan(model, kind, inp, v) -> list:
     """Self-attention KV bytes written in each chunk, from the cache's write plan (a meta-device cache: no memory):
     rows the chunk's plan writes x forwards of the chunk x layers x 2 (k and v) x heads x head_dim x element size."""
-    from ..model.kv_cache import KVCache
+    from ...model.kv_cache import KVCache
     cfg = model.config
     ft = (inp["lh"] // cfg.patch_size[1]) * (inp["lw"] // cfg.patch_size[2])
     frames = inp["latent_frames"]
@@ -196,7 +196,7 @@ def _kv_plan(model, kind, inp, v) -> list:
 
 def _count_run(model, kind, inp, v, seed) -> tuple:
     """One untimed run under the dispatch counter: (latents on the CPU, structure figures)."""
-    from ..profiling.dispatch_counts import DispatchCounts
+    from ...profiling.dispatch_counts import DispatchCounts
     with torch.no_grad(), DispatchCounts() as counts:
         out = _sample(model, kind, inp, v, seed, None, callback=counts.step_callback())
     steady = counts.steady_step()
@@ -209,9 +209,9 @@ def _count_run(model, kind, inp, v, seed) -> tuple:
 
 # ----------------------------------------------------------------------------- timing
 def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, width, peak) -> tuple:
-    from ..model import flops as fl
-    from .handle import parse_dtype
-    from .job import _peak_memory, _sync
+    from ...model import flops as fl
+    from ..jobs.handle import parse_dtype
+    from ..jobs.generate import _peak_memory, _sync
     v = VARIANTS[name]
     dtype = parse_dtype(v["dtype"] or run_dtype)
     precision = "float32" if dtype == torch.float32 else v["precision"]
@@ -274,7 +274,7 @@ def _variant_names(args, run_dtype: str) -> list:
 
 def _history(result: dict) -> None:
     try:
-        from ..profiling import history
+        from ...profiling import history
         for r in result["rows"]:
             history.append(history.make_record(
                 "bench", label=f"sampler/{r['variant']}",
@@ -288,8 +288,8 @@ def _history(result: dict) -> None:
 
 
 def run(args) -> int:
-    from ..model import flops as fl
-    from .handle import default_device
+    from ...model import flops as fl
+    from ..jobs.handle import default_device
     device = torch.device(args.device) if args.device else default_device()
     kind = args.model_kind
     shape = args.shape or "tiny"

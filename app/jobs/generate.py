@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .parallel import enable_parallel, parallel_report
+from ..ranks.parallel import enable_parallel, parallel_report
 
 VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
 TINY_DEFAULTS = {"frames": 33, "height": 128, "width": 128}
@@ -62,8 +62,8 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
     path / fast_options / report: see ``sampling.sampler.sample_causal`` (optimized path by default on CUDA).
     oom_retry: 'auto' (CUDA) | 'on' | 'off': on out-of-memory in a chunk, swap more blocks and redo it
     (``memory.sampling_guard``)."""
-    from ..memory.sampling_guard import oom_guard
-    from ..sampling.sampler import generate_latents
+    from ...memory.sampling_guard import oom_guard
+    from ...sampling.sampler import generate_latents
     lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink)
     guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
     return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
@@ -76,7 +76,7 @@ def _latent_geometry(model, width: int, height: int, num_frames: int, frames_per
                      sink: int = 0) -> tuple:
     """(latent frames, latent height, latent width), after the one geometry check of every entry point (4k+1
     frames, multiples of 16, whole blocks, window and sink; its advice passes it)."""
-    from .validate import check_geometry
+    from ..validate import check_geometry
     check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names={"frames": "num_frames"})
     lf = latent_frames(num_frames)
     lh, lw = latent_size(height, width, model.config.patch_size[1:])
@@ -91,8 +91,8 @@ def sample_latents_with_state(model, context, width: int, height: int, num_frame
     frames); with ``state`` (a ``SamplerState``) only the frames after it are sampled, exactly as one long run
     would have. Returns (latents of the new frames [B, n, 16, H/8, W/8], the state after them or None when
     ``keep_state`` is off; kept on ``state_device``, the CPU by default, between prompts)."""
-    from ..memory.sampling_guard import oom_guard
-    from ..sampling.continuation import sample_continuable
+    from ...memory.sampling_guard import oom_guard
+    from ...sampling.continuation import sample_continuable
     lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink)
     batch = int(kwargs.pop("batch", 1))
     guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
@@ -110,13 +110,13 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
     they already are; a reference run removes a regional compile left by an optimized run (it runs eager).
 
     doctor: each accelerated feature the run is about to use is checked on this machine first (once; the verdict
-    is remembered in the limit cache, ``app/doctor.py``); one that failed or was slower is switched off and a
+    is remembered in the limit cache, ``app/doctor/core.py``); one that failed or was slower is switched off and a
     line saying so goes to ``log`` and to ``notes``."""
-    from .doctor_gate import gate_compile, gate_options, gate_swap
-    from ..memory.block_swap import ensure_block_swap, handle_swap_settings
+    from ..doctor.gate import gate_compile, gate_options, gate_swap
+    from ...memory.block_swap import ensure_block_swap, handle_swap_settings
     from .handle import _planned_swap
-    from ..sampling.runner import FastOptions
-    from ..sampling.sampler import PATHS, resolve_path
+    from ...sampling.runner import FastOptions
+    from ...sampling.sampler import PATHS, resolve_path
     if path not in PATHS:
         raise ValueError(f"sampler must be one of {PATHS}, got {path!r}")
     model = handle.model
@@ -131,7 +131,7 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
         ensure_block_swap(model, settings, device=model.device)
     optimized = resolve_path(path, model.device, model=model)[0] != "reference"
     if not optimized:
-        from ..compile import uncompile_model
+        from ...compile import uncompile_model
         if uncompile_model(model) and log is not None:
             log("reference sampler: removed the regional compile of an earlier optimized run")
     else:
@@ -139,7 +139,7 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
         if doctor and compile_settings is not None:
             compile_settings = gate_compile(model, compile_settings, log_fn=log, lines=lines)
             if compile_settings is None:
-                from ..compile import uncompile_model
+                from ...compile import uncompile_model
                 uncompile_model(model)
         compile_for_sampling(model, compile_settings, log=log)
     options = FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels))
@@ -153,10 +153,10 @@ def compile_for_sampling(model, settings, log=None) -> str | None:
     """Regional compile of the blocks for the optimized sampler (None settings: nothing); returns the mode."""
     if settings is None:
         return None
-    from ..compile import uncompile_model
-    from ..compile.apply import compile_handle, compile_model
-    from ..compile.presets import graph_safe_settings
-    from ..compile.settings import coerce_settings
+    from ...compile import uncompile_model
+    from ...compile.apply import compile_handle, compile_model
+    from ...compile.presets import graph_safe_settings
+    from ...compile.settings import coerce_settings
     s = coerce_settings(settings)
     if s.scope != "blocks":
         if log is not None:
@@ -251,14 +251,14 @@ def _resolve(opts: GenerateOptions):
 
 def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None) -> dict:
     """Run the job; progress(chunk, step, num_chunks, num_steps) per step. Returns the report dict.
-    parallel: this rank's ``SeqParallel`` (``app/parallel.py``) to sample sequence-parallel; rank 0 writes the files."""
+    parallel: this rank's ``SeqParallel`` (``app/ranks/parallel.py``) to sample sequence-parallel; rank 0 writes the files."""
     from .handle import load_model_handle
-    from ..sampling.scheduler import resolve_schedule
+    from ...sampling.scheduler import resolve_schedule
     device, dtype, frames, height, width = _resolve(opts)
     t0 = time.perf_counter()
     compile_settings = None
     if opts.compile:
-        from ..compile import CompileSettings
+        from ...compile import CompileSettings
         compile_settings = CompileSettings()
     handle = load_model_handle(opts.checkpoint, dtype, opts.precision, opts.attention, device,
                                num_heads=opts.num_heads, compile_settings=compile_settings)
@@ -283,7 +283,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
         if progress is not None:
             progress(ci, k, nc, ns)
 
-    from ..profiling.session import maybe_profile
+    from ...profiling.session import maybe_profile
     fast_options = sampler_setup(handle, opts.sampler, opts.cuda_graphs, opts.fused_kernels, log=log)
     sampler_report: dict = {}
     if device.type == "cuda":
@@ -326,7 +326,7 @@ def _jsonable(value):
 def _append_history(report: dict, frames: int) -> None:
     """One 'generate' record in the metrics history (never fails the job)."""
     try:
-        from ..profiling import history
+        from ...profiling import history
         mem = report["peak_memory"]
         peak = mem.get("cuda_max_allocated_mb")
         s = report["settings"]

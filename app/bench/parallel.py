@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from ..cache.fingerprint import cpu_name
-from . import bench_sampler as bs
-from .parallel import enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
+from ...cache.fingerprint import cpu_name
+from . import sampler as bs
+from ..ranks.parallel import enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
 
 
 def add_arguments(parser) -> None:
@@ -46,7 +46,7 @@ def _rank_run(sp, opts: dict) -> dict:
     """One rank's (or, sp None, the one process's) timed runs: figures and, on rank 0, the latents."""
     args = argparse.Namespace(**opts)
     device = torch.device(opts["devices"][sp.rank] if sp is not None else opts["devices"][0])
-    from .handle import parse_dtype
+    from ..jobs.handle import parse_dtype
     v = bs.VARIANTS[opts["variant"]]
     dtype = parse_dtype(v["dtype"] or opts["run_dtype"])
     precision = "float32" if dtype == torch.float32 else v["precision"]
@@ -96,7 +96,7 @@ def _sync(device) -> None:
 
 
 def run(args) -> int:
-    from .handle import default_device
+    from ..jobs.handle import default_device
     world = int(args.world_size)
     under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not under_torchrun and world < 2:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, check_heads, enable
+from ...model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, check_heads, enable
 from .parallel import _loopback, start_group, stop_group
 
 POOL_KEY = "rank_pool"          # in ModelHandle.extra
@@ -43,7 +43,7 @@ _BOOT = ("import importlib, importlib.util, sys\n"
          "root, name = sys.argv[1], '_wan_accel_rank'\n"
          "spec = importlib.util.spec_from_file_location(name, root + '/__init__.py', submodule_search_locations=[root])\n"
          "mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)\n"
-         "importlib.import_module(name + '.app.rank_pool').serve(sys.argv[2:])\n")
+         "importlib.import_module(name + '.app.ranks.pool').serve(sys.argv[2:])\n")
 
 
 def _channel():
@@ -64,8 +64,8 @@ def serve(argv: list) -> None:
     _loopback()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
-        from .handle import load_model_handle
-        from .job import sample_latents, sampler_setup
+        from ..jobs.handle import load_model_handle
+        from ..jobs.generate import sample_latents, sampler_setup
         handle = load_model_handle(spec["source"], spec["dtype"], spec["precision"], spec["attention"], device,
                                    num_heads=spec.get("num_heads"))
         outbox.send(("loaded", rank))
@@ -186,7 +186,7 @@ class RankPool:
                **kwargs):
         """``job.sample_latents(model, *args, ...)`` on every rank; rank 0's latents. Any error or interrupt
         tears the workers down before it propagates."""
-        from .job import sample_latents
+        from ..jobs.generate import sample_latents
         self.start(model)
         job = {"args": tuple(_plain(a) for a in args), "kwargs": {k: _plain(v) for k, v in kwargs.items()},
                "path": path, "setup": dict(setup or {})}

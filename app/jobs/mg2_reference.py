@@ -22,7 +22,7 @@ def detect(cfg: dict) -> bool:
 
 def fixture_config(cfg: dict):
     """WanConfig of the fixture (``clip_dim`` is stored at the top level of the JSON)."""
-    from ..model.config import WanConfig
+    from ...model.config import WanConfig
     c = dict(cfg["config"])
     if "clip_dim" in cfg:
         c["clip_dim"] = cfg["clip_dim"]
@@ -30,7 +30,7 @@ def fixture_config(cfg: dict):
 
 
 def load_fixture_model(directory: Path, cfg: dict, device="cpu"):
-    from ..model.loader import load_wan_checkpoint
+    from ...model.loader import load_wan_checkpoint
     return load_wan_checkpoint(Path(directory) / cfg["weights_file"], device=device, dtype=torch.float32,
                                precision="float32", config=fixture_config(cfg), attention="sdpa")
 
@@ -74,8 +74,8 @@ def _call_key(rec: dict) -> str:
 
 
 def run(directory, cfg: dict, device="cpu") -> list:
-    from ..sampling.mg2 import sample_mg2
-    from ..model.kv_cache import KVCache
+    from ...sampling.mg2 import sample_mg2
+    from ...model.kv_cache import KVCache
     from .reference import _calls_row, _load_io, _schedule_from, _schedule_rows, max_abs_diff
     directory = Path(directory)
     model = load_fixture_model(directory, cfg, device)

@@ -11,7 +11,7 @@ import platform
 import time
 from importlib import metadata
 
-from .doctor import Doctor, library_version
+from .core import Doctor, library_version
 
 COLUMNS = ["feature", "available", "verified", "difference", "speed", "why_off", "fix"]
 HEADERS = ["feature", "available", "verified", "difference", "speed vs fallback", "why off", "to turn it on"]

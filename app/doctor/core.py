@@ -1,7 +1,7 @@
 """Doctor: every accelerated path proves itself on this machine before it is trusted, and says so.
 
 Each accelerated feature (an attention backend, a fused kernel, fused q/k/v, CUDA-graph replay, a compiled block,
-block swap) has a probe (``app/doctor_probes.py``): the feature and its plain fallback on a small input shaped like
+block swap) has a probe (``app/doctor/probes.py``): the feature and its plain fallback on a small input shaped like
 the real call (head size, dtype, layout), compared in the real dtype with a tolerance derived from that dtype, and
 timed. The verdict (passed / failed / slower) is stored in the limit cache under the ``doctor`` namespace, keyed by
 the feature and dtype on the cache's machine fingerprint (GPU, capability, driver, CUDA, torch, Triton); the
@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from . import doctor_probes  # noqa: F401 - registers the pack's features
-from .doctor_types import FEATURES, Feature, NotAvailable, Probe, ProbeContext, register_feature
+from . import probes as doctor_probes  # noqa: F401 - registers the pack's features
+from .vocabulary import FEATURES, Feature, NotAvailable, Probe, ProbeContext, register_feature
 
 __all__ = ["Doctor", "Feature", "NotAvailable", "Probe", "ProbeContext", "register_feature", "FEATURES",
            "doctor_for", "default_context", "tolerance"]
@@ -104,7 +104,7 @@ class Doctor:
 
     def __post_init__(self):
         if self.cache is None:
-            from ..cache import LimitCache
+            from ...cache import LimitCache
             self.cache = LimitCache()
         if self.context is None:
             self.context = default_context()
@@ -269,7 +269,7 @@ def doctor_for(device, dtype, head_dim: int = 128, cache=None, timer: Callable |
                **context_kw) -> Doctor:
     """A Doctor whose verdicts live under the fingerprint of ``device`` (the GPU the model runs on);
     ``context_kw``: further ProbeContext fields (with_compile, tokens, ...)."""
-    from ..cache import LimitCache, fingerprint
+    from ...cache import LimitCache, fingerprint
     context = default_context(device, dtype, head_dim, **context_kw)
     if cache is None:
         cache = LimitCache(fingerprint=fingerprint(context.device))

@@ -30,7 +30,7 @@ def tiny_workload(device: str = "cpu", blocks: int = 2, dim: int = 32, tokens: i
     """
     import torch
 
-    from ..kernels import gated_residual, layernorm_modulate
+    from ...kernels import gated_residual, layernorm_modulate
 
     class Block(torch.nn.Module):
         def __init__(self, d: int, heads: int = 2):
@@ -81,8 +81,8 @@ def wan_workload(device: str = "cpu", seed: int = 0, frames: int = 6):
     in chunks of 3 (KV cache, cross-attention cache and all)."""
     import torch
 
-    from ..sampling.sampler import sample_causal
-    from ..model.tiny import tiny_causal_model
+    from ...sampling.sampler import sample_causal
+    from ...model.tiny import tiny_causal_model
 
     model = tiny_causal_model(seed=seed, device=device)
     cfg = model.config
@@ -112,10 +112,10 @@ def _child() -> None:
     t_import = time.perf_counter()
     import torch  # noqa: F401
 
-    from ..cache import LimitCache
-    from ..compile import compat
-    from ..compile.apply import compile_handle, compile_model
-    from ..compile.settings import CompileSettings
+    from ...cache import LimitCache
+    from ...compile import compat
+    from ...compile.apply import compile_handle, compile_model
+    from ...compile.settings import CompileSettings
 
     cache = LimitCache(Path(cfg["cache_dir"]) / "limits.json")
     model, run = workload(cfg.get("model", "standin"), cfg["device"], cfg["blocks"], cfg["dim"])

@@ -1,4 +1,4 @@
-"""The probes of the doctor (``app/doctor.py``): each accelerated feature against its plain fallback.
+"""The probes of the doctor (``app/doctor/core.py``): each accelerated feature against its plain fallback.
 
 Per feature family: the attention backends (SDPA against plain softmax math; FlashAttention 3 / 2 against SDPA),
 the fused Triton kernels against their torch references (compiled on CUDA, interpreted on a CPU under
@@ -12,11 +12,11 @@ import importlib
 
 import torch
 
-from ..kernels import _common, norm_modulate, qk_norm_rope, residual, use_triton
-from ..model import attention as attn
-from ..model import fused_qkv as fq
-from ..model.blocks import WanSelfAttention, _project
-from .doctor_types import Feature, NotAvailable, Probe, ProbeContext, register_feature
+from ...kernels import _common, norm_modulate, qk_norm_rope, residual, use_triton
+from ...model import attention as attn
+from ...model import fused_qkv as fq
+from ...model.blocks import WanSelfAttention, _project
+from .vocabulary import Feature, NotAvailable, Probe, ProbeContext, register_feature
 
 
 def _rand(ctx: ProbeContext, *shape, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -154,8 +154,8 @@ def _check_fused_qkv(ctx: ProbeContext) -> Probe:
 
 # ----------------------------------------------------------------------------------------------- whole chunks
 def _probe_model(ctx: ProbeContext):
-    from ..model.config import WanConfig
-    from ..model.tiny import TINY_CONFIG, tiny_causal_model
+    from ...model.config import WanConfig
+    from ...model.tiny import TINY_CONFIG, tiny_causal_model
     cfg = WanConfig.from_dict(dict(TINY_CONFIG.to_dict(), dim=_dim(ctx), ffn_dim=2 * _dim(ctx),
                                    num_heads=ctx.heads, text_dim=64))
     return tiny_causal_model(0, ctx.device, ctx.dtype, config=cfg)
@@ -167,8 +167,8 @@ CHUNK_ULPS = 64     # a whole chunk (every block, two steps) accumulates more ro
 
 def _chunk(model, ctx: ProbeContext, **options):
     """One chunk (3 latent frames, 16x16 latents: 192 tokens) of the optimized path."""
-    from ..sampling.runner import FastOptions
-    from ..sampling.sampler import generate_latents
+    from ...sampling.runner import FastOptions
+    from ...sampling.sampler import generate_latents
     context = torch.randn(1, model.config.text_len, model.config.text_dim,
                           generator=torch.Generator().manual_seed(15)).to(ctx.device)
     opts = FastOptions(fused_kernels=False, keep_buffers=True, **{"cuda_graphs": "off", **options})
@@ -196,8 +196,8 @@ def _needs_compile(ctx: ProbeContext) -> None:
 
 def _check_compile(ctx: ProbeContext) -> Probe:
     _needs_compile(ctx)
-    from ..compile.apply import compile_model
-    from ..compile.settings import CompileSettings
+    from ...compile.apply import compile_model
+    from ...compile.settings import CompileSettings
     compiled, eager = _probe_model(ctx), _probe_model(ctx)
     compile_model(compiled, CompileSettings(backend=ctx.compile_backend or "inductor", scope="blocks",
                                             warm_start=False))
@@ -207,7 +207,7 @@ def _check_compile(ctx: ProbeContext) -> Probe:
 
 
 def _check_swap(ctx: ProbeContext) -> Probe:
-    from ..memory.block_swap import apply_block_swap, SwapSettings
+    from ...memory.block_swap import apply_block_swap, SwapSettings
     swapped, resident = _probe_model(ctx), _probe_model(ctx)
     apply_block_swap(swapped, SwapSettings(blocks_to_swap=1, prefetch=1), device=ctx.device)
     return Probe(lambda: _chunk(swapped, ctx), lambda: _chunk(resident, ctx), ctx.dtype, judge_speed=False,

@@ -3,7 +3,7 @@
 ``gate_options`` checks (probing once per machine) each feature the optimized path is about to use for this model
 (its device, dtype and head size) and returns FastOptions whose ``switched_off`` names the ones that are not
 trusted, with one line per feature for the console and the node's text. ``gate_compile`` and ``gate_swap`` do the
-same for the compile and the block swap that ``app/job.sampler_setup`` applies; ``gated_sampling`` routes callers
+same for the compile and the block swap that ``app/jobs/generate.sampler_setup`` applies; ``gated_sampling`` routes callers
 that take no FastOptions (the Matrix-Game-2 loop).
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ import logging
 
 import torch
 
-from ..model.attention import explain_backend
-from ..sampling.runner import FastOptions, graphs_device, kernels_part
-from ..sampling.sampler import sampler_path
-from .doctor import Doctor, doctor_for
+from ...model.attention import explain_backend
+from ...sampling.runner import FastOptions, graphs_device, kernels_part
+from ...sampling.sampler import sampler_path
+from .core import Doctor, doctor_for
 
 log = logging.getLogger("wan_accel")
 

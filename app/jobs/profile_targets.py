@@ -53,10 +53,10 @@ def load_model(target: ProfileTarget):
     """The tiny built-in model, or the checkpoint (safetensors) when given."""
     dtype = torch_dtype(target.dtype)
     if target.checkpoint:
-        from ..model.loader import load_wan_checkpoint
+        from ...model.loader import load_wan_checkpoint
 
         return load_wan_checkpoint(target.checkpoint, device=target.device, dtype=dtype)
-    from ..model.tiny import tiny_causal_model
+    from ...model.tiny import tiny_causal_model
 
     return tiny_causal_model(seed=target.seed, device=target.device, dtype=dtype)
 
@@ -78,7 +78,7 @@ def make_inputs(model, target: ProfileTarget) -> dict:
 
 def sampler_call(model, target: ProfileTarget, inputs: dict):
     """A zero-argument callable running the causal sampler once on ``inputs``."""
-    from ..sampling.sampler import sample_causal
+    from ...sampling.sampler import sample_causal
 
     import torch
 
@@ -104,8 +104,8 @@ def apply_compile(model, mode: str):
         for block in model.blocks:
             block.compile(backend="aot_eager")
         return model
-    from ..compile import CompileSettings
-    from ..compile.apply import compile_model
+    from ...compile import CompileSettings
+    from ...compile.apply import compile_model
 
     backend = "eager" if mode == "eager" else "inductor"
     settings = CompileSettings(backend=backend, mode="default" if backend == "eager" else mode, scope="blocks")
@@ -156,7 +156,7 @@ def _capture_first_call(model, target: ProfileTarget, scope: str):
 
 
 def explain_model(scope: str = "block", **target_kwargs):
-    """Explain factory (``package_target("app.profile_targets:explain_model")``): the first transformer block
+    """Explain factory (``package_target("app.jobs.profile_targets:explain_model")``): the first transformer block
     call (scope 'block', what regional compile compiles) or the first chunk call (scope 'model')."""
     target = ProfileTarget(**target_kwargs).resolved()
     model = load_model(target)

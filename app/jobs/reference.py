@@ -38,8 +38,8 @@ def _load_io(directory: Path, cfg: dict) -> dict:
 
 
 def _load_model(directory: Path, cfg: dict, device):
-    from ..model.config import WanConfig
-    from ..model.loader import load_wan_checkpoint
+    from ...model.config import WanConfig
+    from ...model.loader import load_wan_checkpoint
     config = WanConfig.from_dict(cfg["config"])
     return load_wan_checkpoint(directory / cfg["weights_file"], device=device, dtype=torch.float32,
                                precision="float32", config=config, attention="sdpa")
@@ -93,7 +93,7 @@ def _detect_causal(cfg: dict) -> bool:
 
 
 def _schedule_from(cfg: dict):
-    from ..sampling.scheduler import resolve_schedule
+    from ...sampling.scheduler import resolve_schedule
     s = cfg["sampler"]
     return resolve_schedule("custom", steps=s["denoising_step_list_config"], shift=s["timestep_shift"],
                             warp=s.get("warp_denoising_step", True),
@@ -153,8 +153,8 @@ def _kv_rows(kv, io: dict) -> list:
 
 
 def _run_causal(directory: Path, cfg: dict, device) -> list:
-    from ..model.kv_cache import KVCache
-    from ..sampling.sampler import sample_causal
+    from ...model.kv_cache import KVCache
+    from ...sampling.sampler import sample_causal
     model = _load_model(directory, cfg, device)
     io = _load_io(directory, cfg)
     s, c = cfg["sampler"], model.config

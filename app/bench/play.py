@@ -38,10 +38,10 @@ def add_arguments(p) -> None:
 
 
 def _model(args, device, dtype):
-    from .handle import parse_dtype
-    from .mg2_job import load_mg2_handle
-    from ..model.config import WanConfig
-    from ..model.mg2_model import tiny_mg2_model
+    from ..jobs.handle import parse_dtype
+    from ..jobs.mg2 import load_mg2_handle
+    from ...model.config import WanConfig
+    from ...model.mg2_model import tiny_mg2_model
 
     if args.checkpoint:
         return load_mg2_handle(args.checkpoint, dtype, "self_forcing", "auto", device).model
@@ -59,8 +59,8 @@ def _sync(device) -> None:
 
 
 def _run_mode(model, image, tokens, keys, in_place: bool, warmup: int, chunks: int, device) -> dict:
-    from .play import PlaySession
-    from ..profiling.dispatch_counts import DispatchCounts
+    from ..play.registry import PlaySession
+    from ...profiling.dispatch_counts import DispatchCounts
 
     play = PlaySession(model, image, tokens, seed=0, in_place=in_place)
     times, peaks = [], []
@@ -92,8 +92,8 @@ def _mb(n) -> str:
 
 
 def run(args, out=print) -> int:
-    from .validate import UsageError, check_int, check_pixels
-    from ..sampling.actions_script import MODES
+    from ..validate import UsageError, check_int, check_pixels
+    from ...sampling.actions_script import MODES
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -39,7 +39,7 @@ def _inputs(name, b, l, d, heads, frames, dtype, device):
 
 
 def _kernels():
-    from ..kernels import (gated_residual, gated_residual_reference, layernorm_modulate, layernorm_modulate_reference,
+    from ...kernels import (gated_residual, gated_residual_reference, layernorm_modulate, layernorm_modulate_reference,
                    rmsnorm_rope, rmsnorm_rope_reference)
 
     return (("layernorm_modulate", layernorm_modulate, layernorm_modulate_reference),
@@ -59,7 +59,7 @@ def _sanity_child() -> None:
     """Runs in a process started with TRITON_INTERPRET=1: every kernel vs its reference, one JSON line."""
     import torch
 
-    from ..kernels._common import triton_module, use_triton
+    from ...kernels._common import triton_module, use_triton
 
     if triton_module() is None:
         rows = [{"kernel": name, "skipped": "triton not importable"} for name, _, _ in _kernels()]
@@ -111,7 +111,7 @@ def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
     import torch
     from triton.testing import do_bench
 
-    from ..cache.autotune import get_autotuner, reset_autotuners
+    from ...cache.autotune import get_autotuner, reset_autotuners
 
     dtype = getattr(torch, dtype_name)
     rows = []
@@ -151,7 +151,7 @@ def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
 def run(args) -> int:
     import torch
 
-    from ..kernels._common import triton_module
+    from ...kernels._common import triton_module
 
     if not torch.cuda.is_available() or triton_module() is None:
         rows = sanity_pass()

@@ -40,7 +40,7 @@ def load_mg2_handle(checkpoint=None, dtype="bf16", precision="self_forcing", att
     """ModelHandle of a Matrix-Game-2 checkpoint, or of the tiny model (action layout ``mode``) for None / the
     tiny name."""
     from .handle import TINY_NAME, ModelHandle, default_device, load_model_handle, parse_dtype
-    from ..model.mg2_model import MatrixGameModel, tiny_mg2_model
+    from ...model.mg2_model import MatrixGameModel, tiny_mg2_model
     device = torch.device(device) if device is not None else default_device()
     if checkpoint in (None, "", TINY_NAME):
         torch_dtype = parse_dtype(dtype)
@@ -73,16 +73,16 @@ def _conditioning(opts: MG2Options, model, device):
 
 def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) -> dict:
     """Run the job; progress(chunk, num_chunks) per chunk. Returns the report dict. parallel: this rank's
-    ``SeqParallel`` to sample sequence-parallel (``app/parallel.py``); rank 0 writes the files."""
-    from .parallel import enable_parallel, parallel_report
-    from ..sampling.actions_script import parse_action_script
-    from .job import ChunkTimer, _peak_memory, _sync, _write_outputs, _write_report
-    from ..sampling.mg2 import generate_mg2, resolve_preset
-    from .doctor_gate import gated_sampling
+    ``SeqParallel`` to sample sequence-parallel (``app/ranks/parallel.py``); rank 0 writes the files."""
+    from ..ranks.parallel import enable_parallel, parallel_report
+    from ...sampling.actions_script import parse_action_script
+    from .generate import ChunkTimer, _peak_memory, _sync, _write_outputs, _write_report
+    from ...sampling.mg2 import generate_mg2, resolve_preset
+    from ..doctor.gate import gated_sampling
     from .handle import default_device
     device = torch.device(opts.device) if opts.device else default_device()
     dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    from ..sampling.scheduler import parse_steps
+    from ...sampling.scheduler import parse_steps
     steps = parse_steps(opts.steps) if opts.steps else None
     settings = resolve_preset(opts.preset, steps=steps, shift=opts.shift, window=opts.window)
     actions = parse_action_script(opts.actions, settings.mode)
