@@ -109,11 +109,24 @@ def limits_payload(cache=None, max_entries: int = MAX_ENTRIES_PER_NAMESPACE) -> 
     return {
         "path": str(cache.path),
         "notices": notices,
+        "set_aside": set_aside_payload(cache),
         "fingerprint_id": fid,
         "fingerprint": dict(cache.fingerprint),
         "known_namespaces": list(KNOWN_NAMESPACES),
         "namespaces": [spaces[k] for k in sorted(spaces)],
     }
+
+
+def set_aside_payload(cache) -> dict:
+    """``{"path", "count", "items": [{namespace, fingerprint, key, entry, reason, time, summary}]}``: the entries
+    set aside from the cache because they could not be used (the newest MAX_ENTRIES_PER_NAMESPACE)."""
+    try:
+        items = cache.set_aside()
+        path = str(cache.set_aside_path)
+    except Exception as exc:  # noqa: BLE001 - a side file that cannot be read must not cost the page
+        return {"path": None, "count": 0, "items": [], "error": f"{type(exc).__name__}: {exc}"}
+    shown = [dict(i, summary=summarize_value(i.get("entry"))) for i in items[-MAX_ENTRIES_PER_NAMESPACE:]]
+    return {"path": path, "count": len(items), "items": shown}
 
 
 def parse_clear_body(body) -> str | None:
@@ -168,6 +181,7 @@ def _doctor(doctor):
     import torch
 
     from .app.doctor.core import doctor_for
+    from .nodes import native_probe  # noqa: F401 - registers the native MODEL path's probe with the doctor
 
     return doctor_for("cuda" if torch.cuda.is_available() else "cpu", None)
 
@@ -177,7 +191,8 @@ def _doctor_answer(doctor, rows) -> dict:
 
     keep = ("feature", "summary", "available", "verified", "status", "difference", "speed", "why_off", "fix")
     return {"machine": machine_line(doctor), "fingerprint_id": doctor.cache.fingerprint_id,
-            "features": [{k: r[k] for k in keep} for r in rows]}
+            "features": [{k: r.get(k) for k in keep} for r in rows],
+            "set_aside": set_aside_payload(doctor.cache)}
 
 
 def doctor_payload(doctor=None) -> dict:
@@ -237,14 +252,52 @@ def play_end(body, registry=None) -> dict:
     return dict(play.describe(), session=body["session"])
 
 
+def _refuse_constant(text: str):
+    raise ValueError(f"{text} is not a JSON number")
+
+
 def decode_json_body(raw: bytes):
-    """Decode a request body, raising :class:`RequestError` for anything that is not small UTF-8 JSON."""
+    """Decode a request body, raising :class:`RequestError` for anything that is not small UTF-8 JSON: too large,
+    not UTF-8, not JSON, nested too deeply, or holding NaN/Infinity (which JSON does not have)."""
     if len(raw) > MAX_BODY_BYTES:
-        raise RequestError(f"body too large ({len(raw)} bytes)")
+        raise RequestError(f"body too large ({len(raw)} bytes; at most {MAX_BODY_BYTES})")
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise RequestError("body is nested too deeply to be a request of this page") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, NaN/Infinity, an over-long integer
         raise RequestError(f"body is not valid JSON ({exc})") from None
+
+
+def _finite(value):
+    """``value`` with non-finite floats as None, so an answer is always valid JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_answer(value):
+    """A route's answer as strict JSON can carry it: a NaN or an infinity becomes null."""
+    try:
+        json.dumps(value, allow_nan=False, default=str)
+        return value
+    except ValueError:
+        return _finite(value)
+
+
+async def _read_body(request) -> bytes:
+    """The request body; one announced larger than MAX_BODY_BYTES is refused without being read."""
+    length = getattr(request, "content_length", None)
+    if isinstance(length, int) and length > MAX_BODY_BYTES:
+        raise RequestError(f"body too large ({length} bytes; at most {MAX_BODY_BYTES})")
+    try:
+        return await request.read()
+    except Exception as exc:  # noqa: BLE001 - aiohttp's own size limit, a dropped connection: the client's side
+        raise RequestError(f"body could not be read ({type(exc).__name__}: {exc})") from None
 
 
 # ---------------------------------------------------------------------------------------------- aiohttp face
@@ -259,8 +312,8 @@ def _make_handlers(web):
         anything else HTTP 500 with the error named (the server never goes down for a route)."""
         async def handler(request):
             try:
-                args = (decode_json_body(await request.read()),) if with_body else ()
-                return web.json_response(await _call(fn, *args))
+                args = (decode_json_body(await _read_body(request)),) if with_body else ()
+                return web.json_response(strict_answer(await _call(fn, *args)))
             except RequestError as exc:
                 return web.json_response({"error": str(exc)}, status=400)
             except Exception as exc:  # noqa: BLE001 - report, never take the server down

@@ -298,3 +298,99 @@ def friendly_numbers(parser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 friendly_numbers(sub)
+
+
+# ------------------------------------------------------------------------------------------------- memory
+def device_memory(device=None) -> tuple[int, str]:
+    """(bytes a run may allocate, the device's memory in words): free CUDA memory of a CUDA device, else the
+    available host RAM (memory/system.py), either capped by ``WAN_ACCEL_MEMORY_LIMIT_GB``."""
+    from ..memory.system import MEMORY_LIMIT_ENV, detect_system, gib, memory_limit
+
+    system = detect_system(device)
+    limit = memory_limit()
+    note = "" if limit is None else f" ({MEMORY_LIMIT_ENV} {limit / 1024 ** 3:g})"
+    if system.has_gpu:
+        # What this process already holds (another model ComfyUI can unload, a cache the OOM retry can drop) is
+        # counted as available: only a run that cannot fit even then is refused.
+        import torch
+        held = int(torch.cuda.memory_allocated(system.device_index))
+        budget = system.free_vram if limit is not None and system.free_vram == limit else system.free_vram + held
+        capped = note if system.free_vram == limit else ""
+        also = f" (+{gib(held)} this process holds and can release)" if held and not capped else ""
+        return budget, (f"cuda:{system.device_index} ({system.gpu_name}) has {gib(system.free_vram)} free{also} "
+                        f"of {gib(system.total_vram)}{capped}")
+    capped = note if system.host_ram_available == limit else ""
+    return system.host_ram_available, (f"the CPU has {gib(system.host_ram_available)} of RAM available (of "
+                                       f"{gib(system.host_ram_total)}){capped}")
+
+
+def check_fits(model_config: dict, frames, height, width, *, device=None, frames_per_block=3, kv_window=-1,
+               batch=1, dtype: str | None = None, weight_bytes: int = 0, names: dict | None = None,
+               window_option: bool = True, world: int = 1) -> None:
+    """Refuse a sampling run whose estimated peak (latents, KV cache, activations and weights still to load;
+    ``memory/estimate.py``) exceeds the device's memory, before any tensor is made. The message gives the estimate,
+    the device's free/total (CUDA) or available RAM (CPU) and the settings that would fit. Every sampler entry
+    point (command line, nodes, ``sample_latents``) calls it with its own input names; ``world``: ranks of a
+    sequence-parallel run (the estimate is one rank's). Arithmetic and one memory query: cheap to repeat."""
+    from ..memory.estimate import fit_problem
+
+    budget, where = device_memory(device)
+    cuda = where.startswith("cuda")
+    dtype = normalize_dtype("dtype", dtype, quiet=True) or ("bf16" if cuda else "fp32")   # the runs' defaults
+    elem = 4 if dtype == "fp32" else 2
+    problem = fit_problem(model_config, int(frames), int(height), int(width), budget, where,
+                          frames_per_block=int(frames_per_block), kv_window=int(kv_window), batch=int(batch),
+                          elem_bytes=elem, weight_bytes=int(weight_bytes), names=names,
+                          window_option=window_option, swap_option=cuda, world=int(world))
+    if problem:
+        raise UsageError(problem)
+
+
+def check_decode_fits(name: str, latent_shape, time_ratio: int = VAE_TIME_STRIDE,
+                      space_ratio: int = VAE_SPACE_STRIDE) -> None:
+    """Refuse decoding a video latent [B, C, T, h, w] whose decoded frames (float32 RGB, kept in host RAM) exceed
+    the available RAM, before the first chunk; the message gives the size, the RAM and the latent frames that fit."""
+    from ..memory.estimate import decoded_video_bytes
+
+    b, _, t, h, w = (int(v) for v in latent_shape)
+    budget, where = device_memory("cpu")
+
+    def need(frames: int) -> int:
+        return decoded_video_bytes(frames, h, w, b, time_ratio, space_ratio)
+
+    if need(t) <= budget:
+        return
+    fit = max((f for f in range(t - 1, 0, -1) if need(f) <= budget), default=0)
+    fix = (f"decode at most {fit} latent frames at a time (split the latent) or lower the resolution" if fit
+           else "lower the resolution")
+    raise UsageError(f"{name}: {t} latent frames at {w * space_ratio}x{h * space_ratio} decode to about "
+                     f"{need(t) / 1024 ** 3:.2f} GiB of frames but {where}; {fix}. Nothing was decoded")
+
+
+def check_schedule_args(preset: str, steps=None, shift=None, warp=None, *, names: dict | None = None) -> None:
+    """A preset, step list and shift that give a finite schedule (the computed timesteps checked too: a tiny shift
+    gives inf); UsageError names the input."""
+    from ..sampling.scheduler import PRESET_NAMES, ScheduleError, resolve_schedule
+
+    n = {"preset": "preset", "steps": "steps", "shift": "shift", **(names or {})}
+    if preset not in PRESET_NAMES:
+        raise UsageError(f"{n['preset']} must be one of {', '.join(PRESET_NAMES)}, got {preset!r}")
+    if steps is not None:
+        check_steps(n["steps"], steps if isinstance(steps, str) else ",".join(str(s) for s in steps))
+    if shift is not None:
+        check_float(n["shift"], shift, 0.0, 100.0, lo_open=True)
+    try:
+        resolve_schedule(preset, steps, shift, warp)
+    except ScheduleError as exc:
+        name = n["shift"] if shift is not None and "shift" in str(exc) else n["steps"]
+        raise UsageError(f"{name}: {exc}") from None
+
+
+def check_sigma_list(name: str, sigmas) -> list:
+    """A sigma list (ComfyUI SIGMAS or a Python list): finite, decreasing within (0, 1], ending in 0."""
+    from ..sampling.scheduler import ScheduleError, check_sigmas
+
+    try:
+        return check_sigmas(sigmas, name)
+    except ScheduleError as exc:
+        raise UsageError(str(exc)) from None

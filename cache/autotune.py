@@ -35,6 +35,8 @@ import threading
 import time
 from typing import Callable, Iterable
 
+from .store import register_shape
+
 log = logging.getLogger("wan_accel.autotune")
 
 NAMESPACE = "operator"
@@ -439,6 +441,32 @@ def _merge(old, kernel, key, policy, measured, new_failed, last_working) -> dict
     new["metric"] = METRIC
     new["timestamp"] = time.time()
     return new
+
+
+# ----------------------------------------------------------------------------- the stored shape
+def operator_shape(value: dict) -> None:
+    """The fields ``tune`` reads from a stored entry; anything else makes the entry set aside (store.register_shape)."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    timings = value.get("timings", {})
+    if not isinstance(timings, dict) or not all(number(ms) for ms in timings.values()):
+        raise ValueError("'timings' must map config ids to finite numbers")
+    failed = value.get("failed", {})
+    if not isinstance(failed, dict) or not all(isinstance(f, dict) and isinstance(f.get("error", {}), dict)
+                                               for f in failed.values()):
+        raise ValueError("'failed' must map config ids to objects with an 'error' object")
+    best = value.get("best")
+    if best is not None and not (isinstance(best, dict) and (best.get("ms") is None or number(best["ms"]))):
+        raise ValueError("'best' must be null or an object whose 'ms' is a finite number")
+    for name in ("last_working", "configs"):
+        if value.get(name) is not None and not isinstance(value[name], dict):
+            raise ValueError(f"{name!r} must be an object or null")
+    if not isinstance(value.get("locked", False), bool):
+        raise ValueError("'locked' must be true or false")
+
+
+register_shape(NAMESPACE, operator_shape)
 
 
 # ----------------------------------------------------------------------------- the shared instance

@@ -21,13 +21,16 @@ once, naming the file and the reason, and keeps the change in memory. Only the e
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import errno
 import json
 import math
 import os
 import re
+import socket
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -47,6 +50,10 @@ SCHEMA_VERSION = 1
 FILE_KIND = "wan_accel.limit_cache"
 DEFAULT_MAX_ENTRIES = 4096  # per namespace, over all fingerprints
 LOCK_TIMEOUT_S = 120.0
+LOCK_NOTICE_S = 1.0       # a lock still held after this long is announced (who holds it), then waited for
+SET_ASIDE_SUFFIX = ".set-aside.json"
+SET_ASIDE_KIND = "wan_accel.limit_cache.set_aside"
+MAX_SET_ASIDE = 1000      # the side file keeps the newest items
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 KNOWN_NAMESPACES = ("operator", "compile", "memory", "sampler", "doctor")
 
@@ -56,6 +63,30 @@ MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
 
 class CacheFormatError(ValueError):
     """The file on disk is not a limit cache this version can read."""
+
+
+# namespace -> check(value) for the entries of that namespace (see register_shape)
+_SHAPES: dict[str, Callable[[dict], object]] = {}
+_SHAPES_GEN = [0]   # bumped by register_shape: a cache read before re-validates
+
+
+def register_shape(namespace: str, check: Callable[[dict], object]) -> None:
+    """Register the shape of the values stored under ``namespace``.
+
+    ``check(value)`` receives an entry's ``value`` (already known to be a JSON object holding only finite
+    numbers) and either raises ``ValueError``/``TypeError`` with the reason, or returns a reason string when the
+    value is unusable; it returns None (or anything falsy) when the value is fine. The store checks the common
+    entry fields itself (``created``/``updated``/``last_used`` finite numbers, ``hits`` a non-negative integer,
+    ``value`` an object). An entry whose value fails its namespace's check is set aside alone (kept in
+    ``<cache>.set-aside.json`` with the reason) and never returned by ``get``; every other entry stays in use.
+    Registering again replaces the previous check. Call it at import time of the module that writes the
+    namespace (cache/ may not import upper floors, so the upper floor registers)."""
+    if not isinstance(namespace, str) or not NAMESPACE_RE.match(namespace):
+        raise ValueError(f"namespace {namespace!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    if not callable(check):
+        raise TypeError(f"register_shape({namespace!r}, ...): check must be callable")
+    _SHAPES[namespace] = check
+    _SHAPES_GEN[0] += 1
 
 
 def _empty() -> dict:
@@ -77,8 +108,127 @@ def _check_json_value(value, where: str) -> None:
         raise ValueError(f"{where}: {type(value).__name__} is not JSON-serialisable")
 
 
-def _validate(data) -> dict:
-    """Return schema-current data or raise CacheFormatError saying what is wrong."""
+class _Unusable:
+    """A number the strict format refuses (NaN, Infinity, 1e999, an integer too long to read), found by the
+    lenient parse; ``text`` is how the file spelled it. An entry holding one is set aside."""
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _parse_int(text: str):
+    try:
+        return int(text)
+    except ValueError:  # longer than Python reads by default
+        return _Unusable(text[:40] + ("..." if len(text) > 40 else ""))
+
+
+def loads_lenient(text: str):
+    """json.loads that reads NaN, Infinity and -Infinity as :class:`_Unusable` markers (a number beyond float
+    range reads as inf, an integer too long to read as a marker), so the entries holding them can be found and
+    set aside one by one."""
+    try:
+        return json.loads(text, parse_constant=_Unusable)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # an integer longer than Python reads by default: read again, marking it
+        return json.loads(text, parse_constant=_Unusable, parse_int=_parse_int)
+
+
+def _all_finite(data) -> bool:
+    """True when ``data`` holds no unusable number (checked at C speed; the slow search runs only otherwise)."""
+    try:
+        json.dumps(data, allow_nan=False, check_circular=False)
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return True
+
+
+def _unusable_in(value, where: str = "") -> str | None:
+    """'non-finite number NaN at value.size' for the first unusable number inside ``value``, else None."""
+    stack = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, _Unusable):
+            return f"non-finite number {item.text} at {at or 'the top'}"
+        if isinstance(item, float) and not math.isfinite(item):
+            return f"non-finite number {item!r} at {at or 'the top'}"
+        if isinstance(item, dict):
+            stack.extend((v, f"{at}.{k}" if at else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+    return None
+
+
+def _plain(value):
+    """``value`` with unusable numbers written as their text, so it can be stored as strict JSON."""
+    if isinstance(value, _Unusable):
+        return value.text
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def entry_problem(namespace: str, entry, numbers_checked: bool = False) -> str | None:
+    """Why a stored entry cannot be used (common fields, unusable numbers, its namespace's shape), else None.
+    ``numbers_checked``: the caller knows the entry holds no unusable number."""
+    if not isinstance(entry, dict):
+        return f"the entry is a JSON {type(entry).__name__}, not an object"
+    bad = None if numbers_checked else _unusable_in(entry)
+    if bad:
+        return bad
+    if not isinstance(entry.get("value"), dict):
+        return "'value' is missing or not an object"
+    for field in ("created", "updated", "last_used"):
+        v = entry.get(field, 0)
+        if type(v) not in (int, float) or not (numbers_checked or math.isfinite(v)):
+            return f"{field!r} is {v!r:.60}, not a number"
+    hits = entry.get("hits", 0)
+    if type(hits) is not int or hits < 0:
+        return f"'hits' is {hits!r}, not a non-negative integer"
+    return shape_problem(namespace, entry["value"])
+
+
+def shape_problem(namespace: str, value: dict) -> str | None:
+    """The reason the namespace's registered check (see register_shape) gives for ``value``, else None."""
+    check = _SHAPES.get(namespace)
+    if check is None:
+        return None
+    try:
+        reason = check(value)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        return str(exc) or type(exc).__name__
+    return str(reason) if reason else None
+
+
+def _set_aside_item(namespace, fid, key, raw, reason: str) -> dict:
+    try:
+        raw = _plain(raw)
+    except RecursionError:
+        raw = "(nested too deeply to keep)"
+    return {"namespace": namespace, "fingerprint": fid, "key": key, "entry": raw, "reason": reason,
+            "time": time.time()}
+
+
+def _validate(data) -> tuple[dict, list[dict]]:
+    """Schema-current data and the items set aside from it; CacheFormatError when the file as a whole is not a
+    limit cache (not an object, wrong kind or schema, 'fingerprints'/'namespaces' not objects).
+
+    Damage below that level costs only the damaged part: an entry with wrong types or an unusable number, a
+    fingerprint record that is not an object, a namespace or fingerprint group that is not an object is removed
+    from use and returned as a set-aside item (namespace, fingerprint, key, the raw entry, the reason)."""
     if not isinstance(data, dict):
         raise CacheFormatError(f"top level is a JSON {type(data).__name__}, expected an object")
     if data.get("kind") != FILE_KIND:
@@ -97,26 +247,95 @@ def _validate(data) -> dict:
     fps, spaces = data.get("fingerprints"), data.get("namespaces")
     if not isinstance(fps, dict) or not isinstance(spaces, dict):
         raise CacheFormatError("'fingerprints' and 'namespaces' must be objects")
-    for ns, by_fp in spaces.items():
+    aside: list[dict] = []
+    finite = _all_finite(data)
+    for name in [k for k in data if k not in ("kind", "schema", "fingerprints", "namespaces")]:
+        bad = None if finite else _unusable_in(data[name])
+        if bad:
+            aside.append(_set_aside_item(None, None, name, data.pop(name), f"top-level field {name!r}: {bad}"))
+    for fid in list(fps):
+        record = fps[fid]
+        reason = (f"the fingerprint record is a JSON {type(record).__name__}, not an object"
+                  if not isinstance(record, dict) else None if finite else _unusable_in(record))
+        if reason:
+            aside.append(_set_aside_item(None, fid, None, fps.pop(fid), f"fingerprint {fid}: {reason}"))
+    for ns in list(spaces):
+        by_fp = spaces[ns]
         if not isinstance(by_fp, dict):
-            raise CacheFormatError(f"namespace {ns!r} must be an object")
-        for fid, entries in by_fp.items():
+            aside.append(_set_aside_item(ns, None, None, spaces.pop(ns),
+                                         f"namespace {ns!r} is a JSON {type(by_fp).__name__}, not an object"))
+            continue
+        for fid in list(by_fp):
+            entries = by_fp[fid]
             if not isinstance(entries, dict):
-                raise CacheFormatError(f"namespace {ns!r}, fingerprint {fid!r} must be an object")
-            for key, entry in entries.items():
-                if not (isinstance(entry, dict) and isinstance(entry.get("value"), dict)):
-                    raise CacheFormatError(f"entry {ns}/{key} has no object 'value'")
-                for field in ("created", "updated", "last_used", "hits"):
-                    if not isinstance(entry.get(field, 0), (int, float)):
-                        raise CacheFormatError(f"entry {ns}/{key}: {field!r} is not a number")
-    return data
+                aside.append(_set_aside_item(ns, fid, None, by_fp.pop(fid), f"the entries of fingerprint {fid} "
+                                             f"are a JSON {type(entries).__name__}, not an object"))
+                continue
+            for key in list(entries):
+                try:
+                    reason = entry_problem(ns, entries[key], numbers_checked=finite)
+                except RecursionError:
+                    reason = "nested too deeply"
+                if reason:
+                    aside.append(_set_aside_item(ns, fid, key, entries.pop(key), reason))
+    return data, aside
+
+
+def _refuse_constant(text: str):
+    raise ValueError(f"non-finite number {text}")
+
+
+def _item_id(item: dict) -> str:
+    return json.dumps([item.get("namespace"), item.get("fingerprint"), item.get("key"), item.get("entry"),
+                       item.get("reason")], sort_keys=True, default=str)
+
+
+def _count(n: int) -> str:
+    return "1 entry" if n == 1 else f"{n} entries"
+
+
+def _atomic_write(path: Path, blob: bytes, durable: bool = True) -> None:
+    """Write ``blob`` to ``path`` through a temporary file in the same folder, fsync (when ``durable``) and
+    os.replace."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise CacheUnavailableError(f"{path} is not a regular file; the limit cache writes only its own files")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(blob)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if not durable:
+        return
+    try:  # make the rename itself durable
+        dfd = os.open(str(path.parent), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
 
 
 _LIVE: "weakref.WeakSet[LimitCache]" = weakref.WeakSet()
+_HOST = socket.gethostname()
 
 
-def _warn_once(path, what: str, message: str) -> None:
-    warn_once(path, what, message, stacklevel=4)
+def _warn_once(path, what: str, message: str) -> bool:
+    return warn_once(path, what, message, stacklevel=4)
 
 
 class LimitCache:
@@ -140,6 +359,9 @@ class LimitCache:
         self._write_error: str | None = None    # why the last write could not reach the disk
         self._unsaved: dict | None = None       # this process's view while writes fail (kept in memory)        # why the file on disk may not be replaced (not the cache's own)
         self.quarantined: list[dict] = []       # files this instance moved aside: path, moved_to, reason, time
+        self._aside_now: list[dict] = []        # entries of the file last read that were set aside
+        self._aside_unsaved: list[dict] = []    # set-aside items the side file could not take
+        self.set_aside_announced = False        # this instance warned about newly set-aside entries
         _LIVE.add(self)
 
     # ---------------------------------------------------------------- identity
@@ -167,7 +389,7 @@ class LimitCache:
             st = os.stat(self.path)
         except OSError:  # absent, or a folder part that is not a folder
             return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+        return (st.st_ino, st.st_mtime_ns, st.st_size, _SHAPES_GEN[0])  # a newly registered shape re-reads
 
     def _parse_file(self) -> dict:
         """Parse the file; raise CacheFormatError on any damage, FileNotFoundError when absent, OSError when it is
@@ -177,10 +399,16 @@ class LimitCache:
             raise OSError(errno.EINVAL, "not a regular file (a device, a pipe or a folder)", str(self.path))
         raw = self.path.read_bytes()
         try:
-            data = json.loads(raw.decode("utf-8"))
+            data = loads_lenient(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CacheFormatError(f"not valid JSON ({exc})") from None
-        return _validate(data)
+        except RecursionError:
+            raise CacheFormatError("not a limit cache (nested too deeply)") from None
+        data, aside = _validate(data)
+        self._aside_now = aside
+        if aside:
+            self._keep_set_aside(aside)
+        return data
 
     def _quarantine(self, reason: str, refusal: str | None = None) -> None:
         refusal = refusal or quarantine_refusal(self.path)
@@ -217,6 +445,75 @@ class LimitCache:
         except OSError:
             return []
 
+    # ---------------------------------------------------------------- set-aside entries
+    @property
+    def set_aside_path(self) -> Path:
+        """The side file that keeps entries set aside from the cache (``limits.json.set-aside.json``)."""
+        return Path(str(self.path) + SET_ASIDE_SUFFIX)
+
+    def _read_set_aside(self) -> list[dict] | None:
+        """The items in the side file ([] when absent); None when it exists but cannot be read as one."""
+        p = self.set_aside_path
+        try:
+            st = os.lstat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        try:
+            data = json.loads(p.read_bytes().decode("utf-8"), parse_constant=_refuse_constant)
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            return None
+        items = data.get("items") if isinstance(data, dict) and data.get("kind") == SET_ASIDE_KIND else None
+        return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else None
+
+    def _keep_set_aside(self, found: list[dict]) -> None:
+        """Add newly set-aside items to the side file (atomic); kept in memory, with one warning, when the side
+        file cannot be written."""
+        pending = self._aside_unsaved + found
+        try:
+            check_writable_place(self.path)
+            refusal = quarantine_refusal(self.path)
+            if refusal is not None:
+                raise CacheUnavailableError(f"the cache file is not the pack's own ({refusal})")
+            old = self._read_set_aside()
+            if old is None:
+                raise CacheUnavailableError(f"{self.set_aside_path} exists but is not a set-aside file of the cache")
+            seen = {_item_id(i) for i in old}
+            new = [i for i in pending if _item_id(i) not in seen and not seen.add(_item_id(i))]
+            if new:
+                items = (old + new)[-MAX_SET_ASIDE:]
+                blob = json.dumps({"kind": SET_ASIDE_KIND, "cache": str(self.path), "items": items}, indent=1,
+                                  sort_keys=True, allow_nan=False).encode("utf-8")
+                _atomic_write(self.set_aside_path, blob)
+                if _warn_once(self.path, f"set-aside:{len(old) + len(new)}",
+                              f"wan_accel limit cache {self.path}: {_count(len(new))} could not be used and "
+                              f"{'was' if len(new) == 1 else 'were'} set aside to {self.set_aside_path} "
+                              f"({new[0]['reason']}{'; ...' if len(new) > 1 else ''}); every other entry is in "
+                              f"use (read them with `python -m wan_accel cache set-aside`)"):
+                    self.set_aside_announced = True
+            self._aside_unsaved = []
+        except (OSError, ValueError) as exc:
+            self._aside_unsaved = pending[-MAX_SET_ASIDE:]
+            _warn_once(self.path, "set-aside-write", f"wan_accel limit cache {self.path}: "
+                                                     f"{_count(len(found))} could not be used and {'was' if len(found) == 1 else 'were'} set aside, but the side "
+                                                     f"file could not be written ({exc}); they are kept in memory")
+
+    def set_aside(self) -> list[dict]:
+        """Entries set aside from the cache (this file's and earlier ones'), oldest first: each item has
+        ``namespace``, ``fingerprint``, ``key``, ``entry`` (the raw entry; unusable numbers as their text),
+        ``reason`` and ``time``. They are never used; the user may read them and delete the side file."""
+        self._snapshot()
+        items = list(self._read_set_aside() or [])
+        seen = {_item_id(i) for i in items}
+        for item in self._aside_unsaved + self._aside_now:
+            if _item_id(item) not in seen:
+                seen.add(_item_id(item))
+                items.append(item)
+        return items
+
     def notices(self) -> list[str]:
         """What the user should know about the cache file itself: a damaged file moved aside (by this or an
         earlier process), a file refused, a cache that could not be written. Empty when all is well."""
@@ -230,6 +527,11 @@ class LimitCache:
         if problem and not any(problem in o for o in out):
             out.append(problem)
         reasons = {Path(q["moved_to"]).name: q["reason"] for q in self.quarantined}
+        aside = self.set_aside()
+        if aside:
+            out.append(f"{_count(len(aside))} of the cache could not be used and {'is' if len(aside) == 1 else 'are'} "
+                       f"set aside in {self.set_aside_path} (read them with `python -m wan_accel cache set-aside`; "
+                       f"delete the file when you no longer need them)")
         for p in self.quarantined_files():
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.stat().st_mtime)) if p.exists() else "?"
             why = f" ({reasons[p.name]})" if p.name in reasons else ""
@@ -263,7 +565,7 @@ class LimitCache:
             refusal = str(exc)
         if refusal is None:
             try:
-                with self._file_lock:
+                with self._locked():
                     return self._load_locked()
             except Timeout:
                 return _empty()
@@ -335,31 +637,71 @@ class LimitCache:
         """Every fingerprint that has entries in the file, by id."""
         return copy.deepcopy(self._snapshot()["fingerprints"])
 
+    # ---------------------------------------------------------------- the cross-process lock
+    @property
+    def lock_owner_path(self) -> Path:
+        """Beside the lock file: who holds the lock (PID, command, since when); the lock file itself may be
+        truncated by a waiting process, so it carries nothing."""
+        return Path(str(self.path) + ".lock.owner")
+
+    def lock_holder(self) -> str:
+        """'PID 123 (python -m wan_accel bench ...), holding it for 5 s' from the owner file, or a phrase saying
+        the holder is unknown."""
+        try:
+            if not stat.S_ISREG(os.lstat(self.lock_owner_path).st_mode):
+                raise OSError("not a regular file")
+            owner = json.loads(self.lock_owner_path.read_text("utf-8"), parse_constant=_refuse_constant)
+            pid, command, since = int(owner["pid"]), str(owner.get("command", "?"))[:200], owner.get("since")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return "another process (it did not record itself)"
+        held = f", holding it for {time.time() - since:.0f} s" if _is_number(since) else ""
+        host = owner.get("host")
+        where = f" on {host}" if isinstance(host, str) and host and host != _HOST else ""
+        return f"PID {pid}{where} ({command}){held}"
+
+    def _record_owner(self) -> None:
+        blob = json.dumps({"pid": os.getpid(), "command": " ".join([sys.executable.rsplit(os.sep, 1)[-1]]
+                                                                     + sys.argv)[:300],
+                           "host": _HOST, "since": time.time()}).encode("utf-8")
+        try:
+            _atomic_write(self.lock_owner_path, blob, durable=False)
+        except OSError:
+            pass  # the owner note is a courtesy to waiting processes
+
+    def _clear_owner(self) -> None:
+        try:
+            owner = json.loads(self.lock_owner_path.read_text("utf-8"))
+            if isinstance(owner, dict) and owner.get("pid") == os.getpid():
+                self.lock_owner_path.unlink()
+        except (OSError, ValueError):
+            pass
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Hold the cross-process lock. A lock another process holds is announced once, naming that process,
+        after LOCK_NOTICE_S; the wait goes on up to LOCK_TIMEOUT_S in all (then filelock's Timeout)."""
+        lock, total = self._file_lock, float(LOCK_TIMEOUT_S)
+        outer = not lock.is_locked
+        started = time.monotonic()
+        try:
+            lock.acquire(timeout=min(LOCK_NOTICE_S, total))
+        except Timeout:
+            warnings.warn(f"wan_accel: waiting for the limit cache lock {lock.lock_file}: it is held by "
+                          f"{self.lock_holder()}; waiting up to {total:g} s", RuntimeWarning, stacklevel=4)
+            lock.acquire(timeout=max(0.0, total - (time.monotonic() - started)))
+        try:
+            if outer:
+                self._record_owner()
+            yield
+        finally:
+            if outer:
+                self._clear_owner()
+            lock.release()
+
     # ---------------------------------------------------------------- writing
     def _write(self, data: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=str(self.path.parent))
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(blob)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        try:  # make the rename itself durable
-            dfd = os.open(str(self.path.parent), os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:
-            pass
+        _atomic_write(self.path, blob)
 
     def _remove_orphaned_temps(self) -> None:
         """Temporary files are only created under the lock, so any found while holding it belong to a writer
@@ -413,7 +755,7 @@ class LimitCache:
                 if self._refused:
                     raise CacheUnavailableError(self._refused)
                 self.path.parent.mkdir(parents=True, exist_ok=True)  # the lock file lives there too
-                with self._file_lock:
+                with self._locked():
                     self._remove_orphaned_temps()
                     data = self._load_locked()
                     if self._refused:
@@ -428,8 +770,8 @@ class LimitCache:
                     self._write_error, self._unsaved = None, None
                     return result
             except Timeout:
-                raise TimeoutError(f"could not lock the limit cache {self.path} within {LOCK_TIMEOUT_S:.0f} s; "
-                                   f"another process holds {self._file_lock.lock_file}") from None
+                raise TimeoutError(f"could not lock the limit cache {self.path} within {LOCK_TIMEOUT_S:g} s; "
+                                   f"{self.lock_holder()} holds {self._file_lock.lock_file}") from None
             except CacheUnavailableError as exc:
                 error = exc
             except OSError as exc:
@@ -488,6 +830,9 @@ class LimitCache:
         if not isinstance(value, dict):
             raise TypeError(f"limit cache values must be dicts, got {type(value).__name__}")
         _check_json_value(value, f"{namespace}/{key}")
+        reason = shape_problem(namespace, value)
+        if reason:
+            raise ValueError(f"{namespace}/{key}: {reason}; not stored in the limit cache")
         now = time.time()
         old = entries.get(key)
         entries[key] = {

@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
-# Modules under cli/ that define register(subparsers); absent ones are skipped.
-COMMAND_MODULES = ("model", "cache", "nodes", "memory", "compile", "profiling", "mg2", "bench", "doctor")
+# Modules under cli/ that define register(subparsers), imported when the parser is built (every one must exist:
+# tests/test_import_strings.py imports them, tests/test_cli_smoke.py runs every command they register).
+COMMAND_MODULES = ("model", "cache", "nodes", "memory", "profiling", "bench", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,13 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"comfyui-wan-accel {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            mod = importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as exc:
-            if exc.name == f"{__name__}.{name}":
-                continue
-            raise
-        mod.register(sub)
+        importlib.import_module(f".{name}", __name__).register(sub)
     from ..app.validate import friendly_numbers
     friendly_numbers(parser)
     return parser

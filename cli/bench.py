@@ -38,10 +38,12 @@ def _one_dtype_vocabulary(parser) -> bool:
 
 def check_bench_args(what: str, ns) -> None:
     """The values every bench shares, checked before anything runs (0 or a negative count is an error)."""
-    from ..app.validate import check_geometry, check_input_file, check_int, check_pixels
+    from ..app.validate import check_device, check_geometry, check_input_file, check_int, check_pixels
 
     if getattr(ns, "checkpoint", None):
         check_input_file("--checkpoint", ns.checkpoint)
+    if getattr(ns, "device", None) is not None:          # one check of --device for every bench
+        ns.device = check_device("--device", ns.device)
     for name in ("repeat", "repeats", "blocks", "dim", "kv_frames", "frames_per_block"):
         value = getattr(ns, name, None)
         if value is not None:
@@ -55,6 +57,9 @@ def check_bench_args(what: str, ns) -> None:
         check_geometry(ns.frames, 16, 16, 3, names={"frames": "--frames"})
     elif getattr(ns, "frames", None) is not None:
         check_int("--frames", ns.frames, 1, 4096)
+    if what == "sampler" and hasattr(ns, "world_size"):
+        from ..app.bench.parallel import check_world_args    # world size and torchrun's variables, before any rank
+        check_world_args(ns)
 
 
 # a bench run with one of these options -> the module that runs it

@@ -1,4 +1,4 @@
-"""``python -m wan_accel cache show|path|clear|prune-stale``."""
+"""``python -m wan_accel cache show|path|clear|prune-stale|set-aside``."""
 from __future__ import annotations
 
 import sys
@@ -34,9 +34,21 @@ def check_namespace(cache, namespace):
     return namespace
 
 
+def _check_writable(cache) -> None:
+    """clear and prune-stale write the file: a cache that cannot be written is their one error (not a warning
+    first and the same words as the error after)."""
+    from ..cache.safety import CacheUnavailableError, write_problem
+
+    problem = write_problem(cache.path)
+    if problem:
+        raise CacheUnavailableError(problem)
+
+
 def _print_notices(cache) -> list[str]:
     notes = cache.notices()
     warned = [Path(q["moved_to"]).name for q in cache.quarantined]  # this run's warning named them already
+    if cache.set_aside_announced:
+        warned.append(str(cache.set_aside_path))
     for note in notes:
         if not any(name in note for name in warned):
             print(f"warning: {note}", file=sys.stderr)
@@ -52,7 +64,8 @@ def _show(args) -> int:
     notes = _print_notices(cache)
     if args.json:
         print_json({"path": str(cache.path), "fingerprint": cache.fingerprint,
-                    "fingerprint_id": cache.fingerprint_id, "entries": rows, "notices": notes})
+                    "fingerprint_id": cache.fingerprint_id, "entries": rows, "notices": notes,
+                    "set_aside": {"path": str(cache.set_aside_path), "items": cache.set_aside()}})
         return 0
     fp = cache.fingerprint
     print(f"limit cache: {cache.path}")
@@ -72,6 +85,26 @@ def _show(args) -> int:
     return 0
 
 
+def _set_aside(args) -> int:
+    from ..cache import LimitCache
+
+    cache = LimitCache()
+    items = cache.set_aside()
+    if args.json:
+        print_json({"path": str(cache.set_aside_path), "count": len(items), "items": items})
+        return 0
+    if not items:
+        print(f"no entries set aside (they would be kept in {cache.set_aside_path})")
+        return 0
+    print(f"{plural(len(items), 'entry')} set aside in {cache.set_aside_path} (never used; delete the file when "
+          f"you no longer need them):")
+    table = [{"namespace": i.get("namespace") or "-", "key": i.get("key") or "-",
+              "fingerprint": i.get("fingerprint") or "-", "when": _when(i.get("time") or 0),
+              "reason": i.get("reason"), "entry": i.get("entry")} for i in items]
+    print_table(table, ["namespace", "key", "fingerprint", "when", "reason", "entry"])
+    return 0
+
+
 def _path(args) -> int:
     from ..cache import default_cache_path
 
@@ -84,6 +117,7 @@ def _clear(args) -> int:
 
     cache = LimitCache()
     check_namespace(cache, args.namespace)
+    _check_writable(cache)
     _print_notices(cache)
     n = cache.clear(args.namespace)
     scope = f"namespace '{args.namespace}'" if args.namespace else "every namespace"
@@ -98,6 +132,7 @@ def _prune(args) -> int:
     from ..cache import LimitCache
 
     cache = LimitCache()
+    _check_writable(cache)
     _print_notices(cache)
     n = cache.prune_stale()
     if args.json:
@@ -117,6 +152,12 @@ def register(sub) -> None:
     s.add_argument("--all", action="store_true", help="include entries measured on other machines / software")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=_show)
+
+    s = csub.add_parser("set-aside", help="list the entries set aside because they could not be used",
+                        description="Entries of the cache that could not be used (a wrong type, a number that is "
+                                    "not finite) are set aside alone into <cache>.set-aside.json; this lists them.")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=_set_aside)
 
     s = csub.add_parser("path", help="print where the cache file lives")
     s.set_defaults(func=_path)

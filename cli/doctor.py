@@ -1,46 +1,56 @@
 """``python -m wan_accel doctor [--json] [--report FILE] [--recheck] [--feature NAME] [--with-compile]``."""
 from __future__ import annotations
 
-import sys
-
+from ..app.validate import check_device, check_int
+from ..profiling.child import one_line
+from .errors import UsageError
 from .output import print_json
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+MAX_HEAD_DIM = 512      # the largest head the attention kernels are probed with
 
 
 def _doctor(args):
     import torch
 
     from ..app.doctor.core import doctor_for, default_context
+    from ..nodes import native_probe  # noqa: F401 - the native MODEL path's probe (real where ComfyUI imports)
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    head_dim = check_int("--head-dim", args.head_dim, 2, MAX_HEAD_DIM, hint=" (an even head size; Wan: 128)")
+    if head_dim % 2:
+        raise UsageError(f"--head-dim {head_dim} must be even (rotary embeddings pair the channels); e.g. 128")
+    device = check_device("--device", args.device) or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
         ctx = default_context(device, dtype, args.head_dim, with_compile=args.with_compile)
     except Exception as exc:  # noqa: BLE001 - e.g. "Torch not compiled with CUDA enabled": say what to do
-        raise SystemExit(f"doctor: cannot probe on device {device!r} ({exc}); use --device cpu or cuda[:N]")
+        raise UsageError(f"--device {device}: cannot probe on it ({one_line(exc)}); use --device cpu or cuda[:N]")
     return doctor_for(ctx.device, ctx.dtype, ctx.head_dim, with_compile=args.with_compile)
 
 
 def _run(args) -> int:
-    from ..app.doctor.report import doctor_rows, doctor_text, report, write_report
+    from ..app.doctor.report import REPORT_PURPOSE, doctor_rows, doctor_text, report, write_report
+    from ..cache.owned_files import check_target
 
+    if args.report is not None:  # refused before any probe runs: exit 2, 'error: --report: ...'
+        check_target(args.report, option="--report", purpose=REPORT_PURPOSE)
     doctor = _doctor(args)
     names = None
     if args.feature:
         unknown = [n for n in args.feature if n not in doctor.catalogue]
         if unknown:
-            print(f"doctor: unknown feature(s) {unknown}; known: {', '.join(doctor.catalogue)}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--feature: unknown feature(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(doctor.catalogue)}")
         names = args.feature
     rows = doctor_rows(doctor, names, recheck=args.recheck)
     if args.report:
         try:
-            write_report(args.report, doctor, rows)
+            write_report(args.report, doctor, rows, option="--report")
         except OSError as exc:
-            print(f"doctor: cannot write the report to {args.report} ({exc}); choose a writable file",
-                  file=sys.stderr)
-            return 1
+            raise UsageError(f"--report {args.report}: cannot be written ({exc.strerror or exc}); choose a "
+                             f"writable file") from None
     if args.json:
         print_json(report(doctor, rows))
     else:

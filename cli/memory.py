@@ -35,14 +35,23 @@ def register(sub) -> None:
     p.set_defaults(func=_plan)
 
 
+def parse_capability(text) -> tuple[int, int]:
+    """'8.9' -> (8, 9): MAJOR.MINOR, major 3..20, minor 0..9 (CUDA compute capabilities)."""
+    import re
+
+    from ..app.validate import UsageError
+    m = re.fullmatch(r"\s*(\d{1,2})\.(\d)\s*", str(text))
+    if not m or not 3 <= int(m.group(1)) <= 20:
+        raise UsageError(f"--capability must be a compute capability MAJOR.MINOR such as 8.9, 8.6 or 9.0, got "
+                         f"{text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
 def _system(args):
     from ..memory.system import GiB, SystemInfo, detect_system, pinned_budget_for
 
+    cap = parse_capability(args.capability)      # checked even without --vram-gb: never ignored silently
     if args.vram_gb is not None:
-        try:
-            cap = tuple(int(x) for x in str(args.capability).split("."))
-        except ValueError:
-            raise ValueError(f"--capability must look like 8.9, got {args.capability!r}") from None
         return SystemInfo.simulated_gpu(args.vram_gb, ram_gb=args.ram_gb, capability=cap,
                                         name=f"simulated {args.vram_gb:g} GiB GPU")
     system = detect_system()

@@ -5,8 +5,8 @@ import argparse
 import json
 import sys
 
-from ..app.validate import (UsageError, check_device, check_float, check_geometry, check_input_file,
-                       check_int, check_output_dir, check_steps, dtype_arg)
+from ..app.validate import (UsageError, check_device, check_fits, check_float, check_geometry, check_input_file,
+                            check_int, check_output_dir, check_schedule_args, check_steps, dtype_arg)
 
 
 def register(subparsers) -> None:
@@ -39,9 +39,9 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--precision", default="self_forcing", choices=["float32", "wan21", "self_forcing"])
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn", "fa3", "fa2"],
                    help="auto: FlashAttention 3, then 2, then SDPA, by what is installed and the GPU supports")
-    p.add_argument("--frames-per-block", type=int, default=3, help="latent frames per chunk, 1-64 (default 3)")
-    p.add_argument("--kv-window", type=int, default=-1, help="rolling KV window in latent frames (-1: global)")
-    p.add_argument("--sink", type=int, default=0, help="sink frames kept in a rolling window")
+    p.add_argument("--frames-per-block", type=int, help="latent frames per chunk, 1-64 (default 3)")
+    p.add_argument("--kv-window", type=int, help="rolling KV window in latent frames (default -1: global)")
+    p.add_argument("--sink", type=int, help="sink frames kept in a rolling window (default 0)")
     p.add_argument("--skip-last-refresh", action="store_true", help="skip the final chunk's cache refresh")
     p.add_argument("--num-heads", type=int, help="heads, for checkpoints whose dim is not a multiple of 128")
     p.add_argument("--no-preview", action="store_true")
@@ -90,10 +90,29 @@ GENERATE_NAMES = {"frames": "--frames", "height": "--height", "width": "--width"
                   "frames_per_block": "--frames-per-block", "kv_window": "--kv-window", "sink": "--sink"}
 
 
+WAN_ONLY = (("frames_per_block", "--frames-per-block", 3), ("kv_window", "--kv-window", -1), ("sink", "--sink", 0),
+            ("no_warp", "--no-warp", False), ("compile", "--compile", False), ("text_embeds", "--text-embeds", None),
+            ("height", "--height", None), ("width", "--width", None))
+
+
 def check_generate_args(args) -> None:
-    """Every value of ``generate`` checked before anything is loaded (UsageError names the option and the fix)."""
-    from ..app.jobs.generate import MODEL_DEFAULTS, TINY_DEFAULTS
+    """Every value of ``generate`` checked before anything is loaded (UsageError names the option and the fix);
+    options that do not apply to the model kind are refused, and the run must fit the device's memory."""
+    from ..app.jobs.generate import MODEL_DEFAULTS, TINY_DEFAULTS, check_outputs
+    if args.model_kind == "matrix-game2":
+        # given = not the parser's default (None for values, False for flags); by identity: 0 == False in Python
+        given = [opt for attr, opt, _ in WAN_ONLY if getattr(args, attr, None) is not None
+                 and getattr(args, attr, None) is not False]
+        if given:
+            raise UsageError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to --model-kind "
+                             f"matrix-game2 (its chunks, window and size come from the checkpoint, --window and the "
+                             f"start latent of --conditioning); leave {'it' if len(given) == 1 else 'them'} out")
+    else:
+        for attr, _, default in WAN_ONLY[:3]:        # the Wan defaults, filled in once nothing else can give them
+            if getattr(args, attr, None) is None:
+                setattr(args, attr, default)
     check_output_dir("--out", args.out)
+    check_outputs(args.out, "--out")         # every file it writes there: no link, pipe, folder or cache file
     if args.checkpoint:
         check_input_file("--checkpoint", args.checkpoint)
     if args.text_embeds:
@@ -108,28 +127,81 @@ def check_generate_args(args) -> None:
         check_int("--num-heads", args.num_heads, 1, 1024)
     check_device("--device", args.device)
     if args.model_kind == "matrix-game2":
-        for opt, value in (("--height", args.height), ("--width", args.width), ("--text-embeds", args.text_embeds)):
-            if value is not None:
-                raise UsageError(f"{opt} is not used with --model-kind matrix-game2 (the size comes from the start "
-                                 f"latent of --conditioning); leave it out")
         if args.window is not None:
             check_int("--window", args.window, 3, 1024, hint=" (latent frames, at least one 3-frame chunk)")
         if args.frames is not None:
             check_geometry(args.frames, 128, 128, 3, names=GENERATE_NAMES)
+        _check_mg2_schedule(args)
         return
     if args.actions is not None or args.conditioning is not None or args.window is not None:
         raise UsageError("--actions, --conditioning and --window are for --model-kind matrix-game2; leave them out "
                          "or add --model-kind matrix-game2")
     defaults = MODEL_DEFAULTS if args.checkpoint else TINY_DEFAULTS
-    check_geometry(args.frames if args.frames is not None else defaults["frames"],
-                   args.height if args.height is not None else defaults["height"],
-                   args.width if args.width is not None else defaults["width"],
-                   args.frames_per_block, args.kv_window, args.sink, names=GENERATE_NAMES)
+    geo = check_geometry(args.frames if args.frames is not None else defaults["frames"],
+                         args.height if args.height is not None else defaults["height"],
+                         args.width if args.width is not None else defaults["width"],
+                         args.frames_per_block, args.kv_window, args.sink, names=GENERATE_NAMES)
+    check_schedule_args(args.preset or "self_forcing", args.steps, args.shift, False if args.no_warp else None,
+                        names={"preset": "--preset", "steps": "--steps", "shift": "--shift"})
+    config, weight_bytes = _model_size(args)
+    if config is not None:
+        check_fits(config, geo["frames"], geo["height"], geo["width"], device=args.device, dtype=args.dtype,
+                   frames_per_block=args.frames_per_block, kv_window=args.kv_window, weight_bytes=weight_bytes,
+                   names=GENERATE_NAMES)
+
+
+def _model_size(args) -> tuple[dict | None, int]:
+    """(config, weight bytes) of the model ``generate`` will load, from the checkpoint's header (nothing loaded)."""
+    if not args.checkpoint:
+        if args.model_kind == "matrix-game2":
+            from ..model.mg2_model import tiny_mg2_config
+            return tiny_mg2_config().to_dict(), 0
+        from ..model.tiny import TINY_CONFIG
+        return TINY_CONFIG.to_dict(), 0
+    from ..memory.weights import weights_from_checkpoint
+    try:
+        weights = weights_from_checkpoint(args.checkpoint, {"num_heads": args.num_heads} if args.num_heads else None)
+    except ValueError:
+        return None, 0          # not sizable from its header: the loader says what is wrong with it
+    elem = 4 if (args.dtype or "fp32") == "fp32" and not str(args.device or "").startswith("cuda") else 2
+    return dict(weights.config, **{k: getattr(weights, k) for k in ("dim", "ffn_dim", "num_layers", "num_heads")}), \
+        sum(weights.block_bytes_at(elem)) + weights.other_bytes_at(elem)
+
+
+def _check_mg2_schedule(args) -> None:
+    from ..sampling.mg2 import resolve_preset
+    from ..sampling.scheduler import ScheduleError, parse_steps
+    try:
+        settings = resolve_preset(args.preset or "universal", steps=parse_steps(args.steps) if args.steps else None,
+                                  shift=args.shift, window=args.window)
+    except ScheduleError as exc:
+        raise UsageError(f"{'--shift' if args.shift is not None and 'shift' in str(exc) else '--steps'}: {exc}") \
+            from None
+    from ..app.jobs.mg2 import DEFAULT_SCRIPT, TINY_LATENT
+    from ..sampling.actions_script import ActionScriptError, parse_action_script
+    try:
+        actions = parse_action_script(args.actions if args.actions is not None else DEFAULT_SCRIPT, settings.mode)
+    except ActionScriptError as exc:
+        raise UsageError(f"--actions: {exc}") from None
+    lh, lw = TINY_LATENT
+    if args.conditioning:
+        from safetensors import safe_open
+        with safe_open(str(args.conditioning), framework="pt", device="cpu") as f:
+            if "image_latent" in f.keys():
+                lh, lw = f.get_slice("image_latent").get_shape()[-2:]
+    config, weight_bytes = _model_size(args)
+    if config is None:
+        return
+    frames = args.frames if args.frames is not None else actions.video_frames
+    check_fits(config, frames, 8 * int(lh), 8 * int(lw), device=args.device, dtype=args.dtype, frames_per_block=3,
+               kv_window=settings.window, weight_bytes=weight_bytes, names=dict(GENERATE_NAMES, kv_window="--window"))
 
 
 def _generate(args) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     check_generate_args(args)
+    from ..app.ranks.parallel import check_rank_env
+    check_rank_env((_model_size(args)[0] or {}).get("num_heads"), device=args.device)    # torchrun's variables
     # under torchrun (WORLD_SIZE > 1): one rank of a sequence-parallel run, one GPU (or CPU process) each
     from ..app.ranks.parallel import group_from_env, stop_group
     parallel, device = group_from_env(args.device)
@@ -185,6 +257,8 @@ def _convert(args) -> int:
     check_output_dir("DST's folder", dst.parent if str(dst.parent) else ".")
     if dst.exists() and not dst.is_file():
         raise UsageError(f"DST {dst} exists and is not a file; choose another output path")
+    from ..cache.owned_files import check_target
+    check_target(dst, option="DST", purpose="the converted checkpoint")   # no link, pipe or limit cache file
     if args.num_heads is not None:
         check_int("--num-heads", args.num_heads, 1, 1024)
     summary = convert_pt_to_safetensors(args.src, args.dst, ema=args.ema, num_heads=args.num_heads)
@@ -209,12 +283,16 @@ def _add_check(subparsers) -> None:
 
 
 def _check(args) -> int:
+    from pathlib import Path
+
     from ..app.jobs.reference import check_reference, format_table
-    try:
-        rows = check_reference(args.dir, device=args.device)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    folder = Path(args.dir).expanduser()
+    if not folder.is_dir():
+        raise UsageError(f"DIR {folder}: {'not a folder' if folder.exists() else 'not found'}; give the folder "
+                         f"that holds the fixtures (*_config.json, weights, io safetensors)")
+    check_float("--tol", args.tol, 0.0)
+    check_device("--device", args.device)
+    rows = check_reference(folder, device=args.device)  # no fixture there: one error line (exit 2), as every command
     worst = max(d for _, d in rows)
     if args.json:
         print(json.dumps({"rows": [{"tensor": n, "max_abs_diff": d} for n, d in rows], "worst": worst,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .output import format_table, print_json
 from ..app.validate import (TORCH_NAMES, UsageError, check_device, check_geometry, check_input_file,
-                       check_int, check_output_dir, check_steps, dtype_arg)
+                       check_int, check_output_dir, check_schedule_args, dtype_arg)
 
 # Defaults in the units every command uses (video frames, pixels): the tiny model's 6x8x8 latent and 81 frames
 # at 480x832 for a checkpoint.
@@ -131,7 +131,7 @@ def profile_geometry(args) -> dict:
 
 
 def run_profile(args) -> int:
-    from ..profiling import ExplainError, explain_in_subprocess, package_target, profile_run
+    from ..profiling import ExplainError, ExplainTargetError, explain_in_subprocess, package_target, profile_run
     from ..app.jobs import profile_targets as targets
     from ..profiling import history
 
@@ -142,7 +142,7 @@ def run_profile(args) -> int:
     check_int("--runs", args.runs, 1, 1000)
     check_int("--warmup", args.warmup, 0, 100)
     check_int("--seed", args.seed, 0, 0xFFFFFFFFFFFFFFFF)
-    check_steps("--steps", args.steps)
+    check_schedule_args(args.preset or "self_forcing", args.steps, names={"preset": "--preset", "steps": "--steps"})
     check_output_dir("--out", args.out)
     check_device("--device", args.device)
     geo = profile_geometry(args)
@@ -154,16 +154,19 @@ def run_profile(args) -> int:
     result: dict = {}
     if args.explain or args.explain_only or args.explain_target:
         # First, before this process loads the model: the subprocess needs the memory too.
+        # a failed explain run is the run's error (exit 1); a target that cannot be loaded is the user's input
         if args.explain_target:
-            name, kwargs = args.explain_target, {}
+            name, kwargs, search = args.explain_target, {}, [os.getcwd()]   # as `python -m`: this folder first
         else:
-            name = package_target("app.jobs.profile_targets:explain_model")
+            name, search = package_target("app.jobs.profile_targets:explain_model"), []
             kwargs = {"scope": args.explain_scope, **target.settings()}
         try:
-            explained = explain_in_subprocess(name, kwargs=kwargs)
-        except ExplainError as exc:
-            print(f"explain failed: {exc}", file=sys.stderr)
-            return 1
+            explained = explain_in_subprocess(name, kwargs=kwargs, sys_path=search)
+        except ExplainTargetError as exc:
+            if not args.explain_target:
+                raise ExplainError(str(exc)) from None
+            raise UsageError(f"--explain-target: {exc}; give MODULE:FACTORY, importable from this folder or "
+                             f"PYTHONPATH") from None
         result["explain"] = explained.to_dict()
         if not args.json:
             print(explained.to_text())
@@ -217,10 +220,13 @@ def _print_rich_table(rows: list[dict], columns: list[str]) -> bool:
 
 def run_report(args) -> int:
     from ..profiling import history
-    from ..profiling.history_view import COLUMNS, PlotUnavailable, plot_history, table_rows
+    from ..profiling.history_view import COLUMNS, plot_history, table_rows
 
     if args.last is not None:
         check_int("--last", args.last, 1, 10**9)
+    if args.plot:  # refused before anything is read: no link, pipe, folder or limit cache file
+        from ..cache.owned_files import check_target
+        check_target(args.plot, option="--plot", purpose="the history plot")
     if args.history is not None and Path(args.history).expanduser().exists():
         check_input_file("--history", args.history, kind="jsonl")
     path = history.history_path(args.history)
@@ -228,7 +234,8 @@ def run_report(args) -> int:
     if args.json:
         print_json(records)
     elif not records:
-        print(f"no runs recorded yet in {path} (generate, bench and profile runs add lines)")
+        if not args.plot:   # with --plot, the plot's own error says the history is empty: one message
+            print(f"no runs recorded yet in {path} (generate, bench and profile runs add lines)")
     else:
         rows = table_rows(records)
         # rich only on a terminal: piped output stays a plain, greppable table
@@ -236,13 +243,6 @@ def run_report(args) -> int:
             print(format_table(rows, COLUMNS))
         print(f"{len(records)} record(s) from {path}")
     if args.plot:
-        try:
-            out = plot_history(records, args.plot)
-        except PlotUnavailable as exc:
-            print(str(exc), file=sys.stderr)
-            return 1
-        except ValueError as exc:
-            print(str(exc), file=sys.stderr)
-            return 1
+        out = plot_history(records, args.plot)   # no matplotlib (exit 1) or nothing to plot (exit 2): one error
         print(f"wrote {out}", file=sys.stderr if args.json else sys.stdout)
     return 0

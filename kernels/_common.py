@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import logging
 import os
+import types
 from typing import Callable
 
 log = logging.getLogger("wan_accel.kernels")
@@ -161,6 +162,94 @@ def kernel_name(name: str, fn: Callable) -> str:
     except (OSError, TypeError):
         src = name
     return f"{name}@{hashlib.sha256(src.encode()).hexdigest()[:8]}"
+
+
+# ----------------------------------------------------------------------------- code digest
+# ``kernel_name`` hashes a kernel's source as read when its module loads; ``code_digest`` hashes the code loaded in
+# this process (bytecode, names, plain constants) of whole modules, functions and classes, stable across processes
+# (no addresses, sets sorted), so a verdict about that code (the doctor's) never outlives it.
+def _plain(value) -> str | None:
+    """A stable text of a plain constant (numbers, strings, their tuples/dicts), None for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        parts = [_plain(v) for v in value]
+        return None if None in parts else "(" + ",".join(parts) + ")"
+    if isinstance(value, (set, frozenset)):
+        parts = [_plain(v) for v in value]
+        return None if None in parts else "{" + ",".join(sorted(parts)) + "}"
+    if isinstance(value, dict):
+        parts = [(_plain(k), _plain(v)) for k, v in value.items()]
+        if any(k is None or v is None for k, v in parts):
+            return None
+        return "{" + ",".join(sorted(f"{k}:{v}" for k, v in parts)) + "}"
+    return None
+
+
+def _code(h, code: types.CodeType) -> None:
+    h.update(code.co_code)
+    h.update(repr((code.co_names, code.co_varnames, code.co_freevars, code.co_argcount,
+                   code.co_kwonlyargcount)).encode())
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _code(h, const)
+        else:
+            h.update((_plain(const) or type(const).__name__).encode())
+
+
+def _digest(h, obj, seen: set) -> None:
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    inner = getattr(obj, "fn", None)                    # a triton.jit function wraps the Python one
+    if isinstance(obj, str):
+        h.update(obj.encode())
+    elif inspect.ismodule(obj):
+        h.update(obj.__name__.encode())
+        for name, value in sorted(vars(obj).items()):
+            if name.startswith("__"):
+                continue
+            if (inspect.isfunction(value) or inspect.isclass(value)) and \
+                    getattr(value, "__module__", None) == obj.__name__:
+                h.update(name.encode())
+                _digest(h, value, seen)
+            elif _plain(value) is not None:
+                h.update(f"{name}={_plain(value)}".encode())
+    elif inspect.isfunction(obj):
+        _code(h, obj.__code__)
+        h.update((_plain(obj.__defaults__) or "").encode())
+        h.update((_plain(obj.__kwdefaults__) or "").encode())
+    elif isinstance(obj, (staticmethod, classmethod)):
+        _digest(h, obj.__func__, seen)
+    elif isinstance(obj, property):
+        for fn in (obj.fget, obj.fset):
+            if fn is not None:
+                _digest(h, fn, seen)
+    elif inspect.isclass(obj):
+        h.update(obj.__qualname__.encode())
+        for name, value in sorted(vars(obj).items()):
+            if name.startswith("__") and name not in ("__init__", "__call__", "__post_init__"):
+                continue
+            h.update(name.encode())
+            if _plain(value) is not None:
+                h.update(_plain(value).encode())
+            else:
+                _digest(h, value, seen)
+    elif inspect.isfunction(inner):
+        _digest(h, inner, seen)
+    elif callable(obj) and inspect.isfunction(getattr(obj, "__call__", None)):
+        _digest(h, type(obj), seen)
+
+
+def code_digest(*objects) -> str:
+    """A short digest of the loaded code of ``objects`` (modules, functions, classes, or strings taken as they
+    are, such as a kernel's operator-store name ``name@sourcehash``)."""
+    h = hashlib.sha256()
+    seen: set = set()
+    for obj in objects:
+        _digest(h, obj, seen)
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- configs

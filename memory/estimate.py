@@ -126,6 +126,14 @@ def vae_decode_bytes(latent_chunk: int, latent_h: int, latent_w: int, elem_bytes
     return weights + batch * (work + out)
 
 
+def decoded_video_bytes(latent_frames: int, latent_h: int, latent_w: int, batch: int = 1,
+                        time_ratio: int = VAE_TIME_RATIO, space_ratio: int = VAE_SPACE_RATIO,
+                        elem_bytes: int = 4) -> int:
+    """Bytes of a whole decoded video (the IMAGE a decode hands back: float32 RGB frames, host memory)."""
+    frames = video_frames_for(latent_frames, time_ratio)
+    return batch * frames * latent_h * space_ratio * latent_w * space_ratio * 3 * elem_bytes
+
+
 def transfer_ms(n_bytes: int, pinned: bool) -> float:
     return n_bytes / PCIE_BYTES_PER_S["pinned" if pinned else "pageable"] * 1e3
 
@@ -147,3 +155,92 @@ def peak_matmul_flops(capability) -> float:
 def block_compute_ms(block_params: int, q_tokens: int, k_tokens: int, dim: int, capability, batch: int = 1) -> float:
     flops = 2 * block_params * q_tokens + 4 * q_tokens * k_tokens * dim
     return batch * flops / peak_matmul_flops(capability) * 1e3
+
+
+# ---------------------------------------------------------------------- does a sampling run fit?
+def sampling_need(model: dict, frames: int, height: int, width: int, *, frames_per_block: int = 3,
+                  kv_window: int = -1, batch: int = 1, elem_bytes: int = 4, weight_bytes: int = 0,
+                  backend: str = "flash", world: int = 1) -> dict:
+    """Bytes a causal sampling run allocates on its device, by part, before the first tensor is made.
+
+    ``model``: a config dict (``dim``, ``ffn_dim``, ``num_heads``, ``num_layers``, ``patch_size``, ``out_dim``,
+    ``text_len``); ``frames``/``height``/``width``: video frames and pixels; ``weight_bytes``: weights still to be
+    loaded on the device (0 when the model is already there). Parts: the whole video's latents (the output and the
+    noisy chunk being denoised, float32), the self-attention KV cache (every latent frame, or ``kv_window``),
+    the cross-attention cache and one block's activations for a chunk. ``world``: ranks of a sequence-parallel
+    run; each holds its share of the heads' caches and of a chunk's tokens (the estimate is one rank's)."""
+    w = Workload(width=int(width), height=int(height), frames=int(frames), batch=int(batch),
+                 frames_per_block=int(frames_per_block))
+    patch = tuple(model.get("patch_size") or (1, 2, 2))
+    dim, layers = int(model["dim"]), int(model["num_layers"])
+    tpf = w.tokens_per_frame(patch)
+    full = w.cache_frames()
+    window = full if kv_window is None or kv_window < 0 else min(int(kv_window), full)
+    text = int(model.get("text_len") or 512) + (int(model.get("clip_tokens") or 0)
+                                                if model.get("model_type") == "i2v" else 0)
+    latents = 2 * batch * full * int(model.get("out_dim") or 16) * w.latent_h * w.latent_w * 4
+    ranks = max(1, int(world))
+    return {"weights": int(weight_bytes), "latents": latents,
+            "kv_cache": -(-kv_cache_bytes(layers, window * tpf, dim, elem_bytes, batch) // ranks),
+            "cross_attn_cache": -(-cross_cache_bytes(layers, text, dim, elem_bytes, batch) // ranks),
+            "activations": -(-activation_bytes(query_tokens(w, patch), window * tpf, dim, int(model["ffn_dim"]),
+                                               int(model["num_heads"]), elem_bytes, backend, batch, text) // ranks)}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024 ** 3:.2f} GiB"
+
+
+def fit_problem(model: dict, frames: int, height: int, width: int, budget: int, where: str, *,
+                frames_per_block: int = 3, kv_window: int = -1, batch: int = 1, elem_bytes: int = 4,
+                weight_bytes: int = 0, names: dict | None = None, window_option: bool = True,
+                swap_option: bool = False, world: int = 1) -> str | None:
+    """None when ``sampling_need`` fits in ``budget`` bytes, else the refusal: the estimate by part, ``where``
+    (the device's memory in words) and what would fit (fewer frames, a smaller size, a KV window, block swap).
+    ``names`` maps 'frames', 'height', 'width', 'kv_window' to the input names shown."""
+    n = {"frames": "frames", "height": "height", "width": "width", "kv_window": "kv_window", **(names or {})}
+    fpb = int(frames_per_block)
+    kw = dict(frames_per_block=fpb, batch=batch, elem_bytes=elem_bytes, world=world)
+
+    def total(f=frames, h=height, w_=width, win=kv_window, wb=weight_bytes) -> int:
+        return sum(sampling_need(model, f, h, w_, kv_window=win, weight_bytes=wb, **kw).values())
+
+    need = sampling_need(model, frames, height, width, kv_window=kv_window, weight_bytes=weight_bytes, **kw)
+    peak = sum(need.values())
+    if peak <= budget:
+        return None
+    ways = []
+    blocks = (int(frames) - 1) // VAE_TIME_RATIO // fpb + 1        # latent blocks of the request
+
+    def video(m: int) -> int:
+        return VAE_TIME_RATIO * (m * fpb - 1) + 1
+
+    lo, hi = 0, blocks - 1                                           # largest block count that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if total(f=video(mid)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo >= 1:
+        ways.append(f"{n['frames']} {video(lo)} or fewer")
+    for k in (2, 4, 8, 16):
+        h, w_ = max(16, int(height) // k // 16 * 16), max(16, int(width) // k // 16 * 16)
+        if total(h=h, w_=w_) <= budget:
+            ways.append(f"{n['width']} x {n['height']} {w_}x{h}")
+            break
+    if window_option:
+        cur = need["kv_cache"]
+        latent = (int(frames) - 1) // VAE_TIME_RATIO + 1
+        for win in range(2 * fpb, latent, fpb)[::-1]:
+            if total(win=win) <= budget:
+                if sampling_need(model, frames, height, width, kv_window=win, **kw)["kv_cache"] < cur:
+                    ways.append(f"a rolling {n['kv_window']} of {win} latent frames")
+                break
+    if swap_option and weight_bytes and total(wb=0) <= budget:
+        ways.append("block swap (weights streamed from host memory)")
+    parts = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in need.items() if v)
+    fix = ("; it would fit with " + ", or ".join(ways)) if ways else \
+        "; even the smallest settings do not fit: lower the resolution and frame count, or free memory"
+    return (f"{n['frames']} {frames} at {width}x{height} needs about {_gib(peak)} ({parts}) but {where}{fix}. "
+            f"Nothing was allocated")

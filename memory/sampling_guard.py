@@ -49,21 +49,25 @@ def sampling_limit_key(model, shape) -> str:
     return dit_limit_key(config, dtype, w * 8, h * 8, 4 * (f - 1) + 1, batch=b)
 
 
-def oom_guard(model, shape, frames_per_block: int, *, mode: str = "auto", cache=None):
+def oom_guard(model, shape, frames_per_block: int, *, mode: str = "auto", cache=None, swap_model=None,
+              learn: bool = True):
     """A chunk guard for a run of latents ``shape`` (B, F, C, H, W), or None when ``mode`` ('auto': CUDA only,
-    'on', 'off') leaves out-of-memory errors alone."""
+    'on', 'off') leaves out-of-memory errors alone. ``swap_model``: the module whose blocks the retries swap (the
+    owner of the weights ``model`` runs, e.g. the source of a borrowed model; default ``model``). ``learn``: False
+    neither starts from nor records a learned resident-block limit (weights another program holds and places)."""
     if mode not in OOM_RETRY_MODES:
         raise ValueError(f"oom_retry must be one of {OOM_RETRY_MODES}, got {mode!r}")
     if mode == "off" or (mode == "auto" and torch.device(model.device).type != "cuda"):
         return None
-    key = sampling_limit_key(model, shape)
+    key = sampling_limit_key(model, shape) if learn else None
     cache = open_cache(cache)
+    target = model if swap_model is None else swap_model
 
     def guard(attempt, on_oom):
-        swap = active_swap(model)
+        swap = active_swap(target)
         settings = getattr(swap, "settings", None) if swap is not None else None
         try:
-            return run_with_swap_fallback(model, attempt, key=key, settings=settings, cache=cache,
+            return run_with_swap_fallback(target, attempt, key=key, settings=settings, cache=cache,
                                           device=model.device, on_oom=lambda _resident: on_oom())
         except NoFitError as exc:
             raise NoFitError(_no_fit_message(model, exc, shape, frames_per_block), key=exc.key,

@@ -91,6 +91,31 @@ class SystemInfo:
         return cls(host_ram_total=total_ram, host_ram_available=avail_ram, pinned_budget=0)
 
 
+MEMORY_LIMIT_ENV = "WAN_ACCEL_MEMORY_LIMIT_GB"
+
+
+def memory_limit() -> int | None:
+    """The most memory (bytes) a run may count on, from ``WAN_ACCEL_MEMORY_LIMIT_GB`` (GiB, a positive number):
+    caps the available host RAM and the free VRAM every estimate and plan uses, to keep memory for other programs.
+    None when unset; ValueError naming the variable when it is not a positive number."""
+    raw = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{MEMORY_LIMIT_ENV} must be a positive number of GiB (e.g. 24), got {raw!r}; unset it "
+                         f"to use all the memory there is")
+    return int(value * GiB)
+
+
+def _capped(n_bytes: int) -> int:
+    limit = memory_limit()
+    return int(n_bytes) if limit is None else min(int(n_bytes), limit)
+
+
 def _cgroup_limit() -> int | None:
     """The container memory limit (cgroup v2 or v1), when one is set."""
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
@@ -105,7 +130,8 @@ def _cgroup_limit() -> int | None:
 
 
 def host_memory() -> tuple[int, int]:
-    """(total, available) host RAM in bytes from /proc/meminfo, else os.sysconf; capped by a cgroup limit."""
+    """(total, available) host RAM in bytes from /proc/meminfo, else os.sysconf; capped by a cgroup limit, and the
+    available RAM by ``WAN_ACCEL_MEMORY_LIMIT_GB`` (``memory_limit``)."""
     total = avail = 0
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
@@ -130,7 +156,7 @@ def host_memory() -> tuple[int, int]:
     if limit is not None and total:
         total = min(total, limit)
         avail = min(avail, limit)
-    return int(total), int(avail)
+    return int(total), _capped(avail)
 
 
 def detect_system(device=None) -> SystemInfo:
@@ -152,6 +178,7 @@ def detect_system(device=None) -> SystemInfo:
     # The driver counts memory that this process's caching allocator holds but does not use as taken; it is
     # free for our next allocations, so add it back.
     free += max(0, torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index))
+    free = _capped(free)                # WAN_ACCEL_MEMORY_LIMIT_GB: memory kept for other programs
     cap = (int(props.major), int(props.minor))
     bf16 = cap >= (8, 0)  # native bf16 (Ampere and newer) on this device, not emulation
     return SystemInfo(device="cuda", gpu_name=str(props.name), total_vram=int(total), free_vram=int(free),

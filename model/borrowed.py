@@ -20,10 +20,46 @@ import torch.nn as nn
 from .blocks import WanBlock, WanCrossAttention, WanSelfAttention
 from .config import WanConfig
 from .dit import WanModel
+from .fused_qkv import drop_fused_qkv
 from .layers import Head
 from .rope import RopeCache
 
 _ATTN_PARTS = ("q", "k", "v", "o", "norm_q", "norm_k")
+# what a layer carries when it does more than a plain GEMM on its stored weight when called (e.g. ComfyUI's ops):
+# a cast flag, per-call weight patches (LoRA in low-VRAM mode), per-layer quantization scales
+_CAST_FLAGS = ("comfy_cast_weights",)
+_PATCH_LISTS = ("weight_function", "bias_function")
+_SCALES = ("scale_weight", "weight_scale", "weight_scale_2", "scale_input", "input_scale")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def qkv_fusion_blocker(layer, dtype: torch.dtype, device=None) -> str | None:
+    """Why one GEMM over ``layer``'s stored weight would not do what calling the layer does (None: it would).
+    Fused q/k/v reads the stored weights directly, so layers that cast, dequantize or patch their weight when
+    called (or carry hooks) must be called one by one."""
+    if not isinstance(layer, nn.Linear):
+        return f"the layer is a {type(layer).__name__}, not a linear layer"
+    if layer._forward_hooks or layer._forward_pre_hooks:
+        return "the layers carry forward hooks"
+    if any(getattr(layer, n, False) for n in _CAST_FLAGS):
+        return "the layers cast their weights when called (manual cast or low-VRAM offload)"
+    if any(len(getattr(layer, n, None) or ()) for n in _PATCH_LISTS):
+        return "weight patches (e.g. a LoRA) are applied when the layers are called"
+    if any(getattr(layer, n, None) is not None for n in _SCALES):
+        return "the weights are quantized (scaled) and dequantized when called"
+    for t in (layer.weight, layer.bias):
+        if t is None:
+            continue
+        if type(t.data) is not torch.Tensor:
+            return f"the weights are {type(t.data).__name__} (quantized), dequantized when called"
+        if t.dtype != dtype:
+            return f"the weights are stored in {t.dtype} and cast to the run's {dtype} when called"
+        if device is not None and not _same_device(t.device, torch.device(device)):
+            return f"the weights are on {t.device}, the run on {device}"
+    return None
 
 
 def _is_identity(m) -> bool:
@@ -156,6 +192,23 @@ class BorrowedWanModel(WanModel):
         for part in (*self.blocks, self.head):
             part.compute_dtype, part.run_device = dtype, self._run_device
         return self
+
+    def qkv_fusion_blocker(self) -> str | None:
+        """None when every block's q/k/v can run as one GEMM over their stored weights (plain weights in the run
+        dtype on the run device), else why not (the first block and layer that cannot)."""
+        for i, block in enumerate(self.blocks):
+            for name in ("q", "k", "v"):
+                why = qkv_fusion_blocker(getattr(block.self_attn, name), self.compute_dtype, self._run_device)
+                if why:
+                    return f"block {i} self_attn.{name}: {why}"
+        return None
+
+    def unfuse_qkv(self) -> None:
+        """Drop the concatenated q/k/v weights' own references: the layers' weights (views) keep the memory, so
+        when the owner moves or replaces them nothing is left behind; a later fuse finds them again as a view
+        while they still lie back to back."""
+        for block in self.blocks:
+            drop_fused_qkv(block.self_attn)
 
     @property
     def device(self) -> torch.device:

@@ -78,7 +78,7 @@ def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None
     out = {n: tensors[src_name].contiguous() for n, src_name in names.items()}
     meta = {METADATA_KEY: json.dumps(config.to_dict()), "wan_accel.source": f"{src.name}:{entry}",
             **core_causal_metadata(config)}     # ComfyUI's Load Diffusion Model reads it as WAN21_CausalAR
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(dst), metadata=meta)
+    from ..cache.owned_files import write_with
+    write_with(dst, lambda tmp: save_file(out, tmp, metadata=meta), option="DST", purpose="the converted checkpoint")
     return {"source": str(src), "entry": entry, "tensors": len(out), "output": str(dst),
             "config": config.to_dict()}

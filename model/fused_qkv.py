@@ -26,6 +26,21 @@ def fused_qkv_intact(sa) -> bool:
     return b is None or _aliases(b, [sa.q.bias, sa.k.bias, sa.v.bias])
 
 
+def _adjacent(parts):
+    """One tensor [3*n, ...] over parts that already lie back to back in one storage (a view: nothing copied),
+    or None. Rebuilds the concatenated weight of q/k/v that were fused before (e.g. after the buffer was dropped
+    so it would not hold memory on its own)."""
+    p0 = parts[0]
+    if not all(p.is_contiguous() and p.shape == p0.shape and p.dtype == p0.dtype and p.device == p0.device
+               for p in parts) or p0.device.type == "meta":
+        return None
+    if not all(p.untyped_storage().data_ptr() == p0.untyped_storage().data_ptr() for p in parts[1:]):
+        return None
+    whole = torch.empty(0, dtype=p0.dtype, device=p0.device)
+    whole.set_(p0.untyped_storage(), p0.storage_offset(), (len(parts) * p0.shape[0],) + tuple(p0.shape[1:]))
+    return whole if _aliases(whole, parts) else None
+
+
 def drop_fused_qkv(sa) -> None:
     sa._buffers.pop(QKV_WEIGHT, None)
     sa._buffers.pop(QKV_BIAS, None)
@@ -34,7 +49,8 @@ def drop_fused_qkv(sa) -> None:
 def ensure_fused_qkv(sa) -> bool:
     """Give ``sa`` (WanSelfAttention) one [3*dim, dim] q/k/v weight; the q/k/v parameters become views into it,
     so no memory is duplicated and the state dict (keys and values) is unchanged. The weight is a non-persistent
-    buffer. Rebuilt when the views were broken (``model.to``, ``set_precision``). Returns whether it is fused."""
+    buffer. Rebuilt when the views were broken (``model.to``, ``set_precision``): as a view when q/k/v still lie back
+    to back in one storage, else by one copy. Returns whether it is fused."""
     if fused_qkv_intact(sa):
         return True
     drop_fused_qkv(sa)
@@ -45,6 +61,13 @@ def ensure_fused_qkv(sa) -> bool:
                                                                not all(b is None for b in bs)):
         return False
     with torch.no_grad():
+        w = _adjacent([t.data for t in ws])
+        b = None if bs[0] is None else _adjacent([t.data for t in bs])
+        if w is not None and (bs[0] is None or b is not None):        # already one buffer: a view, no copy
+            sa.register_buffer(QKV_WEIGHT, w, persistent=False)
+            if b is not None:
+                sa.register_buffer(QKV_BIAS, b, persistent=False)
+            return True
         w = torch.cat([t.data for t in ws])
         for m, part in zip(lin, w.chunk(3)):
             m.weight.data = part

@@ -95,5 +95,5 @@ def save_wan_checkpoint(model: WanModel, path, extra_metadata: dict | None = Non
     meta = {METADATA_KEY: json.dumps(model.config.to_dict())}
     meta.update(extra_metadata or {})
     tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
-    save_file(tensors, str(path), metadata=meta)
-    return Path(path)
+    from ..cache.owned_files import write_with
+    return write_with(path, lambda tmp: save_file(tensors, tmp, metadata=meta), purpose="the checkpoint")

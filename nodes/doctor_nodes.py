@@ -9,9 +9,9 @@ DTYPE_CHOICES = ["auto", "bf16", "fp16", "fp32"]
 
 class WanAccelDoctor:
     DESCRIPTION = ("Checks each accelerated path of the pack (attention backends, fused Triton kernels, fused "
-                   "q/k/v, CUDA graphs, compiled blocks, block swap) against its plain fallback on this GPU, once, "
-                   "and shows the verdicts: a feature that failed or was slower is switched off here. The same "
-                   "table as `python -m wan_accel doctor`.")
+                   "q/k/v, CUDA graphs, compiled blocks, block swap, the native MODEL path) against its plain "
+                   "fallback on this GPU, once, and shows the verdicts: a feature that failed or was slower is "
+                   "switched off here. The same table as `python -m wan_accel doctor`.")
     CATEGORY = "wan_accel"
     FUNCTION = "run"
     OUTPUT_NODE = True
@@ -40,6 +40,7 @@ class WanAccelDoctor:
 
         from ..app.doctor.core import doctor_for
         from ..app.doctor.report import doctor_rows, doctor_text
+        from . import native_probe  # noqa: F401 - registers the native MODEL path's probe (torch: not at import)
         if feature not in FEATURE_CHOICES:
             raise ValueError(f"feature must be one of {FEATURE_CHOICES}, got {feature!r}")
         if dtype not in DTYPE_CHOICES:

@@ -34,15 +34,8 @@ def _diffusion_model_files() -> list | None:
 def _resolve_checkpoint(name: str) -> str:
     if not name or name == "none":
         raise ValueError("model_source is 'checkpoint' but no checkpoint is selected")
-    try:
-        import folder_paths
-
-        full = folder_paths.get_full_path("diffusion_models", name)
-        if full:
-            return full
-    except ImportError:
-        pass
-    return name
+    from .comfy_files import model_file
+    return model_file("diffusion_models", name, input_name="checkpoint")   # never outside ComfyUI's folders
 
 
 def _causal_module(handle):
@@ -343,6 +336,14 @@ def _time_ratio(vae):
     return int(r) if isinstance(r, (int, float)) and r >= 1 else None
 
 
+def _space_ratio(vae) -> int:
+    space = getattr(vae, "spacial_compression_decode", None)
+    try:
+        return int(space()) if callable(space) else 8
+    except Exception:  # noqa: BLE001
+        return 8
+
+
 def _auto_chunk(vae, latent, plan) -> tuple[int, str]:
     from ..memory.estimate import vae_decode_bytes
     from ..memory.system import detect_system
@@ -356,11 +357,7 @@ def _auto_chunk(vae, latent, plan) -> tuple[int, str]:
                  wl.get("width"), wl.get("height"), w * 8, h * 8)
     system = detect_system(getattr(vae, "device", None))
     elem = getattr(getattr(vae, "vae_dtype", None), "itemsize", 2)
-    space = getattr(vae, "spacial_compression_decode", None)
-    try:
-        space = int(space()) if callable(space) else 8
-    except Exception:  # noqa: BLE001
-        space = 8
+    space = _space_ratio(vae)
     # ComfyUI unloads other models to make room for the VAE, so count most of the card, not only what is free now
     avail = max(system.free_vram, int(0.8 * system.total_vram)) if system.has_gpu else system.host_ram_available
     budget = avail - 512 * 1024 ** 2
@@ -415,6 +412,8 @@ class WanChunkedVAEDecode:
             return (images.reshape(-1, *images.shape[-3:]) if images.dim() == 5 else images,)
         b, c, t, h, w = latent.shape
         ratio = _time_ratio(vae)
+        from ..app.validate import check_decode_fits
+        check_decode_fits("samples", latent.shape, ratio or 4, _space_ratio(vae))   # before the first chunk
         if (ratio or 4) > 1:
             overlap = max(1, overlap)
         start, how = (chunk_frames, "widget") if chunk_frames > 0 else _auto_chunk(vae, latent, plan)

@@ -150,7 +150,17 @@ class MatrixGame2Sampler:
         if preset in LIB_PRESETS and actions.mode != LIB_PRESETS[preset]["mode"]:
             raise ValueError(f"the actions were written for mode {actions.mode!r} but preset {preset!r} is for "
                              f"{LIB_PRESETS[preset]['mode']!r}: set both to the checkpoint's mode")
-        image = model_space_start(start_latent)
+        image = model_space_start(start_latent)        # the start frame only; checked before the video's tensors
+        from ..app.validate import MAX_SEED, check_fits, check_int
+        from ..sampling.actions_script import check_action_values
+        seed = check_int("seed", seed, 0, MAX_SEED)
+        check_action_values(actions)
+        lh, lw = image.shape[-2:]
+        latent = num_frames or actions.latent_frames // 3 * 3 or 3
+        window = kv_window or LIB_PRESETS.get(preset, {}).get("window", 6)
+        check_fits(net.config.to_dict(), 4 * (latent - 1) + 1, 8 * int(lh), 8 * int(lw), device=net.device,
+                   dtype=str(net.compute_dtype), kv_window=window,
+                   names={"frames": "num_frames (video frames)", "kv_window": "kv_window"})
         tokens = clip_tokens(clip_vision_output, model)
         bar_cls, interrupt = progress_and_interrupt()
         state = {"bar": None}

@@ -40,14 +40,8 @@ def _checkpoint_input():
 def _resolve_checkpoint(name: str) -> str:
     if name in ("", TINY_NAME, TINY_MG2_NAME):
         return name or TINY_NAME
-    try:
-        import folder_paths
-        path = folder_paths.get_full_path("diffusion_models", name)
-        if path:
-            return path
-    except ImportError:
-        pass
-    return name
+    from .comfy_files import model_file
+    return model_file("diffusion_models", name, input_name="checkpoint")   # never outside ComfyUI's folders
 
 
 def _torch_device():
@@ -215,10 +209,19 @@ class CausalWanSampler:
         from ..profiling.session import maybe_profile
         from ..app.jobs.generate import sample_latents, sample_latents_with_state, sampler_setup
         from ..app.jobs.preview import to_vae_latents
+        from ..app.validate import MAX_SEED, check_fits, check_geometry, check_int, check_schedule_args
         from ..sampling.scheduler import resolve_schedule
+        seed = check_int("seed", seed, 0, MAX_SEED)
+        if preset == "custom":
+            check_schedule_args("custom", custom_steps, shift, True, names={"steps": "custom_steps"})
         schedule = (resolve_schedule("custom", custom_steps, shift, True) if preset == "custom"
                     else resolve_schedule(preset))
         cfg = model.config
+        names = {"frames": "num_frames", "kv_window": "kv_window", "width": "width", "height": "height"}
+        check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names)
+        check_fits(cfg.to_dict(), num_frames, height, width, device=model.model.device,
+                   dtype=str(model.model.compute_dtype), frames_per_block=frames_per_block,
+                   kv_window=kv_window, names=names)        # before any tensor is made
         context = conditioning_to_context(positive, cfg.text_dim, cfg.text_len)
         if sampler not in SAMPLER_CHOICES:
             raise ValueError(f"sampler must be one of {list(SAMPLER_CHOICES)}, got {sampler!r}")

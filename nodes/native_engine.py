@@ -12,15 +12,20 @@ image is written into the KV cache before the first block, as core does.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import weakref
 
 import torch
 
-from ..memory.block_swap import active_swap
+from ..memory.block_swap import active_swap, ensure_block_swap
+from ..memory.sampling_guard import OOM_RETRY_MODES, oom_guard
 from ..model.borrowed import borrow_wan_model
 from ..sampling.runner import FastOptions
 from ..sampling.sampler import PATHS, generator_noise, sample_causal
 from ..sampling.scheduler import schedule_from_sigmas
+
+log = logging.getLogger("wan_accel")
 
 SUPPORTED_MODELS = ("WAN21_CausalAR", "WAN21")
 RECORDED_NOISE_KEY = "wan_accel_recorded_noise"   # transformer_options entry: {"extra_noise.block{b}.step{k}": t}
@@ -40,12 +45,40 @@ def check_native_model(base) -> None:
             f"other models.")
 
 
+def run_dtype(base) -> torch.dtype:
+    """The dtype the engine computes in for ComfyUI's ``base`` (its inference dtype; float32 for others)."""
+    dtype = base.get_dtype_inference() if hasattr(base, "get_dtype_inference") else base.get_dtype()
+    return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+
+NATIVE_NAMES = {"frames": "length", "height": "height", "width": "width",
+                "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink"}
+
+
+def check_native_run(base, shape, device, frames_per_block: int, kv_window: int, sink: int, seed) -> int:
+    """The sampler's inputs checked before any tensor of the run is made: window and sink, a 64-bit seed, and the
+    memory estimate (``app.validate.check_fits``: KV cache, activations and latents of the incoming latent's size,
+    from the dims, heads and blocks of ComfyUI's model as the engine will see them). ValueError naming the input;
+    returns the seed."""
+    from ..app.validate import MAX_SEED, check_fits, check_int
+    from ..model.borrowed import borrowed_config
+    fpb = check_int("frames_per_block", frames_per_block, 1, 64)
+    window = check_int("kv_window", kv_window, -1, 1024, hint=" (latent frames; -1 keeps every frame)")
+    check_int("sink", sink, 0, 1024, hint=" (latent frames)")
+    seed = check_int("noise_seed", seed, 0, MAX_SEED)
+    dm = base.diffusion_model
+    cfg = borrowed_config(dm, num_heads=dm.num_heads, text_len=dm.text_len)
+    b, _, t, h, w = shape
+    check_fits(cfg.to_dict(), 4 * (int(t) - 1) + 1, 8 * int(h), 8 * int(w), device=device,
+               dtype=str(run_dtype(base)), frames_per_block=fpb, kv_window=window, batch=int(b), names=NATIVE_NAMES)
+    return seed
+
+
 def engine_for(base, device, dtype=None):
     """The engine model over ``base.diffusion_model``'s layers (built once per diffusion model, kept weakly)."""
     check_native_model(base)
     dm = base.diffusion_model
-    if dtype is None:
-        dtype = base.get_dtype_inference() if hasattr(base, "get_dtype_inference") else base.get_dtype()
+    dtype = run_dtype(base) if dtype is None else dtype
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         dtype = torch.float32
     engine = _ENGINES.get(dm)
@@ -104,12 +137,48 @@ def _recorded_noise_provider(recorded: dict):
     return provide
 
 
-def _progress(callback, sigmas, num_chunks_hint):
+@functools.lru_cache(maxsize=32)
+def _schedule(sigma_values: tuple, num_train_timesteps: int):
+    """The Schedule of a sigma list (host floats), resolved once per list: its checks and float32 tables are host
+    work, kept out of every later run."""
+    return schedule_from_sigmas(list(sigma_values), num_train_timesteps=num_train_timesteps)
+
+
+def _qkv_fusion(engine, swapped: bool) -> str | None:
+    """Why the run keeps q/k/v as three GEMMs (None: one GEMM over a concatenated buffer of the layers' own
+    weights); said on the console when it changes."""
+    why = "Wan Block Swap streams the weights between calls" if swapped else engine.qkv_fusion_blocker()
+    if why != engine.__dict__.get("qkv_fusion_off"):
+        if why:
+            log.info("wan_accel: native sampler: fused q/k/v off (%s)", why)
+        engine.__dict__["qkv_fusion_off"] = why
+    return why
+
+
+def _guard(engine, dm, shape, frames_per_block: int, mode: str):
+    """The pack's one out-of-memory retry (memory/sampling_guard.oom_guard) for the native model: it swaps the
+    blocks of ComfyUI's diffusion model, and learns no limit (ComfyUI places these weights). A retry also drops
+    the fused q/k/v buffers, so swapped weights leave no copy on the device."""
+    guard = oom_guard(engine, shape, frames_per_block, mode=mode, swap_model=dm, learn=False)
+    if guard is None:
+        return None
+
+    def chunk_guard(attempt, on_oom):
+        def dropping():
+            engine.unfuse_qkv()
+            on_oom()
+        return guard(attempt, dropping)
+    return chunk_guard
+
+
+def _progress(callback, sigmas, step_callback=None):
     from ._comfy import progress_and_interrupt
     _, interrupt = progress_and_interrupt()
     steps = len(sigmas) - 1
 
     def on_step(ci, k, num_chunks, num_steps, x0):
+        if step_callback is not None:
+            step_callback(ci, k, num_chunks, num_steps, x0)
         if interrupt is not None:
             interrupt()
         if callback is not None:
@@ -121,23 +190,34 @@ def _progress(callback, sigmas, num_chunks_hint):
 
 
 def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=None, frames_per_block: int = 3,
-                     kv_window: int = -1, sink: int = 0, path: str = "auto", cuda_graphs: bool = True, **_):
-    """KSAMPLER function: chunk-autoregressive sampling of x [B, C, T, H, W] over ``sigmas``."""
+                     kv_window: int = -1, sink: int = 0, path: str = "auto", cuda_graphs: bool = True,
+                     oom_retry: str = "auto", step_callback=None, report: dict | None = None, **_):
+    """KSAMPLER function: chunk-autoregressive sampling of x [B, C, T, H, W] over ``sigmas``. A frame count that is
+    not whole blocks ends with a shorter block, as core's sampler. The sigmas are read from the device once.
+    ``oom_retry`` ('auto': CUDA only, 'on', 'off'): on out of memory in a block, swap more of ComfyUI's blocks to
+    the host and redo the block. ``step_callback(chunk, step, chunks, steps, x0)`` (profiling) and ``report``
+    (a dict: what the run did, with ``fused_qkv_off``, why q/k/v ran as three GEMMs) are for tools."""
     extra_args = extra_args or {}
     if x.ndim != 5:
         raise ValueError(f"Wan Accel AR Sampler needs a video latent [B, C, T, H, W]; got shape {tuple(x.shape)}. "
                          f"Use Empty AR Video Latent or Empty Hunyuan Latent Video.")
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if oom_retry not in OOM_RETRY_MODES:
+        raise ValueError(f"oom_retry must be one of {OOM_RETRY_MODES}, got {oom_retry!r}")
     guider = model.inner_model
     base = guider.inner_model
     device = x.device
+    check_native_model(base)
+    seed = check_native_run(base, tuple(x.shape), device, frames_per_block, kv_window, sink,
+                            extra_args.get("seed", 0) or 0)
     engine = engine_for(base, device)
+    dm = base.diffusion_model
     options = extra_args.get("model_options", {}).get("transformer_options", {})
     multiplier = float(getattr(getattr(base, "model_sampling", None), "multiplier", 1000.0))
-    schedule = schedule_from_sigmas(sigmas, num_train_timesteps=int(round(multiplier)))
+    sigma_values = tuple(sigmas.tolist()) if isinstance(sigmas, torch.Tensor) else tuple(sigmas)   # one read
+    schedule = _schedule(sigma_values, int(round(multiplier)))
     context = positive_context(guider).to(device)
-    seed = int(extra_args.get("seed", 0) or 0)
     gen = torch.Generator(device=device).manual_seed(seed)
     recorded = options.get(RECORDED_NOISE_KEY)
     provider = _recorded_noise_provider(recorded) if recorded is not None else generator_noise(gen)
@@ -146,9 +226,20 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
         prefix = base.process_latent_in(prefix).to(device=device, dtype=torch.float32).movedim(1, 2)
     noise = x.movedim(1, 2).float()
     _apply_compile(engine, native_compile_settings(guider, options), path, device)
-    swapped = active_swap(base.diffusion_model) is not None      # Wan Block Swap streams weights between calls
-    fast = FastOptions(fused_qkv=False, cuda_graphs="auto" if cuda_graphs and not swapped else "off")
-    out = sample_causal(engine, context, noise, schedule, int(frames_per_block), generator=gen,
-                        noise_provider=provider, kv_window=int(kv_window), sink=int(sink),
-                        callback=_progress(callback, sigmas, None), path=path, fast_options=fast, prefix=prefix)
+    swap_before = active_swap(dm)
+    swapped = swap_before is not None       # Wan Block Swap streams weights between calls
+    fused_off = _qkv_fusion(engine, swapped)
+    fast = FastOptions(fused_qkv=fused_off is None, cuda_graphs="auto" if cuda_graphs and not swapped else "off")
+    guard = _guard(engine, dm, tuple(noise.shape), int(frames_per_block), oom_retry)
+    run = {} if report is None else report
+    try:
+        out = sample_causal(engine, context, noise, schedule, int(frames_per_block), generator=gen,
+                            noise_provider=provider, kv_window=int(kv_window), sink=int(sink),
+                            callback=_progress(callback, sigmas, step_callback), path=path, fast_options=fast,
+                            prefix=prefix, chunk_guard=guard, report=run, partial_last_block=True)
+    finally:
+        engine.unfuse_qkv()                 # ComfyUI may move or patch its weights before the next run
+        if swap_before is None and active_swap(dm) is not None:
+            ensure_block_swap(dm, None)     # a retry's swap: ComfyUI's model is not left patched
+    run["fused_qkv_off"] = fused_off
     return out.movedim(1, 2).to(dtype=x.dtype, device=x.device)

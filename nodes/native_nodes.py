@@ -3,8 +3,7 @@ drop-in for core's SamplerARVideo), the released causal schedules as SIGMAS, and
 re-noising draws, text) to replay an official output."""
 from __future__ import annotations
 
-from ..sampling.sampler import PATHS
-from ..sampling.scheduler import PRESET_NAMES, resolve_schedule
+# the sampling modules import torch: they load when a node's inputs are listed or it runs, not at import
 
 CATEGORY = "wan_accel/native"
 
@@ -20,10 +19,11 @@ class WanAccelARSampler:
 
     @classmethod
     def INPUT_TYPES(cls):
+        from ..sampling.sampler import PATHS
         return {"required": {
             "frames_per_block": ("INT", {"default": 3, "min": 1, "max": 64, "tooltip":
                                  "Latent frames per autoregressive block (3 for Self-Forcing / CausVid, 1 for "
-                                 "frame-wise models); the latent's frames after a start image must be whole blocks."}),
+                                 "frame-wise models); a frame count that is not whole blocks ends with a shorter block, as core."}),
             "kv_window": ("INT", {"default": -1, "min": -1, "max": 1024, "tooltip":
                           "Rolling KV cache window in latent frames; -1 keeps every frame (global cache, as core)."}),
             "sink": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip":
@@ -37,7 +37,7 @@ class WanAccelARSampler:
 
     def get_sampler(self, frames_per_block=3, kv_window=-1, sink=0, path="auto", cuda_graphs=True):
         import comfy.samplers
-        from ..sampling.sampler import check_window
+        from ..sampling.sampler import PATHS, check_window
         from .native_engine import sample_wan_accel
         if path not in PATHS:
             raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
@@ -51,6 +51,8 @@ class WanAccelARSampler:
 def causal_sigmas(preset: str, steps: str = "1000,750,500,250", shift: float = 5.0, warp: bool = True):
     """The step list of a released causal schedule (or a custom one) as a float32 SIGMAS tensor ending in 0."""
     import torch
+
+    from ..sampling.scheduler import PRESET_NAMES, resolve_schedule
     if preset not in PRESET_NAMES:
         raise ValueError(f"preset must be one of {list(PRESET_NAMES)}, got {preset!r}")
     sched = resolve_schedule("custom", steps, shift, warp) if preset == "custom" else resolve_schedule(preset)
@@ -66,6 +68,7 @@ class WanCausalSigmas:
 
     @classmethod
     def INPUT_TYPES(cls):
+        from ..sampling.scheduler import PRESET_NAMES
         return {"required": {
             "preset": (list(PRESET_NAMES), {"default": "self_forcing", "tooltip":
                        "self_forcing: 4 warped steps, shift 5. causvid: [1000, 757, 522], shift 8. custom: the "
@@ -102,16 +105,12 @@ class WanRecordedRun:
         }}
 
     def load(self, model, file="causal_io.safetensors"):
-        import os
-
-        import folder_paths
         import torch
         from safetensors.torch import load_file
+        from .comfy_files import input_file
         from .native_engine import RECORDED_NOISE_KEY
-        path = os.path.join(folder_paths.get_input_directory(), file)
-        if not file.endswith(".safetensors") or not os.path.isfile(path):
-            raise ValueError(f"no recorded run {file!r} in ComfyUI's input folder: put a .safetensors file there")
-        io = load_file(path)
+        path = input_file(file, input_name="file")   # only inside ComfyUI's input folder: no '..', no absolute path
+        io = load_file(str(path))
         missing = [k for k in ("initial_noise", "context") if k not in io]
         if missing:
             raise ValueError(f"{file} has no {missing}: a recorded run holds initial_noise [B, F, C, H, W], context "
@@ -166,7 +165,7 @@ class WanTinyNativeModel:
         if patcher is None:
             raise ValueError("this ComfyUI did not recognise the tiny causal Wan model; it needs ComfyUI 0.33 or "
                              "newer (WAN21_CausalAR)")
-        g = torch.Generator().manual_seed(int(seed) + 1)
+        g = torch.Generator().manual_seed((int(seed) + 1) % 2 ** 64)
         context = torch.randn(1, TINY_CONFIG.text_len, TINY_CONFIG.text_dim, generator=g)
         return (patcher, [[context, {}]])
 

@@ -279,6 +279,7 @@ class MatrixGame2PlaySave:
     def save(self, session, filename_prefix="wan_accel/play", video_format="mp4"):
         import torch
         from safetensors.torch import save_file
+        from ..cache.owned_files import check_target, write_text, write_with
         from . import streaming_decode
         from .mg2_nodes import to_latent_space
         play = _registry().get(session)
@@ -297,6 +298,8 @@ class MatrixGame2PlaySave:
         folder = Path(full)
         folder.mkdir(parents=True, exist_ok=True)
         files = {"video": f"{base}.{fmt}", "script": f"{base}.txt", "latent": f"{base}.latent"}
+        for f in files.values():   # before any decoding: no link, pipe or folder in the way (cache/owned_files.py)
+            check_target(folder / f, option="filename_prefix", purpose="the saved play session")
         vae = play.kept.get("vae")
         written = 0
         if vae is not None:
@@ -314,14 +317,18 @@ class MatrixGame2PlaySave:
                         yield tail[0]
                 with torch.inference_mode():
                     writer = _write_mp4 if fmt == "mp4" else _write_webp
-                    written = writer(folder / files["video"], batches(), FPS)
+                    counts = []
+                    write_with(folder / files["video"], lambda tmp: counts.append(writer(tmp, batches(), FPS)),
+                               option="filename_prefix", purpose="the saved play video")
+                    written = counts[0]
             finally:
                 decoder.release()
         else:
             files.pop("video")
-        (folder / files["script"]).write_text(script_text, encoding="utf-8")
-        save_file({"latent_tensor": to_latent_space(latents).contiguous(),
-                   "latent_format_version_0": torch.tensor([])}, str(folder / files["latent"]))
+        write_text(folder / files["script"], script_text, option="filename_prefix", purpose="the play script")
+        tensors = {"latent_tensor": to_latent_space(latents).contiguous(), "latent_format_version_0": torch.tensor([])}
+        write_with(folder / files["latent"], lambda tmp: save_file(tensors, tmp), option="filename_prefix",
+                   purpose="the play latent")
         send_play_event("saved", session, subfolder=subfolder, files=files, frames=written, seed=seed)
         ui = {"text": [f"saved {', '.join(files.values())} ({written} frames) in output/{subfolder}"],
               "wan_accel_play_saved": [{"subfolder": subfolder, **files}]}

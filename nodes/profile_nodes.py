@@ -17,6 +17,12 @@ def _out_dir(subfolder: str):
     sub = (subfolder or "").strip().strip("/\\")
     if not sub or ":" in sub or ".." in sub.replace("\\", "/").split("/"):
         raise ValueError(f"output_subfolder must be a plain folder name inside the output folder, got {subfolder!r}")
+    import os
+
+    real_base = os.path.realpath(str(base))
+    if os.path.commonpath([real_base, os.path.realpath(str(base / sub))]) != real_base:
+        raise ValueError(f"output_subfolder {subfolder!r} leads out of the output folder through a symbolic link; "
+                         f"choose a folder inside it")
     return base / sub
 
 

@@ -14,13 +14,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .child import PACKAGE_ROOT, last_error, pack_name, worker_message
+
 WORKER = Path(__file__).with_name("explain_worker.py")
-# Not resolved: the pack may sit behind a link whose name is the import name.
-PACKAGE_ROOT = Path(os.path.abspath(__file__)).parent.parent
 
 
 class ExplainError(RuntimeError):
     """The explain subprocess failed; the message carries its error and the end of its output."""
+
+
+class ExplainTargetError(ExplainError, ValueError):
+    """The target is not 'package.module:factory' or its module or factory cannot be loaded: the caller's input,
+    not a failed run."""
 
 
 @dataclasses.dataclass
@@ -49,20 +54,15 @@ class ExplainResult:
         return "\n".join(lines)
 
 
-def _pack_name() -> str:
-    """The name this pack was imported under (``wan_accel``, or a ComfyUI custom_nodes folder name)."""
-    return __name__.rsplit(".", 2)[0] if __name__.count(".") >= 2 else PACKAGE_ROOT.name
-
-
 def _pack_search_path() -> Path:
-    """The sys.path entry from which ``_pack_name()`` imports."""
-    return PACKAGE_ROOT.parents[_pack_name().count(".")]
+    """The sys.path entry from which ``pack_name()`` imports."""
+    return PACKAGE_ROOT.parents[pack_name().count(".")]
 
 
 def package_target(relative: str) -> str:
     """A target inside this pack, under whatever name the pack was imported:
     ``package_target("app.jobs.profile_targets:explain_model")``."""
-    return f"{_pack_name()}.{relative}"
+    return f"{pack_name()}.{relative}"
 
 
 def explain_in_subprocess(target: str, *, kwargs: dict | None = None, sys_path=None, timeout: float = 600.0,
@@ -74,7 +74,7 @@ def explain_in_subprocess(target: str, *, kwargs: dict | None = None, sys_path=N
     targets inside the pack import (see ``package_target``).
     """
     if ":" not in str(target):
-        raise ExplainError(f"target must look like 'package.module:factory', got {target!r}")
+        raise ExplainTargetError(f"target must look like 'package.module:factory', got {target!r}")
     paths = [str(p) for p in (sys_path or [])] + [str(_pack_search_path())]
     with tempfile.TemporaryDirectory(prefix="wan_accel_explain_") as tmp:
         out = Path(tmp) / "result.json"
@@ -89,9 +89,14 @@ def explain_in_subprocess(target: str, *, kwargs: dict | None = None, sys_path=N
             raise ExplainError(f"explain of {target} did not finish within {timeout:.0f} s") from exc
         tail = ((proc.stdout or "") + (proc.stderr or ""))[-3000:]
         if not out.exists():
-            raise ExplainError(f"explain of {target} crashed (exit code {proc.returncode}); output:\n{tail}")
+            raise ExplainError(worker_message(f"explain worker of {target} crashed (exit code {proc.returncode}): "
+                                              f"{last_error(proc.stderr)}", tail))
         data = json.loads(out.read_text(encoding="utf-8"))
+    if not data.get("ok") and data.get("stage") == "load":
+        raise ExplainTargetError(worker_message(f"{target} cannot be loaded ({data.get('error')})",
+                                                data.get("traceback")))
     if not data.get("ok"):
-        raise ExplainError(f"explain of {target} failed: {data.get('error')}\n{data.get('traceback', '')}")
+        raise ExplainError(worker_message(f"explain worker of {target} failed: {data.get('error')}",
+                                          data.get("traceback")))
     names = {f.name for f in dataclasses.fields(ExplainResult)}
     return ExplainResult(**{k: v for k, v in data.items() if k in names})

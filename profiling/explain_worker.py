@@ -42,10 +42,18 @@ def _frame(fs) -> str:
     return f"{getattr(fs, 'filename', '?')}:{getattr(fs, 'lineno', '?')} in {getattr(fs, 'name', '?')}"
 
 
+class TargetNotLoaded(Exception):
+    """The target's module or factory cannot be loaded: the caller named something that is not there."""
+
+
 def explain_target(target: str, kwargs: dict) -> dict:
     import torch
 
-    spec = _load(target)(**kwargs)
+    try:
+        factory = _load(target)
+    except Exception as exc:  # noqa: BLE001 - whatever stops the import, the target is not usable
+        raise TargetNotLoaded(f"{type(exc).__name__}: {exc}") from exc
+    spec = factory(**kwargs)
     fn, args, call_kwargs = _unpack(spec)
     inference = isinstance(spec, dict) and bool(spec.get("inference_mode"))
     with torch.inference_mode(inference):
@@ -76,7 +84,9 @@ def main(argv=None) -> int:
         result = explain_target(a.target, json.loads(a.kwargs))
         code = 0
     except BaseException as exc:  # noqa: BLE001 - report any failure to the parent as data
-        result = {"ok": False, "target": a.target, "error": f"{type(exc).__name__}: {exc}",
+        loading = isinstance(exc, TargetNotLoaded)
+        result = {"ok": False, "target": a.target, "stage": "load" if loading else "run",
+                  "error": str(exc) if loading else f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-4000:]}
         code = 1
     with open(a.out, "w", encoding="utf-8") as fh:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import warnings
 from pathlib import Path
@@ -30,7 +29,7 @@ LOCK_TIMEOUT_S = 30.0
 
 
 class HistoryWarning(UserWarning):
-    """Issued once per read when corrupt lines were skipped."""
+    """Issued once per read when corrupt lines were skipped, and when a line could not be appended."""
 
 
 def history_path(path=None) -> Path:
@@ -75,7 +74,9 @@ def _fingerprint_id() -> str | None:
 
 
 def append(record: dict, path=None) -> dict:
-    """Append one record (a JSON-serialisable dict) as one line; returns the record as written.
+    """Append one record (a JSON-serialisable dict) as one line; returns the record as written, or None when
+    the line was dropped with one HistoryWarning naming the file (its lock timed out, or the file is not one the
+    pack may append to: a symlink, a pipe, a folder; cache/owned_files.py).
 
     Fills ``timestamp`` and ``fingerprint`` when missing. Raises ValueError for an unknown ``kind`` and
     TypeError for values JSON cannot hold.
@@ -103,28 +104,28 @@ def append(record: dict, path=None) -> dict:
         problem = LimitCache().writable_problem
         if problem:
             raise CacheUnavailableError(problem)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
-    with FileLock(str(p) + ".lock", timeout=LOCK_TIMEOUT_S):
-        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            if size and not _ends_with_newline(p, size):
-                data = b"\n" + data  # a torn last line (crash mid-write) stays alone on its line
-            written = os.write(fd, data)
-            if written != len(data):
-                raise OSError(f"short write to {p}: {written} of {len(data)} bytes")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    from ..cache.owned_files import OwnedFileError, append_line, check_target
+
+    lock = Path(str(p) + ".lock")
+    try:
+        check_target(p, purpose="the metrics history", allow=(FILE_NAME,))
+        check_target(lock, purpose="the metrics history's lock", allow=(FILE_NAME + ".lock",))
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(lock), timeout=LOCK_TIMEOUT_S):
+            append_line(p, data, purpose="the metrics history", allow=(FILE_NAME,))
+    except OwnedFileError as exc:
+        _dropped(p, str(exc))
+        return None
+    except Timeout:
+        _dropped(p, f"its lock {lock} was held by another process for {LOCK_TIMEOUT_S:.0f} s")
+        return None
     return rec
 
 
-def _ends_with_newline(p: Path, size: int) -> bool:
-    with open(p, "rb") as fh:
-        fh.seek(size - 1)
-        return fh.read(1) == b"\n"
+def _dropped(p: Path, why: str) -> None:
+    warnings.warn(f"metrics history {p}: this run's line was dropped ({why})", HistoryWarning, stacklevel=3)
 
 
 def read(path=None, kind: str | None = None, last: int | None = None) -> list[dict]:

@@ -9,6 +9,8 @@ import json
 import time
 from pathlib import Path
 
+from ..cache.owned_files import write_with
+
 # Speed keys of ``timings``, best first: higher is better for these.
 SPEED_KEYS = ("frames_per_s", "steps_per_s", "it_per_s")
 COLUMNS = ["n", "time", "kind", "label", "speed", "total_s", "peak_mem", "cache_hits", "machine", "settings"]
@@ -103,7 +105,4 @@ def plot_history(records: list[dict], out_path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
-    out = Path(out_path).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(out), format="png")
-    return out
+    return write_with(out_path, lambda tmp: fig.savefig(tmp, format="png"), purpose="the history plot")

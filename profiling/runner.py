@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..cache.owned_files import write_with
 from .dynamo_stats import DynamoWindow
 from .report import ProfileReport
 from .trace_stats import gpu_idle_stats, top_kernels
@@ -61,7 +62,7 @@ def unique_trace_path(out_dir, trace_name: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{_safe_name(trace_name)}-{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = out / f"{stem}.json", 1
-    while path.exists():
+    while os.path.lexists(path):     # a dangling link is taken too: the trace never goes through a link
         n += 1
         path = out / f"{stem}_{n}.json"
     return path
@@ -187,7 +188,8 @@ class ProfileSession:
         if self._prof is not None:
             self._prof.stop()
             trace_path = unique_trace_path(self.out_dir, self.trace_name)
-            self._prof.export_chrome_trace(str(trace_path))
+            prof = self._prof
+            write_with(trace_path, lambda tmp: prof.export_chrome_trace(tmp), purpose="the profiler trace")
             events = self._load_events(trace_path)
         compile_stats = self._window.stop()
         self._finished = True

@@ -14,8 +14,10 @@ Keys per mode (the checkpoint's keyboard channels, in order):
 * ``templerun``: ``nomove``, ``jump``, ``slide``, ``turnleft``, ``turnright``, ``leftside``, ``rightside``;
   no mouse
 
-``mouse(p, y)`` sets the two mouse channels (camera pitch and yaw per frame; the released demos use 0.1);
-``look_*`` are shorthands for +-0.1. ``idle`` is no key and no mouse movement. Example::
+``mouse(p, y)`` sets the two mouse channels (camera pitch and yaw per frame; the released demos use 0.1), each
+within [-MAX_MOUSE, MAX_MOUSE] = [-1, 1]; ``look_*`` are shorthands for +-0.1. ``idle`` is no key and no mouse
+movement. A script is at most MAX_SCRIPT_CHARS characters and covers at most MAX_SCRIPT_FRAMES video frames after
+the start frame (the longest video the sampler makes). Example::
 
     W*20, W+A*8, mouse(0.1,0)*12, idle*4
 
@@ -32,6 +34,10 @@ from dataclasses import dataclass
 
 VIDEO_FRAMES_PER_LATENT = 4
 LOOK_VALUE = 0.1
+MAX_MOUSE = 1.0                 # camera pitch/yaw per frame: the released demos use 0.1
+MAX_VIDEO_FRAMES = 4093         # the longest video of every sampler (as app/validate.py)
+MAX_SCRIPT_FRAMES = MAX_VIDEO_FRAMES - 1    # scripted frames after the start frame
+MAX_SCRIPT_CHARS = 65536
 
 MODES = {
     "universal": {"keys": ("w", "s", "a", "d"), "mouse": True,
@@ -110,8 +116,9 @@ def _parse_term(term: str, mode: str, keys: dict, where: str):
         if not m:
             raise ActionScriptError(f"{where}: bad mouse term {term!r}; write mouse(PITCH,YAW), e.g. mouse(0.1,0)")
         vals = (float(m.group(1)), float(m.group(2)))
-        if not all(math.isfinite(v) for v in vals):
-            raise ActionScriptError(f"{where}: mouse values must be finite numbers, got {term!r}")
+        if not all(math.isfinite(v) and abs(v) <= MAX_MOUSE for v in vals):
+            raise ActionScriptError(f"{where}: mouse values must be finite numbers within [-{MAX_MOUSE:g}, "
+                                    f"{MAX_MOUSE:g}] (the released demos use 0.1), got {term!r}")
         return "mouse", vals
     if term not in keys:
         names = ", ".join(k.upper() if len(k) == 1 else k for k in spec["keys"])
@@ -143,6 +150,11 @@ def parse_action_script(script: str, mode: str = "universal") -> GameActions:
     """Parse ``script`` for ``mode``; raise :class:`ActionScriptError` with the item at fault."""
     if mode not in MODES:
         raise ActionScriptError(f"unknown action mode {mode!r}; choose one of {', '.join(MODES)}")
+    if not isinstance(script, str):
+        raise ActionScriptError(f"the action script must be text, got {type(script).__name__}")
+    if len(script) > MAX_SCRIPT_CHARS:
+        raise ActionScriptError(f"the action script is {len(script)} characters long; at most {MAX_SCRIPT_CHARS} "
+                                f"are read: use counts (e.g. 'W*40') instead of repeating items")
     spec = MODES[mode]
     keys = {k: i for i, k in enumerate(spec["keys"])}
     keys.update({a: keys[k] for a, k in spec["aliases"].items()})
@@ -152,18 +164,25 @@ def parse_action_script(script: str, mode: str = "universal") -> GameActions:
     if not items:
         raise ActionScriptError("the action script is empty; write e.g. 'W*20, W+A*8, mouse(0.1,0)*12, idle*4'")
     kdim = len(spec["keys"])
-    keyboard, mouse = [], []
+    keyboard, mouse, total = [], [], 0
     for n, item in enumerate(items, 1):
-        where = f"item {n} ({item!r})"
+        where = f"item {n} ({item[:40]!r})"
         m = _ITEM.match(item)
         action, count = m.group("action"), m.group("count")
         if count is None:
             reps = 1
-        elif not count.isdigit() or int(count) <= 0:
+        elif not (count.isascii() and count.isdigit()) or not count.strip("0"):
             raise ActionScriptError(f"{where}: the count after '*' must be a positive whole number of video "
-                                    f"frames, got {count!r}")
+                                    f"frames (digits 0-9), got {count!r}")
         else:
-            reps = int(count)
+            # more digits than the bound has are over it: never turn a huge digit string into an int
+            reps = int(count) if len(count.lstrip("0")) <= len(str(MAX_SCRIPT_FRAMES)) else MAX_SCRIPT_FRAMES + 1
+        total += reps
+        if total > MAX_SCRIPT_FRAMES:
+            raise ActionScriptError(f"{where}: with this item the script covers more than {MAX_SCRIPT_FRAMES} video "
+                                    f"frames after the start frame (at most {MAX_SCRIPT_FRAMES}: a "
+                                    f"{MAX_VIDEO_FRAMES}-frame video, the longest the sampler makes); lower its "
+                                    f"count")
         row, cam = [0.0] * kdim, None
         if action != "idle":
             for term in action.split("+"):
@@ -197,6 +216,8 @@ def actions_from_tensors(mode: str, keyboard, mouse=None) -> GameActions:
     kb = keyboard.tolist() if hasattr(keyboard, "tolist") else [list(r) for r in keyboard]
     ms = None if mouse is None else (mouse.tolist() if hasattr(mouse, "tolist") else [list(r) for r in mouse])
     acts = GameActions(mode=mode, keyboard=kb, mouse=ms)
+    if not 1 <= acts.video_frames <= MAX_VIDEO_FRAMES:
+        raise ActionScriptError(f"{acts.video_frames} video frames of actions: need 1 to {MAX_VIDEO_FRAMES}")
     if (acts.video_frames - 1) % VIDEO_FRAMES_PER_LATENT:
         raise ActionScriptError(f"{acts.video_frames} video frames of actions: need 1 + 4*k")
     if any(len(r) != acts.keyboard_dim for r in kb):
@@ -204,4 +225,21 @@ def actions_from_tensors(mode: str, keyboard, mouse=None) -> GameActions:
     if MODES[mode]["mouse"] != (ms is not None) or (ms is not None and len(ms) != len(kb)):
         raise ActionScriptError(f"mode {mode!r} {'needs' if MODES[mode]['mouse'] else 'has no'} mouse rows "
                                 "(one per video frame)")
+    check_action_values(acts)
+    return acts
+
+
+def check_action_values(acts: GameActions) -> GameActions:
+    """Every keyboard value finite in [0, 1] and every mouse value finite in [-MAX_MOUSE, MAX_MOUSE]."""
+    for j, row in enumerate(acts.keyboard):
+        for v in row:
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0):
+                raise ActionScriptError(f"keyboard value {v!r} of video frame {j}: keys are 0 (up) or 1 (down)")
+    for j, row in enumerate(acts.mouse or ()):
+        if len(row) != 2:
+            raise ActionScriptError(f"mouse row of video frame {j} has {len(row)} values; give (pitch, yaw)")
+        for v in row:
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and abs(v) <= MAX_MOUSE):
+                raise ActionScriptError(f"mouse value {v!r} of video frame {j} is outside [-{MAX_MOUSE:g}, "
+                                        f"{MAX_MOUSE:g}] (camera pitch/yaw per frame; the released demos use 0.1)")
     return acts

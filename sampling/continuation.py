@@ -13,6 +13,7 @@ slot of a token is the rolling one's, so a short global cache grows into a rolli
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -75,18 +76,50 @@ def _actions_to(actions, device):
     return {k: (copy_cache(v, device=device) if isinstance(v, KVCache) else v) for k, v in actions.items()}
 
 
+FINGERPRINT_SAMPLES = 16
+_FINGERPRINT_ATTR = "_wan_accel_weight_fingerprint"
+
+
+def weight_fingerprint(model) -> str:
+    """A cheap hash of the weights' values: shape, dtype and FINGERPRINT_SAMPLES evenly spaced values of every
+    parameter. Two checkpoints of the same structure differ here. Cached on the model, keyed by the parameters'
+    identities and in-place versions (a weight patched in place gets a new fingerprint)."""
+    params = list(model.named_parameters())
+    key = tuple((id(p), p._version, p.data_ptr() if p.device.type != "meta" else 0) for _, p in params)
+    cached = getattr(model, _FINGERPRINT_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in params:
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+            if p.device.type == "meta" or p.numel() == 0:
+                continue
+            flat = p.detach().reshape(-1)
+            idx = torch.linspace(0, flat.numel() - 1, min(FINGERPRINT_SAMPLES, flat.numel())).long()
+            h.update(flat[idx.to(flat.device)].float().cpu().numpy().tobytes())
+    value = h.hexdigest()[:16]
+    try:
+        object.__setattr__(model, _FINGERPRINT_ATTR, (key, value))
+    except (AttributeError, TypeError):
+        pass
+    return value
+
+
 def run_settings(model, batch: int, height: int, width: int, schedule, frames_per_block: int, kv_window: int,
                  sink: int, refresh_t: float = 0.0, **extra) -> dict:
     """What a state must share with the run that continues it (plain values: compared and shown in errors)."""
     sched = _as_schedule(schedule)
-    return {"model": model_signature(model), "batch": int(batch), "height": int(height), "width": int(width),
+    return {"model": model_signature(model), "weights": weight_fingerprint(model), "batch": int(batch),
+            "height": int(height), "width": int(width),
             "frames_per_block": int(frames_per_block), "kv_window": int(kv_window), "sink": int(sink),
             "refresh_t": float(refresh_t), "timesteps": [float(t) for t in sched.timesteps],
             "shift": float(getattr(sched, "shift", 0.0) or 0.0),
             "compute_dtype": str(model.compute_dtype), "stream_dtype": str(model.stream_dtype), **extra}
 
 
-NAMES = {"model": "model (checkpoint, precision or attention heads)", "batch": "batch size",
+NAMES = {"model": "model (checkpoint, precision or attention heads)",
+         "weights": "model weights (same structure, other values: another checkpoint or fine-tune)", "batch": "batch size",
          "height": "latent height", "width": "latent width", "frames_per_block": "frames per block",
          "kv_window": "KV window", "sink": "sink frames", "refresh_t": "refresh timestep",
          "timesteps": "schedule steps", "shift": "schedule shift", "compute_dtype": "compute dtype",
@@ -164,4 +197,4 @@ def sample_continuable(model, context, num_frames: int, height: int, width: int,
     return out, new_state
 
 
-__all__ = ["SamplerState", "sample_continuable", "check_state", "run_settings", "copy_cache"]
+__all__ = ["SamplerState", "sample_continuable", "check_state", "run_settings", "copy_cache", "weight_fingerprint"]

@@ -188,7 +188,7 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
                          f"the actions give {1 + 4 * (frames_avail - 1)}")
     b, _, _, h, w = image_latent.shape
     cond = build_cond_concat(image_latent.to(device), num_frames)
-    gens = [torch.Generator(device=device).manual_seed(int(seed) + i) for i in range(b)]
+    gens = [torch.Generator(device=device).manual_seed((int(seed) + i) % 2 ** 64) for i in range(b)]
 
     def provide(_ci, _k, shape, dtype, dev):      # chunk order: initial noise (k = -1), then each re-noise
         eps = [torch.randn((1,) + tuple(shape[1:]), generator=g, device=device) for g in gens]

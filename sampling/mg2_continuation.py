@@ -68,7 +68,7 @@ def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: to
     to_dev = lambda t: None if t is None else t[:, :need].to(device)
     call = model.new_action_call(to_dev(mouse), to_dev(keyboard), window)
     if state is None:
-        gens = [torch.Generator(device=device).manual_seed(int(seed) + i) for i in range(b)]
+        gens = [torch.Generator(device=device).manual_seed((int(seed) + i) % 2 ** 64) for i in range(b)]
     elif reuse:
         call.adopt_caches(state.actions["mouse_cache"], state.actions["keyboard_cache"], b, frame_tokens)
     else:

@@ -52,20 +52,23 @@ def resolve_path(path: str, device, tracer=None, model=None) -> tuple[str, objec
     return path, options
 
 
-def chunk_plan(num_frames: int, frames_per_block: int, independent_first_frame: bool = False) -> list:
-    """[(first_frame, num_frames), ...] covering all latent frames; clear error when they do not divide."""
+def chunk_plan(num_frames: int, frames_per_block: int, independent_first_frame: bool = False,
+               partial_last: bool = False) -> list:
+    """[(first_frame, num_frames), ...] covering all latent frames; clear error when they do not divide, unless
+    ``partial_last``: then the last chunk holds the frames left over (fewer than frames_per_block, as ComfyUI's
+    own AR video sampler does)."""
     if frames_per_block < 1:
         raise ValueError(f"frames_per_block must be >= 1, got {frames_per_block}")
     first = 1 if independent_first_frame else 0
     rest = num_frames - first
-    if rest < 0 or rest % frames_per_block:
+    if rest < 0 or (rest % frames_per_block and not partial_last):
         raise ValueError(
             f"{num_frames} latent frames are not a whole number of {frames_per_block}-frame blocks"
             + (" after the independent first frame" if first else "")
             + f"; use a latent frame count like {max(1, rest // frames_per_block) * frames_per_block + first}"
             " (video frames = 4 * (latent frames - 1) + 1)")
     plan = [(0, 1)] if first else []
-    plan += [(f, frames_per_block) for f in range(first, num_frames, frames_per_block)]
+    plan += [(f, min(frames_per_block, num_frames - f)) for f in range(first, num_frames, frames_per_block)]
     return plan
 
 
@@ -94,7 +97,7 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
                   independent_first_frame: bool = False, tracer=None, on_chunk=None, clip_fea=None, y=None,
                   kv_cache: KVCache | None = None, model_kwargs: dict | None = None, path: str = "auto",
                   fast_options=None, report: dict | None = None, chunk_guard=None, cache=None, prefix=None,
-                  start_frame: int = 0):
+                  start_frame: int = 0, partial_last_block: bool = False):
     """Sample latents [B, F, C, H, W] (float32) from initial noise [B, F, C, H, W].
 
     noise may also be just the shape (B, F, C, H, W): each chunk's initial noise is then drawn from the noise
@@ -120,10 +123,12 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     start_frame: sample only the chunks from this latent frame on (a chunk boundary of the F-frame plan) and return
     [B, F - start_frame, C, H, W]; ``kv_cache`` must then hold frames [0, start_frame) and the generator be where
     the earlier frames left it (``continuation.sample_continuable`` does both: continue a video later).
+    partial_last_block: accept a frame count that is not whole chunks; the last chunk is shorter (``chunk_plan``).
     """
     req, inputs = resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider,
                                   kv_window, sink, skip_last_refresh, refresh_t, independent_first_frame, tracer,
-                                  clip_fea, y, kv_cache, model_kwargs, path, fast_options, prefix, start_frame)
+                                  clip_fea, y, kv_cache, model_kwargs, path, fast_options, prefix, start_frame,
+                                  partial_last_block)
     hooks = SamplingHooks(callback, on_chunk, tracer, chunk_guard)
     if report is not None:
         report["path"] = req.path
@@ -142,8 +147,8 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
 
 def resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider, kv_window, sink,
                     skip_last_refresh, refresh_t, independent_first_frame, tracer, clip_fea, y, kv_cache,
-                    model_kwargs, path, fast_options, prefix=None, start_frame: int = 0
-                    ) -> tuple[SamplingRequest, SamplingInputs]:
+                    model_kwargs, path, fast_options, prefix=None, start_frame: int = 0,
+                    partial_last_block: bool = False) -> tuple[SamplingRequest, SamplingInputs]:
     """Validate the arguments of ``sample_causal`` once: (the frozen request, the run's tensors)."""
     sched = _as_schedule(schedule)
     shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
@@ -159,7 +164,8 @@ def resolve_request(model, context, noise, schedule, frames_per_block, generator
                              f"needs the same batch, channels and size, and fewer frames")
         if start_frame:
             raise ValueError("a start latent (prefix) begins a video; a continued run (start_frame) already has it")
-    plan = [(f + first, n) for f, n in chunk_plan(num_frames - first, frames_per_block, independent_first_frame)]
+    plan = [(f + first, n) for f, n in chunk_plan(num_frames - first, frames_per_block, independent_first_frame,
+                                                  partial_last_block)]
     if start_frame:
         starts = [f0 for f0, _ in plan]
         if start_frame not in starts:

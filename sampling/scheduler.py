@@ -6,11 +6,14 @@ resolved, so the sampling loop never synchronises with the device.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 NUM_TRAIN_TIMESTEPS = 1000
+SCHEDULE_ROUNDING = 1e-3   # relative slack of the computed timesteps over N (float32 arithmetic of small shifts)
+MAX_SHIFT = 100.0          # shifts beyond this squeeze every step against sigma 1; the released models use 3-8
 
 PRESETS = {
     "self_forcing": {"steps": [1000, 750, 500, 250], "shift": 5.0, "warp": True},
@@ -82,13 +85,85 @@ class Schedule:
         return [float(s) for s in self.x0_sigmas] + [0.0]
 
 
+class ScheduleError(ValueError):
+    """A shift, step list or sigma list that gives no usable schedule; the message names the value at fault."""
+
+
+def _number(name: str, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ScheduleError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise ScheduleError(f"{name} must be a finite number, got {value!r}")
+    return v
+
+
+def check_shift(shift, name: str = "shift") -> float:
+    """A finite shift in (0, MAX_SHIFT]."""
+    v = _number(name, shift)
+    if not 0 < v <= MAX_SHIFT:
+        raise ScheduleError(f"{name} must be greater than 0 and at most {MAX_SHIFT:g}, got {v:g}")
+    return v
+
+
+def check_steps(steps, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS, name: str = "steps") -> list:
+    """A non-empty list of finite timesteps in [0, num_train_timesteps]."""
+    if isinstance(steps, str):
+        steps = parse_steps(steps)
+    out = [_number(f"{name} item {i + 1}", v) for i, v in enumerate(steps)]
+    if not out:
+        raise ScheduleError(f"{name} is empty: give timesteps in (0, {num_train_timesteps}], e.g. 1000,750,500,250")
+    for i, v in enumerate(out):
+        if not 0 <= v <= num_train_timesteps:
+            raise ScheduleError(f"{name} item {i + 1} ({v:g}) is outside [0, {num_train_timesteps}]; e.g. "
+                                f"1000,750,500,250")
+    return out
+
+
+def check_sigmas(sigmas, name: str = "sigmas") -> list:
+    """A sigma list as the samplers take it: finite, decreasing within (0, 1], then a final 0."""
+    try:
+        values = [float(v) for v in torch.as_tensor(sigmas, dtype=torch.float64).flatten().cpu().tolist()]
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ScheduleError(f"{name} must be a list of numbers, got {sigmas!r} ({exc})") from None
+    if len(values) < 2:
+        raise ScheduleError(f"{name} need at least one step and the final 0, got {values}")
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise ScheduleError(f"{name} item {bad[0] + 1} is {values[bad[0]]}: every sigma must be a finite number "
+                            f"in [0, 1]")
+    if values[-1] != 0.0:
+        raise ScheduleError(f"the last sigma must be 0 (the clean output), got {values[-1]}; use the Wan Causal "
+                            f"Sigmas node or end the list with 0")
+    steps = values[:-1]
+    if any(not 0 < v <= 1 for v in steps) or any(b >= a for a, b in zip(steps, steps[1:])):
+        raise ScheduleError(f"{name} before the final 0 must decrease within (0, 1], got {values}")
+    return values
+
+
+def check_schedule(schedule: "Schedule", num_train_timesteps: int = NUM_TRAIN_TIMESTEPS) -> "Schedule":
+    """The computed schedule itself: timesteps finite in [0, N], sigmas finite in [0, 1] (a tiny shift can turn
+    an input that looks fine into inf or NaN)."""
+    where = f"shift {schedule.shift:g}" if schedule.scheduler is not None else "these sigmas"
+    for label, values, hi in (("timestep", schedule.timesteps, float(num_train_timesteps)),
+                              ("sigma", schedule.x0_sigmas, 1.0),
+                              ("sigma", [v for pair in schedule.renoise for v in pair], 1.0)):
+        for v in values:     # a hair above hi is float32 rounding of the shift formula, not a broken schedule
+            if not math.isfinite(v) or not 0.0 <= v <= hi * (1 + SCHEDULE_ROUNDING):
+                raise ScheduleError(f"{where} gives the {label} {v} (outside [0, {hi:g}]); the schedule would "
+                                    f"produce a NaN video: use a shift between 1 and 10 (the released models use "
+                                    f"3-8) or other steps")
+    return schedule
+
+
 def parse_steps(text: str) -> list:
     try:
         steps = [float(s) for s in text.replace(",", " ").split()]
     except ValueError:
-        raise ValueError(f"steps must be numbers separated by commas, got {text!r}") from None
+        raise ScheduleError(f"steps must be numbers separated by commas, got {text!r}") from None
     if not steps:
-        raise ValueError("the step list is empty")
+        raise ScheduleError("the step list is empty")
     return steps
 
 
@@ -101,7 +176,8 @@ def resolve_schedule(preset: str = "self_forcing", steps=None, shift=None, warp=
     steps = base["steps"] if steps is None else (parse_steps(steps) if isinstance(steps, str) else list(steps))
     if steps is None:
         raise ValueError("preset 'custom' needs a step list, e.g. '1000,750,500,250'")
-    shift = base["shift"] if shift is None else float(shift)
+    steps = check_steps(steps, num_train_timesteps)
+    shift = base["shift"] if shift is None else check_shift(shift)
     warp = base["warp"] if warp is None else bool(warp)
     sched = FlowMatchScheduler(shift, num_train_timesteps)
     if warp:
@@ -113,23 +189,21 @@ def resolve_schedule(preset: str = "self_forcing", steps=None, shift=None, warp=
     for v in timesteps:
         s32 = sched.sigmas[sched.sigma_index(v, torch.float32)]
         renoise.append((float(1 - s32), float(s32)))
-    return Schedule(preset, shift, list(steps), warp, timesteps,
-                    [sched.sigma(v, torch.float64) for v in timesteps], renoise, sched)
+    return check_schedule(Schedule(preset, shift, list(steps), warp, timesteps,
+                                   [sched.sigma(v, torch.float64) for v in timesteps], renoise, sched),
+                          num_train_timesteps)
 
 
 def schedule_from_sigmas(sigmas, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS) -> Schedule:
     """A Schedule from a descending sigma list ending in 0 (one step per sigma before it): timesteps
     sigma * N in float32, flow -> x0 with sigma, re-noising to sigma with (1 - sigma, sigma) in float32. Sigmas of
     a preset (``Schedule.sigmas``) give back the preset's timesteps and sigmas exactly."""
+    check_sigmas(sigmas)
     s32 = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
-    if s32.numel() < 2:
-        raise ValueError(f"sigmas need at least one step and the final 0, got {s32.tolist()}")
-    if float(s32[-1]) != 0.0:
-        raise ValueError(f"the last sigma must be 0 (the clean output), got {float(s32[-1])}; "
-                         f"use the Wan Causal Sigmas node or end the list with 0")
     steps = s32[:-1]
-    if bool((steps <= 0).any()) or bool((steps > 1).any()) or bool((steps[1:] >= steps[:-1]).any()):
-        raise ValueError(f"sigmas before the final 0 must decrease within (0, 1], got {s32.tolist()}")
+    if bool((steps <= 0).any()) or bool((steps[1:] >= steps[:-1]).any()):   # distinct in float64, not float32
+        raise ScheduleError(f"sigmas before the final 0 must decrease within (0, 1] in float32, got {s32.tolist()}")
     t = steps * num_train_timesteps
-    return Schedule("sigmas", 1.0, [float(v) for v in t], False, [float(v) for v in t],
-                    [float(v) for v in steps], [(float(1 - v), float(v)) for v in steps], None)
+    return check_schedule(Schedule("sigmas", 1.0, [float(v) for v in t], False, [float(v) for v in t],
+                                   [float(v) for v in steps], [(float(1 - v), float(v)) for v in steps], None),
+                          num_train_timesteps)

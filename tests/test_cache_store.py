@@ -190,7 +190,7 @@ def test_sigkill_mid_write_leaves_valid_file(cache_path):
     b'{"kind": "wan_accel.limit_cache", "schema": 1, "fingerp',  # truncated
     os.urandom(512),  # random bytes
     b"[1, 2, 3]",  # a JSON list
-    b'{"kind": "wan_accel.limit_cache", "schema": 1, "fingerprints": {}, "namespaces": {"operator": 5}}',
+    b'{"kind": "wan_accel.limit_cache", "schema": 1, "fingerprints": {}, "namespaces": 5}',
     b'{"kind": "something else", "schema": 1}',
     b'{"kind": "wan_accel.limit_cache", "schema": 99, "fingerprints": {}, "namespaces": {}}',
     b'{"kind": "wan_accel.limit_cache", "schema": 0, "fingerprints": {}, "namespaces": {}}',

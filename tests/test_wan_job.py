@@ -88,4 +88,6 @@ def test_sampler_bench_runs_both_variants(capsys):
     assert [r["variant"] for r in rows] == ["reference", "optimized"]
     assert rows[0]["precision"] == "float32" and rows[1]["attention"] == "auto"
     assert all(r["steady_s"] > 0 and r["speedup_vs_first"] > 0 for r in rows)
-    assert bench.run(parser.parse_args(["--variants", "fastest"])) == 2
+    from wan_accel.app.validate import UsageError
+    with pytest.raises(UsageError, match="--variants: unknown fastest"):
+        bench.run(parser.parse_args(["--variants", "fastest"]))

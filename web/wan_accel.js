@@ -42,6 +42,21 @@ function renderNotices(notices) {
   }, `⚠ ${text}`));
 }
 
+function renderSetAside(aside) {
+  // entries that could not be used (a wrong type, a number that is not finite): set aside alone, never used
+  if (!aside || !aside.count) return [];
+  const list = el("details", { class: "wan-accel-set-aside", style: { margin: "4px 0" } },
+    el("summary", { title: aside.path || "" },
+      `${plural(aside.count, "entry", "entries")} set aside (could not be used; kept in ${aside.path})`));
+  for (const item of aside.items || []) {
+    list.append(el("div", { style: STYLE.row, title: JSON.stringify(item.entry, null, 1) },
+      el("div", { style: STYLE.key }, [item.namespace, item.key].filter(Boolean).join("/") ||
+        `fingerprint ${item.fingerprint}`),
+      el("div", { style: { opacity: "0.75" } }, item.reason)));
+  }
+  return [list];
+}
+
 export function toast(severity, summary, detail, life = 4000) {
   const t = app.extensionManager?.toast;
   if (t?.add) t.add({ severity, summary, detail, life });
@@ -215,6 +230,7 @@ function mountPanel(container) {
         `${fp.gpu ?? "?"} [${fp.device ?? "?"} ${fp.capability ?? ""}] · torch ${fp.torch ?? "?"} · triton ${fp.triton ?? "?"}`,
         el("br"), el("span", { style: { fontFamily: "monospace" } }, `id ${data.fingerprint_id}`)),
       ...renderNotices(data.notices),
+      ...renderSetAside(data.set_aside),
       ...data.namespaces.map((ns) => renderNamespace(ns, refresh)));
     try {
       root.append(renderDoctor(await fetchDoctor(), refresh));

@@ -13,10 +13,11 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ...profiling.child import child_argv, last_error, worker_message
 
 CHILD_MARK = "WAN_ACCEL_BENCH_RESULT "
 
@@ -138,21 +139,19 @@ def _child() -> None:
 def run_child(cache_dir: str | os.PathLike, device: str = "cpu", blocks: int = 2, dim: int = 32,
               settings: dict | None = None, timeout: float = 600, model: str = "standin") -> dict:
     """Compile the tiny workload in a new Python process using ``cache_dir``; returns its result dict."""
-    package = __name__.rsplit(".", 2)[0]
-    pkg_parent = str(Path(__file__).parent.parent.parent)
     env = dict(os.environ)
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "WAN_ACCEL_CACHE"):
         env.pop(var, None)
     env["TRITON_CACHE_DIR"] = str(Path(cache_dir) / "triton")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
     env["WAN_ACCEL_BENCH_CHILD"] = json.dumps({"cache_dir": str(cache_dir), "device": device, "blocks": blocks,
                                                "dim": dim, "settings": settings or {}, "model": model})
-    code = f"import {package}.compile.bench as b; b._child()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(child_argv("app.bench.compile:_child"), env=env, capture_output=True, text=True,
+                          timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(CHILD_MARK):
             return json.loads(line[len(CHILD_MARK):])
-    raise RuntimeError(f"compile benchmark child failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    raise RuntimeError(worker_message(f"compile benchmark child failed (exit {proc.returncode}): "
+                                      f"{last_error(proc.stderr)}", proc.stderr[-4000:]))
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -180,7 +179,7 @@ def run(args) -> int:
     if model is None:
         import importlib.util
 
-        model = "wan" if importlib.util.find_spec(f"{__name__.rsplit('.', 2)[0]}.model.tiny") else "standin"
+        model = "wan" if importlib.util.find_spec("...model.tiny", __package__) else "standin"
     colds, warms = [], []
     with tempfile.TemporaryDirectory(prefix="wan_accel_bench_compile_") as root:
         first_dir = None

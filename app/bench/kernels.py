@@ -11,6 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ...profiling.child import child_argv, last_error, worker_message
+
 # (label, B, L, D, heads): a causal chunk of 3 latent frames at 480x832 for Wan 1.3B and 14B
 GPU_SHAPES = (("1.3B chunk", 1, 4680, 1536, 12), ("14B chunk", 1, 4680, 5120, 40))
 
@@ -83,21 +85,19 @@ def sanity_pass() -> list[dict]:
     """Every kernel under the Triton interpreter on tiny shapes vs its reference, in a fresh process
     (the interpreter must be enabled before triton is imported)."""
     import subprocess
-    import sys
 
-    package = __name__.rsplit(".", 2)[0]
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent.parent.parent),
-                                                    env.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory(prefix="wan_accel_bench_kernels_") as tmp:
         env["WAN_ACCEL_CACHE"] = str(Path(tmp) / "limits.json")
-        proc = subprocess.run([sys.executable, "-c", f"import {package}.kernels.bench as b; b._sanity_child()"],
-                              env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(child_argv("app.bench.kernels:_sanity_child"), env=env, capture_output=True,
+                              text=True, timeout=600)
     for line in proc.stdout.splitlines():
         if line.startswith(SANITY_MARK):
             return json.loads(line[len(SANITY_MARK):])
-    return [{"kernel": "all", "ok": False, "error": proc.stderr[-2000:]}]
+    return [{"kernel": "all", "ok": False,
+             "error": worker_message(f"sanity child failed (exit {proc.returncode}): {last_error(proc.stderr)}",
+                                     proc.stderr[-2000:])}]
 
 
 def _restore(var, value):

@@ -26,7 +26,8 @@ import torch
 
 from ...cache.fingerprint import cpu_name
 from . import sampler as bs
-from ..ranks.parallel import enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
+from ..validate import UsageError
+from ..ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
 
 
 def add_arguments(parser) -> None:
@@ -34,6 +35,29 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, default=1, help="sequence-parallel ranks to compare with one "
                         "process (the first N GPUs, else N CPU processes on gloo)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds the whole parallel run may take")
+
+
+def model_heads(args) -> int:
+    """Attention heads of the model the bench runs (the checkpoint's header, or the random shape's config)."""
+    if getattr(args, "checkpoint", None):
+        from ...memory.weights import weights_from_checkpoint
+        return int(weights_from_checkpoint(args.checkpoint).num_heads)
+    kind, shape = getattr(args, "model_kind", "wan"), getattr(args, "shape", None) or "tiny"
+    if kind == "matrix-game2":
+        from ...model.mg2_model import tiny_mg2_config
+        return int((tiny_mg2_config() if shape == "tiny" else bs.mg2_config_1_3b()).num_heads)
+    from ...model.config import WAN_1_3B
+    from ...model.tiny import TINY_CONFIG
+    return int((TINY_CONFIG if shape == "tiny" else WAN_1_3B).num_heads)
+
+
+def check_world_args(args) -> None:
+    """--world-size and torchrun's variables, checked before any process starts (``ranks/parallel.py``)."""
+    from ..ranks.parallel import check_rank_env
+    heads = model_heads(args)
+    check_rank_env(heads, device=args.device)
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        check_world(args.world_size, heads, name="--world-size", device=args.device)
 
 
 def _variant(args, device) -> str:
@@ -109,8 +133,7 @@ def run(args) -> int:
     opts = dict(vars(args), kind=kind, shape=shape, geometry=geometry, run_dtype=run_dtype,
                 variant=_variant(args, device))
     if opts["variant"] not in bs.VARIANTS:
-        print(f"error: unknown variant {opts['variant']!r}; choose from {list(bs.VARIANTS)}")
-        return 2
+        raise UsageError(f"--variants: unknown {opts['variant']}; choose from {', '.join(bs.VARIANTS)}")
     if under_torchrun:
         sp, dev = group_from_env(args.device)
         opts["devices"] = [str(dev)] * sp.world
@@ -124,10 +147,7 @@ def run(args) -> int:
         world = sp.world
     else:
         if device.type == "cuda":
-            if torch.cuda.device_count() < world:
-                print(f"error: {world} ranks need {world} GPUs; this machine has {torch.cuda.device_count()} "
-                      f"(use --device cpu for CPU ranks)")
-                return 2
+            check_world(world, model_heads(args), name="--world-size", device=device)   # one GPU per rank
             opts["devices"] = [f"cuda:{i}" for i in range(world)]
         else:
             opts["devices"] = ["cpu"] * world

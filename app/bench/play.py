@@ -95,9 +95,8 @@ def run(args, out=print) -> int:
     from ..validate import UsageError, check_int, check_pixels
     from ...sampling.actions_script import MODES
 
+    # --device was checked with every bench's values (cli/bench.py: validate.check_device)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: this machine has no CUDA GPU; use --device cpu")
     if (args.model == "released" and not args.checkpoint) and device.type != "cuda":
         raise UsageError("--model released builds the 1.3B shape: it needs a CUDA GPU (a chunk takes minutes on a "
                          "CPU); use --model tiny here")
@@ -106,8 +105,6 @@ def run(args, out=print) -> int:
     width, height = args.width or SIZES[args.model][0], args.height or SIZES[args.model][1]
     check_pixels("--width", width)
     check_pixels("--height", height)
-    if width % 16 or height % 16:
-        raise UsageError(f"--width and --height must be multiples of 16 (8x VAE, 2x2 patches), got {width}x{height}")
     dtype = args.dtype if device.type == "cuda" else "fp32"
     model = _model(args, device, dtype)
     c = model.config

@@ -33,6 +33,7 @@ import time
 import torch
 
 from ...cache.fingerprint import cpu_name
+from ..validate import UsageError
 
 VARIANTS = {
     "reference": {"path": "reference", "dtype": "fp32", "precision": "float32", "attention": "sdpa",
@@ -297,8 +298,7 @@ def run(args) -> int:
     names = _variant_names(args, run_dtype)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
-        print(f"error: unknown variants {unknown}; choose from {list(VARIANTS)}")
-        return 2
+        raise UsageError(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     if args.checkpoint:
         d = {"wan": (81, 480, 832), "matrix-game2": (57, 352, 640)}[kind]
     else:

@@ -5,8 +5,10 @@ block swap) has a probe (``app/doctor/probes.py``): the feature and its plain fa
 the real call (head size, dtype, layout), compared in the real dtype with a tolerance derived from that dtype, and
 timed. The verdict (passed / failed / slower) is stored in the limit cache under the ``doctor`` namespace, keyed by
 the feature and dtype on the cache's machine fingerprint (GPU, capability, driver, CUDA, torch, Triton); the
-feature's own library version (e.g. flash-attn) and the probe's version are stored with it, and a verdict with
-another version is probed again. A failed or slower feature is switched off for this machine (``gate_options``)
+feature's own library version (e.g. flash-attn), the probe's version, the pack's version and a digest of the code
+the probe exercised (``verdict.code_digest``; a kernel's operator-store source hash) are stored with it, and a
+verdict for another version or other code is probed again: an update that changes a kernel re-checks it without
+``--recheck``. A verdict of the wrong shape (``verdict.verdict_problem``) is ignored and probed again. A failed or slower feature is switched off for this machine (``gate_options``)
 with one clear line; everything else stays on. A damaged or unwritable cache never stops a run: the verdict is
 then kept for this process only and probed again next time. A probe never runs inside a CUDA-graph capture or a
 compile.
@@ -22,18 +24,17 @@ from typing import Callable
 import torch
 
 from . import probes as doctor_probes  # noqa: F401 - registers the pack's features
+from .verdict import NAMESPACE, STATUSES, code_digest, pack_version, verdict_problem
 from .vocabulary import FEATURES, Feature, NotAvailable, Probe, ProbeContext, register_feature
 
 __all__ = ["Doctor", "Feature", "NotAvailable", "Probe", "ProbeContext", "register_feature", "FEATURES",
            "doctor_for", "default_context", "tolerance"]
 log = logging.getLogger("wan_accel")
 
-NAMESPACE = "doctor"
 PROBE_VERSION = 1
 TOLERANCE_ULPS = 8           # tolerance = ulps * eps(dtype) * max(1, |fallback|max); Probe.ulps overrides
 SLOWER_MARGIN = 1.10         # "slower" when the feature takes more than 110 % of the fallback's time
 SLOWER_MIN_S = 20e-6         # ... and at least this much longer (below it, timings are noise)
-STATUSES = ("passed", "failed", "slower")
 _UNSAVED: dict = {}     # (cache path, fingerprint id, key) -> verdicts the cache could not store (this process)
 
 
@@ -44,6 +45,18 @@ def library_version(feature: Feature) -> str:
         except metadata.PackageNotFoundError:
             continue
     return "none"
+
+
+def feature_source(feature: Feature) -> str:
+    """Digest of the code a feature's verdict judged: its check, its availability test and its ``sources``."""
+    sources = feature.sources() if feature.sources is not None else ()
+    return code_digest(feature.check, feature.requires or "", *sources)
+
+
+def verdict_identity(feature: Feature) -> dict:
+    """What a verdict holds for: the feature's library, the probe, the pack's version and the code's digest."""
+    return {"library": library_version(feature), "probe": PROBE_VERSION, "pack": pack_version(),
+            "source": feature_source(feature)}
 
 
 def tolerance(dtype: torch.dtype, magnitude: float, ulps: int = TOLERANCE_ULPS) -> float:
@@ -120,7 +133,8 @@ class Doctor:
 
     # ------------------------------------------------------------------ stored verdicts
     def stored(self, name: str) -> dict | None:
-        """The verdict recorded for this machine, feature version and probe version, or None."""
+        """The verdict recorded for this machine, library, probe, pack version and code, or None (then the
+        feature is probed again; so is a verdict of the wrong shape, with one warning)."""
         key = self.key(name)
         try:
             value = self.cache.get(NAMESPACE, key)
@@ -129,10 +143,17 @@ class Doctor:
             value = None
         if value is None:
             value = _UNSAVED.get(self._unsaved_key(key))
+        if value is None:
+            return None
+        problem = verdict_problem(value)
+        if problem:
+            log.warning("wan_accel doctor: ignoring the damaged verdict of %s (%s); checking again", name, problem)
+            return None
         feature = self.catalogue.get(name)
-        if not isinstance(value, dict) or value.get("status") not in STATUSES or \
-                value.get("probe") != PROBE_VERSION or \
-                (feature is not None and value.get("library") != library_version(feature)):
+        if feature is None:
+            return value if value.get("probe") == PROBE_VERSION else None
+        identity = verdict_identity(feature)
+        if any(value.get(k) != v for k, v in identity.items()):
             return None
         return value
 
@@ -199,7 +220,7 @@ class Doctor:
         self.probes += 1
         ctx = self.context
         value = {"status": "failed", "difference": None, "tolerance": None, "feature_ms": None,
-                 "fallback_ms": None, "error": None, "library": library_version(feature), "probe": PROBE_VERSION,
+                 "fallback_ms": None, "error": None, **verdict_identity(feature),
                  "dtype": str(probe.dtype).replace("torch.", ""), "checked": time.time(), "note": probe.note}
         try:
             with torch.no_grad():

@@ -4,7 +4,9 @@
 (its device, dtype and head size) and returns FastOptions whose ``switched_off`` names the ones that are not
 trusted, with one line per feature for the console and the node's text. ``gate_compile`` and ``gate_swap`` do the
 same for the compile and the block swap that ``app/jobs/generate.sampler_setup`` applies; ``gated_sampling`` routes callers
-that take no FastOptions (the Matrix-Game-2 loop).
+that take no FastOptions (the Matrix-Game-2 loop). Each takes an optional ``record`` (``new_record()``) that
+receives ``switched_off`` {feature: why} and ``failed_fallbacks`` {feature: why}; ``features_summary`` turns it
+and the sampler's report into what a run's report says about its features.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import logging
 import torch
 
 from ...model.attention import explain_backend
+from ...model.blocks import KERNEL_NAMES
 from ...sampling.runner import FastOptions, graphs_device, kernels_part
 from ...sampling.sampler import sampler_path
 from .core import Doctor, doctor_for
@@ -26,12 +29,24 @@ def _line(name: str, why: str) -> str:
     return f"wan_accel: {name} is switched off on this machine: {why} (details: python -m wan_accel doctor)"
 
 
-def _say(lines: list, name: str, why: str, log_fn=None) -> None:
-    line = _line(name, why)
+def _fallback_line(name: str, why: str) -> str:
+    return (f"wan_accel: the fallback {name} failed its check on this machine: {why}; it stays in use (nothing to "
+            f"fall back to), so results may be wrong (details: python -m wan_accel doctor)")
+
+
+def new_record() -> dict:
+    """Where the gate functions write what they switched off and which fallback failed, each with its reason."""
+    return {"switched_off": {}, "failed_fallbacks": {}}
+
+
+def _say(lines: list, name: str, why: str, log_fn=None, record: dict | None = None, fallback: bool = False) -> None:
+    line = (_fallback_line if fallback else _line)(name, why)
     lines.append(line)
     log.warning(line)
     if log_fn is not None:
         log_fn(line)
+    if record is not None:
+        record.setdefault("failed_fallbacks" if fallback else "switched_off", {})[name] = why
 
 
 def model_doctor(model, doctor: Doctor | None = None) -> Doctor:
@@ -41,8 +56,10 @@ def model_doctor(model, doctor: Doctor | None = None) -> Doctor:
     return doctor_for(model.device, model.compute_dtype, model.config.head_dim)
 
 
-def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_fn=None) -> tuple[FastOptions, list]:
-    """(options with ``switched_off`` set, lines saying what was switched off and why)."""
+def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_fn=None,
+                 record: dict | None = None) -> tuple[FastOptions, list]:
+    """(options with ``switched_off`` set, lines saying what was switched off and why); a failed SDPA (the last
+    fallback of attention) is said too, and stays in use."""
     options = FastOptions.coerce(options)
     doc = model_doctor(model, doctor)
     device, off, lines = torch.device(model.device), set(options.switched_off), []
@@ -51,7 +68,7 @@ def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_
         why = doc.why_off(name)
         if why:
             off.add(name)
-            _say(lines, name, why, log_fn)
+            _say(lines, name, why, log_fn, record)
 
     requested = options.attention or getattr(model, "attn_backend", "auto")
     backend = explain_backend(requested, device, model.compute_dtype, model.config.head_dim)[0]
@@ -68,29 +85,35 @@ def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_
         judge("fused_qkv")
     if options.cuda_graphs == "auto" and graphs_device(device):
         judge("cuda_graphs")
+    if backend == "sdpa":
+        why = doc.why_off("attention.sdpa")
+        if why:
+            _say(lines, "attention.sdpa", why, log_fn, record, fallback=True)
     return options.replace(switched_off=frozenset(off)), lines
 
 
-def gate_compile(model, settings, doctor: Doctor | None = None, log_fn=None, lines: list | None = None):
+def gate_compile(model, settings, doctor: Doctor | None = None, log_fn=None, lines: list | None = None,
+                 record: dict | None = None):
     """``settings`` when compiled blocks are trusted here (or no compile is asked for), else None."""
     if settings is None:
         return None
     doc = model_doctor(model, doctor)
     why = doc.why_off("compile")
     if why:
-        _say(lines if lines is not None else [], "compile", why, log_fn)
+        _say(lines if lines is not None else [], "compile", why, log_fn, record)
         return None
     return settings
 
 
-def gate_swap(model, settings, doctor: Doctor | None = None, log_fn=None, lines: list | None = None):
+def gate_swap(model, settings, doctor: Doctor | None = None, log_fn=None, lines: list | None = None,
+              record: dict | None = None):
     """Swap settings to apply: without the prefetch stream when block swap failed its check here."""
     if settings is None or not getattr(settings, "blocks_to_swap", 0) or not getattr(settings, "prefetch", 0):
         return settings
     doc = model_doctor(model, doctor)
     why = doc.why_off("block_swap")
     if why:
-        _say(lines if lines is not None else [], "block_swap (prefetch stream)", why, log_fn)
+        _say(lines if lines is not None else [], "block_swap (prefetch stream)", why, log_fn, record)
         return dataclasses.replace(settings, prefetch=0)
     return settings
 
@@ -105,3 +128,30 @@ def gated_sampling(model, notes: list | None = None, log_fn=None, only_cuda: boo
     if notes is not None:
         notes.extend(lines)
     return sampler_path("optimized", options)
+
+
+def features_summary(model, options: FastOptions | None, sampler_report: dict, record: dict | None) -> dict:
+    """What a run's report says about its features: ``ran`` (names, as the doctor calls them), ``switched_off``
+    {name: why}, ``failed_fallbacks`` {name: why} and one boolean per accelerated feature (true only when it ran)."""
+    record = record or new_record()
+    info, ran = sampler_report or {}, []
+    device = torch.device(model.device)
+    if info.get("path") == "optimized":
+        ran.append(f"attention.{info.get('attention', 'sdpa')}")
+        part = kernels_part(options, device) if options is not None else False
+        ran += [f"kernel.{k}" for k in (KERNEL_NAMES if part is True else part or ())]
+        if info.get("fused_qkv_blocks"):
+            ran.append("fused_qkv")
+        if info.get("cuda_graphs"):
+            ran.append("cuda_graphs")
+        if info.get("compile"):
+            ran.append("compile")
+    else:
+        requested = getattr(model, "attn_backend", "auto")
+        ran.append(f"attention.{explain_backend(requested, device, model.compute_dtype, model.config.head_dim)[0]}")
+    if info.get("swapped_blocks"):
+        ran.append("block_swap")
+    names = [f"kernel.{k}" for k in KERNEL_NAMES] + ["fused_qkv", "cuda_graphs", "compile", "block_swap"]
+    return {"path": info.get("path"), "ran": ran, "switched_off": dict(record.get("switched_off", {})),
+            "failed_fallbacks": dict(record.get("failed_fallbacks", {})),
+            "enabled": {name: name in ran for name in names}}

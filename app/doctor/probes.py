@@ -3,12 +3,14 @@
 Per feature family: the attention backends (SDPA against plain softmax math; FlashAttention 3 / 2 against SDPA),
 the fused Triton kernels against their torch references (compiled on CUDA, interpreted on a CPU under
 TRITON_INTERPRET=1), fused q/k/v against three GEMMs, CUDA-graph replay of one chunk against eager, a compiled
-block against eager, block swap against resident, and the native ``MODEL`` path where this build has one. Inputs are
+block against eager, block swap against resident, and the native ``MODEL`` path (its probe needs ComfyUI, so the nodes
+package registers it: ``vocabulary.register_probe``). Each feature names the code it exercises (``sources``). Inputs are
 seeded and shaped like the real call (head size, dtype, layout) with a few hundred tokens.
 """
 from __future__ import annotations
 
 import importlib
+from typing import Callable
 
 import torch
 
@@ -16,7 +18,7 @@ from ...kernels import _common, norm_modulate, qk_norm_rope, residual, use_trito
 from ...model import attention as attn
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project
-from .vocabulary import Feature, NotAvailable, Probe, ProbeContext, register_feature
+from .vocabulary import Feature, NotAvailable, OutsideProbe, Probe, ProbeContext, register_feature, registered_probe
 
 
 def _rand(ctx: ProbeContext, *shape, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -215,42 +217,78 @@ def _check_swap(ctx: ProbeContext) -> Probe:
                  note="feature time minus fallback time is the transfer time of one swapped block per call")
 
 
-def _native_probe():
-    try:
-        module = importlib.import_module(".native_model", __package__)
-    except ImportError:
-        module = None
-    probe = getattr(module, "doctor_probe", None)
+NATIVE_HINT = ("run the Wan Doctor node inside ComfyUI (or this command with ComfyUI's Python, ComfyUI's folder "
+               "importable)")
+
+
+def _native_probe() -> OutsideProbe:
+    """The native MODEL path's probe: registered by the nodes package (``nodes/native_probe.py``), which may import
+    ComfyUI; until it is, the feature needs ComfyUI."""
+    probe = registered_probe("native_model")
     if probe is None:
-        raise NotAvailable("not available in this build (the native ComfyUI MODEL path is not part of this "
-                           "version)", "update the pack to a version with the native MODEL path")
+        raise NotAvailable("needs ComfyUI (the native MODEL path runs on ComfyUI's own Wan model; its probe is "
+                           "registered when the pack's nodes load)", NATIVE_HINT)
     return probe
 
 
 def _check_native(ctx: ProbeContext) -> Probe:
-    return _native_probe()(ctx)
+    return _native_probe().check(ctx)
 
 
+def _needs_native(ctx: ProbeContext) -> None:
+    probe = _native_probe()
+    (probe.requires or probe.check)(ctx)
+
+
+def _native_sources() -> tuple:
+    probe = registered_probe("native_model")
+    if probe is None:
+        return ()
+    return (probe.check, probe.requires or "") + tuple(probe.sources() if probe.sources else ())
+
+
+_CHUNK_CODE = (_probe_model, _chunk)
+
+
+def _chunk_sources(*modules) -> Callable[[], tuple]:
+    """The code a whole-chunk probe runs: the tiny model, the optimized sampler, and the feature's own modules."""
+    def sources() -> tuple:
+        from ...model import blocks, tiny
+        from ...sampling import runner, sampler
+        return _CHUNK_CODE + (blocks, tiny, runner, sampler) + tuple(importlib.import_module(m, __package__)
+                                                                      for m in modules)
+    return sources
+
+
+def _kernel_sources(mod) -> Callable[[], tuple]:
+    """A kernel's operator-store name (``name@sourcehash`` of its Triton source), its module and _common."""
+    return lambda: (str(getattr(mod, "_KERNEL_NAME", mod.NAME)), mod, _common)
+
+
+_ATTENTION = lambda: (attn, _qkv, _softmax_math)   # noqa: E731
 for _feature in (
-    Feature("attention.sdpa", "torch scaled_dot_product_attention", _check_sdpa, switches_off="nothing (fallback)"),
+    Feature("attention.sdpa", "torch scaled_dot_product_attention", _check_sdpa, switches_off="nothing (fallback)",
+            sources=_ATTENTION),
     Feature("attention.fa3", "FlashAttention 3", _fa_checker("fa3"), ("flash_attn_3", "flash-attn-3"),
-            "fa3 (fa2 or SDPA is used)"),
+            "fa3 (fa2 or SDPA is used)", sources=_ATTENTION),
     Feature("attention.fa2", "FlashAttention 2", _fa_checker("fa2"), ("flash-attn", "flash_attn"),
-            "fa2 (SDPA is used)"),
+            "fa2 (SDPA is used)", sources=_ATTENTION),
     Feature("kernel.layernorm_modulate", "fused LayerNorm + modulate (Triton)", _check_lnmod, ("triton",),
-            "this kernel (torch ops)"),
+            "this kernel (torch ops)", sources=_kernel_sources(norm_modulate)),
     Feature("kernel.rmsnorm_rope", "fused RMSNorm + RoPE (Triton)", _check_rmsrope, ("triton",),
-            "this kernel (torch ops)"),
+            "this kernel (torch ops)", sources=_kernel_sources(qk_norm_rope)),
     Feature("kernel.gated_residual", "fused gated residual (Triton)", _check_gres, ("triton",),
-            "this kernel (torch ops)"),
-    Feature("fused_qkv", "one q/k/v GEMM", _check_fused_qkv, switches_off="fused q/k/v (three GEMMs)"),
+            "this kernel (torch ops)", sources=_kernel_sources(residual)),
+    Feature("fused_qkv", "one q/k/v GEMM", _check_fused_qkv, switches_off="fused q/k/v (three GEMMs)",
+            sources=lambda: (fq, _project, WanSelfAttention)),
     Feature("cuda_graphs", "CUDA-graph replay of a chunk", _check_graphs, switches_off="CUDA graphs (eager)",
-            requires=_needs_graphs),
+            requires=_needs_graphs, sources=_chunk_sources("...sampling.cuda_graphs")),
     Feature("compile", "compiled blocks (torch.compile)", _check_compile, switches_off="the compile (eager)",
-            requires=_needs_compile),
+            requires=_needs_compile, sources=_chunk_sources("...compile.apply", "...compile.settings")),
     Feature("block_swap", "block swap with a prefetch stream", _check_swap,
-            switches_off="the prefetch stream (synchronous copies)", requires=lambda ctx: None),
+            switches_off="the prefetch stream (synchronous copies)", requires=lambda ctx: None,
+            sources=_chunk_sources("...memory.block_swap")),
     Feature("native_model", "native ComfyUI MODEL path", _check_native, switches_off="the native MODEL path",
-            requires=lambda ctx: _native_probe() and None),
+            requires=_needs_native, sources=_native_sources),
 ):
     register_feature(_feature)

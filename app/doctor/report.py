@@ -6,11 +6,11 @@ nothing beyond what ``doctor`` prints (no paths, user or host names; the table p
 """
 from __future__ import annotations
 
-import json
 import platform
 import time
 from importlib import metadata
 
+from ...cache.owned_files import write_json
 from .core import Doctor, library_version
 
 COLUMNS = ["feature", "available", "verified", "difference", "speed", "why_off", "fix"]
@@ -129,9 +129,12 @@ def report(doctor: Doctor, rows: list[dict]) -> dict:
             "last_errors": errors[:20]}
 
 
-def write_report(path, doctor: Doctor, rows: list[dict]) -> dict:
+REPORT_PURPOSE = "the doctor's bug report"
+
+
+def write_report(path, doctor: Doctor, rows: list[dict], option: str = "") -> dict:
+    """The bug report written to ``path`` through the pack's one writer (cache/owned_files.py): never over the
+    limit cache or its side files, a link, a pipe, a device or a folder (OwnedFileError naming ``option``)."""
     data = report(doctor, rows)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True, default=str)
-        fh.write("\n")
+    write_json(path, data, option=option, purpose=REPORT_PURPOSE, cache_path=getattr(doctor.cache, "path", None))
     return data

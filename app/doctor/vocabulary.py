@@ -52,6 +52,8 @@ class Feature:
     switches_off: str = ""               # what a failed verdict turns off, in words
     requires: Callable[[ProbeContext], None] | None = None   # cheap availability test (raises NotAvailable);
     #                                                          None: ``check`` itself is cheap until it probes
+    sources: Callable[[], tuple] | None = None   # the code the probe exercises (modules, functions, kernel names
+    #                                              ``name@sourcehash``): part of the verdict, with ``check``
 
 
 FEATURES: dict[str, Feature] = {}
@@ -61,3 +63,26 @@ def register_feature(feature: Feature) -> Feature:
     """Add (or replace) a feature; its probe runs the first time the feature is used on a machine."""
     FEATURES[feature.name] = feature
     return feature
+
+
+@dataclass(frozen=True)
+class OutsideProbe:
+    """A probe that a higher floor registers (it needs what ``app/`` may not import, e.g. ComfyUI)."""
+    check: Callable[[ProbeContext], Probe]       # raises NotAvailable when it cannot run here
+    requires: Callable[[ProbeContext], None] | None = None
+    sources: Callable[[], tuple] | None = None
+
+
+PROBES: dict[str, OutsideProbe] = {}
+
+
+def register_probe(name: str, check: Callable[[ProbeContext], Probe], requires=None, sources=None) -> OutsideProbe:
+    """Register the probe of feature ``name`` from outside ``app/`` (the native MODEL path registers itself when
+    the nodes package is imported); until then the feature says what it needs instead."""
+    probe = OutsideProbe(check, requires, sources)
+    PROBES[name] = probe
+    return probe
+
+
+def registered_probe(name: str) -> OutsideProbe | None:
+    return PROBES.get(name)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ...cache.owned_files import check_target, write_text, write_with
+from ...model.blocks import KERNEL_NAMES
 from ..ranks.parallel import enable_parallel, parallel_report
 
 VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
@@ -64,7 +66,7 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
     (``memory.sampling_guard``)."""
     from ...memory.sampling_guard import oom_guard
     from ...sampling.sampler import generate_latents
-    lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink)
+    lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink, batch)
     guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
     return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
                             frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
@@ -73,11 +75,19 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
 
 
 def _latent_geometry(model, width: int, height: int, num_frames: int, frames_per_block: int, kv_window: int = -1,
-                     sink: int = 0) -> tuple:
+                     sink: int = 0, batch: int = 1) -> tuple:
     """(latent frames, latent height, latent width), after the one geometry check of every entry point (4k+1
-    frames, multiples of 16, whole blocks, window and sink; its advice passes it)."""
-    from ..validate import check_geometry
-    check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names={"frames": "num_frames"})
+    frames, multiples of 16, whole blocks, window and sink; its advice passes it) and the memory estimate of the
+    run on the model's device (``validate.check_fits``: refused before any tensor is made). The command line and
+    the nodes check both earlier with their own input names; repeating them here costs one memory query."""
+    from ...model.attachments import seq_parallel_of
+    from ..validate import check_fits, check_geometry
+    names = {"frames": "num_frames"}
+    check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names)
+    sp = seq_parallel_of(model)
+    check_fits(model.config.to_dict(), num_frames, height, width, device=model.device,
+               dtype=str(model.compute_dtype), frames_per_block=frames_per_block, kv_window=kv_window,
+               batch=batch, names=names, world=sp.world if sp is not None else 1)
     lf = latent_frames(num_frames)
     lh, lw = latent_size(height, width, model.config.patch_size[1:])
     return lf, lh, lw
@@ -93,8 +103,8 @@ def sample_latents_with_state(model, context, width: int, height: int, num_frame
     ``keep_state`` is off; kept on ``state_device``, the CPU by default, between prompts)."""
     from ...memory.sampling_guard import oom_guard
     from ...sampling.continuation import sample_continuable
-    lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink)
     batch = int(kwargs.pop("batch", 1))
+    lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink, batch)
     guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
     return sample_continuable(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
                               frames_per_block=frames_per_block, kv_window=kv_window, sink=sink, state=state,
@@ -102,7 +112,7 @@ def sample_latents_with_state(model, context, width: int, height: int, num_frame
 
 
 def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_kernels: bool = True,
-                  log=None, doctor: bool = True, notes: list | None = None):
+                  log=None, doctor: bool = True, notes: list | None = None, record: dict | None = None):
     """FastOptions for a handle, with its block swap / VRAM plan and its compile settings applied to the model.
 
     The swap carried by the handle (or its plan's) is (re)applied on CUDA, or removed when the handle has none;
@@ -111,7 +121,8 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
 
     doctor: each accelerated feature the run is about to use is checked on this machine first (once; the verdict
     is remembered in the limit cache, ``app/doctor/core.py``); one that failed or was slower is switched off and a
-    line saying so goes to ``log`` and to ``notes``."""
+    line saying so goes to ``log`` and to ``notes`` (a failed fallback too); ``record`` (``gate.new_record()``)
+    receives {feature: why} of both."""
     from ..doctor.gate import gate_compile, gate_options, gate_swap
     from ...memory.block_swap import ensure_block_swap, handle_swap_settings
     from .handle import _planned_swap
@@ -126,7 +137,7 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
         settings = _planned_swap(plan)
     lines = notes if notes is not None else []
     if doctor and model.device.type == "cuda":
-        settings = gate_swap(model, settings, log_fn=log, lines=lines)
+        settings = gate_swap(model, settings, log_fn=log, lines=lines, record=record)
     if model.device.type == "cuda" or settings is None:
         ensure_block_swap(model, settings, device=model.device)
     optimized = resolve_path(path, model.device, model=model)[0] != "reference"
@@ -137,14 +148,14 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
     else:
         compile_settings = getattr(handle, "compile_settings", None)
         if doctor and compile_settings is not None:
-            compile_settings = gate_compile(model, compile_settings, log_fn=log, lines=lines)
+            compile_settings = gate_compile(model, compile_settings, log_fn=log, lines=lines, record=record)
             if compile_settings is None:
                 from ...compile import uncompile_model
                 uncompile_model(model)
         compile_for_sampling(model, compile_settings, log=log)
     options = FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels))
     if doctor and optimized:
-        options, switched = gate_options(model, options, log_fn=log)
+        options, switched = gate_options(model, options, log_fn=log, record=record)
         lines.extend(switched)
     return options
 
@@ -255,6 +266,8 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     from .handle import load_model_handle
     from ...sampling.scheduler import resolve_schedule
     device, dtype, frames, height, width = _resolve(opts)
+    if _writes(parallel):
+        check_outputs(opts.out_dir)
     t0 = time.perf_counter()
     compile_settings = None
     if opts.compile:
@@ -284,7 +297,10 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
             progress(ci, k, nc, ns)
 
     from ...profiling.session import maybe_profile
-    fast_options = sampler_setup(handle, opts.sampler, opts.cuda_graphs, opts.fused_kernels, log=log)
+    from ..doctor.gate import features_summary, new_record
+    record = new_record()
+    fast_options = sampler_setup(handle, opts.sampler, opts.cuda_graphs, opts.fused_kernels, log=log, notes=notes,
+                                 record=record)
     sampler_report: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -297,6 +313,9 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     _sync(device)
     sample_s = time.perf_counter() - t_start
     files = _write_outputs(latents, opts, parallel)
+    features = features_summary(model, fast_options, sampler_report, record)
+    if "fused_kernels" in sampler_report:     # true only when every fused kernel ran (which ones: features.ran)
+        sampler_report["fused_kernels"] = all(features["enabled"][f"kernel.{k}"] for k in KERNEL_NAMES)
     report = {
         "model": handle.source, "tiny_random_model": handle.is_tiny, "config": cfg.to_dict(),
         "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -305,7 +324,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
         "schedule": {"preset": schedule.name, "timesteps": schedule.timesteps, "shift": schedule.shift},
         "latent_shape": list(latents.shape), "load_seconds": load_s, "sample_seconds": sample_s,
         "chunk_seconds": chunk_seconds, "peak_memory": _peak_memory(device), "files": files, "notes": notes,
-        "torch": torch.__version__, "sampler": _jsonable(sampler_report),
+        "torch": torch.__version__, "sampler": _jsonable(sampler_report), "features": features,
     }
     if parallel is not None:
         report["parallel"] = parallel_report(model, parallel, latents.shape, opts.kv_window, opts.sink,
@@ -357,16 +376,29 @@ def _write_outputs(latents, opts, parallel=None) -> dict:
 
     from .preview import latents_to_rgb, save_animation, to_vae_latents
     out = Path(opts.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     lat = latents.detach().float().cpu().contiguous()
     meta = {"layout.latents": "[B, F, C, H, W] model space", "layout.vae_latents": "[B, C, F, H, W] VAE space",
             "seed": str(opts.seed), "preset": opts.preset}
-    save_file({"latents": lat, "vae_latents": to_vae_latents(lat)}, str(out / "latents.safetensors"),
-              metadata=meta)
+    tensors = {"latents": lat, "vae_latents": to_vae_latents(lat)}
+    write_with(out / "latents.safetensors", lambda tmp: save_file(tensors, tmp, metadata=meta),
+               option=OUT_OPTION, purpose="the latents")
     files = {"latents": str(out / "latents.safetensors")}
     if opts.preview:
-        files["preview"] = str(save_animation(latents_to_rgb(lat)[0], out / "preview.webp"))
+        files["preview"] = str(save_animation(latents_to_rgb(lat)[0], out / "preview.webp", option=OUT_OPTION))
     return files
+
+
+OUT_OPTION = "out_dir"      # how the output folder is named in messages (the command line says --out)
+OUTPUT_FILES = ("latents.safetensors", "preview.webp", "preview.gif", "report.json")
+
+
+def check_outputs(out_dir, option: str = OUT_OPTION) -> Path:
+    """Every file a run writes into ``out_dir``, checked before any work (cache/owned_files.py): a name that is
+    a link, a pipe, a folder or a limit cache file is refused (OwnedFileError naming ``option`` and the file)."""
+    out = Path(str(out_dir)).expanduser()
+    for name in OUTPUT_FILES:
+        check_target(out / name, option=option, purpose=f"the run's {name}")
+    return out
 
 
 def _write_report(report: dict, opts, parallel=None) -> bool:
@@ -374,6 +406,6 @@ def _write_report(report: dict, opts, parallel=None) -> bool:
     if not _writes(parallel):
         return False
     path = Path(opts.out_dir) / "report.json"
-    path.write_text(json.dumps(report, indent=2))
+    write_text(path, json.dumps(report, indent=2), option=OUT_OPTION, purpose="the run's report")
     report["files"]["report"] = str(path)
     return True

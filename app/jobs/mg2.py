@@ -64,7 +64,7 @@ def _conditioning(opts: MG2Options, model, device):
             raise ValueError(f"{opts.conditioning}: missing tensors {sorted(missing)} (need 'image_latent' "
                              f"[1, 16, 1, H, W] model space and 'visual_context' [1, tokens, {c.clip_dim}])")
         return t["image_latent"].float().to(device), t["visual_context"].float().to(device)
-    gen = torch.Generator().manual_seed(int(opts.seed) + 1)
+    gen = torch.Generator().manual_seed((int(opts.seed) + 1) % 2 ** 64)  # the largest seed wraps to 0
     h, w = TINY_LATENT
     image = torch.randn(1, 16, 1, h, w, generator=gen)
     ctx = torch.randn(1, c.clip_tokens, c.clip_dim, generator=gen)
@@ -76,7 +76,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     ``SeqParallel`` to sample sequence-parallel (``app/ranks/parallel.py``); rank 0 writes the files."""
     from ..ranks.parallel import enable_parallel, parallel_report
     from ...sampling.actions_script import parse_action_script
-    from .generate import ChunkTimer, _peak_memory, _sync, _write_outputs, _write_report
+    from .generate import ChunkTimer, _peak_memory, _sync, _write_outputs, _write_report, _writes, check_outputs
     from ...sampling.mg2 import generate_mg2, resolve_preset
     from ..doctor.gate import gated_sampling
     from .handle import default_device
@@ -86,6 +86,8 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     steps = parse_steps(opts.steps) if opts.steps else None
     settings = resolve_preset(opts.preset, steps=steps, shift=opts.shift, window=opts.window)
     actions = parse_action_script(opts.actions, settings.mode)
+    if _writes(parallel):
+        check_outputs(opts.out_dir)
     t0 = time.perf_counter()
     handle = load_mg2_handle(opts.checkpoint, dtype, opts.precision, opts.attention, device,
                              seed=opts.seed if not opts.checkpoint else 0, num_heads=opts.num_heads,

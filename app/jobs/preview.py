@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ...cache.owned_files import write_with
+
 WAN21_RGB_FACTORS = [
     [-0.1299, -0.1692, 0.2932], [0.0671, 0.0406, 0.0442], [0.3568, 0.2548, 0.1747],
     [0.0372, 0.2344, 0.1420], [0.0313, 0.0189, -0.0328], [0.0296, -0.0956, -0.0665],
@@ -57,9 +59,10 @@ def latents_to_rgb(latents: torch.Tensor) -> torch.Tensor:
     return (((rgb + 1.0) / 2.0).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
 
 
-def save_animation(frames: torch.Tensor, path, fps: int = 16, scale: int = 4) -> Path:
+def save_animation(frames: torch.Tensor, path, fps: int = 16, scale: int = 4, *, option: str = "") -> Path:
     """Write uint8 frames [F, H, W, 3] as an animated .webp or .gif (by suffix; webp falls back to gif
-    when Pillow lacks webp support). Frames are upscaled by ``scale`` (nearest) for visibility."""
+    when Pillow lacks webp support). Frames are upscaled by ``scale`` (nearest) for visibility. Written through
+    the pack's one writer (cache/owned_files.py: atomic, never through a link; ``option`` names the input)."""
     from PIL import Image, features
     path = Path(path)
     if path.suffix.lower() == ".webp" and not features.check("webp"):
@@ -72,8 +75,10 @@ def save_animation(frames: torch.Tensor, path, fps: int = 16, scale: int = 4) ->
         images.append(img)
     duration = max(1, round(1000 / fps))
     kwargs = {"lossless": True} if path.suffix.lower() == ".webp" else {}
-    images[0].save(path, save_all=True, append_images=images[1:], duration=duration, loop=0, **kwargs)
-    return path
+    fmt = "WEBP" if path.suffix.lower() == ".webp" else "GIF"
+    return write_with(path, lambda tmp: images[0].save(tmp, format=fmt, save_all=True, append_images=images[1:],
+                                                       duration=duration, loop=0, **kwargs),
+                      option=option, purpose="the animated preview")
 
 
 def _to_image(frame: torch.Tensor):

@@ -21,6 +21,7 @@ import torch
 
 from ...sampling.actions_script import MODES, parse_action_script
 from ...sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
+from ...sampling.continuation import weight_fingerprint
 from ...sampling.mg2_continuation import sample_mg2_continuable
 
 FIRST_CHUNK_FRAMES = 4 * (FRAMES_PER_BLOCK - 1)     # scripted video frames of the first chunk (after the start frame)
@@ -91,6 +92,7 @@ class PlaySession:
         with self.lock:
             if self.ended:
                 raise PlayError(f"this play session has ended ({self.ended}): start a new one")
+            self._check_weights()
             term = self.action_term(keys, mouse)
             count = FIRST_CHUNK_FRAMES if self.chunks == 0 else CHUNK_FRAMES
             acts = parse_action_script(f"{term}*{count}", self.mode)
@@ -112,6 +114,17 @@ class PlaySession:
             self.latents.append(out.detach().float().cpu())
             self.chunks += 1
             return out
+
+    def _check_weights(self) -> None:
+        """The session's caches were made with the weights of its last chunk: other values (another checkpoint of
+        the same structure, a patch applied in place) are refused before anything is made; the session goes on
+        once they are restored (``sampling.continuation.weight_fingerprint``, as every continued state)."""
+        if self.state is None:
+            return
+        if weight_fingerprint(self.model) != self.state.settings.get("weights"):
+            raise PlayError("the model's weights changed since this session's last chunk (another checkpoint of the "
+                            "same structure, or a patch applied in place); its caches hold the earlier weights: "
+                            "restore them, or start a new play session")
 
     @property
     def script(self) -> str:

@@ -28,8 +28,69 @@ import torch.distributed as dist
 
 from ...model.kv_cache import KVCache
 from ...model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, SeqParallel, enable
+from ...profiling.child import one_line, worker_message
 
 ENV_TIMEOUT = "WAN_ACCEL_PARALLEL_TIMEOUT"
+MAX_WORLD = 64          # ranks one run may start or join, whatever the machine
+
+
+def world_limit(device=None) -> tuple[int, str]:
+    """(most ranks this machine can run, why): its CUDA devices for CUDA ranks, else its CPU cores."""
+    if device is not None and torch.device(device).type == "cuda" or device is None and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return min(MAX_WORLD, n), f"this machine has {n} CUDA device(s), one per rank"
+    n = os.cpu_count() or 1
+    return min(MAX_WORLD, n), f"this machine has {n} CPU core(s), one per rank"
+
+
+def check_world(world, heads: int | None, *, name: str = "--world-size", device=None) -> int:
+    """A world size of 1..min(heads, this machine's devices or cores, MAX_WORLD) that divides the model's heads
+    (each rank holds heads / world); UsageError naming ``name`` and the sizes that work. Called before any process
+    is started."""
+    from ..validate import UsageError, check_int
+
+    world = check_int(name, world, 1, MAX_WORLD, hint=" (sequence-parallel ranks)")
+    limit, why = world_limit(device)
+    if heads is not None:
+        heads = int(heads)
+        good = [n for n in range(1, min(heads, limit) + 1) if heads % n == 0]
+        if world > heads or heads % world:
+            raise UsageError(f"{name} {world} does not divide the model's {heads} attention heads (each rank holds "
+                             f"heads / ranks); use one of {', '.join(map(str, good))}")
+    if world > limit:
+        raise UsageError(f"{name} {world} is more ranks than this machine can run: {why}; use at most {limit}")
+    return world
+
+
+def check_rank_env(heads: int | None = None, device=None, env=None) -> tuple[int, int, int] | None:
+    """(world, rank, local rank) of a process started by torchrun, checked: WORLD_SIZE a whole number within
+    ``check_world``, RANK in [0, WORLD_SIZE), LOCAL_RANK in [0, WORLD_SIZE), MASTER_ADDR and MASTER_PORT set;
+    None when WORLD_SIZE is absent or 1. UsageError names the variable and what it must be."""
+    from ..validate import UsageError, check_int
+
+    env = os.environ if env is None else env
+    raw = env.get("WORLD_SIZE")
+    if raw is None or str(raw).strip() == "1":
+        return None
+    try:
+        world = int(str(raw).strip())
+    except ValueError:
+        raise UsageError(f"WORLD_SIZE must be a whole number of ranks, got {raw!r}") from None
+    world = check_world(world, heads, name="WORLD_SIZE", device=device)
+    if world == 1:
+        return None
+    needed = ("RANK",) if dist.is_initialized() else ("RANK", "MASTER_ADDR", "MASTER_PORT")  # a joined group
+    missing = [v for v in needed if not str(env.get(v, "")).strip()]                      # needs no rendezvous
+    if missing:
+        raise UsageError(f"WORLD_SIZE {world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                         f"not: start the ranks with torchrun --nproc-per-node {world} (it sets RANK, LOCAL_RANK, "
+                         f"MASTER_ADDR and MASTER_PORT), or unset WORLD_SIZE for one process")
+    rank = check_int("RANK", str(env["RANK"]).strip(), 0, world - 1, hint=f" (WORLD_SIZE is {world})")
+    local = check_int("LOCAL_RANK", str(env.get("LOCAL_RANK", "0")).strip(), 0, world - 1,
+                      hint=f" (WORLD_SIZE is {world})")
+    if "MASTER_PORT" in needed:
+        check_int("MASTER_PORT", str(env["MASTER_PORT"]).strip(), 1, 65535)
+    return world, rank, local
 
 
 def _backend(device) -> str:
@@ -63,10 +124,10 @@ def start_group(rank: int, world: int, init_method: str, device="cpu", timeout_s
 def group_from_env(device=None, timeout_s: float | None = None) -> tuple[SeqParallel | None, torch.device | None]:
     """(group, device) of a process started by torchrun (WORLD_SIZE > 1), else (None, device). On CUDA each rank
     takes ``cuda:LOCAL_RANK``."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    ranks = check_rank_env(device=device)
+    if ranks is None:
         return None, None if device is None else torch.device(device)
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    world, rank, local = ranks
     if device is None:
         device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -116,11 +177,10 @@ def _worker(rank: int, world: int, init_method: str, timeout_s: float, fn, args,
     try:
         device = devices[rank] if devices else "cpu"
         sp = start_group(rank, world, init_method, device, timeout_s)
-        results.put((rank, "ok", pickle.dumps(fn(sp, *args))))   # by value: the worker exits right after
+        results.put((rank, "ok", pickle.dumps(fn(sp, *args)), ""))  # by value: the worker exits right after
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         kind = "parallel" if isinstance(exc, ParallelError) else "error"
-        msg = f"{type(exc).__name__}: {exc}" if kind == "error" else str(exc)
-        results.put((rank, kind, msg + ("\n" + traceback.format_exc(limit=4) if kind == "error" else "")))
+        results.put((rank, kind, one_line(exc if kind == "error" else str(exc)), traceback.format_exc()))
     finally:
         try:
             stop_group()
@@ -134,8 +194,8 @@ def run_ranks(fn, world: int, args: tuple = (), timeout_s: float = 60.0, devices
     returns its results by rank. Raises ``ParallelError`` when a rank raises or dies (naming it; the other ranks
     stop within ``collective_timeout_s``) or when the whole run passes ``timeout_s``. No worker outlives the call."""
     import torch.multiprocessing as mp
-    if world < 1:
-        raise ValueError(f"world must be at least 1 rank, got {world}")
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"world must be 1 to {MAX_WORLD} ranks, got {world!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     collective = float(collective_timeout_s or min(timeout_s, DEFAULT_TIMEOUT_S))
@@ -146,11 +206,12 @@ def run_ranks(fn, world: int, args: tuple = (), timeout_s: float = 60.0, devices
         for p in procs:
             p.start()
         got: dict = {}
+        details: dict = {}                          # rank -> a failed rank's traceback
         deadline = time.monotonic() + timeout_s
         try:
             while len(got) < world and time.monotonic() < deadline:
                 try:
-                    rank, kind, value = results.get(timeout=0.2)
+                    rank, kind, value, details[rank] = results.get(timeout=0.2)
                     got[rank] = (kind, value)
                 except queue_mod.Empty:
                     pass
@@ -165,10 +226,10 @@ def run_ranks(fn, world: int, args: tuple = (), timeout_s: float = 60.0, devices
                     p.kill()
                     p.join(5)
             results.close()
-    return _results(got, world, timeout_s)
+    return _results(got, world, timeout_s, details)
 
 
-def _results(got: dict, world: int, timeout_s: float) -> list:
+def _results(got: dict, world: int, timeout_s: float, details: dict | None = None) -> list:
     missing = [r for r in range(world) if r not in got]
     if missing:
         raise ParallelError(f"sequence-parallel ranks {missing} did not finish within {timeout_s:g} s; "
@@ -178,8 +239,9 @@ def _results(got: dict, world: int, timeout_s: float) -> list:
         for r in range(world):
             kind, value = got[r]
             if kind in kinds:
-                exc = ParallelError(f"sequence-parallel run failed on rank {r} of {world}: {value}"
-                                    if kind != "died" else f"sequence-parallel run failed: {value}")
+                exc = ParallelError(worker_message(f"sequence-parallel run failed on rank {r} of {world}: {value}"
+                                                   if kind != "died" else f"sequence-parallel run failed: {value}",
+                                                   (details or {}).get(r)))
                 exc.outcomes = dict(got)        # rank -> (kind, result or message), for callers that report all
                 raise exc
     return [pickle.loads(got[r][1]) for r in range(world)]

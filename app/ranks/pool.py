@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ...model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, check_heads, enable
+from ...profiling.child import child_argv, one_line, worker_message
 from .parallel import _loopback, start_group, stop_group
 
 POOL_KEY = "rank_pool"          # in ModelHandle.extra
@@ -37,15 +38,8 @@ def _plain(value):
 
 # The worker is a fresh interpreter (not a multiprocessing child: a host such as ComfyUI loads this package under a
 # path-like module name and runs its own main module, neither of which a spawned child can re-import). It loads the
-# package from its folder under a private name, then serves jobs from its stdin; replies go to its stdout (the
+# package from its folder (profiling/child.py), then serves jobs from its stdin; replies go to its stdout (the
 # process's own prints are sent to stderr). Jobs are plain data (no classes of this package).
-_BOOT = ("import importlib, importlib.util, sys\n"
-         "root, name = sys.argv[1], '_wan_accel_rank'\n"
-         "spec = importlib.util.spec_from_file_location(name, root + '/__init__.py', submodule_search_locations=[root])\n"
-         "mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)\n"
-         "importlib.import_module(name + '.app.ranks.pool').serve(sys.argv[2:])\n")
-
-
 def _channel():
     """(reader of stdin, writer to the real stdout) as message connections; fd 1 then points at stderr."""
     from multiprocessing.connection import Connection
@@ -55,7 +49,7 @@ def _channel():
     return Connection(0, writable=False), Connection(out, readable=False)
 
 
-def serve(argv: list) -> None:
+def serve(*argv: str) -> None:
     """A worker rank: load the model, join the group, then run jobs until its stdin closes."""
     import json
     rank, world, init, timeout_s, device = int(argv[0]), int(argv[1]), argv[2], float(argv[3]), argv[4]
@@ -73,7 +67,7 @@ def serve(argv: list) -> None:
         enable(handle.model, sp)
         outbox.send(("ready", rank))
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0
-        outbox.send(("error", f"{type(exc).__name__}: {exc}"))
+        outbox.send(("error", one_line(exc), traceback.format_exc()))
         return
     try:
         while True:
@@ -90,7 +84,7 @@ def serve(argv: list) -> None:
                                    oom_retry="off", **job["kwargs"])
                 outbox.send(("done", rank))
             except BaseException as exc:  # noqa: BLE001
-                outbox.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
+                outbox.send(("error", one_line(exc), traceback.format_exc()))
     finally:
         try:
             stop_group()
@@ -144,15 +138,13 @@ class RankPool:
             return
         import json
         import subprocess
-        import sys
         from multiprocessing.connection import Connection
         self._tmp = tempfile.TemporaryDirectory(prefix="wan_accel_pool_")
         init = Path(self._tmp.name, "store").as_uri()
-        root = str(Path(__file__).resolve().parents[1])
         try:
             for rank in range(1, self.world):
-                p = subprocess.Popen([sys.executable, "-c", _BOOT, root, str(rank), str(self.world), init,
-                                      str(self.timeout_s), self.devices[rank], json.dumps(self.spec)],
+                p = subprocess.Popen(child_argv("app.ranks.pool:serve", rank, self.world, init, self.timeout_s,
+                                                self.devices[rank], json.dumps(self.spec)),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                 self.procs.append(p)
                 self.conns.append((Connection(os.dup(p.stdin.fileno()), readable=False),
@@ -178,9 +170,10 @@ class RankPool:
                 if time.monotonic() > deadline:
                     raise ParallelError(f"sequence-parallel worker rank {rank} did not answer within "
                                         f"{timeout_s:g} s")
-            kind, value = conn.recv()
+            kind, value, *details = conn.recv()
             if kind != want:
-                raise ParallelError(f"sequence-parallel worker rank {rank} failed: {value}")
+                raise ParallelError(worker_message(f"sequence-parallel worker rank {rank} failed: {value}",
+                                                   *details[:1]))
 
     def sample(self, model, *args, callback=None, path="auto", fast_options=None, setup=None, report=None,
                **kwargs):

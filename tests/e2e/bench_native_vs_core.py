@@ -7,7 +7,10 @@ Run with ComfyUI's Python, cwd = ComfyUI, the pack importable as ``wan_accel``:
 Builds a random causal Wan 2.1 state dict (tiny: dim 64, 2 layers, 6 latent frames of 8x12; mid: dim 512, 8 layers,
 21 latent frames of 16x16), loads it with ComfyUI's own loader as WAN21_CausalAR, and samples it through a Basic
 Guider with both samplers (Self-Forcing sigmas, 3 frames per block, global cache) alternately after one warm-up
-each; reports every wall time and the medians as JSON.
+each; reports every wall time and the medians as JSON. Then one untimed run of each under
+``profiling.dispatch_counts`` (and of the pack's own optimized path on the same weights) gives ``syncs_per_video``
+(host syncs in a whole video) and ``ops_per_step`` (aten ops of one steady-state denoising step: the last block's
+last step) per sampler, with the path each ran.
 """
 from __future__ import annotations
 
@@ -28,6 +31,10 @@ from comfy_extras.nodes_custom_sampler import Guider_Basic  # noqa: E402
 
 from wan_accel.model.checkpoint import core_causal_metadata, expected_shapes  # noqa: E402
 from wan_accel.model.config import WanConfig  # noqa: E402
+from wan_accel.model.dit import WanModel  # noqa: E402
+from wan_accel.profiling.dispatch_counts import DispatchCounts  # noqa: E402
+from wan_accel.sampling.sampler import sample_causal  # noqa: E402
+from wan_accel.sampling.scheduler import schedule_from_sigmas  # noqa: E402
 from wan_accel.nodes.native_engine import sample_wan_accel  # noqa: E402
 from wan_accel.nodes.native_nodes import causal_sigmas  # noqa: E402
 
@@ -63,6 +70,49 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def _counted(fn, counts: DispatchCounts):
+    """A KSAMPLER function counting only what the sampler function itself dispatches (not the guider around it:
+    its noise scaling and sigma checks are the same for every sampler)."""
+    def sampler_function(*args, **kwargs):
+        with torch.no_grad(), counts:
+            return fn(*args, **kwargs)
+    return sampler_function
+
+
+def structure(guider, config, sd, noise, latent, sigmas, context) -> dict:
+    """syncs_per_video (host syncs of one video inside the sampler function) and ops_per_step (aten ops of one
+    steady-state denoising step: the last block's last step) of the Wan Accel AR Sampler (both paths), core's
+    SamplerARVideo and the pack's own optimized path on the same weights, each after one warm-up run."""
+    from comfy.k_diffusion.sampling import sample_ar_video
+    out = {}
+    runs = {"wan_accel": (sample_wan_accel, {"frames_per_block": 3, "path": "optimized"}),
+            "wan_accel_reference": (sample_wan_accel, {"frames_per_block": 3, "path": "reference"}),
+            "core_ar_video": (sample_ar_video, {"num_frame_per_block": 3})}
+    for name, (fn, opts) in runs.items():
+        for warm in (True, False):
+            counts, marks = DispatchCounts(), []
+            extra = dict(opts, step_callback=counts.step_callback()) if fn is sample_wan_accel else opts
+            sampler = comfy.samplers.KSAMPLER(_counted(fn, counts), extra_options=extra)
+            guider.sample(noise.clone(), latent.clone(), sampler, sigmas.clone(), seed=7, disable_pbar=True,
+                          callback=lambda *a, c=counts, m=marks: m.append(c.snapshot()))
+        step = counts.steady_step() if counts.steps else marks[-1] - marks[-2]
+        out[name] = {"syncs_per_video": counts.syncs, "sync_names": dict(counts.sync_names), "ops_per_step": step.ops}
+    own = WanModel(config).eval().requires_grad_(False)
+    own.load_state_dict(sd)
+    sched = schedule_from_sigmas(sigmas)
+    for _ in range(2):
+        counts = DispatchCounts()
+        with torch.no_grad(), counts:
+            sample_causal(own, context, noise.movedim(1, 2), sched, 3, generator=torch.Generator().manual_seed(7),
+                          path="optimized", callback=counts.step_callback())
+    out["pack_optimized"] = {"syncs_per_video": counts.syncs, "sync_names": dict(counts.sync_names),
+                             "ops_per_step": counts.steady_step().ops}
+    ref = out["pack_optimized"]["ops_per_step"]
+    for row in out.values():
+        row["ops_per_step_vs_pack_optimized"] = round(row["ops_per_step"] / ref, 4)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -71,7 +121,8 @@ def main() -> None:
     a = p.parse_args()
     config, frames, h, w, tokens = SHAPES[a.shape]
     metadata = core_causal_metadata(config)
-    patcher = comfy.sd.load_diffusion_model_state_dict(random_state_dict(config), metadata=metadata)
+    sd = random_state_dict(config)
+    patcher = comfy.sd.load_diffusion_model_state_dict(dict(sd), metadata=metadata)
     g = torch.Generator().manual_seed(1)
     context = torch.randn(1, tokens, config.text_dim, generator=g)
     guider = Guider_Basic(patcher)
@@ -102,6 +153,7 @@ def main() -> None:
         "times_s": times, "median_s": {k: statistics.median(v) for k, v in times.items()},
         "min_s": {k: min(v) for k, v in times.items()},
         "max_abs_diff_between_samplers": float((outs["wan_accel"] - outs["core_ar_video"]).abs().max()),
+        "structure": structure(guider, config, sd, noise, latent, sigmas, context),
     }
     text = json.dumps(result, indent=1)
     if a.out:

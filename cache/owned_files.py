@@ -1,0 +1,250 @@
+"""The one writer of every file the pack writes: reports, histories, previews, latents, saved sessions, traces.
+
+A target is written only when it is a regular file (or absent) outside the system folders, and not one of the
+limit cache's own files (the cache file, its lock, its ``corrupt-*`` and ``set-aside`` copies, its temporary
+files, the history and compile folders beside it) unless writing that file is the caller's purpose. A symbolic
+link, a pipe, a device, a socket or a folder is refused before anything is opened, with a message that names the
+option and what to do, so nothing outside the folders the pack owns is ever changed and nothing blocks on a pipe.
+
+Whole files go through a temporary file in the same folder, fsync and ``os.replace``: a write that fails midway
+leaves the previous file intact. Appends open with ``O_NOFOLLOW | O_NONBLOCK`` and write only to a regular file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from .paths import default_cache_path
+from .safety import _kind_of, system_folder
+
+# Side files of the limit cache, by name beside the cache file (see cache/paths.py and cache/store.py).
+SIDE_FILE_NAMES = ("history.jsonl", "history.jsonl.lock")
+SIDE_FOLDERS = ("inductor", "compile_artifacts")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_NEW_FILE_MODE = 0o666 & ~_read_umask()   # what open() would give a new file
+
+
+class OwnedFileError(ValueError):
+    """A file the pack was asked to write is not one it may write; the message names the option and the fix."""
+
+
+def _prefix(option: str, path) -> str:
+    return f"{option}: {path}" if option else f"{path}"
+
+
+def _real(path: Path) -> str:
+    """Absolute path with the folder part's links resolved and the last part kept as named."""
+    try:
+        return os.path.join(os.path.realpath(str(path.parent)), path.name)
+    except (OSError, ValueError):
+        return os.path.normpath(os.path.abspath(str(path)))
+
+
+def cache_file_role(path, cache_path=None) -> str | None:
+    """Which of the limit cache's own files ``path`` is ('the limit cache file', 'its lock file', ...), else None.
+
+    ``cache_path``: the cache file (default: ``$WAN_ACCEL_CACHE`` or the default place)."""
+    path = Path(path).expanduser()
+    cache = Path(cache_path).expanduser() if cache_path is not None else default_cache_path()
+    name, real = cache.name, _real(path)
+    folder = os.path.dirname(_real(cache))
+    if real == _real(cache):
+        return "the limit cache file"
+    try:
+        if os.path.exists(path) and os.path.exists(cache) and os.path.samefile(path, cache):
+            return "the limit cache file (another name of it)"
+    except OSError:
+        pass
+    for sub in SIDE_FOLDERS:
+        root = os.path.join(folder, sub)
+        if real == root or real.startswith(root + os.sep):
+            return f"a file of the limit cache's {sub}/ folder"
+    if os.path.dirname(real) != folder:
+        return None
+    base = os.path.basename(real)
+    if base == name + ".lock":
+        return "the limit cache's lock file"
+    if base == name + ".set-aside.json":
+        return "the limit cache's set-aside file"
+    if base.startswith(name + ".corrupt-"):
+        return "a damaged limit cache moved aside (kept for you to inspect)"
+    if base.startswith("." + name + ".") and base.endswith(".tmp"):
+        return "a temporary file of the limit cache"
+    if base in SIDE_FILE_NAMES:
+        return "the metrics history beside the limit cache"
+    return None
+
+
+def check_target(path, *, option: str = "", purpose: str = "the output", cache_path=None,
+                 allow: tuple = ()) -> Path:
+    """``path`` as a Path when the pack may write ``purpose`` there; else OwnedFileError naming ``option``.
+    ``cache_path``: a limit cache file in use besides the default one (``$WAN_ACCEL_CACHE`` or its default place).
+
+    Allowed: an absent name, or an existing regular file, in a folder (or a folder still to be created) outside
+    the system folders, that is not one of the limit cache's files (but for a side file whose name is in
+    ``allow``: writing that very file is the caller's purpose, e.g. the metrics history). Never opens anything,
+    so a pipe cannot block."""
+    if path is None or str(path).strip() == "":
+        raise OwnedFileError(f"{option or purpose} is empty: give a file name for {purpose}")
+    p = Path(str(path)).expanduser()
+    where = _prefix(option, p)
+    root = system_folder(p)
+    if root is not None:
+        raise OwnedFileError(f"{where} is in the system folder {root}; write {purpose} to a folder of your own")
+    for folder in [p.parent, *p.parent.parents]:
+        try:
+            st = os.stat(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            raise OwnedFileError(f"{where}: the folder {folder} cannot be used ({exc.strerror or exc})") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise OwnedFileError(f"{where}: {folder} is {_kind_of(st.st_mode)} where a folder is needed; choose "
+                                 f"another place for {purpose}")
+        break
+    try:
+        st = os.lstat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        st = None
+    except OSError as exc:
+        raise OwnedFileError(f"{where} cannot be inspected ({exc.strerror or exc}); choose another file") from None
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            raise OwnedFileError(f"{where} is a symbolic link; {purpose} is written only to a regular file, never "
+                                 f"through a link: remove the link or choose another file")
+        if not stat.S_ISREG(st.st_mode):
+            raise OwnedFileError(f"{where} is {_kind_of(st.st_mode)}; {purpose} is written only to a regular "
+                                 f"file: choose another file")
+    caches = [None] if cache_path is None else [cache_path, None]   # the given cache and the default one
+    role = next((r for r in (cache_file_role(p, c) for c in caches) if r is not None), None)
+    if role is not None and p.name not in allow:
+        raise OwnedFileError(f"{where} is {role}; writing {purpose} there would destroy it: choose another file")
+    return p
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(str(folder), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_with(path, write: Callable[[str], object], *, option: str = "", purpose: str = "the output",
+               cache_path=None, allow: tuple = ()) -> Path:
+    """Write ``path`` atomically: ``write(tmp_name)`` fills a temporary file in the same folder (for libraries
+    that write to a file name: safetensors, PIL, PyAV; it keeps the target's extension), which is then fsynced
+    and moved over the target. A failure leaves the previous file as it was. Returns the path."""
+    p = check_target(path, option=option, purpose=purpose, cache_path=cache_path, allow=allow)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=f".tmp{p.suffix}", dir=str(p.parent))
+    os.close(fd)
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OwnedFileError(f"{_prefix(option, p)}: the temporary file {tmp} was replaced by something "
+                                     f"else while writing; nothing was written")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            old = os.lstat(p)
+            mode = stat.S_IMODE(old.st_mode) if stat.S_ISREG(old.st_mode) else _NEW_FILE_MODE
+        except OSError:
+            mode = _NEW_FILE_MODE
+        os.chmod(tmp, mode)
+        check_target(p, option=option, purpose=purpose, cache_path=cache_path, allow=allow)
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_folder(p.parent)
+    return p
+
+
+def write_bytes(path, data: bytes, **kw) -> Path:
+    """Write ``data`` to ``path`` atomically (see :func:`write_with`; keywords as :func:`check_target`)."""
+    def fill(tmp: str) -> None:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+    return write_with(path, fill, **kw)
+
+
+def write_text(path, text: str, encoding: str = "utf-8", **kw) -> Path:
+    return write_bytes(path, text.encode(encoding), **kw)
+
+
+def write_json(path, obj, *, indent: int | None = 2, sort_keys: bool = True, default=str, **kw) -> Path:
+    """``obj`` as JSON (with a final newline), written atomically."""
+    return write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n", **kw)
+
+
+def _last_byte(fd: int, size: int) -> bytes:
+    if hasattr(os, "pread"):
+        return os.pread(fd, 1, size - 1)
+    os.lseek(fd, size - 1, os.SEEK_SET)
+    return os.read(fd, 1)
+
+
+def append_line(path, line, *, option: str = "", purpose: str = "the line", cache_path=None,
+                allow: tuple = ()) -> Path:
+    """Append one line (str or bytes; a newline is added when missing) as ONE write on an ``O_APPEND``
+    descriptor opened without following a link, to a regular file with no other names. A last line left torn
+    by a crash is ended first, so the new line stands alone. Returns the path."""
+    p = check_target(path, option=option, purpose=purpose, cache_path=cache_path, allow=allow)
+    data = line.encode("utf-8") if isinstance(line, str) else bytes(line)
+    if not data.endswith(b"\n"):
+        data += b"\n"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(p, os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o666)
+    except OSError as exc:
+        if _NOFOLLOW and os.path.islink(p):
+            raise OwnedFileError(f"{_prefix(option, p)} is a symbolic link; {purpose} is appended only to a "
+                                 f"regular file: remove the link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OwnedFileError(f"{_prefix(option, p)} is {_kind_of(st.st_mode)}; {purpose} is appended only to "
+                                 f"a regular file: choose another file")
+        if st.st_nlink > 1:
+            raise OwnedFileError(f"{_prefix(option, p)} has other hard links (another name of a file elsewhere); "
+                                 f"{purpose} is appended only to a file of its own")
+        if st.st_size and _last_byte(fd, st.st_size) != b"\n":
+            data = b"\n" + data
+        written = os.write(fd, data)
+        if written != len(data):
+            raise OSError(f"short write to {p}: {written} of {len(data)} bytes")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return p
+
+
+__all__ = ["OwnedFileError", "check_target", "cache_file_role", "write_with", "write_bytes", "write_text",
+           "write_json", "append_line"]

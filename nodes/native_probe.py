@@ -1,0 +1,97 @@
+"""The doctor's probe of the native MODEL path (registered where a doctor is made: the node, the command, the route).
+
+A tiny causal Wan model is loaded by ComfyUI's own loader (``comfy.sd.load_diffusion_model_state_dict``, as
+``WAN21_CausalAR``) and sampled by the Wan Accel AR Sampler's function (the node's KSAMPLER, ``sample_wan_accel``);
+the fallback is the pack's own engine over a model holding the very same weights. Where ComfyUI does not import,
+the feature says it needs ComfyUI. ``app/`` may not import ComfyUI or the nodes, hence the registration
+(``app/doctor/vocabulary.register_probe``).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from ..app.doctor.vocabulary import NotAvailable, Probe, ProbeContext, register_probe
+from . import native_engine
+
+NATIVE_ULPS = 64          # a whole chunk (every block, two steps) accumulates more rounding than one op
+SCHEDULE = {"preset": "custom", "steps": [1000, 500], "shift": 5.0}
+HINT = ("run the Wan Doctor node inside ComfyUI (or `python -m wan_accel doctor` with ComfyUI's Python, ComfyUI's "
+        "folder importable)")
+
+
+def _comfy():
+    """ComfyUI's loader and model management, or NotAvailable('needs ComfyUI')."""
+    try:
+        import comfy.model_management as mm
+        import comfy.sd as sd
+    except Exception as exc:  # noqa: BLE001 - not inside ComfyUI (or a ComfyUI that fails to import)
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NotAvailable(f"needs ComfyUI (ComfyUI does not import here: {text[:120]})", HINT) from None
+    return sd, mm
+
+
+def requires(ctx: ProbeContext) -> None:
+    _comfy()
+
+
+def _tiny(ctx: ProbeContext, device, dtype):
+    from ..model.config import WanConfig
+    from ..model.tiny import TINY_CONFIG, tiny_causal_model
+    dim = ctx.heads * ctx.head_dim
+    cfg = WanConfig.from_dict(dict(TINY_CONFIG.to_dict(), dim=dim, ffn_dim=2 * dim, num_heads=ctx.heads,
+                                   text_dim=64))
+    return tiny_causal_model(0, device, dtype, config=cfg)
+
+
+def check(ctx: ProbeContext) -> Probe:
+    """The probe: the AR Sampler on ComfyUI's MODEL against the pack's engine on the same weights."""
+    from ..model.checkpoint import core_causal_metadata
+    from ..sampling.sampler import sample_causal
+    from ..sampling.scheduler import resolve_schedule
+    from .native_nodes import WanAccelARSampler
+    sd, mm = _comfy()
+    ours = _tiny(ctx, ctx.device, ctx.dtype)
+    weights = {k: v.detach().to("cpu").clone() for k, v in ours.state_dict().items()}
+    patcher = sd.load_diffusion_model_state_dict(weights, model_options={"dtype": ctx.dtype},
+                                                 metadata=core_causal_metadata(ours.config))
+    if patcher is None:
+        raise RuntimeError("ComfyUI did not recognise the tiny causal Wan model")
+    mm.load_models_gpu([patcher])
+    base = patcher.model
+    device = torch.device(getattr(patcher, "load_device", ctx.device))
+    ours = ours.to(device)
+    cfg = ours.config
+    gen = torch.Generator().manual_seed(16)
+    context = torch.randn(1, cfg.text_len, cfg.text_dim, generator=gen).to(device, ctx.dtype)
+    noise = torch.randn(1, 3, cfg.in_dim, 16, 16, generator=gen).to(device)            # [B, F, C, H, W]
+    schedule = resolve_schedule(**SCHEDULE)
+    sigmas = torch.tensor(schedule.sigmas(), dtype=torch.float32)
+    sampler = WanAccelARSampler().get_sampler(frames_per_block=3, path="auto", cuda_graphs=False)[0]
+    guider = SimpleNamespace(inner_model=base, cfg=1.0, model_patcher=patcher,
+                             conds={"positive": [{"model_conds": {"c_crossattn": SimpleNamespace(cond=context)}}]})
+    model_k = SimpleNamespace(inner_model=guider)
+
+    def feature():
+        x = noise.movedim(1, 2).to(ctx.dtype)
+        out = sampler.sampler_function(model_k, x, sigmas, extra_args={"seed": 7}, callback=None,
+                                       **sampler.extra_options)
+        return out.movedim(1, 2)
+
+    def fallback():
+        from ..sampling.runner import FastOptions
+        g = torch.Generator(device=device).manual_seed(7)
+        return sample_causal(ours, context, noise.to(ctx.dtype).float(), schedule, 3, generator=g, path="auto",
+                             fast_options=FastOptions(fused_qkv=False, cuda_graphs="off"))
+    return Probe(feature, fallback, ctx.dtype, judge_speed=False, ulps=NATIVE_ULPS,
+                 note="speed not judged: the same engine runs on both sides")
+
+
+def sources() -> tuple:
+    from ..model import borrowed
+    from . import native_nodes
+    return (native_engine, native_nodes, borrowed, _tiny)
+
+
+register_probe("native_model", check, requires=requires, sources=sources)

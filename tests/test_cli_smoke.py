@@ -1,0 +1,141 @@
+"""Every command and every bench target, run the way a user types it (``python -m wan_accel ...`` in a new
+process) on the tiny model with the smallest real settings: exit 0 and the output it promises.
+
+The cases are checked against the command line's own tables (the parser built from cli/__init__.py's
+COMMAND_MODULES, and cli/bench.py's BENCHES and ROUTES): a new command or bench without a case here fails
+``test_every_command_and_bench_has_a_smoke_case``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wan_accel.cli import build_parser
+from wan_accel.cli.bench import BENCHES, ROUTES
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+TINY = ["--device", "cpu", "--frames", "9", "--height", "32", "--width", "32"]
+
+
+def _keys(*names):
+    def check(out: str, tmp: Path) -> None:
+        data = json.loads(out)
+        missing = [n for n in names if n not in data]
+        assert not missing, f"JSON output lacks {missing}: {sorted(data)[:20]}"
+    return check
+
+
+def _contains(*texts):
+    def check(out: str, tmp: Path) -> None:
+        for text in texts:
+            assert text.format(tmp=tmp) in out, f"{text!r} not in the output:\n{out[-2000:]}"
+    return check
+
+
+def _generate_wrote(out: str, tmp: Path) -> None:
+    report = json.loads(out)
+    assert report["latent_shape"][1] == 3 and report["files"], report
+    assert all(Path(p).is_file() for p in report["files"].values()), report["files"]
+
+
+def _converted(out: str, tmp: Path) -> None:
+    summary = json.loads(out)
+    assert Path(summary["output"]).is_file() and summary["tensors"] > 0, summary
+
+
+def _reference_passed(out: str, tmp: Path) -> None:
+    result = json.loads(out)
+    assert result["pass"] is True and result["rows"], result
+
+
+def _sanity_ran(out: str, tmp: Path) -> None:
+    data = json.loads(out)
+    rows = data.get("sanity", data.get("rows"))
+    assert rows and all("error" not in r for r in rows), rows      # the interpreter child ran (or was skipped)
+
+
+def _ranks_ran(out: str, tmp: Path) -> None:
+    data = json.loads(out)
+    assert "world_size" in json.dumps(data), sorted(data)
+
+
+def _tiny_pt(tmp: Path) -> None:
+    import torch
+
+    from wan_accel.model.tiny import tiny_causal_model
+
+    sd = {k: v.clone().contiguous() for k, v in tiny_causal_model(0, "cpu", torch.float32, "float32")
+          .state_dict().items()}
+    torch.save({"generator": sd}, str(tmp / "tiny.pt"))
+
+
+# case -> (arguments, check of stdout, set-up in tmp); "{tmp}" is the test's folder
+CASES = {
+    "generate": (["generate", "--out", "{tmp}/out", "--no-preview", "--json", *TINY], _generate_wrote, None),
+    "convert": (["convert", "{tmp}/tiny.pt", "{tmp}/tiny.safetensors", "--num-heads", "4", "--json"], _converted,
+                _tiny_pt),
+    "check-reference": (["check-reference", str(FIXTURES / "wan_reference"), "--json"], _reference_passed, None),
+    "cache show": (["cache", "show"], _contains("limit cache:", "{tmp}"), None),
+    "cache path": (["cache", "path"], _contains("{tmp}"), None),
+    "cache clear": (["cache", "clear", "--json"], lambda out, tmp: json.loads(out), None),
+    "cache prune-stale": (["cache", "prune-stale", "--json"], lambda out, tmp: json.loads(out), None),
+    "cache set-aside": (["cache", "set-aside"], _contains("{tmp}"), None),
+    "nodes": (["nodes"], _contains("Wan Doctor", "-> "), None),
+    "plan": (["plan", "--model", "1.3b", "--frames", "9", "--json"], _keys("fits", "blocks_to_swap"), None),
+    "profile": (["profile", "--runs", "1", "--warmup", "0", "--out", "{tmp}/prof", "--no-history", "--json",
+                 "--explain", *TINY], _keys("explain"), None),
+    "report": (["report", "--history", "{tmp}/history.jsonl", "--json"], lambda out, tmp: json.loads(out), None),
+    "doctor": (["doctor", "--device", "cpu", "--feature", "kernel.gated_residual", "--json",
+                "--report", "{tmp}/doctor.json"], _contains("kernel.gated_residual"), None),
+    "bench sampler": (["bench", "sampler", "--repeat", "1", "--variants", "reference", "--json", *TINY],
+                      _contains("reference"), None),
+    "bench sampler --world-size": (["bench", "sampler", "--world-size", "2", "--repeat", "1", "--json", *TINY],
+                                   _ranks_ran, None),
+    "bench compile": (["bench", "compile", "--model", "standin", "--blocks", "1", "--dim", "16", "--device", "cpu",
+                       "--json"], _keys("cold_compile_s", "warm_compile_s", "warm_counters"), None),
+    "bench kernels": (["bench", "kernels", "--json"], _sanity_ran, None),
+    "bench offload": (["bench", "offload", "--blocks", "1", "--repeats", "1", "--warmup", "0", "--json"],
+                      _keys("rows"), None),
+    "bench play": (["bench", "play", "--device", "cpu", "--chunks", "1", "--warmup", "0", "--json"],
+                   _keys("rows", "same_frames"), None),
+}
+
+
+def _commands() -> set:
+    """Every command of the parser (a command with actions of its own: each action), and every bench target."""
+    names = set()
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        names |= {f"{name} {action}" for a in nested for action in a.choices} if nested else {name}
+    names.discard("bench")
+    names |= {f"bench {what}" for what in BENCHES} | {f"bench {what} {option}" for what, option in ROUTES}
+    return names
+
+
+def test_every_command_and_bench_has_a_smoke_case():
+    assert _commands() == set(CASES)
+
+
+def run_cli(args: list, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WAN_ACCEL_CACHE=str(tmp / "cache" / "limits.json"))
+    env.pop("WAN_ACCEL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "wan_accel", *args], capture_output=True, text=True, env=env,
+                          cwd=tmp, timeout=timeout)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_command_runs(case, tmp_path):
+    args, check, setup = CASES[case]
+    if setup:
+        setup(tmp_path)
+    proc = run_cli([a.format(tmp=tmp_path) for a in args], tmp_path)
+    assert proc.returncode == 0, f"{case}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    check(proc.stdout, tmp_path)

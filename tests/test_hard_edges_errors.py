@@ -1,0 +1,183 @@
+"""A worker's failure reaches the user as one line naming the worker (its traceback only with WAN_ACCEL_DEBUG=1),
+an unusable --device is an input error (exit 2, one line) for every command that takes it, one problem gives one
+message (no warning or report line before the error about the same thing), and importing the pack loads no torch."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from wan_accel.app.ranks.parallel import run_ranks
+from wan_accel.cli import main
+from wan_accel.model.seq_parallel import ParallelError
+from wan_accel.profiling import ExplainError, explain_in_subprocess
+
+import rank_failures
+
+
+def test_a_rank_that_raises_is_one_line_naming_the_rank(monkeypatch):
+    monkeypatch.delenv("WAN_ACCEL_DEBUG", raising=False)
+    with pytest.raises(ParallelError) as info:
+        run_ranks(rank_failures.raises_on, 2, (1, "the value is bad\nsee the second line"), timeout_s=120)
+    text = str(info.value)
+    assert "\n" not in text and "Traceback" not in text, text
+    assert "rank 1 of 2" in text and "ValueError: the value is bad see the second line" in text, text
+
+
+def test_debug_shows_the_rank_traceback(monkeypatch):
+    monkeypatch.setenv("WAN_ACCEL_DEBUG", "1")
+    with pytest.raises(ParallelError) as info:
+        run_ranks(rank_failures.raises_on, 2, (1, "the value is bad"), timeout_s=120)
+    first, _, rest = str(info.value).partition("\n")
+    assert "rank 1 of 2" in first and "ValueError: the value is bad" in first
+    assert "Traceback" in rest and "rank_failures.py" in rest, rest
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_explain_worker_failure_is_one_line(monkeypatch, debug):
+    monkeypatch.setenv("WAN_ACCEL_DEBUG", debug)
+    with pytest.raises(ExplainError) as info:
+        explain_in_subprocess("json:loads", kwargs={"s": "{not json"}, timeout=300)
+    first, _, rest = str(info.value).partition("\n")
+    assert "explain worker of json:loads failed: JSONDecodeError" in first, first
+    assert ("Traceback" in rest) == bool(debug), rest
+
+
+@pytest.mark.parametrize("argv", [["doctor", "--device", "foo"], ["doctor", "--device", "cuda:99"],
+                                  ["bench", "sampler", "--device", "npu"], ["bench", "compile", "--device", "cuda:99"],
+                                  ["bench", "play", "--device", "tpu"],
+                                  ["bench", "sampler", "--world-size", "2", "--device", "gpu"],
+                                  ["check-reference", ".", "--device", "foo"],
+                                  ["check-reference", ".", "--device", "cuda:99"],
+                                  ["generate", "--device", "foo"], ["generate", "--device", "cuda:99"],
+                                  ["profile", "--device", "cuda:99"]])
+def test_an_unusable_device_is_one_input_error(argv, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --device"), err
+
+
+def test_an_unknown_doctor_feature_is_one_input_error(capsys):
+    assert main(["doctor", "--device", "cpu", "--feature", "no.such.feature"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --feature") and "no.such.feature" in err[0], err
+
+
+# ------------------------------------------------------------------------------------------ importing is cheap
+def test_importing_the_pack_and_its_nodes_loads_no_torch():
+    code = ("import sys, wan_accel, wan_accel.nodes, wan_accel.cli\n"
+            "print(len(wan_accel.NODE_CLASS_MAPPINGS), dict(wan_accel.nodes.IMPORT_ERRORS),\n"
+            "      sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    count, errors, heavy = out.stdout.strip().split(" ", 2)
+    assert int(count) > 10 and errors == "{}", out.stdout
+    assert heavy == "[]", f"importing the pack loaded {heavy}"
+
+
+# ------------------------------------------------------------------------------------------ rank pool workers
+def _failing_pool():
+    from wan_accel.app.jobs.handle import TINY_NAME
+    from wan_accel.app.ranks.pool import RankPool
+    spec = {"source": TINY_NAME, "dtype": "no-such-dtype", "precision": "float32", "attention": "auto",
+            "num_heads": None}
+    return RankPool(2, spec, ["cpu", "cpu"], timeout_s=120, load_timeout_s=300)
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_a_rank_pool_worker_that_raises_is_one_line_naming_the_rank(monkeypatch, debug):
+    monkeypatch.setenv("WAN_ACCEL_DEBUG", debug)
+    pool = _failing_pool()
+    with pytest.raises(ParallelError) as info:
+        pool.start(None)                        # rank 1 raises while loading its model
+    first, _, rest = str(info.value).partition("\n")
+    assert "worker rank 1 failed: ValueError: dtype must be one of" in first and "no-such-dtype" in first, first
+    assert ("Traceback" in rest and "handle.py" in rest) == bool(debug), rest
+    assert not pool.procs and not pool.running           # the worker was stopped, nothing left behind
+
+
+# ------------------------------------------------------------------------------------------ explain targets
+FACTORIES = """
+def broken():
+    raise RuntimeError("the factory is broken")
+"""
+
+
+@pytest.mark.parametrize("target", ["no_colon_here", "no_such_module_here:factory", "explain_factories:nope"])
+def test_an_explain_target_that_cannot_be_loaded_is_one_input_error(target, tmp_path, monkeypatch, capsys):
+    (tmp_path / "explain_factories.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", "--device", "cpu", "--explain-only", "--explain-target", target]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --explain-target: ") and target in lines[0], err
+    assert not out
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_a_failed_explain_run_is_one_run_error(debug, tmp_path, monkeypatch, capsys):
+    (tmp_path / "explain_factories.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)                 # a target beside the user, as `python -m` imports it
+    monkeypatch.setenv("WAN_ACCEL_DEBUG", debug)
+    argv = ["profile", "--device", "cpu", "--explain-only", "--explain-target", "explain_factories:broken"]
+    if debug:                                   # the whole story: the command's traceback and the worker's
+        with pytest.raises(ExplainError) as info:
+            main(argv)
+        assert "Traceback" in str(info.value) and "explain_factories.py" in str(info.value)
+        return
+    assert main(argv) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0] == ("error: explain worker of explain_factories:broken failed: RuntimeError: the factory is "
+                        "broken"), lines
+
+
+# ------------------------------------------------------------------------------------------ one problem, one message
+def test_too_few_gpus_for_the_parallel_bench_is_one_input_error():
+    import torch
+
+    from wan_accel.app.bench import parallel
+    from wan_accel.app.validate import UsageError
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    parser = argparse.ArgumentParser()
+    parallel.add_arguments(parser)
+    with pytest.raises(UsageError, match=r"--world-size 2 .*CUDA device"):
+        parallel.run(parser.parse_args(["--world-size", "2", "--device", "cuda"]))
+
+
+@pytest.mark.parametrize("argv, option", [(["profile", "--device", "cpu", "--preset", "nope"], "--preset"),
+                                          (["generate", "--preset", "nope"], "--preset"),
+                                          (["check-reference", "no_such_folder"], "DIR"),
+                                          (["check-reference", ".", "--tol", "-1"], "--tol")])
+def test_a_bad_value_is_one_line_before_any_work(argv, option, tmp_path, capsys):
+    if argv[0] == "generate":
+        argv = argv + ["--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {option}"), err
+    assert not out
+
+
+@pytest.mark.parametrize("action", ["clear", "prune-stale"])
+def test_an_unwritable_cache_is_one_error_for_the_commands_that_write_it(action, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("WAN_ACCEL_CACHE", str(blocker / "limits.json"))     # its folder is a file
+    assert main(["cache", action]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the limit cache") and "cannot be written" in lines[0], err
+
+
+def test_plotting_an_empty_history_is_one_error(tmp_path, capsys):
+    code = main(["report", "--history", str(tmp_path / "none.jsonl"), "--plot", str(tmp_path / "plot.png")])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    # without matplotlib that is the one error (exit 1); with it, the empty history (exit 2)
+    assert code in (1, 2) and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert not out and not (tmp_path / "plot.png").exists()

@@ -1,0 +1,338 @@
+"""One writer for every file the pack writes (cache/owned_files.py), and node inputs that name files stay inside
+ComfyUI's folders.
+
+The writer writes only a regular file (or a new name) that is not one of the limit cache's files, through a
+temporary file and a rename (appends: without following a link); links, pipes, devices and folders are refused
+before anything is opened. The command line refuses such a target before any work with ``error: --OPTION: ...``
+and exit 2.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from wan_accel.cache import LimitCache
+from wan_accel.cache.owned_files import (OwnedFileError, append_line, check_target, write_bytes, write_json,
+                                         write_text, write_with)
+from wan_accel.cli import main
+
+CLI_TIMEOUT_S = 120     # a command that blocks on a pipe fails the test instead of hanging it
+
+
+def _cli(args, tmp_path, env_cache=True, **env):
+    full = dict(os.environ, **env)
+    if env_cache:
+        full["WAN_ACCEL_CACHE"] = str(tmp_path / "cache")
+    else:
+        full.pop("WAN_ACCEL_CACHE", None)
+    return subprocess.run([sys.executable, "-m", "wan_accel", *map(str, args)], capture_output=True, text=True,
+                          timeout=CLI_TIMEOUT_S, env=full, cwd=str(tmp_path))
+
+
+def _filled_cache(path: Path) -> bytes:
+    cache = LimitCache(path)
+    cache.put("memory", "learned", {"limit": 123})
+    return path.read_bytes()
+
+
+# ------------------------------------------------------------------------------------ doctor --report
+@pytest.mark.parametrize("target", ["cache", "cache_default_place", "lock", "set_aside", "corrupt_copy", "fifo",
+                                    "folder", "symlink"])
+def test_doctor_report_is_refused_before_any_probe(tmp_path, target):
+    env_cache = target != "cache_default_place"
+    cache = (tmp_path / "cache" / "limits.json" if env_cache
+             else tmp_path / "xdg" / "wan_accel" / "limits.json")   # platformdirs' place under XDG_CACHE_HOME
+    before = _filled_cache(cache)
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("somebody else's file")
+    path = {"cache": cache, "cache_default_place": cache, "lock": Path(str(cache) + ".lock"),
+            "set_aside": Path(str(cache) + ".set-aside.json"),
+            "corrupt_copy": Path(str(cache) + ".corrupt-20250101-000000"), "fifo": tmp_path / "pipe",
+            "folder": tmp_path / "folder", "symlink": tmp_path / "link.json"}[target]
+    if target in ("set_aside", "corrupt_copy"):
+        path.write_bytes(b'{"kept": "for the user"}')
+    elif target == "fifo":
+        os.mkfifo(path)
+    elif target == "folder":
+        path.mkdir()
+    elif target == "symlink":
+        path.symlink_to(elsewhere)
+    kept = {p: p.read_bytes() for p in path.parent.iterdir() if p.is_file() and not p.is_symlink()}
+    r = _cli(["doctor", "--report", path, "--device", "cpu", "--feature", "block_swap"], tmp_path,
+             env_cache=env_cache, XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: --report: "), r.stderr
+    assert "Traceback" not in r.stderr and str(path.name) in r.stderr
+    assert cache.read_bytes() == before                        # every learned limit kept, byte for byte
+    assert elsewhere.read_text() == "somebody else's file"
+    assert {p: p.read_bytes() for p in kept} == kept
+    assert r.stdout == ""                                      # refused before any probe printed its table
+
+
+def test_doctor_report_api_refuses_the_cache_and_writes_a_regular_file(tmp_path, cache_path):
+    from wan_accel.app.doctor.core import doctor_for
+    from wan_accel.app.doctor.report import write_report
+
+    before = _filled_cache(cache_path)
+    doctor = doctor_for("cpu", torch.float32, 128, cache=LimitCache(cache_path))
+    with pytest.raises(OwnedFileError, match="the limit cache file"):
+        write_report(cache_path, doctor, [])
+    assert cache_path.read_bytes() == before
+    out = tmp_path / "report.json"
+    out.write_text("an old report")
+    write_report(out, doctor, [])
+    assert out.read_text().startswith("{") and '"wan_accel.doctor_report"' in out.read_text()
+
+
+# ------------------------------------------------------------------------------------ generate --out
+def test_generate_out_with_a_symlinked_report_is_refused_before_work(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("not the pack's")
+    (out / "report.json").symlink_to(elsewhere)
+    r = _cli(["generate", "--out", out, "--frames", "9", "--height", "32", "--width", "32", "--no-preview"],
+             tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: --out: ") and "report.json" in r.stderr and "symbolic link" in r.stderr
+    assert elsewhere.read_text() == "not the pack's"
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"]    # no latents: nothing ran
+
+
+@pytest.mark.parametrize("name", ["latents.safetensors", "preview.webp", "report.json"])
+@pytest.mark.parametrize("kind", ["symlink", "folder", "fifo"])
+def test_generate_api_checks_every_output_before_loading(tmp_path, name, kind, monkeypatch):
+    from wan_accel.app.jobs import generate
+
+    out = tmp_path / "out"
+    out.mkdir()
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(b"keep")
+    {"symlink": lambda p: p.symlink_to(elsewhere), "folder": lambda p: p.mkdir(),
+     "fifo": lambda p: os.mkfifo(p)}[kind](out / name)
+    loaded = []
+    monkeypatch.setattr("wan_accel.app.jobs.handle.load_model_handle", lambda *a, **k: loaded.append(1))
+    with pytest.raises(OwnedFileError, match=f"out_dir: .*{name}"):
+        generate.run_generate(generate.GenerateOptions(out_dir=str(out), frames=9, height=32, width=32,
+                                                       preview=False), log=lambda *_: None)
+    assert not loaded and elsewhere.read_bytes() == b"keep"
+
+
+# ------------------------------------------------------------------------------------ metrics history
+def _record():
+    from wan_accel.profiling import history
+
+    return history.make_record("bench", label="x", fingerprint="test")
+
+
+def test_history_symlinked_elsewhere_drops_the_line_with_one_warning(tmp_path, cache_path):
+    from wan_accel.profiling import history
+
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_text("somebody's lines\n")
+    cache_path.parent.mkdir(parents=True)
+    (cache_path.parent / "history.jsonl").symlink_to(elsewhere)
+    with pytest.warns(history.HistoryWarning, match=r"history\.jsonl: this run's line was dropped .*symbolic link"):
+        assert history.append(_record()) is None
+    assert elsewhere.read_text() == "somebody's lines\n"
+
+
+def test_generate_runs_on_with_a_symlinked_history(tmp_path, cache_path, capsys):
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_text("somebody's lines\n")
+    cache_path.parent.mkdir(parents=True)
+    (cache_path.parent / "history.jsonl").symlink_to(elsewhere)
+    out = tmp_path / "out"
+    assert main(["generate", "--out", str(out), "--frames", "9", "--height", "32", "--width", "32",
+                 "--no-preview"]) == 0
+    err = capsys.readouterr().err
+    dropped = [ln for ln in err.splitlines() if "history.jsonl" in ln]
+    assert len(dropped) == 1 and dropped[0].startswith("warning:") and "dropped" in dropped[0], err
+    assert elsewhere.read_text() == "somebody's lines\n"
+    assert (out / "report.json").is_file()
+
+
+def test_history_line_dropped_on_lock_timeout_is_announced(tmp_path, monkeypatch):
+    from filelock import FileLock
+
+    from wan_accel.profiling import history
+
+    path = tmp_path / "h.jsonl"
+    history.append(_record(), path=path)
+    before = path.read_bytes()
+    monkeypatch.setattr(history, "LOCK_TIMEOUT_S", 0.05)
+    holder = FileLock(str(path) + ".lock")
+    with holder:
+        # another thread's lock object: filelock locks are per object, so this one must wait
+        import threading
+
+        result, caught = [], []
+
+        def other():
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                result.append(history.append(_record(), path=path))
+            caught.extend(w)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(30)
+    assert result == [None]
+    texts = [str(w.message) for w in caught if issubclass(w.category, history.HistoryWarning)]
+    assert len(texts) == 1 and str(path) in texts[0] and "dropped" in texts[0] and "lock" in texts[0]
+    assert path.read_bytes() == before
+
+
+# ------------------------------------------------------------------------------------ the writer itself
+def test_a_write_that_fails_midway_leaves_the_old_file_intact(tmp_path):
+    target = tmp_path / "report.json"
+    target.write_text("the old, complete report")
+
+    def half(tmp):
+        Path(tmp).write_text("half a rep")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        write_with(target, half)
+    assert target.read_text() == "the old, complete report"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]     # no temporary file left behind
+    write_json(target, {"a": 1})
+    assert target.read_text() == '{\n  "a": 1\n}\n'
+
+
+@pytest.mark.parametrize("writer", ["write_bytes", "append_line"])
+@pytest.mark.parametrize("kind", ["symlink", "dangling_symlink", "fifo", "folder", "device"])
+def test_links_pipes_devices_and_folders_are_refused(tmp_path, writer, kind):
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("keep")
+    path = tmp_path / "target"
+    if kind == "symlink":
+        path.symlink_to(elsewhere)
+    elif kind == "dangling_symlink":
+        path.symlink_to(tmp_path / "would_be_created")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path = Path(os.devnull)
+    call = (lambda: write_bytes(path, b"x", option="--thing")) if writer == "write_bytes" else \
+        (lambda: append_line(path, "x", option="--thing"))
+    with pytest.raises(OwnedFileError, match=r"^--thing: ") as exc:
+        call()
+    assert {"symlink": "symbolic link", "dangling_symlink": "symbolic link", "fifo": "a pipe",
+            "folder": "a directory", "device": "a device"}[kind] in str(exc.value) or "system folder" in str(exc.value)
+    assert elsewhere.read_text() == "keep" and not (tmp_path / "would_be_created").exists()
+
+
+@pytest.mark.parametrize("name", ["limits.json", "limits.json.lock", "limits.json.set-aside.json",
+                                  "limits.json.corrupt-20250101-000000", ".limits.json.abc.tmp", "history.jsonl",
+                                  "history.jsonl.lock", "inductor/fx.bin", "compile_artifacts/x.bin"])
+def test_the_limit_cache_files_are_never_a_target(cache_path, name):
+    with pytest.raises(OwnedFileError, match="limit cache|metrics history"):
+        check_target(cache_path.parent / name, option="--report", purpose="the report")
+    other = cache_path.parent.parent / "mine" / "limits.json"          # a cache in use that is not the default
+    with pytest.raises(OwnedFileError, match="limit cache"):
+        check_target(other.parent / name, option="--report", cache_path=other)
+    check_target(cache_path.parent / "report.json", option="--report")   # the folder itself is fine
+
+
+def test_append_adds_one_line_to_a_regular_file_and_ends_a_torn_one(tmp_path):
+    path = tmp_path / "log.jsonl"
+    append_line(path, '{"a":1}')
+    path.write_bytes(path.read_bytes() + b'{"torn')
+    append_line(path, b'{"b":2}\n')
+    assert path.read_bytes() == b'{"a":1}\n{"torn\n{"b":2}\n'
+    hard = tmp_path / "hard.jsonl"
+    os.link(path, hard)
+    with pytest.raises(OwnedFileError, match="hard links"):
+        append_line(path, "x")
+    write_text(tmp_path / "new" / "deep.txt", "made")                  # folders are created
+    assert (tmp_path / "new" / "deep.txt").read_text() == "made"
+
+
+def test_history_plot_target_is_checked_up_front(tmp_path, capsys):
+    os.mkfifo(tmp_path / "plot.png")
+    assert main(["report", "--plot", str(tmp_path / "plot.png")]) == 2
+    assert capsys.readouterr().err.startswith("error: --plot: ")
+
+
+# ------------------------------------------------------------------------------------ nodes stay inside
+@pytest.fixture
+def comfy_folders(tmp_path, monkeypatch):
+    inp, models = tmp_path / "input", tmp_path / "models"
+    inp.mkdir()
+    models.mkdir()
+    fake = types.ModuleType("folder_paths")
+    fake.get_input_directory = lambda: str(inp)
+    fake.get_output_directory = lambda: str(tmp_path / "output")
+
+    def full_path(kind, name):   # as ComfyUI: the name is taken relative to the folder
+        p = models / os.path.relpath(os.path.join("/", name), "/")
+        return str(p) if p.is_file() else None
+
+    fake.get_full_path = full_path
+    monkeypatch.setitem(sys.modules, "folder_paths", fake)
+    return inp, models
+
+
+class _Model:
+    def __init__(self):
+        self.model_options = {}
+
+    def clone(self):
+        return _Model()
+
+
+@pytest.mark.parametrize("name, reason", [("../secret.safetensors", "climbs out"),
+                                          ("{outside}", "absolute path"),
+                                          ("link.safetensors", "leads out of ComfyUI's input folder"),
+                                          ("sub/../../secret.safetensors", "climbs out"),
+                                          ("missing.safetensors", "no file")])
+def test_recorded_run_node_reads_only_inside_the_input_folder(tmp_path, comfy_folders, name, reason):
+    from safetensors.torch import save_file
+
+    from wan_accel.nodes.native_nodes import WanRecordedRun
+
+    inp, _ = comfy_folders
+    secret = tmp_path / "secret.safetensors"
+    save_file({"initial_noise": torch.zeros(1, 2, 16, 2, 2), "context": torch.zeros(1, 3, 8)}, str(secret))
+    (inp / "link.safetensors").symlink_to(secret)
+    with pytest.raises(ValueError, match=reason):
+        WanRecordedRun().load(_Model(), name.format(outside=secret))
+    (inp / "inside.safetensors").write_bytes(secret.read_bytes())
+    _, noise, _, latent = WanRecordedRun().load(_Model(), "inside.safetensors")
+    assert latent["samples"].shape == (1, 16, 2, 2, 2)
+
+
+@pytest.mark.parametrize("module", ["model_nodes", "memory_nodes"])
+def test_checkpoint_names_resolve_only_inside_the_models_folder(tmp_path, comfy_folders, module):
+    import importlib
+
+    resolve = importlib.import_module(f"wan_accel.nodes.{module}")._resolve_checkpoint
+    _, models = comfy_folders
+    (models / "a.safetensors").write_bytes(b"x")
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(b"x")
+    assert resolve("a.safetensors") == str(models / "a.safetensors")
+    for name, reason in ((str(outside), "absolute path"), ("../outside.safetensors", "climbs out"),
+                         ("nope.safetensors", "no file")):
+        with pytest.raises(ValueError, match=f"checkpoint.*{reason}"):
+            resolve(name)
+
+
+def test_profile_node_subfolder_may_not_lead_out_through_a_link(tmp_path, comfy_folders):
+    from wan_accel.nodes.profile_nodes import _out_dir
+
+    (tmp_path / "output").mkdir()
+    (tmp_path / "output" / "traces").symlink_to(tmp_path)
+    with pytest.raises(ValueError, match="leads out of the output folder"):
+        _out_dir("traces")
+    assert _out_dir("wan_accel_profiles") == tmp_path / "output" / "wan_accel_profiles"
