@@ -1,9 +1,10 @@
 """The limit cache shared by every feature of the pack (imports nothing else from the pack)."""
 from .fingerprint import fingerprint, fingerprint_id
 from .paths import ENV_VAR, default_cache_path
-from .store import KNOWN_NAMESPACES, SCHEMA_VERSION, CacheFormatError, LimitCache, register_shape
+from .entries import SCHEMA_VERSION, CacheFormatError, register_shape
+from .store import KNOWN_NAMESPACES, LimitCache
 from .open import open_cache
-from . import shapes  # noqa: F401,E402 - registers the shapes of the pack's namespaces
+from .shapes import memory_shape  # noqa: F401,E402 - importing shapes registers the namespaces' shapes
 
 __all__ = ["LimitCache", "default_cache_path", "fingerprint", "fingerprint_id", "ENV_VAR", "SCHEMA_VERSION",
            "KNOWN_NAMESPACES", "CacheFormatError", "open_cache", "register_shape"]

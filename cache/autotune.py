@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from .store import register_shape
+from .entries import register_shape
 
 log = logging.getLogger("wan_accel.autotune")
 

@@ -149,23 +149,27 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def write_with(path, write: Callable[[str], object], *, option: str = "", purpose: str = "the output",
-               cache_path=None, allow: tuple = ()) -> Path:
-    """Write ``path`` atomically: ``write(tmp_name)`` fills a temporary file in the same folder (for libraries
-    that write to a file name: safetensors, PIL, PyAV; it keeps the target's extension), which is then fsynced
-    and moved over the target. A failure leaves the previous file as it was. Returns the path."""
-    p = check_target(path, option=option, purpose=purpose, cache_path=cache_path, allow=allow)
+def replace_file(path: Path, write: Callable[[str], object], *, durable: bool = True, suffix: str | None = None,
+                 before_rename: Callable[[], object] | None = None) -> Path:
+    """The mechanism under every whole-file write of the pack (this module's writers and the limit cache's own
+    file): ``write(tmp_name)`` fills a temporary file in the same folder (named ``.<name>.*<suffix>``; by default
+    ``.tmp`` plus the target's extension, for libraries that pick a format from it), which is fsynced (when
+    ``durable``), given the target's mode, checked by ``before_rename()`` and moved over ``path``; then the folder
+    is fsynced. A failure leaves the previous file as it was and no temporary file behind."""
+    p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=f".tmp{p.suffix}", dir=str(p.parent))
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=f".tmp{p.suffix}" if suffix is None else suffix,
+                               dir=str(p.parent))
     os.close(fd)
     try:
         write(tmp)
         fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OwnedFileError(f"{_prefix(option, p)}: the temporary file {tmp} was replaced by something "
-                                     f"else while writing; nothing was written")
-            os.fsync(fd)
+                raise OwnedFileError(f"{p}: the temporary file {tmp} was replaced by something else while "
+                                     f"writing; nothing was written")
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         try:
@@ -174,7 +178,8 @@ def write_with(path, write: Callable[[str], object], *, option: str = "", purpos
         except OSError:
             mode = _NEW_FILE_MODE
         os.chmod(tmp, mode)
-        check_target(p, option=option, purpose=purpose, cache_path=cache_path, allow=allow)
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, p)
     except BaseException:
         try:
@@ -182,8 +187,19 @@ def write_with(path, write: Callable[[str], object], *, option: str = "", purpos
         except OSError:
             pass
         raise
-    _fsync_folder(p.parent)
+    if durable:
+        _fsync_folder(p.parent)
     return p
+
+
+def write_with(path, write: Callable[[str], object], *, option: str = "", purpose: str = "the output",
+               cache_path=None, allow: tuple = ()) -> Path:
+    """Write ``path`` atomically (:func:`replace_file`) after :func:`check_target`, which runs again just before
+    the rename: ``write(tmp_name)`` fills the temporary file (for libraries that write to a file name:
+    safetensors, PIL, PyAV). A failure leaves the previous file as it was. Returns the path."""
+    def check():
+        return check_target(path, option=option, purpose=purpose, cache_path=cache_path, allow=allow)
+    return replace_file(check(), write, before_rename=check)
 
 
 def write_bytes(path, data: bytes, **kw) -> Path:
@@ -246,5 +262,5 @@ def append_line(path, line, *, option: str = "", purpose: str = "the line", cach
     return p
 
 
-__all__ = ["OwnedFileError", "check_target", "cache_file_role", "write_with", "write_bytes", "write_text",
+__all__ = ["OwnedFileError", "check_target", "cache_file_role", "replace_file", "write_with", "write_bytes", "write_text",
            "write_json", "append_line"]

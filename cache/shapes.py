@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from . import autotune  # noqa: F401 - registers the operator shape
-from .store import register_shape
+from .autotune import operator_shape  # noqa: F401 - importing autotune registers the operator shape
+from .entries import register_shape
 
 
 def _number(value) -> bool:
