@@ -80,24 +80,43 @@ FINGERPRINT_SAMPLES = 16
 _FINGERPRINT_ATTR = "_wan_accel_weight_fingerprint"
 
 
+def _version(p) -> int | None:
+    """The in-place version counter of ``p``; None for an inference tensor (ComfyUI loads weights as those), which
+    keeps no counter, so a fingerprint over one is never reused from the cache."""
+    return None if p.is_inference() else p._version
+
+
 def weight_fingerprint(model) -> str:
     """A cheap hash of the weights' values: shape, dtype and FINGERPRINT_SAMPLES evenly spaced values of every
     parameter. Two checkpoints of the same structure differ here. Cached on the model, keyed by the parameters'
-    identities and in-place versions (a weight patched in place gets a new fingerprint)."""
+    identities and in-place versions (a weight patched in place gets a new fingerprint); recomputed on every call
+    where a weight keeps no version (inference tensors). The samples are gathered on each weight's device and
+    copied to the host once per device."""
     params = list(model.named_parameters())
-    key = tuple((id(p), p._version, p.data_ptr() if p.device.type != "meta" else 0) for _, p in params)
+    key = tuple((id(p), _version(p), p.data_ptr() if p.device.type != "meta" else 0) for _, p in params)
     cached = getattr(model, _FINGERPRINT_ATTR, None)
-    if cached is not None and cached[0] == key:
+    if cached is not None and cached[0] == key and None not in (k[1] for k in key):
         return cached[1]
     h = hashlib.sha256()
+    samples: dict = {}                                  # device -> [(position, sampled values)]
     with torch.no_grad():
-        for name, p in params:
+        for i, (name, p) in enumerate(params):
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
             if p.device.type == "meta" or p.numel() == 0:
                 continue
             flat = p.detach().reshape(-1)
-            idx = torch.linspace(0, flat.numel() - 1, min(FINGERPRINT_SAMPLES, flat.numel())).long()
-            h.update(flat[idx.to(flat.device)].float().cpu().numpy().tobytes())
+            idx = torch.linspace(0, flat.numel() - 1, min(FINGERPRINT_SAMPLES, flat.numel()),
+                                 device=flat.device).long()
+            samples.setdefault(flat.device, []).append((i, flat[idx].float()))
+        values = {}
+        for device, items in samples.items():
+            host = torch.cat([v for _, v in items]).cpu().numpy()   # one copy per device
+            at = 0
+            for i, v in items:
+                values[i] = host[at:at + v.numel()].tobytes()
+                at += v.numel()
+    for i in sorted(values):
+        h.update(values[i])
     value = h.hexdigest()[:16]
     try:
         object.__setattr__(model, _FINGERPRINT_ATTR, (key, value))

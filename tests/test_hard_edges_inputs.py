@@ -251,6 +251,28 @@ def test_state_of_other_weights_is_refused():
     assert more.shape[1] == 3
 
 
+def test_state_of_weights_loaded_as_inference_tensors():
+    """ComfyUI loads weights as inference tensors (no in-place version counter): a continuation on the same
+    weights goes on, other weights or a weight patched in place are refused."""
+    from wan_accel.app.jobs.generate import sample_latents_with_state
+    from wan_accel.model.tiny import tiny_causal_model
+
+    with torch.inference_mode():
+        a = tiny_causal_model(0, "cpu", torch.float32, "float32")
+        b = tiny_causal_model(1, "cpu", torch.float32, "float32")
+    assert next(a.parameters()).is_inference()
+    ctx = torch.zeros(1, 0, a.config.text_dim)
+    with torch.inference_mode():
+        _, state = sample_latents_with_state(a, ctx, 32, 32, 9, seed=0)
+        more, _ = sample_latents_with_state(a, ctx, 32, 32, 21, state=state)
+        assert more.shape[1] == 3
+        with pytest.raises(ValueError, match="model weights"):
+            sample_latents_with_state(b, ctx, 32, 32, 21, state=state)
+        next(a.parameters()).add_(1.0)                                # in place, no version counter to see it
+        with pytest.raises(ValueError, match="model weights"):
+            sample_latents_with_state(a, ctx, 32, 32, 21, state=state)
+
+
 def test_mg2_node_refuses_out_of_range_actions():
     from wan_accel.app.jobs.mg2 import load_mg2_handle
     from wan_accel.nodes.mg2_nodes import GameActions, MatrixGame2Sampler
