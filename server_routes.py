@@ -256,13 +256,20 @@ def _refuse_constant(text: str):
     raise ValueError(f"{text} is not a JSON number")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):                    # 1e999: beyond a float's range
+        raise ValueError(f"the number {text[:40]} is beyond a float's range")
+    return value
+
+
 def decode_json_body(raw: bytes):
     """Decode a request body, raising :class:`RequestError` for anything that is not small UTF-8 JSON: too large,
     not UTF-8, not JSON, nested too deeply, or holding NaN/Infinity (which JSON does not have)."""
     if len(raw) > MAX_BODY_BYTES:
         raise RequestError(f"body too large ({len(raw)} bytes; at most {MAX_BODY_BYTES})")
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise RequestError("body is nested too deeply to be a request of this page") from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, NaN/Infinity, an over-long integer

@@ -187,6 +187,9 @@ def test_decode_refuses_nesting_and_non_finite_numbers():
         sr.decode_json_body(b"[" * 4000)
     with pytest.raises(sr.RequestError, match="NaN"):
         sr.decode_json_body(b'{"namespace": NaN}')
+    with pytest.raises(sr.RequestError, match="beyond a float"):
+        sr.decode_json_body(b'{"namespace": "all", "x": 1e999}')
+    assert sr.decode_json_body(b'{"x": 1.5e3}') == {"x": 1500.0}
 
 
 # ---------------------------------------------------------------- the lock says who holds it

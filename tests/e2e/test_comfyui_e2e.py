@@ -158,6 +158,9 @@ def test_web_routes_answer_inside_comfyui(comfy):
     assert {"operator", "compile", "memory", "sampler"} <= {ns["name"] for ns in data["namespaces"]}
     assert http(comfy["url"] + "/api/wan_accel/limits/clear", {"namespace": "../x"})[0] == 400
     assert http(comfy["url"] + "/api/wan_accel/limits/clear", b"not json")[0] == 400
+    for body in (b"[" * 2000 + b"]" * 2000, b'{"namespace": NaN}', b'{"namespace": "all", "x": 1e999}'):
+        status, why = http(comfy["url"] + "/api/wan_accel/limits/clear", body)     # deep nesting, non-finite
+        assert status == 400 and "error" in why, (status, why)
     assert http(comfy["url"] + "/api/wan_accel/limits/clear", {"namespace": "all"}) == \
         (200, {"cleared": 0, "namespace": "all"})
     status, js = http(comfy["url"] + f"/extensions/{PACK_NAME}/wan_accel.js")
@@ -232,6 +235,9 @@ E2E_BAD_INPUTS = [
     ("sink-over-window", {"3": {"kv_window": 3, "sink": 5}}, ["sink 5", "latent frames"]),
     ("kv-window-zero", {"3": {"kv_window": 0}}, ["kv_window 0", "-1"]),
     ("custom-steps-bogus", {"3": {"preset": "custom", "custom_steps": "fast"}}, ["steps", "fast"]),
+    # non-finite numbers pass ComfyUI's min/max validation (NaN compares false): the pack's one validator stops them
+    ("shift-nan", {"3": {"preset": "custom", "shift": float("nan")}}, ["shift", "finite"]),
+    ("custom-steps-nan", {"3": {"preset": "custom", "custom_steps": "1000,nan,250"}}, ["steps", "nan"]),
 ]
 
 
