@@ -81,23 +81,41 @@ class _Unusable:
         return self.text
 
 
-def _parse_int(text: str):
-    try:
-        return int(text)
-    except ValueError:  # longer than Python reads by default
+class Lenient:
+    """json.loads hooks that turn every number strict JSON refuses into an :class:`_Unusable` marker and count
+    them, so a file without one (the usual case) is known to be finite without a second pass."""
+
+    def __init__(self):
+        self.unusable = 0
+
+    def mark(self, text: str) -> _Unusable:
+        self.unusable += 1
         return _Unusable(text[:40] + ("..." if len(text) > 40 else ""))
 
+    def parse_float(self, text: str):
+        value = float(text)
+        return value if math.isfinite(value) else self.mark(text)   # 1e999 reads as inf
 
-def loads_lenient(text: str):
-    """json.loads that reads NaN, Infinity and -Infinity as :class:`_Unusable` markers (a number beyond float
-    range reads as inf, an integer too long to read as a marker), so the entries holding them can be found and
-    set aside one by one."""
+    def parse_int(self, text: str):
+        try:
+            return int(text)
+        except ValueError:  # longer than Python reads by default
+            return self.mark(text)
+
+
+def loads_lenient(text: str, hooks: Lenient | None = None):
+    """json.loads that reads NaN, Infinity, -Infinity, a number beyond float range (1e999) and an integer too
+    long to read as :class:`_Unusable` markers, so the entries holding them can be found and set aside one by
+    one; ``hooks.unusable`` counts them."""
+    hooks = hooks or Lenient()
     try:
-        return json.loads(text, parse_constant=_Unusable)
+        return json.loads(text, parse_constant=hooks.mark, parse_float=hooks.parse_float)
     except json.JSONDecodeError:
         raise
     except ValueError:  # an integer longer than Python reads by default: read again, marking it
-        return json.loads(text, parse_constant=_Unusable, parse_int=_parse_int)
+        hooks.unusable = 0
+        return json.loads(text, parse_constant=hooks.mark, parse_float=hooks.parse_float,
+                          parse_int=hooks.parse_int)
 
 
 def _all_finite(data) -> bool:
@@ -183,7 +201,7 @@ def _set_aside_item(namespace, fid, key, raw, reason: str) -> dict:
             "time": time.time()}
 
 
-def _validate(data) -> tuple[dict, list[dict]]:
+def _validate(data, finite: bool | None = None) -> tuple[dict, list[dict]]:
     """Schema-current data and the items set aside from it; CacheFormatError when the file as a whole is not a
     limit cache (not an object, wrong kind or schema, 'fingerprints'/'namespaces' not objects).
 
@@ -209,7 +227,7 @@ def _validate(data) -> tuple[dict, list[dict]]:
     if not isinstance(fps, dict) or not isinstance(spaces, dict):
         raise CacheFormatError("'fingerprints' and 'namespaces' must be objects")
     aside: list[dict] = []
-    finite = _all_finite(data)
+    finite = _all_finite(data) if finite is None else finite
     for name in [k for k in data if k not in ("kind", "schema", "fingerprints", "namespaces")]:
         bad = None if finite else _unusable_in(data[name])
         if bad:

@@ -38,7 +38,7 @@ from typing import Callable
 from filelock import FileLock, Timeout
 
 from .entries import (FILE_KIND, MIGRATIONS, NAMESPACE_RE, SCHEMA_VERSION, _SHAPES_GEN,  # noqa: F401 (re-exported)
-                      CacheFormatError, _check_json_value, _empty, _is_number, _refuse_constant, _validate,
+                      CacheFormatError, Lenient, _check_json_value, _empty, _is_number, _refuse_constant, _validate,
                       loads_lenient, register_shape, shape_problem)
 from .owned_files import replace_file
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
@@ -149,12 +149,13 @@ class LimitCache:
             raise OSError(errno.EINVAL, "not a regular file (a device, a pipe or a folder)", str(self.path))
         raw = self.path.read_bytes()
         try:
-            data = loads_lenient(raw.decode("utf-8"))
+            hooks = Lenient()
+            data = loads_lenient(raw.decode("utf-8"), hooks)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CacheFormatError(f"not valid JSON ({exc})") from None
         except RecursionError:
             raise CacheFormatError("not a limit cache (nested too deeply)") from None
-        data, aside = _validate(data)
+        data, aside = _validate(data, finite=not hooks.unusable)
         self._aside_now = aside
         if aside:
             self._keep_set_aside(aside)

@@ -173,8 +173,8 @@ def test_damaged_verdicts_never_stop_the_doctor_and_are_probed_again(cache_path,
 
 
 def test_the_cache_sets_damaged_verdicts_aside_with_the_same_check(cache_path):
-    from wan_accel.cache import store
-    assert store._SHAPES["doctor"] is doc.verdict_problem
+    from wan_accel.cache import entries
+    assert entries._SHAPES["doctor"] is doc.verdict_problem
     feats = _good_feature([])
     d = _doctor(cache_path, feats)
     value = dict(d.check("fake.good"), difference="0.001")
