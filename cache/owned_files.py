@@ -219,6 +219,22 @@ def write_json(path, obj, *, indent: int | None = 2, sort_keys: bool = True, def
     return write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n", **kw)
 
 
+def read_regular(path, limit: int | None = None) -> bytes:
+    """The bytes of ``path`` when it is a regular file (at most ``limit``); opened without blocking, so a pipe or
+    a device put where the pack keeps a file can never hang a read. FileNotFoundError when absent; OSError
+    :class:`OwnedFileError` (a ValueError: the user's to fix) when it is not a regular file."""
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OwnedFileError(f"{path} is {_kind_of(mode)}; the pack reads only a regular file there: remove "
+                                 f"it (the pack makes the file again)")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read() if limit is None else fh.read(limit)
+    finally:
+        os.close(fd)
+
+
 def _last_byte(fd: int, size: int) -> bytes:
     if hasattr(os, "pread"):
         return os.pread(fd, 1, size - 1)
@@ -263,4 +279,4 @@ def append_line(path, line, *, option: str = "", purpose: str = "the line", cach
 
 
 __all__ = ["OwnedFileError", "check_target", "cache_file_role", "replace_file", "write_with", "write_bytes", "write_text",
-           "write_json", "append_line"]
+           "write_json", "append_line", "read_regular"]

@@ -40,7 +40,7 @@ from filelock import FileLock, Timeout
 from .entries import (FILE_KIND, MIGRATIONS, NAMESPACE_RE, SCHEMA_VERSION, _SHAPES_GEN,  # noqa: F401 (re-exported)
                       CacheFormatError, Lenient, _check_json_value, _empty, _is_number, _refuse_constant, _validate,
                       loads_lenient, register_shape, shape_problem)
-from .owned_files import replace_file
+from .owned_files import read_regular, replace_file
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
 from .paths import default_cache_path
 from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, quarantine_refusal,
@@ -421,7 +421,7 @@ class LimitCache:
 
     def _clear_owner(self) -> None:
         try:
-            owner = json.loads(self.lock_owner_path.read_text("utf-8"))
+            owner = json.loads(read_regular(self.lock_owner_path).decode("utf-8"))
             if isinstance(owner, dict) and owner.get("pid") == os.getpid():
                 self.lock_owner_path.unlink()
         except (OSError, ValueError):

@@ -13,9 +13,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
+from ..cache.owned_files import replace_file
 from ..model.attachments import model_signature  # noqa: F401  (re-exported: the warm-start key)
 from . import compat
 
@@ -89,7 +91,14 @@ class WarmStart:
             return {}
         path = self.path.with_name(entry.get("file", self.path.name))
         try:
-            blob = path.read_bytes()
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+            try:                       # only the regular file the pack wrote: never a link, a pipe or a device
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return {}
+                with os.fdopen(os.dup(fd), "rb") as fh:
+                    blob = fh.read()
+            finally:
+                os.close(fd)
         except OSError:
             return {}
         import torch
@@ -124,10 +133,10 @@ class WarmStart:
             problem = getattr(self.cache, "writable_problem", None)
             if problem:
                 raise CacheUnavailableError(problem)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(blob)
-            os.replace(tmp, self.path)
+            def fill(tmp: str) -> None:
+                with open(tmp, "wb") as fh:
+                    fh.write(blob)
+            replace_file(self.path, fill)      # the one whole-file writer: a fresh temporary file, then a rename
             self.cache.put(NAMESPACE, self.key, {
                 "file": self.path.name, "bytes": len(blob), "saved": time.time(), "artifacts": counts,
                 "torch": torch.__version__,

@@ -23,6 +23,8 @@ import time
 import warnings
 from pathlib import Path
 
+from ..cache.owned_files import read_regular
+
 KINDS = ("generate", "bench", "profile")
 FILE_NAME = "history.jsonl"
 LOCK_TIMEOUT_S = 30.0
@@ -133,7 +135,7 @@ def read(path=None, kind: str | None = None, last: int | None = None) -> list[di
     empty; corrupt lines are skipped with ONE HistoryWarning that names them."""
     p = history_path(path)
     try:
-        raw = p.read_bytes()
+        raw = read_regular(p)          # a pipe or device put there never blocks the read
     except FileNotFoundError:
         return []
     records, bad = [], []

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import pickle
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -401,3 +403,8 @@ def test_case_count_is_in_the_readme():
     total = len(CLI_CASES) + len(CACHE_CASES) + len(NODE_CASES)
     readme = (REPO_ROOT / "README.md").read_text()
     assert f"{total} bad-input cases" in readme, f"README's reliability section should say {total} bad-input cases"
+    files = sorted(str(p) for p in (REPO_ROOT / "tests").glob("test_hard_edges_*.py"))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                         capture_output=True, text=True, cwd=str(REPO_ROOT), timeout=300)
+    hard = sum(1 for line in out.stdout.splitlines() if "::" in line)
+    assert hard and f"errors; {hard} tests)" in readme, f"README's reliability section should say {hard} tests"

@@ -336,3 +336,55 @@ def test_profile_node_subfolder_may_not_lead_out_through_a_link(tmp_path, comfy_
     with pytest.raises(ValueError, match="leads out of the output folder"):
         _out_dir("traces")
     assert _out_dir("wan_accel_profiles") == tmp_path / "output" / "wan_accel_profiles"
+
+
+# ----------------------------------------------------------------------------------------------- compile artifacts
+def test_compile_artifacts_never_follow_a_link(tmp_path, monkeypatch):
+    """The warm start's artifact file beside the cache: saving replaces a planted link instead of writing through
+    it, and loading reads only the regular file the pack wrote (a link to another file is ignored)."""
+    import torch
+
+    from wan_accel.cache import LimitCache
+    from wan_accel.compile import warm_start as ws
+
+    cache = LimitCache(tmp_path / "cache" / "limits.json")
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"not the pack's")
+    w = ws.WarmStart(cache, "key-a")
+    w.path.parent.mkdir(parents=True)
+    w.path.symlink_to(victim)
+    monkeypatch.setattr(ws.compat, "has_mega_cache", lambda: True)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None), raising=False)
+    monkeypatch.setattr(ws.compat, "cache_info_counts", lambda info: {"inductor": 1})
+    assert w.save() == {"inductor": 1}
+    assert victim.read_bytes() == b"not the pack's"                   # the link was replaced, not written through
+    assert not w.path.is_symlink() and w.path.read_bytes() == b"artifacts"
+
+    loaded = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: loaded.append(blob) or None,
+                        raising=False)
+    w.path.unlink()
+    w.path.symlink_to(victim)                                         # a link planted after the save
+    ws._LOADED.discard("key-a")
+    assert ws.WarmStart(cache, "key-a").load() == {} and loaded == []
+    w.path.unlink()
+    w.path.write_bytes(b"artifacts")
+    ws._LOADED.discard("key-a")
+    ws.WarmStart(cache, "key-a").load()
+    assert loaded == [b"artifacts"]
+
+
+def test_pipes_where_the_pack_keeps_its_files_never_block_a_read(tmp_path):
+    """A FIFO planted as the metrics history or the lock's owner note: `report` answers at once (one error line,
+    exit 2) and a cache write goes on (the owner note is skipped) instead of waiting for a writer forever."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    os.mkfifo(folder / "history.jsonl")
+    out = _cli(["report"], tmp_path)
+    assert out.returncode == 2 and "history.jsonl" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    os.mkfifo(folder / "limits.json.lock.owner")
+    code = ("import sys\nfrom wan_accel.cache import LimitCache\n"
+            "c = LimitCache(sys.argv[1]); c.put('memory', 'k', {'size': 1}); print(c.get('memory', 'k'))")
+    done = subprocess.run([sys.executable, "-c", code, str(folder / "limits.json")], capture_output=True, text=True,
+                          timeout=CLI_TIMEOUT_S)
+    assert done.returncode == 0 and "'size': 1" in done.stdout, done.stderr
