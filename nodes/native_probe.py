@@ -8,6 +8,7 @@ the feature says it needs ComfyUI. ``app/`` may not import ComfyUI or the nodes,
 """
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -24,6 +25,11 @@ HINT = ("run the Wan Doctor node inside ComfyUI (or `python -m wan_accel doctor`
 def _comfy():
     """ComfyUI's loader and model management, or NotAvailable('needs ComfyUI')."""
     try:
+        if "comfy.model_management" not in sys.modules and not torch.cuda.is_available():
+            # outside a ComfyUI server (the doctor command run with ComfyUI's Python) on a machine without CUDA:
+            # start ComfyUI's model management on the CPU, as `main.py --cpu` would
+            from comfy.cli_args import args
+            args.cpu = True
         import comfy.model_management as mm
         import comfy.sd as sd
     except Exception as exc:  # noqa: BLE001 - not inside ComfyUI (or a ComfyUI that fails to import)
@@ -94,4 +100,9 @@ def sources() -> tuple:
     return (native_engine, native_nodes, borrowed, _tiny)
 
 
-register_probe("native_model", check, requires=requires, sources=sources)
+def register() -> None:
+    """Register this probe with the doctor (done when this module is imported)."""
+    register_probe("native_model", check, requires=requires, sources=sources)
+
+
+register()

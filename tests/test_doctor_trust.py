@@ -5,6 +5,8 @@ without it), report.json naming what ran and what was switched off, and the grap
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import types
 
@@ -285,7 +287,8 @@ def _stand_in_comfy(monkeypatch):
 
 
 def test_native_probe_runs_the_ar_sampler_on_a_native_model_against_the_engine(cache_path, monkeypatch):
-    from wan_accel.nodes import doctor_nodes, native_engine, native_probe  # noqa: F401 - registers the probe
+    from wan_accel.nodes import doctor_nodes, native_engine, native_probe
+    native_probe.register()                    # whatever an earlier test left in the registry
     _stand_in_comfy(monkeypatch)
     text = doctor_nodes.WanAccelDoctor().run(feature="native_model", dtype="fp32")["result"][0]
     row = next(line for line in text.splitlines() if line.startswith("native_model"))
@@ -367,3 +370,22 @@ def test_sampler_setup_compiles_with_the_graph_safe_settings(mode, want):
                                        compile_settings=CompileSettings(backend="cudagraphs", warm_start=False))
     sampler_setup(graphs_backend, "optimized", "off", False)
     assert compile_handle(graphs_backend.model) is None          # the sampler's own graphs replay eager blocks
+
+
+def test_native_probe_starts_comfyuis_model_management_on_the_cpu_outside_a_server(tmp_path):
+    """The doctor command run with ComfyUI's Python on a machine without CUDA: ComfyUI's model management is
+    started as `main.py --cpu` would (it refuses to start without a GPU otherwise); inside a server (model
+    management already imported) nothing is changed."""
+    pkg = tmp_path / "comfy"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli_args.py").write_text("import types\nargs = types.SimpleNamespace(cpu=False)\n")
+    (pkg / "model_management.py").write_text(
+        "from .cli_args import args\nif not args.cpu:\n    raise RuntimeError('Found no NVIDIA driver')\n")
+    (pkg / "sd.py").write_text("")
+    code = ("import torch\nfrom wan_accel.nodes import native_probe\n"
+            "torch.cuda.is_available = lambda: False\n"
+            "sd, mm = native_probe._comfy()\nprint('cpu', mm.args.cpu)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "cpu True" in out.stdout, out.stderr[-2000:]
