@@ -367,6 +367,33 @@ def check_decode_fits(name: str, latent_shape, time_ratio: int = VAE_TIME_STRIDE
                      f"{need(t) / 1024 ** 3:.2f} GiB of frames but {where}; {fix}. Nothing was decoded")
 
 
+def check_latent(name: str, samples, *, dims: tuple = (5,), channels: int | None = None):
+    """The tensor of a LATENT input (a dict with a 'samples' tensor, or the tensor itself): a floating tensor of
+    one of ``dims`` dimensions, no empty dimension, ``channels`` channels where given, every value finite.
+    UsageError names the input and what to connect instead."""
+    latent = samples.get("samples") if isinstance(samples, dict) else samples
+    if getattr(latent, "is_nested", False):
+        latent = latent.unbind()[0]
+    fix = "connect the LATENT output of a sampler or a VAE Encode"
+    if getattr(latent, "dim", None) is None or getattr(latent, "dtype", None) is None:
+        raise UsageError(f"{name} holds no latent tensor (got {type(latent).__name__}); {fix}")
+    shape = tuple(latent.shape)
+    if latent.dim() not in dims:
+        want = " or ".join(f"{d}-D" for d in dims)
+        raise UsageError(f"{name} must be a {want} latent [B, C, (T,) H, W], got shape {list(shape)}; {fix}")
+    if 0 in shape:
+        raise UsageError(f"{name} is empty (shape {list(shape)}); {fix}")
+    if channels is not None and shape[1] != channels:
+        raise UsageError(f"{name} has {shape[1]} channels but {channels} are needed (shape {list(shape)}); "
+                         f"connect a Wan 2.1 latent")
+    if not (latent.dtype.is_floating_point and not latent.dtype.is_complex):
+        raise UsageError(f"{name} holds {str(latent.dtype).replace('torch.', '')} values, not a floating latent; {fix}")
+    if not bool(latent.isfinite().all()):
+        raise UsageError(f"{name} holds NaN or infinite values; re-run the node that made it (lower the shift or "
+                         f"use fp32/bf16 instead of fp16)")
+    return latent
+
+
 def check_schedule_args(preset: str, steps=None, shift=None, warp=None, *, names: dict | None = None) -> None:
     """A preset, step list and shift that give a finite schedule (the computed timesteps checked too: a tiny shift
     gives inf); UsageError names the input."""

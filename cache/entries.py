@@ -14,6 +14,8 @@ import re
 import time
 from typing import Callable
 
+from .safety import loads_json
+
 SCHEMA_VERSION = 1
 FILE_KIND = "wan_accel.limit_cache"
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -109,12 +111,12 @@ def loads_lenient(text: str, hooks: Lenient | None = None):
     one; ``hooks.unusable`` counts them."""
     hooks = hooks or Lenient()
     try:
-        return json.loads(text, parse_constant=hooks.mark, parse_float=hooks.parse_float)
+        return loads_json(text, parse_constant=hooks.mark, parse_float=hooks.parse_float)
     except json.JSONDecodeError:
         raise
     except ValueError:  # an integer longer than Python reads by default: read again, marking it
         hooks.unusable = 0
-        return json.loads(text, parse_constant=hooks.mark, parse_float=hooks.parse_float,
+        return loads_json(text, parse_constant=hooks.mark, parse_float=hooks.parse_float,
                           parse_int=hooks.parse_int)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .paths import default_cache_path
-from .safety import _kind_of, system_folder
+from .safety import _kind_of, loads_json, system_folder  # noqa: F401 - loads_json: the files' JSON reader
 
 # Side files of the limit cache, by name beside the cache file (see cache/paths.py and cache/store.py).
 SIDE_FILE_NAMES = ("history.jsonl", "history.jsonl.lock")

@@ -25,6 +25,24 @@ _POSIX_SYSTEM = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/
 _POSIX_SYSTEM_PARENTS = ("/", "/usr", "/usr/local", "/var", "/run", "/home", "/Users", "/private")
 
 
+class JSONTooDeepError(json.JSONDecodeError):
+    """JSON nested deeper than Python's parser can follow (``[[[[...`` from a damaged or hostile file)."""
+
+    def __init__(self):
+        ValueError.__init__(self, "nested too deeply to be a file of the pack")
+        self.msg, self.doc, self.pos, self.lineno, self.colno = str(self), "", 0, 1, 1
+
+
+def loads_json(text, **hooks):
+    """``json.loads`` for text read from a file or a header somebody else wrote: JSON nested too deeply raises
+    :class:`JSONTooDeepError` (a ``json.JSONDecodeError``, so every ``except ValueError`` reader reports the file
+    as damaged) instead of a RecursionError that no reader expects."""
+    try:
+        return json.loads(text, **hooks)
+    except RecursionError:
+        raise JSONTooDeepError() from None
+
+
 class CacheUnavailableError(OSError):
     """The limit cache cannot be written where it is configured; the message says where and why."""
 
@@ -115,7 +133,7 @@ def _looks_like_own_content(path: Path) -> bool:
     if head.lstrip().startswith(_OWN_PREFIXES):
         return True
     try:
-        data = json.loads(head.decode("utf-8"))
+        data = loads_json(head.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return False
     return isinstance(data, dict) and data.get("kind") == FILE_KIND

@@ -8,6 +8,7 @@ exit 1. Anything else is a bug of the pack: one line naming it, exit 1, and the 
 """
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import warnings
@@ -36,6 +37,9 @@ _FILE_ERRORS = {FileNotFoundError: "not found", IsADirectoryError: "is a folder,
                 NotADirectoryError: "a part of the path is not a folder", PermissionError: "permission denied"}
 
 
+_PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP)
+
+
 def describe(exc: BaseException) -> tuple[str, int]:
     """(message, exit code) of an exception raised by a command."""
     from ..cache.safety import CacheUnavailableError
@@ -53,6 +57,8 @@ def describe(exc: BaseException) -> tuple[str, int]:
         return f"not a readable safetensors file ({_one_line(str(exc))})", USAGE_EXIT
     if isinstance(exc, TimeoutError):
         return _one_line(str(exc)), RUN_EXIT
+    if isinstance(exc, OSError) and exc.errno in _PATH_ERRNOS:     # a path nobody can open: the user's to fix
+        return f"{exc.filename}: {exc.strerror or exc}; give a shorter path or one without a link loop", USAGE_EXIT
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
         return f"{where}{exc.strerror or exc}", RUN_EXIT

@@ -27,6 +27,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache.safety import loads_json
 from .config import WanConfig
 
 log = logging.getLogger("wan_accel")
@@ -185,7 +186,7 @@ def read_header(path) -> tuple[dict[str, TensorInfo], dict]:
     except OSError as exc:
         raise HeaderError(f"cannot read {path}: {exc}") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = loads_json(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise HeaderError(f"{what}: header is not valid JSON ({exc}){hint}") from None
     if not isinstance(header, dict):
@@ -233,7 +234,7 @@ def _json_object(meta: dict, key: str, strict: bool) -> dict:
     if not raw:
         return {}
     try:
-        value = json.loads(raw)
+        value = loads_json(raw)
     except ValueError as exc:
         if strict:
             raise CheckpointError(f"metadata '{key}' is not valid JSON: {exc}") from exc

@@ -29,8 +29,10 @@ def _load_pt(src: Path):
         detail = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln), "")
         raise CheckpointError(f"{src.name} holds objects other than tensors and plain containers; it was not "
                               f"loaded (weights_only=True refuses arbitrary pickled code). {detail}") from exc
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - garbage bytes fail the unpickler in any way (KeyError, struct.error...)
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__).split(". ")[0]
+        if not isinstance(exc, (RuntimeError, EOFError, ValueError, OSError)):
+            first = f"unreadable pickle data: {type(exc).__name__} {first}"
         raise CheckpointError(f"{src.name} is not a readable PyTorch checkpoint ({first}); it may be damaged or "
                               f"incomplete: download or save it again") from exc
 

@@ -11,12 +11,34 @@ import os
 from pathlib import Path
 
 
+NAME_MAX = 255   # bytes in one path component on the file systems ComfyUI runs on
+
+
+def check_name_text(text: str, *, input_name: str) -> str:
+    """``text`` when it can name a file at all; ValueError naming the input when it holds a NUL or another control
+    character, or a path component longer than the file system allows (the OS would refuse it later, deep inside
+    a write, with an error that names no input)."""
+    bad = next((c for c in text if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise ValueError(f"{input_name} holds the control character {bad!r}; type a plain name without it")
+    try:
+        parts = [part.encode("utf-8") for part in text.replace("\\", "/").split("/")]
+    except UnicodeEncodeError:
+        raise ValueError(f"{input_name} holds a character that cannot be written in a file name; type a plain "
+                         f"name") from None
+    if any(len(part) > NAME_MAX for part in parts):
+        raise ValueError(f"{input_name} has a name longer than {NAME_MAX} bytes ({max(map(len, parts))}); give a "
+                         f"shorter name")
+    return text
+
+
 def resolve_inside(folder, name, *, input_name: str, folder_label: str, suffixes: tuple = (".safetensors",)) -> Path:
     """The real path of the file ``name`` inside ``folder``; ValueError when it is not a plain name of a regular
     file there (absolute, ``..``, a link leading out, missing, a folder, another suffix)."""
     text = "" if name is None else str(name).strip()
     if not text:
         raise ValueError(f"{input_name} is empty: give the name of a file in {folder_label}")
+    check_name_text(text, input_name=input_name)
     if os.path.isabs(text) or ntpath.isabs(text) or ntpath.splitdrive(text)[0] or text.startswith("~"):
         raise ValueError(f"{input_name} {text!r} is an absolute path; give a file name inside {folder_label} "
                          f"(put the file there)")
@@ -52,6 +74,7 @@ def model_file(folder_kind: str, name, *, input_name: str) -> str:
         return name
     text = "" if name is None else str(name).strip()
     label = f"models/{folder_kind}"
+    check_name_text(text, input_name=input_name)
     if os.path.isabs(text) or ntpath.isabs(text) or ntpath.splitdrive(text)[0] or text.startswith("~"):
         raise ValueError(f"{input_name} {text!r} is an absolute path; choose a file of {label}")
     if ".." in text.replace("\\", "/").split("/"):
@@ -60,3 +83,25 @@ def model_file(folder_kind: str, name, *, input_name: str) -> str:
     if not full:
         raise ValueError(f"{input_name}: no file {text!r} in {label}; put the file there (or pick one in the list)")
     return full
+
+
+def save_path(prefix, *, input_name: str = "filename_prefix"):
+    """ComfyUI's ``get_save_image_path`` for a filename prefix typed in a widget: (folder, name, counter,
+    subfolder) inside ComfyUI's output folder. A prefix that is absolute, climbs with ``..``, holds a control
+    character or an over-long name is refused with a ValueError naming the input, before ComfyUI's own check
+    (a bare Exception) or the OS (an error naming no input) would meet it."""
+    import folder_paths
+
+    text = check_name_text("" if prefix is None else str(prefix).strip(), input_name=input_name)
+    if not text:
+        raise ValueError(f"{input_name} is empty: give a name such as wan_accel/play")
+    if os.path.isabs(text) or ntpath.isabs(text) or ntpath.splitdrive(text)[0] or text.startswith("~"):
+        raise ValueError(f"{input_name} {text!r} is an absolute path; give a name inside ComfyUI's output folder")
+    if ".." in text.replace("\\", "/").split("/"):
+        raise ValueError(f"{input_name} {text!r} climbs out with '..'; give a name inside ComfyUI's output folder")
+    out_dir = folder_paths.get_output_directory()
+    try:
+        full, name, counter, subfolder, _ = folder_paths.get_save_image_path(text, out_dir)
+    except Exception as exc:  # noqa: BLE001 - ComfyUI refuses with a bare Exception
+        raise ValueError(f"{input_name} {text!r}: {exc}") from None
+    return full, name, counter, subfolder

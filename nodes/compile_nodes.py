@@ -87,7 +87,7 @@ class ApplyCompileNativeWan:
         try:
             return (compile_for_comfy(model, compile_settings),)
         except (TypeError, ValueError, AttributeError) as exc:
-            raise Exception(f"Apply Compile (native Wan): {exc}") from exc
+            raise ValueError(f"Apply Compile (native Wan): {exc}") from exc
 
 
 NODE_CLASS_MAPPINGS = {

@@ -396,9 +396,9 @@ class WanChunkedVAEDecode:
         from ..memory.limits import open_cache, vae_limit_key
         from ..memory.oom import SoftOOM
 
-        latent = samples["samples"]
-        if getattr(latent, "is_nested", False):
-            latent = latent.unbind()[0]
+        from ..app.validate import check_latent
+
+        latent = check_latent("samples", samples, dims=(3, 4, 5))
         if latent.dim() == 4 and getattr(vae, "latent_dim", 2) == 3:
             latent = latent.unsqueeze(2)  # an image latent for a video VAE: one latent frame
         if latent.dim() != 5:

@@ -29,8 +29,11 @@ class GameActions:
         }}
 
     def build(self, script, mode="universal"):
-        from ..sampling.actions_script import parse_action_script
-        actions = parse_action_script(script, mode)
+        from ..sampling.actions_script import ActionScriptError, parse_action_script
+        try:
+            actions = parse_action_script(script, mode)
+        except ActionScriptError as exc:   # ComfyUI shows the message: name the widget, as the CLI names --actions
+            raise ActionScriptError(f"script: {exc}") from None
         summary = actions.summary()
         return {"ui": {"text": [summary]},
                 "result": (actions, actions.video_frames, actions.latent_frames, summary)}
@@ -67,9 +70,9 @@ CLIP_INPUT = ("CLIP_VISION_OUTPUT", {"tooltip": "CLIP Vision Encode of the start
 
 def model_space_start(start_latent):
     """A Wan 2.1 LATENT (VAE space) of the start image -> the model-space start latent [B, 16, frames, h, w]."""
-    raw = start_latent["samples"] if isinstance(start_latent, dict) else start_latent
-    if getattr(raw, "dim", None) is None:
-        raise ValueError("start_latent must be a LATENT (VAE Encode or Matrix-Game-2 Start Latent of the start image)")
+    from ..app.validate import check_latent
+
+    raw = check_latent("start_latent", start_latent, dims=(4, 5), channels=16)
     if raw.dim() == 4:
         raw = raw[:, :, None]
     if raw.dim() != 5 or raw.shape[1] != 16:

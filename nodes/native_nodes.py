@@ -52,9 +52,12 @@ def causal_sigmas(preset: str, steps: str = "1000,750,500,250", shift: float = 5
     """The step list of a released causal schedule (or a custom one) as a float32 SIGMAS tensor ending in 0."""
     import torch
 
-    from ..sampling.scheduler import PRESET_NAMES, resolve_schedule
-    if preset not in PRESET_NAMES:
-        raise ValueError(f"preset must be one of {list(PRESET_NAMES)}, got {preset!r}")
+    from ..app.validate import check_schedule_args
+    from ..sampling.scheduler import resolve_schedule
+    if preset == "custom":
+        check_schedule_args(preset, steps, shift, warp)
+    else:
+        check_schedule_args(preset)
     sched = resolve_schedule("custom", steps, shift, warp) if preset == "custom" else resolve_schedule(preset)
     return torch.tensor(sched.sigmas(), dtype=torch.float32)
 

@@ -286,10 +286,9 @@ class MatrixGame2PlaySave:
         with play.lock:
             latents = play.latent_video()
             script_text, seed = play.script_file(), play.seed
+        from .comfy_files import save_path
         try:
-            import folder_paths
-            out_dir = folder_paths.get_output_directory()
-            full, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, out_dir)
+            full, name, counter, subfolder = save_path(filename_prefix, input_name="filename_prefix")
         except ImportError:
             raise ValueError("Play Save writes into ComfyUI's output folder: run it inside ComfyUI") from None
         fmt = video_format if video_format != "mp4" or _have_av() else "webp"

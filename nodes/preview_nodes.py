@@ -24,7 +24,9 @@ class WanAccelLatentPreview:
 
         from ..app.jobs.preview import from_vae_latents, latents_to_rgb
 
-        latent = samples["samples"] if isinstance(samples, dict) else samples
+        from ..app.validate import check_latent
+
+        latent = check_latent("samples", samples, dims=(5,), channels=16)
         frames = latents_to_rgb(from_vae_latents(latent))  # [B, T, h, w, 3] uint8
         images = frames.flatten(0, 1).float() / 255.0
         if upscale > 1:

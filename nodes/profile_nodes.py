@@ -12,9 +12,10 @@ CATEGORY = "wan_accel/profile"
 
 def _out_dir(subfolder: str):
     from ..profiling import default_out_dir
+    from .comfy_files import check_name_text
 
     base = default_out_dir().parent  # ComfyUI's output folder, or the working directory outside ComfyUI
-    sub = (subfolder or "").strip().strip("/\\")
+    sub = check_name_text((subfolder or "").strip().strip("/\\"), input_name="output_subfolder")
     if not sub or ":" in sub or ".." in sub.replace("\\", "/").split("/"):
         raise ValueError(f"output_subfolder must be a plain folder name inside the output folder, got {subfolder!r}")
     import os

@@ -23,7 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
-from ..cache.owned_files import read_regular
+from ..cache.owned_files import loads_json, read_regular
 
 KINDS = ("generate", "bench", "profile")
 FILE_NAME = "history.jsonl"
@@ -143,7 +143,7 @@ def read(path=None, kind: str | None = None, last: int | None = None) -> list[di
         if not line.strip():
             continue
         try:
-            rec = json.loads(line.decode("utf-8"))
+            rec = loads_json(line.decode("utf-8"))
             if not isinstance(rec, dict):
                 raise ValueError("not an object")
         except (ValueError, UnicodeDecodeError):

@@ -181,3 +181,155 @@ def test_plotting_an_empty_history_is_one_error(tmp_path, capsys):
     # without matplotlib that is the one error (exit 1); with it, the empty history (exit 2)
     assert code in (1, 2) and len(lines) == 1 and lines[0].startswith("error: "), err
     assert not out and not (tmp_path / "plot.png").exists()
+
+
+# ------------------------------------------------------------------- node inputs ComfyUI's own checks let through
+class _DecodeVAE:
+    """A Wan-like VAE for the decode node: [B, 16, T, h, w] -> [B, (T-1)*4+1, 8h, 8w, 3]."""
+
+    def decode(self, latent):
+        import torch
+
+        b, _, t, h, w = latent.shape
+        return torch.zeros(b, (t - 1) * 4 + 1, h * 8, w * 8, 3)
+
+
+def _bad_latents():
+    import torch
+
+    return [({}, "holds no latent tensor"),
+            ({"samples": None}, "holds no latent tensor"),
+            ({"samples": torch.zeros(1, 16, 0, 4, 8)}, "is empty"),
+            ({"samples": torch.zeros(1, 16, 3, 4, 8, dtype=torch.int64)}, "not a floating latent"),
+            ({"samples": torch.full((1, 16, 3, 4, 8), float("nan"))}, "NaN or infinite"),
+            ({"samples": torch.zeros(1, 16, 3, 4, 8).index_fill(2, torch.tensor([1]), float("inf"))}, "NaN or infinite")]
+
+
+@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("node", ["preview", "decode", "mg2_start"])
+def test_a_bad_latent_is_one_value_error_naming_the_input(node, case):
+    from wan_accel.nodes.memory_nodes import NODE_CLASS_MAPPINGS as memory_nodes
+    from wan_accel.nodes.mg2_nodes import model_space_start
+    from wan_accel.nodes.preview_nodes import WanAccelLatentPreview
+
+    latent, reason = _bad_latents()[case]
+    call, name = {"preview": (lambda: WanAccelLatentPreview().preview(latent, 1), "samples"),
+                  "decode": (lambda: memory_nodes["WanAccelChunkedVAEDecode"]().decode(latent, _DecodeVAE(), 0, 2), "samples"),
+                  "mg2_start": (lambda: model_space_start(latent), "start_latent")}[node]
+    with pytest.raises(ValueError) as info:
+        call()
+    assert str(info.value).startswith(name) and reason in str(info.value), str(info.value)
+
+
+def test_a_latent_of_the_wrong_family_names_the_channels():
+    import torch
+
+    from wan_accel.nodes.preview_nodes import WanAccelLatentPreview
+
+    with pytest.raises(ValueError, match=r"samples has 4 channels but 16 are needed"):
+        WanAccelLatentPreview().preview({"samples": torch.zeros(1, 4, 3, 4, 8)}, 1)   # an SD latent
+    (images,) = WanAccelLatentPreview().preview({"samples": torch.zeros(1, 16, 3, 4, 8)}, 1)
+    assert images.shape == (3, 4, 8, 3)
+
+
+@pytest.mark.parametrize("name, reason", [("a\x00b", "control character"), ("sub/x\ny", "control character"),
+                                          ("x" * 300, "longer than 255 bytes"), ("\ud800", "cannot be written")])
+def test_file_name_inputs_refuse_what_no_file_system_takes(tmp_path, name, reason):
+    from wan_accel.nodes.comfy_files import resolve_inside
+    from wan_accel.nodes.profile_nodes import _out_dir
+
+    with pytest.raises(ValueError, match=f"^output_subfolder .*{reason}"):
+        _out_dir(name)
+    with pytest.raises(ValueError, match=f"^file .*{reason}"):
+        resolve_inside(tmp_path, name + ".safetensors", input_name="file", folder_label="the input folder")
+    assert _out_dir("x" * 255).name == "x" * 255                        # the longest name a folder may have
+
+
+@pytest.mark.parametrize("shift", [float("nan"), float("inf"), -float("inf")])
+def test_causal_sigmas_refuse_a_non_finite_shift(shift):
+    from wan_accel.nodes.native_nodes import WanCausalSigmas
+
+    with pytest.raises(ValueError, match="^shift must be a finite number"):
+        WanCausalSigmas().get_sigmas("custom", "1000,500", shift, True)
+    with pytest.raises(ValueError, match="^steps: timestep nan"):
+        WanCausalSigmas().get_sigmas("custom", "1000,nan", 5.0, True)
+    (sigmas,) = WanCausalSigmas().get_sigmas("self_forcing", "1000,750,500,250", shift, True)  # preset: shift unused
+    assert sigmas.isfinite().all() and sigmas[-1] == 0
+
+
+def test_apply_compile_on_a_model_of_another_family_is_a_value_error():
+    import torch
+
+    from wan_accel.nodes.compile_nodes import ApplyCompileNativeWan
+
+    class _Inner(torch.nn.Module):               # a MODEL whose diffusion model has no Wan blocks (an SD UNet)
+        def __init__(self):
+            super().__init__()
+            self.diffusion_model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+    class _Patcher:
+        def __init__(self):
+            self.model, self.model_options = _Inner(), {"transformer_options": {}}
+
+        def clone(self):
+            return _Patcher()
+
+        def get_model_object(self, name):
+            obj = self.model
+            for part in name.split("."):
+                obj = getattr(obj, part)
+            return obj
+
+    with pytest.raises(ValueError, match=r"^Apply Compile \(native Wan\): .*model.blocks"):
+        ApplyCompileNativeWan().apply(_Patcher())
+
+
+@pytest.mark.parametrize("script", ["../../etc/x", "a\x00b", "1e999", "W*0", "mouse(nan,0)*4"])
+def test_a_bad_game_actions_script_names_the_widget(script):
+    from wan_accel.nodes.mg2_nodes import GameActions
+    from wan_accel.sampling.actions_script import ActionScriptError
+
+    with pytest.raises(ActionScriptError, match=r"^script: "):
+        GameActions().build(script, "universal")
+
+
+def _comfy_output(tmp_path, monkeypatch):
+    """folder_paths as ComfyUI has it: get_save_image_path refuses a prefix leading out with a bare Exception."""
+    import os
+    import sys
+    import types
+
+    out = tmp_path / "output"
+    out.mkdir()
+
+    def get_save_image_path(prefix, output_dir):
+        subfolder, name = os.path.split(os.path.normpath(prefix))
+        full = os.path.join(output_dir, subfolder)
+        if os.path.commonpath((output_dir, os.path.abspath(full))) != output_dir:
+            raise Exception("Saving image outside the output folder is not allowed.")
+        return full, name, 1, subfolder, prefix
+
+    monkeypatch.setitem(sys.modules, "folder_paths", types.SimpleNamespace(
+        get_output_directory=lambda: str(out), get_save_image_path=get_save_image_path))
+    return out
+
+
+@pytest.mark.parametrize("prefix, reason", [("../escape/play", "climbs out"), ("{abs}/play", "absolute path"),
+                                            ("a\x00b/play", "control character"), ("x" * 300, "longer than 255"),
+                                            ("", "is empty"), ("sub/../../play", "climbs out")])
+def test_play_save_prefix_stays_in_the_output_folder(tmp_path, monkeypatch, prefix, reason):
+    import threading
+    import types
+
+    import torch
+
+    from wan_accel.nodes import play_nodes
+
+    out = _comfy_output(tmp_path, monkeypatch)
+    play = types.SimpleNamespace(lock=threading.Lock(), latent_video=lambda: torch.zeros(1, 3, 16, 2, 2),
+                                 script_file=lambda: "W*4\n", seed=1, kept={})
+    monkeypatch.setattr(play_nodes, "_registry", lambda: types.SimpleNamespace(get=lambda s: play))
+    before = sorted(p for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match=f"^filename_prefix .*{reason}"):
+        play_nodes.MatrixGame2PlaySave().save("s", prefix.format(abs=tmp_path / "elsewhere"), "webp")
+    assert sorted(p for p in tmp_path.rglob("*")) == before and list(out.iterdir()) == []

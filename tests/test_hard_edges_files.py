@@ -388,3 +388,64 @@ def test_pipes_where_the_pack_keeps_its_files_never_block_a_read(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(folder / "limits.json")], capture_output=True, text=True,
                           timeout=CLI_TIMEOUT_S)
     assert done.returncode == 0 and "'size': 1" in done.stdout, done.stderr
+
+
+# ----------------------------------------------------------------------------------- JSON nested too deeply
+_DEEP = "[" * 100_000 + "]" * 100_000     # past any recursion limit of the json module
+
+
+def test_json_readers_turn_deep_nesting_into_a_damaged_file_error():
+    import json
+
+    from wan_accel.cache.owned_files import loads_json
+    with pytest.raises(json.JSONDecodeError, match="nested too deeply"):
+        loads_json('{"a": ' + _DEEP + "}")
+    assert loads_json('{"a": [[1]]}') == {"a": [[1]]}
+
+
+def _deep_checkpoint(tmp_path) -> Path:
+    from safetensors.torch import save_file
+
+    from wan_accel.model.checkpoint import COMFY_METADATA_KEY
+    path = tmp_path / "deep.safetensors"
+    save_file({"x": torch.zeros(2)}, str(path), metadata={COMFY_METADATA_KEY: '{"dim": ' + _DEEP + "}"})
+    return path
+
+
+@pytest.mark.parametrize("case", ["checkpoint", "history", "cache", "fixtures"])
+def test_deeply_nested_json_in_an_input_file_is_one_error_line(tmp_path, case):
+    """Every file the command line reads as JSON (a checkpoint's metadata, the metrics history, the limit cache,
+    reference fixtures): nesting deeper than the parser follows names the file as damaged, never 'maximum
+    recursion depth' with exit 1."""
+    if case == "checkpoint":
+        proc = _cli(["plan", "--checkpoint", _deep_checkpoint(tmp_path)], tmp_path)
+    elif case == "history":
+        (tmp_path / "h.jsonl").write_text('{"kind": "generate", "a": ' + _DEEP + "}\n")
+        proc = _cli(["report", "--history", tmp_path / "h.jsonl"], tmp_path)
+    elif case == "cache":       # not named limits.json: its content is read to tell whether it is a cache
+        (tmp_path / "mine.json").write_text('{"kind": ' + _DEEP + "}")
+        proc = subprocess.run([sys.executable, "-m", "wan_accel", "cache", "show"], capture_output=True, text=True,
+                              timeout=CLI_TIMEOUT_S, cwd=str(tmp_path),
+                              env=dict(os.environ, WAN_ACCEL_CACHE=str(tmp_path / "mine.json")))
+    else:
+        (tmp_path / "fx").mkdir()
+        (tmp_path / "fx" / "a_config.json").write_text('{"dim": ' + _DEEP + "}")
+        proc = _cli(["check-reference", tmp_path / "fx"], tmp_path)
+    err = proc.stderr
+    assert "Traceback" not in err and "recursion" not in err and "internal error" not in err, err
+    if case == "history":       # a damaged line of the history is skipped with a warning
+        assert proc.returncode == 0 and "skipped 1 corrupt line" in err, err
+    elif case == "cache":       # not the pack's file: left untouched, the command goes on without a cache
+        assert proc.returncode == 0 and "nested too deeply" in err, err
+        assert (tmp_path / "mine.json").read_text().startswith('{"kind": [[[')
+    else:
+        assert proc.returncode == 2 and len([ln for ln in err.splitlines() if ln.startswith("error:")]) == 1, err
+
+
+def test_a_pipe_named_like_a_fixture_config_never_blocks(tmp_path):
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no named pipes here")
+    (tmp_path / "fx").mkdir()
+    os.mkfifo(tmp_path / "fx" / "a_config.json")
+    proc = _cli(["check-reference", tmp_path / "fx"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no recognised fixture config"), proc.stderr

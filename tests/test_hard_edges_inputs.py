@@ -512,3 +512,44 @@ def test_sampler_nodes_refuse_bad_values_naming_the_widget(node, widget, value):
 @pytest.mark.parametrize("node", [_causal_node, _mg2_node, _native_node])
 def test_sampler_nodes_take_the_largest_seed(node):
     node("noise_seed" if node is _native_node else "seed", 2 ** 64 - 1)
+
+
+@pytest.mark.parametrize("content", [b"hello", b"\x80\x02}q\x00(X\x01", b"PK\x03\x04" + b"\x00" * 40])
+def test_convert_reports_any_unreadable_pt_file_as_damaged(tmp_path, content):
+    """Garbage bytes fail the weights-only unpickler in many ways (KeyError, struct.error, ...): each is one
+    'not a readable PyTorch checkpoint' line with exit 2, and nothing is written."""
+    (tmp_path / "bad.pt").write_bytes(content)
+    line = _refused(_cli(tmp_path, "convert", "bad.pt", "out.safetensors"), "bad.pt", "not a readable PyTorch")
+    assert "internal error" not in line and not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("fill, words", [
+    (lambda: torch.full((5, 64), float("nan")), "NaN or inf"),
+    (lambda: torch.full((1, 5, 64), float("inf")), "NaN or inf"),
+    (lambda: torch.zeros(5, 64, dtype=torch.int64), "floating-point"),
+    (lambda: torch.zeros(2, 5, 64), "[1, L, 64]"),
+])
+def test_text_embeds_that_would_give_a_nan_video_are_refused(tmp_path, fill, words):
+    """The one text-embedding reader refuses non-finite values, whole numbers and a batch of prompts (exit 2,
+    naming the file), before sampling; the tiny model's text width is 64."""
+    from safetensors.torch import save_file
+    save_file({"context": fill()}, str(tmp_path / "emb.safetensors"))
+    _refused(_cli(tmp_path, "generate", "--out", "o", "--no-preview", "--text-embeds", "emb.safetensors"),
+             "emb.safetensors", words)
+    assert not (tmp_path / "o" / "latents.safetensors").exists()
+
+
+def test_mg2_conditioning_with_nan_is_refused(tmp_path):
+    from safetensors.torch import save_file
+    save_file({"image_latent": torch.full((1, 16, 1, 8, 8), float("nan")), "visual_context": torch.zeros(1, 4, 32)},
+              str(tmp_path / "cond.safetensors"))
+    _refused(_cli(tmp_path, "generate", "--model-kind", "matrix-game2", "--out", "o", "--no-preview",
+                  "--conditioning", "cond.safetensors"), "cond.safetensors", "'image_latent'", "NaN or inf")
+
+
+def test_a_path_too_long_or_looping_is_a_usage_error(tmp_path):
+    """ENAMETOOLONG and ELOOP from any reader are the user's to fix: one line, exit 2 (not a run failure)."""
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop1")
+    _refused(_cli(tmp_path, "report", "--history", "a" * 300 + ".jsonl"), "aaaa", "shorter path")
+    _refused(_cli(tmp_path, "report", "--history", "loop1"), "loop1", "link loop")

@@ -49,9 +49,16 @@ def load_text_embeds(path, text_dim: int) -> torch.Tensor:
     else:
         raise ValueError(f"{path}: expected a tensor named 'context' (found {sorted(tensors)[:5]})")
     t = t[None] if t.dim() == 2 else t
-    if t.dim() != 3 or t.shape[-1] != text_dim:
+    if t.dim() != 3 or t.shape[0] != 1 or t.shape[-1] != text_dim:
         raise ValueError(f"{path}: text embedding must be [L, {text_dim}] or [1, L, {text_dim}], got {tuple(t.shape)}")
-    return t.float()
+    if not t.is_floating_point():
+        raise ValueError(f"{path}: text embedding must hold floating-point numbers (bf16/fp16/fp32), got {t.dtype}; "
+                         f"write the umt5 encoder's output as it is")
+    t = t.float()
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{path}: text embedding holds NaN or inf values (it would give a NaN video); encode the "
+                         f"prompt again")
+    return t
 
 
 def sample_latents(model, context, width: int, height: int, num_frames: int, seed: int = 0,

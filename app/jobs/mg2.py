@@ -63,6 +63,12 @@ def _conditioning(opts: MG2Options, model, device):
         if missing:
             raise ValueError(f"{opts.conditioning}: missing tensors {sorted(missing)} (need 'image_latent' "
                              f"[1, 16, 1, H, W] model space and 'visual_context' [1, tokens, {c.clip_dim}])")
+        for key in ("image_latent", "visual_context"):
+            floating = t[key].is_floating_point()
+            if not floating or not bool(torch.isfinite(t[key].float()).all()):
+                got = "NaN or inf values" if floating else f"{t[key].dtype} values"
+                raise ValueError(f"{opts.conditioning}: '{key}' must hold finite floating-point numbers, got "
+                                 f"{got} (they would give a NaN video); encode the start image again")
         return t["image_latent"].float().to(device), t["visual_context"].float().to(device)
     gen = torch.Generator().manual_seed((int(opts.seed) + 1) % 2 ** 64)  # the largest seed wraps to 0
     h, w = TINY_LATENT

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ...cache.owned_files import loads_json, read_regular
+
 TOLERANCE = 1e-4
 FORMATS: dict = {}
 
@@ -208,7 +210,7 @@ def discover(directory) -> list:
     found = []
     for path in sorted(Path(directory).glob("*.json")):
         try:
-            cfg = json.loads(path.read_text())
+            cfg = loads_json(read_regular(path).decode("utf-8"))   # a pipe named *.json never blocks
         except (OSError, ValueError):
             continue
         for name, (detect, _run) in FORMATS.items():
