@@ -150,7 +150,7 @@ class LimitCache:
         raw = self.path.read_bytes()
         try:
             hooks = Lenient()
-            data = loads_lenient(raw.decode("utf-8"), hooks)
+            data = loads_lenient(raw.decode("utf-8-sig"), hooks)   # a BOM an editor added is not damage
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CacheFormatError(f"not valid JSON ({exc})") from None
         except RecursionError:

@@ -246,3 +246,16 @@ def test_a_lock_timeout_names_the_holder(cache_path, monkeypatch):
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def test_a_cache_saved_with_a_bom_keeps_its_entries(tmp_path):
+    """An editor that saves the file with a UTF-8 byte-order mark: the entries stay in use (nothing moved aside)
+    and the next write is plain UTF-8 JSON again."""
+    path = tmp_path / "limits.json"
+    c = LimitCache(path)
+    c.put("memory", "kept", {"size": 3})
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    again = LimitCache(path)
+    assert again.get("memory", "kept") == {"size": 3} and not again.quarantined
+    again.put("memory", "other", {"size": 4})
+    assert not path.read_bytes().startswith(b"\xef\xbb\xbf") and LimitCache(path).get("memory", "kept")
