@@ -23,6 +23,7 @@ from wan_accel.sampling.sampler import sample_causal
 from wan_accel.sampling.scheduler import FlowMatchScheduler, resolve_schedule, schedule_from_sigmas
 
 from .test_native_sampler import _native, _recorded
+from tests.test_fast_sampler_oom import _oom_at   # the one OOM-injecting hook of the tests
 
 SCHED = resolve_schedule("self_forcing")
 SIGMAS = torch.tensor(SCHED.sigmas())
@@ -150,17 +151,6 @@ def test_fusion_is_off_with_a_reason_when_layers_cast_or_patch_their_weights(cas
     assert any("fused q/k/v off" in r.getMessage() and want in r.getMessage() for r in caplog.records)
     ref = _run(plain, ctx, noise, rec)
     torch.testing.assert_close(out, ref, rtol=0, atol=64 * EPS32 * float(ref.abs().max()))
-
-
-def _oom_at(block, calls: set):
-    seen = [0]
-
-    def hook(_module, _args):
-        seen[0] += 1
-        if seen[0] in calls or "all" in calls:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    return block.register_forward_pre_hook(hook)
 
 
 def test_native_sampler_retries_a_block_after_out_of_memory(cache_path):
