@@ -5,7 +5,7 @@ import sys
 
 from .output import print_json
 
-PRESETS = ("1.3b", "14b", "14b-i2v")
+PRESETS = ("1.3b", "14b", "14b-i2v", "krea-14b")
 
 
 def register(sub) -> None:

@@ -12,6 +12,7 @@ from ..app.validate import (UsageError, check_device, check_fits, check_float, c
 def register(subparsers) -> None:
     _add_generate(subparsers)
     _add_convert(subparsers)
+    _add_convert_lora(subparsers)
     _add_check(subparsers)
 
 
@@ -28,8 +29,9 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-kind", default="wan", choices=["wan", "matrix-game2"],
                    help="wan: text-to-video causal Wan (default); matrix-game2: action-conditioned world model")
-    p.add_argument("--preset", help="wan: self_forcing (default) / causvid / custom; "
-                                    "matrix-game2: its mode preset (default universal)")
+    p.add_argument("--preset", help="wan: self_forcing (default) / causvid / longlive (its schedule, 3-frame "
+                                    "chunks, window 12, sink 3) / custom; matrix-game2: its mode preset (default "
+                                    "universal)")
     p.add_argument("--steps", help="step list for --preset custom (or to override a preset), e.g. 1000,750,500,250")
     p.add_argument("--shift", type=float, help="timestep shift (overrides the preset)")
     p.add_argument("--no-warp", action="store_true", help="use the step list as raw timesteps (custom preset)")
@@ -37,12 +39,21 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--dtype", type=dtype_arg("--dtype"), metavar="{bf16,fp16,fp32}",
                    help="default: bf16 on cuda, fp32 on cpu (bfloat16/float16/float32 are accepted too)")
     p.add_argument("--precision", default="self_forcing", choices=["float32", "wan21", "self_forcing"])
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn", "fa3", "fa2"],
-                   help="auto: FlashAttention 3, then 2, then SDPA, by what is installed and the GPU supports")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8"],
+                   help="auto: FlashAttention 3, then 2, then SDPA, by what is installed and the GPU supports; "
+                        "int8 (opt-in): int8 Q/K attention, within a stated error of exact (README: Fidelity)")
     p.add_argument("--frames-per-block", type=int, help="latent frames per chunk, 1-64 (default 3)")
     p.add_argument("--kv-window", type=int, help="rolling KV window in latent frames (default -1: global)")
     p.add_argument("--sink", type=int, help="sink frames kept in a rolling window (default 0)")
     p.add_argument("--skip-last-refresh", action="store_true", help="skip the final chunk's cache refresh")
+    p.add_argument("--prompt-schedule", metavar="FILE_OR_TEXT",
+                   help="prompts per chunk, a file or the text itself: one '<chunk>: <prompt>' per line, e.g. "
+                        "'0: a cat walks\n6: the cat runs (blend 2)'; mixes 'a :0.7 | b :0.3'. The tiny model "
+                        "encodes the texts with its stand-in encoder; a checkpoint needs --text-embeds holding one "
+                        "tensor per text, named by the text")
+    p.add_argument("--recache", choices=["switch", "none"],
+                   help="at a prompt switch: switch (default; re-cache the window's KV under the new prompt, as "
+                        "LongLive) or none (only the cross-attention follows the prompt)")
     p.add_argument("--num-heads", type=int, help="heads, for checkpoints whose dim is not a multiple of 128")
     p.add_argument("--no-preview", action="store_true")
     p.add_argument("--sampler", default="auto", choices=["auto", "optimized", "reference"],
@@ -82,7 +93,8 @@ def _run_job(args, log, parallel=None):
         frames_per_block=args.frames_per_block, kv_window=args.kv_window, sink=args.sink,
         skip_last_refresh=args.skip_last_refresh, num_heads=args.num_heads, preview=not args.no_preview,
         sampler=args.sampler, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
-        compile=args.compile)
+        compile=args.compile, prompt_schedule=getattr(args, "prompt_schedule_text", None),
+        recache=args.recache or "switch")
     return run_generate(opts, log=log, parallel=parallel)
 
 
@@ -92,7 +104,8 @@ GENERATE_NAMES = {"frames": "--frames", "height": "--height", "width": "--width"
 
 WAN_ONLY = (("frames_per_block", "--frames-per-block", 3), ("kv_window", "--kv-window", -1), ("sink", "--sink", 0),
             ("no_warp", "--no-warp", False), ("compile", "--compile", False), ("text_embeds", "--text-embeds", None),
-            ("height", "--height", None), ("width", "--width", None))
+            ("height", "--height", None), ("width", "--width", None), ("prompt_schedule", "--prompt-schedule", None),
+            ("recache", "--recache", None))
 
 
 def check_generate_args(args) -> None:
@@ -108,6 +121,10 @@ def check_generate_args(args) -> None:
                              f"matrix-game2 (its chunks, window and size come from the checkpoint, --window and the "
                              f"start latent of --conditioning); leave {'it' if len(given) == 1 else 'them'} out")
     else:
+        from ..sampling.scheduler import PRESET_CHUNKING
+        for attr, value in PRESET_CHUNKING.get(args.preset or "", {}).items():   # the preset's model's chunking
+            if getattr(args, attr, None) is None:
+                setattr(args, attr, value)
         for attr, _, default in WAN_ONLY[:3]:        # the Wan defaults, filled in once nothing else can give them
             if getattr(args, attr, None) is None:
                 setattr(args, attr, default)
@@ -143,6 +160,14 @@ def check_generate_args(args) -> None:
                          args.frames_per_block, args.kv_window, args.sink, names=GENERATE_NAMES)
     check_schedule_args(args.preset or "self_forcing", args.steps, args.shift, False if args.no_warp else None,
                         names={"preset": "--preset", "steps": "--steps", "shift": "--shift"})
+    if args.prompt_schedule is not None:
+        from ..app.jobs.generate import check_prompt_schedule, read_prompt_schedule
+        args.prompt_schedule_text = read_prompt_schedule("--prompt-schedule", args.prompt_schedule)
+        check_prompt_schedule("--prompt-schedule", args.prompt_schedule_text, geo["latent_frames"],
+                              args.frames_per_block)
+        if args.checkpoint and not args.text_embeds:
+            raise UsageError("--prompt-schedule with --checkpoint needs --text-embeds: a .safetensors file with one "
+                             "umt5 embedding per prompt text, each named by its text")
     config, weight_bytes = _model_size(args)
     if config is not None:
         check_fits(config, geo["frames"], geo["height"], geo["width"], device=args.device, dtype=args.dtype,
@@ -240,6 +265,33 @@ def _add_convert(subparsers) -> None:
     p.add_argument("--num-heads", type=int, help="heads, when dim is not a multiple of 128")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_convert)
+
+
+def _add_convert_lora(subparsers) -> None:
+    p = subparsers.add_parser("convert-lora", help="rename a LongLive (peft) LoRA for ComfyUI's LoRA loader",
+                              description="Writes the LoRA under the diffusion_model.<layer>.lora_A/lora_B names "
+                                          "ComfyUI maps on a WAN model, with each layer's alpha recorded (LongLive "
+                                          "v1.0's files carry none: its config uses alpha = rank).")
+    p.add_argument("src", help="input LoRA .safetensors (peft keys base_model.model.blocks..., or any accepted layout)")
+    p.add_argument("dst", help="output .safetensors")
+    p.add_argument("--alpha", type=float, help="alpha for layers whose file has none (default: the rank)")
+    p.set_defaults(func=_convert_lora)
+
+
+def _convert_lora(args) -> int:
+    from pathlib import Path
+
+    from ..cache.owned_files import check_target
+    from ..model.lora import to_comfy
+    check_input_file("SRC", args.src)
+    dst = Path(args.dst)
+    if dst.suffix.lower() != ".safetensors":
+        raise UsageError(f"DST {dst} must end in .safetensors")
+    check_output_dir("DST's folder", dst.parent if str(dst.parent) else ".")
+    check_target(dst, option="DST", purpose="the converted LoRA")
+    alpha = None if args.alpha is None else check_float("--alpha", args.alpha, 0.0, None, lo_open=True)
+    print(f"{to_comfy(args.src, dst, alpha)} LoRA layers written to {dst}")
+    return 0
 
 
 def _convert(args) -> int:

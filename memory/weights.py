@@ -11,12 +11,18 @@ import re
 from dataclasses import dataclass, field
 
 from ..model.checkpoint import (DTYPE_BITS, FLOAT_DTYPES, HeaderError, TensorInfo, canonical_names,  # noqa: F401
-                                open_checkpoint, partial_config)
+                                keeps_fp8, open_checkpoint, partial_config, quant_side)
 
 BLOCK_RE = re.compile(r"^(?:blocks|transformer_blocks)\.(\d+)\.")
 EMBEDDING_PREFIXES = ("text_embedding.", "img_emb.")
 # dtype names accepted by plans, with their byte width
 COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+
+
+def held_as_stored(name: str, t: TensorInfo) -> bool:
+    """A float tensor the loader keeps in its file dtype whatever the run's dtype: an fp8 linear weight of a block
+    (1 byte per element) and the float32 scales of quantized layers (``model/quant.py``)."""
+    return keeps_fp8(name, t.dtype, t.shape) or quant_side(name) is not None
 
 
 @dataclass
@@ -51,7 +57,7 @@ class ModelWeights:
                 continue
             i = int(m.group(1))
             self.block_bytes[i] += t.nbytes
-            if t.is_float:
+            if t.is_float and not held_as_stored(name, t):
                 self.block_float_numel[i] += t.numel
             else:
                 self.block_other_bytes[i] += t.nbytes
@@ -79,7 +85,8 @@ class ModelWeights:
         for name, t in self.tensors.items():
             m = BLOCK_RE.match(name)
             if m is not None and int(m.group(1)) == index:
-                out.append(t.numel * elem_bytes if (elem_bytes and t.is_float) else t.nbytes)
+                out.append(t.numel * elem_bytes if (elem_bytes and t.is_float and not held_as_stored(name, t))
+                           else t.nbytes)
         return out
 
     def _other(self, prefixes=None):
@@ -101,7 +108,8 @@ class ModelWeights:
         return max(by, key=by.get) if by else "F32"
 
     def _at(self, tensors, elem_bytes) -> int:
-        return sum(t.numel * elem_bytes if t.is_float else t.nbytes for t in tensors)
+        return sum(t.numel * elem_bytes if t.is_float and not held_as_stored(t.name, t) else t.nbytes
+                   for t in tensors)
 
     def block_bytes_at(self, elem_bytes: int | None) -> list[int]:
         """Per-block bytes once float tensors are held at ``elem_bytes`` per element (None: as stored)."""
@@ -154,7 +162,10 @@ def weights_from_checkpoint(path, config: dict | None = None) -> ModelWeights:
     metadata's config: ours or ComfyUI's); ``config`` overrides fields of it."""
     ckpt = open_checkpoint(path, strict=False)
     cfg = {**ckpt.sizing_config(), **(config or {})}
-    return weights_from_tensors(ckpt.tensors, source=os.fspath(path), config=cfg)
+    tensors = dict(ckpt.tensors)            # with the quantization scales, which the loaded model holds too
+    tensors.update({f"{layer}.{kind}": info for layer, side in (ckpt.quant or {}).items() for kind, info in side.items()
+                    if kind != "comfy_quant"})
+    return weights_from_tensors(tensors, source=os.fspath(path), config=cfg)
 
 
 _TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
@@ -185,7 +196,7 @@ def weights_from_module(module, config: dict | None = None) -> ModelWeights:
 
 
 # ---------------------------------------------------------------------- presets (no file needed)
-PRESET_ALIASES = {"1.3b": "wan2.1-1.3b", "14b": "wan2.1-14b", "14b-i2v": "wan2.1-i2v-14b"}
+PRESET_ALIASES = {"1.3b": "wan2.1-1.3b", "14b": "wan2.1-14b", "14b-i2v": "wan2.1-i2v-14b", "krea-14b": "krea-14b"}
 
 
 def preset_config(name: str) -> dict:

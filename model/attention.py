@@ -6,7 +6,10 @@ Layout everywhere is ``[B, L, heads, head_dim]``. Backends:
 * ``fa2``: FlashAttention 2 (``flash_attn``), compute capability 8.0 or newer *and* kernels for this GPU in the
   installed build: wheels built without sm_100 / sm_120 code fail with "no kernel image is available", so a tiny
   probe call decides once per device (and a kernel-image error at run time falls back to SDPA for good);
-* ``sdpa``: torch's scaled_dot_product_attention (always available; it picks its own fused kernel).
+* ``sdpa``: torch's scaled_dot_product_attention (always available; it picks its own fused kernel);
+* ``int8``: opt-in, never chosen by ``auto``: SageAttention-style int8 Q/K (``kernels/int8_attention.py``):
+  comfy-kitchen's int8 kernel where it runs (CUDA), else the pack's torch version of the same math (anywhere).
+  It changes the numerics within ``kernels.int8_attention.error_bound``; every other backend is exact.
 
 A request (``auto``, ``flash_attn``, ``fa3``, ``fa2``, ``sdpa``) is resolved by capability detection: the package
 imports, the GPU's compute capability, the dtype (half precision) and the head size. GPU names are never looked
@@ -23,10 +26,12 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..kernels import int8_attention as int8
+
 log = logging.getLogger("wan_accel")
 
-BACKENDS = ("auto", "sdpa", "flash_attn", "fa3", "fa2")
-RESOLVED = ("fa3", "fa2", "sdpa")
+BACKENDS = ("auto", "sdpa", "flash_attn", "fa3", "fa2", "int8")
+RESOLVED = ("fa3", "fa2", "sdpa", "int8")
 _MODULES = {"fa3": "flash_attn_interface", "fa2": "flash_attn"}
 _FUNCS: dict = {}          # "fa3"/"fa2" -> flash_attn_func or None (import attempted once)
 
@@ -142,6 +147,8 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
     if requested not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
     device = torch.device(device)
+    if requested == "int8":
+        return "int8", int8.implementation(device, dtype, head_dim)[1]
     why = []
     for name in _candidates(requested):
         if name == "sdpa":
@@ -176,7 +183,7 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
 
 @functools.lru_cache(maxsize=64)
 def resolve_backend(requested: str, device, dtype: torch.dtype, head_dim: int) -> str:
-    """'fa3' | 'fa2' | 'sdpa' for a request (cached per device, dtype and head size)."""
+    """'fa3' | 'fa2' | 'sdpa' | 'int8' for a request (cached per device, dtype and head size)."""
     return explain_backend(requested, device, dtype, head_dim)[0]
 
 
@@ -206,9 +213,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Softmax attention, scale 1/sqrt(head_dim), no dropout, dense (every query sees every key).
 
     q [B, Lq, H, D], k/v [B, Lk, H, D]; key_padding_mask [B, Lk] bool, True = real key (attended).
-    backend: a resolved name ('fa3', 'fa2', 'sdpa': dispatched directly) or a request ('auto', 'flash_attn').
-    Returns [B, Lq, H, D] in q's dtype.
+    backend: a resolved name ('fa3', 'fa2', 'sdpa', 'int8': dispatched directly) or a request ('auto',
+    'flash_attn'). Returns [B, Lq, H, D] in q's dtype.
     """
+    if backend == "int8":
+        return int8.int8_attention(q, k, v, key_padding_mask)
     if key_padding_mask is not None:
         return _sdpa(q, k, v, key_padding_mask[:, None, None, :])
     if backend == "sdpa" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):

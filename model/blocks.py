@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels import candidates as op_candidates
 from ..kernels import gated_residual, layernorm_modulate, rmsnorm_rope
 from .attention import attention
 from .fused_qkv import QKV_BIAS, QKV_WEIGHT
@@ -37,6 +38,8 @@ class BlockParts(NamedTuple):
     fused_kernels: bool | tuple = False   # the fused Triton kernels (only where Triton runs): all, none, or a
     #                                       tuple of the names in use (KERNEL_NAMES; the others run as torch ops)
     fused_qkv: bool = False       # one q/k/v GEMM over the concatenated weight (model/fused_qkv.py)
+    ops: tuple = ()               # (mode, *switched off 'op:candidate') of kernels/candidates.py: LayerNorm+modulate
+    #                               and RMSNorm+RoPE run the store's verified choice; () = fused_kernels decides
 
 
 class LayerCall(NamedTuple):
@@ -64,8 +67,10 @@ def _qk_norm(dim: int, eps: float, enabled: bool) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------- pieces (plain or fused)
-def _modulated(norm, x, m, i: int, fused: bool):
+def _modulated(norm, x, m, i: int, fused: bool, ops: tuple = ()):
     """modulate(norm(x), shift=m[i], scale=m[i+1]) with m [B, G, 6, dim]; LayerNorm without affine."""
+    if ops:
+        return op_candidates.run("layernorm_modulate", ops[0], ops[1:], x, m[:, :, i], m[:, :, i + 1], norm.eps)
     if uses_kernel(fused, "layernorm_modulate"):
         return layernorm_modulate(x, m[:, :, i], m[:, :, i + 1], eps=norm.eps)
     return modulate(norm(x), m[:, :, i:i + 1], m[:, :, i + 1:i + 2])
@@ -77,8 +82,10 @@ def _gated(x, y, m, i: int, fused: bool):
     return gated_add(x, y, m[:, :, i:i + 1])
 
 
-def _norm_rope(norm, x, rope, heads: int, fused: bool):
+def _norm_rope(norm, x, rope, heads: int, fused: bool, ops: tuple = ()):
     cos, sin = rope
+    if ops and isinstance(norm, RMSNorm) and cos.dim() == 2:
+        return op_candidates.run("rmsnorm_rope", ops[0], ops[1:], x, norm.weight, cos, sin, heads, norm.eps)
     if uses_kernel(fused, "rmsnorm_rope") and isinstance(norm, RMSNorm) and cos.dim() == 2:
         return rmsnorm_rope(x, norm.weight, cos, sin, heads, norm.eps)
     return apply_rope(norm(x).unflatten(2, (heads, -1)), cos, sin)
@@ -107,11 +114,11 @@ class WanSelfAttention(nn.Module):
         """(q, k, v) or (k, v) of the modulated input h, RoPE applied, [B, L, H, hd] each."""
         p = call.parts
         proj = _project(self, h, p.fused_qkv, 3 if with_query else 2)
-        k = _norm_rope(self.norm_k, proj[-2], rope, self.num_heads, p.fused_kernels)
+        k = _norm_rope(self.norm_k, proj[-2], rope, self.num_heads, p.fused_kernels, p.ops)
         v = proj[-1].unflatten(2, (self.num_heads, -1))
         if not with_query:
             return k, v
-        return _norm_rope(self.norm_q, proj[0], rope, self.num_heads, p.fused_kernels), k, v
+        return _norm_rope(self.norm_q, proj[0], rope, self.num_heads, p.fused_kernels, p.ops), k, v
 
     def forward(self, h, rope, call: LayerCall):
         q, k, v = self.keys_values(h, rope, call, with_query=True)
@@ -180,18 +187,18 @@ class WanBlock(nn.Module):
         (Matrix-Game-2), which runs between cross-attention and the FFN."""
         cd, fused = self.compute_dtype, call.parts.fused_kernels
         m = self.modulation.unsqueeze(1) + e0                                    # [B, G, 6, dim]
-        y = self.self_attn(_modulated(self.norm1, x, m, 0, fused).to(cd), rope, call)
+        y = self.self_attn(_modulated(self.norm1, x, m, 0, fused, call.parts.ops).to(cd), rope, call)
         x = _gated(x, y, m, 2, fused)
         x = x + self.cross_attn(self.norm3(x).to(cd), call.cross, call.parts.attention)
         if actions is not None and getattr(self, "action_model", None) is not None:
             x = self.action_model(x, actions)
-        y = self.ffn(_modulated(self.norm2, x, m, 3, fused).to(cd))
+        y = self.ffn(_modulated(self.norm2, x, m, 3, fused, call.parts.ops).to(cd))
         return _gated(x, y, m, 5, fused)
 
     def kv_only(self, x: torch.Tensor, e0: torch.Tensor, rope: tuple, call: LayerCall) -> None:
         """The block's self-attention keys/values for x, written to its cache; nothing else (refresh, last block)."""
         m = self.modulation[:, :2].unsqueeze(1) + e0[:, :, :2]
-        h = _modulated(self.norm1, x, m, 0, call.parts.fused_kernels).to(self.compute_dtype)
+        h = _modulated(self.norm1, x, m, 0, call.parts.fused_kernels, call.parts.ops).to(self.compute_dtype)
         k, v = self.self_attn.keys_values(h, rope, call, with_query=False)
         if call.seq is not None:
             k, v = call.seq.to_heads(k, v)

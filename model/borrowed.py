@@ -40,6 +40,9 @@ def qkv_fusion_blocker(layer, dtype: torch.dtype, device=None) -> str | None:
     """Why one GEMM over ``layer``'s stored weight would not do what calling the layer does (None: it would).
     Fused q/k/v reads the stored weights directly, so layers that cast, dequantize or patch their weight when
     called (or carry hooks) must be called one by one."""
+    stored = getattr(getattr(layer, "weight", None), "data", None)
+    if stored is not None and type(stored) is not torch.Tensor:
+        return f"the weights are {type(stored).__name__} (quantized), dequantized when called"
     if not isinstance(layer, nn.Linear):
         return f"the layer is a {type(layer).__name__}, not a linear layer"
     if layer._forward_hooks or layer._forward_pre_hooks:

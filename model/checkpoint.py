@@ -47,7 +47,17 @@ DTYPE_BITS = {
 TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E5M2", "F8_E4M3", "F8_E4M3FN", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
-LOADABLE_DTYPES = {"F32", "F16", "BF16", "F64"}
+LOADABLE_DTYPES = {"F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2"}
+FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}         # fp8 weights the loader keeps in 1 byte (model/quant.py)
+# quantization side tensors beside a layer's weight, ComfyUI's names: scaled fp8 files (``scale_weight``,
+# ``scale_input``, and a ``scaled_fp8`` marker tensor) and its per-layer formats (``weight_scale``, ``input_scale``,
+# ``comfy_quant``: the layer's format as JSON bytes; the file's ``_quantization_metadata`` lists them too)
+WEIGHT_SCALES = ("scale_weight", "weight_scale")
+INPUT_SCALES = ("scale_input", "input_scale")
+QUANT_SIDE = WEIGHT_SCALES + INPUT_SCALES + ("comfy_quant",)
+SCALED_FP8_MARK = "scaled_fp8"
+QUANT_METADATA_KEY = "_quantization_metadata"
+FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")   # per-layer formats the pack's loader reads; others need ComfyUI
 # Matrix-Game-2 checkpoints are recognised by their action modules (mg2_model.py, imported lazily)
 MG2_KEY_MARK = ".action_model."
 
@@ -440,12 +450,63 @@ def validate_keys(expected: dict, found: dict, source: str = "checkpoint") -> No
 
 
 def check_dtypes(dtypes: dict) -> None:
-    """Only float32/float16/bfloat16 (and float64) tensors are loaded."""
+    """Only float32/float16/bfloat16/float64 and fp8 (e4m3fn, e5m2; scaled or not) tensors are loaded."""
     bad = {n: d for n, d in dtypes.items() if d not in LOADABLE_DTYPES}
     if bad:
-        raise CheckpointError(f"unsupported tensor dtypes (only float32/float16/bfloat16 checkpoints are "
-                              f"supported; fp8/quantized files are not): "
+        raise CheckpointError(f"unsupported tensor dtypes (float32/float16/bfloat16 and fp8 e4m3fn/e5m2 "
+                              f"checkpoints are read; other quantized formats (MXFP8, NVFP4, int8) load with "
+                              f"ComfyUI's Load Diffusion Model and sample with the Wan Accel AR Sampler): "
                               f"{_list(f'{n} {d}' for n, d in bad.items())}")
+
+
+# --------------------------------------------------------------------- quantization side tensors
+def quant_side(name: str) -> tuple[str, str] | None:
+    """(layer, kind) of a quantization side tensor ('blocks.0.ffn.0', 'scale_weight'), else None."""
+    layer, _, leaf = name.rpartition(".")
+    if leaf in QUANT_SIDE and layer:
+        return layer, leaf
+    return None
+
+
+def split_quant(tensors: dict) -> tuple[dict, dict]:
+    """({name: TensorInfo} of the model's own tensors, {layer: {kind: TensorInfo}} of the quantization side
+    tensors). The ``scaled_fp8`` marker is dropped."""
+    own, side = {}, {}
+    for name, info in tensors.items():
+        if name == SCALED_FP8_MARK:
+            continue
+        q = quant_side(name)
+        if q is None:
+            own[name] = info
+        else:
+            side.setdefault(q[0], {})[q[1]] = info
+    return own, side
+
+
+def metadata_quant_formats(meta: dict) -> dict:
+    """{layer: format} from the file's ``_quantization_metadata`` (ComfyUI's per-layer quantization formats)."""
+    conf = _json_object(meta, QUANT_METADATA_KEY, strict=True)
+    layers = conf.get("layers", {})
+    if not isinstance(layers, dict):
+        raise CheckpointError(f"metadata '{QUANT_METADATA_KEY}' has no 'layers' object")
+    return {strip_prefix(str(k)): (v.get("format") if isinstance(v, dict) else None) for k, v in layers.items()}
+
+
+def check_quant_formats(formats: dict) -> None:
+    """The pack's loader reads the fp8 formats; a layer in another one (MXFP8, NVFP4, int8, ...) is refused."""
+    bad = {layer: fmt for layer, fmt in formats.items() if fmt not in FP8_FORMATS}
+    if bad:
+        raise CheckpointError(
+            f"layers quantized in formats the pack's loader does not read ({_list(f'{n}: {f}' for n, f in bad.items())});"
+            f" it reads plain and scaled fp8 ({', '.join(FP8_FORMATS)}). Load this file with ComfyUI's Load Diffusion "
+            f"Model and sample it with the Wan Accel AR Sampler")
+
+
+def keeps_fp8(name: str, dtype: str, shape) -> bool:
+    """Whether the loader keeps this tensor in fp8 (1 byte per element): the 2-D weight of a linear layer inside a
+    transformer block stored as fp8. Other fp8 tensors are dequantized to the run's dtype when loaded."""
+    return dtype in FP8_DTYPES and len(tuple(shape)) == 2 and name.endswith(".weight") and \
+        ".action_model." not in name and re.match(r"^(?:blocks|transformer_blocks)\.\d+\.", name) is not None
 
 
 # --------------------------------------------------------------------- one file, read once
@@ -458,6 +519,7 @@ class Checkpoint:
     metadata: dict
     config: WanConfig | None   # None when the file is not a complete Wan DiT (see ``error``)
     error: str = ""
+    quant: dict = None     # layer (official name) -> {kind: TensorInfo}: quantization side tensors (split_quant)
 
     @property
     def shapes(self) -> dict:
@@ -489,7 +551,7 @@ def open_checkpoint(path, config=None, num_heads: int | None = None, *, strict: 
     path = check_path(path)
     raw, meta = read_header(path)
     names = canonical_names(raw)
-    tensors = {n: raw[src] for n, src in names.items()}
+    tensors, quant = split_quant({n: raw[src] for n, src in names.items()})
     try:
         if config is None:
             config = infer_any_config({n: t.shape for n, t in tensors.items()}, num_heads=num_heads,
@@ -501,5 +563,5 @@ def open_checkpoint(path, config=None, num_heads: int | None = None, *, strict: 
     except CheckpointError as exc:
         if strict:
             raise
-        return Checkpoint(path, tensors, names, meta, None, str(exc))
-    return Checkpoint(path, tensors, names, meta, config)
+        return Checkpoint(path, tensors, names, meta, None, str(exc), quant)
+    return Checkpoint(path, tensors, names, meta, config, quant=quant)

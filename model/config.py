@@ -77,4 +77,6 @@ WAN_1_3B = WanConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30)
 WAN_14B = WanConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
 WAN_14B_I2V = WanConfig(model_type="i2v", in_dim=36, dim=5120, ffn_dim=13824,
                         num_heads=40, num_layers=40)
-PRESETS = {"wan2.1-1.3b": WAN_1_3B, "wan2.1-14b": WAN_14B, "wan2.1-i2v-14b": WAN_14B_I2V}
+# Krea Realtime: Wan 2.1 14B made causal; its cache holds a rebuilt context of 3 latent frames plus the 3-frame block
+KREA_14B = WAN_14B.replace(local_attn_size=6)
+PRESETS = {"wan2.1-1.3b": WAN_1_3B, "wan2.1-14b": WAN_14B, "wan2.1-i2v-14b": WAN_14B_I2V, "krea-14b": KREA_14B}

@@ -19,6 +19,7 @@ from .attention import check_backend
 from .blocks import BlockParts, LayerCall, WanBlock
 from .config import WanConfig
 from .layers import Head, ImageProjection, sinusoidal_embedding
+from .quant import quantized_param_names
 from .rope import RopeCache
 
 PRECISIONS = ("float32", "wan21", "self_forcing")
@@ -70,8 +71,9 @@ class WanModel(nn.Module):
         """Cast parameters for a precision policy (see module doc); returns self."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        stored = quantized_param_names(self)       # fp8 weights and their float32 scales keep their dtype
         for name, p in self.named_parameters():
-            want = param_dtype(name, precision, dtype)
+            want = p.dtype if name in stored else param_dtype(name, precision, dtype)
             if p.dtype != want:
                 p.data = p.data.to(want)
         self.precision = precision

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .quant import is_quantized
+
 QKV_WEIGHT, QKV_BIAS = "qkv_weight", "qkv_bias"
 
 
@@ -55,6 +57,8 @@ def ensure_fused_qkv(sa) -> bool:
         return True
     drop_fused_qkv(sa)
     lin = [sa.q, sa.k, sa.v]
+    if any(is_quantized(m) for m in lin):      # each dequantizes its own weight with its own scale
+        return False
     ws = [m.weight for m in lin]
     bs = [m.bias for m in lin]
     if len({(w.device, w.dtype, w.shape) for w in ws}) != 1 or (any(b is None for b in bs) and

@@ -108,6 +108,21 @@ class KVCache:
         self.end = max(self.end, end)
         return self._step(self._segments(start, end), min(self.end, self.capacity))
 
+    def rewrite(self, start: int, num_tokens: int) -> CacheStep:
+        """Slots for recomputing cached tokens [start, start+num_tokens) that end at the newest one (a re-cache
+        after a prompt switch); every one must still be held: a sink token or one of the newest ring tokens. The
+        host indices do not move."""
+        end = start + num_tokens
+        if start < 0 or num_tokens <= 0 or end != self.end:
+            raise ValueError(f"a rewrite covers cached tokens up to the newest one (cached up to token {self.end}, "
+                             f"call covers [{start}, {end}))")
+        if not self.rolling:
+            return self._step(((start, end, 0, num_tokens),), end)
+        if end > self.capacity and start < end - self.ring:
+            raise ValueError(f"tokens [{start}, {end - self.ring}) left the rolling window; rewrite at most the "
+                             f"newest {self.ring} non-sink tokens")
+        return self._step(self._segments(start, end), min(self.end, self.capacity))
+
     def _step(self, writes: tuple, read_len: int) -> CacheStep:
         idx = self._index.get(writes)
         if idx is None:

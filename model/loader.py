@@ -10,16 +10,20 @@ opened here: convert them once with ``python -m wan_accel convert`` (``convert.p
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from .checkpoint import (METADATA_KEY, CheckpointError, _list, check_dtypes, model_class, open_checkpoint,
-                         read_tensor_into)
+from .checkpoint import (INPUT_SCALES, METADATA_KEY, TORCH_DTYPES, WEIGHT_SCALES, CheckpointError, _list,
+                         check_dtypes, check_quant_formats, keeps_fp8, metadata_quant_formats, model_class,
+                         open_checkpoint, read_tensor_into)
 from .dit import WanModel
 from .fused_qkv import QKV_BIAS, QKV_WEIGHT
+from .lora import merge_lora
+from .quant import install_fp8_linears
 
 _QKV = re.compile(r"^(blocks\.\d+\.self_attn)\.([qkv])\.(weight|bias)$")
 
@@ -37,13 +41,14 @@ def resolve_checkpoint(path, config=None, num_heads=None):
     return ckpt
 
 
-def _load_fused_qkv(model, f, path, ckpt, names: dict, device, targets: dict) -> set:
+def _load_fused_qkv(model, f, path, ckpt, names: dict, device, targets: dict, skip=frozenset()) -> set:
     """Load every self-attention's q/k/v (weight, and bias) into one [3*dim, ...] buffer per block; the three
-    parameters become views of it. Returns the names loaded."""
+    parameters become views of it. Returns the names loaded. ``skip``: attention modules left unfused (their
+    layers are quantized: each dequantizes its own weight with its own scale)."""
     groups: dict = {}
-    for name in names:
+    for name in ckpt.tensors:
         m = _QKV.match(name)
-        if m:
+        if m and m.group(1) not in skip:
             groups.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = name
     done = set()
     for (owner, kind), parts in groups.items():
@@ -65,26 +70,100 @@ def _load_fused_qkv(model, f, path, ckpt, names: dict, device, targets: dict) ->
     return done
 
 
+def _scale_shape(scale: torch.Tensor) -> tuple:
+    """A weight scale as it multiplies the [out, in] weight: one value, or one per output row."""
+    return () if scale.numel() == 1 else (scale.numel(), 1)
+
+
+def _read_scales(f, ckpt, device) -> dict:
+    """{layer: (weight scale, input scale or None)} as float32 on ``device``, each checked: a floating tensor of one
+    value (or one per output row of the weight), finite and positive. The layers' quantization formats (the
+    file's metadata and each layer's ``comfy_quant`` entry) must be fp8. Errors name the tensor in the file."""
+    import json
+    formats = metadata_quant_formats(ckpt.metadata)
+    out = {}
+    for layer, side in (ckpt.quant or {}).items():
+        where = f"{ckpt.path.name}: quantization tensor"
+        if "comfy_quant" in side:
+            src = ckpt.names[f"{layer}.comfy_quant"]
+            try:
+                conf = json.loads(bytes(f.get_tensor(src).to(torch.uint8).flatten().tolist()).decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                raise CheckpointError(f"{where} {src!r} is not the JSON of a layer format; the file is damaged") \
+                    from None
+            formats[layer] = conf.get("format") if isinstance(conf, dict) else None
+        weight = ckpt.tensors.get(f"{layer}.weight")
+        if weight is None:
+            name = ckpt.names[f"{layer}.{next(iter(side))}"]
+            raise CheckpointError(f"{where} {name!r} belongs to no layer weight of the model (no "
+                                  f"'{layer}.weight'); the file is damaged or mixes two models")
+        got = []
+        for kinds in (WEIGHT_SCALES, INPUT_SCALES):
+            kind = next((k for k in kinds if k in side), None)
+            if kind is None:
+                got.append(None)
+                continue
+            src, info = ckpt.names[f"{layer}.{kind}"], side[kind]
+            rows = weight.shape[0] if kind in WEIGHT_SCALES else 1
+            if info.dtype not in ("F32", "F16", "BF16", "F64") or \
+                    not (math.prod(info.shape) == 1 or tuple(info.shape) in ((rows,), (rows, 1))):
+                raise CheckpointError(f"{where} {src!r} is {info.dtype} {list(info.shape)}; a scale is one float "
+                                      f"value" + (f" or one per output row ([{rows}] or [{rows}, 1])"
+                                                  if kind in WEIGHT_SCALES else "") + "; the file is damaged")
+            value = f.get_tensor(src).to(device=device, dtype=torch.float32)
+            bad = "non-finite" if not bool(torch.isfinite(value).all()) else \
+                "zero or negative" if not bool((value > 0).all()) else ""
+            if bad:
+                raise CheckpointError(f"{where} {src!r} holds {bad} values; a scale must be finite and positive. "
+                                      f"The file is damaged: download or convert it again")
+            got.append(value)
+        if got != [None, None]:
+            out[layer] = tuple(got)
+    check_quant_formats(formats)
+    return out
+
+
 def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None, config=None,
-                        num_heads=None, attention="auto") -> WanModel:
+                        num_heads=None, attention="auto", lora=None, lora_strength: float = 1.0) -> WanModel:
     """Load a Wan DiT from a .safetensors file. precision: 'float32' | 'wan21' | 'self_forcing'
-    (default: 'float32' for float32, else 'self_forcing'). config: WanConfig/dict to use instead of inferring."""
+    (default: 'float32' for float32, else 'self_forcing'). config: WanConfig/dict to use instead of inferring.
+    lora: a LoRA .safetensors file merged into the weights at load (``lora.py``), scaled by lora_strength."""
     from safetensors import safe_open
     precision = precision or ("float32" if dtype == torch.float32 else "self_forcing")
     ckpt = resolve_checkpoint(path, config, num_heads)          # the header is read once
     config, names = ckpt.config, ckpt.names
     with torch.device("meta"):
         model = model_class(config)(config)
+    fp8 = {n: getattr(torch, TORCH_DTYPES[t.dtype]) for n, t in ckpt.tensors.items()
+           if keeps_fp8(n, t.dtype, t.shape)}
+    quantized = install_fp8_linears(model, fp8)        # these layers keep their fp8 weight (model/quant.py)
     model.set_precision(precision, dtype)
     targets = {n: p.dtype for n, p in model.named_parameters()}
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        fused = _load_fused_qkv(model, f, path, ckpt, names, device, targets)
-        for name, src in names.items():
-            if name not in fused:
-                _set_param(model, name, f.get_tensor(src).to(device=device, dtype=targets[name]))
+        scales = _read_scales(f, ckpt, device)
+        skip = {n.rpartition(".")[0] for n in quantized}
+        fused = _load_fused_qkv(model, f, path, ckpt, names, device, targets, skip)
+        for name, info in ckpt.tensors.items():
+            if name in fused:
+                continue
+            t, layer = f.get_tensor(names[name]), name[:-len(".weight")]
+            if layer in quantized:
+                _set_param(model, name, t.to(device=device))
+                continue
+            if name.endswith(".weight") and layer in scales:        # a scaled weight kept in the run's dtype
+                t = t.float() * scales[layer][0].to(t.device).reshape(_scale_shape(scales[layer][0]))
+            _set_param(model, name, t.to(device=device, dtype=targets[name]))
+        for layer in quantized:
+            weight_scale, input_scale = scales.get(layer, (None, None))
+            _set_param(model, f"{layer}.scale_weight", torch.ones((), device=device) if weight_scale is None
+                       else weight_scale.reshape(_scale_shape(weight_scale)))
+            if input_scale is not None:
+                _set_param(model, f"{layer}.scale_input", input_scale.reshape(()))
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise CheckpointError(f"parameters left unloaded: {_list(left)}")
+    if lora is not None:
+        merge_lora(model, lora, lora_strength)
     model.set_precision(precision, dtype).set_attention_backend(attention)
     return model.eval().requires_grad_(False)
 

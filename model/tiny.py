@@ -5,6 +5,7 @@ preview, report) runs anywhere in seconds without downloading a checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -42,3 +43,15 @@ def tiny_causal_model(seed: int = 0, device="cpu", dtype=torch.float32, precisio
     precision = precision or ("float32" if dtype == torch.float32 else "self_forcing")
     model.set_precision(precision, dtype)
     return model.to(device).eval().requires_grad_(False)
+
+
+def tiny_text_embedding(text: str, text_len: int = TINY_CONFIG.text_len, text_dim: int = TINY_CONFIG.text_dim,
+                        seed: int = 0) -> torch.Tensor:
+    """The built-in tiny model's stand-in text encoder: [1, text_len, text_dim] float32 normals drawn from a CPU
+    generator seeded by sha256(seed, text). The same text always gives the same rows, on every machine; different
+    texts give unrelated ones. Not a language model: it only lets prompt schedules run on the tiny model."""
+    if not isinstance(text, str):
+        raise ValueError(f"a prompt is text, got {type(text).__name__}")
+    digest = hashlib.sha256(f"{int(seed)}\0{text}".encode("utf-8")).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.randn(1, int(text_len), int(text_dim), generator=gen, dtype=torch.float32)

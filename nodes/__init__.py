@@ -10,7 +10,7 @@ import logging
 log = logging.getLogger("wan_accel")
 
 AREA_MODULES = ("cache_nodes", "model_nodes", "preview_nodes", "compile_nodes", "memory_nodes", "profile_nodes", "mg2_nodes",
-                "doctor_nodes", "parallel_nodes", "native_nodes", "stream_nodes", "play_nodes")
+                "doctor_nodes", "parallel_nodes", "native_nodes", "stream_nodes", "play_nodes", "prompt_nodes")
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}

@@ -182,6 +182,7 @@ class _ComfySwapPatch:
 
         self.settings = settings
         self.swap = None
+        self.manager = None      # memory/offload.memory_manager of the last load: the swap stands down unless allowed
         self._lib = block_swap   # bound now: detach can run during interpreter shutdown, when imports fail
 
     def _install(self, dm, device, patcher=None) -> None:
@@ -192,6 +193,10 @@ class _ComfySwapPatch:
         device = torch.device(device) if device is not None else None
         if device is None or not _swap_saves_memory(device):
             return
+        if self.manager is not None:
+            self.manager.log_once(self)
+            if not self.manager.swap_allowed:     # ComfyUI offloads this model itself: one manager, not two
+                return
         current = self._lib.active_swap(dm)
         if current is not None and current is self.swap:
             if current.is_intact():
@@ -207,6 +212,14 @@ class _ComfySwapPatch:
         log.info("wan_accel: %s", self.swap.describe())
 
     def on_load(self, patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
+        from ..memory.offload import memory_manager
+
+        self.manager = memory_manager(patcher)
+        if not self.manager.swap_allowed:
+            swap = self._lib.active_swap(patcher.model.diffusion_model)
+            if swap is not None and swap is self.swap:
+                swap.remove(restore=False)      # ComfyUI just placed the weights: they are its to move
+            self.swap = None
         self._install(patcher.model.diffusion_model, device_to, patcher)
 
     def on_detach(self, patcher, unpatch_all):

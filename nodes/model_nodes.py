@@ -72,10 +72,12 @@ class CausalWanModelLoader:
                 "precision": (["self_forcing", "wan21", "float32"], {"default": "self_forcing", "tooltip":
                               "self_forcing: whole model in dtype (as Self-Forcing runs). wan21: time embedding, "
                               "modulation, residual stream and head in float32. float32: everything float32."}),
-                "attention": (["auto", "sdpa", "flash_attn", "fa3", "fa2"], {"default": "auto", "tooltip":
+                "attention": (["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8"], {"default": "auto", "tooltip":
                               "auto: FlashAttention 3 (Hopper), else FlashAttention 2 (compute capability 8.0+), "
                               "else torch SDPA, by what is installed and what the GPU supports. fa3 / fa2 / sdpa "
-                              "force one (SDPA where the forced one cannot run)."}),
+                              "force one (SDPA where the forced one cannot run). int8 (opt-in): SageAttention-"
+                              "style int8 Q/K (comfy-kitchen's kernel on CUDA), close to exact but not equal "
+                              "(README: Fidelity)."}),
             },
             "optional": {
                 "compile_settings": ("WANACCEL_COMPILE", {"tooltip": "Compile settings, stored for the sampler."}),
@@ -109,6 +111,69 @@ def conditioning_to_context(conditioning, text_dim: int, text_len: int):
     if cond.shape[1] > text_len:
         raise ValueError(f"the conditioning has {cond.shape[1]} tokens; the model takes at most {text_len}")
     return cond[:1].float()
+
+
+# ---------------------------------------------------------------------------- prompt schedules (prompt switching)
+GRAMMAR = ("One entry per line, '<chunk>: <prompt>' ('#' comments and blank lines ignored); chunk 0 first. A prompt "
+           "is one text or a weighted mix 'text :0.7 | text :0.3'; a trailing '(blend N)' (or '(blend N, slerp)') "
+           "blends the previous prompt into this one over N chunks. Example:\n"
+           "0: a cat walks in the garden\n6: the cat starts to run (blend 2)\n"
+           "9: a red fox :0.7 | snow falls :0.3 (blend 3, slerp)")
+
+
+def schedule_widget(empty_means: str = "the one prompt (positive) for every chunk") -> tuple:
+    return ("STRING", {"default": "", "multiline": True, "tooltip":
+                       f"Prompt schedule: the prompt changes at the chunks named. {GRAMMAR}\nEmpty: {empty_means}."})
+
+
+def text_encoder(clip, model):
+    """text -> [1, L, text_dim] float32 context. ``model``: a WanModel (its config) or a model handle (``.model``).
+    The built-in tiny model: its stand-in encoder; any other: ComfyUI's CLIP, or a clear error without one."""
+    net = getattr(model, "model", model)
+    cfg = net.config
+    if getattr(model, "is_tiny", False) is True:        # the built-in tiny model: its stand-in, CLIP or not
+        from ..model.tiny import tiny_text_embedding
+        return lambda text: tiny_text_embedding(text, cfg.text_len, cfg.text_dim)
+    if clip is not None:
+        def encode(text: str):
+            cond = clip.encode_from_tokens(clip.tokenize(text))
+            cond = cond[0] if isinstance(cond, (tuple, list)) else cond
+            return conditioning_to_context([[cond, {}]], cfg.text_dim, cfg.text_len)
+        return encode
+    raise ValueError("a prompt schedule needs the graph's text encoder: connect the CLIP (umt5-xxl, from Load CLIP) "
+                     "to the clip input (the built-in tiny model needs none)")
+
+
+def parse_schedule(text: str, num_chunks: int | None = None, input_name: str = "prompt_schedule"):
+    """The schedule of a widget's text (None when empty); its errors name the input, the line and the fix."""
+    if not str(text or "").strip():
+        return None
+    from ..sampling.prompts import PromptSchedule
+    try:
+        schedule = PromptSchedule.parse(str(text))
+        if num_chunks is not None:
+            schedule.validate(int(num_chunks))
+    except ValueError as exc:
+        raise ValueError(f"{input_name}: {exc}") from None
+    return schedule
+
+
+def encode_schedule(schedule, encode) -> dict:
+    """{text: [1, L, D] embedding} of every text of ``schedule`` (each encoded once)."""
+    return {t: encode(t) for t in schedule.texts()}
+
+
+def _schedule_kwargs(model, text, recache, clip, num_frames, frames_per_block) -> dict:
+    """The sampler's prompt-switch arguments for a prompt_schedule widget ({} when it is empty): the schedule
+    (checked against the video's chunks) and its texts encoded with ``clip`` (the tiny model: its stand-in)."""
+    if not str(text or "").strip():
+        return {}
+    if recache not in ("switch", "none"):
+        raise ValueError(f"recache must be 'switch' or 'none', got {recache!r}")
+    chunks = ((int(num_frames) - 1) // 4 + 1) // max(1, int(frames_per_block))
+    schedule = parse_schedule(text, chunks)
+    embeddings = encode_schedule(schedule, text_encoder(clip, model))
+    return {"prompt_schedule": schedule, "prompt_embeddings": embeddings, "recache": recache}
 
 
 class _ComfyProgress:
@@ -195,6 +260,12 @@ class CausalWanSampler:
                                "Output the sampler state (the KV caches: about the size of the model's cache for "
                                "the whole window, kept in RAM) so a later prompt can continue this video. Needs "
                                "skip_last_refresh off."}),
+                "prompt_schedule": schedule_widget(),
+                "recache": (["switch", "none"], {"default": "switch", "tooltip":
+                            "At a prompt switch of prompt_schedule: switch re-caches the frames in the KV window "
+                            "under the new prompt (LongLive); none changes only the cross-attention cache."}),
+                "clip": ("CLIP", {"tooltip": "The text encoder (umt5-xxl) that encodes prompt_schedule's prompts; "
+                                  "not needed by the built-in tiny model."}),
                 "continue_from": ("CAUSALWAN_STATE", {"tooltip":
                                   "A state from an earlier sampler with keep_state on: go on from where it stopped, "
                                   "exactly as one long run. num_frames is then the total length to reach, seed is "
@@ -204,7 +275,7 @@ class CausalWanSampler:
 
     def sample(self, model, width, height, num_frames, seed, preset, frames_per_block, kv_window, sink,
                positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False,
-               sampler="auto", keep_state=False, continue_from=None):
+               sampler="auto", keep_state=False, continue_from=None, prompt_schedule="", recache="switch", clip=None):
         import functools
         from ..profiling.session import maybe_profile
         from ..app.jobs.generate import sample_latents, sample_latents_with_state, sampler_setup
@@ -223,6 +294,7 @@ class CausalWanSampler:
                    dtype=str(model.model.compute_dtype), frames_per_block=frames_per_block,
                    kv_window=kv_window, names=names)        # before any tensor is made
         context = conditioning_to_context(positive, cfg.text_dim, cfg.text_len)
+        prompts = _schedule_kwargs(model, prompt_schedule, recache, clip, num_frames, frames_per_block)
         if sampler not in SAMPLER_CHOICES:
             raise ValueError(f"sampler must be one of {list(SAMPLER_CHOICES)}, got {sampler!r}")
         path, graphs, fused = SAMPLER_CHOICES[sampler]
@@ -230,7 +302,10 @@ class CausalWanSampler:
         options = sampler_setup(model, path, graphs, fused, notes=doctor_notes)
         report: dict = {}
         pool = getattr(model, "extra", {}).get("rank_pool")       # CausalWan Sequence Parallel: several GPUs
-        if keep_state or continue_from is not None:
+        if keep_state or continue_from is not None or prompts:
+            if pool is not None and prompts:
+                raise ValueError("prompt_schedule does not run on several GPUs yet: remove the CausalWan Sequence "
+                                 "Parallel node (or set its world_size to 1), or clear prompt_schedule")
             if pool is not None:
                 raise ValueError("keep_state / continue_from do not run on several GPUs yet: remove the CausalWan "
                                  "Sequence Parallel node (or set its world_size to 1) to keep or continue a video")
@@ -238,7 +313,7 @@ class CausalWanSampler:
                 model, sample_latents_with_state, model.model, context, width, height, num_frames, seed, schedule,
                 frames_per_block, kv_window, sink, state=continue_from, keep_state=bool(keep_state),
                 skip_last_refresh=skip_last_refresh, callback=self._progress(), path=path, fast_options=options,
-                report=report)
+                report=report, **prompts)
         else:
             run = sample_latents if pool is None else functools.partial(pool.sample, setup={
                 "cuda_graphs": graphs, "fused_kernels": fused})

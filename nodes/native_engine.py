@@ -19,7 +19,9 @@ import weakref
 import torch
 
 from ..memory.block_swap import active_swap, ensure_block_swap
+from ..memory.offload import COMFY_FULL, PACK, memory_manager
 from ..memory.sampling_guard import OOM_RETRY_MODES, oom_guard
+from ..model.attention import explain_backend
 from ..model.borrowed import borrow_wan_model
 from ..sampling.runner import FastOptions
 from ..sampling.sampler import PATHS, generator_noise, sample_causal
@@ -103,6 +105,18 @@ def positive_context(guider) -> torch.Tensor:
                      "in the guider")
 
 
+def positive_schedule(guider) -> dict:
+    """The prompt-switch arguments of ``sample_causal`` when the guider's positive conditioning comes from Wan Accel
+    Prompt Schedule ({} otherwise): the schedule, its texts' embeddings and the re-cache mode."""
+    from .prompt_nodes import SCHEDULE_KEY
+    for cond in (getattr(guider, "conds", None) or {}).get("positive") or []:
+        found = cond.get(SCHEDULE_KEY) if isinstance(cond, dict) else None
+        if found is not None:
+            return {"prompt_schedule": found["schedule"], "prompt_embeddings": dict(found["embeddings"]),
+                    "recache": found.get("recache", "switch")}
+    return {}
+
+
 def native_compile_settings(guider, transformer_options: dict):
     """The compile settings Apply Compile (native Wan) put on this MODEL (its APPLY_MODEL wrapper carries its
     handle), or None. The engine compiles its own blocks with them: it calls the layers, not ComfyUI's blocks."""
@@ -171,6 +185,17 @@ def _guard(engine, dm, shape, frames_per_block: int, mode: str):
     return chunk_guard
 
 
+def _memory_manager(guider):
+    """Who manages the memory of ComfyUI's model (memory/offload.py): when ComfyUI loaded it partially or dynamic
+    VRAM holds it, the out-of-memory retry does not swap its blocks (ComfyUI moves those weights itself)."""
+    manager = memory_manager(getattr(guider, "model_patcher", None))
+    if manager.who == PACK:        # no patcher to read: ComfyUI's model as loaded, the retry may swap
+        manager = manager._replace(who=COMFY_FULL)
+    if not manager.swap_allowed:
+        manager.log_once(guider.inner_model)
+    return manager
+
+
 def _progress(callback, sigmas, step_callback=None):
     from ._comfy import progress_and_interrupt
     _, interrupt = progress_and_interrupt()
@@ -191,12 +216,14 @@ def _progress(callback, sigmas, step_callback=None):
 
 def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=None, frames_per_block: int = 3,
                      kv_window: int = -1, sink: int = 0, path: str = "auto", cuda_graphs: bool = True,
-                     oom_retry: str = "auto", step_callback=None, report: dict | None = None, **_):
+                     oom_retry: str = "auto", step_callback=None, report: dict | None = None, attention: str = "auto",
+                     **_):
     """KSAMPLER function: chunk-autoregressive sampling of x [B, C, T, H, W] over ``sigmas``. A frame count that is
     not whole blocks ends with a shorter block, as core's sampler. The sigmas are read from the device once.
     ``oom_retry`` ('auto': CUDA only, 'on', 'off'): on out of memory in a block, swap more of ComfyUI's blocks to
     the host and redo the block. ``step_callback(chunk, step, chunks, steps, x0)`` (profiling) and ``report``
-    (a dict: what the run did, with ``fused_qkv_off``, why q/k/v ran as three GEMMs) are for tools."""
+    (a dict: what the run did, with ``fused_qkv_off``, why q/k/v ran as three GEMMs, and ``attention``) are for
+    tools. ``attention``: the backend request of model/attention.py ('auto', 'sdpa', 'int8', ...), on both paths."""
     extra_args = extra_args or {}
     if x.ndim != 5:
         raise ValueError(f"Wan Accel AR Sampler needs a video latent [B, C, T, H, W]; got shape {tuple(x.shape)}. "
@@ -211,7 +238,11 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     check_native_model(base)
     seed = check_native_run(base, tuple(x.shape), device, frames_per_block, kv_window, sink,
                             extra_args.get("seed", 0) or 0)
-    engine = engine_for(base, device)
+    engine = engine_for(base, device).set_attention_backend(attention)     # the reference path reads it too
+    attention_used, attention_reason = explain_backend(attention, device, engine.compute_dtype,
+                                                       engine.config.head_dim)
+    if attention_used == "int8":
+        log.info("wan_accel: native sampler: attention %s", attention_reason)
     dm = base.diffusion_model
     options = extra_args.get("model_options", {}).get("transformer_options", {})
     multiplier = float(getattr(getattr(base, "model_sampling", None), "multiplier", 1000.0))
@@ -230,16 +261,19 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     swapped = swap_before is not None       # Wan Block Swap streams weights between calls
     fused_off = _qkv_fusion(engine, swapped)
     fast = FastOptions(fused_qkv=fused_off is None, cuda_graphs="auto" if cuda_graphs and not swapped else "off")
-    guard = _guard(engine, dm, tuple(noise.shape), int(frames_per_block), oom_retry)
+    manager = _memory_manager(guider)
+    guard = _guard(engine, dm, tuple(noise.shape), int(frames_per_block), oom_retry) if manager.swap_allowed else None
     run = {} if report is None else report
     try:
         out = sample_causal(engine, context, noise, schedule, int(frames_per_block), generator=gen,
                             noise_provider=provider, kv_window=int(kv_window), sink=int(sink),
                             callback=_progress(callback, sigmas, step_callback), path=path, fast_options=fast,
-                            prefix=prefix, chunk_guard=guard, report=run, partial_last_block=True)
+                            prefix=prefix, chunk_guard=guard, report=run, partial_last_block=True,
+                            **positive_schedule(guider))
     finally:
         engine.unfuse_qkv()                 # ComfyUI may move or patch its weights before the next run
         if swap_before is None and active_swap(dm) is not None:
             ensure_block_swap(dm, None)     # a retry's swap: ComfyUI's model is not left patched
     run["fused_qkv_off"] = fused_off
+    run.setdefault("attention", attention_used)
     return out.movedim(1, 2).to(dtype=x.dtype, device=x.device)

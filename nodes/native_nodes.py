@@ -19,6 +19,7 @@ class WanAccelARSampler:
 
     @classmethod
     def INPUT_TYPES(cls):
+        from ..model.attention import BACKENDS
         from ..sampling.sampler import PATHS
         return {"required": {
             "frames_per_block": ("INT", {"default": 3, "min": 1, "max": 64, "tooltip":
@@ -33,18 +34,26 @@ class WanAccelARSampler:
                      "results within rounding). reference: one plain model call per step."}),
             "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip":
                             "Replay CUDA graphs on the optimized path (off: plain launches, for debugging)."}),
+        }, "optional": {
+            "attention": (list(BACKENDS), {"default": "auto", "tooltip":
+                          "auto: FlashAttention 3 / 2 where installed and supported, else torch SDPA (exact). "
+                          "int8 (opt-in): SageAttention-style int8 Q/K (comfy-kitchen's kernel on CUDA, the "
+                          "pack's torch version elsewhere), close to exact but not equal (README: Fidelity)."}),
         }}
 
-    def get_sampler(self, frames_per_block=3, kv_window=-1, sink=0, path="auto", cuda_graphs=True):
+    def get_sampler(self, frames_per_block=3, kv_window=-1, sink=0, path="auto", cuda_graphs=True, attention="auto"):
         import comfy.samplers
+        from ..model.attention import BACKENDS
         from ..sampling.sampler import PATHS, check_window
         from .native_engine import sample_wan_accel
         if path not in PATHS:
             raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
+        if attention not in BACKENDS:
+            raise ValueError(f"attention must be one of {list(BACKENDS)}, got {attention!r}")
         if kv_window > 0:
             check_window(10 ** 6, frames_per_block, kv_window, sink)
         options = {"frames_per_block": int(frames_per_block), "kv_window": int(kv_window), "sink": int(sink),
-                   "path": path, "cuda_graphs": bool(cuda_graphs)}
+                   "path": path, "cuda_graphs": bool(cuda_graphs), "attention": attention}
         return (comfy.samplers.KSAMPLER(sample_wan_accel, extra_options=options),)
 
 

@@ -254,7 +254,8 @@ def _have_av() -> bool:
 class MatrixGame2PlaySave:
     DESCRIPTION = ("Saves a Matrix-Game-2 play session to the output folder: the video (mp4, or animated WEBP), the "
                    "Game Actions script that reproduces it exactly with the session's seed, and its LATENT "
-                   "(.latent, as Save Latent writes it). Works after the session ended, too.")
+                   "(.latent, as Save Latent writes it). Works after the session ended, too. A CausalWan Prompt Play "
+                   "session is saved the same way, with its prompt schedule as the script.")
     CATEGORY = "wan_accel/matrix_game2"
     FUNCTION = "save"
     OUTPUT_NODE = True

@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..model.attachments import model_signature
 from ..model.kv_cache import KVCache
-from .sampler import _as_schedule, sample_causal
+from .prompts import PromptSchedule
+from .sampler import _as_schedule, chunk_plan, sample_causal
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class SamplerState:
     generator: tuple
     actions: dict | None = None
     extra: dict | None = None       # what other floors keep with the state (the streaming decoder's walk)
+    last_context: Any = None        # the raw text context of the last chunk (a different next one is a switch)
+    history: torch.Tensor | None = None   # clean latents [B, H, C, H, W] float32 of the last H frames (the window)
 
     def describe(self) -> str:
         s = self.settings
@@ -45,7 +49,8 @@ class SamplerState:
     def to(self, device) -> "SamplerState":
         """The state with its cache tensors on ``device`` (e.g. the CPU between prompts); values unchanged."""
         return dataclasses.replace(self, kv=copy_cache(self.kv, device=device),
-                                   actions=_actions_to(self.actions, device))
+                                   actions=_actions_to(self.actions, device),
+                                   last_context=_to(self.last_context, device), history=_to(self.history, device))
 
 
 def copy_cache(src: KVCache, dst: KVCache | None = None, device=None) -> KVCache:
@@ -68,6 +73,10 @@ def copy_cache(src: KVCache, dst: KVCache | None = None, device=None) -> KVCache
         b.v[:, :n].copy_(a.v[:, :n])
     dst.end = src.end
     return dst
+
+
+def _to(t, device):
+    return t.to(device) if isinstance(t, torch.Tensor) else t
 
 
 def _actions_to(actions, device):
@@ -158,14 +167,36 @@ def check_state(state, settings: dict) -> None:
 
 
 def capture(settings: dict, frames: int, kv: KVCache, generator: torch.Generator, actions=None,
-            device=None, copy: bool = True) -> SamplerState:
+            device=None, copy: bool = True, last_context=None, history=None) -> SamplerState:
     """The state after ``frames`` latent frames: a copy (the caller's buffers may be reused), or with ``copy``
     False the caller's caches themselves (an owner that goes on from it in place, and only once)."""
     if not copy:
         return SamplerState(dict(settings), int(frames), kv, (str(generator.device), generator.get_state().clone()),
-                            dict(actions) if actions is not None else None)
+                            dict(actions) if actions is not None else None, last_context=last_context,
+                            history=history)
     return SamplerState(dict(settings), int(frames), copy_cache(kv, device=device),
-                        (str(generator.device), generator.get_state().clone()), _actions_to(actions, device))
+                        (str(generator.device), generator.get_state().clone()), _actions_to(actions, device),
+                        last_context=_to(last_context, device), history=_to(history, device))
+
+
+def window_history(kv_window: int, earlier, new: torch.Tensor) -> torch.Tensor:
+    """The clean latents a re-cache may read after these frames: the last ``kv_window`` frames (all of them with a
+    global cache)."""
+    frames = new if earlier is None else torch.cat([earlier.to(new.device), new], dim=1)
+    return frames[:, -kv_window:] if 0 < kv_window < frames.shape[1] else frames
+
+
+def last_chunk_context(context, num_frames: int, frames_per_block: int, kwargs: dict):
+    """The raw context of the last chunk of a run of ``num_frames`` frames (a schedule's, the last of the chunk
+    contexts, or the one context)."""
+    if kwargs.get("chunk_contexts") is not None:
+        return kwargs["chunk_contexts"][-1]
+    if kwargs.get("prompt_schedule") is not None:
+        plan = chunk_plan(num_frames, frames_per_block, kwargs.get("independent_first_frame", False),
+                          kwargs.get("partial_last_block", False))
+        sched = PromptSchedule.coerce(kwargs["prompt_schedule"])
+        return sched.contexts(kwargs.get("prompt_embeddings") or {}, len(plan))[-1]
+    return context
 
 
 def restore_generator(state: SamplerState, device) -> torch.Generator:
@@ -186,7 +217,10 @@ def sample_continuable(model, context, num_frames: int, height: int, width: int,
     ``state`` stopped (seed unused: the noise goes on from the state's generator). Returns (latents of the new frames
     [B, n, C, H, W] float32, the state after them or None when ``keep_state`` is off). ``state_device``: where the
     returned state's caches live (default: the model's device). kwargs go to ``sample_causal`` (callback, on_chunk,
-    path, fast_options, report, chunk_guard; independent_first_frame for a first run)."""
+    path, fast_options, report, chunk_guard; independent_first_frame for a first run; prompt_schedule with
+    prompt_embeddings, recache, cache_policy). The state keeps the last chunk's context and the window's clean
+    latents: a continued run whose context differs from the state's switches the prompt at its first chunk (with
+    its re-cache), so chunk-by-chunk runs with prompt changes equal one run with the schedule they followed."""
     settings = run_settings(model, batch, height, width, schedule, frames_per_block, kv_window, sink, refresh_t)
     c = model.config
     frame_tokens = (height // c.patch_size[1]) * (width // c.patch_size[2])
@@ -209,10 +243,20 @@ def sample_continuable(model, context, num_frames: int, height: int, width: int,
     else:
         copy_cache(state.kv, kv)
         gen = restore_generator(state, model.device)
+        kwargs.setdefault("previous_context", state.last_context)      # a new prompt here is a switch
+        kwargs.setdefault("history", None if state.history is None else state.history.to(model.device))
+    if kwargs.get("prompt_schedule") is not None:      # the schedule of the whole video: its part up to here
+        plan = chunk_plan(num_frames, frames_per_block, kwargs.get("independent_first_frame", False),
+                          kwargs.get("partial_last_block", False))
+        kwargs["prompt_schedule"] = PromptSchedule.coerce(kwargs["prompt_schedule"]).until(len(plan))
     shape = (batch, num_frames, c.out_dim, height, width)
+    last = last_chunk_context(context, num_frames, frames_per_block, kwargs) if keep_state else None
     out = sample_causal(model, context, shape, schedule, frames_per_block, generator=gen, kv_window=kv_window,
                         sink=sink, refresh_t=refresh_t, kv_cache=kv, start_frame=start, **kwargs)
-    new_state = capture(settings, num_frames, kv, gen, device=state_device) if keep_state else None
+    new_state = None
+    if keep_state:
+        history = window_history(kv_window, None if state is None else state.history, out)
+        new_state = capture(settings, num_frames, kv, gen, device=state_device, last_context=last, history=history)
     return out, new_state
 
 

@@ -10,20 +10,31 @@ An executor runs the model calls: ``EagerExecutor`` calls ``model.forward_chunk`
 visible, a patched or whole-compiled ``forward_chunk`` honoured); the optimized ``runner.Run`` replays CUDA graphs
 over static buffers. Both use the model's one block forward; the loop, the schedule, the noise order, the refresh
 pass, the rolling window and the hooks are the same for both, and for text-to-video and Matrix-Game-2 alike.
+
+Before each chunk, ``recache.PromptSwitcher`` follows the run's per-chunk contexts (a prompt schedule): at a switch
+the executor takes the new prompt and, LongLive-style, the window's KV is re-cached; a cache policy runs there too.
 """
 from __future__ import annotations
 
 import torch
 
 from ..model.kv_cache import CrossAttnCache, KVCache
+from .recache import PromptSwitcher, text_batch
 from .request import SamplingHooks, SamplingInputs, SamplingRequest
 from .scheduler import FlowMatchScheduler
 
+__all__ = ["EagerExecutor", "run_chunks", "text_batch"]
 
-def text_batch(context, batch: int):
-    if isinstance(context, torch.Tensor) and context.dim() == 3 and context.shape[0] == 1 and batch > 1:
-        return context.expand(batch, -1, -1)
-    return context
+
+class _Rewrite:
+    """A KV cache whose next ``plan`` is a rewrite of cached tokens (``KVCache.rewrite``): the re-cache pass of
+    ``forward_chunk``, which plans its own writes."""
+
+    def __init__(self, kv: KVCache):
+        self.kv, self.layers = kv, kv.layers
+
+    def plan(self, start: int, num_tokens: int):
+        return self.kv.rewrite(start, num_tokens)
 
 
 class EagerExecutor:
@@ -43,9 +54,22 @@ class EagerExecutor:
     def begin_chunk(self, start_frame: int, frames: int):
         return None                 # forward_chunk plans its own cache writes
 
+    def begin_recache(self, start_frame: int, frames: int):
+        return None                 # forward("recache") plans a rewrite of the cached frames
+
+    def set_text(self, embedded) -> None:
+        """Condition the next calls on ``embedded`` (an EmbeddedText): the cross-attention cache is dropped."""
+        self.text = embedded
+        self.cross.reset()
+
+    def reset_self_kv(self) -> None:
+        """Empty the self-attention cache (its next write starts at token 0)."""
+        self.kv.reset()
+
     def forward(self, kind: str, xt, t: float, start_frame: int, step, y=None, want_output: bool = True):
         tt = torch.full(xt.shape[:2], t, dtype=torch.float32, device=xt.device)
-        return self.model.forward_chunk(xt, tt, self.text, self.kv, self.cross, start_frame * self.req.frame_tokens,
+        kv = _Rewrite(self.kv) if kind == "recache" else self.kv
+        return self.model.forward_chunk(xt, tt, self.text, kv, self.cross, start_frame * self.req.frame_tokens,
                                         clip_fea=self.image, y=y, return_output=want_output, **self.extra)
 
     def on_oom(self) -> None:
@@ -65,21 +89,22 @@ def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, ho
     ok = False
     try:
         with torch.no_grad():
-            text = model.embed_text(text_batch(inputs.context, req.batch))
-            executor.prepare(text, inputs.clip_fea, steps + [float(req.refresh_t)], req.batch)
             # the frames this run makes (a continued run starts at its first chunk: memory flat in video length)
             base = 0 if inputs.prefix is not None or not req.chunks else req.chunks[0][0]
             out = torch.empty((req.shape[0], req.shape[1] - base) + tuple(req.shape[2:]), dtype=torch.float32,
                               device=device)
+            prompts = PromptSwitcher(model, executor, req, inputs, out, base)
+            executor.prepare(prompts.text, inputs.clip_fea, steps + [float(req.refresh_t)], req.batch)
             if inputs.prefix is not None:
                 _prefix(executor, req, inputs.prefix.to(device, req.latent_dtype), out)
             for ci, (f0, n) in enumerate(req.chunks):
+                pos = prompts.before_chunk(ci, f0, n).position    # a prompt switch (re-cache), the cache policy
                 state = gen.get_state() if gen is not None and hooks.chunk_guard is not None else None
 
                 def attempt(ci=ci, f0=f0, n=n, state=state):
                     if state is not None:
                         gen.set_state(state)
-                    return _chunk(executor, req, inputs, hooks, ci, f0, n, device)
+                    return _chunk(executor, req, inputs, hooks, ci, f0, n, device, pos)
 
                 x0 = attempt() if hooks.chunk_guard is None else hooks.chunk_guard(attempt, executor.on_oom)
                 out[:, f0 - base:f0 - base + n] = x0.float()
@@ -88,6 +113,8 @@ def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, ho
         ok = True
     finally:
         report = executor.finish(ok)
+    if prompts.switches:
+        report["prompt_switches"] = prompts.switches
     return out, report
 
 
@@ -100,11 +127,12 @@ def _prefix(executor, req: SamplingRequest, prefix: torch.Tensor, out: torch.Ten
 
 
 def _chunk(executor, req: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks, ci: int, f0: int, n: int,
-           device):
+           device, pos: int | None = None):
     sched, tracer, callback = req.schedule, hooks.tracer, hooks.callback
     steps = sched.timesteps
-    start = f0 * req.frame_tokens
-    step = executor.begin_chunk(f0, n)             # one write plan for every call of the chunk
+    at = f0 if pos is None else pos                # the model's frame position (a cache policy may cap it)
+    start = at * req.frame_tokens
+    step = executor.begin_chunk(at, n)             # one write plan for every call of the chunk
     y = None
     if inputs.y is not None:                        # all frames, or (continuing) the frames from the first chunk on
         off = req.shape[1] - inputs.y.shape[1]
@@ -117,7 +145,7 @@ def _chunk(executor, req: SamplingRequest, inputs: SamplingInputs, hooks: Sampli
     x0 = None
     last = len(steps) - 1
     for k, t in enumerate(steps):
-        flow = executor.forward("denoise", xt, t, f0, step, y=y)
+        flow = executor.forward("denoise", xt, t, at, step, y=y)
         x0 = FlowMatchScheduler.to_x0(xt, flow, sched.x0_sigmas[k])
         if tracer is not None:
             tracer(dict(chunk=ci, kind="denoise", step=k, current_start=start, t=t, xt=xt, flow=flow.clone(), x0=x0))
@@ -128,7 +156,7 @@ def _chunk(executor, req: SamplingRequest, inputs: SamplingInputs, hooks: Sampli
             a, s = sched.renoise[k + 1]
             xt = FlowMatchScheduler.renoise(x0, eps, a, s, dtype=xt.dtype)
     if req.refreshes(ci):
-        flow = executor.forward("refresh", x0, float(req.refresh_t), f0, step, y=y, want_output=tracer is not None)
+        flow = executor.forward("refresh", x0, float(req.refresh_t), at, step, y=y, want_output=tracer is not None)
         if tracer is not None:
             ctx = FlowMatchScheduler.to_x0(x0, flow, sched.x0_sigma_at(req.refresh_t))
             tracer(dict(chunk=ci, kind="context", step=None, current_start=start, t=req.refresh_t, xt=x0,

@@ -77,7 +77,14 @@ class SamplingInputs:
     """The run's tensors: context [B or 1, L, text_dim] (or an EmbeddedText); noise [B, F, C, H, W] or None (drawn
     per chunk from noise_provider); y / clip_fea conditioning; model_kwargs extra forward arguments (``actions``);
     kv_cache a caller-made KVCache; prefix clean first frames [B, P, C, H, W] put in the cache before the first chunk;
-    generator the seeded generator the noise comes from (rewound on retries)."""
+    generator the seeded generator the noise comes from (rewound on retries).
+
+    Prompt switching (``recache.py``): chunk_contexts the raw context of every chunk of the run (None: ``context`` for
+    all); recache 'switch' (LongLive: re-cache the window's self-attention KV under the new prompt at every switch)
+    or 'none' (only the cross-attention cache follows the prompt); cache_policy an object whose
+    ``before_chunk(state)`` runs before every chunk; previous_context the raw context in effect before the first
+    chunk (a continued run: its state's), history the clean latents [B, H, C, H, W] float32 of the H frames just
+    before the run's first chunk (what a re-cache at the first chunk reads)."""
     context: Any
     noise: torch.Tensor | None
     noise_provider: Callable
@@ -87,3 +94,8 @@ class SamplingInputs:
     model_kwargs: dict = dataclasses.field(default_factory=dict)
     kv_cache: Any = None
     prefix: torch.Tensor | None = None
+    chunk_contexts: list | None = None
+    cache_policy: Any = None
+    recache: str = "switch"
+    previous_context: Any = None
+    history: torch.Tensor | None = None

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import use_triton
+from ..kernels.candidates import check_mode as check_ops_mode
+from ..kernels.candidates import mode_problem as ops_mode_problem
 from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, seq_parallel_of,
                                  swapped_blocks)
 from ..model.attention import explain_backend
@@ -59,6 +61,10 @@ class FastOptions:
     switched_off:      features that failed their self-check on this machine (``app/doctor/core.py``): names such as
                        'attention.fa3', 'attention.fa2', 'kernel.<name>', 'fused_qkv', 'cuda_graphs'; each is
                        replaced by its plain fallback and everything else stays on.
+    ops:               which implementation runs LayerNorm+modulate and RMSNorm+RoPE (kernels/candidates.py):
+                       'auto' (where the fused kernels run: the operator store's fastest verified one among the
+                       pack's kernel, comfy-kitchen's backends and torch; elsewhere plain torch ops as before) |
+                       'pack' | 'kitchen' (comfy-kitchen, an optional extra) | 'torch'.
     """
     attention: str | None = None
     fused_qkv: bool = True
@@ -70,8 +76,10 @@ class FastOptions:
     max_graphs: int = 64
     latent_dtype: str = "float32"
     switched_off: frozenset = frozenset()
+    ops: str = "auto"
 
     def __post_init__(self):
+        check_ops_mode(self.ops)
         object.__setattr__(self, "switched_off", frozenset(self.switched_off or ()))
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
@@ -131,6 +139,22 @@ def kernels_part(options: FastOptions, device):
         return False
     kept = tuple(k for k in KERNEL_NAMES if f"kernel.{k}" not in options.switched_off)
     return True if len(kept) == len(KERNEL_NAMES) else (kept or False)
+
+
+def ops_part(options: FastOptions, device, kernels) -> tuple:
+    """BlockParts.ops for a run: () where 'auto' leaves it to ``kernels`` (the fused kernels do not run here or
+    are turned off), else (mode, *switched off 'op:candidate'): the pack's kernels the doctor switched off and
+    the candidates named 'op.<op>.<candidate>' in ``switched_off``. An explicit mode that cannot run here is a
+    ValueError naming the fix."""
+    mode = options.ops
+    if mode == "auto" and not kernels:
+        return ()
+    problem = ops_mode_problem(mode, device)
+    if problem:
+        raise ValueError(problem)
+    off = [f"{k}:pack" for k in ("layernorm_modulate", "rmsnorm_rope") if f"kernel.{k}" in options.switched_off]
+    off += sorted(n[len("op."):].replace(".", ":", 1) for n in options.switched_off if n.startswith("op."))
+    return (mode, *off)
 
 
 def get_runner(model) -> "FastRunner":
@@ -251,7 +275,7 @@ class FastRunner:
             sess.graphs.release()
             sess.graphs = None
         kernels = kernels_part(options, device)
-        parts = BlockParts(backend, kernels, bool(options.fused_qkv))
+        parts = BlockParts(backend, kernels, bool(options.fused_qkv), ops_part(options, device, kernels))
         self.runs += 1
         return Run(self, options, sess, parts, actions, frame_tokens, info={
             "path": "optimized", "attention": backend, "attention_reason": backend_reason,
@@ -279,6 +303,7 @@ class Run:
         self.parts, self.actions, self.frame_tokens, self.info = parts, actions, frame_tokens, info
         self.emb: dict = {}
         self.cross: list = []
+        self.image = None
 
     @property
     def kv(self) -> KVCache:
@@ -317,12 +342,26 @@ class Run:
 
     def prepare(self, text, clip_fea, timesteps, batch: int) -> None:
         """text: the embedded prompt (EmbeddedText); clip_fea: raw image features or None."""
-        self.set_prompt(text.tensor, self.model.embed_image(clip_fea))
+        self.image = self.model.embed_image(clip_fea)
+        self.set_prompt(text.tensor, self.image)
         self.embed_timesteps(timesteps, batch)
+
+    def set_text(self, embedded) -> None:
+        """A prompt switch: the cross-attention K/V of ``embedded`` (EmbeddedText) replace the previous prompt's (in
+        the same static buffers when the shapes agree, so captured graphs stay valid)."""
+        self.set_prompt(embedded.tensor, self.image)
+
+    def reset_self_kv(self) -> None:
+        """Empty the self-attention cache (its next write starts at token 0)."""
+        self.kv.reset()
 
     def begin_chunk(self, start_frame: int, frames: int):
         """The chunk's KV write plan (host ints + device slot index), shared by every call of the chunk."""
         return self.kv.plan(start_frame * self.frame_tokens, frames * self.frame_tokens)
+
+    def begin_recache(self, start_frame: int, frames: int):
+        """The write plan of a re-cache: the cached frames [start_frame, start_frame + frames) rewritten in place."""
+        return self.kv.rewrite(start_frame * self.frame_tokens, frames * self.frame_tokens)
 
     # ------------------------------------------------------------------ forward
     def _layer_calls(self, step, seq=None) -> list:
@@ -372,7 +411,7 @@ class Run:
             graphs.disable("block swap moves weights between calls")
             self.sess.graphs = graphs = None
             self.info.update(cuda_graphs=False, cuda_graphs_reason="block swap moves weights between calls")
-        if graphs is None:
+        if graphs is None or kind == "recache":     # a re-cache is rare and of its own shape: never graphed
             return self._forward(inp, start_frame, step, want_output, lean)
         key = (kind, want_output, lean, tuple(xt.shape), xt.dtype, step, self.parts)
         # the denoise and refresh calls of one chunk share a warm key: a refresh (once per chunk) is graphed at its

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 
 import torch
 
@@ -12,6 +13,8 @@ from ..cache import open_cache
 from ..model.kv_cache import KVCache
 from ..model.rope import check_positions
 from .loop import EagerExecutor, run_chunks, text_batch
+from .prompts import PromptSchedule
+from .recache import RECACHE_MODES
 from .request import SamplingHooks, SamplingInputs, SamplingRequest
 from .runner import FastOptions, get_runner
 from .scheduler import Schedule, resolve_schedule
@@ -97,7 +100,9 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
                   independent_first_frame: bool = False, tracer=None, on_chunk=None, clip_fea=None, y=None,
                   kv_cache: KVCache | None = None, model_kwargs: dict | None = None, path: str = "auto",
                   fast_options=None, report: dict | None = None, chunk_guard=None, cache=None, prefix=None,
-                  start_frame: int = 0, partial_last_block: bool = False):
+                  start_frame: int = 0, partial_last_block: bool = False, prompt_schedule=None,
+                  prompt_embeddings: dict | None = None, recache: str = "switch", cache_policy=None,
+                  chunk_contexts: list | None = None, previous_context=None, history=None):
     """Sample latents [B, F, C, H, W] (float32) from initial noise [B, F, C, H, W].
 
     noise may also be just the shape (B, F, C, H, W): each chunk's initial noise is then drawn from the noise
@@ -124,11 +129,33 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     [B, F - start_frame, C, H, W]; ``kv_cache`` must then hold frames [0, start_frame) and the generator be where
     the earlier frames left it (``continuation.sample_continuable`` does both: continue a video later).
     partial_last_block: accept a frame count that is not whole chunks; the last chunk is shorter (``chunk_plan``).
+    prompt_schedule: a ``prompts.PromptSchedule`` (or its text) over the chunks of the whole F-frame plan, with
+    prompt_embeddings {text: raw context [B or 1, L, text_dim]} for every text of it (``context`` is then unused);
+    chunk_contexts: the raw context of each chunk of this run, given directly. recache: 'switch' (LongLive: re-cache
+    the window's KV at every switch) or 'none'; cache_policy: ``before_chunk(state)`` before every chunk (see
+    ``recache.py``). previous_context / history: a continued run's context in effect before its first chunk and the
+    clean latents of the frames before it (``continuation.sample_continuable`` passes both).
     """
+    if recache not in RECACHE_MODES:
+        raise ValueError(f"recache must be one of {RECACHE_MODES}, got {recache!r}")
+    if prompt_schedule is not None and chunk_contexts is not None:
+        raise ValueError("give a prompt schedule or chunk contexts, not both")
     req, inputs = resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider,
                                   kv_window, sink, skip_last_refresh, refresh_t, independent_first_frame, tracer,
                                   clip_fea, y, kv_cache, model_kwargs, path, fast_options, prefix, start_frame,
                                   partial_last_block)
+    if prompt_schedule is not None:
+        chunk_contexts, prev = schedule_contexts(prompt_schedule, prompt_embeddings, req, frames_per_block,
+                                                 start_frame, independent_first_frame)
+        previous_context = previous_context if previous_context is not None else prev
+    if chunk_contexts is not None:
+        if len(chunk_contexts) != len(req.chunks):
+            raise ValueError(f"{len(chunk_contexts)} chunk contexts for the {len(req.chunks)} chunks of this run; "
+                             f"give one per chunk")
+        context = chunk_contexts[0]
+    inputs = dataclasses.replace(inputs, context=context, chunk_contexts=None if chunk_contexts is None else list(chunk_contexts),
+                                 cache_policy=cache_policy, recache=recache, previous_context=previous_context,
+                                 history=history)
     hooks = SamplingHooks(callback, on_chunk, tracer, chunk_guard)
     if report is not None:
         report["path"] = req.path
@@ -143,6 +170,23 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     if report is not None:
         report.update(info, skipped_last_refresh=req.skip_last_refresh)
     return out                                                # a continued run: its new frames only
+
+
+def schedule_contexts(schedule, embeddings, req: SamplingRequest, frames_per_block: int, start_frame: int = 0,
+                      independent_first_frame: bool = False) -> tuple:
+    """(raw context of each chunk of ``req``, of the chunk before its first or None) from a prompt schedule over
+    the chunks of the whole plan (a continued run's request holds the chunks from ``start_frame`` on)."""
+    schedule = PromptSchedule.coerce(schedule)
+    if not isinstance(embeddings, dict):
+        raise ValueError("a prompt schedule needs prompt_embeddings: {text: context [B or 1, L, text_dim]} for every "
+                         "text of schedule.texts()")
+    skip = 0
+    if start_frame:
+        skip = len(chunk_plan(start_frame, frames_per_block, independent_first_frame, partial_last=True))
+    total = skip + len(req.chunks)
+    schedule.validate(total)
+    contexts = schedule.contexts(embeddings, total)
+    return contexts[skip:], contexts[skip - 1] if skip else None
 
 
 def resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider, kv_window, sink,

@@ -18,8 +18,12 @@ MAX_SHIFT = 100.0          # shifts beyond this squeeze every step against sigma
 PRESETS = {
     "self_forcing": {"steps": [1000, 750, 500, 250], "shift": 5.0, "warp": True},
     "causvid": {"steps": [1000, 757, 522], "shift": 8.0, "warp": False},
+    "longlive": {"steps": [1000, 750, 500, 250], "shift": 5.0, "warp": True},
 }
-PRESET_NAMES = ("self_forcing", "causvid", "custom")
+PRESET_NAMES = ("self_forcing", "causvid", "longlive", "custom")
+# the chunking a preset's model was made for (latent frames): LongLive v1.0 (configs/longlive_*inference.yaml)
+# samples 3-frame blocks with a local attention window of 12 frames, 3 of them sink frames
+PRESET_CHUNKING = {"longlive": {"frames_per_block": 3, "kv_window": 12, "sink": 3}}
 
 
 class FlowMatchScheduler:

@@ -8,13 +8,17 @@
 //    one chunk. Pause stops asking; Resume goes on. Save queues MatrixGame2PlaySave (the
 //    video, the Game Actions script, the latent). End frees the session's memory at once; a session nobody plays
 //    or watches is freed by the server after its idle timeout (the panel tells the server it is watching).
+// A prompt play session (CausalWan Prompt Play Session, a causal text-to-video model) plays the same way with a
+// text box instead of keys: each chunk is asked for with the prompt in the box (CausalWanPromptPlayStep), which takes
+// effect at that chunk; Save writes the video and the prompt schedule that reproduces it.
 // window.__wanAccelPlay keeps what was sent and what arrived, read by the end-to-end check.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { callJson, el, toast as toastFor } from "./wan_accel.js";
 
 const EVENT = "wan_accel.play";
-const SESSION_NODE = "MatrixGame2PlaySession";
+const SESSION_NODES = ["MatrixGame2PlaySession", "CausalWanPromptPlaySession"];
+const isText = () => S.info?.type === "t2v";
 const HEARTBEAT_MS = 20000;
 const DRAG_PER_PX = 0.002;          // camera motion per pixel dragged during a chunk (50 px -> 0.1, the demos' value)
 const DRAG_MAX = 0.3;
@@ -107,11 +111,12 @@ async function loop() {
 async function steps() {
   while (S.playing && S.session && !S.info?.ended) {
     const chunk = S.info.chunks;
-    const acts = takeActions();
+    const acts = isText() ? { prompt: (S.promptEl?.value || "").trim() } : takeActions();
     const asked = performance.now();
     let promptId;
     try {
-      promptId = await queueNode("MatrixGame2PlayStep", { session: S.session, chunk, ...acts });
+      promptId = await queueNode(isText() ? "CausalWanPromptPlayStep" : "MatrixGame2PlayStep",
+                                 { session: S.session, chunk, ...acts });
     } catch (e) {
       log.errors.push(String(e.message || e));
       toast("error", "Play", String(e.message || e));
@@ -157,6 +162,7 @@ api.addEventListener(EVENT, (ev) => {
   }
   if (d.session !== S.session) return;
   if (d.kind === "chunk") {
+    if (d.prompt !== undefined) S.info.prompt = d.prompt;
     log.chunks.push({ t: performance.now(), chunk: d.chunk, action: d.action, frames: (d.frames || []).length,
                       latency_s: d.latency_s, decode_s: d.decode_s });
     S.info.chunks = d.chunk + 1;
@@ -263,10 +269,10 @@ function adopt(session, info) {
 }
 
 async function startSession() {
-  const node = app.graph?.nodes?.find((n) => n.type === SESSION_NODE);
+  const node = app.graph?.nodes?.find((n) => SESSION_NODES.includes(n.type));
   if (!node) {
-    toast("warn", "Play", "Add a 'Matrix-Game-2 Play Session' node to the graph (or load the matrix_game2_play " +
-                          "workflow), then press Start session.");
+    toast("warn", "Play", "Add a 'Matrix-Game-2 Play Session' or 'CausalWan Prompt Play Session' node to the graph " +
+                          "(or load the matrix_game2_play / longlive_prompt_switch workflow), then press Start session.");
     return;
   }
   if (S.session && !S.info?.ended) await endSession();   // its caches and model go before the new ones load
@@ -326,14 +332,20 @@ function render() {
                          "that reproduces it and the latent to the output folder" }, "Save"),
     end: el("button", { style: BUTTON, onclick: endSession, title: "End the session and free its memory" }, "End"),
   };
+  S.promptEl = isText() ? el("input", { type: "text", class: "wan-accel-play-prompt", value: S.info.prompt || "",
+    placeholder: "type a prompt: it takes effect at the next chunk",
+    onkeydown: (ev) => ev.stopPropagation(),        // typing is not a ComfyUI shortcut
+    style: { width: "100%", boxSizing: "border-box", margin: "4px 0", fontSize: "12px" } }) : null;
   const head = el("div", { style: { display: "flex", justifyContent: "space-between", alignItems: "center" } },
-    el("b", {}, "Matrix-Game-2 play"),
+    el("b", {}, isText() ? "Prompt play" : "Matrix-Game-2 play"),
     el("span", { style: { opacity: "0.7", fontFamily: "monospace" } }, S.session ? `session ${S.session}` : ""));
-  const help = S.info
+  const help = isText()
+    ? "Type a prompt while it plays: the next chunk follows it (a mix: 'a red fox :0.7 | snow :0.3')."
+    : S.info
     ? `${S.info.mode}: hold ${S.info.keys.map((k) => (k.length === 1 ? k.toUpperCase() : k)).join(" ")}` +
       (S.info.mouse ? "; drag on the video or use the arrow keys to turn the camera" : "") + "."
-    : "Add a Matrix-Game-2 Play Session node, press Start session, then Play.";
-  box.replaceChildren(head, view, S.keysEl, el("div", { style: { opacity: "0.7", fontSize: "11px" } }, help),
+    : "Add a Matrix-Game-2 Play Session (or CausalWan Prompt Play Session) node, press Start session, then Play.";
+  box.replaceChildren(head, view, ...(S.promptEl ? [S.promptEl] : []), S.keysEl, el("div", { style: { opacity: "0.7", fontSize: "11px" } }, help),
     el("div", { style: { margin: "4px 0" } }, ...Object.values(S.buttons)), S.statusEl, S.savedEl);
   renderKeys();
   renderButtons();

@@ -148,6 +148,53 @@ def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
     return rows
 
 
+# (label, B, L, D, heads) of the side-by-side rows on a CPU: Wan 1.3B's head layout, a few frames' worth of tokens
+CPU_CANDIDATE_SHAPES = (("1.3B heads", 1, 96, 1536, 12),)
+
+
+def candidate_rows(device: str, dtype_name: str, frames: int, shapes=None) -> list[dict]:
+    """Every implementation of each op (kernels/candidates.py) side by side on ``shapes``: its error against the
+    torch reference, its time and its ratio to plain torch (on a CPU only the ratio means anything), or why it
+    cannot run here."""
+    import torch
+
+    from ...cache.autotune import cpu_timer, default_timer
+    from ...kernels import candidates as op_candidates
+
+    dtype = getattr(torch, dtype_name)
+    timer = default_timer if device == "cuda" else (lambda fn: cpu_timer(fn, repeats=5))
+    rows = []
+    for label, b, l, d, heads in shapes or (GPU_SHAPES if device == "cuda" else CPU_CANDIDATE_SHAPES):
+        l -= l % frames
+        for op in op_candidates.OPS:
+            args = _inputs(op, b, l, d, heads, frames, dtype, device)
+            ref = op_candidates.REFERENCES[op](*args)
+            t_ref = timer(lambda: op_candidates.REFERENCES[op](*args))
+            for cand, why in op_candidates.listing(op, torch.device(device)):
+                row = {"op": op, "candidate": cand.name, "shape": label, "dims": [b, l, d], "dtype": dtype_name}
+                if why is not None:
+                    rows.append(dict(row, skipped=why))
+                    continue
+                try:
+                    diff = op_candidates.verify(cand, args)
+                    ms = timer(lambda: cand.fn(*args))
+                    rows.append(dict(row, ok=True, max_err=diff, ms=ms, ratio_to_torch=t_ref / ms if ms else None,
+                                     absolute=device == "cuda"))
+                except Exception as exc:  # noqa: BLE001 - a failing candidate is a row, not a crash
+                    rows.append(dict(row, ok=False, error=f"{type(exc).__name__}: {exc}"[:300]))
+            del ref
+    return rows
+
+
+def _print_candidates(rows: list[dict]) -> None:
+    print("implementations side by side (ratio = torch time / its time; absolute times only on a GPU):")
+    for r in rows:
+        what = r.get("skipped") or (f"FAILED: {r['error']}" if not r.get("ok") else
+                                    f"max_err {r['max_err']:.2e}  x{r['ratio_to_torch']:.2f} vs torch" +
+                                    (f"  {r['ms']:.3f} ms" if r.get("absolute") else ""))
+        print(f"  {r['op']:<20}{r['candidate']:<16}{r['shape']:<12}{what}")
+
+
 def run(args) -> int:
     import torch
 
@@ -155,10 +202,11 @@ def run(args) -> int:
 
     if not torch.cuda.is_available() or triton_module() is None:
         rows = sanity_pass()
-        ok = all(r.get("ok", True) for r in rows)
+        cands = candidate_rows("cpu", "float32", args.frames)
+        ok = all(r.get("ok", True) for r in rows + cands)
         if args.json:
             print(json.dumps({"gpu": False, "message": "kernel benchmarks need a CUDA GPU",
-                              "sanity": rows, "ok": ok}, indent=2))
+                              "sanity": rows, "candidates": cands, "ok": ok}, indent=2))
         else:
             print("bench kernels: timings need a CUDA GPU with triton; ran the interpreter sanity pass instead")
             for r in rows:
@@ -167,10 +215,12 @@ def run(args) -> int:
                 else:
                     print(f"  {r['kernel']:<20} {r['dtype']:<9} max_err {r['max_err']:.2e} "
                           f"mean_err {r['mean_err']:.2e}  {'ok' if r['ok'] else 'MISMATCH'}")
+            _print_candidates(cands)
         return 0 if ok else 1
     rows = gpu_rows(args.dtype, args.frames)
+    cands = candidate_rows("cuda", args.dtype, args.frames)
     if args.json:
-        print(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "candidates": cands}, indent=2))
         return 0
     print(f"bench kernels on {torch.cuda.get_device_name()} ({args.dtype}, F={args.frames})")
     head = f"{'kernel':<20}{'shape':<12}{'torch ms':>10}{'triton ms':>11}{'x':>7}{'tune cold s':>13}" \
@@ -180,6 +230,7 @@ def run(args) -> int:
         print(f"{r['kernel']:<20}{r['shape']:<12}{r['torch_ms']:>10.3f}{r['triton_ms']:>11.3f}{r['speedup']:>7.2f}"
               f"{r['tune_cold_s']:>13.3f}{r['tune_warm_s']:>13.4f}"
               f"{str(r['benchmarks_cold']) + '/' + str(r['benchmarks_warm']):>11}{r['max_err']:>10.1e}")
+    _print_candidates(cands)
     return 0
 
 

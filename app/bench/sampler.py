@@ -8,6 +8,8 @@ One process, the same random weights (or checkpoint) and the same inputs for eve
                         lean refreshes, last refresh skipped; run dtype with the 'self_forcing' policy
   optimized-no-graphs   the same without CUDA graphs
   optimized-compiled    the same plus regional torch.compile (inductor)
+  <variant>-int8        any of these with int8 attention (``--attention int8`` adds every chosen variant's twin);
+                        vs_exact_max_abs / vs_exact_mean_abs: its latents against the exact twin's
 
 Per variant: first (warm-up) and steady seconds (median of --repeat runs), per-chunk latency, DiT-only video
 FPS, FLOPs and MFU (peak by compute capability; n/a on a CPU), peak memory and speedups. Then one more, untimed run
@@ -47,6 +49,8 @@ VARIANTS = {
     "optimized-compiled": {"path": "optimized", "dtype": None, "precision": "self_forcing", "attention": "auto",
                            "skip_last_refresh": True, "options": {}, "compile": {"backend": "inductor"}},
 }
+INT8 = "-int8"   # every variant's twin with int8 attention (opt-in): '<variant>-int8'
+VARIANTS.update({name + INT8: dict(v, attention="int8") for name, v in list(VARIANTS.items())})
 SHAPES = {  # model kind -> shape -> (config factory name, video frames, height, width)
     "wan": {"tiny": (33, 128, 128), "1.3b": (81, 480, 832)},
     "matrix-game2": {"tiny": (33, 128, 128), "1.3b": (57, 352, 640)},
@@ -66,6 +70,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per variant after one warm-up")
     parser.add_argument("--variants", help="comma list of: " + ", ".join(VARIANTS) +
                         " (default: reference, optimized; plus reference-same-dtype when the run dtype is not fp32)")
+    parser.add_argument("--attention", choices=["int8"], help="int8: also run every chosen variant with int8 "
+                        "attention ('<variant>-int8'), each row beside its exact twin (vs_exact_max_abs / mean)")
     parser.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s for MFU (default: table by capability)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
@@ -266,11 +272,24 @@ def _parity(rows: list, outputs: list, reference) -> None:
 
 def _variant_names(args, run_dtype: str) -> list:
     if args.variants:
-        return [n.strip() for n in args.variants.split(",") if n.strip()]
-    names = ["reference", "optimized"]
-    if run_dtype != "fp32":
-        names.insert(1, "reference-same-dtype")
+        names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    else:
+        names = ["reference", "optimized"]
+        if run_dtype != "fp32":
+            names.insert(1, "reference-same-dtype")
+    if getattr(args, "attention", None) == "int8":
+        names = [m for n in names for m in ((n,) if n.endswith(INT8) else (n, n + INT8))]
     return names
+
+
+def _vs_exact(rows: list, outputs: list) -> None:
+    """vs_exact_max_abs / vs_exact_mean_abs of every int8 row against its exact twin's latents (when it ran)."""
+    by_name = {r["variant"]: o for r, o in zip(rows, outputs)}
+    for r, out in zip(rows, outputs):
+        exact = by_name.get(r["variant"][:-len(INT8)]) if r["variant"].endswith(INT8) else None
+        if exact is not None:
+            diff = (out - exact).abs()
+            r["vs_exact_max_abs"], r["vs_exact_mean_abs"] = float(diff.max()), float(diff.mean())
 
 
 def _history(result: dict) -> None:
@@ -316,9 +335,10 @@ def run(args) -> int:
         inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind))
         reference = _sample(model, kind, inp, v, args.seed, None).float().cpu()
     _parity(rows, outputs, reference)
+    _vs_exact(rows, outputs)
     models.model = None
     base = rows[0]["steady_s"]
-    same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference"}
+    same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference" and r["attention"] != "int8"}
     for r in rows:
         r["speedup_vs_first"] = round(base / r["steady_s"], 3) if r["steady_s"] else None
         ref = same.get(r["dtype"])
@@ -336,6 +356,10 @@ def run(args) -> int:
     cols = ["variant", "dtype", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "tflop", "mfu",
             "speedup_vs_first", "speedup_vs_reference_same_dtype", "parity_max_abs", "parity_mean_abs",
             "ops_per_step", "host_syncs", "kv_kb_per_chunk"]
+    if any("vs_exact_max_abs" in r for r in rows):
+        cols.append("vs_exact_max_abs")
+        rows = [dict(r, vs_exact_max_abs=f"{r['vs_exact_max_abs']:.2e}" if "vs_exact_max_abs" in r else None)
+                for r in rows]
     shown = [dict(r, parity_max_abs=f"{r['parity_max_abs']:.2e}", parity_mean_abs=f"{r['parity_mean_abs']:.2e}",
                   kv_kb_per_chunk=round(max(r["kv_bytes_per_chunk"]) / 1024, 1)) for r in rows]
     table = [[str("n/a" if r[c] is None else r[c]) for c in cols] for r in shown]

@@ -240,6 +240,10 @@ class Doctor:
             return value
         diff = _finite_max(out.to(probe.dtype).float() - reference.to(probe.dtype).float())
         tol = tolerance(probe.dtype, _finite_max(reference), probe.ulps)
+        if probe.bound is not None and diff != float("inf"):      # units of the feature's stated error bound
+            with torch.no_grad():
+                gap = (out.to(probe.dtype).float() - reference.to(probe.dtype).float()).abs()
+                diff, tol = float((gap / probe.bound().to(gap.device)).max()), 1.0
         value.update(difference=diff if diff != float("inf") else None, tolerance=tol)
         if not diff <= tol:
             value["error"] = (f"wrong numbers: max difference {diff:.3g} against the fallback exceeds "

@@ -20,7 +20,7 @@ from ...model.attention import explain_backend
 from ...model.blocks import KERNEL_NAMES
 from ...sampling.runner import FastOptions, graphs_device, kernels_part
 from ...sampling.sampler import sampler_path
-from .core import Doctor, doctor_for
+from .core import FEATURES, Doctor, doctor_for
 
 log = logging.getLogger("wan_accel")
 
@@ -81,6 +81,10 @@ def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_
     if kernels_part(options, device):
         for name in ("kernel.layernorm_modulate", "kernel.rmsnorm_rope", "kernel.gated_residual"):
             judge(name)
+    if options.ops == "kitchen" or (options.ops == "auto" and kernels_part(options, device)):
+        for name in FEATURES:                # comfy-kitchen's candidates (op.<op>.kitchen.<backend>)
+            if name.startswith("op.") and doc.availability(name) is None:
+                judge(name)
     if options.fused_qkv:
         judge("fused_qkv")
     if options.cuda_graphs == "auto" and graphs_device(device):

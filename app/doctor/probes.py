@@ -15,6 +15,9 @@ from typing import Callable
 import torch
 
 from ...kernels import _common, norm_modulate, qk_norm_rope, residual, use_triton
+from ...kernels import candidates as op_candidates
+from ...kernels import kitchen
+from ...kernels import int8_attention
 from ...model import attention as attn
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project
@@ -79,6 +82,19 @@ def _fa_checker(name: str):
             return out[0] if isinstance(out, (tuple, list)) else out
         return Probe(feature, lambda: attn._sdpa(q, k, v), ctx.dtype, ulps=ATTENTION_ULPS)
     return check
+
+
+def _check_int8(ctx: ProbeContext) -> Probe:
+    """int8 attention against exact attention (float32 math), judged by ``int8_attention.error_bound`` (per
+    element, derived from the int8 steps: see its docstring) rather than the dtype's resolution."""
+    if ctx.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise NotAvailable(f"needs fp32/fp16/bf16 (probe dtype {ctx.dtype})")
+    q, k, v = _qkv(ctx)
+    kernel = int8_attention.implementation(ctx.device, ctx.dtype, ctx.head_dim)[0]
+    return Probe(lambda: attn.attention(q, k, v, backend="int8"), lambda: _softmax_math(q, k, v), ctx.dtype,
+                 bound=lambda: int8_attention.error_bound(q, k, v, kernel=kernel),
+                 note=f"int8 ({kernel}) within its stated error bound of exact attention (difference in units of "
+                      f"the bound)")
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -273,6 +289,8 @@ for _feature in (
             "fa3 (fa2 or SDPA is used)", sources=_ATTENTION),
     Feature("attention.fa2", "FlashAttention 2", _fa_checker("fa2"), ("flash-attn", "flash_attn"),
             "fa2 (SDPA is used)", sources=_ATTENTION),
+    Feature("attention.int8", "int8 attention (opt-in)", _check_int8, ("comfy-kitchen",), "int8 (SDPA is used)",
+            sources=lambda: (attn, int8_attention, _qkv, _softmax_math)),
     Feature("kernel.layernorm_modulate", "fused LayerNorm + modulate (Triton)", _check_lnmod, ("triton",),
             "this kernel (torch ops)", sources=_kernel_sources(norm_modulate)),
     Feature("kernel.rmsnorm_rope", "fused RMSNorm + RoPE (Triton)", _check_rmsrope, ("triton",),
@@ -292,3 +310,51 @@ for _feature in (
             requires=_needs_native, sources=_native_sources),
 ):
     register_feature(_feature)
+
+
+# ----------------------------------------------------------------------------------------------- op candidates
+def _op_args(op: str, ctx: ProbeContext) -> tuple:
+    """Inputs of ``op`` shaped like the model's call (2 frames of per-frame modulation; Wan's RoPE tables)."""
+    from ...model.rope import RopeCache
+    d, frames = _dim(ctx), 2
+    n = ctx.tokens - ctx.tokens % frames
+    x = _rand(ctx, 1, n, d, seed=16)
+    if op == "layernorm_modulate":
+        return x, _rand(ctx, 1, frames, d, scale=0.1, seed=17), _rand(ctx, 1, frames, d, scale=0.1, seed=18), 1e-6
+    cos, sin = RopeCache().get(ctx.head_dim, (frames, 1, n // frames), 0, ctx.device)
+    return x, 1 + _rand(ctx, d, scale=0.1, seed=19), cos, sin, ctx.heads, 1e-6
+
+
+def _candidate_checker(op: str, name: str):
+    def requires(ctx: ProbeContext) -> None:
+        why = op_candidates.CANDIDATES[op][name].problem(ctx.device)
+        if why:
+            raise NotAvailable(why, kitchen.INSTALL_HINT if not kitchen.available() else "run on a CUDA GPU")
+
+    def check(ctx: ProbeContext) -> Probe:
+        requires(ctx)
+        args = _op_args(op, ctx)
+        cand = op_candidates.CANDIDATES[op][name]
+        return Probe(lambda: cand.fn(*args), lambda: op_candidates.REFERENCES[op](*args), ctx.dtype,
+                     judge_speed=False, note="speed: the operator store times every verified implementation")
+    return requires, check
+
+
+def _candidate_sources(op: str) -> Callable[[], tuple]:
+    mods = {"layernorm_modulate": norm_modulate, "rmsnorm_rope": qk_norm_rope}
+    return lambda: (op_candidates, kitchen, mods[op], _op_args)
+
+
+def candidate_feature(op: str, name: str) -> str:
+    """The doctor's name of a candidate implementation (its failed verdict switches off that one alone)."""
+    return f"op.{op}.{name}"
+
+
+for _op, _cands in op_candidates.CANDIDATES.items():
+    for _name, _cand in _cands.items():
+        if _cand.family != "kitchen":      # the pack's kernels are 'kernel.<name>'; torch is the reference
+            continue
+        _requires, _check = _candidate_checker(_op, _name)
+        register_feature(Feature(candidate_feature(_op, _name), f"{_op}: {_cand.summary}", _check,
+                                 (kitchen.DISTRIBUTION,), f"{_name} for {_op} (another verified implementation)",
+                                 requires=_requires, sources=_candidate_sources(_op)))

@@ -12,10 +12,11 @@ from importlib import metadata
 
 from ...cache.owned_files import write_json
 from .core import Doctor, library_version
+from .ops import implementation_text, implementations
 
 COLUMNS = ["feature", "available", "verified", "difference", "speed", "why_off", "fix"]
 HEADERS = ["feature", "available", "verified", "difference", "speed vs fallback", "why off", "to turn it on"]
-VERSIONS = ("torch", "triton", "flash-attn", "flash_attn_3", "safetensors", "numpy")
+VERSIONS = ("torch", "triton", "flash-attn", "flash_attn_3", "comfy-kitchen", "safetensors", "numpy")
 
 
 def _ms(v) -> str:
@@ -95,7 +96,8 @@ def doctor_text(doctor: Doctor, rows: list[dict]) -> str:
     tail = (f"switched off on this machine: {', '.join(off)}" if off else
             "no feature is switched off on this machine")
     soft = ", ".join(f"{k} {v}" for k, v in versions().items())
-    return f"{machine_line(doctor)}\nversions: {soft}\n\n{format_rows(rows)}\n\n{tail}"
+    ops = implementation_text(implementations(doctor))
+    return f"{machine_line(doctor)}\nversions: {soft}\n\n{format_rows(rows)}\n\n{tail}\n\n{ops}"
 
 
 def versions() -> dict:

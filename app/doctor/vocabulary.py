@@ -29,6 +29,9 @@ class Probe:
     note: str = ""
     ulps: int = 8                        # tolerance in units of the dtype's resolution at the output's magnitude
     #                                      (more for whole-chunk probes: many ops, two steps)
+    bound: Callable[[], torch.Tensor] | None = None   # a per-element error bound (a feature that changes the
+    #                                      numerics by design, e.g. int8 attention) instead of ``ulps``: the
+    #                                      difference is then reported in units of the bound (pass: <= 1)
 
 
 @dataclass(frozen=True)

@@ -37,12 +37,15 @@ def latent_size(height: int, width: int, patch=(2, 2)) -> tuple[int, int]:
     return height // VAE_SPACE_STRIDE, width // VAE_SPACE_STRIDE
 
 
-def load_text_embeds(path, text_dim: int) -> torch.Tensor:
+def load_text_embeds(path, text_dim: int, key: str | None = None) -> torch.Tensor:
     """A text embedding [L, text_dim] or [1, L, text_dim] from a safetensors file (key 'context' or the only
-    tensor) -> [1, L, text_dim]."""
+    tensor, or the tensor ``key``) -> [1, L, text_dim]."""
     from safetensors.torch import load_file
     tensors = load_file(str(path))
-    if "context" in tensors:
+    if key is not None:
+        t = tensors[key]
+        path = f"{path} [{key!r}]"
+    elif "context" in tensors:
         t = tensors["context"]
     elif len(tensors) == 1:
         t = next(iter(tensors.values()))
@@ -61,16 +64,79 @@ def load_text_embeds(path, text_dim: int) -> torch.Tensor:
     return t
 
 
+SCHEDULE_BYTES = 1 << 20           # a prompt schedule file larger than this is not one
+
+
+def read_prompt_schedule(option: str, value) -> str:
+    """The text of ``value``: a regular file's contents (UTF-8), or ``value`` itself when it names no file and reads
+    as a schedule (it holds a ':'). UsageError naming ``option`` otherwise."""
+    from ...cache.owned_files import read_regular
+    from ..validate import UsageError
+    text = str(value)
+    if not text.strip():
+        raise UsageError(f"{option} is empty: give a schedule file or its text, e.g. '0: a cat walks'")
+    path = Path(text).expanduser()
+    try:
+        is_file = "\n" not in text and path.exists()
+    except (OSError, ValueError):       # a name too long for a path, a NUL byte: the text itself
+        is_file = False
+    if is_file:
+        try:
+            data = read_regular(path, SCHEDULE_BYTES + 1)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{option} {path}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+        if len(data) > SCHEDULE_BYTES:
+            raise UsageError(f"{option} {path} is larger than {SCHEDULE_BYTES >> 20} MiB: not a prompt schedule")
+        try:
+            return data.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            raise UsageError(f"{option} {path} is not UTF-8 text; save the schedule as plain UTF-8 text") from None
+    if ":" not in text:
+        raise UsageError(f"{option} {text!r}: no such file, and not a schedule text ('<chunk>: <prompt>' lines)")
+    return text
+
+
+def check_prompt_schedule(option: str, text: str, latent_frames: int, frames_per_block: int):
+    """The parsed schedule, checked against the run's chunks; UsageError ``option: <the schedule's reason>``."""
+    from ...sampling.prompts import PromptSchedule
+    from ...sampling.sampler import chunk_plan
+    from ..validate import UsageError
+    try:
+        return PromptSchedule.parse(text).validate(len(chunk_plan(latent_frames, frames_per_block)))
+    except ValueError as exc:
+        raise UsageError(f"{option}: {exc}") from None
+
+
+def schedule_embeddings(schedule, handle, text_embeds) -> dict:
+    """{text: raw context [1, L, text_dim]} for every text of ``schedule``: the tiny model's stand-in encoder, or
+    the tensors of ``text_embeds`` named by the texts."""
+    cfg = handle.model.config
+    if text_embeds is None:
+        if not handle.is_tiny:
+            raise ValueError("a prompt schedule on a checkpoint needs text_embeds: one umt5 embedding per prompt "
+                             "text, each named by its text")
+        from ...model.tiny import tiny_text_embedding
+        return {t: tiny_text_embedding(t, cfg.text_len, cfg.text_dim) for t in schedule.texts()}
+    from safetensors import safe_open
+    with safe_open(str(text_embeds), framework="pt", device="cpu") as f:
+        names = set(f.keys())
+    missing = [t for t in schedule.texts() if t not in names]
+    if missing:
+        raise ValueError(f"{text_embeds}: no embedding named {missing[0]!r}; write one tensor per prompt text of the "
+                         f"schedule, named by the text (found {sorted(names)[:5]})")
+    return {t: load_text_embeds(text_embeds, cfg.text_dim, key=t) for t in schedule.texts()}
+
+
 def sample_latents(model, context, width: int, height: int, num_frames: int, seed: int = 0,
                    schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1, sink: int = 0,
                    skip_last_refresh: bool = False, callback=None, on_chunk=None, batch: int = 1,
                    path: str = "auto", fast_options=None, report: dict | None = None,
-                   oom_retry: str = "auto") -> torch.Tensor:
+                   oom_retry: str = "auto", **prompts) -> torch.Tensor:
     """Pixel-space request (width, height, video frames) -> model-space latents [B, F, 16, H/8, W/8].
     Validates the geometry (4k+1 frames, multiples of 16, whole blocks) before any work.
     path / fast_options / report: see ``sampling.sampler.sample_causal`` (optimized path by default on CUDA).
     oom_retry: 'auto' (CUDA) | 'on' | 'off': on out-of-memory in a chunk, swap more blocks and redo it
-    (``memory.sampling_guard``)."""
+    (``memory.sampling_guard``). prompts: prompt_schedule / prompt_embeddings / recache of ``sample_causal``."""
     from ...memory.sampling_guard import oom_guard
     from ...sampling.sampler import generate_latents
     lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink, batch)
@@ -78,7 +144,7 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
     return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
                             frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
                             skip_last_refresh=skip_last_refresh, callback=callback, on_chunk=on_chunk,
-                            path=path, fast_options=fast_options, report=report, chunk_guard=guard)
+                            path=path, fast_options=fast_options, report=report, chunk_guard=guard, **prompts)
 
 
 def _latent_geometry(model, width: int, height: int, num_frames: int, frames_per_block: int, kv_window: int = -1,
@@ -219,6 +285,8 @@ class GenerateOptions:
     cuda_graphs: str = "auto"            # auto | off (optimized path)
     fused_kernels: bool = True           # optimized path
     compile: bool = False                # regional torch.compile of the blocks (optimized path)
+    prompt_schedule: str | None = None   # the text of a prompt schedule (sampling/prompts.py); None: one prompt
+    recache: str = "switch"              # at a prompt switch: switch (LongLive KV re-cache) | none
 
 
 def _peak_memory(device: torch.device) -> dict:
@@ -289,13 +357,20 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
         notes.append("tiny random model")
     load_s = time.perf_counter() - t0
     cfg = model.config
-    if opts.text_embeds:
+    if opts.text_embeds and opts.prompt_schedule is None:
         context = load_text_embeds(opts.text_embeds, cfg.text_dim)
     else:
         context = torch.zeros(1, 0, cfg.text_dim)
         if not handle.is_tiny:
             notes.append("no --text-embeds given: zero text context")
     schedule = resolve_schedule(opts.preset, opts.steps, opts.shift, opts.warp)
+    prompts = {}
+    if opts.prompt_schedule is not None:
+        from ...sampling.prompts import PromptSchedule
+        plan = PromptSchedule.parse(opts.prompt_schedule)
+        prompts = {"prompt_schedule": plan, "prompt_embeddings": schedule_embeddings(plan, handle, opts.text_embeds),
+                   "recache": opts.recache}
+        context = None
     timer = ChunkTimer(device, log)
     chunk_seconds, on_chunk = timer.seconds, timer
 
@@ -316,7 +391,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     latents = maybe_profile(handle, sample_latents, model, context, width, height, frames, opts.seed, schedule,
                             opts.frames_per_block, opts.kv_window, opts.sink, opts.skip_last_refresh,
                             callback=on_step, on_chunk=on_chunk, path=opts.sampler, fast_options=fast_options,
-                            report=sampler_report, oom_retry="off" if parallel is not None else "auto")
+                            report=sampler_report, oom_retry="off" if parallel is not None else "auto", **prompts)
     _sync(device)
     sample_s = time.perf_counter() - t_start
     files = _write_outputs(latents, opts, parallel)

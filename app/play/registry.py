@@ -205,7 +205,7 @@ class PlayRegistry:
             entry = self._sessions.get(str(sid))
             if entry is None:
                 raise PlayError(f"there is no play session {str(sid)[:40]!r} (it ended, or the server restarted): "
-                                f"start a new one with the Matrix-Game-2 Play Session node")
+                                f"start a new one with its Play Session node")
             entry["seen"] = self.clock()
             return entry["session"]
 

@@ -261,6 +261,49 @@ def run_play(page, api_path: Path, timeout: float, out_dir: Path) -> dict:
             "errors": log["errors"], "server": info, "screenshot": str(shot)}
 
 
+def run_prompt_play(page, api_path: Path, timeout: float, out_dir: Path, new_prompt: str = "a red fox runs "
+                    "through fresh snow") -> dict:
+    """Live prompt play as a user drives it: load the graph with a CausalWan Prompt Play Session node, open the
+    panel, Start session, Play; after two chunks type ``new_prompt`` in the prompt box; two chunks later Pause and
+    Save. Reports what the page sent per chunk, what arrived, and what the server says each chunk was given."""
+    prompt = json.loads(api_path.read_text())
+    page.evaluate("async (p) => { await window.app.loadApiJson(p, 'prompt_play'); }", prompt)
+    page.wait_for_timeout(800)
+    tab = page.locator(".wan-accel-limits-tab-button")
+    if tab.count():
+        tab.first.click()
+    else:
+        page.get_by_role("button", name="Wan Accel").first.click()
+    page.wait_for_selector(".wan-accel-play", timeout=15000)
+    box = page.locator(".wan-accel-play")
+    box.get_by_role("button", name="Start session").click()
+    _wait_play(page, "p.ready.length > 0", timeout, "the session start")
+    page.wait_for_selector(".wan-accel-play-prompt", timeout=15000)
+    page.wait_for_timeout(300)
+    box.get_by_role("button", name="Play").click()
+    _wait_play(page, "p.chunks.length >= 2", timeout, "two chunks with the first prompt")
+    field = page.locator(".wan-accel-play-prompt")
+    field.click()
+    field.fill(new_prompt)                               # typed while the video plays
+    _wait_play(page, f"p.sent.some(s => s.prompt === {json.dumps(new_prompt)}) && "
+                     f"p.chunks.length >= p.sent.findIndex(s => s.prompt === {json.dumps(new_prompt)}) + 2",
+               timeout, "two chunks after the new prompt")
+    box.get_by_role("button", name="Pause").click()
+    log = _wait_play(page, "p.chunks.length >= p.sent.length", timeout, "the last chunk after Pause")
+    page.wait_for_timeout(1000)
+    shot = out_dir / "prompt_play.png"
+    page.screenshot(path=str(shot))
+    session = log["ready"][-1]["session"]
+    info = page.evaluate("async (s) => { const r = await fetch('/api/wan_accel/play/touch', {method: 'POST', "
+                         "headers: {'Content-Type': 'application/json'}, body: JSON.stringify({session: s})}); "
+                         "return await r.json(); }", session)
+    box.get_by_role("button", name="Save").click()
+    log = _wait_play(page, "p.saved.length > 0", timeout, "the save")
+    page.wait_for_selector(".wan-accel-play-script", timeout=15000)
+    return {"session": session, "sent": log["sent"], "chunks": log["chunks"], "saved": log["saved"][-1],
+            "errors": log["errors"], "server": info, "screenshot": str(shot), "new_prompt": new_prompt}
+
+
 def end_play(page, timeout: float) -> dict:
     page.locator(".wan-accel-play").get_by_role("button", name="End").click()
     return _wait_play(page, "p.ended.length > 0", timeout, "the end")["ended"][-1]
@@ -318,6 +361,8 @@ def main() -> int:
     ap.add_argument("--clear", help="with --panel: clear this namespace with the panel's button (confirming)")
     ap.add_argument("--live", help="API-format prompt to queue from the page, recording the live frames it sends")
     ap.add_argument("--play", help="API-format prompt with a Matrix-Game-2 Play Session node: play it from the panel")
+    ap.add_argument("--prompt-play", help="API-format prompt with a CausalWan Prompt Play Session node: play it "
+                    "from the panel, typing a new prompt mid-stream")
     ap.add_argument("--report", help="write the JSON report here")
     ap.add_argument("--timeout", type=float, default=120)
     ap.add_argument("--chromium", default=os.environ.get("CHROMIUM") or shutil.which("chromium") or "chromium")
@@ -362,6 +407,9 @@ def main() -> int:
                 if args.play:
                     report["play"] = run_play(page, Path(args.play), args.timeout, out_dir)
                     report["play"]["ended"] = end_play(page, args.timeout)
+                if args.prompt_play:
+                    report["prompt_play"] = run_prompt_play(page, Path(args.prompt_play), args.timeout, out_dir)
+                    report["prompt_play"]["ended"] = end_play(page, args.timeout)
                 if args.panel:
                     report["panel"] = open_panel(page, out_dir)
                     if args.clear:

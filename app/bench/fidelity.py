@@ -1,0 +1,128 @@
+"""`python -m wan_accel bench fidelity`: how far int8 attention moves a video from exact attention.
+
+On the recorded fixtures (``tests/fixtures/wan_reference``: causal Wan with its recorded re-noising draws, and
+``tests/fixtures/matrix_game2``), float32 weights, the same inputs and draws: each sampler path (reference and
+optimized) runs once with exact attention (SDPA) and once with ``--attention`` (int8 by default). Per run: the
+largest and mean absolute difference of every chunk's denoised prediction x0 after each step, and of the final
+latents. A measurement, not a test of the bound (that is ``kernels.int8_attention.error_bound`` per call): the
+differences compound over blocks, steps and chunks. Speed is not measured here: ``bench sampler --attention int8``
+times it beside exact attention (the gain needs comfy-kitchen's int8 kernel on a CUDA GPU).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..validate import UsageError
+
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+DEFAULT_FIXTURES = ("wan_reference", "matrix_game2")
+PATHS = ("reference", "optimized")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--fixture", action="append", help="fixture folder (repeatable; default: the pack's "
+                        "wan_reference and matrix_game2)")
+    parser.add_argument("--attention", default="int8", help="attention compared with exact SDPA (default int8)")
+    parser.add_argument("--device", help="cuda / cpu (default: cpu: float32 on the fixtures)")
+    parser.add_argument("--json", action="store_true")
+
+
+def _fixture(directory: Path):
+    """(kind, config dict) of a fixture folder: 'wan' (causal_config.json) or 'matrix-game2' (mg2_config.json)."""
+    for name, kind in (("causal_config.json", "wan"), ("mg2_config.json", "matrix-game2")):
+        if (directory / name).is_file():
+            return kind, json.loads((directory / name).read_text())
+    raise UsageError(f"--fixture {directory}: no causal_config.json or mg2_config.json there; give a folder of "
+                     f"a recorded causal fixture (tests/fixtures/wan_reference or tests/fixtures/matrix_game2)")
+
+
+def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, device) -> tuple:
+    """(final latents, {(chunk, step): x0}) of one run of the fixture."""
+    from ...sampling.sampler import sampler_path
+    from ..jobs.reference import _load_io, _load_model, _schedule_from
+    io = _load_io(directory, cfg)
+    steps = {}
+
+    def callback(ci, k, _chunks, _steps, x0):
+        steps[(ci, k)] = x0.detach().float().cpu().clone()
+
+    with torch.no_grad(), sampler_path(path, {} if path == "optimized" else None):
+        if kind == "wan":
+            from ...sampling.sampler import sample_causal
+            model = _load_model(directory, cfg, device).set_attention_backend(attention)
+            s = cfg["sampler"]
+
+            def provide(ci, k, shape, dtype, dev):
+                return io[f"extra_noise.block{ci}.step{k}"].reshape(shape).to(dev, dtype)
+
+            out = sample_causal(model, io["context"].to(device), io["initial_noise"].to(device),
+                                _schedule_from(cfg), s["num_frame_per_block"], noise_provider=provide,
+                                refresh_t=float(s.get("context_noise", 0)), callback=callback,
+                                kv_window=int(cfg["config"].get("local_attn_size", -1)),
+                                sink=int(cfg["config"].get("sink_size", 0)),
+                                independent_first_frame=bool(s.get("independent_first_frame", False)))
+        else:
+            from ...sampling.mg2 import sample_mg2
+            from ..jobs.mg2_reference import load_fixture_model
+            model = load_fixture_model(directory, cfg, device).set_attention_backend(attention)
+            window = int(cfg["config"]["local_attn_size"])
+            actions = model.new_action_call(io["mouse_cond"].to(device) if "mouse_cond" in io else None,
+                                            io["keyboard_cond"].to(device) if "keyboard_cond" in io else None, window)
+
+            def provide(ci, k, shape, dtype, dev):
+                return io[f"extra_noise.chunk{ci}.step{k}"].reshape(shape).to(dev, dtype)
+
+            out = sample_mg2(model, io["initial_noise"].to(device), io["cond_concat"].to(device),
+                             io["visual_context"].to(device), actions.mouse, actions.keyboard, _schedule_from(cfg),
+                             window, noise_provider=provide, callback=callback, actions=actions)
+    return out.float().cpu(), steps
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    d = (a - b).abs()
+    return {"max_abs": float(d.max()), "mean_abs": float(d.mean())}
+
+
+def measure(directory, attention: str = "int8", device="cpu") -> list:
+    """Rows {fixture, path, attention, final: {max_abs, mean_abs}, steps: [{chunk, step, max_abs, mean_abs}]}."""
+    directory = Path(directory)
+    kind, cfg = _fixture(directory)
+    rows = []
+    for path in PATHS:
+        exact, exact_steps = _run(kind, directory, cfg, "sdpa", path, device)
+        other, other_steps = _run(kind, directory, cfg, attention, path, device)
+        steps = [dict(chunk=c, step=k, **_diff(other_steps[(c, k)], exact_steps[(c, k)]))
+                 for c, k in sorted(exact_steps) if (c, k) in other_steps]
+        rows.append({"fixture": directory.name, "model_kind": kind, "path": path, "attention": attention,
+                     "final": _diff(other, exact), "steps": steps})
+    return rows
+
+
+def run(args) -> int:
+    from ...model.attention import BACKENDS
+    if args.attention not in BACKENDS:
+        raise UsageError(f"--attention must be one of {', '.join(BACKENDS)}, got {args.attention!r}")
+    device = torch.device(args.device or "cpu")
+    folders = [Path(f) for f in args.fixture] if args.fixture else [FIXTURES / n for n in DEFAULT_FIXTURES]
+    for f in folders:
+        if not f.is_dir():
+            raise UsageError(f"--fixture {f}: not a folder; give a recorded fixture's folder")
+    rows = [r for f in folders for r in measure(f, args.attention, device)]
+    result = {"device": str(device), "attention": args.attention, "baseline": "sdpa", "rows": rows,
+              "speed": "not measured here: bench sampler --attention int8 times it (a gain needs comfy-kitchen's "
+                       "int8 kernel on a CUDA GPU)"}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"fidelity of attention '{args.attention}' against exact SDPA on {device} (float32 weights)")
+    print(f"{'fixture':<16}{'path':<11}{'final max':>11}{'final mean':>12}{'worst step max':>16}{'at':>12}")
+    for r in rows:
+        worst = max(r["steps"], key=lambda s: s["max_abs"]) if r["steps"] else None
+        at = f"c{worst['chunk']} s{worst['step']}" if worst else "-"
+        print(f"{r['fixture']:<16}{r['path']:<11}{r['final']['max_abs']:>11.2e}{r['final']['mean_abs']:>12.2e}"
+              f"{(worst['max_abs'] if worst else 0):>16.2e}{at:>12}")
+    print(result["speed"])
+    return 0

@@ -1,0 +1,46 @@
+"""Which implementation runs each op (kernels/candidates.py) on this machine, and why.
+
+For the doctor's probe shape (device, dtype, head size): every candidate of LayerNorm+modulate and RMSNorm+RoPE
+with its availability and its verdict, and the one the operator store chooses (the fastest verified one; a
+candidate whose verdict failed is switched off alone).
+"""
+from __future__ import annotations
+
+from ...cache.autotune import Autotuner
+from ...kernels import candidates as op_candidates
+from .core import Doctor
+from .probes import _op_args, candidate_feature
+
+
+def switched_off(doctor: Doctor, probe: bool = True) -> tuple:
+    """'op:candidate' names switched off by a failed verdict here (the pack's kernels and comfy-kitchen's)."""
+    off = []
+    for op, cands in op_candidates.CANDIDATES.items():
+        for name, cand in cands.items():
+            feature = f"kernel.{op}" if cand.family == "pack" else candidate_feature(op, name)
+            if cand.family == "torch" or feature not in doctor.catalogue or doctor.availability(feature):
+                continue
+            value = doctor.check(feature) if probe else doctor.stored(feature)
+            if value is not None and value.get("status") != "passed":
+                off.append(f"{op}:{name}")
+    return tuple(off)
+
+
+def implementations(doctor: Doctor, mode: str = "auto", probe: bool = True) -> list[dict]:
+    """One row per op: {'op', 'uses', 'why', 'candidates': {name: why not or 'available'}}."""
+    off = switched_off(doctor, probe)
+    tuner = Autotuner(doctor.cache)
+    rows = []
+    for op in op_candidates.OPS:
+        args = _op_args(op, doctor.context)
+        listing = {c.name: why or "available" for c, why in op_candidates.listing(op, doctor.context.device, mode, off)}
+        uses, why = op_candidates.choose(op, args, mode, off, tuner=tuner, benchmark=probe)
+        rows.append({"op": op, "uses": uses, "why": why, "candidates": listing})
+    return rows
+
+
+def implementation_text(rows: list[dict]) -> str:
+    lines = ["which implementation runs each op (python -m wan_accel bench kernels: side by side):"]
+    for row in rows:
+        lines.append(f"  {row['op']}: {row['uses']} - {row['why']}")
+    return "\n".join(lines)

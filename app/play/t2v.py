@@ -1,0 +1,191 @@
+"""Live prompt steering of a causal text-to-video model: sessions whose next chunk follows the prompt typed now.
+
+``PromptPlaySession.step(prompt)`` continues the video by one chunk (``sampling.continuation``) with ``prompt`` in
+effect from that chunk on; an empty prompt keeps the one in effect. A prompt is one line of the prompt schedule's
+grammar (``sampling.prompts``): a text, a weighted mix ``a :0.7 | b :0.3``, an optional ``(blend N)``. Every change
+becomes one schedule entry ``<chunk>: <prompt>``, and each chunk's context is taken from that schedule exactly as a
+one-shot run takes it, so ``schedule_text`` given to ``generate --prompt-schedule`` (or the sampler nodes) with the
+same seed and settings reproduces the session's frames exactly. A prompt switch re-caches the window under the new
+prompt (``recache='switch'``, LongLive) unless the session was started with ``recache='none'``.
+
+``log`` records per chunk the prompt in effect and the context rows the model was given (their SHA-256 and first
+values), as Matrix-Game-2 play records the action rows. The session has the interface of ``registry.PlaySession``
+that the registry, the routes and the Save node use (``describe``, ``log``, ``latent_video``, ``script``,
+``script_file``, ``free``).
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import torch
+
+from ...sampling.continuation import sample_continuable, weight_fingerprint
+from ...sampling.prompts import PromptSchedule
+from .registry import PlayError
+
+RECACHE_MODES = ("switch", "none")
+HEAD_VALUES = 8                 # first values of the context's first row kept in the log
+
+
+def context_digest(context: torch.Tensor) -> str:
+    """SHA-256 of a context's float32 values (row-major): what the log records of the rows the model was given."""
+    data = context.detach().to("cpu", torch.float32).contiguous()
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+class PromptPlaySession:
+    kind = "t2v"
+
+    def __init__(self, model, encode, height: int, width: int, seed: int = 0, schedule="self_forcing",
+                 frames_per_block: int = 3, kv_window: int = -1, sink: int = 0, recache: str = "switch",
+                 prompt: str = "", state_device=None, settings: dict | None = None):
+        """model: a causal text-to-video WanModel; encode(text) -> [1, L, text_dim] embedding of one text (the
+        graph's text encoder, or the tiny model's stand-in); height/width: latent size; prompt: the first chunk's
+        prompt when its step gives none (checked now); settings: what the saved
+        schedule's header says to reproduce it (pixel size, preset names...)."""
+        if hasattr(model, "action_config"):
+            raise PlayError("prompt play needs a text-to-video causal model; a Matrix-Game-2 model plays with the "
+                            "Matrix-Game-2 Play Session node")
+        if recache not in RECACHE_MODES:
+            raise PlayError(f"recache must be one of {RECACHE_MODES}, got {recache!r}")
+        if not callable(encode):
+            raise PlayError("prompt play needs a text encoder (connect the graph's CLIP)")
+        self.model, self.encode = model, encode
+        self.height, self.width, self.seed = int(height), int(width), int(seed)
+        self.schedule, self.frames_per_block = schedule, int(frames_per_block)
+        self.kv_window, self.sink, self.recache = int(kv_window), int(sink), recache
+        self.state_device, self.settings = state_device, dict(settings or {})
+        self.state = None
+        self.lines: list[str] = []          # schedule entries "<chunk>: <prompt>", one per change
+        self.prompt: str | None = None      # the prompt in effect (as typed)
+        self.embeddings: dict = {}          # text -> [1, L, D] embedding (CPU), each text encoded once
+        self.log: list[dict] = []           # per chunk: the prompt and the context rows the model was given
+        self.latents: list[torch.Tensor] = []   # per chunk [1, C, frames, h, w] model space, CPU (for saving)
+        self.chunks = 0
+        self.ended: str | None = None
+        self.attached: dict = {}
+        self.kept: dict = {}
+        self.frames_shown = 0
+        self.lock = threading.RLock()
+        self.first_prompt = str(prompt or "")
+        if self.first_prompt.strip():
+            self._schedule_with(self.first_prompt)      # a bad first prompt is refused before anything is made
+
+    # ------------------------------------------------------------------------------------------------ prompts
+    def _schedule_with(self, prompt: str) -> tuple:
+        """The session's schedule with ``prompt`` from the next chunk on (no new entry when it is unchanged)."""
+        text = "\n".join(str(prompt).splitlines()).strip() if prompt is not None else ""
+        if "\n" in text:
+            raise PlayError("a live prompt is one line: join it, or use ' | ' to mix several prompts")
+        if not text and not self.lines:
+            text = "\n".join(self.first_prompt.splitlines()).strip()
+        lines = list(self.lines)
+        if text and text != self.prompt:
+            lines.append(f"{self.chunks}: {text}")
+        elif not lines:
+            raise PlayError("type a prompt for the first chunk")
+        try:
+            schedule = PromptSchedule.parse("\n".join(lines))
+            schedule.validate(self.chunks + 1)
+        except ValueError as exc:
+            raise PlayError(f"prompt {text[:80]!r} is not a schedule prompt: {exc}") from None
+        return schedule, lines, text or self.prompt
+
+    def _embed(self, schedule: PromptSchedule) -> dict:
+        for text in schedule.texts():
+            if text in self.embeddings:
+                continue
+            emb = self.encode(text)
+            if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or emb.shape[0] != 1:
+                raise PlayError(f"the text encoder gave {getattr(emb, 'shape', type(emb).__name__)} for {text[:60]!r}; "
+                                f"expected one embedding [1, tokens, {self.model.config.text_dim}]")
+            if emb.shape[-1] != self.model.config.text_dim:
+                raise PlayError(f"the text encoder's embedding is {emb.shape[-1]} wide but the model takes "
+                                f"{self.model.config.text_dim}: connect the model's own text encoder (umt5-xxl for Wan)")
+            if not torch.isfinite(emb).all():
+                raise PlayError(f"the text encoder gave non-finite values for {text[:60]!r}")
+            self.embeddings[text] = emb.detach().cpu()
+        return {t: self.embeddings[t] for t in schedule.texts()}
+
+    # ------------------------------------------------------------------------------------------------ chunks
+    def step(self, prompt: str = "", callback=None) -> torch.Tensor:
+        """Make the next chunk with ``prompt`` in effect (empty: the prompt in effect now); returns its latents
+        [1, C, frames_per_block, h, w] (model space)."""
+        with self.lock:
+            if self.ended:
+                raise PlayError(f"this play session has ended ({self.ended}): start a new one")
+            self._check_weights()
+            schedule, lines, text = self._schedule_with(prompt)
+            embeddings = self._embed(schedule)
+            context = schedule.contexts(embeddings, self.chunks + 1)[self.chunks]
+            switched = bool(self.chunks) and self.chunks in schedule.switch_chunks(self.chunks + 1)
+            device = self.model.device
+            out, self.state = sample_continuable(
+                self.model, context.to(device), (self.chunks + 1) * self.frames_per_block, self.height, self.width,
+                seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block,
+                kv_window=self.kv_window, sink=self.sink, state=self.state, state_device=self.state_device,
+                callback=callback, recache=self.recache)
+            self.lines, self.prompt = lines, text
+            self.log.append({"chunk": self.chunks, "prompt": text, "switched": switched,
+                             "context_sha256": context_digest(context),
+                             "context_head": context[0, 0, :HEAD_VALUES].float().tolist()})
+            self.latents.append(out.detach().float().cpu().transpose(1, 2))
+            self.chunks += 1
+            return self.latents[-1]
+
+    def _check_weights(self) -> None:
+        if self.state is not None and weight_fingerprint(self.model) != self.state.settings.get("weights"):
+            raise PlayError("the model's weights changed since this session's last chunk; its caches hold the "
+                            "earlier weights: restore them, or start a new play session")
+
+    @property
+    def frames(self) -> int:
+        return self.chunks * self.frames_per_block
+
+    @property
+    def schedule_text(self) -> str:
+        """The prompt schedule (canonical text) that reproduces the session with its seed."""
+        return PromptSchedule.parse("\n".join(self.lines)).to_text() if self.lines else ""
+
+    script = schedule_text
+
+    def script_file(self) -> str:
+        """The schedule with a header saying how to reproduce the session (``#`` lines are comments)."""
+        video = 4 * (self.frames - 1) + 1 if self.frames else 0
+        s = dict(self.settings)
+        args = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.items())
+        return (f"# prompt play session: {self.chunks} chunks, {self.frames} latent frames ({video} video frames)\n"
+                f"# reproduce: generate --prompt-schedule THIS_FILE --seed {self.seed} --frames {video} "
+                f"--frames-per-block {self.frames_per_block} --kv-window {self.kv_window} --sink {self.sink} "
+                f"--recache {self.recache}{' ' + args if args else ''}\n"
+                f"# (or the causal sampler node with this text as prompt_schedule and the same settings)\n"
+                f"{self.schedule_text}")
+
+    def latent_video(self) -> torch.Tensor:
+        """Every chunk's latents so far, [1, C, frames, h, w] (model space, CPU)."""
+        if not self.latents:
+            raise PlayError("the session has no frames yet: play at least one chunk first")
+        return torch.cat(self.latents, 2)
+
+    def free(self, reason: str = "ended") -> None:
+        with self.lock:
+            self.ended = self.ended or reason
+            self.state = None
+            self.model = self.encode = None
+            for obj in self.attached.values():
+                release = getattr(obj, "release", None)
+                if callable(release):
+                    try:
+                        release()
+                    except Exception:  # noqa: BLE001 - freeing must not fail halfway
+                        pass
+            self.attached.clear()
+
+    close = free
+
+    def describe(self) -> dict:
+        return {"type": self.kind, "mode": "t2v", "keys": [], "mouse": False, "seed": self.seed,
+                "prompt": self.prompt, "recache": self.recache, "kv_window": self.kv_window, "sink": self.sink,
+                "frames_per_block": self.frames_per_block, "chunks": self.chunks, "latent_frames": self.frames,
+                "ended": self.ended, "script": self.schedule_text}

@@ -1,0 +1,257 @@
+"""Every implementation of an op, verified against its torch reference, and the fastest verified one chosen.
+
+Ops (with the signature of their torch reference):
+
+* ``layernorm_modulate(x, shift, scale, eps)``: the pack's Triton kernel (``pack``), comfy-kitchen's ``adaln`` per
+  backend (``kitchen.cuda``, ``kitchen.triton``, ``kitchen.eager``) and plain torch (``torch``);
+* ``rmsnorm_rope(x, weight, cos, sin, num_heads, eps)``: the pack's fused Triton kernel, the pack's full-width
+  RMSNorm followed by comfy-kitchen's ``apply_rope1`` per backend, plain torch.
+
+The choice goes through the operator store (``cache/autotune.py``): kernel ``ops.<op>``, key the call's shapes and
+dtypes, one "config" ``{"impl": name}`` per candidate, on the cache's GPU fingerprint. Each candidate is checked on
+seeded inputs of the call's shapes against the reference (tolerance from the dtype's resolution) before it is timed
+(with the store's pluggable timer); a candidate whose numbers are wrong is recorded as failed and never used again
+on that fingerprint, alone (the others stay on). A second process with the same store measures nothing.
+
+Modes (``FastOptions.ops``): ``auto`` (every candidate), ``pack`` (the pack's kernel), ``kitchen`` (comfy-kitchen's
+backends), ``torch`` (the reference only); plain torch always stays as the last resort.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import _common, kitchen
+from .norm_modulate import layernorm_modulate, layernorm_modulate_reference
+from .qk_norm_rope import rmsnorm_rope, rmsnorm_rope_reference
+
+log = logging.getLogger("wan_accel.kernels")
+
+OPS = ("layernorm_modulate", "rmsnorm_rope")
+MODES = ("auto", "pack", "kitchen", "torch")
+KERNEL_PREFIX = "ops."
+VERIFY_ULPS = 8       # tolerance in units of the dtype's resolution at the reference's magnitude
+
+
+class CandidateMismatch(ValueError):
+    """A candidate's result differs from the torch reference beyond the dtype's tolerance."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    op: str
+    name: str                         # 'pack' | 'kitchen.<backend>' | 'torch'
+    family: str                       # 'pack' | 'kitchen' | 'torch'
+    fn: Callable                      # same signature as the op's reference
+    problem: Callable                 # problem(device) -> None when it runs there, else why not
+    summary: str
+
+
+def _pack_problem(device) -> str | None:
+    if _common.triton_module() is None:
+        return "triton does not import"
+    if not _common.use_triton(torch.empty(0, device=device)):
+        return "needs a CUDA GPU (or the Triton interpreter on a CPU: TRITON_INTERPRET=1 before the process starts)"
+    return None
+
+
+def _kitchen_lnmod(backend):
+    return lambda x, shift, scale, eps=1e-6: kitchen.adaln(x, shift, scale, eps, backend)
+
+
+def _kitchen_rope(backend):
+    return lambda x, w, cos, sin, heads, eps=1e-6: kitchen.norm_rope(x, w, cos, sin, heads, eps, backend)
+
+
+def _build() -> dict:
+    table = {
+        "layernorm_modulate": [
+            Candidate("layernorm_modulate", "pack", "pack", lambda *a: layernorm_modulate(*a), _pack_problem,
+                      "the pack's fused Triton kernel")],
+        "rmsnorm_rope": [
+            Candidate("rmsnorm_rope", "pack", "pack", lambda *a: rmsnorm_rope(*a), _pack_problem,
+                      "the pack's fused Triton kernel (RMSNorm over the width + RoPE)")],
+    }
+    for backend in kitchen.BACKENDS:
+        table["layernorm_modulate"].append(Candidate(
+            "layernorm_modulate", f"kitchen.{backend}", "kitchen", _kitchen_lnmod(backend),
+            lambda device, b=backend: kitchen.backend_problem(b, "adaln", device),
+            f"comfy-kitchen adaln ({backend} backend)"))
+        table["rmsnorm_rope"].append(Candidate(
+            "rmsnorm_rope", f"kitchen.{backend}", "kitchen", _kitchen_rope(backend),
+            lambda device, b=backend: kitchen.backend_problem(b, "apply_rope1", device),
+            f"full-width RMSNorm + comfy-kitchen apply_rope1 ({backend} backend)"))
+    table["layernorm_modulate"].append(Candidate(
+        "layernorm_modulate", "torch", "torch", lambda *a: layernorm_modulate_reference(*a), lambda d: None,
+        "plain torch (the reference)"))
+    table["rmsnorm_rope"].append(Candidate(
+        "rmsnorm_rope", "torch", "torch", lambda *a: rmsnorm_rope_reference(*a), lambda d: None,
+        "plain torch (the reference)"))
+    return {op: {c.name: c for c in cands} for op, cands in table.items()}
+
+
+CANDIDATES: dict[str, dict[str, Candidate]] = _build()
+REFERENCES = {"layernorm_modulate": layernorm_modulate_reference, "rmsnorm_rope": rmsnorm_rope_reference}
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"ops must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def mode_problem(mode: str, device) -> str | None:
+    """Why an explicit mode cannot run on ``device`` (no candidate of its family is available), or None."""
+    check_mode(mode)
+    if mode in ("auto", "torch"):
+        return None
+    reasons = []
+    for op in OPS:
+        fam = [c for c in CANDIDATES[op].values() if c.family == mode]
+        found = [c.problem(device) for c in fam]
+        if all(found):
+            reasons.append(f"{op}: " + "; ".join(f"{c.name}: {r}" for c, r in zip(fam, found)))
+    if not reasons:
+        return None
+    hint = kitchen.INSTALL_HINT if mode == "kitchen" else "run on a CUDA GPU with triton installed"
+    return f"ops={mode!r} cannot run here ({' | '.join(reasons)}); {hint}, or use ops='auto'"
+
+
+def listing(op: str, device, mode: str = "auto", off: tuple = ()) -> list[tuple[Candidate, str | None]]:
+    """(candidate, why it is not used or None) for every candidate of ``op`` in this mode on ``device``."""
+    out = []
+    for cand in CANDIDATES[op].values():
+        if mode not in ("auto", cand.family) and cand.family != "torch":
+            why = f"not in ops={mode!r}"
+        elif f"{op}:{cand.name}" in off and cand.family != "torch":
+            why = "switched off: it failed its self-check on this machine (python -m wan_accel doctor)"
+        else:
+            why = cand.problem(device)
+        out.append((cand, why))
+    return out
+
+
+# ----------------------------------------------------------------------------- shapes and verification
+def _desc(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return "x".join(str(s) for s in t.shape) + ":" + _common.dtype_name(t)
+    return repr(t)
+
+
+def call_key(op: str, args: tuple) -> str:
+    """The store key of a call: every argument's shape and dtype (numbers as they are) and the device type."""
+    dev = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+    return f"{dev}|" + "|".join(_desc(a) for a in args)
+
+
+def sample_like(op: str, args: tuple) -> tuple:
+    """Seeded inputs with the shapes, dtypes and device of ``args`` (modulation and weights near their real scale)."""
+    gen = torch.Generator().manual_seed(1234)
+    out = []
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            out.append(a)
+            continue
+        r = torch.randn(*a.shape, generator=gen)
+        if op == "layernorm_modulate" and i in (1, 2):
+            r = 0.1 * r
+        elif op == "rmsnorm_rope" and i == 1:
+            r = 1.0 + 0.1 * r
+        elif op == "rmsnorm_rope" and i in (2, 3):      # cos/sin of seeded angles
+            ang = torch.rand(*a.shape, generator=gen) * 6.283
+            r = ang.cos() if i == 2 else ang.sin()
+        out.append(r.to(device=a.device, dtype=a.dtype))
+    return tuple(out)
+
+
+def tolerance(dtype: torch.dtype, magnitude: float, ulps: int = VERIFY_ULPS) -> float:
+    return ulps * torch.finfo(dtype).eps * max(1.0, float(magnitude))
+
+
+def verify(cand: Candidate, args: tuple) -> float:
+    """Max difference of ``cand`` against the reference on ``args``; CandidateMismatch beyond the tolerance."""
+    with torch.no_grad():
+        ref = REFERENCES[cand.op](*args)
+        out = cand.fn(*args)
+    if tuple(out.shape) != tuple(ref.shape):
+        raise CandidateMismatch(f"{cand.op} {cand.name}: wrong shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+    diff = float((out.float() - ref.float()).abs().nan_to_num(nan=float("inf")).max()) if ref.numel() else 0.0
+    tol = tolerance(ref.dtype, float(ref.float().abs().max()) if ref.numel() else 0.0)
+    if not diff <= tol:
+        raise CandidateMismatch(f"{cand.op} {cand.name}: wrong numbers, max difference {diff:.3g} against the torch "
+                                f"reference exceeds {tol:.3g} ({_common.dtype_name(ref)})")
+    return diff
+
+
+# ----------------------------------------------------------------------------- the choice
+_CHOSEN: dict[tuple, str] = {}
+
+
+def forget() -> None:
+    """Drop this process's memo of choices (the next call reads the store again, as a new process would)."""
+    _CHOSEN.clear()
+
+
+def choose(op: str, args: tuple, mode: str = "auto", off: tuple = (), tuner=None,
+           benchmark: bool = True) -> tuple[str, str]:
+    """(candidate name, why) for a call of ``op`` with ``args``: the fastest verified candidate recorded in the
+    operator store for these shapes, measuring (verify, then time) only the candidates it does not know yet."""
+    from ..cache.autotune import get_autotuner
+
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    rows = listing(op, device, mode, off)
+    usable = [c for c, why in rows if why is None]
+    if mode in ("pack", "kitchen") and any(c.family == mode for c in usable):
+        usable = [c for c in usable if c.family == mode]       # forced: torch only when none of them is left
+    skipped = [f"{c.name}: {why}" for c, why in rows if why is not None and c.family != "torch"]
+    if [c.family for c in usable] == ["torch"]:
+        return "torch", f"plain torch, the only implementation left ({'; '.join(skipped) or 'no other'})"
+    tuner = tuner or get_autotuner()
+    key = call_key(op, args)
+    sample = sample_like(op, args)
+    checked: set = set()
+    by_name = {c.name: c for c in usable}
+
+    def run(cfg: dict):
+        cand = by_name[cfg["impl"]]
+        if cand.name not in checked:
+            verify(cand, sample)
+            checked.add(cand.name)
+            return None
+        with torch.no_grad():
+            return cand.fn(*sample)
+
+    configs = tuple({"impl": c.name} for c in usable)
+    best = tuner.tune(KERNEL_PREFIX + op, key, configs, run, benchmark=benchmark)
+    if best is None:
+        return "torch", "no other implementation verified here (see the operator store); plain torch"
+    entry = tuner.entry(KERNEL_PREFIX + op, key) or {}
+    timings = entry.get("timings") or {}
+    times = ", ".join(f"{n} {timings[f'impl={n}']:.3g} ms" for n in by_name if f"impl={n}" in timings)
+    failed = [f"{cfg_id.split('=', 1)[-1]}: {f.get('error', {}).get('message', '')[:160]}"
+              for cfg_id, f in (entry.get("failed") or {}).items()]
+    why = f"fastest verified ({times})"
+    if failed:
+        why += f"; failed its check: {'; '.join(failed)}"
+    if skipped:
+        why += f"; not available: {'; '.join(skipped)}"
+    return best["impl"], why
+
+
+def run(op: str, mode: str, off: tuple, *args):
+    """Call ``op`` with the implementation chosen for these shapes (chosen once per process and shape)."""
+    if _common.needs_autograd(*(a for a in args if isinstance(a, torch.Tensor))):
+        return REFERENCES[op](*args)
+    key = (op, mode, off, call_key(op, args))
+    name = _CHOSEN.get(key)
+    if name is None:
+        measuring = not (_common.is_compiling() or any(_common.capturing(a) for a in args
+                                                       if isinstance(a, torch.Tensor)))
+        name, why = choose(op, args, mode, off, benchmark=measuring)
+        if measuring:
+            _CHOSEN[key] = name
+            log.info("wan_accel: %s uses %s (%s)", op, name, why)
+    return CANDIDATES[op][name].fn(*args)

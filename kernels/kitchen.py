@@ -1,0 +1,133 @@
+"""comfy-kitchen (an optional extra: ``pip install comfyui-wan-accel[kitchen]``): detection and thin wrappers.
+
+comfy-kitchen ships ``adaln`` (LayerNorm without affine, then ``* (1 + scale) + shift``) and ``apply_rope1`` /
+``apply_rope`` (interleaved RoPE: pair j is channels 2j, 2j+1) for several backends (``cuda``, ``triton``,
+``eager``; ``comfy_kitchen.list_backends()`` says which run here). The wrappers below take the pack's layouts
+(per-frame modulation ``[B, F, D]``, RoPE tables ``cos``/``sin`` ``[L, head_dim/2]``) and call one named backend.
+Wan's q/k RMSNorm runs over the whole width, so comfy-kitchen's per-head ``rms_rope`` does not apply: only the
+rotation is taken from it, after the pack's own full-width RMSNorm.
+
+Nothing here imports comfy-kitchen at module import: without it ``available()`` is False and every backend says
+why it cannot run.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from . import _common
+
+DISTRIBUTION = "comfy-kitchen"
+BACKENDS = ("cuda", "triton", "eager")      # the ones the pack offers as candidates, fastest first
+INSTALL_HINT = "pip install 'comfyui-wan-accel[kitchen]' (comfy-kitchen>=0.2.31)"
+_STATE: dict = {}
+
+
+def module():
+    """The comfy_kitchen module, or None when it is not installed or does not import (checked once)."""
+    if "module" not in _STATE:
+        mod = None
+        try:
+            if importlib.util.find_spec("comfy_kitchen") is not None:
+                mod = importlib.import_module("comfy_kitchen")
+        except Exception as exc:  # noqa: BLE001 - a broken install counts as absent
+            _STATE["error"] = f"{type(exc).__name__}: {exc}"[:200]
+            mod = None
+        _STATE["module"] = mod
+    return _STATE["module"]
+
+
+def available() -> bool:
+    return module() is not None
+
+
+def version() -> str:
+    try:
+        from importlib import metadata
+        return metadata.version(DISTRIBUTION)
+    except Exception:  # noqa: BLE001 - not installed
+        return "none"
+
+
+def _triton_backend_module():
+    try:
+        return importlib.import_module("comfy_kitchen.backends.triton")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def backend_problem(backend: str, func: str, device) -> str | None:
+    """None when comfy-kitchen's ``backend`` runs ``func`` ('adaln', 'apply_rope1') on ``device``; else why not."""
+    ck = module()
+    if ck is None:
+        return "comfy-kitchen is not installed" + (f" ({_STATE['error']})" if _STATE.get("error") else "")
+    device = torch.device(device)
+    if backend == "triton" and device.type == "cpu":
+        # the registry counts Triton only on a GPU; the pack runs it on a CPU under the Triton interpreter
+        mod = _triton_backend_module()
+        if not _common.interpreter_usable():
+            return "needs a CUDA GPU (or the Triton interpreter on a CPU: TRITON_INTERPRET=1 before the process starts)"
+        if mod is None or not getattr(mod, "_TRITON_AVAILABLE", False) or not hasattr(mod, func):
+            return "comfy-kitchen's triton backend does not import here"
+        return None
+    status = ck.list_backends().get(backend)
+    if status is None:
+        return f"comfy-kitchen {version()} has no '{backend}' backend"
+    if not status.get("available") or status.get("disabled"):
+        return status.get("unavailable_reason") or ("disabled" if status.get("disabled") else "not available")
+    if func not in status.get("capabilities", ()):
+        return f"comfy-kitchen's {backend} backend has no {func}"
+    if backend in ("cuda", "triton") and device.type != "cuda":
+        return f"comfy-kitchen's {backend} backend needs a CUDA tensor"
+    return None
+
+
+def _impl(func: str, backend: str):
+    if backend == "triton":
+        mod = _triton_backend_module()
+        if mod is not None and hasattr(mod, func):
+            return getattr(mod, func)
+    return module().registry.get_implementation(func, backend=backend)
+
+
+def adaln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
+    """The pack's ``layernorm_modulate`` through comfy-kitchen's ``adaln``: x [B, L, D], shift/scale [B or 1, F, D]
+    (or [B, D]); token l uses frame ``l // (L // F)``. Result in x's dtype."""
+    b, l, d = x.shape
+    shift = shift.unsqueeze(1) if shift.dim() == 2 else shift
+    scale = scale.unsqueeze(1) if scale.dim() == 2 else scale
+    f = shift.shape[1]
+    xf = x.reshape(b, f, l // f, d)
+    out = _impl("adaln", backend)(x=xf, scale=scale.to(x.dtype).unsqueeze(2), shift=shift.to(x.dtype).unsqueeze(2),
+                                  eps=float(eps))
+    return out.reshape(b, l, d)
+
+
+def freqs_cis(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """comfy-kitchen's rotation table ``[1, L, 1, hd/2, 2, 2]`` (rows [cos, -sin], [sin, cos]) from ``[L, hd/2]``."""
+    row0 = torch.stack([cos, -sin], dim=-1)
+    row1 = torch.stack([sin, cos], dim=-1)
+    return torch.stack([row0, row1], dim=-2)[None, :, None]
+
+
+def rope1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str) -> torch.Tensor:
+    """Rotate adjacent pairs of x [B, L, H, hd] by tables [L, hd/2] with comfy-kitchen's ``apply_rope1``."""
+    return _impl("apply_rope1", backend)(x, freqs_cis(cos, sin))
+
+
+def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str):
+    """(q, k) rotated together with comfy-kitchen's ``apply_rope`` (one launch for both)."""
+    return _impl("apply_rope", backend)(q, k, freqs_cis(cos, sin))
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+              eps: float, backend: str) -> torch.Tensor:
+    """The pack's ``rmsnorm_rope`` with the rotation from comfy-kitchen: RMSNorm over the full width in float32
+    (Wan's q/k norm), times weight, then ``apply_rope1`` on [B, L, H, hd] in float32; x's dtype out."""
+    b, l, d = x.shape
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    out = rope1(y.view(b, l, num_heads, d // num_heads), cos.float(), sin.float(), backend)
+    return out.to(x.dtype)

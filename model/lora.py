@@ -1,0 +1,143 @@
+"""LoRA adapters merged into a loaded Wan DiT at load time (safetensors only).
+
+LongLive v1.0 ships its generator LoRA as the peft state dict of the wrapped model (``lora.pt``, key
+``generator_lora``): keys ``base_model.model.blocks.{i}.<layer>.lora_A.weight`` [rank, in] and ``.lora_B.weight``
+[out, rank] on every Linear of every attention block, with no alpha in the file (its config sets alpha = rank, so
+the scale is 1). The same file layouts ComfyUI reads are accepted too: ``diffusion_model.``/``model.``/no prefix,
+``lora_A``/``lora_B`` or ``lora_down``/``lora_up``, peft's ``.default`` adapter name, and an optional ``<layer>.alpha``
+scalar. Each pair is merged as ``W += strength * (alpha / rank) * B @ A`` in float32 and cast back to the weight's
+dtype, in place (fused q/k/v buffers stay one buffer).
+
+ComfyUI's ``LoraLoaderModelOnly`` maps ``diffusion_model.<layer>`` keys on a WAN model, not peft's
+``base_model.model.`` ones: ``to_comfy`` writes a copy under those names with the alpha recorded.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, _list, check_path, read_header
+
+LORA_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "model.")
+_KEY = re.compile(r"^(?P<layer>.+?)\.(?P<part>lora_A|lora_B|lora_down|lora_up)(?:\.default)?(?:\.weight)?$")
+_ALPHA = re.compile(r"^(?P<layer>.+?)\.alpha$")
+_DOWN = {"lora_A": "down", "lora_down": "down", "lora_B": "up", "lora_up": "up"}
+
+
+class LoraError(CheckpointError):
+    """A LoRA file that cannot be merged into the model; the message names the key and the fix."""
+
+
+def _layer_name(raw: str) -> str:
+    for p in LORA_PREFIXES:
+        if raw.startswith(p):
+            return raw[len(p):]
+    return raw
+
+
+def read_lora(path) -> dict:
+    """{layer: {"down": A [r, in], "up": B [out, r], "alpha": float | None, "keys": (file keys)}} of a LoRA file."""
+    path = check_path(path)
+    infos, _ = read_header(path)
+    if not infos:
+        raise LoraError(f"LoRA file {path.name} holds no tensors")
+    from safetensors import safe_open
+    layers: dict = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for key in infos:
+            m, a = _KEY.match(key), _ALPHA.match(key)
+            if m is None and a is None:
+                raise LoraError(f"LoRA file {path.name}: key {key!r} is not a LoRA weight (expected "
+                                f"<layer>.lora_A.weight / <layer>.lora_B.weight, lora_down / lora_up, or "
+                                f"<layer>.alpha); remove it or convert the file")
+            t = f.get_tensor(key)
+            if not t.is_floating_point() or not torch.isfinite(t).all():
+                raise LoraError(f"LoRA file {path.name}: key {key!r} is not a finite floating-point tensor; "
+                                f"the file is damaged")
+            entry = layers.setdefault(_layer_name((m or a).group("layer")), {"keys": []})
+            entry["keys"].append(key)
+            if a is not None:
+                if t.numel() != 1:
+                    raise LoraError(f"LoRA file {path.name}: key {key!r} must be one number (the alpha), "
+                                    f"got shape {list(t.shape)}")
+                entry["alpha"] = float(t.reshape(()))
+            else:
+                slot = _DOWN[m.group("part")]
+                if slot in entry:
+                    raise LoraError(f"LoRA file {path.name}: key {key!r} repeats the {slot} matrix of layer "
+                                    f"{_layer_name(m.group('layer'))!r} (two adapters in one file?)")
+                entry[slot] = t
+    for layer, e in layers.items():
+        missing = [s for s in ("down", "up") if s not in e]
+        if missing:
+            raise LoraError(f"LoRA file {path.name}: layer {layer!r} ({', '.join(e['keys'])}) has no "
+                            f"{'lora_A (down)' if 'down' in missing else 'lora_B (up)'} matrix; the file is "
+                            f"incomplete")
+        if e["down"].dim() != 2 or e["up"].dim() != 2 or e["down"].shape[0] != e["up"].shape[1]:
+            raise LoraError(f"LoRA file {path.name}: layer {layer!r} has lora_A {list(e['down'].shape)} and "
+                            f"lora_B {list(e['up'].shape)}; expected [rank, in] and [out, rank]")
+        e.setdefault("alpha", None)
+    return layers
+
+
+def merge_lora(model: torch.nn.Module, path, strength: float = 1.0, alpha: float | None = None) -> int:
+    """Merge the LoRA file into the model's Linear weights; returns the number of layers changed. alpha: the
+    adapter's alpha when the file has none (default: the rank, as LongLive v1.0 configures it)."""
+    strength = float(strength)
+    if not math.isfinite(strength):
+        raise LoraError(f"LoRA strength must be a finite number, got {strength}")
+    if alpha is not None and not (math.isfinite(float(alpha)) and float(alpha) > 0):
+        raise LoraError(f"LoRA alpha must be a finite number > 0, got {alpha}")
+    layers = read_lora(path)
+    params = dict(model.named_parameters())
+    name = Path(path).name
+    plan = []
+    for layer, e in layers.items():
+        target = params.get(f"{layer}.weight")
+        if target is None:
+            raise LoraError(f"LoRA file {name}: key {e['keys'][0]!r} targets {layer + '.weight'!r}, which the "
+                            f"model does not have; use a LoRA trained for this model")
+        want = (e["up"].shape[0], e["down"].shape[1])
+        if target.dim() != 2 or tuple(target.shape) != want:
+            raise LoraError(f"LoRA file {name}: key {e['keys'][0]!r} makes a {list(want)} update but "
+                            f"{layer + '.weight'!r} is {list(target.shape)}; use a LoRA trained for this model")
+        if not target.is_floating_point() or target.element_size() < 2:
+            raise LoraError(f"LoRA file {name}: {layer + '.weight'!r} is stored as {target.dtype}; a LoRA is merged "
+                            f"into float32/bfloat16/float16 weights only: load the checkpoint without fp8")
+        rank = e["down"].shape[0]
+        a = e["alpha"] if e["alpha"] is not None else (float(alpha) if alpha is not None else float(rank))
+        plan.append((target, e, strength * a / rank))
+    with torch.no_grad():
+        for target, e, scale in plan:            # checked first, so a bad file changes nothing
+            delta = e["up"].to(target.device, torch.float32) @ e["down"].to(target.device, torch.float32)
+            target.copy_((target.float() + scale * delta).to(target.dtype))
+    return len(plan)
+
+
+def to_comfy(src, dst, alpha: float | None = None) -> int:
+    """Write the LoRA under the names ComfyUI maps on a WAN model (``diffusion_model.<layer>.lora_A.weight`` ...),
+    with ``<layer>.alpha`` set (the file's, else ``alpha``, else the rank). Returns the number of layers."""
+    from safetensors.torch import save_file
+    from ..cache.owned_files import write_with
+    layers = read_lora(src)
+    out = {}
+    for layer, e in layers.items():
+        rank = e["down"].shape[0]
+        a = e["alpha"] if e["alpha"] is not None else (float(alpha) if alpha is not None else float(rank))
+        out[f"diffusion_model.{layer}.lora_A.weight"] = e["down"].contiguous()
+        out[f"diffusion_model.{layer}.lora_B.weight"] = e["up"].contiguous()
+        out[f"diffusion_model.{layer}.alpha"] = torch.tensor(a, dtype=torch.float32)
+    write_with(dst, lambda tmp: save_file(out, tmp), purpose="the converted LoRA")
+    return len(layers)
+
+
+def describe(path) -> str:
+    layers = read_lora(path)
+    ranks = sorted({e["down"].shape[0] for e in layers.values()})
+    return f"{len(layers)} layers, rank {', '.join(map(str, ranks))}: {_list(sorted(layers), 4)}"
+
+
+__all__ = ["LoraError", "read_lora", "merge_lora", "to_comfy", "describe", "LORA_PREFIXES"]

@@ -1,0 +1,216 @@
+"""Prompt switching in ComfyUI: the prompt_schedule widget's text encoded with the graph's text encoder, the Wan
+Accel Prompt Schedule node for the native AR sampler, and the live prompt play session of the pack's panel.
+
+* The prompt_schedule widget of the causal sampler nodes and the text encoder of its prompts live in
+  ``model_nodes`` (``schedule_widget``, ``text_encoder``: the graph's CLIP, or the built-in tiny model's stand-in).
+* **Wan Accel Prompt Schedule**: CONDITIONING for the Wan Accel AR Sampler's guider that carries a schedule: the
+  first chunk's context as the ordinary conditioning, the schedule and its texts' embeddings alongside.
+* **CausalWan Prompt Play Session / Step**: a play session (``app.play.t2v``) whose next chunk follows the prompt
+  typed in the panel; Matrix-Game-2 Play Save saves it (video, the prompt schedule that reproduces it, latent).
+"""
+from __future__ import annotations
+
+import time
+
+from .model_nodes import GRAMMAR, encode_schedule, parse_schedule, schedule_widget, text_encoder  # noqa: F401
+
+SCHEDULE_KEY = "wan_accel_prompt_schedule"     # conditioning dict entry read by the native sampler
+
+
+class WanAccelPromptSchedule:
+    DESCRIPTION = ("A prompt schedule for the Wan Accel AR Sampler: encodes each prompt of the schedule with the "
+                   "graph's text encoder and outputs a CONDITIONING (the first chunk's prompt, with the schedule "
+                   "attached) for the guider's positive input. The sampler switches the prompt at the chunks named, "
+                   "re-caching the window as LongLive does.")
+    CATEGORY = "wan_accel/native"
+    FUNCTION = "encode"
+    RETURN_TYPES = ("CONDITIONING",)
+    RETURN_NAMES = ("positive",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "clip": ("CLIP", {"tooltip": "The graph's text encoder (umt5-xxl for Wan, from Load CLIP)."}),
+            "prompt_schedule": ("STRING", {"default": "0: a cat walks in the garden\n3: the cat starts to run",
+                                           "multiline": True, "tooltip": "Prompt schedule. " + GRAMMAR}),
+            "recache": (["switch", "none"], {"default": "switch", "tooltip":
+                        "switch: at a prompt switch re-cache the frames in the window under the new prompt "
+                        "(LongLive). none: only the cross-attention cache changes."}),
+        }}
+
+    def encode(self, clip, prompt_schedule, recache="switch"):
+        schedule = parse_schedule(prompt_schedule)
+        if schedule is None:
+            raise ValueError("prompt_schedule is empty: give at least '0: <prompt>'")
+        if recache not in ("switch", "none"):
+            raise ValueError(f"recache must be 'switch' or 'none', got {recache!r}")
+        embeddings = {}
+        for text in schedule.texts():
+            cond = clip.encode_from_tokens(clip.tokenize(text))
+            embeddings[text] = cond[0] if isinstance(cond, (tuple, list)) else cond
+        first = schedule.contexts(embeddings, 1)[0]
+        return ([[first, {SCHEDULE_KEY: {"schedule": schedule, "embeddings": embeddings, "recache": recache}}]],)
+
+
+# ---------------------------------------------------------------------------------------------- live prompt play
+class CausalWanPromptPlaySession:
+    DESCRIPTION = ("Starts a live prompt session for a causal text-to-video model: open the Wan Accel panel, press "
+                   "Play, and type a prompt while the video plays; it takes effect at the next chunk (re-caching "
+                   "the window, as LongLive does). Each chunk is its own short prompt. Save writes the video, the "
+                   "prompt schedule that reproduces it exactly with the same seed and its latent.")
+    CATEGORY = "wan_accel/model"
+    FUNCTION = "start"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("session",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("CAUSALWAN_MODEL", {"tooltip": "A causal text-to-video model from CausalWan Model Loader."}),
+            "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE: each chunk is decoded as it is made."}),
+            "prompt": ("STRING", {"default": "a cat walks in the garden", "tooltip":
+                       "The first chunk's prompt (one schedule prompt: a text, or a mix 'a :0.7 | b :0.3')."}),
+            "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16,
+                              "tooltip": "Video width in pixels (multiple of 16)."}),
+            "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16,
+                               "tooltip": "Video height in pixels (multiple of 16)."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
+                     "Seed of the noise; the saved schedule with this seed reproduces the session."}),
+            "preset": (["self_forcing", "causvid"], {"default": "self_forcing", "tooltip":
+                       "The sampling schedule: self_forcing (4 warped steps, shift 5; LongLive uses it) or causvid."}),
+            "frames_per_block": ("INT", {"default": 3, "min": 1, "max": 64, "tooltip":
+                                 "Latent frames per chunk (3 for the released models): a typed prompt takes effect "
+                                 "at the next chunk."}),
+            "kv_window": ("INT", {"default": 12, "min": -1, "max": 1024, "tooltip":
+                          "Rolling KV window in latent frames (LongLive: 12); -1 keeps every frame (memory grows "
+                          "with the session)."}),
+            "sink": ("INT", {"default": 3, "min": 0, "max": 1024, "tooltip": "Sink frames kept in the window."}),
+            "recache": (["switch", "none"], {"default": "switch", "tooltip":
+                        "switch: a new prompt re-caches the window under it (LongLive). none: only the "
+                        "cross-attention cache changes."}),
+        }, "optional": {
+            "clip": ("CLIP", {"tooltip": "The graph's text encoder (umt5-xxl); not needed by the built-in tiny model."}),
+            "idle_timeout_s": ("INT", {"default": 300, "min": 10, "max": 86400, "tooltip":
+                               "End the session (freeing its memory) after this many seconds with no chunk made and "
+                               "no panel watching it."}),
+            "state_on": (["model device", "cpu"], {"default": "model device", "tooltip":
+                         "Where the session's caches wait between chunks: the model's device, or the CPU."}),
+        }, "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    @classmethod
+    def IS_CHANGED(cls, **_kwargs):
+        return float("nan")
+
+    def start(self, model, vae, prompt, width=832, height=480, seed=0, preset="self_forcing", frames_per_block=3,
+              kv_window=12, sink=3, recache="switch", clip=None, idle_timeout_s=300, state_on="model device",
+              unique_id=None):
+        from ..app.play.registry import PlayError
+        from ..app.play.t2v import PromptPlaySession
+        from ..app.validate import MAX_SEED, check_geometry, check_int
+        from . import streaming_decode
+        from .play_nodes import _registry, _server, send_play_event
+        seed = check_int("seed", seed, 0, MAX_SEED)
+        geo = check_geometry(4 * (int(frames_per_block) - 1) + 1, height, width, frames_per_block, kv_window, sink,
+                             names={"frames": "frames_per_block"})
+        net = getattr(model, "model", model)
+        if hasattr(net, "action_config"):
+            raise ValueError("this is a Matrix-Game-2 model: use the Matrix-Game-2 Play Session node")
+        ph, pw = net.config.patch_size[1:]
+        if geo["latent_height"] % ph or geo["latent_width"] % pw:
+            raise ValueError(f"width and height must be multiples of {8 * max(ph, pw)} for this model")
+        encode = text_encoder(clip, model)
+        try:                                            # a bad first prompt is refused now, not at the first chunk
+            session = PromptPlaySession(net, encode, geo["latent_height"], geo["latent_width"], seed=seed,
+                                        schedule=preset, frames_per_block=frames_per_block, kv_window=kv_window,
+                                        sink=sink, recache=recache, prompt=prompt,
+                                        state_device="cpu" if state_on == "cpu" else None,
+                                        settings={"width": width, "height": height, "preset": preset})
+        except PlayError as exc:
+            raise ValueError(f"prompt: {exc}") from None
+        session.attached["decoder"] = streaming_decode.WanStreamDecoder(vae)
+        session.kept["vae"] = vae
+        server = _server()
+        owner = f"{getattr(server, 'client_id', None)}:{unique_id}"
+        sid = _registry().open(session, owner=owner, idle_timeout_s=float(idle_timeout_s))
+        send_play_event("ready", sid, **dict(session.describe(), prompt=prompt, fps=16,
+                                             node=str(unique_id) if unique_id is not None else None,
+                                             idle_timeout_s=float(idle_timeout_s)))
+        text = f"Prompt play session {sid} ready. Open the Wan Accel panel, press Play and type prompts."
+        return {"ui": {"text": [text], "wan_accel_play": [sid]}, "result": (sid,)}
+
+
+class CausalWanPromptPlayStep:
+    DESCRIPTION = ("Makes the next chunk of a prompt play session with the given prompt (empty: the prompt in "
+                   "effect), decodes it and shows its frames in the Wan Accel panel. The panel queues it per chunk.")
+    CATEGORY = "wan_accel/model"
+    FUNCTION = "step"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ()
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "session": ("STRING", {"default": "", "tooltip": "The id from CausalWan Prompt Play Session."}),
+            "prompt": ("STRING", {"default": "", "tooltip": "The prompt from this chunk on; empty: keep the current."}),
+            "chunk": ("INT", {"default": -1, "min": -1, "max": 1_000_000, "tooltip":
+                      "The chunk this step should make (refused if the session is elsewhere); -1: the next one."}),
+        }}
+
+    @classmethod
+    def IS_CHANGED(cls, **_kwargs):
+        return float("nan")
+
+    def step(self, session, prompt="", chunk=-1):
+        import torch
+        from ..app.play.registry import PlayError
+        from ._comfy import progress_and_interrupt
+        from .mg2_nodes import to_latent_space
+        from .play_nodes import _is_interrupt, _registry, send_play_event
+        from .stream_nodes import _jpeg_frames
+        registry = _registry()
+        play = registry.get(session)
+        if getattr(play, "kind", None) != "t2v":
+            raise ValueError("this session is a Matrix-Game-2 play session: use Matrix-Game-2 Play Step")
+        if chunk >= 0 and chunk != play.chunks:
+            raise ValueError(f"chunk {chunk} was asked for but the session has made {play.chunks}: is another tab "
+                             f"playing it? Reload the panel")
+        _bar, interrupt = progress_and_interrupt()
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                latents = play.step(prompt, callback=(lambda *_a: interrupt()) if interrupt is not None else None)
+                t1 = time.perf_counter()
+                decoder = play.attached.get("decoder")
+                images = None
+                if decoder is not None:
+                    vae_latents = to_latent_space(latents)
+                    decoder.load(vae_latents.shape)
+                    images = decoder.push(vae_latents)
+        except PlayError:
+            raise
+        except BaseException as exc:
+            why = "interrupted" if _is_interrupt(exc) else f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            registry.end(session, why)
+            send_play_event("ended", session, reason=why, chunks=play.chunks)
+            raise
+        t2 = time.perf_counter()
+        entry = play.log[-1]
+        send_play_event("chunk", session, chunk=entry["chunk"], action=entry["prompt"], prompt=entry["prompt"],
+                        fps=16, latency_s=round(t2 - t0, 4), decode_s=round(t2 - t1, 4),
+                        first_frame=play.frames_shown,
+                        frames=[] if images is None else _jpeg_frames(images[0].cpu()))
+        play.frames_shown += 0 if images is None else images.shape[1]
+        return {"ui": {"text": [f"chunk {entry['chunk']}: {entry['prompt']} ({t2 - t0:.2f} s)"]}}
+
+
+NODE_CLASS_MAPPINGS = {
+    "WanAccelPromptSchedule": WanAccelPromptSchedule,
+    "CausalWanPromptPlaySession": CausalWanPromptPlaySession,
+    "CausalWanPromptPlayStep": CausalWanPromptPlayStep,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "WanAccelPromptSchedule": "Wan Accel Prompt Schedule",
+    "CausalWanPromptPlaySession": "CausalWan Prompt Play Session",
+    "CausalWanPromptPlayStep": "CausalWan Prompt Play Step",
+}

@@ -1,0 +1,293 @@
+"""Prompt schedules: which prompt (or mix of prompts) conditions each chunk of a causal run, and how a switch blends.
+
+Text form, one entry per line (blank lines and lines starting with ``#`` are ignored)::
+
+    0: a cat walks in the garden
+    6: the cat starts to run (blend 2)
+    9: a red fox :0.7 | snow falls :0.3 (blend 3, slerp)
+
+``<chunk>: <prompt>``: from that chunk on, the prompt conditions the video. A prompt is one text or a weighted mix
+``text :w | text :w`` (each weight finite and > 0, written after a space and a colon; the weights are normalised to
+sum 1; a part without a weight counts 1). A trailing ``(blend N)`` / ``(blend N, slerp)`` / ``(blend N, linear)``
+moves from the previous chunk's context to the new one over N chunks: chunk c + j (j = 0 .. N-1) gets
+``blend(previous, new, (j + 1) / N)``, so the N-th chunk is the new prompt exactly; N = 0 or no blend is a hard
+switch. (Krea Realtime's ``torch.lerp`` over ``linspace(0, 1, N)``, one step per block, is ``(blend N-1)`` one chunk
+later: its first step is the old prompt.) Chunk 0 must be present.
+
+Mixes and blends act on the raw text-encoder output [B or 1, L, text_dim] (before the model's text embedding), in
+float32, cast back to the embeddings' dtype; embeddings of different lengths are zero-padded to the longest, as the
+model pads every context to its text length with zeros anyway.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+BLEND_MODES = ("linear", "slerp")
+SLERP_PARALLEL_COS = 0.9995      # rows closer to (anti-)parallel than this are blended linearly
+_BLEND = re.compile(r"\(\s*blend\s+([^,()]*?)\s*(?:,\s*([^,()]*?)\s*)?\)\s*$", re.IGNORECASE)
+_ENTRY = re.compile(r"^\s*([^:]*?)\s*:(.*)$")
+_WEIGHT = re.compile(r"^(.*\S)\s+:\s*(\S+)\s*$|^\s*:\s*(\S+)\s*$")
+EXAMPLE = "0: a cat walks in the garden\n6: the cat starts to run (blend 2)"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """From ``chunk`` on: the mix ``parts`` ((text, weight), ...; raw weights, normalised on use), reached from the
+    previous chunk's context over ``blend`` chunks with ``mode`` ('linear' | 'slerp')."""
+    chunk: int
+    parts: tuple
+    blend: int = 0
+    mode: str = "linear"
+
+    def weights(self) -> list:
+        total = math.fsum(w for _, w in self.parts)
+        return [w / total for _, w in self.parts]
+
+    def prompt_text(self) -> str:
+        if len(self.parts) == 1 and self.parts[0][1] == 1.0:
+            return self.parts[0][0]
+        return " | ".join(f"{t} :{w!r}" for t, w in self.parts)
+
+    def line(self) -> str:
+        tail = "" if not self.blend else f" (blend {self.blend}" + (", slerp)" if self.mode == "slerp" else ")")
+        return f"{self.chunk}: {self.prompt_text()}{tail}"
+
+
+def _check_text(text, where: str) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: a prompt text is empty; write the text after the colon (e.g. '{EXAMPLE[:30]}')")
+    text = text.strip()
+    if "\n" in text or "\r" in text or "|" in text:
+        raise ValueError(f"{where}: a prompt text may not contain a line break or '|' (the mix separator); put each "
+                         f"prompt on one line")
+    return text
+
+
+def _number(value: str, what: str, where: str, kind=float):
+    try:
+        v = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: {what} {value!r} is not a{'n integer' if kind is int else ' number'}; "
+                         f"write e.g. {'(blend 2)' if kind is int else 'a red fox :0.7 | snow :0.3'}") from None
+    return v
+
+
+def _check_weight(w: float, where: str) -> float:
+    if not math.isfinite(w) or w <= 0:
+        raise ValueError(f"{where}: the weight {w!r} must be a finite number > 0; give every mixed prompt a positive "
+                         f"weight (they are normalised to sum 1)")
+    return float(w)
+
+
+def _parse_prompt(body: str, where: str) -> tuple:
+    parts = []
+    for piece in body.split("|"):
+        m = _WEIGHT.match(piece)
+        if m is None:
+            parts.append((_check_text(piece, where), 1.0))
+            continue
+        text, w = (m.group(1), m.group(2)) if m.group(1) is not None else ("", m.group(3))
+        parts.append((_check_text(text, where), _check_weight(_number(w, "the weight", where), where)))
+    return tuple(parts)
+
+
+@dataclass(frozen=True)
+class PromptSchedule:
+    entries: tuple
+
+    def __post_init__(self):
+        entries = tuple(self.entries)
+        object.__setattr__(self, "entries", entries)
+        if not entries or entries[0].chunk != 0:
+            raise ValueError("a prompt schedule needs an entry for chunk 0 (e.g. '0: a cat walks in the garden')")
+        for i, e in enumerate(entries):
+            where = f"entry {i + 1} (chunk {e.chunk})"
+            if not isinstance(e.chunk, int) or e.chunk < 0:
+                raise ValueError(f"{where}: the chunk must be an integer >= 0")
+            if i and e.chunk <= entries[i - 1].chunk:
+                raise ValueError(f"{where}: chunks must strictly increase (the previous entry is chunk "
+                                 f"{entries[i - 1].chunk}); order the lines by chunk, one line per chunk")
+            if not e.parts:
+                raise ValueError(f"{where}: no prompt text")
+            for t, w in e.parts:
+                _check_text(t, where)
+                _check_weight(w, where)
+            if e.mode not in BLEND_MODES:
+                raise ValueError(f"{where}: blend mode {e.mode!r} is not one of {BLEND_MODES}")
+            if not isinstance(e.blend, int) or e.blend < 0:
+                raise ValueError(f"{where}: the blend length must be an integer >= 0 chunks")
+            if e.chunk == 0 and e.blend:
+                raise ValueError(f"{where}: chunk 0 has no earlier prompt to blend from; remove its (blend ...)")
+
+    # ------------------------------------------------------------------ text form
+    @classmethod
+    def parse(cls, text: str) -> "PromptSchedule":
+        """The schedule of ``text`` (see the module doc); ValueError naming the line and the fix."""
+        if not isinstance(text, str):
+            raise ValueError(f"a prompt schedule is text, got {type(text).__name__}")
+        entries = []
+        for no, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            where = f"prompt schedule line {no}"
+            m = _ENTRY.match(line)
+            if m is None or not m.group(1):
+                raise ValueError(f"{where}: {line[:60]!r} is not '<chunk>: <prompt>'; write e.g. "
+                                 f"'0: a cat walks in the garden'")
+            chunk = _number(m.group(1), "the chunk", where, int)
+            if chunk < 0:
+                raise ValueError(f"{where}: the chunk {chunk} must be >= 0")
+            body, blend, mode = m.group(2), 0, "linear"
+            b = _BLEND.search(body)
+            if b is not None:
+                blend = _number(b.group(1), "the blend length", where, int)
+                if blend < 0:
+                    raise ValueError(f"{where}: the blend length {blend} must be >= 0 chunks")
+                mode = (b.group(2) or "linear").lower()
+                if mode not in BLEND_MODES:
+                    raise ValueError(f"{where}: blend mode {b.group(2)!r} is not one of {BLEND_MODES}; write "
+                                     f"'(blend {blend}, slerp)' or '(blend {blend})'")
+                body = body[:b.start()]
+            entries.append((no, Entry(chunk, _parse_prompt(body, where), blend, mode)))
+        if not entries:
+            raise ValueError(f"the prompt schedule has no entries; write one line per switch, e.g. {EXAMPLE!r}")
+        for i, (no, e) in enumerate(entries):
+            if i == 0 and e.chunk != 0:
+                raise ValueError(f"prompt schedule line {no}: the first entry must be for chunk 0 (it is for chunk "
+                                 f"{e.chunk}); start with '0: <prompt>'")
+            if i and e.chunk <= entries[i - 1][1].chunk:
+                raise ValueError(f"prompt schedule line {no}: chunk {e.chunk} does not come after chunk "
+                                 f"{entries[i - 1][1].chunk} (line {entries[i - 1][0]}); chunks must strictly increase")
+            if e.chunk == 0 and e.blend:
+                raise ValueError(f"prompt schedule line {no}: chunk 0 has no earlier prompt to blend from; remove "
+                                 f"its (blend ...)")
+        return cls(tuple(e for _, e in entries))
+
+    def to_text(self) -> str:
+        return "\n".join(e.line() for e in self.entries) + "\n"
+
+    @classmethod
+    def single(cls, text: str) -> "PromptSchedule":
+        return cls((Entry(0, ((_check_text(text, "prompt"), 1.0),)),))
+
+    @classmethod
+    def coerce(cls, value) -> "PromptSchedule":
+        """A schedule from a PromptSchedule or its text form."""
+        return value if isinstance(value, cls) else cls.parse(value)
+
+    # ------------------------------------------------------------------ against a run
+    def validate(self, num_chunks: int) -> "PromptSchedule":
+        """Clear error when the schedule does not fit a run of ``num_chunks`` chunks; returns self."""
+        last = self.entries[-1].chunk
+        if last >= num_chunks:
+            raise ValueError(f"the prompt schedule switches at chunk {last} but the run has chunks 0..{num_chunks - 1}"
+                             f"; use chunks below {num_chunks} (or make the video longer)")
+        if len(self.entries) > num_chunks:      # not reached for a valid schedule (increasing chunks); kept explicit
+            raise ValueError(f"the prompt schedule has {len(self.entries)} entries but the run has only {num_chunks} "
+                             f"chunk(s); give at most one entry per chunk (or make the video longer)")
+        return self
+
+    def until(self, num_chunks: int) -> "PromptSchedule":
+        """The entries that start before chunk ``num_chunks`` (the part of a longer video's schedule a shorter run
+        follows; its contexts are the longer schedule's first ``num_chunks``)."""
+        return PromptSchedule(tuple(e for e in self.entries if e.chunk < num_chunks))
+
+    def texts(self) -> list:
+        """The distinct texts to encode, in first-use order."""
+        seen = {}
+        for e in self.entries:
+            for t, _ in e.parts:
+                seen.setdefault(t, None)
+        return list(seen)
+
+    def _specs(self, num_chunks: int) -> list:
+        """A hashable description of every chunk's context (equal descriptions: the same context)."""
+        specs, by_chunk, prev = [], {e.chunk: e for e in self.entries}, None
+        active = None                              # (start chunk, from spec, entry)
+        for c in range(num_chunks):
+            e = by_chunk.get(c)
+            if e is not None:
+                target = ("mix", tuple(zip((t for t, _ in e.parts), e.weights())))
+                active = (c, prev, e, target) if e.blend and prev is not None else (c, None, e, target)
+            start, src, e, target = active
+            j = c - start
+            if src is None or j + 1 >= e.blend or src == target:
+                spec = target
+            else:
+                spec = ("blend", src, target, (j + 1) / e.blend, e.mode)
+            specs.append(spec)
+            prev = spec
+        return specs
+
+    def switch_chunks(self, num_chunks: int) -> list:
+        """The chunks > 0 whose context differs from the previous chunk's."""
+        specs = self._specs(num_chunks)
+        return [c for c in range(1, num_chunks) if specs[c] != specs[c - 1]]
+
+    def contexts(self, embeddings: dict, num_chunks: int) -> list:
+        """The raw context of every chunk, from ``embeddings`` {text: [B or 1, L, text_dim]} (mixes and blends in
+        float32, cast back to the embeddings' dtype). Chunks with the same context share one tensor."""
+        missing = [t for t in self.texts() if t not in embeddings]
+        if missing:
+            raise ValueError(f"no text embedding for prompt(s) {missing[:3]}; encode every text of schedule.texts()")
+        raw = {t: embeddings[t] for t in self.texts()}
+        dims = {(v.dim(), v.shape[-1]) for v in raw.values()}
+        if len(dims) != 1 or next(iter(dims))[0] != 3:
+            raise ValueError(f"the prompt embeddings must all be [B or 1, L, text_dim] with one text_dim, got "
+                             f"{sorted({tuple(v.shape) for v in raw.values()})}")
+        dtype = next(iter(raw.values())).dtype
+        length = max(v.shape[1] for v in raw.values())
+        padded = {t: _pad(v, length) for t, v in raw.items()}
+        built: dict = {}
+
+        def build(spec):
+            if spec not in built:
+                if spec[0] == "mix":
+                    parts = spec[1]
+                    if len(parts) == 1:
+                        built[spec] = padded[parts[0][0]]
+                    else:
+                        acc = sum(padded[t].float() * w for t, w in parts)
+                        built[spec] = acc.to(dtype)
+                else:
+                    _, src, dst, alpha, mode = spec
+                    built[spec] = blend(build(src), build(dst), alpha, mode).to(dtype)
+            return built[spec]
+
+        return [build(s) for s in self._specs(num_chunks)]
+
+
+def _pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    if t.shape[1] == length:
+        return t
+    return torch.cat([t, t.new_zeros(t.shape[0], length - t.shape[1], t.shape[2])], dim=1)
+
+
+def blend(a: torch.Tensor, b: torch.Tensor, alpha: float, mode: str = "linear") -> torch.Tensor:
+    """(1 - alpha) a + alpha b ('linear'), or per token row the spherical interpolation
+    sin((1 - alpha) w) / sin(w) a + sin(alpha w) / sin(w) b with cos(w) the rows' cosine ('slerp'; rows that are
+    zero or within SLERP_PARALLEL_COS of (anti-)parallel are blended linearly). float32 math, float32 result."""
+    if mode not in BLEND_MODES:
+        raise ValueError(f"blend mode must be one of {BLEND_MODES}, got {mode!r}")
+    a32, b32 = a.float(), b.float()
+    alpha = float(alpha)
+    lin = (1.0 - alpha) * a32 + alpha * b32
+    if mode == "linear":
+        return lin
+    a32, b32 = torch.broadcast_tensors(a32, b32)
+    na, nb = a32.norm(dim=-1, keepdim=True), b32.norm(dim=-1, keepdim=True)
+    cos = ((a32 * b32).sum(-1, keepdim=True) / (na * nb).clamp_min(torch.finfo(torch.float32).tiny)).clamp(-1, 1)
+    omega = torch.acos(cos)
+    so = torch.sin(omega)
+    safe = so.clamp_min(torch.finfo(torch.float32).eps)
+    sl = torch.sin((1.0 - alpha) * omega) / safe * a32 + torch.sin(alpha * omega) / safe * b32
+    linear_rows = (cos.abs() > SLERP_PARALLEL_COS) | (na == 0) | (nb == 0)
+    return torch.where(linear_rows, lin.expand_as(sl), sl)
+
+
+__all__ = ["PromptSchedule", "Entry", "blend", "BLEND_MODES", "SLERP_PARALLEL_COS"]

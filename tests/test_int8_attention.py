@@ -1,0 +1,163 @@
+"""int8 attention (opt-in): the pack's torch version and comfy-kitchen's kernel against exact attention within the
+stated bound (kernels/int8_attention.error_bound), the bound not trivially loose, the mode reachable from the CLI,
+the loader node, the native sampler node and both sampler paths, exact attention everywhere by default, and the
+README's Fidelity table as measured on the fixtures."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from wan_accel.kernels import int8_attention as ia
+from wan_accel.model import attention as attn
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+ROWS = slice(0, 48)      # the bound's Q term costs rows x keys x head_dim^2: bound a sample of queries
+
+
+def _wan_qkv(dtype, lq=256, lk=384, heads=12, head_dim=128, seed=0):
+    """Wan 2.1 1.3B's head layout ([B, L, 12, 128]); keys with an offset (what the smoothing removes)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, lq, heads, head_dim, generator=g) * 2
+    k = torch.randn(1, lk, heads, head_dim, generator=g) * 1.5 + 0.7
+    v = torch.randn(1, lk, heads, head_dim, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _exact(q, k, v):
+    qf, kf, vf = (t.transpose(1, 2).double() for t in (q, k, v))
+    w = torch.softmax(qf @ kf.transpose(-1, -2) / qf.shape[-1] ** 0.5, dim=-1)
+    return (w @ vf).transpose(1, 2).float()
+
+
+def _ratio(out, q, k, v, kernel="torch"):
+    err = (out.float() - _exact(q, k, v))[:, ROWS].abs()
+    return err, err / ia.error_bound(q, k, v, kernel=kernel, rows=ROWS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_int8_is_within_the_stated_bound_on_wan_shapes(dtype):
+    q, k, v = _wan_qkv(dtype)
+    out = attn.attention(q, k, v, backend="int8")
+    assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
+    err, ratio = _ratio(out, q, k, v)
+    assert float(ratio.max()) <= 1.0
+    exact_err = (attn.attention(q, k, v, backend="sdpa").float() - _exact(q, k, v))[:, ROWS].abs()
+    assert float(err.max()) > 2 * float(exact_err.max())           # int8, not exact attention in this dtype
+
+
+@pytest.mark.parametrize("coarser", [2, 3])
+def test_a_few_quantization_steps_more_error_fails_the_bound(monkeypatch, coarser):
+    """int8 steps 2-3 times the 1/127 of the block maximum (rounding errors of a few steps) exceed the bound."""
+    q, k, v = _wan_qkv(torch.float32)
+    with monkeypatch.context() as m:
+        m.setattr(ia, "LEVELS", ia.LEVELS // coarser)
+        planted = ia.int8_attention_torch(q, k, v)
+    _, ratio = _ratio(planted, q, k, v)
+    assert float(ratio.max()) > 1.0
+
+
+def test_comfy_kitchen_int8_within_the_bound_where_it_runs():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    why = ia.kitchen_problem(device, torch.bfloat16, 128)
+    if why is not None:
+        assert ia.implementation(device, torch.bfloat16, 128)[0] == "torch"
+        pytest.skip(f"comfy-kitchen's int8 kernel does not run here: {why}")
+    q, k, v = (t.to(device) for t in _wan_qkv(torch.bfloat16))
+    out = ia.int8_attention_kitchen(q, k, v)
+    assert out.shape == q.shape
+    _, ratio = _ratio(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel="kitchen")
+    assert float(ratio.max()) <= 1.0
+
+
+def test_on_a_cpu_the_torch_version_runs_and_says_why():
+    backend, reason = attn.explain_backend("int8", "cpu", torch.float32, 128)
+    assert backend == "int8" and "torch version" in reason and "CUDA" in reason
+
+
+def test_padded_keys_are_ignored():
+    q, k, v = _wan_qkv(torch.float32, lq=40, lk=70, heads=2, head_dim=16)
+    mask = torch.ones(1, 70, dtype=torch.bool)
+    mask[:, 50:] = False
+    out = attn.attention(q, k, v, mask, backend="int8")
+    v2 = v.clone()
+    v2[:, 50:] = 1e3
+    assert torch.equal(out, attn.attention(q, k, v2, mask, backend="int8"))
+    assert float((out - _exact(q[:, :], k[:, :50], v[:, :50])).abs().max()) < 0.1
+
+
+def test_exact_attention_stays_the_default_everywhere():
+    from wan_accel.cli import build_parser
+    from wan_accel.model.tiny import tiny_causal_model
+    from wan_accel.nodes.model_nodes import CausalWanModelLoader
+    from wan_accel.nodes.native_nodes import WanAccelARSampler
+    from wan_accel.sampling.runner import FastOptions
+    assert build_parser().parse_args(["generate"]).attention == "auto"
+    assert CausalWanModelLoader.INPUT_TYPES()["required"]["attention"][1]["default"] == "auto"
+    assert WanAccelARSampler.INPUT_TYPES()["optional"]["attention"][1]["default"] == "auto"
+    assert FastOptions().attention is None and tiny_causal_model(0).attn_backend == "auto"
+    for requested in ("auto", "flash_attn", "sdpa"):
+        assert attn.explain_backend(requested, "cpu", torch.bfloat16, 128)[0] != "int8"
+
+
+def test_int8_is_offered_by_the_cli_and_the_nodes():
+    from wan_accel.cli import build_parser
+    from wan_accel.nodes.model_nodes import CausalWanModelLoader
+    from wan_accel.nodes.native_nodes import WanAccelARSampler
+    assert build_parser().parse_args(["generate", "--attention", "int8"]).attention == "int8"
+    assert "int8" in CausalWanModelLoader.INPUT_TYPES()["required"]["attention"][0]
+    assert "int8" in WanAccelARSampler.INPUT_TYPES()["optional"]["attention"][0]
+
+
+@pytest.mark.parametrize("path", ["reference", "optimized"])
+def test_both_sampler_paths_run_int8_from_the_loader(monkeypatch, path):
+    """The loader node's handle with attention int8: every attention call of the run goes through int8; the
+    latents differ from exact attention's, closely."""
+    from wan_accel.nodes.model_nodes import CausalWanModelLoader
+    from wan_accel.sampling.sampler import generate_latents, sampler_path
+    calls = []
+    real = ia.int8_attention_torch
+    monkeypatch.setattr(ia, "int8_attention_torch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    outs = {}
+    for mode in ("sdpa", "int8"):
+        handle = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", mode)[0]
+        report = {}
+        with torch.no_grad(), sampler_path(path, {} if path == "optimized" else None):
+            outs[mode] = generate_latents(handle.model, torch.randn(1, 8, handle.model.config.text_dim,
+                                          generator=torch.Generator().manual_seed(1)), 6, 4, 4, seed=3,
+                                          schedule="self_forcing", report=report)
+        assert report["path"] == path
+        if path == "optimized":
+            assert report["attention"] == mode
+        assert bool(calls) == (mode == "int8")
+    diff = (outs["int8"] - outs["sdpa"]).abs().max()
+    assert torch.isfinite(outs["int8"]).all() and 0 < float(diff) < 0.1
+
+
+def test_bench_sampler_puts_int8_rows_beside_exact():
+    import argparse
+    from wan_accel.app.bench import sampler
+    ns = argparse.Namespace(variants="reference,optimized", attention="int8")
+    assert sampler._variant_names(ns, "fp32") == ["reference", "reference-int8", "optimized", "optimized-int8"]
+    assert sampler.VARIANTS["optimized-int8"]["attention"] == "int8"
+    assert sampler.VARIANTS["optimized"]["attention"] == "auto"
+
+
+def test_readme_fidelity_table_is_what_the_fixtures_measure():
+    """The README's Fidelity rows (fixture, path, final max / mean, worst step max) against ``bench fidelity``'s
+    measurement, within 10% (other CPUs sum in another order)."""
+    from wan_accel.app.bench.fidelity import measure
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Fidelity", 1)[1].split("\n## ", 1)[0]
+    table = {(m[0], m[1]): [float(x) for x in m[2:]] for m in re.findall(
+        r"^\| (\w+) \| (reference|optimized) \| ([\d.e+-]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \|", section, re.M)}
+    assert len(table) == 4, section
+    for fixture in ("wan_reference", "matrix_game2"):
+        for row in measure(FIXTURES / fixture, "int8"):
+            got = [row["final"]["max_abs"], row["final"]["mean_abs"], max(s["max_abs"] for s in row["steps"])]
+            want = table[(fixture, row["path"])]
+            assert got == pytest.approx(want, rel=0.1), (fixture, row["path"], got, want)
+            assert 0 < got[0] < 0.1
