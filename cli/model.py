@@ -9,6 +9,9 @@ from ..app.validate import (UsageError, check_device, check_fits, check_float, c
                             check_int, check_output_dir, check_schedule_args, check_steps, dtype_arg)
 
 
+OPS_MODES = ("auto", "pack", "kitchen", "torch")      # kernels/candidates.py MODES (not imported here: no torch)
+
+
 def register(subparsers) -> None:
     _add_generate(subparsers)
     _add_convert(subparsers)
@@ -23,6 +26,10 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--out", default="wan_accel_out", help="output directory (default: wan_accel_out)")
     p.add_argument("--checkpoint", help=".safetensors DiT checkpoint (default: built-in tiny random model)")
     p.add_argument("--text-embeds", help=".safetensors with the prompt's umt5 embedding ('context', [L, 4096])")
+    p.add_argument("--lora", metavar="FILE", help="a LoRA .safetensors merged into the weights at load: LongLive's "
+                   "(peft names) or a ComfyUI-layout one")
+    p.add_argument("--lora-strength", type=float, metavar="X", help="scale of the LoRA update (default 1.0; "
+                   "-100 to 100)")
     p.add_argument("--frames", type=int, help="video frames, 4k+1 (default 33 tiny / 81 checkpoint)")
     p.add_argument("--height", type=int, help="pixels, multiple of 16 (default 128 tiny / 480 checkpoint)")
     p.add_argument("--width", type=int, help="pixels, multiple of 16 (default 128 tiny / 832 checkpoint)")
@@ -30,7 +37,8 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--model-kind", default="wan", choices=["wan", "matrix-game2"],
                    help="wan: text-to-video causal Wan (default); matrix-game2: action-conditioned world model")
     p.add_argument("--preset", help="wan: self_forcing (default) / causvid / longlive (its schedule, 3-frame "
-                                    "chunks, window 12, sink 3) / custom; matrix-game2: its mode preset (default "
+                                    "chunks, window 12, sink 3) / krea (Krea Realtime's 4 steps, 3-frame chunks, "
+                                    "context K 3, --recache krea) / custom; matrix-game2: its mode preset (default "
                                     "universal)")
     p.add_argument("--steps", help="step list for --preset custom (or to override a preset), e.g. 1000,750,500,250")
     p.add_argument("--shift", type=float, help="timestep shift (overrides the preset)")
@@ -51,15 +59,21 @@ def _add_generate(subparsers) -> None:
                         "'0: a cat walks\n6: the cat runs (blend 2)'; mixes 'a :0.7 | b :0.3'. The tiny model "
                         "encodes the texts with its stand-in encoder; a checkpoint needs --text-embeds holding one "
                         "tensor per text, named by the text")
-    p.add_argument("--recache", choices=["switch", "none"],
+    p.add_argument("--recache", choices=["switch", "none", "krea"],
                    help="at a prompt switch: switch (default; re-cache the window's KV under the new prompt, as "
-                        "LongLive) or none (only the cross-attention follows the prompt)")
+                        "LongLive) or none (only the cross-attention follows the prompt); krea: before every chunk "
+                        "rebuild the KV cache from a context of K = --kv-window - --frames-per-block frames "
+                        "(Krea Realtime; --kv-window -1: K = 3; default of --preset krea)")
     p.add_argument("--num-heads", type=int, help="heads, for checkpoints whose dim is not a multiple of 128")
     p.add_argument("--no-preview", action="store_true")
     p.add_argument("--sampler", default="auto", choices=["auto", "optimized", "reference"],
                    help="sampling path: auto (optimized on CUDA, reference elsewhere), optimized, reference")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"], help="CUDA graphs (optimized path)")
     p.add_argument("--no-fused-kernels", action="store_true", help="plain torch ops instead of the fused kernels")
+    p.add_argument("--ops", default="auto", choices=list(OPS_MODES),
+                   help="optimized path: which implementation runs LayerNorm+modulate and RMSNorm+RoPE: auto (the "
+                        "fastest verified one where the fused kernels run), pack (the pack's Triton kernels), kitchen "
+                        "(comfy-kitchen's backends), torch (plain torch)")
     p.add_argument("--compile", action="store_true", help="regional torch.compile of the blocks (optimized path)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     mg2 = p.add_argument_group("matrix-game2 (with --model-kind matrix-game2)")
@@ -80,7 +94,7 @@ def _run_job(args, log, parallel=None):
                       frames=latent_frames(args.frames) if args.frames is not None else None, steps=args.steps,
                       shift=args.shift, num_heads=args.num_heads,
                       skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview)
-        options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels}
+        options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels, "ops": args.ops}
         with sampler_path(args.sampler, options):
             return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log,
                                     parallel=parallel)
@@ -93,6 +107,7 @@ def _run_job(args, log, parallel=None):
         frames_per_block=args.frames_per_block, kv_window=args.kv_window, sink=args.sink,
         skip_last_refresh=args.skip_last_refresh, num_heads=args.num_heads, preview=not args.no_preview,
         sampler=args.sampler, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
+        ops=args.ops, lora=args.lora, lora_strength=1.0 if args.lora_strength is None else args.lora_strength,
         compile=args.compile, prompt_schedule=getattr(args, "prompt_schedule_text", None),
         recache=args.recache or "switch")
     return run_generate(opts, log=log, parallel=parallel)
@@ -105,7 +120,7 @@ GENERATE_NAMES = {"frames": "--frames", "height": "--height", "width": "--width"
 WAN_ONLY = (("frames_per_block", "--frames-per-block", 3), ("kv_window", "--kv-window", -1), ("sink", "--sink", 0),
             ("no_warp", "--no-warp", False), ("compile", "--compile", False), ("text_embeds", "--text-embeds", None),
             ("height", "--height", None), ("width", "--width", None), ("prompt_schedule", "--prompt-schedule", None),
-            ("recache", "--recache", None))
+            ("recache", "--recache", None), ("lora", "--lora", None), ("lora_strength", "--lora-strength", None))
 
 
 def check_generate_args(args) -> None:
@@ -134,6 +149,7 @@ def check_generate_args(args) -> None:
         check_input_file("--checkpoint", args.checkpoint)
     if args.text_embeds:
         check_input_file("--text-embeds", args.text_embeds)
+    _check_lora_args(args)
     if getattr(args, "conditioning", None):
         check_input_file("--conditioning", args.conditioning)
     check_int("--seed", args.seed, 0, 0xFFFFFFFFFFFFFFFF)
@@ -143,6 +159,7 @@ def check_generate_args(args) -> None:
     if args.num_heads is not None:
         check_int("--num-heads", args.num_heads, 1, 1024)
     check_device("--device", args.device)
+    _check_ops(args)
     if args.model_kind == "matrix-game2":
         if args.window is not None:
             check_int("--window", args.window, 3, 1024, hint=" (latent frames, at least one 3-frame chunk)")
@@ -160,6 +177,12 @@ def check_generate_args(args) -> None:
                          args.frames_per_block, args.kv_window, args.sink, names=GENERATE_NAMES)
     check_schedule_args(args.preset or "self_forcing", args.steps, args.shift, False if args.no_warp else None,
                         names={"preset": "--preset", "steps": "--steps", "shift": "--shift"})
+    from ..sampling.krea import cache_setup
+    try:                                     # the one cache-mode mapping: Krea's window constraints named here
+        args.kv_window = cache_setup(args.recache or "switch", args.frames_per_block, args.kv_window,
+                                     names={"recache": "--recache", **GENERATE_NAMES}).kv_window
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if args.prompt_schedule is not None:
         from ..app.jobs.generate import check_prompt_schedule, read_prompt_schedule
         args.prompt_schedule_text = read_prompt_schedule("--prompt-schedule", args.prompt_schedule)
@@ -173,6 +196,32 @@ def check_generate_args(args) -> None:
         check_fits(config, geo["frames"], geo["height"], geo["width"], device=args.device, dtype=args.dtype,
                    frames_per_block=args.frames_per_block, kv_window=args.kv_window, weight_bytes=weight_bytes,
                    names=GENERATE_NAMES)
+
+
+def _check_lora_args(args) -> None:
+    if args.lora is not None:
+        check_input_file("--lora", args.lora)
+    if args.lora_strength is not None:
+        if args.lora is None:
+            raise UsageError("--lora-strength needs --lora (the LoRA file it scales); add --lora FILE or leave it out")
+        check_float("--lora-strength", args.lora_strength, -100.0, 100.0)
+
+
+def _check_ops(args) -> None:
+    """--ops other than auto: the optimized sampler must run (it is the one that uses it), and the chosen family
+    must run on the device."""
+    if args.ops == "auto":
+        return
+    from ..app.jobs.handle import default_device
+    from ..kernels.candidates import mode_problem
+    device = args.device or str(default_device())
+    if args.sampler == "reference" or (args.sampler == "auto" and not device.startswith("cuda")):
+        raise UsageError(f"--ops {args.ops} picks the optimized sampler's implementation, but the reference sampler "
+                         f"runs here ({'--sampler reference' if args.sampler == 'reference' else 'on ' + device}): "
+                         f"add --sampler optimized, or leave --ops out")
+    problem = mode_problem(args.ops, device)
+    if problem:
+        raise UsageError(f"--ops: {problem}")
 
 
 def _model_size(args) -> tuple[dict | None, int]:

@@ -13,6 +13,10 @@ seeded inputs of the call's shapes against the reference (tolerance from the dty
 (with the store's pluggable timer); a candidate whose numbers are wrong is recorded as failed and never used again
 on that fingerprint, alone (the others stay on). A second process with the same store measures nothing.
 
+The verify-then-time choice itself (``pick``) is generic: exact attention (``model/attention.py``) runs its own
+candidates (FlashAttention 3 / 2, SDPA, plain softmax math) through it as op ``attention``, with its own reference,
+store key and tolerance.
+
 Modes (``FastOptions.ops``): ``auto`` (every candidate), ``pack`` (the pack's kernel), ``kitchen`` (comfy-kitchen's
 backends), ``torch`` (the reference only); plain torch always stays as the last resort.
 """
@@ -171,15 +175,16 @@ def tolerance(dtype: torch.dtype, magnitude: float, ulps: int = VERIFY_ULPS) -> 
     return ulps * torch.finfo(dtype).eps * max(1.0, float(magnitude))
 
 
-def verify(cand: Candidate, args: tuple) -> float:
-    """Max difference of ``cand`` against the reference on ``args``; CandidateMismatch beyond the tolerance."""
+def verify(cand: Candidate, args: tuple, reference: Callable | None = None, ulps: int = VERIFY_ULPS) -> float:
+    """Max difference of ``cand`` against the reference (``REFERENCES[op]`` unless given) on ``args``;
+    CandidateMismatch beyond ``ulps`` units of the dtype's resolution."""
     with torch.no_grad():
-        ref = REFERENCES[cand.op](*args)
+        ref = (reference or REFERENCES[cand.op])(*args)
         out = cand.fn(*args)
     if tuple(out.shape) != tuple(ref.shape):
         raise CandidateMismatch(f"{cand.op} {cand.name}: wrong shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
     diff = float((out.float() - ref.float()).abs().nan_to_num(nan=float("inf")).max()) if ref.numel() else 0.0
-    tol = tolerance(ref.dtype, float(ref.float().abs().max()) if ref.numel() else 0.0)
+    tol = tolerance(ref.dtype, float(ref.float().abs().max()) if ref.numel() else 0.0, ulps)
     if not diff <= tol:
         raise CandidateMismatch(f"{cand.op} {cand.name}: wrong numbers, max difference {diff:.3g} against the torch "
                                 f"reference exceeds {tol:.3g} ({_common.dtype_name(ref)})")
@@ -199,8 +204,6 @@ def choose(op: str, args: tuple, mode: str = "auto", off: tuple = (), tuner=None
            benchmark: bool = True) -> tuple[str, str]:
     """(candidate name, why) for a call of ``op`` with ``args``: the fastest verified candidate recorded in the
     operator store for these shapes, measuring (verify, then time) only the candidates it does not know yet."""
-    from ..cache.autotune import get_autotuner
-
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     rows = listing(op, device, mode, off)
     usable = [c for c, why in rows if why is None]
@@ -209,16 +212,31 @@ def choose(op: str, args: tuple, mode: str = "auto", off: tuple = (), tuner=None
     skipped = [f"{c.name}: {why}" for c, why in rows if why is not None and c.family != "torch"]
     if [c.family for c in usable] == ["torch"]:
         return "torch", f"plain torch, the only implementation left ({'; '.join(skipped) or 'no other'})"
+    best, why = pick(op, usable, skipped, args, tuner=tuner, benchmark=benchmark)
+    if best is None:
+        return "torch", "no other implementation verified here (see the operator store); plain torch"
+    return best, why
+
+
+def pick(op: str, usable: list, skipped: list, args: tuple, *, key: str | None = None,
+         reference: Callable | None = None, sample: tuple | None = None, ulps: int = VERIFY_ULPS, tuner=None,
+         benchmark: bool = True) -> tuple[str | None, str]:
+    """The generic choice among ``usable`` candidates of any op (kernel ``ops.<op>`` in the operator store, under
+    ``key``, default ``call_key``): each verified against ``reference`` (default ``REFERENCES[op]``) on ``sample``
+    (default seeded inputs like ``args``) within ``ulps``, then timed; (fastest verified name, why), or (None, why)
+    when none is verified (or nothing is known yet and measuring is not allowed)."""
+    from ..cache.autotune import get_autotuner
+
     tuner = tuner or get_autotuner()
-    key = call_key(op, args)
-    sample = sample_like(op, args)
+    key = key or call_key(op, args)
+    sample = sample if sample is not None else sample_like(op, args)
     checked: set = set()
     by_name = {c.name: c for c in usable}
 
     def run(cfg: dict):
         cand = by_name[cfg["impl"]]
         if cand.name not in checked:
-            verify(cand, sample)
+            verify(cand, sample, reference, ulps)
             checked.add(cand.name)
             return None
         with torch.no_grad():
@@ -226,13 +244,13 @@ def choose(op: str, args: tuple, mode: str = "auto", off: tuple = (), tuner=None
 
     configs = tuple({"impl": c.name} for c in usable)
     best = tuner.tune(KERNEL_PREFIX + op, key, configs, run, benchmark=benchmark)
-    if best is None:
-        return "torch", "no other implementation verified here (see the operator store); plain torch"
     entry = tuner.entry(KERNEL_PREFIX + op, key) or {}
-    timings = entry.get("timings") or {}
-    times = ", ".join(f"{n} {timings[f'impl={n}']:.3g} ms" for n in by_name if f"impl={n}" in timings)
     failed = [f"{cfg_id.split('=', 1)[-1]}: {f.get('error', {}).get('message', '')[:160]}"
               for cfg_id, f in (entry.get("failed") or {}).items()]
+    if best is None:
+        return None, f"none verified yet{'; failed its check: ' + '; '.join(failed) if failed else ''}"
+    timings = entry.get("timings") or {}
+    times = ", ".join(f"{n} {timings[f'impl={n}']:.3g} ms" for n in by_name if f"impl={n}" in timings)
     why = f"fastest verified ({times})"
     if failed:
         why += f"; failed its check: {'; '.join(failed)}"

@@ -13,7 +13,7 @@ from .estimate import (Workload, activation_bytes, attended_tokens, block_comput
 from .limits import dit_limit_key, learned_size, vae_kind as vae_kind_of, vae_limit_key
 from .pinned import plan_pinned
 from .system import HOST_RAM_HEADROOM, SystemInfo, detect_system, gib
-from .weights import ModelWeights
+from .weights import ModelWeights, TensorInfo, keeps_fp8, weights_from_tensors
 
 MiB = 1024 ** 2
 DEFAULT_VAE_OVERLAP = 2
@@ -44,6 +44,7 @@ class MemoryPlan:
     system: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
     workload: dict = field(default_factory=dict)
+    alternatives: list = field(default_factory=list)   # settings that make it fit, each with its estimate (GPU plans)
 
     @property
     def blocks_resident(self) -> int:
@@ -94,7 +95,74 @@ class MemoryPlan:
         if not self.fits and self.reasons.get("fits"):
             lines.append(f"what to change: {self.reasons['fits']}")
         lines += [f"note: {n}" for n in self.notes]
+        if self.alternatives:
+            lines.append("settings that fit (estimated; * recommended):")
+            for a in self.alternatives:
+                est = (f"peak {gib(a['estimated_peak_bytes'])}, {a['blocks_to_swap']} of {self.blocks_total} blocks "
+                       f"swapped, KV window {a['kv_window']}" if a["fits"] else "does not fit")
+                lines.append(f"  {'*' if a['recommended'] else '-'} {a['option']}: {est} - {a['why']}")
         return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- alternatives
+FP8_STORAGE = "F8_E4M3"
+# the order of preference on equal speed (blocks swapped): what changes the output least first
+ALTERNATIVE_ORDER = ("block swap", "fp8 weights", "shorter KV window")
+
+
+def fp8_weights(weights: ModelWeights) -> ModelWeights:
+    """The same model with every block linear weight stored as fp8 (the loader keeps those at 1 byte per element;
+    norms, biases, embeddings and the head stay at the run's dtype)."""
+    tensors = {n: (TensorInfo(n, FP8_STORAGE, t.shape, t.numel) if t.is_float and keeps_fp8(n, FP8_STORAGE, t.shape)
+                   else t) for n, t in weights.tensors.items()}
+    return weights_from_tensors(tensors, source=f"{weights.source} as fp8", config=weights.config or None)
+
+
+def _option(kind: str, name: str, plan: "MemoryPlan", how: str) -> dict:
+    return {"kind": kind, "option": name, "fits": plan.fits, "estimated_peak_bytes": plan.estimated_peak_bytes,
+            "blocks_to_swap": plan.blocks_to_swap, "kv_window": plan.kv_window, "dtype": plan.dtype,
+            "weights_bytes": plan.breakdown.get("weights_resident", 0) + plan.breakdown.get("swap_buffers", 0),
+            "how": how, "recommended": False, "why": ""}
+
+
+def plan_alternatives(base: "MemoryPlan", weights: ModelWeights, workload: Workload, system: SystemInfo,
+                      **kw) -> list:
+    """The settings that make a GPU plan fit, each with its own estimate: the weights as planned with block swap,
+    fp8 block weights (when they are not fp8 already), and a shorter KV window (causal sampling with block swap: the
+    largest that fits without it, else the smallest, down to two context frames beyond the chunk, when it swaps
+    fewer blocks). The recommended one swaps the fewest blocks (streaming costs time every forward); on a
+    tie, the one that changes the output least (block swap: none; fp8: weight rounding; a shorter window: what the
+    model attends to). Any model config: nothing here is model-specific."""
+    swap = f"{base.dtype} weights" + (" + block swap" if base.blocks_to_swap else ", all resident")
+    options = [_option("block swap", swap, base, "the weights as planned" + (
+        "; the last blocks stream from host RAM (output unchanged, slower per swapped block)"
+        if base.blocks_to_swap else " (output unchanged)"))]
+    if not any(t.dtype == FP8_STORAGE and keeps_fp8(n, t.dtype, t.shape) for n, t in weights.tensors.items()):
+        fp8 = make_plan(fp8_weights(weights), workload, system, alternatives=False, **kw)
+        options.append(_option("fp8 weights", "fp8 weights" + (" + block swap" if fp8.blocks_to_swap else ""), fp8,
+                               "load an fp8 (float8_e4m3fn) checkpoint: block linear weights "
+                                                   "at 1 byte; output within fp8 rounding of the weights"))
+    if workload.mode == "causal" and base.blocks_to_swap:
+        fpb, full = workload.frames_per_block, workload.cache_frames()
+        start = full if base.kv_window < 0 else base.kv_window
+        smallest = max(fpb + 2, weights.sink_size + fpb + 1)     # two frames of context beyond the chunk
+        shorter = None
+        for w in range(min(start, full) - 1, smallest - 1, -1):
+            shorter = make_plan(weights, workload, system, alternatives=False, **{**kw, "kv_window": w})
+            if shorter.fits and shorter.blocks_to_swap == 0:
+                break
+        if shorter is not None and shorter.blocks_to_swap < base.blocks_to_swap:
+            w = shorter.kv_window
+            options.append(_option("shorter KV window", f"KV window {w}" + (
+                " + block swap" if shorter.blocks_to_swap else ""), shorter, f"--kv-window {w}: fewer frames "
+                "attended (outputs differ unless the model was made for it)"))
+    fitting = [o for o in options if o["fits"]]
+    if fitting:
+        best = min(fitting, key=lambda o: (o["blocks_to_swap"], ALTERNATIVE_ORDER.index(o["kind"])))
+        best["recommended"] = True
+    for o in options:
+        o["why"] = ("recommended: " if o["recommended"] else "") + o["how"]
+    return options
 
 
 # ---------------------------------------------------------------------- decisions
@@ -124,10 +192,12 @@ def _choose_backend(system: SystemInfo) -> tuple[str, str]:
 
 def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | None = None, *,
               reserve_bytes: int = 0, kv_window: int | None = None, cache=None, use_learned: bool = True,
-              vae_kind: str | None = None, vae_overlap: int = DEFAULT_VAE_OVERLAP) -> MemoryPlan:
+              vae_kind: str | None = None, vae_overlap: int = DEFAULT_VAE_OVERLAP,
+              alternatives: bool = True) -> MemoryPlan:
     """Plan a generation. ``kv_window``: None = the model's own (its local_attn_size, else global), -1 = global,
     N = N latent frames. ``cache``: a LimitCache whose learned limits override the estimates. ``vae_kind``: the VAE
-    whose learned decode limit applies ('wan2.1', 'wan2.2'; None: from the model's latent channels)."""
+    whose learned decode limit applies ('wan2.1', 'wan2.2'; None: from the model's latent channels).
+    ``alternatives``: on a GPU, also list the settings that make it fit (``plan_alternatives``)."""
     system = system or detect_system()
     reasons, notes, learned = {}, list(workload.notes()), {}
     dtype, elem, reasons["dtype"] = _choose_dtype(weights, system)
@@ -308,10 +378,15 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     reasons["vae_chunk_frames"] = reason
     overlap = 0 if chunk >= t_lat else min(vae_overlap, chunk - 1)
 
-    return MemoryPlan(
+    plan = MemoryPlan(
         fits=fits, device=system.device, dtype=dtype, attention_backend=backend, blocks_total=L, blocks_to_swap=n,
         prefetch=prefetch, pinned_blocks=pinned_blocks, pinned_bytes=int(pinned_total), offload_embeddings=off_emb, kv_window=window,
         vae_chunk_frames=chunk, vae_overlap=overlap, budget_bytes=int(budget), estimated_peak_bytes=int(peak),
         breakdown={k: int(v) for k, v in need.items()}, reasons=reasons, notes=notes, learned=learned,
         system=system.to_dict(), model={k: v for k, v in weights.summary().items() if k != "block_bytes"},
         workload=workload.to_dict())
+    if alternatives and gpu:
+        plan.alternatives = plan_alternatives(plan, weights, workload, system, reserve_bytes=reserve_bytes,
+                                              kv_window=kv_window, cache=cache, use_learned=use_learned,
+                                              vae_kind=vae_kind, vae_overlap=vae_overlap)
+    return plan

@@ -11,7 +11,13 @@ Layout everywhere is ``[B, L, heads, head_dim]``. Backends:
   comfy-kitchen's int8 kernel where it runs (CUDA), else the pack's torch version of the same math (anywhere).
   It changes the numerics within ``kernels.int8_attention.error_bound``; every other backend is exact.
 
-A request (``auto``, ``flash_attn``, ``fa3``, ``fa2``, ``sdpa``) is resolved by capability detection: the package
+``auto`` is the operator store's choice (``kernels/candidates.py``, op ``attention``): among the exact candidates
+that run here (fa3, fa2, sdpa and ``torch``, plain softmax math, the reference), each verified against the reference
+on the call's shapes and timed, the fastest verified one per (heads, head size, dtype, query/key length bucket) and
+GPU fingerprint; a wrong one is failed alone; chosen once per process and shape, never measured inside a CUDA-graph
+capture or a torch.compile trace (there the store's choice, else the availability order fa3 > fa2 > sdpa). On a CPU
+where only SDPA and plain math run, SDPA without timing. int8 is never a candidate (approximate; opt-in only).
+An explicit request (``flash_attn``, ``fa3``, ``fa2``, ``sdpa``) is resolved by capability detection: the package
 imports, the GPU's compute capability, the dtype (half precision) and the head size. GPU names are never looked
 at. ``resolve_backend`` does this once (the optimized sampler calls it when a run starts); ``attention`` also
 accepts an unresolved request and resolves it per call (cached), which is what the reference path does.
@@ -26,7 +32,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..kernels import int8_attention as int8
+from ..kernels import _common, int8_attention as int8
+from ..kernels import candidates as op_candidates
 
 log = logging.getLogger("wan_accel")
 
@@ -141,6 +148,26 @@ def _candidates(requested: str) -> tuple:
             "fa3": ("fa3", "sdpa"), "fa2": ("fa2", "sdpa"), "sdpa": ("sdpa",)}[requested]
 
 
+def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capability: tuple | None = None) -> str | None:
+    """Why FlashAttention ``name`` ('fa3' | 'fa2') cannot run this call on ``device``, or None when it can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "needs a CUDA device"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
+    if not fa_available(name):
+        return f"{_MODULES[name]} not installed"
+    cap = capability or _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if not capability_supports(name, cap):
+        return f"compute capability {cap[0]}.{cap[1]} not supported"
+    if not head_dim_supported(head_dim):
+        return f"head size {head_dim} not supported"
+    failed = build_supports(name, device, dtype)
+    if failed:
+        return f"the installed build does not run on SM {cap[0]}.{cap[1]} ({failed})"
+    return None
+
+
 def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
                     capability: tuple | None = None) -> tuple[str, str]:
     """(resolved backend, reason in words) for a request on this device, dtype and head size."""
@@ -153,25 +180,9 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
     for name in _candidates(requested):
         if name == "sdpa":
             break
-        if device.type != "cuda":
-            why.append(f"{name}: needs a CUDA device")
-            continue
-        if dtype not in (torch.float16, torch.bfloat16):
-            why.append(f"{name}: needs fp16/bf16 (got {str(dtype).replace('torch.', '')})")
-            continue
-        if not fa_available(name):
-            why.append(f"{name}: {_MODULES[name]} not installed")
-            continue
-        cap = capability or _capability(device.index if device.index is not None else torch.cuda.current_device())
-        if not capability_supports(name, cap):
-            why.append(f"{name}: compute capability {cap[0]}.{cap[1]} not supported")
-            continue
-        if not head_dim_supported(head_dim):
-            why.append(f"{name}: head size {head_dim} not supported")
-            continue
-        failed = build_supports(name, device, dtype)
-        if failed:
-            why.append(f"{name}: the installed build does not run on SM {cap[0]}.{cap[1]} ({failed})")
+        problem = flash_problem(name, device, dtype, head_dim, capability)
+        if problem:
+            why.append(f"{name}: {problem}")
             continue
         skipped = f" (skipped {'; '.join(why)})" if why else ""
         return name, f"{name} ({_MODULES[name]}) for requested '{requested}'{skipped}"
@@ -208,6 +219,121 @@ def _sdpa(q, k, v, mask=None):
     return out.transpose(1, 2)
 
 
+# ----------------------------------------------------------------------------- 'auto': the operator store's choice
+STORE_OP = "attention"            # kernel 'ops.attention' in the operator store (kernels/candidates.py)
+STORE_ULPS = 4 * op_candidates.VERIFY_ULPS   # two accumulations (q.k over head_dim, p.v over keys) whose order
+#                                               differs between an implementation and the reference
+REFERENCE_BLOCK_BYTES = 1 << 28   # the reference's float32 score block per query slice (memory stays bounded)
+
+
+def attention_reference(q, k, v):
+    """Plain softmax math in float32 (queries in slices so the score block stays bounded), in q's dtype."""
+    scale = q.shape[-1] ** -0.5
+    kf, vf = k.float().transpose(1, 2), v.float().transpose(1, 2)
+    step = max(1, REFERENCE_BLOCK_BYTES // max(1, 4 * q.shape[0] * q.shape[2] * k.shape[1]))
+    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    for i in range(0, q.shape[1], step):
+        qf = q[:, i:i + step].float().transpose(1, 2)
+        out[:, i:i + step] = (torch.softmax((qf @ kf.transpose(-1, -2)) * scale, dim=-1) @ vf).transpose(1, 2)
+    return out
+
+
+def _no_problem(device, dtype, head_dim):
+    return None
+
+
+AUTO_CANDIDATES: dict[str, op_candidates.Candidate] = {
+    "fa3": op_candidates.Candidate(STORE_OP, "fa3", "flash", lambda q, k, v: _flash("fa3", q, k, v),
+                                   lambda d, dt, hd: flash_problem("fa3", d, dt, hd), "FlashAttention 3"),
+    "fa2": op_candidates.Candidate(STORE_OP, "fa2", "flash", lambda q, k, v: _flash("fa2", q, k, v),
+                                   lambda d, dt, hd: flash_problem("fa2", d, dt, hd), "FlashAttention 2"),
+    "sdpa": op_candidates.Candidate(STORE_OP, "sdpa", "sdpa", lambda q, k, v: _sdpa(q, k, v), _no_problem,
+                                    "torch scaled_dot_product_attention"),
+    "torch": op_candidates.Candidate(STORE_OP, "torch", "torch", lambda q, k, v: attention_reference(q, k, v),
+                                     _no_problem, "plain softmax math (the reference)"),
+}   # in availability order: without a stored choice (nothing measured yet and no measuring allowed) the first usable
+
+
+def auto_request(switched_off=()) -> str | tuple:
+    """The 'auto' request of a run: 'auto', or ('auto', *names) without the FlashAttention generations whose
+    self-check failed here ('attention.fa3' / 'attention.fa2' in ``switched_off``)."""
+    off = tuple(sorted(n.split(".", 1)[1] for n in switched_off if n in ("attention.fa3", "attention.fa2")))
+    return ("auto", *off) if off else "auto"
+
+
+def length_bucket(n: int) -> int:
+    """The store's length bucket of a query or key length: the next power of two."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def store_key(q, k) -> str:
+    """The operator-store key of an attention call: device type, heads, head size, dtype, length buckets."""
+    return (f"{q.device.type}|h{q.shape[2]}|d{q.shape[3]}|{str(q.dtype).replace('torch.', '')}"
+            f"|q{length_bucket(q.shape[1])}|k{length_bucket(k.shape[1])}")
+
+
+def auto_listing(device, dtype, head_dim: int, off: tuple = ()) -> list:
+    """(candidate, why it is not used or None) for every exact candidate of 'auto' on this device/dtype/head size."""
+    rows = []
+    for cand in AUTO_CANDIDATES.values():
+        why = (SWITCHED_OFF if cand.name in off else None) or cand.problem(torch.device(device), dtype, head_dim)
+        rows.append((cand, why))
+    return rows
+
+
+SWITCHED_OFF = "switched off: it failed its self-check on this machine (python -m wan_accel doctor)"
+
+
+def choose_auto(q, k, v, off: tuple = (), tuner=None, benchmark: bool = True) -> tuple[str, str]:
+    """(candidate, why) for an 'auto' call: the operator store's fastest verified exact implementation for its
+    (heads, head size, dtype, length buckets). On a CPU where only SDPA and plain math run, SDPA without timing
+    (unless the store's timer was replaced). Nothing known and no measuring allowed: the availability order."""
+    from ..cache.autotune import default_timer, get_autotuner
+
+    rows = auto_listing(q.device, q.dtype, q.shape[-1], off)
+    usable = [c for c, why in rows if why is None]
+    skipped = [f"{c.name}: {why}" for c, why in rows if why is not None]
+    tuner = tuner or get_autotuner()
+    if q.device.type == "cpu" and [c.name for c in usable] == ["sdpa", "torch"] and tuner.timer is default_timer:
+        return "sdpa", "torch SDPA (a CPU: SDPA and plain math only, not timed)"
+    best, why = op_candidates.pick(STORE_OP, usable, skipped, (q, k, v), key=store_key(q, k),
+                                   reference=attention_reference, ulps=STORE_ULPS, tuner=tuner, benchmark=benchmark)
+    if best is None:
+        best = next(c.name for c in usable if c.family != "torch")
+        why = f"{best} by availability ({why})"
+    return best, why
+
+
+_no_compile = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)   # runs eagerly under compile
+_AUTO: dict[tuple, str] = {}          # (off, device, dtype, heads, head size, buckets) -> measured choice
+_AUTO_UNMEASURED: dict[tuple, str] = {}   # the same, chosen while measuring was not allowed (capture, compile)
+
+
+def forget_choices() -> None:
+    """Drop this process's memo of 'auto' choices (the next call reads the store again, as a new process would)."""
+    _AUTO.clear()
+    _AUTO_UNMEASURED.clear()
+
+
+@_no_compile
+def _choose_once(q, k, v, key: tuple, measuring: bool) -> str:
+    name, why = choose_auto(q, k, v, key[0], benchmark=measuring)
+    (_AUTO if measuring else _AUTO_UNMEASURED)[key] = name
+    log.info("wan_accel: attention (heads %s, head size %s, %s, lengths to %s/%s) uses %s (%s)", key[3], key[4],
+             key[2], key[5], key[6], name, why)
+    return name
+
+
+def _auto(q, k, v, request):
+    off = request[1:] if isinstance(request, tuple) else ()
+    key = (off, q.device, q.dtype, q.shape[2], q.shape[3], length_bucket(q.shape[1]), length_bucket(k.shape[1]))
+    name = _AUTO.get(key)
+    if name is None:
+        measuring = not (_common.is_compiling() or _common.capturing(q))
+        name = (None if measuring else _AUTO_UNMEASURED.get(key)) or _choose_once(q, k, v, key, measuring)
+    return AUTO_CANDIDATES[name].fn(q, k, v)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               key_padding_mask: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Softmax attention, scale 1/sqrt(head_dim), no dropout, dense (every query sees every key).
@@ -220,6 +346,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return int8.int8_attention(q, k, v, key_padding_mask)
     if key_padding_mask is not None:
         return _sdpa(q, k, v, key_padding_mask[:, None, None, :])
+    if backend == "auto" or isinstance(backend, tuple):
+        return _auto(q, k, v, backend)
     if backend == "sdpa" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return _sdpa(q, k, v)
     if backend not in RESOLVED:

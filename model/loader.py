@@ -22,7 +22,7 @@ from .checkpoint import (INPUT_SCALES, METADATA_KEY, TORCH_DTYPES, WEIGHT_SCALES
                          open_checkpoint, read_tensor_into)
 from .dit import WanModel
 from .fused_qkv import QKV_BIAS, QKV_WEIGHT
-from .lora import merge_lora
+from .lora import check_lora, merge_lora, read_lora
 from .quant import install_fp8_linears
 
 _QKV = re.compile(r"^(blocks\.\d+\.self_attn)\.([qkv])\.(weight|bias)$")
@@ -130,6 +130,7 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     lora: a LoRA .safetensors file merged into the weights at load (``lora.py``), scaled by lora_strength."""
     from safetensors import safe_open
     precision = precision or ("float32" if dtype == torch.float32 else "self_forcing")
+    lora_layers = None if lora is None else read_lora(lora)     # a bad LoRA file fails before the checkpoint is read
     ckpt = resolve_checkpoint(path, config, num_heads)          # the header is read once
     config, names = ckpt.config, ckpt.names
     with torch.device("meta"):
@@ -139,6 +140,8 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     quantized = install_fp8_linears(model, fp8)        # these layers keep their fp8 weight (model/quant.py)
     model.set_precision(precision, dtype)
     targets = {n: p.dtype for n, p in model.named_parameters()}
+    if lora_layers is not None:             # a LoRA that does not fit fails before any weight is read
+        check_lora(model, lora_layers, Path(lora).name, lora_strength)
     with safe_open(str(path), framework="pt", device="cpu") as f:
         scales = _read_scales(f, ckpt, device)
         skip = {n.rpartition(".")[0] for n in quantized}
@@ -163,7 +166,7 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     if left:
         raise CheckpointError(f"parameters left unloaded: {_list(left)}")
     if lora is not None:
-        merge_lora(model, lora, lora_strength)
+        merge_lora(model, lora, lora_strength, layers=lora_layers)
     model.set_precision(precision, dtype).set_attention_backend(attention)
     return model.eval().requires_grad_(False)
 

@@ -83,17 +83,26 @@ def read_lora(path) -> dict:
     return layers
 
 
-def merge_lora(model: torch.nn.Module, path, strength: float = 1.0, alpha: float | None = None) -> int:
-    """Merge the LoRA file into the model's Linear weights; returns the number of layers changed. alpha: the
-    adapter's alpha when the file has none (default: the rank, as LongLive v1.0 configures it)."""
-    strength = float(strength)
-    if not math.isfinite(strength):
+def check_strength(strength) -> float:
+    """The LoRA strength as a float; LoraError when it is not a finite number."""
+    try:
+        value = float(strength)
+    except (TypeError, ValueError):
+        raise LoraError(f"LoRA strength must be a number, got {strength!r}") from None
+    if not math.isfinite(value):
         raise LoraError(f"LoRA strength must be a finite number, got {strength}")
+    return value
+
+
+def check_lora(model: torch.nn.Module, layers: dict, name: str, strength: float = 1.0,
+               alpha: float | None = None) -> list:
+    """[(parameter, layer entry, scale)] merging ``layers`` (``read_lora``) into ``model``; LoraError naming the
+    key and the fix when one does not fit. Only names, shapes and dtypes are read, so a model still on the meta
+    device (before its weights are loaded) is checked too."""
+    strength = check_strength(strength)
     if alpha is not None and not (math.isfinite(float(alpha)) and float(alpha) > 0):
         raise LoraError(f"LoRA alpha must be a finite number > 0, got {alpha}")
-    layers = read_lora(path)
     params = dict(model.named_parameters())
-    name = Path(path).name
     plan = []
     for layer, e in layers.items():
         target = params.get(f"{layer}.weight")
@@ -110,6 +119,17 @@ def merge_lora(model: torch.nn.Module, path, strength: float = 1.0, alpha: float
         rank = e["down"].shape[0]
         a = e["alpha"] if e["alpha"] is not None else (float(alpha) if alpha is not None else float(rank))
         plan.append((target, e, strength * a / rank))
+    return plan
+
+
+def merge_lora(model: torch.nn.Module, path, strength: float = 1.0, alpha: float | None = None,
+               layers: dict | None = None) -> int:
+    """Merge the LoRA file into the model's Linear weights; returns the number of layers changed. alpha: the
+    adapter's alpha when the file has none (default: the rank, as LongLive v1.0 configures it). layers: the file
+    already read (``read_lora(path)``), so it is not read twice."""
+    check_strength(strength)
+    layers = read_lora(path) if layers is None else layers
+    plan = check_lora(model, layers, Path(path).name, strength, alpha)
     with torch.no_grad():
         for target, e, scale in plan:            # checked first, so a bad file changes nothing
             delta = e["up"].to(target.device, torch.float32) @ e["down"].to(target.device, torch.float32)
@@ -140,4 +160,4 @@ def describe(path) -> str:
     return f"{len(layers)} layers, rank {', '.join(map(str, ranks))}: {_list(sorted(layers), 4)}"
 
 
-__all__ = ["LoraError", "read_lora", "merge_lora", "to_comfy", "describe", "LORA_PREFIXES"]
+__all__ = ["LoraError", "read_lora", "merge_lora", "check_lora", "check_strength", "to_comfy", "describe", "LORA_PREFIXES"]

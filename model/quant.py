@@ -9,19 +9,32 @@ follow ComfyUI's conventions (``model/checkpoint.py`` reads them): ``<layer>.sca
 ``FP8Linear`` holds the float8 weight and the scale as parameters (so ``model.to``, block swap and the
 cross-attention cache move them like any other weight) and computes:
 
-* on a GPU with fp8 matmuls (SM 8.9+), when the layer has a static input scale and an e4m3 weight: one scaled
-  matmul (``torch._scaled_mm``) of the input quantized with that scale;
-* elsewhere: ``F.linear(x, (weight.float() * scale).to(x.dtype), bias)``, the same numbers as loading the
-  dequantized copy in the run's dtype.
+* on a GPU with fp8 matmuls (SM 8.9+), when the layer has a static input scale, an e4m3 weight with one scale and
+  sizes that are multiples of 16: one scaled matmul of the input quantized with that scale, through
+  comfy-kitchen's ``scaled_mm_v2`` when comfy-kitchen is installed (``kernels/kitchen.py``), else
+  ``torch._scaled_mm``;
+* elsewhere (a CPU included, where an fp8 matmul would only lose the activations' precision):
+  ``F.linear(x, (weight.float() * scale).to(x.dtype), bias)``, the same numbers as loading the dequantized copy
+  in the run's dtype.
+
+``fp8_matmul_path(layer, x)`` says which of the three runs for a call, and why (``FP8_PATHS``); a scaled matmul
+that raises falls back to the next one.
 """
 from __future__ import annotations
+
+import importlib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels import kitchen
+
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 SCALE_PARAMS = ("scale_weight", "scale_input")
+FP8_PATHS = ("kitchen", "torch", "dequantize")     # fastest first
+FP8_MM_CAPABILITY = (8, 9)                          # fp8 tensor cores: Ada, Hopper and later
+_FOUND: dict = {}                                   # looked up once: comfy-kitchen's scaled matmul
 
 
 def is_fp8(dtype) -> bool:
@@ -48,33 +61,86 @@ class FP8Linear(nn.Linear):
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
         return (self.weight.float() * self.scale_weight.float()).to(dtype)
 
-    def _scaled_mm(self, x: torch.Tensor):
-        """The fp8 tensor-core matmul, or None where it does not apply (then the layer dequantizes)."""
+    def _scaled_mm(self, x: torch.Tensor, path: str):
+        """The fp8 matmul of ``path`` ('kitchen' | 'torch'), or None when it raises (the next path runs)."""
         s_in, w = self.scale_input, self.weight
-        if s_in is None or not x.is_cuda or w.dtype != torch.float8_e4m3fn or self.scale_weight.numel() != 1 \
-                or not hasattr(torch, "_scaled_mm") or torch.cuda.get_device_capability(x.device) < (8, 9) \
-                or self.in_features % 16 or self.out_features % 16:
-            return None
         rows = x.reshape(-1, self.in_features)
-        finfo = torch.finfo(torch.float8_e4m3fn)
-        q = (rows.float() / s_in.float()).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        q = quantize_input(rows, s_in)
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        bias = None if self.bias is None else self.bias.to(out_dtype)
+        mm = kitchen_scaled_mm() if path == "kitchen" else torch_scaled_mm
         try:
-            out = torch._scaled_mm(q, w.t(), scale_a=s_in.float().reshape(()), scale_b=self.scale_weight.float()
-                                   .reshape(()), bias=None if bias is None else bias.to(out_dtype),
-                                   out_dtype=out_dtype)
-        except (RuntimeError, TypeError):
+            out = mm(q, w.t(), s_in.float().reshape(()), self.scale_weight.float().reshape(()), bias, out_dtype)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError):
             return None
-        out = out[0] if isinstance(out, tuple) else out
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._scaled_mm(x) if self.scale_input is not None else None
-        if out is not None:
-            return out
+        path = fp8_matmul_path(self, x)[0]
+        for fast in FP8_PATHS[FP8_PATHS.index(path):-1]:
+            out = self._scaled_mm(x, fast)
+            if out is not None:
+                return out
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype), bias)
+
+
+def quantize_input(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Activations in float8 e4m3 with a static per-tensor scale (clamped to the format's range)."""
+    finfo = torch.finfo(torch.float8_e4m3fn)
+    return (rows.float() / scale.float()).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn)
+
+
+def torch_scaled_mm(q, w_t, scale_a, scale_b, bias, out_dtype) -> torch.Tensor:
+    """``torch._scaled_mm`` of e4m3 ``q`` [M, K] and ``w_t`` [K, N] with per-tensor scales."""
+    out = torch._scaled_mm(q, w_t, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def kitchen_scaled_mm():
+    """comfy-kitchen's fp8 scaled matmul (``comfy_kitchen.scaled_mm_v2.scaled_mm_v2``: input, weight, scale_a,
+    scale_b, bias, out_dtype), or None when comfy-kitchen is absent or does not offer it."""
+    if "kitchen" not in _FOUND:
+        fn = None
+        if kitchen.available():
+            try:
+                fn = getattr(importlib.import_module("comfy_kitchen.scaled_mm_v2"), "scaled_mm_v2", None)
+            except Exception:  # noqa: BLE001 - a broken install counts as absent
+                fn = None
+        _FOUND["kitchen"] = fn if callable(fn) else None
+    return _FOUND["kitchen"]
+
+
+def fp8_mm_device_problem(device) -> str | None:
+    """Why fp8 tensor-core matmuls do not run on ``device`` (None: they do)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"no fp8 matmul units on {device.type} (the weight is dequantized)"
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < FP8_MM_CAPABILITY:
+        return f"SM {cap[0]}.{cap[1]} has no fp8 tensor cores (SM 8.9+)"
+    return None
+
+
+def fp8_matmul_path(layer: "FP8Linear", x: torch.Tensor) -> tuple[str, str]:
+    """(path, why) of the matmul an ``FP8Linear`` call runs: 'kitchen' (comfy-kitchen's scaled matmul),
+    'torch' (``torch._scaled_mm``) or 'dequantize' (the weight dequantized to the input's dtype)."""
+    if layer.scale_input is None:
+        return "dequantize", "the layer has no static input scale"
+    if layer.weight.dtype != torch.float8_e4m3fn:
+        return "dequantize", f"the weight is {layer.weight.dtype} (scaled matmuls take float8_e4m3fn)"
+    if layer.scale_weight.numel() != 1:
+        return "dequantize", "the weight scale is per row (scaled matmuls take one per tensor)"
+    if layer.in_features % 16 or layer.out_features % 16:
+        return "dequantize", f"{layer.in_features}x{layer.out_features} is not a multiple of 16"
+    problem = fp8_mm_device_problem(x.device)
+    if problem:
+        return "dequantize", problem
+    if kitchen_scaled_mm() is not None:
+        return "kitchen", f"comfy-kitchen {kitchen.version()} scaled_mm_v2"
+    if hasattr(torch, "_scaled_mm"):
+        return "torch", "torch._scaled_mm (comfy-kitchen is not installed)"
+    return "dequantize", f"torch {torch.__version__} has no _scaled_mm"
 
 
 def is_quantized(layer) -> bool:

@@ -37,6 +37,35 @@ def _checkpoint_input():
                 "Path of a causal Wan DiT .safetensors file, or '(built-in tiny model)'."})
 
 
+NO_LORA = "(none)"
+OPS_TOOLTIP = ("Which implementation runs LayerNorm+modulate and RMSNorm+RoPE on the optimized sampler. auto: the "
+               "fastest one verified against plain torch on this machine (the pack's Triton kernel, comfy-kitchen's "
+               "backends or torch; measured once, kept in the operator store) where the fused kernels run, plain "
+               "torch elsewhere. pack: the pack's fused Triton kernels. kitchen: comfy-kitchen's backends (needs "
+               "comfy-kitchen). torch: plain torch. A choice that cannot run here stops with the reason.")
+
+
+def _lora_input():
+    """The loader's lora widget: ComfyUI's loras folder (safetensors files), or a path outside ComfyUI."""
+    tooltip = ("A LoRA merged into the weights at load: LongLive's (peft names) or one in ComfyUI's layout, from "
+               "models/loras. (none): no LoRA.")
+    try:
+        import folder_paths
+        names, _refused = loadable_checkpoints(folder_paths.get_filename_list("loras"))
+        return ([NO_LORA] + names, {"default": NO_LORA, "tooltip": tooltip})
+    except ImportError:
+        return ("STRING", {"default": "", "tooltip": tooltip + " Outside ComfyUI: the file's path."})
+
+
+def _resolve_lora(name) -> str | None:
+    """The LoRA file of the loader's lora widget (None for none), resolved inside models/loras."""
+    text = "" if name is None else str(name).strip()
+    if text in ("", NO_LORA):
+        return None
+    from .comfy_files import model_file
+    return model_file("loras", text, input_name="lora")
+
+
 def _resolve_checkpoint(name: str) -> str:
     if name in ("", TINY_NAME, TINY_MG2_NAME):
         return name or TINY_NAME
@@ -82,14 +111,21 @@ class CausalWanModelLoader:
             "optional": {
                 "compile_settings": ("WANACCEL_COMPILE", {"tooltip": "Compile settings, stored for the sampler."}),
                 "plan": ("WANACCEL_PLAN", {"tooltip": "VRAM plan, stored for the sampler."}),
+                "lora": _lora_input(),
+                "lora_strength": ("FLOAT", {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01, "tooltip":
+                                  "Scale of the LoRA's update (1.0: as trained; 0: none)."}),
             },
         }
 
     def load(self, checkpoint, dtype="bf16", precision="self_forcing", attention="auto",
-             compile_settings=None, plan=None):
+             compile_settings=None, plan=None, lora=NO_LORA, lora_strength=1.0):
         from ..app.jobs.handle import load_model_handle
+        from ..app.validate import check_float
+        lora_file = _resolve_lora(lora)
+        strength = check_float("lora_strength", lora_strength, -100.0, 100.0)
         handle = load_model_handle(_resolve_checkpoint(checkpoint), dtype, precision, attention,
-                                   device=_torch_device(), compile_settings=compile_settings, plan=plan)
+                                   device=_torch_device(), compile_settings=compile_settings, plan=plan,
+                                   lora=lora_file, lora_strength=strength)
         return (handle,)
 
 
@@ -168,12 +204,67 @@ def _schedule_kwargs(model, text, recache, clip, num_frames, frames_per_block) -
     (checked against the video's chunks) and its texts encoded with ``clip`` (the tiny model: its stand-in)."""
     if not str(text or "").strip():
         return {}
-    if recache not in ("switch", "none"):
-        raise ValueError(f"recache must be 'switch' or 'none', got {recache!r}")
     chunks = ((int(num_frames) - 1) // 4 + 1) // max(1, int(frames_per_block))
     schedule = parse_schedule(text, chunks)
     embeddings = encode_schedule(schedule, text_encoder(clip, model))
     return {"prompt_schedule": schedule, "prompt_embeddings": embeddings, "recache": recache}
+
+
+def comfy_vae_reencode(vae):
+    """Krea's first-frame re-encode (``sampling.krea.vae_reencode``) through a ComfyUI VAE: the model-space latent
+    frame decoded, its last pixel frame encoded again, per video of the batch."""
+    import torch
+
+    from ..app.jobs.preview import from_vae_latents, to_vae_latents
+    from ..sampling.krea import vae_reencode
+
+    def decode(z):
+        parts = []
+        for b in range(z.shape[0]):
+            img = vae.decode(to_vae_latents(z[b:b + 1]))
+            parts.append(img.reshape(-1, *img.shape[-3:]))          # [T, H, W, 3]
+        return torch.stack(parts)
+
+    def encode(pixels):
+        return torch.cat([from_vae_latents(vae.encode(pixels[b])) for b in range(pixels.shape[0])])
+
+    return vae_reencode(decode, encode)
+
+
+def krea_cache(recache, frames_per_block, kv_window, vae=None, names=None):
+    """``sampling.krea.cache_setup`` for a node's recache widget, with the graph's VAE for the first-frame
+    re-encode when there is one (else the identity, said once in the console log)."""
+    import logging
+
+    from ..sampling.krea import cache_setup
+    setup = cache_setup(recache, frames_per_block, kv_window, None if vae is None else comfy_vae_reencode(vae),
+                        names=names)
+    if setup.note:
+        logging.getLogger("wan_accel").warning(setup.note)
+    return setup
+
+
+RECACHE_TOOLTIP = ("At a prompt switch of prompt_schedule: switch re-caches the frames in the KV window under the new "
+                   "prompt (LongLive); none changes only the cross-attention cache. krea: before every chunk the KV "
+                   "cache is rebuilt from a context of K = kv_window - frames_per_block frames, the first one "
+                   "re-encoded with the VAE where the node has one (Krea Realtime; kv_window -1: K = 3).")
+
+
+def _check_ops(ops, path: str, model) -> str:
+    """The sampler's ops widget checked: ValueError naming it when the value is unknown, or when a forced family
+    cannot run where the model is (before anything is sampled)."""
+    from ..kernels.candidates import MODES, mode_problem
+    from ..sampling.sampler import resolve_path
+    if ops not in MODES:
+        raise ValueError(f"ops must be one of {list(MODES)}, got {ops!r}")
+    device = model.model.device
+    if ops != "auto" and resolve_path(path, device, model=model.model)[0] == "reference":
+        raise ValueError(f"ops {ops!r} picks the optimized sampler's implementation, but the reference sampler runs "
+                         f"here: set sampler to optimized, or ops to auto")
+    problem = mode_problem(ops, device)
+    if problem:
+        raise ValueError(f"ops: {problem}")
+    return ops
 
 
 class _ComfyProgress:
@@ -261,11 +352,10 @@ class CausalWanSampler:
                                "the whole window, kept in RAM) so a later prompt can continue this video. Needs "
                                "skip_last_refresh off."}),
                 "prompt_schedule": schedule_widget(),
-                "recache": (["switch", "none"], {"default": "switch", "tooltip":
-                            "At a prompt switch of prompt_schedule: switch re-caches the frames in the KV window "
-                            "under the new prompt (LongLive); none changes only the cross-attention cache."}),
+                "recache": (["switch", "none", "krea"], {"default": "switch", "tooltip": RECACHE_TOOLTIP}),
                 "clip": ("CLIP", {"tooltip": "The text encoder (umt5-xxl) that encodes prompt_schedule's prompts; "
                                   "not needed by the built-in tiny model."}),
+                "ops": (["auto", "pack", "kitchen", "torch"], {"default": "auto", "tooltip": OPS_TOOLTIP}),
                 "continue_from": ("CAUSALWAN_STATE", {"tooltip":
                                   "A state from an earlier sampler with keep_state on: go on from where it stopped, "
                                   "exactly as one long run. num_frames is then the total length to reach, seed is "
@@ -275,7 +365,8 @@ class CausalWanSampler:
 
     def sample(self, model, width, height, num_frames, seed, preset, frames_per_block, kv_window, sink,
                positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False,
-               sampler="auto", keep_state=False, continue_from=None, prompt_schedule="", recache="switch", clip=None):
+               sampler="auto", keep_state=False, continue_from=None, prompt_schedule="", recache="switch", clip=None,
+               ops="auto"):
         import functools
         from ..profiling.session import maybe_profile
         from ..app.jobs.generate import sample_latents, sample_latents_with_state, sampler_setup
@@ -290,19 +381,26 @@ class CausalWanSampler:
         cfg = model.config
         names = {"frames": "num_frames", "kv_window": "kv_window", "width": "width", "height": "height"}
         check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names)
+        cache = krea_cache(recache, frames_per_block, kv_window, getattr(self, "_krea_vae", None))
+        kv_window = cache.kv_window
         check_fits(cfg.to_dict(), num_frames, height, width, device=model.model.device,
                    dtype=str(model.model.compute_dtype), frames_per_block=frames_per_block,
                    kv_window=kv_window, names=names)        # before any tensor is made
         context = conditioning_to_context(positive, cfg.text_dim, cfg.text_len)
-        prompts = _schedule_kwargs(model, prompt_schedule, recache, clip, num_frames, frames_per_block)
+        prompts = _schedule_kwargs(model, prompt_schedule, cache.recache, clip, num_frames, frames_per_block)
+        if cache.cache_policy is not None:
+            prompts.update(cache.sampler_kwargs())
         if sampler not in SAMPLER_CHOICES:
             raise ValueError(f"sampler must be one of {list(SAMPLER_CHOICES)}, got {sampler!r}")
         path, graphs, fused = SAMPLER_CHOICES[sampler]
         doctor_notes: list = []
-        options = sampler_setup(model, path, graphs, fused, notes=doctor_notes)
+        options = sampler_setup(model, path, graphs, fused, notes=doctor_notes, ops=_check_ops(ops, path, model))
         report: dict = {}
         pool = getattr(model, "extra", {}).get("rank_pool")       # CausalWan Sequence Parallel: several GPUs
         if keep_state or continue_from is not None or prompts:
+            if pool is not None and cache.cache_policy is not None:
+                raise ValueError("recache krea does not run on several GPUs yet: remove the CausalWan Sequence "
+                                 "Parallel node (or set its world_size to 1), or choose recache switch")
             if pool is not None and prompts:
                 raise ValueError("prompt_schedule does not run on several GPUs yet: remove the CausalWan Sequence "
                                  "Parallel node (or set its world_size to 1), or clear prompt_schedule")
@@ -316,7 +414,7 @@ class CausalWanSampler:
                 report=report, **prompts)
         else:
             run = sample_latents if pool is None else functools.partial(pool.sample, setup={
-                "cuda_graphs": graphs, "fused_kernels": fused})
+                "cuda_graphs": graphs, "fused_kernels": fused, "ops": options.ops})
             latents, state = maybe_profile(model, run, model.model, context, width, height, num_frames, seed,
                                            schedule, frames_per_block, kv_window, sink, skip_last_refresh,
                                            callback=self._progress(), path=path, fast_options=options,

@@ -113,8 +113,20 @@ def positive_schedule(guider) -> dict:
         found = cond.get(SCHEDULE_KEY) if isinstance(cond, dict) else None
         if found is not None:
             return {"prompt_schedule": found["schedule"], "prompt_embeddings": dict(found["embeddings"]),
-                    "recache": found.get("recache", "switch")}
+                    "recache": found.get("recache", "switch"), "vae": found.get("vae")}
     return {}
+
+
+def schedule_cache(prompts: dict, frames_per_block: int, kv_window: int) -> tuple:
+    """(the sampler's prompt arguments, its kv_window) once the schedule's cache mode is mapped
+    (``model_nodes.krea_cache``: recache krea becomes Krea's recompute policy and its window)."""
+    from .model_nodes import krea_cache
+    prompts = dict(prompts)
+    vae = prompts.pop("vae", None)
+    if not prompts:
+        return prompts, kv_window
+    cache = krea_cache(prompts["recache"], frames_per_block, kv_window, vae)
+    return {**prompts, **cache.sampler_kwargs()}, cache.kv_window
 
 
 def native_compile_settings(guider, transformer_options: dict):
@@ -264,12 +276,12 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     manager = _memory_manager(guider)
     guard = _guard(engine, dm, tuple(noise.shape), int(frames_per_block), oom_retry) if manager.swap_allowed else None
     run = {} if report is None else report
+    prompts, kv_window = schedule_cache(positive_schedule(guider), int(frames_per_block), int(kv_window))
     try:
         out = sample_causal(engine, context, noise, schedule, int(frames_per_block), generator=gen,
                             noise_provider=provider, kv_window=int(kv_window), sink=int(sink),
                             callback=_progress(callback, sigmas, step_callback), path=path, fast_options=fast,
-                            prefix=prefix, chunk_guard=guard, report=run, partial_last_block=True,
-                            **positive_schedule(guider))
+                            prefix=prefix, chunk_guard=guard, report=run, partial_last_block=True, **prompts)
     finally:
         engine.unfuse_qkv()                 # ComfyUI may move or patch its weights before the next run
         if swap_before is None and active_swap(dm) is not None:

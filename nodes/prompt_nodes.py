@@ -33,23 +33,30 @@ class WanAccelPromptSchedule:
             "clip": ("CLIP", {"tooltip": "The graph's text encoder (umt5-xxl for Wan, from Load CLIP)."}),
             "prompt_schedule": ("STRING", {"default": "0: a cat walks in the garden\n3: the cat starts to run",
                                            "multiline": True, "tooltip": "Prompt schedule. " + GRAMMAR}),
-            "recache": (["switch", "none"], {"default": "switch", "tooltip":
+            "recache": (["switch", "none", "krea"], {"default": "switch", "tooltip":
                         "switch: at a prompt switch re-cache the frames in the window under the new prompt "
-                        "(LongLive). none: only the cross-attention cache changes."}),
+                        "(LongLive). none: only the cross-attention cache changes. krea: before every chunk the "
+                        "sampler rebuilds the KV cache from a context of K = kv_window - frames_per_block frames "
+                        "(Krea Realtime; kv_window -1: K = 3), the first one re-encoded with vae if connected."}),
+        }, "optional": {
+            "vae": ("VAE", {"tooltip": "recache krea: the Wan VAE that re-encodes the frame standing in for the "
+                                       "first frame (without it the frame is used as it is)."}),
         }}
 
-    def encode(self, clip, prompt_schedule, recache="switch"):
+    def encode(self, clip, prompt_schedule, recache="switch", vae=None):
+        from ..sampling.krea import CACHE_MODES
         schedule = parse_schedule(prompt_schedule)
         if schedule is None:
             raise ValueError("prompt_schedule is empty: give at least '0: <prompt>'")
-        if recache not in ("switch", "none"):
-            raise ValueError(f"recache must be 'switch' or 'none', got {recache!r}")
+        if recache not in CACHE_MODES:
+            raise ValueError(f"recache must be one of {', '.join(CACHE_MODES)}, got {recache!r}")
         embeddings = {}
         for text in schedule.texts():
             cond = clip.encode_from_tokens(clip.tokenize(text))
             embeddings[text] = cond[0] if isinstance(cond, (tuple, list)) else cond
         first = schedule.contexts(embeddings, 1)[0]
-        return ([[first, {SCHEDULE_KEY: {"schedule": schedule, "embeddings": embeddings, "recache": recache}}]],)
+        return ([[first, {SCHEDULE_KEY: {"schedule": schedule, "embeddings": embeddings, "recache": recache,
+                                        "vae": vae}}]],)
 
 
 # ---------------------------------------------------------------------------------------------- live prompt play

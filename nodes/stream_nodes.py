@@ -124,6 +124,7 @@ class CausalWanSamplerDecode(CausalWanSampler):
         import torch
         from .streaming_decode import WanStreamDecoder
         decoder = WanStreamDecoder(vae)
+        self._krea_vae = vae                     # recache krea: its first-frame re-encode goes through this VAE
         given = inspect.signature(CausalWanSampler.sample).bind(self, model, *args, **kwargs).arguments
         before = getattr(given.get("continue_from"), "extra", None) or {}
         skip = 0

@@ -20,14 +20,27 @@ schedule that is ``(b + 1): new (blend N - 1)`` for a change requested at block 
 ``KreaRecompute`` is a ``cache_policy`` of the one chunk loop (``loop.py``): its ``before_chunk(state)`` does the
 rebuild and returns the position the chunk is sampled at. Use it with ``recache='none'`` (it replaces the switch
 re-cache) and a self-attention cache of at least ``K + frames_per_block`` frames.
+
+``cache_setup(mode, ...)`` is the one mapping of a cache mode ('switch', 'none', 'krea') to the sampler's
+``recache`` / ``cache_policy`` and the KV window it needs; the command line, the nodes and the play session all call
+it. With 'krea' the context size is ``K = kv_window - frames_per_block`` (kv_window -1: Krea's K = 3).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from .recache import RECACHE_MODES
 from .scheduler import resolve_schedule
+
+KREA_CONTEXT_FRAMES = 3          # Krea's default kv_cache_num_frames (release_server.py GenerationParams)
+KREA_FRAMES_PER_BLOCK = 3
+CACHE_MODES = RECACHE_MODES + ("krea",)
+IDENTITY_REENCODE_NOTE = ("recache krea: no VAE at hand, so the frame standing in for the first frame is used as it "
+                          "is (no decode/encode round trip as Krea's server does); frames after the first "
+                          "K + frames_per_block can differ slightly from Krea's")
 
 
 def krea_schedule(steps: int = 4, strength: float = 1.0, shift: float = 5.0):
@@ -164,4 +177,62 @@ class KreaRecompute:
         return n
 
 
-__all__ = ["KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]
+@dataclass
+class CacheSetup:
+    """What a cache mode asks of a run: the sampler's ``recache`` and ``cache_policy``, the KV window (latent frames,
+    -1 global) the run must use, and a note to log (None: nothing to say)."""
+    mode: str
+    recache: str
+    cache_policy: object
+    kv_window: int
+    note: str | None = None
+
+    def sampler_kwargs(self) -> dict:
+        """``recache`` / ``cache_policy`` of ``sample_causal`` (and everything that forwards to it)."""
+        return {"recache": self.recache, "cache_policy": self.cache_policy}
+
+
+def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode: Callable | None = None,
+                names: dict | None = None) -> CacheSetup:
+    """The one mapping of a cache mode to the run's settings. 'switch' / 'none': LongLive's re-cache at a prompt
+    switch or none, the window as given. 'krea': ``KreaRecompute`` with ``K = kv_window - frames_per_block``
+    (kv_window -1: Krea's K = 3, window K + frames_per_block), ``recache='none'``; ``reencode`` the VAE round trip
+    of the stand-in first frame (None: the frame itself, said in ``note``). ``names`` maps 'recache', 'kv_window',
+    'frames_per_block' to the input names of messages (ValueError naming the input and the fix)."""
+    n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", **(names or {})}
+    if mode not in CACHE_MODES:
+        raise ValueError(f"{n['recache']} must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
+    if isinstance(kv_window, bool) or int(kv_window) != kv_window or isinstance(frames_per_block, bool) \
+            or int(frames_per_block) != frames_per_block or frames_per_block < 1:
+        raise ValueError(f"{n['kv_window']} and {n['frames_per_block']} must be whole numbers of latent frames, got "
+                         f"{kv_window!r} and {frames_per_block!r}")
+    fpb, window = int(frames_per_block), int(kv_window)
+    if mode != "krea":
+        return CacheSetup(mode, mode, None, window)
+    if window < 0:
+        k = KREA_CONTEXT_FRAMES
+    else:
+        k = window - fpb
+        if k < 2:
+            raise ValueError(f"{n['kv_window']} {window}: {n['recache']} krea rebuilds a context of K = "
+                             f"{n['kv_window']} - {n['frames_per_block']} latent frames before every block, and K "
+                             f"must be at least 2; use {n['kv_window']} at least {fpb + 2}, or -1 for Krea's K = "
+                             f"{KREA_CONTEXT_FRAMES} ({n['kv_window']} {KREA_CONTEXT_FRAMES + fpb})")
+    if reencode is not None and not callable(reencode):
+        raise ValueError("reencode must be a callable latents -> latents (or None for no VAE round trip)")
+    policy = KreaRecompute(k, fpb, reencode=reencode)
+    return CacheSetup(mode, "none", policy, policy.window_frames,
+                      None if reencode is not None else IDENTITY_REENCODE_NOTE)
+
+
+def vae_reencode(decode: Callable, encode: Callable) -> Callable:
+    """Krea's first-frame re-encode from a VAE: ``decode(latents [B, 1, C, H, W]) -> pixels [B, T, ...]`` (model
+    space in, any pixel layout with time second), the last pixel frame kept, ``encode(pixels [B, 1, ...]) ->
+    latents [B, 1, C, H, W]`` (model space) as the new first frame."""
+    def reencode(frames: torch.Tensor) -> torch.Tensor:
+        pixels = decode(frames)
+        return encode(pixels[:, -1:])
+    return reencode
+
+
+__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "cache_setup", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]

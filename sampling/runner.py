@@ -28,7 +28,7 @@ from ..kernels.candidates import check_mode as check_ops_mode
 from ..kernels.candidates import mode_problem as ops_mode_problem
 from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, seq_parallel_of,
                                  swapped_blocks)
-from ..model.attention import explain_backend
+from ..model.attention import auto_request, explain_backend
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fused_qkv import drop_fused_qkv, ensure_fused_qkv
 from ..model.kv_cache import KVCache
@@ -259,6 +259,10 @@ class FastRunner:
         requested = options.attention or getattr(model, "attn_backend", "auto")
         backend, backend_reason = checked_backend(requested, device, model.compute_dtype, model.config.head_dim,
                                                   options.switched_off)
+        attention_part = backend
+        if requested == "auto" and graphs_device(device):     # the operator store's choice per call shape
+            attention_part = auto_request(options.switched_off)
+            backend, backend_reason = "auto", f"operator store per shape (by availability: {backend_reason})"
         frame_tokens = grid_hw[0] * grid_hw[1]
         rolling = 0 < kv_window < num_frames
         layout = (kv_window, sink) if rolling else (num_frames, 0)
@@ -275,7 +279,7 @@ class FastRunner:
             sess.graphs.release()
             sess.graphs = None
         kernels = kernels_part(options, device)
-        parts = BlockParts(backend, kernels, bool(options.fused_qkv), ops_part(options, device, kernels))
+        parts = BlockParts(attention_part, kernels, bool(options.fused_qkv), ops_part(options, device, kernels))
         self.runs += 1
         return Run(self, options, sess, parts, actions, frame_tokens, info={
             "path": "optimized", "attention": backend, "attention_reason": backend_reason,

@@ -19,11 +19,15 @@ PRESETS = {
     "self_forcing": {"steps": [1000, 750, 500, 250], "shift": 5.0, "warp": True},
     "causvid": {"steps": [1000, 757, 522], "shift": 8.0, "warp": False},
     "longlive": {"steps": [1000, 750, 500, 250], "shift": 5.0, "warp": True},
+    # Krea Realtime: int(linspace(1000, 0, 4)) warped, ending with a call at timestep 0 (krea.krea_schedule)
+    "krea": {"steps": [1000, 666, 333, 0], "shift": 5.0, "warp": True},
 }
-PRESET_NAMES = ("self_forcing", "causvid", "longlive", "custom")
+PRESET_NAMES = ("self_forcing", "causvid", "longlive", "krea", "custom")
 # the chunking a preset's model was made for (latent frames): LongLive v1.0 (configs/longlive_*inference.yaml)
 # samples 3-frame blocks with a local attention window of 12 frames, 3 of them sink frames
-PRESET_CHUNKING = {"longlive": {"frames_per_block": 3, "kv_window": 12, "sink": 3}}
+# Krea Realtime samples 3-frame blocks after a rebuilt context of K = 3 frames: a window of K + 3 (recache krea)
+PRESET_CHUNKING = {"longlive": {"frames_per_block": 3, "kv_window": 12, "sink": 3},
+                   "krea": {"frames_per_block": 3, "kv_window": 6, "sink": 0, "recache": "krea"}}
 
 
 class FlowMatchScheduler:

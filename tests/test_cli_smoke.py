@@ -50,6 +50,30 @@ def _switched(out: str, tmp: Path) -> None:
     assert report["latent_shape"][1] == 6 and Path(report["files"]["latents"]).is_file(), report
 
 
+def _krea(out: str, tmp: Path) -> None:
+    report = json.loads(out)
+    assert report["settings"]["recache"] == "krea" and report["settings"]["kv_window"] == 6, report["settings"]
+    assert report["schedule"]["preset"] == "krea" and report["schedule"]["timesteps"][-1] == 0, report["schedule"]
+    assert any("no VAE at hand" in n for n in report["notes"]) and report["latent_shape"][1] == 12, report
+
+
+def _alternatives(out: str, tmp: Path) -> None:
+    plan = json.loads(out)
+    kinds = {a["kind"]: a for a in plan["alternatives"]}
+    assert kinds["fp8 weights"]["recommended"] and kinds["fp8 weights"]["fits"], plan["alternatives"]
+
+
+def _lora_generated(out: str, tmp: Path) -> None:
+    report = json.loads(out)
+    assert report["settings"]["lora"].endswith("lora_peft.safetensors") and report["settings"]["lora_strength"] == 0.5
+    assert Path(report["files"]["latents"]).is_file(), report["files"]
+
+
+def _ops_rows(out: str, tmp: Path) -> None:
+    rows = {r["variant"]: r for r in json.loads(out)["rows"]}
+    assert rows["optimized"]["ops"] == "auto" and rows["optimized-ops-torch"]["ops"] == "torch", sorted(rows)
+
+
 def _converted(out: str, tmp: Path) -> None:
     summary = json.loads(out)
     assert Path(summary["output"]).is_file() and summary["tensors"] > 0, summary
@@ -96,6 +120,14 @@ CASES = {
                                   "--prompt-schedule", "0: a cat walks\n1: the cat runs (blend 1, slerp)",
                                   "--device", "cpu", "--frames", "21", "--height", "32", "--width", "32"],
                                  _switched, None),
+    "generate_krea": (["generate", "--out", "{tmp}/out", "--no-preview", "--json", "--preset", "krea", "--device",
+                       "cpu", "--frames", "45", "--height", "32", "--width", "32"], _krea, None),
+    "plan_krea": (["plan", "--model", "krea-14b", "--vram-gb", "32", "--ram-gb", "64", "--no-learned", "--json"],
+                  _alternatives, None),
+    "generate_lora": (["generate", "--out", "{tmp}/out", "--no-preview", "--json", "--checkpoint",
+                       str(FIXTURES / "wan_reference" / "causal_weights.safetensors"), "--num-heads", "4", "--lora",
+                       str(FIXTURES / "longlive" / "lora_peft.safetensors"), "--lora-strength", "0.5", *TINY],
+                      _lora_generated, None),
     "convert": (["convert", "{tmp}/tiny.pt", "{tmp}/tiny.safetensors", "--num-heads", "4", "--json"], _converted,
                 _tiny_pt),
     "convert-lora": (["convert-lora", str(FIXTURES / "longlive" / "lora_peft.safetensors"),
@@ -116,6 +148,8 @@ CASES = {
                 "--report", "{tmp}/doctor.json"], _contains("kernel.gated_residual"), None),
     "bench sampler": (["bench", "sampler", "--repeat", "1", "--variants", "reference", "--json", *TINY],
                       _contains("reference"), None),
+    "bench sampler_ops": (["bench", "sampler", "--repeat", "1", "--variants", "optimized,optimized-ops-torch", "--json",
+                           *TINY], _ops_rows, None),
     "bench sampler --world-size": (["bench", "sampler", "--world-size", "2", "--repeat", "1", "--json", *TINY],
                                    _ranks_ran, None),
     "bench compile": (["bench", "compile", "--model", "standin", "--blocks", "1", "--dim", "16", "--device", "cpu",

@@ -8,6 +8,9 @@ One process, the same random weights (or checkpoint) and the same inputs for eve
                         lean refreshes, last refresh skipped; run dtype with the 'self_forcing' policy
   optimized-no-graphs   the same without CUDA graphs
   optimized-compiled    the same plus regional torch.compile (inductor)
+  optimized-ops-<mode>  the optimized path with LayerNorm+modulate and RMSNorm+RoPE run by one family
+                        (``FastOptions.ops``: pack, kitchen, torch; 'optimized' itself is ops auto), side by side;
+                        a mode that cannot run on the device is refused before anything runs
   <variant>-int8        any of these with int8 attention (``--attention int8`` adds every chosen variant's twin);
                         vs_exact_max_abs / vs_exact_mean_abs: its latents against the exact twin's
 
@@ -49,6 +52,9 @@ VARIANTS = {
     "optimized-compiled": {"path": "optimized", "dtype": None, "precision": "self_forcing", "attention": "auto",
                            "skip_last_refresh": True, "options": {}, "compile": {"backend": "inductor"}},
 }
+OPS_MODES = ("pack", "kitchen", "torch")     # FastOptions.ops besides 'auto': 'optimized-ops-<mode>'
+OPS = "-ops-"
+VARIANTS.update({f"optimized{OPS}{mode}": dict(VARIANTS["optimized"], options={"ops": mode}) for mode in OPS_MODES})
 INT8 = "-int8"   # every variant's twin with int8 attention (opt-in): '<variant>-int8'
 VARIANTS.update({name + INT8: dict(v, attention="int8") for name, v in list(VARIANTS.items())})
 SHAPES = {  # model kind -> shape -> (config factory name, video frames, height, width)
@@ -253,7 +259,8 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     work = fl.run_flops(cfg, geo, steps, optimized=v["path"] == "optimized", skip_last_refresh=v["skip_last_refresh"])
     util = fl.mfu(work["flops"], steady, peak)
     return {"variant": name, "path": v["path"], "dtype": str(dtype).replace("torch.", ""), "precision": precision,
-            "attention": v["attention"], "first_s": round(times[0], 4), "steady_s": round(steady, 4),
+            "attention": v["attention"], "ops": variant_ops(name) if v["path"] == "optimized" else None,
+            "first_s": round(times[0], 4), "steady_s": round(steady, 4),
             "chunk_ms": [round(1e3 * c, 2) for c in per_chunk],
             "chunk_ms_mean": round(1e3 * statistics.mean(per_chunk), 2),
             "video_fps": round(frames / steady, 2), "latent_fps": round(inp["latent_frames"] / steady, 2),
@@ -280,6 +287,20 @@ def _variant_names(args, run_dtype: str) -> list:
     if getattr(args, "attention", None) == "int8":
         names = [m for n in names for m in ((n,) if n.endswith(INT8) else (n, n + INT8))]
     return names
+
+
+def variant_ops(name: str) -> str:
+    """The FastOptions.ops of a variant ('auto' unless it names one)."""
+    return VARIANTS[name].get("options", {}).get("ops", "auto")
+
+
+def _check_ops_variants(names: list, device) -> None:
+    """UsageError naming the variant when its ops mode cannot run on ``device`` (before any model is built)."""
+    from ...kernels.candidates import mode_problem
+    for name in names:
+        problem = mode_problem(variant_ops(name), device) if VARIANTS[name]["path"] == "optimized" else None
+        if problem:
+            raise UsageError(f"--variants {name}: {problem}; leave {name} out")
 
 
 def _vs_exact(rows: list, outputs: list) -> None:
@@ -318,6 +339,7 @@ def run(args) -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise UsageError(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    _check_ops_variants(names, device)
     if args.checkpoint:
         d = {"wan": (81, 480, 832), "matrix-game2": (57, 352, 640)}[kind]
     else:
@@ -353,7 +375,7 @@ def run(args) -> int:
         return 0
     print(f"sampler bench on {result['device_name']} ({device}), {kind} {result['model']}, {frames} frames "
           f"{width}x{height}; peak {peak if peak else 'n/a'} TFLOP/s ({peak_src})")
-    cols = ["variant", "dtype", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "tflop", "mfu",
+    cols = ["variant", "dtype", "ops", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "tflop", "mfu",
             "speedup_vs_first", "speedup_vs_reference_same_dtype", "parity_max_abs", "parity_mean_abs",
             "ops_per_step", "host_syncs", "kv_kb_per_chunk"]
     if any("vs_exact_max_abs" in r for r in rows):

@@ -1,15 +1,16 @@
 """Which implementation runs each op (kernels/candidates.py) on this machine, and why.
 
-For the doctor's probe shape (device, dtype, head size): every candidate of LayerNorm+modulate and RMSNorm+RoPE
-with its availability and its verdict, and the one the operator store chooses (the fastest verified one; a
-candidate whose verdict failed is switched off alone).
+For the doctor's probe shape (device, dtype, head size): every candidate of LayerNorm+modulate, RMSNorm+RoPE and
+exact attention ('auto') with its availability and its verdict, and the one the operator store chooses (the fastest
+verified one; a candidate whose verdict failed is switched off alone).
 """
 from __future__ import annotations
 
 from ...cache.autotune import Autotuner
 from ...kernels import candidates as op_candidates
+from ...model import attention as attn
 from .core import Doctor
-from .probes import _op_args, candidate_feature
+from .probes import _op_args, _qkv, candidate_feature
 
 
 def switched_off(doctor: Doctor, probe: bool = True) -> tuple:
@@ -36,7 +37,25 @@ def implementations(doctor: Doctor, mode: str = "auto", probe: bool = True) -> l
         listing = {c.name: why or "available" for c, why in op_candidates.listing(op, doctor.context.device, mode, off)}
         uses, why = op_candidates.choose(op, args, mode, off, tuner=tuner, benchmark=probe)
         rows.append({"op": op, "uses": uses, "why": why, "candidates": listing})
+    rows.append(attention_row(doctor, probe))
     return rows
+
+
+def attention_row(doctor: Doctor, probe: bool = True) -> dict:
+    """Exact attention under 'auto' (model/attention.py) for the probe shape: its candidates and the store's choice;
+    a FlashAttention generation whose verdict failed here is left out."""
+    off = []
+    for name in ("fa3", "fa2"):
+        feature = f"attention.{name}"
+        if feature in doctor.catalogue and not doctor.availability(feature):
+            value = doctor.check(feature) if probe else doctor.stored(feature)
+            if value is not None and value.get("status") != "passed":
+                off.append(name)
+    ctx = doctor.context
+    q, k, v = _qkv(ctx)
+    listing = {c.name: why or "available" for c, why in attn.auto_listing(ctx.device, ctx.dtype, ctx.head_dim, off)}
+    uses, why = attn.choose_auto(q, k, v, tuple(off), tuner=Autotuner(doctor.cache), benchmark=probe)
+    return {"op": "attention", "uses": uses, "why": why, "candidates": listing}
 
 
 def implementation_text(rows: list[dict]) -> str:

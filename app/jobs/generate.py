@@ -5,7 +5,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -185,7 +185,8 @@ def sample_latents_with_state(model, context, width: int, height: int, num_frame
 
 
 def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_kernels: bool = True,
-                  log=None, doctor: bool = True, notes: list | None = None, record: dict | None = None):
+                  log=None, doctor: bool = True, notes: list | None = None, record: dict | None = None,
+                  ops: str = "auto"):
     """FastOptions for a handle, with its block swap / VRAM plan and its compile settings applied to the model.
 
     The swap carried by the handle (or its plan's) is (re)applied on CUDA, or removed when the handle has none;
@@ -195,7 +196,7 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
     doctor: each accelerated feature the run is about to use is checked on this machine first (once; the verdict
     is remembered in the limit cache, ``app/doctor/core.py``); one that failed or was slower is switched off and a
     line saying so goes to ``log`` and to ``notes`` (a failed fallback too); ``record`` (``gate.new_record()``)
-    receives {feature: why} of both."""
+    receives {feature: why} of both. ops: which implementation runs the normalization ops (``FastOptions.ops``)."""
     from ..doctor.gate import gate_compile, gate_options, gate_swap
     from ...memory.block_swap import ensure_block_swap, handle_swap_settings
     from .handle import _planned_swap
@@ -226,7 +227,7 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
                 from ...compile import uncompile_model
                 uncompile_model(model)
         compile_for_sampling(model, compile_settings, log=log)
-    options = FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels))
+    options = FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels), ops=ops)
     if doctor and optimized:
         options, switched = gate_options(model, options, log_fn=log, record=record)
         lines.extend(switched)
@@ -280,13 +281,16 @@ class GenerateOptions:
     sink: int = 0
     skip_last_refresh: bool = False
     num_heads: int | None = None
+    lora: str | None = None              # a LoRA .safetensors merged into the weights at load (model/lora.py)
+    lora_strength: float = 1.0
     preview: bool = True
     sampler: str = "auto"                # auto (optimized on CUDA) | optimized | reference
     cuda_graphs: str = "auto"            # auto | off (optimized path)
     fused_kernels: bool = True           # optimized path
+    ops: str = "auto"                    # optimized path: auto | pack | kitchen | torch (kernels/candidates.py)
     compile: bool = False                # regional torch.compile of the blocks (optimized path)
     prompt_schedule: str | None = None   # the text of a prompt schedule (sampling/prompts.py); None: one prompt
-    recache: str = "switch"              # at a prompt switch: switch (LongLive KV re-cache) | none
+    recache: str = "switch"              # switch (LongLive KV re-cache at a prompt switch) | none | krea (recompute)
 
 
 def _peak_memory(device: torch.device) -> dict:
@@ -349,7 +353,8 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
         from ...compile import CompileSettings
         compile_settings = CompileSettings()
     handle = load_model_handle(opts.checkpoint, dtype, opts.precision, opts.attention, device,
-                               num_heads=opts.num_heads, compile_settings=compile_settings)
+                               num_heads=opts.num_heads, compile_settings=compile_settings, lora=opts.lora,
+                               lora_strength=opts.lora_strength)
     model, notes = handle.model, []
     enable_parallel(model, parallel)
     if handle.is_tiny:
@@ -371,6 +376,14 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
         prompts = {"prompt_schedule": plan, "prompt_embeddings": schedule_embeddings(plan, handle, opts.text_embeds),
                    "recache": opts.recache}
         context = None
+    from ...sampling.krea import cache_setup
+    cache = cache_setup(opts.recache, opts.frames_per_block, opts.kv_window)     # no VAE here: identity re-encode
+    if cache.cache_policy is not None:
+        prompts.update(cache.sampler_kwargs())
+        opts = replace(opts, kv_window=cache.kv_window)
+    if cache.note:
+        log(cache.note)
+        notes.append(cache.note)
     timer = ChunkTimer(device, log)
     chunk_seconds, on_chunk = timer.seconds, timer
 
@@ -382,7 +395,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     from ..doctor.gate import features_summary, new_record
     record = new_record()
     fast_options = sampler_setup(handle, opts.sampler, opts.cuda_graphs, opts.fused_kernels, log=log, notes=notes,
-                                 record=record)
+                                 record=record, ops=opts.ops)
     sampler_report: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

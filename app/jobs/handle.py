@@ -41,6 +41,8 @@ class ModelHandle:
     compile_settings: Any = None
     plan: Any = None
     extra: dict = field(default_factory=dict)
+    lora: str | None = None              # the LoRA file merged into the weights at load, and its strength
+    lora_strength: float = 1.0
 
     @property
     def config(self):
@@ -56,9 +58,12 @@ class ModelHandle:
 
 
 def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", attention="auto", device=None,
-                      compile_settings=None, plan=None, num_heads=None, seed: int = 0) -> ModelHandle:
+                      compile_settings=None, plan=None, num_heads=None, seed: int = 0, lora=None,
+                      lora_strength: float = 1.0) -> ModelHandle:
     """Load a checkpoint (a .safetensors path) or, for None / TINY_NAME, build the tiny random model (TINY_MG2_NAME:
-    the tiny Matrix-Game-2 model)."""
+    the tiny Matrix-Game-2 model). lora: a LoRA .safetensors file merged into the weights at load
+    (``model/lora.py``), scaled by lora_strength; the handle records both (a handle is never shared between two
+    LoRA settings: each load merges its own)."""
     from ...model.loader import load_wan_checkpoint
     from ...model.tiny import tiny_causal_model
     device = torch.device(device) if device is not None else default_device()
@@ -73,6 +78,10 @@ def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", a
         compile_settings = coerce_settings(compile_settings)
     if torch_dtype == torch.float32 or precision == "float32":
         torch_dtype, precision = torch.float32, "float32"
+    lora = None if lora in (None, "") else str(lora)
+    if lora is not None:
+        from ...model.lora import check_strength
+        lora_strength = check_strength(lora_strength)
     if checkpoint in (None, "", TINY_NAME):
         model = tiny_causal_model(seed, device, torch_dtype, precision).set_attention_backend(attention)
         source = TINY_NAME
@@ -85,14 +94,19 @@ def load_model_handle(checkpoint=None, dtype="bf16", precision="self_forcing", a
         # A plan that swaps blocks: load on the CPU and move only the resident part to the GPU, so a model larger
         # than the free VRAM never has to fit there whole.
         model = load_wan_checkpoint(checkpoint, device="cpu" if swap else device, dtype=torch_dtype,
-                                    precision=precision, num_heads=num_heads, attention=attention)
+                                    precision=precision, num_heads=num_heads, attention=attention, lora=lora,
+                                    lora_strength=lora_strength)
         if swap:
             from ...memory.block_swap import apply_block_swap
 
             apply_block_swap(model, swap, device=device)
         source = str(checkpoint)
+    if lora is not None and source in TINY_NAMES:
+        from ...model.lora import merge_lora
+        merge_lora(model, lora, lora_strength)
     return ModelHandle(model, source, torch_dtype, precision, attention, compile_settings, plan,
-                       extra={"dtype_reason": dtype_reason} if dtype_reason else {})
+                       extra={"dtype_reason": dtype_reason} if dtype_reason else {}, lora=lora,
+                       lora_strength=float(lora_strength))
 
 
 def _planned_swap(plan):

@@ -6,7 +6,8 @@ grammar (``sampling.prompts``): a text, a weighted mix ``a :0.7 | b :0.3``, an o
 becomes one schedule entry ``<chunk>: <prompt>``, and each chunk's context is taken from that schedule exactly as a
 one-shot run takes it, so ``schedule_text`` given to ``generate --prompt-schedule`` (or the sampler nodes) with the
 same seed and settings reproduces the session's frames exactly. A prompt switch re-caches the window under the new
-prompt (``recache='switch'``, LongLive) unless the session was started with ``recache='none'``.
+prompt (``recache='switch'``, LongLive) unless the session was started with ``recache='none'`` (the mode goes
+through ``sampling.krea.cache_setup``; 'krea' is refused: a continued run needs a cache holding every earlier frame).
 
 ``log`` records per chunk the prompt in effect and the context rows the model was given (their SHA-256 and first
 values), as Matrix-Game-2 play records the action rows. The session has the interface of ``registry.PlaySession``
@@ -21,6 +22,7 @@ import threading
 import torch
 
 from ...sampling.continuation import sample_continuable, weight_fingerprint
+from ...sampling.krea import cache_setup
 from ...sampling.prompts import PromptSchedule
 from .registry import PlayError
 
@@ -39,7 +41,7 @@ class PromptPlaySession:
 
     def __init__(self, model, encode, height: int, width: int, seed: int = 0, schedule="self_forcing",
                  frames_per_block: int = 3, kv_window: int = -1, sink: int = 0, recache: str = "switch",
-                 prompt: str = "", state_device=None, settings: dict | None = None):
+                 prompt: str = "", state_device=None, settings: dict | None = None, reencode=None):
         """model: a causal text-to-video WanModel; encode(text) -> [1, L, text_dim] embedding of one text (the
         graph's text encoder, or the tiny model's stand-in); height/width: latent size; prompt: the first chunk's
         prompt when its step gives none (checked now); settings: what the saved
@@ -47,14 +49,19 @@ class PromptPlaySession:
         if hasattr(model, "action_config"):
             raise PlayError("prompt play needs a text-to-video causal model; a Matrix-Game-2 model plays with the "
                             "Matrix-Game-2 Play Session node")
-        if recache not in RECACHE_MODES:
-            raise PlayError(f"recache must be one of {RECACHE_MODES}, got {recache!r}")
+        if recache == "krea":       # a continued run checks that its KV cache holds every frame before it
+            raise PlayError("recache krea does not continue chunk by chunk yet: play with recache switch or none, "
+                            "or use the CausalWan Sampler nodes with recache krea")
+        try:
+            self.cache = cache_setup(recache, frames_per_block, kv_window, reencode)
+        except ValueError as exc:
+            raise PlayError(str(exc)) from None
         if not callable(encode):
             raise PlayError("prompt play needs a text encoder (connect the graph's CLIP)")
         self.model, self.encode = model, encode
         self.height, self.width, self.seed = int(height), int(width), int(seed)
         self.schedule, self.frames_per_block = schedule, int(frames_per_block)
-        self.kv_window, self.sink, self.recache = int(kv_window), int(sink), recache
+        self.kv_window, self.sink, self.recache = self.cache.kv_window, int(sink), recache
         self.state_device, self.settings = state_device, dict(settings or {})
         self.state = None
         self.lines: list[str] = []          # schedule entries "<chunk>: <prompt>", one per change
@@ -125,7 +132,7 @@ class PromptPlaySession:
                 self.model, context.to(device), (self.chunks + 1) * self.frames_per_block, self.height, self.width,
                 seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block,
                 kv_window=self.kv_window, sink=self.sink, state=self.state, state_device=self.state_device,
-                callback=callback, recache=self.recache)
+                callback=callback, **self.cache.sampler_kwargs())
             self.lines, self.prompt = lines, text
             self.log.append({"chunk": self.chunks, "prompt": text, "switched": switched,
                              "context_sha256": context_digest(context),

@@ -61,7 +61,8 @@ def serve(*argv: str) -> None:
         from ..jobs.handle import load_model_handle
         from ..jobs.generate import sample_latents, sampler_setup
         handle = load_model_handle(spec["source"], spec["dtype"], spec["precision"], spec["attention"], device,
-                                   num_heads=spec.get("num_heads"))
+                                   num_heads=spec.get("num_heads"), lora=spec.get("lora"),
+                                   lora_strength=spec.get("lora_strength", 1.0))
         outbox.send(("loaded", rank))
         sp = start_group(rank, world, init, device, timeout_s)
         enable(handle.model, sp)
@@ -123,7 +124,8 @@ class RankPool:
             old.close(handle.model)
         spec = {"source": handle.source, "dtype": str(handle.dtype).replace("torch.", "").replace("bfloat16", "bf16")
                 .replace("float16", "fp16").replace("float32", "fp32"), "precision": handle.precision,
-                "attention": handle.attention, "num_heads": handle.model.config.num_heads}
+                "attention": handle.attention, "num_heads": handle.model.config.num_heads,
+                "lora": getattr(handle, "lora", None), "lora_strength": getattr(handle, "lora_strength", 1.0)}
         pool = cls(world, spec, devices, timeout_s)
         handle.extra[POOL_KEY] = pool
         weakref.finalize(handle.model, pool.close)       # the workers go with the model

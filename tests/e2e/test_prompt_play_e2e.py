@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from e2e.test_comfyui_e2e import _browser_with_prompt, _latent_of, _run_prompt, comfy  # noqa: F401 - the fixture
+from e2e.test_comfyui_e2e import (COMFY_DIR, COMFY_VENV, _browser_with_prompt, _latent_of, _run_prompt,  # noqa: F401
+                                  comfy)
+
+pytestmark = pytest.mark.skipif(not (COMFY_DIR and COMFY_VENV),
+                                reason="set COMFYUI_DIR and COMFYUI_VENV to run the live prompt check")
 
 TINY = "(built-in tiny model)"
 SIDE, SEED, FIRST = 64, 5, "a cat walks in the garden"
