@@ -118,6 +118,7 @@ CORE_NODES: dict[str, dict] = {
 PACK_FILE_INPUTS = {
     ("CausalWanModelLoader", "checkpoint"): ["(built-in tiny model)"],
     ("WanAccelVRAMPlan", "checkpoint"): ["none"],
+    ("CausalWanModelLoader", "lora"): ["(none)"],
 }
 
 
