@@ -102,8 +102,9 @@ class CausalWanModelLoader:
                               "self_forcing: whole model in dtype (as Self-Forcing runs). wan21: time embedding, "
                               "modulation, residual stream and head in float32. float32: everything float32."}),
                 "attention": (["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8"], {"default": "auto", "tooltip":
-                              "auto: FlashAttention 3 (Hopper), else FlashAttention 2 (compute capability 8.0+), "
-                              "else torch SDPA, by what is installed and what the GPU supports. fa3 / fa2 / sdpa "
+                              "auto: exact attention; FlashAttention 3 (Hopper) / 2 (compute capability 8.0+) "
+                              "where installed and supported, else torch SDPA; on CUDA the optimized sampler keeps "
+                              "the fastest one verified on this GPU per shape (operator store). fa3 / fa2 / sdpa "
                               "force one (SDPA where the forced one cannot run). int8 (opt-in): SageAttention-"
                               "style int8 Q/K (comfy-kitchen's kernel on CUDA), close to exact but not equal "
                               "(README: Fidelity)."}),
