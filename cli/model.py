@@ -321,7 +321,8 @@ def _add_convert_lora(subparsers) -> None:
                               description="Writes the LoRA under the diffusion_model.<layer>.lora_A/lora_B names "
                                           "ComfyUI maps on a WAN model, with each layer's alpha recorded (LongLive "
                                           "v1.0's files carry none: its config uses alpha = rank).")
-    p.add_argument("src", help="input LoRA .safetensors (peft keys base_model.model.blocks..., or any accepted layout)")
+    p.add_argument("src", help="input LoRA: .safetensors (peft keys base_model.model.blocks..., or any accepted layout) "
+                               "or LongLive's released lora.pt (read with weights_only=True, its 'generator_lora')")
     p.add_argument("dst", help="output .safetensors")
     p.add_argument("--alpha", type=float, help="alpha for layers whose file has none (default: the rank)")
     p.set_defaults(func=_convert_lora)
@@ -332,14 +333,19 @@ def _convert_lora(args) -> int:
 
     from ..cache.owned_files import check_target
     from ..model.lora import to_comfy
-    check_input_file("SRC", args.src)
+    released = str(args.src).lower().endswith((".pt", ".pth"))
+    src = check_input_file("SRC", args.src, kind="pt" if released else "safetensors")
+    tensors = None
+    if released:           # LongLive's released lora.pt: read as the convert command does
+        from ..model.convert import lora_state_dict
+        tensors = lora_state_dict(src)
     dst = Path(args.dst)
     if dst.suffix.lower() != ".safetensors":
         raise UsageError(f"DST {dst} must end in .safetensors")
     check_output_dir("DST's folder", dst.parent if str(dst.parent) else ".")
     check_target(dst, option="DST", purpose="the converted LoRA")
     alpha = None if args.alpha is None else check_float("--alpha", args.alpha, 0.0, None, lo_open=True)
-    print(f"{to_comfy(args.src, dst, alpha)} LoRA layers written to {dst}")
+    print(f"{to_comfy(args.src, dst, alpha, tensors=tensors)} LoRA layers written to {dst}")
     return 0
 
 

@@ -37,6 +37,17 @@ def _load_pt(src: Path):
                               f"incomplete: download or save it again") from exc
 
 
+def lora_state_dict(src) -> dict:
+    """The LoRA tensors of a training checkpoint (LongLive's ``lora.pt``: its ``generator_lora`` entry, or a plain
+    state dict), read with weights_only=True."""
+    obj = _load_pt(Path(src))
+    if isinstance(obj, dict) and isinstance(obj.get("generator_lora"), dict):
+        obj = obj["generator_lora"]
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{Path(src).name} holds a {type(obj).__name__}, not a LoRA state dict")
+    return obj
+
+
 def pick_state_dict(obj, ema: bool = False) -> tuple[dict, str]:
     """The generator weights of a training checkpoint: 'generator_ema' with ema, else 'generator';
     a plain state dict is used as is."""

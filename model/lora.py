@@ -45,31 +45,37 @@ def read_lora(path) -> dict:
     if not infos:
         raise LoraError(f"LoRA file {path.name} holds no tensors")
     from safetensors import safe_open
-    layers: dict = {}
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        for key in infos:
-            m, a = _KEY.match(key), _ALPHA.match(key)
-            if m is None and a is None:
-                raise LoraError(f"LoRA file {path.name}: key {key!r} is not a LoRA weight (expected "
-                                f"<layer>.lora_A.weight / <layer>.lora_B.weight, lora_down / lora_up, or "
-                                f"<layer>.alpha); remove it or convert the file")
-            t = f.get_tensor(key)
-            if not t.is_floating_point() or not torch.isfinite(t).all():
-                raise LoraError(f"LoRA file {path.name}: key {key!r} is not a finite floating-point tensor; "
-                                f"the file is damaged")
-            entry = layers.setdefault(_layer_name((m or a).group("layer")), {"keys": []})
-            entry["keys"].append(key)
-            if a is not None:
-                if t.numel() != 1:
-                    raise LoraError(f"LoRA file {path.name}: key {key!r} must be one number (the alpha), "
-                                    f"got shape {list(t.shape)}")
-                entry["alpha"] = float(t.reshape(()))
-            else:
-                slot = _DOWN[m.group("part")]
-                if slot in entry:
-                    raise LoraError(f"LoRA file {path.name}: key {key!r} repeats the {slot} matrix of layer "
-                                    f"{_layer_name(m.group('layer'))!r} (two adapters in one file?)")
-                entry[slot] = t
+        return parse_lora(path.name, list(infos), f.get_tensor)
+
+
+def parse_lora(name: str, keys, get_tensor) -> dict:
+    """``read_lora``'s answer for the tensors ``get_tensor(key)`` of ``keys`` (a file named ``name``)."""
+    path = Path(name)
+    layers: dict = {}
+    for key in keys:
+        m, a = _KEY.match(key), _ALPHA.match(key)
+        if m is None and a is None:
+            raise LoraError(f"LoRA file {path.name}: key {key!r} is not a LoRA weight (expected "
+                            f"<layer>.lora_A.weight / <layer>.lora_B.weight, lora_down / lora_up, or "
+                            f"<layer>.alpha); remove it or convert the file")
+        t = get_tensor(key)
+        if not t.is_floating_point() or not torch.isfinite(t).all():
+            raise LoraError(f"LoRA file {path.name}: key {key!r} is not a finite floating-point tensor; "
+                            f"the file is damaged")
+        entry = layers.setdefault(_layer_name((m or a).group("layer")), {"keys": []})
+        entry["keys"].append(key)
+        if a is not None:
+            if t.numel() != 1:
+                raise LoraError(f"LoRA file {path.name}: key {key!r} must be one number (the alpha), "
+                                f"got shape {list(t.shape)}")
+            entry["alpha"] = float(t.reshape(()))
+        else:
+            slot = _DOWN[m.group("part")]
+            if slot in entry:
+                raise LoraError(f"LoRA file {path.name}: key {key!r} repeats the {slot} matrix of layer "
+                                f"{_layer_name(m.group('layer'))!r} (two adapters in one file?)")
+            entry[slot] = t
     for layer, e in layers.items():
         missing = [s for s in ("down", "up") if s not in e]
         if missing:
@@ -137,12 +143,20 @@ def merge_lora(model: torch.nn.Module, path, strength: float = 1.0, alpha: float
     return len(plan)
 
 
-def to_comfy(src, dst, alpha: float | None = None) -> int:
+def to_comfy(src, dst, alpha: float | None = None, tensors: dict | None = None) -> int:
     """Write the LoRA under the names ComfyUI maps on a WAN model (``diffusion_model.<layer>.lora_A.weight`` ...),
-    with ``<layer>.alpha`` set (the file's, else ``alpha``, else the rank). Returns the number of layers."""
+    with ``<layer>.alpha`` set (the file's, else ``alpha``, else the rank). ``tensors``: the LoRA's tensors already
+    read (from a released ``.pt`` by the convert command), else ``src`` is read as safetensors. Returns the number
+    of layers."""
     from safetensors.torch import save_file
     from ..cache.owned_files import write_with
-    layers = read_lora(src)
+    if tensors is not None:
+        if not tensors or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+            raise LoraError(f"{Path(src).name}: no LoRA tensors found (expected a 'generator_lora' entry or a plain "
+                            f"state dict of lora_A / lora_B tensors)")
+        layers = parse_lora(Path(src).name, list(tensors), tensors.__getitem__)
+    else:
+        layers = read_lora(src)
     out = {}
     for layer, e in layers.items():
         rank = e["down"].shape[0]
@@ -160,4 +174,4 @@ def describe(path) -> str:
     return f"{len(layers)} layers, rank {', '.join(map(str, ranks))}: {_list(sorted(layers), 4)}"
 
 
-__all__ = ["LoraError", "read_lora", "merge_lora", "check_lora", "check_strength", "to_comfy", "describe", "LORA_PREFIXES"]
+__all__ = ["LoraError", "read_lora", "parse_lora", "merge_lora", "check_lora", "check_strength", "to_comfy", "describe", "LORA_PREFIXES"]

@@ -245,3 +245,20 @@ def test_cli_convert_lora_for_comfyui(tmp_path, capsys):
     assert all(torch.equal(p, a[n]) for n, p in _model(lora=out).named_parameters())
     assert cli_main(["convert-lora", str(MERGED), str(tmp_path / "x.safetensors")]) == 2
     assert "is not a LoRA weight" in capsys.readouterr().err
+
+
+def test_cli_convert_lora_reads_the_released_pt(tmp_path, capsys):
+    """LongLive releases its LoRA as lora.pt (the peft state dict under 'generator_lora'): convert-lora reads it
+    with weights_only=True and writes the same file as from the safetensors copy; a .pt without LoRA tensors is
+    refused with the reason."""
+    from wan_accel.cli.model import main as cli_main
+    src = load_file(str(LORA))
+    torch.save({"generator_lora": src}, str(tmp_path / "lora.pt"))
+    assert cli_main(["convert-lora", str(tmp_path / "lora.pt"), str(tmp_path / "from_pt.safetensors")]) == 0
+    assert cli_main(["convert-lora", str(LORA), str(tmp_path / "from_st.safetensors")]) == 0
+    a, b = load_file(str(tmp_path / "from_pt.safetensors")), load_file(str(tmp_path / "from_st.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    torch.save({"generator": src}, str(tmp_path / "base.pt"))
+    assert cli_main(["convert-lora", str(tmp_path / "base.pt"), str(tmp_path / "x.safetensors")]) == 2
+    assert "no LoRA tensors found" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()
