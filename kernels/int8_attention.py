@@ -20,12 +20,12 @@ Nothing here imports comfy-kitchen at module import.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import math
 
 import torch
+
+from . import kitchen
 
 log = logging.getLogger("wan_accel")
 
@@ -40,16 +40,8 @@ _STATE: dict = {}
 
 
 def _kitchen():
-    """comfy_kitchen, or None when it is not installed or does not import (checked once)."""
-    if "module" not in _STATE:
-        mod = None
-        try:
-            if importlib.util.find_spec("comfy_kitchen") is not None:
-                mod = importlib.import_module("comfy_kitchen")
-        except Exception:  # noqa: BLE001 - a broken install counts as absent
-            mod = None
-        _STATE["module"] = mod
-    return _STATE["module"]
+    """comfy_kitchen, or None when it is not installed or does not import (kernels/kitchen.py detects it once)."""
+    return kitchen.module()
 
 
 def kitchen_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str | None:

@@ -59,7 +59,8 @@ class Entry:
 
 def _check_text(text, where: str) -> str:
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{where}: a prompt text is empty; write the text after the colon (e.g. '{EXAMPLE[:30]}')")
+        first = EXAMPLE.splitlines()[0]
+        raise ValueError(f"{where}: a prompt text is empty; write the text after the colon (e.g. '{first}')")
     text = text.strip()
     if "\n" in text or "\r" in text or "|" in text:
         raise ValueError(f"{where}: a prompt text may not contain a line break or '|' (the mix separator); put each "

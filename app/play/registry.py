@@ -34,7 +34,40 @@ class PlayError(ValueError):
     """A play request that cannot be done; the message says what to do instead."""
 
 
-class PlaySession:
+class SessionBase:
+    """What every play session shares: its chunks' latents, and ``free`` (drops the heavy attributes named in
+    ``HEAVY``, the state and attached decoders; keeps the latents and the script)."""
+    HEAVY: tuple = ("model",)
+
+    def latent_video(self) -> torch.Tensor:
+        """Every chunk's latents so far, [1, C, frames, h, w] (model space, CPU)."""
+        if not self.latents:
+            raise PlayError("the session has no frames yet: play at least one chunk first")
+        return torch.cat(self.latents, 2)
+
+    def free(self, reason: str = "ended") -> None:
+        """End the session: drop the model, its caches and attached objects; keep the latents and the script."""
+        with self.lock:
+            self.ended = self.ended or reason
+            self.state = None
+            for name in self.HEAVY:
+                setattr(self, name, None)
+            for obj in self.attached.values():
+                release = getattr(obj, "release", None)
+                if callable(release):
+                    try:
+                        release()
+                    except Exception:  # noqa: BLE001 - freeing must not fail halfway
+                        pass
+            self.attached.clear()
+
+    def close(self, reason: str = "ended") -> None:
+        self.free(reason)
+
+
+class PlaySession(SessionBase):
+    HEAVY = ("model", "context")
+
     def __init__(self, model, image_latent: torch.Tensor, visual_context: torch.Tensor, seed: int = 0,
                  preset: str = "universal", window: int | None = None, state_device=None, in_place: bool = True):
         if not hasattr(model, "action_config"):
@@ -138,28 +171,6 @@ class PlaySession:
                 f"preset {self.preset}, kv_window {self.window or 0}, num_frames {self.frames}, and the session's "
                 f"start image (its first latent frame) and CLIP vision output\n{self.script}\n")
 
-    def latent_video(self) -> torch.Tensor:
-        """Every chunk's latents so far, [1, 16, frames, h, w] (model space, CPU)."""
-        if not self.latents:
-            raise PlayError("the session has no frames yet: play at least one chunk first")
-        return torch.cat(self.latents, 2)
-
-    def free(self, reason: str = "ended") -> None:
-        """End the session: drop the model, its caches and attached objects; keep the latents and the script."""
-        with self.lock:
-            self.ended = self.ended or reason
-            self.state = None
-            self.model = self.context = None
-            for obj in self.attached.values():
-                release = getattr(obj, "release", None)
-                if callable(release):
-                    try:
-                        release()
-                    except Exception:  # noqa: BLE001 - freeing must not fail halfway
-                        pass
-            self.attached.clear()
-
-    close = free
 
     def describe(self) -> dict:
         return {"mode": self.mode, "keys": list(self.keys), "mouse": self.has_mouse, "seed": self.seed,

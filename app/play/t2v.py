@@ -24,7 +24,7 @@ import torch
 from ...sampling.continuation import sample_continuable, weight_fingerprint
 from ...sampling.krea import cache_setup
 from ...sampling.prompts import PromptSchedule
-from .registry import PlayError
+from .registry import PlayError, SessionBase
 
 RECACHE_MODES = ("switch", "none")
 HEAD_VALUES = 8                 # first values of the context's first row kept in the log
@@ -36,7 +36,9 @@ def context_digest(context: torch.Tensor) -> str:
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 
-class PromptPlaySession:
+class PromptPlaySession(SessionBase):
+    HEAVY = ("model", "encode")
+
     kind = "t2v"
 
     def __init__(self, model, encode, height: int, width: int, seed: int = 0, schedule="self_forcing",
@@ -168,28 +170,6 @@ class PromptPlaySession:
                 f"--recache {self.recache}{' ' + args if args else ''}\n"
                 f"# (or the causal sampler node with this text as prompt_schedule and the same settings)\n"
                 f"{self.schedule_text}")
-
-    def latent_video(self) -> torch.Tensor:
-        """Every chunk's latents so far, [1, C, frames, h, w] (model space, CPU)."""
-        if not self.latents:
-            raise PlayError("the session has no frames yet: play at least one chunk first")
-        return torch.cat(self.latents, 2)
-
-    def free(self, reason: str = "ended") -> None:
-        with self.lock:
-            self.ended = self.ended or reason
-            self.state = None
-            self.model = self.encode = None
-            for obj in self.attached.values():
-                release = getattr(obj, "release", None)
-                if callable(release):
-                    try:
-                        release()
-                    except Exception:  # noqa: BLE001 - freeing must not fail halfway
-                        pass
-            self.attached.clear()
-
-    close = free
 
     def describe(self) -> dict:
         return {"type": self.kind, "mode": "t2v", "keys": [], "mouse": False, "seed": self.seed,
