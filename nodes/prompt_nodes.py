@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 
-from .model_nodes import GRAMMAR, encode_schedule, parse_schedule, schedule_widget, text_encoder  # noqa: F401
+from .model_nodes import (GRAMMAR, comfy_vae_reencode, encode_schedule, parse_schedule,  # noqa: F401
+                          schedule_widget, text_encoder)
 
 SCHEDULE_KEY = "wan_accel_prompt_schedule"     # conditioning dict entry read by the native sampler
 
@@ -93,9 +94,11 @@ class CausalWanPromptPlaySession:
                           "Rolling KV window in latent frames (LongLive: 12); -1 keeps every frame (memory grows "
                           "with the session)."}),
             "sink": ("INT", {"default": 3, "min": 0, "max": 1024, "tooltip": "Sink frames kept in the window."}),
-            "recache": (["switch", "none"], {"default": "switch", "tooltip":
+            "recache": (["switch", "none", "krea"], {"default": "switch", "tooltip":
                         "switch: a new prompt re-caches the window under it (LongLive). none: only the "
-                        "cross-attention cache changes."}),
+                        "cross-attention cache changes. krea: the cache is rebuilt before every chunk from the "
+                        "first frame and the newest ones (Krea Realtime; kv_window -1: K = 3), the stand-in first "
+                        "frame re-encoded with vae."}),
         }, "optional": {
             "clip": ("CLIP", {"tooltip": "The graph's text encoder (umt5-xxl); not needed by the built-in tiny model."}),
             "idle_timeout_s": ("INT", {"default": 300, "min": 10, "max": 86400, "tooltip":
@@ -131,6 +134,7 @@ class CausalWanPromptPlaySession:
             session = PromptPlaySession(net, encode, geo["latent_height"], geo["latent_width"], seed=seed,
                                         schedule=preset, frames_per_block=frames_per_block, kv_window=kv_window,
                                         sink=sink, recache=recache, prompt=prompt,
+                                        reencode=comfy_vae_reencode(vae) if recache == "krea" else None,
                                         state_device="cpu" if state_on == "cpu" else None,
                                         settings={"width": width, "height": height, "preset": preset})
         except PlayError as exc:

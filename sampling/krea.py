@@ -91,8 +91,13 @@ class KreaRecompute:
     kv_cache_num_frames K (>= 2; Krea's default 3), frames_per_block (Krea: 3; must match the run's chunks),
     reencode(frames [B, 1, C, H, W]) -> [B, 1, C, H, W] the VAE round trip of the frame that stands in for the
     first frame (None: the frame itself, i.e. no round trip), keep_first_frame never re-encode.
-    The policy remembers the clean frames it may still need, so a continued run with the same policy object
-    goes on as one long run would."""
+    The policy remembers the clean frames it may still need and the previous block's prompt, so a continued run
+    (``continuation.sample_continuable``) with the same policy object goes on as one long run would: the frames of
+    the earlier run come from the state's history (the window, K + frames_per_block frames: frame 0 while
+    f0 < K + frames_per_block, else frame f0 - K, and the newest K - 1), and the continued run's cache need not
+    hold the earlier frames (``rebuilds_self_kv``). ``mark()`` / ``rewind(mark)`` undo a run that failed."""
+
+    rebuilds_self_kv = True             # before every chunk: the sampler skips its "cache holds every frame" check
 
     def __init__(self, kv_cache_num_frames: int = 3, frames_per_block: int = 3,
                  reencode: Callable | None = None, keep_first_frame: bool = False):
@@ -107,6 +112,15 @@ class KreaRecompute:
         self.frames: dict = {}          # frame index -> clean latent [B, 1, C, H, W] float32
         self.prev_text = None           # embedded text of the previous block (the recompute's prompt)
         self.positions: list = []       # (first_frame, position) of every block, for reports and checks
+
+    def mark(self) -> tuple:
+        """What a continued run changes in the policy, to ``rewind`` to when that run fails part way."""
+        return dict(self.frames), self.prev_text, len(self.positions)
+
+    def rewind(self, mark: tuple) -> None:
+        frames, self.prev_text, n = mark
+        self.frames = dict(frames)
+        del self.positions[n:]
 
     @property
     def window_frames(self) -> int:

@@ -143,7 +143,7 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     req, inputs = resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider,
                                   kv_window, sink, skip_last_refresh, refresh_t, independent_first_frame, tracer,
                                   clip_fea, y, kv_cache, model_kwargs, path, fast_options, prefix, start_frame,
-                                  partial_last_block)
+                                  partial_last_block, getattr(cache_policy, "rebuilds_self_kv", False))
     if prompt_schedule is not None:
         chunk_contexts, prev = schedule_contexts(prompt_schedule, prompt_embeddings, req, frames_per_block,
                                                  start_frame, independent_first_frame)
@@ -192,8 +192,11 @@ def schedule_contexts(schedule, embeddings, req: SamplingRequest, frames_per_blo
 def resolve_request(model, context, noise, schedule, frames_per_block, generator, noise_provider, kv_window, sink,
                     skip_last_refresh, refresh_t, independent_first_frame, tracer, clip_fea, y, kv_cache,
                     model_kwargs, path, fast_options, prefix=None, start_frame: int = 0,
-                    partial_last_block: bool = False) -> tuple[SamplingRequest, SamplingInputs]:
-    """Validate the arguments of ``sample_causal`` once: (the frozen request, the run's tensors)."""
+                    partial_last_block: bool = False, rebuilds_self_kv: bool = False
+                    ) -> tuple[SamplingRequest, SamplingInputs]:
+    """Validate the arguments of ``sample_causal`` once: (the frozen request, the run's tensors).
+    ``rebuilds_self_kv``: the cache policy rebuilds the self-attention cache before every chunk (Krea), so a
+    continued run's cache need not hold the frames before ``start_frame``."""
     sched = _as_schedule(schedule)
     shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
     if len(shape) != 5:
@@ -215,8 +218,8 @@ def resolve_request(model, context, noise, schedule, frames_per_block, generator
         if start_frame not in starts:
             raise ValueError(f"start_frame {start_frame} is not the first frame of a chunk of the {num_frames}-frame "
                              f"plan (chunks start at {starts[:8]}{'...' if len(starts) > 8 else ''})")
-        if kv_cache is None or kv_cache.end < start_frame * (h // model.config.patch_size[1]) * (
-                w // model.config.patch_size[2]):
+        if kv_cache is None or not rebuilds_self_kv and kv_cache.end < start_frame * (
+                h // model.config.patch_size[1]) * (w // model.config.patch_size[2]):
             raise ValueError(f"starting at latent frame {start_frame} needs a KV cache holding the frames before it")
         plan = [c for c in plan if c[0] >= start_frame]
     if y is not None and y.shape[1] not in (num_frames, num_frames - start_frame):

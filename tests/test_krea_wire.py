@@ -177,13 +177,16 @@ def test_native_schedule_node_carries_krea_to_the_sampler():
         WanAccelPromptSchedule().encode(Clip(), "0: a cat", recache="later")
 
 
-def test_play_session_refuses_krea_in_one_message(handle):
+def test_play_session_takes_krea_and_refuses_other_modes_in_one_message(handle):
     from wan_accel.app.play.registry import PlayError
     from wan_accel.app.play.t2v import PromptPlaySession
     from wan_accel.model.tiny import tiny_text_embedding
     cfg = handle.model.config
     enc = lambda t: tiny_text_embedding(t, cfg.text_len, cfg.text_dim)      # noqa: E731
-    with pytest.raises(PlayError, match="recache krea does not continue chunk by chunk"):
-        PromptPlaySession(handle.model, enc, 4, 4, prompt="a cat", frames_per_block=3, recache="krea")
+    play = PromptPlaySession(handle.model, enc, 4, 4, prompt="a cat", frames_per_block=3, recache="krea")
+    assert isinstance(play.cache.cache_policy, KreaRecompute) and play.kv_window == KREA_CONTEXT_FRAMES + 3
+    play.step("")
+    play.step("a dog")                              # a continued run: the policy rebuilt the cache at position K
+    assert play.cache.cache_policy.positions == [(0, 0), (3, 3)] and play.frames == 6
     with pytest.raises(PlayError, match="recache must be one of"):
         PromptPlaySession(handle.model, enc, 4, 4, prompt="a cat", frames_per_block=3, recache="later")

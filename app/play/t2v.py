@@ -6,8 +6,11 @@ grammar (``sampling.prompts``): a text, a weighted mix ``a :0.7 | b :0.3``, an o
 becomes one schedule entry ``<chunk>: <prompt>``, and each chunk's context is taken from that schedule exactly as a
 one-shot run takes it, so ``schedule_text`` given to ``generate --prompt-schedule`` (or the sampler nodes) with the
 same seed and settings reproduces the session's frames exactly. A prompt switch re-caches the window under the new
-prompt (``recache='switch'``, LongLive) unless the session was started with ``recache='none'`` (the mode goes
-through ``sampling.krea.cache_setup``; 'krea' is refused: a continued run needs a cache holding every earlier frame).
+prompt (``recache='switch'``, LongLive) unless the session was started with ``recache='none'``, or with
+``recache='krea'`` rebuilds the cache from a short clean context before every chunk (Krea Realtime; the one policy
+object goes on from chunk to chunk, reading the earlier clean frames from the state's history). The mode goes
+through ``sampling.krea.cache_setup``; with 'krea' the session's ``reencode`` (the VAE round trip of the frame that
+stands in for the first frame) is used, or the frame as it is, said once in the log.
 
 ``log`` records per chunk the prompt in effect and the context rows the model was given (their SHA-256 and first
 values), as Matrix-Game-2 play records the action rows. The session has the interface of ``registry.PlaySession``
@@ -17,6 +20,7 @@ that the registry, the routes and the Save node use (``describe``, ``log``, ``la
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 
 import torch
@@ -26,7 +30,6 @@ from ...sampling.krea import cache_setup
 from ...sampling.prompts import PromptSchedule
 from .registry import PlayError, SessionBase
 
-RECACHE_MODES = ("switch", "none")
 HEAD_VALUES = 8                 # first values of the context's first row kept in the log
 
 
@@ -51,13 +54,12 @@ class PromptPlaySession(SessionBase):
         if hasattr(model, "action_config"):
             raise PlayError("prompt play needs a text-to-video causal model; a Matrix-Game-2 model plays with the "
                             "Matrix-Game-2 Play Session node")
-        if recache == "krea":       # a continued run checks that its KV cache holds every frame before it
-            raise PlayError("recache krea does not continue chunk by chunk yet: play with recache switch or none, "
-                            "or use the CausalWan Sampler nodes with recache krea")
         try:
             self.cache = cache_setup(recache, frames_per_block, kv_window, reencode)
         except ValueError as exc:
             raise PlayError(str(exc)) from None
+        if self.cache.note:
+            logging.getLogger("wan_accel").warning(self.cache.note)
         if not callable(encode):
             raise PlayError("prompt play needs a text encoder (connect the graph's CLIP)")
         self.model, self.encode = model, encode
@@ -130,11 +132,19 @@ class PromptPlaySession(SessionBase):
             context = schedule.contexts(embeddings, self.chunks + 1)[self.chunks]
             switched = bool(self.chunks) and self.chunks in schedule.switch_chunks(self.chunks + 1)
             device = self.model.device
-            out, self.state = sample_continuable(
-                self.model, context.to(device), (self.chunks + 1) * self.frames_per_block, self.height, self.width,
-                seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block,
-                kv_window=self.kv_window, sink=self.sink, state=self.state, state_device=self.state_device,
-                callback=callback, **self.cache.sampler_kwargs())
+            policy = self.cache.cache_policy
+            mark = policy.mark() if hasattr(policy, "mark") else None
+            try:
+                out, state = sample_continuable(
+                    self.model, context.to(device), (self.chunks + 1) * self.frames_per_block, self.height,
+                    self.width, seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block,
+                    kv_window=self.kv_window, sink=self.sink, state=self.state, state_device=self.state_device,
+                    callback=callback, **self.cache.sampler_kwargs())
+            except BaseException:
+                if mark is not None:            # an interrupted chunk: the policy goes on from the last chunk made
+                    policy.rewind(mark)
+                raise
+            self.state = state
             self.lines, self.prompt = lines, text
             self.log.append({"chunk": self.chunks, "prompt": text, "switched": switched,
                              "context_sha256": context_digest(context),
