@@ -144,11 +144,8 @@ def test_the_store_fails_a_wrong_candidate_alone(monkeypatch):
     assert C.choose("rmsnorm_rope", args, "kitchen", tuner=tuner)[0] == "kitchen.eager"
 
 
-def test_optimized_path_with_kitchen_ops_matches_the_fixture(monkeypatch):
-    from tests.test_fast_sampler_parity import WAN, _model, _run
-    from wan_accel.app.jobs.reference import _load_io, _schedule_from
-    cfg = json.loads((WAN / "causal_config.json").read_text())
-    io, sched = _load_io(WAN, cfg), _schedule_from(cfg)
+def spy_kitchen(monkeypatch) -> dict:
+    """Count the calls of comfy-kitchen's two wrappers (and forget the remembered choices, so they are made again)."""
     calls = {"adaln": 0, "norm_rope": 0}
     for name in calls:
         real = getattr(kitchen, name)
@@ -158,6 +155,15 @@ def test_optimized_path_with_kitchen_ops_matches_the_fixture(monkeypatch):
             return _real(*a, **kw)
         monkeypatch.setattr(kitchen, name, spy)
     C.forget()
+    return calls
+
+
+def test_optimized_path_with_kitchen_ops_matches_the_fixture(monkeypatch):
+    from tests.test_fast_sampler_parity import WAN, _model, _run
+    from wan_accel.app.jobs.reference import _load_io, _schedule_from
+    cfg = json.loads((WAN / "causal_config.json").read_text())
+    io, sched = _load_io(WAN, cfg), _schedule_from(cfg)
+    calls = spy_kitchen(monkeypatch)
     out, report = _run(_model(cfg), io, sched, "optimized", fast_options={"ops": "kitchen"})
     assert report["path"] == "optimized"
     assert calls["adaln"] > 10 and calls["norm_rope"] > 10

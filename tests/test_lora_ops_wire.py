@@ -226,16 +226,8 @@ def test_generate_lora_errors_are_one_line(tmp_path, extra, message):
 
 # ----------------------------------------------------------------------------- operator choice for users
 def _spy_kitchen(monkeypatch) -> dict:
-    calls = {"adaln": 0, "norm_rope": 0}
-    for name in calls:
-        real = getattr(kitchen, name)
-
-        def spy(*a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(*a, **kw)
-        monkeypatch.setattr(kitchen, name, spy)
-    C.forget()
-    return calls
+    from tests.test_kitchen_candidates import spy_kitchen
+    return spy_kitchen(monkeypatch)
 
 
 @pytest.mark.skipif(not kitchen.available(), reason="comfy-kitchen is not installed")

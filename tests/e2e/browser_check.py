@@ -205,13 +205,11 @@ def _wait_play(page, condition: str, timeout: float, what: str) -> dict:
     raise TimeoutError(f"play mode: {what} did not happen in {timeout:.0f} s; log: {json.dumps(page.evaluate(PLAY_LOG))[:1500]}")
 
 
-def run_play(page, api_path: Path, timeout: float, out_dir: Path) -> dict:
-    """Matrix-Game-2 play mode as a user drives it: load the graph with a Play Session node, open the panel, press
-    Start session, then Play; hold W for a chunk, drag on the video, let go of everything; Pause and Resume at once;
-    Pause, Save, End. Reports
-    what the page sent per chunk, what arrived, and what the server says the model was given."""
+def _start_session(page, api_path: Path, name: str, timeout: float):
+    """Load the graph (API form) as workflow ``name``, open the Wan Accel panel and press Start session; returns the
+    play box once the session is ready."""
     prompt = json.loads(api_path.read_text())
-    page.evaluate("async (p) => { await window.app.loadApiJson(p, 'play'); }", prompt)
+    page.evaluate("async ([p, n]) => { await window.app.loadApiJson(p, n); }", [prompt, name])
     page.wait_for_timeout(800)
     tab = page.locator(".wan-accel-limits-tab-button")
     if tab.count():
@@ -222,6 +220,15 @@ def run_play(page, api_path: Path, timeout: float, out_dir: Path) -> dict:
     box = page.locator(".wan-accel-play")
     box.get_by_role("button", name="Start session").click()
     _wait_play(page, "p.ready.length > 0", timeout, "the session start")
+    return box
+
+
+def run_play(page, api_path: Path, timeout: float, out_dir: Path) -> dict:
+    """Matrix-Game-2 play mode as a user drives it: load the graph with a Play Session node, open the panel, press
+    Start session, then Play; hold W for a chunk, drag on the video, let go of everything; Pause and Resume at once;
+    Pause, Save, End. Reports
+    what the page sent per chunk, what arrived, and what the server says the model was given."""
+    box = _start_session(page, api_path, "play", timeout)
     page.wait_for_timeout(300)
     box.get_by_role("button", name="Play").click()
     sent = lambda cond: f"p.sent.some(s => {cond}) && p.chunks.length >= p.sent.length"
@@ -266,18 +273,7 @@ def run_prompt_play(page, api_path: Path, timeout: float, out_dir: Path, new_pro
     """Live prompt play as a user drives it: load the graph with a CausalWan Prompt Play Session node, open the
     panel, Start session, Play; after two chunks type ``new_prompt`` in the prompt box; two chunks later Pause and
     Save. Reports what the page sent per chunk, what arrived, and what the server says each chunk was given."""
-    prompt = json.loads(api_path.read_text())
-    page.evaluate("async (p) => { await window.app.loadApiJson(p, 'prompt_play'); }", prompt)
-    page.wait_for_timeout(800)
-    tab = page.locator(".wan-accel-limits-tab-button")
-    if tab.count():
-        tab.first.click()
-    else:
-        page.get_by_role("button", name="Wan Accel").first.click()
-    page.wait_for_selector(".wan-accel-play", timeout=15000)
-    box = page.locator(".wan-accel-play")
-    box.get_by_role("button", name="Start session").click()
-    _wait_play(page, "p.ready.length > 0", timeout, "the session start")
+    box = _start_session(page, api_path, "prompt_play", timeout)
     page.wait_for_selector(".wan-accel-play-prompt", timeout=15000)
     page.wait_for_timeout(300)
     box.get_by_role("button", name="Play").click()
