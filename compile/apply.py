@@ -44,6 +44,7 @@ class CompileHandle:
         self._scoped_limit: dict = {}
         self._stance = settings.stance_after_warmup
         self._global_limit_set: tuple | None = None
+        self.failed: str | None = None      # why compiling failed: every region runs eagerly from then on
 
     # ------------------------------------------------------------------ torch.compile kwargs
     def compile_kwargs(self) -> dict:
@@ -75,12 +76,29 @@ class CompileHandle:
         return torch.compile(fn, **self.compile_kwargs())
 
     # ------------------------------------------------------------------ calls
-    def call(self, fn, args, kwargs):
-        """Run a compiled region inside this model's scope."""
+    def call(self, fn, args, kwargs, eager=None):
+        """Run a compiled region inside this model's scope. A compile that fails (Dynamo or Inductor cannot
+        handle something in the region) is not the user's error: the region and every other one of this handle
+        run ``eager`` from then on, with one line saying why (``failed`` in the report)."""
         from ..kernels._common import is_compiling, use_kernel_caps
 
         if is_compiling():
             return fn(*args, **kwargs)
+        if self.failed is not None and eager is not None:
+            return eager(*args, **kwargs)
+        try:
+            return self._call(fn, args, kwargs)
+        except compile_errors() as exc:
+            if eager is None:
+                raise
+            self.failed = compile_failure_text(exc)
+            log.warning("wan_accel: compiling the %s failed, running them eagerly (%s)",
+                        "blocks" if self.settings.scope == "blocks" else "model", self.failed)
+            return eager(*args, **kwargs)
+
+    def _call(self, fn, args, kwargs):
+        from ..kernels._common import use_kernel_caps
+
         track = not self.warm
         before = compat.graph_count() if track else None
         with contextlib.ExitStack() as stack:
@@ -127,23 +145,57 @@ class CompileHandle:
         return {"settings": self.settings.to_dict(), "inductor_options": dict(self.inductor_options),
                 "kernel_caps": dict(self.kernel_caps), "regions": len(self.targets), "calls": self.calls,
                 "graphs_compiled": self.compiles, "warm": self.warm, "loaded_artifacts": self.loaded_artifacts,
-                "artifact_saves": self.warm_start.saves if self.warm_start else 0}
+                "artifact_saves": self.warm_start.saves if self.warm_start else 0, "failed": self.failed}
+
+
+def compile_errors() -> tuple:
+    """The exception types of a failed compile (Dynamo cannot trace, a backend or Inductor fails), not of the
+    region's own computation."""
+    found = []
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+        found.append(TorchDynamoException)
+    except Exception:  # noqa: BLE001 - an older torch
+        pass
+    try:
+        from torch._inductor.exc import InductorError
+        found.append(InductorError)
+    except Exception:  # noqa: BLE001
+        pass
+    return tuple(found)
+
+
+def compile_failure_text(exc: BaseException) -> str:
+    """One line about a failed compile: the exception's type, its first line, Dynamo's explanation and where in
+    the model's code it happened."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    parts = [f"{type(exc).__name__}: {lines[0] if lines else ''}"]
+    explanation = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Explanation:")), "")
+    if explanation:
+        parts.append(explanation[:220])
+    where = [ln for ln in lines if ln.startswith("File \"") and ", line " in ln]
+    if where:
+        file, _, rest = where[-1][len("File \""):].partition("\"")
+        parts.append(f"at {file.replace(chr(92), '/').rsplit('/', 1)[-1]}{rest.split(',')[1] if ',' in rest else ''}")
+    return " - ".join(parts)[:400]
 
 
 class _ScopedForward:
-    """Instance-level ``forward`` of a compiled module: the compiled bound forward inside the handle's scope."""
+    """Instance-level ``forward`` of a compiled module: the compiled bound forward inside the handle's scope
+    (``eager``, the plain bound forward, runs where compiling failed)."""
 
-    def __init__(self, compiled, handle: CompileHandle, contiguous_input: bool = False):
+    def __init__(self, compiled, handle: CompileHandle, contiguous_input: bool = False, eager=None):
         self.compiled = compiled
         self.handle = handle
         self.contiguous_input = contiguous_input
+        self.eager = eager
 
     def __call__(self, *args, **kwargs):
         if self.contiguous_input and args and hasattr(args[0], "is_contiguous") and not args[0].is_contiguous():
             # A block's residual input with other strides (the first block gets a view from the patch embedding)
             # would fail the stride guard of the graph the other identical blocks share, and recompile.
             args = (args[0].contiguous(),) + tuple(args[1:])
-        return self.handle.call(self.compiled, args, kwargs)
+        return self.handle.call(self.compiled, args, kwargs, self.eager)
 
 
 def _bound_forward(module, name: str = "forward"):
@@ -204,12 +256,14 @@ def compile_model(model, settings: CompileSettings | dict | None = None, cache=N
     handle = _prepare(model, settings, cache)
     if handle.settings.scope == "blocks":
         for block in _blocks_of(model):
-            block.forward = _ScopedForward(handle.compile_fn(_bound_forward(block)), handle)
+            bound = _bound_forward(block)
+            block.forward = _ScopedForward(handle.compile_fn(bound), handle, eager=bound)
             handle.targets.append((block, "forward"))
     else:
         for name in WHOLE_METHODS:
             if callable(getattr(type(model), name, None)):
-                setattr(model, name, _ScopedForward(handle.compile_fn(_bound_forward(model, name)), handle))
+                bound = _bound_forward(model, name)
+                setattr(model, name, _ScopedForward(handle.compile_fn(bound), handle, eager=bound))
                 handle.targets.append((model, name))
     model.__dict__[HANDLE_ATTR] = handle
     log.info("wan_accel: prepared %d compiled region(s) (%s, %s) in %.2f s", len(handle.targets),
@@ -295,7 +349,8 @@ def _region_class():
 
 
 def _make_scoped_module(original, handle: CompileHandle, contiguous_input: bool = False):
-    scoped = _ScopedForward(handle.compile_fn(_bound_forward(original)), handle, contiguous_input)
+    bound = _bound_forward(original)
+    scoped = _ScopedForward(handle.compile_fn(bound), handle, contiguous_input, eager=bound)
     return _region_class()(original, scoped)
 
 

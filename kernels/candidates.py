@@ -259,10 +259,78 @@ def pick(op: str, usable: list, skipped: list, args: tuple, *, key: str | None =
     return best["impl"], why
 
 
+# ----------------------------------------------------------------------------- one opaque op per op
+# The store may choose an implementation torch.compile cannot trace (comfy-kitchen's CUDA ``adaln`` hands its
+# tensor over by ``__dlpack__``, which a FakeTensor cannot do; any extension op may do the same). Inside a compile
+# trace every op therefore runs as one registered custom op, ``torch.ops.wan_accel.ops_<op>``: the trace sees a
+# single node whose fake implementation is the op's torch reference (shapes and dtypes only), and the real call
+# makes (or reuses) the store's choice eagerly. Only ``ops='torch'`` is traced into, so Inductor can fuse it.
+_SEP = "\n"
+
+
+def _opaque_eager(op: str):
+    def impl(*a):
+        *args, mode, off = a
+        return _run_eager(op, mode, tuple(x for x in off.split(_SEP) if x), *args)
+    return impl
+
+
+def _opaque_fake(op: str):
+    def fake(*a):
+        return REFERENCES[op](*a[:-2]).contiguous()
+    return fake
+
+
+def _sig_lnmod(fn):
+    def f(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, mode: str,
+          off: str) -> torch.Tensor:
+        return fn(x, shift, scale, eps, mode, off)
+    return f
+
+
+def _sig_rope(fn):
+    def f(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+          eps: float, mode: str, off: str) -> torch.Tensor:
+        return fn(x, weight, cos, sin, num_heads, eps, mode, off)
+    return f
+
+
+def _make_opaque() -> dict:
+    out = {}
+    for op, sig in (("layernorm_modulate", _sig_lnmod), ("rmsnorm_rope", _sig_rope)):
+        impl, fake = _opaque_eager(op), _opaque_fake(op)
+        out[op] = _common.register_op(f"ops_{op}", sig(impl), sig(fake))
+    return out
+
+
+OPAQUE: dict = _make_opaque()
+
+
+def _coerce(op: str, args: tuple) -> tuple:
+    """The numbers of a call as the custom op's schema types them (Python int / float)."""
+    if op == "rmsnorm_rope":
+        x, w, cos, sin, heads, eps = args
+        return x, w, cos, sin, int(heads), float(eps)
+    x, shift, scale, *rest = args
+    return (x, shift, scale, float(rest[0]) if rest else 1e-6)
+
+
 def run(op: str, mode: str, off: tuple, *args):
-    """Call ``op`` with the implementation chosen for these shapes (chosen once per process and shape)."""
-    if _common.needs_autograd(*(a for a in args if isinstance(a, torch.Tensor))):
+    """Call ``op`` with the implementation chosen for these shapes (chosen once per process and shape); inside a
+    compile trace through the op's opaque custom op (see above)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if _common.needs_autograd(*tensors):
         return REFERENCES[op](*args)
+    if _common.is_compiling():
+        if mode == "torch":
+            return REFERENCES[op](*args)
+        opaque = OPAQUE.get(op)
+        if opaque is not None:
+            return opaque(*_coerce(op, args), mode, _SEP.join(off))
+    return _run_eager(op, mode, off, *args)
+
+
+def _run_eager(op: str, mode: str, off: tuple, *args):
     key = (op, mode, off, call_key(op, args))
     name = _CHOSEN.get(key)
     if name is None:

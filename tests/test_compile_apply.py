@@ -208,7 +208,7 @@ def test_native_block_regions_pass_a_contiguous_residual_input():
     seen = []
 
     class Handle:
-        def call(self, fn, args, kwargs):
+        def call(self, fn, args, kwargs, eager=None):
             seen.append(args)
             return fn(*args, **kwargs)
 

@@ -409,6 +409,13 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     sample_s = time.perf_counter() - t_start
     files = _write_outputs(latents, opts, parallel)
     features = features_summary(model, fast_options, sampler_report, record)
+    from ...compile.apply import compile_handle
+    compiled = compile_handle(model)
+    if compiled is not None:       # what ran: compiled blocks, or eager ones where compiling failed (and why)
+        sampler_report["compile"] = {"ran": "eager" if compiled.failed else "compiled", "failed": compiled.failed,
+                                     "graphs_compiled": compiled.compiles}
+        if compiled.failed:
+            notes.append(f"compile failed, the blocks ran eagerly: {compiled.failed}")
     if "fused_kernels" in sampler_report:     # true only when every fused kernel ran (which ones: features.ran)
         sampler_report["fused_kernels"] = all(features["enabled"][f"kernel.{k}"] for k in KERNEL_NAMES)
     report = {
