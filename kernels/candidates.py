@@ -52,6 +52,7 @@ class Candidate:
     fn: Callable                      # same signature as the op's reference
     problem: Callable                 # problem(device) -> None when it runs there, else why not
     summary: str
+    dtype_problem: Callable | None = None   # dtype_problem(dtype) -> None when it takes calls in dtype, else why not
 
 
 def _pack_problem(device) -> str | None:
@@ -83,11 +84,13 @@ def _build() -> dict:
         table["layernorm_modulate"].append(Candidate(
             "layernorm_modulate", f"kitchen.{backend}", "kitchen", _kitchen_lnmod(backend),
             lambda device, b=backend: kitchen.backend_problem(b, "adaln", device),
-            f"comfy-kitchen adaln ({backend} backend)"))
+            f"comfy-kitchen adaln ({backend} backend)",
+            lambda dtype, b=backend: kitchen.dtype_problem(b, "adaln", dtype)))
         table["rmsnorm_rope"].append(Candidate(
             "rmsnorm_rope", f"kitchen.{backend}", "kitchen", _kitchen_rope(backend),
             lambda device, b=backend: kitchen.backend_problem(b, "apply_rope1", device),
-            f"full-width RMSNorm + comfy-kitchen apply_rope1 ({backend} backend)"))
+            f"full-width RMSNorm + comfy-kitchen apply_rope1 ({backend} backend)",
+            lambda dtype, b=backend: kitchen.dtype_problem(b, "apply_rope1", dtype)))
     table["layernorm_modulate"].append(Candidate(
         "layernorm_modulate", "torch", "torch", lambda *a: layernorm_modulate_reference(*a), lambda d: None,
         "plain torch (the reference)"))
@@ -124,8 +127,9 @@ def mode_problem(mode: str, device) -> str | None:
     return f"ops={mode!r} cannot run here ({' | '.join(reasons)}); {hint}, or use ops='auto'"
 
 
-def listing(op: str, device, mode: str = "auto", off: tuple = ()) -> list[tuple[Candidate, str | None]]:
-    """(candidate, why it is not used or None) for every candidate of ``op`` in this mode on ``device``."""
+def listing(op: str, device, mode: str = "auto", off: tuple = (), dtype=None) -> list[tuple[Candidate, str | None]]:
+    """(candidate, why it is not used or None) for every candidate of ``op`` in this mode on ``device`` (and for
+    calls in ``dtype`` where given: a backend is only called with the dtypes it declares)."""
     out = []
     for cand in CANDIDATES[op].values():
         if mode not in ("auto", cand.family) and cand.family != "torch":
@@ -134,6 +138,8 @@ def listing(op: str, device, mode: str = "auto", off: tuple = ()) -> list[tuple[
             why = "switched off: it failed its self-check on this machine (python -m wan_accel doctor)"
         else:
             why = cand.problem(device)
+            if why is None and dtype is not None and cand.dtype_problem is not None:
+                why = cand.dtype_problem(dtype)
         out.append((cand, why))
     return out
 
@@ -204,8 +210,8 @@ def choose(op: str, args: tuple, mode: str = "auto", off: tuple = (), tuner=None
            benchmark: bool = True) -> tuple[str, str]:
     """(candidate name, why) for a call of ``op`` with ``args``: the fastest verified candidate recorded in the
     operator store for these shapes, measuring (verify, then time) only the candidates it does not know yet."""
-    device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    rows = listing(op, device, mode, off)
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    rows = listing(op, first.device, mode, off, first.dtype)
     usable = [c for c, why in rows if why is None]
     if mode in ("pack", "kitchen") and any(c.family == mode for c in usable):
         usable = [c for c in usable if c.family == mode]       # forced: torch only when none of them is left

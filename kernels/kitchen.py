@@ -84,6 +84,36 @@ def backend_problem(backend: str, func: str, device) -> str | None:
     return None
 
 
+def accepted_dtypes(backend: str, func: str, param: str = "x") -> frozenset | None:
+    """The dtypes comfy-kitchen's ``backend`` declares for ``func``'s ``param`` (its registry's constraints), or
+    None where it declares none (any dtype)."""
+    ck = module()
+    try:
+        constraints = ck.registry.get_constraints(backend, func) if ck is not None else None
+        found = constraints.params.get(param) if constraints is not None else None
+        return frozenset(found.dtypes) if found is not None and found.dtypes is not None else None
+    except Exception:  # noqa: BLE001 - an older registry without constraints: any dtype
+        return None
+
+
+def compute_dtype(backend: str, func: str, wanted: torch.dtype, fallback: torch.dtype) -> torch.dtype | None:
+    """The dtype to call ``func`` of ``backend`` with: ``wanted`` (e.g. float32 for the rotation) where the backend
+    accepts it, else ``fallback`` (the call's own dtype) where it accepts that, else None (it cannot run)."""
+    ok = accepted_dtypes(backend, func)
+    if ok is None or wanted in ok:
+        return wanted
+    return fallback if fallback in ok else None
+
+
+def dtype_problem(backend: str, func: str, dtype: torch.dtype) -> str | None:
+    """Why ``func`` of ``backend`` cannot run a call in ``dtype`` (its declared dtypes exclude both float32 and
+    ``dtype``), or None."""
+    if compute_dtype(backend, func, torch.float32, dtype) is not None:
+        return None
+    names = ", ".join(sorted(_common.dtype_name(torch.empty(0, dtype=d)) for d in accepted_dtypes(backend, func)))
+    return f"comfy-kitchen's {backend} {func} takes {names}, the call is {_common.dtype_name(torch.empty(0, dtype=dtype))}"
+
+
 def _impl(func: str, backend: str):
     if backend == "triton":
         mod = _triton_backend_module()
@@ -94,7 +124,8 @@ def _impl(func: str, backend: str):
 
 def adaln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
     """The pack's ``layernorm_modulate`` through comfy-kitchen's ``adaln``: x [B, L, D], shift/scale [B or 1, F, D]
-    (or [B, D]); token l uses frame ``l // (L // F)``. Result in x's dtype."""
+    (or [B, D]); token l uses frame ``l // (L // F)``. Result in x's dtype (each backend is called with a dtype
+    its constraints accept)."""
     b, l, d = x.shape
     shift = shift.unsqueeze(1) if shift.dim() == 2 else shift
     scale = scale.unsqueeze(1) if scale.dim() == 2 else scale
@@ -129,5 +160,8 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
     b, l, d = x.shape
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
-    out = rope1(y.view(b, l, num_heads, d // num_heads), cos.float(), sin.float(), backend)
+    dt = compute_dtype(backend, "apply_rope1", torch.float32, x.dtype)
+    if dt is None:
+        raise ValueError(dtype_problem(backend, "apply_rope1", x.dtype))
+    out = rope1(y.to(dt).view(b, l, num_heads, d // num_heads), cos.float(), sin.float(), backend)
     return out.to(x.dtype)

@@ -40,13 +40,22 @@ def new_record() -> dict:
 
 
 def _say(lines: list, name: str, why: str, log_fn=None, record: dict | None = None, fallback: bool = False) -> None:
+    """One line per feature per run: to ``log_fn`` where the caller shows lines itself, else to the log (never both,
+    so a console that shows both does not print it twice); a feature the run's ``record`` already holds is not said
+    again."""
+    kind = "failed_fallbacks" if fallback else "switched_off"
+    if record is not None and name in record.get(kind, {}):
+        return
     line = (_fallback_line if fallback else _line)(name, why)
+    if line in lines:
+        return
     lines.append(line)
-    log.warning(line)
     if log_fn is not None:
         log_fn(line)
+    else:
+        log.warning(line)
     if record is not None:
-        record.setdefault("failed_fallbacks" if fallback else "switched_off", {})[name] = why
+        record.setdefault(kind, {})[name] = why
 
 
 def model_doctor(model, doctor: Doctor | None = None) -> Doctor:
