@@ -28,7 +28,9 @@ def _speed(value: dict) -> str:
     if f is None or b is None:
         return "-"
     ratio = f"speed-up x{b / f:.2f}" if f > 0 else "-"
-    judged = "" if value.get("speed_judged", True) else " (not judged here)"
+    shape = f" at {value['shape']}" if value.get("shape") else ""
+    judged = (f" (judged{shape})" if value.get("speed_judged", True) else
+              f" (timed{shape}; not judged: speed is decided at the run's shapes)")
     return f"{_ms(f)} vs {_ms(b)} ({ratio}){judged}"
 
 

@@ -59,7 +59,7 @@ def pack_version() -> str:
 
 # ----------------------------------------------------------------------------------------------- shape
 _NUMBERS = ("difference", "tolerance", "feature_ms", "fallback_ms", "checked")
-_TEXTS = ("error", "note", "library", "dtype", "pack", "source")
+_TEXTS = ("error", "note", "library", "dtype", "pack", "source", "shape")
 
 
 def _number(value) -> bool:

@@ -25,7 +25,8 @@ class Probe:
     feature: Callable[[], torch.Tensor]
     fallback: Callable[[], torch.Tensor]
     dtype: torch.dtype
-    judge_speed: bool | None = None      # None: on CUDA only (CPU timings of GPU paths mean nothing)
+    judge_speed: bool | None = None      # True only for a probe at the run's own shapes; otherwise the timing
+    #                                      is shown, not judged (speed is decided at the call's shapes)
     note: str = ""
     ulps: int = 8                        # tolerance in units of the dtype's resolution at the output's magnitude
     #                                      (more for whole-chunk probes: many ops, two steps)
