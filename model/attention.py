@@ -242,13 +242,50 @@ def _no_problem(device, dtype, head_dim):
     return None
 
 
+# SDPA's own fused kernels, each a candidate of its own: SDPA alone picks by a fixed priority (and inside ComfyUI an
+# outer ``sdpa_kernel`` priority puts flash first), while cuDNN ran the official loop's shape in 3.0 ms against
+# flash's 5.3 ms on an H200. Each runs inside ``sdpa_kernel([its backend])``, so no outer priority overrides it.
+SDPA_KERNELS = {"sdpa.cudnn": "CUDNN_ATTENTION", "sdpa.flash": "FLASH_ATTENTION",
+                "sdpa.efficient": "EFFICIENT_ATTENTION"}
+
+
+def _sdpa_backend(name: str):
+    try:
+        from torch.nn.attention import SDPBackend
+        return getattr(SDPBackend, SDPA_KERNELS[name], None)
+    except Exception:  # noqa: BLE001 - an older torch without torch.nn.attention
+        return None
+
+
+def sdpa_kernel_problem(name: str, device, dtype, head_dim) -> str | None:
+    """Why SDPA's kernel ``name`` cannot be a candidate here, or None (its own numbers are checked by the store)."""
+    if _sdpa_backend(name) is None:
+        return f"torch {torch.__version__} has no {SDPA_KERNELS[name]} backend"
+    if torch.device(device).type != "cuda":
+        return "needs a CUDA device"
+    if name != "sdpa.efficient" and dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
+    return None
+
+
+def _sdpa_with(name: str, q, k, v):
+    """SDPA restricted to one kernel (it raises where that kernel cannot take the call: the store records it)."""
+    from torch.nn.attention import sdpa_kernel
+    with sdpa_kernel([_sdpa_backend(name)]):
+        return _sdpa(q, k, v)
+
+
 AUTO_CANDIDATES: dict[str, op_candidates.Candidate] = {
     "fa3": op_candidates.Candidate(STORE_OP, "fa3", "flash", lambda q, k, v: _flash("fa3", q, k, v),
                                    lambda d, dt, hd: flash_problem("fa3", d, dt, hd), "FlashAttention 3"),
     "fa2": op_candidates.Candidate(STORE_OP, "fa2", "flash", lambda q, k, v: _flash("fa2", q, k, v),
                                    lambda d, dt, hd: flash_problem("fa2", d, dt, hd), "FlashAttention 2"),
+    **{name: op_candidates.Candidate(STORE_OP, name, "sdpa", lambda q, k, v, n=name: _sdpa_with(n, q, k, v),
+                                     lambda d, dt, hd, n=name: sdpa_kernel_problem(n, d, dt, hd),
+                                     f"torch SDPA, {SDPA_KERNELS[name].lower().replace('_', ' ')} kernel only")
+       for name in SDPA_KERNELS},
     "sdpa": op_candidates.Candidate(STORE_OP, "sdpa", "sdpa", lambda q, k, v: _sdpa(q, k, v), _no_problem,
-                                    "torch scaled_dot_product_attention"),
+                                    "torch scaled_dot_product_attention (its own pick)"),
     "torch": op_candidates.Candidate(STORE_OP, "torch", "torch", lambda q, k, v: attention_reference(q, k, v),
                                      _no_problem, "plain softmax math (the reference)"),
 }   # in availability order: without a stored choice (nothing measured yet and no measuring allowed) the first usable
@@ -299,7 +336,7 @@ def choose_auto(q, k, v, off: tuple = (), tuner=None, benchmark: bool = True) ->
     best, why = op_candidates.pick(STORE_OP, usable, skipped, (q, k, v), key=store_key(q, k),
                                    reference=attention_reference, ulps=STORE_ULPS, tuner=tuner, benchmark=benchmark)
     if best is None:
-        best = next(c.name for c in usable if c.family != "torch")
+        best = next(c.name for c in usable if c.family != "torch" and c.name not in SDPA_KERNELS)
         why = f"{best} by availability ({why})"
     return best, why
 
@@ -332,6 +369,41 @@ def _auto(q, k, v, request):
         measuring = not (_common.is_compiling() or _common.capturing(q))
         name = (None if measuring else _AUTO_UNMEASURED.get(key)) or _choose_once(q, k, v, key, measuring)
     return AUTO_CANDIDATES[name].fn(q, k, v)
+
+
+def plan_shapes(frame_tokens: int, chunks, kv_window: int, num_frames: int, text_len: int | None = None) -> list:
+    """The (query length, key length) of every attention call a run over ``chunks`` [(first frame, frames)] meets:
+    self-attention reads the cache up to the chunk's end (a rolling cache at most ``kv_window`` frames), and
+    cross-attention reads ``text_len`` tokens; one per store bucket."""
+    seen, out = set(), []
+    cap = kv_window if 0 < kv_window < num_frames else num_frames
+    for f0, n in chunks:
+        q = n * frame_tokens
+        for k in (min(f0 + n, cap) * frame_tokens, text_len):
+            if k and (length_bucket(q), length_bucket(k)) not in seen:
+                seen.add((length_bucket(q), length_bucket(k)))
+                out.append((q, k))
+    return out
+
+
+def warm_plans(shapes, batch: int, heads: int, head_dim: int, dtype, device, request="auto") -> list:
+    """Make the operator store's choice for every (query length, key length) in ``shapes`` now, on seeded inputs
+    of those shapes, so no chunk of the run pays for measuring; [(key bucket, chosen)]."""
+    if not (request == "auto" or isinstance(request, tuple)) or _common.is_compiling():
+        return []
+    off = request[1:] if isinstance(request, tuple) else ()
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for lq, lk in shapes:
+        q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
+        key = (off, q.device, q.dtype, heads, head_dim, length_bucket(lq), length_bucket(lk))
+        if key in _AUTO:
+            out.append((key[5:], _AUTO[key]))
+            continue
+        k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
+        out.append((key[5:], _choose_once(q, k, k, key, True)))
+        del q, k
+    return out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -95,6 +95,8 @@ def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, ho
                               device=device)
             prompts = PromptSwitcher(model, executor, req, inputs, out, base)
             executor.prepare(prompts.text, inputs.clip_fea, steps + [float(req.refresh_t)], req.batch)
+            if hasattr(executor, "warm"):
+                executor.warm(req)         # attention plans of every length the run meets, before the first chunk
             if inputs.prefix is not None:
                 _prefix(executor, req, inputs.prefix.to(device, req.latent_dtype), out)
             for ci, (f0, n) in enumerate(req.chunks):

@@ -21,6 +21,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import time
+
 import torch
 
 from ..kernels import use_triton
@@ -28,7 +30,7 @@ from ..kernels.candidates import check_mode as check_ops_mode
 from ..kernels.candidates import mode_problem as ops_mode_problem
 from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, seq_parallel_of,
                                  swapped_blocks)
-from ..model.attention import auto_request, explain_backend
+from ..model.attention import auto_request, explain_backend, plan_shapes, warm_plans
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fused_qkv import drop_fused_qkv, ensure_fused_qkv
 from ..model.kv_cache import KVCache
@@ -432,6 +434,20 @@ class Run:
             g.disable("out of memory: running eagerly with block swap")
             self.sess.graphs = None
         self.sess.calls.clear()
+
+    def warm(self, req) -> None:
+        """Before the first chunk: the operator store's attention choice for every (query, key) length the run
+        will meet, so no timed chunk pays for measuring (the choices and the time go into the report)."""
+        if seq_parallel_of(self.model) is not None or not self.cross:
+            return
+        t0 = time.perf_counter()
+        _, text_len, heads, head_dim = self.cross[0][0].shape
+        shapes = plan_shapes(self.frame_tokens, req.chunks, req.kv_window, req.num_frames, int(text_len))
+        chosen = warm_plans(shapes, req.batch, int(heads), int(head_dim), self.model.compute_dtype,
+                            self.model.device, self.parts.attention)
+        if chosen:
+            self.info["attention_kernels"] = {f"q{q}/k{k}": name for (q, k), name in chosen}
+            self.info["attention_plans_s"] = round(time.perf_counter() - t0, 4)
 
     def finish(self, completed: bool = True) -> dict:
         """End of the run (also after an error or interrupt): ends compile warm-up after a completed run, frees

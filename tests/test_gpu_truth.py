@@ -57,3 +57,58 @@ def test_verdicts_of_the_old_probe_version_are_probed_again(cache_path):
     cache.put("doctor", d.key("fake.f"), dict(stored, probe=1, status="slower", error="slower at 256 tokens"))
     d2 = Doctor(cache=LimitCache(cache_path, fingerprint=FP), context=ctx, features=feats)
     assert d2.check("fake.f")["status"] == "passed" and d2.probes == 1
+
+
+# ----------------------------------------------------------------------------- attention: SDPA's kernels, plans
+def test_sdpa_kernels_are_candidates_of_their_own_and_override_an_outer_priority():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from wan_accel.model import attention as att
+    for name in ("sdpa.cudnn", "sdpa.flash", "sdpa.efficient"):
+        assert name in att.AUTO_CANDIDATES and att.AUTO_CANDIDATES[name].family == "sdpa"
+        assert att.sdpa_kernel_problem(name, "cpu", torch.float32, 64) == "needs a CUDA device"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, 32, generator=g) for _ in range(3))
+
+    def ran(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with sdpa_kernel([SDPBackend.MATH]):          # an outer priority, as ComfyUI sets one
+                out = fn()
+        return out, " ".join(e.name for e in prof.events())
+
+    out, names = ran(lambda: att.AUTO_CANDIDATES["sdpa.flash"].fn(q, k, v))
+    assert "flash" in names and "_math" not in names      # the candidate's own kernel, not the outer choice
+    ref, names = ran(lambda: att.AUTO_CANDIDATES["sdpa"].fn(q, k, v))
+    assert "_math" in names
+    assert (out - att.attention_reference(q, k, v)).abs().max().item() <= 1e-5
+
+
+def test_the_plan_lists_every_length_bucket_a_run_meets():
+    from wan_accel.model.attention import length_bucket, plan_shapes
+    chunks = [(0, 3), (3, 3), (6, 3), (9, 3)]
+    shapes = plan_shapes(10, chunks, -1, 12, text_len=512)
+    buckets = {(length_bucket(q), length_bucket(k)) for q, k in shapes}
+    assert buckets == {(32, 32), (32, 64), (32, 128), (32, 512)}
+    rolling = plan_shapes(10, chunks, 6, 12)              # a rolling cache of 6 frames reads at most 60 keys
+    assert max(k for _, k in rolling) == 60
+
+
+def test_attention_plans_are_made_before_the_first_chunk(monkeypatch):
+    """With every plan warmed, no call of the run measures (the store's timer is never called again)."""
+    from wan_accel.cache.autotune import get_autotuner
+    from wan_accel.model import attention as att
+    att.forget_choices()
+    tuner = get_autotuner()
+    timed = []
+    monkeypatch.setattr(tuner, "timer", lambda fn, *a, **kw: (timed.append(1), fn(), 0.001)[2])
+    shapes = att.plan_shapes(8, [(0, 2), (2, 2), (4, 2)], -1, 6, text_len=16)
+    chosen = att.warm_plans(shapes, 1, 2, 16, torch.float32, "cpu", "auto")
+    assert len(chosen) == len(shapes) and all(name in att.AUTO_CANDIDATES for _, name in chosen)
+    assert timed
+    timed.clear()
+    g = torch.Generator().manual_seed(1)
+    for q_len, k_len in shapes:
+        q = torch.randn(1, q_len, 2, 16, generator=g)
+        kv = torch.randn(1, k_len, 2, 16, generator=g)
+        att.attention(q, kv, kv, backend="auto")
+    assert timed == []
+    att.forget_choices()

@@ -34,9 +34,10 @@ def implementations(doctor: Doctor, mode: str = "auto", probe: bool = True) -> l
     rows = []
     for op in op_candidates.OPS:
         args = _op_args(op, doctor.context)
-        listing = {c.name: why or "available" for c, why in op_candidates.listing(op, doctor.context.device, mode, off)}
+        listing = {c.name: why or "available"
+                   for c, why in op_candidates.listing(op, doctor.context.device, mode, off, doctor.context.dtype)}
         uses, why = op_candidates.choose(op, args, mode, off, tuner=tuner, benchmark=probe)
-        rows.append({"op": op, "uses": uses, "why": why, "candidates": listing})
+        rows.append({"op": op, "uses": uses, "why": why, "candidates": listing, "shape": _shape(args)})
     rows.append(attention_row(doctor, probe))
     return rows
 
@@ -55,11 +56,19 @@ def attention_row(doctor: Doctor, probe: bool = True) -> dict:
     q, k, v = _qkv(ctx)
     listing = {c.name: why or "available" for c, why in attn.auto_listing(ctx.device, ctx.dtype, ctx.head_dim, off)}
     uses, why = attn.choose_auto(q, k, v, tuple(off), tuner=Autotuner(doctor.cache), benchmark=probe)
-    return {"op": "attention", "uses": uses, "why": why, "candidates": listing}
+    return {"op": "attention", "uses": uses, "why": why, "candidates": listing, "shape": _shape((q, k))}
+
+
+def _shape(args) -> str:
+    """The shapes a choice was made for, in words (the store decides per shape: a run's own shapes may differ)."""
+    import torch
+    return " / ".join("x".join(str(d) for d in a.shape) for a in args if isinstance(a, torch.Tensor))
 
 
 def implementation_text(rows: list[dict]) -> str:
-    lines = ["which implementation runs each op (python -m wan_accel bench kernels: side by side):"]
+    lines = ["which implementation runs each op at the doctor's shape (the operator store chooses again at each run's "
+             "own shapes; python -m wan_accel bench kernels: side by side):"]
     for row in rows:
-        lines.append(f"  {row['op']}: {row['uses']} - {row['why']}")
+        at = f" at {row['shape']}" if row.get("shape") else ""
+        lines.append(f"  {row['op']}{at}: {row['uses']} - {row['why']}")
     return "\n".join(lines)
