@@ -75,6 +75,9 @@ def _add_generate(subparsers) -> None:
                         "fastest verified one where the fused kernels run), pack (the pack's Triton kernels), kitchen "
                         "(comfy-kitchen's backends), torch (plain torch)")
     p.add_argument("--compile", action="store_true", help="regional torch.compile of the blocks (optimized path)")
+    p.add_argument("--keep-slower", action="store_true",
+                   help="keep --attention int8 even where it is measured slower than exact attention at this run's "
+                        "shape on this GPU (otherwise the run says so and uses exact attention)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     mg2 = p.add_argument_group("matrix-game2 (with --model-kind matrix-game2)")
     mg2.add_argument("--actions", help="action script, e.g. 'W*8, W+D*12, mouse(0,0.1)*4'")
@@ -109,7 +112,7 @@ def _run_job(args, log, parallel=None):
         sampler=args.sampler, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
         ops=args.ops, lora=args.lora, lora_strength=1.0 if args.lora_strength is None else args.lora_strength,
         compile=args.compile, prompt_schedule=getattr(args, "prompt_schedule_text", None),
-        recache=args.recache or "switch")
+        recache=args.recache or "switch", keep_slower=args.keep_slower)
     return run_generate(opts, log=log, parallel=parallel)
 
 

@@ -406,6 +406,34 @@ def warm_plans(shapes, batch: int, heads: int, head_dim: int, dtype, device, req
     return out
 
 
+SPEED_KERNEL = "speed.attention.int8"     # the operator store's kernel for the opt-in int8 mode's speed verdict
+SPEED_DEVICES = ("cuda",)                 # where a timing says something about speed (a CPU runs the torch version)
+
+
+def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, exact="auto",
+               tuner=None) -> tuple[bool | None, str]:
+    """(slower, why): whether the opt-in int8 mode is slower than exact attention at the run's own largest call
+    (``lq`` queries, ``lk`` keys), timed through the operator store (its pluggable timer; one verdict per GPU and
+    shape, a second process times nothing). None where no speed can be judged (not a GPU)."""
+    from ..cache.autotune import get_autotuner
+    device = torch.device(device)
+    if device.type not in SPEED_DEVICES or _common.is_compiling():
+        return None, f"speed not judged on {device.type}"
+    tuner = tuner or get_autotuner()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
+    fns = {"int8": lambda: int8.int8_attention(q, k, k), "exact": lambda: attention(q, k, k, backend=exact)}
+    key = f"{device.type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
+    best = tuner.tune(SPEED_KERNEL, key, ({"impl": "int8"}, {"impl": "exact"}), lambda cfg: fns[cfg["impl"]]())
+    timings = (tuner.entry(SPEED_KERNEL, key) or {}).get("timings") or {}
+    t8, te = timings.get("impl=int8"), timings.get("impl=exact")
+    shown = f"{t8:.3g} ms against {te:.3g} ms exact" if t8 is not None and te is not None else "timings unknown"
+    if best is None:
+        return None, f"not measured ({shown})"
+    return best["impl"] != "int8", f"at {lq} queries x {lk} keys: {shown}"
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               key_padding_mask: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Softmax attention, scale 1/sqrt(head_dim), no dropout, dense (every query sees every key).

@@ -30,7 +30,7 @@ from ..kernels.candidates import check_mode as check_ops_mode
 from ..kernels.candidates import mode_problem as ops_mode_problem
 from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, seq_parallel_of,
                                  swapped_blocks)
-from ..model.attention import auto_request, explain_backend, plan_shapes, warm_plans
+from ..model.attention import auto_request, explain_backend, int8_speed, plan_shapes, warm_plans
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fused_qkv import drop_fused_qkv, ensure_fused_qkv
 from ..model.kv_cache import KVCache
@@ -67,6 +67,8 @@ class FastOptions:
                        'auto' (where the fused kernels run: the operator store's fastest verified one among the
                        pack's kernel, comfy-kitchen's backends and torch; elsewhere plain torch ops as before) |
                        'pack' | 'kitchen' (comfy-kitchen, an optional extra) | 'torch'.
+    keep_slower:       keep an opt-in approximate mode (int8 attention) even where it was measured slower than exact
+                       attention at the run's own shape on this GPU (otherwise the run says so and stays exact).
     """
     attention: str | None = None
     fused_qkv: bool = True
@@ -79,6 +81,7 @@ class FastOptions:
     latent_dtype: str = "float32"
     switched_off: frozenset = frozenset()
     ops: str = "auto"
+    keep_slower: bool = False
 
     def __post_init__(self):
         check_ops_mode(self.ops)
@@ -448,6 +451,27 @@ class Run:
         if chosen:
             self.info["attention_kernels"] = {f"q{q}/k{k}": name for (q, k), name in chosen}
             self.info["attention_plans_s"] = round(time.perf_counter() - t0, 4)
+        if self.parts.attention == "int8" and shapes:
+            self._judge_int8(max(shapes, key=lambda s: s[0] * s[1]), req.batch, int(heads), int(head_dim))
+
+    def _judge_int8(self, shape, batch: int, heads: int, head_dim: int) -> None:
+        """int8 attention is opt-in for speed: where it is measured slower than exact attention at the run's largest
+        call on this GPU, the run says so before its first chunk and stays exact (unless ``keep_slower``)."""
+        slower, why = int8_speed(shape[0], shape[1], batch, heads, head_dim, self.model.compute_dtype,
+                                 self.model.device)
+        self.info["int8_speed"] = {"slower": slower, "why": why}
+        if not slower:
+            return
+        if self.options.keep_slower:
+            line = f"int8 attention is slower than exact attention here ({why}); kept because keep_slower is set"
+        else:
+            self.parts = self.parts._replace(attention=auto_request(self.options.switched_off)
+                                             if graphs_device(self.model.device) else "sdpa")
+            self.info["attention"] = "exact (int8 measured slower)"
+            line = (f"int8 attention is slower than exact attention on this GPU ({why}): this run uses exact "
+                    f"attention; --keep-slower (CLI) keeps int8 anyway")
+        log.warning("wan_accel: %s", line)
+        self.info.setdefault("notes", []).append(line)
 
     def finish(self, completed: bool = True) -> dict:
         """End of the run (also after an error or interrupt): ends compile warm-up after a completed run, frees

@@ -112,3 +112,48 @@ def test_attention_plans_are_made_before_the_first_chunk(monkeypatch):
         att.attention(q, kv, kv, backend="auto")
     assert timed == []
     att.forget_choices()
+
+
+# ----------------------------------------------------------------------------- int8: a speed verdict at the run's shape
+def _int8_run(monkeypatch, slow: bool, **fast):
+    from wan_accel.cache.autotune import get_autotuner
+    from wan_accel.model import attention as att
+    from wan_accel.model.tiny import tiny_causal_model
+    from wan_accel.sampling.sampler import generate_latents
+    monkeypatch.setattr(att, "SPEED_DEVICES", ("cuda", "cpu"))   # judge speed here, with the store's own timer
+    timed = []
+
+    def timer(fn, *a, **kw):
+        fn()
+        timed.append(1)
+        return (0.004 if slow else 0.001) if len(timed) % 2 else 0.002       # int8 timed first, then exact
+
+    monkeypatch.setattr(get_autotuner(), "timer", timer)
+    model = tiny_causal_model()
+    ctx = torch.randn(1, 4, model.config.text_dim, generator=torch.Generator().manual_seed(0))
+    report = {}
+    out = generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized", report=report,
+                           fast_options={"attention": "int8", "cuda_graphs": "off", **fast})
+    exact = generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized",
+                             fast_options={"attention": "sdpa", "cuda_graphs": "off"})
+    return out, exact, report
+
+
+def test_int8_measured_slower_at_the_runs_shape_keeps_the_exact_path(monkeypatch):
+    out, exact, report = _int8_run(monkeypatch, slow=True)
+    assert report["int8_speed"]["slower"] is True and "queries x" in report["int8_speed"]["why"]
+    assert report["attention"] == "exact (int8 measured slower)"
+    assert any("int8 attention is slower" in n and "--keep-slower" in n for n in report["notes"])
+    assert torch.equal(out, exact)
+
+
+def test_int8_kept_where_faster(monkeypatch):
+    out, exact, report = _int8_run(monkeypatch, slow=False)
+    assert report["int8_speed"]["slower"] is False and report["attention"] == "int8"
+    assert not torch.equal(out, exact)                                  # int8 numerics: it ran
+
+
+def test_int8_kept_where_the_user_insists(monkeypatch):
+    out, exact, report = _int8_run(monkeypatch, slow=True, keep_slower=True)
+    assert report["int8_speed"]["slower"] is True and report["attention"] == "int8"
+    assert not torch.equal(out, exact)

@@ -186,7 +186,7 @@ def sample_latents_with_state(model, context, width: int, height: int, num_frame
 
 def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_kernels: bool = True,
                   log=None, doctor: bool = True, notes: list | None = None, record: dict | None = None,
-                  ops: str = "auto"):
+                  ops: str = "auto", keep_slower: bool = False):
     """FastOptions for a handle, with its block swap / VRAM plan and its compile settings applied to the model.
 
     The swap carried by the handle (or its plan's) is (re)applied on CUDA, or removed when the handle has none;
@@ -227,7 +227,8 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
                 from ...compile import uncompile_model
                 uncompile_model(model)
         compile_for_sampling(model, compile_settings, log=log)
-    options = FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels), ops=ops)
+    options = FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels), ops=ops,
+                          keep_slower=bool(keep_slower))
     if doctor and optimized:
         options, switched = gate_options(model, options, log_fn=log, record=record)
         lines.extend(switched)
@@ -291,6 +292,7 @@ class GenerateOptions:
     compile: bool = False                # regional torch.compile of the blocks (optimized path)
     prompt_schedule: str | None = None   # the text of a prompt schedule (sampling/prompts.py); None: one prompt
     recache: str = "switch"              # switch (LongLive KV re-cache at a prompt switch) | none | krea (recompute)
+    keep_slower: bool = False            # keep int8 attention where it is measured slower than exact (optimized path)
 
 
 def _peak_memory(device: torch.device) -> dict:
@@ -395,7 +397,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     from ..doctor.gate import features_summary, new_record
     record = new_record()
     fast_options = sampler_setup(handle, opts.sampler, opts.cuda_graphs, opts.fused_kernels, log=log, notes=notes,
-                                 record=record, ops=opts.ops)
+                                 record=record, ops=opts.ops, keep_slower=opts.keep_slower)
     sampler_report: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
