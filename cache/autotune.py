@@ -26,6 +26,8 @@ This module imports nothing else from the pack except the limit cache, and neith
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 import math
@@ -301,8 +303,10 @@ class Autotuner:
                 return self._memo[memo_key]
             self._transient = False
             self._provisional = False
-            result = self._tune_locked(kernel, key, configs, ids, run, smem, policy, force and benchmark,
-                                       benchmark)
+            from .warmup import spent
+            with spent("autotune") if benchmark else contextlib.nullcontext():
+                result = self._tune_locked(kernel, key, configs, ids, run, smem, policy, force and benchmark,
+                                           benchmark)
             # a None caused by a transient error (out of memory now) is not final: the next call measures again
             if result is None and self._provisional:
                 _note_provisional()

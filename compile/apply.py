@@ -87,7 +87,11 @@ class CompileHandle:
         if self.failed is not None and eager is not None:
             return eager(*args, **kwargs)
         try:
-            return self._call(fn, args, kwargs)
+            if self.warm:
+                return self._call(fn, args, kwargs)
+            from ..cache.warmup import spent
+            with spent("compile"):
+                return self._call(fn, args, kwargs)
         except compile_errors() as exc:
             if eager is None:
                 raise

@@ -32,6 +32,8 @@ import torch
 from ..cache import autotune
 from ..cache.oom import is_oom
 
+from ..cache.warmup import spent
+
 log = logging.getLogger("wan_accel")
 NAMESPACE = "sampler"
 
@@ -228,7 +230,8 @@ class GraphManager:
         t0 = time.perf_counter()
         provisional = autotune.provisional_count()
         try:
-            graph, out = self.backend.capture(lambda: fn(static))
+            with spent("graph_capture"):
+                graph, out = self.backend.capture(lambda: fn(static))
         except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly from now on
             if is_oom(exc):
                 raise

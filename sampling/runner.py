@@ -34,6 +34,7 @@ from ..model.attention import auto_request, explain_backend, int8_speed, plan_sh
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fused_qkv import drop_fused_qkv, ensure_fused_qkv
 from ..model.kv_cache import KVCache
+from ..cache.warmup import spent
 from .cuda_graphs import CudaGraphBackend, GraphManager, recorded_failure
 
 log = logging.getLogger("wan_accel")
@@ -446,8 +447,9 @@ class Run:
         t0 = time.perf_counter()
         _, text_len, heads, head_dim = self.cross[0][0].shape
         shapes = plan_shapes(self.frame_tokens, req.chunks, req.kv_window, req.num_frames, int(text_len))
-        chosen = warm_plans(shapes, req.batch, int(heads), int(head_dim), self.model.compute_dtype,
-                            self.model.device, self.parts.attention)
+        with spent("attention_plans"):
+            chosen = warm_plans(shapes, req.batch, int(heads), int(head_dim), self.model.compute_dtype,
+                                self.model.device, self.parts.attention)
         if chosen:
             self.info["attention_kernels"] = {f"q{q}/k{k}": name for (q, k), name in chosen}
             self.info["attention_plans_s"] = round(time.perf_counter() - t0, 4)

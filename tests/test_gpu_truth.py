@@ -157,3 +157,30 @@ def test_int8_kept_where_the_user_insists(monkeypatch):
     out, exact, report = _int8_run(monkeypatch, slow=True, keep_slower=True)
     assert report["int8_speed"]["slower"] is True and report["attention"] == "int8"
     assert not torch.equal(out, exact)
+
+
+# ----------------------------------------------------------------------------- the first run's one-time work
+def test_the_run_report_breaks_down_the_one_time_work(tmp_path):
+    from wan_accel.app.jobs.generate import GenerateOptions, run_generate
+    lines = []
+    first = run_generate(GenerateOptions(out_dir=str(tmp_path / "a"), device="cpu", sampler="optimized",
+                                         preview=False), log=lines.append)
+    costs = first["sampler"]["one_time_s"]
+    assert costs.get("doctor", 0) > 0                       # the first process probes its features
+    assert any(line.startswith("one-time work in this run: doctor") for line in lines)
+    second = run_generate(GenerateOptions(out_dir=str(tmp_path / "b"), device="cpu", sampler="optimized",
+                                          preview=False), log=lambda *_: None)
+    assert "doctor" not in second["sampler"]["one_time_s"]  # verdicts stored: nothing probed again
+
+
+def test_nested_one_time_work_is_counted_once():
+    from wan_accel.cache import warmup
+    before = warmup.snapshot()
+    with warmup.spent("doctor"):
+        with warmup.spent("autotune"):
+            sum(range(10000))
+    got = warmup.since(before)
+    assert "doctor" in got and "autotune" not in got
+    with pytest.raises(ValueError, match="warm-up kind"):
+        with warmup.spent("nothing"):
+            pass

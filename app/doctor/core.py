@@ -217,7 +217,9 @@ class Doctor:
             probe = self._build(name)
         except NotAvailable:
             return None
-        value = self._run(self.catalogue[name], probe)
+        from ...cache.warmup import spent
+        with spent("doctor"):
+            value = self._run(self.catalogue[name], probe)
         self._record(self.key(name), value)
         return value
 

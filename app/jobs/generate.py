@@ -396,6 +396,8 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     from ...profiling.session import maybe_profile
     from ..doctor.gate import features_summary, new_record
     record = new_record()
+    from ...cache import warmup
+    one_time = warmup.snapshot()
     fast_options = sampler_setup(handle, opts.sampler, opts.cuda_graphs, opts.fused_kernels, log=log, notes=notes,
                                  record=record, ops=opts.ops, keep_slower=opts.keep_slower)
     sampler_report: dict = {}
@@ -411,6 +413,9 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     sample_s = time.perf_counter() - t_start
     files = _write_outputs(latents, opts, parallel)
     features = features_summary(model, fast_options, sampler_report, record)
+    sampler_report["one_time_s"] = warmup.since(one_time)   # doctor probes, autotuning, plans, capture, compile
+    if warmup.line(sampler_report["one_time_s"]):
+        log(warmup.line(sampler_report["one_time_s"]))
     from ...compile.apply import compile_handle
     compiled = compile_handle(model)
     if compiled is not None:       # what ran: compiled blocks, or eager ones where compiling failed (and why)
