@@ -6,7 +6,7 @@ import importlib
 
 # Modules under cli/ that define register(subparsers), imported when the parser is built (every one must exist:
 # tests/test_import_strings.py imports them, tests/test_cli_smoke.py runs every command they register).
-COMMAND_MODULES = ("model", "cache", "nodes", "memory", "profiling", "bench", "doctor")
+COMMAND_MODULES = ("model", "cache", "nodes", "memory", "profiling", "bench", "doctor", "selftest")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -160,7 +160,7 @@ def _schedule(kind: str):
     return resolve_schedule("self_forcing")
 
 
-def _sample(model, kind, inp, v, seed, on_chunk, callback=None):
+def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None):
     from ...compile import uncompile_model
     from ...sampling.sampler import generate_latents, sampler_path
     from ..jobs.generate import compile_for_sampling
@@ -181,7 +181,7 @@ def _sample(model, kind, inp, v, seed, on_chunk, callback=None):
                                 callback=callback, skip_last_refresh=v["skip_last_refresh"])
         return generate_latents(model, inp["context"], inp["latent_frames"], inp["lh"], inp["lw"], seed=seed,
                                 schedule=schedule, skip_last_refresh=v["skip_last_refresh"], on_chunk=on_chunk,
-                                callback=callback)
+                                callback=callback, report=report)
 
 
 def _kv_plan(model, kind, inp, v) -> list:
@@ -233,7 +233,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, chunks = [], []
+    times, chunks, ran = [], [], {}
     for _ in range(1 + max(1, args.repeat)):
         marks = []
         _sync(device)
@@ -243,7 +243,8 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
             _sync(device)
             marks.append(time.perf_counter())
 
-        _sample(model, kind, inp, v, args.seed, on_chunk)
+        ran.clear()
+        _sample(model, kind, inp, v, args.seed, on_chunk, report=ran)
         _sync(device)
         times.append(time.perf_counter() - t0)
         chunks.append([b - a for a, b in zip([t0] + marks[:-1], marks)])
@@ -258,7 +259,11 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
                       kv_window=cfg.local_attn_size if kind == "matrix-game2" else -1)
     work = fl.run_flops(cfg, geo, steps, optimized=v["path"] == "optimized", skip_last_refresh=v["skip_last_refresh"])
     util = fl.mfu(work["flops"], steady, peak)
-    return {"variant": name, "path": v["path"], "dtype": str(dtype).replace("torch.", ""), "precision": precision,
+    from ...compile.apply import compile_handle
+    compiled = compile_handle(model) if v.get("compile") is not None else None
+    what_ran = {"attention_ran": str(ran.get("attention", v["attention"])),
+                "compile_failed": compiled.failed if compiled is not None else None}
+    return {**what_ran, "variant": name, "path": v["path"], "dtype": str(dtype).replace("torch.", ""), "precision": precision,
             "attention": v["attention"], "ops": variant_ops(name) if v["path"] == "optimized" else None,
             "first_s": round(times[0], 4), "steady_s": round(steady, 4),
             "chunk_ms": [round(1e3 * c, 2) for c in per_chunk],

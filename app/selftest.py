@@ -1,0 +1,356 @@
+"""``python -m wan_accel selftest``: every fast path run on this machine, one JSON and one markdown table.
+
+Each stage is a command of the pack run the way a user types it (``python -m wan_accel ...`` in a new process, with
+its own time limit), so one stage that crashes or hangs costs only itself. Stages that need a CUDA GPU are listed
+as "needs a CUDA GPU" on a machine without one (and the run still exits 0, unless ``--require-gpu``). A stage
+fails on a crash (non-zero exit, a traceback, a time-out), a parity over its tolerance (``check-reference``, the
+bench's parity column, the fp8 bound) or a path that stays on although it was measured slower than its fallback
+(int8 attention kept where it is slower than exact). All stages share one limit cache made for the self-test, so
+the doctor and the operator store start cold, as on a new machine; the first-run costs are then part of the table.
+
+The stages (``STAGES``): the doctor (every feature, cold); ``check-reference`` in float32 for every fixture folder
+of a source checkout (Wan, causal, Matrix-Game-2, rolling, LongLive, Krea); ``generate`` on the tiny model; an fp8
+checkpoint through the pack's loader; and on a GPU: ``bench sampler`` at the 1.3B shape (reference in the run
+dtype, optimized, without CUDA graphs, compiled, int8), ``bench kernels``, block swap under a VRAM cap
+(``bench offload``), the tests marked ``cuda``; and ComfyUI's own loader where ComfyUI imports (the doctor's native
+probe).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = PACKAGE_ROOT / "tests" / "fixtures"
+NEEDS_GPU = "needs a CUDA GPU"
+STATUSES = ("passed", "failed", NEEDS_GPU, "skipped")
+SLOWER_MARGIN = 1.05       # int8 kept although its steady time is more than 5 % above exact's: a failure
+
+
+@dataclass
+class Stage:
+    name: str
+    argv: Callable[["Context"], list]          # the command line after ``python -m wan_accel``
+    timeout: float                             # seconds (on a GPU; the CPU stages are given CPU_FACTOR more)
+    gpu: bool = False                          # needs a CUDA GPU
+    judge: Callable[[str, "Context"], list] | None = None   # problems found in the stdout (JSON) of a run
+    available: Callable[["Context"], str | None] | None = None   # why it is skipped here, or None
+    pytest: bool = False                       # run with ``python -m pytest`` instead of the pack's CLI
+
+
+@dataclass
+class Context:
+    out: Path
+    work: Path
+    gpu: bool
+    device: str
+    quick: bool = False
+    env: dict = field(default_factory=dict)
+
+
+CPU_FACTOR = 3.0
+
+
+# ----------------------------------------------------------------------------------------------- judges
+def _json(stdout: str):
+    start = stdout.find("{")
+    if start < 0:
+        raise ValueError("no JSON in the output")
+    return json.loads(stdout[start:])
+
+
+def judge_check_reference(stdout: str, ctx: Context) -> list:
+    data = _json(stdout)
+    return [] if data.get("pass") else [f"parity {data.get('worst')} over the tolerance {data.get('tolerance')}"]
+
+
+def judge_doctor(stdout: str, ctx: Context) -> list:
+    data = _json(stdout)
+    rows = data.get("features") or []
+    failed = [r.get("feature") for r in rows if isinstance(r, dict) and r.get("status") == "failed"]
+    return [f"failed its self-check: {', '.join(map(str, failed))}"] if failed else []
+
+
+def judge_generate(stdout: str, ctx: Context) -> list:
+    data = _json(stdout)
+    problems = []
+    if not data.get("files", {}).get("latents"):
+        problems.append("no latents written")
+    compile_info = (data.get("sampler") or {}).get("compile") or {}
+    if compile_info.get("failed"):
+        problems.append(f"compile fell back to eager: {compile_info['failed']}")
+    return problems
+
+
+def judge_bench_sampler(stdout: str, ctx: Context) -> list:
+    """Every variant ran what it names (the compiled one compiled), and int8 is not kept where it is slower than
+    exact attention (its parity against exact is the fidelity bench's and the doctor's: a bound from its
+    quantization)."""
+    data = _json(stdout)
+    rows = {r["variant"]: r for r in data.get("rows", [])}
+    problems = [f"{name}: compiling failed ({r['compile_failed']})" for name, r in rows.items()
+                if r.get("compile_failed")]
+    exact, int8 = rows.get("optimized"), rows.get("optimized-int8")
+    if exact and int8 and exact.get("steady_s") and int8.get("steady_s"):
+        kept = int8.get("attention_ran", "int8") == "int8"
+        if kept and int8["steady_s"] > SLOWER_MARGIN * exact["steady_s"]:
+            problems.append(f"int8 attention stayed on although slower ({int8['steady_s']:.3f} s against "
+                            f"{exact['steady_s']:.3f} s exact)")
+    return problems
+
+
+def judge_native(stdout: str, ctx: Context) -> list:
+    data = _json(stdout)
+    row = next((r for r in data.get("features", []) if r.get("feature") == "native_model"), None)
+    if row is None or row.get("status") != "passed":
+        return [f"native_model: {row.get('status') if row else 'not checked'} "
+                f"({(row or {}).get('why_off') or ''})".rstrip(" ()")]
+    return []
+
+
+def judge_fp8(stdout: str, ctx: Context) -> list:
+    data = _json(stdout)
+    return [] if data.get("pass") else [data.get("why", "fp8 over its bound")]
+
+
+# ----------------------------------------------------------------------------------------------- stages
+def _fixture_stages() -> list:
+    stages = []
+    for kind in ("wan_reference", "matrix_game2", "longlive", "krea_realtime"):
+        stages.append(Stage(
+            f"check-reference {kind}",
+            lambda ctx, k=kind: ["check-reference", str(FIXTURES / k), "--device", ctx.device, "--json"],
+            120, judge=judge_check_reference,
+            available=lambda ctx, k=kind: None if (FIXTURES / k).is_dir() else
+            "the fixtures ship with a source checkout (tests/fixtures), not with an installed wheel"))
+    return stages
+
+
+def _comfy_problem(ctx: Context) -> str | None:
+    import importlib.util
+    try:
+        return None if importlib.util.find_spec("comfy") is not None else "ComfyUI does not import here"
+    except Exception:  # noqa: BLE001 - a broken ComfyUI import counts as absent
+        return "ComfyUI does not import here"
+
+
+def _tests_problem(ctx: Context) -> str | None:
+    return None if (PACKAGE_ROOT / "tests").is_dir() else "the tests ship with a source checkout, not a wheel"
+
+
+def _sampler_argv(ctx: Context) -> list:
+    variants = "reference-same-dtype,optimized,optimized-no-graphs,optimized-compiled,optimized-int8"
+    argv = ["bench", "sampler", "--variants", variants, "--repeat", "1" if ctx.quick else "2", "--json"]
+    return argv + ([] if ctx.quick else ["--shape", "1.3b"])
+
+
+STAGES: list = [
+    Stage("doctor", lambda ctx: ["doctor", "--json", "--device", ctx.device], 120, judge=judge_doctor),
+    *_fixture_stages(),
+    Stage("generate", lambda ctx: ["generate", "--out", str(ctx.work / "generate"), "--json", "--device", ctx.device],
+          120, judge=judge_generate),
+    Stage("generate compiled", lambda ctx: ["generate", "--out", str(ctx.work / "generate-compiled"), "--json",
+                                            "--device", ctx.device, "--compile", "--sampler", "optimized"],
+          240, gpu=True, judge=judge_generate),
+    Stage("fp8 checkpoint", lambda ctx: ["selftest", "--stage", "fp8", "--device", ctx.device,
+                                         "--out", str(ctx.work / "fp8")], 120, judge=judge_fp8),
+    Stage("bench sampler", _sampler_argv, 300, gpu=True, judge=judge_bench_sampler),
+    Stage("bench kernels", lambda ctx: ["bench", "kernels", "--json"], 120, gpu=True),
+    Stage("block swap", lambda ctx: ["bench", "offload", "--json"] + (["--blocks", "4"] if ctx.quick else []),
+          150, gpu=True),
+    Stage("native model", lambda ctx: ["doctor", "--json", "--feature", "native_model", "--device", ctx.device],
+          120, judge=judge_native, available=_comfy_problem),
+    Stage("tests marked cuda", lambda ctx: ["-m", "pytest", "-q", "-m", "cuda", str(PACKAGE_ROOT / "tests")], 240,
+          gpu=True, available=_tests_problem, pytest=True),
+]
+
+
+# ----------------------------------------------------------------------------------------------- running
+def _env(ctx: Context) -> dict:
+    env = dict(os.environ)
+    env["WAN_ACCEL_CACHE"] = str(ctx.work / "cache" / "limits.json")    # cold: a new machine's first run
+    paths = [p for p in sys.path if p and Path(p).is_dir()]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.pop("WAN_ACCEL_DEBUG", None)
+    env.update(ctx.env)
+    return env
+
+
+def _tail(text: str, n: int = 400) -> str:
+    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else "")[:n]
+
+
+def run_stage(stage: Stage, ctx: Context) -> dict:
+    row = {"stage": stage.name, "status": "passed", "seconds": 0.0, "detail": "", "gpu": stage.gpu}
+    if stage.gpu and not ctx.gpu:
+        return dict(row, status=NEEDS_GPU, detail="no CUDA GPU on this machine")
+    why = stage.available(ctx) if stage.available is not None else None
+    if why:
+        return dict(row, status="skipped", detail=why)
+    argv = stage.argv(ctx)
+    cmd = [sys.executable, *argv] if stage.pytest else [sys.executable, "-m", "wan_accel", *argv]
+    row["command"] = ("python " if stage.pytest else "python -m wan_accel ") + " ".join(argv)
+    timeout = stage.timeout * (1.0 if ctx.gpu else CPU_FACTOR)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(ctx), cwd=str(ctx.work),
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(row, status="failed", seconds=round(time.perf_counter() - t0, 2),
+                    detail=f"did not finish within {timeout:.0f} s")
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    problems = []
+    if proc.returncode != 0:
+        problems.append(f"exit {proc.returncode}: {_tail(proc.stderr) or _tail(proc.stdout)}")
+    if "Traceback (most recent call last)" in proc.stderr:
+        problems.append("a traceback on stderr")
+    if not problems and stage.judge is not None:
+        try:
+            problems += stage.judge(proc.stdout, ctx)
+        except Exception as exc:  # noqa: BLE001 - output the judge cannot read is a failure of the stage
+            problems.append(f"unreadable output ({type(exc).__name__}: {exc})"[:300])
+    if not problems and stage.pytest:
+        row["detail"] = _tail(proc.stdout)
+    if problems:
+        row.update(status="failed", detail="; ".join(problems)[:600])
+    elif not row["detail"]:
+        row["detail"] = _summary(stage, proc.stdout)
+    return row
+
+
+def _summary(stage: Stage, stdout: str) -> str:
+    try:
+        data = _json(stdout)
+    except Exception:  # noqa: BLE001 - a command without JSON: its last line
+        return _tail(stdout, 200)
+    if stage.judge is judge_check_reference:
+        return f"worst {data.get('worst', float('nan')):.3g} over {len(data.get('rows', []))} tensors"
+    if stage.judge is judge_generate:
+        s = data.get("sampler") or {}
+        return f"{data.get('sample_seconds', 0):.2f} s sampling, path {s.get('path')}, one-time {s.get('one_time_s')}"
+    if stage.judge is judge_bench_sampler:
+        return "; ".join(f"{r['variant']} {r.get('steady_s')} s" for r in data.get("rows", []))
+    if stage.judge is judge_fp8:
+        return data.get("why", "")
+    return ""
+
+
+def machine() -> dict:
+    import torch
+    from .doctor.report import versions
+    info = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__,
+            "cuda": torch.version.cuda or "none", "python": platform.python_version()}
+    info.update({k: v for k, v in versions().items() if k in ("triton", "comfy-kitchen", "flash-attn")})
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+    else:
+        from ..cache.fingerprint import cpu_name
+        info["device"] = f"CPU ({cpu_name()})"
+    return info
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    head = (f"selftest on {m['device']}, {m['date']}: torch {m['torch']} (CUDA {m['cuda']}), "
+            f"triton {m.get('triton', 'none')}, comfy-kitchen {m.get('comfy-kitchen', 'none')}, "
+            f"flash-attn {m.get('flash-attn', 'none')}\n\n")
+    lines = ["| stage | status | seconds | detail |", "|---|---|---|---|"]
+    for r in result["stages"]:
+        detail = str(r.get("detail", "")).replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {r['stage']} | {r['status']} | {r['seconds']:.1f} | {detail} |")
+    verdict = "PASSED" if result["passed"] else "FAILED"
+    return head + "\n".join(lines) + f"\n\n{verdict}: {result['summary']}\n"
+
+
+def run_selftest(out: Path, *, require_gpu: bool = False, quick: bool = False, stages: list | None = None,
+                 log=print) -> dict:
+    import torch
+    from ..cache.owned_files import write_text
+    gpu = torch.cuda.is_available()
+    chosen = STAGES if not stages else [s for s in STAGES if s.name in stages]
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="wan_accel_selftest_") as work:
+        ctx = Context(out=out, work=Path(work), gpu=gpu, device="cuda" if gpu else "cpu", quick=quick)
+        rows = []
+        for i, stage in enumerate(chosen):
+            log(f"[{i + 1}/{len(chosen)}] {stage.name} ...")
+            row = run_stage(stage, ctx)
+            rows.append(row)
+            log(f"[{i + 1}/{len(chosen)}] {stage.name}: {row['status']} ({row['seconds']:.1f} s) {row['detail']}"
+                .rstrip())
+    failed = [r["stage"] for r in rows if r["status"] == "failed"]
+    gpu_only = [r["stage"] for r in rows if r["status"] == NEEDS_GPU]
+    problems = list(failed)
+    if require_gpu and not gpu:
+        problems.append("no CUDA GPU (--require-gpu)")
+    summary = (f"{sum(r['status'] == 'passed' for r in rows)} passed, {len(failed)} failed"
+               + (f", {len(gpu_only)} need a CUDA GPU ({', '.join(gpu_only)})" if gpu_only else "")
+               + (f"; failed: {', '.join(problems)}" if problems else ""))
+    result = {"kind": "wan_accel.selftest", "schema": 1, "machine": machine(), "gpu": gpu, "stages": rows,
+              "needs_gpu": gpu_only, "passed": not problems, "summary": summary}
+    write_text(out / "selftest.json", json.dumps(result, indent=2) + "\n", option="--out", purpose="the JSON")
+    write_text(out / "selftest.md", markdown(result), option="--out", purpose="the table")
+    result["files"] = {"json": str(out / "selftest.json"), "markdown": str(out / "selftest.md")}
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- fp8 stage
+FP8_RMS_BOUND = 2.0 ** -4     # e4m3 rounds a value by at most 2^-4 of itself; weights and (on the GPU's scaled
+#                               matmul) activations are rounded independently, so the relative RMS error of the
+#                               whole sampled video stays below one such step
+
+
+def fp8_stage(device: str, out: Path) -> dict:
+    """A scaled e4m3 checkpoint of the tiny model through the pack's loader (its linear layers kept in fp8; on a GPU
+    the scaled matmul) against the same weights dequantized, on this device: relative RMS error of the video."""
+    import torch
+    from safetensors.torch import save_file
+    from ..model.checkpoint import METADATA_KEY, keeps_fp8
+    from ..model.loader import load_wan_checkpoint
+    from ..model.quant import FP8Linear, fp8_matmul_path
+    from ..model.tiny import TINY_CONFIG, tiny_causal_model
+    from ..sampling.sampler import sample_causal
+
+    e4m3 = torch.float8_e4m3fn
+    state = {n: t.detach().clone().contiguous() for n, t in tiny_causal_model(seed=3).state_dict().items()}
+    fp8, deq = {}, {}
+    for name, t in state.items():
+        if not keeps_fp8(name, "F8_E4M3", t.shape):
+            fp8[name] = deq[name] = t
+            continue
+        scale = t.abs().max() / torch.finfo(e4m3).max
+        q = (t / scale).to(e4m3)
+        fp8[name], deq[name] = q, q.float() * scale
+        fp8[f"{name[:-len('.weight')]}.scale_weight"] = scale.reshape(())
+    fp8["scaled_fp8"] = torch.empty(0, dtype=e4m3)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {METADATA_KEY: json.dumps(TINY_CONFIG.to_dict())}
+    save_file(fp8, str(out / "fp8.safetensors"), metadata=meta)
+    save_file(deq, str(out / "deq.safetensors"), metadata=meta)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    a = load_wan_checkpoint(out / "fp8.safetensors", device=device, dtype=dtype)
+    b = load_wan_checkpoint(out / "deq.safetensors", device=device, dtype=dtype)
+    layers = [m for m in a.modules() if isinstance(m, FP8Linear)]
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randn(1, 7, TINY_CONFIG.text_dim, generator=g)
+    noise = torch.randn(1, 6, TINY_CONFIG.in_dim, 4, 6, generator=g)
+    path = "optimized" if device.startswith("cuda") else "reference"
+    x = sample_causal(a, ctx, noise, "self_forcing", 3, generator=torch.Generator().manual_seed(1), path=path).float()
+    y = sample_causal(b, ctx, noise, "self_forcing", 3, generator=torch.Generator().manual_seed(1), path=path).float()
+    rel = float((x - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt().clamp_min(1e-30))
+    probe_x = torch.randn(4, layers[0].in_features, generator=g).to(device, a.compute_dtype) if layers else None
+    matmul = fp8_matmul_path(layers[0], probe_x)[0] if layers else "none"
+    ok = bool(layers) and bool(torch.isfinite(x).all()) and rel <= FP8_RMS_BOUND
+    why = (f"{len(layers)} fp8 layers, matmul {matmul}, video relative RMS error {rel:.3g} "
+           f"(bound {FP8_RMS_BOUND:.3g})")
+    return {"pass": ok, "why": why if ok else f"over the bound: {why}", "relative_rms": rel, "layers": len(layers),
+            "matmul": matmul}

@@ -1,0 +1,52 @@
+"""``python -m wan_accel selftest [--json] [--out DIR] [--require-gpu] [--quick] [--stage NAME]``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _run(args) -> int:
+    from ..app import selftest
+    from ..app.validate import UsageError, check_device
+    if args.stage == "fp8":           # one in-process stage, run by the self-test in its own process
+        device = check_device("--device", args.device or "cpu")
+        print(json.dumps(selftest.fp8_stage(device, Path(args.out).expanduser())))
+        return 0
+    names = [s.name for s in selftest.STAGES]
+    unknown = [n for n in (args.only or []) if n not in names]
+    if unknown:
+        raise UsageError(f"--only {', '.join(unknown)}: no such stage; the stages are: {', '.join(names)}")
+    quiet = (lambda *_: None) if args.json else print
+    result = selftest.run_selftest(Path(args.out).expanduser(), require_gpu=args.require_gpu, quick=args.quick,
+                                   stages=args.only, log=quiet)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(selftest.markdown(result))
+        print(f"written: {result['files']['json']}, {result['files']['markdown']}")
+    return 0 if result["passed"] else 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("selftest", help="run every fast path on this machine: one JSON and one markdown table",
+                       description="The doctor (cold), check-reference for every fixture kind, generate, an fp8 "
+                                   "checkpoint, and on a CUDA GPU bench sampler at the 1.3B shape (reference, "
+                                   "optimized, without graphs, compiled, int8), bench kernels, block swap and the "
+                                   "tests marked cuda; ComfyUI's own loader where ComfyUI imports. Each stage runs "
+                                   "in its own process with its own time limit. Exit 1 on a crash, a parity over "
+                                   "its tolerance or a path kept on although measured slower; a stage that needs a "
+                                   "GPU is listed as such on a machine without one.")
+    p.add_argument("--out", default="selftest_out", help="folder for selftest.json and selftest.md "
+                                                         "(default: selftest_out)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--require-gpu", action="store_true", help="a machine without a CUDA GPU is an error")
+    p.add_argument("--quick", action="store_true", help="smaller shapes on the GPU stages (a smoke run)")
+    p.add_argument("--only", action="append", metavar="STAGE", help="run only this stage (repeatable)")
+    p.add_argument("--stage", choices=["fp8"], help=argparse_suppress())
+    p.add_argument("--device", help=argparse_suppress())
+    p.set_defaults(func=_run)
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS
