@@ -206,14 +206,60 @@ class CacheSetup:
         return {"recache": self.recache, "cache_policy": self.cache_policy}
 
 
+def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int = 0, preset=None,
+                     names: dict | None = None) -> str | None:
+    """Why the official code of the model a setting names would behave differently from the pack (a message naming
+    the official behaviour and the setting that avoids it), or None. Two settings the official code accepts are
+    not reproduced:
+
+    * LongLive (``preset`` 'longlive') with a sink larger than one chunk: its attention always takes the first
+      ``sink`` frames of the cache as the sink, written or not (the first chunk attends unwritten, all-zero sink
+      slots), and a recompute never writes inside the sink slots, so frames ``frames_per_block .. sink - 1`` keep
+      the keys and values of their first denoising step. With ``sink <= frames_per_block`` the first chunk writes
+      every sink slot and the pack matches.
+    * Krea Realtime (``mode`` 'krea') with a context of K frames that is not a whole number of blocks: the
+      official recompute pads the context to a multiple of 128 tokens and its block mask runs past the real
+      tokens, so the last, partial block also attends zero padding keys.
+    """
+    n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink",
+         "preset": "preset", **(names or {})}
+    fpb, window, sink = int(frames_per_block), int(kv_window), int(sink or 0)
+    preset = preset if isinstance(preset, str) else getattr(preset, "name", None)     # a name or a Schedule
+    if preset == "longlive" and sink > fpb:
+        return (f"{n['sink']} {sink} with {n['preset']} longlive: LongLive's official attention always takes the "
+                f"first {sink} frames of its cache as the sink, written or not (its first {fpb}-frame chunk attends "
+                f"{sink - fpb} unwritten, all-zero sink frames), and its recompute never writes inside the sink "
+                f"slots, so frames {fpb}..{sink - 1} keep the keys and values of their first denoising step; the "
+                f"pack does not reproduce that. Use {n['sink']} at most {fpb} ({n['frames_per_block']}) to match "
+                f"LongLive, or leave out {n['preset']} longlive ({n['preset']} self_forcing has the same steps and "
+                f"shift) for sink {sink} with every sink frame written before it is attended")
+    if mode == "krea":
+        k = KREA_CONTEXT_FRAMES if window < 0 else window - fpb
+        if k >= 2 and k % fpb:
+            lo, hi = k // fpb * fpb, -(-k // fpb) * fpb
+            use = " or ".join(f"{n['kv_window']} {c + fpb} (K = {c})" for c in (lo, hi) if c >= 2)
+            shown = f"{window}" if window >= 0 else f"{window} (Krea's K = {KREA_CONTEXT_FRAMES})"
+            return (f"{n['kv_window']} {shown} with {n['frames_per_block']} {fpb}: {n['recache']} krea rebuilds a "
+                    f"context of K = {k} latent frames, not a whole number of {fpb}-frame blocks. Krea Realtime's "
+                    f"official recompute pads that context to a multiple of 128 tokens and its block mask lets the "
+                    f"last, partial block attend the zero padding keys; the pack does not reproduce that. Use {use}, "
+                    f"a context of whole blocks")
+    return None
+
+
 def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode: Callable | None = None,
-                names: dict | None = None) -> CacheSetup:
+                names: dict | None = None, *, sink: int = 0, preset=None) -> CacheSetup:
     """The one mapping of a cache mode to the run's settings. 'switch' / 'none': LongLive's re-cache at a prompt
     switch or none, the window as given. 'krea': ``KreaRecompute`` with ``K = kv_window - frames_per_block``
     (kv_window -1: Krea's K = 3, window K + frames_per_block), ``recache='none'``; ``reencode`` the VAE round trip
     of the stand-in first frame (None: the frame itself, said in ``note``). ``names`` maps 'recache', 'kv_window',
-    'frames_per_block' to the input names of messages (ValueError naming the input and the fix)."""
-    n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", **(names or {})}
+    'frames_per_block', 'sink', 'preset' to the input names of messages (ValueError naming the input and the fix).
+
+    It also refuses, before any work, the settings in which the official code behaves in a way the pack does not
+    reproduce (``official_problem``): ``preset`` (a schedule preset name; other values are ignored) 'longlive' with
+    a sink larger than one chunk, and 'krea' with a context that is not whole blocks."""
+    n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink",
+         "preset": "preset", **(names or {})}
     if mode not in CACHE_MODES:
         raise ValueError(f"{n['recache']} must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
     if isinstance(kv_window, bool) or int(kv_window) != kv_window or isinstance(frames_per_block, bool) \
@@ -221,6 +267,9 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
         raise ValueError(f"{n['kv_window']} and {n['frames_per_block']} must be whole numbers of latent frames, got "
                          f"{kv_window!r} and {frames_per_block!r}")
     fpb, window = int(frames_per_block), int(kv_window)
+    problem = official_problem(mode, fpb, window, sink, preset, n)
+    if problem:
+        raise ValueError(problem)
     if mode != "krea":
         return CacheSetup(mode, mode, None, window)
     if window < 0:
