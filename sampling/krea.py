@@ -14,8 +14,13 @@ Krea Realtime (a causal, few-step Wan 2.1 14B) keeps no rolling cache. Before bl
   model never sees a position past ``K + frames_per_block``.
 
 A prompt change in Krea interpolates over ``N`` blocks with ``torch.lerp(old, new, linspace(0, 1, N))``, one step
-per block and a fresh cross-attention cache each: the first of those blocks still uses the old prompt. In a prompt
-schedule that is ``(b + 1): new (blend N - 1)`` for a change requested at block ``b`` (``krea_schedule_entry``).
+per block and a fresh cross-attention cache each: the first of those blocks still uses the old prompt, and a change
+that interrupts a running interpolation starts from the embedding in effect. In a prompt schedule that is
+``b: new (blend N, krea)`` for a change requested at block ``b`` (``krea_schedule_line``; without an interruption
+also ``(b + 1): new (blend N - 1)``, ``krea_schedule_entry``). A live session under 'krea' refuses a prompt typed
+during a running blend that is not such an entry (``CacheSetup.live_prompt_problem``).
+
+Settings the official code runs differently are refused by ``cache_setup`` (``official_problem``).
 
 ``KreaRecompute`` is a ``cache_policy`` of the one chunk loop (``loop.py``): its ``before_chunk(state)`` does the
 rebuild and returns the position the chunk is sampled at. Use it with ``recache='none'`` (it replaces the switch
@@ -55,13 +60,24 @@ def krea_schedule(steps: int = 4, strength: float = 1.0, shift: float = 5.0):
 
 
 def krea_schedule_entry(block: int, interp_steps: int) -> tuple:
-    """(chunk, blend) of the prompt-schedule entry equal to Krea's prompt change at ``block`` interpolated over
-    ``interp_steps`` blocks (the first interpolated block keeps the old prompt). One step never reaches the new
-    prompt in Krea (``linspace(0, 1, 1) == [0]``), so it is refused here."""
+    """(chunk, blend) of the linear prompt-schedule entry equal to Krea's prompt change at ``block`` interpolated
+    over ``interp_steps`` blocks (the first interpolated block keeps the old prompt) when no other change interrupts
+    it; ``krea_schedule_line`` is exact in every case. One step never reaches the new prompt in Krea
+    (``linspace(0, 1, 1) == [0]``), so it is refused here."""
     if interp_steps < 2:
         raise ValueError(f"interp_steps must be at least 2 (Krea's one-step interpolation stays on the old prompt), "
                          f"got {interp_steps}")
     return block + 1, interp_steps - 1
+
+
+def krea_schedule_line(block: int, prompt: str, interp_steps: int) -> str:
+    """The prompt-schedule line equal to Krea's prompt change requested before ``block`` and interpolated over
+    ``interp_steps`` blocks, also when it interrupts a running interpolation: ``<block>: <prompt> (blend N, krea)``
+    (``prompts``: the block repeats the embedding in effect, then ``torch.lerp`` steps to the new prompt)."""
+    if interp_steps < 2:
+        raise ValueError(f"interp_steps must be at least 2 (Krea's one-step interpolation stays on the old prompt), "
+                         f"got {interp_steps}")
+    return f"{int(block)}: {prompt} (blend {int(interp_steps)}, krea)"
 
 
 def interpolated_contexts(old: torch.Tensor, new: torch.Tensor, steps: int) -> list:
@@ -205,6 +221,24 @@ class CacheSetup:
         """``recache`` / ``cache_policy`` of ``sample_causal`` (and everything that forwards to it)."""
         return {"recache": self.recache, "cache_policy": self.cache_policy}
 
+    def live_prompt_problem(self, schedule, chunk: int) -> str | None:
+        """Why the prompt a live session adds at ``chunk`` (the last entry of ``schedule``) cannot follow Krea
+        Realtime, or None. Under 'krea' a prompt typed while a blend is still running must be a
+        ``(blend N, krea)`` entry: Krea restarts from the embedding in effect and the first block of the new change
+        repeats it, which a hard switch or a ``(blend N)`` / slerp blend at that chunk does not do."""
+        entries = schedule.entries
+        if self.mode != "krea" or chunk <= 0 or entries[-1].chunk != chunk or len(entries) < 2:
+            return None
+        new, running = entries[-1], entries[-2]
+        if new.mode == "krea" or chunk not in type(schedule)(entries[:-1]).switch_chunks(chunk + 1):
+            return None
+        return (f"prompt {new.line().split(': ', 1)[1][:80]!r} at chunk {chunk}: the blend to chunk {running.chunk}'s "
+                f"prompt is still running (it ends at chunk {running.chunk + running.blend - 1}). Krea Realtime "
+                f"restarts an interrupted interpolation from the embedding in effect and the first block of the new "
+                f"change repeats it; under recache krea only a (blend N, krea) prompt does that. Type "
+                f"'{new.prompt_text()} (blend 4, krea)' (Krea's 4 steps), or wait until chunk "
+                f"{running.chunk + running.blend}")
+
 
 def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int = 0, preset=None,
                      names: dict | None = None) -> str | None:
@@ -298,4 +332,4 @@ def vae_reencode(decode: Callable, encode: Callable) -> Callable:
     return reencode
 
 
-__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "cache_setup", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]
+__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "cache_setup", "official_problem", "krea_schedule_line", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]

@@ -101,6 +101,9 @@ class PromptPlaySession(SessionBase):
             schedule.validate(self.chunks + 1)
         except ValueError as exc:
             raise PlayError(f"prompt {text[:80]!r} is not a schedule prompt: {exc}") from None
+        problem = self.cache.live_prompt_problem(schedule, self.chunks)     # recache krea: Krea's interruptions
+        if problem:
+            raise PlayError(problem)
         return schedule, lines, text or self.prompt
 
     def _embed(self, schedule: PromptSchedule) -> dict:
