@@ -9,7 +9,9 @@ Krea Realtime (a causal, few-step Wan 2.1 14B) keeps no rolling cache. Before bl
   (the official server decodes it to pixels and encodes its last pixel frame again with the VAE: ``reencode``);
 * the cache is emptied and the context is run once at t = 0 at positions 0 .. len-1 under a block-causal mask
   (blocks of ``frames_per_block`` frames counted from the context's first frame), with the prompt of the previous
-  block (the cross-attention cache is only replaced afterwards);
+  block (the cross-attention cache is only replaced afterwards); Krea pads the context to a multiple of 128 tokens
+  and its mask lets a partial last block (K not a multiple of ``frames_per_block``) attend the zero padding keys
+  too, which the policy reproduces (``padding_keys``, ``KVCache.pad_next``);
 * the block is then sampled at frame position ``min(f0, K)``: RoPE positions and cache slots are capped, so the
   model never sees a position past ``K + frames_per_block``.
 
@@ -86,6 +88,16 @@ def interpolated_contexts(old: torch.Tensor, new: torch.Tensor, steps: int) -> l
         raise ValueError(f"steps must be at least 1, got {steps}")
     w = torch.linspace(0, 1, steps=steps).view(-1, 1, 1).to(old)
     return list(torch.lerp(old, new, w).chunk(steps, dim=0))
+
+
+def padding_keys(frames: int, frame_tokens: int, frames_per_block: int) -> int:
+    """The zero keys the last block of a context of ``frames`` frames attends in Krea's recompute: the context is
+    padded with zero queries/keys/values to a multiple of 128 tokens, and the block mask lets a block's queries
+    attend every key before the block's end, ``frames_per_block`` frames after its start, padding included; only a
+    partial last block reaches past the real tokens. 0 for whole blocks."""
+    total = frames * frame_tokens
+    block_end = -(-frames // frames_per_block) * frames_per_block * frame_tokens
+    return max(0, min(-(-total // 128) * 128, block_end) - total)
 
 
 def context_frames(first_frame: int, kv_cache_num_frames: int, frames_per_block: int,
@@ -178,6 +190,24 @@ class KreaRecompute:
                 parts.append(src if self.reencode is None else self.reencode(src).to(src))
         return torch.cat(parts, dim=1)
 
+    def _context_pass(self, ex, req, ctx: torch.Tensor) -> None:
+        """The context at t = 0 into the emptied cache, block-causal (blocks of ``frames_per_block`` frames from the
+        context's first frame): one cached pass per block. A last, partial block also attends the zero padding keys
+        Krea's padded block mask gives it (``padding_keys``)."""
+        n = ctx.shape[1]
+        for j in range(0, n, self.fpb):
+            m = min(self.fpb, n - j)
+            pad = padding_keys(n, req.frame_tokens, self.fpb) if j + m == n else 0
+            if pad:
+                kv = getattr(ex, "kv", None)
+                if kv is None or not hasattr(kv, "pad_next"):
+                    raise ValueError(f"a Krea context of {n} frames (not whole {self.fpb}-frame blocks) needs the "
+                                     f"zero padding keys of Krea's recompute, which this sampler cannot attend; "
+                                     f"use a context of whole blocks")
+                kv.pad_next(pad)
+            step = ex.begin_chunk(j, m)
+            ex.forward("refresh", ctx[:, j:j + m], float(req.refresh_t), j, step, want_output=False)
+
     def before_chunk(self, state) -> int:
         """Empty the self-attention cache, run the clean context into it; returns the block's frame position."""
         f0, ex, req = state.first_frame, state.executor, state.req
@@ -197,10 +227,7 @@ class KreaRecompute:
             ex.set_text(prev)                # Krea recomputes under the previous block's cross-attention cache
         ctx = ctx.to(req.latent_dtype)
         n = ctx.shape[1]
-        for j in range(0, n, self.fpb):      # block-causal over the context: one cached pass per block
-            m = min(self.fpb, n - j)
-            step = ex.begin_chunk(j, m)
-            ex.forward("refresh", ctx[:, j:j + m], float(req.refresh_t), j, step, want_output=False)
+        self._context_pass(ex, req, ctx)
         if swap:
             ex.set_text(text)
         self.positions.append((f0, n))
@@ -243,17 +270,17 @@ class CacheSetup:
 def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int = 0, preset=None,
                      names: dict | None = None) -> str | None:
     """Why the official code of the model a setting names would behave differently from the pack (a message naming
-    the official behaviour and the setting that avoids it), or None. Two settings the official code accepts are
-    not reproduced:
+    the official behaviour and the setting that avoids it), or None. One setting the official code accepts is not
+    reproduced:
 
     * LongLive (``preset`` 'longlive') with a sink larger than one chunk: its attention always takes the first
       ``sink`` frames of the cache as the sink, written or not (the first chunk attends unwritten, all-zero sink
       slots), and a recompute never writes inside the sink slots, so frames ``frames_per_block .. sink - 1`` keep
       the keys and values of their first denoising step. With ``sink <= frames_per_block`` the first chunk writes
       every sink slot and the pack matches.
-    * Krea Realtime (``mode`` 'krea') with a context of K frames that is not a whole number of blocks: the
-      official recompute pads the context to a multiple of 128 tokens and its block mask runs past the real
-      tokens, so the last, partial block also attends zero padding keys.
+
+    (Krea Realtime with a context of K frames that is not a whole number of blocks is reproduced: the last, partial
+    block attends the zero padding keys of Krea's padded block mask, ``padding_keys``.)
     """
     n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink",
          "preset": "preset", **(names or {})}
@@ -267,17 +294,6 @@ def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int
                 f"pack does not reproduce that. Use {n['sink']} at most {fpb} ({n['frames_per_block']}) to match "
                 f"LongLive, or leave out {n['preset']} longlive ({n['preset']} self_forcing has the same steps and "
                 f"shift) for sink {sink} with every sink frame written before it is attended")
-    if mode == "krea":
-        k = KREA_CONTEXT_FRAMES if window < 0 else window - fpb
-        if k >= 2 and k % fpb:
-            lo, hi = k // fpb * fpb, -(-k // fpb) * fpb
-            use = " or ".join(f"{n['kv_window']} {c + fpb} (K = {c})" for c in (lo, hi) if c >= 2)
-            shown = f"{window}" if window >= 0 else f"{window} (Krea's K = {KREA_CONTEXT_FRAMES})"
-            return (f"{n['kv_window']} {shown} with {n['frames_per_block']} {fpb}: {n['recache']} krea rebuilds a "
-                    f"context of K = {k} latent frames, not a whole number of {fpb}-frame blocks. Krea Realtime's "
-                    f"official recompute pads that context to a multiple of 128 tokens and its block mask lets the "
-                    f"last, partial block attend the zero padding keys; the pack does not reproduce that. Use {use}, "
-                    f"a context of whole blocks")
     return None
 
 
@@ -290,8 +306,8 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
     'frames_per_block', 'sink', 'preset' to the input names of messages (ValueError naming the input and the fix).
 
     It also refuses, before any work, the settings in which the official code behaves in a way the pack does not
-    reproduce (``official_problem``): ``preset`` (a schedule preset name; other values are ignored) 'longlive' with
-    a sink larger than one chunk, and 'krea' with a context that is not whole blocks."""
+    reproduce (``official_problem``): ``preset`` (a schedule preset name or a Schedule; other values are ignored)
+    'longlive' with a sink larger than one chunk."""
     n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink",
          "preset": "preset", **(names or {})}
     if mode not in CACHE_MODES:
@@ -332,4 +348,4 @@ def vae_reencode(decode: Callable, encode: Callable) -> Callable:
     return reencode
 
 
-__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "cache_setup", "official_problem", "krea_schedule_line", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]
+__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "cache_setup", "official_problem", "krea_schedule_line", "padding_keys", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]

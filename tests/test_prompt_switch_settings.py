@@ -4,8 +4,10 @@ setting that avoids it (issue 31).
 
 * LongLive (``--preset longlive``) with a sink larger than one chunk: refused (the official attention attends
   unwritten sink slots and its recompute never writes inside them).
-* Krea (``recache krea``) with a context K that is not whole blocks: refused (the official recompute's padded
-  block mask lets the last, partial block attend zero padding keys).
+* Krea (``recache krea``) with a context K that is not whole blocks: reproduced (the official recompute pads the
+  context to a multiple of 128 tokens and its block mask lets the last, partial block attend the zero padding
+  keys), checked against the official recompute written here: one pass over the whole context with that padded
+  mask, on both sampler paths, in one run, in live play and on the command line.
 * Krea, a new prompt while an interpolation is still running: reproduced by ``(blend N, krea)`` entries, checked
   against a reference of Krea's session semantics written here (the embedding in effect, a list of interpolated
   embeddings popped one per block, a new request replacing the list from the embedding in effect), on both sampler
@@ -26,7 +28,7 @@ from wan_accel.model.config import WanConfig
 from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.model.tiny import tiny_causal_model, tiny_text_embedding
 from wan_accel.sampling.krea import (KreaRecompute, cache_setup, krea_schedule, krea_schedule_line,
-                                     official_problem)
+                                     official_problem, padding_keys)
 from wan_accel.sampling.prompts import PromptSchedule
 from wan_accel.sampling.sampler import sample_causal
 
@@ -35,8 +37,6 @@ TOL = 1e-4
 H = W = 4
 FPB = 3
 LONGLIVE_MSG = r"(--)?sink 6 with (--)?preset longlive: LongLive's official attention always takes the first 6 frames"
-KREA_MSG = (r"(--)?kv(_|-)window 8 with (--)?frames(_|-)per(_|-)block 3: (--)?recache krea rebuilds a context of K = 5 latent "
-            r"frames, not a whole number of 3-frame blocks\. Krea Realtime's official recompute pads")
 
 
 # ------------------------------------------------------------------------------------------------ refusals
@@ -44,32 +44,24 @@ def test_the_one_check_names_the_official_behaviour_and_the_way_out():
     msg = official_problem("switch", 3, 15, sink=6, preset="longlive")
     assert "written or not" in msg and "never writes inside the sink slots" in msg
     assert "Use sink at most 3" in msg and "leave out preset longlive" in msg
-    msg = official_problem("krea", 3, 8)
-    assert "zero padding keys" in msg and "kv_window 6 (K = 3) or kv_window 9 (K = 6)" in msg
     # what the official code runs as the pack does is accepted
     for mode, fpb, window, sink, preset in [("switch", 3, 12, 3, "longlive"), ("none", 3, 9, 2, "longlive"),
                                             ("switch", 3, 15, 6, "self_forcing"), ("switch", 3, 15, 6, None),
                                             ("krea", 3, 6, 0, None), ("krea", 3, 9, 0, None),
                                             ("krea", 3, 12, 0, "krea"), ("krea", 3, -1, 0, None),
-                                            ("krea", 1, 6, 0, None), ("switch", 2, 8, 5, "self_forcing")]:
+                                            ("krea", 1, 6, 0, None), ("switch", 2, 8, 5, "self_forcing"),
+                                            ("krea", 3, 8, 0, "krea"), ("krea", 3, 7, 0, None),
+                                            ("krea", 2, -1, 0, None)]:
         assert official_problem(mode, fpb, window, sink, preset) is None, (mode, fpb, window, sink, preset)
         cache_setup(mode, fpb, window, sink=sink, preset=preset)
-    with pytest.raises(ValueError, match=KREA_MSG):
-        cache_setup("krea", 3, 8)
     with pytest.raises(ValueError, match=LONGLIVE_MSG):
         cache_setup("none", 3, 15, sink=6, preset="longlive")
-    with pytest.raises(ValueError, match="frames_per_block 2: recache krea rebuilds a context of K = 3"):
-        cache_setup("krea", 2, -1)
 
 
 @pytest.mark.parametrize("argv, want", [
     (["--preset", "longlive", "--sink", "6", "--kv-window", "15"], "error: " + LONGLIVE_MSG),
     (["--preset", "longlive", "--sink", "4", "--kv-window", "12", "--recache", "none"],
      r"error: --sink 4 with --preset longlive: .* frames 3\.\.3 keep the keys"),
-    (["--preset", "krea", "--kv-window", "8"], "error: " + KREA_MSG),
-    (["--recache", "krea", "--kv-window", "7"], r"error: --kv-window 7 with --frames-per-block 3: --recache krea "
-                                                r"rebuilds a context of K = 4 .* Use --kv-window 6 \(K = 3\) or "
-                                                r"--kv-window 9 \(K = 6\)"),
 ])
 def test_the_command_line_refuses_before_any_work(tmp_path, capsys, argv, want):
     out = tmp_path / "out"
@@ -100,8 +92,6 @@ NODE_ARGS = dict(width=32, height=32, num_frames=4 * 11 + 1, seed=4, frames_per_
 
 @pytest.mark.parametrize("settings, want", [
     (dict(preset="longlive", kv_window=15, sink=6), LONGLIVE_MSG),
-    (dict(preset="krea", kv_window=8, sink=0, recache="krea"), KREA_MSG),
-    (dict(preset="self_forcing", kv_window=8, sink=0, recache="krea"), KREA_MSG),
 ])
 def test_the_sampler_node_refuses_before_any_work(handle, monkeypatch, settings, want):
     from wan_accel.app.jobs import generate
@@ -128,8 +118,6 @@ def model():
 def test_the_play_session_refuses_before_any_work(model):
     with pytest.raises(PlayError, match="^" + LONGLIVE_MSG):
         PromptPlaySession(model, encode_with(model), H, W, schedule="longlive", kv_window=15, sink=6, prompt="a cat")
-    with pytest.raises(PlayError, match="^" + KREA_MSG):
-        PromptPlaySession(model, encode_with(model), H, W, kv_window=8, recache="krea", prompt="a cat")
 
 
 # ------------------------------------------------------------------------------------------------ Krea prompts
@@ -258,3 +246,97 @@ def test_live_prompts_outside_a_running_blend_are_unchanged_under_krea(model):
                               prompt="a cat")
     for p in ("", "a dog (blend 3)", "a fox"):
         plain.step(p)
+
+
+# ------------------------------------------------------------------------------------------------ Krea padded context
+class OfficialRecompute(KreaRecompute):
+    """Krea's context recompute as the official model runs it: the whole context in one pass at t = 0, queries,
+    keys and values right-padded with zeros to a multiple of 128 tokens, under the block mask "key before the end
+    of the query's block (block_start + frames_per_block frames, not capped), or the query itself"; the padded
+    rows dropped. Only the frame selection is the pack's (checked against the official session elsewhere)."""
+
+    def _context_pass(self, ex, req, ctx):
+        from wan_accel.model import blocks
+        n, fs, fpb = ctx.shape[1], req.frame_tokens, self.fpb
+        total = n * fs
+        full = -(-total // 128) * 128
+        ends = torch.zeros(full, dtype=torch.long)
+        for s0 in range(0, total, fs * fpb):
+            ends[s0:s0 + fs * fpb] = s0 + fs * fpb
+        idx = torch.arange(full)
+        mask = (idx[None, :] < ends[:, None]) | (idx[:, None] == idx[None, :])
+        plain = blocks.attention
+
+        def official(q, k, v, key_padding_mask=None, backend="auto"):
+            if q.shape[1] != total or k.shape[1] != total:       # cross-attention: as it is
+                return plain(q, k, v, key_padding_mask, backend=backend)
+            pad = [t.new_zeros(t.shape[0], full - total, *t.shape[2:]) for t in (q, k, v)]
+            qp, kp, vp = (torch.cat([t, z], 1).transpose(1, 2).float() for t, z in zip((q, k, v), pad))
+            out = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.to(q.device))
+            return out.transpose(1, 2)[:, :total].to(q.dtype)
+
+        step = ex.begin_chunk(0, n)
+        blocks.attention = official
+        try:
+            ex.forward("refresh", ctx, float(req.refresh_t), 0, step, want_output=False)
+        finally:
+            blocks.attention = plain
+
+
+def test_padding_keys_follow_the_official_mask():
+    assert padding_keys(5, 1560, 3) == 8               # 7800 tokens padded to 7808: all 8 in the last block's reach
+    assert padding_keys(5, 4, 3) == 4                  # 20 -> 128, but the block ends one frame (4 tokens) later
+    assert padding_keys(4, 80, 3) == 64                # 320 -> 384: 64 of the 160 the block could reach
+    assert padding_keys(6, 1560, 3) == padding_keys(3, 6, 3) == padding_keys(5, 7, 1) == 0    # whole blocks
+
+
+@pytest.mark.parametrize("k, h, w", [(5, 4, 4), (4, 16, 20)])
+def test_a_context_of_partial_blocks_samples_as_krea(model, k, h, w):
+    """K = 5 with 4 tokens a frame (the block's end limits the padding keys) and K = 4 with 80 (the 128-token
+    padding does), the stand-in first frame re-encoded from block 2 on: the policy on both sampler paths equals the
+    official recompute, which differs from a recompute without the padding keys."""
+    fpb, blocks_ = 3, 4
+    reencode = lambda x: 0.75 * x + 0.1                   # noqa: E731
+    gen = torch.Generator().manual_seed(11)
+    noise = torch.randn(1, blocks_ * fpb, model.config.out_dim, h, w, generator=gen)
+    sched = PromptSchedule.parse("0: a cat\n2: a dog (blend 2, krea)")
+    embeds = {t: encode_with(model)(t) for t in sched.texts()}
+
+    def run(policy, path):
+        return sample_causal(model, None, noise, krea_schedule(4), fpb, generator=torch.Generator().manual_seed(2),
+                             kv_window=k + fpb, recache="none", cache_policy=policy, path=path,
+                             prompt_schedule=sched, prompt_embeddings=embeds,
+                             fast_options={"cuda_graphs": "off"} if path == "optimized" else None)
+    want = run(OfficialRecompute(k, fpb, reencode=reencode), "reference")
+    for path in ("reference", "optimized"):
+        got = run(KreaRecompute(k, fpb, reencode=reencode), path)
+        assert (got - want).abs().max() <= TOL, path
+
+    class Unpadded(KreaRecompute):                       # block-causal passes without the padding keys
+        def _context_pass(self, ex, req, ctx):
+            n = ctx.shape[1]
+            for j in range(0, n, self.fpb):
+                m = min(self.fpb, n - j)
+                ex.forward("refresh", ctx[:, j:j + m], float(req.refresh_t), j, ex.begin_chunk(j, m),
+                           want_output=False)
+    assert (run(Unpadded(k, fpb, reencode=reencode), "reference") - want).abs().max() > 10 * TOL
+
+
+def test_a_context_of_partial_blocks_in_play_and_on_the_command_line(model, tmp_path, capsys):
+    embed = encode_with(model)
+    play = PromptPlaySession(model, embed, H, W, seed=5, frames_per_block=FPB, kv_window=8, recache="krea",
+                             prompt="a cat")
+    for p in ("", "", "a dog (blend 2, krea)", ""):
+        play.step(p)
+    assert play.cache.cache_policy.k == 5 and play.cache.cache_policy.positions[-1] == (9, 5)
+    from wan_accel.sampling.sampler import generate_latents
+    sched = PromptSchedule.parse(play.script_file())
+    setup = cache_setup("krea", FPB, 8)
+    one = generate_latents(model, None, 4 * FPB, H, W, seed=5, schedule="self_forcing", frames_per_block=FPB,
+                           kv_window=setup.kv_window, prompt_schedule=sched, path="reference",
+                           prompt_embeddings={t: embed(t) for t in sched.texts()}, **setup.sampler_kwargs())
+    assert torch.equal(play.latent_video(), one.transpose(1, 2))
+    rc = cli_main(["generate", "--out", str(tmp_path), "--no-preview", "--json", "--device", "cpu", "--frames", "45",
+                   "--height", "32", "--width", "32", "--preset", "krea", "--kv-window", "8"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["settings"]["recache"] == "krea"
