@@ -183,7 +183,8 @@ def check_generate_args(args) -> None:
     from ..sampling.krea import cache_setup
     try:                                     # the one cache-mode mapping: Krea's window constraints named here
         args.kv_window = cache_setup(args.recache or "switch", args.frames_per_block, args.kv_window,
-                                     names={"recache": "--recache", **GENERATE_NAMES}).kv_window
+                                     names={"recache": "--recache", "preset": "--preset", **GENERATE_NAMES},
+                                     sink=args.sink, preset=args.preset).kv_window
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.prompt_schedule is not None:

@@ -64,6 +64,7 @@ class KVCache:
         self.device = self.layers[0].k.device if self.layers else torch.device(device or "cpu")
         self._index: dict = {}   # writes -> device index tensor (kept: graphs captured on it read its memory;
         # bounded: a global cache has one pattern per chunk position, a rolling one repeats them)
+        self._pad = 0       # zero keys/values the next plan attends past its last token (pad_next)
 
     @classmethod
     def for_model(cls, model, batch: int, frame_tokens: int, num_frames: int, kv_window: int = -1,
@@ -88,8 +89,28 @@ class KVCache:
     def reset(self) -> None:
         self.end = 0
 
+    def pad_next(self, tokens: int) -> None:
+        """Make the next ``plan`` also attend ``tokens`` all-zero keys and values right after the slots it attends
+        (the zeroed slots are free ones, written by a later call): Krea Realtime's context recompute, whose block
+        mask lets a partial last block attend the zero padding keys of its 128-token padding."""
+        self._pad = int(tokens)
+
     def plan(self, start: int, num_tokens: int) -> CacheStep:
         """Slots for a call covering global tokens [start, start+num_tokens); advances the host indices."""
+        step = self._plan(start, num_tokens)
+        pad, self._pad = getattr(self, "_pad", 0), 0
+        if pad <= 0:
+            return step
+        read = step.read_len
+        if read != self.end or read + pad > self.capacity:
+            raise ValueError(f"no {pad} free slots after token {read} to attend as zero padding keys "
+                             f"(the cache holds {self.capacity} tokens, {self.end} written)")
+        for layer in self.layers:
+            layer.k[:, read:read + pad].zero_()
+            layer.v[:, read:read + pad].zero_()
+        return CacheStep(step.writes, read + pad, step.index)
+
+    def _plan(self, start: int, num_tokens: int) -> CacheStep:
         end = start + num_tokens
         if start > self.end:
             raise ValueError(f"KV cache gap: call starts at token {start} but only {self.end} tokens are cached")

@@ -9,13 +9,20 @@ Krea Realtime (a causal, few-step Wan 2.1 14B) keeps no rolling cache. Before bl
   (the official server decodes it to pixels and encodes its last pixel frame again with the VAE: ``reencode``);
 * the cache is emptied and the context is run once at t = 0 at positions 0 .. len-1 under a block-causal mask
   (blocks of ``frames_per_block`` frames counted from the context's first frame), with the prompt of the previous
-  block (the cross-attention cache is only replaced afterwards);
+  block (the cross-attention cache is only replaced afterwards); Krea pads the context to a multiple of 128 tokens
+  and its mask lets a partial last block (K not a multiple of ``frames_per_block``) attend the zero padding keys
+  too, which the policy reproduces (``padding_keys``, ``KVCache.pad_next``);
 * the block is then sampled at frame position ``min(f0, K)``: RoPE positions and cache slots are capped, so the
   model never sees a position past ``K + frames_per_block``.
 
 A prompt change in Krea interpolates over ``N`` blocks with ``torch.lerp(old, new, linspace(0, 1, N))``, one step
-per block and a fresh cross-attention cache each: the first of those blocks still uses the old prompt. In a prompt
-schedule that is ``(b + 1): new (blend N - 1)`` for a change requested at block ``b`` (``krea_schedule_entry``).
+per block and a fresh cross-attention cache each: the first of those blocks still uses the old prompt, and a change
+that interrupts a running interpolation starts from the embedding in effect. In a prompt schedule that is
+``b: new (blend N, krea)`` for a change requested at block ``b`` (``krea_schedule_line``; without an interruption
+also ``(b + 1): new (blend N - 1)``, ``krea_schedule_entry``). A live session under 'krea' refuses a prompt typed
+during a running blend that is not such an entry (``CacheSetup.live_prompt_problem``).
+
+Settings the official code runs differently are refused by ``cache_setup`` (``official_problem``).
 
 ``KreaRecompute`` is a ``cache_policy`` of the one chunk loop (``loop.py``): its ``before_chunk(state)`` does the
 rebuild and returns the position the chunk is sampled at. Use it with ``recache='none'`` (it replaces the switch
@@ -55,13 +62,24 @@ def krea_schedule(steps: int = 4, strength: float = 1.0, shift: float = 5.0):
 
 
 def krea_schedule_entry(block: int, interp_steps: int) -> tuple:
-    """(chunk, blend) of the prompt-schedule entry equal to Krea's prompt change at ``block`` interpolated over
-    ``interp_steps`` blocks (the first interpolated block keeps the old prompt). One step never reaches the new
-    prompt in Krea (``linspace(0, 1, 1) == [0]``), so it is refused here."""
+    """(chunk, blend) of the linear prompt-schedule entry equal to Krea's prompt change at ``block`` interpolated
+    over ``interp_steps`` blocks (the first interpolated block keeps the old prompt) when no other change interrupts
+    it; ``krea_schedule_line`` is exact in every case. One step never reaches the new prompt in Krea
+    (``linspace(0, 1, 1) == [0]``), so it is refused here."""
     if interp_steps < 2:
         raise ValueError(f"interp_steps must be at least 2 (Krea's one-step interpolation stays on the old prompt), "
                          f"got {interp_steps}")
     return block + 1, interp_steps - 1
+
+
+def krea_schedule_line(block: int, prompt: str, interp_steps: int) -> str:
+    """The prompt-schedule line equal to Krea's prompt change requested before ``block`` and interpolated over
+    ``interp_steps`` blocks, also when it interrupts a running interpolation: ``<block>: <prompt> (blend N, krea)``
+    (``prompts``: the block repeats the embedding in effect, then ``torch.lerp`` steps to the new prompt)."""
+    if interp_steps < 2:
+        raise ValueError(f"interp_steps must be at least 2 (Krea's one-step interpolation stays on the old prompt), "
+                         f"got {interp_steps}")
+    return f"{int(block)}: {prompt} (blend {int(interp_steps)}, krea)"
 
 
 def interpolated_contexts(old: torch.Tensor, new: torch.Tensor, steps: int) -> list:
@@ -70,6 +88,16 @@ def interpolated_contexts(old: torch.Tensor, new: torch.Tensor, steps: int) -> l
         raise ValueError(f"steps must be at least 1, got {steps}")
     w = torch.linspace(0, 1, steps=steps).view(-1, 1, 1).to(old)
     return list(torch.lerp(old, new, w).chunk(steps, dim=0))
+
+
+def padding_keys(frames: int, frame_tokens: int, frames_per_block: int) -> int:
+    """The zero keys the last block of a context of ``frames`` frames attends in Krea's recompute: the context is
+    padded with zero queries/keys/values to a multiple of 128 tokens, and the block mask lets a block's queries
+    attend every key before the block's end, ``frames_per_block`` frames after its start, padding included; only a
+    partial last block reaches past the real tokens. 0 for whole blocks."""
+    total = frames * frame_tokens
+    block_end = -(-frames // frames_per_block) * frames_per_block * frame_tokens
+    return max(0, min(-(-total // 128) * 128, block_end) - total)
 
 
 def context_frames(first_frame: int, kv_cache_num_frames: int, frames_per_block: int,
@@ -162,6 +190,24 @@ class KreaRecompute:
                 parts.append(src if self.reencode is None else self.reencode(src).to(src))
         return torch.cat(parts, dim=1)
 
+    def _context_pass(self, ex, req, ctx: torch.Tensor) -> None:
+        """The context at t = 0 into the emptied cache, block-causal (blocks of ``frames_per_block`` frames from the
+        context's first frame): one cached pass per block. A last, partial block also attends the zero padding keys
+        Krea's padded block mask gives it (``padding_keys``)."""
+        n = ctx.shape[1]
+        for j in range(0, n, self.fpb):
+            m = min(self.fpb, n - j)
+            pad = padding_keys(n, req.frame_tokens, self.fpb) if j + m == n else 0
+            if pad:
+                kv = getattr(ex, "kv", None)
+                if kv is None or not hasattr(kv, "pad_next"):
+                    raise ValueError(f"a Krea context of {n} frames (not whole {self.fpb}-frame blocks) needs the "
+                                     f"zero padding keys of Krea's recompute, which this sampler cannot attend; "
+                                     f"use a context of whole blocks")
+                kv.pad_next(pad)
+            step = ex.begin_chunk(j, m)
+            ex.forward("refresh", ctx[:, j:j + m], float(req.refresh_t), j, step, want_output=False)
+
     def before_chunk(self, state) -> int:
         """Empty the self-attention cache, run the clean context into it; returns the block's frame position."""
         f0, ex, req = state.first_frame, state.executor, state.req
@@ -181,10 +227,7 @@ class KreaRecompute:
             ex.set_text(prev)                # Krea recomputes under the previous block's cross-attention cache
         ctx = ctx.to(req.latent_dtype)
         n = ctx.shape[1]
-        for j in range(0, n, self.fpb):      # block-causal over the context: one cached pass per block
-            m = min(self.fpb, n - j)
-            step = ex.begin_chunk(j, m)
-            ex.forward("refresh", ctx[:, j:j + m], float(req.refresh_t), j, step, want_output=False)
+        self._context_pass(ex, req, ctx)
         if swap:
             ex.set_text(text)
         self.positions.append((f0, n))
@@ -205,15 +248,68 @@ class CacheSetup:
         """``recache`` / ``cache_policy`` of ``sample_causal`` (and everything that forwards to it)."""
         return {"recache": self.recache, "cache_policy": self.cache_policy}
 
+    def live_prompt_problem(self, schedule, chunk: int) -> str | None:
+        """Why the prompt a live session adds at ``chunk`` (the last entry of ``schedule``) cannot follow Krea
+        Realtime, or None. Under 'krea' a prompt typed while a blend is still running must be a
+        ``(blend N, krea)`` entry: Krea restarts from the embedding in effect and the first block of the new change
+        repeats it, which a hard switch or a ``(blend N)`` / slerp blend at that chunk does not do."""
+        entries = schedule.entries
+        if self.mode != "krea" or chunk <= 0 or entries[-1].chunk != chunk or len(entries) < 2:
+            return None
+        new, running = entries[-1], entries[-2]
+        if new.mode == "krea" or chunk not in type(schedule)(entries[:-1]).switch_chunks(chunk + 1):
+            return None
+        return (f"prompt {new.line().split(': ', 1)[1][:80]!r} at chunk {chunk}: the blend to chunk {running.chunk}'s "
+                f"prompt is still running (it ends at chunk {running.chunk + running.blend - 1}). Krea Realtime "
+                f"restarts an interrupted interpolation from the embedding in effect and the first block of the new "
+                f"change repeats it; under recache krea only a (blend N, krea) prompt does that. Type "
+                f"'{new.prompt_text()} (blend 4, krea)' (Krea's 4 steps), or wait until chunk "
+                f"{running.chunk + running.blend}")
+
+
+def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int = 0, preset=None,
+                     names: dict | None = None) -> str | None:
+    """Why the official code of the model a setting names would behave differently from the pack (a message naming
+    the official behaviour and the setting that avoids it), or None. One setting the official code accepts is not
+    reproduced:
+
+    * LongLive (``preset`` 'longlive') with a sink larger than one chunk: its attention always takes the first
+      ``sink`` frames of the cache as the sink, written or not (the first chunk attends unwritten, all-zero sink
+      slots), and a recompute never writes inside the sink slots, so frames ``frames_per_block .. sink - 1`` keep
+      the keys and values of their first denoising step. With ``sink <= frames_per_block`` the first chunk writes
+      every sink slot and the pack matches.
+
+    (Krea Realtime with a context of K frames that is not a whole number of blocks is reproduced: the last, partial
+    block attends the zero padding keys of Krea's padded block mask, ``padding_keys``.)
+    """
+    n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink",
+         "preset": "preset", **(names or {})}
+    fpb, window, sink = int(frames_per_block), int(kv_window), int(sink or 0)
+    preset = preset if isinstance(preset, str) else getattr(preset, "name", None)     # a name or a Schedule
+    if preset == "longlive" and sink > fpb:
+        return (f"{n['sink']} {sink} with {n['preset']} longlive: LongLive's official attention always takes the "
+                f"first {sink} frames of its cache as the sink, written or not (its first {fpb}-frame chunk attends "
+                f"{sink - fpb} unwritten, all-zero sink frames), and its recompute never writes inside the sink "
+                f"slots, so frames {fpb}..{sink - 1} keep the keys and values of their first denoising step; the "
+                f"pack does not reproduce that. Use {n['sink']} at most {fpb} ({n['frames_per_block']}) to match "
+                f"LongLive, or leave out {n['preset']} longlive ({n['preset']} self_forcing has the same steps and "
+                f"shift) for sink {sink} with every sink frame written before it is attended")
+    return None
+
 
 def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode: Callable | None = None,
-                names: dict | None = None) -> CacheSetup:
+                names: dict | None = None, *, sink: int = 0, preset=None) -> CacheSetup:
     """The one mapping of a cache mode to the run's settings. 'switch' / 'none': LongLive's re-cache at a prompt
     switch or none, the window as given. 'krea': ``KreaRecompute`` with ``K = kv_window - frames_per_block``
     (kv_window -1: Krea's K = 3, window K + frames_per_block), ``recache='none'``; ``reencode`` the VAE round trip
     of the stand-in first frame (None: the frame itself, said in ``note``). ``names`` maps 'recache', 'kv_window',
-    'frames_per_block' to the input names of messages (ValueError naming the input and the fix)."""
-    n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", **(names or {})}
+    'frames_per_block', 'sink', 'preset' to the input names of messages (ValueError naming the input and the fix).
+
+    It also refuses, before any work, the settings in which the official code behaves in a way the pack does not
+    reproduce (``official_problem``): ``preset`` (a schedule preset name or a Schedule; other values are ignored)
+    'longlive' with a sink larger than one chunk."""
+    n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink",
+         "preset": "preset", **(names or {})}
     if mode not in CACHE_MODES:
         raise ValueError(f"{n['recache']} must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
     if isinstance(kv_window, bool) or int(kv_window) != kv_window or isinstance(frames_per_block, bool) \
@@ -221,6 +317,9 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
         raise ValueError(f"{n['kv_window']} and {n['frames_per_block']} must be whole numbers of latent frames, got "
                          f"{kv_window!r} and {frames_per_block!r}")
     fpb, window = int(frames_per_block), int(kv_window)
+    problem = official_problem(mode, fpb, window, sink, preset, n)
+    if problem:
+        raise ValueError(problem)
     if mode != "krea":
         return CacheSetup(mode, mode, None, window)
     if window < 0:
@@ -249,4 +348,4 @@ def vae_reencode(decode: Callable, encode: Callable) -> Callable:
     return reencode
 
 
-__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "cache_setup", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]
+__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "cache_setup", "official_problem", "krea_schedule_line", "padding_keys", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]

@@ -11,8 +11,11 @@ Text form, one entry per line (blank lines and lines starting with ``#`` are ign
 sum 1; a part without a weight counts 1). A trailing ``(blend N)`` / ``(blend N, slerp)`` / ``(blend N, linear)``
 moves from the previous chunk's context to the new one over N chunks: chunk c + j (j = 0 .. N-1) gets
 ``blend(previous, new, (j + 1) / N)``, so the N-th chunk is the new prompt exactly; N = 0 or no blend is a hard
-switch. (Krea Realtime's ``torch.lerp`` over ``linspace(0, 1, N)``, one step per block, is ``(blend N-1)`` one chunk
-later: its first step is the old prompt.) Chunk 0 must be present.
+switch. ``(blend N, krea)`` (N >= 2) is Krea Realtime's interpolation: chunk c + j (j = 0 .. N-1) gets
+``torch.lerp(previous, new, linspace(0, 1, N)[j])`` in float32, so chunk c repeats the previous chunk's context and
+chunk c + N - 1 is the new prompt; an entry that interrupts a running blend starts from the context of the chunk
+before it, as Krea restarts from the embedding in effect. A Krea prompt change requested before block b is
+``b: <prompt> (blend N, krea)``, interrupted or not. Chunk 0 must be present.
 
 Mixes and blends act on the raw text-encoder output [B or 1, L, text_dim] (before the model's text embedding), in
 float32, cast back to the embeddings' dtype; embeddings of different lengths are zero-padded to the longest, as the
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-BLEND_MODES = ("linear", "slerp")
+BLEND_MODES = ("linear", "slerp", "krea")
 SLERP_PARALLEL_COS = 0.9995      # rows closer to (anti-)parallel than this are blended linearly
 _BLEND = re.compile(r"\(\s*blend\s+([^,()]*?)\s*(?:,\s*([^,()]*?)\s*)?\)\s*$", re.IGNORECASE)
 _ENTRY = re.compile(r"^\s*([^:]*?)\s*:(.*)$")
@@ -53,7 +56,7 @@ class Entry:
         return " | ".join(f"{t} :{w!r}" for t, w in self.parts)
 
     def line(self) -> str:
-        tail = "" if not self.blend else f" (blend {self.blend}" + (", slerp)" if self.mode == "slerp" else ")")
+        tail = "" if not self.blend else f" (blend {self.blend}" + (f", {self.mode})" if self.mode != "linear" else ")")
         return f"{self.chunk}: {self.prompt_text()}{tail}"
 
 
@@ -123,6 +126,10 @@ class PromptSchedule:
                 raise ValueError(f"{where}: the blend length must be an integer >= 0 chunks")
             if e.chunk == 0 and e.blend:
                 raise ValueError(f"{where}: chunk 0 has no earlier prompt to blend from; remove its (blend ...)")
+            if e.mode == "krea" and e.blend < 2:
+                raise ValueError(f"{where}: (blend {e.blend}, krea) never reaches the new prompt (Krea's "
+                                 f"interpolation over linspace(0, 1, {max(e.blend, 1)}) stays on the old one); write "
+                                 f"(blend 2, krea) or more")
 
     # ------------------------------------------------------------------ text form
     @classmethod
@@ -217,7 +224,10 @@ class PromptSchedule:
                 active = (c, prev, e, target) if e.blend and prev is not None else (c, None, e, target)
             start, src, e, target = active
             j = c - start
-            if src is None or j + 1 >= e.blend or src == target:
+            if e.mode == "krea":                   # lerp over linspace(0, 1, N): step 0 repeats the previous context
+                spec = (target if src is None or j >= e.blend - 1 or src == target else src if j == 0 else
+                        ("blend", src, target, float(torch.linspace(0, 1, steps=e.blend)[j]), e.mode))
+            elif src is None or j + 1 >= e.blend or src == target:
                 spec = target
             else:
                 spec = ("blend", src, target, (j + 1) / e.blend, e.mode)
@@ -272,11 +282,14 @@ def _pad(t: torch.Tensor, length: int) -> torch.Tensor:
 def blend(a: torch.Tensor, b: torch.Tensor, alpha: float, mode: str = "linear") -> torch.Tensor:
     """(1 - alpha) a + alpha b ('linear'), or per token row the spherical interpolation
     sin((1 - alpha) w) / sin(w) a + sin(alpha w) / sin(w) b with cos(w) the rows' cosine ('slerp'; rows that are
-    zero or within SLERP_PARALLEL_COS of (anti-)parallel are blended linearly). float32 math, float32 result."""
+    zero or within SLERP_PARALLEL_COS of (anti-)parallel are blended linearly); 'krea': ``torch.lerp(a, b, alpha)``
+    (Krea Realtime's interpolation, alpha a float32 step of ``linspace(0, 1, N)``). float32 math, float32 result."""
     if mode not in BLEND_MODES:
         raise ValueError(f"blend mode must be one of {BLEND_MODES}, got {mode!r}")
     a32, b32 = a.float(), b.float()
     alpha = float(alpha)
+    if mode == "krea":
+        return torch.lerp(a32, b32, torch.tensor(alpha, dtype=torch.float32))
     lin = (1.0 - alpha) * a32 + alpha * b32
     if mode == "linear":
         return lin

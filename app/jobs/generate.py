@@ -379,7 +379,8 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
                    "recache": opts.recache}
         context = None
     from ...sampling.krea import cache_setup
-    cache = cache_setup(opts.recache, opts.frames_per_block, opts.kv_window)     # no VAE here: identity re-encode
+    cache = cache_setup(opts.recache, opts.frames_per_block, opts.kv_window,     # no VAE here: identity re-encode
+                        sink=opts.sink, preset=opts.preset)
     if cache.cache_policy is not None:
         prompts.update(cache.sampler_kwargs())
         opts = replace(opts, kv_window=cache.kv_window)

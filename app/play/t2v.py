@@ -55,7 +55,7 @@ class PromptPlaySession(SessionBase):
             raise PlayError("prompt play needs a text-to-video causal model; a Matrix-Game-2 model plays with the "
                             "Matrix-Game-2 Play Session node")
         try:
-            self.cache = cache_setup(recache, frames_per_block, kv_window, reencode)
+            self.cache = cache_setup(recache, frames_per_block, kv_window, reencode, sink=sink, preset=schedule)
         except ValueError as exc:
             raise PlayError(str(exc)) from None
         if self.cache.note:
@@ -101,6 +101,9 @@ class PromptPlaySession(SessionBase):
             schedule.validate(self.chunks + 1)
         except ValueError as exc:
             raise PlayError(f"prompt {text[:80]!r} is not a schedule prompt: {exc}") from None
+        problem = self.cache.live_prompt_problem(schedule, self.chunks)     # recache krea: Krea's interruptions
+        if problem:
+            raise PlayError(problem)
         return schedule, lines, text or self.prompt
 
     def _embed(self, schedule: PromptSchedule) -> dict:
