@@ -114,7 +114,17 @@ def _tiny_pt(tmp: Path) -> None:
 
 
 # case -> (arguments, check of stdout, set-up in tmp); "{tmp}" is the test's folder
+def _selftest(out: str, tmp: Path) -> None:
+    data = json.loads(out)
+    by = {r["stage"]: r for r in data["stages"]}
+    assert by["doctor"]["status"] == "passed" and by["fp8 checkpoint"]["status"] == "passed", data["stages"]
+    assert by["bench sampler"]["status"] in ("needs a CUDA GPU", "passed"), by["bench sampler"]
+    assert (tmp / "st" / "selftest.md").is_file() and data["passed"] is True
+
+
 CASES = {
+    "selftest": (["selftest", "--out", "{tmp}/st", "--json", "--only", "doctor", "--only", "fp8 checkpoint",
+                  "--only", "bench sampler"], _selftest, None),
     "generate": (["generate", "--out", "{tmp}/out", "--no-preview", "--json", *TINY], _generate_wrote, None),
     "generate_prompt_schedule": (["generate", "--out", "{tmp}/out", "--no-preview", "--json", "--preset", "longlive",
                                   "--prompt-schedule", "0: a cat walks\n1: the cat runs (blend 1, slerp)",

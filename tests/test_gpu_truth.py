@@ -184,3 +184,46 @@ def test_nested_one_time_work_is_counted_once():
     with pytest.raises(ValueError, match="warm-up kind"):
         with warmup.spent("nothing"):
             pass
+
+
+# ----------------------------------------------------------------------------- selftest
+def test_selftest_without_a_gpu_lists_the_gpu_parts_and_require_gpu_makes_it_an_error(tmp_path):
+    from wan_accel.app import selftest
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the GPU stages run")
+    result = selftest.run_selftest(tmp_path / "st", stages=["bench kernels", "block swap"], log=lambda *_: None)
+    assert result["passed"] and result["needs_gpu"] == ["bench kernels", "block swap"]
+    assert "| bench kernels | needs a CUDA GPU |" in (tmp_path / "st" / "selftest.md").read_text()
+    strict = selftest.run_selftest(tmp_path / "st2", stages=["bench kernels"], require_gpu=True, log=lambda *_: None)
+    assert not strict["passed"] and "--require-gpu" in strict["summary"]
+    names = {s.name for s in selftest.STAGES if s.gpu}
+    assert {"bench sampler", "bench kernels", "block swap", "generate compiled", "tests marked cuda"} <= names
+
+
+def test_selftest_judges_a_slower_path_kept_on_and_a_compile_that_fell_back():
+    import json
+    from wan_accel.app import selftest
+    ctx = None
+    rows = [{"variant": "optimized", "steady_s": 2.0}, {"variant": "optimized-int8", "steady_s": 2.5,
+                                                         "attention_ran": "int8"}]
+    assert "int8 attention stayed on" in selftest.judge_bench_sampler(json.dumps({"rows": rows}), ctx)[0]
+    rows[1]["attention_ran"] = "exact (int8 measured slower)"
+    assert selftest.judge_bench_sampler(json.dumps({"rows": rows}), ctx) == []
+    rows.append({"variant": "optimized-compiled", "steady_s": 1.9, "compile_failed": "TorchRuntimeError: x"})
+    assert "compiling failed" in selftest.judge_bench_sampler(json.dumps({"rows": rows}), ctx)[0]
+    report = {"files": {"latents": "x"}, "sampler": {"compile": {"failed": "Unsupported: y"}}}
+    assert "fell back to eager" in selftest.judge_generate(json.dumps(report), ctx)[0]
+    assert selftest.judge_check_reference(json.dumps({"pass": False, "worst": 0.1, "tolerance": 1e-4}), ctx)
+
+
+def test_a_crashing_or_hanging_stage_fails_alone(tmp_path, monkeypatch):
+    from wan_accel.app import selftest
+    crash = selftest.Stage("crash", lambda ctx: ["generate", "--frames", "-1"], 60)
+    hang = selftest.Stage("hang", lambda ctx: ["-c", "import time; time.sleep(30)"], 0.5, pytest=True)
+    monkeypatch.setattr(selftest, "STAGES", [crash, hang, *[s for s in selftest.STAGES if s.name == "doctor"]])
+    monkeypatch.setattr(selftest, "CPU_FACTOR", 1.0)
+    result = selftest.run_selftest(tmp_path / "st", log=lambda *_: None)
+    by = {r["stage"]: r for r in result["stages"]}
+    assert by["crash"]["status"] == "failed" and by["crash"]["detail"].startswith("exit 2")
+    assert by["hang"]["status"] == "failed" and "did not finish" in by["hang"]["detail"]
+    assert by["doctor"]["status"] == "passed" and not result["passed"]
