@@ -158,27 +158,59 @@ def output_problem(latents: torch.Tensor) -> str | None:
     return f"{_what(latents)}, from latent frame {first} on"
 
 
-def check_output(latents: torch.Tensor, what: str = "the sampled latents", dtype=None, contexts=()) -> None:
+def largest_weight(model) -> tuple:
+    """(name, largest magnitude) of the model's weights, fp8 layers as dequantized (the error path only)."""
+    best = ("", 0.0)
+    with torch.no_grad():
+        for prefix, mod in model.named_modules():
+            if is_quantized(mod) and not mod.weight.is_meta:
+                top = max(float(p.abs().max()) for p in _dequantized_rows(mod, torch.float32))
+                if top > best[1]:
+                    best = (f"{prefix}.weight", top)
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and not p.is_meta and p.numel() and p.element_size() > 1:
+                top = float(p.detach().abs().max())
+                if top > best[1]:
+                    best = (name, top)
+    return best
+
+
+LARGE_WEIGHT = 1e4          # trained weights stay far below this; a weight above it is the likely overflow
+
+
+def check_output(latents: torch.Tensor, what: str = "the sampled latents", dtype=None, contexts=(),
+                 model=None) -> None:
     """NonFiniteError when the run's latents hold NaN or inf: the weights and the conditioning were checked where
-    they entered, so a value overflowed while sampling; the message says what most likely did."""
+    they entered, so a value overflowed while sampling; the message says what most likely did (the largest weight
+    of ``model`` when it is far from a trained one's, conditioning of huge values, float16)."""
     problem = output_problem(latents)
     if problem is None:
         return
+    likely = []
+    if model is not None:
+        try:
+            name, top = largest_weight(model)
+        except Exception:  # noqa: BLE001 - weights of another implementation (a quantized tensor type): no hint
+            name, top = "", 0.0
+        if top > LARGE_WEIGHT:
+            likely.append(f"the weight {name!r}, whose values reach {top:.3g} (trained weights stay far below "
+                          f"{LARGE_WEIGHT:g}): its fp8 scale or the LoRA merged into it is wrong; load another "
+                          f"file or lower the LoRA strength")
     largest = 0.0
     for t in contexts:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
             largest = max(largest, float(t.detach().abs().max()))
-    likely = []
     if largest > 1e4:
         likely.append(f"the text conditioning (its largest value is {largest:.3g}; a text encoder's output is "
                       f"near 1): encode the prompt with the model's own text encoder")
     if dtype == torch.float16:
         likely.append("float16, whose range is too small for this run: use bf16 or fp32")
-    likely.append("weights too large to compute with (a LoRA strength too high, an fp8 scale that does not "
-                  "belong to its weight): lower the LoRA strength or load another file")
+    if not likely:
+        likely.append("weights too large to compute with (a LoRA strength too high, an fp8 scale that does not "
+                      "belong to its weight): lower the LoRA strength or load another file")
     raise NonFiniteError(f"{what} hold {problem}: a value overflowed while sampling; most likely "
                          f"{'; or '.join(likely)}. Nothing was kept of this run")
 
 
 __all__ = ["NonFiniteError", "check_weights", "check_conditioning", "check_contexts", "check_output",
-           "output_problem"]
+           "output_problem", "largest_weight"]

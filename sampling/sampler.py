@@ -172,7 +172,7 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     out, info = run_chunks(model, executor, req, inputs, hooks)
     if report is not None:
         report.update(info, skipped_last_refresh=req.skip_last_refresh)
-    check_output(out, dtype=getattr(model, "compute_dtype", None), contexts=given)   # once, after the chunk loop
+    check_output(out, dtype=getattr(model, "compute_dtype", None), contexts=given, model=model)   # once, at the end
     return out                                                # a continued run: its new frames only
 
 
