@@ -21,6 +21,7 @@ from .checkpoint import (INPUT_SCALES, METADATA_KEY, TORCH_DTYPES, WEIGHT_SCALES
                          check_dtypes, check_quant_formats, keeps_fp8, metadata_quant_formats, model_class,
                          open_checkpoint, read_tensor_into)
 from .dit import WanModel
+from .finite import check_weights
 from .fused_qkv import QKV_BIAS, QKV_WEIGHT
 from .lora import check_lora, merge_lora, read_lora
 from .quant import install_fp8_linears
@@ -123,6 +124,17 @@ def _read_scales(f, ckpt, device) -> dict:
     return out
 
 
+def _scale_hints(ckpt) -> dict:
+    """{weight name: the scale in the file it was multiplied by}: what a non-finite weight most likely comes from."""
+    hints = {}
+    for layer, side in (ckpt.quant or {}).items():
+        kind = next((k for k in WEIGHT_SCALES if k in side), None)
+        if kind is not None:
+            hints[f"{layer}.weight"] = (f"multiplied by its scale {ckpt.names[f'{layer}.{kind}']!r}: a scale too "
+                                        f"large for the weight, or bytes that encode NaN/inf")
+    return hints
+
+
 def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None, config=None,
                         num_heads=None, attention="auto", lora=None, lora_strength: float = 1.0) -> WanModel:
     """Load a Wan DiT from a .safetensors file. precision: 'float32' | 'wan21' | 'self_forcing'
@@ -165,8 +177,9 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise CheckpointError(f"parameters left unloaded: {_list(left)}")
+    check_weights(model, Path(path).name, _scale_hints(ckpt))      # loaded and dequantized: every value finite
     if lora is not None:
-        merge_lora(model, lora, lora_strength, layers=lora_layers)
+        merge_lora(model, lora, lora_strength, layers=lora_layers)     # checks the layers it changed
     model.set_precision(precision, dtype).set_attention_backend(attention)
     return model.eval().requires_grad_(False)
 

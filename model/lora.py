@@ -136,10 +136,24 @@ def merge_lora(model: torch.nn.Module, path, strength: float = 1.0, alpha: float
     check_strength(strength)
     layers = read_lora(path) if layers is None else layers
     plan = check_lora(model, layers, Path(path).name, strength, alpha)
+    flags = []
     with torch.no_grad():
         for target, e, scale in plan:            # checked first, so a bad file changes nothing
             delta = e["up"].to(target.device, torch.float32) @ e["down"].to(target.device, torch.float32)
             target.copy_((target.float() + scale * delta).to(target.dtype))
+            flags.append(~torch.isfinite(target).all())
+    if flags:                                    # one host sync: every merged weight still finite
+        from .finite import _read_flags
+        bad = [i for i, b in enumerate(_read_flags(flags)) if b]
+        if bad:
+            target, e, scale = plan[bad[0]]
+            layer = _layer_name(_KEY.match(e["keys"][0]).group("layer")) if _KEY.match(e["keys"][0]) else e["keys"][0]
+            raise LoraError(f"LoRA file {Path(path).name}: merging it at strength {strength:g} (scale "
+                            f"{scale:.3g} per layer) makes {layer + '.weight'!r} NaN or infinite in "
+                            f"{str(target.dtype).replace('torch.', '')}"
+                            f"{f' (and {len(bad) - 1} more layer(s))' if len(bad) > 1 else ''}: its update is too "
+                            f"large for the weight; lower the LoRA strength or use another LoRA file. The model "
+                            f"was not loaded")
     return len(plan)
 
 

@@ -130,10 +130,13 @@ class CausalWanModelLoader:
         return (handle,)
 
 
-def conditioning_to_context(conditioning, text_dim: int, text_len: int):
+def conditioning_to_context(conditioning, text_dim: int, text_len: int, what: str = "positive (the CONDITIONING)"):
     """ComfyUI CONDITIONING ([[tensor [1, L, C], dict], ...]) -> [1, L, C] text embedding (first entry);
-    None -> zero context. Raises a clear error when C differs from the model's text_dim."""
+    None -> zero context. Raises a clear error when C differs from the model's text_dim, or when it holds NaN or
+    inf (``what`` names it)."""
     import torch
+
+    from ..model.finite import check_conditioning
     if conditioning is None:
         return torch.zeros(1, 0, text_dim)
     try:
@@ -147,6 +150,7 @@ def conditioning_to_context(conditioning, text_dim: int, text_len: int):
                          f"leave 'positive' unconnected for it.")
     if cond.shape[1] > text_len:
         raise ValueError(f"the conditioning has {cond.shape[1]} tokens; the model takes at most {text_len}")
+    check_conditioning(cond[:1], what)
     return cond[:1].float()
 
 
@@ -175,7 +179,8 @@ def text_encoder(clip, model):
         def encode(text: str):
             cond = clip.encode_from_tokens(clip.tokenize(text))
             cond = cond[0] if isinstance(cond, (tuple, list)) else cond
-            return conditioning_to_context([[cond, {}]], cfg.text_dim, cfg.text_len)
+            return conditioning_to_context([[cond, {}]], cfg.text_dim, cfg.text_len,
+                                           what=f"the text encoder's answer for {text[:60]!r}")
         return encode
     raise ValueError("a prompt schedule needs the graph's text encoder: connect the CLIP (umt5-xxl, from Load CLIP) "
                      "to the clip input (the built-in tiny model needs none)")
@@ -196,8 +201,16 @@ def parse_schedule(text: str, num_chunks: int | None = None, input_name: str = "
 
 
 def encode_schedule(schedule, encode) -> dict:
-    """{text: [1, L, D] embedding} of every text of ``schedule`` (each encoded once)."""
-    return {t: encode(t) for t in schedule.texts()}
+    """{text: [1, L, D] embedding} of every text of ``schedule`` (each encoded once, each checked finite: a text
+    encoder that answers NaN is named with the prompt). The schedule was read and bounded first (at most
+    ``sampling.prompts.MAX_CHUNKS`` entries, every text within what the encoder reads)."""
+    from ..model.finite import check_conditioning
+    out = {}
+    for t in schedule.texts():
+        out[t] = encode(t)
+        check_conditioning(out[t], f"the text encoder's answer for prompt {t[:60]!r}",
+                           "the text encoder (CLIP) is broken or in the wrong precision: load it again, or in fp32")
+    return out
 
 
 def _schedule_kwargs(model, text, recache, clip, num_frames, frames_per_block) -> dict:

@@ -51,10 +51,11 @@ class WanAccelPromptSchedule:
             raise ValueError("prompt_schedule is empty: give at least '0: <prompt>'")
         if recache not in CACHE_MODES:
             raise ValueError(f"recache must be one of {', '.join(CACHE_MODES)}, got {recache!r}")
-        embeddings = {}
-        for text in schedule.texts():
+        def encode_one(text):
             cond = clip.encode_from_tokens(clip.tokenize(text))
-            embeddings[text] = cond[0] if isinstance(cond, (tuple, list)) else cond
+            return cond[0] if isinstance(cond, (tuple, list)) else cond
+
+        embeddings = encode_schedule(schedule, encode_one)      # read and bounded first; each answer checked
         first = schedule.contexts(embeddings, 1)[0]
         return ([[first, {SCHEDULE_KEY: {"schedule": schedule, "embeddings": embeddings, "recache": recache,
                                         "vae": vae}}]],)

@@ -8,7 +8,8 @@ Text form, one entry per line (blank lines and lines starting with ``#`` are ign
 
 ``<chunk>: <prompt>``: from that chunk on, the prompt conditions the video. A prompt is one text or a weighted mix
 ``text :w | text :w`` (each weight finite and > 0, written after a space and a colon; the weights are normalised to
-sum 1; a part without a weight counts 1). A trailing ``(blend N)`` / ``(blend N, slerp)`` / ``(blend N, linear)``
+sum 1, dividing by the largest first so that no sum overflows; a part without a weight counts 1; at most
+``MAX_MIX_PARTS`` parts). A trailing ``(blend N)`` / ``(blend N, slerp)`` / ``(blend N, linear)``
 moves from the previous chunk's context to the new one over N chunks: chunk c + j (j = 0 .. N-1) gets
 ``blend(previous, new, (j + 1) / N)``, so the N-th chunk is the new prompt exactly; N = 0 or no blend is a hard
 switch. ``(blend N, krea)`` (N >= 2) is Krea Realtime's interpolation: chunk c + j (j = 0 .. N-1) gets
@@ -16,6 +17,11 @@ switch. ``(blend N, krea)`` (N >= 2) is Krea Realtime's interpolation: chunk c +
 chunk c + N - 1 is the new prompt; an entry that interrupts a running blend starts from the context of the chunk
 before it, as Krea restarts from the embedding in effect. A Krea prompt change requested before block b is
 ``b: <prompt> (blend N, krea)``, interrupted or not. Chunk 0 must be present.
+
+Bounds, checked while the text is read and before anything is encoded: a chunk is below ``MAX_CHUNKS`` (the
+chunks of the longest video; ``validate`` then checks the run's own), so a schedule has at most that many entries;
+a prompt text is at most ``MAX_PROMPT_CHARS`` characters (the text encoder reads ``TEXT_TOKENS`` tokens) and is
+text: no lone surrogate (a string no encoder or file can take) and no control character.
 
 Mixes and blends act on the raw text-encoder output [B or 1, L, text_dim] (before the model's text embedding), in
 float32, cast back to the embeddings' dtype; embeddings of different lengths are zero-padded to the longest, as the
@@ -35,6 +41,13 @@ _BLEND = re.compile(r"\(\s*blend\s+([^,()]*?)\s*(?:,\s*([^,()]*?)\s*)?\)\s*$", r
 _ENTRY = re.compile(r"^\s*([^:]*?)\s*:(.*)$")
 _WEIGHT = re.compile(r"^(.*\S)\s+:\s*(\S+)\s*$|^\s*:\s*(\S+)\s*$")
 EXAMPLE = "0: a cat walks in the garden\n6: the cat starts to run (blend 2)"
+MAX_CHUNKS = 1024               # chunks of the longest video: 4093 video frames = 1024 latent frames, 1 per chunk
+TEXT_TOKENS = 512               # what Wan's text encoder (umt5-xxl) reads of a prompt; the rest is cut off
+MAX_PROMPT_CHARS = 16 * TEXT_TOKENS     # more characters than any TEXT_TOKENS tokens spell out
+MAX_MIX_PARTS = 8               # prompts mixed in one entry (each is encoded on its own)
+MAX_LINE_CHARS = MAX_MIX_PARTS * (MAX_PROMPT_CHARS + 32) + 64     # the longest line a valid entry can take
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -47,8 +60,12 @@ class Entry:
     mode: str = "linear"
 
     def weights(self) -> list:
-        total = math.fsum(w for _, w in self.parts)
-        return [w / total for _, w in self.parts]
+        """The parts' weights normalised to sum 1: divided by the largest first (each then in (0, 1], their sum at
+        most the number of parts), so weights near the float maximum never overflow the sum."""
+        top = max(w for _, w in self.parts)
+        scaled = [w / top for _, w in self.parts]
+        total = math.fsum(scaled)
+        return [w / total for w in scaled]
 
     def prompt_text(self) -> str:
         if len(self.parts) == 1 and self.parts[0][1] == 1.0:
@@ -60,11 +77,30 @@ class Entry:
         return f"{self.chunk}: {self.prompt_text()}{tail}"
 
 
+def check_prompt_text(text, where: str = "prompt") -> str:
+    """A prompt text the text encoder can read whole: a str of at most MAX_PROMPT_CHARS characters, with no lone
+    surrogate and no control character; ValueError naming ``where`` and the fix (never echoing a long text)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: a prompt is text, got {type(text).__name__}")
+    if len(text) > MAX_PROMPT_CHARS:
+        raise ValueError(f"{where}: a prompt of {len(text):,} characters is longer than the text encoder reads (the "
+                         f"first {TEXT_TOKENS} tokens, at most about {MAX_PROMPT_CHARS:,} characters); shorten it")
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise ValueError(f"{where}: the prompt holds U+{ord(bad.group()):04X} at character {bad.start() + 1}, a lone "
+                         f"surrogate that is not a character (text pasted from a broken source); retype it")
+    bad = _CONTROL.search(text)
+    if bad is not None:
+        raise ValueError(f"{where}: the prompt holds the control character U+{ord(bad.group()):04X} at character "
+                         f"{bad.start() + 1}; remove it (a prompt is plain text on one line)")
+    return text
+
+
 def _check_text(text, where: str) -> str:
     if not isinstance(text, str) or not text.strip():
         first = EXAMPLE.splitlines()[0]
         raise ValueError(f"{where}: a prompt text is empty; write the text after the colon (e.g. '{first}')")
-    text = text.strip()
+    text = check_prompt_text(text.strip(), where)
     if "\n" in text or "\r" in text or "|" in text:
         raise ValueError(f"{where}: a prompt text may not contain a line break or '|' (the mix separator); put each "
                          f"prompt on one line")
@@ -89,6 +125,9 @@ def _check_weight(w: float, where: str) -> float:
 
 def _parse_prompt(body: str, where: str) -> tuple:
     parts = []
+    if body.count("|") >= MAX_MIX_PARTS:
+        raise ValueError(f"{where}: a mix of {body.count('|') + 1} prompts; mix at most {MAX_MIX_PARTS} (each is "
+                         f"encoded on its own)")
     for piece in body.split("|"):
         m = _WEIGHT.match(piece)
         if m is None:
@@ -115,11 +154,22 @@ class PromptSchedule:
             if i and e.chunk <= entries[i - 1].chunk:
                 raise ValueError(f"{where}: chunks must strictly increase (the previous entry is chunk "
                                  f"{entries[i - 1].chunk}); order the lines by chunk, one line per chunk")
+            if e.chunk >= MAX_CHUNKS:
+                raise ValueError(f"{where}: the chunk must be below {MAX_CHUNKS} (a video has at most {MAX_CHUNKS} "
+                                 f"chunks)")
             if not e.parts:
                 raise ValueError(f"{where}: no prompt text")
+            if len(e.parts) > MAX_MIX_PARTS:
+                raise ValueError(f"{where}: a mix of {len(e.parts)} prompts; mix at most {MAX_MIX_PARTS}")
             for t, w in e.parts:
                 _check_text(t, where)
                 _check_weight(w, where)
+            shares = e.weights()
+            if min(shares) <= 0.0:
+                t, w = e.parts[shares.index(min(shares))]
+                raise ValueError(f"{where}: the weight {w!r} of {t[:40]!r} is too small beside "
+                                 f"{max(x for _, x in e.parts)!r} for its share to be a number (it rounds to 0); "
+                                 f"give weights within a factor of 1e300 of each other")
             if e.mode not in BLEND_MODES:
                 raise ValueError(f"{where}: blend mode {e.mode!r} is not one of {BLEND_MODES}")
             if not isinstance(e.blend, int) or e.blend < 0:
@@ -139,10 +189,16 @@ class PromptSchedule:
             raise ValueError(f"a prompt schedule is text, got {type(text).__name__}")
         entries = []
         for no, raw in enumerate(text.splitlines(), 1):
+            where = f"prompt schedule line {no}"
+            if len(raw) > MAX_LINE_CHARS:       # before any pattern runs over it
+                raise ValueError(f"{where} has {len(raw):,} characters; an entry is at most {MAX_MIX_PARTS} prompts "
+                                 f"of at most {MAX_PROMPT_CHARS:,} characters each (what the text encoder reads)")
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue
-            where = f"prompt schedule line {no}"
+            if len(entries) >= MAX_CHUNKS:
+                raise ValueError(f"{where}: the prompt schedule has more than {MAX_CHUNKS} entries, but a video has "
+                                 f"at most {MAX_CHUNKS} chunks (one entry each); nothing was encoded")
             m = _ENTRY.match(line)
             if m is None or not m.group(1):
                 raise ValueError(f"{where}: {line[:60]!r} is not '<chunk>: <prompt>'; write e.g. "
@@ -150,6 +206,10 @@ class PromptSchedule:
             chunk = _number(m.group(1), "the chunk", where, int)
             if chunk < 0:
                 raise ValueError(f"{where}: the chunk {chunk} must be >= 0")
+            if chunk >= MAX_CHUNKS:
+                raise ValueError(f"{where}: chunk {m.group(1)[:12]}{'...' if len(m.group(1)) > 12 else ''} is past "
+                                 f"the longest video ({MAX_CHUNKS} chunks, 0..{MAX_CHUNKS - 1}); use a chunk of "
+                                 f"the video")
             body, blend, mode = m.group(2), 0, "linear"
             b = _BLEND.search(body)
             if b is not None:
@@ -304,4 +364,5 @@ def blend(a: torch.Tensor, b: torch.Tensor, alpha: float, mode: str = "linear") 
     return torch.where(linear_rows, lin.expand_as(sl), sl)
 
 
-__all__ = ["PromptSchedule", "Entry", "blend", "BLEND_MODES", "SLERP_PARALLEL_COS"]
+__all__ = ["PromptSchedule", "Entry", "blend", "check_prompt_text", "BLEND_MODES", "SLERP_PARALLEL_COS", "MAX_CHUNKS",
+           "MAX_PROMPT_CHARS", "MAX_MIX_PARTS", "TEXT_TOKENS"]

@@ -25,6 +25,7 @@ import threading
 
 import torch
 
+from ...model.finite import NonFiniteError, check_conditioning
 from ...sampling.continuation import sample_continuable, weight_fingerprint
 from ...sampling.krea import cache_setup
 from ...sampling.prompts import PromptSchedule
@@ -117,10 +118,30 @@ class PromptPlaySession(SessionBase):
             if emb.shape[-1] != self.model.config.text_dim:
                 raise PlayError(f"the text encoder's embedding is {emb.shape[-1]} wide but the model takes "
                                 f"{self.model.config.text_dim}: connect the model's own text encoder (umt5-xxl for Wan)")
-            if not torch.isfinite(emb).all():
-                raise PlayError(f"the text encoder gave non-finite values for {text[:60]!r}")
+            check_conditioning(emb, f"the text encoder's answer for {text[:60]!r}",
+                               "the text encoder is broken or in the wrong precision; type another prompt")
             self.embeddings[text] = emb.detach().cpu()
         return {t: self.embeddings[t] for t in schedule.texts()}
+
+    def _prepare(self, prompt) -> tuple:
+        """(schedule, its lines, the prompt in effect, the chunk's context, whether it switches) for ``prompt``,
+        changing nothing of the session: whatever is wrong with the prompt (its text, its mix, what the encoder
+        answers) is a PlayError saying why, and the session goes on from where it was."""
+        try:
+            schedule, lines, text = self._schedule_with(prompt)
+            embeddings = self._embed(schedule)
+            context = schedule.contexts(embeddings, self.chunks + 1)[self.chunks]
+            switched = bool(self.chunks) and self.chunks in schedule.switch_chunks(self.chunks + 1)
+        except PlayError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad prompt must not end the session
+            shown = "\n".join(str(prompt).splitlines()).strip()[:80] if isinstance(prompt, str) else type(prompt).__name__
+            reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            if not isinstance(exc, ValueError):
+                reason = f"{type(exc).__name__}: {reason}"
+            raise PlayError(f"prompt {shown!r} was refused ({reason}); the session goes on from chunk "
+                            f"{self.chunks} with the prompt in effect") from None
+        return schedule, lines, text, context, switched
 
     # ------------------------------------------------------------------------------------------------ chunks
     def step(self, prompt: str = "", callback=None) -> torch.Tensor:
@@ -130,10 +151,7 @@ class PromptPlaySession(SessionBase):
             if self.ended:
                 raise PlayError(f"this play session has ended ({self.ended}): start a new one")
             self._check_weights()
-            schedule, lines, text = self._schedule_with(prompt)
-            embeddings = self._embed(schedule)
-            context = schedule.contexts(embeddings, self.chunks + 1)[self.chunks]
-            switched = bool(self.chunks) and self.chunks in schedule.switch_chunks(self.chunks + 1)
+            schedule, lines, text, context, switched = self._prepare(prompt)
             device = self.model.device
             policy = self.cache.cache_policy
             mark = policy.mark() if hasattr(policy, "mark") else None
@@ -143,9 +161,12 @@ class PromptPlaySession(SessionBase):
                     self.width, seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block,
                     kv_window=self.kv_window, sink=self.sink, state=self.state, state_device=self.state_device,
                     callback=callback, **self.cache.sampler_kwargs())
-            except BaseException:
+            except BaseException as exc:
                 if mark is not None:            # an interrupted chunk: the policy goes on from the last chunk made
                     policy.rewind(mark)
+                if isinstance(exc, NonFiniteError):     # the state was copied, not changed: the session goes on
+                    raise PlayError(f"prompt {text[:80]!r} gave a chunk of NaN values, which was dropped: "
+                                    f"{exc}; the session goes on from chunk {self.chunks}") from None
                 raise
             self.state = state
             self.lines, self.prompt = lines, text
