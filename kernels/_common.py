@@ -207,8 +207,8 @@ def _digest(h, obj, seen: set) -> None:
     elif inspect.ismodule(obj):
         h.update(obj.__name__.encode())
         for name, value in sorted(vars(obj).items()):
-            if name.startswith("__"):
-                continue
+            if name.startswith("__") or (name.startswith("_") and isinstance(value, (dict, list, set))):
+                continue        # a private mutable global is the module's run-time state (memos), not its code
             if (inspect.isfunction(value) or inspect.isclass(value)) and \
                     getattr(value, "__module__", None) == obj.__name__:
                 h.update(name.encode())

@@ -227,3 +227,17 @@ def test_a_crashing_or_hanging_stage_fails_alone(tmp_path, monkeypatch):
     assert by["crash"]["status"] == "failed" and by["crash"]["detail"].startswith("exit 2")
     assert by["hang"]["status"] == "failed" and "did not finish" in by["hang"]["detail"]
     assert by["doctor"]["status"] == "passed" and not result["passed"]
+
+
+def test_a_modules_run_time_state_is_not_part_of_its_code_digest():
+    """Verdicts hold for the code they judged: a memo filled in by running (the interpreter check's state) must not
+    make a verdict look stale, or every run in a long-lived process probes again."""
+    import types
+    from wan_accel.kernels._common import code_digest
+    mod = types.ModuleType("fake_kernels")
+    exec("LIMIT = 3\n_STATE = {}\ndef f(x):\n    return x + LIMIT\n", mod.__dict__)
+    before = code_digest(mod)
+    mod._STATE["usable"] = True                     # filled in at run time
+    assert code_digest(mod) == before
+    mod.LIMIT = 4                                    # a constant of the code: a new digest
+    assert code_digest(mod) != before
