@@ -131,27 +131,37 @@ def check_conditioning(t, what: str, fix: str = "encode the prompt again, or use
         raise NonFiniteError(f"{what} holds {_what(t)} (it would give a NaN video); {fix}")
 
 
-def check_contexts(contexts, what: str = "the text conditioning") -> None:
-    """``check_conditioning`` for several tensors (shared ones once) with one host sync."""
+def context_flags(contexts) -> list:
+    """(tensor, on-device 'not finite' flag) of each conditioning tensor (shared ones once); no host sync: the flags
+    are read later together with others (``check_output(pending=...)``) or by ``check_contexts``."""
     seen, flags = set(), []
     for t in contexts:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in seen:
             seen.add(id(t))
             flags.append((t, _bad_flag(t)))
-    if not flags:
-        return
-    bad = _read_flags([f for _, f in flags])
+    return flags
+
+
+def _conditioning_error(flags: list, bad: list, what: str) -> None:
     for (t, _), b in zip(flags, bad):
         if b:
             check_conditioning(t, what, "the text encoder's output (or the embeddings given) is broken: encode "
                                         "the prompt again, or use another text encoder")
 
 
-def output_problem(latents: torch.Tensor) -> str | None:
-    """Why the sampled latents [B, F, ...] are not a video (None: every value finite); one host sync."""
+def check_contexts(contexts, what: str = "the text conditioning") -> None:
+    """``check_conditioning`` for several tensors (shared ones once) with one host sync."""
+    flags = context_flags(contexts)
+    if flags:
+        _conditioning_error(flags, _read_flags([f for _, f in flags]), what)
+
+
+def output_problem(latents: torch.Tensor, bad: bool | None = None) -> str | None:
+    """Why the sampled latents [B, F, ...] are not a video (None: every value finite); one host sync (none when
+    ``bad``, the flag already read, is given)."""
     if not isinstance(latents, torch.Tensor) or not latents.is_floating_point() or latents.numel() == 0:
         return None
-    if not bool(_bad_flag(latents)):
+    if not (bool(_bad_flag(latents)) if bad is None else bad):
         return None
     frames = (~torch.isfinite(latents.detach().float())).flatten(2).any(-1).any(0) if latents.dim() >= 3 else None
     first = int(frames.nonzero()[0, 0]) if frames is not None and bool(frames.any()) else 0
@@ -179,11 +189,18 @@ LARGE_WEIGHT = 1e4          # trained weights stay far below this; a weight abov
 
 
 def check_output(latents: torch.Tensor, what: str = "the sampled latents", dtype=None, contexts=(),
-                 model=None) -> None:
+                 model=None, pending: list = ()) -> None:
     """NonFiniteError when the run's latents hold NaN or inf: the weights and the conditioning were checked where
     they entered, so a value overflowed while sampling; the message says what most likely did (the largest weight
-    of ``model`` when it is far from a trained one's, conditioning of huge values, float16)."""
-    problem = output_problem(latents)
+    of ``model`` when it is far from a trained one's, conditioning of huge values, float16). ``pending``: the
+    conditioning flags of ``context_flags``, read in the same host sync (a broken conditioning is named first)."""
+    out_flag = _bad_flag(latents) if isinstance(latents, torch.Tensor) and latents.is_floating_point() and \
+        latents.numel() else None
+    flags = [f for _, f in pending] + ([out_flag] if out_flag is not None else [])
+    bad = _read_flags(flags) if flags else []
+    if pending:
+        _conditioning_error(list(pending), bad[:len(pending)], "the text conditioning")
+    problem = output_problem(latents, bad[-1] if out_flag is not None else None)
     if problem is None:
         return
     likely = []
@@ -212,5 +229,5 @@ def check_output(latents: torch.Tensor, what: str = "the sampled latents", dtype
                          f"{'; or '.join(likely)}. Nothing was kept of this run")
 
 
-__all__ = ["NonFiniteError", "check_weights", "check_conditioning", "check_contexts", "check_output",
+__all__ = ["NonFiniteError", "check_weights", "check_conditioning", "check_contexts", "context_flags", "check_output",
            "output_problem", "largest_weight"]

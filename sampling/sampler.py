@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from ..cache import open_cache
-from ..model.finite import check_contexts, check_output
+from ..model.finite import check_output, context_flags
 from ..model.kv_cache import KVCache
 from ..model.rope import check_positions
 from .loop import EagerExecutor, run_chunks, text_batch
@@ -158,7 +158,7 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
                                  cache_policy=cache_policy, recache=recache, previous_context=previous_context,
                                  history=history)
     given = [context] if chunk_contexts is None else list(chunk_contexts)
-    check_contexts(given + [previous_context])      # where the conditioning enters the run: one host sync
+    pending = context_flags(given + [previous_context])   # where the conditioning enters; read with the output
     hooks = SamplingHooks(callback, on_chunk, tracer, chunk_guard)
     if report is not None:
         report["path"] = req.path
@@ -172,7 +172,8 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     out, info = run_chunks(model, executor, req, inputs, hooks)
     if report is not None:
         report.update(info, skipped_last_refresh=req.skip_last_refresh)
-    check_output(out, dtype=getattr(model, "compute_dtype", None), contexts=given, model=model)   # once, at the end
+    check_output(out, dtype=getattr(model, "compute_dtype", None), contexts=given, model=model,
+                 pending=pending)                             # once, at the end: one host sync per run
     return out                                                # a continued run: its new frames only
 
 

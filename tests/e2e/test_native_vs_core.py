@@ -48,5 +48,5 @@ def test_both_samplers_run_side_by_side_on_one_model(tmp_path):
     assert res["model"] == "WAN21_CausalAR"
     assert set(res["min_s"]) == {"wan_accel", "core_ar_video"} and all(v > 0 for v in res["min_s"].values())
     native, own = res["structure"]["wan_accel"], res["structure"]["pack_optimized"]
-    assert native["syncs_per_video"] <= 1, native                 # the sigmas, read once
+    assert native["syncs_per_video"] <= 2, native    # the sigmas, read once; the finite check at the video's end
     assert abs(native["ops_per_step"] - own["ops_per_step"]) <= 0.05 * own["ops_per_step"], res["structure"]
