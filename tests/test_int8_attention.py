@@ -146,18 +146,44 @@ def test_bench_sampler_puts_int8_rows_beside_exact():
     assert sampler.VARIANTS["optimized"]["attention"] == "auto"
 
 
-def test_readme_fidelity_table_is_what_the_fixtures_measure():
-    """The README's Fidelity rows (fixture, path, final max / mean, worst step max) against ``bench fidelity``'s
-    measurement, within 10% (other CPUs sum in another order)."""
-    from wan_accel.app.bench.fidelity import measure
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Fidelity", 1)[1].split("\n## ", 1)[0]
+def _fidelity_section() -> str:
+    return (REPO / "README.md").read_text().split("## Fidelity", 1)[1].split("\n## ", 1)[0]
+
+
+def test_every_int8_call_of_the_fidelity_runs_is_within_the_bound(monkeypatch):
+    """What the README's Fidelity section states and every CPU reproduces: on the recorded fixtures, both sampler
+    paths, every int8 attention call of ``bench fidelity``'s runs stays within ``error_bound`` of exact attention
+    (float64) on that call's own inputs, and int8 does change the video. The whole-video figures of the table
+    are one machine's measurement (another CPU sums float32 in another order, an int8 code rounds the other way
+    and the figures move by percents), so they are checked for their form and the machine they name, not their
+    digits."""
+    from wan_accel.app.bench.fidelity import PATHS, measure
+    worst, calls = [0.0], [0]
+    real = ia.int8_attention_torch
+
+    def checked(q, k, v, key_padding_mask=None):
+        out = real(q, k, v, key_padding_mask)
+        keep = slice(None) if key_padding_mask is None else key_padding_mask[0]
+        assert key_padding_mask is None or bool((key_padding_mask == key_padding_mask[:1]).all())
+        bound = ia.error_bound(q, k, v, key_padding_mask)
+        exact = _exact(q, k[:, keep], v[:, keep])
+        worst[0] = max(worst[0], float(((out.float() - exact).abs() / bound).max()))
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(ia, "int8_attention_torch", checked)
+    section = _fidelity_section()
     table = {(m[0], m[1]): [float(x) for x in m[2:]] for m in re.findall(
         r"^\| (\w+) \| (reference|optimized) \| ([\d.e+-]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \|", section, re.M)}
-    assert len(table) == 4, section
-    for fixture in ("wan_reference", "matrix_game2"):
-        for row in measure(FIXTURES / fixture, "int8"):
-            got = [row["final"]["max_abs"], row["final"]["mean_abs"], max(s["max_abs"] for s in row["steps"])]
-            want = table[(fixture, row["path"])]
-            assert got == pytest.approx(want, rel=0.1), (fixture, row["path"], got, want)
-            assert 0 < got[0] < 0.1
+    fixtures = ("wan_reference", "matrix_game2")
+    assert set(table) == {(f, p) for f in fixtures for p in PATHS}, section
+    assert re.search(r"^\| .*measured on (an? )?[A-Z][\w ]*(CPU|GPU)", section, re.M), "rows name their machine"
+    for fixture in fixtures:
+        calls[0], worst[0] = 0, 0.0
+        rows = measure(FIXTURES / fixture, "int8")
+        assert calls[0] > 0, "the int8 runs went through int8 attention"
+        assert worst[0] <= 1.0, (fixture, worst[0])
+        assert [r["path"] for r in rows] == list(PATHS)
+        for row in rows:
+            assert row["steps"] and all(s["max_abs"] > 0 for s in row["steps"]), (fixture, row["path"])
+            assert row["final"]["max_abs"] > 0, (fixture, row["path"])

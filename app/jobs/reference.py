@@ -94,12 +94,16 @@ def _detect_causal(cfg: dict) -> bool:
     return cfg.get("fixture") == "causal_wan_kv_cached_sampling"
 
 
-def _schedule_from(cfg: dict):
+def _schedule_from_steps(steps, shift, warp=True, num_train_timesteps=1000):
     from ...sampling.scheduler import resolve_schedule
+    return resolve_schedule("custom", steps=steps, shift=shift, warp=warp, num_train_timesteps=num_train_timesteps)
+
+
+def _schedule_from(cfg: dict):
     s = cfg["sampler"]
-    return resolve_schedule("custom", steps=s["denoising_step_list_config"], shift=s["timestep_shift"],
-                            warp=s.get("warp_denoising_step", True),
-                            num_train_timesteps=s.get("scheduler", {}).get("num_train_timesteps", 1000))
+    return _schedule_from_steps(s["denoising_step_list_config"], s["timestep_shift"],
+                                s.get("warp_denoising_step", True),
+                                s.get("scheduler", {}).get("num_train_timesteps", 1000))
 
 
 def _schedule_rows(sched, io: dict) -> list:
@@ -202,6 +206,8 @@ def _register_optional(name: str, module: str) -> None:
 
 
 _register_optional("matrix_game2", ".mg2_reference")
+_register_optional("longlive", ".longlive_reference")
+_register_optional("krea_realtime", ".krea_reference")
 
 
 # --------------------------------------------------------------------- entry point
