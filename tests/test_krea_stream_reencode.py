@@ -1,0 +1,181 @@
+"""Krea's stand-in first frame re-encoded through the stream decoder's state (``sampling.krea.StreamReencode``).
+
+Krea's server decodes each block as it is made with one streaming decoder (its temporal cache carried from block to
+block), keeps the last 1 + (K - 1) * 4 pixel frames (``frame_context_cache``) and encodes the oldest of them, the
+last pixel frame of latent frame f0 - K, as the new first frame. Here a stand-in causal decoder with a temporal
+memory (a pixel frame depends on the latent frame before it) tells that frame apart from the same latent frame
+decoded on its own; ``krea_session_pixels`` is that procedure as the official session runs it."""
+import collections
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from wan_accel.app.play.t2v import PromptPlaySession
+from wan_accel.model.config import WanConfig
+from wan_accel.model.loader import load_wan_checkpoint
+from wan_accel.sampling.krea import KreaRecompute, StreamReencode, cache_setup, krea_schedule, vae_reencode
+from wan_accel.sampling.sampler import generate_latents, sample_causal
+
+FIX = Path(__file__).parent / "fixtures" / "krea_realtime"
+CFG = json.loads((FIX / "krea_config.json").read_text())
+IO = load_file(str(FIX / CFG["io_file"]))
+TOL = 1e-4
+
+
+def step(x, memory):
+    """One latent frame [B, 1, C, H, W] through the stand-in causal decoder: 1 pixel frame for the first frame,
+    4 for the others, each depending on the frame before (the temporal cache)."""
+    if memory is None:
+        return torch.tanh(x)
+    return torch.cat([torch.tanh(x * (k + 1) / 4 + 0.5 * memory) for k in range(4)], dim=1)
+
+
+class PairStream:
+    """The stand-in decoder as ComfyUI's walk runs it: the first frame alone, then pairs; a frame whose pair has
+    not arrived is held back and returned with the next push."""
+
+    def __init__(self):
+        self.memory, self.held, self.first, self.pushes = None, None, True, 0
+
+    def __call__(self, z):
+        self.pushes += 1
+        if self.held is not None:
+            z, self.held = torch.cat([self.held, z], 1), None
+        frames = list(z.split(1, dim=1))
+        todo = [frames.pop(0)] if self.first else []
+        self.first = False
+        while len(frames) >= 2:
+            todo += [frames.pop(0), frames.pop(0)]
+        if frames:
+            self.held = frames[0]
+        out = []
+        for x in todo:
+            out.append(step(x, self.memory))
+            self.memory = x
+        return torch.cat(out, dim=1) if out else None
+
+
+def krea_session_pixels(latents, k, fpb):
+    """Per block b (from 1 on): the oldest pixel frame Krea's session keeps, decoding block after block with one
+    decoder state (release_server.generate_block_internal: ``frame_context_cache`` of 1 + (K - 1) * 4 frames)."""
+    cache, memory, out = collections.deque(maxlen=1 + (k - 1) * 4), None, {}
+    blocks = latents.shape[1] // fpb
+    for b in range(blocks):
+        if b > 0:
+            out[b] = cache[0]
+        for i in range(b * fpb, (b + 1) * fpb):
+            x = latents[:, i:i + 1]
+            for p in step(x, memory).split(1, dim=1):
+                cache.append(p)
+            memory = x
+    return out
+
+
+def encode(px):
+    return 0.75 * px.half().float() + 0.1
+
+
+class Recorder:
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, px):
+        self.seen.append(px.clone())
+        return encode(px)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_wan_checkpoint(FIX / CFG["weights_file"], device="cpu", dtype=torch.float32, precision="float32",
+                               config=WanConfig.from_dict(CFG["config"]), attention="sdpa")
+
+
+def _run(model, policy, path="reference", blocks=6, k=3, fpb=3, seed=3):
+    noise = torch.randn(1, blocks * fpb, 16, 4, 6, generator=torch.Generator().manual_seed(seed))
+    return sample_causal(model, IO["prompt0"], noise, krea_schedule(4), fpb, generator=torch.Generator().manual_seed(1),
+                         kv_window=k + fpb, recache="none", cache_policy=policy, path=path,
+                         fast_options={"cuda_graphs": "off"} if path == "optimized" else None)
+
+
+@pytest.mark.parametrize("path", ["reference", "optimized"])
+def test_the_re_encoded_frame_is_the_one_the_session_keeps(model, path):
+    k, fpb, blocks = 3, 3, 6
+    rec = Recorder()
+    stream = PairStream()
+    out = _run(model, KreaRecompute(k, fpb, reencode=StreamReencode(stream, rec)), path, blocks, k, fpb)
+    want = krea_session_pixels(out, k, fpb)
+    # re-encoded from block 2 on (f0 - fpb >= K): the oldest kept pixel frame of each block, as the stream decoded it
+    assert len(rec.seen) == blocks - 2
+    for b, got in zip(range(2, blocks), rec.seen):
+        assert (got - want[b]).abs().max() <= TOL, b
+    assert stream.pushes == blocks - 1                  # one push a block, the frames before it
+    # the same latent frame decoded on its own (vae_reencode: a first frame, no temporal cache) is another frame
+    alone = Recorder()
+    other = _run(model, KreaRecompute(k, fpb, reencode=vae_reencode(lambda z: PairStream()(z), alone)), path,
+                 blocks, k, fpb)
+    assert (alone.seen[0] - want[2]).abs().max() > 0.1
+    assert (other - out).abs().max() > 10 * TOL
+
+
+def test_with_the_fixtures_memoryless_decoder_it_matches_the_official_session(model):
+    """The official fixture's stand-in decoder (each latent frame repeated as pixel frames) as a stream: the
+    official session's output."""
+    s = CFG["session"]
+    k, fpb = s["kv_cache_num_frames"], s["num_frame_per_block"]
+    state = {"first": True}
+
+    def push(z):                                        # Wan's layout: 1 pixel frame for frame 0, then 4 each
+        px = z.repeat_interleave(4, dim=1)
+        if state["first"]:
+            px, state["first"] = px[:, 3:], False
+        return px
+    rec = Recorder()
+    noise = IO["initial_noise"]
+    sched = "\n".join(["0: p0", "3: p1 (blend 2)", "6: p2 (blend 1)"])
+    out = sample_causal(model, None, noise, krea_schedule(4), fpb, kv_window=k + fpb, recache="none",
+                        noise_provider=lambda ci, st, shape, dt, dev: IO[f"extra_noise.block{ci}.step{st}"],
+                        prompt_schedule=sched, prompt_embeddings={f"p{i}": IO[f"prompt{i}"] for i in range(3)},
+                        cache_policy=KreaRecompute(k, fpb, reencode=StreamReencode(push, rec)), path="reference")
+    assert (out - IO["output"]).abs().max() <= TOL
+    official = [IO[f"reencode_input.{i}"] for i in range(len(rec.seen))]
+    assert len(official) == len(rec.seen) == 4
+    for got, want in zip(rec.seen, official):
+        assert (got[0, 0].half().float() - want).abs().max() <= TOL
+
+
+def test_play_goes_on_through_the_stream_as_one_run(model):
+    """Chunk by chunk (each a continuation, the earlier frames from the state's history), the stream decodes every
+    frame once and in order: the frames of one run, and the frames the session keeps re-encoded."""
+    k, fpb, blocks = 3, 3, 6
+    embed = lambda text: IO["prompt0"] if text == "a" else IO["prompt1"]          # noqa: E731
+    rec, stream = Recorder(), PairStream()
+    play = PromptPlaySession(model, embed, 4, 6, seed=5, schedule="krea", frames_per_block=fpb, kv_window=k + fpb,
+                             recache="krea", prompt="a", reencode=StreamReencode(stream, rec))
+    for p in ("", "", "b (blend 2, krea)", "", "", ""):
+        play.step(p)
+    video = play.latent_video().transpose(1, 2)
+    want = krea_session_pixels(video, k, fpb)
+    assert len(rec.seen) == blocks - 2
+    for b, got in zip(range(2, blocks), rec.seen):
+        assert (got - want[b]).abs().max() <= TOL, b
+    setup = cache_setup("krea", fpb, k + fpb, StreamReencode(PairStream(), encode))
+    one = generate_latents(model, None, blocks * fpb, 4, 6, seed=5, schedule="krea", frames_per_block=fpb,
+                           kv_window=setup.kv_window, prompt_schedule=play.script_file(), path="reference",
+                           prompt_embeddings={"a": IO["prompt0"], "b": IO["prompt1"]}, **setup.sampler_kwargs())
+    assert torch.equal(video, one)
+
+
+def test_a_stream_that_missed_frames_is_refused():
+    s = StreamReencode(PairStream(), encode)
+    s.push_frames(0, torch.zeros(1, 2, 16, 4, 6))
+    with pytest.raises(ValueError, match="cannot follow"):
+        s.push_frames(3, torch.zeros(1, 3, 16, 4, 6))
+    with pytest.raises(ValueError, match="has not given the last pixel frame of latent frame 1"):
+        s.reencode(1)                               # frame 1 is held back until its pair arrives
+    s.push_frames(2, torch.zeros(1, 1, 16, 4, 6))
+    assert s.reencode(1).shape == (1, 1, 16, 4, 6) and s.pixels_out == 1 + 4 * 2
+    with pytest.raises(TypeError, match="by its index"):
+        s(torch.zeros(1, 1, 16, 4, 6))
