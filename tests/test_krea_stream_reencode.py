@@ -179,3 +179,56 @@ def test_a_stream_that_missed_frames_is_refused():
     assert s.reencode(1).shape == (1, 1, 16, 4, 6) and s.pixels_out == 1 + 4 * 2
     with pytest.raises(TypeError, match="by its index"):
         s(torch.zeros(1, 1, 16, 4, 6))
+
+
+def test_the_nodes_re_encode_through_the_vaes_stream_decoder(monkeypatch):
+    """A node's recache krea with a Wan VAE: the policy's own stream decoder gets every clean frame once, in order
+    (VAE space), and the VAE encodes pixel frame 4 (f0 - K) of that stream; a VAE the streaming decoder cannot
+    walk falls back to decoding the latent frame on its own."""
+    from wan_accel.app.jobs.preview import to_vae_latents
+    from wan_accel.model.tiny import tiny_causal_model
+    from wan_accel.nodes import streaming_decode
+    from wan_accel.nodes.model_nodes import comfy_krea_reencode, krea_cache
+    from tests.test_krea_wire import FakeVAE
+
+    class FakeStream:                   # pixel frame p of the stream: latent frame (p + 3) // 4's mean, plus p
+        def __init__(self, vae):
+            self.pushed, self.out = [], 0
+
+        def push(self, z):
+            self.pushed.append(z.clone())
+            n = z.shape[2]
+            frames = (1 + 4 * (n - 1)) if self.out == 0 else 4 * n
+            idx = torch.arange(self.out, self.out + frames)
+            lat = torch.cat(self.pushed, 2)[:, :, (idx + 3) // 4].mean(1)            # [B, frames, h, w]
+            px = (lat + idx.view(1, -1, 1, 1)).repeat_interleave(8, -2).repeat_interleave(8, -1)
+            self.out += frames
+            return px.unsqueeze(-1).expand(-1, -1, -1, -1, 3).clone()
+
+    streams = []
+    monkeypatch.setattr(streaming_decode, "WanStreamDecoder",
+                        lambda vae: streams.append(FakeStream(vae)) or streams[-1])
+    vae = FakeVAE()
+    encoded = []
+    real_encode = vae.encode
+    vae.encode = lambda px: encoded.append(px.clone()) or real_encode(px)
+    setup = krea_cache("krea", 3, 6, vae)
+    assert isinstance(setup.cache_policy.reencode, StreamReencode)
+    model = tiny_causal_model(seed=5)
+    noise = torch.randn(1, 12, 16, 4, 4, generator=torch.Generator().manual_seed(0))
+    out = sample_causal(model, torch.randn(1, model.config.text_len, model.config.text_dim), noise, krea_schedule(4),
+                        3, kv_window=setup.kv_window, path="reference", **setup.sampler_kwargs())
+    (stream,) = streams
+    assert [z.shape[2] for z in stream.pushed] == [3, 3, 3]          # frames 0..8, one push a block
+    assert (torch.cat(stream.pushed, 2) - to_vae_latents(out[:, :9])).abs().max() <= TOL
+    assert len(encoded) == 2                                         # blocks 2 and 3: frames 3 and 6
+    vae_z = to_vae_latents(out)
+    for got, frame in zip(encoded, (3, 6)):
+        want = vae_z[0, :, frame].mean(0) + 4 * frame
+        assert got.shape == (1, 32, 32, 3)
+        assert (got[0, ::8, ::8, 0] - want).abs().max() <= TOL, frame
+
+    def not_wan(vae):
+        raise ValueError("not a Wan 2.1 VAE")
+    monkeypatch.setattr(streaming_decode, "WanStreamDecoder", not_wan)
+    assert not isinstance(comfy_krea_reencode(vae), StreamReencode)
