@@ -232,3 +232,62 @@ def test_the_nodes_re_encode_through_the_vaes_stream_decoder(monkeypatch):
         raise ValueError("not a Wan 2.1 VAE")
     monkeypatch.setattr(streaming_decode, "WanStreamDecoder", not_wan)
     assert not isinstance(comfy_krea_reencode(vae), StreamReencode)
+
+
+VAE_CFG = json.loads((FIX / "krea_stream_vae.json").read_text())
+VAE_IO = load_file(str(FIX / VAE_CFG["io_file"]))
+
+
+class Replay:
+    """A streaming decoder that replays the official stream's pixel frames (tests/fixtures/krea_realtime
+    produce_stream_vae.py: Krea's VAEDecoderWrapper on a tiny random Wan VAE), checking it is given the official
+    latents in order. ``pairs``: return them as ComfyUI's walk does (first frame alone, then pairs; a frame whose pair
+    has not come is held back), else as Krea's decoder does (every frame of the push)."""
+
+    def __init__(self, pairs=False):
+        self.pixels = torch.cat([VAE_IO[f"stream.block{b}"] for b in range(VAE_CFG["num_blocks"])], 1)
+        self.frames_in = self.pixels_out = 0
+        self.pairs = pairs
+
+    def __call__(self, z):
+        n = z.shape[1]
+        assert torch.equal(z, VAE_IO["latents"][:, self.frames_in:self.frames_in + n])
+        self.frames_in += n
+        done = self.frames_in if not self.pairs else 1 + 2 * ((self.frames_in - 1) // 2)
+        upto = 1 + 4 * (done - 1)
+        out, self.pixels_out = self.pixels[:, self.pixels_out:upto], upto
+        return out if out.shape[1] else None
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_the_official_stream_of_a_real_vae_re_encodes_the_official_frame(pairs):
+    """On a (tiny, random) Wan VAE the pixel frames of a latent frame differ and its stream decode differs from its
+    decode alone by ~1 (the fixture's alone_vs_stream_max_abs): the frame the policy hands to the encoder is the one
+    Krea's session hands over, from Krea's own decoder's stream and from a pair walk of the same decode (ComfyUI's
+    WanStreamDecoder's; the official whole decode equals the stream, stream_vs_whole_decode_max_abs 0)."""
+    k, fpb = VAE_CFG["kv_cache_num_frames"], VAE_CFG["num_frame_per_block"]
+    assert VAE_CFG["stream_vs_whole_decode_max_abs"] == 0.0
+    assert min(VAE_CFG["alone_vs_stream_max_abs"].values()) > 0.5
+    seen = []
+
+    def encode_pixels(px):                              # stand-in encoder: [B, 1, 3, 16, 16] -> [B, 1, 16, 2, 2]
+        seen.append(px.clone())
+        lat = torch.nn.functional.avg_pool2d(px[:, 0], 8)
+        return lat.repeat(1, 6, 1, 1)[:, None, :16]
+    policy = KreaRecompute(k, fpb, reencode=StreamReencode(Replay(pairs), encode_pixels))
+    latents = VAE_IO["latents"]
+
+    class State:                                        # what the chunk loop gives before_chunk (no model here)
+        def __init__(self, f0):
+            self.first_frame, self.base, self.out = f0, 0, latents
+
+        def clean(self, start, end):
+            return latents[:, start:end]
+    for b in range(VAE_CFG["num_blocks"]):
+        policy._remember(State(b * fpb))
+        policy._feed_stream(State(b * fpb))
+        policy.context(b * fpb)
+    assert len(seen) == len(VAE_CFG["reencoded_blocks"])
+    for b, got in zip(VAE_CFG["reencoded_blocks"], seen):
+        assert got.shape == (1, 1, 3, 16, 16)
+        assert torch.equal(got, VAE_IO[f"reencode_input.block{b}"][None]), b
