@@ -245,6 +245,33 @@ def comfy_vae_reencode(vae):
     return vae_reencode(decode, encode)
 
 
+def comfy_krea_reencode(vae):
+    """Krea's first-frame re-encode for a ComfyUI VAE as Krea's server does it: through the stream decoder's state
+    (``sampling.krea.StreamReencode`` over ``streaming_decode.WanStreamDecoder``: the policy's own walk decodes every
+    clean latent frame once, in order, and the last pixel frame of latent frame f0 - K as the stream gave it is
+    encoded again). A VAE that the streaming decoder cannot walk (not Wan 2.1, or no ComfyUI) falls back to
+    ``comfy_vae_reencode`` (that latent frame decoded on its own)."""
+    import torch
+
+    from ..app.jobs.preview import from_vae_latents, to_vae_latents
+    from ..sampling.krea import StreamReencode
+    from . import streaming_decode
+    try:
+        decoder = streaming_decode.WanStreamDecoder(vae)
+    except (ImportError, ValueError):
+        decoder = None
+    if decoder is None:
+        return comfy_vae_reencode(vae)
+
+    def push(z):                                        # model space [B, n, C, H, W] -> [B, frames, H, W, 3] or None
+        return decoder.push(to_vae_latents(z))
+
+    def encode(pixels):                                 # [B, 1, H, W, 3] -> model space [B, 1, C, h, w]
+        return torch.cat([from_vae_latents(vae.encode(pixels[b])) for b in range(pixels.shape[0])])
+
+    return StreamReencode(push, encode)
+
+
 def krea_cache(recache, frames_per_block, kv_window, vae=None, names=None, sink=0, preset=None):
     """``sampling.krea.cache_setup`` for a node's recache widget, with the graph's VAE for the first-frame
     re-encode when there is one (else the identity, said once in the console log); ``sink`` and ``preset`` for
@@ -252,7 +279,8 @@ def krea_cache(recache, frames_per_block, kv_window, vae=None, names=None, sink=
     import logging
 
     from ..sampling.krea import cache_setup
-    setup = cache_setup(recache, frames_per_block, kv_window, None if vae is None else comfy_vae_reencode(vae),
+    setup = cache_setup(recache, frames_per_block, kv_window,
+                        None if vae is None or recache != "krea" else comfy_krea_reencode(vae),
                         names=names, sink=sink, preset=preset)
     if setup.note:
         logging.getLogger("wan_accel").warning(setup.note)

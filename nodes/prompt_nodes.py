@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from .model_nodes import (GRAMMAR, comfy_vae_reencode, encode_schedule, parse_schedule,  # noqa: F401
-                          schedule_widget, text_encoder)
+from .model_nodes import (GRAMMAR, comfy_krea_reencode, comfy_vae_reencode, encode_schedule,  # noqa: F401
+                          parse_schedule, schedule_widget, text_encoder)
 
 SCHEDULE_KEY = "wan_accel_prompt_schedule"     # conditioning dict entry read by the native sampler
 
@@ -135,7 +135,7 @@ class CausalWanPromptPlaySession:
             session = PromptPlaySession(net, encode, geo["latent_height"], geo["latent_width"], seed=seed,
                                         schedule=preset, frames_per_block=frames_per_block, kv_window=kv_window,
                                         sink=sink, recache=recache, prompt=prompt,
-                                        reencode=comfy_vae_reencode(vae) if recache == "krea" else None,
+                                        reencode=comfy_krea_reencode(vae) if recache == "krea" else None,
                                         state_device="cpu" if state_on == "cpu" else None,
                                         settings={"width": width, "height": height, "preset": preset})
         except PlayError as exc:

@@ -170,6 +170,23 @@ class KreaRecompute:
         for i in [i for i in self.frames if i < f0 - self.k and not (i == 0 and keep_first)]:
             del self.frames[i]
 
+    def _feed_stream(self, state) -> None:
+        """A ``StreamReencode``: every clean frame before the block, once and in order, into its stream decoder."""
+        stream = self.reencode
+        if not isinstance(stream, StreamReencode):
+            return
+        f0 = state.first_frame
+        if stream.frames_in < f0:
+            try:
+                latents = state.clean(stream.frames_in, f0)
+            except ValueError:
+                raise ValueError(f"the Krea re-encode decodes the video as a stream: it has decoded "
+                                 f"{stream.frames_in} latent frames but this run starts at frame {f0} without the "
+                                 f"ones between; continue with the same KreaRecompute object that sampled them"
+                                 ) from None
+            stream.push_frames(stream.frames_in, latents)
+        stream.forget_before(f0 - self.k)
+
     def _frame(self, i: int) -> torch.Tensor:
         if i not in self.frames:
             raise ValueError(f"the Krea context needs clean latent frame {i}, which this run has not seen; "
@@ -187,7 +204,10 @@ class KreaRecompute:
                 parts.append(self._frame(i))
             else:
                 src = self._frame(-1 - i)
-                parts.append(src if self.reencode is None else self.reencode(src).to(src))
+                if isinstance(self.reencode, StreamReencode):     # the frame as the stream decoded it
+                    parts.append(self.reencode.reencode(-1 - i).to(src))
+                else:
+                    parts.append(src if self.reencode is None else self.reencode(src).to(src))
         return torch.cat(parts, dim=1)
 
     def _context_pass(self, ex, req, ctx: torch.Tensor) -> None:
@@ -215,6 +235,7 @@ class KreaRecompute:
             raise ValueError(f"a chunk of {state.frames} frames is longer than the Krea block of {self.fpb} frames; "
                              "use the same frames_per_block for the run and the policy")
         self._remember(state)
+        self._feed_stream(state)
         ex.reset_self_kv()
         ctx = self.context(f0)
         prev, text = self.prev_text, state.text
@@ -338,6 +359,64 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
                       None if reencode is not None else IDENTITY_REENCODE_NOTE)
 
 
+class StreamReencode:
+    """Krea's first-frame re-encode through the stream decoder's state, a ``reencode`` of ``KreaRecompute``.
+
+    Krea's server decodes every block as it is made with one streaming VAE decoder (its temporal cache goes on from
+    block to block) and keeps the last ``1 + (K - 1) * 4`` pixel frames; the stand-in first frame is the oldest of
+    them, the last pixel frame of latent frame ``f0 - K`` as decoded in the stream, encoded again on its own.
+    Decoding that latent frame alone (``vae_reencode``) gives another frame with a real VAE: alone, it is decoded
+    like a first frame, without the frames before it.
+
+    push(latents [B, n, C, H, W] model space) -> pixels [B, T, ...] (time second) or None: a streaming decoder whose
+    outputs, concatenated, are the whole causal decode, ``1 + time_ratio * (t - 1)`` pixel frames for t latent
+    frames (it may hold frames back and return them with a later push); encode(pixels [B, 1, ...]) -> latents
+    [B, 1, C, H, W] model space. The policy pushes every clean latent frame once, in order, before the block that
+    needs it (``KreaRecompute._feed_stream``); the stream keeps the last pixel frame (pixel ``time_ratio * i``) of
+    the latent frames it may still be asked for."""
+
+    def __init__(self, push: Callable, encode: Callable, time_ratio: int = 4):
+        if not callable(push) or not callable(encode):
+            raise ValueError("StreamReencode needs push(latents) -> pixels and encode(pixels) -> latents callables")
+        self.push, self.encode, self.r = push, encode, int(time_ratio)
+        self.frames_in = 0              # latent frames pushed
+        self.pixels_out = 0             # pixel frames the decoder returned
+        self.kept: dict = {}            # latent frame -> its last pixel frame [B, 1, ...] as the stream decoded it
+        self.oldest = 0                 # latent frames before this one are no longer kept
+
+    def push_frames(self, start: int, latents: torch.Tensor) -> None:
+        if start != self.frames_in:
+            raise ValueError(f"the stream decoder has decoded {self.frames_in} latent frames; frames from {start} "
+                             "cannot follow them")
+        out = self.push(latents)
+        self.frames_in += latents.shape[1]
+        if out is None:
+            return
+        for j in range(out.shape[1]):
+            p = self.pixels_out + j
+            if p % self.r == 0 and p // self.r >= self.oldest:
+                self.kept[p // self.r] = out[:, j:j + 1].detach().clone()
+        self.pixels_out += out.shape[1]
+        if self.pixels_out > 1 + self.r * (self.frames_in - 1):
+            raise ValueError(f"the stream decoder returned {self.pixels_out} pixel frames for {self.frames_in} "
+                             f"latent frames; a causal Wan decode gives at most {1 + self.r * (self.frames_in - 1)}")
+
+    def forget_before(self, frame: int) -> None:
+        self.oldest = max(self.oldest, int(frame))
+        for i in [i for i in self.kept if i < self.oldest]:
+            del self.kept[i]
+
+    def reencode(self, frame: int) -> torch.Tensor:
+        """Latent frame ``frame`` re-encoded from its last pixel frame as the stream decoded it."""
+        if frame not in self.kept:
+            raise ValueError(f"the stream decoder has not given the last pixel frame of latent frame {frame} (it "
+                             f"decoded {self.frames_in} latent frames into {self.pixels_out} pixel frames)")
+        return self.encode(self.kept[frame])
+
+    def __call__(self, frames: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a StreamReencode re-encodes a frame by its index (KreaRecompute calls reencode(frame))")
+
+
 def vae_reencode(decode: Callable, encode: Callable) -> Callable:
     """Krea's first-frame re-encode from a VAE: ``decode(latents [B, 1, C, H, W]) -> pixels [B, T, ...]`` (model
     space in, any pixel layout with time second), the last pixel frame kept, ``encode(pixels [B, 1, ...]) ->
@@ -348,4 +427,4 @@ def vae_reencode(decode: Callable, encode: Callable) -> Callable:
     return reencode
 
 
-__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "cache_setup", "official_problem", "krea_schedule_line", "padding_keys", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]
+__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "cache_setup", "official_problem", "krea_schedule_line", "padding_keys", "StreamReencode", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]
