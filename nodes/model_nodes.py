@@ -232,14 +232,14 @@ def comfy_vae_reencode(vae):
     return vae_reencode(decode, encode)
 
 
-def krea_cache(recache, frames_per_block, kv_window, vae=None, names=None):
+def krea_cache(recache, frames_per_block, kv_window, vae=None, names=None, sink: int = 0):
     """``sampling.krea.cache_setup`` for a node's recache widget, with the graph's VAE for the first-frame
     re-encode when there is one (else the identity, said once in the console log)."""
     import logging
 
     from ..sampling.krea import cache_setup
     setup = cache_setup(recache, frames_per_block, kv_window, None if vae is None else comfy_vae_reencode(vae),
-                        names=names)
+                        names=names, sink=sink)
     if setup.note:
         logging.getLogger("wan_accel").warning(setup.note)
     return setup
@@ -381,8 +381,8 @@ class CausalWanSampler:
                     else resolve_schedule(preset))
         cfg = model.config
         names = {"frames": "num_frames", "kv_window": "kv_window", "width": "width", "height": "height"}
-        check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names)
-        cache = krea_cache(recache, frames_per_block, kv_window, getattr(self, "_krea_vae", None))
+        check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names, recache=recache)
+        cache = krea_cache(recache, frames_per_block, kv_window, getattr(self, "_krea_vae", None), sink=sink)
         kv_window = cache.kv_window
         check_fits(cfg.to_dict(), num_frames, height, width, device=model.model.device,
                    dtype=str(model.model.compute_dtype), frames_per_block=frames_per_block,

@@ -207,12 +207,13 @@ class CacheSetup:
 
 
 def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode: Callable | None = None,
-                names: dict | None = None) -> CacheSetup:
+                names: dict | None = None, sink: int = 0) -> CacheSetup:
     """The one mapping of a cache mode to the run's settings. 'switch' / 'none': LongLive's re-cache at a prompt
     switch or none, the window as given. 'krea': ``KreaRecompute`` with ``K = kv_window - frames_per_block``
     (kv_window -1: Krea's K = 3, window K + frames_per_block), ``recache='none'``; ``reencode`` the VAE round trip
     of the stand-in first frame (None: the frame itself, said in ``note``). ``names`` maps 'recache', 'kv_window',
-    'frames_per_block' to the input names of messages (ValueError naming the input and the fix)."""
+    'frames_per_block' (and 'sink') to the input names of messages (ValueError naming the input and the fix).
+    ``sink``: the run's sink frames, refused with 'krea' (it keeps none): ``validate.check_window``."""
     n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", **(names or {})}
     if mode not in CACHE_MODES:
         raise ValueError(f"{n['recache']} must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
@@ -223,15 +224,9 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
     fpb, window = int(frames_per_block), int(kv_window)
     if mode != "krea":
         return CacheSetup(mode, mode, None, window)
-    if window < 0:
-        k = KREA_CONTEXT_FRAMES
-    else:
-        k = window - fpb
-        if k < 2:
-            raise ValueError(f"{n['kv_window']} {window}: {n['recache']} krea rebuilds a context of K = "
-                             f"{n['kv_window']} - {n['frames_per_block']} latent frames before every block, and K "
-                             f"must be at least 2; use {n['kv_window']} at least {fpb + 2}, or -1 for Krea's K = "
-                             f"{KREA_CONTEXT_FRAMES} ({n['kv_window']} {KREA_CONTEXT_FRAMES + fpb})")
+    from ..app.validate import check_window
+    check_window(fpb, window, sink, mode, names=n)       # the one window / sink / mode check (ValueError)
+    k = KREA_CONTEXT_FRAMES if window < 0 else window - fpb
     if reencode is not None and not callable(reencode):
         raise ValueError("reencode must be a callable latents -> latents (or None for no VAE round trip)")
     policy = KreaRecompute(k, fpb, reencode=reencode)

@@ -55,7 +55,7 @@ class PromptPlaySession(SessionBase):
             raise PlayError("prompt play needs a text-to-video causal model; a Matrix-Game-2 model plays with the "
                             "Matrix-Game-2 Play Session node")
         try:
-            self.cache = cache_setup(recache, frames_per_block, kv_window, reencode)
+            self.cache = cache_setup(recache, frames_per_block, kv_window, reencode, sink=sink)
         except ValueError as exc:
             raise PlayError(str(exc)) from None
         if self.cache.note:
