@@ -163,6 +163,9 @@ def check_generate_args(args) -> None:
         check_float("--shift", args.shift, 0.0, 100.0, lo_open=True)
     if args.num_heads is not None:
         check_int("--num-heads", args.num_heads, 1, 1024)
+        if not args.checkpoint:         # the built-in tiny model has its own heads: it would be ignored
+            raise UsageError(f"--num-heads {args.num_heads} sets the heads of a --checkpoint, but the built-in tiny "
+                             f"model runs, which has its own: add --checkpoint FILE, or leave --num-heads out")
     check_device("--device", args.device)
     _check_ops(args)
     if args.model_kind == "matrix-game2":
@@ -189,6 +192,10 @@ def check_generate_args(args) -> None:
                                      names={"recache": "--recache", **GENERATE_NAMES}, sink=args.sink).kv_window
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.recache in ("switch", "none") and args.prompt_schedule is None:
+        raise UsageError(f"--recache {args.recache} says what happens at a prompt switch, and without "
+                         f"--prompt-schedule there is none (it would be ignored): add --prompt-schedule, or leave "
+                         f"--recache out (--recache krea acts on every chunk)")
     if args.prompt_schedule is not None:
         from ..app.jobs.generate import check_prompt_schedule, read_prompt_schedule
         args.prompt_schedule_text = read_prompt_schedule("--prompt-schedule", args.prompt_schedule)

@@ -85,6 +85,13 @@ def test_optimized_sampler_options_with_the_reference_sampler_are_refused(tmp_pa
         assert s["compile"] is False and s["sampler"] == "reference"
 
 
+@pytest.mark.parametrize("extra, words", [(["--recache", "none"], ["--recache none", "--prompt-schedule"]),
+                                          (["--recache", "switch"], ["--recache switch", "--prompt-schedule"]),
+                                          (["--num-heads", "4"], ["--num-heads 4", "--checkpoint"])])
+def test_options_for_another_input_are_refused_without_it(tmp_path, capsys, extra, words):
+    _refused(capsys, GEN + ["--out", tmp_path / "o", *extra], *words)
+
+
 def test_bench_compile_refuses_stand_in_sizes_for_the_wan_model(capsys):
     _refused(capsys, ["bench", "compile", "--blocks", "7", "--device", "cpu"], "--blocks", "--model standin")
     _refused(capsys, ["bench", "compile", "--model", "wan", "--dim", "64", "--device", "cpu"], "--dim",
