@@ -64,8 +64,9 @@ def test_sink_with_krea_is_refused_not_ignored(tmp_path, capsys, extra):
 def test_krea_window_advice_passes_the_next_check(tmp_path, capsys):
     # kv_window 4 with sink 3 used to be told "sink at most 1", which krea refuses next; now one message whose
     # advice passes every check
-    line = _refused(capsys, GEN + ["--recache", "krea", "--kv-window", "4", "--out", tmp_path / "o"],
-                    "--kv-window 4", "at least 5")
+    base = GEN + ["--recache", "krea", "--kv-window", "4", "--out", tmp_path / "o"]
+    _refused(capsys, base + ["--sink", "3"], "--sink 3", "--sink 0")
+    line = _refused(capsys, base + ["--sink", "0"], "--kv-window 4", "at least 5")
     assert main(GEN + ["--recache", "krea", "--kv-window", "5", "--out", str(tmp_path / "ok")]) == 0, line
     report = json.loads((tmp_path / "ok" / "report.json").read_text())
     assert report["settings"]["sink"] == 0 and report["settings"]["recache"] == "krea"
@@ -461,6 +462,7 @@ def test_plan_refuses_what_no_run_can_do(capsys, argv, words):
 
 
 def test_plan_reserve_that_leaves_room_still_plans(capsys):
+    _refused(capsys, ["plan", "--model", "krea-14b", "--vram-gb", "80", "--reserve-gb", "80"], "--reserve-gb 80")
     assert main(["plan", "--model", "krea-14b", "--vram-gb", "80", "--reserve-gb", "4", "--kv-window", "6",
                  "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
