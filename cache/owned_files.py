@@ -154,6 +154,8 @@ def _fsync_folder(folder: Path) -> None:
 TMP_MARK = "wan_accel"            # temporaries are named .<name>.wan_accel-<pid>-<random>.tmp...: the pack's own
 _TMP_NAME = re.compile(r"^\..+\.wan_accel-(\d+)-[A-Za-z0-9_]+\.tmp")
 STALE_TMP_SECONDS = 24 * 3600      # a temporary this old is stale even if its pid now names another process
+QUIET_TMP_SECONDS = 60             # ... and one of a gone process is removed once untouched this long (a writer
+                                   # in another pid namespace keeps its file's mtime fresh while it writes)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -168,7 +170,8 @@ def _pid_alive(pid: int) -> bool:
 
 def stale_temporaries(folder) -> list:
     """Temporary files of this writer left in ``folder`` by a process that was killed while writing: regular files
-    of this user named ``.<name>.wan_accel-<pid>-<random>.tmp...`` whose process is gone (or that are a day old).
+    of this user named ``.<name>.wan_accel-<pid>-<random>.tmp...`` whose process is gone and that nothing wrote for
+    a minute (or that are a day old).
     Nothing else matches: a user's file is never among them."""
     found, now = [], time.time()
     try:
@@ -185,7 +188,8 @@ def stale_temporaries(folder) -> list:
             continue
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             continue
-        if not _pid_alive(int(m.group(1))) or now - st.st_mtime > STALE_TMP_SECONDS:
+        age = now - st.st_mtime
+        if (age > QUIET_TMP_SECONDS and not _pid_alive(int(m.group(1)))) or age > STALE_TMP_SECONDS:
             found.append(Path(entry.path))
     return found
 

@@ -322,6 +322,11 @@ def test_a_killed_writer_leaves_no_temporary_behind_for_good(tmp_path, capsys):
     mine.write_text("mine")
     link = out / ".x.wan_accel-999999998-q.tmp"
     link.symlink_to(mine)
+    fresh = out / ".y.json.wan_accel-999999997-f.tmp.json"     # a gone pid, but written a moment ago: kept
+    fresh.write_text("{")
+    hour_ago = time.time() - 3600
+    for p in (left, old, mine):                 # as a run killed an hour ago leaves them
+        os.utime(p, (hour_ago, hour_ago))
     try:
         write_text(out / "other.txt", "x")
         assert left.exists() and not old.exists()      # the writer is alive: its temporary stays
@@ -329,9 +334,9 @@ def test_a_killed_writer_leaves_no_temporary_behind_for_good(tmp_path, capsys):
         proc.kill()
         proc.wait()
     assert main(GEN + ["--out", str(out)]) == 0, capsys.readouterr().err
-    assert not left.exists() and mine.read_text() == "mine" and link.is_symlink()
+    assert not left.exists() and mine.read_text() == "mine" and link.is_symlink() and fresh.exists()
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted([".notes.txt.abc.tmp", ".x.wan_accel-999999998-q.tmp", "latents.safetensors",
+    assert names == sorted([".notes.txt.abc.tmp", ".x.wan_accel-999999998-q.tmp", fresh.name, "latents.safetensors",
                             "other.txt", "report.json"]), names
 
 
