@@ -69,7 +69,8 @@ def parse_lora(name: str, keys, get_tensor) -> dict:
                             f"LoRA matrices are read as float32, bfloat16 or float16 (an fp8 or integer LoRA is "
                             f"not merged): use the LoRA as it was released, or save it in one of those dtypes")
         if not bool(torch.isfinite(t).all()):
-            raise LoraError(f"LoRA file {path.name}: key {key!r} holds NaN or infinite values; the file is damaged")
+            raise LoraError(f"LoRA file {path.name}: key {key!r} is not a finite tensor (it holds NaN or infinite "
+                            f"values); the file is damaged")
         entry = layers.setdefault(_layer_name((m or a).group("layer")), {"keys": []})
         entry["keys"].append(key)
         if a is not None:
