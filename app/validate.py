@@ -124,10 +124,12 @@ def check_pixels(name: str, value, default_hint: str = "") -> int:
     return value
 
 
-def check_geometry(frames, height, width, frames_per_block=3, kv_window=-1, sink=0, *, names=None) -> dict:
+def check_geometry(frames, height, width, frames_per_block=3, kv_window=-1, sink=0, *, names=None,
+                   recache: str = "switch") -> dict:
     """Check a causal Wan request in the user's units (video frames, pixels) and return the latent sizes:
     ``{"latent_frames", "latent_height", "latent_width"}``. ``names`` maps 'frames', 'height', 'width',
-    'frames_per_block', 'kv_window', 'sink' to the input names shown in messages."""
+    'frames_per_block', 'kv_window', 'sink' (and 'recache') to the input names shown in messages; ``recache``: the
+    cache mode the run uses (``check_window``)."""
     n = {"frames": "frames", "height": "height", "width": "width", "frames_per_block": "frames_per_block",
          "kv_window": "kv_window", "sink": "sink"}
     n.update(names or {})
@@ -145,9 +147,42 @@ def check_geometry(frames, height, width, frames_per_block=3, kv_window=-1, sink
                    f"({n['frames_per_block']} {fpb})")
         raise UsageError(f"{n['frames']} {frames} {why}; use {use}")
     height, width = check_pixels(n["height"], height), check_pixels(n["width"], width)
-    window = check_int(n["kv_window"], kv_window, -1, MAX_KV_WINDOW,
-                       hint=" (latent frames; -1 keeps every frame)")
+    check_window(fpb, kv_window, sink, recache, names=n)
+    return {"latent_frames": lf, "latent_height": height // VAE_SPACE_STRIDE,
+            "latent_width": width // VAE_SPACE_STRIDE, "frames": frames, "height": height, "width": width}
+
+
+KREA_MIN_CONTEXT = 2               # recache krea: K = kv_window - frames_per_block latent frames, at least 2
+CACHE_MODES = ("switch", "none", "krea")    # sampling/krea.py CACHE_MODES (not imported here: no torch)
+
+
+def check_window(frames_per_block, kv_window, sink, recache: str = "switch", *, names: dict | None = None) -> int:
+    """The one check of a run's KV window, sink frames and cache mode, before any work; returns the window.
+
+    Every value it refuses is answered with advice that passes this same check: a rolling window holds the sink
+    frames plus one chunk; ``sink`` needs a rolling window; with ``recache`` 'krea' the cache is rebuilt before
+    every chunk from a context of K = kv_window - frames_per_block frames (K >= 2; -1: Krea's K = 3) and there are
+    no sink frames, so a sink is refused rather than ignored. ``names`` maps 'frames_per_block', 'kv_window',
+    'sink', 'recache' to the input names of messages."""
+    n = {"frames_per_block": "frames_per_block", "kv_window": "kv_window", "sink": "sink", "recache": "recache",
+         **(names or {})}
+    fpb = check_int(n["frames_per_block"], frames_per_block, 1, MAX_FRAMES_PER_BLOCK,
+                    hint=" (latent frames per chunk; 3 for the released models)")
+    window = check_int(n["kv_window"], kv_window, -1, MAX_KV_WINDOW, hint=" (latent frames; -1 keeps every frame)")
     sink = check_int(n["sink"], sink, 0, MAX_KV_WINDOW, hint=" (latent frames)")
+    if recache not in CACHE_MODES:
+        raise UsageError(f"{n['recache']} must be one of {', '.join(CACHE_MODES)}, got {recache!r}")
+    if recache == "krea":
+        if sink:
+            raise UsageError(f"{n['sink']} {sink} does not apply to {n['recache']} krea: the cache is rebuilt before "
+                             f"every chunk from the first frame and the newest ones, with no sink frames; use "
+                             f"{n['sink']} 0 (or {n['recache']} switch to keep sink frames in a rolling window)")
+        if window != -1 and window - fpb < KREA_MIN_CONTEXT:
+            raise UsageError(f"{n['kv_window']} {window}: {n['recache']} krea rebuilds a context of K = "
+                             f"{n['kv_window']} - {n['frames_per_block']} latent frames before every chunk, and K "
+                             f"must be at least {KREA_MIN_CONTEXT}; use {n['kv_window']} at least "
+                             f"{fpb + KREA_MIN_CONTEXT}, or -1 for Krea's K = 3")
+        return window
     if window == 0 or 0 < window < fpb:
         raise UsageError(f"{n['kv_window']} {window} is too small: use -1 (keep every frame) or at least "
                          f"{n['frames_per_block']} ({fpb}) latent frames")
@@ -158,8 +193,7 @@ def check_geometry(frames, height, width, frames_per_block=3, kv_window=-1, sink
         raise UsageError(f"{n['sink']} {sink} latent frames leaves no room in the {n['kv_window']} of {window} "
                          f"latent frames for a {fpb}-frame chunk: use {n['sink']} at most {max(0, window - fpb)}, "
                          f"or {n['kv_window']} at least {sink + fpb}")
-    return {"latent_frames": lf, "latent_height": height // VAE_SPACE_STRIDE,
-            "latent_width": width // VAE_SPACE_STRIDE, "frames": frames, "height": height, "width": width}
+    return window
 
 
 # ------------------------------------------------------------------------------------------------- names
@@ -210,8 +244,9 @@ def check_device(name: str, value) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------- files
-def check_input_file(name: str, value, kind: str = "safetensors") -> Path:
-    """An existing, non-empty regular file; for kind 'safetensors' also a readable safetensors header."""
+def check_input_file(name: str, value, kind: str = "safetensors", convert: str = "convert") -> Path:
+    """An existing, non-empty regular file; for kind 'safetensors' also a readable safetensors header (a pickle
+    file is told the command that converts it: ``convert``, or ``convert-lora`` for a LoRA)."""
     if value is None or str(value).strip() == "":
         raise UsageError(f"{name} is empty: give the path of a .{kind} file")
     path = Path(str(value)).expanduser()
@@ -231,7 +266,7 @@ def check_input_file(name: str, value, kind: str = "safetensors") -> Path:
     if kind == "safetensors":
         if path.suffix.lower() in (".pt", ".pth", ".ckpt", ".bin", ".pkl"):
             raise UsageError(f"{name} {path} is a pickle checkpoint; only .safetensors files are loaded. Convert it "
-                             f"once: python -m wan_accel convert {path} {path.with_suffix('.safetensors')}")
+                             f"once: python -m wan_accel {convert} {path} {path.with_suffix('.safetensors')}")
         try:
             from safetensors import safe_open
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -241,6 +276,92 @@ def check_input_file(name: str, value, kind: str = "safetensors") -> Path:
             raise UsageError(f"{name} {path} is not a readable safetensors file ({detail}); it may be damaged or "
                              f"incomplete: download or write it again") from None
     return path
+
+
+def shown(value, limit: int = 60) -> str:
+    """``value`` as a message quotes it: its repr, cut to about ``limit`` characters with the length said (a
+    100,000-character input is never echoed whole)."""
+    text = str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def check_text(name: str, value) -> str:
+    """A text typed by the user (a prompt, a schedule, an action script) that can be encoded as UTF-8: bytes that
+    are not UTF-8 on the command line reach Python as lone surrogates, which fail only later, deep in the run."""
+    text = str(value)
+    bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
+    if bad is not None:
+        raise UsageError(f"{name} is not UTF-8 text (character {bad + 1} is not a UTF-8 character: the command line "
+                         f"or the file gave bytes in another encoding); type it in UTF-8, or save it to a UTF-8 file")
+    return text
+
+
+USER_FILE_BYTES = 1 << 20          # a text input file (a prompt schedule) larger than this is not one
+
+
+def _user_file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a pipe (FIFO)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def read_user_file(name: str, value, *, what: str = "a text file", limit: int = USER_FILE_BYTES) -> bytes:
+    """The bytes of a file the user names as input ``name`` (a prompt schedule, ...): the user's own file, only
+    read. A folder, a pipe, a device (also through a link: /dev/zero), a missing file, one without permission or
+    larger than ``limit`` bytes is refused with a UsageError that says what was found and what to give instead;
+    opened without blocking, and never more than ``limit`` bytes are read."""
+    text = "" if value is None else str(value)
+    if not text.strip():
+        raise UsageError(f"{name} is empty: give the path of {what}")
+    try:
+        path = Path(text).expanduser()
+        link = os.path.islink(path)
+    except (OSError, ValueError, RuntimeError):        # a NUL byte, ~user that does not exist
+        raise UsageError(f"{name} {shown(text)} cannot name a file; give the path of {what}") from None
+    where = f"{name} {shown(str(path))}" + (f" (a link to {shown(os.path.realpath(path))})" if link else "")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise UsageError(f"{where}: no such file; check the path (give the path of {what})") from None
+    except PermissionError:
+        raise UsageError(f"{where}: permission denied; give {what} you may read") from None
+    except OSError as exc:
+        raise UsageError(f"{where} cannot be opened ({exc.strerror or exc}); give the path of {what}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _user_file_kind(st.st_mode)
+            fix = "a file in it" if kind == "a folder" else "a regular file (save the text to a file first)"
+            raise UsageError(f"{where} is {kind}, not a file; give the path of {what}: {fix}")
+        if st.st_size > limit:
+            raise UsageError(f"{where} is {st.st_size} bytes, more than the {limit} bytes {what} can be; check the "
+                             f"path")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise UsageError(f"{where} cannot be read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:                  # grew while read
+        raise UsageError(f"{where} is more than the {limit} bytes {what} can be; check the path")
+    return data
+
+
+def user_text(name: str, data: bytes, path) -> str:
+    """The UTF-8 text of a user's file read by :func:`read_user_file` (a BOM is dropped)."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{name} {shown(str(path))} is not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+                         f"{exc.start}); save it as plain UTF-8 text") from None
 
 
 def check_output_dir(name: str, value) -> Path:

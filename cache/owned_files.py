@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -149,17 +151,74 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+TMP_MARK = "wan_accel"            # temporaries are named .<name>.wan_accel-<pid>-<random>.tmp...: the pack's own
+_TMP_NAME = re.compile(r"^\..+\.wan_accel-(\d+)-[A-Za-z0-9_]+\.tmp")
+STALE_TMP_SECONDS = 24 * 3600      # a temporary this old is stale even if its pid now names another process
+QUIET_TMP_SECONDS = 60             # ... and one of a gone process is removed once untouched this long (a writer
+                                   # in another pid namespace keeps its file's mtime fresh while it writes)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError, OverflowError, ValueError):
+        return True                 # another user's process, or not knowable: kept
+    return True
+
+
+def stale_temporaries(folder) -> list:
+    """Temporary files of this writer left in ``folder`` by a process that was killed while writing: regular files
+    of this user named ``.<name>.wan_accel-<pid>-<random>.tmp...`` whose process is gone and that nothing wrote for
+    a minute (or that are a day old).
+    Nothing else matches: a user's file is never among them."""
+    found, now = [], time.time()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return found
+    for entry in entries:
+        m = _TMP_NAME.match(entry.name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        age = now - st.st_mtime
+        if (age > QUIET_TMP_SECONDS and not _pid_alive(int(m.group(1)))) or age > STALE_TMP_SECONDS:
+            found.append(Path(entry.path))
+    return found
+
+
+def remove_stale_temporaries(folder) -> int:
+    """Remove :func:`stale_temporaries` of ``folder`` (each write does, before making its own); returns how many."""
+    n = 0
+    for p in stale_temporaries(folder):
+        try:
+            os.unlink(p)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
 def replace_file(path: Path, write: Callable[[str], object], *, durable: bool = True, suffix: str | None = None,
                  before_rename: Callable[[], object] | None = None) -> Path:
     """The mechanism under every whole-file write of the pack (this module's writers and the limit cache's own
-    file): ``write(tmp_name)`` fills a temporary file in the same folder (named ``.<name>.*<suffix>``; by default
-    ``.tmp`` plus the target's extension, for libraries that pick a format from it), which is fsynced (when
+    file): ``write(tmp_name)`` fills a temporary file in the same folder (named ``.<name>.wan_accel-<pid>-*<suffix>``;
+    by default ``.tmp`` plus the target's extension, for libraries that pick a format from it; temporaries that a
+    killed process left there are removed first: :func:`remove_stale_temporaries`), which is fsynced (when
     ``durable``), given the target's mode, checked by ``before_rename()`` and moved over ``path``; then the folder
     is fsynced. A failure leaves the previous file as it was and no temporary file behind."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=f".tmp{p.suffix}" if suffix is None else suffix,
-                               dir=str(p.parent))
+    remove_stale_temporaries(p.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.{TMP_MARK}-{os.getpid()}-",
+                               suffix=f".tmp{p.suffix}" if suffix is None else suffix, dir=str(p.parent))
     os.close(fd)
     try:
         write(tmp)

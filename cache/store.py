@@ -43,8 +43,8 @@ from .entries import (FILE_KIND, MIGRATIONS, NAMESPACE_RE, SCHEMA_VERSION, _SHAP
 from .owned_files import read_regular, replace_file
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
 from .paths import default_cache_path
-from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, quarantine_refusal,
-                     warn_once)
+from .safety import (CacheUnavailableError, _kind_of, check_writable_place, describe_os_error,
+                     quarantine_refusal, warn_once)
 
 DEFAULT_MAX_ENTRIES = 4096  # per namespace, over all fingerprints
 LOCK_TIMEOUT_S = 120.0
@@ -52,6 +52,7 @@ LOCK_NOTICE_S = 1.0       # a lock still held after this long is announced (who 
 SET_ASIDE_SUFFIX = ".set-aside.json"
 SET_ASIDE_KIND = "wan_accel.limit_cache.set_aside"
 MAX_SET_ASIDE = 1000      # the side file keeps the newest items
+SET_ASIDE_BYTES = 32 << 20   # ... within this size (written so; a larger file is not read, only reported)
 KNOWN_NAMESPACES = ("operator", "compile", "memory", "sampler", "doctor")
 
 def _item_id(item: dict) -> str:
@@ -203,22 +204,47 @@ class LimitCache:
         return Path(str(self.path) + SET_ASIDE_SUFFIX)
 
     def _read_set_aside(self) -> list[dict] | None:
-        """The items in the side file ([] when absent); None when it exists but cannot be read as one."""
+        """The items in the side file ([] when absent); None when it exists but cannot be read as one (why:
+        ``set_aside_problem()``). At most ``SET_ASIDE_BYTES`` are ever read."""
+        self._aside_problem = None
         p = self.set_aside_path
         try:
             st = os.lstat(p)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        except OSError:
-            return None
+        except OSError as exc:
+            return self._aside_refused(f"it cannot be inspected ({exc.strerror or exc})")
         if not stat.S_ISREG(st.st_mode):
-            return None
+            return self._aside_refused(f"it is {_kind_of(st.st_mode)}, not a file")
+        if st.st_size > SET_ASIDE_BYTES:
+            return self._aside_refused(f"it is {st.st_size} bytes, larger than any set-aside file the pack writes "
+                                       f"({SET_ASIDE_BYTES >> 20} MiB); it was not read")
         try:
-            data = json.loads(p.read_bytes().decode("utf-8"), parse_constant=_refuse_constant)
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-            return None
+            raw = read_regular(p, SET_ASIDE_BYTES + 1)
+            if len(raw) > SET_ASIDE_BYTES:
+                return self._aside_refused(f"it is larger than {SET_ASIDE_BYTES >> 20} MiB; it was not read")
+            data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else \
+                getattr(exc, "strerror", None) or str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            return self._aside_refused(f"it is damaged ({why})")
         items = data.get("items") if isinstance(data, dict) and data.get("kind") == SET_ASIDE_KIND else None
-        return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else None
+        if not isinstance(items, list):
+            return self._aside_refused("it is not a set-aside file of the cache (no 'kind' and 'items' of one)")
+        return [i for i in items if isinstance(i, dict)]
+
+    def _aside_refused(self, why: str) -> None:
+        self._aside_problem = why
+        return None
+
+    def set_aside_problem(self) -> str | None:
+        """Why the set-aside file cannot be read (damaged, too large, not a file), with what to do; None when it
+        reads (or is absent)."""
+        if self._read_set_aside() is not None:
+            return None
+        return (f"the set-aside file {self.set_aside_path} cannot be read: {self._aside_problem}. It only keeps "
+                f"entries set aside for you to read (never used); move it away or delete it when you no longer "
+                f"need it, and new ones are kept in a new file")
 
     def _keep_set_aside(self, found: list[dict]) -> None:
         """Add newly set-aside items to the side file (atomic); kept in memory, with one warning, when the side
@@ -236,8 +262,12 @@ class LimitCache:
             new = [i for i in pending if _item_id(i) not in seen and not seen.add(_item_id(i))]
             if new:
                 items = (old + new)[-MAX_SET_ASIDE:]
-                blob = json.dumps({"kind": SET_ASIDE_KIND, "cache": str(self.path), "items": items}, indent=1,
-                                  sort_keys=True, allow_nan=False).encode("utf-8")
+                while True:                  # within the size the reader reads: the oldest items go first
+                    blob = json.dumps({"kind": SET_ASIDE_KIND, "cache": str(self.path), "items": items}, indent=1,
+                                      sort_keys=True, allow_nan=False).encode("utf-8")
+                    if len(blob) <= SET_ASIDE_BYTES or len(items) <= 1:
+                        break
+                    items = items[len(items) // 2:]
                 _atomic_write(self.set_aside_path, blob)
                 if _warn_once(self.path, f"set-aside:{len(old) + len(new)}",
                               f"wan_accel limit cache {self.path}: {_count(len(new))} could not be used and "
@@ -278,6 +308,9 @@ class LimitCache:
         if problem and not any(problem in o for o in out):
             out.append(problem)
         reasons = {Path(q["moved_to"]).name: q["reason"] for q in self.quarantined}
+        problem = self.set_aside_problem()
+        if problem:
+            out.append(problem)
         aside = self.set_aside()
         if aside:
             out.append(f"{_count(len(aside))} of the cache could not be used and {'is' if len(aside) == 1 else 'are'} "

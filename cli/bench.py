@@ -37,15 +37,23 @@ def _one_dtype_vocabulary(parser) -> bool:
     return wants_torch
 
 
+# bench options that must be positive numbers: (attribute, exclusive low, high)
+POSITIVE_NUMBERS = (("peak_tflops", 0.0, 1e6), ("timeout", 0.0, 86400.0))
+
+
 def check_bench_args(what: str, ns) -> None:
     """The values every bench shares, checked before anything runs (0 or a negative count is an error)."""
-    from ..app.validate import check_device, check_geometry, check_input_file, check_int, check_pixels
+    from ..app.validate import check_device, check_float, check_geometry, check_input_file, check_int, check_pixels
 
     if getattr(ns, "checkpoint", None):
         check_input_file("--checkpoint", ns.checkpoint)
     if getattr(ns, "device", None) is not None:          # one check of --device for every bench
         ns.device = check_device("--device", ns.device)
-    for name in ("repeat", "repeats", "blocks", "dim", "kv_frames", "frames_per_block"):
+    for name, lo, hi in POSITIVE_NUMBERS:        # rates and times: a figure made from 0 or a negative one is wrong
+        value = getattr(ns, name, None)
+        if value is not None:
+            check_float("--" + name.replace("_", "-"), value, lo, hi, lo_open=True)
+    for name in ("repeat", "repeats", "blocks", "dim", "kv_frames", "frames_per_block", "chunks"):
         value = getattr(ns, name, None)
         if value is not None:
             check_int("--" + name.replace("_", "-"), value, 1, 100000)

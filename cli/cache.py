@@ -90,6 +90,10 @@ def _set_aside(args) -> int:
 
     cache = LimitCache()
     items = cache.set_aside()
+    problem = cache.set_aside_problem()
+    if problem:                 # a damaged or over-large side file is not "no entries"
+        from .errors import UsageError
+        raise UsageError(problem)
     if args.json:
         print_json({"path": str(cache.set_aside_path), "count": len(items), "items": items})
         return 0

@@ -61,6 +61,13 @@ def _system(args):
     return system
 
 
+def _is_krea(args) -> bool:
+    """The plan is for Krea Realtime (its model preset), whose runs rebuild the cache (``--recache krea``)."""
+    from ..memory.weights import PRESET_ALIASES
+    model = str(getattr(args, "model", None) or "").lower()
+    return PRESET_ALIASES.get(model, model) == "krea-14b"
+
+
 def _plan(args) -> int:
     from ..memory.estimate import Workload
     from ..memory.limits import open_cache
@@ -68,7 +75,7 @@ def _plan(args) -> int:
     from ..memory.system import GiB
     from ..memory.weights import HeaderError, preset_weights, weights_from_checkpoint
 
-    from ..app.validate import check_float, check_geometry, check_input_file, check_int
+    from ..app.validate import check_float, check_geometry, check_input_file, check_int, check_window
 
     try:
         if args.checkpoint:
@@ -77,9 +84,10 @@ def _plan(args) -> int:
                        names={"frames": "--frames", "height": "--height", "width": "--width",
                               "frames_per_block": "--frames-per-block"})
         check_int("--batch", args.batch, 1, 64)
-        if args.kv_window is not None and args.kv_window != -1:
-            check_int("--kv-window", args.kv_window, max(1, args.frames_per_block), 1024,
-                      hint=" (latent frames; -1 keeps every frame)")
+        if args.kv_window is not None and args.mode == "causal":   # the run's own window check (Krea's too)
+            check_window(args.frames_per_block, args.kv_window, 0, "krea" if _is_krea(args) else "switch",
+                         names={"frames_per_block": "--frames-per-block", "kv_window": "--kv-window",
+                                "recache": "Krea's --recache"})
         for name, value, lo in (("--vram-gb", args.vram_gb, 0.0), ("--ram-gb", args.ram_gb, 0.0)):
             if value is not None:
                 check_float(name, value, lo, 100000.0, lo_open=True)
@@ -88,6 +96,10 @@ def _plan(args) -> int:
         workload = Workload(args.width, args.height, args.frames, batch=args.batch, mode=args.mode,
                             frames_per_block=args.frames_per_block)
         system = _system(args)
+        from ..memory.plan import reserve_problem
+        problem = reserve_problem(system, int(args.reserve_gb * GiB), name="--reserve-gb")
+        if problem:
+            raise ValueError(problem)
     except (HeaderError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

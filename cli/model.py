@@ -6,7 +6,8 @@ import json
 import sys
 
 from ..app.validate import (UsageError, check_device, check_fits, check_float, check_geometry, check_input_file,
-                            check_int, check_output_dir, check_schedule_args, check_steps, dtype_arg)
+                            check_int, check_output_dir, check_schedule_args, check_steps, check_text,
+                            dtype_arg)
 
 
 OPS_MODES = ("auto", "pack", "kitchen", "torch")      # kernels/candidates.py MODES (not imported here: no torch)
@@ -117,7 +118,8 @@ def _run_job(args, log, parallel=None):
 
 
 GENERATE_NAMES = {"frames": "--frames", "height": "--height", "width": "--width",
-                  "frames_per_block": "--frames-per-block", "kv_window": "--kv-window", "sink": "--sink"}
+                  "frames_per_block": "--frames-per-block", "kv_window": "--kv-window", "sink": "--sink",
+                  "recache": "--recache"}
 
 
 WAN_ONLY = (("frames_per_block", "--frames-per-block", 3), ("kv_window", "--kv-window", -1), ("sink", "--sink", 0),
@@ -155,12 +157,18 @@ def check_generate_args(args) -> None:
     _check_lora_args(args)
     if getattr(args, "conditioning", None):
         check_input_file("--conditioning", args.conditioning)
+    for attr, option in (("actions", "--actions"), ("steps", "--steps"), ("preset", "--preset")):
+        if getattr(args, attr, None) is not None:     # typed text: bytes that are not UTF-8 are refused now
+            check_text(option, getattr(args, attr))
     check_int("--seed", args.seed, 0, 0xFFFFFFFFFFFFFFFF)
     check_steps("--steps", args.steps)
     if args.shift is not None:
         check_float("--shift", args.shift, 0.0, 100.0, lo_open=True)
     if args.num_heads is not None:
         check_int("--num-heads", args.num_heads, 1, 1024)
+        if not args.checkpoint:         # the built-in tiny model has its own heads: it would be ignored
+            raise UsageError(f"--num-heads {args.num_heads} sets the heads of a --checkpoint, but the built-in tiny "
+                             f"model runs, which has its own: add --checkpoint FILE, or leave --num-heads out")
     check_device("--device", args.device)
     _check_ops(args)
     if args.model_kind == "matrix-game2":
@@ -177,7 +185,8 @@ def check_generate_args(args) -> None:
     geo = check_geometry(args.frames if args.frames is not None else defaults["frames"],
                          args.height if args.height is not None else defaults["height"],
                          args.width if args.width is not None else defaults["width"],
-                         args.frames_per_block, args.kv_window, args.sink, names=GENERATE_NAMES)
+                         args.frames_per_block, args.kv_window, args.sink, names=GENERATE_NAMES,
+                         recache=args.recache or "switch")
     check_schedule_args(args.preset or "self_forcing", args.steps, args.shift, False if args.no_warp else None,
                         names={"preset": "--preset", "steps": "--steps", "shift": "--shift"})
     from ..sampling.krea import cache_setup
@@ -187,6 +196,10 @@ def check_generate_args(args) -> None:
                                      sink=args.sink, preset=args.preset).kv_window
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.recache in ("switch", "none") and args.prompt_schedule is None:
+        raise UsageError(f"--recache {args.recache} says what happens at a prompt switch, and without "
+                         f"--prompt-schedule there is none (it would be ignored): add --prompt-schedule, or leave "
+                         f"--recache out (--recache krea acts on every chunk)")
     if args.prompt_schedule is not None:
         from ..app.jobs.generate import check_prompt_schedule, read_prompt_schedule
         args.prompt_schedule_text = read_prompt_schedule("--prompt-schedule", args.prompt_schedule)
@@ -204,28 +217,40 @@ def check_generate_args(args) -> None:
 
 def _check_lora_args(args) -> None:
     if args.lora is not None:
-        check_input_file("--lora", args.lora)
+        check_input_file("--lora", args.lora, convert="convert-lora")
     if args.lora_strength is not None:
         if args.lora is None:
             raise UsageError("--lora-strength needs --lora (the LoRA file it scales); add --lora FILE or leave it out")
         check_float("--lora-strength", args.lora_strength, -100.0, 100.0)
 
 
+# options only the optimized sampler uses: (attribute, option, its default); given with the reference sampler
+# they would be ignored while report.json says they were set, so they are refused
+OPTIMIZED_ONLY = (("ops", "--ops", "auto"), ("compile", "--compile", False), ("cuda_graphs", "--cuda-graphs", "auto"),
+                  ("no_fused_kernels", "--no-fused-kernels", False))
+
+
 def _check_ops(args) -> None:
-    """--ops other than auto: the optimized sampler must run (it is the one that uses it), and the chosen family
-    must run on the device."""
-    if args.ops == "auto":
-        return
+    """Options of the optimized sampler (--ops, --compile, --cuda-graphs, --no-fused-kernels): the optimized
+    sampler must run (the reference one ignores them), and the chosen --ops family must run on the device."""
     from ..app.jobs.handle import default_device
-    from ..kernels.candidates import mode_problem
+    given = [opt for attr, opt, default in OPTIMIZED_ONLY if getattr(args, attr, default) != default]
+    if not given:
+        return
     device = args.device or str(default_device())
     if args.sampler == "reference" or (args.sampler == "auto" and not device.startswith("cuda")):
-        raise UsageError(f"--ops {args.ops} picks the optimized sampler's implementation, but the reference sampler "
-                         f"runs here ({'--sampler reference' if args.sampler == 'reference' else 'on ' + device}): "
-                         f"add --sampler optimized, or leave --ops out")
-    problem = mode_problem(args.ops, device)
-    if problem:
-        raise UsageError(f"--ops: {problem}")
+        where = "--sampler reference" if args.sampler == "reference" else "--sampler auto on " + device
+        shown = " ".join(f"{opt} {getattr(args, attr)}" if not isinstance(default, bool) else opt
+                         for attr, opt, default in OPTIMIZED_ONLY if opt in given)
+        raise UsageError(f"{shown} {'applies' if len(given) == 1 else 'apply'} to the optimized sampler, but the "
+                         f"reference sampler runs here ({where}), which would ignore "
+                         f"{'it' if len(given) == 1 else 'them'}: add --sampler optimized, or leave "
+                         f"{'it' if len(given) == 1 else 'them'} out")
+    if args.ops != "auto":
+        from ..kernels.candidates import mode_problem
+        problem = mode_problem(args.ops, device)
+        if problem:
+            raise UsageError(f"--ops: {problem}")
 
 
 def _model_size(args) -> tuple[dict | None, int]:

@@ -16,6 +16,7 @@ from .system import HOST_RAM_HEADROOM, SystemInfo, detect_system, gib
 from .weights import ModelWeights, TensorInfo, keeps_fp8, weights_from_tensors
 
 MiB = 1024 ** 2
+GiB = 1024 ** 3
 DEFAULT_VAE_OVERLAP = 2
 CLIP_TOKENS = 257
 
@@ -190,6 +191,26 @@ def _choose_backend(system: SystemInfo) -> tuple[str, str]:
                          "(memory linear in tokens)")
 
 
+def reserve_problem(system: SystemInfo, reserve_bytes: int, name: str = "reserve") -> str | None:
+    """Why ``reserve_bytes`` left unused leaves nothing to plan with (a negative or zero budget), naming the input
+    ``name``; None when some memory is left. The memory counted is the GPU's free VRAM, or the host's available RAM
+    without a GPU."""
+    if reserve_bytes < 0:
+        return f"{name} must be 0 or more, got {reserve_bytes / GiB:g} GiB"
+    if not reserve_bytes:           # nothing reserved: a machine short of memory is the plan's to say
+        return None
+    gpu = system.has_gpu
+    have = system.free_vram if gpu else system.host_ram_available
+    margin = max(512 * MiB, int(0.04 * system.total_vram)) if gpu else HOST_RAM_HEADROOM
+    if reserve_bytes + margin >= have:
+        what = "free VRAM" if gpu else "available RAM"
+        most = max(0.0, (have - margin) / GiB)
+        return (f"{name} {reserve_bytes / GiB:g} GiB leaves nothing to plan with: the {what} is {gib(have)}, of which "
+                f"{gib(margin)} is kept as headroom; use {name} below {most:.2f}" + (" (0 for none)" if most else
+                f" (0: there is no {what} beyond the headroom)"))
+    return None
+
+
 def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | None = None, *,
               reserve_bytes: int = 0, kv_window: int | None = None, cache=None, use_learned: bool = True,
               vae_kind: str | None = None, vae_overlap: int = DEFAULT_VAE_OVERLAP,
@@ -211,6 +232,9 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     text_tokens = weights.text_len + (CLIP_TOKENS if weights.model_type == "i2v" else 0)
     fpb, full_frames = workload.frames_per_block, workload.cache_frames()
 
+    problem = reserve_problem(system, reserve_bytes)
+    if problem:                          # a negative budget plans nothing sensible (and advised adding RAM)
+        raise ValueError(problem)
     if gpu:
         margin = max(512 * MiB, int(0.04 * system.total_vram))
         budget = system.free_vram - reserve_bytes - margin

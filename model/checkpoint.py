@@ -492,6 +492,22 @@ def metadata_quant_formats(meta: dict) -> dict:
     return {strip_prefix(str(k)): (v.get("format") if isinstance(v, dict) else None) for k, v in layers.items()}
 
 
+def check_quant_side(path, tensors: dict, names: dict, quant: dict, meta: dict) -> None:
+    """The quantization side of a file, checked when it is opened (loading and sizing alike): every side tensor
+    belongs to a layer weight of the file, and the metadata's per-layer formats are a JSON object. CheckpointError
+    naming the file and the tensor or metadata key."""
+    name = Path(path).name
+    for layer, side in (quant or {}).items():
+        if f"{layer}.weight" not in tensors:
+            src = names.get(f"{layer}.{next(iter(side))}", f"{layer}.{next(iter(side))}")
+            raise CheckpointError(f"{name}: quantization tensor {src!r} belongs to no layer weight of the model (no "
+                                  f"'{layer}.weight'); the file is damaged or mixes two models")
+    try:
+        metadata_quant_formats(meta)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{name}: {exc}; the file is damaged: download or convert it again") from None
+
+
 def check_quant_formats(formats: dict) -> None:
     """The pack's loader reads the fp8 formats; a layer in another one (MXFP8, NVFP4, int8, ...) is refused."""
     bad = {layer: fmt for layer, fmt in formats.items() if fmt not in FP8_FORMATS}
@@ -552,6 +568,7 @@ def open_checkpoint(path, config=None, num_heads: int | None = None, *, strict: 
     raw, meta = read_header(path)
     names = canonical_names(raw)
     tensors, quant = split_quant({n: raw[src] for n, src in names.items()})
+    check_quant_side(path, tensors, names, quant, meta)     # every reader of the file: named errors, no IndexError
     try:
         if config is None:
             config = infer_any_config({n: t.shape for n, t in tensors.items()}, num_heads=num_heads,

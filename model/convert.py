@@ -45,7 +45,17 @@ def lora_state_dict(src) -> dict:
         obj = obj["generator_lora"]
     if not isinstance(obj, dict):
         raise CheckpointError(f"{Path(src).name} holds a {type(obj).__name__}, not a LoRA state dict")
-    return obj
+    return _named_tensors(obj, Path(src).name, "a LoRA state dict")
+
+
+def _named_tensors(state: dict, source: str, what: str) -> dict:
+    """``state`` when it maps tensor names (text) to values; CheckpointError naming the file otherwise (a dict
+    with integer or other keys is not a state dict)."""
+    bad = next((k for k in state if not isinstance(k, str)), None)
+    if bad is not None:
+        raise CheckpointError(f"{source}: the key {bad!r} ({type(bad).__name__}) is not a tensor name; {what} maps "
+                              f"names such as 'blocks.0.self_attn.q.weight' to tensors, so this file is not one")
+    return state
 
 
 def pick_state_dict(obj, ema: bool = False) -> tuple[dict, str]:
@@ -57,12 +67,14 @@ def pick_state_dict(obj, ema: bool = False) -> tuple[dict, str]:
         if "generator_ema" not in obj:
             raise CheckpointError(f"--ema given but the checkpoint has no 'generator_ema' (top-level keys: "
                                   f"{sorted(map(str, obj))[:10]})")
-        return obj["generator_ema"], "generator_ema"
+        if not isinstance(obj["generator_ema"], dict):
+            raise CheckpointError(f"'generator_ema' holds a {type(obj['generator_ema']).__name__}, not weights")
+        return _named_tensors(obj["generator_ema"], "'generator_ema'", "a state dict"), "generator_ema"
     for key in ("generator", "generator_ema", "state_dict", "model"):
         if isinstance(obj.get(key), dict):
-            return obj[key], key
+            return _named_tensors(obj[key], f"'{key}'", "a state dict"), key
     if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return obj, "(top level)"
+        return _named_tensors(obj, "the checkpoint", "a state dict"), "(top level)"
     raise CheckpointError(f"no weights found: expected a 'generator' / 'generator_ema' entry or a plain "
                           f"state dict (top-level keys: {sorted(map(str, obj))[:10]})")
 
@@ -77,7 +89,10 @@ def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None
     src, dst = Path(src), Path(dst)
     if dst.suffix.lower() != ".safetensors":
         raise CheckpointError(f"output must be a .safetensors file, got {dst.name}")
-    state, entry = pick_state_dict(_load_pt(src), ema)
+    try:
+        state, entry = pick_state_dict(_load_pt(src), ema)
+    except CheckpointError as exc:
+        raise CheckpointError(exc if str(exc).startswith(src.name) else f"{src.name}: {exc}") from None
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     names = canonical_names(tensors)
     shapes = {n: tuple(tensors[src_name].shape) for n, src_name in names.items()}

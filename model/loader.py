@@ -80,16 +80,16 @@ def _read_scales(f, ckpt, device) -> dict:
     """{layer: (weight scale, input scale or None)} as float32 on ``device``, each checked: a floating tensor of one
     value (or one per output row of the weight), finite and positive. The layers' quantization formats (the
     file's metadata and each layer's ``comfy_quant`` entry) must be fp8. Errors name the tensor in the file."""
-    import json
-    formats = metadata_quant_formats(ckpt.metadata)
+    from ..cache.safety import loads_json
+    formats = metadata_quant_formats(ckpt.metadata)     # checked when the file was opened (its name in errors)
     out = {}
     for layer, side in (ckpt.quant or {}).items():
         where = f"{ckpt.path.name}: quantization tensor"
         if "comfy_quant" in side:
             src = ckpt.names[f"{layer}.comfy_quant"]
             try:
-                conf = json.loads(bytes(f.get_tensor(src).to(torch.uint8).flatten().tolist()).decode("utf-8"))
-            except (ValueError, UnicodeDecodeError):
+                conf = loads_json(bytes(f.get_tensor(src).to(torch.uint8).flatten().tolist()).decode("utf-8"))
+            except (ValueError, UnicodeDecodeError, RecursionError):       # not JSON, or nested thousands deep
                 raise CheckpointError(f"{where} {src!r} is not the JSON of a layer format; the file is damaged") \
                     from None
             formats[layer] = conf.get("format") if isinstance(conf, dict) else None

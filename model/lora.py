@@ -25,6 +25,7 @@ LORA_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model
 _KEY = re.compile(r"^(?P<layer>.+?)\.(?P<part>lora_A|lora_B|lora_down|lora_up)(?:\.default)?(?:\.weight)?$")
 _ALPHA = re.compile(r"^(?P<layer>.+?)\.alpha$")
 _DOWN = {"lora_A": "down", "lora_down": "down", "lora_B": "up", "lora_up": "up"}
+LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class LoraError(CheckpointError):
@@ -60,9 +61,16 @@ def parse_lora(name: str, keys, get_tensor) -> dict:
                             f"<layer>.lora_A.weight / <layer>.lora_B.weight, lora_down / lora_up, or "
                             f"<layer>.alpha); remove it or convert the file")
         t = get_tensor(key)
-        if not t.is_floating_point() or not torch.isfinite(t).all():
-            raise LoraError(f"LoRA file {path.name}: key {key!r} is not a finite floating-point tensor; "
-                            f"the file is damaged")
+        if not isinstance(t, torch.Tensor):
+            raise LoraError(f"LoRA file {path.name}: key {key!r} holds a {type(t).__name__}, not a tensor; the file "
+                            f"is not a LoRA state dict")
+        if t.dtype not in LORA_DTYPES:
+            raise LoraError(f"LoRA file {path.name}: key {key!r} is stored as {str(t.dtype).replace('torch.', '')}; "
+                            f"LoRA matrices are read as float32, bfloat16 or float16 (an fp8 or integer LoRA is "
+                            f"not merged): use the LoRA as it was released, or save it in one of those dtypes")
+        if not bool(torch.isfinite(t).all()):
+            raise LoraError(f"LoRA file {path.name}: key {key!r} is not a finite tensor (it holds NaN or infinite "
+                            f"values); the file is damaged")
         entry = layers.setdefault(_layer_name((m or a).group("layer")), {"keys": []})
         entry["keys"].append(key)
         if a is not None:
@@ -70,6 +78,10 @@ def parse_lora(name: str, keys, get_tensor) -> dict:
                 raise LoraError(f"LoRA file {path.name}: key {key!r} must be one number (the alpha), "
                                 f"got shape {list(t.shape)}")
             entry["alpha"] = float(t.reshape(()))
+            if not entry["alpha"] > 0:
+                raise LoraError(f"LoRA file {path.name}: key {key!r} sets alpha {entry['alpha']:g}; an alpha must "
+                                f"be a number > 0 (the update is scaled by alpha / rank; 0 or a negative alpha is "
+                                f"no LoRA or an inverted one): fix the file; the LoRA strength scales or inverts it")
         else:
             slot = _DOWN[m.group("part")]
             if slot in entry:
@@ -85,6 +97,9 @@ def parse_lora(name: str, keys, get_tensor) -> dict:
         if e["down"].dim() != 2 or e["up"].dim() != 2 or e["down"].shape[0] != e["up"].shape[1]:
             raise LoraError(f"LoRA file {path.name}: layer {layer!r} has lora_A {list(e['down'].shape)} and "
                             f"lora_B {list(e['up'].shape)}; expected [rank, in] and [out, rank]")
+        if e["down"].shape[0] == 0:
+            raise LoraError(f"LoRA file {path.name}: layer {layer!r} has rank 0 (lora_A {list(e['down'].shape)}, "
+                            f"lora_B {list(e['up'].shape)}): it holds no update; the file is empty or damaged")
         e.setdefault("alpha", None)
     return layers
 

@@ -82,6 +82,15 @@ def model_file(folder_kind: str, name, *, input_name: str) -> str:
     full = folder_paths.get_full_path(folder_kind, text) if text else None
     if not full:
         raise ValueError(f"{input_name}: no file {text!r} in {label}; put the file there (or pick one in the list)")
+    # the folder ComfyUI found it in (models/<kind> or one configured for it): the name's own parts taken off
+    depth = len([p for p in text.replace("\\", "/").split("/") if p not in ("", ".")])
+    base = Path(full)
+    for _ in range(depth):
+        base = base.parent
+    real_base, real = os.path.realpath(str(base)), os.path.realpath(full)
+    if os.path.commonpath([real_base, real]) != real_base:
+        raise ValueError(f"{input_name} {text!r} leads out of {label} through a symbolic link; put the file itself "
+                         f"in {label}")
     return full
 
 

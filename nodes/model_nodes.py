@@ -423,7 +423,7 @@ class CausalWanSampler:
                     else resolve_schedule(preset))
         cfg = model.config
         names = {"frames": "num_frames", "kv_window": "kv_window", "width": "width", "height": "height"}
-        check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names)
+        check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names, recache=recache)
         cache = krea_cache(recache, frames_per_block, kv_window, getattr(self, "_krea_vae", None), sink=sink,
                            preset=preset)
         kv_window = cache.kv_window

@@ -62,11 +62,10 @@ def check_native_run(base, shape, device, frames_per_block: int, kv_window: int,
     memory estimate (``app.validate.check_fits``: KV cache, activations and latents of the incoming latent's size,
     from the dims, heads and blocks of ComfyUI's model as the engine will see them). ValueError naming the input;
     returns the seed."""
-    from ..app.validate import MAX_SEED, check_fits, check_int
+    from ..app.validate import MAX_SEED, check_fits, check_int, check_window
     from ..model.borrowed import borrowed_config
     fpb = check_int("frames_per_block", frames_per_block, 1, 64)
-    window = check_int("kv_window", kv_window, -1, 1024, hint=" (latent frames; -1 keeps every frame)")
-    check_int("sink", sink, 0, 1024, hint=" (latent frames)")
+    window = check_window(fpb, kv_window, sink, names=NATIVE_NAMES)     # the AR Sampler's own check, again
     seed = check_int("noise_seed", seed, 0, MAX_SEED)
     dm = base.diffusion_model
     cfg = borrowed_config(dm, num_heads=dm.num_heads, text_len=dm.text_len)
@@ -117,7 +116,7 @@ def positive_schedule(guider) -> dict:
     return {}
 
 
-def schedule_cache(prompts: dict, frames_per_block: int, kv_window: int) -> tuple:
+def schedule_cache(prompts: dict, frames_per_block: int, kv_window: int, sink: int = 0) -> tuple:
     """(the sampler's prompt arguments, its kv_window) once the schedule's cache mode is mapped
     (``model_nodes.krea_cache``: recache krea becomes Krea's recompute policy and its window)."""
     from .model_nodes import krea_cache
@@ -125,7 +124,7 @@ def schedule_cache(prompts: dict, frames_per_block: int, kv_window: int) -> tupl
     vae = prompts.pop("vae", None)
     if not prompts:
         return prompts, kv_window
-    cache = krea_cache(prompts["recache"], frames_per_block, kv_window, vae)
+    cache = krea_cache(prompts["recache"], frames_per_block, kv_window, vae, sink=sink)
     return {**prompts, **cache.sampler_kwargs()}, cache.kv_window
 
 
@@ -276,7 +275,7 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     manager = _memory_manager(guider)
     guard = _guard(engine, dm, tuple(noise.shape), int(frames_per_block), oom_retry) if manager.swap_allowed else None
     run = {} if report is None else report
-    prompts, kv_window = schedule_cache(positive_schedule(guider), int(frames_per_block), int(kv_window))
+    prompts, kv_window = schedule_cache(positive_schedule(guider), int(frames_per_block), int(kv_window), int(sink))
     try:
         out = sample_causal(engine, context, noise, schedule, int(frames_per_block), generator=gen,
                             noise_provider=provider, kv_window=int(kv_window), sink=int(sink),

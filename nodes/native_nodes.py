@@ -44,14 +44,14 @@ class WanAccelARSampler:
     def get_sampler(self, frames_per_block=3, kv_window=-1, sink=0, path="auto", cuda_graphs=True, attention="auto"):
         import comfy.samplers
         from ..model.attention import BACKENDS
-        from ..sampling.sampler import PATHS, check_window
+        from ..app.validate import check_window
+        from ..sampling.sampler import PATHS
         from .native_engine import sample_wan_accel
         if path not in PATHS:
             raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
         if attention not in BACKENDS:
             raise ValueError(f"attention must be one of {list(BACKENDS)}, got {attention!r}")
-        if kv_window > 0:
-            check_window(10 ** 6, frames_per_block, kv_window, sink)
+        check_window(frames_per_block, kv_window, sink)     # the one window check: kv_window 0 is refused here
         options = {"frames_per_block": int(frames_per_block), "kv_window": int(kv_window), "sink": int(sink),
                    "path": path, "cuda_graphs": bool(cuda_graphs), "attention": attention}
         return (comfy.samplers.KSAMPLER(sample_wan_accel, extra_options=options),)

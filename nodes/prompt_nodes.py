@@ -123,7 +123,7 @@ class CausalWanPromptPlaySession:
         from .play_nodes import _registry, _server, send_play_event
         seed = check_int("seed", seed, 0, MAX_SEED)
         geo = check_geometry(4 * (int(frames_per_block) - 1) + 1, height, width, frames_per_block, kv_window, sink,
-                             names={"frames": "frames_per_block"})
+                             names={"frames": "frames_per_block"}, recache=recache)   # window, sink and recache
         net = getattr(model, "model", model)
         if hasattr(net, "action_config"):
             raise ValueError("this is a Matrix-Game-2 model: use the Matrix-Game-2 Play Session node")
@@ -138,8 +138,8 @@ class CausalWanPromptPlaySession:
                                         reencode=comfy_krea_reencode(vae) if recache == "krea" else None,
                                         state_device="cpu" if state_on == "cpu" else None,
                                         settings={"width": width, "height": height, "preset": preset})
-        except PlayError as exc:
-            raise ValueError(f"prompt: {exc}") from None
+        except PlayError as exc:                        # its message names the input (the prompt, kv_window...)
+            raise ValueError(str(exc)) from None
         session.attached["decoder"] = streaming_decode.WanStreamDecoder(vae)
         session.kept["vae"] = vae
         server = _server()

@@ -328,7 +328,8 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
 
     It also refuses, before any work, the settings in which the official code behaves in a way the pack does not
     reproduce (``official_problem``): ``preset`` (a schedule preset name or a Schedule; other values are ignored)
-    'longlive' with a sink larger than one chunk."""
+    'longlive' with a sink larger than one chunk. ``sink``: the run's sink frames, refused with 'krea' (it
+    keeps none): ``validate.check_window``."""
     n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink",
          "preset": "preset", **(names or {})}
     if mode not in CACHE_MODES:
@@ -343,15 +344,9 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
         raise ValueError(problem)
     if mode != "krea":
         return CacheSetup(mode, mode, None, window)
-    if window < 0:
-        k = KREA_CONTEXT_FRAMES
-    else:
-        k = window - fpb
-        if k < 2:
-            raise ValueError(f"{n['kv_window']} {window}: {n['recache']} krea rebuilds a context of K = "
-                             f"{n['kv_window']} - {n['frames_per_block']} latent frames before every block, and K "
-                             f"must be at least 2; use {n['kv_window']} at least {fpb + 2}, or -1 for Krea's K = "
-                             f"{KREA_CONTEXT_FRAMES} ({n['kv_window']} {KREA_CONTEXT_FRAMES + fpb})")
+    from ..app.validate import check_window
+    check_window(fpb, window, sink, mode, names=n)       # the one window / sink / mode check (ValueError)
+    k = KREA_CONTEXT_FRAMES if window < 0 else window - fpb
     if reencode is not None and not callable(reencode):
         raise ValueError("reencode must be a callable latents -> latents (or None for no VAE round trip)")
     policy = KreaRecompute(k, fpb, reencode=reencode)

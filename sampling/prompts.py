@@ -107,12 +107,23 @@ def _check_text(text, where: str) -> str:
     return text
 
 
+_INT_EXAMPLES = {"the chunk": "write the chunk as a whole number >= 0 before the colon, e.g. '6: the cat runs'",
+                 "the blend length": "write the blend length as a whole number of chunks, e.g. '(blend 2)'"}
+MAX_INT_DIGITS = 9               # no chunk number or blend length of a video (at most 1024 chunks) is longer
+
+
 def _number(value: str, what: str, where: str, kind=float):
+    text = str(value)
+    seen = repr(text) if len(text) <= 40 else f"{text[:24]!r}... ({len(text)} characters)"
+    fix = _INT_EXAMPLES.get(what, "write e.g. (blend 2)") if kind is int else "write e.g. 'a red fox :0.7 | snow :0.3'"
+    digits = text.strip().lstrip("+-")
+    if kind is int and digits.isdigit() and len(digits) > MAX_INT_DIGITS:
+        raise ValueError(f"{where}: {what} {seen} is far larger than any video's chunks (at most 1024); {fix}")
     try:
-        v = kind(value)
+        v = kind(text)
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: {what} {value!r} is not a{'n integer' if kind is int else ' number'}; "
-                         f"write e.g. {'(blend 2)' if kind is int else 'a red fox :0.7 | snow :0.3'}") from None
+        raise ValueError(f"{where}: {what} {seen} is not a{'n integer' if kind is int else ' number'}; "
+                         f"{fix}") from None
     return v
 
 

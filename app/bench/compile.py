@@ -143,6 +143,12 @@ def run_child(cache_dir: str | os.PathLike, device: str = "cpu", blocks: int = 2
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "WAN_ACCEL_CACHE"):
         env.pop(var, None)
     env["TRITON_CACHE_DIR"] = str(Path(cache_dir) / "triton")
+    # every compiler cache and temporary file of the child inside the run's folder, which the benchmark removes
+    # (torch's default Inductor cache is a folder under $TMPDIR that nothing removes)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir) / "inductor")
+    tmp = Path(cache_dir) / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env["TMPDIR"] = env["TEMP"] = env["TMP"] = str(tmp)
     env["WAN_ACCEL_BENCH_CHILD"] = json.dumps({"cache_dir": str(cache_dir), "device": device, "blocks": blocks,
                                                "dim": dim, "settings": settings or {}, "model": model})
     proc = subprocess.run(child_argv("app.bench.compile:_child"), env=env, capture_output=True, text=True,
@@ -161,8 +167,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=None, choices=("wan", "standin"),
                         help="wan: the tiny causal Wan model sampling 2 chunks (default when present); "
                              "standin: a small stack of transformer-like blocks")
-    parser.add_argument("--blocks", type=int, default=2, help="blocks of the stand-in model (default 2)")
-    parser.add_argument("--dim", type=int, default=32, help="width of the stand-in model (default 32)")
+    parser.add_argument("--blocks", type=int, default=None, help="blocks of the stand-in model (default 2; "
+                        "--model standin only)")
+    parser.add_argument("--dim", type=int, default=None, help="width of the stand-in model (default 32; --model "
+                        "standin only)")
     parser.add_argument("--repeat", type=int, default=1, help="cold and warm runs each (median reported)")
     parser.add_argument("--preset", default="default", choices=("default", "EXTREME-PLUS"),
                         help="tiling preset to compile with")
@@ -180,6 +188,14 @@ def run(args) -> int:
         import importlib.util
 
         model = "wan" if importlib.util.find_spec("...model.tiny", __package__) else "standin"
+    given = [opt for opt, value in (("--blocks", args.blocks), ("--dim", args.dim)) if value is not None]
+    if model == "wan" and given:        # the tiny Wan model has its own size: these would be ignored
+        from ..validate import UsageError
+        raise UsageError(f"{' and '.join(given)} size the stand-in model, but the tiny causal Wan model runs "
+                         f"({'--model wan' if args.model else 'the default'}), which has its own size: add --model "
+                         f"standin, or leave {'it' if len(given) == 1 else 'them'} out")
+    args.blocks = 2 if args.blocks is None else args.blocks
+    args.dim = 32 if args.dim is None else args.dim
     colds, warms = [], []
     with tempfile.TemporaryDirectory(prefix="wan_accel_bench_compile_") as root:
         first_dir = None
@@ -191,7 +207,8 @@ def run(args) -> int:
             warms.append(run_child(first_dir, device, args.blocks, args.dim, settings, model=model))
     cold_s = statistics.median(r["compile_s"] for r in colds)
     warm_s = statistics.median(r["compile_s"] for r in warms)
-    summary = {"device": device, "model": model, "blocks": args.blocks, "dim": args.dim, "preset": args.preset,
+    summary = {"device": device, "model": model, "blocks": args.blocks if model == "standin" else None,
+               "dim": args.dim if model == "standin" else None, "preset": args.preset,
                "cold_compile_s": cold_s, "warm_compile_s": warm_s,
                "speedup": cold_s / warm_s if warm_s > 0 else None,
                "cold_counters": colds[0]["counters"], "warm_counters": warms[-1]["counters"],

@@ -11,6 +11,7 @@ times it beside exact attention (the gain needs comfy-kitchen's int8 kernel on a
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -34,9 +35,37 @@ def _fixture(directory: Path):
     """(kind, config dict) of a fixture folder: 'wan' (causal_config.json) or 'matrix-game2' (mg2_config.json)."""
     for name, kind in (("causal_config.json", "wan"), ("mg2_config.json", "matrix-game2")):
         if (directory / name).is_file():
-            return kind, json.loads((directory / name).read_text())
+            return kind, _read_config(directory / name)
     raise UsageError(f"--fixture {directory}: no causal_config.json or mg2_config.json there; give a folder of "
                      f"a recorded causal fixture (tests/fixtures/wan_reference or tests/fixtures/matrix_game2)")
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"it holds {name}, which is not a number a fixture records")
+
+
+def _read_config(path: Path) -> dict:
+    """A fixture's config: a JSON object of finite numbers (NaN / Infinity refused), read without blocking."""
+    from ...cache.owned_files import loads_json, read_regular
+    try:
+        cfg = loads_json(read_regular(path, 1 << 20).decode("utf-8"), parse_constant=_refuse_constant)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--fixture {path.parent}: {path.name} is not a usable fixture config "
+                         f"({getattr(exc, 'strerror', None) or str(exc).splitlines()[0][:160]}); record the fixture "
+                         f"again") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"--fixture {path.parent}: {path.name} is not a JSON object; record the fixture again")
+    return cfg
+
+
+def _check_finite(rows: list) -> None:
+    """A comparison that is not a finite number is no measurement: refused, naming the fixture."""
+    for r in rows:
+        values = [r["final"]["max_abs"], r["final"]["mean_abs"]] + [s["max_abs"] for s in r["steps"]]
+        if not all(math.isfinite(v) for v in values):
+            raise RuntimeError(f"fixture {r['fixture']} ({r['path']} path): the runs gave NaN or infinite latents, "
+                               f"so no difference can be measured; check the fixture's config and weights (record "
+                               f"it again)")
 
 
 def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, device) -> tuple:
@@ -111,6 +140,7 @@ def run(args) -> int:
         if not f.is_dir():
             raise UsageError(f"--fixture {f}: not a folder; give a recorded fixture's folder")
     rows = [r for f in folders for r in measure(f, args.attention, device)]
+    _check_finite(rows)
     result = {"device": str(device), "attention": args.attention, "baseline": "sdpa", "rows": rows,
               "speed": "not measured here: bench sampler --attention int8 times it (a gain needs comfy-kitchen's "
                        "int8 kernel on a CUDA GPU)"}

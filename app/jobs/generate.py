@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import resource
 import sys
 import time
@@ -65,35 +67,36 @@ def load_text_embeds(path, text_dim: int, key: str | None = None) -> torch.Tenso
 
 
 SCHEDULE_BYTES = 1 << 20           # a prompt schedule file larger than this is not one
+_SCHEDULE_START = re.compile(r"^\s*[+-]?\d[^:\n]*:")     # a schedule's first line starts '<chunk>:'
 
 
 def read_prompt_schedule(option: str, value) -> str:
-    """The text of ``value``: a regular file's contents (UTF-8), or ``value`` itself when it names no file and reads
-    as a schedule (it holds a ':'). UsageError naming ``option`` otherwise."""
-    from ...cache.owned_files import read_regular
-    from ..validate import UsageError
-    text = str(value)
+    """The text of ``value``: the user's file (``validate.read_user_file``: a folder, a pipe, a device, a missing
+    or over-large file each get their own message; nothing is changed), or ``value`` itself when it reads as a
+    schedule (several lines, or a first line '<chunk>: <prompt>') and names no file. UsageError naming ``option``;
+    text that is not UTF-8 is refused here, before any work."""
+    from ..validate import UsageError, check_text, read_user_file, shown, user_text
+    text = "" if value is None else str(value)
     if not text.strip():
         raise UsageError(f"{option} is empty: give a schedule file or its text, e.g. '0: a cat walks'")
-    path = Path(text).expanduser()
+    first = next((ln for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
+    schedule_like = "\n" in text or _SCHEDULE_START.match(first) is not None
+    if schedule_like:
+        try:
+            named = "\n" not in text and os.path.lexists(os.path.expanduser(text))
+        except (OSError, ValueError):       # a name too long for a path, a NUL byte: the text itself
+            named = False
+        if not named:
+            return check_text(option, text)
     try:
-        is_file = "\n" not in text and path.exists()
-    except (OSError, ValueError):       # a name too long for a path, a NUL byte: the text itself
-        is_file = False
-    if is_file:
-        try:
-            data = read_regular(path, SCHEDULE_BYTES + 1)
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"{option} {path}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
-        if len(data) > SCHEDULE_BYTES:
-            raise UsageError(f"{option} {path} is larger than {SCHEDULE_BYTES >> 20} MiB: not a prompt schedule")
-        try:
-            return data.decode("utf-8-sig")
-        except UnicodeDecodeError:
-            raise UsageError(f"{option} {path} is not UTF-8 text; save the schedule as plain UTF-8 text") from None
-    if ":" not in text:
-        raise UsageError(f"{option} {text!r}: no such file, and not a schedule text ('<chunk>: <prompt>' lines)")
-    return text
+        data = read_user_file(option, text, what="a prompt schedule file", limit=SCHEDULE_BYTES)
+    except UsageError as exc:
+        if "no such file" in str(exc) and not schedule_like:
+            raise UsageError(f"{option} {shown(text)}: no such file, and not a schedule text (its lines are "
+                             f"'<chunk>: <prompt>', starting with a chunk number, e.g. '0: a cat walks'); check "
+                             f"the path") from None
+        raise
+    return check_text(option, user_text(option, data, text))
 
 
 def check_prompt_schedule(option: str, text: str, latent_frames: int, frames_per_block: int):
