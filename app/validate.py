@@ -173,15 +173,10 @@ def check_window(frames_per_block, kv_window, sink, recache: str = "switch", *, 
     if recache not in CACHE_MODES:
         raise UsageError(f"{n['recache']} must be one of {', '.join(CACHE_MODES)}, got {recache!r}")
     if recache == "krea":
-        if sink:
-            raise UsageError(f"{n['sink']} {sink} does not apply to {n['recache']} krea: the cache is rebuilt before "
-                             f"every chunk from the first frame and the newest ones, with no sink frames; use "
-                             f"{n['sink']} 0 (or {n['recache']} switch to keep sink frames in a rolling window)")
-        if window != -1 and window - fpb < KREA_MIN_CONTEXT:
-            raise UsageError(f"{n['kv_window']} {window}: {n['recache']} krea rebuilds a context of K = "
-                             f"{n['kv_window']} - {n['frames_per_block']} latent frames before every chunk, and K "
-                             f"must be at least {KREA_MIN_CONTEXT}; use {n['kv_window']} at least "
-                             f"{fpb + KREA_MIN_CONTEXT}, or -1 for Krea's K = 3")
+        from ..sampling.krea import krea_window_problem
+        problem = krea_window_problem(fpb, window, sink, n)
+        if problem:
+            raise UsageError(problem)
         return window
     if window == 0 or 0 < window < fpb:
         raise UsageError(f"{n['kv_window']} {window} is too small: use -1 (keep every frame) or at least "

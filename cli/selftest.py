@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def _run(args) -> int:
-    from ..app import selftest
+    from ..checks import selftest
     from ..app.validate import UsageError, check_device
     if args.stage == "fp8":           # one in-process stage, run by the self-test in its own process
         device = check_device("--device", args.device or "cpu")

@@ -318,6 +318,26 @@ def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int
     return None
 
 
+KREA_MIN_CONTEXT = 2
+
+
+def krea_window_problem(fpb: int, window: int, sink: int, n: dict) -> str | None:
+    """Why a window / sink does not fit 'krea' (the cache is rebuilt before every chunk from a context of
+    K = kv_window - frames_per_block frames, K >= 2, -1: Krea's K = 3; no sink frames), or None. Its advice passes
+    this same check. ``n`` names the inputs ('kv_window', 'frames_per_block', 'sink', 'recache')."""
+    name = lambda k: n.get(k, k)  # noqa: E731
+    if sink:
+        return (f"{name('sink')} {sink} does not apply to {name('recache')} krea: the cache is rebuilt before every "
+                f"chunk from the first frame and the newest ones, with no sink frames; use {name('sink')} 0 (or "
+                f"{name('recache')} switch to keep sink frames in a rolling window)")
+    if window != -1 and window - fpb < KREA_MIN_CONTEXT:
+        return (f"{name('kv_window')} {window}: {name('recache')} krea rebuilds a context of K = {name('kv_window')} "
+                f"- {name('frames_per_block')} latent frames before every chunk, and K must be at least "
+                f"{KREA_MIN_CONTEXT}; use {name('kv_window')} at least {fpb + KREA_MIN_CONTEXT}, or -1 for Krea's "
+                f"K = {KREA_CONTEXT_FRAMES}")
+    return None
+
+
 def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode: Callable | None = None,
                 names: dict | None = None, *, sink: int = 0, preset=None) -> CacheSetup:
     """The one mapping of a cache mode to the run's settings. 'switch' / 'none': LongLive's re-cache at a prompt
@@ -344,8 +364,9 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
         raise ValueError(problem)
     if mode != "krea":
         return CacheSetup(mode, mode, None, window)
-    from ..app.validate import check_window
-    check_window(fpb, window, sink, mode, names=n)       # the one window / sink / mode check (ValueError)
+    problem = krea_window_problem(fpb, window, sink, n)   # the same check as validate.check_window's for krea
+    if problem:
+        raise ValueError(problem)
     k = KREA_CONTEXT_FRAMES if window < 0 else window - fpb
     if reencode is not None and not callable(reencode):
         raise ValueError("reencode must be a callable latents -> latents (or None for no VAE round trip)")

@@ -188,7 +188,7 @@ def test_nested_one_time_work_is_counted_once():
 
 # ----------------------------------------------------------------------------- selftest
 def test_selftest_without_a_gpu_lists_the_gpu_parts_and_require_gpu_makes_it_an_error(tmp_path):
-    from wan_accel.app import selftest
+    from wan_accel.checks import selftest
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the GPU stages run")
     result = selftest.run_selftest(tmp_path / "st", stages=["bench kernels", "block swap"], log=lambda *_: None)
@@ -202,7 +202,7 @@ def test_selftest_without_a_gpu_lists_the_gpu_parts_and_require_gpu_makes_it_an_
 
 def test_selftest_judges_a_slower_path_kept_on_and_a_compile_that_fell_back():
     import json
-    from wan_accel.app import selftest
+    from wan_accel.checks import selftest
     ctx = None
     rows = [{"variant": "optimized", "steady_s": 2.0}, {"variant": "optimized-int8", "steady_s": 2.5,
                                                          "attention_ran": "int8"}]
@@ -217,7 +217,7 @@ def test_selftest_judges_a_slower_path_kept_on_and_a_compile_that_fell_back():
 
 
 def test_a_crashing_or_hanging_stage_fails_alone(tmp_path, monkeypatch):
-    from wan_accel.app import selftest
+    from wan_accel.checks import selftest
     crash = selftest.Stage("crash", lambda ctx: ["generate", "--frames", "-1"], 60)
     hang = selftest.Stage("hang", lambda ctx: ["-c", "import time; time.sleep(30)"], 0.5, pytest=True)
     monkeypatch.setattr(selftest, "STAGES", [crash, hang, *[s for s in selftest.STAGES if s.name == "doctor"]])

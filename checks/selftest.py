@@ -107,9 +107,15 @@ def judge_bench_sampler(stdout: str, ctx: Context) -> list:
     return problems
 
 
+class Skipped(Exception):
+    """A stage that found what it checks absent here (e.g. ComfyUI): listed as skipped, with the reason."""
+
+
 def judge_native(stdout: str, ctx: Context) -> list:
     data = _json(stdout)
     row = next((r for r in data.get("features", []) if r.get("feature") == "native_model"), None)
+    if row is not None and row.get("status") == "unavailable":
+        raise Skipped(f"ComfyUI does not import here ({str(row.get('why_off') or '')[:120]})")
     if row is None or row.get("status") != "passed":
         return [f"native_model: {row.get('status') if row else 'not checked'} "
                 f"({(row or {}).get('why_off') or ''})".rstrip(" ()")]
@@ -132,14 +138,6 @@ def _fixture_stages() -> list:
             available=lambda ctx, k=kind: None if (FIXTURES / k).is_dir() else
             "the fixtures ship with a source checkout (tests/fixtures), not with an installed wheel"))
     return stages
-
-
-def _comfy_problem(ctx: Context) -> str | None:
-    import importlib.util
-    try:
-        return None if importlib.util.find_spec("comfy") is not None else "ComfyUI does not import here"
-    except Exception:  # noqa: BLE001 - a broken ComfyUI import counts as absent
-        return "ComfyUI does not import here"
 
 
 def _tests_problem(ctx: Context) -> str | None:
@@ -167,7 +165,7 @@ STAGES: list = [
     Stage("block swap", lambda ctx: ["bench", "offload", "--json"] + (["--blocks", "4"] if ctx.quick else []),
           150, gpu=True),
     Stage("native model", lambda ctx: ["doctor", "--json", "--feature", "native_model", "--device", ctx.device],
-          120, judge=judge_native, available=_comfy_problem),
+          120, judge=judge_native),
     Stage("tests marked cuda", lambda ctx: ["-m", "pytest", "-q", "-m", "cuda", str(PACKAGE_ROOT / "tests")], 240,
           gpu=True, available=_tests_problem, pytest=True),
 ]
@@ -216,6 +214,8 @@ def run_stage(stage: Stage, ctx: Context) -> dict:
     if not problems and stage.judge is not None:
         try:
             problems += stage.judge(proc.stdout, ctx)
+        except Skipped as why:
+            return dict(row, status="skipped", detail=str(why))
         except Exception as exc:  # noqa: BLE001 - output the judge cannot read is a failure of the stage
             problems.append(f"unreadable output ({type(exc).__name__}: {exc})"[:300])
     if not problems and stage.pytest:
@@ -246,7 +246,7 @@ def _summary(stage: Stage, stdout: str) -> str:
 
 def machine() -> dict:
     import torch
-    from .doctor.report import versions
+    from ..app.doctor.report import versions
     info = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__,
             "cuda": torch.version.cuda or "none", "python": platform.python_version()}
     info.update({k: v for k, v in versions().items() if k in ("triton", "comfy-kitchen", "flash-attn")})
