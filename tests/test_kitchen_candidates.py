@@ -108,7 +108,8 @@ def test_store_records_the_choice_and_a_second_process_times_nothing(tmp_path):
     env = {"WAN_ACCEL_CACHE": str(tmp_path / "limits.json")}
     first, second = _child(code, env), _child(code, env)
     timed = sorted(f"impl={n}" for n in _runnable("layernorm_modulate"))    # the interpreter adds Triton ones
-    assert first["timed"] == timed and first["benchmarks"] == len(timed)
+    # every candidate timed once (the pack's Triton kernel, where the interpreter runs it, also tunes its own tiles)
+    assert first["timed"] == timed and first["benchmarks"] >= len(timed)
     assert second["benchmarks"] == 0 and second["chosen"] == first["chosen"]
 
 
