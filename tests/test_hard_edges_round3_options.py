@@ -193,7 +193,7 @@ def test_a_non_utf8_prompt_on_the_command_line_is_refused_before_the_model_loads
     ("0: a cat\nsix: a dog", "whole number", "blend"),
     ("0: a cat\n1.5: a dog", "whole number", "blend"),
     ("0: a cat\n3: a dog (blend two)", "(blend 2)", None),
-    ("0: a cat\n" + "9" * 100_000 + ": a dog", "100000 characters", None),
+    ("0: a cat\n" + "9" * 100_000 + ": a dog", "100,007 characters", None),
     ("0: a cat\n" + "7" * 5000 + ": a dog", "far larger", None),
     ("0: a cat\n3: a dog (blend " + "4" * 50_000 + ")", "far larger", None),
 ])

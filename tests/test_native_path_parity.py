@@ -59,13 +59,13 @@ def test_one_host_read_per_video_and_ops_per_step_of_the_optimized_path():
     _run(model, ctx, noise)                               # warm-up: the sigma list's schedule is resolved once
     with torch.no_grad(), DispatchCounts() as native:
         _run(model, ctx, noise, step_callback=native.step_callback())
-    assert native.syncs <= 1, dict(native.sync_names)
+    assert native.syncs <= 2, dict(native.sync_names)    # the sigmas, read once; the finite check at the end
     own = tiny_causal_model(seed=2)
     sched = schedule_from_sigmas(SIGMAS)
     with torch.no_grad(), DispatchCounts() as core:
         sample_causal(own, ctx, noise, sched, 3, generator=torch.Generator().manual_seed(1), path="optimized",
                       callback=core.step_callback())
-    assert core.syncs == 0
+    assert dict(core.sync_names) == {"tolist": 1}          # the finite check when the run ends
     n, c = native.steady_step().ops, core.steady_step().ops
     assert abs(n - c) <= 0.05 * c, (n, c)
 
