@@ -24,6 +24,11 @@ def register(sub) -> None:
                        description="Runs the causal sampler under torch.profiler on the built-in tiny model or a "
                                    "checkpoint; writes a Perfetto/Chrome trace and prints a report.")
     p.add_argument("--checkpoint", help="Wan/causal Wan .safetensors checkpoint (default: the built-in tiny model)")
+    p.add_argument("--shape", choices=("tiny", "1.3b"), default="tiny",
+                   help="without --checkpoint: the built-in tiny model (default) or random weights of Wan 2.1 "
+                        "1.3B's architecture (81 frames at 480x832 by default)")
+    p.add_argument("--sampler", choices=("auto", "optimized", "reference"), default="auto",
+                   help="sampler path: auto (optimized on CUDA, reference elsewhere; default), optimized, reference")
     p.add_argument("--compile", default="none", metavar="MODE",
                    help="regional compile before profiling: none, default, reduce-overhead, max-autotune, "
                         "max-autotune-no-cudagraphs, eager, aot_eager (default: none)")
@@ -124,7 +129,7 @@ def _with_progress(fn, warmup: int, runs: int, compile_mode: str, quiet: bool):
 def profile_geometry(args) -> dict:
     """--frames/--height/--width (video frames, pixels, as every command) checked and turned into the latent
     sizes the profiled sampler takes."""
-    d = CHECKPOINT_DEFAULTS if args.checkpoint else TINY_DEFAULTS
+    d = CHECKPOINT_DEFAULTS if args.checkpoint or getattr(args, "shape", "tiny") != "tiny" else TINY_DEFAULTS
     return check_geometry(d["frames"] if args.frames is None else args.frames,
                           d["height"] if args.height is None else args.height,
                           d["width"] if args.width is None else args.width, 3, names=PROFILE_NAMES)
@@ -135,6 +140,8 @@ def run_profile(args) -> int:
     from ..app.jobs import profile_targets as targets
     from ..profiling import history
 
+    if args.checkpoint and args.shape != "tiny":
+        raise UsageError("--shape picks a random-weight model; with --checkpoint leave it out")
     if args.checkpoint:
         check_input_file("--checkpoint", args.checkpoint)
     if args.compile not in targets.COMPILE_MODES:
@@ -150,7 +157,7 @@ def run_profile(args) -> int:
                                    dtype=TORCH_NAMES[args.dtype] if args.dtype else None,
                                    frames=geo["latent_frames"], height=geo["latent_height"],
                                    width=geo["latent_width"], steps=args.steps, preset=args.preset,
-                                   seed=args.seed).resolved()
+                                   seed=args.seed, shape=args.shape, sampler=args.sampler).resolved()
     result: dict = {}
     if args.explain or args.explain_only or args.explain_target:
         # First, before this process loads the model: the subprocess needs the memory too.
@@ -180,11 +187,16 @@ def run_profile(args) -> int:
     inputs = targets.make_inputs(model, target)
     fn = _with_progress(targets.sampler_call(model, target, inputs), args.warmup, args.runs, args.compile,
                         quiet=False)
-    label = Path(args.checkpoint).stem if args.checkpoint else "tiny"
+    label = Path(args.checkpoint).stem if args.checkpoint else args.shape
+    calls, class_flops = targets.work_per_run(model, target)
     with _without_profiler_chatter():
         report = profile_run(fn, runs=args.runs, warmup=args.warmup, out_dir=args.out,
-                             trace_name=f"profile_{label}_{args.compile}", device=target.device)
+                             trace_name=f"profile_{label}_{args.compile}", device=target.device,
+                             model_calls=calls, class_flops=class_flops)
     report.result = None
+    if report.kernel_classes is not None:
+        from ..profiling.ceilings import measure_ceilings
+        report.ceilings = measure_ceilings(target.device)
     settings = {**target.settings(), "compile": args.compile, "runs": args.runs, "warmup": args.warmup,
                 "video_frames": geo["frames"], "pixel_height": geo["height"], "pixel_width": geo["width"]}
     if not args.no_history:

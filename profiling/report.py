@@ -45,6 +45,8 @@ class ProfileReport:
     gpu: dict | None = None                                      # see trace_stats.gpu_idle_stats; None on CPU
     top_ops: list = dataclasses.field(default_factory=list)
     top_kernels: list = dataclasses.field(default_factory=list)
+    kernel_classes: dict | None = None                           # see trace_stats.kernel_breakdown; None on CPU
+    ceilings: dict | None = None                                 # see ceilings.measure_ceilings; None on CPU
     peak_memory: dict = dataclasses.field(default_factory=dict)  # kind, bytes, reserved_bytes, note
     torch_version: str = ""
     created: float = dataclasses.field(default_factory=time.time)
@@ -143,6 +145,10 @@ class ProfileReport:
             for r in self.top_ops[:max_ops]:
                 L.append(f"    {r['self_cpu_us'] / 1000:11.3f} {r['self_device_us'] / 1000:11.3f} "
                          f"{r['count']:6d}  {_one_line(r['name'], 90)}")
+        if self.kernel_classes:
+            from .trace_stats import breakdown_table
+            L.append("  GPU time by kernel class (per profiled run):")
+            L.extend("    " + line for line in breakdown_table(self.kernel_classes, self.ceilings).splitlines())
         if self.top_kernels:
             L.append("  top GPU kernels:")
             for r in self.top_kernels[:max_ops]:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..cache.owned_files import write_with
 from .dynamo_stats import DynamoWindow
 from .report import ProfileReport
-from .trace_stats import gpu_idle_stats, top_kernels
+from .trace_stats import gpu_idle_stats, kernel_breakdown, top_kernels
 
 log = logging.getLogger("wan_accel.profiling")
 
@@ -86,7 +86,9 @@ class ProfileSession:
     """
 
     def __init__(self, *, out_dir, trace_name: str = "profile", device=None, record_shapes: bool = False,
-                 with_stack: bool = False, top: int = 15):
+                 with_stack: bool = False, top: int = 15, model_calls: int | None = None,
+                 class_flops: dict | None = None):
+        self.model_calls, self.class_flops = model_calls, class_flops   # for the per-class breakdown
         self.out_dir = Path(out_dir).expanduser()
         self.trace_name = str(trace_name)
         self.device = resolve_device(device)
@@ -201,6 +203,10 @@ class ProfileSession:
             gpu=gpu_idle_stats(events, [self.run_label(i) for i in range(len(self.run_times))]) if events else None,
             top_ops=self._top_ops(), top_kernels=top_kernels(events, self.top) if events else [],
             peak_memory=self._peak_memory(), torch_version=torch.__version__)
+        if events:
+            report.kernel_classes = kernel_breakdown(
+                events, [self.run_label(i) for i in range(len(self.run_times))], model_calls=self.model_calls,
+                flops=self.class_flops, runs=len(self.run_times))
         if self._prof is None:
             report.notes.append("no profiled run: nothing was traced.")
         report.result = self.last_result
@@ -253,12 +259,13 @@ class ProfileSession:
 
 def profile_run(fn: Callable[[], Any], *, runs: int = 1, out_dir, trace_name: str = "profile", device=None,
                 warmup: int = 0, record_shapes: bool = False, with_stack: bool = False,
-                top: int = 15) -> ProfileReport:
+                top: int = 15, model_calls: int | None = None, class_flops: dict | None = None) -> ProfileReport:
     """Call ``fn()`` ``warmup`` times unprofiled, then ``runs`` times under torch.profiler.
 
     Writes a Chrome/Perfetto JSON trace into ``out_dir`` and returns a ProfileReport (its ``result`` is the last
     return value of ``fn``). Compile times, graph breaks and recompiles cover warm-up and runs. Raises
-    RuntimeError when another profiler is already recording in this process.
+    RuntimeError when another profiler is already recording in this process. ``model_calls`` (model forwards per
+    run) and ``class_flops`` ({'gemm' | 'attention': FLOPs per run}) feed the per-class kernel breakdown.
     """
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
@@ -267,7 +274,8 @@ def profile_run(fn: Callable[[], Any], *, runs: int = 1, out_dir, trace_name: st
                            "another (profilers cannot nest)")
     with _LOCK:
         session = ProfileSession(out_dir=out_dir, trace_name=trace_name, device=device,
-                                 record_shapes=record_shapes, with_stack=with_stack, top=top).begin()
+                                 record_shapes=record_shapes, with_stack=with_stack, top=top,
+                                 model_calls=model_calls, class_flops=class_flops).begin()
         try:
             for _ in range(int(warmup)):
                 session.warmup(fn)

@@ -119,3 +119,80 @@ def top_kernels(events: list[dict], limit: int = 10) -> list[dict]:
 def event_names(events: list[dict]) -> set[str]:
     """All names in a trace (handy for checks and tests)."""
     return {str(e.get("name")) for e in events if "name" in e}
+
+
+# Kernel classes of the per-call breakdown, by kernel name (CUDA libraries and Triton name their kernels this way;
+# a name matching none of the patterns is memory-bound/elementwise work: norms, RoPE, modulation, copies, casts).
+KERNEL_CLASSES = ("attention", "gemm", "memory-bound", "memcpy/memset")
+_ATTENTION_MARKS = ("flash", "fmha", "sdpa", "attention", "attn", "_fwd_kernel")
+_GEMM_MARKS = ("gemm", "xmma", "cutlass", "nvjet", "cublas", "scaled_mm", "_mm_", "triton_tem", "matmul",
+               "s16816", "wgmma", "splitk", "dot_")
+
+
+def kernel_class(name: str, category: str = "kernel") -> str:
+    """Which of ``KERNEL_CLASSES`` a GPU event belongs to, from its category and name."""
+    if category in ("gpu_memcpy", "gpu_memset"):
+        return "memcpy/memset"
+    low = name.lower()
+    if any(m in low for m in _ATTENTION_MARKS):
+        return "attention"
+    if any(m in low for m in _GEMM_MARKS) or low.startswith(("sm80_", "sm90_", "sm100_", "ampere_", "hopper_")):
+        return "gemm"
+    return "memory-bound"
+
+
+def kernel_breakdown(events: list[dict], window_names=None, *, model_calls: int | None = None,
+                     flops: dict | None = None, runs: int = 1) -> dict | None:
+    """GPU time per kernel class inside the profiled windows, with the idle time between kernels.
+
+    model_calls: model forward calls per run (the per-call column); flops: {class: FLOPs per run} for the classes
+    whose achieved TFLOP/s is shown (attention, gemm); runs: profiled runs in the trace. None on a trace without
+    GPU activity."""
+    idle = gpu_idle_stats(events, window_names)
+    if idle is None:
+        return None
+    names = set(window_names or ())
+    windows = merge_intervals([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                               if names and e.get("name") in names and e.get("cat") == "user_annotation"
+                               and "ts" in e and "dur" in e])
+    per: dict[str, list] = {c: [0.0, 0] for c in KERNEL_CLASSES}
+    for e in complete_events(events, GPU_CATEGORIES):
+        span = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]))]
+        inside = sum(b - a for a, b in (_clip(span, windows) if windows else span))
+        if inside <= 0:
+            continue
+        row = per[kernel_class(str(e.get("name", "")), str(e.get("cat")))]
+        row[0] += inside
+        row[1] += 1
+    runs = max(int(runs), 1)
+    wall = idle["wall_us"]
+    rows = []
+    for cls in (*KERNEL_CLASSES, "idle"):
+        us, count = (idle["idle_us"], idle["gap_count"]) if cls == "idle" else per[cls]
+        row = {"class": cls, "ms_per_run": round(us / runs / 1000.0, 3), "kernels": count // runs,
+               "share": round(us / wall, 4) if wall > 0 else 0.0}
+        if model_calls:
+            row["ms_per_call"] = round(us / runs / model_calls / 1000.0, 4)
+        work = (flops or {}).get(cls)
+        if work and us > 0:
+            row["tflops"] = round(work / (us / runs / 1e6) / 1e12, 1)
+        rows.append(row)
+    return {"rows": rows, "wall_ms_per_run": round(wall / runs / 1000.0, 3), "model_calls": model_calls}
+
+
+def breakdown_table(breakdown: dict, ceilings: dict | None = None) -> str:
+    """The breakdown as a markdown table (docs/benchmarks.md takes it as it is)."""
+    per_call = breakdown.get("model_calls")
+    head = "| class | ms per run | share of wall | kernels per run |" + (" ms per model call |" if per_call else "")
+    head += " achieved TFLOP/s |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in breakdown["rows"]:
+        cells = [r["class"], f"{r['ms_per_run']:.2f}", f"{100 * r['share']:.1f} %", str(r["kernels"])]
+        if per_call:
+            cells.append(f"{r.get('ms_per_call', 0.0):.3f}")
+        cells.append(f"{r['tflops']:.0f}" if "tflops" in r else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    if ceilings:
+        text += "\n\nmeasured ceilings: " + ", ".join(f"{k} {v}" for k, v in ceilings.items())
+    return text

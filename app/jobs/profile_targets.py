@@ -12,6 +12,8 @@ COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-auto
                  "eager", "aot_eager")
 TINY_LATENT = (6, 8, 8)          # frames, height, width (latent units) for the tiny model
 CHECKPOINT_LATENT = (21, 60, 104)  # 81 frames at 480x832
+SHAPES = ("tiny", "1.3b")        # random-weight models: the built-in tiny one, Wan 2.1 1.3B's architecture
+SAMPLER_PATHS = ("auto", "optimized", "reference")
 
 
 @dataclasses.dataclass
@@ -25,6 +27,8 @@ class ProfileTarget:
     steps: str | None = None          # step list like "1000,750,500,250" (default: the preset's)
     preset: str | None = None         # sampler schedule preset (default: self_forcing)
     seed: int = 0
+    shape: str = "tiny"               # without a checkpoint: tiny | 1.3b (random weights of that architecture)
+    sampler: str = "auto"             # sampler path: auto | optimized | reference
 
     def resolved(self) -> "ProfileTarget":
         import torch
@@ -32,7 +36,7 @@ class ProfileTarget:
         t = dataclasses.replace(self)
         t.device = t.device or ("cuda" if torch.cuda.is_available() else "cpu")
         t.dtype = t.dtype or ("float32" if t.device.startswith("cpu") else "bfloat16")
-        f, h, w = CHECKPOINT_LATENT if t.checkpoint else TINY_LATENT
+        f, h, w = CHECKPOINT_LATENT if t.checkpoint or t.shape != "tiny" else TINY_LATENT
         t.frames, t.height, t.width = t.frames or f, t.height or h, t.width or w
         return t
 
@@ -50,7 +54,8 @@ def torch_dtype(name: str):
 
 
 def load_model(target: ProfileTarget):
-    """The tiny built-in model, or the checkpoint (safetensors) when given."""
+    """The tiny built-in model, random weights of Wan 2.1 1.3B's architecture (``shape='1.3b'``), or the checkpoint
+    (safetensors) when given."""
     dtype = torch_dtype(target.dtype)
     if target.checkpoint:
         from ...model.loader import load_wan_checkpoint
@@ -58,7 +63,11 @@ def load_model(target: ProfileTarget):
         return load_wan_checkpoint(target.checkpoint, device=target.device, dtype=dtype)
     from ...model.tiny import tiny_causal_model
 
-    return tiny_causal_model(seed=target.seed, device=target.device, dtype=dtype)
+    config = None
+    if target.shape == "1.3b":
+        from ...model.config import WAN_1_3B
+        config = WAN_1_3B
+    return tiny_causal_model(seed=target.seed, device=target.device, dtype=dtype, config=config)
 
 
 def make_inputs(model, target: ProfileTarget) -> dict:
@@ -86,12 +95,34 @@ def sampler_call(model, target: ProfileTarget, inputs: dict):
     if target.steps:
         schedule = {"preset": schedule, "steps": str(target.steps)}
     kwargs = {"schedule": schedule} if "schedule" in inspect.signature(sample_causal).parameters else {}
+    kwargs["path"] = target.sampler
 
     def run():
         with torch.inference_mode():
             return sample_causal(model, inputs["context"], inputs["noise"], **kwargs)
 
     return run
+
+
+def work_per_run(model, target: ProfileTarget) -> tuple[int, dict]:
+    """(model forward calls, {'gemm': FLOPs, 'attention': FLOPs}) of one sampler run of ``target`` on ``model``:
+    the attention products apart from every other matmul (``model/flops.py``); (None, None) for a model that is
+    not a Wan DiT (no count to give)."""
+    from ...model import flops as fl
+    from ...sampling.sampler import resolve_path
+    from ...sampling.scheduler import resolve_schedule
+
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "patch_size"):
+        return None, None
+    steps = len(resolve_schedule(target.preset or "self_forcing", target.steps).timesteps)
+    path, _ = resolve_path(target.sampler, target.device)
+    _pt, ph, pw = cfg.patch_size
+    geo = fl.Geometry(1, target.frames, (target.height // ph) * (target.width // pw))
+    optimized = path == "optimized"
+    whole = fl.run_flops(cfg, geo, steps, optimized=optimized, skip_last_refresh=optimized)
+    linear = fl.run_flops(cfg, geo, steps, optimized=optimized, skip_last_refresh=optimized, attention=False)
+    return whole["forwards"], {"gemm": linear["flops"], "attention": whole["flops"] - linear["flops"]}
 
 
 def apply_compile(model, mode: str):

@@ -1,0 +1,37 @@
+"""Measured ceilings of this GPU beside a profile: the bf16 matmul rate and the device-memory copy rate.
+
+The roofline of a profile compares each kernel class's achieved rate with what this GPU reaches on the same
+kind of work when nothing else limits it: a large square bf16 matmul (TFLOP/s) and a large device-to-device copy
+(GB/s, bytes read plus bytes written). Timed with CUDA events after a warm-up; None on a device without CUDA.
+"""
+from __future__ import annotations
+
+
+def measure_ceilings(device, *, size: int = 8192, copy_mib: int = 1024, repeat: int = 10) -> dict | None:
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    src = torch.empty(copy_mib * 2 ** 20, device=device, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+
+    def rate(fn) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0 / repeat
+
+    mm_s = rate(lambda: torch.mm(a, b))
+    copy_s = rate(lambda: dst.copy_(src))
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return {"bf16_matmul_tflops": round(2 * size ** 3 / mm_s / 1e12, 1),
+            "copy_gbps": round(2 * copy_mib * 2 ** 20 / copy_s / 1e9, 1)}
