@@ -182,6 +182,21 @@ def _env(ctx: Context) -> dict:
     return env
 
 
+def stage_file(name: str) -> str:
+    """The file name of a stage's full output under ``<out>/stages/``."""
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_") + ".log"
+
+
+def _keep_output(stage: Stage, ctx: Context, proc) -> str:
+    """A stage's whole stdout and stderr, kept beside the table (the table holds one line of it)."""
+    from ..cache.owned_files import write_text
+    path = ctx.out / "stages" / stage_file(stage.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, f"$ {stage.name}\n--- stdout\n{proc.stdout or ''}\n--- stderr\n{proc.stderr or ''}",
+               option="--out", purpose="a stage's output")
+    return str(path.relative_to(ctx.out))
+
+
 def _tail(text: str, n: int = 400) -> str:
     lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
     return (lines[-1] if lines else "")[:n]
@@ -206,6 +221,7 @@ def run_stage(stage: Stage, ctx: Context) -> dict:
         return dict(row, status="failed", seconds=round(time.perf_counter() - t0, 2),
                     detail=f"did not finish within {timeout:.0f} s")
     row["seconds"] = round(time.perf_counter() - t0, 2)
+    row["output"] = _keep_output(stage, ctx, proc)
     problems = []
     if proc.returncode != 0:
         problems.append(f"exit {proc.returncode}: {_tail(proc.stderr) or _tail(proc.stdout)}")

@@ -120,6 +120,8 @@ def _selftest(out: str, tmp: Path) -> None:
     assert by["doctor"]["status"] == "passed" and by["fp8 checkpoint"]["status"] == "passed", data["stages"]
     assert by["bench sampler"]["status"] in ("needs a CUDA GPU", "passed"), by["bench sampler"]
     assert (tmp / "st" / "selftest.md").is_file() and data["passed"] is True
+    kept = (tmp / "st" / by["fp8 checkpoint"]["output"]).read_text()     # each stage's whole output is kept
+    assert kept.startswith("$ fp8 checkpoint") and '"relative_rms"' in kept
 
 
 CASES = {
