@@ -374,16 +374,27 @@ def _auto(q, k, v, request):
 def plan_shapes(frame_tokens: int, chunks, kv_window: int, num_frames: int, text_len: int | None = None) -> list:
     """The (query length, key length) of every attention call a run over ``chunks`` [(first frame, frames)] meets:
     self-attention reads the cache up to the chunk's end (a rolling cache at most ``kv_window`` frames), and
-    cross-attention reads ``text_len`` tokens; one per store bucket."""
-    seen, out = set(), []
+    cross-attention reads ``text_len`` tokens; one per store bucket, the largest call of each (the one a choice
+    or a speed verdict must hold for)."""
+    largest: dict = {}
     cap = kv_window if 0 < kv_window < num_frames else num_frames
     for f0, n in chunks:
         q = n * frame_tokens
         for k in (min(f0 + n, cap) * frame_tokens, text_len):
-            if k and (length_bucket(q), length_bucket(k)) not in seen:
-                seen.add((length_bucket(q), length_bucket(k)))
-                out.append((q, k))
-    return out
+            if not k:
+                continue
+            bucket = (length_bucket(q), length_bucket(k))
+            if bucket not in largest or q * k > largest[bucket][0] * largest[bucket][1]:
+                largest[bucket] = (q, k)
+    return list(largest.values())
+
+
+def _device_key(device) -> torch.device:
+    """``device`` as a tensor on it reports it (``cuda`` -> ``cuda:<current>``): the store's keys use that form."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def warm_plans(shapes, batch: int, heads: int, head_dim: int, dtype, device, request="auto") -> list:
@@ -392,14 +403,15 @@ def warm_plans(shapes, batch: int, heads: int, head_dim: int, dtype, device, req
     if not (request == "auto" or isinstance(request, tuple)) or _common.is_compiling():
         return []
     off = request[1:] if isinstance(request, tuple) else ()
+    where = _device_key(device)
     gen = torch.Generator().manual_seed(0)
     out = []
     for lq, lk in shapes:
-        q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
-        key = (off, q.device, q.dtype, heads, head_dim, length_bucket(lq), length_bucket(lk))
-        if key in _AUTO:
+        key = (off, where, dtype, heads, head_dim, length_bucket(lq), length_bucket(lk))
+        if key in _AUTO:                 # chosen earlier in this process: nothing to make, nothing to copy
             out.append((key[5:], _AUTO[key]))
             continue
+        q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
         k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
         out.append((key[5:], _choose_once(q, k, k, key, True)))
         del q, k
@@ -420,12 +432,20 @@ def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, d
     if device.type not in SPEED_DEVICES or _common.is_compiling():
         return None, f"speed not judged on {device.type}"
     tuner = tuner or get_autotuner()
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
-    k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
-    fns = {"int8": lambda: int8.int8_attention(q, k, k), "exact": lambda: attention(q, k, k, backend=exact)}
+    made: dict = {}
+
+    def inputs():          # made only when the store times (a stored verdict needs none)
+        if not made:
+            gen = torch.Generator().manual_seed(0)
+            made["q"] = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
+            made["k"] = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
+        return made["q"], made["k"]
+
+    fns = {"int8": lambda q, k: int8.int8_attention(q, k, k), "exact": lambda q, k: attention(q, k, k, backend=exact)}
     key = f"{device.type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
-    best = tuner.tune(SPEED_KERNEL, key, ({"impl": "int8"}, {"impl": "exact"}), lambda cfg: fns[cfg["impl"]]())
+    best = tuner.tune(SPEED_KERNEL, key, ({"impl": "int8"}, {"impl": "exact"}),
+                      lambda cfg: fns[cfg["impl"]](*inputs()))
+    made.clear()
     timings = (tuner.entry(SPEED_KERNEL, key) or {}).get("timings") or {}
     t8, te = timings.get("impl=int8"), timings.get("impl=exact")
     shown = f"{t8:.3g} ms against {te:.3g} ms exact" if t8 is not None and te is not None else "timings unknown"

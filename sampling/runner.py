@@ -38,6 +38,7 @@ from ..cache.warmup import spent
 from .cuda_graphs import CudaGraphBackend, GraphManager, recorded_failure
 
 log = logging.getLogger("wan_accel")
+_SAID: set = set()      # speed verdict lines already shown in this process
 CUDA_GRAPH_MODES = ("auto", "off")
 LATENT_DTYPES = ("float32", "stream")
 
@@ -472,7 +473,9 @@ class Run:
             self.info["attention"] = "exact (int8 measured slower)"
             line = (f"int8 attention is slower than exact attention on this GPU ({why}): this run uses exact "
                     f"attention; --keep-slower (CLI) keeps int8 anyway")
-        log.warning("wan_accel: %s", line)
+        if line not in _SAID:       # once per process: every later run of the same shape reads the same verdict
+            _SAID.add(line)
+            log.warning("wan_accel: %s", line)
         self.info.setdefault("notes", []).append(line)
 
     def finish(self, completed: bool = True) -> dict:

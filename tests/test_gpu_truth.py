@@ -241,3 +241,48 @@ def test_a_modules_run_time_state_is_not_part_of_its_code_digest():
     assert code_digest(mod) == before
     mod.LIMIT = 4                                    # a constant of the code: a new digest
     assert code_digest(mod) != before
+
+
+# ---------------------------------------------------------------------- per-run cost of the attention plans
+# (on an H200 the plans of a 1.3B run drew and copied a random Q per shape before looking up the stored choice:
+# about 170 ms of host work at the start of every video)
+def _count_randn(monkeypatch):
+    calls = []
+    real = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls
+
+
+def test_attention_plans_of_a_second_run_make_no_tensors(monkeypatch):
+    from wan_accel.model import attention as att
+    shapes = att.plan_shapes(16, [(0, 3), (3, 3), (6, 3)], -1, 9, 7)
+    att.warm_plans(shapes, 1, 2, 8, torch.float32, "cpu")
+    calls = _count_randn(monkeypatch)
+    again = att.warm_plans(shapes, 1, 2, 8, torch.float32, "cpu")
+    assert calls == [] and len(again) == len(shapes)
+
+
+def test_plan_shapes_keep_the_largest_call_of_each_bucket():
+    from wan_accel.model.attention import length_bucket, plan_shapes
+    chunks = [(f0, 3) for f0 in range(0, 21, 3)]
+    shapes = plan_shapes(1560, chunks, -1, 21, 512)
+    assert (4680, 32760) in shapes                       # the last chunk reads the whole cache
+    for q, k in shapes:                                  # nothing larger in the same bucket is left out
+        same = [(4680, min(f0 + 3, 21) * 1560) for f0, _ in chunks
+                if (length_bucket(4680), length_bucket(min(f0 + 3, 21) * 1560)) == (length_bucket(q), length_bucket(k))]
+        assert all(a * b <= q * k for a, b in same)
+
+
+def test_a_stored_int8_speed_verdict_makes_no_tensors(monkeypatch):
+    from wan_accel.model import attention as att
+
+    class Stored:
+        def tune(self, kernel, key, configs, run, **kw):
+            return {"impl": "exact"}
+
+        def entry(self, kernel, key):
+            return {"timings": {"impl=int8": 2.0, "impl=exact": 1.0}}
+
+    calls = _count_randn(monkeypatch)
+    slower, why = att.int8_speed(4680, 32760, 1, 12, 128, torch.bfloat16, "cuda", tuner=Stored())
+    assert slower is True and "32760" in why and calls == []
