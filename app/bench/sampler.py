@@ -31,6 +31,7 @@ under ``profiling.dispatch_counts`` gives the structure of the path:
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import statistics
 import time
@@ -121,12 +122,22 @@ class _Models:
     def __init__(self, base, device):
         self.base, self.device, self.key, self.model = base, device, None, None
 
+    def drop(self) -> None:
+        """Free the device copy now: its sampler buffers (KV cache, graphs) at once, and the model with them (the
+        model and its runner reference each other, so only the cycle collector frees them; a row measured after a
+        switch would otherwise carry the previous copy in its peak memory)."""
+        if self.model is not None:
+            from ...sampling.runner import release_buffers
+            release_buffers(self.model)
+        self.model, self.key = None, None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def get(self, dtype: torch.dtype, precision: str, attention: str):
         key = (dtype, precision, attention)
         if key != self.key:
-            self.model = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.drop()
             m = copy.deepcopy(self.base).set_precision(precision, dtype).to(self.device)
             self.model, self.key = m.set_attention_backend(attention), key
         return self.model
@@ -363,7 +374,7 @@ def run(args) -> int:
         reference = _sample(model, kind, inp, v, args.seed, None).float().cpu()
     _parity(rows, outputs, reference)
     _vs_exact(rows, outputs)
-    models.model = None
+    models.drop()
     base = rows[0]["steady_s"]
     same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference" and r["attention"] != "int8"}
     for r in rows:
