@@ -302,7 +302,7 @@ class CacheSetup:
                 f"prompt is still running (it ends at chunk {running.chunk + running.blend - 1}). Krea Realtime "
                 f"restarts an interrupted interpolation from the embedding in effect and the first block of the new "
                 f"change repeats it; under recache krea a (blend {new.blend}, {new.mode}) blend does not. Type "
-                f"'{text}' (Krea's default: {KREA_INTERP_STEPS} blocks), '{text} (blend {new.blend}, krea)', or "
+                f"'{text}' (Krea's default: {KREA_INTERP_STEPS} blocks), '{text} (blend {max(new.blend, 2)}, krea)', or "
                 f"'{text} (blend 0)' to switch at once; or wait until chunk {running.chunk + running.blend}")
 
 
