@@ -247,17 +247,18 @@ def comfy_vae_reencode(vae):
 
 def comfy_krea_reencode(vae):
     """Krea's first-frame re-encode for a ComfyUI VAE as Krea's server does it: through the stream decoder's state
-    (``sampling.krea.StreamReencode`` over ``streaming_decode.WanStreamDecoder``: the policy's own walk decodes every
-    clean latent frame once, in order, and the last pixel frame of latent frame f0 - K as the stream gave it is
-    encoded again). A VAE that the streaming decoder cannot walk (not Wan 2.1, or no ComfyUI) falls back to
-    ``comfy_vae_reencode`` (that latent frame decoded on its own)."""
+    (``sampling.krea.StreamReencode`` over ``streaming_decode.KreaStreamDecoder``, Krea's session decoder walked over
+    the VAE's own layers: the policy's own walk decodes every clean latent frame once, in order, and the last pixel
+    frame of latent frame f0 - K as the stream gave it is encoded again as a first frame). A VAE that the streaming
+    decoder cannot walk (not Wan 2.1, or no ComfyUI) falls back to ``comfy_vae_reencode`` (that latent frame decoded
+    on its own)."""
     import torch
 
     from ..app.jobs.preview import from_vae_latents, to_vae_latents
     from ..sampling.krea import StreamReencode
     from . import streaming_decode
     try:
-        decoder = streaming_decode.WanStreamDecoder(vae)
+        decoder = streaming_decode.KreaStreamDecoder(vae)
     except (ImportError, ValueError):
         decoder = None
     if decoder is None:

@@ -99,7 +99,8 @@ class CausalWanPromptPlaySession:
                         "switch: a new prompt re-caches the window under it (LongLive). none: only the "
                         "cross-attention cache changes. krea: the cache is rebuilt before every chunk from the "
                         "first frame and the newest ones (Krea Realtime; kv_window -1: K = 3), the stand-in first "
-                        "frame re-encoded with vae."}),
+                        "frame re-encoded with vae; a typed prompt eases in over 4 chunks as Krea's server does it "
+                        "('<prompt> (blend 0)' switches at once)."}),
         }, "optional": {
             "clip": ("CLIP", {"tooltip": "The graph's text encoder (umt5-xxl); not needed by the built-in tiny model."}),
             "idle_timeout_s": ("INT", {"default": 300, "min": 10, "max": 86400, "tooltip":

@@ -7,7 +7,12 @@ between chunks and holds back a frame whose pair is still to come, so its frames
 ``VAE.decode`` (tests/e2e/test_streaming_decode.py checks it against ``VAE.decode``) while its working memory is
 one pair of frames however long the video is.
 
-Everything here that touches ComfyUI internals (``first_stage_model``, ``conv2``, ``decoder``,
+``KreaStreamDecoder`` walks the same decoder as Krea Realtime's session decoder does, for Krea's first-frame
+re-encode (``sampling.krea.StreamReencode``): one latent frame at a time, and in a temporal upsampling fed one frame
+at a time the cache Krea's decoder keeps, which from latent frame 3 on gives other pixels than Wan 2.1's decode
+(tests/e2e/test_krea_reencode_vae.py checks it against the official decoder's stream).
+
+Everything here that touches ComfyUI internals (``first_stage_model``, ``conv2``, ``decoder`` and its layers,
 ``count_cache_layers``, the VAE's device/dtype/patcher/``process_output``) is in this file: a ComfyUI change shows
 up as one failing parity test. This module imports only torch at import time (the test loads it on its own).
 """
@@ -59,8 +64,8 @@ class WanStreamDecoder:
         self.frames_out += images.shape[1]
         return images
 
-    @torch.no_grad()
-    def push(self, latent: torch.Tensor):
+    def _input(self, latent: torch.Tensor):
+        """A chunk's latents checked and through ``conv2`` (None for no frames); the VAE is loaded on the first."""
         if latent.dim() != 5 or latent.shape[1] != self.model.z_dim:
             raise ValueError(f"expected Wan 2.1 latents [B, {self.model.z_dim}, frames, H, W], got "
                              f"{tuple(latent.shape)}")
@@ -68,7 +73,13 @@ class WanStreamDecoder:
             return None
         if not self.loaded:                         # load once: nothing else is loaded between chunks
             self.load(latent.shape)
-        x = self.model.conv2(latent.to(device=self.vae.device, dtype=self.vae.vae_dtype))
+        return self.model.conv2(latent.to(device=self.vae.device, dtype=self.vae.vae_dtype))
+
+    @torch.no_grad()
+    def push(self, latent: torch.Tensor):
+        x = self._input(latent)
+        if x is None:
+            return None
         first = self.frames_in == 0
         self.frames_in += latent.shape[2]
         if self.held is not None:
@@ -120,3 +131,88 @@ class WanStreamDecoder:
     def release(self) -> None:
         self.feat_map = [None] * len(self.feat_map)
         self.held = None
+
+
+class KreaStreamDecoder(WanStreamDecoder):
+    """Decode Wan 2.1 latents [B, 16, n, H, W] (VAE space) as Krea Realtime's session decoder does, chunk after
+    chunk: ``push`` returns every pixel frame of the chunk (1 for the video's first latent frame, 4 for each other
+    one; nothing is held back), in ComfyUI's image layout, clamped as ``VAE.decode``'s images are.
+
+    Krea's server decodes each block as it is made, one latent frame per step of the decoder, its feature cache
+    carried from block to block. Every causal convolution keeps the last two frames it has seen, as in Wan 2.1's
+    walk. A temporal upsampling (``Resample`` 'upsample3d') differs: its first step keeps a zero cache and leaves the
+    frame as it is; after that, given one frame, it keeps that frame twice (zero where the frame it kept last is
+    exactly zero) where Wan 2.1 keeps the frame before it and that frame. Only the first temporal upsampling of the
+    decoder is fed one frame a step, so from latent frame 3 on its pixels are not those of ``VAE.decode``: a defect
+    of Krea's decoder, followed here only for the frame Krea re-encodes (the nodes show ``WanStreamDecoder``'s
+    frames). ``snapshot``/``restore`` are not offered: a Krea re-encode stream starts with its run."""
+
+    NOT_CONTINUED = "a Krea re-encode stream is not continued across runs; it decodes its run from its first frame"
+
+    def __init__(self, vae):
+        super().__init__(vae)
+        from comfy.ldm.wan import vae as wan_vae
+        self.layers = wan_vae
+        self.cached: dict = {}            # layer -> the frames it keeps for the next step
+
+    def _conv(self, conv, x):
+        """A causal convolution that keeps its last two input frames (the one it kept last and a single new one)."""
+        old = self.cached.get(conv)
+        keep = x[:, :, -2:]
+        if keep.shape[2] < 2 and old is not None:
+            keep = torch.cat([old[:, :, -1:], keep], 2)
+        out = conv(x, old)
+        self.cached[conv] = keep
+        return out
+
+    def _time_upsample(self, layer, x):
+        """The temporal doubling of an 'upsample3d' layer with Krea's cache (see the class doc)."""
+        old = self.cached.get(layer)
+        if old is None:
+            self.cached[layer] = x.new_zeros(x.shape[0], x.shape[1], 2, *x.shape[3:])
+            return x
+        keep = x[:, :, -2:]
+        if keep.shape[2] < 2:
+            keep = torch.cat([torch.where(old[:, :, -1:] == 0, 0, keep), keep], 2)
+        y = layer.time_conv(x, old)
+        self.cached[layer] = keep
+        b, c, t, h, w = x.shape
+        y = y.reshape(b, 2, c, t, h, w)
+        return torch.stack((y[:, 0], y[:, 1]), 3).reshape(b, c, 2 * t, h, w)
+
+    def _layers(self, layers, x):
+        wan = self.layers
+        for layer in layers:
+            if isinstance(layer, wan.CausalConv3d):
+                x = self._conv(layer, x)
+            elif isinstance(layer, wan.ResidualBlock):
+                x = self._layers(layer.residual, x) + layer.shortcut(x)
+            elif isinstance(layer, wan.Resample):
+                if layer.mode == "upsample3d":
+                    x = self._time_upsample(layer, x)
+                b, c, t, h, w = x.shape
+                y = layer.resample(x.transpose(1, 2).reshape(b * t, c, h, w))
+                x = y.reshape(b, t, *y.shape[1:]).transpose(1, 2)
+            else:                                   # norms, activations, attention within a frame
+                x = layer(x)
+        return x
+
+    @torch.no_grad()
+    def push(self, latent: torch.Tensor):
+        x = self._input(latent)
+        if x is None:
+            return None
+        self.frames_in += x.shape[2]
+        d = self.model.decoder
+        return self._images([self._layers([d.conv1, *d.middle, *d.upsamples, *d.head], x[:, :, i:i + 1])
+                             for i in range(x.shape[2])])
+
+    def snapshot(self) -> dict:
+        raise ValueError(self.NOT_CONTINUED)
+
+    def restore(self, snap: dict) -> None:
+        raise ValueError(self.NOT_CONTINUED)
+
+    def release(self) -> None:
+        super().release()
+        self.cached = {}

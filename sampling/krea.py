@@ -19,8 +19,13 @@ A prompt change in Krea interpolates over ``N`` blocks with ``torch.lerp(old, ne
 per block and a fresh cross-attention cache each: the first of those blocks still uses the old prompt, and a change
 that interrupts a running interpolation starts from the embedding in effect. In a prompt schedule that is
 ``b: new (blend N, krea)`` for a change requested at block ``b`` (``krea_schedule_line``; without an interruption
-also ``(b + 1): new (blend N - 1)``, ``krea_schedule_entry``). A live session under 'krea' refuses a prompt typed
-during a running blend that is not such an entry (``CacheSetup.live_prompt_problem``).
+also ``(b + 1): new (blend N - 1)``, ``krea_schedule_entry``). Krea's server interpolates a prompt sent without a
+step count over ``KREA_INTERP_STEPS`` = 4 blocks, also when it interrupts a running interpolation; a prompt sent
+before the first block is that block's prompt, and a prompt equal to the one in effect changes nothing. A live
+session under 'krea' does the same (``CacheSetup.live_line``): a prompt typed without a blend becomes
+``<chunk>: <prompt> (blend 4, krea)`` (the first chunk's prompt is its prompt), ``(blend N, krea)`` picks another
+length, and ``(blend 0)`` is a hard switch, which Krea's server has no way to ask for. A ``(blend N)`` / slerp blend
+typed during a running blend is refused (``CacheSetup.live_prompt_problem``).
 
 Settings the official code runs differently are refused by ``cache_setup`` (``official_problem``).
 
@@ -39,10 +44,12 @@ from typing import Callable
 
 import torch
 
+from .prompts import ends_in_blend
 from .recache import RECACHE_MODES
 from .scheduler import resolve_schedule
 
 KREA_CONTEXT_FRAMES = 3          # Krea's default kv_cache_num_frames (release_server.py GenerationParams)
+KREA_INTERP_STEPS = 4            # blocks Krea's server interpolates a prompt sent without interp_steps over
 KREA_FRAMES_PER_BLOCK = 3
 CACHE_MODES = RECACHE_MODES + ("krea",)
 IDENTITY_REENCODE_NOTE = ("recache krea: no VAE at hand, so the frame standing in for the first frame is used as it "
@@ -269,23 +276,34 @@ class CacheSetup:
         """``recache`` / ``cache_policy`` of ``sample_causal`` (and everything that forwards to it)."""
         return {"recache": self.recache, "cache_policy": self.cache_policy}
 
+    def live_line(self, chunk: int, prompt: str) -> str:
+        """The schedule line of ``prompt`` typed live for chunk ``chunk`` (a new prompt, one line). Under 'krea' a
+        prompt after the first chunk that gives no blend is Krea's default change, interpolated over
+        ``KREA_INTERP_STEPS`` blocks: ``<chunk>: <prompt> (blend 4, krea)``; one that gives a blend, ``(blend 0)``
+        (a hard switch) included, is taken as typed, and so is every prompt under the other modes."""
+        if self.mode == "krea" and chunk > 0 and not ends_in_blend(prompt):
+            return krea_schedule_line(chunk, prompt, KREA_INTERP_STEPS)
+        return f"{chunk}: {prompt}"
+
     def live_prompt_problem(self, schedule, chunk: int) -> str | None:
         """Why the prompt a live session adds at ``chunk`` (the last entry of ``schedule``) cannot follow Krea
-        Realtime, or None. Under 'krea' a prompt typed while a blend is still running must be a
-        ``(blend N, krea)`` entry: Krea restarts from the embedding in effect and the first block of the new change
-        repeats it, which a hard switch or a ``(blend N)`` / slerp blend at that chunk does not do."""
+        Realtime, or None. Under 'krea' a ``(blend N)`` / slerp blend typed while a blend is still running is
+        refused: Krea restarts from the embedding in effect and the first block of the new change repeats it,
+        which those blends do not do. A prompt without a blend (``live_line``: Krea's default), a
+        ``(blend N, krea)`` one and a hard switch asked for with ``(blend 0)`` are taken."""
         entries = schedule.entries
         if self.mode != "krea" or chunk <= 0 or entries[-1].chunk != chunk or len(entries) < 2:
             return None
         new, running = entries[-1], entries[-2]
-        if new.mode == "krea" or chunk not in type(schedule)(entries[:-1]).switch_chunks(chunk + 1):
+        if new.mode == "krea" or not new.blend or chunk not in type(schedule)(entries[:-1]).switch_chunks(chunk + 1):
             return None
+        text = new.prompt_text()[:80]
         return (f"prompt {new.line().split(': ', 1)[1][:80]!r} at chunk {chunk}: the blend to chunk {running.chunk}'s "
                 f"prompt is still running (it ends at chunk {running.chunk + running.blend - 1}). Krea Realtime "
                 f"restarts an interrupted interpolation from the embedding in effect and the first block of the new "
-                f"change repeats it; under recache krea only a (blend N, krea) prompt does that. Type "
-                f"'{new.prompt_text()} (blend 4, krea)' (Krea's 4 steps), or wait until chunk "
-                f"{running.chunk + running.blend}")
+                f"change repeats it; under recache krea a (blend {new.blend}, {new.mode}) blend does not. Type "
+                f"'{text}' (Krea's default: {KREA_INTERP_STEPS} blocks), '{text} (blend {max(new.blend, 2)}, krea)', or "
+                f"'{text} (blend 0)' to switch at once; or wait until chunk {running.chunk + running.blend}")
 
 
 def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int = 0, preset=None,
@@ -443,4 +461,4 @@ def vae_reencode(decode: Callable, encode: Callable) -> Callable:
     return reencode
 
 
-__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "cache_setup", "official_problem", "krea_schedule_line", "padding_keys", "StreamReencode", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]
+__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "KREA_INTERP_STEPS", "cache_setup", "official_problem", "krea_schedule_line", "padding_keys", "StreamReencode", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]

@@ -16,7 +16,9 @@ switch. ``(blend N, krea)`` (N >= 2) is Krea Realtime's interpolation: chunk c +
 ``torch.lerp(previous, new, linspace(0, 1, N)[j])`` in float32, so chunk c repeats the previous chunk's context and
 chunk c + N - 1 is the new prompt; an entry that interrupts a running blend starts from the context of the chunk
 before it, as Krea restarts from the embedding in effect. A Krea prompt change requested before block b is
-``b: <prompt> (blend N, krea)``, interrupted or not. Chunk 0 must be present.
+``b: <prompt> (blend N, krea)``, interrupted or not. Chunk 0 must be present. In a schedule a line without a blend
+is a hard switch under every cache mode; only a prompt typed live under Krea's cache mode gets Krea's default
+interpolation (``sampling.krea.CacheSetup.live_line``: ``(blend 4, krea)``, ``(blend 0)`` a hard switch).
 
 Bounds, checked while the text is read and before anything is encoded: a chunk is below ``MAX_CHUNKS`` (the
 chunks of the longest video; ``validate`` then checks the run's own), so a schedule has at most that many entries;
@@ -94,6 +96,13 @@ def check_prompt_text(text, where: str = "prompt") -> str:
         raise ValueError(f"{where}: the prompt holds the control character U+{ord(bad.group()):04X} at character "
                          f"{bad.start() + 1}; remove it (a prompt is plain text on one line)")
     return text
+
+
+def ends_in_blend(prompt: str) -> bool:
+    """Whether a one-line prompt says how it is reached: a trailing ``(blend N)`` / ``(blend N, mode)``, ``(blend 0)``
+    (a hard switch asked for) included. A live session under Krea's cache mode gives a prompt without one Krea's own
+    interpolation (``sampling.krea.CacheSetup.live_line``)."""
+    return isinstance(prompt, str) and _BLEND.search(prompt) is not None
 
 
 def _check_text(text, where: str) -> str:
@@ -375,5 +384,5 @@ def blend(a: torch.Tensor, b: torch.Tensor, alpha: float, mode: str = "linear") 
     return torch.where(linear_rows, lin.expand_as(sl), sl)
 
 
-__all__ = ["PromptSchedule", "Entry", "blend", "check_prompt_text", "BLEND_MODES", "SLERP_PARALLEL_COS", "MAX_CHUNKS",
-           "MAX_PROMPT_CHARS", "MAX_MIX_PARTS", "TEXT_TOKENS"]
+__all__ = ["PromptSchedule", "Entry", "blend", "check_prompt_text", "ends_in_blend", "BLEND_MODES", "SLERP_PARALLEL_COS",
+           "MAX_CHUNKS", "MAX_PROMPT_CHARS", "MAX_MIX_PARTS", "TEXT_TOKENS"]

@@ -15,7 +15,9 @@ from wan_accel.sampling.sampler import generate_latents
 
 H = W = 4                        # latent size (the tiny model's patch is 2x2)
 FPB, WINDOW = 3, 6               # Krea's K = WINDOW - FPB = 3: from chunk 2 on, frame f0 - K stands in for frame 0
-PROMPTS = ["a cat walks", "", "a red fox :0.7 | snow falls :0.3", "", "a dog (blend 1)", "", ""]
+# chunk 2: a mix typed plain, Krea's 4-chunk interpolation (chunk 2 repeats the old prompt); chunk 4: a hard switch
+# asked for while it runs
+PROMPTS = ["a cat walks", "", "a red fox :0.7 | snow falls :0.3", "", "a dog (blend 0)", "", ""]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +58,9 @@ def test_krea_play_equals_one_run_of_the_recorded_schedule(model):
                              recache="krea", reencode=reencode)
     for p in PROMPTS:
         play.step(p)
-    assert [e["switched"] for e in play.log] == [False, False, True, False, True, False, False]
-    assert play.schedule_text.strip() == ("0: a cat walks\n2: a red fox :0.7 | snow falls :0.3\n"
-                                          "4: a dog (blend 1)")
+    assert [e["switched"] for e in play.log] == [False, False, False, True, True, False, False]
+    assert play.schedule_text.strip() == ("0: a cat walks\n2: a red fox :0.7 | snow falls :0.3 (blend 4, krea)\n"
+                                          "4: a dog")
     assert play.describe()["recache"] == "krea" and play.kv_window == WINDOW
     policy = play.cache.cache_policy
     assert isinstance(policy, KreaRecompute) and policy.k == WINDOW - FPB

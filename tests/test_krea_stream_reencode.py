@@ -206,7 +206,7 @@ def test_the_nodes_re_encode_through_the_vaes_stream_decoder(monkeypatch):
             return px.unsqueeze(-1).expand(-1, -1, -1, -1, 3).clone()
 
     streams = []
-    monkeypatch.setattr(streaming_decode, "WanStreamDecoder",
+    monkeypatch.setattr(streaming_decode, "KreaStreamDecoder",
                         lambda vae: streams.append(FakeStream(vae)) or streams[-1])
     vae = FakeVAE()
     encoded = []
@@ -230,7 +230,7 @@ def test_the_nodes_re_encode_through_the_vaes_stream_decoder(monkeypatch):
 
     def not_wan(vae):
         raise ValueError("not a Wan 2.1 VAE")
-    monkeypatch.setattr(streaming_decode, "WanStreamDecoder", not_wan)
+    monkeypatch.setattr(streaming_decode, "KreaStreamDecoder", not_wan)
     assert not isinstance(comfy_krea_reencode(vae), StreamReencode)
 
 
@@ -263,8 +263,10 @@ class Replay:
 def test_the_official_stream_of_a_real_vae_re_encodes_the_official_frame(pairs):
     """On a (tiny, random) Wan VAE the pixel frames of a latent frame differ and its stream decode differs from its
     decode alone by ~1 (the fixture's alone_vs_stream_max_abs): the frame the policy hands to the encoder is the one
-    Krea's session hands over, from Krea's own decoder's stream and from a pair walk of the same decode (ComfyUI's
-    WanStreamDecoder's; the official whole decode equals the stream, stream_vs_whole_decode_max_abs 0)."""
+    Krea's session hands over, from Krea's own decoder's stream, given all at once or held back a frame at a time as a
+    pair walk returns it (the official whole decode equals the stream, stream_vs_whole_decode_max_abs 0). The
+    layers that decode it through ComfyUI's VAE, ``KreaStreamDecoder``, are checked against this stream in
+    tests/e2e/test_krea_reencode_vae.py."""
     k, fpb = VAE_CFG["kv_cache_num_frames"], VAE_CFG["num_frame_per_block"]
     assert VAE_CFG["stream_vs_whole_decode_max_abs"] == 0.0
     assert min(VAE_CFG["alone_vs_stream_max_abs"].values()) > 0.5

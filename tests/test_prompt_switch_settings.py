@@ -11,8 +11,11 @@ setting that avoids it (issue 31).
 * Krea, a new prompt while an interpolation is still running: reproduced by ``(blend N, krea)`` entries, checked
   against a reference of Krea's session semantics written here (the embedding in effect, a list of interpolated
   embeddings popped one per block, a new request replacing the list from the embedding in effect), on both sampler
-  paths, chunk by chunk in live play, and through the schedule file the session saves; any other live prompt typed
-  during a running blend under krea is refused.
+  paths, chunk by chunk in live play, and through the schedule file the session saves.
+* Krea, a prompt typed live with no step count: Krea's server interpolates it over 4 blocks (``KREA_INTERP_STEPS``),
+  running blend or not; under recache krea a live prompt without a blend does the same, ``(blend 0)`` is a hard
+  switch asked for, and a pack blend (``(blend N)``, slerp) typed during a running blend is refused with the ways
+  out. The other cache modes take every prompt as typed.
 """
 import json
 from pathlib import Path
@@ -22,12 +25,12 @@ import torch
 from safetensors.torch import load_file
 
 from wan_accel.app.play.registry import PlayError
-from wan_accel.app.play.t2v import PromptPlaySession
+from wan_accel.app.play.t2v import PromptPlaySession, context_digest
 from wan_accel.cli import main as cli_main
 from wan_accel.model.config import WanConfig
 from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.model.tiny import tiny_causal_model, tiny_text_embedding
-from wan_accel.sampling.krea import (KreaRecompute, cache_setup, krea_schedule, krea_schedule_line,
+from wan_accel.sampling.krea import (KREA_INTERP_STEPS, KreaRecompute, cache_setup, krea_schedule, krea_schedule_line,
                                      official_problem, padding_keys)
 from wan_accel.sampling.prompts import PromptSchedule
 from wan_accel.sampling.sampler import sample_causal
@@ -139,9 +142,9 @@ def krea_reference(first, requests: dict, blocks: int, embed) -> list:
 
 REQUESTS = {2: ("a dog runs", 4), 4: ("snow falls", 3), 5: ("a red fox", 2), 8: ("night", 4), 9: ("day", 3)}
 BLOCKS = 11
-# for the sampled runs (short): the change at 2 interrupts the one at 1 at its first block (which repeats the
-# embedding in effect), the change at 4 interrupts the one at 2 half way
-RUN_REQUESTS = {1: ("a dog runs", 3), 2: ("snow falls", 3), 4: ("a red fox", 2)}
+# for the sampled runs (short): the change at 2 (over Krea's default 4 blocks) interrupts the one at 1 at its first
+# block (which repeats the embedding in effect), the change at 4 interrupts the one at 2 half way
+RUN_REQUESTS = {1: ("a dog runs", 3), 2: ("snow falls", 4), 4: ("a red fox", 2)}
 RUN_BLOCKS = 6
 TYPED_DURING_A_BLEND = (2, 4)
 
@@ -200,19 +203,27 @@ def test_interrupted_interpolation_samples_as_krea(model, path):
 
 
 def test_live_play_under_krea_follows_krea_and_saves_it_bit_for_bit(model):
+    """The requests typed live as a client of Krea's server sends them: the one over Krea's default 4 blocks as the
+    plain prompt (it interrupts a running interpolation), the others with their (blend N, krea); a (blend N) typed
+    during a running blend is refused first, naming the ways out."""
     embed = encode_with(model)
     play = PromptPlaySession(model, embed, H, W, seed=7, frames_per_block=FPB, kv_window=2 * FPB, recache="krea",
                              prompt="a cat")
+    assert RUN_REQUESTS[TYPED_DURING_A_BLEND[0]][1] == KREA_INTERP_STEPS
     for b in range(RUN_BLOCKS):
-        if b in RUN_REQUESTS:
-            text, n = RUN_REQUESTS[b]
-            if b in TYPED_DURING_A_BLEND:
-                with pytest.raises(PlayError, match=rf"^prompt '{text}' at chunk {b}: the blend .* is still running"
-                                                    rf".* Type '{text} \(blend 4, krea\)'"):
-                    play.step(text)
-            play.step(f"{text} (blend {n}, krea)")
-        else:
+        if b not in RUN_REQUESTS:
             play.step("")
+            continue
+        text, n = RUN_REQUESTS[b]
+        if n == KREA_INTERP_STEPS:
+            play.step(text)
+            continue
+        if b in TYPED_DURING_A_BLEND:
+            with pytest.raises(PlayError, match=rf"^prompt '{text} \(blend {n}\)' at chunk {b}: the blend .* is still "
+                                                rf"running .* Type '{text}' \(Krea's default: 4 blocks\), "
+                                                rf"'{text} \(blend {n}, krea\)', or '{text} \(blend 0\)'"):
+                play.step(f"{text} (blend {n})")
+        play.step(f"{text} (blend {n}, krea)")
     video = play.latent_video()
     # the saved schedule file reproduces the session bit for bit (one run, both paths' reference for play)
     saved = PromptSchedule.parse(play.script_file())
@@ -232,20 +243,41 @@ def test_live_play_under_krea_follows_krea_and_saves_it_bit_for_bit(model):
     assert (video - direct.transpose(1, 2)).abs().max() <= TOL
 
 
-def test_live_prompts_outside_a_running_blend_are_unchanged_under_krea(model):
-    play = PromptPlaySession(model, encode_with(model), H, W, seed=1, frames_per_block=FPB, kv_window=2 * FPB,
-                             recache="krea", prompt="a cat")
-    for p in ("", "a dog (blend 2)", "", "a fox", "snow (blend 3, slerp)", ""):
+def test_live_prompts_under_krea_ease_in_as_kreas_server_and_switch_hard_when_asked(model):
+    embed = encode_with(model)
+    krea, switch = cache_setup("krea", FPB, 2 * FPB), cache_setup("switch", FPB, 12)
+    assert krea.live_line(2, "a dog") == "2: a dog (blend 4, krea)"
+    assert krea.live_line(2, "a dog (blend 0)") == "2: a dog (blend 0)" == switch.live_line(2, "a dog (blend 0)")
+    assert krea.live_line(2, "a :0.7 | b :0.3 (blend 3, krea)") == "2: a :0.7 | b :0.3 (blend 3, krea)"
+    assert krea.live_line(0, "a dog") == "0: a dog" and switch.live_line(2, "a dog") == "2: a dog"
+    play = PromptPlaySession(model, embed, H, W, seed=1, frames_per_block=FPB, kv_window=2 * FPB, recache="krea",
+                             prompt="a cat")
+    for p in ("", "a dog", "a dog", "a fox (blend 0)", "snow (blend 2)"):
         play.step(p)
-    with pytest.raises(PlayError, match=r"^prompt 'rain' at chunk 6: the blend to chunk 4's prompt is still running "
-                                        r"\(it ends at chunk 6\)"):
-        play.step("rain")
-    play.step("rain (blend 2, krea)")
-    # recache switch / none keep the schedule's own semantics: no refusal
-    plain = PromptPlaySession(model, encode_with(model), H, W, seed=1, frames_per_block=FPB, recache="none",
+    with pytest.raises(PlayError, match=r"^prompt 'rain \(blend 3, slerp\)' at chunk 5: the blend to chunk 4's prompt "
+                                        r"is still running \(it ends at chunk 5\).* or wait until chunk 6$"):
+        play.step("rain (blend 3, slerp)")
+    play.step("rain")
+    # a typed prompt without a blend is Krea's 4-block change, also the same text typed again changes nothing (as
+    # Krea's server ignores a prompt equal to the one in effect); '(blend 0)' is a hard switch even mid-blend
+    assert play.schedule_text == ("0: a cat\n1: a dog (blend 4, krea)\n3: a fox\n4: snow (blend 2)\n"
+                                  "5: rain (blend 4, krea)\n")
+    assert [e["switched"] for e in play.log] == [False, False, True, True, True, False]
+    step = torch.linspace(0, 1, steps=KREA_INTERP_STEPS)
+    cat, dog = embed("a cat"), embed("a dog")
+    assert play.log[1]["context_sha256"] == play.log[0]["context_sha256"] == context_digest(cat)
+    assert play.log[2]["context_sha256"] == context_digest(torch.lerp(cat, dog, step[1]))
+    assert play.log[5]["context_sha256"] == play.log[4]["context_sha256"]
+    # the first chunk's prompt is that chunk's prompt (Krea: a prompt sent before the first block is its prompt)
+    first = PromptPlaySession(model, embed, H, W, seed=1, frames_per_block=FPB, kv_window=2 * FPB, recache="krea",
                               prompt="a cat")
+    first.step("a dog")
+    assert first.schedule_text == "0: a dog\n" and first.log[0]["context_sha256"] == context_digest(dog)
+    # recache switch / none take every prompt as typed: a plain prompt is a hard switch, no refusal
+    plain = PromptPlaySession(model, embed, H, W, seed=1, frames_per_block=FPB, recache="none", prompt="a cat")
     for p in ("", "a dog (blend 3)", "a fox"):
         plain.step(p)
+    assert plain.schedule_text == "0: a cat\n1: a dog (blend 3)\n2: a fox\n"
 
 
 # ------------------------------------------------------------------------------------------------ Krea padded context

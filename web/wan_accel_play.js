@@ -340,7 +340,9 @@ function render() {
     el("b", {}, isText() ? "Prompt play" : "Matrix-Game-2 play"),
     el("span", { style: { opacity: "0.7", fontFamily: "monospace" } }, S.session ? `session ${S.session}` : ""));
   const help = isText()
-    ? "Type a prompt while it plays: the next chunk follows it (a mix: 'a red fox :0.7 | snow :0.3')."
+    ? "Type a prompt while it plays: the next chunk follows it (a mix: 'a red fox :0.7 | snow :0.3')." +
+      (S.info?.recache === "krea" ? " recache krea: it eases in over 4 chunks, as Krea's server does; " +
+        "'<prompt> (blend 0)' switches at once." : "")
     : S.info
     ? `${S.info.mode}: hold ${S.info.keys.map((k) => (k.length === 1 ? k.toUpperCase() : k)).join(" ")}` +
       (S.info.mouse ? "; drag on the video or use the arrow keys to turn the camera" : "") + "."

@@ -10,7 +10,9 @@ prompt (``recache='switch'``, LongLive) unless the session was started with ``re
 ``recache='krea'`` rebuilds the cache from a short clean context before every chunk (Krea Realtime; the one policy
 object goes on from chunk to chunk, reading the earlier clean frames from the state's history). The mode goes
 through ``sampling.krea.cache_setup``; with 'krea' the session's ``reencode`` (the VAE round trip of the frame that
-stands in for the first frame) is used, or the frame as it is, said once in the log.
+stands in for the first frame) is used, or the frame as it is, said once in the log, and a prompt typed without a
+blend eases in as Krea's server does it, ``(blend 4, krea)`` (``CacheSetup.live_line``; ``(blend 0)`` switches at
+once). A prompt equal to the one in effect (as typed) changes nothing.
 
 ``log`` records per chunk the prompt in effect and the context rows the model was given (their SHA-256 and first
 values), as Matrix-Game-2 play records the action rows. The session has the interface of ``registry.PlaySession``
@@ -94,7 +96,7 @@ class PromptPlaySession(SessionBase):
             text = "\n".join(self.first_prompt.splitlines()).strip()
         lines = list(self.lines)
         if text and text != self.prompt:
-            lines.append(f"{self.chunks}: {text}")
+            lines.append(self.cache.live_line(self.chunks, text))     # krea: Krea's default interpolation
         elif not lines:
             raise PlayError("type a prompt for the first chunk")
         try:

@@ -136,16 +136,23 @@ def memory(frames: int, chunk: int = 3, whole: bool = False, side: int = 4) -> d
             "seconds": time.perf_counter() - t0, "first_frames_s": first}
 
 
+def load_pack():
+    """The pack of this checkout imported as ``wan_accel`` (it need not be installed in ComfyUI's environment)."""
+    if "wan_accel" not in sys.modules:
+        root = ADAPTER.parents[1]
+        spec = importlib.util.spec_from_file_location("wan_accel", root / "__init__.py",
+                                                      submodule_search_locations=[str(root)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["wan_accel"] = pkg
+        spec.loader.exec_module(pkg)
+    return sys.modules["wan_accel"]
+
+
 def timing(num_frames: int = 33, side: int = 64) -> dict:
     """CausalWan Sampler + Decode on the built-in tiny model with the small VAE: time to the first decoded frames,
     per-chunk latency and the decode's share of it (the pack loaded from this checkout as ``wan_accel``)."""
     import importlib
-    root = ADAPTER.parents[1]
-    spec = importlib.util.spec_from_file_location("wan_accel", root / "__init__.py",
-                                                  submodule_search_locations=[str(root)])
-    pkg = importlib.util.module_from_spec(spec)
-    sys.modules["wan_accel"] = pkg
-    spec.loader.exec_module(pkg)
+    load_pack()
     nodes = importlib.import_module("wan_accel.nodes.model_nodes")
     stream_nodes = importlib.import_module("wan_accel.nodes.stream_nodes")
     (handle,) = nodes.CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", "sdpa")
