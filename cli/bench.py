@@ -45,8 +45,9 @@ def check_bench_args(what: str, ns) -> None:
     """The values every bench shares, checked before anything runs (0 or a negative count is an error)."""
     from ..app.validate import check_device, check_float, check_geometry, check_input_file, check_int, check_pixels
 
-    if getattr(ns, "checkpoint", None):
-        check_input_file("--checkpoint", ns.checkpoint)
+    for name in ("checkpoint", "vae"):                    # weights files: readable safetensors, before any work
+        if getattr(ns, name, None):
+            check_input_file("--" + name, getattr(ns, name))
     if getattr(ns, "device", None) is not None:          # one check of --device for every bench
         ns.device = check_device("--device", ns.device)
     for name, lo, hi in POSITIVE_NUMBERS:        # rates and times: a figure made from 0 or a negative one is wrong

@@ -11,7 +11,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 FLOORS = {
     "cache": 0,
     "kernels": 1,
-    "model": 2,
+    "model": 2, "vae": 2,
     "sampling": 3,
     "memory": 4, "compile": 4, "profiling": 4,
     "app": 5, "checks": 5,

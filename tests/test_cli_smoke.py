@@ -74,6 +74,11 @@ def _ops_rows(out: str, tmp: Path) -> None:
     assert rows["optimized"]["ops"] == "auto" and rows["optimized-ops-torch"]["ops"] == "torch", sorted(rows)
 
 
+def _decoded(out: str, tmp: Path) -> None:
+    (row,) = json.loads(out)["rows"]
+    assert row["decode"] == "tiny" and row["decoded_frames"] == 9 and row["video_fps_with_decode"] > 0, row
+
+
 def _converted(out: str, tmp: Path) -> None:
     summary = json.loads(out)
     assert Path(summary["output"]).is_file() and summary["tensors"] > 0, summary
@@ -162,6 +167,8 @@ CASES = {
                       _contains("reference"), None),
     "bench sampler_ops": (["bench", "sampler", "--repeat", "1", "--variants", "optimized,optimized-ops-torch", "--json",
                            *TINY], _ops_rows, None),
+    "bench sampler_decode": (["bench", "sampler", "--repeat", "1", "--variants", "optimized", "--decode", "tiny",
+                              "--json", *TINY], _decoded, None),
     "bench sampler --world-size": (["bench", "sampler", "--world-size", "2", "--repeat", "1", "--json", *TINY],
                                    _ranks_ran, None),
     "bench compile": (["bench", "compile", "--model", "standin", "--blocks", "1", "--dim", "16", "--device", "cpu",

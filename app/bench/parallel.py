@@ -54,6 +54,8 @@ def model_heads(args) -> int:
 def check_world_args(args) -> None:
     """--world-size and torchrun's variables, checked before any process starts (``ranks/parallel.py``)."""
     from ..ranks.parallel import check_rank_env
+    if getattr(args, "decode", "none") != "none":
+        raise UsageError("--decode is measured in one process: leave --world-size out to time the decode")
     heads = model_heads(args)
     check_rank_env(heads, device=args.device)
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:

@@ -27,6 +27,10 @@ under ``profiling.dispatch_counts`` gives the structure of the path:
                       forwards of the chunk x layers x 2 (k, v) x heads x head_dim x element size
   kv_write_bytes      index_copy bytes counted over the video (the self-attention KV of every chunk, plus the
                       Matrix-Game-2 action caches)
+
+With ``--decode wan|tiny`` every chunk is also decoded to pixels as soon as it is made, and each row gets the
+decode columns (decode_s, end_to_end_s, video_fps_with_decode, first_frame_s, decoder_peak_mb, ...:
+app/bench/decode.py); the columns above stay DiT-only.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ import torch
 
 from ...cache.fingerprint import cpu_name
 from ..validate import UsageError
+from .decode import DECODES, ChunkDecoder, build_bench_decoder, check_decode_args, decode_columns, decoder_peak_mb
 
 VARIANTS = {
     "reference": {"path": "reference", "dtype": "fp32", "precision": "float32", "attention": "sdpa",
@@ -80,6 +85,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--attention", choices=["int8"], help="int8: also run every chosen variant with int8 "
                         "attention ('<variant>-int8'), each row beside its exact twin (vs_exact_max_abs / mean)")
     parser.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s for MFU (default: table by capability)")
+    parser.add_argument("--decode", default="none", choices=list(DECODES), help="decode every chunk to pixels as "
+                        "soon as it is made and report decode time, video FPS including decode and time to the first "
+                        "decoded frame: wan (the Wan 2.1 VAE), tiny (a TAEHV-class taew2_1 decoder), none (default)")
+    parser.add_argument("--vae", help=".safetensors weights of the --decode decoder (wan_2.1_vae.safetensors or "
+                        "taew2_1.safetensors); default: seeded random weights of the released architecture (a narrow "
+                        "one at the tiny random-model shape)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
 
@@ -232,7 +243,7 @@ def _count_run(model, kind, inp, v, seed) -> tuple:
 
 
 # ----------------------------------------------------------------------------- timing
-def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, width, peak) -> tuple:
+def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, width, peak, decoder=None) -> tuple:
     from ...model import flops as fl
     from ..jobs.handle import parse_dtype
     from ..jobs.generate import _peak_memory, _sync
@@ -244,22 +255,30 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, chunks, ran = [], [], {}
+    times, chunks, ran, totals, decodes = [], [], {}, [], []
     for _ in range(1 + max(1, args.repeat)):
         marks = []
         _sync(device)
         t0 = time.perf_counter()
+        dec = ChunkDecoder(decoder, device, t0) if decoder is not None else None
 
         def on_chunk(_ci, _n):
             _sync(device)
             marks.append(time.perf_counter())
 
         ran.clear()
-        _sample(model, kind, inp, v, args.seed, on_chunk, report=ran)
+        _sample(model, kind, inp, v, args.seed, on_chunk, callback=dec, report=ran)
         _sync(device)
-        times.append(time.perf_counter() - t0)
-        chunks.append([b - a for a, b in zip([t0] + marks[:-1], marks)])
+        totals.append(time.perf_counter() - t0)
+        decodes.append(dec)
+        spent = dec.decode_s if dec is not None else [0.0] * len(marks)     # the DiT-only figures leave it out
+        times.append(totals[-1] - sum(spent))
+        chunks.append([b - a - d for a, b, d in zip([t0] + marks[:-1], marks, spent)])
     output, structure = _count_run(model, kind, inp, v, args.seed)
+    peak_memory = _peak_memory(device)
+    if decoder is not None:
+        structure = {**structure, "decode": decoder.kind, **decode_columns(decodes[1:], totals[1:], decoder),
+                     "decoder_peak_mb": decoder_peak_mb(decoder, output, decodes[0].chunk_frames, device)}
     steady = statistics.median(times[1:])
     timed = chunks[1:]
     per_chunk = [statistics.median(c[i] for c in timed) for i in range(len(timed[0]))]
@@ -282,7 +301,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
             "video_fps": round(frames / steady, 2), "latent_fps": round(inp["latent_frames"] / steady, 2),
             "forwards": work["forwards"], "flops": work["flops"], "tflop": round(work["flops"] / 1e12, 6),
             "tflops_per_s": round(work["flops"] / steady / 1e12, 4),
-            "mfu": None if util is None else round(util, 4), "peak_memory": _peak_memory(device),
+            "mfu": None if util is None else round(util, 4), "peak_memory": peak_memory,
             **structure}, output
 
 
@@ -334,11 +353,12 @@ def _history(result: dict) -> None:
         from ...profiling import history
         for r in result["rows"]:
             history.append(history.make_record(
-                "bench", label=f"sampler/{r['variant']}",
+                "bench", label=f"sampler/{r['variant']}" + (f"+decode-{r['decode']}" if "decode" in r else ""),
                 settings={k: result[k] for k in ("model", "model_kind", "shape", "frames", "height", "width",
                                                   "device")} | {"dtype": r["dtype"], "path": r["path"]},
                 timings={"total_s": r["steady_s"], "first_s": r["first_s"], "frames_per_s": r["video_fps"],
-                         "tflops_per_s": r["tflops_per_s"], "mfu": r["mfu"]},
+                         "tflops_per_s": r["tflops_per_s"], "mfu": r["mfu"]}
+                | {k: r[k] for k in ("decode_s", "end_to_end_s", "video_fps_with_decode", "first_frame_s") if k in r},
                 peak_memory_bytes=int(r["peak_memory"].get("cuda_max_allocated_mb", 0) * 2 ** 20) or None))
     except Exception:  # noqa: BLE001 - the history is a bonus, never a failure
         pass
@@ -356,14 +376,17 @@ def run(args) -> int:
     if unknown:
         raise UsageError(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     _check_ops_variants(names, device)
+    check_decode_args(args)
     if args.checkpoint:
         d = {"wan": (81, 480, 832), "matrix-game2": (57, 352, 640)}[kind]
     else:
         d = SHAPES[kind][shape]
     frames, height, width = args.frames or d[0], args.height or d[1], args.width or d[2]
     peak, peak_src = fl.peak_tflops(device, args.peak_tflops)
+    from ..jobs.handle import parse_dtype
+    decoder = build_bench_decoder(args, device, parse_dtype(run_dtype), shape)
     models = _Models(_base_model(args, kind, shape), device)
-    timed = [_time_variant(n, args, models, kind, run_dtype, frames, height, width, peak) for n in names]
+    timed = [_time_variant(n, args, models, kind, run_dtype, frames, height, width, peak, decoder) for n in names]
     rows, outputs = [r for r, _o in timed], [o for _r, o in timed]
     if "reference" in names:
         reference = outputs[names.index("reference")]
@@ -384,16 +407,20 @@ def run(args) -> int:
     result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
               else cpu_name(), "threads": torch.get_num_threads(), "model": args.checkpoint or f"random {shape}", "model_kind": kind, "shape": shape,
               "frames": frames, "height": height, "width": width, "peak_tflops": peak, "peak_source": peak_src,
-              "torch": torch.__version__, "rows": rows}
+              "torch": torch.__version__, "decode": args.decode, "vae": args.vae, "rows": rows}
     _history(result)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"sampler bench on {result['device_name']} ({device}), {kind} {result['model']}, {frames} frames "
-          f"{width}x{height}; peak {peak if peak else 'n/a'} TFLOP/s ({peak_src})")
+          f"{width}x{height}; peak {peak if peak else 'n/a'} TFLOP/s ({peak_src})"
+          + (f"; each chunk decoded by {args.decode} ({args.vae or 'random weights'})" if decoder is not None else ""))
     cols = ["variant", "dtype", "ops", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "tflop", "mfu",
             "speedup_vs_first", "speedup_vs_reference_same_dtype", "parity_max_abs", "parity_mean_abs",
             "ops_per_step", "host_syncs", "kv_kb_per_chunk"]
+    if decoder is not None:
+        cols += ["decode_s", "end_to_end_s", "video_fps_with_decode", "first_frame_s", "decode_share",
+                 "decoder_peak_mb"]
     if any("vs_exact_max_abs" in r for r in rows):
         cols.append("vs_exact_max_abs")
         rows = [dict(r, vs_exact_max_abs=f"{r['vs_exact_max_abs']:.2e}" if "vs_exact_max_abs" in r else None)

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from ...cache.owned_files import write_with
+from ...vae.latents import (WAN21_LATENT_MEAN, WAN21_LATENT_STD, from_vae_latents,  # noqa: F401 (re-exported)
+                            to_vae_latents)
 
 WAN21_RGB_FACTORS = [
     [-0.1299, -0.1692, 0.2932], [0.0671, 0.0406, 0.0442], [0.3568, 0.2548, 0.1747],
@@ -20,33 +22,6 @@ WAN21_RGB_FACTORS = [
     [0.1984, 0.0913, 0.1861],
 ]
 WAN21_RGB_BIAS = [-0.1835, -0.0868, -0.3360]
-# Per-channel statistics of the Wan 2.1 VAE latent: model space = (vae_latent - mean) / std.
-WAN21_LATENT_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-                     0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
-WAN21_LATENT_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-                    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
-
-
-def _latent_stats(device) -> tuple:
-    """(mean, std) of the Wan 2.1 VAE latent channels, float32 [16] on ``device``."""
-    return (torch.tensor(WAN21_LATENT_MEAN, dtype=torch.float32, device=device),
-            torch.tensor(WAN21_LATENT_STD, dtype=torch.float32, device=device))
-
-
-def to_vae_latents(latents: torch.Tensor) -> torch.Tensor:
-    """Model-space latents [B, F, 16, H, W] -> raw VAE latents [B, 16, F, H, W] (ComfyUI LATENT layout)."""
-    mean, std = _latent_stats(latents.device)
-    x = latents.float() * std[:, None, None] + mean[:, None, None]
-    return x.permute(0, 2, 1, 3, 4).contiguous()
-
-
-def from_vae_latents(latents: torch.Tensor) -> torch.Tensor:
-    """Raw VAE latents [B, 16, F, H, W] (ComfyUI LATENT layout) -> model-space latents [B, F, 16, H, W]."""
-    if latents.dim() != 5 or latents.shape[1] != len(WAN21_LATENT_MEAN):
-        raise ValueError(f"expected a Wan latent [B, {len(WAN21_LATENT_MEAN)}, F, H, W], got {tuple(latents.shape)}")
-    mean, std = _latent_stats(latents.device)
-    x = (latents.float() - mean[:, None, None, None]) / std[:, None, None, None]
-    return x.permute(0, 2, 1, 3, 4).contiguous()
 
 
 def latents_to_rgb(latents: torch.Tensor) -> torch.Tensor:
