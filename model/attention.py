@@ -423,15 +423,12 @@ def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, d
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
     k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
-    fns = {"int8": lambda: int8.int8_attention(q, k, k), "exact": lambda: attention(q, k, k, backend=exact)}
     key = f"{device.type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
-    best = tuner.tune(SPEED_KERNEL, key, ({"impl": "int8"}, {"impl": "exact"}), lambda cfg: fns[cfg["impl"]]())
-    timings = (tuner.entry(SPEED_KERNEL, key) or {}).get("timings") or {}
-    t8, te = timings.get("impl=int8"), timings.get("impl=exact")
-    shown = f"{t8:.3g} ms against {te:.3g} ms exact" if t8 is not None and te is not None else "timings unknown"
-    if best is None:
+    slower, shown = tuner.slower_than_exact(SPEED_KERNEL, key, "int8", lambda: int8.int8_attention(q, k, k),
+                                            lambda: attention(q, k, k, backend=exact))
+    if slower is None:
         return None, f"not measured ({shown})"
-    return best["impl"] != "int8", f"at {lq} queries x {lk} keys: {shown}"
+    return slower, f"at {lq} queries x {lk} keys: {shown}"
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

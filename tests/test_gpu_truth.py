@@ -116,19 +116,12 @@ def test_attention_plans_are_made_before_the_first_chunk(monkeypatch):
 
 # ----------------------------------------------------------------------------- int8: a speed verdict at the run's shape
 def _int8_run(monkeypatch, slow: bool, **fast):
-    from wan_accel.cache.autotune import get_autotuner
+    import speed_timer
     from wan_accel.model import attention as att
     from wan_accel.model.tiny import tiny_causal_model
     from wan_accel.sampling.sampler import generate_latents
     monkeypatch.setattr(att, "SPEED_DEVICES", ("cuda", "cpu"))   # judge speed here, with the store's own timer
-    timed = []
-
-    def timer(fn, *a, **kw):
-        fn()
-        timed.append(1)
-        return (0.004 if slow else 0.001) if len(timed) % 2 else 0.002       # int8 timed first, then exact
-
-    monkeypatch.setattr(get_autotuner(), "timer", timer)
+    speed_timer.install(monkeypatch, slow)                       # int8 timed first, then exact
     model = tiny_causal_model()
     ctx = torch.randn(1, 4, model.config.text_dim, generator=torch.Generator().manual_seed(0))
     report = {}
