@@ -316,6 +316,19 @@ class Autotuner:
                     self._fast[fast_key] = (given, result)
             return result
 
+    def slower_than_exact(self, kernel: str, key: str, mode: str, run_mode: Callable[[], object],
+                          run_exact: Callable[[], object]) -> tuple[bool | None, str]:
+        """(slower, the two timings in words) of an opt-in approximate ``mode`` against the exact path, tuned as the
+        configs {'impl': mode} and {'impl': 'exact'} of ``kernel`` at ``key`` (one verdict per fingerprint and key:
+        a second process times nothing). slower is None when nothing could be measured."""
+        fns = {mode: run_mode, "exact": run_exact}
+        best = self.tune(kernel, key, ({"impl": mode}, {"impl": "exact"}), lambda cfg: fns[cfg["impl"]]())
+        timings = (self.entry(kernel, key) or {}).get("timings") or {}
+        t_mode, t_exact = timings.get(f"impl={mode}"), timings.get("impl=exact")
+        shown = (f"{t_mode:.3g} ms against {t_exact:.3g} ms exact" if t_mode is not None and t_exact is not None
+                 else "timings unknown")
+        return (None if best is None else best["impl"] != mode), shown
+
     def _tune_locked(self, kernel, key, configs, ids, run, smem, policy, force, benchmark=True):
         stored = self.entry(kernel, key) or {}
         failed: dict = dict(stored.get("failed") or {})

@@ -5,13 +5,13 @@ its own time limit), so one stage that crashes or hangs costs only itself. Stage
 as "needs a CUDA GPU" on a machine without one (and the run still exits 0, unless ``--require-gpu``). A stage
 fails on a crash (non-zero exit, a traceback, a time-out), a parity over its tolerance (``check-reference``, the
 bench's parity column, the fp8 bound) or a path that stays on although it was measured slower than its fallback
-(int8 attention kept where it is slower than exact). All stages share one limit cache made for the self-test, so
+(int8 attention or fp8 linear layers kept where slower than exact). All stages share one limit cache made for the self-test, so
 the doctor and the operator store start cold, as on a new machine; the first-run costs are then part of the table.
 
 The stages (``STAGES``): the doctor (every feature, cold); ``check-reference`` in float32 for every fixture folder
 of a source checkout (Wan, causal, Matrix-Game-2, rolling, LongLive, Krea); ``generate`` on the tiny model; an fp8
 checkpoint through the pack's loader; and on a GPU: ``bench sampler`` at the 1.3B shape (reference in the run
-dtype, optimized, without CUDA graphs, compiled, int8), ``bench kernels``, block swap under a VRAM cap
+dtype, optimized, without CUDA graphs, compiled, int8, fp8 linear), ``bench kernels``, block swap under a VRAM cap
 (``bench offload``), the tests marked ``cuda``; and ComfyUI's own loader where ComfyUI imports (the doctor's native
 probe).
 """
@@ -32,7 +32,9 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = PACKAGE_ROOT / "tests" / "fixtures"
 NEEDS_GPU = "needs a CUDA GPU"
 STATUSES = ("passed", "failed", NEEDS_GPU, "skipped")
-SLOWER_MARGIN = 1.05       # int8 kept although its steady time is more than 5 % above exact's: a failure
+SLOWER_MARGIN = 1.05       # int8 / fp8 kept although its steady time is more than 5 % above exact's: a failure
+KEPT_TWINS = (("optimized-int8", "attention_ran", "int8", "int8 attention"),     # twin, what ran, its mode, words
+              ("optimized-fp8", "linear_ran", "fp8", "fp8 linear"))
 
 
 @dataclass
@@ -91,19 +93,21 @@ def judge_generate(stdout: str, ctx: Context) -> list:
 
 
 def judge_bench_sampler(stdout: str, ctx: Context) -> list:
-    """Every variant ran what it names (the compiled one compiled), and int8 is not kept where it is slower than
-    exact attention (its parity against exact is the fidelity bench's and the doctor's: a bound from its
-    quantization)."""
+    """Every variant ran what it names (the compiled one compiled), and neither int8 attention nor fp8 linear layers
+    are kept where slower than exact (their parity against exact is the fidelity bench's and the doctor's: a bound
+    from their quantization)."""
     data = _json(stdout)
     rows = {r["variant"]: r for r in data.get("rows", [])}
     problems = [f"{name}: compiling failed ({r['compile_failed']})" for name, r in rows.items()
                 if r.get("compile_failed")]
-    exact, int8 = rows.get("optimized"), rows.get("optimized-int8")
-    if exact and int8 and exact.get("steady_s") and int8.get("steady_s"):
-        kept = int8.get("attention_ran", "int8") == "int8"
-        if kept and int8["steady_s"] > SLOWER_MARGIN * exact["steady_s"]:
-            problems.append(f"int8 attention stayed on although slower ({int8['steady_s']:.3f} s against "
-                            f"{exact['steady_s']:.3f} s exact)")
+    exact = rows.get("optimized")
+    for name, ran, mode, words in KEPT_TWINS:
+        twin = rows.get(name)
+        if exact and twin and exact.get("steady_s") and twin.get("steady_s"):
+            kept = twin.get(ran, mode) == mode
+            if kept and twin["steady_s"] > SLOWER_MARGIN * exact["steady_s"]:
+                problems.append(f"{words} stayed on although slower ({twin['steady_s']:.3f} s against "
+                                f"{exact['steady_s']:.3f} s exact)")
     return problems
 
 
@@ -145,7 +149,7 @@ def _tests_problem(ctx: Context) -> str | None:
 
 
 def _sampler_argv(ctx: Context) -> list:
-    variants = "reference-same-dtype,optimized,optimized-no-graphs,optimized-compiled,optimized-int8"
+    variants = "reference-same-dtype,optimized,optimized-no-graphs,optimized-compiled,optimized-int8,optimized-fp8"
     argv = ["bench", "sampler", "--variants", variants, "--repeat", "1" if ctx.quick else "2", "--json"]
     return argv + ([] if ctx.quick else ["--shape", "1.3b"])
 

@@ -18,7 +18,7 @@ BENCHES = {
     "kernels": ("..app.bench.kernels", "fused kernels vs torch, autotune cold vs warm"),
     "offload": ("..app.bench.memory", "block swap step time and peak VRAM"),
     "play": ("..app.bench.play", "Matrix-Game-2 play chunks: caches in place vs copied"),
-    "fidelity": ("..app.bench.fidelity", "int8 vs exact attention on the recorded fixtures"),
+    "fidelity": ("..app.bench.fidelity", "int8 attention / fp8 linear vs exact on the recorded fixtures"),
 }
 
 

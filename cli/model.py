@@ -51,6 +51,10 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8"],
                    help="auto: FlashAttention 3, then 2, then SDPA, by what is installed and the GPU supports; "
                         "int8 (opt-in): int8 Q/K attention, within a stated error of exact (README: Fidelity)")
+    p.add_argument("--linear", default="exact", choices=["exact", "fp8"],
+                   help="exact (default), or fp8 (opt-in): the blocks' linear layers in fp8 with per-row scales, "
+                        "within a stated error of exact (README: Fidelity); fast on CUDA GPUs with fp8 tensor cores "
+                        "(SM 8.9+), emulated elsewhere; runs on the optimized sampler path")
     p.add_argument("--frames-per-block", type=int, help="latent frames per chunk, 1-64 (default 3)")
     p.add_argument("--kv-window", type=int, help="rolling KV window in latent frames (default -1: global)")
     p.add_argument("--sink", type=int, help="sink frames kept in a rolling window (default 0)")
@@ -77,8 +81,8 @@ def _add_generate(subparsers) -> None:
                         "(comfy-kitchen's backends), torch (plain torch)")
     p.add_argument("--compile", action="store_true", help="regional torch.compile of the blocks (optimized path)")
     p.add_argument("--keep-slower", action="store_true",
-                   help="keep --attention int8 even where it is measured slower than exact attention at this run's "
-                        "shape on this GPU (otherwise the run says so and uses exact attention)")
+                   help="keep --attention int8 / --linear fp8 even where it is measured slower than exact at this "
+                        "run's shape on this GPU (otherwise the run says so and runs exact)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     mg2 = p.add_argument_group("matrix-game2 (with --model-kind matrix-game2)")
     mg2.add_argument("--actions", help="action script, e.g. 'W*8, W+D*12, mouse(0,0.1)*4'")
@@ -98,8 +102,10 @@ def _run_job(args, log, parallel=None):
                       frames=latent_frames(args.frames) if args.frames is not None else None, steps=args.steps,
                       shift=args.shift, num_heads=args.num_heads,
                       skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview)
-        options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels, "ops": args.ops}
-        with sampler_path(args.sampler, options):
+        options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels, "ops": args.ops,
+                   "linear": args.linear, "keep_slower": args.keep_slower}
+        path = "optimized" if args.linear == "fp8" and args.sampler == "auto" else args.sampler
+        with sampler_path(path, options):
             return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log,
                                     parallel=parallel)
     from ..app.jobs.generate import GenerateOptions, run_generate
@@ -113,7 +119,7 @@ def _run_job(args, log, parallel=None):
         sampler=args.sampler, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
         ops=args.ops, lora=args.lora, lora_strength=1.0 if args.lora_strength is None else args.lora_strength,
         compile=args.compile, prompt_schedule=getattr(args, "prompt_schedule_text", None),
-        recache=args.recache or "switch", keep_slower=args.keep_slower)
+        recache=args.recache or "switch", keep_slower=args.keep_slower, linear=args.linear)
     return run_generate(opts, log=log, parallel=parallel)
 
 
@@ -171,6 +177,9 @@ def check_generate_args(args) -> None:
                              f"model runs, which has its own: add --checkpoint FILE, or leave --num-heads out")
     check_device("--device", args.device)
     _check_ops(args)
+    if args.linear == "fp8" and args.sampler == "reference":
+        raise UsageError("--linear fp8 runs on the optimized sampler path only (the reference path keeps every "
+                         "layer exact): use --sampler optimized (or auto), or leave --linear out")
     if args.model_kind == "matrix-game2":
         if args.window is not None:
             check_int("--window", args.window, 3, 1024, hint=" (latent frames, at least one 3-frame chunk)")

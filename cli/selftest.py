@@ -31,7 +31,7 @@ def register(sub) -> None:
     p = sub.add_parser("selftest", help="run every fast path on this machine: one JSON and one markdown table",
                        description="The doctor (cold), check-reference for every fixture kind, generate, an fp8 "
                                    "checkpoint, and on a CUDA GPU bench sampler at the 1.3B shape (reference, "
-                                   "optimized, without graphs, compiled, int8), bench kernels, block swap and the "
+                                   "optimized, without graphs, compiled, int8, fp8 linear), bench kernels, block swap and the "
                                    "tests marked cuda; ComfyUI's own loader where ComfyUI imports. Each stage runs "
                                    "in its own process with its own time limit. Exit 1 on a crash, a parity over "
                                    "its tolerance or a path kept on although measured slower; a stage that needs a "

@@ -441,17 +441,20 @@ def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, d
             made["k"] = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
         return made["q"], made["k"]
 
-    fns = {"int8": lambda q, k: int8.int8_attention(q, k, k), "exact": lambda q, k: attention(q, k, k, backend=exact)}
+    def int8_call():
+        q, k = inputs()
+        return int8.int8_attention(q, k, k)
+
+    def exact_call():
+        q, k = inputs()
+        return attention(q, k, k, backend=exact)
+
     key = f"{device.type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
-    best = tuner.tune(SPEED_KERNEL, key, ({"impl": "int8"}, {"impl": "exact"}),
-                      lambda cfg: fns[cfg["impl"]](*inputs()))
+    slower, shown = tuner.slower_than_exact(SPEED_KERNEL, key, "int8", int8_call, exact_call)
     made.clear()
-    timings = (tuner.entry(SPEED_KERNEL, key) or {}).get("timings") or {}
-    t8, te = timings.get("impl=int8"), timings.get("impl=exact")
-    shown = f"{t8:.3g} ms against {te:.3g} ms exact" if t8 is not None and te is not None else "timings unknown"
-    if best is None:
+    if slower is None:
         return None, f"not measured ({shown})"
-    return best["impl"] != "int8", f"at {lq} queries x {lk} keys: {shown}"
+    return slower, f"at {lq} queries x {lk} keys: {shown}"
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -14,6 +14,10 @@ bookkeeping:
   the chunk's timestep is uniform).
 
 ``kv_only`` is the refresh pass of the last block: only its keys/values are used, so only they are computed.
+
+``BlockParts.linear`` 'fp8' (opt-in, approximate) runs every linear layer that carries an fp8 copy of its weight
+(``model/fp8_linear.py`` makes them) through ``kernels.fp8_linear``; a layer without one, and every layer under
+'exact', is called as before.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 
 from ..kernels import candidates as op_candidates
 from ..kernels import gated_residual, layernorm_modulate, rmsnorm_rope
+from ..kernels.fp8_linear import fp8_linear
 from .attention import attention
 from .fused_qkv import QKV_BIAS, QKV_WEIGHT
 from .kv_cache import write_kv
@@ -33,13 +38,15 @@ from .rope import apply_rope
 
 
 class BlockParts(NamedTuple):
-    """The parts plugged into the block forward (all of them keep the results within rounding)."""
+    """The parts plugged into the block forward (all of them keep the results within rounding, except the opt-in
+    approximate modes: int8 attention, fp8 linear)."""
     attention: str = "auto"       # backend: 'auto' | 'sdpa' | 'fa3' | 'fa2' | ... (model/attention.py)
     fused_kernels: bool | tuple = False   # the fused Triton kernels (only where Triton runs): all, none, or a
     #                                       tuple of the names in use (KERNEL_NAMES; the others run as torch ops)
     fused_qkv: bool = False       # one q/k/v GEMM over the concatenated weight (model/fused_qkv.py)
     ops: tuple = ()               # (mode, *switched off 'op:candidate') of kernels/candidates.py: LayerNorm+modulate
     #                               and RMSNorm+RoPE run the store's verified choice; () = fused_kernels decides
+    linear: str = "exact"         # 'exact' | 'fp8': the layers holding an fp8 weight copy run it (approximate, opt-in)
 
 
 class LayerCall(NamedTuple):
@@ -60,6 +67,25 @@ KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual")
 def uses_kernel(fused, kernel: str) -> bool:
     """Whether ``BlockParts.fused_kernels`` (True, False or a tuple of kernel names) includes ``kernel``."""
     return fused is True or (not isinstance(fused, bool) and kernel in fused)
+
+
+FP8_WEIGHT, FP8_SCALE = "fp8_weight", "fp8_scale"          # an nn.Linear's fp8 copy (non-persistent buffers)
+QKV_FP8_WEIGHT, QKV_FP8_SCALE, QKV_FP8_BIAS = "qkv_fp8_weight", "qkv_fp8_scale", "qkv_fp8_bias"   # self-attention
+
+
+def run_linear(layer: nn.Module, x: torch.Tensor, linear: str = "exact") -> torch.Tensor:
+    """``layer(x)``, or its fp8 copy under ``linear`` 'fp8' where the layer holds one."""
+    if linear == "fp8":
+        w = layer._buffers.get(FP8_WEIGHT)
+        if w is not None:
+            return fp8_linear(x, w, layer._buffers[FP8_SCALE], layer.bias)
+    return layer(x)
+
+
+def _ffn(ffn: nn.Sequential, h: torch.Tensor, linear: str) -> torch.Tensor:
+    if linear != "fp8":
+        return ffn(h)
+    return run_linear(ffn[2], ffn[1](run_linear(ffn[0], h, linear)), linear)
 
 
 def _qk_norm(dim: int, eps: float, enabled: bool) -> nn.Module:
@@ -91,8 +117,21 @@ def _norm_rope(norm, x, rope, heads: int, fused: bool, ops: tuple = ()):
     return apply_rope(norm(x).unflatten(2, (heads, -1)), cos, sin)
 
 
-def _project(sa, h, fused_qkv: bool, parts: int):
-    """The last ``parts`` of (q, k, v) for input h: one GEMM over the fused weight when available."""
+def _project(sa, h, fused_qkv: bool, parts: int, linear: str = "exact"):
+    """The last ``parts`` of (q, k, v) for input h: one GEMM over the fused weight when available (under
+    ``linear`` 'fp8': over the fp8 copy of the three weights, one GEMM when fused, else one per part)."""
+    if linear == "fp8":
+        wq = sa._buffers.get(QKV_FP8_WEIGHT)
+        if wq is not None:
+            d = h.shape[-1]
+            start = (3 - parts) * d
+            scale, bias = sa._buffers[QKV_FP8_SCALE], sa._buffers.get(QKV_FP8_BIAS)
+            spans = [(start, 3 * d)] if fused_qkv else [(i * d, (i + 1) * d) for i in range(3 - parts, 3)]
+            out = [fp8_linear(h, wq[a:b], scale[a:b], None if bias is None else bias[a:b]) for a, b in spans]
+            return out[0].split(d, dim=-1) if fused_qkv else tuple(out)
+        layers = (sa.q, sa.k, sa.v)[3 - parts:]
+        if any(FP8_WEIGHT in m._buffers for m in layers):     # copies of their own (a sibling is stored in fp8)
+            return tuple(run_linear(m, h, linear) for m in layers)
     w = getattr(sa, QKV_WEIGHT, None) if fused_qkv else None
     if w is not None:
         d = h.shape[-1]
@@ -113,7 +152,7 @@ class WanSelfAttention(nn.Module):
     def keys_values(self, h, rope, call: LayerCall, with_query: bool):
         """(q, k, v) or (k, v) of the modulated input h, RoPE applied, [B, L, H, hd] each."""
         p = call.parts
-        proj = _project(self, h, p.fused_qkv, 3 if with_query else 2)
+        proj = _project(self, h, p.fused_qkv, 3 if with_query else 2, p.linear)
         k = _norm_rope(self.norm_k, proj[-2], rope, self.num_heads, p.fused_kernels, p.ops)
         v = proj[-1].unflatten(2, (self.num_heads, -1))
         if not with_query:
@@ -131,7 +170,7 @@ class WanSelfAttention(nn.Module):
         out = attention(q, k, v, key_mask, backend=call.parts.attention)
         if call.seq is not None:
             out = call.seq.to_tokens(out)
-        return self.o(out.flatten(2))
+        return run_linear(self.o, out.flatten(2), call.parts.linear)
 
 
 class WanCrossAttention(nn.Module):
@@ -149,22 +188,24 @@ class WanCrossAttention(nn.Module):
             self.v_img = nn.Linear(dim, dim)
             self.norm_k_img = _qk_norm(dim, eps, qk_norm)
 
-    def context_kv(self, text, image=None) -> tuple:
+    def context_kv(self, text, image=None, linear: str = "exact") -> tuple:
         """Keys/values of the embedded prompt: (k, v) or (k, v, k_img, v_img), each [B, Lc, H, hd], contiguous."""
         heads = (self.num_heads, -1)
-        kv = [self.norm_k(self.k(text)).unflatten(2, heads), self.v(text).unflatten(2, heads)]
+        kv = [self.norm_k(run_linear(self.k, text, linear)).unflatten(2, heads),
+              run_linear(self.v, text, linear).unflatten(2, heads)]
         if self.has_image:
             if image is None:
                 raise ValueError("this is an i2v model: pass the CLIP image features (clip_fea)")
-            kv += [self.norm_k_img(self.k_img(image)).unflatten(2, heads), self.v_img(image).unflatten(2, heads)]
+            kv += [self.norm_k_img(run_linear(self.k_img, image, linear)).unflatten(2, heads),
+                   run_linear(self.v_img, image, linear).unflatten(2, heads)]
         return tuple(t.contiguous() for t in kv)
 
-    def forward(self, h, cross: tuple, backend: str):
-        q = self.norm_q(self.q(h)).unflatten(2, (self.num_heads, -1))
+    def forward(self, h, cross: tuple, backend: str, linear: str = "exact"):
+        q = self.norm_q(run_linear(self.q, h, linear)).unflatten(2, (self.num_heads, -1))
         out = attention(q, cross[0], cross[1], backend=backend)
         if len(cross) == 4:
             out = out + attention(q, cross[2], cross[3], backend=backend)
-        return self.o(out.flatten(2))
+        return run_linear(self.o, out.flatten(2), linear)
 
 
 class WanBlock(nn.Module):
@@ -189,10 +230,10 @@ class WanBlock(nn.Module):
         m = self.modulation.unsqueeze(1) + e0                                    # [B, G, 6, dim]
         y = self.self_attn(_modulated(self.norm1, x, m, 0, fused, call.parts.ops).to(cd), rope, call)
         x = _gated(x, y, m, 2, fused)
-        x = x + self.cross_attn(self.norm3(x).to(cd), call.cross, call.parts.attention)
+        x = x + self.cross_attn(self.norm3(x).to(cd), call.cross, call.parts.attention, call.parts.linear)
         if actions is not None and getattr(self, "action_model", None) is not None:
             x = self.action_model(x, actions)
-        y = self.ffn(_modulated(self.norm2, x, m, 3, fused, call.parts.ops).to(cd))
+        y = _ffn(self.ffn, _modulated(self.norm2, x, m, 3, fused, call.parts.ops).to(cd), call.parts.linear)
         return _gated(x, y, m, 5, fused)
 
     def kv_only(self, x: torch.Tensor, e0: torch.Tensor, rope: tuple, call: LayerCall) -> None:
@@ -205,11 +246,11 @@ class WanBlock(nn.Module):
         write_kv(call.k_cache, call.v_cache, call.write_idx, k, v)
 
 
-def cross_kv(block: WanBlock, text, image=None) -> tuple:
+def cross_kv(block: WanBlock, text, image=None, linear: str = "exact") -> tuple:
     """The block's cross-attention keys/values for an embedded prompt: (k, v) or (k, v, k_img, v_img).
 
     Works for a block whose weights live elsewhere (block swap): they are copied to the prompt's device for
-    this one computation and put back."""
+    this one computation and put back (a swapped block holds no fp8 copy: its layers run exact)."""
     ca = block.cross_attn
     params = list(ca.parameters())
     saved = [p.data for p in params]
@@ -218,7 +259,7 @@ def cross_kv(block: WanBlock, text, image=None) -> tuple:
         if moved:
             for p in params:
                 p.data = p.data.to(text.device, non_blocking=True)
-        return ca.context_kv(text, image)
+        return ca.context_kv(text, image, linear)
     finally:
         if moved:
             for p, d in zip(params, saved):

@@ -9,7 +9,9 @@ prepares one sampling run and returns a ``Run``, the executor the chunk loop (``
 * time embeddings (sinusoid, e, e0) once per distinct timestep; RoPE tables from the model's one provider;
 * the block parts: one q/k/v GEMM (``model/fused_qkv.py``), the fused kernels where Triton runs, the attention
   backend resolved once;
-* refresh passes that skip the last block's unused work and the head.
+* refresh passes that skip the last block's unused work and the head;
+* under ``linear='fp8'`` (opt-in, approximate): an fp8 copy of every block linear layer's weight
+  (``model/fp8_linear.py``), kept while the weights do not change.
 
 The block forward is the model's own (``model/blocks.py``); only the parts differ from the reference executor. What
 the policy floors did to the model (block swap, compile) is read through ``model/attachments.py``: the model is
@@ -32,6 +34,9 @@ from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup,
                                  swapped_blocks)
 from ..model.attention import auto_request, explain_backend, int8_speed, plan_shapes, warm_plans
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
+from ..model.fp8_linear import check_mode as check_linear_mode
+from ..model.fp8_linear import check_block as check_fp8_block
+from ..model.fp8_linear import drop_fp8, ensure_fp8, fp8_speed, fp8_tensors, linear_path
 from ..model.fused_qkv import drop_fused_qkv, ensure_fused_qkv
 from ..model.kv_cache import KVCache
 from ..cache.warmup import spent
@@ -69,8 +74,12 @@ class FastOptions:
                        'auto' (where the fused kernels run: the operator store's fastest verified one among the
                        pack's kernel, comfy-kitchen's backends and torch; elsewhere plain torch ops as before) |
                        'pack' | 'kitchen' (comfy-kitchen, an optional extra) | 'torch'.
-    keep_slower:       keep an opt-in approximate mode (int8 attention) even where it was measured slower than exact
-                       attention at the run's own shape on this GPU (otherwise the run says so and stays exact).
+    keep_slower:       keep an opt-in approximate mode (int8 attention, fp8 linear) even where it was measured slower
+                       than the exact one at the run's own shape on this GPU (otherwise the run says so and stays
+                       exact).
+    linear:            'exact' | 'fp8' (opt-in, approximate): every linear layer inside the blocks runs an fp8 copy of
+                       its weight (per-row scales) on inputs quantized per token (``kernels/fp8_linear.py``; within
+                       its ``error_bound``); ``torch._scaled_mm`` on CUDA SM 8.9+, emulated in float32 elsewhere.
     """
     attention: str | None = None
     fused_qkv: bool = True
@@ -84,9 +93,11 @@ class FastOptions:
     switched_off: frozenset = frozenset()
     ops: str = "auto"
     keep_slower: bool = False
+    linear: str = "exact"
 
     def __post_init__(self):
         check_ops_mode(self.ops)
+        check_linear_mode(self.linear)
         object.__setattr__(self, "switched_off", frozenset(self.switched_off or ()))
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
@@ -209,6 +220,32 @@ class FastRunner:
                 drop_fused_qkv(sa)
         return fused
 
+    def _linear(self, options: FastOptions, swapped: set) -> tuple[str, dict]:
+        """The run's linear mode, with the model's fp8 copies made (fp8) or freed (exact); (mode, report fields)."""
+        blocks = self.model.blocks
+        if options.linear == "fp8" and "linear.fp8" in options.switched_off:
+            line = f"fp8 linear is {SELF_CHECK_OFF}: this run uses exact linear layers"
+            log.warning("wan_accel: %s", line)
+            self.notes.append(line)
+        elif options.linear == "fp8":
+            for i, block in enumerate(blocks):     # every block checked before any copy is made
+                if i not in swapped:
+                    check_fp8_block(block, prefix=f"blocks.{i}.")
+            done = kept = 0
+            for i, block in enumerate(blocks):
+                if i in swapped:            # its weights stream per call: a second copy would stream too
+                    drop_fp8(block)
+                    continue
+                d, k = ensure_fp8(block, prefix=f"blocks.{i}.")
+                done, kept = done + d, kept + k
+            path, why = linear_path(self.model)
+            return ("fp8" if done else "exact"), {
+                "linear_path": path, "linear_reason": why, "fp8_layers": done, "fp8_layers_kept_as_stored": kept,
+                "fp8_blocks_exact_swapped": len(swapped)}
+        for block in blocks:
+            drop_fp8(block)
+        return "exact", {}
+
     def _graphs_reason(self, options, device, swapped, compile_mode, actions, cache) -> str | None:
         """Why CUDA graphs are not used for this run (None: they are)."""
         if options.cuda_graphs == "off":
@@ -263,6 +300,7 @@ class FastRunner:
         compile_mode = compiled_mode(model)
         swapped = swapped_blocks(model)
         fused = self._fuse(options, swapped)
+        linear, linear_info = self._linear(options, swapped)
         requested = options.attention or getattr(model, "attn_backend", "auto")
         backend, backend_reason = checked_backend(requested, device, model.compute_dtype, model.config.head_dim,
                                                   options.switched_off)
@@ -286,16 +324,19 @@ class FastRunner:
             sess.graphs.release()
             sess.graphs = None
         kernels = kernels_part(options, device)
-        parts = BlockParts(attention_part, kernels, bool(options.fused_qkv), ops_part(options, device, kernels))
+        parts = BlockParts(attention_part, kernels, bool(options.fused_qkv), ops_part(options, device, kernels),
+                           linear)
         self.runs += 1
         return Run(self, options, sess, parts, actions, frame_tokens, info={
             "path": "optimized", "attention": backend, "attention_reason": backend_reason,
             "fused_qkv_blocks": fused, "fused_kernels": bool(kernels),
             "compile": compile_mode, "cuda_graphs": graph_reason is None,
-            "cuda_graphs_reason": graph_reason or "on", "swapped_blocks": len(swapped), "notes": self.notes})
+            "cuda_graphs_reason": graph_reason or "on", "swapped_blocks": len(swapped), "linear": linear,
+            **linear_info, "notes": self.notes})
 
     def _weights_id(self) -> tuple:
-        return tuple(p.data_ptr() for p in self.model.parameters())
+        return tuple(p.data_ptr() for p in self.model.parameters()) + \
+            tuple(t.data_ptr() for t in fp8_tensors(self.model))
 
     def release(self) -> bool:
         had = self.session is not None
@@ -314,7 +355,7 @@ class Run:
         self.parts, self.actions, self.frame_tokens, self.info = parts, actions, frame_tokens, info
         self.emb: dict = {}
         self.cross: list = []
-        self.image = None
+        self.image = self.text = None
 
     @property
     def kv(self) -> KVCache:
@@ -328,7 +369,8 @@ class Run:
     # ------------------------------------------------------------------ per-run inputs
     def set_prompt(self, text, image=None) -> None:
         """Cross-attention K/V of every block for this prompt, into the session's static buffers."""
-        fresh = [cross_kv(block, text, image) for block in self.model.blocks]
+        self.text = text
+        fresh = [cross_kv(block, text, image, self.parts.linear) for block in self.model.blocks]
         old = self.sess.cross
         if old is not None and len(old) == len(fresh) and all(
                 len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
@@ -442,7 +484,11 @@ class Run:
 
     def warm(self, req) -> None:
         """Before the first chunk: the operator store's attention choice for every (query, key) length the run
-        will meet, so no timed chunk pays for measuring (the choices and the time go into the report)."""
+        will meet, so no timed chunk pays for measuring (the choices and the time go into the report); the speed
+        verdicts of the opt-in approximate modes (int8 attention, fp8 linear) at the run's shapes."""
+        if self.parts.linear == "fp8":
+            largest = max((n for _f0, n in req.chunks), default=0)
+            self._judge_fp8(req.batch * largest * self.frame_tokens)
         if seq_parallel_of(self.model) is not None or not self.cross:
             return
         t0 = time.perf_counter()
@@ -463,16 +509,42 @@ class Run:
         slower, why = int8_speed(shape[0], shape[1], batch, heads, head_dim, self.model.compute_dtype,
                                  self.model.device)
         self.info["int8_speed"] = {"slower": slower, "why": why}
-        if not slower:
-            return
+        if slower:
+            self._slower("int8 attention", "exact attention", why, self._exact_attention)
+
+    def _exact_attention(self) -> None:
+        self.parts = self.parts._replace(attention=auto_request(self.options.switched_off)
+                                         if graphs_device(self.model.device) else "sdpa")
+        self.info["attention"] = "exact (int8 measured slower)"
+
+    def _judge_fp8(self, tokens: int) -> None:
+        """fp8 linear is opt-in for speed: where a block's linear layers are measured slower in fp8 than exact at the
+        run's largest call on this GPU, the run says so before its first chunk and stays exact (unless
+        ``keep_slower``)."""
+        cfg = self.model.config
+        slower, why = fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype, self.model.device)
+        self.info["fp8_speed"] = {"slower": slower, "why": why}
+        if slower:
+            self._slower("fp8 linear", "exact linear layers", why, self._exact_linear)
+
+    def _exact_linear(self) -> None:
+        """Exact linear layers from here on: the fp8 copies are freed and the prompt's cross-attention keys/values
+        (computed in fp8 by ``prepare``) are computed again."""
+        self.parts = self.parts._replace(linear="exact")
+        for block in self.model.blocks:
+            drop_fp8(block)
+        if self.text is not None:
+            self.set_prompt(self.text, self.image)
+        self.info.update(linear="exact (fp8 measured slower)", linear_path=None)
+
+    def _slower(self, mode: str, exact: str, why: str, use_exact) -> None:
+        """One line for an opt-in mode measured slower than ``exact``: kept (``keep_slower``) or replaced by it."""
         if self.options.keep_slower:
-            line = f"int8 attention is slower than exact attention here ({why}); kept because keep_slower is set"
+            line = f"{mode} is slower than {exact} here ({why}); kept because keep_slower is set"
         else:
-            self.parts = self.parts._replace(attention=auto_request(self.options.switched_off)
-                                             if graphs_device(self.model.device) else "sdpa")
-            self.info["attention"] = "exact (int8 measured slower)"
-            line = (f"int8 attention is slower than exact attention on this GPU ({why}): this run uses exact "
-                    f"attention; --keep-slower (CLI) keeps int8 anyway")
+            use_exact()
+            line = (f"{mode} is slower than {exact} on this GPU ({why}): this run uses {exact}; --keep-slower "
+                    f"(CLI) keeps {mode.split()[0]} anyway")
         if line not in _SAID:       # once per process: every later run of the same shape reads the same verdict
             _SAID.add(line)
             log.warning("wan_accel: %s", line)

@@ -38,6 +38,11 @@ def sampler_path(path: str = "auto", options=None):
         _PATH_DEFAULT.reset(token)
 
 
+def current_path() -> tuple | None:
+    """(path, options) of the enclosing ``sampler_path`` block, or None outside one."""
+    return _PATH_DEFAULT.get()
+
+
 def resolve_path(path: str, device, tracer=None, model=None) -> tuple[str, object]:
     """('optimized' | 'reference', options): 'auto' takes a ``sampler_path`` block's choice, else the optimized
     path on CUDA. 'auto' means the reference path on other devices, when a tracer records every call, and when
@@ -250,6 +255,10 @@ def resolve_request(model, context, noise, schedule, frames_per_block, generator
         skip_last = skip_last_refresh or (options.skip_last_refresh and kv_cache is None and tracer is None)
         latent_dtype = options.latent_dtype_for(model)
     else:
+        asked = fast_options if fast_options is not None else ctx_options
+        if asked is not None and FastOptions.coerce(asked).linear != "exact":
+            raise ValueError("the fp8 linear mode runs on the optimized sampler path only (the reference path keeps "
+                             "every layer exact): use path 'optimized', or linear 'exact'")
         options, skip_last, latent_dtype = None, bool(skip_last_refresh), model.stream_dtype
     req = SamplingRequest(shape, sched, tuple(plan), (h // ph, w // pw), int(kv_window), int(sink), float(refresh_t),
                           skip_last, chosen, options, latent_dtype)

@@ -79,6 +79,24 @@ def _decoded(out: str, tmp: Path) -> None:
     assert row["decode"] == "tiny" and row["decoded_frames"] == 9 and row["video_fps_with_decode"] > 0, row
 
 
+def _fp8_generated(out: str, tmp: Path) -> None:
+    report = json.loads(out)
+    assert report["sampler"]["linear"] == "fp8" and report["sampler"]["linear_path"] == "emulated", report["sampler"]
+    assert report["sampler"]["path"] == "optimized" and Path(report["files"]["latents"]).is_file(), report
+
+
+def _fp8_rows(out: str, tmp: Path) -> None:
+    rows = {r["variant"]: r for r in json.loads(out)["rows"]}
+    assert rows["optimized-fp8"]["linear_ran"] == "fp8" and rows["optimized-fp8"]["vs_exact_max_abs"] > 0, rows
+    assert rows["optimized"]["linear_ran"] == "exact", sorted(rows)
+
+
+def _fp8_fidelity(out: str, tmp: Path) -> None:
+    data = json.loads(out)
+    assert data["linear"] == "fp8" and [r["path"] for r in data["rows"]] == ["optimized"], data["rows"]
+    assert data["rows"][0]["final"]["max_abs"] > 0, data["rows"][0]["final"]
+
+
 def _converted(out: str, tmp: Path) -> None:
     summary = json.loads(out)
     assert Path(summary["output"]).is_file() and summary["tensors"] > 0, summary
@@ -133,6 +151,8 @@ CASES = {
     "selftest": (["selftest", "--out", "{tmp}/st", "--json", "--only", "doctor", "--only", "fp8 checkpoint",
                   "--only", "bench sampler"], _selftest, None),
     "generate": (["generate", "--out", "{tmp}/out", "--no-preview", "--json", *TINY], _generate_wrote, None),
+    "generate_fp8": (["generate", "--out", "{tmp}/out", "--no-preview", "--json", "--linear", "fp8", *TINY],
+                     _fp8_generated, None),
     "generate_prompt_schedule": (["generate", "--out", "{tmp}/out", "--no-preview", "--json", "--preset", "longlive",
                                   "--prompt-schedule", "0: a cat walks\n1: the cat runs (blend 1, slerp)",
                                   "--device", "cpu", "--frames", "21", "--height", "32", "--width", "32"],
@@ -169,6 +189,8 @@ CASES = {
                            *TINY], _ops_rows, None),
     "bench sampler_decode": (["bench", "sampler", "--repeat", "1", "--variants", "optimized", "--decode", "tiny",
                               "--json", *TINY], _decoded, None),
+    "bench sampler_fp8": (["bench", "sampler", "--repeat", "1", "--shape", "tiny", "--linear", "fp8", "--variants",
+                           "optimized", "--json", *TINY], _fp8_rows, None),
     "bench sampler --world-size": (["bench", "sampler", "--world-size", "2", "--repeat", "1", "--json", *TINY],
                                    _ranks_ran, None),
     "bench compile": (["bench", "compile", "--model", "standin", "--blocks", "1", "--dim", "16", "--device", "cpu",
@@ -180,6 +202,8 @@ CASES = {
                    _keys("rows", "same_frames"), None),
     "bench fidelity": (["bench", "fidelity", "--fixture", str(FIXTURES / "wan_reference"), "--json"],
                        _keys("rows", "speed"), None),
+    "bench fidelity_fp8": (["bench", "fidelity", "--fixture", str(FIXTURES / "wan_reference"), "--linear", "fp8",
+                            "--json"], _fp8_fidelity, None),
 }
 
 

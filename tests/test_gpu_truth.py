@@ -116,19 +116,12 @@ def test_attention_plans_are_made_before_the_first_chunk(monkeypatch):
 
 # ----------------------------------------------------------------------------- int8: a speed verdict at the run's shape
 def _int8_run(monkeypatch, slow: bool, **fast):
-    from wan_accel.cache.autotune import get_autotuner
+    import speed_timer
     from wan_accel.model import attention as att
     from wan_accel.model.tiny import tiny_causal_model
     from wan_accel.sampling.sampler import generate_latents
     monkeypatch.setattr(att, "SPEED_DEVICES", ("cuda", "cpu"))   # judge speed here, with the store's own timer
-    timed = []
-
-    def timer(fn, *a, **kw):
-        fn()
-        timed.append(1)
-        return (0.004 if slow else 0.001) if len(timed) % 2 else 0.002       # int8 timed first, then exact
-
-    monkeypatch.setattr(get_autotuner(), "timer", timer)
+    speed_timer.install(monkeypatch, slow)                       # int8 timed first, then exact
     model = tiny_causal_model()
     ctx = torch.randn(1, 4, model.config.text_dim, generator=torch.Generator().manual_seed(0))
     report = {}
@@ -276,12 +269,9 @@ def test_plan_shapes_keep_the_largest_call_of_each_bucket():
 def test_a_stored_int8_speed_verdict_makes_no_tensors(monkeypatch):
     from wan_accel.model import attention as att
 
-    class Stored:
-        def tune(self, kernel, key, configs, run, **kw):
-            return {"impl": "exact"}
-
-        def entry(self, kernel, key):
-            return {"timings": {"impl=int8": 2.0, "impl=exact": 1.0}}
+    class Stored:          # a verdict already in the store: nothing is timed
+        def slower_than_exact(self, kernel, key, mode, run_mode, run_exact):
+            return True, "2 ms against 1 ms exact"
 
     calls = _count_randn(monkeypatch)
     slower, why = att.int8_speed(4680, 32760, 1, 12, 128, torch.bfloat16, "cuda", tuner=Stored())

@@ -1,12 +1,14 @@
-"""`python -m wan_accel bench fidelity`: how far int8 attention moves a video from exact attention.
+"""`python -m wan_accel bench fidelity`: how far an opt-in approximate mode moves a video from the exact one.
 
 On the recorded fixtures (``tests/fixtures/wan_reference``: causal Wan with its recorded re-noising draws, and
 ``tests/fixtures/matrix_game2``), float32 weights, the same inputs and draws: each sampler path (reference and
-optimized) runs once with exact attention (SDPA) and once with ``--attention`` (int8 by default). Per run: the
-largest and mean absolute difference of every chunk's denoised prediction x0 after each step, and of the final
-latents. A measurement, not a test of the bound (that is ``kernels.int8_attention.error_bound`` per call): the
-differences compound over blocks, steps and chunks. Speed is not measured here: ``bench sampler --attention int8``
-times it beside exact attention (the gain needs comfy-kitchen's int8 kernel on a CUDA GPU).
+optimized) runs once exact (SDPA, exact linear layers) and once with ``--attention`` (int8 by default) and
+``--linear`` (``fp8``: fp8 linear layers, SDPA unless ``--attention`` says otherwise; the optimized path only, the
+reference path has no fp8 mode). Per run: the largest and mean absolute difference of every chunk's denoised
+prediction x0 after each step, and of the final latents. A measurement, not a test of the bounds (those are
+``kernels.int8_attention.error_bound`` and ``kernels.fp8_linear.error_bound`` per call): the differences compound
+over blocks, steps and chunks. Speed is not measured here: ``bench sampler --attention int8`` / ``--linear fp8``
+times each beside exact (the gains need comfy-kitchen's int8 kernel, and fp8 tensor cores, on a CUDA GPU).
 """
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ PATHS = ("reference", "optimized")
 def add_arguments(parser) -> None:
     parser.add_argument("--fixture", action="append", help="fixture folder (repeatable; default: the pack's "
                         "wan_reference and matrix_game2)")
-    parser.add_argument("--attention", default="int8", help="attention compared with exact SDPA (default int8)")
+    parser.add_argument("--attention", help="attention compared with exact SDPA (default: int8, or sdpa with "
+                        "--linear fp8)")
+    parser.add_argument("--linear", default="exact", choices=["exact", "fp8"],
+                        help="fp8: compare fp8 linear layers with exact ones (the optimized path)")
     parser.add_argument("--device", help="cuda / cpu (default: cpu: float32 on the fixtures)")
     parser.add_argument("--json", action="store_true")
 
@@ -68,7 +73,7 @@ def _check_finite(rows: list) -> None:
                                f"it again)")
 
 
-def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, device) -> tuple:
+def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, device, linear: str = "exact") -> tuple:
     """(final latents, {(chunk, step): x0}) of one run of the fixture."""
     from ...sampling.sampler import sampler_path
     from ..jobs.reference import _load_io, _load_model, _schedule_from
@@ -78,7 +83,7 @@ def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, devic
     def callback(ci, k, _chunks, _steps, x0):
         steps[(ci, k)] = x0.detach().float().cpu().clone()
 
-    with torch.no_grad(), sampler_path(path, {} if path == "optimized" else None):
+    with torch.no_grad(), sampler_path(path, {"linear": linear} if path == "optimized" else None):
         if kind == "wan":
             from ...sampling.sampler import sample_causal
             model = _load_model(directory, cfg, device).set_attention_backend(attention)
@@ -115,39 +120,57 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"max_abs": float(d.max()), "mean_abs": float(d.mean())}
 
 
-def measure(directory, attention: str = "int8", device="cpu") -> list:
-    """Rows {fixture, path, attention, final: {max_abs, mean_abs}, steps: [{chunk, step, max_abs, mean_abs}]}."""
+def paths_for(linear: str) -> tuple:
+    """The sampler paths a comparison runs on: both, or the optimized one alone for fp8 linear layers."""
+    return PATHS if linear == "exact" else ("optimized",)
+
+
+def measure(directory, attention: str = "int8", device="cpu", linear: str = "exact") -> list:
+    """Rows {fixture, path, attention, linear, final: {max_abs, mean_abs}, steps: [{chunk, step, max_abs,
+    mean_abs}]}."""
     directory = Path(directory)
     kind, cfg = _fixture(directory)
     rows = []
-    for path in PATHS:
+    for path in paths_for(linear):
         exact, exact_steps = _run(kind, directory, cfg, "sdpa", path, device)
-        other, other_steps = _run(kind, directory, cfg, attention, path, device)
+        other, other_steps = _run(kind, directory, cfg, attention, path, device, linear)
         steps = [dict(chunk=c, step=k, **_diff(other_steps[(c, k)], exact_steps[(c, k)]))
                  for c, k in sorted(exact_steps) if (c, k) in other_steps]
         rows.append({"fixture": directory.name, "model_kind": kind, "path": path, "attention": attention,
-                     "final": _diff(other, exact), "steps": steps})
+                     "linear": linear, "final": _diff(other, exact), "steps": steps})
     return rows
 
 
 def run(args) -> int:
     from ...model.attention import BACKENDS
-    if args.attention not in BACKENDS:
-        raise UsageError(f"--attention must be one of {', '.join(BACKENDS)}, got {args.attention!r}")
+    linear = getattr(args, "linear", "exact")
+    attention = args.attention or ("int8" if linear == "exact" else "sdpa")
+    if attention not in BACKENDS:
+        raise UsageError(f"--attention must be one of {', '.join(BACKENDS)}, got {attention!r}")
+    if linear == "exact" and attention == "sdpa":
+        raise UsageError("--attention sdpa with exact linear layers is the baseline itself: nothing to compare; "
+                         "give --attention int8 or --linear fp8")
     device = torch.device(args.device or "cpu")
     folders = [Path(f) for f in args.fixture] if args.fixture else [FIXTURES / n for n in DEFAULT_FIXTURES]
     for f in folders:
         if not f.is_dir():
             raise UsageError(f"--fixture {f}: not a folder; give a recorded fixture's folder")
-    rows = [r for f in folders for r in measure(f, args.attention, device)]
+    rows = [r for f in folders for r in measure(f, attention, device, linear)]
     _check_finite(rows)
-    result = {"device": str(device), "attention": args.attention, "baseline": "sdpa", "rows": rows,
-              "speed": "not measured here: bench sampler --attention int8 times it (a gain needs comfy-kitchen's "
-                       "int8 kernel on a CUDA GPU)"}
+    speed = ("bench sampler --linear fp8 times it (a gain needs fp8 tensor cores: a CUDA GPU of SM 8.9+)"
+             if linear == "fp8" else "bench sampler --attention int8 times it (a gain needs comfy-kitchen's int8 "
+                                     "kernel on a CUDA GPU)")
+    result = {"device": str(device), "attention": attention, "linear": linear, "baseline": "sdpa, exact linear",
+              "paths": list(paths_for(linear)), "rows": rows, "speed": f"not measured here: {speed}"}
+    if linear == "fp8":
+        result["note"] = "the reference path has no fp8 linear mode: the optimized path alone is compared"
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"fidelity of attention '{args.attention}' against exact SDPA on {device} (float32 weights)")
+    print(f"fidelity of attention '{attention}', linear '{linear}' against exact (SDPA, exact linear layers) on "
+          f"{device} (float32 weights)")
+    if result.get("note"):
+        print(result["note"])
     print(f"{'fixture':<16}{'path':<11}{'final max':>11}{'final mean':>12}{'worst step max':>16}{'at':>12}")
     for r in rows:
         worst = max(r["steps"], key=lambda s: s["max_abs"]) if r["steps"] else None

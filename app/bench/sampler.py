@@ -13,6 +13,10 @@ One process, the same random weights (or checkpoint) and the same inputs for eve
                         a mode that cannot run on the device is refused before anything runs
   <variant>-int8        any of these with int8 attention (``--attention int8`` adds every chosen variant's twin);
                         vs_exact_max_abs / vs_exact_mean_abs: its latents against the exact twin's
+  <variant>-fp8         any optimized variant with fp8 linear layers (``--linear fp8`` adds the twin of every chosen
+                        optimized variant; the reference path has none), beside its exact twin in the same way;
+                        linear_ran / linear_path: what ran (fp8 through scaled_mm or emulated, or exact where fp8
+                        was measured slower)
 
 Per variant: first (warm-up) and steady seconds (median of --repeat runs), per-chunk latency, DiT-only video
 FPS, FLOPs and MFU (peak by compute capability; n/a on a CPU), peak memory and speedups. Then one more, untimed run
@@ -63,6 +67,10 @@ OPS = "-ops-"
 VARIANTS.update({f"optimized{OPS}{mode}": dict(VARIANTS["optimized"], options={"ops": mode}) for mode in OPS_MODES})
 INT8 = "-int8"   # every variant's twin with int8 attention (opt-in): '<variant>-int8'
 VARIANTS.update({name + INT8: dict(v, attention="int8") for name, v in list(VARIANTS.items())})
+FP8 = "-fp8"     # every optimized variant's twin with fp8 linear layers (opt-in): '<variant>-fp8'
+VARIANTS.update({name + FP8: dict(v, options=dict(v["options"], linear="fp8")) for name, v in list(VARIANTS.items())
+                 if v["path"] == "optimized"})
+TWINS = (INT8, FP8)     # an approximate twin's name ends with one of these; without it, its exact twin's
 SHAPES = {  # model kind -> shape -> (config factory name, video frames, height, width)
     "wan": {"tiny": (33, 128, 128), "1.3b": (81, 480, 832)},
     "matrix-game2": {"tiny": (33, 128, 128), "1.3b": (57, 352, 640)},
@@ -84,6 +92,8 @@ def add_arguments(parser) -> None:
                         " (default: reference, optimized; plus reference-same-dtype when the run dtype is not fp32)")
     parser.add_argument("--attention", choices=["int8"], help="int8: also run every chosen variant with int8 "
                         "attention ('<variant>-int8'), each row beside its exact twin (vs_exact_max_abs / mean)")
+    parser.add_argument("--linear", choices=["fp8"], help="fp8: also run every chosen optimized variant with fp8 "
+                        "linear layers ('<variant>-fp8'), each row beside its exact twin (vs_exact_max_abs / mean)")
     parser.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s for MFU (default: table by capability)")
     parser.add_argument("--decode", default="none", choices=list(DECODES), help="decode every chunk to pixels as "
                         "soon as it is made and report decode time, video FPS including decode and time to the first "
@@ -292,6 +302,8 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     from ...compile.apply import compile_handle
     compiled = compile_handle(model) if v.get("compile") is not None else None
     what_ran = {"attention_ran": str(ran.get("attention", v["attention"])),
+                "linear": v.get("options", {}).get("linear", "exact"), "linear_ran": str(ran.get("linear", "exact")),
+                "linear_path": ran.get("linear_path"),
                 "compile_failed": compiled.failed if compiled is not None else None}
     return {**what_ran, "variant": name, "path": v["path"], "dtype": str(dtype).replace("torch.", ""), "precision": precision,
             "attention": v["attention"], "ops": variant_ops(name) if v["path"] == "optimized" else None,
@@ -321,7 +333,14 @@ def _variant_names(args, run_dtype: str) -> list:
             names.insert(1, "reference-same-dtype")
     if getattr(args, "attention", None) == "int8":
         names = [m for n in names for m in ((n,) if n.endswith(INT8) else (n, n + INT8))]
+    if getattr(args, "linear", None) == "fp8":
+        names = [m for n in names for m in ((n, n + FP8) if n + FP8 in VARIANTS else (n,))]
     return names
+
+
+def exact_twin(name: str) -> str | None:
+    """The variant an approximate twin is compared with: its name without the last twin suffix."""
+    return next((name[:-len(t)] for t in TWINS if name.endswith(t)), None)
 
 
 def variant_ops(name: str) -> str:
@@ -339,10 +358,10 @@ def _check_ops_variants(names: list, device) -> None:
 
 
 def _vs_exact(rows: list, outputs: list) -> None:
-    """vs_exact_max_abs / vs_exact_mean_abs of every int8 row against its exact twin's latents (when it ran)."""
+    """vs_exact_max_abs / vs_exact_mean_abs of every int8 or fp8 row against its exact twin's latents (when it ran)."""
     by_name = {r["variant"]: o for r, o in zip(rows, outputs)}
     for r, out in zip(rows, outputs):
-        exact = by_name.get(r["variant"][:-len(INT8)]) if r["variant"].endswith(INT8) else None
+        exact = by_name.get(exact_twin(r["variant"]))
         if exact is not None:
             diff = (out - exact).abs()
             r["vs_exact_max_abs"], r["vs_exact_mean_abs"] = float(diff.max()), float(diff.mean())
@@ -372,6 +391,10 @@ def run(args) -> int:
     shape = args.shape or "tiny"
     run_dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     names = _variant_names(args, run_dtype)
+    refused = [n for n in names if n.endswith(FP8) and n not in VARIANTS and n[:-len(FP8)] in VARIANTS]
+    if refused:
+        raise UsageError(f"--variants {refused[0]}: the reference path has no fp8 linear mode (it keeps every layer "
+                         f"exact); fp8 twins exist for the optimized variants (e.g. optimized{FP8})")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise UsageError(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -421,6 +444,8 @@ def run(args) -> int:
     if decoder is not None:
         cols += ["decode_s", "end_to_end_s", "video_fps_with_decode", "first_frame_s", "decode_share",
                  "decoder_peak_mb"]
+    if any(r["linear"] != "exact" for r in rows):
+        cols += ["linear_ran", "linear_path"]
     if any("vs_exact_max_abs" in r for r in rows):
         cols.append("vs_exact_max_abs")
         rows = [dict(r, vs_exact_max_abs=f"{r['vs_exact_max_abs']:.2e}" if "vs_exact_max_abs" in r else None)

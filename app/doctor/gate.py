@@ -19,7 +19,7 @@ import torch
 from ...model.attention import explain_backend
 from ...model.blocks import KERNEL_NAMES
 from ...sampling.runner import FastOptions, graphs_device, kernels_part
-from ...sampling.sampler import sampler_path
+from ...sampling.sampler import current_path, sampler_path
 from .core import FEATURES, Doctor, doctor_for
 
 log = logging.getLogger("wan_accel")
@@ -94,6 +94,8 @@ def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_
         for name in FEATURES:                # comfy-kitchen's candidates (op.<op>.kitchen.<backend>)
             if name.startswith("op.") and doc.availability(name) is None:
                 judge(name)
+    if options.linear == "fp8":
+        judge("linear.fp8")
     if options.fused_qkv:
         judge("fused_qkv")
     if options.cuda_graphs == "auto" and graphs_device(device):
@@ -134,10 +136,14 @@ def gate_swap(model, settings, doctor: Doctor | None = None, log_fn=None, lines:
 def gated_sampling(model, notes: list | None = None, log_fn=None, only_cuda: bool = True):
     """A context in which ``sample_causal`` calls left on path 'auto' run the optimized path with the doctor's
     verdicts applied (on CUDA, where 'auto' means the optimized path; elsewhere nothing changes unless
-    ``only_cuda`` is False)."""
+    ``only_cuda`` is False). An enclosing ``sampler_path`` block is honoured: its reference path stays, its
+    options (e.g. ``generate --linear fp8``) are the ones gated."""
     if only_cuda and torch.device(model.device).type != "cuda":
         return contextlib.nullcontext()
-    options, lines = gate_options(model, FastOptions(), log_fn=log_fn)
+    path, given = current_path() or ("auto", None)
+    if path == "reference":
+        return contextlib.nullcontext()
+    options, lines = gate_options(model, FastOptions.coerce(given), log_fn=log_fn)
     if notes is not None:
         notes.extend(lines)
     return sampler_path("optimized", options)
@@ -155,6 +161,8 @@ def features_summary(model, options: FastOptions | None, sampler_report: dict, r
         ran += [f"kernel.{k}" for k in (KERNEL_NAMES if part is True else part or ())]
         if info.get("fused_qkv_blocks"):
             ran.append("fused_qkv")
+        if info.get("linear") == "fp8":
+            ran.append("linear.fp8")
         if info.get("cuda_graphs"):
             ran.append("cuda_graphs")
         if info.get("compile"):

@@ -17,6 +17,7 @@ import torch
 from ...kernels import _common, norm_modulate, qk_norm_rope, residual, use_triton
 from ...kernels import candidates as op_candidates
 from ...kernels import kitchen
+from ...kernels import fp8_linear as fp8
 from ...kernels import int8_attention
 from ...model import attention as attn
 from ...model import fused_qkv as fq
@@ -95,6 +96,42 @@ def _check_int8(ctx: ProbeContext) -> Probe:
                  bound=lambda: int8_attention.error_bound(q, k, v, kernel=kernel),
                  note=f"int8 ({kernel}) within its stated error bound of exact attention (difference in units of "
                       f"the bound)")
+
+
+# ----------------------------------------------------------------------------------------------- fp8 linear
+def _fp8_inputs(ctx: ProbeContext):
+    """A linear layer [2 * dim, dim] with bias and its input: random tokens, some with outliers (per-token scales),
+    and rows where the bound is tight, so a wrong result shows: non-negative rows of x and W (no cancellation:
+    the bound is an eighth of the output) and rows half a step between two e4m3 codes (each product off by the
+    most rounding allows: the error reaches 85 % of the bound)."""
+    d = _dim(ctx)
+    x = _rand(ctx, ctx.tokens, d, seed=20)
+    w = _rand(ctx, 2 * d, d, scale=d ** -0.5, seed=21)
+    x[:: max(1, ctx.tokens // 8), : max(1, d // 64)] *= 40
+    x[:8], w[:8] = x[:8].abs(), w[:8].abs()
+    for t in (x, w):
+        t[8:16] = 1.0625 * d ** -0.5
+        t[8:16, 0] = 1.75 * d ** -0.5
+    return x, w, _rand(ctx, 2 * d, scale=0.1, seed=22)
+
+
+def _check_fp8(ctx: ProbeContext) -> Probe:
+    """fp8 linear (weight per output row, input per token) against the exact product (float64), judged by
+    ``fp8_linear.error_bound`` (derived from e4m3's rounding) plus the exact product's own rounding to the probe
+    dtype, rather than the dtype's resolution."""
+    if ctx.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise NotAvailable(f"needs fp32/fp16/bf16 (probe dtype {ctx.dtype})")
+    x, w, b = _fp8_inputs(ctx)
+    path = fp8.path_for(ctx.device, w.shape[1], w.shape[0])[0]
+    copy = fp8.quantize_weight(w)
+
+    def exact():
+        return x.double() @ w.double().t() + b.double()
+
+    return Probe(lambda: fp8.fp8_linear(x, *copy, b), exact, ctx.dtype, judge_speed=False,
+                 bound=lambda: fp8.error_bound(x, w, b, path) + fp8.unit_roundoff(ctx.dtype) * exact().abs(),
+                 note=f"fp8 ({path}) within its stated error bound of the exact product (difference in units of "
+                      f"the bound); speed is judged at the run's shapes")
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -291,6 +328,8 @@ for _feature in (
             "fa2 (SDPA is used)", sources=_ATTENTION),
     Feature("attention.int8", "int8 attention (opt-in)", _check_int8, ("comfy-kitchen",), "int8 (SDPA is used)",
             sources=lambda: (attn, int8_attention, _qkv, _softmax_math)),
+    Feature("linear.fp8", "fp8 linear layers (opt-in)", _check_fp8, switches_off="fp8 linear (exact linear layers)",
+            sources=lambda: (fp8, _fp8_inputs)),
     Feature("kernel.layernorm_modulate", "fused LayerNorm + modulate (Triton)", _check_lnmod, ("triton",),
             "this kernel (torch ops)", sources=_kernel_sources(norm_modulate)),
     Feature("kernel.rmsnorm_rope", "fused RMSNorm + RoPE (Triton)", _check_rmsrope, ("triton",),

@@ -189,7 +189,7 @@ def sample_latents_with_state(model, context, width: int, height: int, num_frame
 
 def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_kernels: bool = True,
                   log=None, doctor: bool = True, notes: list | None = None, record: dict | None = None,
-                  ops: str = "auto", keep_slower: bool = False):
+                  ops: str = "auto", keep_slower: bool = False, linear: str = "exact"):
     """FastOptions for a handle, with its block swap / VRAM plan and its compile settings applied to the model.
 
     The swap carried by the handle (or its plan's) is (re)applied on CUDA, or removed when the handle has none;
@@ -199,7 +199,8 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
     doctor: each accelerated feature the run is about to use is checked on this machine first (once; the verdict
     is remembered in the limit cache, ``app/doctor/core.py``); one that failed or was slower is switched off and a
     line saying so goes to ``log`` and to ``notes`` (a failed fallback too); ``record`` (``gate.new_record()``)
-    receives {feature: why} of both. ops: which implementation runs the normalization ops (``FastOptions.ops``)."""
+    receives {feature: why} of both. ops: which implementation runs the normalization ops (``FastOptions.ops``);
+    linear: 'exact' or the opt-in 'fp8' (``FastOptions.linear``)."""
     from ..doctor.gate import gate_compile, gate_options, gate_swap
     from ...memory.block_swap import ensure_block_swap, handle_swap_settings
     from .handle import _planned_swap
@@ -231,7 +232,7 @@ def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_k
                 uncompile_model(model)
         compile_for_sampling(model, compile_settings, log=log)
     options = FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels), ops=ops,
-                          keep_slower=bool(keep_slower))
+                          keep_slower=bool(keep_slower), linear=linear)
     if doctor and optimized:
         options, switched = gate_options(model, options, log_fn=log, record=record)
         lines.extend(switched)
@@ -295,7 +296,8 @@ class GenerateOptions:
     compile: bool = False                # regional torch.compile of the blocks (optimized path)
     prompt_schedule: str | None = None   # the text of a prompt schedule (sampling/prompts.py); None: one prompt
     recache: str = "switch"              # switch (LongLive KV re-cache at a prompt switch) | none | krea (recompute)
-    keep_slower: bool = False            # keep int8 attention where it is measured slower than exact (optimized path)
+    keep_slower: bool = False            # keep int8 attention / fp8 linear where measured slower than exact (optimized)
+    linear: str = "exact"                # exact | fp8 (opt-in, approximate; optimized path: 'auto' becomes 'optimized')
 
 
 def _peak_memory(device: torch.device) -> dict:
@@ -344,12 +346,29 @@ def _resolve(opts: GenerateOptions):
     return device, dtype, frames, height, width
 
 
+FP8_PATH_NOTE = "linear fp8: the optimized sampler path runs (the only one with fp8 linear layers)"
+
+
+def optimized_for_fp8(opts):
+    """(opts, note): the fp8 linear mode lives on the optimized path, so sampler 'auto' means 'optimized' with it;
+    an explicit 'reference' is refused (ValueError naming the fix)."""
+    if getattr(opts, "linear", "exact") == "exact":
+        return opts, None
+    if opts.sampler == "reference":
+        raise ValueError("linear fp8 runs on the optimized sampler path only; use sampler optimized (or auto), or "
+                         "linear exact")
+    if opts.sampler == "auto":
+        return replace(opts, sampler="optimized"), FP8_PATH_NOTE
+    return opts, None
+
+
 def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None) -> dict:
     """Run the job; progress(chunk, step, num_chunks, num_steps) per step. Returns the report dict.
     parallel: this rank's ``SeqParallel`` (``app/ranks/parallel.py``) to sample sequence-parallel; rank 0 writes the files."""
     from .handle import load_model_handle
     from ...sampling.scheduler import resolve_schedule
     device, dtype, frames, height, width = _resolve(opts)
+    opts, path_note = optimized_for_fp8(opts)
     if _writes(parallel):
         check_outputs(opts.out_dir)
     t0 = time.perf_counter()
@@ -360,7 +379,9 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     handle = load_model_handle(opts.checkpoint, dtype, opts.precision, opts.attention, device,
                                num_heads=opts.num_heads, compile_settings=compile_settings, lora=opts.lora,
                                lora_strength=opts.lora_strength)
-    model, notes = handle.model, []
+    model, notes = handle.model, [path_note] if path_note else []
+    if path_note:
+        log(path_note)
     enable_parallel(model, parallel)
     if handle.is_tiny:
         log("using the built-in tiny random model (deterministic random weights; output is not a real video)")
@@ -403,7 +424,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     from ...cache import warmup
     one_time = warmup.snapshot()
     fast_options = sampler_setup(handle, opts.sampler, opts.cuda_graphs, opts.fused_kernels, log=log, notes=notes,
-                                 record=record, ops=opts.ops, keep_slower=opts.keep_slower)
+                                 record=record, ops=opts.ops, keep_slower=opts.keep_slower, linear=opts.linear)
     sampler_report: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -82,7 +82,8 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     ``SeqParallel`` to sample sequence-parallel (``app/ranks/parallel.py``); rank 0 writes the files."""
     from ..ranks.parallel import enable_parallel, parallel_report
     from ...sampling.actions_script import parse_action_script
-    from .generate import ChunkTimer, _peak_memory, _sync, _write_outputs, _write_report, _writes, check_outputs
+    from .generate import (ChunkTimer, _jsonable, _peak_memory, _sync, _write_outputs, _write_report, _writes,
+                           check_outputs)
     from ...sampling.mg2 import generate_mg2, resolve_preset
     from ..doctor.gate import gated_sampling
     from .handle import default_device
@@ -110,9 +111,10 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     on_chunk = ChunkTimer(device, log, progress)
     chunk_seconds = on_chunk.seconds
     t_start = on_chunk.start()
+    sampler_report: dict = {}
     with gated_sampling(handle.model, notes, log_fn=log):      # the doctor's verdicts (optimized path on CUDA)
         latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings,
-                               on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh)
+                               on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh, report=sampler_report)
     _sync(device)
     sample_s = time.perf_counter() - t_start
     files = _write_outputs(latents.transpose(1, 2), opts, parallel)
@@ -126,6 +128,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
         "latent_shape": list(latents.shape), "latent_layout": "[B, C, F, H, W] model space",
         "load_seconds": load_s, "sample_seconds": sample_s, "chunk_seconds": chunk_seconds,
         "peak_memory": _peak_memory(device), "files": files, "notes": notes, "torch": torch.__version__,
+        "sampler": _jsonable(sampler_report),
     }
     if parallel is not None:
         report["parallel"] = parallel_report(handle.model, parallel, latents.transpose(1, 2).shape, settings.window,

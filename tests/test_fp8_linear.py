@@ -1,0 +1,509 @@
+"""fp8 linear layers (opt-in): per call within the stated bound (kernels/fp8_linear.error_bound) on random and
+adversarial inputs, the bound close to the worst case and broken by a coarser code, the emulation equal to
+``torch._scaled_mm``'s semantics, the mode really running every block linear layer (and nothing else) on the
+optimized path, exact runs untouched, its copies kept current, refusals, the speed verdict, the doctor, the CLI, the
+sampler bench and the README's Fidelity rows; on a CUDA GPU the scaled matmul itself."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from wan_accel.kernels import fp8_linear as fp8
+from wan_accel.model import blocks
+from wan_accel.model.tiny import tiny_causal_model
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+def _layer(dtype, m=48, k=256, n=96, seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    return x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
+
+
+def _exact(x, w, b=None):
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+def _ratio(x, w, b=None, path="emulated"):
+    y = fp8.fp8_linear(x, *fp8.quantize_weight(w), b)
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.shape[0])
+    err = (y.double() - _exact(x, w, b)).abs()
+    return y, err, err / fp8.error_bound(x, w, b, path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_within_the_bound_on_random_inputs_and_really_fp8(dtype):
+    x, w, b = _layer(dtype)
+    y, err, ratio = _ratio(x, w, b)
+    assert torch.isfinite(y).all() and float(ratio.max()) <= 1.0
+    exact_err = (torch.nn.functional.linear(x, w, b).double() - _exact(x, w, b)).abs()
+    assert float(err.max()) > 4 * float(exact_err.max())          # e4m3's rounding, not the dtype's
+
+
+def _adversarial(dtype):
+    """Rows: an outlier beside small values, zeros, huge and tiny magnitudes (fp32's subnormal range for fp32
+    and bf16), mixed signs; a weight with an outlier row and a zero row."""
+    g = torch.Generator().manual_seed(3)
+    k = 64
+    x = torch.randn(8, k, generator=g)
+    x[0, 5] = 3e3                                   # one outlier: the rest of its row falls near e4m3's subnormals
+    x[1] = 0                                        # a zero row
+    x[3] *= 1e-3 if dtype == torch.float16 else 1e-21   # tiny (float16: above its subnormals' reach of the bound)
+    x[4] *= 1e2 if dtype == torch.float16 else 1e15     # huge (float16: its outputs stay under 65504)
+    x[5] = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0) * 1e-3
+    w = torch.randn(32, k, generator=g) / 8
+    w[2, 7] = 50.0
+    w[4] = 0
+    w[6] *= 1e-20 if dtype != torch.float16 else 1e-2
+    b = torch.randn(32, generator=g)
+    return x.to(dtype), w.to(dtype), b.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_within_the_bound_on_adversarial_inputs(dtype):
+    x, w, b = _adversarial(dtype)
+    for bias in (b, None):
+        y, _err, ratio = _ratio(x, w, bias)
+        assert torch.isfinite(y).all() and float(ratio.max()) <= 1.0, (dtype, float(ratio.max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_rows_give_the_bias_not_nan(dtype):
+    x, w, b = _layer(dtype, m=6)
+    x[2] = 0
+    w[5] = 0
+    q, s = fp8.quantize_weight(w)
+    assert float(s[5]) > 0 and not torch.isnan(q.float()).any()
+    y = fp8.fp8_linear(x, q, s, b)
+    assert torch.equal(y[2], b) and not torch.isnan(y).any()
+    assert torch.equal(y[:, 5], b[5].expand(6))
+    assert torch.equal(fp8.fp8_linear(x, q, s), fp8.fp8_linear(x, q, s, None))   # no bias: none added
+    assert torch.equal(fp8.fp8_linear(x, q, s)[2], torch.zeros(w.shape[0], dtype=dtype))
+
+
+def _midpoints(value: float, k: int = 64, n: int = 8):
+    """Rows whose maximum 1.75 maps to 448 (scale 2^-8 exactly) and whose other entries sit at ``value``."""
+    x = torch.full((4, k), value)
+    x[:, 0] = 1.75
+    w = torch.full((n, k), value)
+    w[:, 0] = 1.75
+    return x, w
+
+
+def test_the_bound_is_close_to_the_worst_case():
+    """1.0625 * 256 = 272 lies half a step between the e4m3 codes 256 and 288: every product is off by
+    (2u + u^2) / (1 + u)^2 of its size in the same direction (rounding to nearest errs by u / (1 + u) at most, the
+    bound says u), so the error reaches 85 % of the bound."""
+    x, w = _midpoints(1.0625)
+    _y, _err, ratio = _ratio(x, w)
+    assert 0.84 <= float(ratio.max()) <= 1.0
+
+
+def test_a_code_one_bit_coarser_fails_the_bound(monkeypatch):
+    """1.125 is an e4m3 code (x 256 = 288): exact in fp8; e5m2 (2 mantissa bits) rounds it half a step of its own,
+    twice e4m3's unit roundoff, and the bound derived for e4m3 no longer holds."""
+    x, w = _midpoints(1.125)
+    _y, err, ratio = _ratio(x, w)
+    assert float(err.max()) < 1e-4
+    monkeypatch.setattr(fp8, "FP8", torch.float8_e5m2)
+    _y, _err, ratio = _ratio(x, w)
+    assert float(ratio.max()) > 1.0
+
+
+def _cpu_scaled_mm(x, q, s, bias, out_dtype):
+    xq, xs = fp8.quantize_rows(x)
+    try:
+        out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.reshape(1, -1), bias=bias, out_dtype=out_dtype)
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        pytest.skip(f"torch._scaled_mm with row-wise scales does not run on a CPU in torch {torch.__version__}: "
+                    f"{str(exc).splitlines()[0][:120]}")
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_emulation_is_torch_scaled_mm_with_row_wise_scales(dtype):
+    """Against torch._scaled_mm on the CPU (same codes, scale_a [M, 1], scale_b [1, N], weight column-major): the
+    two differ only in the order of float32 sums, i.e. within twice the accumulation and scaling rounding, plus one
+    unit of the output dtype where the two float32 results round to neighbouring values."""
+    x, w, b = _layer(dtype, m=40, k=128, n=48)
+    q, s = fp8.quantize_weight(w)
+    ours = fp8.emulated(x, q, s, b, dtype)
+    theirs = _cpu_scaled_mm(x, q, s, b, dtype)
+    xq, xs = fp8.quantize_rows(x)
+    big_b = (xq.double().abs() @ q.double().abs().t()) * xs.double() * s.double().reshape(1, -1)
+    u32 = fp8.unit_roundoff(torch.float32)
+    f32 = 2 * (fp8.accumulation_error(128) * big_b + 3 * u32 * (big_b + b.double().abs()))
+    u_o = fp8.unit_roundoff(dtype)
+    tol = f32 * (1 + u_o) + 2 * u_o * ours.double().abs().clamp_min(theirs.double().abs()) * (dtype != torch.float32)
+    gap = (ours.double() - theirs.double()).abs()
+    assert bool((gap <= tol).all()), float((gap / tol).max())
+    if dtype == torch.bfloat16:
+        assert float((gap > 0).float().mean()) < 0.05            # almost every element is the same bf16 value
+
+
+# ----------------------------------------------------------------------------------------------- on the sampler
+def _ctx(model):
+    return torch.randn(1, 4, model.config.text_dim, generator=torch.Generator().manual_seed(0))
+
+
+def _run(model, report=None, **fast):
+    from wan_accel.sampling.sampler import generate_latents
+    return generate_latents(model, _ctx(model), 6, 4, 6, seed=1, path="optimized", report=report,
+                            fast_options={"cuda_graphs": "off", **fast})
+
+
+def _counting(monkeypatch):
+    calls = []
+    real = blocks.fp8_linear
+
+    def counted(x, q, s, bias=None):
+        calls.append((tuple(q.shape), int(x.reshape(-1, x.shape[-1]).shape[0])))
+        return real(x, q, s, bias)
+    monkeypatch.setattr(blocks, "fp8_linear", counted)
+    return calls
+
+
+def test_the_mode_runs_every_block_linear_layer_and_nothing_else(monkeypatch):
+    """2 chunks x 4 denoising calls, one refresh pass (the last one is skipped; its last block computes k/v only),
+    and the prompt's cross-attention k/v once: every block linear layer of every call goes through fp8, no other
+    layer does (no embedding, time MLP or head shape appears)."""
+    model = tiny_causal_model()
+    cfg = model.config
+    d, f, n = cfg.dim, cfg.ffn_dim, cfg.num_layers
+    exact = _run(model)
+    calls = _counting(monkeypatch)
+    report = {}
+    out = _run(model, report, linear="fp8")
+    assert report["linear"] == "fp8" and report["linear_path"] == "emulated" and "cpu" in report["linear_reason"]
+    assert report["fp8_layers"] == 10 * n and report["fp8_layers_kept_as_stored"] == 0
+    assert report["fp8_speed"]["slower"] is None                       # emulated on a CPU: no speed verdict
+    full = 8 * n + (n - 1)                                             # block calls doing all their work
+    expected = {(3 * d, d): full, (2 * d, d): 1, (d, d): 3 * full + 2 * n, (f, d): full, (d, f): full}
+    counted = {}
+    for shape, _rows in calls:
+        counted[shape] = counted.get(shape, 0) + 1
+    assert counted == expected
+    assert torch.isfinite(out).all()
+    diff = float((out - exact).abs().max())
+    assert 0 < diff < 0.3, diff
+
+
+def test_exact_runs_are_untouched_and_the_copies_leave_no_trace(monkeypatch):
+    model, fresh = tiny_causal_model(), tiny_causal_model()
+    keys = list(model.state_dict())
+    before = _run(model)
+    _run(model, linear="fp8")
+    assert any("fp8" in n for n, _ in model.named_buffers())          # copies are buffers: model.to moves them
+    assert list(model.state_dict()) == keys                            # ... and never saved
+    calls = _counting(monkeypatch)
+    after = _run(model)
+    assert calls == [] and torch.equal(before, after) and torch.equal(after, _run(fresh))
+    assert not any("fp8" in n for n, _ in model.named_buffers())      # an exact run frees them
+
+
+def test_fused_and_separate_qkv_compute_the_same_fp8_products():
+    model = tiny_causal_model()
+    fused = _run(model, linear="fp8")
+    separate = _run(model, linear="fp8", fused_qkv=False)
+    assert float((fused - separate).abs().max()) <= 1e-4 * float(fused.abs().max())
+
+
+def test_a_weight_changed_in_place_is_quantized_again():
+    from wan_accel.model.fp8_linear import ensure_fp8
+    model = tiny_causal_model()
+    _run(model, linear="fp8")
+    layer = model.blocks[0].ffn[0]
+    old = layer._buffers[blocks.FP8_WEIGHT]
+    assert ensure_fp8(model.blocks[0]) and layer._buffers[blocks.FP8_WEIGHT] is old    # current: kept
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight * 2 + 0.01)                     # as a LoRA merge does, in place
+    _run(model, linear="fp8")
+    q, s = fp8.quantize_weight(layer.weight)
+    assert torch.equal(layer._buffers[blocks.FP8_SCALE], s)
+    assert torch.equal(layer._buffers[blocks.FP8_WEIGHT].float(), q.float())
+
+
+def test_layers_patched_when_called_are_refused_and_fp8_checkpoint_layers_left_alone():
+    from wan_accel.model.quant import install_fp8_linears
+    model = tiny_causal_model()
+    model.blocks[1].cross_attn.o.weight_function = [lambda w: w]       # a per-call patch (ComfyUI's LoRA hook)
+    with pytest.raises(ValueError, match=r"blocks\.1\.cross_attn\.o: weight patches .*merge a LoRA"):
+        _run(model, linear="fp8")
+    assert not any("fp8" in n for n, _ in model.named_buffers())      # refused before any copy was made
+    model = tiny_causal_model()
+    install_fp8_linears(model, {"blocks.0.ffn.0.weight": torch.float8_e4m3fn,
+                                "blocks.0.self_attn.k.weight": torch.float8_e4m3fn})
+    for name in ("blocks.0.ffn.0", "blocks.0.self_attn.k"):
+        layer = model.get_submodule(name)
+        torch.nn.init.normal_(layer.weight.data.float())
+        layer.weight.data = (torch.randn(layer.weight.shape) / 8).to(torch.float8_e4m3fn)
+    report = {}
+    out = _run(model, report, linear="fp8")
+    assert torch.isfinite(out).all()
+    assert report["fp8_layers_kept_as_stored"] == 2 and report["fp8_layers"] == 10 * 2 - 2
+    sa = model.blocks[0].self_attn
+    assert blocks.FP8_WEIGHT not in model.blocks[0].ffn[0]._buffers and blocks.FP8_WEIGHT not in sa.k._buffers
+    assert blocks.QKV_FP8_WEIGHT not in sa._buffers                    # q and v: a copy each
+    assert blocks.FP8_WEIGHT in sa.q._buffers and blocks.FP8_WEIGHT in sa.v._buffers
+
+
+def test_swapped_blocks_run_exact():
+    from wan_accel.memory.block_swap import SwapSettings, apply_block_swap
+    model = tiny_causal_model()
+    apply_block_swap(model, SwapSettings(blocks_to_swap=1, prefetch=1), device="cpu")
+    report = {}
+    out = _run(model, report, linear="fp8")
+    assert torch.isfinite(out).all() and report["swapped_blocks"] == 1
+    assert report["fp8_layers"] == 10 and report["fp8_blocks_exact_swapped"] == 1
+    assert not any("fp8" in n for n, _ in model.blocks[1].named_buffers())
+
+
+def test_the_reference_path_and_the_cli_refuse_fp8_with_the_fix(capsys, tmp_path):
+    from wan_accel.cli import main
+    from wan_accel.sampling.sampler import generate_latents
+    model = tiny_causal_model()
+    with pytest.raises(ValueError, match="optimized sampler path only"):
+        generate_latents(model, _ctx(model), 3, 4, 4, path="reference", fast_options={"linear": "fp8"})
+    code = main(["generate", "--out", str(tmp_path), "--linear", "fp8", "--sampler", "reference", "--no-preview"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--linear fp8" in err and "--sampler optimized" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="linear must be one of"):
+        generate_latents(model, _ctx(model), 3, 4, 4, path="optimized", fast_options={"linear": "fp4"})
+
+
+# ----------------------------------------------------------------------------------------------- speed verdict
+def _speed_run(monkeypatch, slow: bool, **fast):
+    import speed_timer
+    from wan_accel.model import fp8_linear as fl
+    monkeypatch.setattr(fl, "SPEED_DEVICES", ("cuda", "cpu"))    # judge speed here, with the store's own timer
+    timed = speed_timer.install(monkeypatch, slow)               # fp8 timed first, then exact
+    model = tiny_causal_model()
+    report = {}
+    out = _run(model, report, linear="fp8", **fast)
+    return out, _run(tiny_causal_model()), report, timed
+
+
+def test_fp8_measured_slower_at_the_runs_shape_runs_exact(monkeypatch):
+    out, exact, report, timed = _speed_run(monkeypatch, slow=True)
+    assert timed and report["fp8_speed"]["slower"] is True and "tokens" in report["fp8_speed"]["why"]
+    assert report["linear"] == "exact (fp8 measured slower)"
+    assert any("fp8 linear is slower" in n and "--keep-slower" in n for n in report["notes"])
+    assert torch.equal(out, exact)                              # the prompt's cross k/v too were made exact
+
+
+def test_fp8_kept_where_faster(monkeypatch):
+    out, exact, report, _ = _speed_run(monkeypatch, slow=False)
+    assert report["fp8_speed"]["slower"] is False and report["linear"] == "fp8" and not torch.equal(out, exact)
+
+
+def test_fp8_kept_where_the_user_insists(monkeypatch):
+    out, exact, report, _ = _speed_run(monkeypatch, slow=True, keep_slower=True)
+    assert report["fp8_speed"]["slower"] is True and report["linear"] == "fp8" and not torch.equal(out, exact)
+    assert any("kept because keep_slower" in n for n in report["notes"])
+
+
+# ----------------------------------------------------------------------------------------------- doctor
+def test_the_doctor_judges_fp8_by_its_bound_and_a_failed_verdict_switches_it_off(monkeypatch, cache_path):
+    from wan_accel.app.doctor.core import doctor_for
+    from wan_accel.app.doctor.gate import gate_options
+    from wan_accel.cache import LimitCache
+    from wan_accel.sampling.runner import FastOptions
+    doc = doctor_for("cpu", torch.float32, 128, cache=LimitCache(cache_path))
+    value = doc.check("linear.fp8", recheck=True)
+    assert value["status"] == "passed" and 0.8 < value["difference"] <= 1.0 and value["tolerance"] == 1.0
+    real = fp8.fp8_linear
+    monkeypatch.setattr(fp8, "fp8_linear", lambda x, q, s, b=None: real(x, q, s, b) * 0.95)   # 5 % low
+    value = doc.check("linear.fp8", recheck=True)
+    assert value["status"] == "failed" and "wrong numbers" in value["error"]
+    model = tiny_causal_model()
+    options, lines = gate_options(model, FastOptions(linear="fp8"), doctor=doc)
+    assert "linear.fp8" in options.switched_off and any("linear.fp8" in line for line in lines)
+    report = {}
+    monkeypatch.setattr(fp8, "fp8_linear", real)
+    out = _run(model, report, **{"linear": "fp8", "switched_off": options.switched_off})
+    assert report["linear"] == "exact" and any("fp8 linear is switched off" in n for n in report["notes"])
+    assert torch.equal(out, _run(tiny_causal_model()))
+
+
+# ----------------------------------------------------------------------------------------------- commands
+def test_generate_with_linear_fp8_runs_on_the_cpu(tmp_path, capsys):
+    from wan_accel.cli import main
+    code = main(["generate", "--out", str(tmp_path), "--frames", "9", "--height", "32", "--width", "32",
+                 "--device", "cpu", "--linear", "fp8", "--no-preview", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    s = report["sampler"]
+    assert s["path"] == "optimized" and s["linear"] == "fp8" and s["linear_path"] == "emulated" and s["fp8_layers"]
+    assert report["settings"]["linear"] == "fp8" and any("linear fp8" in n for n in report["notes"])
+    assert "linear.fp8" in report["features"]["ran"]
+
+
+def test_matrix_game2_and_the_doctors_gate_keep_the_callers_linear_mode(tmp_path, capsys):
+    """generate --model-kind matrix-game2 --linear fp8 runs fp8 and says so; the doctor's gate (which routes the
+    Matrix-Game-2 loop on CUDA) gates the enclosing block's options instead of replacing them, and keeps its
+    reference path."""
+    from wan_accel.app.doctor.gate import gated_sampling
+    from wan_accel.cli import main
+    from wan_accel.sampling.sampler import generate_latents, sampler_path
+    code = main(["generate", "--model-kind", "matrix-game2", "--linear", "fp8", "--device", "cpu", "--frames", "9",
+                 "--out", str(tmp_path), "--no-preview", "--json"])
+    assert code == 0
+    s = json.loads(capsys.readouterr().out)["sampler"]
+    assert (s["path"], s["linear"], s["linear_path"]) == ("optimized", "fp8", "emulated") and s["fp8_layers"] > 0
+    model = tiny_causal_model()
+    for outer, path, linear in ((("auto", {"linear": "fp8", "cuda_graphs": "off"}), "optimized", "fp8"),
+                                (("reference", None), "reference", None)):
+        report = {}
+        with sampler_path(*outer), gated_sampling(model, only_cuda=False):
+            generate_latents(model, _ctx(model), 3, 4, 4, seed=1, report=report)
+        assert report["path"] == path and report.get("linear") == linear, report
+
+
+def _bench(capsys, *argv):
+    from wan_accel.app.bench import sampler
+    parser = argparse.ArgumentParser()
+    sampler.add_arguments(parser)
+    assert sampler.run(parser.parse_args(list(argv) + ["--json", "--device", "cpu", "--repeat", "1"])) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_sampler_puts_fp8_rows_beside_their_exact_twins(capsys):
+    from wan_accel.app.bench import sampler
+    ns = argparse.Namespace(variants="reference,optimized,optimized-no-graphs", attention=None, linear="fp8")
+    assert sampler._variant_names(ns, "fp32") == ["reference", "optimized", "optimized-fp8", "optimized-no-graphs",
+                                                  "optimized-no-graphs-fp8"]
+    ns = argparse.Namespace(variants="optimized", attention="int8", linear="fp8")
+    assert sampler._variant_names(ns, "fp32") == ["optimized", "optimized-fp8", "optimized-int8",
+                                                  "optimized-int8-fp8"]
+    assert sampler.exact_twin("optimized-int8-fp8") == "optimized-int8" and sampler.exact_twin("optimized") is None
+    out = _bench(capsys, "--shape", "tiny", "--linear", "fp8", "--frames", "9", "--height", "32", "--width", "32")
+    rows = {r["variant"]: r for r in out["rows"]}
+    assert list(rows) == ["reference", "optimized", "optimized-fp8"]
+    fp8_row, exact_row = rows["optimized-fp8"], rows["optimized"]
+    assert (fp8_row["linear"], fp8_row["linear_ran"], fp8_row["linear_path"]) == ("fp8", "fp8", "emulated")
+    assert exact_row["linear_ran"] == "exact" and "vs_exact_max_abs" not in exact_row
+    assert 0 < fp8_row["vs_exact_max_abs"] < 0.5 and 0 < fp8_row["vs_exact_mean_abs"] <= fp8_row["vs_exact_max_abs"]
+    assert fp8_row["host_syncs"] == exact_row["host_syncs"]            # the scales never reach the host
+
+
+def test_bench_sampler_refuses_a_reference_fp8_twin():
+    from wan_accel.app.bench import sampler
+    from wan_accel.app.validate import UsageError
+    parser = argparse.ArgumentParser()
+    sampler.add_arguments(parser)
+    with pytest.raises(UsageError, match="reference path has no fp8 linear mode"):
+        sampler.run(parser.parse_args(["--variants", "reference-fp8", "--device", "cpu"]))
+
+
+def test_the_selftest_fails_fp8_kept_although_slower():
+    from wan_accel.checks import selftest
+    rows = [{"variant": "optimized", "steady_s": 2.0}, {"variant": "optimized-fp8", "steady_s": 2.5,
+                                                         "linear_ran": "fp8"}]
+    assert "fp8 linear stayed on" in selftest.judge_bench_sampler(json.dumps({"rows": rows}), None)[0]
+    rows[1]["linear_ran"] = "exact (fp8 measured slower)"
+    assert selftest.judge_bench_sampler(json.dumps({"rows": rows}), None) == []
+    assert "optimized-fp8" in selftest._sampler_argv(argparse.Namespace(quick=True))[3].split(",")
+
+
+# ----------------------------------------------------------------------------------------------- fidelity
+def _fp8_fidelity_section() -> str:
+    section = (REPO / "README.md").read_text().split("## Fidelity", 1)[1].split("\n## ", 1)[0]
+    return section.split("### fp8 linear layers", 1)[1]
+
+
+def test_every_fp8_call_of_the_fidelity_runs_is_within_the_bound(monkeypatch):
+    """What the README's fp8 rows state and every CPU reproduces: on the recorded fixtures every fp8 call of
+    ``bench fidelity --linear fp8``'s runs stays within ``error_bound`` of the exact product of its own inputs, and
+    fp8 does change the video. The table's digits are one machine's measurement (another CPU sums float32 in
+    another order, an e4m3 code rounds the other way), so they are checked for their form and machine."""
+    from wan_accel.app.bench.fidelity import measure, paths_for
+    from wan_accel.model import fp8_linear as fl
+    worst, calls, made = [0.0], [0], {}
+    real, real_copy = blocks.fp8_linear, fl._copy
+
+    def recording(owner, names, layers):          # each fp8 copy's address -> the weights it was made from
+        real_copy(owner, names, layers)
+        w = owner._buffers[names[0]]
+        made[w.data_ptr()] = (w.numel(), torch.cat([m.weight.detach() for m in layers]))
+
+    def weight_of(q):
+        base = next(p for p, (numel, _) in made.items() if p <= q.data_ptr() < p + numel)
+        row = (q.data_ptr() - base) // q.shape[1]      # one byte per e4m3 element
+        return made[base][1][row:row + q.shape[0]]
+
+    def checked(x, q, s, bias=None):
+        out = real(x, q, s, bias)
+        w = weight_of(q)
+        ratio = (out.double() - _exact(x, w, bias)).abs() / fp8.error_bound(x, w, bias)
+        worst[0] = max(worst[0], float(ratio.max()))
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(fl, "_copy", recording)
+    monkeypatch.setattr(blocks, "fp8_linear", checked)
+    section = _fp8_fidelity_section()
+    table = {m[0]: [float(v) for v in m[1:]] for m in re.findall(
+        r"^\| (\w+) \| fp8 \| ([\d.e+-]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \|", section, re.M)}
+    fixtures = ("wan_reference", "matrix_game2")
+    assert set(table) == set(fixtures), section
+    assert re.search(r"[Mm]easured on (an? )?[A-Z][\w ]*(CPU|GPU), .*\d{4}-\d\d-\d\d", section), "machine, date"
+    assert paths_for("fp8") == ("optimized",)
+    for fixture in fixtures:
+        calls[0], worst[0] = 0, 0.0
+        rows = measure(FIXTURES / fixture, "sdpa", "cpu", "fp8")
+        assert calls[0] > 0 and worst[0] <= 1.0, (fixture, calls[0], worst[0])
+        assert [(r["path"], r["linear"]) for r in rows] == [("optimized", "fp8")]
+        assert rows[0]["final"]["max_abs"] > 0 and all(s["max_abs"] > 0 for s in rows[0]["steps"])
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scaled_mm_within_its_bound_on_a_gpu(dtype):
+    """The 1.3B model's layer shapes through torch._scaled_mm on an fp8 GPU (SM 8.9+), against the bound of the
+    scaled matmul's own rounding (bfloat16 output, tensor-core sums)."""
+    path, why = fp8.path_for("cuda", 1536, 8960)
+    if path != "scaled_mm":
+        pytest.skip(f"no scaled fp8 matmul on this GPU: {why}")
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((3 * 1536, 1536), (8960, 1536), (1536, 8960)):
+        x = torch.randn(1560, k, generator=g)
+        x[::97, :4] *= 50                                            # outlier tokens
+        w, b = torch.randn(n, k, generator=g) / k ** 0.5, torch.randn(n, generator=g) / 10
+        x, w, b = (t.to("cuda", dtype) for t in (x, w, b))
+        q, s = fp8.quantize_weight(w)
+        y = fp8.fp8_linear(x, q, s, b)
+        assert fp8.mm_problem(x.device, k, n) is None, "the scaled matmul fell back to the emulation"
+        err = (y.double() - _exact(x, w, b)).abs()
+        assert float((err / fp8.error_bound(x, w, b, "scaled_mm")).max()) <= 1.0
+        emulated = fp8.emulated(x, q, s, b, dtype)                   # same codes; sums and output rounding differ
+        assert float((y.double() - emulated.double()).abs().max()) <= float(fp8.error_bound(x, w, b, "scaled_mm")
+                                                                            .max())
+
+
+@pytest.mark.cuda
+def test_fp8_runs_on_the_gpu_with_cuda_graphs():
+    model = tiny_causal_model(0, "cuda", torch.bfloat16)
+    ctx = _ctx(model).cuda()
+    from wan_accel.sampling.sampler import generate_latents
+    report = {}
+    run = lambda **kw: generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized",  # noqa: E731
+                                        fast_options={"linear": "fp8", "keep_slower": True}, **kw)
+    first = run(report=report)
+    second = run()
+    cap = torch.cuda.get_device_capability()
+    assert report["linear"] == "fp8"
+    assert report["linear_path"] == ("scaled_mm" if cap >= fp8.MM_CAPABILITY else "emulated"), report
+    assert report["cuda_graphs"] and torch.equal(first, second)                # graph replay: the same numbers
+    exact = generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized")
+    assert 0 < float((first - exact).abs().max()) < 0.5
