@@ -296,18 +296,6 @@ def check_text(name: str, value) -> str:
 USER_FILE_BYTES = 1 << 20          # a text input file (a prompt schedule) larger than this is not one
 
 
-def _user_file_kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a pipe (FIFO)"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
-
-
 def read_user_file(name: str, value, *, what: str = "a text file", limit: int = USER_FILE_BYTES) -> bytes:
     """The bytes of a file the user names as input ``name`` (a prompt schedule, ...): the user's own file, only
     read. A folder, a pipe, a device (also through a link: /dev/zero), a missing file, one without permission or
@@ -333,7 +321,9 @@ def read_user_file(name: str, value, *, what: str = "a text file", limit: int = 
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = _user_file_kind(st.st_mode)
+            from ..cache.safety import file_kind
+
+            kind = file_kind(st.st_mode)
             fix = "a file in it" if kind == "a folder" else "a regular file (save the text to a file first)"
             raise UsageError(f"{where} is {kind}, not a file; give the path of {what}: {fix}")
         if st.st_size > limit:

@@ -27,7 +27,7 @@ This module imports nothing else from the pack except the limit cache, and neith
 from __future__ import annotations
 
 import contextlib
-
+import importlib
 import json
 import logging
 import math
@@ -47,28 +47,25 @@ POLICIES = ("default", "extreme")
 
 
 # ----------------------------------------------------------------------------- errors
+def optional_types(*names: str) -> tuple[type, ...]:
+    """The exception types named ``"module.Type"`` that this install has, in order; one whose module is absent
+    or reorganised (no triton, an older torch) is left out."""
+    found: list[type] = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        try:
+            found_type = getattr(importlib.import_module(module), attr)
+        except Exception:  # noqa: BLE001 - any failure to import means: not on this install
+            continue
+        if isinstance(found_type, type):
+            found.append(found_type)
+    return tuple(found)
+
+
 def tuning_errors() -> tuple[type, ...]:
     """Exception types that mean "this config can never work on this device" (recorded permanently)."""
-    found: list[type] = []
-    try:
-        from triton.runtime.errors import OutOfResources
-
-        found.append(OutOfResources)
-    except Exception:  # noqa: BLE001 - triton absent or reorganised
-        pass
-    try:
-        from triton.runtime.errors import PTXASError
-
-        found.append(PTXASError)
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        from triton.compiler.errors import CompileTimeAssertionFailure
-
-        found.append(CompileTimeAssertionFailure)
-    except Exception:  # noqa: BLE001
-        pass
-    return tuple(found)
+    return optional_types("triton.runtime.errors.OutOfResources", "triton.runtime.errors.PTXASError",
+                          "triton.compiler.errors.CompileTimeAssertionFailure")
 
 
 def _is_transient(exc: BaseException) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from .paths import default_cache_path
-from .safety import _kind_of, loads_json, system_folder  # noqa: F401 - loads_json: the files' JSON reader
+from .safety import file_kind, loads_json, system_folder  # noqa: F401 - loads_json: the files' JSON reader
 
 # Side files of the limit cache, by name beside the cache file (see cache/paths.py and cache/store.py).
 SIDE_FILE_NAMES = ("history.jsonl", "history.jsonl.lock")
@@ -115,7 +115,7 @@ def check_target(path, *, option: str = "", purpose: str = "the output", cache_p
         except OSError as exc:
             raise OwnedFileError(f"{where}: the folder {folder} cannot be used ({exc.strerror or exc})") from None
         if not stat.S_ISDIR(st.st_mode):
-            raise OwnedFileError(f"{where}: {folder} is {_kind_of(st.st_mode)} where a folder is needed; choose "
+            raise OwnedFileError(f"{where}: {folder} is {file_kind(st.st_mode)} where a folder is needed; choose "
                                  f"another place for {purpose}")
         break
     try:
@@ -129,7 +129,7 @@ def check_target(path, *, option: str = "", purpose: str = "the output", cache_p
             raise OwnedFileError(f"{where} is a symbolic link; {purpose} is written only to a regular file, never "
                                  f"through a link: remove the link or choose another file")
         if not stat.S_ISREG(st.st_mode):
-            raise OwnedFileError(f"{where} is {_kind_of(st.st_mode)}; {purpose} is written only to a regular "
+            raise OwnedFileError(f"{where} is {file_kind(st.st_mode)}; {purpose} is written only to a regular "
                                  f"file: choose another file")
     caches = [None] if cache_path is None else [cache_path, None]   # the given cache and the default one
     role = next((r for r in (cache_file_role(p, c) for c in caches) if r is not None), None)
@@ -286,7 +286,7 @@ def read_regular(path, limit: int | None = None) -> bytes:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise OwnedFileError(f"{path} is {_kind_of(mode)}; the pack reads only a regular file there: remove "
+            raise OwnedFileError(f"{path} is {file_kind(mode)}; the pack reads only a regular file there: remove "
                                  f"it (the pack makes the file again)")
         with os.fdopen(os.dup(fd), "rb") as fh:
             return fh.read() if limit is None else fh.read(limit)
@@ -321,7 +321,7 @@ def append_line(path, line, *, option: str = "", purpose: str = "the line", cach
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise OwnedFileError(f"{_prefix(option, p)} is {_kind_of(st.st_mode)}; {purpose} is appended only to "
+            raise OwnedFileError(f"{_prefix(option, p)} is {file_kind(st.st_mode)}; {purpose} is appended only to "
                                  f"a regular file: choose another file")
         if st.st_nlink > 1:
             raise OwnedFileError(f"{_prefix(option, p)} has other hard links (another name of a file elsewhere); "

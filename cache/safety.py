@@ -2,7 +2,7 @@
 
 The cache moves a damaged file aside, creates a lock file and temporary files, and removes temporary files a
 killed writer left behind. Each of those goes through :func:`check_writable_place` or :func:`quarantine_refusal`
-first, so a cache path that points at a device, a directory, a symlink, somebody else's file or a system folder
+first, so a cache path that points at a device, a folder, a symlink, somebody else's file or a system folder
 is refused with a clear reason and left untouched.
 """
 from __future__ import annotations
@@ -112,13 +112,15 @@ def system_folder(path) -> str | None:
     return None
 
 
-def _kind_of(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, for a message (``st_mode`` of its ``stat``): the one wording of
+    the limit cache, the pack's own files and the user's input files."""
     if stat.S_ISDIR(mode):
-        return "a directory"
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a pipe (FIFO)"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
-    if stat.S_ISFIFO(mode):
-        return "a pipe"
     if stat.S_ISSOCK(mode):
         return "a socket"
     return "not a regular file"
@@ -154,7 +156,7 @@ def quarantine_refusal(path) -> str | None:
     if stat.S_ISLNK(st.st_mode):
         return "it is a symbolic link (the file it points to is not the cache's)"
     if not stat.S_ISREG(st.st_mode):
-        return f"it is {_kind_of(st.st_mode)}, not a cache file"
+        return f"it is {file_kind(st.st_mode)}, not a cache file"
     root = system_folder(path)
     if root is not None:
         return f"it is in the system folder {root}"
@@ -182,7 +184,7 @@ def check_writable_place(path) -> None:
         except OSError as exc:
             raise CacheUnavailableError(f"the limit cache folder {p} cannot be inspected ({exc.strerror or exc})")
         if not stat.S_ISDIR(st.st_mode):
-            raise CacheUnavailableError(f"the limit cache {path} cannot be written: {p} is {_kind_of(st.st_mode)} "
+            raise CacheUnavailableError(f"the limit cache {path} cannot be written: {p} is {file_kind(st.st_mode)} "
                                         f"where a folder is needed")
         break
     for p, what in ((path, "the cache file"), (Path(str(path) + ".lock"), "its lock file")):
@@ -196,7 +198,7 @@ def check_writable_place(path) -> None:
             raise CacheUnavailableError(f"{what} {p} is a symbolic link; the limit cache writes only its own "
                                         f"regular files")
         if not stat.S_ISREG(st.st_mode):
-            raise CacheUnavailableError(f"{what} {p} is {_kind_of(st.st_mode)}; the limit cache writes only its "
+            raise CacheUnavailableError(f"{what} {p} is {file_kind(st.st_mode)}; the limit cache writes only its "
                                         f"own regular files")
 
 

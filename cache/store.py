@@ -11,7 +11,7 @@ Writers take a cross-process file lock, re-read the file, apply their change (so
 never dropped), write a temporary file in the same folder, fsync it and ``os.replace`` it over the old one.
 Readers never lock: a replace is atomic, so they see either the old or the new file. A file that cannot be
 parsed or has the wrong shape is moved aside as ``<name>.corrupt-<time>`` with one warning, and only when it is
-the cache's own regular file (cache/safety.py): a device, a directory, a symlink, a file in a system folder or a
+the cache's own regular file (cache/safety.py): a device, a folder, a symlink, a file in a system folder or a
 file that is not a limit cache is left untouched, and the cache runs empty and in memory for that process.
 
 A cache that cannot be written (permissions, a read-only disk, a refused place) never stops a feature: it warns
@@ -43,7 +43,7 @@ from .entries import (FILE_KIND, MIGRATIONS, NAMESPACE_RE, SCHEMA_VERSION, _SHAP
 from .owned_files import read_regular, replace_file
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
 from .paths import default_cache_path
-from .safety import (CacheUnavailableError, _kind_of, check_writable_place, describe_os_error,
+from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, file_kind,
                      quarantine_refusal, warn_once)
 
 DEFAULT_MAX_ENTRIES = 4096  # per namespace, over all fingerprints
@@ -215,7 +215,7 @@ class LimitCache:
         except OSError as exc:
             return self._aside_refused(f"it cannot be inspected ({exc.strerror or exc})")
         if not stat.S_ISREG(st.st_mode):
-            return self._aside_refused(f"it is {_kind_of(st.st_mode)}, not a file")
+            return self._aside_refused(f"it is {file_kind(st.st_mode)}, not a file")
         if st.st_size > SET_ASIDE_BYTES:
             return self._aside_refused(f"it is {st.st_size} bytes, larger than any set-aside file the pack writes "
                                        f"({SET_ASIDE_BYTES >> 20} MiB); it was not read")

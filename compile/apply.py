@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 
+from ..cache.autotune import optional_types
 from ..model.attachments import COMPILE_ATTR, compile_handle_of, end_compile_warmup
 from . import compat
 from .presets import preset_options, resolve_inductor_options
@@ -155,18 +156,7 @@ class CompileHandle:
 def compile_errors() -> tuple:
     """The exception types of a failed compile (Dynamo cannot trace, a backend or Inductor fails), not of the
     region's own computation."""
-    found = []
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-        found.append(TorchDynamoException)
-    except Exception:  # noqa: BLE001 - an older torch
-        pass
-    try:
-        from torch._inductor.exc import InductorError
-        found.append(InductorError)
-    except Exception:  # noqa: BLE001
-        pass
-    return tuple(found)
+    return optional_types("torch._dynamo.exc.TorchDynamoException", "torch._inductor.exc.InductorError")
 
 
 def compile_failure_text(exc: BaseException) -> str:

@@ -115,6 +115,20 @@ def test_other_errors_are_recorded_transient_ones_not(tmp_path):
     assert not any(k.startswith("BLOCK=32") for k in failed)  # out of memory says nothing about the config
 
 
+def test_config_errors_are_looked_up_by_name_and_left_out_where_absent(monkeypatch):
+    """The error types are found by "module.Type": a module that is absent or fails to import, or a name that is
+    not a class, is left out and the others are kept, in order."""
+    from triton.compiler.errors import CompileTimeAssertionFailure
+
+    from wan_accel.cache.autotune import optional_types, tuning_errors
+
+    assert tuning_errors() == (errors.OutOfResources, errors.PTXASError, CompileTimeAssertionFailure)
+    assert optional_types("wan_accel_no_such_module.Error", "json.JSONDecodeError", "json.no_such_name",
+                          "os.sep") == (json.JSONDecodeError,)
+    monkeypatch.setitem(sys.modules, "triton.runtime.errors", None)      # its import now fails
+    assert tuning_errors() == (CompileTimeAssertionFailure,)
+
+
 def test_a_transient_out_of_memory_is_not_remembered_as_no_config(tmp_path):
     """Tuning that hit only out-of-memory (VRAM tight right now) falls back to torch once, then tunes again."""
     oom = [True]

@@ -216,7 +216,7 @@ CACHE_CASES = [
      ["settings.json", "left untouched"]),
     ("cache-foreign-json-generate", "{f}/settings.json", GEN + ["--frames", "9", "--width", "32", "--height", "32"],
      "warn", ["settings.json", "left untouched"]),
-    ("cache-folder-named-json-clear", "{f}/dir.json", ["cache", "clear"], "error", ["dir.json", "directory"]),
+    ("cache-folder-named-json-clear", "{f}/dir.json", ["cache", "clear"], "error", ["dir.json", "a folder"]),
     ("cache-device-show", "/dev/null", ["cache", "show"], "warn", ["system folder /dev"]),
     ("cache-device-generate", "/dev/null", GEN + ["--frames", "9", "--width", "32", "--height", "32"], "warn",
      ["/dev/null", "system folder"]),

@@ -28,6 +28,15 @@ def _rows(folder, capsys):
     return rc, {r["tensor"]: r["max_abs_diff"] for r in report["rows"]}, report
 
 
+def _passing_rows(folder, capsys) -> dict:
+    """The text report of a folder that passes: exit 0, a last line that says PASS, no FAIL; {row name: verdict}."""
+    rc, out = _check(folder, capsys)
+    assert rc == 0, out
+    lines = out.splitlines()
+    assert lines[-1].endswith("PASS") and "FAIL" not in out
+    return {line.split()[0]: line.split()[-1] for line in lines[1:-1]}
+
+
 def _copy(fixture: Path, tmp_path: Path) -> Path:
     """A copy of the fixture folder beside a copy of the base weights it names by relative path."""
     (tmp_path / "wan_reference").mkdir()
@@ -60,11 +69,7 @@ def test_both_folders_are_recognised():
 
 def test_longlive_folder_passes(capsys):
     cfg = json.loads((LONGLIVE / "longlive_config.json").read_text())
-    rc, out = _check(LONGLIVE, capsys)
-    assert rc == 0, out
-    lines = out.splitlines()
-    assert lines[-1].endswith("PASS") and "FAIL" not in out
-    rows = {line.split()[0]: line.split()[-1] for line in lines[1:-1]}
+    rows = _passing_rows(LONGLIVE, capsys)
     for variant, v in cfg["variants"].items():
         for path in PATHS:
             for part in ("latents", "calls") + (("x0_steps",) if not v["lora"] else ()):
@@ -77,11 +82,7 @@ def test_longlive_folder_passes(capsys):
 
 def test_krea_folder_passes(capsys):
     cfg = json.loads((KREA / "krea_config.json").read_text())
-    rc, out = _check(KREA, capsys)
-    assert rc == 0, out
-    lines = out.splitlines()
-    assert lines[-1].endswith("PASS") and "FAIL" not in out
-    rows = {line.split()[0]: line.split()[-1] for line in lines[1:-1]}
+    rows = _passing_rows(KREA, capsys)
     s = cfg["session"]
     for path in PATHS:
         assert rows[f"krea/{path}.output"] == rows[f"krea/{path}.calls"] == "ok"

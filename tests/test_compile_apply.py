@@ -53,6 +53,16 @@ def test_blocks_scope_needs_blocks():
         compile_model(torch.nn.Linear(4, 4), CompileSettings(**EAGER))
 
 
+def test_compile_failures_are_dynamo_and_inductor_errors():
+    """The errors a failed compile raises (not the region's own computation's) are found in this torch."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+
+    from wan_accel.compile.apply import compile_errors
+
+    assert compile_errors() == (TorchDynamoException, InductorError)
+
+
 class _Probe(torch.nn.Module):
     """Reads the Dynamo recompile limit and kernel caps while the compiled region runs."""
 

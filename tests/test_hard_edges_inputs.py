@@ -3,34 +3,12 @@ work is bounded, and values that would give a NaN video are refused at every ent
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-
-def _cli(tmp_path, *args, env=None):
-    full = dict(os.environ, WAN_ACCEL_CACHE=str(tmp_path / "cache"), **(env or {}))
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        if k not in (env or {}):
-            full.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "wan_accel", *args], capture_output=True, text=True, env=full,
-                          cwd=tmp_path, timeout=300)
-    return proc.returncode, proc.stdout, proc.stderr
-
-
-def _refused(result, *words):
-    code, out, err = result
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err and "internal error" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, err
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
+from cli_run import refused, run_cli_in
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -41,9 +19,9 @@ def test_generate_too_large_is_refused_with_the_estimate_and_what_fits(tmp_path)
     from wan_accel.model.tiny import TINY_CONFIG
 
     limit_gb = 2                     # WAN_ACCEL_MEMORY_LIMIT_GB caps the RAM counted on, whatever the host has
-    line = _refused(_cli(tmp_path, "generate", "--frames", "4089", "--width", "4096", "--height", "4096",
-                         "--device", "cpu", "--out", "out", env={"WAN_ACCEL_MEMORY_LIMIT_GB": str(limit_gb)}),
-                    "--frames 4089", "GiB", "RAM available", "would fit")
+    line = refused(run_cli_in(tmp_path, "generate", "--frames", "4089", "--width", "4096", "--height", "4096",
+                              "--device", "cpu", "--out", "out", env={"WAN_ACCEL_MEMORY_LIMIT_GB": str(limit_gb)}),
+                   "--frames 4089", "GiB", "RAM available", "would fit")
     assert not (tmp_path / "out").exists()
     # the frame count it suggests fits the same estimate within the limit, one block more does not
     fewer = int(re.search(r"--frames (\d+) or fewer", line).group(1))
@@ -53,8 +31,8 @@ def test_generate_too_large_is_refused_with_the_estimate_and_what_fits(tmp_path)
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "nan", "inf"])
 def test_memory_limit_variable_is_checked(tmp_path, value):
-    _refused(_cli(tmp_path, "generate", "--device", "cpu", "--out", "out",
-                  env={"WAN_ACCEL_MEMORY_LIMIT_GB": value}), "WAN_ACCEL_MEMORY_LIMIT_GB")
+    refused(run_cli_in(tmp_path, "generate", "--device", "cpu", "--out", "out",
+                       env={"WAN_ACCEL_MEMORY_LIMIT_GB": value}), "WAN_ACCEL_MEMORY_LIMIT_GB")
 
 
 def test_memory_limit_caps_what_every_estimate_counts_on(monkeypatch):
@@ -138,17 +116,17 @@ def test_explicit_action_values_are_bounded():
 
 
 def test_cli_actions_bound(tmp_path):
-    _refused(_cli(tmp_path, "generate", "--model-kind", "matrix-game2", "--actions", "W*4000000000",
-                  "--out", "out"), "--actions", "item 1")
-    _refused(_cli(tmp_path, "generate", "--model-kind", "matrix-game2", "--actions", "mouse(1e308,-1e308)*4",
-                  "--out", "out"), "mouse")
+    refused(run_cli_in(tmp_path, "generate", "--model-kind", "matrix-game2", "--actions", "W*4000000000",
+                       "--out", "out"), "--actions", "item 1")
+    refused(run_cli_in(tmp_path, "generate", "--model-kind", "matrix-game2", "--actions", "mouse(1e308,-1e308)*4",
+                       "--out", "out"), "mouse")
 
 
 # ----------------------------------------------------------------------------------------------- world size
 @pytest.mark.parametrize("world, words", [("0", ["--world-size"]), ("-2", ["--world-size"]),
                                           ("100000", ["--world-size"]), ("3", ["--world-size 3", "heads"])])
 def test_bench_world_size_checked_before_any_rank(tmp_path, world, words):
-    _refused(_cli(tmp_path, "bench", "sampler", "--world-size", world, "--device", "cpu"), *words)
+    refused(run_cli_in(tmp_path, "bench", "sampler", "--world-size", world, "--device", "cpu"), *words)
 
 
 @pytest.mark.parametrize("env, words", [
@@ -158,7 +136,7 @@ def test_bench_world_size_checked_before_any_rank(tmp_path, world, words):
     ({"WORLD_SIZE": "2", "RANK": "7", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, ["RANK"]),
 ])
 def test_generate_world_env_checked(tmp_path, env, words):
-    _refused(_cli(tmp_path, "generate", "--device", "cpu", "--out", "out", env=env), *words)
+    refused(run_cli_in(tmp_path, "generate", "--device", "cpu", "--out", "out", env=env), *words)
     assert not (tmp_path / "out").exists()
 
 
@@ -179,7 +157,7 @@ def test_tiny_shift_is_refused_at_every_entry(tmp_path):
     from wan_accel.nodes.native_nodes import causal_sigmas
     from wan_accel.sampling.scheduler import resolve_schedule
 
-    _refused(_cli(tmp_path, "generate", "--shift", "1e-8", "--device", "cpu", "--out", "out"), "--shift", "inf")
+    refused(run_cli_in(tmp_path, "generate", "--shift", "1e-8", "--device", "cpu", "--out", "out"), "--shift", "inf")
     with pytest.raises(ValueError, match="inf"):
         resolve_schedule("self_forcing", shift=1e-8)
     with pytest.raises(ValueError, match="finite"):
@@ -208,24 +186,24 @@ def test_sigma_lists_are_finite_and_in_range(sigmas):
                                    ("--sink", "0"), ("--kv-window", "-1"), ("--no-warp",), ("--compile",)])
 def test_wan_options_refused_for_matrix_game2(tmp_path, given):
     """Any Wan option given explicitly, its default value included, is refused for Matrix-Game-2."""
-    _refused(_cli(tmp_path, "generate", "--model-kind", "matrix-game2", *given, "--out", "out"), given[0],
-             "matrix-game2")
+    refused(run_cli_in(tmp_path, "generate", "--model-kind", "matrix-game2", *given, "--out", "out"), given[0],
+            "matrix-game2")
 
 
 def test_largest_seed_runs_matrix_game2(tmp_path):
-    code, out, err = _cli(tmp_path, "generate", "--model-kind", "matrix-game2", "--seed", str(2 ** 64 - 1),
-                          "--device", "cpu", "--actions", "W*12", "--no-preview", "--out", "out")
+    code, out, err = run_cli_in(tmp_path, "generate", "--model-kind", "matrix-game2", "--seed", str(2 ** 64 - 1),
+                                "--device", "cpu", "--actions", "W*12", "--no-preview", "--out", "out")
     assert code == 0, err
     from safetensors.torch import load_file
     assert torch.isfinite(load_file(str(tmp_path / "out" / "latents.safetensors"))["latents"]).all()
 
 
 def test_plan_capability_and_doctor_head_dim(tmp_path):
-    _refused(_cli(tmp_path, "plan", "--model", "1.3b", "--capability", "9", "--vram-gb", "8"), "--capability")
-    _refused(_cli(tmp_path, "plan", "--model", "1.3b", "--capability", "x.y"), "--capability")
-    _refused(_cli(tmp_path, "doctor", "--head-dim", "0"), "--head-dim")
-    _refused(_cli(tmp_path, "doctor", "--head-dim", "127"), "--head-dim", "even")
-    _refused(_cli(tmp_path, "doctor", "--head-dim", "100000"), "--head-dim")
+    refused(run_cli_in(tmp_path, "plan", "--model", "1.3b", "--capability", "9", "--vram-gb", "8"), "--capability")
+    refused(run_cli_in(tmp_path, "plan", "--model", "1.3b", "--capability", "x.y"), "--capability")
+    refused(run_cli_in(tmp_path, "doctor", "--head-dim", "0"), "--head-dim")
+    refused(run_cli_in(tmp_path, "doctor", "--head-dim", "127"), "--head-dim", "even")
+    refused(run_cli_in(tmp_path, "doctor", "--head-dim", "100000"), "--head-dim")
 
 
 # ----------------------------------------------------------------------------------------------- continuation
@@ -519,7 +497,7 @@ def test_convert_reports_any_unreadable_pt_file_as_damaged(tmp_path, content):
     """Garbage bytes fail the weights-only unpickler in many ways (KeyError, struct.error, ...): each is one
     'not a readable PyTorch checkpoint' line with exit 2, and nothing is written."""
     (tmp_path / "bad.pt").write_bytes(content)
-    line = _refused(_cli(tmp_path, "convert", "bad.pt", "out.safetensors"), "bad.pt", "not a readable PyTorch")
+    line = refused(run_cli_in(tmp_path, "convert", "bad.pt", "out.safetensors"), "bad.pt", "not a readable PyTorch")
     assert "internal error" not in line and not (tmp_path / "out.safetensors").exists()
 
 
@@ -534,8 +512,8 @@ def test_text_embeds_that_would_give_a_nan_video_are_refused(tmp_path, fill, wor
     naming the file), before sampling; the tiny model's text width is 64."""
     from safetensors.torch import save_file
     save_file({"context": fill()}, str(tmp_path / "emb.safetensors"))
-    _refused(_cli(tmp_path, "generate", "--out", "o", "--no-preview", "--text-embeds", "emb.safetensors"),
-             "emb.safetensors", words)
+    refused(run_cli_in(tmp_path, "generate", "--out", "o", "--no-preview", "--text-embeds", "emb.safetensors"),
+            "emb.safetensors", words)
     assert not (tmp_path / "o" / "latents.safetensors").exists()
 
 
@@ -543,13 +521,13 @@ def test_mg2_conditioning_with_nan_is_refused(tmp_path):
     from safetensors.torch import save_file
     save_file({"image_latent": torch.full((1, 16, 1, 8, 8), float("nan")), "visual_context": torch.zeros(1, 4, 32)},
               str(tmp_path / "cond.safetensors"))
-    _refused(_cli(tmp_path, "generate", "--model-kind", "matrix-game2", "--out", "o", "--no-preview",
-                  "--conditioning", "cond.safetensors"), "cond.safetensors", "'image_latent'", "NaN or inf")
+    refused(run_cli_in(tmp_path, "generate", "--model-kind", "matrix-game2", "--out", "o", "--no-preview",
+                       "--conditioning", "cond.safetensors"), "cond.safetensors", "'image_latent'", "NaN or inf")
 
 
 def test_a_path_too_long_or_looping_is_a_usage_error(tmp_path):
     """ENAMETOOLONG and ELOOP from any reader are the user's to fix: one line, exit 2 (not a run failure)."""
     (tmp_path / "loop1").symlink_to("loop2")
     (tmp_path / "loop2").symlink_to("loop1")
-    _refused(_cli(tmp_path, "report", "--history", "a" * 300 + ".jsonl"), "aaaa", "shorter path")
-    _refused(_cli(tmp_path, "report", "--history", "loop1"), "loop1", "link loop")
+    refused(run_cli_in(tmp_path, "report", "--history", "a" * 300 + ".jsonl"), "aaaa", "shorter path")
+    refused(run_cli_in(tmp_path, "report", "--history", "loop1"), "loop1", "link loop")

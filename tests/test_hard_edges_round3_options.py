@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from cli_run import WORLD_VARS, refused, run_cli
 from wan_accel.app.validate import UsageError
 from wan_accel.cli import main
 
@@ -25,21 +26,13 @@ from wan_accel.cli import main
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("WAN_ACCEL_CACHE", str(tmp_path / "cache" / "limits.json"))
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    for k in WORLD_VARS:
         monkeypatch.delenv(k, raising=False)
 
 
-def _refused(capsys, argv, *words) -> str:
+def _refused(argv, *words) -> str:
     """The command exits 2 with one ``error:`` line holding every word (no traceback, no internal error)."""
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert code == 2, (code, err)
-    assert "Traceback" not in err and "internal error" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, err
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
+    return refused(run_cli(*argv), *words)
 
 
 GEN = ["generate", "--device", "cpu", "--frames", "9", "--height", "32", "--width", "32", "--no-preview"]
@@ -54,19 +47,19 @@ def _tiny_handle():
 @pytest.mark.parametrize("extra", [["--preset", "krea", "--sink", "3"], ["--recache", "krea", "--sink", "1"],
                                    ["--recache", "krea", "--kv-window", "9", "--sink", "3"],
                                    ["--preset", "krea", "--kv-window", "8", "--sink", "2"]])
-def test_sink_with_krea_is_refused_not_ignored(tmp_path, capsys, extra):
-    line = _refused(capsys, GEN + ["--frames", "21", "--out", tmp_path / "o", *extra], "--sink", "krea",
+def test_sink_with_krea_is_refused_not_ignored(tmp_path, extra):
+    line = _refused(GEN + ["--frames", "21", "--out", tmp_path / "o", *extra], "--sink", "krea",
                     "--sink 0")
     assert "no sink frames" in line
     assert not (tmp_path / "o" / "report.json").exists()
 
 
-def test_krea_window_advice_passes_the_next_check(tmp_path, capsys):
+def test_krea_window_advice_passes_the_next_check(tmp_path):
     # kv_window 4 with sink 3 used to be told "sink at most 1", which krea refuses next; now one message whose
     # advice passes every check
     base = GEN + ["--recache", "krea", "--kv-window", "4", "--out", tmp_path / "o"]
-    _refused(capsys, base + ["--sink", "3"], "--sink 3", "--sink 0")
-    line = _refused(capsys, base + ["--sink", "0"], "--kv-window 4", "at least 5")
+    _refused(base + ["--sink", "3"], "--sink 3", "--sink 0")
+    line = _refused(base + ["--sink", "0"], "--kv-window 4", "at least 5")
     assert main(GEN + ["--recache", "krea", "--kv-window", "5", "--out", str(tmp_path / "ok")]) == 0, line
     report = json.loads((tmp_path / "ok" / "report.json").read_text())
     assert report["settings"]["sink"] == 0 and report["settings"]["recache"] == "krea"
@@ -76,8 +69,8 @@ def test_krea_window_advice_passes_the_next_check(tmp_path, capsys):
                                            (["--no-fused-kernels"], "--no-fused-kernels"),
                                            (["--ops", "torch"], "--ops torch")])
 @pytest.mark.parametrize("sampler", ["reference", "auto"])
-def test_optimized_sampler_options_with_the_reference_sampler_are_refused(tmp_path, capsys, extra, option, sampler):
-    _refused(capsys, GEN + ["--sampler", sampler, "--out", tmp_path / "o", *extra], option, "reference sampler",
+def test_optimized_sampler_options_with_the_reference_sampler_are_refused(tmp_path, extra, option, sampler):
+    _refused(GEN + ["--sampler", sampler, "--out", tmp_path / "o", *extra], option, "reference sampler",
              "--sampler optimized")
     assert not (tmp_path / "o").exists()
     if sampler == "reference" and option == "--compile":       # without it: the report records what ran
@@ -89,13 +82,13 @@ def test_optimized_sampler_options_with_the_reference_sampler_are_refused(tmp_pa
 @pytest.mark.parametrize("extra, words", [(["--recache", "none"], ["--recache none", "--prompt-schedule"]),
                                           (["--recache", "switch"], ["--recache switch", "--prompt-schedule"]),
                                           (["--num-heads", "4"], ["--num-heads 4", "--checkpoint"])])
-def test_options_for_another_input_are_refused_without_it(tmp_path, capsys, extra, words):
-    _refused(capsys, GEN + ["--out", tmp_path / "o", *extra], *words)
+def test_options_for_another_input_are_refused_without_it(tmp_path, extra, words):
+    _refused(GEN + ["--out", tmp_path / "o", *extra], *words)
 
 
-def test_bench_compile_refuses_stand_in_sizes_for_the_wan_model(capsys):
-    _refused(capsys, ["bench", "compile", "--blocks", "7", "--device", "cpu"], "--blocks", "--model standin")
-    _refused(capsys, ["bench", "compile", "--model", "wan", "--dim", "64", "--device", "cpu"], "--dim",
+def test_bench_compile_refuses_stand_in_sizes_for_the_wan_model():
+    _refused(["bench", "compile", "--blocks", "7", "--device", "cpu"], "--blocks", "--model standin")
+    _refused(["bench", "compile", "--model", "wan", "--dim", "64", "--device", "cpu"], "--dim",
              "--model standin")
 
 
@@ -134,24 +127,24 @@ def test_ar_sampler_node_checks_the_window_like_every_entry_point(fake_comfy, kw
 
 
 # ------------------------------------------------------------------------- 6. the user's own files
-def _sched_cli(tmp_path, capsys, value, *words):
-    return _refused(capsys, GEN + ["--out", tmp_path / "o", "--prompt-schedule", value], *words)
+def _sched_cli(tmp_path, value, *words):
+    return _refused(GEN + ["--out", tmp_path / "o", "--prompt-schedule", value], *words)
 
 
-def test_schedule_that_is_a_folder_pipe_or_device_gets_its_own_message(tmp_path, capsys):
+def test_schedule_that_is_a_folder_pipe_or_device_gets_its_own_message(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "zero").symlink_to("/dev/zero")
     (tmp_path / "folder").mkdir()
     for value, kind in ((tmp_path / "folder", "a folder"), (tmp_path / "fifo", "a pipe"),
                         (tmp_path / "zero", "a device"), ("~", "a folder")):
-        line = _sched_cli(tmp_path, capsys, value, "--prompt-schedule", kind)
+        line = _sched_cli(tmp_path, value, "--prompt-schedule", kind)
         assert "remove" not in line and "delete" not in line and "makes the file again" not in line, line
     assert (tmp_path / "folder").is_dir() and (tmp_path / "fifo").exists() and (tmp_path / "zero").is_symlink()
 
 
 @pytest.mark.parametrize("value", ["./my:sched.txt", "notes/sched:v2.txt", "a cat walks", "~/missing.txt"])
 def test_a_missing_schedule_file_is_not_parsed_as_schedule_text(tmp_path, capsys, value):
-    line = _sched_cli(tmp_path, capsys, value, "--prompt-schedule", "no such file")
+    line = _sched_cli(tmp_path, value, "--prompt-schedule", "no such file")
     assert "line 1" not in line
     if value.startswith("./"):            # the same name, once the file exists, is read as the file
         f = tmp_path / value[2:]
@@ -166,26 +159,26 @@ def test_a_missing_schedule_file_is_not_parsed_as_schedule_text(tmp_path, capsys
             os.chdir(monkey_cwd)
 
 
-def test_schedule_files_too_large_unreadable_or_not_utf8(tmp_path, capsys):
+def test_schedule_files_too_large_unreadable_or_not_utf8(tmp_path):
     big = tmp_path / "big.txt"
     big.write_bytes(b"0: a cat\n" + b"#" * (2 << 20))
-    _sched_cli(tmp_path, capsys, big, "--prompt-schedule", "bytes")
+    _sched_cli(tmp_path, big, "--prompt-schedule", "bytes")
     latin = tmp_path / "latin.txt"
     latin.write_bytes("0: caf\xe9".encode("latin-1"))
-    _sched_cli(tmp_path, capsys, latin, "--prompt-schedule", "not UTF-8", "0xe9")
+    _sched_cli(tmp_path, latin, "--prompt-schedule", "not UTF-8", "0xe9")
     if os.geteuid() != 0:
         locked = tmp_path / "locked.txt"
         locked.write_text("0: a cat")
         locked.chmod(0)
-        _sched_cli(tmp_path, capsys, locked, "--prompt-schedule", "permission denied")
+        _sched_cli(tmp_path, locked, "--prompt-schedule", "permission denied")
 
 
-def test_a_non_utf8_prompt_on_the_command_line_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+def test_a_non_utf8_prompt_on_the_command_line_is_refused_before_the_model_loads(tmp_path, monkeypatch):
     import wan_accel.app.jobs.handle as handle
     monkeypatch.setattr(handle, "load_model_handle", lambda *a, **k: pytest.fail("the model was loaded"))
     text = b"0: caf\xe9 au lait".decode("utf-8", "surrogateescape")     # as Python passes such argv bytes
-    _sched_cli(tmp_path, capsys, text, "--prompt-schedule", "not UTF-8")
-    _refused(capsys, GEN + ["--out", tmp_path / "o", "--steps", b"1000,\xff".decode("utf-8", "surrogateescape")],
+    _sched_cli(tmp_path, text, "--prompt-schedule", "not UTF-8")
+    _refused(GEN + ["--out", tmp_path / "o", "--steps", b"1000,\xff".decode("utf-8", "surrogateescape")],
              "--steps", "not UTF-8")
 
 
@@ -197,10 +190,10 @@ def test_a_non_utf8_prompt_on_the_command_line_is_refused_before_the_model_loads
     ("0: a cat\n" + "7" * 5000 + ": a dog", "far larger", None),
     ("0: a cat\n3: a dog (blend " + "4" * 50_000 + ")", "far larger", None),
 ])
-def test_bad_chunk_numbers_get_advice_that_fits_and_are_never_echoed_whole(tmp_path, capsys, text, says, not_says):
+def test_bad_chunk_numbers_get_advice_that_fits_and_are_never_echoed_whole(tmp_path, text, says, not_says):
     f = tmp_path / "s.txt"
     f.write_text(text)
-    line = _sched_cli(tmp_path, capsys, f, "--prompt-schedule", says)
+    line = _sched_cli(tmp_path, f, "--prompt-schedule", says)
     assert len(line) < 600
     if not_says:
         assert not_says not in line
@@ -229,7 +222,7 @@ def _tiny_checkpoint(path):
 
 @pytest.mark.parametrize("kind, says", [("rank0", "rank 0"), ("alpha0", "alpha 0"), ("alpha-neg", "alpha -2"),
                                         ("fp8", "float8_e4m3fn"), ("int", "int32")])
-def test_bad_lora_files_are_refused_by_name_everywhere(tmp_path, capsys, kind, says):
+def test_bad_lora_files_are_refused_by_name_everywhere(tmp_path, kind, says):
     p = tmp_path / "l.safetensors"
     if kind == "int":
         save_file({"diffusion_model.blocks.0.ffn.0.lora_A.weight": torch.ones(2, 4, dtype=torch.int32),
@@ -239,30 +232,30 @@ def test_bad_lora_files_are_refused_by_name_everywhere(tmp_path, capsys, kind, s
               alpha={"alpha0": 0, "alpha-neg": -2}.get(kind),
               dtype=torch.float8_e4m3fn if kind == "fp8" else torch.float32)
     ckpt = _tiny_checkpoint(tmp_path / "m.safetensors")
-    _refused(capsys, GEN + ["--checkpoint", ckpt, "--out", tmp_path / "o", "--lora", p], "l.safetensors", says)
-    _refused(capsys, ["convert-lora", p, tmp_path / "c.safetensors"], "l.safetensors", says)
+    _refused(GEN + ["--checkpoint", ckpt, "--out", tmp_path / "o", "--lora", p], "l.safetensors", says)
+    _refused(["convert-lora", p, tmp_path / "c.safetensors"], "l.safetensors", says)
     assert not (tmp_path / "c.safetensors").exists()
     from wan_accel.model.lora import LoraError, read_lora
     with pytest.raises(LoraError, match=says):
         read_lora(p)
 
 
-def test_lora_pickle_is_told_convert_lora(tmp_path, capsys):
+def test_lora_pickle_is_told_convert_lora(tmp_path):
     p = tmp_path / "x.pt"
     torch.save({"generator_lora": {}}, p)
-    line = _refused(capsys, GEN + ["--out", tmp_path / "o", "--lora", p], "--lora", "convert-lora")
+    line = _refused(GEN + ["--out", tmp_path / "o", "--lora", p], "--lora", "convert-lora")
     assert "wan_accel convert " not in line
 
 
 @pytest.mark.parametrize("obj", [{0: torch.zeros(2)}, {"generator": {1: torch.zeros(2), "a": torch.zeros(2)}},
                                  {"generator_ema": {(1, 2): torch.zeros(2)}}])
-def test_convert_a_pt_with_keys_that_are_not_names(tmp_path, capsys, obj):
+def test_convert_a_pt_with_keys_that_are_not_names(tmp_path, obj):
     src = tmp_path / "c.pt"
     torch.save(obj, src)
     argv = ["convert", src, tmp_path / "o.safetensors"] + (["--ema"] if "generator_ema" in obj else [])
-    _refused(capsys, argv, "c.pt", "not a tensor name")
+    _refused(argv, "c.pt", "not a tensor name")
     torch.save({"generator_lora": obj.get("generator", obj.get("generator_ema", obj))}, src)
-    _refused(capsys, ["convert-lora", src, tmp_path / "l.safetensors"], "c.pt", "not a tensor name")
+    _refused(["convert-lora", src, tmp_path / "l.safetensors"], "c.pt", "not a tensor name")
 
 
 def _fp8_file(path, extra=None, meta=None):
@@ -290,7 +283,7 @@ def _fp8_file(path, extra=None, meta=None):
     ("quant-deep", "comfy_quant' is not the JSON"),
     ("quant-not-json", "comfy_quant' is not the JSON"),
 ])
-def test_fp8_side_data_errors_name_the_file_in_every_command(tmp_path, capsys, case, says):
+def test_fp8_side_data_errors_name_the_file_in_every_command(tmp_path, case, says):
     extra, meta = {}, {}
     if case.endswith(("scale_weight", "input_scale")):
         extra[case] = torch.tensor(1.0)
@@ -302,9 +295,9 @@ def test_fp8_side_data_errors_name_the_file_in_every_command(tmp_path, capsys, c
         data = b"[" * 5000 + b"]" * 5000 if case == "quant-deep" else b"{not json"
         extra["blocks.0.ffn.0.comfy_quant"] = torch.tensor(list(data), dtype=torch.uint8)
     ckpt = _fp8_file(tmp_path / "q8.safetensors", extra, meta)
-    _refused(capsys, GEN + ["--checkpoint", ckpt, "--out", tmp_path / "o"], "q8.safetensors", says)
+    _refused(GEN + ["--checkpoint", ckpt, "--out", tmp_path / "o"], "q8.safetensors", says)
     if not case.startswith("quant-"):          # header-only commands see the header's problems too
-        _refused(capsys, ["plan", "--checkpoint", ckpt], "q8.safetensors", says)
+        _refused(["plan", "--checkpoint", ckpt], "q8.safetensors", says)
 
 
 # ----------------------------------------------------------------------------------------------- 8. files
@@ -365,18 +358,18 @@ def test_bench_compile_children_keep_every_cache_in_the_removed_folder(tmp_path,
 
 @pytest.mark.parametrize("content", [b"{damaged", b"[1, 2]", b'{"kind": "x", "items": []}', b"\xff\xfe",
                                      b"[" * 100000])
-def test_a_damaged_set_aside_file_is_reported_not_called_empty(tmp_path, capsys, content):
+def test_a_damaged_set_aside_file_is_reported_not_called_empty(tmp_path, content):
     from wan_accel.cache import LimitCache
     cache = LimitCache()
     cache.set_aside_path.parent.mkdir(parents=True, exist_ok=True)
     cache.set_aside_path.write_bytes(content)
-    line = _refused(capsys, ["cache", "set-aside"], "set-aside file", "cannot be read")
+    line = _refused(["cache", "set-aside"], "set-aside file", "cannot be read")
     assert "no entries" not in line
     assert cache.set_aside_path.read_bytes() == content
     assert any("set-aside file" in n for n in LimitCache().notices())
 
 
-def test_a_huge_set_aside_file_is_not_read(tmp_path, capsys, monkeypatch):
+def test_a_huge_set_aside_file_is_not_read(tmp_path, monkeypatch):
     from wan_accel.cache import LimitCache, store
     cache = LimitCache()
     cache.set_aside_path.parent.mkdir(parents=True, exist_ok=True)
@@ -386,7 +379,7 @@ def test_a_huge_set_aside_file_is_not_read(tmp_path, capsys, monkeypatch):
     real = store.read_regular
     monkeypatch.setattr(store, "read_regular", lambda p, limit=None: reads.append((p, limit)) or real(p, limit))
     t0 = time.perf_counter()
-    _refused(capsys, ["cache", "set-aside"], "larger than")
+    _refused(["cache", "set-aside"], "larger than")
     assert time.perf_counter() - t0 < 5
     assert all(p != cache.set_aside_path for p, _ in reads)
 
@@ -460,14 +453,14 @@ def test_live_session_refuses_sink_with_krea():
     (["--model", "krea-14b", "--kv-window", "3"], ["--kv-window 3", "at least 5"]),
     (["--model", "1.3b", "--kv-window", "0"], ["--kv-window 0"]),
 ])
-def test_plan_refuses_what_no_run_can_do(capsys, argv, words):
+def test_plan_refuses_what_no_run_can_do(argv, words):
     args = ["plan"] + (["--model", "1.3b"] if "--model" not in argv else []) + argv
-    line = _refused(capsys, args, *words)
+    line = _refused(args, *words)
     assert "add RAM" not in line and "-" + "6.96" not in line
 
 
 def test_plan_reserve_that_leaves_room_still_plans(capsys):
-    _refused(capsys, ["plan", "--model", "krea-14b", "--vram-gb", "80", "--reserve-gb", "80"], "--reserve-gb 80")
+    _refused(["plan", "--model", "krea-14b", "--vram-gb", "80", "--reserve-gb", "80"], "--reserve-gb 80")
     assert main(["plan", "--model", "krea-14b", "--vram-gb", "80", "--reserve-gb", "4", "--kv-window", "6",
                  "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -481,12 +474,12 @@ def test_memory_plan_node_reserve_is_named():
 
 
 @pytest.mark.parametrize("value", ["-5", "0", "1e7"])
-def test_bench_sampler_peak_tflops_must_be_positive(capsys, value):
-    _refused(capsys, ["bench", "sampler", "--device", "cpu", "--peak-tflops", value], "--peak-tflops")
+def test_bench_sampler_peak_tflops_must_be_positive(value):
+    _refused(["bench", "sampler", "--device", "cpu", "--peak-tflops", value], "--peak-tflops")
 
 
 @pytest.mark.parametrize("edit", ["nan-shift", "inf-weight", "deep"])
-def test_bench_fidelity_on_a_fixture_with_nan_is_an_error(tmp_path, capsys, edit):
+def test_bench_fidelity_on_a_fixture_with_nan_is_an_error(tmp_path, edit):
     import shutil
     src = Path(__file__).parent / "fixtures" / "wan_reference"
     fx = tmp_path / "fx"
@@ -502,4 +495,4 @@ def test_bench_fidelity_on_a_fixture_with_nan_is_an_error(tmp_path, capsys, edit
         else:
             cfg["config"]["eps"] = float("inf")
         cfg_path.write_text(json.dumps(cfg))
-    _refused(capsys, ["bench", "fidelity", "--fixture", fx], "--fixture", "causal_config.json")
+    _refused(["bench", "fidelity", "--fixture", fx], "--fixture", "causal_config.json")

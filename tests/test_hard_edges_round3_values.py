@@ -5,14 +5,13 @@ prompt, and work from user text bounded before anything is encoded. Each case dr
 and the live session."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cli_run import refused, run_cli
 from wan_accel.app.play import registry as play_registry
 from wan_accel.app.play.registry import PlayError, PlayRegistry
 from wan_accel.app.play.t2v import PromptPlaySession
@@ -29,27 +28,8 @@ NODE_RUN = dict(width=32, height=32, num_frames=9, seed=1, preset="self_forcing"
 H = W = 4                        # latent size of the live sessions
 
 
-def _cli(*argv) -> tuple[int, str, str]:
-    from wan_accel.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:
-            code = exc.code
-    return code, out.getvalue(), err.getvalue()
-
-
 def _refused(result, *words) -> str:
-    code, out, err = result
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err and "internal error" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, err
-    for w in words:
-        assert w in lines[0], lines[0]
-    assert len(lines[0]) < 1200, lines[0][:300]          # a long input is never echoed whole
-    return lines[0]
+    return refused(result, *words, longest=1200)          # a long input is never echoed whole
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +134,7 @@ def test_a_checkpoint_that_would_give_a_nan_video_is_refused_by_name(case, tmp_p
     make, words = BAD_CHECKPOINTS[case]
     path = _write(tmp_path / "bad.safetensors", make(_state()))
     out = tmp_path / "run"
-    _refused(_cli("generate", "--checkpoint", str(path), "--out", str(out), *SMALL), "bad.safetensors", *words)
+    _refused(run_cli("generate", "--checkpoint", str(path), "--out", str(out), *SMALL), "bad.safetensors", *words)
     assert not (out / "latents.safetensors").exists()
     with pytest.raises(ValueError) as err:
         CausalWanModelLoader().load(str(path), "fp32", "float32", "sdpa")
@@ -168,14 +148,14 @@ def test_weights_finite_but_far_too_large_are_named_when_the_run_overflows(tmp_p
     t[f"{LAYER}.scale_weight"] = torch.tensor(1e30)
     path = _write(tmp_path / "big.safetensors", t)
     out = tmp_path / "run"
-    _refused(_cli("generate", "--checkpoint", str(path), "--out", str(out), *SMALL),
+    _refused(run_cli("generate", "--checkpoint", str(path), "--out", str(out), *SMALL),
              "sampled latents", f"{LAYER}.weight", "fp8 scale")
     assert not (out / "latents.safetensors").exists()
 
 
 def test_a_good_fp8_checkpoint_still_loads_and_runs(tmp_path):
     path = _write(tmp_path / "good.safetensors", _fp8(_state()))
-    code, out, err = _cli("generate", "--checkpoint", str(path), "--out", str(tmp_path / "run"), "--json", *SMALL)
+    code, out, err = run_cli("generate", "--checkpoint", str(path), "--out", str(tmp_path / "run"), "--json", *SMALL)
     assert code == 0, err
     latents = load_file(json.loads(out)["files"]["latents"])["latents"]
     assert bool(torch.isfinite(latents).all())
@@ -200,7 +180,7 @@ def test_a_lora_of_finite_values_whose_merge_overflows_is_refused(values, streng
     lora = _lora(tmp_path / "boom.safetensors", LAYER, torch.full((w.shape[0], 2), values),
                  torch.full((2, w.shape[1]), values))
     assert all(bool(torch.isfinite(t).all()) for t in load_file(str(lora)).values())
-    line = _refused(_cli("generate", "--checkpoint", str(ckpt), "--lora", str(lora), "--lora-strength", strength,
+    line = _refused(run_cli("generate", "--checkpoint", str(ckpt), "--lora", str(lora), "--lora-strength", strength,
                          "--out", str(tmp_path / "run"), *SMALL), "boom.safetensors", f"{LAYER}.weight", "strength")
     assert "NaN or infinite" in line
     with pytest.raises(ValueError, match=rf"boom\.safetensors.*{LAYER}\.weight.*lower the LoRA strength"):
@@ -259,7 +239,7 @@ def test_latents_that_overflow_while_sampling_are_not_written(tmp_path):
     embeds = tmp_path / "huge.safetensors"
     save_file({"context": torch.full((6, TINY_CONFIG.text_dim), 1e37)}, str(embeds))
     out = tmp_path / "run"
-    _refused(_cli("generate", "--text-embeds", str(embeds), "--out", str(out), *SMALL),
+    _refused(run_cli("generate", "--text-embeds", str(embeds), "--out", str(out), *SMALL),
              "sampled latents", "text conditioning", "Nothing was kept")
     assert not (out / "latents.safetensors").exists() and not (out / "report.json").exists()
     from wan_accel.sampling.sampler import generate_latents
@@ -280,7 +260,7 @@ def test_huge_mix_weights_are_normalised_not_overflowed(text, tmp_path, handle):
     for e in schedule.entries:
         w = e.weights()
         assert all(0 <= x <= 1 for x in w) and abs(sum(w) - 1) < 1e-12
-    code, out, err = _cli("generate", "--prompt-schedule", text, "--out", str(tmp_path / "run"), "--json", *SMALL,
+    code, out, err = run_cli("generate", "--prompt-schedule", text, "--out", str(tmp_path / "run"), "--json", *SMALL,
                           "--frames", "21")         # two chunks
     assert code == 0, err
     assert bool(torch.isfinite(load_file(json.loads(out)["files"]["latents"])["latents"]).all())
@@ -305,7 +285,7 @@ def test_equal_huge_weights_mix_as_equal_small_ones():
 def test_only_what_cannot_be_represented_is_refused(text, words, tmp_path, handle):
     from wan_accel.nodes.model_nodes import CausalWanSampler
     from wan_accel.nodes.prompt_nodes import WanAccelPromptSchedule
-    _refused(_cli("generate", "--prompt-schedule", text, "--out", str(tmp_path / "run"), *SMALL),
+    _refused(run_cli("generate", "--prompt-schedule", text, "--out", str(tmp_path / "run"), *SMALL),
              "--prompt-schedule", *words)
     for call in (lambda: WanAccelPromptSchedule().encode(Clip(), text),
                  lambda: CausalWanSampler().sample(handle, prompt_schedule=text, **NODE_RUN)):
@@ -420,7 +400,7 @@ def test_a_schedule_longer_than_any_video_is_refused_before_encoding(entries, tm
         CausalWanSampler().sample(handle, prompt_schedule=text, clip=clip, **NODE_RUN)
     path = tmp_path / "long.txt"
     path.write_text(text)
-    _refused(_cli("generate", "--prompt-schedule", str(path), "--out", str(tmp_path / "run"), *SMALL),
+    _refused(run_cli("generate", "--prompt-schedule", str(path), "--out", str(tmp_path / "run"), *SMALL),
              "--prompt-schedule", "1024")
 
 
@@ -444,7 +424,7 @@ def test_a_prompt_longer_than_the_encoder_reads_is_refused(size, tmp_path, handl
     with pytest.raises(ValueError, match="characters"):
         _start(handle, long)
     if size < 2 ** 20:                              # the command line reads schedules of up to 1 MiB
-        _refused(_cli("generate", "--prompt-schedule", f"0: {long}", "--out", str(tmp_path / "run"), *SMALL),
+        _refused(run_cli("generate", "--prompt-schedule", f"0: {long}", "--out", str(tmp_path / "run"), *SMALL),
                  "--prompt-schedule", "characters")
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from krea_variants import UnpaddedRecompute
 from wan_accel.app.play import t2v as play_t2v
 from wan_accel.app.play.t2v import PromptPlaySession
 from wan_accel.model.config import WanConfig
@@ -124,16 +125,8 @@ def test_the_partial_block_fixture_attends_padding_keys_and_tells_them_apart(mod
     assert cfg["context_mask"]["5"]["padding_keys_attended_by_last_query"] == \
         padding_keys(5, s["frame_seq_length"], s["num_frame_per_block"]) == 6
     assert cfg["context_mask"]["3"]["padding_keys_attended_by_last_query"] == 0
-
-    class Unpadded(KreaRecompute):                  # block-causal passes without the padding keys
-        def _context_pass(self, ex, req, ctx):
-            n = ctx.shape[1]
-            for j in range(0, n, self.fpb):
-                m = min(self.fpb, n - j)
-                ex.forward("refresh", ctx[:, j:j + m], float(req.refresh_t), j, ex.begin_chunk(j, m),
-                           want_output=False)
-    out, *_ = _run(model, "partial_block", "reference",
-                   policy=Unpadded(s["kv_cache_num_frames"], s["num_frame_per_block"], reencode=_reencode(cfg)))
+    unpadded = UnpaddedRecompute(s["kv_cache_num_frames"], s["num_frame_per_block"], reencode=_reencode(cfg))
+    out, *_ = _run(model, "partial_block", "reference", policy=unpadded)
     # block 0 and 1 (contexts of 0 and 3 frames) are unaffected; from block 2 on it differs
     assert (out[:, :6] - io["output"][:, :6]).abs().max() <= TOL
     assert (out[:, 6:9] - io["output"][:, 6:9]).abs().max() > 10 * TOL

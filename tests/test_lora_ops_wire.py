@@ -2,8 +2,6 @@
 dispatch of model/quant.py (comfy-kitchen's scaled matmul, torch._scaled_mm, or the dequantized weight)."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from cli_run import run_cli
 from wan_accel.app.jobs.handle import load_model_handle
 from wan_accel.kernels import candidates as C
 from wan_accel.kernels import kitchen
@@ -26,17 +25,6 @@ LORA = FIX / "longlive" / "lora_peft.safetensors"
 SMALL = ["--device", "cpu", "--frames", "9", "--height", "32", "--width", "32"]
 E4M3_UNIT = 2.0 ** -4        # unit roundoff of float8 e4m3 (3 mantissa bits)
 BF16_UNIT = 2.0 ** -8        # unit roundoff of bfloat16 (7 mantissa bits)
-
-
-def _cli(*argv) -> tuple[int, str, str]:
-    from wan_accel.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:
-            code = exc.code
-    return code, out.getvalue(), err.getvalue()
 
 
 # ----------------------------------------------------------------------------- fp8 matmul dispatch
@@ -203,7 +191,7 @@ def test_generate_lora_on_the_command_line(tmp_path):
     outs = {}
     for tag, extra in (("none", []), ("lora", ["--lora", str(LORA)]),
                        ("half", ["--lora", str(LORA), "--lora-strength", "0.5"])):
-        code, out, err = _cli(*base, "--out", str(tmp_path / tag), *extra)
+        code, out, err = run_cli(*base, "--out", str(tmp_path / tag), *extra)
         assert code == 0, err
         report = json.loads(out)
         assert report["settings"]["lora"] == (str(LORA) if extra else None)
@@ -219,7 +207,7 @@ def test_generate_lora_on_the_command_line(tmp_path):
     (["--lora", str(LORA), "--model-kind", "matrix-game2"], "--lora"),
 ])
 def test_generate_lora_errors_are_one_line(tmp_path, extra, message):
-    code, _out, err = _cli("generate", "--out", str(tmp_path / "o"), "--no-preview", *SMALL, *extra)
+    code, _out, err = run_cli("generate", "--out", str(tmp_path / "o"), "--no-preview", *SMALL, *extra)
     assert code == 2 and "Traceback" not in err
     assert err.startswith("error: ") and message in err, err
 
@@ -234,7 +222,7 @@ def _spy_kitchen(monkeypatch) -> dict:
 @pytest.mark.parametrize("ops,used", [("kitchen", True), ("torch", False)])
 def test_generate_ops_reaches_the_blocks(tmp_path, monkeypatch, ops, used):
     calls = _spy_kitchen(monkeypatch)
-    code, out, err = _cli("generate", "--out", str(tmp_path / "o"), "--no-preview", "--json", "--sampler",
+    code, out, err = run_cli("generate", "--out", str(tmp_path / "o"), "--no-preview", "--json", "--sampler",
                           "optimized", "--ops", ops, *SMALL)
     assert code == 0, err
     assert json.loads(out)["settings"]["ops"] == ops
@@ -247,7 +235,7 @@ def test_generate_ops_reaches_the_blocks(tmp_path, monkeypatch, ops, used):
     (["--ops", "pack", "--sampler", "optimized"], "--ops: ops='pack' cannot run here"),
 ])
 def test_generate_ops_errors_name_the_fix(tmp_path, extra, message):
-    code, _out, err = _cli("generate", "--out", str(tmp_path / "o"), "--no-preview", *SMALL, *extra)
+    code, _out, err = run_cli("generate", "--out", str(tmp_path / "o"), "--no-preview", *SMALL, *extra)
     assert code == 2 and err.startswith("error: ") and message in err, err
 
 
@@ -276,11 +264,11 @@ def test_sampler_node_ops_widget(monkeypatch):
 def test_bench_sampler_rows_per_ops_mode(tmp_path):
     from wan_accel.app.bench.sampler import VARIANTS
     assert {f"optimized-ops-{m}" for m in ("pack", "kitchen", "torch")} <= set(VARIANTS)
-    code, out, err = _cli("bench", "sampler", "--repeat", "1", "--variants", "optimized,optimized-ops-torch",
+    code, out, err = run_cli("bench", "sampler", "--repeat", "1", "--variants", "optimized,optimized-ops-torch",
                           "--json", *SMALL)
     assert code == 0, err
     rows = {r["variant"]: r for r in json.loads(out)["rows"]}
     assert rows["optimized"]["ops"] == "auto" and rows["optimized-ops-torch"]["ops"] == "torch"
     assert rows["optimized-ops-torch"]["parity_max_abs"] <= 1e-4
-    code, _out, err = _cli("bench", "sampler", "--repeat", "1", "--variants", "optimized-ops-pack", *SMALL)
+    code, _out, err = run_cli("bench", "sampler", "--repeat", "1", "--variants", "optimized-ops-pack", *SMALL)
     assert code == 2 and "--variants optimized-ops-pack: ops='pack' cannot run here" in err, err

@@ -3,12 +3,11 @@ the window (LongLive v1.0: the sink too until the window rolls, then not), the o
 'none' only swaps the cross-attention, runs replay, chunk-by-chunk continuation equals one scheduled run, and the
 command line takes a schedule."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from cli_run import run_cli_in
 from wan_accel.model.config import WanConfig
 from wan_accel.model.dit import WanModel
 from wan_accel.model.kv_cache import KVCache
@@ -183,18 +182,17 @@ def test_schedule_errors_before_sampling(model, emb):
 
 
 def _cli(args, tmp_path):
-    return subprocess.run([sys.executable, "-m", "wan_accel", "generate", "--device", "cpu", "--height", "32",
-                           "--width", "32", "--no-preview", "--out", str(tmp_path / "out"), *args],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={"WAN_ACCEL_CACHE": str(tmp_path / "limits.json"), "PATH": "/usr/bin:/bin"})
+    return run_cli_in(tmp_path, "generate", "--device", "cpu", "--height", "32", "--width", "32", "--no-preview",
+                      "--out", tmp_path / "out", *args)
 
 
 def test_cli_generate_with_a_schedule_file(tmp_path):
     sched = tmp_path / "walk.txt"
     sched.write_text("# the walk\n0: a cat walks\n1: a dog runs (blend 2)\n")
-    proc = _cli(["--frames", "21", "--preset", "longlive", "--prompt-schedule", str(sched), "--json"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout)
+    code, out, err = _cli(["--frames", "21", "--preset", "longlive", "--prompt-schedule", str(sched), "--json"],
+                          tmp_path)
+    assert code == 0, err[-2000:]
+    report = json.loads(out)
     assert report["latent_shape"][1] == 6
     assert report["settings"]["kv_window"] == 12 and report["settings"]["sink"] == 3
     assert [s["chunk"] for s in report["sampler"]["prompt_switches"]] == [1]
@@ -208,7 +206,7 @@ def test_cli_generate_with_a_schedule_file(tmp_path):
     ("walk.txt", "no such file"),
 ])
 def test_cli_bad_schedules_exit_2_with_one_line(tmp_path, schedule, words):
-    proc = _cli(["--frames", "21", "--prompt-schedule", schedule], tmp_path)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.startswith("error: --prompt-schedule") and words in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, _out, err = _cli(["--frames", "21", "--prompt-schedule", schedule], tmp_path)
+    assert code == 2, err[-2000:]
+    assert err.startswith("error: --prompt-schedule") and words in err, err
+    assert "Traceback" not in err

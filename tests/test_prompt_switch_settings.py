@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from krea_variants import UnpaddedRecompute
 from wan_accel.app.play.registry import PlayError
 from wan_accel.app.play.t2v import PromptPlaySession, context_digest
 from wan_accel.cli import main as cli_main
@@ -343,15 +344,7 @@ def test_a_context_of_partial_blocks_samples_as_krea(model, k, h, w):
     for path in ("reference", "optimized"):
         got = run(KreaRecompute(k, fpb, reencode=reencode), path)
         assert (got - want).abs().max() <= TOL, path
-
-    class Unpadded(KreaRecompute):                       # block-causal passes without the padding keys
-        def _context_pass(self, ex, req, ctx):
-            n = ctx.shape[1]
-            for j in range(0, n, self.fpb):
-                m = min(self.fpb, n - j)
-                ex.forward("refresh", ctx[:, j:j + m], float(req.refresh_t), j, ex.begin_chunk(j, m),
-                           want_output=False)
-    assert (run(Unpadded(k, fpb, reencode=reencode), "reference") - want).abs().max() > 10 * TOL
+    assert (run(UnpaddedRecompute(k, fpb, reencode=reencode), "reference") - want).abs().max() > 10 * TOL
 
 
 def test_a_context_of_partial_blocks_in_play_and_on_the_command_line(model, tmp_path, capsys):

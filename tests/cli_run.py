@@ -1,0 +1,58 @@
+"""The command line driven from a test: ``run_cli`` runs ``python -m wan_accel ARGV`` in this process (what
+``__main__`` runs, without paying a new interpreter and a fresh torch import for every case), and ``refused``
+checks the answer to a usage error."""
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+
+WORLD_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")   # set by a launcher, not by a test
+
+
+def run_cli(*argv) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the command line given ``argv`` (each one turned into a string)."""
+    from wan_accel.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as exc:          # argparse's own refusals
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_cli_in(folder, *argv, env: dict | None = None) -> tuple[int, str, str]:
+    """``run_cli`` as a fresh ``python -m wan_accel`` started in ``folder`` would run: relative paths land there,
+    the limit cache is ``folder/cache``, no launcher's world variable is set but those of ``env`` (a value of
+    None unsets the variable); the working folder and the variables are restored afterwards."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        mp.setenv("WAN_ACCEL_CACHE", str(Path(folder) / "cache"))
+        for k in WORLD_VARS:
+            mp.delenv(k, raising=False)
+        for k, v in (env or {}).items():
+            if v is None:
+                mp.delenv(k, raising=False)
+            else:
+                mp.setenv(k, v)
+        return run_cli(*argv)
+
+
+def refused(result, *words, longest: int | None = None) -> str:
+    """The ``(code, out, err)`` of a command that exits 2 with one ``error:`` line holding every word, and no
+    traceback nor internal error; ``longest``: the line is shorter than that (a long input is never echoed
+    whole). The line is returned."""
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err and "internal error" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    for w in words:
+        assert w in lines[0], lines[0]
+    if longest is not None:
+        assert len(lines[0]) < longest, lines[0][:300]
+    return lines[0]
