@@ -313,13 +313,26 @@ class Autotuner:
                     self._fast[fast_key] = (given, result)
             return result
 
-    def slower_than_exact(self, kernel: str, key: str, mode: str, run_mode: Callable[[], object],
-                          run_exact: Callable[[], object]) -> tuple[bool | None, str]:
+    def slower_than_exact(self, kernel: str, key: str, mode: str, run_mode: Callable[..., object],
+                          run_exact: Callable[..., object], make: Callable[[], tuple] | None = None
+                          ) -> tuple[bool | None, str]:
         """(slower, the two timings in words) of an opt-in approximate ``mode`` against the exact path, tuned as the
         configs {'impl': mode} and {'impl': 'exact'} of ``kernel`` at ``key`` (one verdict per fingerprint and key:
-        a second process times nothing). slower is None when nothing could be measured."""
+        a second process times nothing). slower is None when nothing could be measured. ``make()`` gives the
+        inputs both runs take (``run_mode(*inputs)``): made only when something is timed, once, and dropped after,
+        so a stored verdict costs no allocation and no copy to the device."""
+        made: list = []
+
+        def call(fn):
+            if make is None:
+                return fn()
+            if not made:
+                made.append(make())
+            return fn(*made[0])
+
         fns = {mode: run_mode, "exact": run_exact}
-        best = self.tune(kernel, key, ({"impl": mode}, {"impl": "exact"}), lambda cfg: fns[cfg["impl"]]())
+        best = self.tune(kernel, key, ({"impl": mode}, {"impl": "exact"}), lambda cfg: call(fns[cfg["impl"]]))
+        made.clear()
         timings = (self.entry(kernel, key) or {}).get("timings") or {}
         t_mode, t_exact = timings.get(f"impl={mode}"), timings.get("impl=exact")
         shown = (f"{t_mode:.3g} ms against {t_exact:.3g} ms exact" if t_mode is not None and t_exact is not None

@@ -432,26 +432,14 @@ def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, d
     if device.type not in SPEED_DEVICES or _common.is_compiling():
         return None, f"speed not judged on {device.type}"
     tuner = tuner or get_autotuner()
-    made: dict = {}
-
-    def inputs():          # made only when the store times (a stored verdict needs none)
-        if not made:
-            gen = torch.Generator().manual_seed(0)
-            made["q"] = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
-            made["k"] = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
-        return made["q"], made["k"]
-
-    def int8_call():
-        q, k = inputs()
-        return int8.int8_attention(q, k, k)
-
-    def exact_call():
-        q, k = inputs()
-        return attention(q, k, k, backend=exact)
+    def inputs():
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
+        return q, torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
 
     key = f"{device.type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
-    slower, shown = tuner.slower_than_exact(SPEED_KERNEL, key, "int8", int8_call, exact_call)
-    made.clear()
+    slower, shown = tuner.slower_than_exact(SPEED_KERNEL, key, "int8", lambda q, k: int8.int8_attention(q, k, k),
+                                            lambda q, k: attention(q, k, k, backend=exact), make=inputs)
     if slower is None:
         return None, f"not measured ({shown})"
     return slower, f"at {lq} queries x {lk} keys: {shown}"

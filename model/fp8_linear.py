@@ -196,30 +196,22 @@ def fp8_speed(tokens: int, dim: int, ffn_dim: int, dtype, device, tuner=None) ->
     if device.type not in SPEED_DEVICES or _common.is_compiling():
         return None, f"speed not judged on {device.type} (fp8 is emulated there)"
     tuner = tuner or get_autotuner()
-    made: dict = {}
+    def work():
+        gen = torch.Generator().manual_seed(0)
+        shapes = [(3 * dim, dim), (dim, dim), (dim, dim), (dim, dim), (ffn_dim, dim), (dim, ffn_dim)]
+        weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype) for n, k in shapes]
+        x = torch.randn(tokens, dim, generator=gen).to(device, dtype)
+        h = torch.randn(tokens, ffn_dim, generator=gen).to(device, dtype)
+        return weights, [fp8.quantize_weight(w) for w in weights], [x, x, x, x, x, h]
 
-    def work():            # made only when the store times (a stored verdict needs none)
-        if not made:
-            gen = torch.Generator().manual_seed(0)
-            shapes = [(3 * dim, dim), (dim, dim), (dim, dim), (dim, dim), (ffn_dim, dim), (dim, ffn_dim)]
-            made["weights"] = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype) for n, k in shapes]
-            made["copies"] = [fp8.quantize_weight(w) for w in made["weights"]]
-            x = torch.randn(tokens, dim, generator=gen).to(device, dtype)
-            h = torch.randn(tokens, ffn_dim, generator=gen).to(device, dtype)
-            made["inputs"] = [x, x, x, x, x, h]
-        return made
+    def fp8_call(_weights, copies, inputs):
+        return [fp8.fp8_linear(i, q, s) for i, (q, s) in zip(inputs, copies)]
 
-    def fp8_call():
-        m = work()
-        return [fp8.fp8_linear(i, q, s) for i, (q, s) in zip(m["inputs"], m["copies"])]
-
-    def exact_call():
-        m = work()
-        return [torch.nn.functional.linear(i, w) for i, w in zip(m["inputs"], m["weights"])]
+    def exact_call(weights, _copies, inputs):
+        return [torch.nn.functional.linear(i, w) for i, w in zip(inputs, weights)]
 
     key = f"{device.type}|m{tokens}|d{dim}|f{ffn_dim}|{str(dtype).replace('torch.', '')}"
-    slower, shown = tuner.slower_than_exact(SPEED_KERNEL, key, "fp8", fp8_call, exact_call)
-    made.clear()
+    slower, shown = tuner.slower_than_exact(SPEED_KERNEL, key, "fp8", fp8_call, exact_call, make=work)
     if slower is None:
         return None, f"not measured ({shown})"
     return slower, f"a block's linear layers at {tokens} tokens: {shown}"

@@ -434,7 +434,10 @@ def test_every_fp8_call_of_the_fidelity_runs_is_within_the_bound(monkeypatch):
     def recording(owner, names, layers):          # each fp8 copy's address -> the weights it was made from
         real_copy(owner, names, layers)
         w = owner._buffers[names[0]]
-        made[w.data_ptr()] = (w.numel(), torch.cat([m.weight.detach() for m in layers]))
+        start, end = w.data_ptr(), w.data_ptr() + w.numel()
+        for p in [p for p, (n, _) in made.items() if p < end and start < p + n]:
+            del made[p]                           # a freed copy's memory, reused by this one
+        made[start] = (w.numel(), torch.cat([m.weight.detach() for m in layers]))
 
     def weight_of(q):
         base = next(p for p, (numel, _) in made.items() if p <= q.data_ptr() < p + numel)
