@@ -45,13 +45,14 @@ _STATE: dict = {"failed": {}}
 
 def row_scales(t: torch.Tensor) -> torch.Tensor:
     """float32 [rows, 1]: max|row| / 448, at least TINY / 448 (a zero row gets codes 0, not NaN)."""
-    return t.float().abs().amax(dim=-1, keepdim=True).clamp_min(TINY) / FP8_MAX
+    # |t| and its maximum are exact in t's own dtype: one float32 value per row, no float32 copy of the rows
+    return t.abs().amax(dim=-1, keepdim=True).float().clamp_min(TINY) / FP8_MAX
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes [rows, K], float32 scales [rows, 1]) of a 2-D tensor, one scale per row."""
     scale = row_scales(t)
-    codes = (t.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    codes = (t / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)      # the division promotes to float32 itself
     return codes, scale
 
 

@@ -203,10 +203,10 @@ class ProfileSession:
             gpu=gpu_idle_stats(events, [self.run_label(i) for i in range(len(self.run_times))]) if events else None,
             top_ops=self._top_ops(), top_kernels=top_kernels(events, self.top) if events else [],
             peak_memory=self._peak_memory(), torch_version=torch.__version__)
-        if events:
+        if report.gpu is not None:
             report.kernel_classes = kernel_breakdown(
                 events, [self.run_label(i) for i in range(len(self.run_times))], model_calls=self.model_calls,
-                flops=self.class_flops, runs=len(self.run_times))
+                flops=self.class_flops, runs=len(self.run_times), idle=report.gpu)
         if self._prof is None:
             report.notes.append("no profiled run: nothing was traced.")
         report.result = self.last_result

@@ -142,13 +142,13 @@ def kernel_class(name: str, category: str = "kernel") -> str:
 
 
 def kernel_breakdown(events: list[dict], window_names=None, *, model_calls: int | None = None,
-                     flops: dict | None = None, runs: int = 1) -> dict | None:
+                     flops: dict | None = None, runs: int = 1, idle: dict | None = None) -> dict | None:
     """GPU time per kernel class inside the profiled windows, with the idle time between kernels.
 
     model_calls: model forward calls per run (the per-call column); flops: {class: FLOPs per run} for the classes
-    whose achieved TFLOP/s is shown (attention, gemm); runs: profiled runs in the trace. None on a trace without
-    GPU activity."""
-    idle = gpu_idle_stats(events, window_names)
+    whose achieved TFLOP/s is shown (attention, gemm); runs: profiled runs in the trace; idle: the trace's
+    ``gpu_idle_stats`` when the caller has them already. None on a trace without GPU activity."""
+    idle = idle if idle is not None else gpu_idle_stats(events, window_names)
     if idle is None:
         return None
     names = set(window_names or ())

@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from ..jobs.generate import _sync
+
 DECODES = ("none", "wan", "tiny")
 
 
@@ -60,18 +62,14 @@ class ChunkDecoder:
         self.first_frame_s = None
         self.last = -1
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def __call__(self, ci, k, num_chunks, num_steps, x0) -> None:
         if k != num_steps - 1 or ci <= self.last:
             return
         self.last = ci
-        self._sync()
+        _sync(self.device)
         start = time.perf_counter()
         made = self.stream.push(x0).shape[2]
-        self._sync()
+        _sync(self.device)
         now = time.perf_counter()
         self.decode_s.append(now - start)
         self.chunk_frames.append(int(x0.shape[1]))
