@@ -28,11 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import goals
+
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = PACKAGE_ROOT / "tests" / "fixtures"
 NEEDS_GPU = "needs a CUDA GPU"
 STATUSES = ("passed", "failed", NEEDS_GPU, "skipped")
 SLOWER_MARGIN = 1.05       # int8 / fp8 kept although its steady time is more than 5 % above exact's: a failure
+OUTPUT = "_output"         # a stage row's parsed JSON output while the goal table is made
 KEPT_TWINS = (("optimized-int8", "attention_ran", "int8", "int8 attention"),     # twin, what ran, its mode, words
               ("optimized-fp8", "linear_ran", "fp8", "fp8 linear"))
 
@@ -148,6 +151,15 @@ def _tests_problem(ctx: Context) -> str | None:
     return None if (PACKAGE_ROOT / "tests").is_dir() else "the tests ship with a source checkout, not a wheel"
 
 
+def _decode_argv(decoder: str):
+    """``bench sampler`` of the optimized path with every chunk decoded as it is made (no parity run: the
+    sampler stage checks parity; this one is for video FPS with decode and the first decoded frame)."""
+    def argv(ctx: Context) -> list:
+        return ["bench", "sampler", "--variants", "optimized", "--decode", decoder, "--no-parity", "--repeat",
+                "1" if ctx.quick else "2", "--json"] + ([] if ctx.quick else ["--shape", "1.3b"])
+    return argv
+
+
 def _sampler_argv(ctx: Context) -> list:
     variants = "reference-same-dtype,optimized,optimized-no-graphs,optimized-compiled,optimized-int8,optimized-fp8"
     argv = ["bench", "sampler", "--variants", variants, "--repeat", "1" if ctx.quick else "2", "--json"]
@@ -165,6 +177,10 @@ STAGES: list = [
     Stage("fp8 checkpoint", lambda ctx: ["selftest", "--stage", "fp8", "--device", ctx.device,
                                          "--out", str(ctx.work / "fp8")], 120, judge=judge_fp8),
     Stage("bench sampler", _sampler_argv, 300, gpu=True, judge=judge_bench_sampler),
+    Stage("bench attention", lambda ctx: ["bench", "attention", "--calls", "all", "--json"]
+          + (["--shape", "tiny"] if ctx.quick else []), 120, gpu=True),
+    Stage("bench decode wan", _decode_argv("wan"), 180, gpu=True),
+    Stage("bench decode tiny", _decode_argv("tiny"), 150, gpu=True),
     Stage("bench kernels", lambda ctx: ["bench", "kernels", "--json"], 120, gpu=True),
     Stage("block swap", lambda ctx: ["bench", "offload", "--json"] + (["--blocks", "4"] if ctx.quick else []),
           150, gpu=True),
@@ -242,8 +258,14 @@ def run_stage(stage: Stage, ctx: Context) -> dict:
         row["detail"] = _tail(proc.stdout)
     if problems:
         row.update(status="failed", detail="; ".join(problems)[:600])
-    elif not row["detail"]:
-        row["detail"] = _summary(stage, proc.stdout)
+    else:
+        if not row["detail"]:
+            row["detail"] = _summary(stage, proc.stdout)
+        if stage.name in goals.STAGES:
+            try:
+                row[OUTPUT] = _json(proc.stdout)       # read by the goal table, then dropped from the row
+            except ValueError:
+                pass
     return row
 
 
@@ -288,15 +310,20 @@ def markdown(result: dict) -> str:
         detail = str(r.get("detail", "")).replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {r['stage']} | {r['status']} | {r['seconds']:.1f} | {detail} |")
     verdict = "PASSED" if result["passed"] else "FAILED"
-    return head + "\n".join(lines) + f"\n\n{verdict}: {result['summary']}\n"
+    text = head + "\n".join(lines) + f"\n\n{verdict}: {result['summary']}\n"
+    if result.get("goals"):
+        text += "\nSpeed goals (1.3B causal video, 480x832, 81 frames, bf16; targets for one H100 or H200):\n\n"
+        text += goals.markdown(result["goals"])
+    return text
 
 
 def run_selftest(out: Path, *, require_gpu: bool = False, quick: bool = False, stages: list | None = None,
-                 log=print) -> dict:
+                 log=print, only_goals: bool = False) -> dict:
     import torch
     from ..cache.owned_files import write_text
     gpu = torch.cuda.is_available()
-    chosen = STAGES if not stages else [s for s in STAGES if s.name in stages]
+    wanted = set(stages or ()) | (set(goals.STAGES) if only_goals else set())
+    chosen = STAGES if not wanted else [s for s in STAGES if s.name in wanted]
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="wan_accel_selftest_") as work:
         ctx = Context(out=out, work=Path(work), gpu=gpu, device="cuda" if gpu else "cpu", quick=quick)
@@ -307,6 +334,8 @@ def run_selftest(out: Path, *, require_gpu: bool = False, quick: bool = False, s
             rows.append(row)
             log(f"[{i + 1}/{len(chosen)}] {stage.name}: {row['status']} ({row['seconds']:.1f} s) {row['detail']}"
                 .rstrip())
+    outputs = {r["stage"]: r.pop(OUTPUT) for r in rows if OUTPUT in r}
+    goal_rows = goals.judge(outputs) if any(r["stage"] in goals.STAGES for r in rows) else []
     failed = [r["stage"] for r in rows if r["status"] == "failed"]
     gpu_only = [r["stage"] for r in rows if r["status"] == NEEDS_GPU]
     problems = list(failed)
@@ -316,7 +345,7 @@ def run_selftest(out: Path, *, require_gpu: bool = False, quick: bool = False, s
                + (f", {len(gpu_only)} need a CUDA GPU ({', '.join(gpu_only)})" if gpu_only else "")
                + (f"; failed: {', '.join(problems)}" if problems else ""))
     result = {"kind": "wan_accel.selftest", "schema": 1, "machine": machine(), "gpu": gpu, "stages": rows,
-              "needs_gpu": gpu_only, "passed": not problems, "summary": summary}
+              "needs_gpu": gpu_only, "passed": not problems, "summary": summary, "goals": goal_rows}
     write_text(out / "selftest.json", json.dumps(result, indent=2) + "\n", option="--out", purpose="the JSON")
     write_text(out / "selftest.md", markdown(result), option="--out", purpose="the table")
     result["files"] = {"json": str(out / "selftest.json"), "markdown": str(out / "selftest.md")}

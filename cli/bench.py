@@ -16,6 +16,7 @@ BENCHES = {
     "sampler": ("..app.bench.sampler", "reference vs optimized causal sampler"),
     "compile": ("..app.bench.compile", "cold vs warm compile of the tiny model"),
     "kernels": ("..app.bench.kernels", "fused kernels vs torch, autotune cold vs warm"),
+    "attention": ("..app.bench.attention", "every attention implementation at a run's own calls, TFLOP/s"),
     "offload": ("..app.bench.memory", "block swap step time and peak VRAM"),
     "play": ("..app.bench.play", "Matrix-Game-2 play chunks: caches in place vs copied"),
     "fidelity": ("..app.bench.fidelity", "int8 attention / fp8 linear vs exact on the recorded fixtures"),

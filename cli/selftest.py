@@ -1,4 +1,4 @@
-"""``python -m wan_accel selftest [--json] [--out DIR] [--require-gpu] [--quick] [--stage NAME]``."""
+"""``python -m wan_accel selftest [--json] [--out DIR] [--require-gpu] [--quick] [--only STAGE] [--goals]``."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ def _run(args) -> int:
         raise UsageError(f"--only {', '.join(unknown)}: no such stage; the stages are: {', '.join(names)}")
     quiet = (lambda *_: None) if args.json else print
     result = selftest.run_selftest(Path(args.out).expanduser(), require_gpu=args.require_gpu, quick=args.quick,
-                                   stages=args.only, log=quiet)
+                                   stages=args.only, log=quiet, only_goals=args.goals)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -31,8 +31,9 @@ def register(sub) -> None:
     p = sub.add_parser("selftest", help="run every fast path on this machine: one JSON and one markdown table",
                        description="The doctor (cold), check-reference for every fixture kind, generate, an fp8 "
                                    "checkpoint, and on a CUDA GPU bench sampler at the 1.3B shape (reference, "
-                                   "optimized, without graphs, compiled, int8, fp8 linear), bench kernels, block swap and the "
-                                   "tests marked cuda; ComfyUI's own loader where ComfyUI imports. Each stage runs "
+                                   "optimized, without graphs, compiled, int8, fp8 linear), bench attention, the sampler with "
+                                   "each decoder, bench kernels, block swap and the tests marked cuda, and the speed "
+                                   "goals read from those benches; ComfyUI's own loader where ComfyUI imports. Each stage runs "
                                    "in its own process with its own time limit. Exit 1 on a crash, a parity over "
                                    "its tolerance or a path kept on although measured slower; a stage that needs a "
                                    "GPU is listed as such on a machine without one.")
@@ -42,6 +43,8 @@ def register(sub) -> None:
     p.add_argument("--require-gpu", action="store_true", help="a machine without a CUDA GPU is an error")
     p.add_argument("--quick", action="store_true", help="smaller shapes on the GPU stages (a smoke run)")
     p.add_argument("--only", action="append", metavar="STAGE", help="run only this stage (repeatable)")
+    p.add_argument("--goals", action="store_true", help="run only the stages the speed goals are read from (bench "
+                   "sampler, bench attention, bench decode wan / tiny; with --only: those too)")
     p.add_argument("--stage", choices=["fp8"], help=argparse_suppress())
     p.add_argument("--device", help=argparse_suppress())
     p.set_defaults(func=_run)

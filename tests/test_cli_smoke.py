@@ -79,6 +79,11 @@ def _sampler_rows(out: str, tmp: Path) -> None:
 def _decoded(out: str, tmp: Path) -> None:
     (row,) = json.loads(out)["rows"]
     assert row["decode"] == "tiny" and row["decoded_frames"] == 9 and row["video_fps_with_decode"] > 0, row
+    assert row["parity_max_abs"] is None            # --no-parity: no float32 reference run
+
+
+def _sampler_table(out: str, tmp: Path) -> None:
+    assert "parity_max_abs" in out and "n/a" in out and "optimized" in out, out
 
 
 def _fp8_generated(out: str, tmp: Path) -> None:
@@ -187,7 +192,9 @@ CASES = {
     "bench sampler": (["bench", "sampler", "--repeat", "1", "--variants", "reference,optimized,optimized-ops-torch",
                        "--json", *TINY], _sampler_rows, None),
     "bench sampler_decode": (["bench", "sampler", "--repeat", "1", "--variants", "optimized", "--decode", "tiny",
-                              "--json", *TINY], _decoded, None),
+                              "--no-parity", "--json", *TINY], _decoded, None),
+    "bench sampler_table": (["bench", "sampler", "--repeat", "1", "--variants", "optimized", "--no-parity", *TINY],
+                            _sampler_table, None),
     "bench sampler_fp8": (["bench", "sampler", "--repeat", "1", "--shape", "tiny", "--linear", "fp8", "--variants",
                            "optimized", "--json", *TINY], _fp8_rows, None),
     "bench sampler --world-size": (["bench", "sampler", "--world-size", "2", "--repeat", "1", "--json", *TINY],
@@ -195,6 +202,7 @@ CASES = {
     "bench compile": (["bench", "compile", "--model", "standin", "--blocks", "1", "--dim", "16", "--device", "cpu",
                        "--json"], _keys("cold_compile_s", "warm_compile_s", "warm_counters"), None),
     "bench kernels": (["bench", "kernels", "--json"], _sanity_ran, None),
+    "bench attention": (["bench", "attention", "--json"], _keys("rows", "largest_call", "fastest_exact"), None),
     "bench offload": (["bench", "offload", "--blocks", "1", "--repeats", "1", "--warmup", "0", "--json"],
                       _keys("rows"), None),
     "bench play": (["bench", "play", "--device", "cpu", "--chunks", "1", "--warmup", "0", "--json"],

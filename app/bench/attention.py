@@ -1,0 +1,200 @@
+"""``python -m wan_accel bench attention``: every attention implementation at a run's own calls, side by side.
+
+The self-attention calls of a causal video are few and large (the 1.3B shape's largest: 4680 queries against 32760
+keys, 12 heads of 128), so their rate decides half of a video's GPU time. For the calls of a run (``--calls largest``:
+the largest one; ``all``: the largest of every length bucket the operator store keys on, ``plan_shapes``) this bench
+runs every exact candidate of the store's ``auto`` choice that this machine has (FlashAttention 3 / 2, SDPA's cuDNN,
+flash and efficient kernels one by one, SDPA's own pick) and the opt-in approximate modes (``--approximate``), each
+on the same seeded inputs:
+
+  ms            median time of one call (CUDA: ``triton.testing.do_bench``; a CPU: wall time, no GPU meaning)
+  tflops        4 x batch x heads x queries x keys x head size / time (the two matmuls; softmax not counted)
+  of_ceiling    tflops / this GPU's measured bf16 matmul rate (``profiling.ceilings``; CUDA only)
+  max_abs       against the float32 softmax reference on the same inputs; ``exact`` rows must stay within the
+                store's tolerance (``within``), approximate rows state theirs (their bound is the doctor's and
+                ``bench fidelity``'s)
+  store         the operator store's choice for that call's bucket (stored verdict, else availability order)
+
+A candidate that cannot run here is listed with the reason; one that raises is listed with its error (the others
+still run). ``--lq/--lk`` time one call of any size instead of a run's.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+
+from ..validate import UsageError
+
+# shape -> (tokens per latent frame, latent frames, frames per chunk, heads, head size, text tokens)
+SHAPES = {"1.3b": (1560, 21, 3, 12, 128, 512), "14b": (1560, 21, 3, 40, 128, 512), "tiny": (96, 6, 3, 2, 16, 16)}
+APPROXIMATE = ("int8",)           # opt-in approximate attention modes (model/attention.py BACKENDS)
+GOAL_TFLOPS = 550.0               # issue 30: attention at the largest call on an H100/H200
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--shape", choices=list(SHAPES), help="the run whose calls are timed (default: 1.3b on "
+                        "CUDA, tiny on a CPU)")
+    parser.add_argument("--calls", default="largest", choices=["largest", "all"], help="largest: the run's largest "
+                        "self-attention call; all: the largest call of every length bucket (cross-attention too)")
+    parser.add_argument("--lq", type=int, help="query length of one call to time instead of a run's (with --lk)")
+    parser.add_argument("--lk", type=int, help="key length of that call (with --lq)")
+    parser.add_argument("--batch", type=int, default=1, help="batch (default 1)")
+    parser.add_argument("--device", help="cuda / cpu (default: cuda if available)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default bf16 on CUDA, fp32 on a CPU")
+    parser.add_argument("--approximate", default="int8", help="comma list of opt-in approximate modes to time too "
+                        f"({', '.join(APPROXIMATE)}), or 'none'")
+    parser.add_argument("--no-ceiling", action="store_true", help="skip measuring the GPU's matmul ceiling")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+
+
+def calls(shape: str, which: str) -> list:
+    """[(query length, key length)] of a run of ``shape``: its largest self-attention call, or every bucket's."""
+    from ...model.attention import plan_shapes
+    ft, frames, per_chunk, _h, _d, text = SHAPES[shape]
+    chunks = [(f0, min(per_chunk, frames - f0)) for f0 in range(0, frames, per_chunk)]
+    found = plan_shapes(ft, chunks, -1, frames, text if which == "all" else None)
+    return sorted(found, key=lambda s: s[0] * s[1], reverse=True)[:None if which == "all" else 1]
+
+
+def _approximate(text: str) -> list:
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    if names == ["none"]:
+        return []
+    bad = [n for n in names if n not in APPROXIMATE]
+    if bad:
+        raise UsageError(f"--approximate: unknown {', '.join(bad)}; choose from {', '.join(APPROXIMATE)} or none")
+    return names
+
+
+def _check(args) -> None:
+    if (args.lq is None) != (args.lk is None):
+        raise UsageError("--lq and --lk go together (one call of that size); give both or neither")
+    for name in ("lq", "lk", "batch"):
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= 1 << 20:
+            raise UsageError(f"--{name} must be between 1 and {1 << 20}, got {value}")
+
+
+def _timer(device: torch.device):
+    from ...cache.autotune import cpu_timer, cuda_timer
+    return cuda_timer if device.type == "cuda" else (lambda fn: cpu_timer(fn, repeats=1))
+
+
+def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
+    from ...kernels.candidates import tolerance
+    from ...model.attention import STORE_ULPS
+    b, lq, h, d = q.shape
+    row = {"lq": lq, "lk": k.shape[1], "candidate": name, "kind": kind}
+    try:
+        with torch.no_grad():
+            out = fn(q, k, v)
+            diff = (out.float() - ref.float()).abs()
+            ms = timer(lambda: fn(q, k, v))
+    except Exception as exc:  # noqa: BLE001 - one candidate's failure is a row, the others still run
+        return dict(row, status="failed", why=f"{type(exc).__name__}: {str(exc).strip()[:160]}")
+    flops = 4.0 * b * h * lq * k.shape[1] * d
+    tflops = flops / (ms / 1e3) / 1e12 if ms > 0 else None
+    row.update(status="ran", ms=round(ms, 4), tflops=None if tflops is None else float(f"{tflops:.4g}"),
+               of_ceiling=round(tflops / ceiling, 3) if tflops and ceiling else None,
+               max_abs=float(diff.max()), mean_abs=float(diff.mean()))
+    if kind == "exact":
+        row["within"] = bool(row["max_abs"] <= tolerance(q.dtype, float(ref.float().abs().max()), STORE_ULPS))
+    return row
+
+
+def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, approximate=(),
+            seed: int = 0, ceiling: float | None = None) -> list:
+    """Rows of every candidate at one call of [batch, lq|lk, heads, head_dim] (module doc)."""
+    from ...model import attention as attn
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
+    ref = attn.attention_reference(q.float(), k.float(), v.float())
+    timer = _timer(device)
+    rows = []
+    for cand, why in attn.auto_listing(device, dtype, head_dim):
+        if cand.name == "torch":        # the reference itself
+            continue
+        if why is not None:
+            rows.append({"lq": lq, "lk": lk, "candidate": cand.name, "kind": "exact", "status": "unavailable",
+                         "why": why})
+            continue
+        rows.append(_row(cand.name, "exact", cand.fn, q, k, v, ref, timer, ceiling))
+    for name in approximate:
+        rows.append(_row(name, "approximate", lambda a, b_, c, n=name: attn.attention(a, b_, c, backend=n),
+                         q, k, v, ref, timer, ceiling))
+    try:
+        store, why = attn.choose_auto(q, k, v, benchmark=False)
+    except Exception as exc:  # noqa: BLE001 - the store's view is a bonus column
+        store, why = None, f"{type(exc).__name__}: {exc}"
+    for r in rows:
+        r["store"] = store
+    del q, k, v, ref
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run(args) -> int:
+    from ...cache.fingerprint import cpu_name
+    from ...profiling.ceilings import measure_ceilings
+    from ..jobs.handle import default_device, parse_dtype
+    _check(args)
+    approximate = _approximate(args.approximate)
+    device = torch.device(args.device) if args.device else default_device()
+    shape = args.shape or ("1.3b" if device.type == "cuda" else "tiny")
+    dtype = parse_dtype(args.dtype or ("bf16" if device.type == "cuda" else "fp32"))
+    _ft, _frames, _chunk, heads, head_dim, _text = SHAPES[shape]
+    todo = [(args.lq, args.lk)] if args.lq is not None else calls(shape, args.calls)
+    ceil = None if args.no_ceiling else measure_ceilings(device)
+    ceiling = (ceil or {}).get("bf16_matmul_tflops")
+    t0 = time.perf_counter()
+    rows = [r for lq, lk in todo for r in measure(lq, lk, args.batch, heads, head_dim, dtype, device, approximate,
+                                                   args.seed, ceiling)]
+    best = {}
+    for r in rows:
+        if r.get("status") == "ran" and r["kind"] == "exact" and r.get("within"):
+            key = (r["lq"], r["lk"])
+            if key not in best or r["ms"] < best[key]["ms"]:
+                best[key] = r
+    for r in rows:
+        b = best.get((r["lq"], r["lk"]))
+        r["vs_fastest_exact"] = round(b["ms"] / r["ms"], 3) if b and r.get("ms") else None
+    largest = max(todo, key=lambda s: s[0] * s[1])
+    top = best.get(largest)
+    result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+              else cpu_name(), "torch": torch.__version__, "shape": shape, "batch": args.batch, "heads": heads,
+              "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "ceilings": ceil,
+              "largest_call": list(largest), "fastest_exact": top and top["candidate"],
+              "fastest_exact_tflops": top and top["tflops"], "goal_tflops": GOAL_TFLOPS,
+              "seconds": round(time.perf_counter() - t0, 2), "rows": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"attention bench on {result['device_name']} ({device}), {shape} run: batch {args.batch}, {heads} heads of "
+          f"{head_dim}, {result['dtype']}" + (f"; bf16 matmul ceiling {ceiling} TFLOP/s" if ceiling else ""))
+    cols = ["lq", "lk", "candidate", "kind", "status", "ms", "tflops", "of_ceiling", "vs_fastest_exact", "max_abs",
+            "within", "store"]
+    table = [[_cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for t, r in zip(table, rows):
+        line = "  ".join(s.ljust(w) for s, w in zip(t, widths))
+        print(line + (f"  ({r['why']})" if r.get("why") else ""))
+    if top is not None and device.type == "cuda":
+        print(f"largest call {largest[0]} x {largest[1]}: fastest exact {top['candidate']} at {top['tflops']} "
+              f"TFLOP/s (goal {GOAL_TFLOPS:g})")
+    return 0
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.3g}" if (value and (abs(value) < 1e-2 or math.isinf(value))) else f"{value:g}"
+    return str(value)
