@@ -11,9 +11,11 @@ the doctor and the operator store start cold, as on a new machine; the first-run
 The stages (``STAGES``): the doctor (every feature, cold); ``check-reference`` in float32 for every fixture folder
 of a source checkout (Wan, causal, Matrix-Game-2, rolling, LongLive, Krea); ``generate`` on the tiny model; an fp8
 checkpoint through the pack's loader; and on a GPU: ``bench sampler`` at the 1.3B shape (reference in the run
-dtype, optimized, without CUDA graphs, compiled, int8, fp8 linear), ``bench kernels``, block swap under a VRAM cap
-(``bench offload``), the tests marked ``cuda``; and ComfyUI's own loader where ComfyUI imports (the doctor's native
-probe).
+dtype, optimized, without CUDA graphs, compiled, int8, fp8 linear), ``bench attention`` (every implementation at the
+run's calls), the optimized sampler with every chunk decoded by the Wan 2.1 VAE and by the tiny decoder, ``bench
+kernels``, block swap under a VRAM cap (``bench offload``), the tests marked ``cuda``; and ComfyUI's own loader where
+ComfyUI imports (the doctor's native probe). The speed goals (``checks/goals.py``) are read from the bench stages'
+output and written beside the table (``--goals``: only the stages they are read from).
 """
 from __future__ import annotations
 
