@@ -37,8 +37,8 @@ Then one more, untimed run under ``profiling.dispatch_counts`` gives the structu
                       the schedule is resolved before the counted run (host-side tables, never on the device)
   kv_bytes_per_chunk  self-attention KV bytes written per chunk, from the cache's write plan: rows written x
                       forwards of the chunk x layers x 2 (k, v) x heads x head_dim x element size
-  kv_write_bytes      index_copy bytes counted over the video (the self-attention KV of every chunk, plus the
-                      Matrix-Game-2 action caches)
+  kv_write_bytes      KV bytes counted as ``model/kv_cache.write_kv`` wrote them over the video (a slice copy or
+                      index_copy_; the self-attention KV of every chunk, plus the Matrix-Game-2 action caches)
 
 With ``--decode wan|tiny`` every chunk is also decoded to pixels as soon as it is made, and each row gets the
 decode columns (decode_s, end_to_end_s, video_fps_with_decode, first_frame_s, decoder_peak_mb, ...:
@@ -261,7 +261,7 @@ def _count_run(model, kind, inp, v, seed) -> tuple:
     return out.float().cpu(), {
         "ops_per_step": steady.ops, "ops_per_video": counts.ops, "host_syncs": counts.syncs,
         "host_sync_ops": dict(counts.sync_names), "syncs_per_step": steady.syncs,
-        "kv_bytes_per_chunk": plan, "kv_bytes_per_video": sum(plan), "kv_write_bytes": counts.index_copy_bytes}
+        "kv_bytes_per_chunk": plan, "kv_bytes_per_video": sum(plan), "kv_write_bytes": counts.kv_write_bytes}
 
 
 # ----------------------------------------------------------------------------- timing
