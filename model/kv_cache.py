@@ -1,9 +1,11 @@
 """Self-attention KV cache (global or rolling window with sink frames) and the cross-attention cache.
 
 Bookkeeping is host-side Python ints: every forward call gets a ``CacheStep`` (which slots to write, how
-many slots to attend) computed once and shared by all layers. The step also carries the slots as a device index
-tensor (built once per write pattern and kept), so every write is one ``index_copy_`` with no host sync; the
-optimized path's CUDA graphs replay those writes. The rolling window is a ring buffer: the
+many slots to attend) computed once and shared by all layers. A chunk whose rows fill one contiguous range of
+slots (a global cache; a rolling one until it wraps) is written with one plain copy into that slice; one whose slots
+wrap around the ring (or straddle the sink) with one ``index_copy_`` over the step's device index tensor (built
+once per write pattern and kept). Neither needs a host sync, and the optimized path's CUDA graphs replay either: a
+graph is keyed by the step's writes, so it replays the very slice (or index) it was captured with. The rolling window is a ring buffer: the
 first ``sink`` tokens keep their slots; later tokens go to slot ``sink + (g - sink) % ring``. Attention is
 order-independent over keys (RoPE is already applied to cached keys), so no data is ever shifted.
 """
@@ -23,12 +25,37 @@ class CacheStep:
     index: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
     # [rows] long on the cache's device: the slot of each chunk row (same information as ``writes``)
 
+    @property
+    def span(self) -> slice | None:
+        """``slice(d0, d1)`` when the rows fill one contiguous range of slots (``write_kv`` then copies into that
+        slice), else None (the slots wrap or straddle the sink: ``index`` places every row)."""
+        first, end, rows = self.writes[0][0], self.writes[0][0], 0
+        for d0, d1, s0, s1 in self.writes:      # in row order; a range split at the sink joins up again
+            if d0 != end or s0 != rows:
+                return None
+            end, rows = d1, s1
+        return slice(first, end)
+
+
+WRITE_COUNTERS: list = []   # callables(bytes) told of every KV write outside compiled code (profiling.dispatch_counts)
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-    """The one KV writer: row i of k/v [B, rows, H, hd] goes to slot index[i] of the caches [B, capacity, H, hd]."""
-    k_cache.index_copy_(1, index, k.to(k_cache.dtype))
-    v_cache.index_copy_(1, index, v.to(v_cache.dtype))
+             v: torch.Tensor, span: slice | None = None) -> None:
+    """The one KV writer: row i of k/v [B, rows, H, hd] goes to slot index[i] of the caches [B, capacity, H, hd].
+    ``span`` (the step's one contiguous range, when it has one): a plain copy into that slice, casting as it
+    copies, instead of ``index_copy_``. Compiled code takes the index (a tensor input: a slice's ints would be
+    guarded on, one recompile per chunk position)."""
+    if not torch.compiler.is_compiling() and span is not None:     # (compiled: span never read, never guarded)
+        k_cache[:, span].copy_(k)
+        v_cache[:, span].copy_(v)
+    else:
+        k_cache.index_copy_(1, index, k.to(k_cache.dtype))
+        v_cache.index_copy_(1, index, v.to(v_cache.dtype))
+    if WRITE_COUNTERS and not torch.compiler.is_compiling():
+        written = (k.numel() + v.numel()) * k_cache.element_size()
+        for count in WRITE_COUNTERS:
+            count(written)
 
 
 class LayerKV:
@@ -41,7 +68,7 @@ class LayerKV:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep):
         """Write this call's keys/values, return the views to attend to."""
-        write_kv(self.k, self.v, step.index, k, v)
+        write_kv(self.k, self.v, step.index, k, v, step.span)
         return self.k[:, :step.read_len], self.v[:, :step.read_len]
 
 

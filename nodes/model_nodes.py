@@ -456,14 +456,14 @@ class CausalWanSampler:
                 model, sample_latents_with_state, model.model, context, width, height, num_frames, seed, schedule,
                 frames_per_block, kv_window, sink, state=continue_from, keep_state=bool(keep_state),
                 skip_last_refresh=skip_last_refresh, callback=self._progress(), path=path, fast_options=options,
-                report=report, **prompts)
+                report=report, on_chunk_latents=self._chunk_latents(), **prompts)
         else:
             run = sample_latents if pool is None else functools.partial(pool.sample, setup={
                 "cuda_graphs": graphs, "fused_kernels": fused, "ops": options.ops})
             latents, state = maybe_profile(model, run, model.model, context, width, height, num_frames, seed,
                                            schedule, frames_per_block, kv_window, sink, skip_last_refresh,
                                            callback=self._progress(), path=path, fast_options=options,
-                                           report=report), None
+                                           report=report, on_chunk_latents=self._chunk_latents()), None
         self.last_report = report
         result = ({"samples": to_vae_latents(latents).cpu()}, state)
         if doctor_notes:        # features that failed their self-check here: say so in the node's text
@@ -471,8 +471,13 @@ class CausalWanSampler:
         return result
 
     def _progress(self):
-        """The per-step callback (progress bar, preview, interrupt); the sampler+decode node adds its decode."""
+        """The per-step callback (progress bar, preview, interrupt)."""
         return _ComfyProgress()
+
+    def _chunk_latents(self):
+        """The sampler's ``on_chunk_latents`` (each chunk's frames before its refresh pass): none here; the
+        sampler+decode node decodes there."""
+        return None
 
 
 NODE_CLASS_MAPPINGS = {

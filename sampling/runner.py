@@ -421,7 +421,8 @@ class Run:
         key = (step, self.parts, seq)
         calls = self.sess.calls.get(key)
         if calls is None:
-            calls = [LayerCall(cross, self.parts, layer.k, layer.v, step.index, step.read_len, seq=seq)
+            calls = [LayerCall(cross, self.parts, layer.k, layer.v, step.index, step.read_len, seq=seq,
+                               write_span=step.span)
                      for layer, cross in zip(self.kv.layers, self.cross)]
             if len(self.sess.calls) >= 256:
                 self.sess.calls.clear()

@@ -180,7 +180,8 @@ def test_a_wan22_vae_is_named(tmp_path):
 
 # ----------------------------------------------------------------------------------------- in the sampler
 def test_each_chunk_is_decoded_from_the_sampler_s_final_latents(decoders):
-    """The callback decodes every chunk once, at its last step, and its frames are the decode of the finished video."""
+    """The on_chunk_latents hook decodes every chunk once, before its refresh, and its frames are the decode of the
+    finished video."""
     from wan_accel.model.tiny import tiny_causal_model
     from wan_accel.sampling.sampler import generate_latents
     dec = decoders["wan"]
@@ -188,7 +189,8 @@ def test_each_chunk_is_decoded_from_the_sampler_s_final_latents(decoders):
     hook = ChunkDecoder(dec, torch.device("cpu"), 0.0)
     parts, push = [], hook.stream.push
     hook.stream.push = lambda x: parts.append(push(x)) or parts[-1]
-    out = generate_latents(model, torch.zeros(1, 0, model.config.text_dim), 6, 2, 4, seed=0, callback=hook)
+    out = generate_latents(model, torch.zeros(1, 0, model.config.text_dim), 6, 2, 4, seed=0,
+                           on_chunk_latents=hook)
     assert hook.chunk_frames == [3, 3] and len(hook.decode_s) == 2 and hook.frames == 21
     _close(torch.cat(parts, 2), dec.stream().push(out))
 

@@ -19,8 +19,16 @@ One process, the same random weights (or checkpoint) and the same inputs for eve
                         was measured slower)
 
 Per variant: first (warm-up) and steady seconds (median of --repeat runs), per-chunk latency, DiT-only video
-FPS, FLOPs and MFU (peak by compute capability; n/a on a CPU), peak memory and speedups. Then one more, untimed run
-under ``profiling.dispatch_counts`` gives the structure of the path:
+FPS, FLOPs and MFU (peak by compute capability; n/a on a CPU), peak memory and speedups. The per-chunk times are
+medians over the timed runs, each mark taken on a device sync:
+
+  chunk_ms            per chunk, from the previous chunk's end (the run's start for the first) to the end of its
+                      cache-refresh pass (a decode's time taken out)
+  denoise_ms          per chunk, from the same start to its final latents being ready, before its refresh pass:
+                      where the sampler's ``on_chunk_latents`` hands a chunk to a streaming decode
+  first_latents_ms    denoise_ms[0]: from the run's start to the first chunk's latents ready (first frames sooner)
+
+Then one more, untimed run under ``profiling.dispatch_counts`` gives the structure of the path:
 
   parity_max_abs / parity_mean_abs  its latents against the 'reference' variant's (float32 reference)
   ops_per_step        aten ops dispatched in one steady-state chunk step (the last chunk's last denoising step:
@@ -29,8 +37,8 @@ under ``profiling.dispatch_counts`` gives the structure of the path:
                       the schedule is resolved before the counted run (host-side tables, never on the device)
   kv_bytes_per_chunk  self-attention KV bytes written per chunk, from the cache's write plan: rows written x
                       forwards of the chunk x layers x 2 (k, v) x heads x head_dim x element size
-  kv_write_bytes      index_copy bytes counted over the video (the self-attention KV of every chunk, plus the
-                      Matrix-Game-2 action caches)
+  kv_write_bytes      KV bytes counted as ``model/kv_cache.write_kv`` wrote them over the video (a slice copy or
+                      index_copy_; the self-attention KV of every chunk, plus the Matrix-Game-2 action caches)
 
 With ``--decode wan|tiny`` every chunk is also decoded to pixels as soon as it is made, and each row gets the
 decode columns (decode_s, end_to_end_s, video_fps_with_decode, first_frame_s, decoder_peak_mb, ...:
@@ -195,7 +203,7 @@ def _schedule(kind: str):
     return resolve_schedule("self_forcing")
 
 
-def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None):
+def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_chunk_latents=None):
     from ...compile import uncompile_model
     from ...sampling.sampler import generate_latents, sampler_path
     from ..jobs.generate import compile_for_sampling
@@ -213,10 +221,11 @@ def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None):
             keyboard = None if inp["keyboard"] is None else inp["keyboard"].to(dev)
             return generate_mg2(model, inp["image"].to(dev), inp["context"].to(dev), (mouse, keyboard),
                                 num_frames=inp["latent_frames"], seed=seed, preset=schedule, on_chunk=on_chunk,
-                                callback=callback, skip_last_refresh=v["skip_last_refresh"])
+                                callback=callback, skip_last_refresh=v["skip_last_refresh"],
+                                on_chunk_latents=on_chunk_latents)
         return generate_latents(model, inp["context"], inp["latent_frames"], inp["lh"], inp["lw"], seed=seed,
                                 schedule=schedule, skip_last_refresh=v["skip_last_refresh"], on_chunk=on_chunk,
-                                callback=callback, report=report)
+                                callback=callback, report=report, on_chunk_latents=on_chunk_latents)
 
 
 def _kv_plan(model, kind, inp, v) -> list:
@@ -252,7 +261,7 @@ def _count_run(model, kind, inp, v, seed) -> tuple:
     return out.float().cpu(), {
         "ops_per_step": steady.ops, "ops_per_video": counts.ops, "host_syncs": counts.syncs,
         "host_sync_ops": dict(counts.sync_names), "syncs_per_step": steady.syncs,
-        "kv_bytes_per_chunk": plan, "kv_bytes_per_video": sum(plan), "kv_write_bytes": counts.index_copy_bytes}
+        "kv_bytes_per_chunk": plan, "kv_bytes_per_video": sum(plan), "kv_write_bytes": counts.kv_write_bytes}
 
 
 # ----------------------------------------------------------------------------- timing
@@ -268,9 +277,9 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, chunks, ran, totals, decodes = [], [], {}, [], []
+    times, chunks, ran, totals, decodes, denoised = [], [], {}, [], [], []
     for _ in range(1 + max(1, args.repeat)):
-        marks = []
+        marks, ready = [], []
         _sync(device)
         t0 = time.perf_counter()
         dec = ChunkDecoder(decoder, device, t0) if decoder is not None else None
@@ -279,14 +288,22 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
             _sync(device)
             marks.append(time.perf_counter())
 
+        def on_latents(ci, n, x0, dec=dec, ready=ready):     # before the chunk's refresh pass (and its decode)
+            _sync(device)
+            ready.append(time.perf_counter())
+            if dec is not None:
+                dec(ci, n, x0)
+
         ran.clear()
-        _sample(model, kind, inp, v, args.seed, on_chunk, callback=dec, report=ran)
+        _sample(model, kind, inp, v, args.seed, on_chunk, report=ran, on_chunk_latents=on_latents)
         _sync(device)
         totals.append(time.perf_counter() - t0)
         decodes.append(dec)
         spent = dec.decode_s if dec is not None else [0.0] * len(marks)     # the DiT-only figures leave it out
         times.append(totals[-1] - sum(spent))
-        chunks.append([b - a - d for a, b, d in zip([t0] + marks[:-1], marks, spent)])
+        starts = [t0] + marks[:-1]
+        chunks.append([b - a - d for a, b, d in zip(starts, marks, spent)])
+        denoised.append([r - a for a, r in zip(starts, ready)])      # a chunk's decode comes after its mark
     output, structure = _count_run(model, kind, inp, v, args.seed)
     peak_memory = _peak_memory(device)
     if decoder is not None:
@@ -295,6 +312,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     steady = statistics.median(times[1:])
     timed = chunks[1:]
     per_chunk = [statistics.median(c[i] for c in timed) for i in range(len(timed[0]))]
+    per_denoise = [statistics.median(d[i] for d in denoised[1:]) for i in range(len(denoised[1]))]
     cfg = model.config
     ph, pw = cfg.patch_size[1:]
     steps = 3 if kind == "matrix-game2" else 4
@@ -313,6 +331,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
             "first_s": round(times[0], 4), "steady_s": round(steady, 4),
             "chunk_ms": [round(1e3 * c, 2) for c in per_chunk],
             "chunk_ms_mean": round(1e3 * statistics.mean(per_chunk), 2),
+            "denoise_ms": [round(1e3 * d, 2) for d in per_denoise], "first_latents_ms": round(1e3 * per_denoise[0], 2),
             "video_fps": round(frames / steady, 2), "latent_fps": round(inp["latent_frames"] / steady, 2),
             "forwards": work["forwards"], "flops": work["flops"], "tflop": round(work["flops"] / 1e12, 6),
             "tflops_per_s": round(work["flops"] / steady / 1e12, 4),
