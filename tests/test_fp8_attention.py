@@ -1,0 +1,201 @@
+"""fp8 attention (opt-in): the torch version against exact attention within the stated bound
+(kernels/fp8_attention.error_bound), the bound not trivially loose, the Triton kernel under the interpreter against
+the torch version (tiny shapes: head sizes 16..128, lengths that are no multiple of the tile, batch 1-2, 1-3
+heads), and the zero-token, padding and bad-input edges.
+
+TRITON_INTERPRET must be set before triton is first imported, so the kernel runs in a child process.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve()
+MARK = "FP8_ATTENTION_INTERPRET_RESULT "
+ROWS = slice(0, 48)      # the bound's Q term costs rows x keys x head_dim^2: bound a sample of queries
+
+
+def _wan_qkv(dtype, lq=256, lk=384, heads=12, head_dim=128, seed=0, v_spread=0.0):
+    """Wan 2.1 1.3B's head layout ([B, L, 12, 128]); ``v_spread``: the values' token scales spread by
+    exp(N(0, v_spread)) (what folding V's scales into P has to carry)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, lq, heads, head_dim, generator=g) * 2
+    k = torch.randn(1, lk, heads, head_dim, generator=g) * 1.5 + 0.7
+    v = torch.randn(1, lk, heads, head_dim, generator=g)
+    v = v * torch.exp(torch.randn(1, lk, heads, 1, generator=g) * v_spread)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _exact(q, k, v):
+    qf, kf, vf = (t.transpose(1, 2).double() for t in (q, k, v))
+    w = torch.softmax(qf @ kf.transpose(-1, -2) / qf.shape[-1] ** 0.5, dim=-1)
+    return (w @ vf).transpose(1, 2).float()
+
+
+def _ratio(out, q, k, v, kernel="torch"):
+    from wan_accel.kernels import fp8_attention as fa
+    err = (out.float() - _exact(q, k, v))[:, ROWS].abs()
+    return err, err / fa.error_bound(q, k, v, kernel=kernel, rows=ROWS)
+
+
+@pytest.mark.parametrize("dtype,spread", [(torch.float32, 0.0), (torch.bfloat16, 0.0), (torch.float32, 2.0)])
+def test_torch_fp8_is_within_the_stated_bound_on_wan_shapes(dtype, spread):
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.model import attention as attn
+    q, k, v = _wan_qkv(dtype, v_spread=spread)
+    out = fa.fp8_attention_torch(q, k, v)
+    assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
+    err, ratio = _ratio(out, q, k, v)
+    assert float(ratio.max()) <= 1.0
+    assert float(ratio.max()) > 0.25            # the bound is of the error's size (random inputs reach a good part)
+    exact_err = (attn.attention(q, k, v, backend="sdpa").float() - _exact(q, k, v))[:, ROWS].abs()
+    assert float(err.max()) > 4 * float(exact_err.max())           # fp8, not exact attention in this dtype
+
+
+def _coarser(codes_of, factor):
+    """A quantizer whose codes lose log2(factor) more mantissa bits (rounding errors ``factor`` times e4m3's)."""
+    def quantize(x):
+        codes, scale = codes_of(x)
+        f = codes.float()
+        ulp = torch.exp2(torch.floor(torch.log2(f.abs().clamp_min(2.0 ** -6))) - 3) * factor
+        return (torch.round(f / ulp) * ulp).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+    return quantize
+
+
+@pytest.mark.parametrize("factor", [2, 4])
+def test_a_coarser_rounding_fails_the_bound(monkeypatch, factor):
+    """Q, K and V rounded with spacings 2 or 4 times e4m3's (one or two mantissa bits fewer) exceed the bound."""
+    from wan_accel.kernels import fp8_attention as fa
+    q, k, v = _wan_qkv(torch.float32)
+    with monkeypatch.context() as m:
+        m.setattr(fa, "quantize_tokens", _coarser(fa.quantize_tokens, factor))
+        planted = fa.fp8_attention_torch(q, k, v)
+    _, ratio = _ratio(planted, q, k, v)
+    assert float(ratio.max()) > 1.0
+
+
+def test_a_much_coarser_p_fails_the_bound(monkeypatch):
+    """P's own term: the folded P' rounded with a spacing 8 times e4m3's (three mantissa bits fewer) exceeds the
+    bound (P' in e4m3 itself costs less than Q and K do: with 4 times the spacing it still stays inside)."""
+    from wan_accel.kernels import fp8_attention as fa
+    q, k, v = _wan_qkv(torch.float32, lq=64, lk=256, heads=2, v_spread=2.0)
+    real = fa.round_e4m3
+
+    def coarse(x):
+        ulp = torch.exp2(torch.floor(torch.log2(real(x).abs().clamp_min(2.0 ** -6))) - 3) * 8
+        return torch.round(x / ulp) * ulp
+
+    with monkeypatch.context() as m:
+        m.setattr(fa, "round_e4m3", coarse)
+        planted = fa.fp8_attention_torch(q, k, v)
+    _, ratio = _ratio(planted, q, k, v)
+    assert float(ratio.max()) > 1.0
+
+
+def test_quantizing_once_equals_quantizing_every_call():
+    """K and V quantized per (token, head) when they enter a cache give the same codes as quantizing the whole
+    key set per call, so the cached copy changes nothing but the work."""
+    from wan_accel.kernels import fp8_attention as fa
+    q, k, v = _wan_qkv(torch.bfloat16, lq=40, lk=300, heads=2, head_dim=64)
+    parts = [fa.quantize_kv(k[:, i:i + 100], v[:, i:i + 100]) for i in range(0, 300, 100)]
+    joined = fa.Fp8KV(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in fa.Fp8KV._fields))
+    assert torch.equal(fa.fp8_attention_torch(q, k, v, kv8=joined), fa.fp8_attention_torch(q, k, v))
+
+
+def test_zero_tokens_and_padded_keys():
+    from wan_accel.kernels import fp8_attention as fa
+    q, k, v = _wan_qkv(torch.float32, lq=40, lk=150, heads=2, head_dim=16)
+    q[:, 3] = 0
+    k[:, 5] = 0
+    v[:, :130] = 0                       # a whole tile of zero values next to a partial one
+    out = fa.fp8_attention_torch(q, k, v)
+    assert torch.isfinite(out).all()
+    err, ratio = _ratio(out, q, k, v)
+    assert float(ratio.max()) <= 1.0
+    mask = torch.ones(1, 150, dtype=torch.bool)
+    mask[:, 140:] = False
+    masked = fa.fp8_attention(q, k, v, mask)
+    v2 = v.clone()
+    v2[:, 140:] = 1e3
+    assert torch.equal(masked, fa.fp8_attention(q, k, v2, mask))
+    assert float((masked - _exact(q, k[:, :140], v[:, :140])).abs().max()) < 0.2
+
+
+def test_bad_inputs_say_what_to_fix():
+    from wan_accel.kernels import fp8_attention as fa
+    q, k, v = _wan_qkv(torch.float32, lq=4, lk=8, heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="q \\[B, Lq, H, D\\]"):
+        fa.fp8_attention_torch(q, k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match="kernel must be"):
+        fa.error_bound(q, k, v, kernel="cuda")
+
+
+def test_on_a_cpu_the_torch_version_runs_and_says_why():
+    from wan_accel.kernels import fp8_attention as fa
+    kind, reason = fa.implementation("cpu", torch.float32, 128)
+    assert kind == "torch" and "torch version" in reason
+    assert "head sizes" in fa.kernel_problem("cpu", torch.float32, 96)
+
+
+# ----------------------------------------------------------------------------- the Triton kernel, interpreted
+CASES = [  # (batch, queries, keys, heads, head size, tile, BLOCK_M, dtype, value spread)
+    (1, 37, 150, 2, 16, 32, 16, "float32", 1.0),
+    (2, 20, 70, 1, 64, 32, 32, "bfloat16", 0.0),
+    (1, 70, 200, 3, 128, 128, 64, "float32", 2.0),
+    (2, 9, 33, 3, 32, 32, 16, "float16", 0.5),
+]
+
+
+def _child() -> None:
+    from wan_accel.kernels import _common
+    from wan_accel.kernels import fp8_attention as fa
+    assert _common.interpreter_usable()
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for b, lq, lk, h, d, tile, bm, dtype, spread in CASES:
+        dt = getattr(torch, dtype)
+        q = (torch.randn(b, lq, h, d, generator=g) * 2).to(dt)
+        k = (torch.randn(b, lk, h, d, generator=g) * 1.5 + 0.5).to(dt)
+        v = (torch.randn(b, lk, h, d, generator=g) * torch.exp(torch.randn(b, lk, h, 1, generator=g) * spread)).to(dt)
+        k[:, 1] = 0                                  # a zero key token (its scale is the tiny one)
+        config = {"BLOCK_M": bm, "num_warps": 4, "num_stages": 1}
+        tri = fa.fp8_attention_triton(q, k, v, config=config, tile=tile)
+        ref = fa.fp8_attention_torch(q, k, v, tile=tile)
+        cached = fa.fp8_attention_triton(q, k, v, fa.quantize_kv(k, v), config=config, tile=tile)
+        w = torch.softmax((q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2)) * d ** -0.5, -1)
+        pv_abs = (w @ v.double().abs().transpose(1, 2)).transpose(1, 2).float()
+        # both sum the same exact products in float32 in another order, and round the output to the same dtype
+        tol = (d + tile + 32) * fa.F32_U * pv_abs + 2 * fa.unit_roundoff(dt) * ref.float().abs()
+        bound = fa.error_bound(q, k, v, tile=tile)
+        rows.append({"shape": [b, lq, lk, h, d], "dtype": str(tri.dtype), "finite": bool(torch.isfinite(tri).all()),
+                     "within_tol": bool(((tri.float() - ref.float()).abs() <= tol).all()),
+                     "max_diff": float((tri.float() - ref.float()).abs().max()),
+                     "cached_equal": bool(torch.equal(cached, tri)),
+                     "vs_exact": float(((tri.float() - _exact(q, k, v)).abs() / bound).max()),
+                     "kind": fa.implementation("cpu", dt, d)[0]})
+    print(MARK + json.dumps(rows), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    sys.path.insert(0, str(HERE.parent))
+    from interpret_child import run_interpreted_child
+    return run_interpreted_child(HERE, tmp_path_factory.mktemp("fp8_attention_interp"), MARK, timeout=600)
+
+
+def test_the_triton_kernel_matches_the_torch_version_under_the_interpreter(interpreted):
+    assert len(interpreted) == len(CASES)
+    for row, case in zip(interpreted, CASES):
+        assert row["kind"] == "triton", row
+        assert row["dtype"] == f"torch.{case[7]}" and row["finite"], row
+        assert row["within_tol"], row
+        assert row["cached_equal"], row                 # a cached copy of K/V gives the same result
+        assert row["vs_exact"] <= 1.0, row              # and the kernel is within the stated bound of exact
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    _child()
