@@ -141,6 +141,137 @@ def test_on_a_cpu_the_torch_version_runs_and_says_why():
     assert "head sizes" in fa.kernel_problem("cpu", torch.float32, 96)
 
 
+# ----------------------------------------------------------------------------- the KV cache's fp8 copy
+def _filled_cache(rolling=False, dtype=torch.bfloat16):
+    from wan_accel.model.kv_cache import KVCache
+    cache = KVCache(2, 1, 96, 2, 16, dtype=dtype, rolling=rolling, sink_tokens=16 if rolling else 0)
+    cache.use_fp8(True)
+    g = torch.Generator().manual_seed(3)
+    return cache, g
+
+
+def _write(cache, step, g, layer=0):
+    from wan_accel.model.kv_cache import write_kv
+    rows = step.index.numel()
+    k, v = (torch.randn(1, rows, 2, 16, generator=g) * 3 for _ in range(2))
+    lay = cache.layers[layer]
+    write_kv(lay.k, lay.v, step.index, k, v)
+    return lay.k[:, :step.read_len], lay.v[:, :step.read_len]
+
+
+def _same_codes(copy, k, v) -> bool:
+    from wan_accel.kernels import fp8_attention as fa
+    fresh = fa.quantize_kv(k, v)
+    return all(torch.equal(getattr(copy, f).float(), getattr(fresh, f).float()) for f in fa.Fp8KV._fields)
+
+
+@pytest.mark.parametrize("rolling", [False, True])
+def test_the_cache_keeps_the_codes_of_what_it_holds(rolling):
+    """Every write (appends, a rolling window's wrap, a rewrite, zero padding) puts into the fp8 copy exactly the
+    codes of the cached keys/values, so attention on the cache reads the copy and gives what quantizing the
+    cache view per call gives."""
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.model import attention as attn
+    from wan_accel.model.kv_cache import fp8_copy
+    cache, g = _filled_cache(rolling)
+    q = torch.randn(1, 24, 2, 16, generator=g).to(torch.bfloat16)
+    for start in range(0, 168 if rolling else 96, 24):
+        k, v = _write(cache, cache.plan(start, 24), g)
+        copy = fp8_copy(k, v)
+        assert copy is not None and _same_codes(copy, k, v)
+        assert torch.equal(attn.attention(q, k, v, backend="fp8"), fa.fp8_attention_torch(q, k, v))
+    k, v = _write(cache, cache.rewrite(cache.end - 24, 24), g)
+    assert _same_codes(fp8_copy(k, v), k, v)
+    if not rolling:
+        cache.reset()
+        _write(cache, cache.plan(0, 24), g)
+        cache.pad_next(8)
+        step = cache.plan(24, 24)
+        k, v = cache.layers[0].k[:, :step.read_len], cache.layers[0].v[:, :step.read_len]
+        assert _same_codes(fp8_copy(k, v), k, v)
+
+
+def test_attention_reads_the_copy_instead_of_quantizing(monkeypatch):
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.model import attention as attn
+    cache, g = _filled_cache()
+    k, v = _write(cache, cache.plan(0, 48), g)
+    q = torch.randn(1, 24, 2, 16, generator=g).to(torch.bfloat16)
+    calls = []
+    real = fa.quantize_kv
+    monkeypatch.setattr(fa, "quantize_kv", lambda *a: calls.append(1) or real(*a))
+    attn.attention(q, k, v, backend="fp8")
+    assert calls == []
+    attn.attention(q, k.clone(), v.clone(), backend="fp8")        # not a cache view: quantized by the call
+    assert calls == [1]
+
+
+def test_the_copy_is_written_only_under_the_mode_and_caught_up_when_it_returns():
+    from wan_accel.model.kv_cache import fp8_copy
+    cache, g = _filled_cache()
+    _write(cache, cache.plan(0, 24), g)
+    cache.use_fp8(False)
+    k, v = _write(cache, cache.plan(24, 24), g)
+    assert fp8_copy(k, v) is None
+    shadow = getattr(cache.layers[0].k, "_wan_accel_fp8")
+    assert float(shadow.k[:, 24:48].float().abs().sum()) == 0           # not written while off
+    cache.layers[0].k[:, :8].copy_(torch.randn(1, 8, 2, 16, generator=g))  # filled another way (a continuation)
+    cache.use_fp8(True)
+    assert _same_codes(fp8_copy(k, v), k, v)
+
+
+def _fp8_run(monkeypatch, slow: bool, judged: bool = True, **fast):
+    """The optimized path with attention fp8 on the tiny model; ``judged``: as on a GPU with the kernel (the
+    kernel's stand-in is the torch version, the store's timer a set one)."""
+    import speed_timer
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.model import attention as att
+    from wan_accel.model.tiny import tiny_causal_model
+    from wan_accel.sampling.sampler import generate_latents
+    sys.path.insert(0, str(HERE.parent))
+    if judged:
+        monkeypatch.setattr(att, "SPEED_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(fa, "kernel_problem", lambda *a, **kw: None)
+        monkeypatch.setattr(fa, "fp8_attention_triton", lambda q, k, v, kv8=None: fa.fp8_attention_torch(
+            q, k, v, None, kv8))
+        speed_timer.install(monkeypatch, slow)
+    model = tiny_causal_model()
+    ctx = torch.randn(1, 4, model.config.text_dim, generator=torch.Generator().manual_seed(0))
+    report = {"copies": []}
+    real = att.fp8_copy
+    monkeypatch.setattr(att, "fp8_copy", lambda k, v: (lambda c: report["copies"].append(c is not None) or c)(
+        real(k, v)))
+    out = generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized", report=report,
+                           fast_options={"attention": "fp8", "cuda_graphs": "off", **fast})
+    exact = generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized",
+                             fast_options={"attention": "sdpa", "cuda_graphs": "off"})
+    return out, exact, report
+
+
+def test_on_a_cpu_the_fp8_run_is_not_judged_and_keeps_fp8(monkeypatch):
+    out, exact, report = _fp8_run(monkeypatch, slow=True, judged=False)
+    assert report["attention"] == "fp8" and report["fp8_attention_speed"]["slower"] is None
+    assert "not judged" in report["fp8_attention_speed"]["why"]
+    assert any(report["copies"]) and not all(report["copies"])   # self-attention reads the cache's fp8 copy,
+    #                                                                 cross-attention quantizes the prompt's K/V
+    assert not torch.equal(out, exact) and float((out - exact).abs().max()) < 0.2
+
+
+def test_fp8_measured_slower_keeps_the_exact_path(monkeypatch):
+    out, exact, report = _fp8_run(monkeypatch, slow=True)
+    assert report["fp8_attention_speed"]["slower"] is True and "queries x" in report["fp8_attention_speed"]["why"]
+    assert report["attention"] == "exact (fp8 measured slower)"
+    assert any("fp8 attention is slower" in n and "--keep-slower" in n for n in report["notes"])
+    assert torch.equal(out, exact)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_fp8_kept_where_faster_or_where_the_user_insists(monkeypatch, keep):
+    out, exact, report = _fp8_run(monkeypatch, slow=keep, keep_slower=keep)
+    assert report["fp8_attention_speed"]["slower"] is keep and report["attention"] == "fp8"
+    assert not torch.equal(out, exact)
+
+
 # ----------------------------------------------------------------------------- the Triton kernel, interpreted
 CASES = [  # (batch, queries, keys, heads, head size, tile, BLOCK_M, dtype, value spread)
     (1, 37, 150, 2, 16, 32, 16, "float32", 1.0),
