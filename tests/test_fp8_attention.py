@@ -272,6 +272,100 @@ def test_fp8_kept_where_faster_or_where_the_user_insists(monkeypatch, keep):
     assert not torch.equal(out, exact)
 
 
+# ----------------------------------------------------------------------------- where the mode is offered
+def test_fp8_is_offered_by_the_cli_the_nodes_and_the_benches_never_by_default():
+    import argparse
+    from wan_accel.app.bench import sampler
+    from wan_accel.cli import build_parser
+    from wan_accel.model import attention as attn
+    from wan_accel.nodes.doctor_nodes import FEATURE_CHOICES
+    from wan_accel.nodes.model_nodes import CausalWanModelLoader
+    from wan_accel.nodes.native_nodes import WanAccelARSampler
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--attention", "fp8"]).attention == "fp8"
+    assert "fp8" in CausalWanModelLoader.INPUT_TYPES()["required"]["attention"][0]
+    assert "fp8" in CausalWanModelLoader.INPUT_TYPES()["required"]["attention"][1]["tooltip"]
+    assert "fp8" in WanAccelARSampler.INPUT_TYPES()["optional"]["attention"][0]
+    assert "attention.fp8" in FEATURE_CHOICES
+    ns = argparse.Namespace(variants="reference,optimized", attention="fp8")
+    assert sampler._variant_names(ns, "fp32") == ["reference", "reference-fp8att", "optimized", "optimized-fp8att"]
+    assert sampler.VARIANTS["optimized-fp8att"]["attention"] == "fp8"
+    assert sampler.exact_twin("optimized-fp8att") == "optimized"
+    assert sampler.exact_twin("optimized-fp8att-fp8") == "optimized-fp8att"      # fp8 linear on top of it
+    for requested in ("auto", "flash_attn", "sdpa"):
+        assert attn.explain_backend(requested, "cpu", torch.bfloat16, 128)[0] != "fp8"
+
+
+@pytest.mark.parametrize("path", ["reference", "optimized"])
+def test_both_sampler_paths_run_fp8_from_the_loader(monkeypatch, path):
+    """The loader node's handle with attention fp8: every attention call of the run goes through fp8; the latents
+    differ from exact attention's, closely."""
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.nodes.model_nodes import CausalWanModelLoader
+    from wan_accel.sampling.sampler import generate_latents, sampler_path
+    calls = []
+    real = fa.fp8_attention_torch
+    monkeypatch.setattr(fa, "fp8_attention_torch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    outs = {}
+    for mode in ("sdpa", "fp8"):
+        handle = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", mode)[0]
+        report = {}
+        with torch.no_grad(), sampler_path(path, {} if path == "optimized" else None):
+            outs[mode] = generate_latents(handle.model, torch.randn(1, 8, handle.model.config.text_dim,
+                                          generator=torch.Generator().manual_seed(1)), 6, 4, 4, seed=3,
+                                          schedule="self_forcing", report=report)
+        if path == "optimized":
+            assert report["attention"] == mode
+        assert bool(calls) == (mode == "fp8")
+    diff = (outs["fp8"] - outs["sdpa"]).abs().max()
+    assert torch.isfinite(outs["fp8"]).all() and 0 < float(diff) < 0.2
+
+
+def test_the_doctor_judges_fp8_by_its_bound(monkeypatch):
+    from wan_accel.app.doctor.core import doctor_for
+    from wan_accel.kernels import fp8_attention as fa
+    d = doctor_for("cpu", torch.float32, 16, tokens=32, heads=2)
+    assert d.check("attention.fp8")["status"] == "passed"
+    real = fa.fp8_attention_torch
+    monkeypatch.setattr(fa, "fp8_attention_torch", lambda *a, **kw: real(*a, **kw) * 1.25)
+    assert doctor_for("cpu", torch.float32, 16, tokens=32, heads=2).check("attention.fp8", recheck=True)[
+        "status"] == "failed"
+
+
+def test_bench_attention_times_fp8_with_its_keys_quantized_beforehand():
+    from wan_accel.app.bench import attention as bench
+    sys.path.insert(0, str(HERE.parent))
+    from cli_run import run_cli
+    by = {r["candidate"]: r for r in bench.measure(40, 70, 1, 2, 16, torch.float32, torch.device("cpu"), ["fp8"])}
+    assert by["fp8"]["kind"] == "approximate" and by["fp8"]["status"] == "ran"
+    assert 1e-4 < by["fp8"]["max_abs"] < 0.5
+    code, out, err = run_cli("bench", "attention", "--lq", "33", "--lk", "65", "--approximate", "fp8", "--json")
+    assert code == 0, err
+    assert [r["candidate"] for r in json.loads(out)["rows"] if r["kind"] == "approximate"] == ["fp8"]
+
+
+def test_every_fp8_call_of_a_fidelity_run_is_within_the_bound(monkeypatch):
+    """``bench fidelity --attention fp8`` on the recorded wan fixture, both paths: every fp8 attention call stays
+    within ``error_bound`` of exact attention (float64) on its own inputs, and fp8 changes the video."""
+    from wan_accel.app.bench.fidelity import FIXTURES, PATHS, measure
+    from wan_accel.kernels import fp8_attention as fa
+    worst, calls = [0.0], [0]
+    real = fa.fp8_attention_torch
+
+    def checked(q, k, v, key_padding_mask=None, kv8=None, tile=fa.TILE):
+        out = real(q, k, v, key_padding_mask, kv8, tile)
+        keep = slice(None) if key_padding_mask is None else key_padding_mask[0]
+        bound = fa.error_bound(q, k, v, key_padding_mask)
+        worst[0] = max(worst[0], float(((out.float() - _exact(q, k[:, keep], v[:, keep])).abs() / bound).max()))
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(fa, "fp8_attention_torch", checked)
+    rows = measure(FIXTURES / "wan_reference", "fp8")
+    assert calls[0] > 0 and worst[0] <= 1.0, worst
+    assert [r["path"] for r in rows] == list(PATHS) and all(r["final"]["max_abs"] > 0 for r in rows)
+
+
 # ----------------------------------------------------------------------------- the Triton kernel, interpreted
 CASES = [  # (batch, queries, keys, heads, head size, tile, BLOCK_M, dtype, value spread)
     (1, 37, 150, 2, 16, 32, 16, "float32", 1.0),
