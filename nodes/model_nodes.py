@@ -101,13 +101,16 @@ class CausalWanModelLoader:
                 "precision": (["self_forcing", "wan21", "float32"], {"default": "self_forcing", "tooltip":
                               "self_forcing: whole model in dtype (as Self-Forcing runs). wan21: time embedding, "
                               "modulation, residual stream and head in float32. float32: everything float32."}),
-                "attention": (["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8"], {"default": "auto", "tooltip":
+                "attention": (["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8", "fp8"], {"default": "auto",
+                              "tooltip":
                               "auto: exact attention; FlashAttention 3 (Hopper) / 2 (compute capability 8.0+) "
                               "where installed and supported, else torch SDPA; on CUDA the optimized sampler keeps "
                               "the fastest one verified on this GPU per shape (operator store). fa3 / fa2 / sdpa "
                               "force one (SDPA where the forced one cannot run). int8 (opt-in): SageAttention-"
                               "style int8 Q/K (comfy-kitchen's kernel on CUDA), close to exact but not equal "
-                              "(README: Fidelity)."}),
+                              "(README: Fidelity). fp8 (opt-in): Q, K, V and P in fp8, K/V quantized once as they "
+                              "enter the KV cache (the pack's kernel on GPUs of SM 8.9+), within a stated error of "
+                              "exact; kept only where measured faster than exact (README: Fidelity)."}),
             },
             "optional": {
                 "compile_settings": ("WANACCEL_COMPILE", {"tooltip": "Compile settings, stored for the sampler."}),

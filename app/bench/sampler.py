@@ -13,6 +13,7 @@ One process, the same random weights (or checkpoint) and the same inputs for eve
                         a mode that cannot run on the device is refused before anything runs
   <variant>-int8        any of these with int8 attention (``--attention int8`` adds every chosen variant's twin);
                         vs_exact_max_abs / vs_exact_mean_abs: its latents against the exact twin's
+  <variant>-fp8att      any of these with fp8 attention (``--attention fp8``), beside its exact twin the same way
   <variant>-fp8         any optimized variant with fp8 linear layers (``--linear fp8`` adds the twin of every chosen
                         optimized variant; the reference path has none), beside its exact twin in the same way;
                         linear_ran / linear_path: what ran (fp8 through scaled_mm or emulated, or exact where fp8
@@ -74,11 +75,14 @@ OPS_MODES = ("pack", "kitchen", "torch")     # FastOptions.ops besides 'auto': '
 OPS = "-ops-"
 VARIANTS.update({f"optimized{OPS}{mode}": dict(VARIANTS["optimized"], options={"ops": mode}) for mode in OPS_MODES})
 INT8 = "-int8"   # every variant's twin with int8 attention (opt-in): '<variant>-int8'
-VARIANTS.update({name + INT8: dict(v, attention="int8") for name, v in list(VARIANTS.items())})
+FP8ATT = "-fp8att"   # ... with fp8 attention (opt-in): '<variant>-fp8att' ('-fp8' is fp8 linear's)
+ATTENTION_TWINS = {"int8": INT8, "fp8": FP8ATT}
+VARIANTS.update({name + suffix: dict(v, attention=mode) for name, v in list(VARIANTS.items())
+                 for mode, suffix in ATTENTION_TWINS.items()})
 FP8 = "-fp8"     # every optimized variant's twin with fp8 linear layers (opt-in): '<variant>-fp8'
 VARIANTS.update({name + FP8: dict(v, options=dict(v["options"], linear="fp8")) for name, v in list(VARIANTS.items())
                  if v["path"] == "optimized"})
-TWINS = (INT8, FP8)     # an approximate twin's name ends with one of these; without it, its exact twin's
+TWINS = (INT8, FP8ATT, FP8)     # an approximate twin's name ends with one of these; without it, its exact twin's
 SHAPES = {  # model kind -> shape -> (config factory name, video frames, height, width)
     "wan": {"tiny": (33, 128, 128), "1.3b": (81, 480, 832)},
     "matrix-game2": {"tiny": (33, 128, 128), "1.3b": (57, 352, 640)},
@@ -98,8 +102,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per variant after one warm-up")
     parser.add_argument("--variants", help="comma list of: " + ", ".join(VARIANTS) +
                         " (default: reference, optimized; plus reference-same-dtype when the run dtype is not fp32)")
-    parser.add_argument("--attention", choices=["int8"], help="int8: also run every chosen variant with int8 "
-                        "attention ('<variant>-int8'), each row beside its exact twin (vs_exact_max_abs / mean)")
+    parser.add_argument("--attention", choices=list(ATTENTION_TWINS), help="int8 / fp8: also run every chosen "
+                        "variant with int8 attention ('<variant>-int8') or fp8 attention ('<variant>-fp8att'), each "
+                        "row beside its exact twin (vs_exact_max_abs / mean)")
     parser.add_argument("--linear", choices=["fp8"], help="fp8: also run every chosen optimized variant with fp8 "
                         "linear layers ('<variant>-fp8'), each row beside its exact twin (vs_exact_max_abs / mean)")
     parser.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s for MFU (default: table by capability)")
@@ -356,8 +361,9 @@ def _variant_names(args, run_dtype: str) -> list:
         names = ["reference", "optimized"]
         if run_dtype != "fp32":
             names.insert(1, "reference-same-dtype")
-    if getattr(args, "attention", None) == "int8":
-        names = [m for n in names for m in ((n,) if n.endswith(INT8) else (n, n + INT8))]
+    suffix = ATTENTION_TWINS.get(getattr(args, "attention", None))
+    if suffix:
+        names = [m for n in names for m in ((n,) if n.endswith(suffix) else (n, n + suffix))]
     if getattr(args, "linear", None) == "fp8":
         names = [m for n in names for m in ((n, n + FP8) if n + FP8 in VARIANTS else (n,))]
     return names
@@ -383,7 +389,7 @@ def _check_ops_variants(names: list, device) -> None:
 
 
 def _vs_exact(rows: list, outputs: list) -> None:
-    """vs_exact_max_abs / vs_exact_mean_abs of every int8 or fp8 row against its exact twin's latents (when it ran)."""
+    """vs_exact_max_abs / vs_exact_mean_abs of every int8, fp8 attention or fp8 linear row against its exact twin's latents (when it ran)."""
     by_name = {r["variant"]: o for r, o in zip(rows, outputs)}
     for r, out in zip(rows, outputs):
         exact = by_name.get(exact_twin(r["variant"]))
@@ -449,7 +455,8 @@ def run(args) -> int:
     _vs_exact(rows, outputs)
     models.drop()
     base = rows[0]["steady_s"]
-    same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference" and r["attention"] != "int8"}
+    same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference"
+            and r["attention"] not in ATTENTION_TWINS}
     for r in rows:
         r["speedup_vs_first"] = round(base / r["steady_s"], 3) if r["steady_s"] else None
         ref = same.get(r["dtype"])

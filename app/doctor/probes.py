@@ -18,7 +18,7 @@ from ...kernels import _common, norm_modulate, qk_norm_rope, residual, use_trito
 from ...kernels import candidates as op_candidates
 from ...kernels import kitchen
 from ...kernels import fp8_linear as fp8
-from ...kernels import int8_attention
+from ...kernels import fp8_attention, int8_attention
 from ...model import attention as attn
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project
@@ -85,17 +85,24 @@ def _fa_checker(name: str):
     return check
 
 
-def _check_int8(ctx: ProbeContext) -> Probe:
-    """int8 attention against exact attention (float32 math), judged by ``int8_attention.error_bound`` (per
-    element, derived from the int8 steps: see its docstring) rather than the dtype's resolution."""
-    if ctx.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise NotAvailable(f"needs fp32/fp16/bf16 (probe dtype {ctx.dtype})")
-    q, k, v = _qkv(ctx)
-    kernel = int8_attention.implementation(ctx.device, ctx.dtype, ctx.head_dim)[0]
-    return Probe(lambda: attn.attention(q, k, v, backend="int8"), lambda: _softmax_math(q, k, v), ctx.dtype,
-                 bound=lambda: int8_attention.error_bound(q, k, v, kernel=kernel),
-                 note=f"int8 ({kernel}) within its stated error bound of exact attention (difference in units of "
-                      f"the bound)")
+def _approximate_checker(mode: str, module):
+    """A probe of the opt-in attention ``mode`` against exact attention (float32 math), judged by its module's
+    ``error_bound`` (per element, derived from its quantization: see that docstring) rather than the dtype's
+    resolution."""
+    def check(ctx: ProbeContext) -> Probe:
+        if ctx.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise NotAvailable(f"needs fp32/fp16/bf16 (probe dtype {ctx.dtype})")
+        q, k, v = _qkv(ctx)
+        kernel = module.implementation(ctx.device, ctx.dtype, ctx.head_dim)[0]
+        return Probe(lambda: attn.attention(q, k, v, backend=mode), lambda: _softmax_math(q, k, v), ctx.dtype,
+                     bound=lambda: module.error_bound(q, k, v, kernel=kernel),
+                     note=f"{mode} ({kernel}) within its stated error bound of exact attention (difference in "
+                          f"units of the bound)")
+    return check
+
+
+_check_int8 = _approximate_checker("int8", int8_attention)
+_check_fp8_attention = _approximate_checker("fp8", fp8_attention)
 
 
 # ----------------------------------------------------------------------------------------------- fp8 linear
@@ -328,6 +335,8 @@ for _feature in (
             "fa2 (SDPA is used)", sources=_ATTENTION),
     Feature("attention.int8", "int8 attention (opt-in)", _check_int8, ("comfy-kitchen",), "int8 (SDPA is used)",
             sources=lambda: (attn, int8_attention, _qkv, _softmax_math)),
+    Feature("attention.fp8", "fp8 attention (opt-in)", _check_fp8_attention, ("triton",), "fp8 (SDPA is used)",
+            sources=lambda: (attn, fp8_attention, _qkv, _softmax_math)),
     Feature("linear.fp8", "fp8 linear layers (opt-in)", _check_fp8, switches_off="fp8 linear (exact linear layers)",
             sources=lambda: (fp8, _fp8_inputs)),
     Feature("kernel.layernorm_modulate", "fused LayerNorm + modulate (Triton)", _check_lnmod, ("triton",),
