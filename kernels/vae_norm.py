@@ -100,7 +100,7 @@ if tl is not None:
             ok = (chans0 < C)[:, None] & pos_ok[None, :]
             v = tl.load(x_base + chans0.to(tl.int64)[:, None] * P + pos[None, :], mask=ok, other=0.0)
             v = v.to(tl.float32)
-            norm = tl.sqrt(tl.sum(v * v, axis=0))
+            norm = tl.sqrt_rn(tl.sum(v * v, axis=0))
         else:
             acc = tl.zeros([PBLOCK], dtype=tl.float32)
             for start in range(0, C, CBLOCK):
@@ -109,8 +109,8 @@ if tl is not None:
                 w = tl.load(x_base + chans.to(tl.int64)[:, None] * P + pos[None, :], mask=ok, other=0.0)
                 w = w.to(tl.float32)
                 acc += tl.sum(w * w, axis=0)
-            norm = tl.sqrt(acc)
-        factor = scale / tl.maximum(norm, eps)       # sqrt(C) / max(||x||, eps), once per position
+            norm = tl.sqrt_rn(acc)
+        denom = tl.maximum(norm, eps)[None, :]        # F.normalize's clamp, then its operations in its order
         for start in range(0, C, CBLOCK):
             chans = start + chans0
             c_ok = chans < C
@@ -121,7 +121,7 @@ if tl is not None:
                 u = tl.load(x_base + chans.to(tl.int64)[:, None] * P + pos[None, :], mask=ok, other=0.0)
                 u = u.to(tl.float32)
             g = tl.load(g_ptr + chans, mask=c_ok, other=0.0).to(tl.float32)
-            y = u * factor[None, :] * g[:, None]
+            y = u / denom * scale * g[:, None]
             if SILU:
                 y = y / (1.0 + tl.exp(-y))
             if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
