@@ -1,13 +1,14 @@
 """Fused RMS norm over channels (+ SiLU) of the Wan 2.1 VAE decoder, written where the next convolution reads it.
 
-x [B, C, *positions] channels-first (the decoder's [B, C, T, H, W], or [N, C, H, W] for its attention's norm);
-gamma [C] (any shape of C elements). One pass over x:
+x channels-first: the decoder's [B, C, T, H, W], or [N, C, H, W] for its attention's norm; each frame (H, W)
+contiguous, the other strides free (the frames after an up-sampling are a permuted view). gamma [C] (any shape of C
+elements). One pass over x:
 
     y = x / max(||x||_C, 1e-12) * sqrt(C) * gamma        (F.normalize's clamp of the norm at eps)
     y = silu(y)                                           (with ``silu``; the attention's norm has none)
 
-in float32, written once in x's dtype. ``out`` may be a view into a larger tensor as long as the positions of each
-(batch, channel) lie contiguous in it: the decoder passes the frames after the 2 history frames of a causal
+in float32, written once in x's dtype. ``out`` may be a view into a larger tensor as long as each frame lies
+contiguous in it: the decoder passes the frames after the 2 history frames of a causal
 convolution's input buffer ``[B, C, 2 + T, H, W]``, so the convolution reads [history | new frames] without the
 ``torch.cat`` copy (``vae/wan21.py``).
 
@@ -34,8 +35,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # registers per program: a tile of CBLOCK channels x PBLOCK positions in float32 holds at most this many values
 TILE_LIMIT = 8192
 
-# Tiles: PBLOCK positions per program (the contiguous axis) and CBLOCK channels per step; CBLOCK 0 holds all the
-# channels at once (one read of x; the width rounded up to a power of two), others loop over the channels twice.
+# Tiles: PBLOCK positions of a frame per program (the contiguous axis) and CBLOCK channels per step; CBLOCK 0 holds
+# all the channels at once (one read of x; the width rounded up to a power of two), others loop over them twice.
 _LOOPED = tuple({"PBLOCK": p, "CBLOCK": c, "num_warps": w} for p, c, w in (
     (128, 16, 4), (256, 16, 8), (512, 8, 8), (256, 32, 8)))
 _WHOLE = tuple({"PBLOCK": p, "CBLOCK": 0, "num_warps": w} for p, w in (
@@ -55,27 +56,23 @@ def candidates(channels: int) -> tuple[dict, ...]:
 
 
 def _check(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor | None) -> None:
-    if x.dim() < 3:
-        raise ValueError(f"vae_norm_silu: x must be [B, C, positions...], got shape {tuple(x.shape)}")
+    if x.dim() not in (4, 5):
+        raise ValueError(f"vae_norm_silu: x must be [B, C, T, H, W] or [N, C, H, W], got shape {tuple(x.shape)}")
     if gamma.numel() != x.shape[1]:
         raise ValueError(f"vae_norm_silu: gamma must have C = {x.shape[1]} elements, got {tuple(gamma.shape)}")
     if out is not None:
         if tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype or out.device != x.device:
             raise ValueError(f"vae_norm_silu: out must be {tuple(x.shape)} {x.dtype} on {x.device}, got "
                              f"{tuple(out.shape)} {out.dtype} on {out.device}")
-        if not positions_contiguous(out):
-            raise ValueError(f"vae_norm_silu: out's positions must lie contiguous per (batch, channel), got "
-                             f"strides {out.stride()}")
+        if not frames_contiguous(out):
+            raise ValueError(f"vae_norm_silu: out's frames must each lie contiguous (H, W), got strides "
+                             f"{out.stride()}")
 
 
-def positions_contiguous(t: torch.Tensor) -> bool:
-    """True when the positions (dims 2..) of each (batch, channel) of ``t`` lie contiguous in memory."""
-    expect = 1
-    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
-        if size != 1 and stride != expect:
-            return False
-        expect *= size
-    return True
+def frames_contiguous(t: torch.Tensor) -> bool:
+    """True when each frame (the last two dims, H and W) of each (batch, channel) of ``t`` lies contiguous."""
+    h, w = t.shape[-2:]
+    return (w == 1 or t.stride(-1) == 1) and (h == 1 or t.stride(-2) == w)
 
 
 def norm_silu_reference(x: torch.Tensor, gamma: torch.Tensor, silu: bool = True) -> torch.Tensor:
@@ -87,18 +84,20 @@ def norm_silu_reference(x: torch.Tensor, gamma: torch.Tensor, silu: bool = True)
 
 
 if tl is not None:
-    def _norm_silu_kernel(x_ptr, g_ptr, out_ptr, C, P, x_bstride, out_bstride, out_cstride, scale, eps,
-                          PBLOCK: tl.constexpr, CBLOCK: tl.constexpr, WHOLE: tl.constexpr, SILU: tl.constexpr,
-                          ROUND_BF16: tl.constexpr):
-        b = tl.program_id(1).to(tl.int64)
+    def _norm_silu_kernel(x_ptr, g_ptr, out_ptr, C, S, x_bstride, x_cstride, x_tstride, out_bstride, out_cstride,
+                          out_tstride, scale, eps, PBLOCK: tl.constexpr, CBLOCK: tl.constexpr, WHOLE: tl.constexpr,
+                          SILU: tl.constexpr, ROUND_BF16: tl.constexpr):
+        # program: PBLOCK positions of one frame (contiguous in x and out) of one batch element, all channels
         pos = tl.program_id(0) * PBLOCK + tl.arange(0, PBLOCK)
-        pos_ok = pos < P
-        x_base = x_ptr + b * x_bstride
-        o_base = out_ptr + b * out_bstride
+        t = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(2).to(tl.int64)
+        pos_ok = pos < S
+        x_base = x_ptr + b * x_bstride + t * x_tstride
+        o_base = out_ptr + b * out_bstride + t * out_tstride
         chans0 = tl.arange(0, CBLOCK)
         if WHOLE:   # every channel in one tile: x is read once
             ok = (chans0 < C)[:, None] & pos_ok[None, :]
-            v = tl.load(x_base + chans0.to(tl.int64)[:, None] * P + pos[None, :], mask=ok, other=0.0)
+            v = tl.load(x_base + chans0.to(tl.int64)[:, None] * x_cstride + pos[None, :], mask=ok, other=0.0)
             v = v.to(tl.float32)
             norm = tl.sqrt_rn(tl.sum(v * v, axis=0))
         else:
@@ -106,7 +105,7 @@ if tl is not None:
             for start in range(0, C, CBLOCK):
                 chans = start + chans0
                 ok = (chans < C)[:, None] & pos_ok[None, :]
-                w = tl.load(x_base + chans.to(tl.int64)[:, None] * P + pos[None, :], mask=ok, other=0.0)
+                w = tl.load(x_base + chans.to(tl.int64)[:, None] * x_cstride + pos[None, :], mask=ok, other=0.0)
                 w = w.to(tl.float32)
                 acc += tl.sum(w * w, axis=0)
             norm = tl.sqrt_rn(acc)
@@ -118,7 +117,7 @@ if tl is not None:
             if WHOLE:
                 u = v
             else:
-                u = tl.load(x_base + chans.to(tl.int64)[:, None] * P + pos[None, :], mask=ok, other=0.0)
+                u = tl.load(x_base + chans.to(tl.int64)[:, None] * x_cstride + pos[None, :], mask=ok, other=0.0)
                 u = u.to(tl.float32)
             g = tl.load(g_ptr + chans, mask=c_ok, other=0.0).to(tl.float32)
             y = u / denom * scale * g[:, None]
@@ -134,9 +133,15 @@ if tl is not None:
 _KERNEL_NAME = _common.kernel_name(NAME, _norm_silu_kernel) if tl is not None else NAME
 
 
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, channel, frame) strides of [B, C, T, H, W] or [N, C, H, W] (one frame: 0)."""
+    return t.stride(0), t.stride(1), (t.stride(2) if t.dim() == 5 else 0)
+
+
 def _launcher(x: torch.Tensor, gamma: torch.Tensor, silu: bool, out: torch.Tensor):
     b, c = x.shape[:2]
-    p = x[0, 0].numel() if x.numel() else 0
+    frames = x.shape[2] if x.dim() == 5 else 1
+    s = x.shape[-2] * x.shape[-1]
     g = gamma.reshape(c).contiguous()
     rnd = _common.round_bf16(out)
 
@@ -144,19 +149,20 @@ def _launcher(x: torch.Tensor, gamma: torch.Tensor, silu: bool, out: torch.Tenso
         whole = cfg["CBLOCK"] == 0
         cblock = _common.next_pow2(c) if whole else cfg["CBLOCK"]
         kernel = _common.jit(_norm_silu_kernel)
-        grid = (_common.cdiv(p, cfg["PBLOCK"]), b)
+        grid = (_common.cdiv(s, cfg["PBLOCK"]), frames, b)
         with _common.device_guard(x):
-            kernel[grid](x, g, out, c, p, c * p, out.stride(0), out.stride(1), math.sqrt(c), EPS,
+            kernel[grid](x, g, out, c, s, *_strides(x), *_strides(out), math.sqrt(c), EPS,
                          PBLOCK=cfg["PBLOCK"], CBLOCK=cblock, WHOLE=whole, SILU=bool(silu), ROUND_BF16=rnd,
                          num_warps=cfg["num_warps"])
 
-    key = f"C={c}|P={_common.rows_bucket(p)}|B={b}|silu={int(bool(silu))}|{_common.dtype_name(x)}"
+    key = (f"C={c}|HW={_common.rows_bucket(s)}|frames={_common.rows_bucket(b * frames)}|silu={int(bool(silu))}|"
+           f"{_common.dtype_name(x)}")
     return launch, key
 
 
 def usable(x: torch.Tensor, gamma: torch.Tensor) -> bool:
     """True when ``norm_silu`` runs the Triton kernel for these inputs (else it runs torch)."""
-    return (tl is not None and x.dtype in DTYPES and x.dim() >= 3 and not _common.is_compiling()
+    return (tl is not None and x.dtype in DTYPES and x.dim() in (4, 5) and not _common.is_compiling()
             and _common.use_triton(x, gamma) and not _common.needs_autograd(x, gamma))
 
 
@@ -165,7 +171,7 @@ def run_triton(x: torch.Tensor, gamma: torch.Tensor, silu: bool = True, out: tor
     """The Triton path with an explicit config (tests) or tuned through the operator store (config=None).
     Falls back to the torch reference (written into ``out``) when every config fails."""
     _check(x, gamma, out)
-    x = x.contiguous()
+    x = x if frames_contiguous(x) else x.contiguous()
     out = torch.empty_like(x) if out is None else out
     if x.numel() == 0:
         return out
@@ -181,7 +187,7 @@ def run_triton(x: torch.Tensor, gamma: torch.Tensor, silu: bool = True, out: tor
 def norm_silu(x: torch.Tensor, gamma: torch.Tensor, silu: bool = True, out: torch.Tensor | None = None
               ) -> torch.Tensor:
     """silu(x / max(||x||_C, 1e-12) * sqrt(C) * gamma) (no SiLU with ``silu=False``), float32 inside, x's dtype
-    out; written into ``out`` when given (its positions contiguous per batch and channel) and returned."""
+    out; written into ``out`` when given (each of its frames contiguous) and returned."""
     if usable(x, gamma):
         return run_triton(x, gamma, silu, out)
     _check(x, gamma, out)

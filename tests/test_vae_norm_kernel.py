@@ -26,7 +26,8 @@ MARK = "VAE_NORM_CASES "
 EPS32 = torch.finfo(torch.float32).eps
 DEPTH_ULPS = 64               # tests/test_vae_decoders.py: float32 units over the decoder's depth, of the output's scale
 
-# (channels, positions after the channel axis, dtype, silu, config; None: tuned through the operator store)
+# (channels, dims after the channel axis, dtype, silu, config (None: tuned through the operator store), layout:
+# 'bt' = x a [B, C, T, H, W] view of [B, T, C, H, W] memory, as the decoder's frames after an up-sampling)
 WHOLE, LOOPED = {"PBLOCK": 16, "CBLOCK": 0, "num_warps": 4}, {"PBLOCK": 32, "CBLOCK": 16, "num_warps": 4}
 CASES = [
     (4, (1, 3, 5), "float32", True, WHOLE),
@@ -36,6 +37,8 @@ CASES = [
     (96, (4, 3, 7), "bfloat16", True, LOOPED),
     (384, (2, 3, 5), "float32", True, LOOPED),
     (384, (1, 5, 5), "bfloat16", True, None),
+    (24, (3, 5, 7), "bfloat16", True, WHOLE, "bt"),
+    (40, (2, 3, 9), "float32", True, LOOPED, "bt"),
     (12, (4, 1, 1), "float16", True, None),
     (160, (3, 9), "bfloat16", False, None),              # the attention's norm: [N, C, H, W], no SiLU
     (5, (3, 7), "float32", False, LOOPED),
@@ -50,9 +53,13 @@ def _bound(ref, pre, dtype, channels):
     return (torch.finfo(dt).eps * ref.abs() + k * EPS32 * (pre.abs() + ref.abs()) + torch.finfo(dt).tiny)
 
 
-def _inputs(c, positions, dtype, seed):
+def _inputs(c, positions, dtype, seed, layout=""):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(1 if len(positions) == 3 else 2, c, *positions, generator=g) * 3 + 0.5).to(getattr(torch, dtype))
+    if layout == "bt":
+        x = (torch.randn(1, positions[0], c, *positions[1:], generator=g) * 3 + 0.5).transpose(1, 2)
+    else:
+        x = torch.randn(1 if len(positions) == 3 else 2, c, *positions, generator=g) * 3 + 0.5
+    x = x.to(getattr(torch, dtype))
     gamma = (1 + 0.2 * torch.randn(c, generator=g)).to(x.dtype)
     return x, gamma
 
@@ -78,8 +85,9 @@ def _module_math(x, gamma, silu):
 
 
 # ----------------------------------------------------------------------------------------- the child (interpreter)
-def _case(i, c, positions, dtype, silu, cfg) -> dict:
-    x, gamma = _inputs(c, positions, dtype, seed=i)
+def _case(i, c, positions, dtype, silu, cfg, layout="") -> dict:
+    x, gamma = _inputs(c, positions, dtype, seed=i, layout=layout)
+    assert x.is_contiguous() != (layout == "bt")
     ref = vae_norm.norm_silu_reference(x, gamma, silu)
     pre = _pre(x, gamma)
     if x.dim() == 5:            # into a causal convolution's buffer: 2 history frames in front, kept as they are
@@ -119,11 +127,12 @@ def _eps_case() -> dict:
 
 def _decoder_case() -> dict:
     """The reduced decoder streamed with the kernel against the layers one by one, float32."""
-    calls = {"silu": 0, "plain": 0}
+    calls = {"silu": 0, "plain": 0, "strided": 0}
     run = vae_norm.run_triton
 
     def counting(x, gamma, silu=True, out=None, config=None):
         calls["silu" if silu else "plain"] += 1
+        calls["strided"] += not x.is_contiguous()
         return run(x, gamma, silu, out, config)
 
     vae_norm.run_triton = counting
@@ -165,7 +174,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("index", range(len(CASES)),
                          ids=[f"C{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}-{'silu' if c[3] else 'norm'}-"
                               f"{'tuned' if c[4] is None else 'whole' if c[4]['CBLOCK'] == 0 else 'looped'}"
-                              for c in CASES])
+                              f"{'-' + c[5] if len(c) > 5 else ''}" for c in CASES])
 def test_kernel_matches_the_torch_definition(results, index):
     assert results["usable"] is True
     case = results["cases"][index]
@@ -182,8 +191,10 @@ def test_the_norm_is_clamped_as_f_normalize_clamps_it(results):
 
 def test_the_decoder_streamed_with_the_kernel_gives_the_frames_of_the_layers(results):
     dec = results["decoder"]
-    # every residual block's two norms and the head's ran the kernel with SiLU, the attention's without
-    assert dec["calls"]["silu"] > 0 and dec["calls"]["plain"] > 0, dec["calls"]
+    # every residual block's two norms and the head's ran the kernel with SiLU, the attention's without; the first
+    # norm after an up-sampling on its permuted frames as they are
+    calls = dec["calls"]
+    assert calls["silu"] > 0 and calls["plain"] > 0 and calls["strided"] > 0, calls
     for row in dec["rows"]:
         assert row["shape_ok"] and row["err"] <= row["bound"], row
 
@@ -218,11 +229,11 @@ def test_with_autograd_the_layers_run_one_by_one():
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: vae_norm.norm_silu(torch.zeros(2, 3), torch.ones(3)), "x must be [B, C, positions...]"),
-    (lambda: vae_norm.norm_silu(torch.zeros(1, 3, 2), torch.ones(4)), "gamma must have C = 3 elements"),
-    (lambda: vae_norm.norm_silu(torch.zeros(1, 3, 2), torch.ones(3), out=torch.zeros(1, 3, 3)), "out must be"),
+    (lambda: vae_norm.norm_silu(torch.zeros(2, 3, 4), torch.ones(3)), "x must be [B, C, T, H, W] or [N, C, H, W]"),
+    (lambda: vae_norm.norm_silu(torch.zeros(1, 3, 2, 2), torch.ones(4)), "gamma must have C = 3 elements"),
+    (lambda: vae_norm.norm_silu(torch.zeros(1, 3, 2, 2), torch.ones(3), out=torch.zeros(1, 3, 2, 3)), "out must be"),
     (lambda: vae_norm.norm_silu(torch.zeros(1, 3, 2, 2), torch.ones(3), out=torch.zeros(1, 3, 2, 2).transpose(2, 3)),
-     "positions must lie contiguous"),
+     "out's frames must each lie contiguous"),
 ])
 def test_bad_input_gives_one_clear_error(call, message):
     with pytest.raises(ValueError, match=re.escape(message)) as info:

@@ -111,8 +111,8 @@ class RMSNorm(nn.Module):
 
     def kernel_runs(self, x: torch.Tensor, out: torch.Tensor | None = None) -> bool:
         """True when the fused kernel computes this norm of ``x`` (written into ``out`` where given)."""
-        return (self.fused and x.is_contiguous() and vae_norm.usable(x, self.gamma)
-                and (out is None or vae_norm.positions_contiguous(out)))
+        return (self.fused and vae_norm.usable(x, self.gamma) and vae_norm.frames_contiguous(x)
+                and (out is None or vae_norm.frames_contiguous(out)))
 
     def normed(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
         """The norm of ``x`` (then SiLU with ``silu``): the fused kernel where it runs, else the torch ops."""
