@@ -24,7 +24,7 @@ from wan_accel.vae.build import build_decoder
 HERE = Path(__file__).resolve()
 MARK = "VAE_NORM_CASES "
 EPS32 = torch.finfo(torch.float32).eps
-DEPTH_ULPS = 64               # tests/test_vae_decoders.py: float32 units over the decoder's depth, of the output's scale
+DEPTH_ULPS = 64               # as tests/test_vae_decoders.py: float32 units over the depth, of the output's scale
 
 # (channels, dims after the channel axis, dtype, silu, config (None: tuned through the operator store), layout:
 # 'bt' = x a [B, C, T, H, W] view of [B, T, C, H, W] memory, as the decoder's frames after an up-sampling)
