@@ -260,5 +260,48 @@ def test_bench_kernels_vae_row_on_the_cpu():
     assert bench.VAE_GPU_SHAPE[1:] == (96, 4, 480, 832)
 
 
+# ----------------------------------------------------------------------------------------- on a CUDA GPU
+@pytest.mark.cuda
+@pytest.mark.parametrize("c,dims,layout", [(96, (3, 120, 208), ""), (384, (2, 60, 104), ""),
+                                           (192, (3, 60, 104), "bt"), (384, (60, 104), "")])
+def test_the_kernel_matches_on_the_gpu(c, dims, layout, tmp_path, monkeypatch):
+    """Compiled Triton (its tiles tuned into a fresh store) at the decoder's widths, bf16, into a history buffer."""
+    monkeypatch.setenv("WAN_ACCEL_CACHE", str(tmp_path / "limits.json"))
+    from wan_accel.cache.autotune import reset_autotuners
+    reset_autotuners()
+    x, gamma = _inputs(c, dims, "bfloat16", 0, layout)
+    x, gamma = x.cuda(), gamma.cuda()
+    assert vae_norm.usable(x, gamma)
+    silu = x.dim() == 5
+    buf = torch.full(x.shape[:2] + (2 + x.shape[2],) + x.shape[3:], 7.0, dtype=x.dtype, device="cuda") if silu \
+        else torch.empty_like(x)
+    out = vae_norm.norm_silu(x, gamma, silu, buf[:, :, 2:] if silu else buf)
+    ref = vae_norm.norm_silu_reference(x, gamma, silu)
+    assert _excess(out, ref, _pre(x, gamma), "bfloat16", c) <= 1.0
+    assert not silu or bool((buf[:, :, :2] == 7.0).all())
+    reset_autotuners()
+
+
+@pytest.mark.cuda
+def test_the_decoder_with_the_kernel_gives_the_frames_of_the_layers_on_the_gpu(tmp_path, monkeypatch):
+    """float32 without TF32 (which would round the convolutions' inputs to 10 bits), chunks of 1, 2 and 3."""
+    monkeypatch.setenv("WAN_ACCEL_CACHE", str(tmp_path / "limits.json"))
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    fused = build_decoder("wan", reduced=True, seed=3).prepare("cuda", torch.float32)
+    plain = build_decoder("wan", reduced=True, seed=3).prepare("cuda", torch.float32).fuse(False)
+    x = torch.randn(1, 5, 16, 4, 6, generator=torch.Generator().manual_seed(1))
+    assert fused.decoder.head[0].kernel_runs(torch.zeros(1, 4, 1, 2, 2, device="cuda"))
+    for sizes in ([5], [1] * 5, [3, 2], [1, 3, 1]):
+        got, want = [], []
+        for dec, parts in ((fused, got), (plain, want)):
+            stream, f = dec.stream(), 0
+            for n in sizes:
+                parts.append(stream.push(x[:, f:f + n]))
+                f += n
+        a, b = torch.cat(got, 2), torch.cat(want, 2)
+        assert (a - b).abs().max().item() <= DEPTH_ULPS * EPS32 * max(1.0, b.abs().max().item()), sizes
+
+
 if __name__ == "__main__" and "--child" in sys.argv:
     _child()
