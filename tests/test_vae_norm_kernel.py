@@ -125,6 +125,18 @@ def _eps_case() -> dict:
                 torch.tensor(3e-14 / 1e-12 * math.sqrt(8) * 0.5)))}
 
 
+def _streamed(fused, plain, x):
+    """(chunk sizes, frames of ``fused``, frames of ``plain``) for the latents ``x`` pushed in chunks of 1, 2, 3."""
+    for sizes in ([5], [1] * 5, [3, 2], [1, 3, 1]):
+        got, want = [], []
+        for dec, parts in ((fused, got), (plain, want)):
+            stream, f = dec.stream(), 0
+            for n in sizes:
+                parts.append(stream.push(x[:, f:f + n]))
+                f += n
+        yield sizes, torch.cat(got, 2), torch.cat(want, 2)
+
+
 def _decoder_case() -> dict:
     """The reduced decoder streamed with the kernel against the layers one by one, float32."""
     calls = {"silu": 0, "plain": 0, "strided": 0}
@@ -140,14 +152,7 @@ def _decoder_case() -> dict:
     fused = build_decoder("wan", reduced=True, seed=3)
     plain = build_decoder("wan", reduced=True, seed=3).fuse(False)
     rows = []
-    for sizes in ([5], [1] * 5, [3, 2], [1, 3, 1]):
-        got, want = [], []
-        for dec, parts in ((fused, got), (plain, want)):
-            stream, f = dec.stream(), 0
-            for n in sizes:
-                parts.append(stream.push(x[:, f:f + n]))
-                f += n
-        a, b = torch.cat(got, 2), torch.cat(want, 2)
+    for sizes, a, b in _streamed(fused, plain, x):
         rows.append({"sizes": sizes, "shape_ok": a.shape == b.shape, "err": float((a - b).abs().max()),
                      "bound": DEPTH_ULPS * EPS32 * max(1.0, float(b.abs().max()))})
     vae_norm.run_triton = run
@@ -292,14 +297,7 @@ def test_the_decoder_with_the_kernel_gives_the_frames_of_the_layers_on_the_gpu(t
     plain = build_decoder("wan", reduced=True, seed=3).prepare("cuda", torch.float32).fuse(False)
     x = torch.randn(1, 5, 16, 4, 6, generator=torch.Generator().manual_seed(1))
     assert fused.decoder.head[0].kernel_runs(torch.zeros(1, 4, 1, 2, 2, device="cuda"))
-    for sizes in ([5], [1] * 5, [3, 2], [1, 3, 1]):
-        got, want = [], []
-        for dec, parts in ((fused, got), (plain, want)):
-            stream, f = dec.stream(), 0
-            for n in sizes:
-                parts.append(stream.push(x[:, f:f + n]))
-                f += n
-        a, b = torch.cat(got, 2), torch.cat(want, 2)
+    for sizes, a, b in _streamed(fused, plain, x):
         assert (a - b).abs().max().item() <= DEPTH_ULPS * EPS32 * max(1.0, b.abs().max().item()), sizes
 
 
