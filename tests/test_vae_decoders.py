@@ -90,6 +90,22 @@ def test_streaming_equals_a_whole_decode(kind, decoders):
     _close(whole[:, :, :first.shape[2]], first)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_fused_norm_gives_the_frames_of_the_layers_one_by_one(channels_last, decoders):
+    """The Wan decoder's norm + SiLU written into each causal convolution's buffer after its history (the default;
+    torch ops here, the Triton kernel where it runs: tests/test_vae_norm_kernel.py) against the layers one by one
+    with torch.cat, streamed in chunks of 1, 2 and 3 latent frames."""
+    fused = decoders["wan"]
+    plain = build_decoder("wan", reduced=True, seed=3).fuse(False)
+    if channels_last:
+        fused = build_decoder("wan", reduced=True, seed=3).prepare("cpu", torch.float32, channels_last=True)
+    assert all(m.fused for m in fused.modules() if isinstance(m, wan21.RMSNorm))
+    assert not any(m.fused for m in plain.modules() if isinstance(m, wan21.RMSNorm))
+    x = _latents(5, 6)
+    for sizes in ([5], [1] * 5, [3, 2], [1, 3, 1]):
+        _close(_push_all(fused, x, sizes)[0], _push_all(plain, x, sizes)[0])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_frame_counts(kind, decoders):
     """T latent frames -> 1 + 4 (T - 1) pixel frames; the first chunk of n gives 4 n - 3, every later one 4 n."""
