@@ -65,7 +65,7 @@ class LayerCall(NamedTuple):
     write_span: slice | None = None    # the slots as one contiguous range, when they are (``CacheStep.span``)
 
 
-KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual")
+KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual", "rms_norm")
 
 
 def uses_kernel(fused, kernel: str) -> bool:
@@ -122,12 +122,12 @@ def _norm_rope(norm, x, rope, heads: int, fused: bool, ops: tuple = ()):
 
 
 def fused_q_norm(parts: BlockParts) -> bool:
-    """Whether the cross-attention's query RMSNorm runs the pack's kernel (``kernels/rms_norm.py``): it is of the
-    RMSNorm+RoPE kernel's family, so it runs where that one may (an ops mode that lets the pack's kernel run, or
-    fused kernels that include it); plain torch elsewhere."""
-    if parts.ops:
-        return parts.ops[0] in ("auto", "pack") and "rmsnorm_rope:pack" not in parts.ops[1:]
-    return uses_kernel(parts.fused_kernels, "rmsnorm_rope")
+    """Whether the cross-attention's query RMSNorm runs the pack's kernel (``kernels/rms_norm.py``): where the fused
+    kernels run and the doctor trusts this one (``kernel.rms_norm``), in an ops mode that lets the pack's kernels
+    run; plain torch elsewhere."""
+    if not uses_kernel(parts.fused_kernels, "rms_norm"):     # off, or switched off by the doctor (kernel.rms_norm)
+        return False
+    return not parts.ops or parts.ops[0] in ("auto", "pack")
 
 
 def _project(sa, h, fused_qkv: bool, parts: int, linear: str = "exact"):

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ...kernels import _common, norm_modulate, qk_norm_rope, residual, use_triton
+from ...kernels import _common, norm_modulate, qk_norm_rope, residual, rms_norm, use_triton
 from ...kernels import candidates as op_candidates
 from ...kernels import kitchen
 from ...kernels import fp8_linear as fp8
@@ -186,6 +186,19 @@ def _check_rmsrope(ctx: ProbeContext) -> Probe:
     return Probe(feature, lambda: qk_norm_rope.rmsnorm_rope_reference(x, w, cos, sin, ctx.heads, 1e-6), ctx.dtype)
 
 
+def _check_rmsnorm(ctx: ProbeContext) -> Probe:
+    _kernel_ready(ctx)
+    d = _dim(ctx)
+    x, w = _rand(ctx, 1, ctx.tokens, d, seed=13), 1 + _rand(ctx, d, scale=0.1, seed=14)
+
+    def feature():
+        rms_norm._check(x, w)
+        launch, key, out = rms_norm._launcher(x, w, 1e-6)
+        _tuned(rms_norm, launch, key, x)
+        return out
+    return Probe(feature, lambda: rms_norm.rmsnorm_reference(x, w, 1e-6), ctx.dtype)
+
+
 def _check_gres(ctx: ProbeContext) -> Probe:
     _kernel_ready(ctx)
     d, frames = _dim(ctx), 2
@@ -345,6 +358,8 @@ for _feature in (
             "this kernel (torch ops)", sources=_kernel_sources(qk_norm_rope)),
     Feature("kernel.gated_residual", "fused gated residual (Triton)", _check_gres, ("triton",),
             "this kernel (torch ops)", sources=_kernel_sources(residual)),
+    Feature("kernel.rms_norm", "fused RMSNorm (Triton; the cross-attention's query)", _check_rmsnorm, ("triton",),
+            "this kernel (torch ops)", sources=_kernel_sources(rms_norm)),
     Feature("fused_qkv", "one q/k/v GEMM", _check_fused_qkv, switches_off="fused q/k/v (three GEMMs)",
             sources=lambda: (fq, _project, WanSelfAttention)),
     Feature("cuda_graphs", "CUDA-graph replay of a chunk", _check_graphs, switches_off="CUDA graphs (eager)",
