@@ -153,14 +153,6 @@ def fp8_attention_torch(q, k, v, key_padding_mask: torch.Tensor | None = None, k
 
 # ----------------------------------------------------------------------------- Triton kernel
 if tl is not None:
-    def _round_e4m3_kernel(x):
-        """Interpreter only: x >= 0 (float32, <= 448) rounded to the e4m3 grid, ties to even (the GPU's
-        conversion does this itself)."""
-        u = x.to(tl.uint32, bitcast=True)
-        normal = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20 << 20).to(tl.float32, bitcast=True)
-        sub = (x + 16384.0) - 16384.0          # float32's spacing at 2^14 is 2^-9, e4m3's subnormal step
-        return tl.where(x < 0.015625, sub, normal)
-
     def _fp8_attn_kernel(Q8, SQ, K8, SK, V8, SV, O, Lq, Lk, H, qk_scale,
                          q_sb, q_sm, q_sh, sq_sb, sq_sm, sq_sh,
                          k_sb, k_sn, k_sh, sk_sb, sk_sn, sk_sh,
@@ -198,8 +190,12 @@ if tl is not None:
             vs = tl.load(SV + b * sv_sb + h * sv_sh + n64 * sv_sn, mask=n_ok, other=0.0)
             mt = tl.max(vs, 0)
             x = p * ((vs / mt) * 448.0)[None, :]
-            if EMULATE_RTNE:
-                x = _round_e4m3_kernel(x)
+            if EMULATE_RTNE:   # interpreter only: x >= 0 (<= 448) to the e4m3 grid, ties to even (the GPU's
+                #                conversion does this itself; written inline: a compiled kernel calls no Python)
+                u = x.to(tl.uint32, bitcast=True)
+                normal = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20 << 20).to(tl.float32, bitcast=True)
+                sub = (x + 16384.0) - 16384.0      # float32's spacing at 2^14 is 2^-9, e4m3's subnormal step
+                x = tl.where(x < 0.015625, sub, normal)
             pq = x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
             vt = tl.load(V8 + b * v_sb + h * v_sh + n64[:, None] * v_sn + offs_d[None, :] * v_sd,
                          mask=n_ok[:, None], other=0.0)                                  # [BLOCK_N, HEAD]

@@ -1,0 +1,63 @@
+"""The fp8 attention kernel and the VAE's norm+SiLU kernel compile for the GPUs they are meant for (PTX for sm_89 /
+sm_90, no GPU needed): a Triton front-end or layout error shows here, before any GPU run."""
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+compiler = pytest.importorskip("triton.compiler")
+backends = pytest.importorskip("triton.backends.compiler")
+
+from wan_accel.kernels import _common, fp8_attention, vae_norm  # noqa: E402
+
+if _common.interpret_enabled():
+    pytest.skip("TRITON_INTERPRET is set: compiled-mode checks need it unset", allow_module_level=True)
+
+STRIDES = ("q_sb", "q_sm", "q_sh", "sq_sb", "sq_sm", "sq_sh", "k_sb", "k_sn", "k_sh", "sk_sb", "sk_sn", "sk_sh",
+           "v_sb", "v_sn", "v_sh", "v_sd", "sv_sb", "sv_sn", "sv_sh", "o_sb", "o_sm", "o_sh")
+
+
+# the most shared memory one block may use: Ada (sm_89) 99 KiB, Hopper (sm_90) 227 KiB
+SHARED_LIMIT = {89: 101376, 90: 232448}
+
+
+def _compile(fn, signature: dict, consts: dict, arch: int, num_warps: int, num_stages: int = 3):
+    src = compiler.ASTSource(fn=triton.jit(fn), signature=dict(signature, **{k: "constexpr" for k in consts}),
+                             constexprs=consts)
+    try:
+        return triton.compile(src, target=backends.GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    except RuntimeError as exc:  # no ptxas / NVIDIA backend in this triton build
+        if "ptxas" in str(exc).lower() or "backend" in str(exc).lower():
+            pytest.skip(f"cannot build for CUDA here: {exc}")
+        raise
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+@pytest.mark.parametrize("cfg", fp8_attention.CANDIDATES, ids=lambda c: "m{BLOCK_M}w{num_warps}s{num_stages}".format(**c))
+def test_fp8_attention_kernel_compiles(tmp_path, monkeypatch, arch, cfg):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    sig = {"Q8": "*fp8e4nv", "SQ": "*fp32", "K8": "*fp8e4nv", "SK": "*fp32", "V8": "*fp8e4nv", "SV": "*fp32",
+           "O": "*bf16", "Lq": "i32", "Lk": "i32", "H": "i32", "qk_scale": "fp32", **{s: "i64" for s in STRIDES}}
+    consts = {"HEAD": 128, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": fp8_attention.TILE, "EMULATE_RTNE": False,
+              "ROUND_BF16": False}
+    kernel = _compile(fp8_attention._fp8_attn_kernel, sig, consts, arch, cfg["num_warps"], cfg["num_stages"])
+    ptx = kernel.asm["ptx"]
+    assert ".entry" in ptx
+    # both products on the fp8 tensor cores (Hopper: wgmma over e4m3; Ada: mma over e4m3), not widened to 16 bits
+    assert ("wgmma" in ptx if arch == 90 else "mma.sync" in ptx) and "e4m3" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx          # P to e4m3: round to nearest even, as the torch version
+    assert kernel.metadata.shared <= SHARED_LIMIT[arch]   # every candidate can launch on that GPU
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_vae_norm_silu_kernel_compiles(tmp_path, monkeypatch, whole):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    sig = {"x_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16", "C": "i32", "S": "i32", "x_bstride": "i64",
+           "x_cstride": "i64", "x_tstride": "i64", "out_bstride": "i64", "out_cstride": "i64", "out_tstride": "i64",
+           "scale": "fp32", "eps": "fp32"}
+    consts = {"PBLOCK": 64, "CBLOCK": 128 if whole else 32, "WHOLE": whole, "SILU": True, "ROUND_BF16": False}
+    kernel = _compile(vae_norm._norm_silu_kernel, sig, consts, 90, 4)
+    assert ".entry" in kernel.asm["ptx"]
