@@ -166,9 +166,9 @@ def _counting(monkeypatch):
     calls = []
     real = blocks.fp8_linear
 
-    def counted(x, q, s, bias=None):
+    def counted(x, q, s, bias=None, quantized=None):
         calls.append((tuple(q.shape), int(x.reshape(-1, x.shape[-1]).shape[0])))
-        return real(x, q, s, bias)
+        return real(x, q, s, bias, quantized)
     monkeypatch.setattr(blocks, "fp8_linear", counted)
     return calls
 
@@ -444,8 +444,8 @@ def test_every_fp8_call_of_the_fidelity_runs_is_within_the_bound(monkeypatch):
         row = (q.data_ptr() - base) // q.shape[1]      # one byte per e4m3 element
         return made[base][1][row:row + q.shape[0]]
 
-    def checked(x, q, s, bias=None):
-        out = real(x, q, s, bias)
+    def checked(x, q, s, bias=None, quantized=None):
+        out = real(x, q, s, bias, quantized)
         w = weight_of(q)
         ratio = (out.double() - _exact(x, w, bias)).abs() / fp8.error_bound(x, w, bias)
         worst[0] = max(worst[0], float(ratio.max()))
