@@ -11,10 +11,12 @@ A row of at most KBLOCK elements is read once and held (ONE_PASS); a longer row 
 (its maximum, then its codes; the second read mostly hits L2). The torch definition reads the input twice and
 writes a float32 intermediate as large as the input, over about six kernels. ``|x|`` and its maximum are exact
 in any dtype, the widening to float32 is exact, and both divisions are ``div_rn`` (compiled Triton's ``/`` on
-float32 is not correctly rounded), so the codes and scales equal torch's; the cast uses round-to-nearest-even
-(``fp_downcast_rounding='rtne'``; the interpreter would otherwise truncate). Finite inputs: a NaN row's scale is
-not defined to match. Callers keep the constants (``fp8_max``, ``tiny``): this module imports nothing of
-``fp8_linear``.
+float32 is not correctly rounded), so the codes and scales equal torch's; the cast rounds to nearest even
+(``fp_downcast_rounding='rtne'``: the GPU's ``cvt.rn.satfinite`` e4m3 conversion). Under Triton's CPU interpreter
+(tests) two of its conversions are replaced by exact bit arithmetic (``ROUND_FP8``, ``BF16_BITS``): its e4m3 cast
+neither rounds ties to even nor carries into the exponent, and its bfloat16 widening loses subnormals. Finite
+inputs: a NaN row's scale is not defined to match. Callers keep the constants (``fp8_max``, ``tiny``): this module
+imports nothing of ``fp8_linear``.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ TILES = (1024, 2048, 4096)                 # K tiles of the two-pass form
 
 if tl is not None:
     def _fp8q_kernel(x_ptr, q_ptr, s_ptr, n_rows, K, x_row_stride, tiny, YBLOCK: tl.constexpr,
-                     KBLOCK: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr):
+                     KBLOCK: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr,
+                     BF16_BITS: tl.constexpr):
         rows = tl.program_id(0) * YBLOCK + tl.arange(0, YBLOCK)
         row_ok = rows < n_rows
         rows64 = rows.to(tl.int64)
@@ -48,7 +51,10 @@ if tl is not None:
         amax = tl.zeros([YBLOCK], dtype=tl.float32)
         for start in range(0, K, KBLOCK):
             mask = row_ok[:, None] & ((start + cols0) < K)[None, :]
-            v = tl.load(x_rows + (start + cols0)[None, :], mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(x_rows + (start + cols0)[None, :], mask=mask, other=0)
+            if BF16_BITS:   # interpreter only: bfloat16 given as its bits (its own widening drops subnormals)
+                v = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            v = v.to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
         scale = tl.math.div_rn(tl.maximum(amax, tiny), FP8_MAX)
         tl.store(s_ptr + rows64, scale, mask=row_ok)
@@ -56,7 +62,10 @@ if tl is not None:
         for start in range(0, K, KBLOCK):
             mask = row_ok[:, None] & ((start + cols0) < K)[None, :]
             if not ONE_PASS:
-                v = tl.load(x_rows + (start + cols0)[None, :], mask=mask, other=0.0).to(tl.float32)
+                v = tl.load(x_rows + (start + cols0)[None, :], mask=mask, other=0)
+                if BF16_BITS:
+                    v = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                v = v.to(tl.float32)
             y = tl.math.div_rn(v, scale[:, None])
             y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
                            propagate_nan=tl.PropagateNan.ALL)
@@ -127,14 +136,16 @@ def _launcher(x: torch.Tensor, fp8_max: float, tiny: float):
     codes = torch.empty((m, k), dtype=CODES, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     rnd = _common.interpret_enabled()
+    bits = rnd and x.dtype == torch.bfloat16
+    x_in = x.view(torch.int16) if bits else x
 
     def launch(cfg: dict):
         kernel = _common.jit(_fp8q_kernel)
         grid = (_common.cdiv(m, cfg["YBLOCK"]),)
         with _common.device_guard(x):
-            kernel[grid](x, codes, scale, m, k, x.stride(0), float(tiny), YBLOCK=cfg["YBLOCK"],
+            kernel[grid](x_in, codes, scale, m, k, x.stride(0), float(tiny), YBLOCK=cfg["YBLOCK"],
                          KBLOCK=cfg["KBLOCK"], ONE_PASS=cfg["KBLOCK"] >= k, FP8_MAX=float(fp8_max),
-                         ROUND_FP8=rnd, num_warps=cfg["num_warps"])
+                         ROUND_FP8=rnd, BF16_BITS=bits, num_warps=cfg["num_warps"])
 
     key = f"K={k}|rows={_common.rows_bucket(m)}|{_common.dtype_name(x)}|max={fp8_max:g}"
     return launch, key, codes, scale

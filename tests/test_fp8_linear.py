@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from wan_accel.model.tiny import tiny_causal_model
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
+HERE = Path(__file__).resolve()
 
 
 def _layer(dtype, m=48, k=256, n=96, seed=0, bias=True):
@@ -149,6 +151,145 @@ def test_the_emulation_is_torch_scaled_mm_with_row_wise_scales(dtype):
     assert bool((gap <= tol).all()), float((gap / tol).max())
     if dtype == torch.bfloat16:
         assert float((gap > 0).float().mean()) < 0.05            # almost every element is the same bf16 value
+
+
+# ----------------------------------------------------------------------------------------------- fused quantize
+MARK = "FP8_QUANTIZE_RESULT "
+# (dtype, M, K): M not a multiple of a program's rows, K not a power of two (the 1.3B model's width and FFN width,
+# and a short row)
+QUANT_CASES = [(dt, m, k) for dt in ("bfloat16", "float16", "float32") for m, k in ((37, 1536), (5, 8960), (9, 17))]
+
+
+def _quant_input(dtype, m: int, k: int, seed: int) -> torch.Tensor:
+    """Random rows, then rows built to hit every rounding case of e4m3 (each exact in bf16, fp16 and fp32):
+    row 0 zeros; row 1 (maximum 1.75: scale 2^-8 exactly) ties between two codes in the normal range (272 -> 256,
+    304 -> 320: to even) and at a carry into the exponent (124 -> 128), ties in the subnormal range (2^-10 -> 0,
+    3 2^-10 -> 2^-8), -0.0 and a value under half the smallest code; row 2 values just under the maximum (near
+    +-448 once scaled); row 3 the dtype's subnormals; row 4 values near the dtype's largest."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g, dtype=torch.float64) * 3
+    ties = [272, -272, 304, -304, 124, -124, 2 ** -10, -2 ** -10, 3 * 2 ** -10, -3 * 2 ** -10, -0.0, 2 ** -12]
+    row1 = torch.tensor([1.75] + [t * 2 ** -8 for t in ties], dtype=torch.float64)     # x / scale = t
+    info = torch.finfo(getattr(torch, dtype))
+    near_max = torch.tensor([1 - 2.0 ** -e for e in range(1, 9)], dtype=torch.float64)
+    rows = {0: torch.zeros(k, dtype=torch.float64),
+            1: row1,
+            2: torch.cat([torch.tensor([5.0]), 5.0 * near_max, -5.0 * near_max]),
+            3: torch.tensor([info.tiny * info.eps, -3 * info.tiny * info.eps] + [info.tiny * j for j in
+                                                                                  (1 / 8, -3 / 8, 7 / 8, 5 / 16)],
+                            dtype=torch.float64),
+            4: torch.tensor([info.max, -info.max / 3, info.max / 1000, 1.0, -1e-3], dtype=torch.float64)}
+    for r, vals in rows.items():
+        if r < m:
+            x[r] = vals.repeat(k // len(vals) + 1)[:k]
+    return x.to(getattr(torch, dtype))
+
+
+def _quant_child() -> None:
+    from wan_accel.cache.autotune import get_autotuner
+    from wan_accel.kernels import _common, fp8_quant
+    results = {"interpreter_usable": _common.use_triton(torch.zeros(1)), "cases": []}
+    for i, (dtype, m, k) in enumerate(QUANT_CASES):
+        x = _quant_input(dtype, m, k, seed=i)
+        ref_q, ref_s = fp8.quantize_rows(x)
+        case = {"configs": 0, "codes_differ": 0, "scales_differ": 0}
+        for cfg in fp8_quant.candidates(k):
+            q, s = fp8_quant.run_triton(x, fp8.FP8_MAX, fp8.TINY, cfg)
+            case["configs"] += 1
+            case["codes_differ"] += int((q.view(torch.uint8) != ref_q.view(torch.uint8)).sum())
+            case["scales_differ"] += int((s.view(torch.int32) != ref_s.view(torch.int32)).sum())
+        before = get_autotuner().stats["benchmarks"]
+        q, s = fp8.quantize_input(x)                    # the dispatch: tuned through the operator store
+        case["dispatch_tuned"] = get_autotuner().stats["benchmarks"] > before
+        case["dispatch_equal"] = torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and \
+            torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
+        w = torch.randn(24, k, generator=torch.Generator().manual_seed(i)).to(x.dtype)
+        wq, ws = fp8.quantize_weight(w)
+        case["linear_equal"] = torch.equal(fp8.fp8_linear(x, wq, ws),
+                                           fp8.emulated(x, wq, ws, None, x.dtype, (ref_q, ref_s)))
+        results["cases"].append(case)
+    print(MARK + json.dumps(results), flush=True)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    from interpret_child import run_interpreted_child
+    return run_interpreted_child(HERE, tmp_path_factory.mktemp("fp8q"), MARK, timeout=600)
+
+
+def test_the_fused_quantize_runs_under_the_interpreter(quantized):
+    assert quantized["interpreter_usable"] is True
+    assert all(c["dispatch_tuned"] for c in quantized["cases"])     # quantize_input really launched the kernel
+
+
+@pytest.mark.parametrize("index", range(len(QUANT_CASES)),
+                         ids=[f"{dt}-M{m}-K{k}" for dt, m, k in QUANT_CASES])
+def test_the_fused_quantize_equals_quantize_rows_bit_for_bit(quantized, index):
+    """Every config of the kernel (the row held whole, or two passes over K tiles) writes the codes and scales of
+    ``quantize_rows`` exactly, ties and carries, subnormals and extremes included; so does the tuned dispatch, and
+    the fp8 linear on top of it gives the same numbers as on torch's codes."""
+    case = quantized["cases"][index]
+    assert case["configs"] >= 3 and case["codes_differ"] == 0 and case["scales_differ"] == 0, case
+    assert case["dispatch_equal"] and case["linear_equal"], case
+
+
+def test_the_quantize_inputs_hit_the_rounding_cases():
+    """The rows above are what they claim: ties, carries and subnormal codes in every dtype (torch's codes)."""
+    for dtype in ("bfloat16", "float16", "float32"):
+        x = _quant_input(dtype, 5, 13, seed=0)
+        q, s = fp8.quantize_rows(x)
+        assert float(s[1]) == 2 ** -8 and float(s[0]) == torch.finfo(torch.float32).tiny
+        assert q[1].float().tolist()[1:] == [256, -256, 320, -320, 128, -128, 0, -0.0, 2 ** -8, -2 ** -8, 0, 0]
+        assert float(q[2].float().abs().max()) == fp8.FP8_MAX and int((q[3].view(torch.uint8) & 0x7F).max()) > 0
+
+
+PTX_CASES = [("bf16", 1536, 2048, 4, 90), ("fp16", 8960, 1024, 8, 89), ("fp32", 8960, 16384, 16, 90)]
+
+
+@pytest.mark.parametrize("dtype,k,kblock,warps,arch", PTX_CASES, ids=[f"{c[0]}-K{c[2]}-sm{c[4]}" for c in PTX_CASES])
+def test_the_fused_quantize_compiles_to_correctly_rounded_ptx(tmp_path, monkeypatch, dtype, k, kblock, warps, arch):
+    """Built for Ada/Hopper without a GPU: both divisions correctly rounded (div.rn, not Triton's default
+    approximate float32 division), the e4m3 conversion round-to-nearest-even in hardware, no flush of subnormals,
+    and the shared memory within the estimate the operator store prunes with."""
+    triton = pytest.importorskip("triton")
+    compiler = pytest.importorskip("triton.compiler")
+    backends = pytest.importorskip("triton.backends.compiler")
+    from wan_accel.kernels import _common, fp8_quant
+    if _common.interpret_enabled():
+        pytest.skip("TRITON_INTERPRET is set: compiled-mode checks need it unset")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    cfg = {"YBLOCK": 1, "KBLOCK": kblock, "num_warps": warps}
+    sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_rows": "i32", "K": "i32",
+           "x_row_stride": "i32", "tiny": "fp32"}
+    consts = {"YBLOCK": 1, "KBLOCK": kblock, "ONE_PASS": kblock >= k, "FP8_MAX": fp8.FP8_MAX, "ROUND_FP8": False,
+              "BF16_BITS": False}
+    src = compiler.ASTSource(fn=triton.jit(fp8_quant._fp8q_kernel), signature=dict(sig, **{c: "constexpr" for c in consts}),
+                             constexprs=consts)
+    try:
+        kernel = triton.compile(src, target=backends.GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    except RuntimeError as exc:  # no ptxas / NVIDIA backend in this triton build
+        if "ptxas" in str(exc).lower() or "backend" in str(exc).lower():
+            pytest.skip(f"cannot build for CUDA here: {exc}")
+        raise
+    ptx = kernel.asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".ftz" not in ptx
+    assert kernel.metadata.shared <= fp8_quant._smem(cfg)
+
+
+def test_quantize_input_is_torch_where_the_kernel_does_not_run():
+    """On a CPU without the interpreter (this process) and for a coarser code type, quantize_input is
+    quantize_rows itself; the kernel says why it does not take an input."""
+    from wan_accel.kernels import _common, fp8_quant
+    x = _quant_input("bfloat16", 6, 40, seed=1)
+    if not _common.use_triton(x):
+        assert fp8_quant.problem(x) == "no Triton for this device"
+    q, s = fp8.quantize_input(x)
+    rq, rs = fp8.quantize_rows(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    if _common.use_triton(x):
+        assert "2-D" in fp8_quant.problem(x.reshape(2, 3, 40)) and "2-D" in fp8_quant.problem(x.to(torch.float64))
 
 
 # ----------------------------------------------------------------------------------------------- on the sampler
@@ -510,3 +651,7 @@ def test_fp8_runs_on_the_gpu_with_cuda_graphs():
     assert report["cuda_graphs"] and torch.equal(first, second)                # graph replay: the same numbers
     exact = generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized")
     assert 0 < float((first - exact).abs().max()) < 0.5
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    _quant_child()
