@@ -85,12 +85,19 @@ def run_linear(layer: nn.Module, x: torch.Tensor, linear: str = "exact", quantiz
     return layer(x)
 
 
-def fp8_input(x: torch.Tensor, layers, linear: str) -> tuple | None:
+def fp8_input(x: torch.Tensor, layers, linear: str, memo: dict | None = None) -> tuple | None:
     """x's fp8 codes and scales, made once for the ``layers`` that run an fp8 copy of x under ``linear``; None
-    where fewer than two do (a single layer quantizes its own input)."""
-    if linear != "fp8" or sum(FP8_WEIGHT in m._buffers for m in layers) < 2:
+    where fewer than two do (a single layer quantizes its own input). ``memo`` shares them further, between the
+    blocks that take the same x (the prompt: every block's cross-attention k and v)."""
+    copies = 0 if linear != "fp8" else sum(FP8_WEIGHT in m._buffers for m in layers)
+    if copies == 0 or (copies == 1 and memo is None):
         return None
-    return quantize_input(x.reshape(-1, x.shape[-1]))
+    if memo is None:
+        return quantize_input(x.reshape(-1, x.shape[-1]))
+    hit = memo.get(id(x))
+    if hit is None:             # x is kept with its codes: its id names it while the memo lives
+        hit = memo[id(x)] = (x, quantize_input(x.reshape(-1, x.shape[-1])))
+    return hit[1]
 
 
 def _ffn(ffn: nn.Sequential, h: torch.Tensor, linear: str) -> torch.Tensor:
@@ -201,16 +208,17 @@ class WanCrossAttention(nn.Module):
             self.v_img = nn.Linear(dim, dim)
             self.norm_k_img = _qk_norm(dim, eps, qk_norm)
 
-    def context_kv(self, text, image=None, linear: str = "exact") -> tuple:
-        """Keys/values of the embedded prompt: (k, v) or (k, v, k_img, v_img), each [B, Lc, H, hd], contiguous."""
+    def context_kv(self, text, image=None, linear: str = "exact", memo: dict | None = None) -> tuple:
+        """Keys/values of the embedded prompt: (k, v) or (k, v, k_img, v_img), each [B, Lc, H, hd], contiguous
+        (``memo``: the prompt's fp8 codes shared between blocks, see ``fp8_input``)."""
         heads = (self.num_heads, -1)
-        tq = fp8_input(text, (self.k, self.v), linear)
+        tq = fp8_input(text, (self.k, self.v), linear, memo)
         kv = [self.norm_k(run_linear(self.k, text, linear, tq)).unflatten(2, heads),
               run_linear(self.v, text, linear, tq).unflatten(2, heads)]
         if self.has_image:
             if image is None:
                 raise ValueError("this is an i2v model: pass the CLIP image features (clip_fea)")
-            iq = fp8_input(image, (self.k_img, self.v_img), linear)
+            iq = fp8_input(image, (self.k_img, self.v_img), linear, memo)
             kv += [self.norm_k_img(run_linear(self.k_img, image, linear, iq)).unflatten(2, heads),
                    run_linear(self.v_img, image, linear, iq).unflatten(2, heads)]
         return tuple(t.contiguous() for t in kv)
@@ -261,8 +269,9 @@ class WanBlock(nn.Module):
         write_kv(call.k_cache, call.v_cache, call.write_idx, k, v)
 
 
-def cross_kv(block: WanBlock, text, image=None, linear: str = "exact") -> tuple:
-    """The block's cross-attention keys/values for an embedded prompt: (k, v) or (k, v, k_img, v_img).
+def cross_kv(block: WanBlock, text, image=None, linear: str = "exact", memo: dict | None = None) -> tuple:
+    """The block's cross-attention keys/values for an embedded prompt: (k, v) or (k, v, k_img, v_img); ``memo``
+    (one dict per prompt) quantizes the prompt once for every block under ``linear`` 'fp8'.
 
     Works for a block whose weights live elsewhere (block swap): they are copied to the prompt's device for
     this one computation and put back (a swapped block holds no fp8 copy: its layers run exact)."""
@@ -274,7 +283,7 @@ def cross_kv(block: WanBlock, text, image=None, linear: str = "exact") -> tuple:
         if moved:
             for p in params:
                 p.data = p.data.to(text.device, non_blocking=True)
-        return ca.context_kv(text, image, linear)
+        return ca.context_kv(text, image, linear, memo)
     finally:
         if moved:
             for p, d in zip(params, saved):

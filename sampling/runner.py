@@ -397,7 +397,8 @@ class Run:
     def set_prompt(self, text, image=None) -> None:
         """Cross-attention K/V of every block for this prompt, into the session's static buffers."""
         self.text = text
-        fresh = [cross_kv(block, text, image, self.parts.linear) for block in self.model.blocks]
+        memo: dict = {}             # the prompt quantized once for every block's fp8 k/v
+        fresh = [cross_kv(block, text, image, self.parts.linear, memo) for block in self.model.blocks]
         old = self.sess.cross
         if old is not None and len(old) == len(fresh) and all(
                 len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))

@@ -339,6 +339,37 @@ def test_the_mode_runs_every_block_linear_layer_and_nothing_else(monkeypatch):
     assert 0 < diff < 0.3, diff
 
 
+def _quantizing(monkeypatch) -> list:
+    """Every input quantized for an fp8 layer (kept alive, so no two distinct inputs can share an address)."""
+    seen = []
+    real = fp8.quantize_input
+
+    def recorded(x2d):
+        seen.append(x2d)
+        return real(x2d)
+    monkeypatch.setattr(fp8, "quantize_input", recorded)
+    monkeypatch.setattr(blocks, "quantize_input", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("fused_qkv", [True, False])
+def test_no_input_is_quantized_twice(monkeypatch, fused_qkv):
+    """The prompt is quantized once for every block's cross-attention k and v, and separate q/k/v GEMMs share one
+    quantized input: no input is quantized twice, and every GEMM beyond the first on a shared input saves one
+    quantization (the counts of test_the_mode_runs_every_block_linear_layer_and_nothing_else: 9n - 1 full block
+    calls, one k/v-only call)."""
+    model = tiny_causal_model()
+    seen = _quantizing(monkeypatch)
+    calls = _counting(monkeypatch)
+    out = _run(model, linear="fp8", fused_qkv=fused_qkv)
+    assert torch.isfinite(out).all()
+    where = [(t.data_ptr(), tuple(t.shape), t.stride()) for t in seen]
+    assert len(set(where)) == len(where), "an input was quantized twice"
+    n = model.config.num_layers
+    saved = 2 * n - 1 + (0 if fused_qkv else 2 * (9 * n - 1) + 1)     # prompt 2n -> 1; q/k/v 3 -> 1, k/v 2 -> 1
+    assert len(calls) - len(seen) == saved, (len(calls), len(seen))
+
+
 def test_exact_runs_are_untouched_and_the_copies_leave_no_trace(monkeypatch):
     model, fresh = tiny_causal_model(), tiny_causal_model()
     keys = list(model.state_dict())
@@ -451,6 +482,55 @@ def test_fp8_kept_where_the_user_insists(monkeypatch):
     out, exact, report, _ = _speed_run(monkeypatch, slow=True, keep_slower=True)
     assert report["fp8_speed"]["slower"] is True and report["linear"] == "fp8" and not torch.equal(out, exact)
     assert any("kept because keep_slower" in n for n in report["notes"])
+
+
+def _copies_made(monkeypatch) -> dict:
+    """Counts of what an fp8 run makes before its first chunk: ensure_fp8 calls and weight quantizations."""
+    from wan_accel.model import fp8_linear as fl
+    from wan_accel.sampling import runner
+    made = {"ensure_fp8": 0, "quantize_weight": 0}
+    real_ensure, real_quant = runner.ensure_fp8, fl.fp8.quantize_weight
+
+    def ensure(*a, **kw):
+        made["ensure_fp8"] += 1
+        return real_ensure(*a, **kw)
+
+    def quant(*a, **kw):
+        made["quantize_weight"] += 1
+        return real_quant(*a, **kw)
+    monkeypatch.setattr(runner, "ensure_fp8", ensure)
+    monkeypatch.setattr(fl.fp8, "quantize_weight", quant)
+    return made
+
+
+def test_a_stored_slower_verdict_costs_nothing(monkeypatch):
+    """The verdict is read before any fp8 copy is made: measured slower, the first run makes no copy (its timing
+    quantizes only the probe's own weights), and a later run of the same shape reads the stored verdict, times
+    nothing and makes nothing: no copy, no quantized weight, no fp8 buffer, the exact numbers."""
+    made = _copies_made(monkeypatch)
+    out, exact, report, timed = _speed_run(monkeypatch, slow=True)
+    assert report["linear"] == "exact (fp8 measured slower)" and torch.equal(out, exact)
+    assert made["ensure_fp8"] == 0 and made["quantize_weight"] == 6            # the probe's six layer weights
+    n_timed = len(timed)
+    model, report = tiny_causal_model(), {}
+    made.update(ensure_fp8=0, quantize_weight=0)
+    again = _run(model, report, linear="fp8")
+    assert len(timed) == n_timed and made == {"ensure_fp8": 0, "quantize_weight": 0}
+    assert not any("fp8" in n for n, _ in model.named_buffers())
+    assert report["fp8_speed"]["slower"] is True and report["linear"] == "exact (fp8 measured slower)"
+    assert report.get("linear_path") is None and any("fp8 linear is slower" in n for n in report["notes"])
+    assert torch.equal(again, exact)
+
+
+def test_a_stored_faster_verdict_makes_the_copies_once(monkeypatch):
+    made = _copies_made(monkeypatch)
+    _out, _exact, report, timed = _speed_run(monkeypatch, slow=False)
+    n = tiny_causal_model().config.num_layers
+    assert report["linear"] == "fp8" and made["ensure_fp8"] == n and len(timed) == 2
+    model, report = tiny_causal_model(), {}
+    _run(model, report, linear="fp8")
+    assert len(timed) == 2 and made["ensure_fp8"] == 2 * n and report["fp8_speed"]["slower"] is False
+    assert report["linear"] == "fp8" and any("fp8" in name for name, _ in model.named_buffers())
 
 
 # ----------------------------------------------------------------------------------------------- doctor
