@@ -1,8 +1,11 @@
 """fp8 linear layers (opt-in): per call within the stated bound (kernels/fp8_linear.error_bound) on random and
 adversarial inputs, the bound close to the worst case and broken by a coarser code, the emulation equal to
-``torch._scaled_mm``'s semantics, the mode really running every block linear layer (and nothing else) on the
-optimized path, exact runs untouched, its copies kept current, refusals, the speed verdict, the doctor, the CLI, the
-sampler bench and the README's Fidelity rows; on a CUDA GPU the scaled matmul itself."""
+``torch._scaled_mm``'s semantics, the fused input quantize (kernels/fp8_quant.py) equal to ``quantize_rows`` bit for
+bit under Triton's interpreter (a child process) and compiled with correctly rounded divisions, no input quantized
+twice, the mode really running every block linear layer (and nothing else) on the optimized path, exact runs
+untouched, its copies kept current, refusals, the speed verdict (read before any copy is made), the doctor, the
+CLI, the kernel and sampler benches and the README's Fidelity rows; on a CUDA GPU the scaled matmul and the fused
+quantize themselves."""
 from __future__ import annotations
 
 import argparse
@@ -208,6 +211,8 @@ def _quant_child() -> None:
         case["linear_equal"] = torch.equal(fp8.fp8_linear(x, wq, ws),
                                            fp8.emulated(x, wq, ws, None, x.dtype, (ref_q, ref_s)))
         results["cases"].append(case)
+    from wan_accel.app.bench.kernels import fp8_quant_rows
+    results["bench"] = fp8_quant_rows("cpu", "bfloat16") + fp8_quant_rows("cpu", "float16")
     print(MARK + json.dumps(results), flush=True)
 
 
@@ -231,6 +236,29 @@ def test_the_fused_quantize_equals_quantize_rows_bit_for_bit(quantized, index):
     case = quantized["cases"][index]
     assert case["configs"] >= 3 and case["codes_differ"] == 0 and case["scales_differ"] == 0, case
     assert case["dispatch_equal"] and case["linear_equal"], case
+
+
+def test_bench_kernels_fp8_quantize_rows(quantized, capsys):
+    """``bench kernels``' fp8 quantize rows: under the interpreter the kernel at small shapes, bit-equal to the
+    torch ops; without it (this process, a CPU) a row saying why; the GPU table prints each figure it is given."""
+    from wan_accel.app.bench.kernels import CPU_FP8_QUANT_SHAPES, _print_fp8, fp8_quant_rows
+    from wan_accel.kernels import _common
+    bench = quantized["bench"]
+    assert [(r["shape"], r["dtype"]) for r in bench] == [(s[0], d) for d in ("bfloat16", "float16")
+                                                         for s in CPU_FP8_QUANT_SHAPES]
+    assert all(r["ok"] and r["bit_equal"] and r["max_err"] == 0 for r in bench), bench
+    if not _common.use_triton(torch.zeros(1)):
+        here = fp8_quant_rows("cpu", "float32")
+        assert here and all(r["skipped"] == "no Triton for this device" for r in here)
+    gpu = [dict(bench[0], torch_ms=0.125, triton_ms=0.031, speedup=4.03, triton_gb_s=1234.0),
+           {"kernel": "fp8_linear", "shape": "ffn up", "exact_ms": 0.21, "fp8_torch_quant_ms": 0.33,
+            "fp8_fused_ms": 0.14, "speedup": 1.5},
+           {"kernel": "fp8_linear", "shape": "1.3B block", "skipped": "SM 8.0 has no fp8 tensor cores"}]
+    _print_fp8(gpu)
+    out = capsys.readouterr().out
+    for text in ("bit-equal", "torch 0.125 ms", "fused 0.031 ms", "1234 GB/s", "ffn up", "exact 0.210 ms",
+                 "fp8+torch quantize 0.330 ms", "fp8+fused 0.140 ms", "x1.50", "SM 8.0 has no fp8"):
+        assert text in out, text
 
 
 def test_the_quantize_inputs_hit_the_rounding_cases():
@@ -713,6 +741,25 @@ def test_scaled_mm_within_its_bound_on_a_gpu(dtype):
         emulated = fp8.emulated(x, q, s, b, dtype)                   # same codes; sums and output rounding differ
         assert float((y.double() - emulated.double()).abs().max()) <= float(fp8.error_bound(x, w, b, "scaled_mm")
                                                                             .max())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_fused_quantize_equals_quantize_rows_on_a_gpu(dtype):
+    """Compiled for this GPU (SM 8.9+), every config of the kernel and the tuned dispatch write torch's codes and
+    scales bit for bit, on the interpreter's cases and at a 1.3B block's widths."""
+    from wan_accel.kernels import fp8_quant
+    x = _quant_input(dtype, 4, 8, 0).cuda()
+    why = fp8_quant.problem(x)
+    if why is not None:
+        pytest.skip(f"the fused quantize does not run here: {why}")
+    for i, (m, k) in enumerate(((37, 1536), (5, 8960), (9, 17), (1000, 1536), (300, 8960))):
+        x = _quant_input(dtype, m, k, seed=i).cuda()
+        ref_q, ref_s = fp8.quantize_rows(x)
+        for cfg in fp8_quant.candidates(k) + (None,):
+            q, s = fp8_quant.run_triton(x, fp8.FP8_MAX, fp8.TINY, cfg) if cfg else fp8.quantize_input(x)
+            assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), (m, k, cfg)
+            assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32)), (m, k, cfg)
 
 
 @pytest.mark.cuda
