@@ -115,6 +115,8 @@ def problem(x: torch.Tensor) -> str | None:
         return "no Triton for this device"
     if x.dim() != 2 or x.dtype not in DTYPES:
         return f"x must be 2-D {', '.join(str(d).replace('torch.', '') for d in DTYPES)}"
+    if x.numel() == 0:
+        return "x is empty"
     if x.device.type == "cuda":
         key = ("cap", x.device.index)
         if key not in _CAPS:

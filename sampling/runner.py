@@ -229,15 +229,16 @@ class FastRunner:
     def _fp8_verdict(self, options: FastOptions, tokens: int) -> tuple | None:
         """(slower, why) of fp8 against exact linear layers at the run's largest call (``fp8_speed``: the operator
         store's verdict, measured once per GPU and shape; a stored one makes no tensor), judged before any fp8
-        copy is made; None where fp8 is not asked for, switched off, or the run's chunks are not known here."""
-        if options.linear != "fp8" or "linear.fp8" in options.switched_off or not tokens:
+        copy is made; None where the run's chunks are not known here."""
+        if not tokens:
             return None
         cfg = self.model.config
         return fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype, self.model.device)
 
-    def _linear(self, options: FastOptions, swapped: set, slower: bool = False) -> tuple[str, dict]:
-        """The run's linear mode, with the model's fp8 copies made (fp8) or freed (exact; also where fp8 is
-        ``slower`` here and not kept: no copy is made); (mode, report fields)."""
+    def _linear(self, options: FastOptions, swapped: set, tokens: int = 0) -> tuple[str, dict, tuple | None]:
+        """The run's linear mode, with the model's fp8 copies made (fp8) or freed (exact; also where fp8 is judged
+        slower at ``tokens`` before any copy is made, and not kept: no copy is made); (mode, report fields, the
+        speed verdict or None)."""
         blocks = self.model.blocks
         if options.linear == "fp8" and "linear.fp8" in options.switched_off:
             line = f"fp8 linear is {SELF_CHECK_OFF}: this run uses exact linear layers"
@@ -247,10 +248,11 @@ class FastRunner:
             for i, block in enumerate(blocks):     # every block checked before any copy is made
                 if i not in swapped:
                     check_fp8_block(block, prefix=f"blocks.{i}.")
-            if slower and not options.keep_slower:
+            verdict = self._fp8_verdict(options, tokens)
+            if verdict is not None and verdict[0] and not options.keep_slower:
                 for block in blocks:
                     drop_fp8(block)
-                return "exact", {}
+                return "exact", {}, verdict
             done = kept = 0
             for i, block in enumerate(blocks):
                 if i in swapped:            # its weights stream per call: a second copy would stream too
@@ -261,10 +263,10 @@ class FastRunner:
             path, why = linear_path(self.model)
             return ("fp8" if done else "exact"), {
                 "linear_path": path, "linear_reason": why, "fp8_layers": done, "fp8_layers_kept_as_stored": kept,
-                "fp8_blocks_exact_swapped": len(swapped)}
+                "fp8_blocks_exact_swapped": len(swapped)}, verdict
         for block in blocks:
             drop_fp8(block)
-        return "exact", {}
+        return "exact", {}, None
 
     def _graphs_reason(self, options, device, swapped, compile_mode, actions, cache) -> str | None:
         """Why CUDA graphs are not used for this run (None: they are)."""
@@ -324,8 +326,7 @@ class FastRunner:
         fused = self._fuse(options, swapped)
         frame_tokens = grid_hw[0] * grid_hw[1]
         fp8_tokens = largest_call(batch, chunks, frame_tokens) if chunks else 0
-        verdict = self._fp8_verdict(options, fp8_tokens)
-        linear, linear_info = self._linear(options, swapped, slower=bool(verdict and verdict[0]))
+        linear, linear_info, verdict = self._linear(options, swapped, fp8_tokens)
         requested = options.attention or getattr(model, "attn_backend", "auto")
         backend, backend_reason = checked_backend(requested, device, model.compute_dtype, model.config.head_dim,
                                                   options.switched_off)
