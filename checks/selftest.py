@@ -11,7 +11,8 @@ the doctor and the operator store start cold, as on a new machine; the first-run
 The stages (``STAGES``): the doctor (every feature, cold); ``check-reference`` in float32 for every fixture folder
 of a source checkout (Wan, causal, Matrix-Game-2, rolling, LongLive, Krea); ``generate`` on the tiny model; an fp8
 checkpoint through the pack's loader; and on a GPU: ``bench sampler`` at the 1.3B shape (reference in the run
-dtype, optimized, without CUDA graphs, compiled, int8, fp8 linear), ``bench attention`` (every implementation at the
+dtype, optimized, without CUDA graphs, compiled, int8 attention, fp8 linear, fp8 attention, fp8 both),
+``bench attention`` (every implementation at the
 run's calls), the optimized sampler with every chunk decoded by the Wan 2.1 VAE and by the tiny decoder, ``bench
 kernels``, block swap under a VRAM cap (``bench offload``), the tests marked ``cuda``; and ComfyUI's own loader where
 ComfyUI imports (the doctor's native probe). The speed goals (``checks/goals.py``) are read from the bench stages'
@@ -39,6 +40,7 @@ STATUSES = ("passed", "failed", NEEDS_GPU, "skipped")
 SLOWER_MARGIN = 1.05       # int8 / fp8 kept although its steady time is more than 5 % above exact's: a failure
 OUTPUT = "_output"         # a stage row's parsed JSON output while the goal table is made
 KEPT_TWINS = (("optimized-int8", "attention_ran", "int8", "int8 attention"),     # twin, what ran, its mode, words
+              ("optimized-fp8att", "attention_ran", "fp8", "fp8 attention"),
               ("optimized-fp8", "linear_ran", "fp8", "fp8 linear"))
 
 
@@ -163,7 +165,8 @@ def _decode_argv(decoder: str):
 
 
 def _sampler_argv(ctx: Context) -> list:
-    variants = "reference-same-dtype,optimized,optimized-no-graphs,optimized-compiled,optimized-int8,optimized-fp8"
+    variants = ("reference-same-dtype,optimized,optimized-no-graphs,optimized-compiled,optimized-int8,optimized-fp8,"
+                "optimized-fp8att,optimized-fp8att-fp8")
     argv = ["bench", "sampler", "--variants", variants, "--repeat", "1" if ctx.quick else "2", "--json"]
     return argv + ([] if ctx.quick else ["--shape", "1.3b"])
 

@@ -48,9 +48,10 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--dtype", type=dtype_arg("--dtype"), metavar="{bf16,fp16,fp32}",
                    help="default: bf16 on cuda, fp32 on cpu (bfloat16/float16/float32 are accepted too)")
     p.add_argument("--precision", default="self_forcing", choices=["float32", "wan21", "self_forcing"])
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8"],
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8", "fp8"],
                    help="auto: FlashAttention 3, then 2, then SDPA, by what is installed and the GPU supports; "
-                        "int8 (opt-in): int8 Q/K attention, within a stated error of exact (README: Fidelity)")
+                        "int8 (opt-in): int8 Q/K attention; fp8 (opt-in): Q, K, V and P in fp8, K/V quantized once "
+                        "as they enter the KV cache; each within a stated error of exact (README: Fidelity)")
     p.add_argument("--linear", default="exact", choices=["exact", "fp8"],
                    help="exact (default), or fp8 (opt-in): the blocks' linear layers in fp8 with per-row scales, "
                         "within a stated error of exact (README: Fidelity); fast on CUDA GPUs with fp8 tensor cores "
@@ -81,8 +82,8 @@ def _add_generate(subparsers) -> None:
                         "(comfy-kitchen's backends), torch (plain torch)")
     p.add_argument("--compile", action="store_true", help="regional torch.compile of the blocks (optimized path)")
     p.add_argument("--keep-slower", action="store_true",
-                   help="keep --attention int8 / --linear fp8 even where it is measured slower than exact at this "
-                        "run's shape on this GPU (otherwise the run says so and runs exact)")
+                   help="keep --attention int8 / fp8 / --linear fp8 even where it is measured slower than exact at "
+                        "this run's shape on this GPU (otherwise the run says so and runs exact)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     mg2 = p.add_argument_group("matrix-game2 (with --model-kind matrix-game2)")
     mg2.add_argument("--actions", help="action script, e.g. 'W*8, W+D*12, mouse(0,0.1)*4'")

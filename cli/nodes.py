@@ -18,5 +18,5 @@ def _run(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("nodes", help="list the ComfyUI nodes of the pack")
-    p.add_argument("--markdown", action="store_true", help="print the README's node reference")
+    p.add_argument("--markdown", action="store_true", help="print the node reference (docs/nodes.md)")
     p.set_defaults(func=_run)

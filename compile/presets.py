@@ -116,7 +116,7 @@ def resolve_inductor_options(options: dict) -> dict:
 
 # ----------------------------------------------------------------------------- CUDA graphs: the pack's own stay in charge
 # Inductor's cudagraph trees skip a graph whose inputs are mutated in place; the optimized sampler's blocks write
-# their KV buffers with index_copy_, so 'reduce-overhead', 'max-autotune' and the 'cudagraphs' backend would end
+# their KV buffers in place (index_copy_ under compile), so 'reduce-overhead', 'max-autotune' and the 'cudagraphs' backend would end
 # with no graph at all (slower than 'default'). The sampler compiles their graph-free equivalent instead and
 # replays whole chunks with its own CUDA graphs (sampling/cuda_graphs.py).
 GRAPH_SAFE_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}

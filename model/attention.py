@@ -9,14 +9,21 @@ Layout everywhere is ``[B, L, heads, head_dim]``. Backends:
 * ``sdpa``: torch's scaled_dot_product_attention (always available; it picks its own fused kernel);
 * ``int8``: opt-in, never chosen by ``auto``: SageAttention-style int8 Q/K (``kernels/int8_attention.py``):
   comfy-kitchen's int8 kernel where it runs (CUDA), else the pack's torch version of the same math (anywhere).
-  It changes the numerics within ``kernels.int8_attention.error_bound``; every other backend is exact.
+  It changes the numerics within ``kernels.int8_attention.error_bound``;
+* ``fp8``: opt-in, never chosen by ``auto``: Q, K and V in e4m3 per (token, head), V's scales folded into P
+  (``kernels/fp8_attention.py``): the pack's Triton kernel on CUDA GPUs with fp8 tensor cores (SM 8.9+), else its
+  torch version of the same math. A call whose keys/values are the leading slots of a KV cache that keeps an fp8
+  copy (``model/kv_cache.py``, made under this mode) reads the copy: keys and values are quantized once, when
+  they enter the cache. It changes the numerics within ``kernels.fp8_attention.error_bound``. Every other
+  backend is exact.
 
 ``auto`` is the operator store's choice (``kernels/candidates.py``, op ``attention``): among the exact candidates
 that run here (fa3, fa2, sdpa and ``torch``, plain softmax math, the reference), each verified against the reference
 on the call's shapes and timed, the fastest verified one per (heads, head size, dtype, query/key length bucket) and
 GPU fingerprint; a wrong one is failed alone; chosen once per process and shape, never measured inside a CUDA-graph
 capture or a torch.compile trace (there the store's choice, else the availability order fa3 > fa2 > sdpa). On a CPU
-where only SDPA and plain math run, SDPA without timing. int8 is never a candidate (approximate; opt-in only).
+where only SDPA and plain math run, SDPA without timing. int8 and fp8 are never candidates (approximate; opt-in
+only).
 An explicit request (``flash_attn``, ``fa3``, ``fa2``, ``sdpa``) is resolved by capability detection: the package
 imports, the GPU's compute capability, the dtype (half precision) and the head size. GPU names are never looked
 at. ``resolve_backend`` does this once (the optimized sampler calls it when a run starts); ``attention`` also
@@ -32,13 +39,15 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..kernels import _common, int8_attention as int8
+from ..kernels import _common, fp8_attention as fp8, int8_attention as int8
 from ..kernels import candidates as op_candidates
+from .kv_cache import fp8_copy
 
 log = logging.getLogger("wan_accel")
 
-BACKENDS = ("auto", "sdpa", "flash_attn", "fa3", "fa2", "int8")
-RESOLVED = ("fa3", "fa2", "sdpa", "int8")
+BACKENDS = ("auto", "sdpa", "flash_attn", "fa3", "fa2", "int8", "fp8")
+RESOLVED = ("fa3", "fa2", "sdpa", "int8", "fp8")
+APPROXIMATE = ("int8", "fp8")   # the opt-in modes that change the numerics (never chosen by 'auto')
 _MODULES = {"fa3": "flash_attn_interface", "fa2": "flash_attn"}
 _FUNCS: dict = {}          # "fa3"/"fa2" -> flash_attn_func or None (import attempted once)
 
@@ -176,6 +185,8 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
     device = torch.device(device)
     if requested == "int8":
         return "int8", int8.implementation(device, dtype, head_dim)[1]
+    if requested == "fp8":
+        return "fp8", fp8.implementation(device, dtype, head_dim)[1]
     why = []
     for name in _candidates(requested):
         if name == "sdpa":
@@ -194,7 +205,7 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
 
 @functools.lru_cache(maxsize=64)
 def resolve_backend(requested: str, device, dtype: torch.dtype, head_dim: int) -> str:
-    """'fa3' | 'fa2' | 'sdpa' | 'int8' for a request (cached per device, dtype and head size)."""
+    """'fa3' | 'fa2' | 'sdpa' | 'int8' | 'fp8' for a request (cached per device, dtype and head size)."""
     return explain_backend(requested, device, dtype, head_dim)[0]
 
 
@@ -418,8 +429,33 @@ def warm_plans(shapes, batch: int, heads: int, head_dim: int, dtype, device, req
     return out
 
 
-SPEED_KERNEL = "speed.attention.int8"     # the operator store's kernel for the opt-in int8 mode's speed verdict
+SPEED_KERNELS = {"int8": "speed.attention.int8", "fp8": "speed.attention.fp8"}   # the operator store's kernels
+SPEED_KERNEL = SPEED_KERNELS["int8"]      # of the opt-in modes' speed verdicts
 SPEED_DEVICES = ("cuda",)                 # where a timing says something about speed (a CPU runs the torch version)
+
+
+def _mode_speed(mode: str, run_mode, make_extra, lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype,
+                device, exact, tuner) -> tuple[bool | None, str]:
+    """(slower, why) of the opt-in ``mode`` (``run_mode(q, k, *extra)``) against exact attention at ``lq`` queries
+    x ``lk`` keys, timed through the operator store (one verdict per GPU and shape)."""
+    from ..cache.autotune import get_autotuner
+    device = torch.device(device)
+    if device.type not in SPEED_DEVICES or _common.is_compiling():
+        return None, f"speed not judged on {device.type}"
+    tuner = tuner or get_autotuner()
+
+    def inputs():
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
+        k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
+        return (q, k) + make_extra(k)
+
+    key = f"{device.type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
+    slower, shown = tuner.slower_than_exact(SPEED_KERNELS[mode], key, mode, run_mode,
+                                            lambda q, k, *_: attention(q, k, k, backend=exact), make=inputs)
+    if slower is None:
+        return None, f"not measured ({shown})"
+    return slower, f"at {lq} queries x {lk} keys: {shown}"
 
 
 def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, exact="auto",
@@ -427,22 +463,29 @@ def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, d
     """(slower, why): whether the opt-in int8 mode is slower than exact attention at the run's own largest call
     (``lq`` queries, ``lk`` keys), timed through the operator store (its pluggable timer; one verdict per GPU and
     shape, a second process times nothing). None where no speed can be judged (not a GPU)."""
-    from ..cache.autotune import get_autotuner
-    device = torch.device(device)
-    if device.type not in SPEED_DEVICES or _common.is_compiling():
-        return None, f"speed not judged on {device.type}"
-    tuner = tuner or get_autotuner()
-    def inputs():
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
-        return q, torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
+    return _mode_speed("int8", lambda q, k: int8.int8_attention(q, k, k), lambda k: (), lq, lk, batch, heads,
+                       head_dim, dtype, device, exact, tuner)
 
-    key = f"{device.type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
-    slower, shown = tuner.slower_than_exact(SPEED_KERNEL, key, "int8", lambda q, k: int8.int8_attention(q, k, k),
-                                            lambda q, k: attention(q, k, k, backend=exact), make=inputs)
-    if slower is None:
-        return None, f"not measured ({shown})"
-    return slower, f"at {lq} queries x {lk} keys: {shown}"
+
+def fp8_attention_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, exact="auto",
+              tuner=None) -> tuple[bool | None, str]:
+    """(slower, why) of the opt-in fp8 mode against exact attention at the run's own largest call, like
+    ``int8_speed``; the keys/values quantized beforehand, as the KV cache keeps them. None where no speed can be
+    judged: not a GPU, or the torch version runs here (no fp8 kernel: its numerics, not its speed)."""
+    kind, why = fp8.implementation(device, dtype, head_dim)
+    if kind != "triton" and torch.device(device).type in SPEED_DEVICES:
+        return None, f"speed not judged: {why}"
+    return _mode_speed("fp8", lambda q, k, kv8: fp8.fp8_attention(q, k, k, kv8=kv8),
+                       lambda k: (fp8.quantize_kv(k, k),), lq, lk, batch, heads, head_dim, dtype, device, exact,
+                       tuner)
+
+
+def _fp8_attention(q, k, v, key_padding_mask):
+    """fp8 attention, reading the KV cache's fp8 copy of k, v where it keeps one (eagerly under compile)."""
+    return fp8.fp8_attention(q, k, v, key_padding_mask, kv8=fp8_copy(k, v))
+
+
+_fp8_attention = _no_compile(_fp8_attention)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -450,11 +493,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Softmax attention, scale 1/sqrt(head_dim), no dropout, dense (every query sees every key).
 
     q [B, Lq, H, D], k/v [B, Lk, H, D]; key_padding_mask [B, Lk] bool, True = real key (attended).
-    backend: a resolved name ('fa3', 'fa2', 'sdpa', 'int8': dispatched directly) or a request ('auto',
+    backend: a resolved name ('fa3', 'fa2', 'sdpa', 'int8', 'fp8': dispatched directly) or a request ('auto',
     'flash_attn'). Returns [B, Lq, H, D] in q's dtype.
     """
     if backend == "int8":
         return int8.int8_attention(q, k, v, key_padding_mask)
+    if backend == "fp8":
+        return _fp8_attention(q, k, v, key_padding_mask)
     if key_padding_mask is not None:
         return _sdpa(q, k, v, key_padding_mask[:, None, None, :])
     if backend == "auto" or isinstance(backend, tuple):

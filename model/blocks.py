@@ -2,13 +2,15 @@
 
 There is one block forward. What differs between the reference and the optimized sampling paths are the parts
 plugged into it (``BlockParts``): the attention backend, the fused Triton kernels (LayerNorm+modulate,
-RMSNorm+RoPE, gated residual; torch fallbacks elsewhere) and one q/k/v GEMM over a concatenated weight
+RMSNorm+RoPE, gated residual, and with RMSNorm+RoPE the cross-attention query's RMSNorm; torch fallbacks
+elsewhere) and one q/k/v GEMM over a concatenated weight
 (``fused_qkv``). Everything a call needs arrives in a ``LayerCall`` of tensors and of values that change only with
 the chunk's shape, so a compiled block (``compile.compile_model``, scope 'blocks') installs no guard on Python
 bookkeeping:
 
-* the layer's KV buffers and the step's device index of the slots each chunk row goes to (``kv_cache.write_kv``),
-  plus ``read_len`` (slots attended; it changes only when the attended window grows);
+* the layer's KV buffers and the step's device index of the slots each chunk row goes to (``kv_cache.write_kv``;
+  eager code copies into their one contiguous range, ``write_span``, where they form one), plus ``read_len``
+  (slots attended; it changes only when the attended window grows);
 * the cross-attention keys/values, computed once per prompt (``cross_kv``);
 * ``e0`` [B, G, 6, dim]: the time projection per token group (one group per latent frame, or one per chunk when
   the chunk's timestep is uniform).
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from ..kernels import candidates as op_candidates
 from ..kernels import gated_residual, layernorm_modulate, rmsnorm_rope
 from ..kernels.fp8_linear import fp8_linear, quantize_input
+from ..kernels.rms_norm import rmsnorm
 from .attention import attention
 from .fused_qkv import QKV_BIAS, QKV_WEIGHT
 from .kv_cache import write_kv
@@ -60,9 +63,10 @@ class LayerCall(NamedTuple):
     read_len: int = 0                  # attend cache slots [0, read_len)
     key_mask: torch.Tensor | None = None   # [B, L] bool, padded keys (no cache only)
     seq: object = None                 # a seq_parallel.SeqShard: x holds this rank's tokens, the cache its heads
+    write_span: slice | None = None    # the slots as one contiguous range, when they are (``CacheStep.span``)
 
 
-KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual")
+KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual", "rms_norm")
 
 
 def uses_kernel(fused, kernel: str) -> bool:
@@ -135,6 +139,15 @@ def _norm_rope(norm, x, rope, heads: int, fused: bool, ops: tuple = ()):
     return apply_rope(norm(x).unflatten(2, (heads, -1)), cos, sin)
 
 
+def fused_q_norm(parts: BlockParts) -> bool:
+    """Whether the cross-attention's query RMSNorm runs the pack's kernel (``kernels/rms_norm.py``): where the fused
+    kernels run and the doctor trusts this one (``kernel.rms_norm``), in an ops mode that lets the pack's kernels
+    run; plain torch elsewhere."""
+    if not uses_kernel(parts.fused_kernels, "rms_norm"):     # off, or switched off by the doctor (kernel.rms_norm)
+        return False
+    return not parts.ops or parts.ops[0] in ("auto", "pack")
+
+
 def _project(sa, h, fused_qkv: bool, parts: int, linear: str = "exact"):
     """The last ``parts`` of (q, k, v) for input h: one GEMM over the fused weight when available (under
     ``linear`` 'fp8': over the fp8 copy of the three weights, one GEMM when fused, else one per part)."""
@@ -185,7 +198,7 @@ class WanSelfAttention(nn.Module):
             q, k, v = call.seq.to_heads(q, k, v)
         key_mask = call.key_mask
         if call.k_cache is not None:
-            write_kv(call.k_cache, call.v_cache, call.write_idx, k, v)
+            write_kv(call.k_cache, call.v_cache, call.write_idx, k, v, call.write_span)
             k, v, key_mask = call.k_cache[:, :call.read_len], call.v_cache[:, :call.read_len], None
         out = attention(q, k, v, key_mask, backend=call.parts.attention)
         if call.seq is not None:
@@ -223,8 +236,13 @@ class WanCrossAttention(nn.Module):
                    run_linear(self.v_img, image, linear, iq).unflatten(2, heads)]
         return tuple(t.contiguous() for t in kv)
 
-    def forward(self, h, cross: tuple, backend: str, linear: str = "exact"):
-        q = self.norm_q(run_linear(self.q, h, linear)).unflatten(2, (self.num_heads, -1))
+    def forward(self, h, cross: tuple, backend: str, linear: str = "exact", fused_norm: bool = False):
+        q = run_linear(self.q, h, linear)
+        if fused_norm and isinstance(self.norm_q, RMSNorm):        # one kernel for the norm's ~6 torch ops
+            q = rmsnorm(q, self.norm_q.weight, self.norm_q.eps)
+        else:
+            q = self.norm_q(q)
+        q = q.unflatten(2, (self.num_heads, -1))
         out = attention(q, cross[0], cross[1], backend=backend)
         if len(cross) == 4:
             out = out + attention(q, cross[2], cross[3], backend=backend)
@@ -253,7 +271,8 @@ class WanBlock(nn.Module):
         m = self.modulation.unsqueeze(1) + e0                                    # [B, G, 6, dim]
         y = self.self_attn(_modulated(self.norm1, x, m, 0, fused, call.parts.ops).to(cd), rope, call)
         x = _gated(x, y, m, 2, fused)
-        x = x + self.cross_attn(self.norm3(x).to(cd), call.cross, call.parts.attention, call.parts.linear)
+        x = x + self.cross_attn(self.norm3(x).to(cd), call.cross, call.parts.attention, call.parts.linear,
+                                fused_q_norm(call.parts))
         if actions is not None and getattr(self, "action_model", None) is not None:
             x = self.action_model(x, actions)
         y = _ffn(self.ffn, _modulated(self.norm2, x, m, 3, fused, call.parts.ops).to(cd), call.parts.linear)
@@ -266,7 +285,7 @@ class WanBlock(nn.Module):
         k, v = self.self_attn.keys_values(h, rope, call, with_query=False)
         if call.seq is not None:
             k, v = call.seq.to_heads(k, v)
-        write_kv(call.k_cache, call.v_cache, call.write_idx, k, v)
+        write_kv(call.k_cache, call.v_cache, call.write_idx, k, v, call.write_span)
 
 
 def cross_kv(block: WanBlock, text, image=None, linear: str = "exact", memo: dict | None = None) -> tuple:

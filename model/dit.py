@@ -277,7 +277,8 @@ class WanModel(nn.Module):
                 calls.append(LayerCall(cross, parts, seq=seq))
             else:
                 layer = kv_cache.layers[i]
-                calls.append(LayerCall(cross, parts, layer.k, layer.v, step.index, step.read_len, seq=seq))
+                calls.append(LayerCall(cross, parts, layer.k, layer.v, step.index, step.read_len, seq=seq,
+                                       write_span=step.span))
         hidden = self.run_blocks(tokens, e0, rope, calls, actions)
         if not return_output:
             return None

@@ -1,11 +1,20 @@
 """Self-attention KV cache (global or rolling window with sink frames) and the cross-attention cache.
 
 Bookkeeping is host-side Python ints: every forward call gets a ``CacheStep`` (which slots to write, how
-many slots to attend) computed once and shared by all layers. The step also carries the slots as a device index
-tensor (built once per write pattern and kept), so every write is one ``index_copy_`` with no host sync; the
-optimized path's CUDA graphs replay those writes. The rolling window is a ring buffer: the
+many slots to attend) computed once and shared by all layers. A chunk whose rows fill one contiguous range of
+slots (a global cache; a rolling one until it wraps) is written with one plain copy into that slice; one whose slots
+wrap around the ring (or straddle the sink) with one ``index_copy_`` over the step's device index tensor (built
+once per write pattern and kept). Neither needs a host sync, and the optimized path's CUDA graphs replay either: a
+graph is keyed by the step's writes, so it replays the very slice (or index) it was captured with. The rolling window is a ring buffer: the
 first ``sink`` tokens keep their slots; later tokens go to slot ``sink + (g - sink) % ring``. Attention is
 order-independent over keys (RoPE is already applied to cached keys), so no data is ever shifted.
+
+Under the opt-in fp8 attention mode (``kernels/fp8_attention.py``) a cache also keeps an fp8 copy of every layer
+(``use_fp8``): e4m3 codes and float32 scales per (token, head), written by ``write_kv`` in the same call as the
+exact keys/values, so keys and values are quantized once, when they enter the cache, not on every attention
+call. Attention finds the copy of the cache view it is given (``fp8_copy``). The copy is made once per cache and
+kept while the cache lives (CUDA graphs captured under the mode read its memory); outside the mode it is not
+written, and switching the mode on again quantizes the cache's contents anew.
 """
 from __future__ import annotations
 
@@ -13,7 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.fp8_attention import FP8, TINY_SCALE, Fp8KV, quantize_tokens
 from .attachments import seq_parallel_of
+
+_FP8_ATTR = "_wan_accel_fp8"      # a cache tensor's fp8 copy (Fp8Shadow), set by KVCache.use_fp8
+_FP8 = {"made": 0}                 # fp8 copies made in this process: 0 = write_kv never looks for one
+_eager = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)   # runs eagerly under compile
 
 
 @dataclass(frozen=True)
@@ -23,12 +37,89 @@ class CacheStep:
     index: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
     # [rows] long on the cache's device: the slot of each chunk row (same information as ``writes``)
 
+    @property
+    def span(self) -> slice | None:
+        """``slice(d0, d1)`` when the rows fill one contiguous range of slots (``write_kv`` then copies into that
+        slice), else None (the slots wrap or straddle the sink: ``index`` places every row)."""
+        first, end, rows = self.writes[0][0], self.writes[0][0], 0
+        for d0, d1, s0, s1 in self.writes:      # in row order; a range split at the sink joins up again
+            if d0 != end or s0 != rows:
+                return None
+            end, rows = d1, s1
+        return slice(first, end)
+
+
+WRITE_COUNTERS: list = []   # callables(bytes) told of every KV write outside compiled code (profiling.dispatch_counts)
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-    """The one KV writer: row i of k/v [B, rows, H, hd] goes to slot index[i] of the caches [B, capacity, H, hd]."""
-    k_cache.index_copy_(1, index, k.to(k_cache.dtype))
-    v_cache.index_copy_(1, index, v.to(v_cache.dtype))
+             v: torch.Tensor, span: slice | None = None) -> None:
+    """The one KV writer: row i of k/v [B, rows, H, hd] goes to slot index[i] of the caches [B, capacity, H, hd].
+    ``span`` (the step's one contiguous range, when it has one): a plain copy into that slice, casting as it
+    copies, instead of ``index_copy_``. Compiled code takes the index (a tensor input: a slice's ints would be
+    guarded on, one recompile per chunk position)."""
+    if not torch.compiler.is_compiling() and span is not None:     # (compiled: span never read, never guarded)
+        k_cache[:, span].copy_(k)
+        v_cache[:, span].copy_(v)
+    else:
+        k_cache.index_copy_(1, index, k.to(k_cache.dtype))
+        v_cache.index_copy_(1, index, v.to(v_cache.dtype))
+    if _FP8["made"]:
+        _write_fp8(k_cache, v_cache, index, k, v)
+    if WRITE_COUNTERS and not torch.compiler.is_compiling():
+        written = (k.numel() + v.numel()) * k_cache.element_size()
+        for count in WRITE_COUNTERS:
+            count(written)
+
+
+class Fp8Shadow:
+    """The fp8 attention mode's copy of one layer's cache [B, capacity, H, D]: e4m3 key codes [B, capacity, H, D],
+    value codes keys-fastest [B, H, D, capacity] (the kernel's operand layout), float32 scales [B, capacity, H]."""
+
+    __slots__ = ("k", "k_scale", "v", "v_scale", "v_ptr", "enabled")
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        b, cap, h, d = k_cache.shape
+        dev = k_cache.device
+        self.k = torch.zeros((b, cap, h, d), dtype=FP8, device=dev)
+        self.v = torch.zeros((b, h, d, cap), dtype=FP8, device=dev)
+        self.k_scale = torch.full((b, cap, h), TINY_SCALE, device=dev)
+        self.v_scale = torch.full((b, cap, h), TINY_SCALE, device=dev)
+        self.v_ptr, self.enabled = v_cache.data_ptr(), True
+
+    def write(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize k, v [B, rows, H, D] (as cached) into the slots ``index``."""
+        k8, sk = quantize_tokens(k)
+        v8, sv = quantize_tokens(v)
+        self.k.view(torch.uint8).index_copy_(1, index, k8.view(torch.uint8))   # no fp8 index_copy_ on a CPU
+        self.v.view(torch.uint8).index_copy_(3, index, v8.view(torch.uint8).permute(0, 2, 3, 1))
+        self.k_scale.index_copy_(1, index, sk)
+        self.v_scale.index_copy_(1, index, sv)
+
+    def view(self, n: int) -> Fp8KV:
+        """The first ``n`` slots, as the attention kernel takes them."""
+        return Fp8KV(self.k[:, :n], self.k_scale[:, :n], self.v[..., :n].permute(0, 3, 1, 2), self.v_scale[:, :n])
+
+
+@_eager
+def _write_fp8(k_cache, v_cache, index, k, v) -> None:
+    shadow = getattr(k_cache, _FP8_ATTR, None)
+    if shadow is not None and shadow.enabled:
+        shadow.write(index, k.to(k_cache.dtype), v.to(v_cache.dtype))
+
+
+def fp8_copy(k: torch.Tensor, v: torch.Tensor) -> Fp8KV | None:
+    """The fp8 copy of k, v when they are the leading slots of a cache layer that keeps one (``use_fp8``), else
+    None (attention then quantizes them itself: the same codes, per token)."""
+    if not _FP8["made"]:
+        return None
+    base = k._base if k._base is not None else k
+    shadow = getattr(base, _FP8_ATTR, None)
+    if (shadow is None or not shadow.enabled or k.data_ptr() != base.data_ptr() or k.stride() != base.stride()
+            or k.shape[0] != base.shape[0] or k.shape[2:] != base.shape[2:] or v.data_ptr() != shadow.v_ptr
+            or v.stride() != k.stride()):
+        return None
+    return shadow.view(k.shape[1])
 
 
 class LayerKV:
@@ -41,7 +132,7 @@ class LayerKV:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep):
         """Write this call's keys/values, return the views to attend to."""
-        write_kv(self.k, self.v, step.index, k, v)
+        write_kv(self.k, self.v, step.index, k, v, step.span)
         return self.k[:, :step.read_len], self.v[:, :step.read_len]
 
 
@@ -82,6 +173,23 @@ class KVCache:
                    dtype=dtype if dtype is not None else model.compute_dtype,
                    rolling=rolling, sink_tokens=sink * frame_tokens)
 
+    def use_fp8(self, on: bool) -> None:
+        """Keep (and write) an fp8 copy of every layer beside the exact one (the fp8 attention mode), or stop
+        writing it. Switched on, the copy is made where missing and the cache's contents are quantized anew (a
+        cache filled another way, e.g. copied from an earlier run, is covered)."""
+        for layer in self.layers:
+            shadow = getattr(layer.k, _FP8_ATTR, None)
+            if not on:
+                if shadow is not None:
+                    shadow.enabled = False
+                continue
+            if shadow is None:
+                shadow = Fp8Shadow(layer.k, layer.v)
+                setattr(layer.k, _FP8_ATTR, shadow)
+                _FP8["made"] += 1
+            shadow.enabled = True
+            shadow.write(self._step(((0, self.capacity, 0, self.capacity),), 0).index, layer.k, layer.v)
+
     @property
     def ring(self) -> int:
         return self.capacity - self.sink_tokens
@@ -108,6 +216,10 @@ class KVCache:
         for layer in self.layers:
             layer.k[:, read:read + pad].zero_()
             layer.v[:, read:read + pad].zero_()
+            shadow = getattr(layer.k, _FP8_ATTR, None)
+            if shadow is not None and shadow.enabled:
+                shadow.write(self._step(((read, read + pad, 0, pad),), 0).index, layer.k[:, read:read + pad],
+                             layer.v[:, read:read + pad])
         return CacheStep(step.writes, read + pad, step.index)
 
     def _plan(self, start: int, num_tokens: int) -> CacheStep:

@@ -101,13 +101,16 @@ class CausalWanModelLoader:
                 "precision": (["self_forcing", "wan21", "float32"], {"default": "self_forcing", "tooltip":
                               "self_forcing: whole model in dtype (as Self-Forcing runs). wan21: time embedding, "
                               "modulation, residual stream and head in float32. float32: everything float32."}),
-                "attention": (["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8"], {"default": "auto", "tooltip":
+                "attention": (["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8", "fp8"], {"default": "auto",
+                              "tooltip":
                               "auto: exact attention; FlashAttention 3 (Hopper) / 2 (compute capability 8.0+) "
                               "where installed and supported, else torch SDPA; on CUDA the optimized sampler keeps "
                               "the fastest one verified on this GPU per shape (operator store). fa3 / fa2 / sdpa "
                               "force one (SDPA where the forced one cannot run). int8 (opt-in): SageAttention-"
                               "style int8 Q/K (comfy-kitchen's kernel on CUDA), close to exact but not equal "
-                              "(README: Fidelity)."}),
+                              "(README: Fidelity). fp8 (opt-in): Q, K, V and P in fp8, K/V quantized once as they "
+                              "enter the KV cache (the pack's kernel on GPUs of SM 8.9+), within a stated error of "
+                              "exact; kept only where measured faster than exact (README: Fidelity)."}),
             },
             "optional": {
                 "compile_settings": ("WANACCEL_COMPILE", {"tooltip": "Compile settings, stored for the sampler."}),
@@ -456,14 +459,14 @@ class CausalWanSampler:
                 model, sample_latents_with_state, model.model, context, width, height, num_frames, seed, schedule,
                 frames_per_block, kv_window, sink, state=continue_from, keep_state=bool(keep_state),
                 skip_last_refresh=skip_last_refresh, callback=self._progress(), path=path, fast_options=options,
-                report=report, **prompts)
+                report=report, on_chunk_latents=self._chunk_latents(), **prompts)
         else:
             run = sample_latents if pool is None else functools.partial(pool.sample, setup={
                 "cuda_graphs": graphs, "fused_kernels": fused, "ops": options.ops})
             latents, state = maybe_profile(model, run, model.model, context, width, height, num_frames, seed,
                                            schedule, frames_per_block, kv_window, sink, skip_last_refresh,
                                            callback=self._progress(), path=path, fast_options=options,
-                                           report=report), None
+                                           report=report, on_chunk_latents=self._chunk_latents()), None
         self.last_report = report
         result = ({"samples": to_vae_latents(latents).cpu()}, state)
         if doctor_notes:        # features that failed their self-check here: say so in the node's text
@@ -471,8 +474,13 @@ class CausalWanSampler:
         return result
 
     def _progress(self):
-        """The per-step callback (progress bar, preview, interrupt); the sampler+decode node adds its decode."""
+        """The per-step callback (progress bar, preview, interrupt)."""
         return _ComfyProgress()
+
+    def _chunk_latents(self):
+        """The sampler's ``on_chunk_latents`` (each chunk's frames before its refresh pass): none here; the
+        sampler+decode node decodes there."""
+        return None
 
 
 NODE_CLASS_MAPPINGS = {

@@ -252,7 +252,7 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     engine = engine_for(base, device).set_attention_backend(attention)     # the reference path reads it too
     attention_used, attention_reason = explain_backend(attention, device, engine.compute_dtype,
                                                        engine.config.head_dim)
-    if attention_used == "int8":
+    if attention_used in ("int8", "fp8"):
         log.info("wan_accel: native sampler: attention %s", attention_reason)
     dm = base.diffusion_model
     options = extra_args.get("model_options", {}).get("transformer_options", {})

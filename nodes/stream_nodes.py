@@ -48,7 +48,8 @@ def send_frames(node_id, chunk: int, num_chunks: int, images, latency_s: float, 
 
 
 class _DecodeInLockstep(_ComfyProgress):
-    """Progress callback that also decodes each finished chunk (its last step's x0) and sends its frames."""
+    """Progress callback whose ``chunk_latents`` (the sampler's ``on_chunk_latents``) decodes each finished chunk as
+    soon as its latents exist, before the chunk's cache-refresh pass, and sends its frames."""
 
     def __init__(self, decoder, node_id=None, live: bool = True, keep_walk: bool = False, skip: int = 0):
         super().__init__()
@@ -61,15 +62,11 @@ class _DecodeInLockstep(_ComfyProgress):
         self.chunk_s: list = []
         self.decode_s: list = []
         self.frames = 0
-        self.last_chunk = -1
 
-    def __call__(self, ci, k, num_chunks, num_steps, x0):
-        super().__call__(ci, k, num_chunks, num_steps, x0)
-        if k != num_steps - 1 or ci <= self.last_chunk:     # a chunk redone after an out-of-memory retry: once
-            return
+    def chunk_latents(self, ci, num_chunks, x0):
+        """The chunk's final latents (once per chunk, even when an out-of-memory retry redoes it): decode, send."""
         import torch
         from ..app.jobs.preview import to_vae_latents
-        self.last_chunk = ci
         t = time.perf_counter()
         parts = [self.decoder.push(to_vae_latents(x0.float()))]
         if ci == num_chunks - 1:                            # the last chunk also ends the decode walk
@@ -145,8 +142,8 @@ class CausalWanSamplerDecode(CausalWanSampler):
         images = torch.cat(run.parts, 0) if run.parts else torch.zeros(0, 8, 8, 3)
         return images, latent, state
 
-    def _progress(self):
-        return self._lockstep
+    def _chunk_latents(self):
+        return self._lockstep.chunk_latents
 
 
 NODE_CLASS_MAPPINGS = {"CausalWanSamplerDecode": CausalWanSamplerDecode}

@@ -15,8 +15,8 @@ it is active:
     it dispatches ops that are syncs themselves.
   A sync is counted whatever the device: on a CPU the same call is a sync on a GPU, so the count is what the
   code would cost on CUDA.
-* ``index_copy_bytes``: bytes written by ``index_copy`` / ``index_copy_`` (the one KV writer,
-  ``model/kv_cache.write_kv``): source elements x element size.
+* ``kv_write_bytes``: bytes the one KV writer (``model/kv_cache.write_kv``) writes, whether it copies into one
+  contiguous slice or runs ``index_copy_`` over wrapped slots: k and v elements x the cache's element size.
 * ``alloc_bytes``: bytes of every new tensor an op returns (not views, not in-place results), and
   ``largest_alloc_bytes`` the largest one: what a piece of code allocates, whatever the allocator reuses.
 
@@ -35,6 +35,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..model.kv_cache import WRITE_COUNTERS
+
 # aten op packets (name without the overload) whose result the host must wait for
 SYNC_OPS = frozenset({
     "_local_scalar_dense", "nonzero", "nonzero_numpy", "equal", "is_nonzero", "allclose", "masked_select",
@@ -45,7 +47,6 @@ CONVERSIONS = frozenset({
     "tolist", "numpy", "__array__", "item", "__bool__", "__int__", "__float__", "__complex__", "__index__",
     "__format__", "__repr__", "__str__",
 })
-_KV_WRITE_OPS = frozenset({"index_copy", "index_copy_"})
 
 
 @dataclass(frozen=True)
@@ -53,18 +54,18 @@ class Counts:
     """Totals at a point (or the difference of two snapshots)."""
     ops: int = 0
     syncs: int = 0
-    index_copy_bytes: int = 0
+    kv_write_bytes: int = 0
     sync_names: tuple = ()         # ((name, count), ...) sorted by name
     op_names: tuple = ()
     alloc_bytes: int = 0
 
     def __sub__(self, other: "Counts") -> "Counts":
-        return Counts(self.ops - other.ops, self.syncs - other.syncs, self.index_copy_bytes - other.index_copy_bytes,
+        return Counts(self.ops - other.ops, self.syncs - other.syncs, self.kv_write_bytes - other.kv_write_bytes,
                       _diff(self.sync_names, other.sync_names), _diff(self.op_names, other.op_names),
                       self.alloc_bytes - other.alloc_bytes)
 
     def as_dict(self) -> dict:
-        return {"ops": self.ops, "syncs": self.syncs, "index_copy_bytes": self.index_copy_bytes,
+        return {"ops": self.ops, "syncs": self.syncs, "kv_write_bytes": self.kv_write_bytes,
                 "alloc_bytes": self.alloc_bytes, "sync_names": dict(self.sync_names)}
 
 
@@ -114,8 +115,6 @@ class _Dispatch(TorchDispatchMode):
         o.op_names[packet] += 1
         if o._converting == 0 and _is_sync(packet, args, kwargs):
             o.sync_names[packet] += 1
-        if packet in _KV_WRITE_OPS and len(args) > 3 and isinstance(args[3], torch.Tensor):
-            o.index_copy_bytes += args[3].numel() * args[3].element_size()
         out = func(*args, **kwargs)
         if all(r.alias_info is None for r in func._schema.returns):       # new tensors (not views, not in place)
             for t in out if isinstance(out, (tuple, list)) else (out,):
@@ -148,10 +147,10 @@ class _Function(TorchFunctionMode):
 
 @dataclass
 class DispatchCounts:
-    """Counts ops, host syncs, index_copy bytes and allocated bytes while active (``with DispatchCounts() as c:``)."""
+    """Counts ops, host syncs, KV bytes written and allocated bytes while active (``with DispatchCounts() as c:``)."""
     op_names: Counter = field(default_factory=Counter)
     sync_names: Counter = field(default_factory=Counter)
-    index_copy_bytes: int = 0
+    kv_write_bytes: int = 0
     alloc_bytes: int = 0
     largest_alloc_bytes: int = 0
     steps: dict = field(default_factory=dict)       # (chunk, step) -> Counts of that step (see step_callback)
@@ -168,12 +167,17 @@ class DispatchCounts:
         self._modes = (_Function(self), _Dispatch(self))
         for m in self._modes:
             m.__enter__()
+        WRITE_COUNTERS.append(self._kv_written)
         return self
 
     def __exit__(self, *exc) -> None:
         modes, self._modes = self._modes, None
+        WRITE_COUNTERS.remove(self._kv_written)
         for m in reversed(modes):
             m.__exit__(*exc)
+
+    def _kv_written(self, nbytes: int) -> None:
+        self.kv_write_bytes += nbytes
 
     # ------------------------------------------------------------------ totals
     @property
@@ -185,7 +189,7 @@ class DispatchCounts:
         return sum(self.sync_names.values())
 
     def snapshot(self) -> Counts:
-        return Counts(self.ops, self.syncs, self.index_copy_bytes, tuple(sorted(self.sync_names.items())),
+        return Counts(self.ops, self.syncs, self.kv_write_bytes, tuple(sorted(self.sync_names.items())),
                       tuple(sorted(self.op_names.items())), self.alloc_bytes)
 
     # ------------------------------------------------------------------ per sampler step

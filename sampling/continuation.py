@@ -217,8 +217,8 @@ def sample_continuable(model, context, num_frames: int, height: int, width: int,
     ``state`` stopped (seed unused: the noise goes on from the state's generator). Returns (latents of the new frames
     [B, n, C, H, W] float32, the state after them or None when ``keep_state`` is off). ``state_device``: where the
     returned state's caches live (default: the model's device). kwargs go to ``sample_causal`` (callback, on_chunk,
-    path, fast_options, report, chunk_guard; independent_first_frame for a first run; prompt_schedule with
-    prompt_embeddings, recache, cache_policy). The state keeps the last chunk's context and the window's clean
+    on_chunk_latents, path, fast_options, report, chunk_guard; independent_first_frame for a first run;
+    prompt_schedule with prompt_embeddings, recache, cache_policy). The state keeps the last chunk's context and the window's clean
     latents: a continued run whose context differs from the state's switches the prompt at its first chunk (with
     its re-cache), so chunk-by-chunk runs with prompt changes equal one run with the schedule they followed."""
     settings = run_settings(model, batch, height, width, schedule, frames_per_block, kv_window, sink, refresh_t)

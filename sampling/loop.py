@@ -4,6 +4,7 @@ for each chunk of frames_per_block latent frames:
     xt = noise[chunk]
     for each step k: flow = model(xt, t_k); x0 = xt - sigma(t_k) * flow (float64)
                      if not last: xt = (1 - sigma(t_{k+1})) * x0 + sigma(t_{k+1}) * eps
+    on_chunk_latents(chunk, x0): the chunk's frames, handed over before its refresh (a decode runs first)
     output[chunk] = x0; then one pass with t = refresh_t (0) on x0 rewrites the chunk's cache slots.
 
 An executor runs the model calls: ``EagerExecutor`` calls ``model.forward_chunk`` (the reference path: every call
@@ -99,6 +100,7 @@ def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, ho
                 executor.warm(req)         # attention plans of every length the run meets, before the first chunk
             if inputs.prefix is not None:
                 _prefix(executor, req, inputs.prefix.to(device, req.latent_dtype), out)
+            ready = _ReadyOnce(hooks.on_chunk_latents, len(req.chunks))
             for ci, (f0, n) in enumerate(req.chunks):
                 pos = prompts.before_chunk(ci, f0, n).position    # a prompt switch (re-cache), the cache policy
                 state = gen.get_state() if gen is not None and hooks.chunk_guard is not None else None
@@ -106,7 +108,7 @@ def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, ho
                 def attempt(ci=ci, f0=f0, n=n, state=state):
                     if state is not None:
                         gen.set_state(state)
-                    return _chunk(executor, req, inputs, hooks, ci, f0, n, device, pos)
+                    return _chunk(executor, req, inputs, hooks, ci, f0, n, device, pos, ready)
 
                 x0 = attempt() if hooks.chunk_guard is None else hooks.chunk_guard(attempt, executor.on_oom)
                 out[:, f0 - base:f0 - base + n] = x0.float()
@@ -120,6 +122,20 @@ def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, ho
     return out, report
 
 
+class _ReadyOnce:
+    """``hooks.on_chunk_latents`` called once per chunk: a chunk an out-of-memory retry redoes (the same draws, the
+    same latents) is not handed over again once the hook has returned for it."""
+
+    def __init__(self, hook, num_chunks: int):
+        self.hook, self.num_chunks, self.done = hook, num_chunks, set()
+
+    def __call__(self, ci: int, x0: torch.Tensor) -> None:
+        if self.hook is None or ci in self.done:
+            return
+        self.hook(ci, self.num_chunks, x0)
+        self.done.add(ci)
+
+
 def _prefix(executor, req: SamplingRequest, prefix: torch.Tensor, out: torch.Tensor) -> None:
     """Known clean first frames: one refresh pass writes them into the cache; they are the output's first frames."""
     n = prefix.shape[1]
@@ -129,7 +145,7 @@ def _prefix(executor, req: SamplingRequest, prefix: torch.Tensor, out: torch.Ten
 
 
 def _chunk(executor, req: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks, ci: int, f0: int, n: int,
-           device, pos: int | None = None):
+           device, pos: int | None = None, ready=None):
     sched, tracer, callback = req.schedule, hooks.tracer, hooks.callback
     steps = sched.timesteps
     at = f0 if pos is None else pos                # the model's frame position (a cache policy may cap it)
@@ -157,6 +173,8 @@ def _chunk(executor, req: SamplingRequest, inputs: SamplingInputs, hooks: Sampli
             eps = inputs.noise_provider(ci, k, tuple(xt.shape), xt.dtype, xt.device)
             a, s = sched.renoise[k + 1]
             xt = FlowMatchScheduler.renoise(x0, eps, a, s, dtype=xt.dtype)
+    if ready is not None:
+        ready(ci, x0)                              # the chunk's frames, before its refresh pass is enqueued
     if req.refreshes(ci):
         flow = executor.forward("refresh", x0, float(req.refresh_t), at, step, y=y, want_output=tracer is not None)
         if tracer is not None:

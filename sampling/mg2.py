@@ -93,7 +93,7 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
                mouse: torch.Tensor | None, keyboard: torch.Tensor | None, schedule, window: int,
                noise_provider=None, generator: torch.Generator | None = None, callback=None, tracer=None,
                on_chunk=None, skip_last_refresh: bool = False, kv_cache=None, actions=None,
-               start_frame: int = 0, report: dict | None = None) -> torch.Tensor:
+               start_frame: int = 0, report: dict | None = None, on_chunk_latents=None) -> torch.Tensor:
     """Run the Matrix-Game-2 loop; returns x0 latents ``[B, 16, F, H, W]`` (float32, model space).
 
     noise ``[B, 16, F, H, W]``, or just that shape: each chunk's initial noise ``[B, 3, 16, H, W]`` then
@@ -105,7 +105,8 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
     over caches holding the earlier frames (continue a video: ``mg2_continuation``); returns those frames.
     noise_provider(chunk, step, shape [B, 3, 16, H, W], dtype, device) supplies the re-noising draws
     (default: ``generator``). callback/tracer/on_chunk as in ``sample_causal`` (tracer tensors are
-    ``[B, 3, C, H, W]``). kv_cache / actions: pre-built caches to inspect afterwards. report: a dict that receives
+    ``[B, 3, C, H, W]``); on_chunk_latents(chunk, num_chunks, x0) as in ``sample_causal``, x0 ``[B, 16, 3, H, W]``
+    (this function's layout). kv_cache / actions: pre-built caches to inspect afterwards. report: a dict that receives
     what the run did (as ``sample_causal``'s).
     """
     from ..model.kv_cache import KVCache
@@ -138,8 +139,15 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
                         generator=generator, noise_provider=noise_provider, kv_window=window, sink=0,
                         skip_last_refresh=skip_last_refresh, callback=callback, tracer=tracer,
                         on_chunk=on_chunk, y=y, kv_cache=kv, model_kwargs={"actions": call}, start_frame=start_frame,
-                        report=report)
+                        report=report, on_chunk_latents=channels_first(on_chunk_latents))
     return out.transpose(1, 2)
+
+
+def channels_first(hook):
+    """An ``on_chunk_latents`` hook of this module's layout ([B, C, F, H, W]) as ``sample_causal`` calls it."""
+    if hook is None:
+        return None
+    return lambda ci, n, x0: hook(ci, n, x0.transpose(1, 2))
 
 
 def _check_actions(model, mouse, keyboard) -> None:
@@ -157,8 +165,8 @@ def _check_actions(model, mouse, keyboard) -> None:
 
 def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor, actions, num_frames: int = 0,
                  seed: int = 0, preset: str = "universal", window: int | None = None, steps=None,
-                 callback=None, on_chunk=None, skip_last_refresh: bool = False, report: dict | None = None
-                 ) -> torch.Tensor:
+                 callback=None, on_chunk=None, skip_last_refresh: bool = False, report: dict | None = None,
+                 on_chunk_latents=None) -> torch.Tensor:
     """Seeded end-to-end sampling; returns latents ``[B, 16, F, H, W]`` (float32, model space).
 
     image_latent: model-space start latent ``[B, 16, 1 or >=F, H, W]``; visual_context: CLIP tokens
@@ -167,7 +175,8 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
     preset: a preset name (``steps``/``window`` override it) or resolved :class:`MG2Settings`.
     Batch element i draws its noise from its own generator seeded ``seed + i`` (chunk by chunk), so a batch
     gives the same latents as separate batch-1 runs with those seeds, and a longer video starts with
-    exactly the frames of a shorter one. report: a dict that receives what the run did.
+    exactly the frames of a shorter one. report: a dict that receives what the run did. on_chunk_latents: each
+    chunk's latents ``[B, 16, 3, H, W]`` before its refresh pass (``sample_mg2``).
     """
     settings = preset if isinstance(preset, MG2Settings) else resolve_preset(preset, steps=steps, window=window)
     device = model.device
@@ -200,4 +209,5 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
     to_dev = lambda t: None if t is None else t.to(device)
     return sample_mg2(model, (b, model.config.out_dim, num_frames, h, w), cond, visual_context.to(device),
                       to_dev(mouse), to_dev(keyboard), settings.schedule, settings.window, noise_provider=provide,
-                      callback=callback, on_chunk=on_chunk, skip_last_refresh=skip_last_refresh, report=report)
+                      callback=callback, on_chunk=on_chunk, skip_last_refresh=skip_last_refresh, report=report,
+                      on_chunk_latents=on_chunk_latents)

@@ -27,7 +27,7 @@ def _cat(old, new):
 def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: torch.Tensor, mouse, keyboard,
                            num_frames: int, seed: int = 0, preset="universal", state: SamplerState | None = None,
                            keep_state: bool = True, state_device=None, callback=None, on_chunk=None,
-                           in_place: bool = False):
+                           in_place: bool = False, on_chunk_latents=None):
     """Sample Matrix-Game-2 latents ``[B, 16, n, H, W]`` up to ``num_frames`` latent frames in all.
 
     First run (state None): mouse/keyboard ``[B or 1, 1 + 4*(num_frames-1), dims]`` as for ``generate_mg2``; batch
@@ -36,7 +36,8 @@ def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: to
 
     in_place: the caller owns ``state`` and will only go on from the state returned (a play session): caches of the
     same layout on the model's device are then written in place instead of copied in and out (one cache in memory
-    instead of three at the end of a chunk); the frames are the same."""
+    instead of three at the end of a chunk); the frames are the same. on_chunk_latents: each new chunk's latents
+    ``[B, 16, 3, H, W]`` before its refresh pass (``mg2.sample_mg2``)."""
     settings_obj = preset if isinstance(preset, MG2Settings) else resolve_preset(preset)
     b, _, _, h, w = image_latent.shape
     c = model.config
@@ -91,7 +92,8 @@ def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: to
     cond = build_cond_concat(image_latent.to(device), num_frames, start)      # the new frames' part only
     out = sample_mg2(model, (b, c.out_dim, num_frames, h, w), cond, visual_context.to(device), to_dev(mouse),
                      to_dev(keyboard), settings_obj.schedule, window, noise_provider=provide, callback=callback,
-                     on_chunk=on_chunk, kv_cache=kv, actions=call, start_frame=start)
+                     on_chunk=on_chunk, kv_cache=kv, actions=call, start_frame=start,
+                     on_chunk_latents=on_chunk_latents)
     if not keep_state:
         return out, None
     keep = lambda t: None if t is None else t[:, :need].detach().to(state_device or t.device).clone()

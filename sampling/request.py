@@ -60,7 +60,11 @@ class SamplingHooks:
     """Observers and policies of a run (all optional).
 
     callback(chunk_index, step_index, num_chunks, num_steps, x0_chunk) after every step (may raise to stop: interrupt);
-    on_chunk(chunk_index, num_chunks) after each chunk including its cache refresh;
+    on_chunk(chunk_index, num_chunks) after each chunk including its cache refresh (progress, per-chunk timing);
+    on_chunk_latents(chunk_index, num_chunks, x0_chunk) once per chunk with its final latents [B, n, C, H, W] (the
+    loop's latent dtype), as soon as they exist: after the last step's callback and before the chunk's cache-refresh
+    pass is enqueued, so what it enqueues on the same stream (a decode) runs before the refresh; an out-of-memory
+    retry of the chunk does not call it again once it has returned;
     tracer(dict) receives every model call (chunk, kind, step, current_start, t, xt, flow, x0) for checks;
     chunk_guard(attempt, on_oom) runs one chunk: ``attempt()`` computes it (and may be called again: the noise
     generator is rewound), ``on_oom()`` drops the executor's state that a retry must not reuse. The memory floor
@@ -70,6 +74,7 @@ class SamplingHooks:
     on_chunk: Callable | None = None
     tracer: Callable | None = None
     chunk_guard: Callable | None = None
+    on_chunk_latents: Callable | None = None
 
 
 @dataclass

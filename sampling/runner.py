@@ -33,7 +33,8 @@ from ..kernels.candidates import check_mode as check_ops_mode
 from ..kernels.candidates import mode_problem as ops_mode_problem
 from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, seq_parallel_of,
                                  swapped_blocks)
-from ..model.attention import auto_request, explain_backend, int8_speed, plan_shapes, warm_plans
+from ..model.attention import (APPROXIMATE, auto_request, explain_backend, fp8_attention_speed, int8_speed, plan_shapes,
+                               warm_plans)
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fp8_linear import check_mode as check_linear_mode
 from ..model.fp8_linear import check_block as check_fp8_block
@@ -349,6 +350,7 @@ class FastRunner:
             sess.graphs.release()
             sess.graphs = None
         kernels = kernels_part(options, device)
+        sess.kv.use_fp8(attention_part == "fp8")     # fp8 attention: K/V quantized once, as they enter the cache
         parts = BlockParts(attention_part, kernels, bool(options.fused_qkv), ops_part(options, device, kernels),
                            linear)
         self.runs += 1
@@ -450,7 +452,8 @@ class Run:
         key = (step, self.parts, seq)
         calls = self.sess.calls.get(key)
         if calls is None:
-            calls = [LayerCall(cross, self.parts, layer.k, layer.v, step.index, step.read_len, seq=seq)
+            calls = [LayerCall(cross, self.parts, layer.k, layer.v, step.index, step.read_len, seq=seq,
+                               write_span=step.span)
                      for layer, cross in zip(self.kv.layers, self.cross)]
             if len(self.sess.calls) >= 256:
                 self.sess.calls.clear()
@@ -528,22 +531,24 @@ class Run:
         if chosen:
             self.info["attention_kernels"] = {f"q{q}/k{k}": name for (q, k), name in chosen}
             self.info["attention_plans_s"] = round(time.perf_counter() - t0, 4)
-        if self.parts.attention == "int8" and shapes:
-            self._judge_int8(max(shapes, key=lambda s: s[0] * s[1]), req.batch, int(heads), int(head_dim))
+        if self.parts.attention in APPROXIMATE and shapes:
+            self._judge_attention(self.parts.attention, max(shapes, key=lambda s: s[0] * s[1]), req.batch,
+                                  int(heads), int(head_dim))
 
-    def _judge_int8(self, shape, batch: int, heads: int, head_dim: int) -> None:
-        """int8 attention is opt-in for speed: where it is measured slower than exact attention at the run's largest
-        call on this GPU, the run says so before its first chunk and stays exact (unless ``keep_slower``)."""
-        slower, why = int8_speed(shape[0], shape[1], batch, heads, head_dim, self.model.compute_dtype,
-                                 self.model.device)
-        self.info["int8_speed"] = {"slower": slower, "why": why}
+    def _judge_attention(self, mode: str, shape, batch: int, heads: int, head_dim: int) -> None:
+        """int8 / fp8 attention is opt-in for speed: where it is measured slower than exact attention at the run's
+        largest call on this GPU, the run says so before its first chunk and stays exact (unless ``keep_slower``)."""
+        speed, name = {"int8": (int8_speed, "int8_speed"), "fp8": (fp8_attention_speed, "fp8_attention_speed")}[mode]
+        slower, why = speed(shape[0], shape[1], batch, heads, head_dim, self.model.compute_dtype, self.model.device)
+        self.info[name] = {"slower": slower, "why": why}
         if slower:
-            self._slower("int8 attention", "exact attention", why, self._exact_attention)
+            self._slower(f"{mode} attention", "exact attention", why, lambda: self._exact_attention(mode))
 
-    def _exact_attention(self) -> None:
+    def _exact_attention(self, mode: str = "int8") -> None:
         self.parts = self.parts._replace(attention=auto_request(self.options.switched_off)
                                          if graphs_device(self.model.device) else "sdpa")
-        self.info["attention"] = "exact (int8 measured slower)"
+        self.kv.use_fp8(False)
+        self.info["attention"] = f"exact ({mode} measured slower)"
 
     def _judge_fp8(self, tokens: int, verdict: tuple | None = None) -> None:
         """fp8 linear is opt-in for speed: where a block's linear layers are measured slower in fp8 than exact at the

@@ -108,7 +108,8 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
                   fast_options=None, report: dict | None = None, chunk_guard=None, cache=None, prefix=None,
                   start_frame: int = 0, partial_last_block: bool = False, prompt_schedule=None,
                   prompt_embeddings: dict | None = None, recache: str = "switch", cache_policy=None,
-                  chunk_contexts: list | None = None, previous_context=None, history=None):
+                  chunk_contexts: list | None = None, previous_context=None, history=None,
+                  on_chunk_latents=None):
     """Sample latents [B, F, C, H, W] (float32) from initial noise [B, F, C, H, W].
 
     noise may also be just the shape (B, F, C, H, W): each chunk's initial noise is then drawn from the noise
@@ -119,7 +120,8 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     schedule: preset name, dict for resolve_schedule, or a Schedule.
     noise_provider(chunk, step, shape, dtype, device) -> eps used to go from step k to k+1; defaults to
     draws from ``generator`` (a fresh generator seeded 0 when none is given).
-    callback / on_chunk / tracer / chunk_guard: see ``request.SamplingHooks``.
+    callback / on_chunk / on_chunk_latents / tracer / chunk_guard: see ``request.SamplingHooks`` (a streaming
+    consumer, e.g. a decode, takes each chunk's frames from on_chunk_latents: before the chunk's refresh pass).
     y [B, F, C_y, H, W] (i2v conditioning latents, concatenated on channels) and clip_fea are optional; a continued
     run's y may cover its frames only ([B, F - start_frame, ...]), so its memory does not grow with the video.
     kv_cache: a fresh KVCache to use (e.g. to inspect it afterwards); built from kv_window/sink when None.
@@ -164,7 +166,7 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
                                  history=history)
     given = [context] if chunk_contexts is None else list(chunk_contexts)
     pending = context_flags(given + [previous_context])   # where the conditioning enters; read with the output
-    hooks = SamplingHooks(callback, on_chunk, tracer, chunk_guard)
+    hooks = SamplingHooks(callback, on_chunk, tracer, chunk_guard, on_chunk_latents)
     if report is not None:
         report["path"] = req.path
     if req.path == "optimized":

@@ -21,7 +21,8 @@ SCHEDULE = resolve_schedule("self_forcing")
 
 END_OF_RUN = {"tolist": 1}     # model/finite.check_output: the one host read of a run, after its last chunk
 
-def test_counter_sees_syncs_ops_and_index_copy_bytes():
+def test_counter_sees_syncs_ops_and_kv_write_bytes():
+    from wan_accel.model.kv_cache import write_kv
     x = torch.arange(6.0)
     cache = torch.zeros(2, 5, 3)
     with DispatchCounts() as c:
@@ -34,11 +35,12 @@ def test_counter_sees_syncs_ops_and_index_copy_bytes():
         y.tolist()                                       # 1
         float(x[2])                                      # 1
         torch.unique(x)                                  # 1
-        cache.index_copy_(1, torch.tensor([0, 3]), torch.ones(2, 2, 3))
+        write_kv(cache, cache.clone(), torch.tensor([0, 3]), torch.ones(2, 2, 3), torch.ones(2, 2, 3))  # scattered
+        write_kv(cache, cache.clone(), torch.tensor([1, 2]), torch.ones(2, 2, 3), torch.ones(2, 2, 3), slice(1, 3))
     assert before.ops == 2 and before.syncs == 0
     assert c.syncs == 7, dict(c.sync_names)
     assert dict(c.sync_names)["item"] == 1 and "_local_scalar_dense" not in c.sync_names
-    assert c.index_copy_bytes == 2 * 2 * 3 * 4
+    assert c.kv_write_bytes == 2 * (2 * 2 * 2 * 3 * 4)          # two writes of k and v, 2 x 2 x 3 float32 each
     delta = c.snapshot() - before
     assert delta.syncs == 7 and delta.ops > 7 and isinstance(delta, Counts)
     with DispatchCounts() as d:                          # a fresh counter starts at zero; nothing leaks out
@@ -69,8 +71,8 @@ def test_optimized_text_to_video_has_no_host_sync(kv_window, sink):
     assert step_opt.syncs == 0 and 0 < step_opt.ops < step_ref.ops       # precomputed time embeddings, one qkv GEMM
     # one steady step writes the chunk's rows once: 3 frames x 4 tokens, x layers x (k, v) x heads x head_dim x 4 B
     c = TINY_CONFIG
-    assert step_opt.index_copy_bytes == 3 * 4 * c.num_layers * 2 * c.num_heads * c.head_dim * 4
-    assert step_ref.index_copy_bytes == step_opt.index_copy_bytes
+    assert step_opt.kv_write_bytes == 3 * 4 * c.num_layers * 2 * c.num_heads * c.head_dim * 4
+    assert step_ref.kv_write_bytes == step_opt.kv_write_bytes
 
 
 def test_matrix_game2_optimized_has_no_host_sync():

@@ -49,6 +49,10 @@ def test_bench_tiny_reports_every_metric(capsys, cache_path):
     for r in (ref, opt):
         assert len(r["chunk_ms"]) == 2 and r["steady_s"] > 0 and r["video_fps"] > 0 and r["mfu"] is None
         assert r["speedup_vs_first"] > 0
+        # a chunk's latents are ready before its refresh pass ends the chunk (the first chunk always refreshes)
+        assert len(r["denoise_ms"]) == 2 and 0 < r["denoise_ms"][0] < r["chunk_ms"][0]
+        assert all(0 < d <= c for d, c in zip(r["denoise_ms"], r["chunk_ms"]))
+        assert r["first_latents_ms"] == r["denoise_ms"][0]
     assert opt["forwards"] == ref["forwards"] - 1 and opt["tflop"] < ref["tflop"]
     # The FLOP figure against an independent count: torch's FlopCounterMode on the same run (6 latent frames of
     # 4x4, i.e. 4 tokens a frame; math SDPA so attention is counted as its two bmm). model/flops.py counts exactly

@@ -36,12 +36,16 @@ def _child() -> None:
 
     kw = dict(noise_provider=provide)
     ref = sample_causal(model, io["context"], noise, sched, 3, path="reference", **kw)
+    from wan_accel.kernels import rms_norm
+    q_norms, real = [], rms_norm.run_triton
+    rms_norm.run_triton = lambda *a, **k: q_norms.append(1) or real(*a, **k)    # the cross-attention q norm
     before = dict(get_autotuner().stats)
     opt = sample_causal(model, io["context"], noise, sched, 3, path="optimized", **kw)
     stats = get_autotuner().stats
     print(MARK + json.dumps({"interpreter_usable": interpreter_usable(),
                              "triton_launches": stats["benchmarks"] + stats["memo_hits"] - before["benchmarks"]
                              - before["memo_hits"],
+                             "cross_q_norm_kernels": len(q_norms),
                              "max": float((opt - ref).abs().max()), "ref_max": float(ref.abs().max())}), flush=True)
 
 
@@ -54,6 +58,7 @@ def result(tmp_path_factory):
 def test_optimized_path_with_interpreted_kernels_matches_reference(result):
     assert result["interpreter_usable"] is True
     assert result["triton_launches"] > 0                 # the kernels really ran through Triton
+    assert result["cross_q_norm_kernels"] > 0            # the cross-attention's q RMSNorm among them
     assert result["max"] <= 1e-4, result
 
 

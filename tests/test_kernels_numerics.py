@@ -16,7 +16,7 @@ import pytest
 PKG_PARENT = Path(__file__).resolve().parent.parent.parent
 MARK = "KERNEL_CASES "
 
-# (kernel, B, L, D, heads_or_F, dtype, config) -- small shapes, odd and non-power-of-two widths included
+# (kernel, B, L, D, heads_or_F (rmsnorm: x is the first D of n*D channels), dtype, config) -- small shapes, odd and non-power-of-two widths included
 CASES = [
     ("layernorm_modulate", 2, 6, 48, 3, "float32", {"YBLOCK": 1, "RBLOCK": 32, "num_warps": 1}),
     ("layernorm_modulate", 1, 5, 100, 1, "float32", {"YBLOCK": 4, "RBLOCK": 64, "num_warps": 4}),
@@ -25,6 +25,9 @@ CASES = [
     ("rmsnorm_rope", 2, 6, 48, 3, "float32", {"YBLOCK": 1, "RBLOCK": 32, "num_warps": 1}),
     ("rmsnorm_rope", 1, 5, 50, 5, "float32", {"YBLOCK": 4, "RBLOCK": 64, "num_warps": 4}),
     ("rmsnorm_rope", 2, 4, 68, 2, "bfloat16", {"YBLOCK": 2, "RBLOCK": 16, "num_warps": 2}),
+    ("rmsnorm", 2, 6, 48, 1, "float32", {"YBLOCK": 1, "RBLOCK": 32, "num_warps": 1}),
+    ("rmsnorm", 1, 5, 50, 3, "float32", {"YBLOCK": 4, "RBLOCK": 64, "num_warps": 4}),     # a strided q view
+    ("rmsnorm", 2, 4, 68, 2, "bfloat16", {"YBLOCK": 2, "RBLOCK": 16, "num_warps": 2}),
     ("gated_residual", 2, 6, 48, 3, "float32", {"YBLOCK": 1, "XBLOCK": 32, "num_warps": 1}),
     ("gated_residual", 1, 7, 99, 1, "float32", {"YBLOCK": 4, "XBLOCK": 64, "num_warps": 2}),
     ("gated_residual", 2, 4, 40, 2, "bfloat16", {"YBLOCK": 8, "XBLOCK": 16, "num_warps": 4}),
@@ -43,17 +46,20 @@ def _inputs(torch, kernel, b, l, d, n, dtype, seed):
     if kernel == "rmsnorm_rope":  # n = heads
         ang = torch.randn(l, d // n // 2, generator=g, dtype=torch.float64) * 3
         return (r(b, l, d, scale=2.0), r(d), ang.cos(), ang.sin(), n, 1e-6)
+    if kernel == "rmsnorm":  # n > 1: the query's columns of a wider projection output, read in place
+        return (r(b, l, n * d, scale=2.0)[..., :d], r(d), 1e-6)
     return (r(b, l, d), r(b, l, d), r(b, n, d, to=torch.float32))
 
 
 def _child() -> None:
     import torch
 
-    from wan_accel.kernels import _common, norm_modulate, qk_norm_rope, residual
+    from wan_accel.kernels import _common, norm_modulate, qk_norm_rope, residual, rms_norm
 
-    mods = {"layernorm_modulate": norm_modulate, "rmsnorm_rope": qk_norm_rope, "gated_residual": residual}
+    mods = {"layernorm_modulate": norm_modulate, "rmsnorm_rope": qk_norm_rope, "gated_residual": residual,
+            "rmsnorm": rms_norm}
     public = {"layernorm_modulate": norm_modulate.layernorm_modulate, "rmsnorm_rope": qk_norm_rope.rmsnorm_rope,
-              "gated_residual": residual.gated_residual}
+              "gated_residual": residual.gated_residual, "rmsnorm": rms_norm.rmsnorm}
     results = {"interpreter_usable": _common.use_triton(torch.zeros(1)), "cases": []}
     for i, (kernel, b, l, d, n, dtype, cfg) in enumerate(CASES):
         args = _inputs(torch, kernel, b, l, d, n, dtype, seed=i)

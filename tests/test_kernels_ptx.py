@@ -8,7 +8,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backends = pytest.importorskip("triton.backends.compiler")
 
-from wan_accel.kernels import _common, norm_modulate, qk_norm_rope, residual  # noqa: E402
+from wan_accel.kernels import _common, norm_modulate, qk_norm_rope, residual, rms_norm  # noqa: E402
 
 if _common.interpret_enabled():
     pytest.skip("TRITON_INTERPRET is set: compiled-mode checks need it unset", allow_module_level=True)
@@ -21,6 +21,10 @@ CASES = [
     ("rmsnorm_rope", qk_norm_rope, "_rmsrope_kernel",
      {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16",
       "n_rows": "i32", "D": "i32", "L": "i32", "half_hd": "i32", "eps": "fp32", "x_row_stride": "i32"},
+     {"YBLOCK": 16, "RBLOCK": 128, "num_warps": 16}, 90),
+    ("rmsnorm", rms_norm, "_rms_kernel",
+     {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "n_rows": "i32", "D": "i32", "eps": "fp32",
+      "x_row_stride": "i32"},
      {"YBLOCK": 16, "RBLOCK": 128, "num_warps": 16}, 90),
     ("gated_residual", residual, "_gres_kernel",
      {"x_ptr": "*bf16", "y_ptr": "*bf16", "g_ptr": "*fp32", "out_ptr": "*bf16", "n_rows": "i32", "D": "i32",

@@ -131,5 +131,8 @@ def test_readme_generated_sections_are_current():
     from wan_accel.nodes.reference import render_node_reference
 
     readme = (REPO / "README.md").read_text()
-    assert render_node_reference() in readme, "regenerate with: python -m wan_accel nodes --markdown"
-    assert render_presets_table().strip() in readme, "the presets table changed: update README.md"
+    nodes = (REPO / "docs" / "nodes.md").read_text()
+    assert render_node_reference() in nodes, "regenerate docs/nodes.md with: python -m wan_accel nodes --markdown"
+    assert "docs/nodes.md" in readme and "node-reference:begin" not in readme     # the README links to it
+    assert render_presets_table().strip() in (REPO / "docs" / "compile.md").read_text(), \
+        "the presets table changed: update docs/compile.md"

@@ -30,12 +30,34 @@ def test_each_chunk_is_decoded_once_in_lockstep(fake):
     assert state is None and len(node.last_report["chunk_s"]) == 3 and node.last_report["first_frames_s"] > 0
 
 
-def test_a_chunk_redone_after_an_out_of_memory_retry_is_decoded_once():
+def test_each_chunk_is_decoded_before_its_refresh_pass(fake, monkeypatch):
+    """The node decodes from the sampler's ``on_chunk_latents``: a chunk's frames are made before the model call
+    that refreshes its cache (first frames sooner), not after it."""
+    from wan_accel.sampling.loop import EagerExecutor
+    events = []
+    real = EagerExecutor.forward
+
+    def forward(self, kind, *a, **k):
+        events.append(kind)
+        return real(self, kind, *a, **k)
+    monkeypatch.setattr(EagerExecutor, "forward", forward)
+    monkeypatch.setattr(FakeDecoder, "push", lambda self, x, _push=FakeDecoder.push: events.append("decode")
+                        or _push(self, x))
+    (handle,) = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", "sdpa")
+    CausalWanSamplerDecode().sample(object(), handle, 32, 32, 21, 3, "self_forcing", 3, -1, 0, sampler="reference")
+    assert events == (["denoise"] * 4 + ["decode", "refresh"]) * 2
+
+
+def test_the_decode_is_not_the_progress_callback():
+    """A step callback (progress, preview) decodes nothing; each chunk's latents are decoded once when handed over."""
     dec = FakeDecoder(None)
     run = _DecodeInLockstep(dec, live=False)
     x0 = torch.randn(1, 2, 16, 2, 2)
-    for ci in (0, 0, 1):                    # chunk 0's last step seen twice (the chunk was redone)
-        run(ci, 3, 2, 4, x0)
+    for k in range(4):
+        run(0, k, 2, 4, x0)
+    assert dec.pushed == []
+    run.chunk_latents(0, 2, x0)
+    run.chunk_latents(1, 2, x0)
     assert len(dec.pushed) == 2 and dec.finished == 1
     assert sum(p.shape[0] for p in run.parts) == 1 + 4 * 3
 

@@ -90,6 +90,22 @@ def test_streaming_equals_a_whole_decode(kind, decoders):
     _close(whole[:, :, :first.shape[2]], first)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_fused_norm_gives_the_frames_of_the_layers_one_by_one(channels_last, decoders):
+    """The Wan decoder's norm + SiLU written into each causal convolution's buffer after its history (the default;
+    torch ops here, the Triton kernel where it runs: tests/test_vae_norm_kernel.py) against the layers one by one
+    with torch.cat, streamed in chunks of 1, 2 and 3 latent frames."""
+    fused = decoders["wan"]
+    plain = build_decoder("wan", reduced=True, seed=3).fuse(False)
+    if channels_last:
+        fused = build_decoder("wan", reduced=True, seed=3).prepare("cpu", torch.float32, channels_last=True)
+    assert all(m.fused for m in fused.modules() if isinstance(m, wan21.RMSNorm))
+    assert not any(m.fused for m in plain.modules() if isinstance(m, wan21.RMSNorm))
+    x = _latents(5, 6)
+    for sizes in ([5], [1] * 5, [3, 2], [1, 3, 1]):
+        _close(_push_all(fused, x, sizes)[0], _push_all(plain, x, sizes)[0])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_frame_counts(kind, decoders):
     """T latent frames -> 1 + 4 (T - 1) pixel frames; the first chunk of n gives 4 n - 3, every later one 4 n."""
@@ -180,7 +196,8 @@ def test_a_wan22_vae_is_named(tmp_path):
 
 # ----------------------------------------------------------------------------------------- in the sampler
 def test_each_chunk_is_decoded_from_the_sampler_s_final_latents(decoders):
-    """The callback decodes every chunk once, at its last step, and its frames are the decode of the finished video."""
+    """The on_chunk_latents hook decodes every chunk once, before its refresh, and its frames are the decode of the
+    finished video."""
     from wan_accel.model.tiny import tiny_causal_model
     from wan_accel.sampling.sampler import generate_latents
     dec = decoders["wan"]
@@ -188,7 +205,8 @@ def test_each_chunk_is_decoded_from_the_sampler_s_final_latents(decoders):
     hook = ChunkDecoder(dec, torch.device("cpu"), 0.0)
     parts, push = [], hook.stream.push
     hook.stream.push = lambda x: parts.append(push(x)) or parts[-1]
-    out = generate_latents(model, torch.zeros(1, 0, model.config.text_dim), 6, 2, 4, seed=0, callback=hook)
+    out = generate_latents(model, torch.zeros(1, 0, model.config.text_dim), 6, 2, 4, seed=0,
+                           on_chunk_latents=hook)
     assert hook.chunk_frames == [3, 3] and len(hook.decode_s) == 2 and hook.frames == 21
     _close(torch.cat(parts, 2), dec.stream().push(out))
 

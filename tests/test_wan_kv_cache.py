@@ -108,3 +108,41 @@ def test_a_sink_that_leaves_no_room_for_a_chunk_is_refused_in_frames_before_any_
         handle.remove()
     assert not calls                                   # refused before the first model call
     _run(model, kv_window=5, sink=2)                   # the suggested values pass
+
+
+def test_a_contiguous_write_is_one_slice_and_a_wrapped_one_keeps_its_index():
+    kv = _cache(12, sink=1, window=7)                 # 28 slots: 4 sink + 24 ring
+    assert kv.plan(0, 12).span == slice(0, 12)        # split at the sink, contiguous in the slots: one range
+    assert kv.plan(12, 12).span == slice(12, 24)
+    assert kv.plan(24, 12).span is None               # wraps: ring offsets 20..23, then 0..7
+    assert _cache(12).plan(0, 12).span == slice(0, 12)
+
+
+@pytest.mark.parametrize("sink,window", [(0, None), (1, 7), (0, 5)])
+def test_slice_writes_leave_the_cache_as_index_writes_do(sink, window):
+    """Every chunk of a video written through the step (slice where it can) against index_copy_ everywhere."""
+    g = torch.Generator().manual_seed(0)
+    fast, plain = _cache(12, sink, window), _cache(12, sink, window)
+    spans = []
+    for start in range(0, 48, 12):
+        rows = torch.randn(1, 12, 1, 2, generator=g, dtype=torch.float64).float()
+        step, ref = fast.plan(start, 12), plain.plan(start, 12)
+        spans.append(step.span is not None)
+        fast.layers[0].update(rows, 2 * rows, step)
+        plain.layers[0].k.index_copy_(1, ref.index, rows)
+        plain.layers[0].v.index_copy_(1, ref.index, 2 * rows)
+        assert torch.equal(fast.layers[0].k, plain.layers[0].k) and torch.equal(fast.layers[0].v, plain.layers[0].v)
+    assert all(spans) if window is None else any(spans) and not all(spans)    # a ring wraps within 4 chunks
+
+
+def test_a_contiguous_step_dispatches_no_index_copy():
+    from wan_accel.profiling.dispatch_counts import DispatchCounts
+    kv = _cache(12, sink=1, window=7)
+    rows = torch.ones(1, 12, 1, 2)
+    with DispatchCounts() as c:
+        kv.layers[0].update(rows, rows, kv.plan(0, 12))
+    assert "index_copy_" not in {n.split(".")[0] for n in c.op_names} and c.kv_write_bytes == 2 * 12 * 2 * 4
+    kv.plan(12, 12)
+    with DispatchCounts() as c:
+        kv.layers[0].update(rows, rows, kv.plan(24, 12))          # wrapped: index_copy_
+    assert any(n.startswith("index_copy") for n in c.op_names) and c.kv_write_bytes == 2 * 12 * 2 * 4

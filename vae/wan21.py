@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import vae_norm
 from .stream import StreamingDecoder
 from .weights import DecoderWeightsError, load_file
 
@@ -69,8 +70,37 @@ class CausalConv3d(nn.Conv3d):
                 state[self] = x[:, :, -self.history:].clone()
         return super().forward(x)
 
+    def input_buffer(self, x: torch.Tensor, state: dict | None) -> torch.Tensor:
+        """This layer's input [B, C, history + T, H, W] for the T frames of ``x``: the history (the stream's, or
+        zeros) already in front, the T frames after it left for the caller to write (``run_buffer`` runs it)."""
+        fmt = torch.channels_last_3d if _channels_last(x) else torch.contiguous_format
+        buf = torch.empty(x.shape[:2] + (self.history + x.shape[2],) + x.shape[3:], dtype=x.dtype, device=x.device,
+                          memory_format=fmt)
+        before = None if state is None else state.get(self)
+        if before is None:
+            buf[:, :, :self.history].zero_()
+        else:
+            buf[:, :, :self.history].copy_(before)
+        return buf
+
+    def run_buffer(self, buf: torch.Tensor, state: dict | None) -> torch.Tensor:
+        """The convolution of a filled ``input_buffer``; its last ``history`` frames are the stream's next history."""
+        if self.history and state is not None:
+            state[self] = buf[:, :, -self.history:].clone()
+        return super().forward(buf)
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
+
 
 class RMSNorm(nn.Module):
+    """x / ||x|| over channels * sqrt(channels) * gamma. ``fused`` (the default; ``WanVAEDecoder.fuse`` sets it):
+    the decoder runs the norm with the SiLU after it in one pass (``kernels/vae_norm.py``: float32 inside, where
+    Triton runs) written straight into the next convolution's input buffer; off: the modules one by one."""
+
+    fused = True
+
     def __init__(self, dim: int, images: bool = False):
         super().__init__()
         self.gamma = nn.Parameter(torch.ones((dim, 1, 1) if images else (dim, 1, 1, 1)))
@@ -78,6 +108,36 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.normalize(x, dim=1) * self.scale * self.gamma
+
+    def kernel_runs(self, x: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+        """True when the fused kernel computes this norm of ``x`` (written into ``out`` where given)."""
+        return (self.fused and vae_norm.usable(x, self.gamma) and vae_norm.frames_contiguous(x)
+                and (out is None or vae_norm.frames_contiguous(out)))
+
+    def normed(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        """The norm of ``x`` (then SiLU with ``silu``): the fused kernel where it runs, else the torch ops."""
+        if self.kernel_runs(x):
+            return vae_norm.norm_silu(x, self.gamma, silu)
+        return F.silu(self(x)) if silu else self(x)
+
+    def silu_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """silu(norm(x)) written into ``out`` (a view of x's shape): the fused kernel where it runs, else the
+        torch ops of ``forward`` and the SiLU, the last two writing ``out`` in place (no copy after them)."""
+        if self.kernel_runs(x, out):
+            return vae_norm.norm_silu(x, self.gamma, True, out)
+        torch.mul(F.normalize(x, dim=1) * self.scale, self.gamma, out=out)
+        return F.silu(out, inplace=True)
+
+
+def _norm_silu_conv(norm: RMSNorm, conv: CausalConv3d, x: torch.Tensor, state: dict | None) -> torch.Tensor:
+    """conv(silu(norm(x))) with the stream's history: fused, the norm and SiLU write the frames after the history
+    in the convolution's input buffer (no separate SiLU pass, no ``torch.cat`` copy); else (and where autograd
+    tracks the inputs) the layers one by one."""
+    if not norm.fused or (torch.is_grad_enabled() and (x.requires_grad or norm.gamma.requires_grad)):
+        return conv(F.silu(norm(x)), state)
+    buf = conv.input_buffer(x, state)
+    norm.silu_into(x, buf[:, :, conv.history:])
+    return conv.run_buffer(buf, state)
 
 
 class ResidualBlock(nn.Module):
@@ -89,9 +149,8 @@ class ResidualBlock(nn.Module):
         self.shortcut = CausalConv3d(cin, cout, 1) if cin != cout else nn.Identity()
 
     def forward(self, x: torch.Tensor, state: dict) -> torch.Tensor:
-        h = x
-        for layer in self.residual:
-            h = layer(h, state) if isinstance(layer, CausalConv3d) else layer(h)
+        r = self.residual
+        h = _norm_silu_conv(r[3], r[6], _norm_silu_conv(r[0], r[2], x, state), state)
         return h + self.shortcut(x)
 
 
@@ -117,7 +176,7 @@ class SpatialAttention(nn.Module):
         b, c, _t, h, w = x.shape
         y = _frames_as_images(x)
         n = y.shape[0]
-        q, k, v = self.to_qkv(self.norm(y)).reshape(n, 3, 1, c, h * w).transpose(-1, -2).unbind(1)
+        q, k, v = self.to_qkv(self.norm.normed(y)).reshape(n, 3, 1, c, h * w).transpose(-1, -2).unbind(1)
         o = F.scaled_dot_product_attention(q, k, v)                 # [n, 1, h*w, c]
         o = self.proj(o.transpose(-1, -2).reshape(n, c, h, w))
         return x + _images_as_frames(o, b)
@@ -175,9 +234,7 @@ class Decoder3d(nn.Module):
         x = self.conv1(x, state)
         for layer in (*self.middle, *self.upsamples):
             x = layer(x, state)
-        for layer in self.head:
-            x = layer(x, state) if isinstance(layer, CausalConv3d) else layer(x)
-        return x
+        return _norm_silu_conv(self.head[0], self.head[2], x, state)
 
 
 class WanVAEDecoder(StreamingDecoder):
@@ -194,6 +251,14 @@ class WanVAEDecoder(StreamingDecoder):
 
     def decode_raw(self, z: torch.Tensor, state: dict) -> torch.Tensor:
         return self.decoder(self.conv2(self.layout(z)), state)
+
+    def fuse(self, on: bool = True) -> "WanVAEDecoder":
+        """Every RMS norm fused with its SiLU and the next convolution's history (the default), or (``on=False``)
+        the layers one by one as the modules define them; the frames are the same within rounding."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = bool(on)
+        return self
 
     def to_images(self, raw: torch.Tensor) -> torch.Tensor:
         return ((raw.float() + 1.0) / 2.0).clamp(0.0, 1.0)

@@ -30,7 +30,7 @@ from ..validate import UsageError
 
 # shape -> (tokens per latent frame, latent frames, frames per chunk, heads, head size, text tokens)
 SHAPES = {"1.3b": (1560, 21, 3, 12, 128, 512), "14b": (1560, 21, 3, 40, 128, 512), "tiny": (96, 6, 3, 2, 16, 16)}
-APPROXIMATE = ("int8",)           # opt-in approximate attention modes (model/attention.py BACKENDS)
+APPROXIMATE = ("int8", "fp8")    # opt-in approximate attention modes (model/attention.py BACKENDS)
 GOAL_TFLOPS = 550.0               # issue 30: attention at the largest call on an H100/H200
 
 
@@ -44,7 +44,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="batch (default 1)")
     parser.add_argument("--device", help="cuda / cpu (default: cuda if available)")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default bf16 on CUDA, fp32 on a CPU")
-    parser.add_argument("--approximate", default="int8", help="comma list of opt-in approximate modes to time too "
+    parser.add_argument("--approximate", default="int8,fp8", help="comma list of opt-in approximate modes to time too "
                         f"({', '.join(APPROXIMATE)}), or 'none'")
     parser.add_argument("--no-ceiling", action="store_true", help="skip measuring the GPU's matmul ceiling")
     parser.add_argument("--seed", type=int, default=0)
@@ -106,6 +106,17 @@ def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
     return row
 
 
+def _approximate_call(name: str, k, v):
+    """The call of an opt-in mode as a run makes it: fp8 reads keys/values quantized beforehand (a run's KV cache
+    keeps them so), int8 quantizes them itself."""
+    from ...kernels import fp8_attention
+    from ...model import attention as attn
+    if name == "fp8":
+        kv8 = fp8_attention.quantize_kv(k, v)
+        return lambda a, b_, c: fp8_attention.fp8_attention(a, b_, c, kv8=kv8)
+    return lambda a, b_, c: attn.attention(a, b_, c, backend=name)
+
+
 def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, approximate=(),
             seed: int = 0, ceiling: float | None = None) -> list:
     """Rows of every candidate at one call of [batch, lq|lk, heads, head_dim] (module doc)."""
@@ -126,8 +137,7 @@ def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, devi
             continue
         rows.append(_row(cand.name, "exact", cand.fn, q, k, v, ref, timer, ceiling))
     for name in approximate:
-        rows.append(_row(name, "approximate", lambda a, b_, c, n=name: attn.attention(a, b_, c, backend=n),
-                         q, k, v, ref, timer, ceiling))
+        rows.append(_row(name, "approximate", _approximate_call(name, k, v), q, k, v, ref, timer, ceiling))
     try:
         store, why = attn.choose_auto(q, k, v, benchmark=False)
     except Exception as exc:  # noqa: BLE001 - the store's view is a bonus column

@@ -1,7 +1,7 @@
 """The decode columns of ``bench sampler --decode wan|tiny``: each chunk decoded as soon as the sampler makes it.
 
-The decoder (``vae/``: the Wan 2.1 VAE or the TAEHV-class tiny decoder) streams: the sampler's per-step callback
-hands it the chunk's final latents (its last denoising step's x0, before the chunk's cache-refresh pass) and it
+The decoder (``vae/``: the Wan 2.1 VAE or the TAEHV-class tiny decoder) streams: the sampler's ``on_chunk_latents``
+hook hands it the chunk's final latents (its last denoising step's x0, before the chunk's cache-refresh pass) and it
 returns that chunk's pixel frames, its state carried to the next chunk. The decode is timed between device
 syncs, so a run's wall time splits into sampling and decode:
 
@@ -51,8 +51,8 @@ def build_bench_decoder(args, device: torch.device, dtype: torch.dtype, shape: s
 
 
 class ChunkDecoder:
-    """A sampler callback: decodes each chunk at its last denoising step (once, even if an out-of-memory retry
-    redoes the chunk), timing the decode between device syncs."""
+    """The sampler's ``on_chunk_latents``: decodes each chunk as soon as its latents exist (once per chunk, before
+    its refresh pass), timing the decode between device syncs."""
 
     def __init__(self, decoder, device: torch.device, t0: float):
         self.stream, self.device, self.t0 = decoder.stream(), device, t0
@@ -60,12 +60,8 @@ class ChunkDecoder:
         self.chunk_frames: list = []        # latent frames per chunk
         self.frames = 0                     # pixel frames decoded
         self.first_frame_s = None
-        self.last = -1
 
-    def __call__(self, ci, k, num_chunks, num_steps, x0) -> None:
-        if k != num_steps - 1 or ci <= self.last:
-            return
-        self.last = ci
+    def __call__(self, ci, num_chunks, x0) -> None:
         _sync(self.device)
         start = time.perf_counter()
         made = self.stream.push(x0).shape[2]

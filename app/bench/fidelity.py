@@ -2,13 +2,14 @@
 
 On the recorded fixtures (``tests/fixtures/wan_reference``: causal Wan with its recorded re-noising draws, and
 ``tests/fixtures/matrix_game2``), float32 weights, the same inputs and draws: each sampler path (reference and
-optimized) runs once exact (SDPA, exact linear layers) and once with ``--attention`` (int8 by default) and
+optimized) runs once exact (SDPA, exact linear layers) and once with ``--attention`` (int8 by default; fp8 too) and
 ``--linear`` (``fp8``: fp8 linear layers, SDPA unless ``--attention`` says otherwise; the optimized path only, the
 reference path has no fp8 mode). Per run: the largest and mean absolute difference of every chunk's denoised
 prediction x0 after each step, and of the final latents. A measurement, not a test of the bounds (those are
-``kernels.int8_attention.error_bound`` and ``kernels.fp8_linear.error_bound`` per call): the differences compound
-over blocks, steps and chunks. Speed is not measured here: ``bench sampler --attention int8`` / ``--linear fp8``
-times each beside exact (the gains need comfy-kitchen's int8 kernel, and fp8 tensor cores, on a CUDA GPU).
+``kernels.int8_attention.error_bound``, ``kernels.fp8_attention.error_bound`` and ``kernels.fp8_linear.error_bound``
+per call): the differences compound over blocks, steps and chunks. Speed is not measured here: ``bench sampler
+--attention int8`` / ``--attention fp8`` / ``--linear fp8`` times each beside exact (the gains need comfy-kitchen's
+int8 kernel, and fp8 tensor cores, on a CUDA GPU).
 """
 from __future__ import annotations
 
@@ -149,7 +150,7 @@ def run(args) -> int:
         raise UsageError(f"--attention must be one of {', '.join(BACKENDS)}, got {attention!r}")
     if linear == "exact" and attention == "sdpa":
         raise UsageError("--attention sdpa with exact linear layers is the baseline itself: nothing to compare; "
-                         "give --attention int8 or --linear fp8")
+                         "give --attention int8, --attention fp8 or --linear fp8")
     device = torch.device(args.device or "cpu")
     folders = [Path(f) for f in args.fixture] if args.fixture else [FIXTURES / n for n in DEFAULT_FIXTURES]
     for f in folders:
@@ -158,8 +159,9 @@ def run(args) -> int:
     rows = [r for f in folders for r in measure(f, attention, device, linear)]
     _check_finite(rows)
     speed = ("bench sampler --linear fp8 times it (a gain needs fp8 tensor cores: a CUDA GPU of SM 8.9+)"
-             if linear == "fp8" else "bench sampler --attention int8 times it (a gain needs comfy-kitchen's int8 "
-                                     "kernel on a CUDA GPU)")
+             if linear == "fp8" else "bench sampler --attention fp8 times it (a gain needs the pack's fp8 kernel: a "
+                                     "CUDA GPU of SM 8.9+)" if attention == "fp8" else
+             "bench sampler --attention int8 times it (a gain needs comfy-kitchen's int8 kernel on a CUDA GPU)")
     result = {"device": str(device), "attention": attention, "linear": linear, "baseline": "sdpa, exact linear",
               "paths": list(paths_for(linear)), "rows": rows, "speed": f"not measured here: {speed}"}
     if linear == "fp8":

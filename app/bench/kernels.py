@@ -181,6 +181,8 @@ def _sanity_child() -> None:
                 rows.append({"kernel": name, "dtype": str(dtype).replace("torch.", ""), "max_err": mx,
                              "mean_err": mean, "ok": bool(ok)})
         rows += fp8_quant_rows("cpu", "float32") + fp8_quant_rows("cpu", "bfloat16")
+    if rows and "skipped" not in rows[0]:
+        rows += vae_sanity_rows()
     print(SANITY_MARK + json.dumps(rows), flush=True)
 
 
@@ -201,6 +203,100 @@ def sanity_pass() -> list[dict]:
     return [{"kernel": "all", "ok": False,
              "error": worker_message(f"sanity child failed (exit {proc.returncode}): {last_error(proc.stderr)}",
                                      proc.stderr[-2000:])}]
+
+
+# the Wan 2.1 VAE decoder's RMS norm + SiLU before a causal convolution: (label, channels, frames, height, width)
+VAE_GPU_SHAPE = ("96ch 4f 480x832", 96, 4, 480, 832)       # its widest stage at full resolution
+VAE_CPU_SHAPE = ("96ch 4f 30x52", 96, 4, 30, 52)
+
+
+def _vae_inputs(channels: int, frames: int, height: int, width: int, dtype, device):
+    import torch
+
+    from ...vae.wan21 import CACHE_FRAMES, RMSNorm
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    norm = RMSNorm(channels).requires_grad_(False)
+    norm.gamma.copy_(1.0 + 0.1 * torch.randn(norm.gamma.shape, generator=g))
+    norm = norm.to(device=device, dtype=dtype)
+    x = torch.randn(1, channels, frames, height, width, generator=g).to(device=device, dtype=dtype)
+    history = torch.randn(1, channels, CACHE_FRAMES, height, width, generator=g).to(device=device, dtype=dtype)
+    return norm, x, history
+
+
+def _vae_fused(norm, x, history):
+    """What the decoder runs: the causal convolution's input buffer, history in front, norm + SiLU after it."""
+    import torch
+
+    buf = torch.empty(x.shape[:2] + (history.shape[2] + x.shape[2],) + x.shape[3:], dtype=x.dtype, device=x.device)
+    buf[:, :, :history.shape[2]].copy_(history)
+    norm.silu_into(x, buf[:, :, history.shape[2]:])
+    return buf
+
+
+def _vae_torch(norm, x, history):
+    """The layers one by one: the norm's torch ops, SiLU, then the concatenation with the history."""
+    import torch
+    import torch.nn.functional as F
+
+    return torch.cat([history, F.silu(norm(x))], 2)
+
+
+def vae_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
+    """The ``vae norm+silu`` row: the decoder's fused norm + SiLU into the convolution's buffer against the torch
+    layers and the concatenation, at the real shape on a GPU (a small one on a CPU: only the ratio means anything
+    there, and without Triton the fused side is the same torch math written in place, no concatenation)."""
+    import torch
+
+    from ...cache.autotune import cpu_timer, default_timer
+    from ...kernels.candidates import tolerance
+
+    label, c, t, h, w = shape or (VAE_GPU_SHAPE if device == "cuda" else VAE_CPU_SHAPE)
+    dtype = getattr(torch, dtype_name)
+    timer = default_timer if device == "cuda" else (lambda fn: cpu_timer(fn, repeats=5))
+    with torch.no_grad():
+        norm, x, history = _vae_inputs(c, t, h, w, dtype, device)
+        fused = _vae_fused(norm, x, history)            # the first call tunes the kernel's tile (if it runs)
+        ref = _vae_torch(norm, x, history)
+        err = float((fused.float() - ref.float()).abs().max())
+        t_torch = timer(lambda: _vae_torch(norm, x, history))
+        t_fused = timer(lambda: _vae_fused(norm, x, history))
+        scale = float(ref.float().abs().max())
+        path = "triton" if norm.kernel_runs(x, fused[:, :, history.shape[2]:]) else "torch, no concatenation"
+    # the torch layers round in the run dtype at every step, the kernel once from float32: a few units apart
+    return [{"kernel": "vae norm+silu", "shape": label, "dims": [1, c, t, h, w], "dtype": dtype_name, "fused": path,
+             "torch_ms": t_torch, "fused_ms": t_fused, "ratio": t_torch / t_fused if t_fused else None,
+             "absolute": device == "cuda", "max_err": err, "ok": err <= tolerance(dtype, scale, 4)}]
+
+
+def vae_sanity_rows() -> list[dict]:
+    """The VAE norm + SiLU kernel under the interpreter against its float32 torch definition, written into a
+    history buffer (an odd width and position count)."""
+    import torch
+
+    from ...kernels import vae_norm
+    from ...kernels.candidates import tolerance
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        norm, x, history = _vae_inputs(37, 3, 5, 7, dtype, "cpu")
+        with torch.no_grad():
+            buf = _vae_fused(norm, x, history)
+            expect = vae_norm.norm_silu_reference(x, norm.gamma)
+        mx, mean = _errors(buf[:, :, history.shape[2]:], expect)
+        ok = mx <= tolerance(dtype, float(expect.float().abs().max()), 2) and torch.equal(buf[:, :, :2], history)
+        rows.append({"kernel": vae_norm.NAME, "dtype": str(dtype).replace("torch.", ""), "max_err": mx,
+                     "mean_err": mean, "ok": bool(ok)})
+    return rows
+
+
+def _print_vae(rows: list[dict]) -> None:
+    print("vae norm+silu (the decoder's norm + SiLU into the convolution's buffer vs the torch layers + cat; ratio = "
+          "torch time / fused time):")
+    for r in rows:
+        print(f"  {r['shape']:<18}{r['dtype']:<10}{r['fused']:<26}x{r['ratio']:.2f}" +
+              (f"  torch {r['torch_ms']:.3f} ms, fused {r['fused_ms']:.3f} ms" if r["absolute"] else "") +
+              f"  max_err {r['max_err']:.1e}{'' if r['ok'] else '  MISMATCH'}")
 
 
 def _restore(var, value):
@@ -306,10 +402,11 @@ def run(args) -> int:
     if not torch.cuda.is_available() or triton_module() is None:
         rows = sanity_pass()
         cands = candidate_rows("cpu", "float32", args.frames)
-        ok = all(r.get("ok", True) for r in rows + cands)
+        vae = vae_rows("cpu", "float32")
+        ok = all(r.get("ok", True) for r in rows + cands + vae)
         if args.json:
             print(json.dumps({"gpu": False, "message": "kernel benchmarks need a CUDA GPU",
-                              "sanity": rows, "candidates": cands, "ok": ok}, indent=2))
+                              "sanity": rows, "candidates": cands, "vae": vae, "ok": ok}, indent=2))
         else:
             print("bench kernels: timings need a CUDA GPU with triton; ran the interpreter sanity pass instead")
             for r in rows:
@@ -322,12 +419,15 @@ def run(args) -> int:
                     print(f"  {r['kernel']:<20} {r['dtype']:<9} max_err {r['max_err']:.2e} "
                           f"mean_err {r['mean_err']:.2e}  {'ok' if r['ok'] else 'MISMATCH'}")
             _print_candidates(cands)
+            _print_vae(vae)
         return 0 if ok else 1
     rows = gpu_rows(args.dtype, args.frames)
     cands = candidate_rows("cuda", args.dtype, args.frames)
+    vae = vae_rows("cuda", args.dtype)
     fp8_rows = fp8_quant_rows("cuda", args.dtype) + fp8_linear_rows(args.dtype)
     if args.json:
-        print(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "candidates": cands, "fp8": fp8_rows},
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "candidates": cands, "vae": vae,
+                          "fp8": fp8_rows},
                          indent=2))
         return 0
     print(f"bench kernels on {torch.cuda.get_device_name()} ({args.dtype}, F={args.frames})")
@@ -339,6 +439,7 @@ def run(args) -> int:
               f"{r['tune_cold_s']:>13.3f}{r['tune_warm_s']:>13.4f}"
               f"{str(r['benchmarks_cold']) + '/' + str(r['benchmarks_warm']):>11}{r['max_err']:>10.1e}")
     _print_candidates(cands)
+    _print_vae(vae)
     _print_fp8(fp8_rows)
     return 0
 

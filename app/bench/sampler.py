@@ -13,14 +13,23 @@ One process, the same random weights (or checkpoint) and the same inputs for eve
                         a mode that cannot run on the device is refused before anything runs
   <variant>-int8        any of these with int8 attention (``--attention int8`` adds every chosen variant's twin);
                         vs_exact_max_abs / vs_exact_mean_abs: its latents against the exact twin's
+  <variant>-fp8att      any of these with fp8 attention (``--attention fp8``), beside its exact twin the same way
   <variant>-fp8         any optimized variant with fp8 linear layers (``--linear fp8`` adds the twin of every chosen
                         optimized variant; the reference path has none), beside its exact twin in the same way;
                         linear_ran / linear_path: what ran (fp8 through scaled_mm or emulated, or exact where fp8
                         was measured slower)
 
 Per variant: first (warm-up) and steady seconds (median of --repeat runs), per-chunk latency, DiT-only video
-FPS, FLOPs and MFU (peak by compute capability; n/a on a CPU), peak memory and speedups. Then one more, untimed run
-under ``profiling.dispatch_counts`` gives the structure of the path:
+FPS, FLOPs and MFU (peak by compute capability; n/a on a CPU), peak memory and speedups. The per-chunk times are
+medians over the timed runs, each mark taken on a device sync:
+
+  chunk_ms            per chunk, from the previous chunk's end (the run's start for the first) to the end of its
+                      cache-refresh pass (a decode's time taken out)
+  denoise_ms          per chunk, from the same start to its final latents being ready, before its refresh pass:
+                      where the sampler's ``on_chunk_latents`` hands a chunk to a streaming decode
+  first_latents_ms    denoise_ms[0]: from the run's start to the first chunk's latents ready (first frames sooner)
+
+Then one more, untimed run under ``profiling.dispatch_counts`` gives the structure of the path:
 
   parity_max_abs / parity_mean_abs  its latents against the 'reference' variant's (float32 reference)
   ops_per_step        aten ops dispatched in one steady-state chunk step (the last chunk's last denoising step:
@@ -29,8 +38,8 @@ under ``profiling.dispatch_counts`` gives the structure of the path:
                       the schedule is resolved before the counted run (host-side tables, never on the device)
   kv_bytes_per_chunk  self-attention KV bytes written per chunk, from the cache's write plan: rows written x
                       forwards of the chunk x layers x 2 (k, v) x heads x head_dim x element size
-  kv_write_bytes      index_copy bytes counted over the video (the self-attention KV of every chunk, plus the
-                      Matrix-Game-2 action caches)
+  kv_write_bytes      KV bytes counted as ``model/kv_cache.write_kv`` wrote them over the video (a slice copy or
+                      index_copy_; the self-attention KV of every chunk, plus the Matrix-Game-2 action caches)
 
 With ``--decode wan|tiny`` every chunk is also decoded to pixels as soon as it is made, and each row gets the
 decode columns (decode_s, end_to_end_s, video_fps_with_decode, first_frame_s, decoder_peak_mb, ...:
@@ -66,11 +75,14 @@ OPS_MODES = ("pack", "kitchen", "torch")     # FastOptions.ops besides 'auto': '
 OPS = "-ops-"
 VARIANTS.update({f"optimized{OPS}{mode}": dict(VARIANTS["optimized"], options={"ops": mode}) for mode in OPS_MODES})
 INT8 = "-int8"   # every variant's twin with int8 attention (opt-in): '<variant>-int8'
-VARIANTS.update({name + INT8: dict(v, attention="int8") for name, v in list(VARIANTS.items())})
+FP8ATT = "-fp8att"   # ... with fp8 attention (opt-in): '<variant>-fp8att' ('-fp8' is fp8 linear's)
+ATTENTION_TWINS = {"int8": INT8, "fp8": FP8ATT}
+VARIANTS.update({name + suffix: dict(v, attention=mode) for name, v in list(VARIANTS.items())
+                 for mode, suffix in ATTENTION_TWINS.items()})
 FP8 = "-fp8"     # every optimized variant's twin with fp8 linear layers (opt-in): '<variant>-fp8'
 VARIANTS.update({name + FP8: dict(v, options=dict(v["options"], linear="fp8")) for name, v in list(VARIANTS.items())
                  if v["path"] == "optimized"})
-TWINS = (INT8, FP8)     # an approximate twin's name ends with one of these; without it, its exact twin's
+TWINS = (INT8, FP8ATT, FP8)     # an approximate twin's name ends with one of these; without it, its exact twin's
 SHAPES = {  # model kind -> shape -> (config factory name, video frames, height, width)
     "wan": {"tiny": (33, 128, 128), "1.3b": (81, 480, 832)},
     "matrix-game2": {"tiny": (33, 128, 128), "1.3b": (57, 352, 640)},
@@ -90,8 +102,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per variant after one warm-up")
     parser.add_argument("--variants", help="comma list of: " + ", ".join(VARIANTS) +
                         " (default: reference, optimized; plus reference-same-dtype when the run dtype is not fp32)")
-    parser.add_argument("--attention", choices=["int8"], help="int8: also run every chosen variant with int8 "
-                        "attention ('<variant>-int8'), each row beside its exact twin (vs_exact_max_abs / mean)")
+    parser.add_argument("--attention", choices=list(ATTENTION_TWINS), help="int8 / fp8: also run every chosen "
+                        "variant with int8 attention ('<variant>-int8') or fp8 attention ('<variant>-fp8att'), each "
+                        "row beside its exact twin (vs_exact_max_abs / mean)")
     parser.add_argument("--linear", choices=["fp8"], help="fp8: also run every chosen optimized variant with fp8 "
                         "linear layers ('<variant>-fp8'), each row beside its exact twin (vs_exact_max_abs / mean)")
     parser.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s for MFU (default: table by capability)")
@@ -195,7 +208,7 @@ def _schedule(kind: str):
     return resolve_schedule("self_forcing")
 
 
-def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None):
+def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_chunk_latents=None):
     from ...compile import uncompile_model
     from ...sampling.sampler import generate_latents, sampler_path
     from ..jobs.generate import compile_for_sampling
@@ -213,10 +226,11 @@ def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None):
             keyboard = None if inp["keyboard"] is None else inp["keyboard"].to(dev)
             return generate_mg2(model, inp["image"].to(dev), inp["context"].to(dev), (mouse, keyboard),
                                 num_frames=inp["latent_frames"], seed=seed, preset=schedule, on_chunk=on_chunk,
-                                callback=callback, skip_last_refresh=v["skip_last_refresh"])
+                                callback=callback, skip_last_refresh=v["skip_last_refresh"],
+                                on_chunk_latents=on_chunk_latents)
         return generate_latents(model, inp["context"], inp["latent_frames"], inp["lh"], inp["lw"], seed=seed,
                                 schedule=schedule, skip_last_refresh=v["skip_last_refresh"], on_chunk=on_chunk,
-                                callback=callback, report=report)
+                                callback=callback, report=report, on_chunk_latents=on_chunk_latents)
 
 
 def _kv_plan(model, kind, inp, v) -> list:
@@ -252,7 +266,7 @@ def _count_run(model, kind, inp, v, seed) -> tuple:
     return out.float().cpu(), {
         "ops_per_step": steady.ops, "ops_per_video": counts.ops, "host_syncs": counts.syncs,
         "host_sync_ops": dict(counts.sync_names), "syncs_per_step": steady.syncs,
-        "kv_bytes_per_chunk": plan, "kv_bytes_per_video": sum(plan), "kv_write_bytes": counts.index_copy_bytes}
+        "kv_bytes_per_chunk": plan, "kv_bytes_per_video": sum(plan), "kv_write_bytes": counts.kv_write_bytes}
 
 
 # ----------------------------------------------------------------------------- timing
@@ -268,9 +282,9 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, chunks, ran, totals, decodes = [], [], {}, [], []
+    times, chunks, ran, totals, decodes, denoised = [], [], {}, [], [], []
     for _ in range(1 + max(1, args.repeat)):
-        marks = []
+        marks, ready = [], []
         _sync(device)
         t0 = time.perf_counter()
         dec = ChunkDecoder(decoder, device, t0) if decoder is not None else None
@@ -279,14 +293,22 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
             _sync(device)
             marks.append(time.perf_counter())
 
+        def on_latents(ci, n, x0, dec=dec, ready=ready):     # before the chunk's refresh pass (and its decode)
+            _sync(device)
+            ready.append(time.perf_counter())
+            if dec is not None:
+                dec(ci, n, x0)
+
         ran.clear()
-        _sample(model, kind, inp, v, args.seed, on_chunk, callback=dec, report=ran)
+        _sample(model, kind, inp, v, args.seed, on_chunk, report=ran, on_chunk_latents=on_latents)
         _sync(device)
         totals.append(time.perf_counter() - t0)
         decodes.append(dec)
         spent = dec.decode_s if dec is not None else [0.0] * len(marks)     # the DiT-only figures leave it out
         times.append(totals[-1] - sum(spent))
-        chunks.append([b - a - d for a, b, d in zip([t0] + marks[:-1], marks, spent)])
+        starts = [t0] + marks[:-1]
+        chunks.append([b - a - d for a, b, d in zip(starts, marks, spent)])
+        denoised.append([r - a for a, r in zip(starts, ready)])      # a chunk's decode comes after its mark
     output, structure = _count_run(model, kind, inp, v, args.seed)
     peak_memory = _peak_memory(device)
     if decoder is not None:
@@ -295,6 +317,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     steady = statistics.median(times[1:])
     timed = chunks[1:]
     per_chunk = [statistics.median(c[i] for c in timed) for i in range(len(timed[0]))]
+    per_denoise = [statistics.median(d[i] for d in denoised[1:]) for i in range(len(denoised[1]))]
     cfg = model.config
     ph, pw = cfg.patch_size[1:]
     steps = 3 if kind == "matrix-game2" else 4
@@ -313,6 +336,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
             "first_s": round(times[0], 4), "steady_s": round(steady, 4),
             "chunk_ms": [round(1e3 * c, 2) for c in per_chunk],
             "chunk_ms_mean": round(1e3 * statistics.mean(per_chunk), 2),
+            "denoise_ms": [round(1e3 * d, 2) for d in per_denoise], "first_latents_ms": round(1e3 * per_denoise[0], 2),
             "video_fps": round(frames / steady, 2), "latent_fps": round(inp["latent_frames"] / steady, 2),
             "forwards": work["forwards"], "flops": work["flops"], "tflop": round(work["flops"] / 1e12, 6),
             "tflops_per_s": round(work["flops"] / steady / 1e12, 4),
@@ -337,8 +361,9 @@ def _variant_names(args, run_dtype: str) -> list:
         names = ["reference", "optimized"]
         if run_dtype != "fp32":
             names.insert(1, "reference-same-dtype")
-    if getattr(args, "attention", None) == "int8":
-        names = [m for n in names for m in ((n,) if n.endswith(INT8) else (n, n + INT8))]
+    suffix = ATTENTION_TWINS.get(getattr(args, "attention", None))
+    if suffix:
+        names = [m for n in names for m in ((n,) if n.endswith(suffix) else (n, n + suffix))]
     if getattr(args, "linear", None) == "fp8":
         names = [m for n in names for m in ((n, n + FP8) if n + FP8 in VARIANTS else (n,))]
     return names
@@ -364,7 +389,7 @@ def _check_ops_variants(names: list, device) -> None:
 
 
 def _vs_exact(rows: list, outputs: list) -> None:
-    """vs_exact_max_abs / vs_exact_mean_abs of every int8 or fp8 row against its exact twin's latents (when it ran)."""
+    """vs_exact_max_abs / vs_exact_mean_abs of every int8, fp8 attention or fp8 linear row against its exact twin's latents (when it ran)."""
     by_name = {r["variant"]: o for r, o in zip(rows, outputs)}
     for r, out in zip(rows, outputs):
         exact = by_name.get(exact_twin(r["variant"]))
@@ -430,7 +455,8 @@ def run(args) -> int:
     _vs_exact(rows, outputs)
     models.drop()
     base = rows[0]["steady_s"]
-    same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference" and r["attention"] != "int8"}
+    same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference"
+            and r["attention"] not in ATTENTION_TWINS}
     for r in rows:
         r["speedup_vs_first"] = round(base / r["steady_s"], 3) if r["steady_s"] else None
         ref = same.get(r["dtype"])

@@ -88,8 +88,8 @@ def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_
         nxt = "fa2" if backend == "fa3" and requested in ("auto", "flash_attn") else "sdpa"
         backend = explain_backend(nxt, device, model.compute_dtype, model.config.head_dim)[0]
     if kernels_part(options, device):
-        for name in ("kernel.layernorm_modulate", "kernel.rmsnorm_rope", "kernel.gated_residual"):
-            judge(name)
+        for name in KERNEL_NAMES:
+            judge(f"kernel.{name}")
     if options.ops == "kitchen" or (options.ops == "auto" and kernels_part(options, device)):
         for name in FEATURES:                # comfy-kitchen's candidates (op.<op>.kitchen.<backend>)
             if name.startswith("op.") and doc.availability(name) is None:

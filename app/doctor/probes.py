@@ -14,11 +14,11 @@ from typing import Callable
 
 import torch
 
-from ...kernels import _common, norm_modulate, qk_norm_rope, residual, use_triton
+from ...kernels import _common, norm_modulate, qk_norm_rope, residual, rms_norm, use_triton
 from ...kernels import candidates as op_candidates
 from ...kernels import kitchen
 from ...kernels import fp8_linear as fp8
-from ...kernels import int8_attention
+from ...kernels import fp8_attention, int8_attention
 from ...model import attention as attn
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project
@@ -85,17 +85,24 @@ def _fa_checker(name: str):
     return check
 
 
-def _check_int8(ctx: ProbeContext) -> Probe:
-    """int8 attention against exact attention (float32 math), judged by ``int8_attention.error_bound`` (per
-    element, derived from the int8 steps: see its docstring) rather than the dtype's resolution."""
-    if ctx.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise NotAvailable(f"needs fp32/fp16/bf16 (probe dtype {ctx.dtype})")
-    q, k, v = _qkv(ctx)
-    kernel = int8_attention.implementation(ctx.device, ctx.dtype, ctx.head_dim)[0]
-    return Probe(lambda: attn.attention(q, k, v, backend="int8"), lambda: _softmax_math(q, k, v), ctx.dtype,
-                 bound=lambda: int8_attention.error_bound(q, k, v, kernel=kernel),
-                 note=f"int8 ({kernel}) within its stated error bound of exact attention (difference in units of "
-                      f"the bound)")
+def _approximate_checker(mode: str, module):
+    """A probe of the opt-in attention ``mode`` against exact attention (float32 math), judged by its module's
+    ``error_bound`` (per element, derived from its quantization: see that docstring) rather than the dtype's
+    resolution."""
+    def check(ctx: ProbeContext) -> Probe:
+        if ctx.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise NotAvailable(f"needs fp32/fp16/bf16 (probe dtype {ctx.dtype})")
+        q, k, v = _qkv(ctx)
+        kernel = module.implementation(ctx.device, ctx.dtype, ctx.head_dim)[0]
+        return Probe(lambda: attn.attention(q, k, v, backend=mode), lambda: _softmax_math(q, k, v), ctx.dtype,
+                     bound=lambda: module.error_bound(q, k, v, kernel=kernel),
+                     note=f"{mode} ({kernel}) within its stated error bound of exact attention (difference in "
+                          f"units of the bound)")
+    return check
+
+
+_check_int8 = _approximate_checker("int8", int8_attention)
+_check_fp8_attention = _approximate_checker("fp8", fp8_attention)
 
 
 # ----------------------------------------------------------------------------------------------- fp8 linear
@@ -177,6 +184,19 @@ def _check_rmsrope(ctx: ProbeContext) -> Probe:
         _tuned(qk_norm_rope, launch, key, x)
         return out
     return Probe(feature, lambda: qk_norm_rope.rmsnorm_rope_reference(x, w, cos, sin, ctx.heads, 1e-6), ctx.dtype)
+
+
+def _check_rmsnorm(ctx: ProbeContext) -> Probe:
+    _kernel_ready(ctx)
+    d = _dim(ctx)
+    x, w = _rand(ctx, 1, ctx.tokens, d, seed=13), 1 + _rand(ctx, d, scale=0.1, seed=14)
+
+    def feature():
+        rms_norm._check(x, w)
+        launch, key, out = rms_norm._launcher(x, w, 1e-6)
+        _tuned(rms_norm, launch, key, x)
+        return out
+    return Probe(feature, lambda: rms_norm.rmsnorm_reference(x, w, 1e-6), ctx.dtype)
 
 
 def _check_gres(ctx: ProbeContext) -> Probe:
@@ -328,6 +348,8 @@ for _feature in (
             "fa2 (SDPA is used)", sources=_ATTENTION),
     Feature("attention.int8", "int8 attention (opt-in)", _check_int8, ("comfy-kitchen",), "int8 (SDPA is used)",
             sources=lambda: (attn, int8_attention, _qkv, _softmax_math)),
+    Feature("attention.fp8", "fp8 attention (opt-in)", _check_fp8_attention, ("triton",), "fp8 (SDPA is used)",
+            sources=lambda: (attn, fp8_attention, _qkv, _softmax_math)),
     Feature("linear.fp8", "fp8 linear layers (opt-in)", _check_fp8, switches_off="fp8 linear (exact linear layers)",
             sources=lambda: (fp8, _fp8_inputs)),
     Feature("kernel.layernorm_modulate", "fused LayerNorm + modulate (Triton)", _check_lnmod, ("triton",),
@@ -336,6 +358,8 @@ for _feature in (
             "this kernel (torch ops)", sources=_kernel_sources(qk_norm_rope)),
     Feature("kernel.gated_residual", "fused gated residual (Triton)", _check_gres, ("triton",),
             "this kernel (torch ops)", sources=_kernel_sources(residual)),
+    Feature("kernel.rms_norm", "fused RMSNorm (Triton; the cross-attention's query)", _check_rmsnorm, ("triton",),
+            "this kernel (torch ops)", sources=_kernel_sources(rms_norm)),
     Feature("fused_qkv", "one q/k/v GEMM", _check_fused_qkv, switches_off="fused q/k/v (three GEMMs)",
             sources=lambda: (fq, _project, WanSelfAttention)),
     Feature("cuda_graphs", "CUDA-graph replay of a chunk", _check_graphs, switches_off="CUDA graphs (eager)",

@@ -134,12 +134,13 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
                    schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1, sink: int = 0,
                    skip_last_refresh: bool = False, callback=None, on_chunk=None, batch: int = 1,
                    path: str = "auto", fast_options=None, report: dict | None = None,
-                   oom_retry: str = "auto", **prompts) -> torch.Tensor:
+                   oom_retry: str = "auto", on_chunk_latents=None, **prompts) -> torch.Tensor:
     """Pixel-space request (width, height, video frames) -> model-space latents [B, F, 16, H/8, W/8].
     Validates the geometry (4k+1 frames, multiples of 16, whole blocks) before any work.
     path / fast_options / report: see ``sampling.sampler.sample_causal`` (optimized path by default on CUDA).
     oom_retry: 'auto' (CUDA) | 'on' | 'off': on out-of-memory in a chunk, swap more blocks and redo it
-    (``memory.sampling_guard``). prompts: prompt_schedule / prompt_embeddings / recache of ``sample_causal``."""
+    (``memory.sampling_guard``). on_chunk_latents: each chunk's latents before its refresh pass (a streaming
+    decode). prompts: prompt_schedule / prompt_embeddings / recache of ``sample_causal``."""
     from ...memory.sampling_guard import oom_guard
     from ...sampling.sampler import generate_latents
     lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink, batch)
@@ -147,7 +148,8 @@ def sample_latents(model, context, width: int, height: int, num_frames: int, see
     return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
                             frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
                             skip_last_refresh=skip_last_refresh, callback=callback, on_chunk=on_chunk,
-                            path=path, fast_options=fast_options, report=report, chunk_guard=guard, **prompts)
+                            path=path, fast_options=fast_options, report=report, chunk_guard=guard,
+                            on_chunk_latents=on_chunk_latents, **prompts)
 
 
 def _latent_geometry(model, width: int, height: int, num_frames: int, frames_per_block: int, kv_window: int = -1,

@@ -178,9 +178,9 @@ class RankPool:
                                                    *details[:1]))
 
     def sample(self, model, *args, callback=None, path="auto", fast_options=None, setup=None, report=None,
-               **kwargs):
-        """``job.sample_latents(model, *args, ...)`` on every rank; rank 0's latents. Any error or interrupt
-        tears the workers down before it propagates."""
+               on_chunk_latents=None, **kwargs):
+        """``job.sample_latents(model, *args, ...)`` on every rank; rank 0's latents (its hooks: callback and
+        on_chunk_latents run on rank 0 only). Any error or interrupt tears the workers down before it propagates."""
         from ..jobs.generate import sample_latents
         self.start(model)
         job = {"args": tuple(_plain(a) for a in args), "kwargs": {k: _plain(v) for k, v in kwargs.items()},
@@ -189,7 +189,7 @@ class RankPool:
             for out, _inbox in self.conns:
                 out.send(job)
             latents = sample_latents(model, *args, callback=callback, path=path, fast_options=fast_options,
-                                     report=report, oom_retry="off", **kwargs)
+                                     report=report, oom_retry="off", on_chunk_latents=on_chunk_latents, **kwargs)
             self._collect("done", self.timeout_s)
             return latents
         except BaseException:

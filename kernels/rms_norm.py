@@ -1,0 +1,128 @@
+"""Fused RMSNorm over the full width, without RoPE: Wan's cross-attention query norm, ``rmsnorm(x) * weight``.
+
+x [B, L, D] (any row stride with unit channel stride: the q projection's output read in place); weight [D].
+Mean of squares over all D channels in float32, x times its reciprocal square root times weight in float32, one
+rounding to x's dtype. Returns [B, L, D] contiguous. One kernel where the torch module runs about six (cast, square,
+mean, rsqrt, two multiplies and their casts); the same two-pass row layout and tile candidates as RMSNorm+RoPE
+(``qk_norm_rope.py``), tuned through the operator store under its own name.
+"""
+import torch
+
+from . import _common
+from .qk_norm_rope import _rows_view, _smem      # the same row reads in place and the same tiles
+
+try:
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - no triton: only the torch path exists
+    tl = None
+
+NAME = "rmsnorm"
+
+# YBLOCK rows per program, RBLOCK channels per step. Capped by the compile preset.
+CANDIDATES = _common.ROW_CANDIDATES
+
+
+def _check(x, weight):
+    if x.dim() != 3:
+        raise ValueError(f"rmsnorm: x must be [B, L, D], got shape {tuple(x.shape)}")
+    d = x.shape[2]
+    if weight.shape != (d,):
+        raise ValueError(f"rmsnorm: weight must be [D] = [{d}], got {tuple(weight.shape)}")
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The torch definition the kernel must match (float32 math, one rounding to x's dtype)."""
+    _check(x, weight)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+if tl is not None:
+    def _rms_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, eps, x_row_stride,
+                    YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
+        row_ok = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        x_rows = x_ptr + rows64[:, None] * x_row_stride
+        cols0 = tl.arange(0, RBLOCK)
+        # pass 1: mean of squares over the full width, float32
+        acc = tl.zeros([YBLOCK], dtype=tl.float32)
+        for start in range(0, D, RBLOCK):
+            cols = start + cols0
+            mask = row_ok[:, None] & (cols < D)[None, :]
+            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(v * v, axis=1)
+        inv = 1.0 / tl.sqrt(acc / D + eps)
+        # pass 2: scale and weight, one rounding on the store
+        o_rows = out_ptr + rows64[:, None] * D
+        for start in range(0, D, RBLOCK):
+            cols = start + cols0
+            cmask = cols < D
+            mask = row_ok[:, None] & cmask[None, :]
+            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            y = v * inv[:, None] * w[None, :]
+            if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
+                u = y.to(tl.uint32, bitcast=True)
+                y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+            tl.store(o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_KERNEL_NAME = _common.kernel_name(NAME, _rms_kernel) if tl is not None else NAME
+
+
+def _launcher(x, weight, eps):
+    b, l, d = x.shape
+    x2, w = _rows_view(x), weight.contiguous()
+    out = torch.empty((b, l, d), dtype=x.dtype, device=x.device)
+    rows = b * l
+    rnd = _common.round_bf16(out)
+
+    def launch(cfg: dict):
+        kernel = _common.jit(_rms_kernel)
+        grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
+        with _common.device_guard(x2):
+            kernel[grid](x2, w, out, rows, d, float(eps), x2.stride(1),
+                         YBLOCK=cfg["YBLOCK"], RBLOCK=cfg["RBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+
+    key = f"D={d}|rows={_common.rows_bucket(rows)}|{_common.dtype_name(x)}|w={_common.dtype_name(w)}"
+    return launch, key, out
+
+
+def run_triton(x, weight, eps=1e-6, config: dict | None = None) -> torch.Tensor:
+    """The Triton path with an explicit config (tests) or tuned through the operator store (config=None).
+    Falls back to the torch reference when every config fails."""
+    _check(x, weight)
+    launch, key, out = _launcher(x, weight, eps)
+    if config is not None:
+        launch(config)
+        return out
+    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem,
+                            benchmark=not _common.capturing(x)):
+        return out
+    return rmsnorm_reference(x, weight, eps)
+
+
+def _eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if tl is not None and _common.use_triton(x, weight) and not _common.needs_autograd(x, weight):
+        return run_triton(x, weight, eps)
+    return rmsnorm_reference(x, weight, eps)
+
+
+def _fake(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+_OP = _common.register_op(NAME, _eager, _fake)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm(x) over D (float32) * weight; [B, L, D] -> [B, L, D] in x's dtype.
+
+    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch (always torch when autograd
+    needs to track the inputs). Inside torch.compile the call is one opaque op (``torch.ops.wan_accel.rmsnorm``).
+    """
+    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, weight):
+        return _OP(x, weight, float(eps))
+    return _eager(x, weight, eps)

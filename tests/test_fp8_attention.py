@@ -1,0 +1,426 @@
+"""fp8 attention (opt-in): the torch version against exact attention within the stated bound
+(kernels/fp8_attention.error_bound), the bound not trivially loose, the Triton kernel under the interpreter against
+the torch version (tiny shapes: head sizes 16..128, lengths that are no multiple of the tile, batch 1-2, 1-3
+heads), and the zero-token, padding and bad-input edges.
+
+TRITON_INTERPRET must be set before triton is first imported, so the kernel runs in a child process.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve()
+MARK = "FP8_ATTENTION_INTERPRET_RESULT "
+ROWS = slice(0, 48)      # the bound's Q term costs rows x keys x head_dim^2: bound a sample of queries
+
+
+def _wan_qkv(dtype, lq=256, lk=384, heads=12, head_dim=128, seed=0, v_spread=0.0):
+    """Wan 2.1 1.3B's head layout ([B, L, 12, 128]); ``v_spread``: the values' token scales spread by
+    exp(N(0, v_spread)) (what folding V's scales into P has to carry)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, lq, heads, head_dim, generator=g) * 2
+    k = torch.randn(1, lk, heads, head_dim, generator=g) * 1.5 + 0.7
+    v = torch.randn(1, lk, heads, head_dim, generator=g)
+    v = v * torch.exp(torch.randn(1, lk, heads, 1, generator=g) * v_spread)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _exact(q, k, v):
+    qf, kf, vf = (t.transpose(1, 2).double() for t in (q, k, v))
+    w = torch.softmax(qf @ kf.transpose(-1, -2) / qf.shape[-1] ** 0.5, dim=-1)
+    return (w @ vf).transpose(1, 2).float()
+
+
+def _ratio(out, q, k, v, kernel="torch"):
+    from wan_accel.kernels import fp8_attention as fa
+    err = (out.float() - _exact(q, k, v))[:, ROWS].abs()
+    return err, err / fa.error_bound(q, k, v, kernel=kernel, rows=ROWS)
+
+
+@pytest.mark.parametrize("dtype,spread", [(torch.float32, 0.0), (torch.bfloat16, 0.0), (torch.float32, 2.0)])
+def test_torch_fp8_is_within_the_stated_bound_on_wan_shapes(dtype, spread):
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.model import attention as attn
+    q, k, v = _wan_qkv(dtype, v_spread=spread)
+    out = fa.fp8_attention_torch(q, k, v)
+    assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
+    err, ratio = _ratio(out, q, k, v)
+    assert float(ratio.max()) <= 1.0
+    assert float(ratio.max()) > 0.25            # the bound is of the error's size (random inputs reach a good part)
+    exact_err = (attn.attention(q, k, v, backend="sdpa").float() - _exact(q, k, v))[:, ROWS].abs()
+    assert float(err.max()) > 4 * float(exact_err.max())           # fp8, not exact attention in this dtype
+
+
+def _coarser(codes_of, factor):
+    """A quantizer whose codes lose log2(factor) more mantissa bits (rounding errors ``factor`` times e4m3's)."""
+    def quantize(x):
+        codes, scale = codes_of(x)
+        f = codes.float()
+        ulp = torch.exp2(torch.floor(torch.log2(f.abs().clamp_min(2.0 ** -6))) - 3) * factor
+        return (torch.round(f / ulp) * ulp).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+    return quantize
+
+
+@pytest.mark.parametrize("factor", [2, 4])
+def test_a_coarser_rounding_fails_the_bound(monkeypatch, factor):
+    """Q, K and V rounded with spacings 2 or 4 times e4m3's (one or two mantissa bits fewer) exceed the bound."""
+    from wan_accel.kernels import fp8_attention as fa
+    q, k, v = _wan_qkv(torch.float32)
+    with monkeypatch.context() as m:
+        m.setattr(fa, "quantize_tokens", _coarser(fa.quantize_tokens, factor))
+        planted = fa.fp8_attention_torch(q, k, v)
+    _, ratio = _ratio(planted, q, k, v)
+    assert float(ratio.max()) > 1.0
+
+
+def test_a_much_coarser_p_fails_the_bound(monkeypatch):
+    """P's own term: the folded P' rounded with a spacing 8 times e4m3's (three mantissa bits fewer) exceeds the
+    bound (P' in e4m3 itself costs less than Q and K do: with 4 times the spacing it still stays inside)."""
+    from wan_accel.kernels import fp8_attention as fa
+    q, k, v = _wan_qkv(torch.float32, lq=64, lk=256, heads=2, v_spread=2.0)
+    real = fa.round_e4m3
+
+    def coarse(x):
+        ulp = torch.exp2(torch.floor(torch.log2(real(x).abs().clamp_min(2.0 ** -6))) - 3) * 8
+        return torch.round(x / ulp) * ulp
+
+    with monkeypatch.context() as m:
+        m.setattr(fa, "round_e4m3", coarse)
+        planted = fa.fp8_attention_torch(q, k, v)
+    _, ratio = _ratio(planted, q, k, v)
+    assert float(ratio.max()) > 1.0
+
+
+def test_quantizing_once_equals_quantizing_every_call():
+    """K and V quantized per (token, head) when they enter a cache give the same codes as quantizing the whole
+    key set per call, so the cached copy changes nothing but the work."""
+    from wan_accel.kernels import fp8_attention as fa
+    q, k, v = _wan_qkv(torch.bfloat16, lq=40, lk=300, heads=2, head_dim=64)
+    parts = [fa.quantize_kv(k[:, i:i + 100], v[:, i:i + 100]) for i in range(0, 300, 100)]
+    joined = fa.Fp8KV(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in fa.Fp8KV._fields))
+    assert torch.equal(fa.fp8_attention_torch(q, k, v, kv8=joined), fa.fp8_attention_torch(q, k, v))
+
+
+def test_zero_tokens_and_padded_keys():
+    from wan_accel.kernels import fp8_attention as fa
+    q, k, v = _wan_qkv(torch.float32, lq=40, lk=150, heads=2, head_dim=16)
+    q[:, 3] = 0
+    k[:, 5] = 0
+    v[:, :130] = 0                       # a whole tile of zero values next to a partial one
+    out = fa.fp8_attention_torch(q, k, v)
+    assert torch.isfinite(out).all()
+    err, ratio = _ratio(out, q, k, v)
+    assert float(ratio.max()) <= 1.0
+    mask = torch.ones(1, 150, dtype=torch.bool)
+    mask[:, 140:] = False
+    masked = fa.fp8_attention(q, k, v, mask)
+    v2 = v.clone()
+    v2[:, 140:] = 1e3
+    assert torch.equal(masked, fa.fp8_attention(q, k, v2, mask))
+    assert float((masked - _exact(q, k[:, :140], v[:, :140])).abs().max()) < 0.2
+
+
+def test_bad_inputs_say_what_to_fix():
+    from wan_accel.kernels import fp8_attention as fa
+    q, k, v = _wan_qkv(torch.float32, lq=4, lk=8, heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="q \\[B, Lq, H, D\\]"):
+        fa.fp8_attention_torch(q, k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match="kernel must be"):
+        fa.error_bound(q, k, v, kernel="cuda")
+
+
+def test_on_a_cpu_the_torch_version_runs_and_says_why():
+    from wan_accel.kernels import fp8_attention as fa
+    kind, reason = fa.implementation("cpu", torch.float32, 128)
+    assert kind == "torch" and "torch version" in reason
+    assert "head sizes" in fa.kernel_problem("cpu", torch.float32, 96)
+
+
+# ----------------------------------------------------------------------------- the KV cache's fp8 copy
+def _filled_cache(rolling=False, dtype=torch.bfloat16):
+    from wan_accel.model.kv_cache import KVCache
+    cache = KVCache(2, 1, 96, 2, 16, dtype=dtype, rolling=rolling, sink_tokens=16 if rolling else 0)
+    cache.use_fp8(True)
+    g = torch.Generator().manual_seed(3)
+    return cache, g
+
+
+def _write(cache, step, g, layer=0):
+    from wan_accel.model.kv_cache import write_kv
+    rows = step.index.numel()
+    k, v = (torch.randn(1, rows, 2, 16, generator=g) * 3 for _ in range(2))
+    lay = cache.layers[layer]
+    write_kv(lay.k, lay.v, step.index, k, v)
+    return lay.k[:, :step.read_len], lay.v[:, :step.read_len]
+
+
+def _same_codes(copy, k, v) -> bool:
+    from wan_accel.kernels import fp8_attention as fa
+    fresh = fa.quantize_kv(k, v)
+    return all(torch.equal(getattr(copy, f).float(), getattr(fresh, f).float()) for f in fa.Fp8KV._fields)
+
+
+@pytest.mark.parametrize("rolling", [False, True])
+def test_the_cache_keeps_the_codes_of_what_it_holds(rolling):
+    """Every write (appends, a rolling window's wrap, a rewrite, zero padding) puts into the fp8 copy exactly the
+    codes of the cached keys/values, so attention on the cache reads the copy and gives what quantizing the
+    cache view per call gives."""
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.model import attention as attn
+    from wan_accel.model.kv_cache import fp8_copy
+    cache, g = _filled_cache(rolling)
+    q = torch.randn(1, 24, 2, 16, generator=g).to(torch.bfloat16)
+    for start in range(0, 168 if rolling else 96, 24):
+        k, v = _write(cache, cache.plan(start, 24), g)
+        copy = fp8_copy(k, v)
+        assert copy is not None and _same_codes(copy, k, v)
+        assert torch.equal(attn.attention(q, k, v, backend="fp8"), fa.fp8_attention_torch(q, k, v))
+    k, v = _write(cache, cache.rewrite(cache.end - 24, 24), g)
+    assert _same_codes(fp8_copy(k, v), k, v)
+    if not rolling:
+        cache.reset()
+        _write(cache, cache.plan(0, 24), g)
+        cache.pad_next(8)
+        step = cache.plan(24, 24)
+        k, v = cache.layers[0].k[:, :step.read_len], cache.layers[0].v[:, :step.read_len]
+        assert _same_codes(fp8_copy(k, v), k, v)
+
+
+def test_attention_reads_the_copy_instead_of_quantizing(monkeypatch):
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.model import attention as attn
+    cache, g = _filled_cache()
+    k, v = _write(cache, cache.plan(0, 48), g)
+    q = torch.randn(1, 24, 2, 16, generator=g).to(torch.bfloat16)
+    calls = []
+    real = fa.quantize_kv
+    monkeypatch.setattr(fa, "quantize_kv", lambda *a: calls.append(1) or real(*a))
+    attn.attention(q, k, v, backend="fp8")
+    assert calls == []
+    attn.attention(q, k.clone(), v.clone(), backend="fp8")        # not a cache view: quantized by the call
+    assert calls == [1]
+
+
+def test_the_copy_is_written_only_under_the_mode_and_caught_up_when_it_returns():
+    from wan_accel.model.kv_cache import fp8_copy
+    cache, g = _filled_cache()
+    _write(cache, cache.plan(0, 24), g)
+    cache.use_fp8(False)
+    k, v = _write(cache, cache.plan(24, 24), g)
+    assert fp8_copy(k, v) is None
+    shadow = getattr(cache.layers[0].k, "_wan_accel_fp8")
+    assert float(shadow.k[:, 24:48].float().abs().sum()) == 0           # not written while off
+    cache.layers[0].k[:, :8].copy_(torch.randn(1, 8, 2, 16, generator=g))  # filled another way (a continuation)
+    cache.use_fp8(True)
+    assert _same_codes(fp8_copy(k, v), k, v)
+
+
+def _fp8_run(monkeypatch, slow: bool, judged: bool = True, **fast):
+    """The optimized path with attention fp8 on the tiny model; ``judged``: as on a GPU with the kernel (the
+    kernel's stand-in is the torch version, the store's timer a set one)."""
+    import speed_timer
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.model import attention as att
+    from wan_accel.model.tiny import tiny_causal_model
+    from wan_accel.sampling.sampler import generate_latents
+    sys.path.insert(0, str(HERE.parent))
+    if judged:
+        monkeypatch.setattr(att, "SPEED_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(fa, "kernel_problem", lambda *a, **kw: None)
+        monkeypatch.setattr(fa, "fp8_attention_triton", lambda q, k, v, kv8=None: fa.fp8_attention_torch(
+            q, k, v, None, kv8))
+        speed_timer.install(monkeypatch, slow)
+    model = tiny_causal_model()
+    ctx = torch.randn(1, 4, model.config.text_dim, generator=torch.Generator().manual_seed(0))
+    report = {"copies": []}
+    real = att.fp8_copy
+    monkeypatch.setattr(att, "fp8_copy", lambda k, v: (lambda c: report["copies"].append(c is not None) or c)(
+        real(k, v)))
+    out = generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized", report=report,
+                           fast_options={"attention": "fp8", "cuda_graphs": "off", **fast})
+    exact = generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized",
+                             fast_options={"attention": "sdpa", "cuda_graphs": "off"})
+    return out, exact, report
+
+
+def test_on_a_cpu_the_fp8_run_is_not_judged_and_keeps_fp8(monkeypatch):
+    out, exact, report = _fp8_run(monkeypatch, slow=True, judged=False)
+    assert report["attention"] == "fp8" and report["fp8_attention_speed"]["slower"] is None
+    assert "not judged" in report["fp8_attention_speed"]["why"]
+    assert any(report["copies"]) and not all(report["copies"])   # self-attention reads the cache's fp8 copy,
+    #                                                                 cross-attention quantizes the prompt's K/V
+    assert not torch.equal(out, exact) and float((out - exact).abs().max()) < 0.2
+
+
+def test_fp8_measured_slower_keeps_the_exact_path(monkeypatch):
+    out, exact, report = _fp8_run(monkeypatch, slow=True)
+    assert report["fp8_attention_speed"]["slower"] is True and "queries x" in report["fp8_attention_speed"]["why"]
+    assert report["attention"] == "exact (fp8 measured slower)"
+    assert any("fp8 attention is slower" in n and "--keep-slower" in n for n in report["notes"])
+    assert torch.equal(out, exact)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_fp8_kept_where_faster_or_where_the_user_insists(monkeypatch, keep):
+    out, exact, report = _fp8_run(monkeypatch, slow=keep, keep_slower=keep)
+    assert report["fp8_attention_speed"]["slower"] is keep and report["attention"] == "fp8"
+    assert not torch.equal(out, exact)
+
+
+# ----------------------------------------------------------------------------- where the mode is offered
+def test_fp8_is_offered_by_the_cli_the_nodes_and_the_benches_never_by_default():
+    import argparse
+    from wan_accel.app.bench import sampler
+    from wan_accel.cli import build_parser
+    from wan_accel.model import attention as attn
+    from wan_accel.nodes.doctor_nodes import FEATURE_CHOICES
+    from wan_accel.nodes.model_nodes import CausalWanModelLoader
+    from wan_accel.nodes.native_nodes import WanAccelARSampler
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--attention", "fp8"]).attention == "fp8"
+    assert "fp8" in CausalWanModelLoader.INPUT_TYPES()["required"]["attention"][0]
+    assert "fp8" in CausalWanModelLoader.INPUT_TYPES()["required"]["attention"][1]["tooltip"]
+    assert "fp8" in WanAccelARSampler.INPUT_TYPES()["optional"]["attention"][0]
+    assert "attention.fp8" in FEATURE_CHOICES
+    ns = argparse.Namespace(variants="reference,optimized", attention="fp8")
+    assert sampler._variant_names(ns, "fp32") == ["reference", "reference-fp8att", "optimized", "optimized-fp8att"]
+    assert sampler.VARIANTS["optimized-fp8att"]["attention"] == "fp8"
+    assert sampler.exact_twin("optimized-fp8att") == "optimized"
+    assert sampler.exact_twin("optimized-fp8att-fp8") == "optimized-fp8att"      # fp8 linear on top of it
+    for requested in ("auto", "flash_attn", "sdpa"):
+        assert attn.explain_backend(requested, "cpu", torch.bfloat16, 128)[0] != "fp8"
+
+
+@pytest.mark.parametrize("path", ["reference", "optimized"])
+def test_both_sampler_paths_run_fp8_from_the_loader(monkeypatch, path):
+    """The loader node's handle with attention fp8: every attention call of the run goes through fp8; the latents
+    differ from exact attention's, closely."""
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.nodes.model_nodes import CausalWanModelLoader
+    from wan_accel.sampling.sampler import generate_latents, sampler_path
+    calls = []
+    real = fa.fp8_attention_torch
+    monkeypatch.setattr(fa, "fp8_attention_torch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    outs = {}
+    for mode in ("sdpa", "fp8"):
+        handle = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", mode)[0]
+        report = {}
+        with torch.no_grad(), sampler_path(path, {} if path == "optimized" else None):
+            outs[mode] = generate_latents(handle.model, torch.randn(1, 8, handle.model.config.text_dim,
+                                          generator=torch.Generator().manual_seed(1)), 6, 4, 4, seed=3,
+                                          schedule="self_forcing", report=report)
+        if path == "optimized":
+            assert report["attention"] == mode
+        assert bool(calls) == (mode == "fp8")
+    diff = (outs["fp8"] - outs["sdpa"]).abs().max()
+    assert torch.isfinite(outs["fp8"]).all() and 0 < float(diff) < 0.2
+
+
+def test_the_doctor_judges_fp8_by_its_bound(monkeypatch):
+    from wan_accel.app.doctor.core import doctor_for
+    from wan_accel.kernels import fp8_attention as fa
+    d = doctor_for("cpu", torch.float32, 16, tokens=32, heads=2)
+    assert d.check("attention.fp8")["status"] == "passed"
+    real = fa.fp8_attention_torch
+    monkeypatch.setattr(fa, "fp8_attention_torch", lambda *a, **kw: real(*a, **kw) * 1.25)
+    assert doctor_for("cpu", torch.float32, 16, tokens=32, heads=2).check("attention.fp8", recheck=True)[
+        "status"] == "failed"
+
+
+def test_bench_attention_times_fp8_with_its_keys_quantized_beforehand():
+    from wan_accel.app.bench import attention as bench
+    sys.path.insert(0, str(HERE.parent))
+    from cli_run import run_cli
+    by = {r["candidate"]: r for r in bench.measure(40, 70, 1, 2, 16, torch.float32, torch.device("cpu"), ["fp8"])}
+    assert by["fp8"]["kind"] == "approximate" and by["fp8"]["status"] == "ran"
+    assert 1e-4 < by["fp8"]["max_abs"] < 0.5
+    code, out, err = run_cli("bench", "attention", "--lq", "33", "--lk", "65", "--approximate", "fp8", "--json")
+    assert code == 0, err
+    assert [r["candidate"] for r in json.loads(out)["rows"] if r["kind"] == "approximate"] == ["fp8"]
+
+
+def test_every_fp8_call_of_a_fidelity_run_is_within_the_bound(monkeypatch):
+    """``bench fidelity --attention fp8`` on the recorded wan fixture, both paths: every fp8 attention call stays
+    within ``error_bound`` of exact attention (float64) on its own inputs, and fp8 changes the video."""
+    from wan_accel.app.bench.fidelity import FIXTURES, PATHS, measure
+    from wan_accel.kernels import fp8_attention as fa
+    worst, calls = [0.0], [0]
+    real = fa.fp8_attention_torch
+
+    def checked(q, k, v, key_padding_mask=None, kv8=None, tile=fa.TILE):
+        out = real(q, k, v, key_padding_mask, kv8, tile)
+        keep = slice(None) if key_padding_mask is None else key_padding_mask[0]
+        bound = fa.error_bound(q, k, v, key_padding_mask)
+        worst[0] = max(worst[0], float(((out.float() - _exact(q, k[:, keep], v[:, keep])).abs() / bound).max()))
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(fa, "fp8_attention_torch", checked)
+    rows = measure(FIXTURES / "wan_reference", "fp8")
+    assert calls[0] > 0 and worst[0] <= 1.0, worst
+    assert [r["path"] for r in rows] == list(PATHS) and all(r["final"]["max_abs"] > 0 for r in rows)
+
+
+# ----------------------------------------------------------------------------- the Triton kernel, interpreted
+CASES = [  # (batch, queries, keys, heads, head size, tile, BLOCK_M, dtype, value spread)
+    (1, 37, 150, 2, 16, 32, 16, "float32", 1.0),
+    (2, 20, 70, 1, 64, 32, 32, "bfloat16", 0.0),
+    (1, 70, 200, 3, 128, 128, 64, "float32", 2.0),
+    (2, 9, 33, 3, 32, 32, 16, "float16", 0.5),
+]
+
+
+def _child() -> None:
+    from wan_accel.kernels import _common
+    from wan_accel.kernels import fp8_attention as fa
+    assert _common.interpreter_usable()
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for b, lq, lk, h, d, tile, bm, dtype, spread in CASES:
+        dt = getattr(torch, dtype)
+        q = (torch.randn(b, lq, h, d, generator=g) * 2).to(dt)
+        k = (torch.randn(b, lk, h, d, generator=g) * 1.5 + 0.5).to(dt)
+        v = (torch.randn(b, lk, h, d, generator=g) * torch.exp(torch.randn(b, lk, h, 1, generator=g) * spread)).to(dt)
+        k[:, 1] = 0                                  # a zero key token (its scale is the tiny one)
+        config = {"BLOCK_M": bm, "num_warps": 4, "num_stages": 1}
+        tri = fa.fp8_attention_triton(q, k, v, config=config, tile=tile)
+        ref = fa.fp8_attention_torch(q, k, v, tile=tile)
+        cached = fa.fp8_attention_triton(q, k, v, fa.quantize_kv(k, v), config=config, tile=tile)
+        w = torch.softmax((q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2)) * d ** -0.5, -1)
+        pv_abs = (w @ v.double().abs().transpose(1, 2)).transpose(1, 2).float()
+        # both sum the same exact products in float32 in another order, and round the output to the same dtype
+        tol = (d + tile + 32) * fa.F32_U * pv_abs + 2 * fa.unit_roundoff(dt) * ref.float().abs()
+        bound = fa.error_bound(q, k, v, tile=tile)
+        rows.append({"shape": [b, lq, lk, h, d], "dtype": str(tri.dtype), "finite": bool(torch.isfinite(tri).all()),
+                     "within_tol": bool(((tri.float() - ref.float()).abs() <= tol).all()),
+                     "max_diff": float((tri.float() - ref.float()).abs().max()),
+                     "cached_equal": bool(torch.equal(cached, tri)),
+                     "vs_exact": float(((tri.float() - _exact(q, k, v)).abs() / bound).max()),
+                     "kind": fa.implementation("cpu", dt, d)[0]})
+    print(MARK + json.dumps(rows), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    sys.path.insert(0, str(HERE.parent))
+    from interpret_child import run_interpreted_child
+    return run_interpreted_child(HERE, tmp_path_factory.mktemp("fp8_attention_interp"), MARK, timeout=600)
+
+
+def test_the_triton_kernel_matches_the_torch_version_under_the_interpreter(interpreted):
+    assert len(interpreted) == len(CASES)
+    for row, case in zip(interpreted, CASES):
+        assert row["kind"] == "triton", row
+        assert row["dtype"] == f"torch.{case[7]}" and row["finite"], row
+        assert row["within_tol"], row
+        assert row["cached_equal"], row                 # a cached copy of K/V gives the same result
+        assert row["vs_exact"] <= 1.0, row              # and the kernel is within the stated bound of exact
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    _child()
