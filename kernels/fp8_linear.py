@@ -17,6 +17,12 @@ i.e. ``(x_q * s_x) @ (w_q * s_w)^T + bias``. Two implementations of that one com
   4-bit significands), scaled, the bias added in float32, the result rounded to the input's dtype. It runs
   everywhere (a CPU included): CPU tests check the real numerics, not their speed.
 
+The input's codes and scales come from ``quantize_input``: on CUDA GPUs with SM 8.9+ (and on a CPU under
+TRITON_INTERPRET=1) one fused Triton kernel (``kernels/fp8_quant.py``) that reads each row once and writes its codes
+and scale, equal bit for bit to ``quantize_rows``, the torch definition used elsewhere. Where one input feeds
+several layers (separate q/k/v, the prompt's cross-attention k and v) the caller quantizes it once and passes the
+pair (``quantized=``) to each layer.
+
 A zero row gets a scale of ``TINY / 448`` (never 0), so its codes are 0 and its output is the bias, never NaN.
 ``error_bound`` states the tolerance of both against exact real arithmetic; its docstring derives it.
 """
@@ -26,6 +32,7 @@ import math
 
 import torch
 
+from . import _common, fp8_quant
 from ._common import is_compiling
 
 FP8 = torch.float8_e4m3fn
@@ -54,6 +61,34 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = row_scales(t)
     codes = (t / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)      # the division promotes to float32 itself
     return codes, scale
+
+
+def quantize_input(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` of a layer's input [M, K], in one fused kernel where it runs (``kernels/fp8_quant.py``:
+    CUDA SM 8.9+, or a CPU under TRITON_INTERPRET=1; the same codes and scales bit for bit), else in torch. Inside
+    torch.compile it is one opaque op (``torch.ops.wan_accel.fp8_quantize_rows``)."""
+    if FP8 != fp8_quant.CODES or fp8_quant.problem(x2d) is not None:
+        return quantize_rows(x2d)
+    if _QUANT_OP is not None and is_compiling():
+        codes, scale = _QUANT_OP(x2d)
+        return codes, scale
+    return _quantize_eager(x2d)
+
+
+def _quantize_eager(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if fp8_quant.problem(x2d) is None:
+        out = fp8_quant.run_triton(x2d, FP8_MAX, TINY)
+        if out is not None:
+            return out
+    return quantize_rows(x2d)
+
+
+def _quantize_fake(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x2d.shape, dtype=fp8_quant.CODES, device=x2d.device),
+            torch.empty((x2d.shape[0], 1), dtype=torch.float32, device=x2d.device))
+
+
+_QUANT_OP = _common.register_op(fp8_quant.NAME, _quantize_eager, _quantize_fake)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,40 +127,46 @@ def path_for(device, in_features: int, out_features: int) -> tuple[str, str]:
 
 
 def emulated(x2d: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias=None,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The fp8 linear in float32 (module doc): x2d [M, K], weight_q [N, K] e4m3, weight_scale [N]."""
-    q, s = quantize_rows(x2d)
+             out_dtype: torch.dtype | None = None, quantized: tuple | None = None) -> torch.Tensor:
+    """The fp8 linear in float32 (module doc): x2d [M, K], weight_q [N, K] e4m3, weight_scale [N]; ``quantized``:
+    x2d's (codes, scales) from ``quantize_input`` where the caller shares them between layers."""
+    q, s = quantize_input(x2d) if quantized is None else quantized
     y = (q.float() @ weight_q.float().t()) * s * weight_scale.reshape(1, -1)
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x2d.dtype)
 
 
-def scaled_mm(x2d: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias=None) -> torch.Tensor:
-    """``torch._scaled_mm`` of the per-row quantized input and weight; bfloat16 [M, N]."""
-    q, s = quantize_rows(x2d)
+def scaled_mm(x2d: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias=None,
+              quantized: tuple | None = None) -> torch.Tensor:
+    """``torch._scaled_mm`` of the per-row quantized input (``quantized``, or quantized here) and weight;
+    bfloat16 [M, N]."""
+    q, s = quantize_input(x2d) if quantized is None else quantized
     out = torch._scaled_mm(q, weight_q.t(), scale_a=s, scale_b=weight_scale.reshape(1, -1),
                            bias=None if bias is None else bias.to(MM_OUT), out_dtype=MM_OUT)
     return out[0] if isinstance(out, tuple) else out
 
 
-def fp8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias=None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias=None,
+               quantized: tuple | None = None) -> torch.Tensor:
     """y [..., N] in x's dtype for x [..., K]: the scaled matmul where it runs, else the emulation. A scaled
-    matmul that raises is remembered for this size and device (it is emulated from then on)."""
+    matmul that raises is remembered for this size and device (it is emulated from then on). ``quantized``: x's
+    (codes [M, K], scales [M, 1]) from ``quantize_input``, where one input feeds several layers (quantized once)."""
     n, k = weight_q.shape
     x2d = x.reshape(-1, k)
+    quantized = quantize_input(x2d) if quantized is None else quantized
     if mm_problem(x.device, k, n) is None:
         if is_compiling():
-            out = scaled_mm(x2d, weight_q, weight_scale, bias)
+            out = scaled_mm(x2d, weight_q, weight_scale, bias, quantized)
         else:
             try:
-                out = scaled_mm(x2d, weight_q, weight_scale, bias)
+                out = scaled_mm(x2d, weight_q, weight_scale, bias, quantized)
             except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
                 _STATE["failed"][(x.device.index, k, n)] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
                 out = None
         if out is not None:
             return out.to(x.dtype).reshape(*x.shape[:-1], n)
-    return emulated(x2d, weight_q, weight_scale, bias, x.dtype).reshape(*x.shape[:-1], n)
+    return emulated(x2d, weight_q, weight_scale, bias, x.dtype, quantized).reshape(*x.shape[:-1], n)
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

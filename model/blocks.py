@@ -19,7 +19,8 @@ bookkeeping:
 
 ``BlockParts.linear`` 'fp8' (opt-in, approximate) runs every linear layer that carries an fp8 copy of its weight
 (``model/fp8_linear.py`` makes them) through ``kernels.fp8_linear``; a layer without one, and every layer under
-'exact', is called as before.
+'exact', is called as before. An input that feeds several fp8 layers (separate q/k/v, the prompt's k and v) is
+quantized once for all of them (``fp8_input``).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from ..kernels import candidates as op_candidates
 from ..kernels import gated_residual, layernorm_modulate, rmsnorm_rope
-from ..kernels.fp8_linear import fp8_linear
+from ..kernels.fp8_linear import fp8_linear, quantize_input
 from ..kernels.rms_norm import rmsnorm
 from .attention import attention
 from .fused_qkv import QKV_BIAS, QKV_WEIGHT
@@ -77,13 +78,30 @@ FP8_WEIGHT, FP8_SCALE = "fp8_weight", "fp8_scale"          # an nn.Linear's fp8 
 QKV_FP8_WEIGHT, QKV_FP8_SCALE, QKV_FP8_BIAS = "qkv_fp8_weight", "qkv_fp8_scale", "qkv_fp8_bias"   # self-attention
 
 
-def run_linear(layer: nn.Module, x: torch.Tensor, linear: str = "exact") -> torch.Tensor:
-    """``layer(x)``, or its fp8 copy under ``linear`` 'fp8' where the layer holds one."""
+def run_linear(layer: nn.Module, x: torch.Tensor, linear: str = "exact", quantized: tuple | None = None
+               ) -> torch.Tensor:
+    """``layer(x)``, or its fp8 copy under ``linear`` 'fp8' where the layer holds one (``quantized``: x's codes and
+    scales from ``fp8_input``, shared with sibling layers)."""
     if linear == "fp8":
         w = layer._buffers.get(FP8_WEIGHT)
         if w is not None:
-            return fp8_linear(x, w, layer._buffers[FP8_SCALE], layer.bias)
+            return fp8_linear(x, w, layer._buffers[FP8_SCALE], layer.bias, quantized)
     return layer(x)
+
+
+def fp8_input(x: torch.Tensor, layers, linear: str, memo: dict | None = None) -> tuple | None:
+    """x's fp8 codes and scales, made once for the ``layers`` that run an fp8 copy of x under ``linear``; None
+    where fewer than two do (a single layer quantizes its own input). ``memo`` shares them further, between the
+    blocks that take the same x (the prompt: every block's cross-attention k and v)."""
+    copies = 0 if linear != "fp8" else sum(FP8_WEIGHT in m._buffers for m in layers)
+    if copies == 0 or (copies == 1 and memo is None):
+        return None
+    if memo is None:
+        return quantize_input(x.reshape(-1, x.shape[-1]))
+    hit = memo.get(id(x))
+    if hit is None:             # x is kept with its codes: its id names it while the memo lives
+        hit = memo[id(x)] = (x, quantize_input(x.reshape(-1, x.shape[-1])))
+    return hit[1]
 
 
 def _ffn(ffn: nn.Sequential, h: torch.Tensor, linear: str) -> torch.Tensor:
@@ -140,11 +158,13 @@ def _project(sa, h, fused_qkv: bool, parts: int, linear: str = "exact"):
             start = (3 - parts) * d
             scale, bias = sa._buffers[QKV_FP8_SCALE], sa._buffers.get(QKV_FP8_BIAS)
             spans = [(start, 3 * d)] if fused_qkv else [(i * d, (i + 1) * d) for i in range(3 - parts, 3)]
-            out = [fp8_linear(h, wq[a:b], scale[a:b], None if bias is None else bias[a:b]) for a, b in spans]
+            hq = quantize_input(h.reshape(-1, d)) if len(spans) > 1 else None       # h quantized once
+            out = [fp8_linear(h, wq[a:b], scale[a:b], None if bias is None else bias[a:b], hq) for a, b in spans]
             return out[0].split(d, dim=-1) if fused_qkv else tuple(out)
         layers = (sa.q, sa.k, sa.v)[3 - parts:]
         if any(FP8_WEIGHT in m._buffers for m in layers):     # copies of their own (a sibling is stored in fp8)
-            return tuple(run_linear(m, h, linear) for m in layers)
+            hq = fp8_input(h, layers, linear)
+            return tuple(run_linear(m, h, linear, hq) for m in layers)
     w = getattr(sa, QKV_WEIGHT, None) if fused_qkv else None
     if w is not None:
         d = h.shape[-1]
@@ -201,16 +221,19 @@ class WanCrossAttention(nn.Module):
             self.v_img = nn.Linear(dim, dim)
             self.norm_k_img = _qk_norm(dim, eps, qk_norm)
 
-    def context_kv(self, text, image=None, linear: str = "exact") -> tuple:
-        """Keys/values of the embedded prompt: (k, v) or (k, v, k_img, v_img), each [B, Lc, H, hd], contiguous."""
+    def context_kv(self, text, image=None, linear: str = "exact", memo: dict | None = None) -> tuple:
+        """Keys/values of the embedded prompt: (k, v) or (k, v, k_img, v_img), each [B, Lc, H, hd], contiguous
+        (``memo``: the prompt's fp8 codes shared between blocks, see ``fp8_input``)."""
         heads = (self.num_heads, -1)
-        kv = [self.norm_k(run_linear(self.k, text, linear)).unflatten(2, heads),
-              run_linear(self.v, text, linear).unflatten(2, heads)]
+        tq = fp8_input(text, (self.k, self.v), linear, memo)
+        kv = [self.norm_k(run_linear(self.k, text, linear, tq)).unflatten(2, heads),
+              run_linear(self.v, text, linear, tq).unflatten(2, heads)]
         if self.has_image:
             if image is None:
                 raise ValueError("this is an i2v model: pass the CLIP image features (clip_fea)")
-            kv += [self.norm_k_img(run_linear(self.k_img, image, linear)).unflatten(2, heads),
-                   run_linear(self.v_img, image, linear).unflatten(2, heads)]
+            iq = fp8_input(image, (self.k_img, self.v_img), linear, memo)
+            kv += [self.norm_k_img(run_linear(self.k_img, image, linear, iq)).unflatten(2, heads),
+                   run_linear(self.v_img, image, linear, iq).unflatten(2, heads)]
         return tuple(t.contiguous() for t in kv)
 
     def forward(self, h, cross: tuple, backend: str, linear: str = "exact", fused_norm: bool = False):
@@ -265,8 +288,9 @@ class WanBlock(nn.Module):
         write_kv(call.k_cache, call.v_cache, call.write_idx, k, v, call.write_span)
 
 
-def cross_kv(block: WanBlock, text, image=None, linear: str = "exact") -> tuple:
-    """The block's cross-attention keys/values for an embedded prompt: (k, v) or (k, v, k_img, v_img).
+def cross_kv(block: WanBlock, text, image=None, linear: str = "exact", memo: dict | None = None) -> tuple:
+    """The block's cross-attention keys/values for an embedded prompt: (k, v) or (k, v, k_img, v_img); ``memo``
+    (one dict per prompt) quantizes the prompt once for every block under ``linear`` 'fp8'.
 
     Works for a block whose weights live elsewhere (block swap): they are copied to the prompt's device for
     this one computation and put back (a swapped block holds no fp8 copy: its layers run exact)."""
@@ -278,7 +302,7 @@ def cross_kv(block: WanBlock, text, image=None, linear: str = "exact") -> tuple:
         if moved:
             for p in params:
                 p.data = p.data.to(text.device, non_blocking=True)
-        return ca.context_kv(text, image, linear)
+        return ca.context_kv(text, image, linear, memo)
     finally:
         if moved:
             for p, d in zip(params, saved):

@@ -11,7 +11,8 @@ prepares one sampling run and returns a ``Run``, the executor the chunk loop (``
   backend resolved once;
 * refresh passes that skip the last block's unused work and the head;
 * under ``linear='fp8'`` (opt-in, approximate): an fp8 copy of every block linear layer's weight
-  (``model/fp8_linear.py``), kept while the weights do not change.
+  (``model/fp8_linear.py``), kept while the weights do not change, made only after the speed verdict (read from
+  the operator store, or measured once) says fp8 is not slower at the run's largest call.
 
 The block forward is the model's own (``model/blocks.py``); only the parts differ from the reference executor. What
 the policy floors did to the model (block swap, compile) is read through ``model/attachments.py``: the model is
@@ -190,6 +191,11 @@ def release_buffers(model) -> bool:
     return runner.release() if runner is not None else False
 
 
+def largest_call(batch: int, chunks, frame_tokens: int) -> int:
+    """Tokens of the run's largest block call: the batch times its longest chunk's tokens."""
+    return batch * max((n for _f0, n in chunks), default=0) * frame_tokens
+
+
 GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune", "cudagraphs")
 
 
@@ -221,8 +227,19 @@ class FastRunner:
                 drop_fused_qkv(sa)
         return fused
 
-    def _linear(self, options: FastOptions, swapped: set) -> tuple[str, dict]:
-        """The run's linear mode, with the model's fp8 copies made (fp8) or freed (exact); (mode, report fields)."""
+    def _fp8_verdict(self, options: FastOptions, tokens: int) -> tuple | None:
+        """(slower, why) of fp8 against exact linear layers at the run's largest call (``fp8_speed``: the operator
+        store's verdict, measured once per GPU and shape; a stored one makes no tensor), judged before any fp8
+        copy is made; None where the run's chunks are not known here."""
+        if not tokens:
+            return None
+        cfg = self.model.config
+        return fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype, self.model.device)
+
+    def _linear(self, options: FastOptions, swapped: set, tokens: int = 0) -> tuple[str, dict, tuple | None]:
+        """The run's linear mode, with the model's fp8 copies made (fp8) or freed (exact; also where fp8 is judged
+        slower at ``tokens`` before any copy is made, and not kept: no copy is made); (mode, report fields, the
+        speed verdict or None)."""
         blocks = self.model.blocks
         if options.linear == "fp8" and "linear.fp8" in options.switched_off:
             line = f"fp8 linear is {SELF_CHECK_OFF}: this run uses exact linear layers"
@@ -232,6 +249,11 @@ class FastRunner:
             for i, block in enumerate(blocks):     # every block checked before any copy is made
                 if i not in swapped:
                     check_fp8_block(block, prefix=f"blocks.{i}.")
+            verdict = self._fp8_verdict(options, tokens)
+            if verdict is not None and verdict[0] and not options.keep_slower:
+                for block in blocks:
+                    drop_fp8(block)
+                return "exact", {}, verdict
             done = kept = 0
             for i, block in enumerate(blocks):
                 if i in swapped:            # its weights stream per call: a second copy would stream too
@@ -242,10 +264,10 @@ class FastRunner:
             path, why = linear_path(self.model)
             return ("fp8" if done else "exact"), {
                 "linear_path": path, "linear_reason": why, "fp8_layers": done, "fp8_layers_kept_as_stored": kept,
-                "fp8_blocks_exact_swapped": len(swapped)}
+                "fp8_blocks_exact_swapped": len(swapped)}, verdict
         for block in blocks:
             drop_fp8(block)
-        return "exact", {}
+        return "exact", {}, None
 
     def _graphs_reason(self, options, device, swapped, compile_mode, actions, cache) -> str | None:
         """Why CUDA graphs are not used for this run (None: they are)."""
@@ -291,8 +313,10 @@ class FastRunner:
         sess.graphs.identity = identity
 
     def start(self, options: FastOptions, *, batch: int, num_frames: int, grid_hw, kv_window: int, sink: int,
-              kv_cache=None, actions=None, cache=None) -> "Run":
-        """Prepare a run over ``num_frames`` latent frames of a ``grid_hw`` token grid (after patching)."""
+              kv_cache=None, actions=None, cache=None, chunks=None) -> "Run":
+        """Prepare a run over ``num_frames`` latent frames of a ``grid_hw`` token grid (after patching).
+        ``chunks``: the run's (first frame, frames) per chunk, so the fp8 speed verdict is read before any fp8
+        copy is made (without them the run judges it in ``warm``, after the copies)."""
         model = self.model
         self.notes = []
         device = model.device
@@ -301,7 +325,9 @@ class FastRunner:
         compile_mode = compiled_mode(model)
         swapped = swapped_blocks(model)
         fused = self._fuse(options, swapped)
-        linear, linear_info = self._linear(options, swapped)
+        frame_tokens = grid_hw[0] * grid_hw[1]
+        fp8_tokens = largest_call(batch, chunks, frame_tokens) if chunks else 0
+        linear, linear_info, verdict = self._linear(options, swapped, fp8_tokens)
         requested = options.attention or getattr(model, "attn_backend", "auto")
         backend, backend_reason = checked_backend(requested, device, model.compute_dtype, model.config.head_dim,
                                                   options.switched_off)
@@ -309,7 +335,6 @@ class FastRunner:
         if requested == "auto" and graphs_device(device):     # the operator store's choice per call shape
             attention_part = auto_request(options.switched_off)
             backend, backend_reason = "auto", f"operator store per shape (by availability: {backend_reason})"
-        frame_tokens = grid_hw[0] * grid_hw[1]
         rolling = 0 < kv_window < num_frames
         layout = (kv_window, sink) if rolling else (num_frames, 0)
         sp = seq_parallel_of(model)
@@ -329,12 +354,15 @@ class FastRunner:
         parts = BlockParts(attention_part, kernels, bool(options.fused_qkv), ops_part(options, device, kernels),
                            linear)
         self.runs += 1
-        return Run(self, options, sess, parts, actions, frame_tokens, info={
+        run = Run(self, options, sess, parts, actions, frame_tokens, info={
             "path": "optimized", "attention": backend, "attention_reason": backend_reason,
             "fused_qkv_blocks": fused, "fused_kernels": bool(kernels),
             "compile": compile_mode, "cuda_graphs": graph_reason is None,
             "cuda_graphs_reason": graph_reason or "on", "swapped_blocks": len(swapped), "linear": linear,
             **linear_info, "notes": self.notes})
+        if verdict is not None and (linear == "fp8" or verdict[0]):
+            run._judge_fp8(fp8_tokens, verdict)
+        return run
 
     def _weights_id(self) -> tuple:
         return tuple(p.data_ptr() for p in self.model.parameters()) + \
@@ -372,7 +400,8 @@ class Run:
     def set_prompt(self, text, image=None) -> None:
         """Cross-attention K/V of every block for this prompt, into the session's static buffers."""
         self.text = text
-        fresh = [cross_kv(block, text, image, self.parts.linear) for block in self.model.blocks]
+        memo: dict = {}             # the prompt quantized once for every block's fp8 k/v
+        fresh = [cross_kv(block, text, image, self.parts.linear, memo) for block in self.model.blocks]
         old = self.sess.cross
         if old is not None and len(old) == len(fresh) and all(
                 len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
@@ -489,9 +518,8 @@ class Run:
         """Before the first chunk: the operator store's attention choice for every (query, key) length the run
         will meet, so no timed chunk pays for measuring (the choices and the time go into the report); the speed
         verdicts of the opt-in approximate modes (int8 attention, fp8 linear) at the run's shapes."""
-        if self.parts.linear == "fp8":
-            largest = max((n for _f0, n in req.chunks), default=0)
-            self._judge_fp8(req.batch * largest * self.frame_tokens)
+        if self.parts.linear == "fp8" and "fp8_speed" not in self.info:      # not judged at start
+            self._judge_fp8(largest_call(req.batch, req.chunks, self.frame_tokens))
         if seq_parallel_of(self.model) is not None or not self.cross:
             return
         t0 = time.perf_counter()
@@ -522,12 +550,13 @@ class Run:
         self.kv.use_fp8(False)
         self.info["attention"] = f"exact ({mode} measured slower)"
 
-    def _judge_fp8(self, tokens: int) -> None:
+    def _judge_fp8(self, tokens: int, verdict: tuple | None = None) -> None:
         """fp8 linear is opt-in for speed: where a block's linear layers are measured slower in fp8 than exact at the
         run's largest call on this GPU, the run says so before its first chunk and stays exact (unless
-        ``keep_slower``)."""
+        ``keep_slower``). ``verdict``: (slower, why) already judged at start."""
         cfg = self.model.config
-        slower, why = fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype, self.model.device)
+        slower, why = verdict or fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype,
+                                           self.model.device)
         self.info["fp8_speed"] = {"slower": slower, "why": why}
         if slower:
             self._slower("fp8 linear", "exact linear layers", why, self._exact_linear)

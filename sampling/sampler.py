@@ -173,7 +173,7 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
         executor = get_runner(model).start(req.options, batch=req.batch, num_frames=req.num_frames,
                                            grid_hw=req.grid_hw, kv_window=req.kv_window, sink=req.sink,
                                            kv_cache=inputs.kv_cache, actions=inputs.model_kwargs.get("actions"),
-                                           cache=open_cache(cache))
+                                           cache=open_cache(cache), chunks=req.chunks)
     else:
         executor = EagerExecutor(model, req, inputs)
     out, info = run_chunks(model, executor, req, inputs, hooks)

@@ -1,7 +1,10 @@
-"""``bench kernels``: each fused kernel vs its torch reference, and autotune time cold vs warm (GPU figures).
+"""``bench kernels``: each fused kernel vs its torch reference, and autotune time cold vs warm (GPU figures); the fp8
+linear mode's fused input quantize vs its torch ops and, on GPUs with fp8 tensor cores (SM 8.9+), a 1.3B block's
+linear layers in fp8 (torch and fused quantize) vs exact.
 
 Without a GPU it says so and runs a tiny interpreter sanity pass (TRITON_INTERPRET=1) of every kernel
-against its reference instead; exit status 0 when they match, 1 when one does not.
+against its reference instead (the fp8 quantize: bit equality with ``quantize_rows`` at small shapes); exit status
+0 when they match, 1 when one does not.
 """
 from __future__ import annotations
 
@@ -54,6 +57,105 @@ def _errors(out, ref) -> tuple[float, float]:
     return float(diff.max()), float(diff.mean())
 
 
+# ----------------------------------------------------------------------------- fp8 linear rows
+# the input quantize of ``--linear fp8`` at a 1.3B chunk (4680 tokens): a block's input width and the FFN's hidden
+# width; on a CPU (interpreter) a small shape of each kind, for bit equality only
+FP8_QUANT_SHAPES = (("1.3B block in", 4680, 1536), ("1.3B FFN hid", 4680, 8960))
+CPU_FP8_QUANT_SHAPES = (("small", 24, 1536), ("small odd", 9, 17))
+# (label, N, K) of a 1.3B block's linear layers, timed at FP8_TOKENS tokens
+FP8_LAYERS = (("q/k/v", 4608, 1536), ("o", 1536, 1536), ("cross q", 1536, 1536), ("cross o", 1536, 1536),
+              ("ffn up", 8960, 1536), ("ffn down", 1536, 8960))
+FP8_TOKENS = 4680
+
+
+def fp8_quant_rows(device: str, dtype_name: str, shapes=None) -> list[dict]:
+    """The fused fp8 quantize (``kernels/fp8_quant.py``) against the torch ops of ``quantize_rows``: bit equality
+    of codes and scales everywhere, times only on a GPU (bytes moved by the kernel: the input once, the codes,
+    the scales)."""
+    import torch
+
+    from ...kernels import fp8_linear as fp8
+    from ...kernels import fp8_quant
+
+    dtype = getattr(torch, dtype_name)
+    rows = []
+    for label, m, k in shapes or (FP8_QUANT_SHAPES if device == "cuda" else CPU_FP8_QUANT_SHAPES):
+        row = {"kernel": "fp8_quantize", "shape": label, "dims": [m, k], "dtype": dtype_name}
+        g = torch.Generator().manual_seed(k)
+        x = (torch.randn(m, k, generator=g) * 4).to(device=device, dtype=dtype)
+        why = fp8_quant.problem(x)
+        if why is not None:
+            rows.append(dict(row, skipped=why))
+            continue
+        out = fp8_quant.run_triton(x, fp8.FP8_MAX, fp8.TINY)
+        if out is None:
+            rows.append(dict(row, ok=False, error="every config of the kernel failed"))
+            continue
+        ref = fp8.quantize_rows(x)
+        codes_off = (out[0].float() - ref[0].float()).abs()
+        equal = torch.equal(out[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(out[1], ref[1])
+        row.update(max_err=float(codes_off.max()), mean_err=float(codes_off.mean()), bit_equal=equal, ok=equal)
+        if device == "cuda":
+            from triton.testing import do_bench
+
+            t_ref = do_bench(lambda: fp8.quantize_rows(x), warmup=10, rep=50)
+            t_tri = do_bench(lambda: fp8_quant.run_triton(x, fp8.FP8_MAX, fp8.TINY), warmup=10, rep=50)
+            moved = m * k * (x.element_size() + 1) + m * 4
+            row.update(torch_ms=t_ref, triton_ms=t_tri, speedup=t_ref / t_tri, triton_gb_s=moved / t_tri / 1e6)
+        rows.append(row)
+    return rows
+
+
+def fp8_linear_rows(dtype_name: str, tokens: int = FP8_TOKENS) -> list[dict]:
+    """A 1.3B block's linear layers on a CUDA GPU with fp8 tensor cores: ``F.linear`` in the run's dtype, the fp8
+    linear with the torch quantize (``quantize_rows`` + ``torch._scaled_mm``) and with the fused one, per layer
+    and for the block; [] where the scaled matmul does not run (the reason in one row)."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from ...kernels import fp8_linear as fp8
+
+    why = fp8.mm_problem("cuda", 1536, 1536)
+    if why is not None:
+        return [{"kernel": "fp8_linear", "shape": "1.3B block", "skipped": why}]
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(1)
+    rows, total = [], {"exact_ms": 0.0, "fp8_torch_quant_ms": 0.0, "fp8_fused_ms": 0.0}
+    for label, n, k in FP8_LAYERS:
+        x = torch.randn(tokens, k, generator=g).to("cuda", dtype)
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", dtype)
+        wq, ws = fp8.quantize_weight(w)
+        fp8.scaled_mm(x, wq, ws)                        # tunes the fused quantize before it is timed
+        times = {"exact_ms": do_bench(lambda: F.linear(x, w), warmup=10, rep=50),
+                 "fp8_torch_quant_ms": do_bench(lambda: fp8.scaled_mm(x, wq, ws, None, fp8.quantize_rows(x)),
+                                                warmup=10, rep=50),
+                 "fp8_fused_ms": do_bench(lambda: fp8.scaled_mm(x, wq, ws), warmup=10, rep=50)}
+        for key, ms in times.items():
+            total[key] += ms
+        rows.append({"kernel": "fp8_linear", "shape": label, "dims": [tokens, n, k], "dtype": dtype_name, **times,
+                     "speedup": times["exact_ms"] / times["fp8_fused_ms"]})
+        del x, w, wq, ws
+    rows.append({"kernel": "fp8_linear", "shape": "1.3B block", "dims": [tokens], "dtype": dtype_name, **total,
+                 "speedup": total["exact_ms"] / total["fp8_fused_ms"]})
+    return rows
+
+
+def _print_fp8(rows: list[dict]) -> None:
+    print("fp8 linear mode (quantize: fused vs torch ops; linear: bf16 F.linear vs fp8 with torch / fused quantize):")
+    for r in rows:
+        name = f"  {r['kernel']:<14}{r['shape']:<15}"
+        if "skipped" in r or "error" in r:
+            print(name + (r.get("skipped") or f"FAILED: {r['error']}"))
+        elif r["kernel"] == "fp8_quantize":
+            times = (f"  torch {r['torch_ms']:.3f} ms  fused {r['triton_ms']:.3f} ms  x{r['speedup']:.2f}  "
+                     f"{r['triton_gb_s']:.0f} GB/s" if "torch_ms" in r else "")
+            print(name + f"{'bit-equal' if r['bit_equal'] else 'MISMATCH'}{times}")
+        else:
+            print(name + f"exact {r['exact_ms']:.3f} ms  fp8+torch quantize {r['fp8_torch_quant_ms']:.3f} ms  "
+                         f"fp8+fused {r['fp8_fused_ms']:.3f} ms  x{r['speedup']:.2f}")
+
+
 SANITY_MARK = "WAN_ACCEL_SANITY "
 
 
@@ -78,6 +180,7 @@ def _sanity_child() -> None:
                 ok = (mx / scale <= 1e-5) if dtype == torch.float32 else (mx <= 1e-2 and mean <= 1e-3)
                 rows.append({"kernel": name, "dtype": str(dtype).replace("torch.", ""), "max_err": mx,
                              "mean_err": mean, "ok": bool(ok)})
+        rows += fp8_quant_rows("cpu", "float32") + fp8_quant_rows("cpu", "bfloat16")
     if rows and "skipped" not in rows[0]:
         rows += vae_sanity_rows()
     print(SANITY_MARK + json.dumps(rows), flush=True)
@@ -309,6 +412,9 @@ def run(args) -> int:
             for r in rows:
                 if "skipped" in r or "error" in r:
                     print(f"  {r['kernel']:<20} {r.get('skipped') or 'FAILED: ' + r['error']}")
+                elif r["kernel"] == "fp8_quantize":
+                    print(f"  {r['kernel']:<20} {r['dtype']:<9} {r['shape']:<10} "
+                          f"{'bit-equal to quantize_rows' if r['bit_equal'] else 'MISMATCH'}")
                 else:
                     print(f"  {r['kernel']:<20} {r['dtype']:<9} max_err {r['max_err']:.2e} "
                           f"mean_err {r['mean_err']:.2e}  {'ok' if r['ok'] else 'MISMATCH'}")
@@ -318,8 +424,10 @@ def run(args) -> int:
     rows = gpu_rows(args.dtype, args.frames)
     cands = candidate_rows("cuda", args.dtype, args.frames)
     vae = vae_rows("cuda", args.dtype)
+    fp8_rows = fp8_quant_rows("cuda", args.dtype) + fp8_linear_rows(args.dtype)
     if args.json:
-        print(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "candidates": cands, "vae": vae},
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "candidates": cands, "vae": vae,
+                          "fp8": fp8_rows},
                          indent=2))
         return 0
     print(f"bench kernels on {torch.cuda.get_device_name()} ({args.dtype}, F={args.frames})")
@@ -332,6 +440,7 @@ def run(args) -> int:
               f"{str(r['benchmarks_cold']) + '/' + str(r['benchmarks_warm']):>11}{r['max_err']:>10.1e}")
     _print_candidates(cands)
     _print_vae(vae)
+    _print_fp8(fp8_rows)
     return 0
 
 
