@@ -314,6 +314,17 @@ def capturing(t) -> bool:
         return False
 
 
+def launched(kernel: str, key: str, candidates: tuple, launch: Callable[[dict], object], config: dict | None,
+             probe, smem: Callable[[dict], int] | None = None) -> bool:
+    """A kernel's one launch: ``config`` as given (tests), else the operator store's choice (``tuned_launch``;
+    only configs already measured while ``probe``'s stream captures a CUDA graph). False: every config failed,
+    the caller runs its torch fallback."""
+    if config is not None:
+        launch(config)
+        return True
+    return tuned_launch(kernel, key, candidates, launch, smem=smem, benchmark=not capturing(probe))
+
+
 def tuned_launch(kernel: str, key: str, candidates: tuple, launch: Callable[[dict], object],
                  smem: Callable[[dict], int] | None = None, benchmark: bool = True) -> bool:
     """Pick the config through the operator store and launch it; False means: run the torch fallback.

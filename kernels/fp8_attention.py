@@ -284,10 +284,7 @@ def fp8_attention_triton(q, k, v, kv8: Fp8KV | None = None, config: dict | None 
     q8, sq = quantize_tokens(q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     launch, key = _launcher(q8.contiguous(), sq, kv8, out, tile)
-    if config is not None:
-        launch(config)
-        return out
-    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, benchmark=not _common.capturing(q)):
+    if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, q):
         return out
     return fp8_attention_torch(q, k, v, None, kv8, tile)
 

@@ -158,10 +158,6 @@ def run_triton(x: torch.Tensor, fp8_max: float, tiny: float,
     """(codes [M, K] e4m3, scales [M, 1] float32) of x [M, K] by the kernel, with an explicit config (tests) or
     tuned through the operator store (config=None); None when every config failed (the caller uses torch)."""
     launch, key, codes, scale = _launcher(x, fp8_max, tiny)
-    if config is not None:
-        launch(config)
-        return codes, scale
-    if _common.tuned_launch(_KERNEL_NAME, key, candidates(x.shape[1]), launch, smem=_smem,
-                            benchmark=not _common.capturing(x)):
+    if _common.launched(_KERNEL_NAME, key, candidates(x.shape[1]), launch, config, x, smem=_smem):
         return codes, scale
     return None

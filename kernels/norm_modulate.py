@@ -130,11 +130,7 @@ def run_triton(x, shift, scale, eps=1e-6, config: dict | None = None) -> torch.T
     Falls back to the torch reference when every config fails."""
     shift, scale = _check(x, shift, scale)
     launch, key, out = _launcher(x, shift, scale, eps)
-    if config is not None:
-        launch(config)
-        return out
-    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem,
-                            benchmark=not _common.capturing(x)):
+    if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, x, smem=_smem):
         return out
     return layernorm_modulate_reference(x, shift, scale, eps)
 

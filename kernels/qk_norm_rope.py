@@ -141,11 +141,7 @@ def run_triton(x, weight, cos, sin, num_heads, eps=1e-6, config: dict | None = N
     Falls back to the torch reference when every config fails."""
     _check(x, weight, cos, sin, num_heads)
     launch, key, out = _launcher(x, weight, cos, sin, num_heads, eps)
-    if config is not None:
-        launch(config)
-        return out
-    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem,
-                            benchmark=not _common.capturing(x)):
+    if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, x, smem=_smem):
         return out
     return rmsnorm_rope_reference(x, weight, cos, sin, num_heads, eps)
 

@@ -95,11 +95,7 @@ def run_triton(x, y, gate, config: dict | None = None) -> torch.Tensor:
     Falls back to the torch reference when every config fails."""
     gate = _check(x, y, gate)
     launch, key, out = _launcher(x, y, gate)
-    if config is not None:
-        launch(config)
-        return out
-    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem,
-                            benchmark=not _common.capturing(x)):
+    if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, x, smem=_smem):
         return out
     return gated_residual_reference(x, y, gate)
 

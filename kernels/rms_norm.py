@@ -95,11 +95,7 @@ def run_triton(x, weight, eps=1e-6, config: dict | None = None) -> torch.Tensor:
     Falls back to the torch reference when every config fails."""
     _check(x, weight)
     launch, key, out = _launcher(x, weight, eps)
-    if config is not None:
-        launch(config)
-        return out
-    if _common.tuned_launch(_KERNEL_NAME, key, CANDIDATES, launch, smem=_smem,
-                            benchmark=not _common.capturing(x)):
+    if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, x, smem=_smem):
         return out
     return rmsnorm_reference(x, weight, eps)
 

@@ -176,10 +176,7 @@ def run_triton(x: torch.Tensor, gamma: torch.Tensor, silu: bool = True, out: tor
     if x.numel() == 0:
         return out
     launch, key = _launcher(x, gamma, silu, out)
-    if config is not None:
-        launch(config)
-        return out
-    if _common.tuned_launch(_KERNEL_NAME, key, candidates(x.shape[1]), launch, benchmark=not _common.capturing(x)):
+    if _common.launched(_KERNEL_NAME, key, candidates(x.shape[1]), launch, config, x):
         return out
     return out.copy_(norm_silu_reference(x, gamma, silu))
 

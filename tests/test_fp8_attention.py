@@ -14,45 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 
+import attention_cases as cases
+
 HERE = Path(__file__).resolve()
 MARK = "FP8_ATTENTION_INTERPRET_RESULT "
-ROWS = slice(0, 48)      # the bound's Q term costs rows x keys x head_dim^2: bound a sample of queries
-
-
-def _wan_qkv(dtype, lq=256, lk=384, heads=12, head_dim=128, seed=0, v_spread=0.0):
-    """Wan 2.1 1.3B's head layout ([B, L, 12, 128]); ``v_spread``: the values' token scales spread by
-    exp(N(0, v_spread)) (what folding V's scales into P has to carry)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, lq, heads, head_dim, generator=g) * 2
-    k = torch.randn(1, lk, heads, head_dim, generator=g) * 1.5 + 0.7
-    v = torch.randn(1, lk, heads, head_dim, generator=g)
-    v = v * torch.exp(torch.randn(1, lk, heads, 1, generator=g) * v_spread)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def _exact(q, k, v):
-    qf, kf, vf = (t.transpose(1, 2).double() for t in (q, k, v))
-    w = torch.softmax(qf @ kf.transpose(-1, -2) / qf.shape[-1] ** 0.5, dim=-1)
-    return (w @ vf).transpose(1, 2).float()
-
-
-def _ratio(out, q, k, v, kernel="torch"):
-    from wan_accel.kernels import fp8_attention as fa
-    err = (out.float() - _exact(q, k, v))[:, ROWS].abs()
-    return err, err / fa.error_bound(q, k, v, kernel=kernel, rows=ROWS)
 
 
 @pytest.mark.parametrize("dtype,spread", [(torch.float32, 0.0), (torch.bfloat16, 0.0), (torch.float32, 2.0)])
 def test_torch_fp8_is_within_the_stated_bound_on_wan_shapes(dtype, spread):
     from wan_accel.kernels import fp8_attention as fa
     from wan_accel.model import attention as attn
-    q, k, v = _wan_qkv(dtype, v_spread=spread)
+    q, k, v = cases.wan_qkv(dtype, v_spread=spread)
     out = fa.fp8_attention_torch(q, k, v)
     assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
-    err, ratio = _ratio(out, q, k, v)
+    err, ratio = cases.ratio(out, q, k, v, fa.error_bound)
     assert float(ratio.max()) <= 1.0
     assert float(ratio.max()) > 0.25            # the bound is of the error's size (random inputs reach a good part)
-    exact_err = (attn.attention(q, k, v, backend="sdpa").float() - _exact(q, k, v))[:, ROWS].abs()
+    exact_err = (attn.attention(q, k, v, backend="sdpa").float() - cases.exact(q, k, v))[:, cases.ROWS].abs()
     assert float(err.max()) > 4 * float(exact_err.max())           # fp8, not exact attention in this dtype
 
 
@@ -70,11 +48,11 @@ def _coarser(codes_of, factor):
 def test_a_coarser_rounding_fails_the_bound(monkeypatch, factor):
     """Q, K and V rounded with spacings 2 or 4 times e4m3's (one or two mantissa bits fewer) exceed the bound."""
     from wan_accel.kernels import fp8_attention as fa
-    q, k, v = _wan_qkv(torch.float32)
+    q, k, v = cases.wan_qkv(torch.float32)
     with monkeypatch.context() as m:
         m.setattr(fa, "quantize_tokens", _coarser(fa.quantize_tokens, factor))
         planted = fa.fp8_attention_torch(q, k, v)
-    _, ratio = _ratio(planted, q, k, v)
+    _, ratio = cases.ratio(planted, q, k, v, fa.error_bound)
     assert float(ratio.max()) > 1.0
 
 
@@ -82,7 +60,7 @@ def test_a_much_coarser_p_fails_the_bound(monkeypatch):
     """P's own term: the folded P' rounded with a spacing 8 times e4m3's (three mantissa bits fewer) exceeds the
     bound (P' in e4m3 itself costs less than Q and K do: with 4 times the spacing it still stays inside)."""
     from wan_accel.kernels import fp8_attention as fa
-    q, k, v = _wan_qkv(torch.float32, lq=64, lk=256, heads=2, v_spread=2.0)
+    q, k, v = cases.wan_qkv(torch.float32, lq=64, lk=256, heads=2, v_spread=2.0)
     real = fa.round_e4m3
 
     def coarse(x):
@@ -92,7 +70,7 @@ def test_a_much_coarser_p_fails_the_bound(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(fa, "round_e4m3", coarse)
         planted = fa.fp8_attention_torch(q, k, v)
-    _, ratio = _ratio(planted, q, k, v)
+    _, ratio = cases.ratio(planted, q, k, v, fa.error_bound)
     assert float(ratio.max()) > 1.0
 
 
@@ -100,7 +78,7 @@ def test_quantizing_once_equals_quantizing_every_call():
     """K and V quantized per (token, head) when they enter a cache give the same codes as quantizing the whole
     key set per call, so the cached copy changes nothing but the work."""
     from wan_accel.kernels import fp8_attention as fa
-    q, k, v = _wan_qkv(torch.bfloat16, lq=40, lk=300, heads=2, head_dim=64)
+    q, k, v = cases.wan_qkv(torch.bfloat16, lq=40, lk=300, heads=2, head_dim=64)
     parts = [fa.quantize_kv(k[:, i:i + 100], v[:, i:i + 100]) for i in range(0, 300, 100)]
     joined = fa.Fp8KV(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in fa.Fp8KV._fields))
     assert torch.equal(fa.fp8_attention_torch(q, k, v, kv8=joined), fa.fp8_attention_torch(q, k, v))
@@ -108,13 +86,13 @@ def test_quantizing_once_equals_quantizing_every_call():
 
 def test_zero_tokens_and_padded_keys():
     from wan_accel.kernels import fp8_attention as fa
-    q, k, v = _wan_qkv(torch.float32, lq=40, lk=150, heads=2, head_dim=16)
+    q, k, v = cases.wan_qkv(torch.float32, lq=40, lk=150, heads=2, head_dim=16)
     q[:, 3] = 0
     k[:, 5] = 0
     v[:, :130] = 0                       # a whole tile of zero values next to a partial one
     out = fa.fp8_attention_torch(q, k, v)
     assert torch.isfinite(out).all()
-    err, ratio = _ratio(out, q, k, v)
+    err, ratio = cases.ratio(out, q, k, v, fa.error_bound)
     assert float(ratio.max()) <= 1.0
     mask = torch.ones(1, 150, dtype=torch.bool)
     mask[:, 140:] = False
@@ -122,12 +100,12 @@ def test_zero_tokens_and_padded_keys():
     v2 = v.clone()
     v2[:, 140:] = 1e3
     assert torch.equal(masked, fa.fp8_attention(q, k, v2, mask))
-    assert float((masked - _exact(q, k[:, :140], v[:, :140])).abs().max()) < 0.2
+    assert float((masked - cases.exact(q, k[:, :140], v[:, :140])).abs().max()) < 0.2
 
 
 def test_bad_inputs_say_what_to_fix():
     from wan_accel.kernels import fp8_attention as fa
-    q, k, v = _wan_qkv(torch.float32, lq=4, lk=8, heads=2, head_dim=16)
+    q, k, v = cases.wan_qkv(torch.float32, lq=4, lk=8, heads=2, head_dim=16)
     with pytest.raises(ValueError, match="q \\[B, Lq, H, D\\]"):
         fa.fp8_attention_torch(q, k[..., :8], v[..., :8])
     with pytest.raises(ValueError, match="kernel must be"):
@@ -356,7 +334,7 @@ def test_every_fp8_call_of_a_fidelity_run_is_within_the_bound(monkeypatch):
         out = real(q, k, v, key_padding_mask, kv8, tile)
         keep = slice(None) if key_padding_mask is None else key_padding_mask[0]
         bound = fa.error_bound(q, k, v, key_padding_mask)
-        worst[0] = max(worst[0], float(((out.float() - _exact(q, k[:, keep], v[:, keep])).abs() / bound).max()))
+        worst[0] = max(worst[0], float(((out.float() - cases.exact(q, k[:, keep], v[:, keep])).abs() / bound).max()))
         calls[0] += 1
         return out
 
@@ -400,7 +378,7 @@ def _child() -> None:
                      "within_tol": bool(((tri.float() - ref.float()).abs() <= tol).all()),
                      "max_diff": float((tri.float() - ref.float()).abs().max()),
                      "cached_equal": bool(torch.equal(cached, tri)),
-                     "vs_exact": float(((tri.float() - _exact(q, k, v)).abs() / bound).max()),
+                     "vs_exact": float(((tri.float() - cases.exact(q, k, v)).abs() / bound).max()),
                      "kind": fa.implementation("cpu", dt, d)[0]})
     print(MARK + json.dumps(rows), flush=True)
 

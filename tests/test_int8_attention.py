@@ -10,53 +10,34 @@ from pathlib import Path
 import pytest
 import torch
 
+import attention_cases as cases
+
 from wan_accel.kernels import int8_attention as ia
 from wan_accel.model import attention as attn
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
-ROWS = slice(0, 48)      # the bound's Q term costs rows x keys x head_dim^2: bound a sample of queries
-
-
-def _wan_qkv(dtype, lq=256, lk=384, heads=12, head_dim=128, seed=0):
-    """Wan 2.1 1.3B's head layout ([B, L, 12, 128]); keys with an offset (what the smoothing removes)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, lq, heads, head_dim, generator=g) * 2
-    k = torch.randn(1, lk, heads, head_dim, generator=g) * 1.5 + 0.7
-    v = torch.randn(1, lk, heads, head_dim, generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def _exact(q, k, v):
-    qf, kf, vf = (t.transpose(1, 2).double() for t in (q, k, v))
-    w = torch.softmax(qf @ kf.transpose(-1, -2) / qf.shape[-1] ** 0.5, dim=-1)
-    return (w @ vf).transpose(1, 2).float()
-
-
-def _ratio(out, q, k, v, kernel="torch"):
-    err = (out.float() - _exact(q, k, v))[:, ROWS].abs()
-    return err, err / ia.error_bound(q, k, v, kernel=kernel, rows=ROWS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_int8_is_within_the_stated_bound_on_wan_shapes(dtype):
-    q, k, v = _wan_qkv(dtype)
+    q, k, v = cases.wan_qkv(dtype)
     out = attn.attention(q, k, v, backend="int8")
     assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
-    err, ratio = _ratio(out, q, k, v)
+    err, ratio = cases.ratio(out, q, k, v, ia.error_bound)
     assert float(ratio.max()) <= 1.0
-    exact_err = (attn.attention(q, k, v, backend="sdpa").float() - _exact(q, k, v))[:, ROWS].abs()
+    exact_err = (attn.attention(q, k, v, backend="sdpa").float() - cases.exact(q, k, v))[:, cases.ROWS].abs()
     assert float(err.max()) > 2 * float(exact_err.max())           # int8, not exact attention in this dtype
 
 
 @pytest.mark.parametrize("coarser", [2, 3])
 def test_a_few_quantization_steps_more_error_fails_the_bound(monkeypatch, coarser):
     """int8 steps 2-3 times the 1/127 of the block maximum (rounding errors of a few steps) exceed the bound."""
-    q, k, v = _wan_qkv(torch.float32)
+    q, k, v = cases.wan_qkv(torch.float32)
     with monkeypatch.context() as m:
         m.setattr(ia, "LEVELS", ia.LEVELS // coarser)
         planted = ia.int8_attention_torch(q, k, v)
-    _, ratio = _ratio(planted, q, k, v)
+    _, ratio = cases.ratio(planted, q, k, v, ia.error_bound)
     assert float(ratio.max()) > 1.0
 
 
@@ -66,10 +47,10 @@ def test_comfy_kitchen_int8_within_the_bound_where_it_runs():
     if why is not None:
         assert ia.implementation(device, torch.bfloat16, 128)[0] == "torch"
         pytest.skip(f"comfy-kitchen's int8 kernel does not run here: {why}")
-    q, k, v = (t.to(device) for t in _wan_qkv(torch.bfloat16))
+    q, k, v = (t.to(device) for t in cases.wan_qkv(torch.bfloat16))
     out = ia.int8_attention_kitchen(q, k, v)
     assert out.shape == q.shape
-    _, ratio = _ratio(out.cpu(), q.cpu(), k.cpu(), v.cpu(), kernel="kitchen")
+    _, ratio = cases.ratio(out.cpu(), q.cpu(), k.cpu(), v.cpu(), ia.error_bound, kernel="kitchen")
     assert float(ratio.max()) <= 1.0
 
 
@@ -79,14 +60,14 @@ def test_on_a_cpu_the_torch_version_runs_and_says_why():
 
 
 def test_padded_keys_are_ignored():
-    q, k, v = _wan_qkv(torch.float32, lq=40, lk=70, heads=2, head_dim=16)
+    q, k, v = cases.wan_qkv(torch.float32, lq=40, lk=70, heads=2, head_dim=16)
     mask = torch.ones(1, 70, dtype=torch.bool)
     mask[:, 50:] = False
     out = attn.attention(q, k, v, mask, backend="int8")
     v2 = v.clone()
     v2[:, 50:] = 1e3
     assert torch.equal(out, attn.attention(q, k, v2, mask, backend="int8"))
-    assert float((out - _exact(q[:, :], k[:, :50], v[:, :50])).abs().max()) < 0.1
+    assert float((out - cases.exact(q[:, :], k[:, :50], v[:, :50])).abs().max()) < 0.1
 
 
 def test_exact_attention_stays_the_default_everywhere():
@@ -166,7 +147,7 @@ def test_every_int8_call_of_the_fidelity_runs_is_within_the_bound(monkeypatch):
         keep = slice(None) if key_padding_mask is None else key_padding_mask[0]
         assert key_padding_mask is None or bool((key_padding_mask == key_padding_mask[:1]).all())
         bound = ia.error_bound(q, k, v, key_padding_mask)
-        exact = _exact(q, k[:, keep], v[:, keep])
+        exact = cases.exact(q, k[:, keep], v[:, keep])
         worst[0] = max(worst[0], float(((out.float() - exact).abs() / bound).max()))
         calls[0] += 1
         return out

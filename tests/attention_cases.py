@@ -1,0 +1,30 @@
+"""What the approximate attention modes' tests share: inputs in Wan 2.1 1.3B's head layout, exact attention in
+float64, and the error of an output against it in units of a mode's stated bound."""
+from __future__ import annotations
+
+import torch
+
+ROWS = slice(0, 48)      # a bound's Q term costs rows x keys x head_dim^2: bound a sample of queries
+
+
+def wan_qkv(dtype, lq=256, lk=384, heads=12, head_dim=128, seed=0, v_spread=0.0):
+    """[B, L, 12, 128] q/k/v; keys with an offset (what int8's smoothing removes); ``v_spread``: the values'
+    token scales spread by exp(N(0, v_spread)) (what fp8's folding of V's scales into P has to carry)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, lq, heads, head_dim, generator=g) * 2
+    k = torch.randn(1, lk, heads, head_dim, generator=g) * 1.5 + 0.7
+    v = torch.randn(1, lk, heads, head_dim, generator=g)
+    v = v * torch.exp(torch.randn(1, lk, heads, 1, generator=g) * v_spread)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def exact(q, k, v):
+    qf, kf, vf = (t.transpose(1, 2).double() for t in (q, k, v))
+    w = torch.softmax(qf @ kf.transpose(-1, -2) / qf.shape[-1] ** 0.5, dim=-1)
+    return (w @ vf).transpose(1, 2).float()
+
+
+def ratio(out, q, k, v, error_bound, kernel="torch"):
+    """(|out - exact|, that / error_bound) over the sampled query rows."""
+    err = (out.float() - exact(q, k, v))[:, ROWS].abs()
+    return err, err / error_bound(q, k, v, kernel=kernel, rows=ROWS)
