@@ -1,6 +1,6 @@
 """fp8 attention (opt-in): the torch version against exact attention within the stated bound
 (kernels/fp8_attention.error_bound), the bound not trivially loose, the Triton kernel under the interpreter against
-the torch version (tiny shapes: head sizes 16..128, lengths that are no multiple of the tile, batch 1-2, 1-3
+the torch version (tiny shapes: head sizes 16..128, lengths that are no multiple of the tile, batch 1-2, 1-2
 heads), and the zero-token, padding and bad-input edges.
 
 TRITON_INTERPRET must be set before triton is first imported, so the kernel runs in a child process.
@@ -346,10 +346,10 @@ def test_every_fp8_call_of_a_fidelity_run_is_within_the_bound(monkeypatch):
 
 # ----------------------------------------------------------------------------- the Triton kernel, interpreted
 CASES = [  # (batch, queries, keys, heads, head size, tile, BLOCK_M, dtype, value spread)
-    (1, 37, 150, 2, 16, 32, 16, "float32", 1.0),
+    (1, 20, 100, 1, 16, 32, 16, "float32", 1.0),
     (2, 20, 70, 1, 64, 32, 32, "bfloat16", 0.0),
-    (1, 70, 200, 3, 128, 128, 64, "float32", 2.0),
-    (2, 9, 33, 3, 32, 32, 16, "float16", 0.5),
+    (1, 40, 150, 2, 128, 128, 64, "float32", 2.0),
+    (2, 9, 33, 2, 32, 32, 16, "float16", 0.5),
 ]
 
 

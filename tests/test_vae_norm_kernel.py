@@ -145,7 +145,9 @@ def _decoder_case() -> dict:
     def counting(x, gamma, silu=True, out=None, config=None):
         calls["silu" if silu else "plain"] += 1
         calls["strided"] += not x.is_contiguous()
-        return run(x, gamma, silu, out, config)
+        # one looped tile for every width (the cases above check each tile; tuning every shape of the decoder
+        # under the interpreter would only time the interpreter)
+        return run(x, gamma, silu, out, config or vae_norm._LOOPED[0])
 
     vae_norm.run_triton = counting
     x = torch.randn(1, 5, 16, 2, 3, generator=torch.Generator().manual_seed(1))
