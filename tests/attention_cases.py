@@ -28,3 +28,24 @@ def ratio(out, q, k, v, error_bound, kernel="torch"):
     """(|out - exact|, that / error_bound) over the sampled query rows."""
     err = (out.float() - exact(q, k, v))[:, ROWS].abs()
     return err, err / error_bound(q, k, v, kernel=kernel, rows=ROWS)
+
+
+def loader_runs(module, torch_fn: str, mode: str, path: str, monkeypatch) -> tuple[dict, dict]:
+    """The loader node's tiny model run on ``path`` with exact attention ('sdpa') and with ``mode``: ({mode:
+    latents}, {mode: the run's report}), asserting the mode's torch version (``module.torch_fn``) ran in the
+    ``mode`` run only."""
+    from wan_accel.nodes.model_nodes import CausalWanModelLoader
+    from wan_accel.sampling.sampler import generate_latents, sampler_path
+    calls = []
+    real = getattr(module, torch_fn)
+    monkeypatch.setattr(module, torch_fn, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    outs, reports = {}, {}
+    for m in ("sdpa", mode):
+        handle = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", m)[0]
+        reports[m] = {}
+        with torch.no_grad(), sampler_path(path, {} if path == "optimized" else None):
+            outs[m] = generate_latents(handle.model, torch.randn(1, 8, handle.model.config.text_dim,
+                                       generator=torch.Generator().manual_seed(1)), 6, 4, 4, seed=3,
+                                       schedule="self_forcing", report=reports[m])
+        assert bool(calls) == (m == mode)
+    return outs, reports

@@ -279,22 +279,10 @@ def test_both_sampler_paths_run_fp8_from_the_loader(monkeypatch, path):
     """The loader node's handle with attention fp8: every attention call of the run goes through fp8; the latents
     differ from exact attention's, closely."""
     from wan_accel.kernels import fp8_attention as fa
-    from wan_accel.nodes.model_nodes import CausalWanModelLoader
-    from wan_accel.sampling.sampler import generate_latents, sampler_path
-    calls = []
-    real = fa.fp8_attention_torch
-    monkeypatch.setattr(fa, "fp8_attention_torch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    outs = {}
-    for mode in ("sdpa", "fp8"):
-        handle = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", mode)[0]
-        report = {}
-        with torch.no_grad(), sampler_path(path, {} if path == "optimized" else None):
-            outs[mode] = generate_latents(handle.model, torch.randn(1, 8, handle.model.config.text_dim,
-                                          generator=torch.Generator().manual_seed(1)), 6, 4, 4, seed=3,
-                                          schedule="self_forcing", report=report)
+    outs, reports = cases.loader_runs(fa, "fp8_attention_torch", "fp8", path, monkeypatch)
+    for mode, report in reports.items():
         if path == "optimized":
             assert report["attention"] == mode
-        assert bool(calls) == (mode == "fp8")
     diff = (outs["fp8"] - outs["sdpa"]).abs().max()
     assert torch.isfinite(outs["fp8"]).all() and 0 < float(diff) < 0.2
 

@@ -97,23 +97,11 @@ def test_int8_is_offered_by_the_cli_and_the_nodes():
 def test_both_sampler_paths_run_int8_from_the_loader(monkeypatch, path):
     """The loader node's handle with attention int8: every attention call of the run goes through int8; the
     latents differ from exact attention's, closely."""
-    from wan_accel.nodes.model_nodes import CausalWanModelLoader
-    from wan_accel.sampling.sampler import generate_latents, sampler_path
-    calls = []
-    real = ia.int8_attention_torch
-    monkeypatch.setattr(ia, "int8_attention_torch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    outs = {}
-    for mode in ("sdpa", "int8"):
-        handle = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", mode)[0]
-        report = {}
-        with torch.no_grad(), sampler_path(path, {} if path == "optimized" else None):
-            outs[mode] = generate_latents(handle.model, torch.randn(1, 8, handle.model.config.text_dim,
-                                          generator=torch.Generator().manual_seed(1)), 6, 4, 4, seed=3,
-                                          schedule="self_forcing", report=report)
+    outs, reports = cases.loader_runs(ia, "int8_attention_torch", "int8", path, monkeypatch)
+    for mode, report in reports.items():
         assert report["path"] == path
         if path == "optimized":
             assert report["attention"] == mode
-        assert bool(calls) == (mode == "int8")
     diff = (outs["int8"] - outs["sdpa"]).abs().max()
     assert torch.isfinite(outs["int8"]).all() and 0 < float(diff) < 0.1
 
