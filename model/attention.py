@@ -23,7 +23,8 @@ on the call's shapes and timed, the fastest verified one per (heads, head size, 
 GPU fingerprint; a wrong one is failed alone; chosen once per process and shape, never measured inside a CUDA-graph
 capture or a torch.compile trace (there the store's choice, else the availability order fa3 > fa2 > sdpa). On a CPU
 where only SDPA and plain math run, SDPA without timing. int8 and fp8 are never candidates (approximate; opt-in
-only).
+only). ``triton`` is one more exact candidate: the pack's Triton flash-attention forward on CUDA GPUs of SM 8.0+
+(``kernels/flash_attention.py``), listed after SDPA, so never the availability order's pick.
 An explicit request (``flash_attn``, ``fa3``, ``fa2``, ``sdpa``) is resolved by capability detection: the package
 imports, the GPU's compute capability, the dtype (half precision) and the head size. GPU names are never looked
 at. ``resolve_backend`` does this once (the optimized sampler calls it when a run starts); ``attention`` also
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import _common, fp8_attention as fp8, int8_attention as int8
+from ..kernels import flash_attention as triton_flash
 from ..kernels import candidates as op_candidates
 from .kv_cache import fp8_copy
 
@@ -297,15 +299,23 @@ AUTO_CANDIDATES: dict[str, op_candidates.Candidate] = {
        for name in SDPA_KERNELS},
     "sdpa": op_candidates.Candidate(STORE_OP, "sdpa", "sdpa", lambda q, k, v: _sdpa(q, k, v), _no_problem,
                                     "torch scaled_dot_product_attention (its own pick)"),
+    # after SDPA: never the availability order's pick, only the store's where it is verified and fastest
+    "triton": op_candidates.Candidate(STORE_OP, "triton", "triton",
+                                      lambda q, k, v: _triton_attention(q, k, v),
+                                      lambda d, dt, hd: triton_flash.kernel_problem(d, dt, hd),
+                                      "the pack's Triton flash-attention kernel"),
     "torch": op_candidates.Candidate(STORE_OP, "torch", "torch", lambda q, k, v: attention_reference(q, k, v),
                                      _no_problem, "plain softmax math (the reference)"),
 }   # in availability order: without a stored choice (nothing measured yet and no measuring allowed) the first usable
 
 
+SWITCHABLE = ("attention.fa3", "attention.fa2", "attention.triton")   # doctor features that are 'auto' candidates
+
+
 def auto_request(switched_off=()) -> str | tuple:
-    """The 'auto' request of a run: 'auto', or ('auto', *names) without the FlashAttention generations whose
-    self-check failed here ('attention.fa3' / 'attention.fa2' in ``switched_off``)."""
-    off = tuple(sorted(n.split(".", 1)[1] for n in switched_off if n in ("attention.fa3", "attention.fa2")))
+    """The 'auto' request of a run: 'auto', or ('auto', *names) without the candidates whose self-check failed
+    here ('attention.fa3' / 'attention.fa2' / 'attention.triton' in ``switched_off``)."""
+    off = tuple(sorted(n.split(".", 1)[1] for n in switched_off if n in SWITCHABLE))
     return ("auto", *off) if off else "auto"
 
 
@@ -353,6 +363,7 @@ def choose_auto(q, k, v, off: tuple = (), tuner=None, benchmark: bool = True) ->
 
 
 _no_compile = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)   # runs eagerly under compile
+_triton_attention = _no_compile(triton_flash.flash_attention)   # its tile choice (the store) is no graph's business
 _AUTO: dict[tuple, str] = {}          # (off, device, dtype, heads, head size, buckets) -> measured choice
 _AUTO_UNMEASURED: dict[tuple, str] = {}   # the same, chosen while measuring was not allowed (capture, compile)
 

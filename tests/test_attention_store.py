@@ -214,7 +214,8 @@ def test_the_doctor_lists_attention(tmp_path):
     rows = {r["op"]: r for r in doctor_ops.implementations(doc, probe=False)}
     row = rows["attention"]
     assert row["uses"] == "sdpa" and set(row["candidates"]) == {"fa3", "fa2", "sdpa", "torch", "sdpa.cudnn",
-                                                                 "sdpa.flash", "sdpa.efficient"}
+                                                                 "sdpa.flash", "sdpa.efficient", "triton"}
     assert row["candidates"]["fa3"] == "needs a CUDA device" and row["candidates"]["torch"] == "available"
     assert row["candidates"]["sdpa.cudnn"] == "needs a CUDA device"
+    assert row["candidates"]["triton"] == "the kernel takes fp16/bf16, not float32"
     assert "attention at 1x24x4x16 / 1x24x4x16: sdpa" in doctor_ops.implementation_text(list(rows.values()))

@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from ...kernels.flash_attention import kernel_problem as triton_attention_problem
 from ...model.attention import explain_backend
 from ...model.blocks import KERNEL_NAMES
 from ...sampling.runner import FastOptions, graphs_device, kernels_part
@@ -87,6 +88,8 @@ def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_
             break
         nxt = "fa2" if backend == "fa3" and requested in ("auto", "flash_attn") else "sdpa"
         backend = explain_backend(nxt, device, model.compute_dtype, model.config.head_dim)[0]
+    if requested == "auto" and triton_attention_problem(device, model.compute_dtype, model.config.head_dim) is None:
+        judge("attention.triton")        # one of the operator store's exact candidates
     if kernels_part(options, device):
         for name in KERNEL_NAMES:
             judge(f"kernel.{name}")

@@ -44,10 +44,10 @@ def implementations(doctor: Doctor, mode: str = "auto", probe: bool = True) -> l
 
 def attention_row(doctor: Doctor, probe: bool = True) -> dict:
     """Exact attention under 'auto' (model/attention.py) for the probe shape: its candidates and the store's choice;
-    a FlashAttention generation whose verdict failed here is left out."""
+    a candidate whose verdict failed here (FlashAttention 3 / 2, the pack's Triton kernel) is left out."""
     off = []
-    for name in ("fa3", "fa2"):
-        feature = f"attention.{name}"
+    for feature in attn.SWITCHABLE:
+        name = feature.split(".", 1)[1]
         if feature in doctor.catalogue and not doctor.availability(feature):
             value = doctor.check(feature) if probe else doctor.stored(feature)
             if value is not None and value.get("status") != "passed":

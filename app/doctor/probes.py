@@ -18,7 +18,7 @@ from ...kernels import _common, norm_modulate, qk_norm_rope, residual, rms_norm,
 from ...kernels import candidates as op_candidates
 from ...kernels import kitchen
 from ...kernels import fp8_linear as fp8
-from ...kernels import fp8_attention, int8_attention
+from ...kernels import flash_attention, fp8_attention, int8_attention
 from ...model import attention as attn
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project
@@ -83,6 +83,20 @@ def _fa_checker(name: str):
             return out[0] if isinstance(out, (tuple, list)) else out
         return Probe(feature, lambda: attn._sdpa(q, k, v), ctx.dtype, ulps=ATTENTION_ULPS)
     return check
+
+
+def _triton_attention_requires(ctx: ProbeContext) -> None:
+    why = flash_attention.kernel_problem(ctx.device, ctx.dtype, ctx.head_dim)
+    if why:
+        raise NotAvailable(why, "run on a CUDA GPU (SM 8.0+) with triton installed, bf16/fp16 weights")
+
+
+def _check_triton_attention(ctx: ProbeContext) -> Probe:
+    _triton_attention_requires(ctx)
+    q, k, v = _qkv(ctx)
+    return Probe(lambda: flash_attention.flash_attention(q, k, v), lambda: _softmax_math(q, k, v), ctx.dtype,
+                 judge_speed=False, ulps=ATTENTION_ULPS,
+                 note="checked against math; speed: the operator store times it at the call's shapes")
 
 
 def _approximate_checker(mode: str, module):
@@ -346,6 +360,10 @@ for _feature in (
             "fa3 (fa2 or SDPA is used)", sources=_ATTENTION),
     Feature("attention.fa2", "FlashAttention 2", _fa_checker("fa2"), ("flash-attn", "flash_attn"),
             "fa2 (SDPA is used)", sources=_ATTENTION),
+    Feature("attention.triton", "the pack's Triton flash-attention kernel (an 'auto' candidate)",
+            _check_triton_attention, ("triton",), "this kernel (the other exact candidates)",
+            requires=_triton_attention_requires,
+            sources=lambda: (str(flash_attention._KERNEL_NAME), flash_attention, attn, _qkv, _softmax_math)),
     Feature("attention.int8", "int8 attention (opt-in)", _check_int8, ("comfy-kitchen",), "int8 (SDPA is used)",
             sources=lambda: (attn, int8_attention, _qkv, _softmax_math)),
     Feature("attention.fp8", "fp8 attention (opt-in)", _check_fp8_attention, ("triton",), "fp8 (SDPA is used)",
