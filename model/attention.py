@@ -10,8 +10,8 @@ Layout everywhere is ``[B, L, heads, head_dim]``. Backends:
 * ``int8``: opt-in, never chosen by ``auto``: SageAttention-style int8 Q/K (``kernels/int8_attention.py``):
   comfy-kitchen's int8 kernel where it runs (CUDA), else the pack's torch version of the same math (anywhere).
   It changes the numerics within ``kernels.int8_attention.error_bound``;
-* ``fp8``: opt-in, never chosen by ``auto``: Q, K and V in e4m3 per (token, head), V's scales folded into P
-  (``kernels/fp8_attention.py``): the pack's Triton kernel on CUDA GPUs with fp8 tensor cores (SM 8.9+), else its
+* ``fp8``: opt-in, never chosen by ``auto``: keys and values smoothed (one mean subtracted per head), Q and K in
+  int8 and V in e4m3 per (token, head), V's scales folded into an e4m3 P (``kernels/fp8_attention.py``): the pack's Triton kernel on CUDA GPUs with fp8 tensor cores (SM 8.9+), else its
   torch version of the same math. A call whose keys/values are the leading slots of a KV cache that keeps an fp8
   copy (``model/kv_cache.py``, made under this mode) reads the copy: keys and values are quantized once, when
   they enter the cache. It changes the numerics within ``kernels.fp8_attention.error_bound``. Every other

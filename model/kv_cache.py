@@ -10,11 +10,17 @@ first ``sink`` tokens keep their slots; later tokens go to slot ``sink + (g - si
 order-independent over keys (RoPE is already applied to cached keys), so no data is ever shifted.
 
 Under the opt-in fp8 attention mode (``kernels/fp8_attention.py``) a cache also keeps an fp8 copy of every layer
-(``use_fp8``): e4m3 codes and float32 scales per (token, head), written by ``write_kv`` in the same call as the
-exact keys/values, so keys and values are quantized once, when they enter the cache, not on every attention
-call. Attention finds the copy of the cache view it is given (``fp8_copy``). The copy is made once per cache and
-kept while the cache lives (CUDA graphs captured under the mode read its memory); outside the mode it is not
-written, and switching the mode on again quantizes the cache's contents anew.
+(``use_fp8``): the smoothed keys' int8 codes and the smoothed values' e4m3 codes with float32 steps / scales per
+(token, head), written by ``write_kv`` in the same call as the exact keys/values, so keys and values are
+quantized once, when they enter the cache, not on every attention call. Smoothing subtracts one key vector and
+one value vector per (batch, head) from every token; attention is exact only if every key it reads was smoothed
+by the same vector, so a layer's pair is fixed at its first write after the cache was emptied (the mean of those
+first keys and values) and every later write (appends, a rolling window's wrap, a re-cache's rewrite, zero
+padding, a write retried after running out of memory) uses it. The choice is made on the device (a flag beside
+the vectors), so a CUDA graph that captured a first write makes the same choice when replayed. Attention finds
+the copy of the cache view it is given (``fp8_copy``). The copy is made once per cache and kept while the cache
+lives (CUDA graphs captured under the mode read its memory); outside the mode it is not written, and switching
+the mode on again quantizes the cache's contents anew.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.fp8_attention import FP8, TINY_SCALE, Fp8KV, quantize_tokens
+from ..kernels.fp8_attention import FP8, INT8_TINY, LEVELS, TINY_SCALE, Fp8KV, quantize_smoothed, token_mean
 from .attachments import seq_parallel_of
 
 _FP8_ATTR = "_wan_accel_fp8"      # a cache tensor's fp8 copy (Fp8Shadow), set by KVCache.use_fp8
@@ -73,32 +79,57 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, 
 
 
 class Fp8Shadow:
-    """The fp8 attention mode's copy of one layer's cache [B, capacity, H, D]: e4m3 key codes [B, capacity, H, D],
-    value codes keys-fastest [B, H, D, capacity] (the kernel's operand layout), float32 scales [B, capacity, H]."""
+    """The fp8 attention mode's copy of one layer's cache [B, capacity, H, D]: int8 key codes [B, capacity, H, D],
+    e4m3 value codes keys-fastest [B, H, D, capacity] (the kernel's operand layout), float32 steps / scales
+    [B, capacity, H], and the layer's smoothing vectors [B, H, D] with the device flag saying they are fixed."""
 
-    __slots__ = ("k", "k_scale", "v", "v_scale", "v_ptr", "enabled")
+    __slots__ = ("k", "k_scale", "v", "v_scale", "k_mean", "v_mean", "fixed", "pad", "v_ptr", "enabled")
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
         b, cap, h, d = k_cache.shape
         dev = k_cache.device
-        self.k = torch.zeros((b, cap, h, d), dtype=FP8, device=dev)
+        self.k = torch.zeros((b, cap, h, d), dtype=torch.int8, device=dev)
         self.v = torch.zeros((b, h, d, cap), dtype=FP8, device=dev)
-        self.k_scale = torch.full((b, cap, h), TINY_SCALE, device=dev)
+        self.k_scale = torch.full((b, cap, h), INT8_TINY / LEVELS, device=dev)
         self.v_scale = torch.full((b, cap, h), TINY_SCALE, device=dev)
+        self.k_mean = torch.zeros((b, h, d), device=dev)
+        self.v_mean = torch.zeros((b, h, d), device=dev)
+        self.fixed = torch.zeros((), dtype=torch.bool, device=dev)
+        self.pad = None           # slots of zero padding keys the current step attends (KVCache.pad_next)
         self.v_ptr, self.enabled = v_cache.data_ptr(), True
 
-    def write(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize k, v [B, rows, H, D] (as cached) into the slots ``index``."""
-        k8, sk = quantize_tokens(k)
-        v8, sv = quantize_tokens(v)
-        self.k.view(torch.uint8).index_copy_(1, index, k8.view(torch.uint8))   # no fp8 index_copy_ on a CPU
-        self.v.view(torch.uint8).index_copy_(3, index, v8.view(torch.uint8).permute(0, 2, 3, 1))
-        self.k_scale.index_copy_(1, index, sk)
+    def forget_means(self) -> None:
+        """The cache was emptied: the next write fixes the smoothing vectors anew (on the device)."""
+        self.fixed.fill_(False)
+
+    def fix_means(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Where not fixed yet, the means of k, v [B, rows, H, D] become the smoothing vectors (device ops only)."""
+        self.k_mean.copy_(torch.where(self.fixed, self.k_mean, token_mean(k)))
+        self.v_mean.copy_(torch.where(self.fixed, self.v_mean, token_mean(v)))
+        self.fixed.fill_(True)
+
+    def write(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fix: bool = True) -> None:
+        """Quantize k, v [B, rows, H, D] (as cached) into the slots ``index``, smoothed by the layer's vectors
+        (fixed from these rows where the cache was just emptied, unless ``fix`` is False); the current step's zero
+        padding slots too (their codes depend on the vectors)."""
+        if fix:
+            self.fix_means(k, v)
+        self._put(index, k, v)
+        if self.pad is not None:
+            zeros = torch.zeros((k.shape[0], self.pad.numel()) + tuple(k.shape[2:]), dtype=k.dtype, device=k.device)
+            self._put(self.pad, zeros, zeros)
+
+    def _put(self, index, k, v) -> None:
+        k8, sk, v8, sv = quantize_smoothed(k, v, self.k_mean, self.v_mean)
+        self.k.index_copy_(1, index, k8)
+        self.v.view(torch.uint8).index_copy_(3, index, v8.view(torch.uint8).permute(0, 2, 3, 1))  # no fp8
+        self.k_scale.index_copy_(1, index, sk)                                 # index_copy_ on a CPU
         self.v_scale.index_copy_(1, index, sv)
 
     def view(self, n: int) -> Fp8KV:
         """The first ``n`` slots, as the attention kernel takes them."""
-        return Fp8KV(self.k[:, :n], self.k_scale[:, :n], self.v[..., :n].permute(0, 3, 1, 2), self.v_scale[:, :n])
+        return Fp8KV(self.k[:, :n], self.k_scale[:, :n], self.v[..., :n].permute(0, 3, 1, 2), self.v_scale[:, :n],
+                     self.k_mean, self.v_mean)
 
 
 @_eager
@@ -188,14 +219,26 @@ class KVCache:
                 setattr(layer.k, _FP8_ATTR, shadow)
                 _FP8["made"] += 1
             shadow.enabled = True
-            shadow.write(self._step(((0, self.capacity, 0, self.capacity),), 0).index, layer.k, layer.v)
+            valid = min(self.end, self.capacity)
+            if valid:              # the tokens it holds fix the smoothing vectors where nothing written has yet
+                shadow.fix_means(layer.k[:, :valid], layer.v[:, :valid])
+                shadow.write(self._step(((0, self.capacity, 0, self.capacity),), 0).index, layer.k, layer.v,
+                             fix=False)
 
     @property
     def ring(self) -> int:
         return self.capacity - self.sink_tokens
 
     def reset(self) -> None:
+        """Empty the cache (its next write starts at token 0; under the fp8 mode it fixes new smoothing vectors)."""
         self.end = 0
+        for shadow in self._shadows():
+            shadow.forget_means()
+
+    def _shadows(self) -> list:
+        """The layers' fp8 copies being written (the fp8 attention mode)."""
+        found = (getattr(layer.k, _FP8_ATTR, None) for layer in self.layers)
+        return [s for s in found if s is not None and s.enabled]
 
     def pad_next(self, tokens: int) -> None:
         """Make the next ``plan`` also attend ``tokens`` all-zero keys and values right after the slots it attends
@@ -207,6 +250,9 @@ class KVCache:
         """Slots for a call covering global tokens [start, start+num_tokens); advances the host indices."""
         step = self._plan(start, num_tokens)
         pad, self._pad = getattr(self, "_pad", 0), 0
+        shadows = self._shadows() if _FP8["made"] else []
+        for shadow in shadows:
+            shadow.pad = None
         if pad <= 0:
             return step
         read = step.read_len
@@ -216,10 +262,8 @@ class KVCache:
         for layer in self.layers:
             layer.k[:, read:read + pad].zero_()
             layer.v[:, read:read + pad].zero_()
-            shadow = getattr(layer.k, _FP8_ATTR, None)
-            if shadow is not None and shadow.enabled:
-                shadow.write(self._step(((read, read + pad, 0, pad),), 0).index, layer.k[:, read:read + pad],
-                             layer.v[:, read:read + pad])
+        for shadow in shadows:         # every write of this step quantizes the padding with the layer's vectors
+            shadow.pad = self._step(((read, read + pad, 0, pad),), 0).index
         return CacheStep(step.writes, read + pad, step.index)
 
     def _plan(self, start: int, num_tokens: int) -> CacheStep:

@@ -39,8 +39,8 @@ class WanAccelARSampler:
                           "auto: FlashAttention 3 / 2 where installed and supported, else torch SDPA (exact). "
                           "int8 (opt-in): SageAttention-style int8 Q/K (comfy-kitchen's kernel on CUDA, the "
                           "pack's torch version elsewhere), close to exact but not equal (README: Fidelity). fp8 "
-                          "(opt-in): Q, K, V and P in fp8 (the pack's kernel on GPUs of SM 8.9+), within a stated "
-                          "error of exact."}),
+                          "(opt-in): keys and values smoothed, Q/K in int8, V and P in fp8 (the pack's kernel on "
+                          "GPUs of SM 8.9+), within a stated error of exact."}),
         }}
 
     def get_sampler(self, frames_per_block=3, kv_window=-1, sink=0, path="auto", cuda_graphs=True, attention="auto"):

@@ -1,7 +1,8 @@
 """fp8 attention (opt-in): the torch version against exact attention within the stated bound
-(kernels/fp8_attention.error_bound), the bound not trivially loose, the Triton kernel under the interpreter against
-the torch version (tiny shapes: head sizes 16..128, lengths that are no multiple of the tile, batch 1-2, 1-2
-heads), and the zero-token, padding and bad-input edges.
+(kernels/fp8_attention.error_bound), the bound not trivially loose, smoothing (keys' and values' channel offsets
+cost nothing with it, much without), the KV cache's copy and its one pair of smoothing vectors per layer, the
+Triton kernel under the interpreter against the torch version (tiny shapes: head sizes 16..128, lengths that are
+no multiple of the tile, batch 1-2, 1-2 heads), and the zero-token, padding and bad-input edges.
 
 TRITON_INTERPRET must be set before triton is first imported, so the kernel runs in a child process.
 """
@@ -34,7 +35,18 @@ def test_torch_fp8_is_within_the_stated_bound_on_wan_shapes(dtype, spread):
     assert float(err.max()) > 4 * float(exact_err.max())           # fp8, not exact attention in this dtype
 
 
-def _coarser(codes_of, factor):
+def _coarser_int8(factor):
+    """Q and K's int8 quantization with steps ``factor`` times coarser (rounding errors ``factor`` times int8's)."""
+    from wan_accel.kernels import fp8_attention as fa
+    real = fa.int8_tokens
+
+    def quantize(x):
+        codes, step = real(x)
+        return (torch.round(x.float() / (step * factor)[..., None]) * factor).clamp(-127, 127).to(torch.int8), step
+    return quantize
+
+
+def _coarser_e4m3(codes_of, factor):
     """A quantizer whose codes lose log2(factor) more mantissa bits (rounding errors ``factor`` times e4m3's)."""
     def quantize(x):
         codes, scale = codes_of(x)
@@ -46,11 +58,12 @@ def _coarser(codes_of, factor):
 
 @pytest.mark.parametrize("factor", [2, 4])
 def test_a_coarser_rounding_fails_the_bound(monkeypatch, factor):
-    """Q, K and V rounded with spacings 2 or 4 times e4m3's (one or two mantissa bits fewer) exceed the bound."""
+    """Q and K with int8 steps 2 or 4 times coarser, V with one or two mantissa bits fewer, exceed the bound."""
     from wan_accel.kernels import fp8_attention as fa
     q, k, v = cases.wan_qkv(torch.float32)
     with monkeypatch.context() as m:
-        m.setattr(fa, "quantize_tokens", _coarser(fa.quantize_tokens, factor))
+        m.setattr(fa, "int8_tokens", _coarser_int8(factor))
+        m.setattr(fa, "quantize_tokens", _coarser_e4m3(fa.quantize_tokens, factor))
         planted = fa.fp8_attention_torch(q, k, v)
     _, ratio = cases.ratio(planted, q, k, v, fa.error_bound)
     assert float(ratio.max()) > 1.0
@@ -75,13 +88,51 @@ def test_a_much_coarser_p_fails_the_bound(monkeypatch):
 
 
 def test_quantizing_once_equals_quantizing_every_call():
-    """K and V quantized per (token, head) when they enter a cache give the same codes as quantizing the whole
-    key set per call, so the cached copy changes nothing but the work."""
+    """K and V quantized per (token, head), smoothed by one pair of vectors, when they enter a cache give the same
+    codes as quantizing the whole key set per call with those vectors (its own means), so the cached copy changes
+    nothing but the work."""
     from wan_accel.kernels import fp8_attention as fa
     q, k, v = cases.wan_qkv(torch.bfloat16, lq=40, lk=300, heads=2, head_dim=64)
-    parts = [fa.quantize_kv(k[:, i:i + 100], v[:, i:i + 100]) for i in range(0, 300, 100)]
-    joined = fa.Fp8KV(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in fa.Fp8KV._fields))
+    whole = fa.quantize_kv(k, v)
+    parts = [fa.quantize_kv(k[:, i:i + 100], v[:, i:i + 100], whole.k_mean, whole.v_mean) for i in range(0, 300, 100)]
+    joined = fa.Fp8KV(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in fa.Fp8KV._fields[:4]),
+                      whole.k_mean, whole.v_mean)
     assert torch.equal(fa.fp8_attention_torch(q, k, v, kv8=joined), fa.fp8_attention_torch(q, k, v))
+    own = fa.quantize_kv(k[:, :100], v[:, :100])            # a part's own means: other codes
+    assert not torch.equal(own.k, parts[0].k)
+
+
+def _offsets(k, v, g, size=12.0):
+    """k, v with a channel offset shared by every token (a few channels per head, as Wan's keys have)."""
+    b, _, h, d = k.shape
+    off = torch.zeros(2, b, 1, h, d)
+    off[..., : d // 16] = torch.randn(2, b, 1, h, d // 16, generator=g) * size
+    return (k.float() + off[0]).to(k.dtype), (v.float() + off[1]).to(v.dtype)
+
+
+def test_smoothing_takes_the_channel_offsets_out():
+    """Keys and values with channel offsets: smoothed (the default), the offsets change the result by rounding
+    only (the keys' offset moves every logit of a query alike, the values' is added back exactly), and the
+    error stays within the bound; without smoothing (zero vectors) the error is several times larger."""
+    from wan_accel.kernels import fp8_attention as fa
+    g = torch.Generator().manual_seed(5)
+    q, k, v = cases.wan_qkv(torch.float32, lq=96, lk=384, heads=2, head_dim=128)
+    ko, vo = _offsets(k, v, g)
+    smoothed = fa.fp8_attention_torch(q, ko, vo)
+    plain = fa.fp8_attention_torch(q, k, v)
+    zeros = torch.zeros(1, 2, 128)
+    unsmoothed = fa.fp8_attention_torch(q, ko, vo, kv8=fa.quantize_kv(ko, vo, zeros, zeros))
+    ref, ref_plain = cases.exact(q, ko, vo), cases.exact(q, k, v)
+    err_s, err_u = (smoothed - ref).abs(), (unsmoothed - ref).abs()
+    err_plain = (plain - ref_plain).abs()
+    assert float(err_s.max()) < 1.5 * float(err_plain.max())          # the offsets cost (next to) nothing
+    assert float(err_u.max()) > 4 * float(err_s.max())                # they cost much without smoothing
+    assert float(err_u.square().mean()) > 4 * float(err_s.square().mean())    # on the whole, not one element
+    _, ratio = cases.ratio(smoothed, q, ko, vo, fa.error_bound)
+    assert float(ratio.max()) <= 1.0
+    _, ratio_u = cases.ratio(unsmoothed, q, ko, vo, lambda *a, **kw: fa.error_bound(*a, k_mean=zeros,
+                                                                                     v_mean=zeros, **kw))
+    assert float(ratio_u.max()) <= 1.0       # the bound follows the vectors a call used
 
 
 def test_zero_tokens_and_padded_keys():
@@ -138,35 +189,52 @@ def _write(cache, step, g, layer=0):
 
 
 def _same_codes(copy, k, v) -> bool:
+    """The copy holds exactly the codes of k, v smoothed by the copy's vectors."""
     from wan_accel.kernels import fp8_attention as fa
-    fresh = fa.quantize_kv(k, v)
+    fresh = fa.quantize_kv(k, v, copy.k_mean, copy.v_mean)
     return all(torch.equal(getattr(copy, f).float(), getattr(fresh, f).float()) for f in fa.Fp8KV._fields)
 
 
 @pytest.mark.parametrize("rolling", [False, True])
 def test_the_cache_keeps_the_codes_of_what_it_holds(rolling):
-    """Every write (appends, a rolling window's wrap, a rewrite, zero padding) puts into the fp8 copy exactly the
-    codes of the cached keys/values, so attention on the cache reads the copy and gives what quantizing the
-    cache view per call gives."""
+    """Every write (appends, a rolling window's wrap, a rewrite, a retried write, zero padding) puts into the fp8
+    copy exactly the codes of the cached keys/values smoothed by the layer's one pair of vectors, fixed at the
+    first write (the means of those keys and values) until the cache is emptied: attention on the cache reads
+    the copy and gives what the torch version gives on the cache view with those vectors."""
     from wan_accel.kernels import fp8_attention as fa
     from wan_accel.model import attention as attn
     from wan_accel.model.kv_cache import fp8_copy
     cache, g = _filled_cache(rolling)
     q = torch.randn(1, 24, 2, 16, generator=g).to(torch.bfloat16)
+    first = None
     for start in range(0, 168 if rolling else 96, 24):
         k, v = _write(cache, cache.plan(start, 24), g)
         copy = fp8_copy(k, v)
+        if first is None:
+            first = fa.token_mean(k), fa.token_mean(v)
         assert copy is not None and _same_codes(copy, k, v)
-        assert torch.equal(attn.attention(q, k, v, backend="fp8"), fa.fp8_attention_torch(q, k, v))
+        assert torch.equal(copy.k_mean, first[0]) and torch.equal(copy.v_mean, first[1])
+        assert torch.equal(attn.attention(q, k, v, backend="fp8"),
+                           fa.fp8_attention_torch(q, k, v, kv8=fa.quantize_kv(k, v, *first)))
     k, v = _write(cache, cache.rewrite(cache.end - 24, 24), g)
-    assert _same_codes(fp8_copy(k, v), k, v)
+    k, v = _write(cache, cache.rewrite(cache.end - 24, 24), g)          # the same write again (a retry)
+    assert _same_codes(fp8_copy(k, v), k, v) and torch.equal(fp8_copy(k, v).k_mean, first[0])
+    cache.reset()                                                       # emptied: the next write fixes anew
     if not rolling:
-        cache.reset()
-        _write(cache, cache.plan(0, 24), g)
-        cache.pad_next(8)
-        step = cache.plan(24, 24)
-        k, v = cache.layers[0].k[:, :step.read_len], cache.layers[0].v[:, :step.read_len]
-        assert _same_codes(fp8_copy(k, v), k, v)
+        cache.pad_next(8)                       # zero padding keys attended by the very first call
+    step = cache.plan(0, 24)
+    k, v = _write(cache, step, g)
+    copy = fp8_copy(k, v)
+    assert torch.equal(copy.k_mean, fa.token_mean(k[:, :24])) and _same_codes(copy, k, v)
+    if not rolling:
+        assert step.read_len == 32 and float(k[:, 24:].abs().max()) == 0
+        assert torch.equal(attn.attention(q, k, v, backend="fp8"), fa.fp8_attention_torch(q, k, v, kv8=copy))
+        _write(cache, cache.plan(24, 24), g)
+        assert _same_codes(fp8_copy(*_view(cache, 48)), *_view(cache, 48))
+
+
+def _view(cache, n, layer=0):
+    return cache.layers[layer].k[:, :n], cache.layers[layer].v[:, :n]
 
 
 def test_attention_reads_the_copy_instead_of_quantizing(monkeypatch):
@@ -177,7 +245,7 @@ def test_attention_reads_the_copy_instead_of_quantizing(monkeypatch):
     q = torch.randn(1, 24, 2, 16, generator=g).to(torch.bfloat16)
     calls = []
     real = fa.quantize_kv
-    monkeypatch.setattr(fa, "quantize_kv", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fa, "quantize_kv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     attn.attention(q, k, v, backend="fp8")
     assert calls == []
     attn.attention(q, k.clone(), v.clone(), backend="fp8")        # not a cache view: quantized by the call
@@ -196,6 +264,21 @@ def test_the_copy_is_written_only_under_the_mode_and_caught_up_when_it_returns()
     cache.layers[0].k[:, :8].copy_(torch.randn(1, 8, 2, 16, generator=g))  # filled another way (a continuation)
     cache.use_fp8(True)
     assert _same_codes(fp8_copy(k, v), k, v)
+
+
+def test_switched_on_over_a_filled_cache_the_copy_smooths_by_what_it_holds():
+    """A cache filled while the mode was off (no copy yet): switching it on fixes the vectors from the tokens the
+    cache holds (not its empty slots), and later writes keep them."""
+    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.model.kv_cache import KVCache, fp8_copy
+    cache = KVCache(1, 1, 96, 2, 16, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    k, v = _write(cache, cache.plan(0, 48), g)
+    cache.use_fp8(True)
+    copy = fp8_copy(k, v)
+    assert torch.equal(copy.k_mean, fa.token_mean(k)) and _same_codes(copy, k, v)
+    k, v = _write(cache, cache.plan(48, 24), g)
+    assert _same_codes(fp8_copy(k, v), k, v) and torch.equal(fp8_copy(k, v).k_mean, copy.k_mean)
 
 
 def _fp8_run(monkeypatch, slow: bool, judged: bool = True, **fast):
@@ -321,7 +404,8 @@ def test_every_fp8_call_of_a_fidelity_run_is_within_the_bound(monkeypatch):
     def checked(q, k, v, key_padding_mask=None, kv8=None, tile=fa.TILE):
         out = real(q, k, v, key_padding_mask, kv8, tile)
         keep = slice(None) if key_padding_mask is None else key_padding_mask[0]
-        bound = fa.error_bound(q, k, v, key_padding_mask)
+        means = {} if kv8 is None else {"k_mean": kv8.k_mean, "v_mean": kv8.v_mean}    # a cache's vectors
+        bound = fa.error_bound(q, k, v, key_padding_mask, **means)
         worst[0] = max(worst[0], float(((out.float() - cases.exact(q, k[:, keep], v[:, keep])).abs() / bound).max()))
         calls[0] += 1
         return out
@@ -352,20 +436,31 @@ def _child() -> None:
         q = (torch.randn(b, lq, h, d, generator=g) * 2).to(dt)
         k = (torch.randn(b, lk, h, d, generator=g) * 1.5 + 0.5).to(dt)
         v = (torch.randn(b, lk, h, d, generator=g) * torch.exp(torch.randn(b, lk, h, 1, generator=g) * spread)).to(dt)
-        k[:, 1] = 0                                  # a zero key token (its scale is the tiny one)
+        k[:, 1] = 0                                  # a zero key token: unsmoothed, its step is the tiny one
+        v[:, 2] = 0
+        q[:, 3] = 0                                  # a zero query: the kernel's own tiny step, codes 0
         config = {"BLOCK_M": bm, "num_warps": 4, "num_stages": 1}
         tri = fa.fp8_attention_triton(q, k, v, config=config, tile=tile)
         ref = fa.fp8_attention_torch(q, k, v, tile=tile)
         cached = fa.fp8_attention_triton(q, k, v, fa.quantize_kv(k, v), config=config, tile=tile)
+        zeros = torch.zeros(b, h, d)
+        plain = fa.quantize_kv(k, v, zeros, zeros)   # not smoothed (tiny steps and scales of zero tokens)
+        tri_plain = fa.fp8_attention_triton(q, k, v, plain, config=config, tile=tile)
+        ref_plain = fa.fp8_attention_torch(q, k, v, kv8=plain, tile=tile)
         w = torch.softmax((q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2)) * d ** -0.5, -1)
-        pv_abs = (w @ v.double().abs().transpose(1, 2)).transpose(1, 2).float()
-        # both sum the same exact products in float32 in another order, and round the output to the same dtype
+        mv = fa.token_mean(v)[:, None]
+        pv_abs = (w @ (v.double() - mv).abs().transpose(1, 2)).transpose(1, 2).float() + mv.abs()
+        # the same exact integer logits (the same int8 codes of Q); both sum the same exact P . V products in
+        # float32 in another order and round the output to the same dtype
         tol = (d + tile + 32) * fa.F32_U * pv_abs + 2 * fa.unit_roundoff(dt) * ref.float().abs()
         bound = fa.error_bound(q, k, v, tile=tile)
         rows.append({"shape": [b, lq, lk, h, d], "dtype": str(tri.dtype), "finite": bool(torch.isfinite(tri).all()),
                      "within_tol": bool(((tri.float() - ref.float()).abs() <= tol).all()),
                      "max_diff": float((tri.float() - ref.float()).abs().max()),
                      "cached_equal": bool(torch.equal(cached, tri)),
+                     "plain_within_tol": bool(((tri_plain.float() - ref_plain.float()).abs() <= tol + (
+                         (d + tile + 32) * fa.F32_U * (w @ v.double().abs().transpose(1, 2)).transpose(1, 2).float())
+                     ).all()),
                      "vs_exact": float(((tri.float() - cases.exact(q, k, v)).abs() / bound).max()),
                      "kind": fa.implementation("cpu", dt, d)[0]})
     print(MARK + json.dumps(rows), flush=True)
@@ -385,6 +480,7 @@ def test_the_triton_kernel_matches_the_torch_version_under_the_interpreter(inter
         assert row["dtype"] == f"torch.{case[7]}" and row["finite"], row
         assert row["within_tol"], row
         assert row["cached_equal"], row                 # a cached copy of K/V gives the same result
+        assert row["plain_within_tol"], row             # unsmoothed codes (given as a copy) likewise
         assert row["vs_exact"] <= 1.0, row              # and the kernel is within the stated bound of exact
 
 

@@ -14,8 +14,8 @@ from wan_accel.kernels import _common, fp8_attention, vae_norm  # noqa: E402
 if _common.interpret_enabled():
     pytest.skip("TRITON_INTERPRET is set: compiled-mode checks need it unset", allow_module_level=True)
 
-STRIDES = ("q_sb", "q_sm", "q_sh", "sq_sb", "sq_sm", "sq_sh", "k_sb", "k_sn", "k_sh", "sk_sb", "sk_sn", "sk_sh",
-           "v_sb", "v_sn", "v_sh", "v_sd", "sv_sb", "sv_sn", "sv_sh", "o_sb", "o_sm", "o_sh")
+STRIDES = ("q_sb", "q_sm", "q_sh", "k_sb", "k_sn", "k_sh", "sk_sb", "sk_sn", "sk_sh",
+           "v_sb", "v_sn", "v_sh", "v_sd", "sv_sb", "sv_sn", "sv_sh", "mv_sb", "mv_sh", "o_sb", "o_sm", "o_sh")
 
 
 # the most shared memory one block may use: Ada (sm_89) 99 KiB, Hopper (sm_90) 227 KiB
@@ -31,15 +31,19 @@ def _compile(fn, signature: dict, consts: dict, arch: int, num_warps: int, num_s
 def test_fp8_attention_kernel_compiles(tmp_path, monkeypatch, arch, cfg):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    sig = {"Q8": "*fp8e4nv", "SQ": "*fp32", "K8": "*fp8e4nv", "SK": "*fp32", "V8": "*fp8e4nv", "SV": "*fp32",
-           "O": "*bf16", "Lq": "i32", "Lk": "i32", "H": "i32", "qk_scale": "fp32", **{s: "i64" for s in STRIDES}}
+    sig = {"Q": "*bf16", "K8": "*i8", "SK": "*fp32", "V8": "*fp8e4nv", "SV": "*fp32", "MV": "*fp32", "O": "*bf16", "Lq": "i32", "Lk": "i32", "H": "i32", "qk_scale": "fp32", **{s: "i64" for s in STRIDES}}
     consts = {"HEAD": 128, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": fp8_attention.TILE, "EMULATE_RTNE": False,
               "ROUND_BF16": False}
     kernel = _compile(fp8_attention._fp8_attn_kernel, sig, consts, arch, cfg["num_warps"], cfg["num_stages"])
     ptx = kernel.asm["ptx"]
     assert ".entry" in ptx
-    # both products on the fp8 tensor cores (Hopper: wgmma over e4m3; Ada: mma over e4m3), not widened to 16 bits
-    assert ("wgmma" in ptx if arch == 90 else "mma.sync" in ptx) and "e4m3" in ptx
+    # both products on the 8-bit tensor cores (Hopper: wgmma; Ada: mma.sync), Q . K over int8 into int32 and
+    # P . V over e4m3, not widened to 16 bits
+    mma = "wgmma.mma_async" if arch == 90 else "mma.sync.aligned"
+    products = [line for line in ptx.splitlines() if mma in line]
+    assert any(".s32.s8.s8" in line for line in products), "Q . K is not an int8 tensor-core product"
+    assert any(".e4m3.e4m3" in line for line in products), "P . V is not an e4m3 tensor-core product"
+    assert "div.rn.f32" in ptx                          # Q's steps and codes by IEEE divisions, as int8_tokens
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx          # P to e4m3: round to nearest even, as the torch version
     assert kernel.metadata.shared <= SHARED_LIMIT[arch]   # every candidate can launch on that GPU
 
