@@ -79,3 +79,11 @@ def test_a_broken_link_is_found(tmp_path):
     page.write_text("[ok](there.md#here-it-is) [gone](missing.md) [bad anchor](there.md#elsewhere) [self](#nowhere)\n")
     found = broken_links(page, root=tmp_path)
     assert len(found) == 3 and "missing.md" in found[0] and "#elsewhere" in found[1] and "#nowhere" in found[2]
+
+
+def test_the_readme_docs_index_links_every_page():
+    readme = (REPO / "README.md").read_text()
+    index = readme.split("\n## Docs\n", 1)[1].split("\n## ", 1)[0]
+    listed = {t.partition("#")[0] for t in links(index)}
+    pages = {f"docs/{p.name}" for p in PAGES[1:]}
+    assert pages <= listed, f"add to the README's Docs index: {sorted(pages - listed)}"
