@@ -87,3 +87,28 @@ def test_the_readme_docs_index_links_every_page():
     listed = {t.partition("#")[0] for t in links(index)}
     pages = {f"docs/{p.name}" for p in PAGES[1:]}
     assert pages <= listed, f"add to the README's Docs index: {sorted(pages - listed)}"
+
+
+def test_the_readme_floors_picture_matches_the_code():
+    """The README's picture of the floors (## Design) puts each folder on the floor tests/test_architecture.py
+    enforces, and every folder and module it names exists."""
+    from tests.test_architecture import FLOORS
+
+    block = (REPO / "README.md").read_text().split("\n## Design\n", 1)[1].split("```", 2)[1]
+    placed, floor = {}, None
+    for line in block.splitlines():
+        m = re.match(r"\s+(?:floor (\d)\s+)?((?:[\w.]+/? )+?)\s{2,}", line + "  ")
+        if not m or not re.search(r"/|\.py", m.group(2)):
+            continue
+        floor = int(m.group(1)) if m.group(1) else floor
+        for name in m.group(2).split():
+            placed[name] = floor
+    assert {"cache/": 0, "kernels/": 1, "model/": 2, "sampling/": 3, "app/": 5, "nodes/": 6} .items() <= placed.items()
+    for name, at in placed.items():
+        assert (REPO / name).exists(), f"the README's floors name {name}, which does not exist"
+        key = name.rstrip("/").removesuffix(".py")
+        if key in FLOORS and key != "__init__":
+            assert FLOORS[key] == at, f"the README puts {name} on floor {at}, tests/test_architecture.py on {FLOORS[key]}"
+    modules = {p.name for p in REPO.rglob("*.py") if ".venv" not in p.parts}
+    for named in set(re.findall(r"\b(\w+\.py)\b", block)):
+        assert named in modules, f"the README's floors name {named}, which no module of the pack is called"
