@@ -51,10 +51,10 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8", "fp8"],
                    help="auto: FlashAttention 3, then 2, then SDPA, by what is installed and the GPU supports; "
                         "int8 (opt-in): int8 Q/K attention; fp8 (opt-in): Q, K, V and P in fp8, K/V quantized once "
-                        "as they enter the KV cache; each within a stated error of exact (README: Fidelity)")
+                        "as they enter the KV cache; each within a stated error of exact (docs/sampler.md: Fidelity)")
     p.add_argument("--linear", default="exact", choices=["exact", "fp8"],
                    help="exact (default), or fp8 (opt-in): the blocks' linear layers in fp8 with per-row scales, "
-                        "within a stated error of exact (README: Fidelity); fast on CUDA GPUs with fp8 tensor cores "
+                        "within a stated error of exact (docs/sampler.md: Fidelity); fast on CUDA GPUs with fp8 tensor cores "
                         "(SM 8.9+), emulated elsewhere; runs on the optimized sampler path")
     p.add_argument("--frames-per-block", type=int, help="latent frames per chunk, 1-64 (default 3)")
     p.add_argument("--kv-window", type=int, help="rolling KV window in latent frames (default -1: global)")

@@ -108,10 +108,10 @@ class CausalWanModelLoader:
                               "the fastest one verified on this GPU per shape (operator store). fa3 / fa2 / sdpa "
                               "force one (SDPA where the forced one cannot run). int8 (opt-in): SageAttention-"
                               "style int8 Q/K (comfy-kitchen's kernel on CUDA), close to exact but not equal "
-                              "(README: Fidelity). fp8 (opt-in): keys and values smoothed, Q/K in int8, V and P in "
+                              "(docs/sampler.md: Fidelity). fp8 (opt-in): keys and values smoothed, Q/K in int8, V and P in "
                               "fp8, K/V quantized once as they enter the KV cache (the pack's kernel on GPUs of SM "
                               "8.9+), within a stated error of exact; kept only where measured faster than exact "
-                              "(README: Fidelity)."}),
+                              "(docs/sampler.md: Fidelity)."}),
             },
             "optional": {
                 "compile_settings": ("WANACCEL_COMPILE", {"tooltip": "Compile settings, stored for the sampler."}),

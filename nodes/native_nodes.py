@@ -38,7 +38,7 @@ class WanAccelARSampler:
             "attention": (list(BACKENDS), {"default": "auto", "tooltip":
                           "auto: FlashAttention 3 / 2 where installed and supported, else torch SDPA (exact). "
                           "int8 (opt-in): SageAttention-style int8 Q/K (comfy-kitchen's kernel on CUDA, the "
-                          "pack's torch version elsewhere), close to exact but not equal (README: Fidelity). fp8 "
+                          "pack's torch version elsewhere), close to exact but not equal (docs/sampler.md: Fidelity). fp8 "
                           "(opt-in): keys and values smoothed, Q/K in int8, V and P in fp8 (the pack's kernel on "
                           "GPUs of SM 8.9+), within a stated error of exact."}),
         }}

@@ -2,7 +2,7 @@
 the fix, never a traceback, and changes no file outside the output and cache folders.
 
 Each case is one row: missing, empty, damaged, wrong-kind and hostile files; zero, negative, huge and non-numeric
-values; unwritable, read-only and odd cache locations. The README's reliability section quotes the number of
+values; unwritable, read-only and odd cache locations. docs/reliability.md quotes the number of
 cases (``python -m pytest tests/test_bad_inputs.py --collect-only -q``).
 """
 from __future__ import annotations
@@ -397,14 +397,14 @@ def test_node_bad_input(case, world):
     assert _system_state() == system
 
 
-def test_case_count_is_in_the_readme():
+def test_case_count_is_in_the_reliability_page():
     from tests.conftest import REPO_ROOT
 
     total = len(CLI_CASES) + len(CACHE_CASES) + len(NODE_CASES)
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert f"{total} bad-input cases" in readme, f"README's reliability section should say {total} bad-input cases"
+    readme = (REPO_ROOT / "docs" / "reliability.md").read_text()
+    assert f"{total} bad-input cases" in readme, f"docs/reliability.md should say {total} bad-input cases"
     files = sorted(str(p) for p in (REPO_ROOT / "tests").glob("test_hard_edges_*.py"))
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
                          capture_output=True, text=True, cwd=str(REPO_ROOT), timeout=300)
     hard = sum(1 for line in out.stdout.splitlines() if "::" in line)
-    assert hard and f"errors; {hard} tests)" in readme, f"README's reliability section should say {hard} tests"
+    assert hard and f"errors; {hard} tests)" in readme, f"docs/reliability.md should say {hard} tests"

@@ -4,7 +4,7 @@ adversarial inputs, the bound close to the worst case and broken by a coarser co
 bit under Triton's interpreter (a child process) and compiled with correctly rounded divisions, no input quantized
 twice, the mode really running every block linear layer (and nothing else) on the optimized path, exact runs
 untouched, its copies kept current, refusals, the speed verdict (read before any copy is made), the doctor, the
-CLI, the kernel and sampler benches and the README's Fidelity rows; on a CUDA GPU the scaled matmul and the fused
+CLI, the kernel and sampler benches and the Fidelity rows of docs/sampler.md; on a CUDA GPU the scaled matmul and the fused
 quantize themselves."""
 from __future__ import annotations
 
@@ -666,12 +666,12 @@ def test_the_selftest_fails_fp8_kept_although_slower():
 
 # ----------------------------------------------------------------------------------------------- fidelity
 def _fp8_fidelity_section() -> str:
-    section = (REPO / "README.md").read_text().split("## Fidelity", 1)[1].split("\n## ", 1)[0]
+    section = (REPO / "docs" / "sampler.md").read_text().split("## Fidelity", 1)[1].split("\n## ", 1)[0]
     return section.split("### fp8 linear layers", 1)[1]
 
 
 def test_every_fp8_call_of_the_fidelity_runs_is_within_the_bound(monkeypatch):
-    """What the README's fp8 rows state and every CPU reproduces: on the recorded fixtures every fp8 call of
+    """What the fp8 rows of docs/sampler.md's Fidelity section state and every CPU reproduces: on the recorded fixtures every fp8 call of
     ``bench fidelity --linear fp8``'s runs stays within ``error_bound`` of the exact product of its own inputs, and
     fp8 does change the video. The table's digits are one machine's measurement (another CPU sums float32 in
     another order, an e4m3 code rounds the other way), so they are checked for their form and machine."""

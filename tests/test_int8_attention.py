@@ -1,7 +1,7 @@
 """int8 attention (opt-in): the pack's torch version and comfy-kitchen's kernel against exact attention within the
 stated bound (kernels/int8_attention.error_bound), the bound not trivially loose, the mode reachable from the CLI,
 the loader node, the native sampler node and both sampler paths, exact attention everywhere by default, and the
-README's Fidelity table as measured on the fixtures."""
+Fidelity table of docs/sampler.md as measured on the fixtures."""
 from __future__ import annotations
 
 import re
@@ -116,11 +116,11 @@ def test_bench_sampler_puts_int8_rows_beside_exact():
 
 
 def _fidelity_section() -> str:
-    return (REPO / "README.md").read_text().split("## Fidelity", 1)[1].split("\n## ", 1)[0]
+    return (REPO / "docs" / "sampler.md").read_text().split("## Fidelity", 1)[1].split("\n## ", 1)[0]
 
 
 def test_every_int8_call_of_the_fidelity_runs_is_within_the_bound(monkeypatch):
-    """What the README's Fidelity section states and every CPU reproduces: on the recorded fixtures, both sampler
+    """What the Fidelity section of docs/sampler.md states and every CPU reproduces: on the recorded fixtures, both sampler
     paths, every int8 attention call of ``bench fidelity``'s runs stays within ``error_bound`` of exact attention
     (float64) on that call's own inputs, and int8 does change the video. The whole-video figures of the table
     are one machine's measurement (another CPU sums float32 in another order, an int8 code rounds the other way

@@ -72,11 +72,11 @@ def test_fp8_estimate_counts_block_linears_at_one_byte():
     assert fp8.other_bytes_at(2) == bf16.other_bytes_at(2)
 
 
-def test_readme_card_table_is_the_planners_answer(capsys):
-    """The README's 'Which card runs which setting' rows equal what the planner answers now."""
+def test_docs_card_table_is_the_planners_answer(capsys):
+    """The 'Which card runs which setting' rows of docs/model.md equal what the planner answers now."""
     import re
     from pathlib import Path
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "model.md").read_text()
     section = text.split("#### Which card runs which setting", 1)[1].split("\n#", 1)[0]
     rows = re.findall(r"^\| (krea-14b|longlive \(1\.3B\)) \| (\d+) \| ([^|]+) \| ([\d.]+) \| (\d+) \| ([^|]*) \|$",
                       section, re.M)

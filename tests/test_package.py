@@ -136,3 +136,14 @@ def test_readme_generated_sections_are_current():
     assert "docs/nodes.md" in readme and "node-reference:begin" not in readme     # the README links to it
     assert render_presets_table().strip() in (REPO / "docs" / "compile.md").read_text(), \
         "the presets table changed: update docs/compile.md"
+
+
+def test_readme_nodes_at_a_glance_names_every_node_in_its_category():
+    from wan_accel import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+    section = (REPO / "README.md").read_text().split("## Nodes at a glance", 1)[1].split("\n## ", 1)[0]
+    rows = {row.split(" | ")[0].strip("| `").split("`")[0]: row for row in section.splitlines() if row.startswith("| `")}
+    for key, cls in NODE_CLASS_MAPPINGS.items():
+        name = NODE_DISPLAY_NAME_MAPPINGS[key]
+        assert cls.CATEGORY in rows and name in rows[cls.CATEGORY].split(" | ")[1].split(", "), \
+            f"the README's Nodes at a glance should list {name} under `{cls.CATEGORY}`"

@@ -390,9 +390,9 @@ def test_note_says_which_files_where_and_from_where(path):
         assert f"`{name}`" in note, f"{path.name}: the note does not name {name}"
     if _files_needed(wf):
         assert "models/" in note and ("huggingface.co/" in note or "github.com/" in note), path.name
-        readme = (REPO / "README.md").read_text()
+        files = (REPO / "docs" / "comfyui.md").read_text().split("### Model files", 1)[1].split("\n## ", 1)[0]
         for name in _files_needed(wf):
-            assert name in readme, f"README does not say where {name} comes from"
+            assert f"`{name}`" in files, f"docs/comfyui.md's model files table does not say where {name} comes from"
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=[p.stem for p in UI_FILES])

@@ -45,4 +45,4 @@ def test_native_sampler_runs_int8_close_to_exact(comfy, path):
     assert int8.shape == exact.shape and bool(int8.isfinite().all())
     diff = float((int8 - exact).abs().max())
     scale = float(exact.abs().max())
-    assert 0 < diff < 0.05 * scale, (diff, scale)      # different from exact, but close (README: Fidelity)
+    assert 0 < diff < 0.05 * scale, (diff, scale)      # different from exact, but close (docs/sampler.md: Fidelity)
