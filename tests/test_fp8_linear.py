@@ -158,9 +158,10 @@ def test_the_emulation_is_torch_scaled_mm_with_row_wise_scales(dtype):
 
 # ----------------------------------------------------------------------------------------------- fused quantize
 MARK = "FP8_QUANTIZE_RESULT "
-# (dtype, M, K): M not a multiple of a program's rows, K not a power of two (the 1.3B model's width and FFN width,
-# and a short row)
-QUANT_CASES = [(dt, m, k) for dt in ("bfloat16", "float16", "float32") for m, k in ((37, 1536), (5, 8960), (9, 17))]
+# (dtype, M, K): M not a multiple of a program's rows, K not a power of two (the 1.3B model's width and a short row
+# in every dtype; the FFN width, whose rows take the two-pass configs, in the model's dtype)
+QUANT_CASES = [(dt, m, k) for dt in ("bfloat16", "float16", "float32") for m, k in ((37, 1536), (9, 17))] + \
+    [("bfloat16", 5, 8960)]
 
 
 def _quant_input(dtype, m: int, k: int, seed: int) -> torch.Tensor:
@@ -192,6 +193,9 @@ def _quant_child() -> None:
     from wan_accel.cache.autotune import get_autotuner
     from wan_accel.kernels import _common, fp8_quant
     results = {"interpreter_usable": _common.use_triton(torch.zeros(1)), "cases": []}
+    # every config is run (and compared) below: the store's tuning is checked to happen, with a timer that launches
+    # nothing a second time (the interpreter's timing says nothing about speed)
+    get_autotuner().timer = lambda run: 1.0
     for i, (dtype, m, k) in enumerate(QUANT_CASES):
         x = _quant_input(dtype, m, k, seed=i)
         ref_q, ref_s = fp8.quantize_rows(x)
@@ -212,7 +216,7 @@ def _quant_child() -> None:
                                            fp8.emulated(x, wq, ws, None, x.dtype, (ref_q, ref_s)))
         results["cases"].append(case)
     from wan_accel.app.bench.kernels import fp8_quant_rows
-    results["bench"] = fp8_quant_rows("cpu", "bfloat16") + fp8_quant_rows("cpu", "float16")
+    results["bench"] = fp8_quant_rows("cpu", "bfloat16")
     print(MARK + json.dumps(results), flush=True)
 
 
@@ -244,8 +248,7 @@ def test_bench_kernels_fp8_quantize_rows(quantized, capsys):
     from wan_accel.app.bench.kernels import CPU_FP8_QUANT_SHAPES, _print_fp8, fp8_quant_rows
     from wan_accel.kernels import _common
     bench = quantized["bench"]
-    assert [(r["shape"], r["dtype"]) for r in bench] == [(s[0], d) for d in ("bfloat16", "float16")
-                                                         for s in CPU_FP8_QUANT_SHAPES]
+    assert [(r["shape"], r["dtype"]) for r in bench] == [(s[0], "bfloat16") for s in CPU_FP8_QUANT_SHAPES]
     assert all(r["ok"] and r["bit_equal"] and r["max_err"] == 0 for r in bench), bench
     if not _common.use_triton(torch.zeros(1)):
         here = fp8_quant_rows("cpu", "float32")
