@@ -137,7 +137,7 @@ def _incr_worker(path, n):
 
 def test_concurrent_puts_and_updates(cache_path):
     ctx = mp.get_context("fork")
-    workers, n = 8, 100
+    workers, n = 8, 50          # 800 locked updates from 16 processes racing
     procs = [ctx.Process(target=_put_worker, args=(cache_path, w, n)) for w in range(workers)]
     procs += [ctx.Process(target=_incr_worker, args=(cache_path, n)) for _ in range(workers)]
     for p in procs:
