@@ -84,15 +84,23 @@ def test_pyproject_lists_every_subpackage_and_metadata():
 
 
 def test_cli_entry_point_and_cache_commands(tmp_path):
-    env = dict(os.environ, WAN_ACCEL_CACHE=str(tmp_path / "c" / "limits.json"))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "wan_accel", *a], capture_output=True, text=True,  # noqa
-                                    env=env, timeout=120)
-    out = run("--help")
+    """The entry point in a new process; the cache commands through the same ``main`` in this one (every command
+    also runs in a new process in tests/test_cli_smoke.py)."""
+    from cli_run import run_cli_in
+    limits = tmp_path / "c" / "limits.json"
+    env = dict(os.environ, WAN_ACCEL_CACHE=str(limits))
+    out = subprocess.run([sys.executable, "-m", "wan_accel", "--help"], capture_output=True, text=True, env=env,
+                         timeout=120)
     assert out.returncode == 0 and "cache" in out.stdout
-    assert run("cache", "path").stdout.strip() == str(tmp_path / "c" / "limits.json")
+
+    def run(*a):
+        code, stdout, stderr = run_cli_in(tmp_path, *a, env={"WAN_ACCEL_CACHE": str(limits)})
+        return subprocess.CompletedProcess(a, code, stdout, stderr)
+
+    assert run("cache", "path").stdout.strip() == str(limits)
     from wan_accel.cache import LimitCache
 
-    LimitCache(tmp_path / "c" / "limits.json").put("memory", "vae-480p", {"chunk_frames": 4})
+    LimitCache(limits).put("memory", "vae-480p", {"chunk_frames": 4})
     shown = run("cache", "show")
     assert shown.returncode == 0 and "vae-480p" in shown.stdout and "memory 1" in shown.stdout
     data = json.loads(run("cache", "show", "--json").stdout)
