@@ -3,7 +3,8 @@
 There is one block forward. What differs between the reference and the optimized sampling paths are the parts
 plugged into it (``BlockParts``): the attention backend, the fused Triton kernels (LayerNorm+modulate,
 RMSNorm+RoPE, gated residual, and with RMSNorm+RoPE the cross-attention query's RMSNorm; torch fallbacks
-elsewhere) and one q/k/v GEMM over a concatenated weight
+elsewhere; with them, on CUDA in bf16/fp16, the FFN's bias + GELU in its first GEMM's epilogue: ``ffn_epilogue``)
+and one q/k/v GEMM over a concatenated weight
 (``fused_qkv``). Everything a call needs arrives in a ``LayerCall`` of tensors and of values that change only with
 the chunk's shape, so a compiled block (``compile.compile_model``, scope 'blocks') installs no guard on Python
 bookkeeping:
@@ -66,7 +67,7 @@ class LayerCall(NamedTuple):
     write_span: slice | None = None    # the slots as one contiguous range, when they are (``CacheStep.span``)
 
 
-KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual", "rms_norm")
+KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual", "rms_norm", "ffn_gelu")
 
 
 def uses_kernel(fused, kernel: str) -> bool:
@@ -104,10 +105,49 @@ def fp8_input(x: torch.Tensor, layers, linear: str, memo: dict | None = None) ->
     return hit[1]
 
 
-def _ffn(ffn: nn.Sequential, h: torch.Tensor, linear: str) -> torch.Tensor:
-    if linear != "fp8":
-        return ffn(h)
-    return run_linear(ffn[2], ffn[1](run_linear(ffn[0], h, linear)), linear)
+EPILOGUE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def epilogue_gelu_runs_on(device, dtype) -> bool:
+    """Whether the FFN's bias + GELU may run in its first GEMM's epilogue (``linear_gelu``) here: on CUDA in
+    bf16/fp16, where ``torch._addmm_activation`` computes the tanh GELU (cuBLASLt's epilogue from the float32
+    accumulator, or torch's addmm + tanh GELU where the epilogue's conditions do not hold). On a CPU the same call
+    computes the erf GELU, another function: never used there."""
+    return torch.device(device).type == "cuda" and dtype in EPILOGUE_DTYPES
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GELU(x @ weight.T + bias) for a 2-D x in one call (the tanh GELU on CUDA only: ``epilogue_gelu_runs_on``)."""
+    return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+
+
+def ffn_epilogue(ffn: nn.Module, h: torch.Tensor, fused) -> bool:
+    """Whether ``_ffn`` runs the first linear's bias + GELU in the GEMM's epilogue: where ``ffn_gelu`` is in use
+    (``BlockParts.fused_kernels``; the doctor's ``kernel.ffn_gelu`` switches it off alone), on CUDA in bf16/fp16,
+    for a module that is exactly Sequential(Linear with a bias, GELU(approximate='tanh'), Linear) without hooks,
+    its first layer's weights stored in h's dtype on h's device (what calling the layer would multiply). Only
+    metadata is read: no host sync, the same answer in a compile trace or a CUDA-graph capture."""
+    if not uses_kernel(fused, "ffn_gelu") or not epilogue_gelu_runs_on(h.device, h.dtype):
+        return False
+    if type(ffn) is not nn.Sequential or len(ffn) != 3:
+        return False
+    first, act, last = ffn[0], ffn[1], ffn[2]
+    if type(first) is not nn.Linear or type(act) is not nn.GELU or type(last) is not nn.Linear:
+        return False
+    if act.approximate != "tanh" or first.bias is None:
+        return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (ffn, first, act)):
+        return False
+    return all(t.dtype == h.dtype and t.device == h.device for t in (first.weight, first.bias))
+
+
+def _ffn(ffn: nn.Sequential, h: torch.Tensor, linear: str, fused=False) -> torch.Tensor:
+    if linear == "fp8":
+        return run_linear(ffn[2], ffn[1](run_linear(ffn[0], h, linear)), linear)
+    if ffn_epilogue(ffn, h, fused):            # [B, L, dim] -> [B * L, dim]: a view where h allows one
+        g = linear_gelu(h.reshape(-1, h.shape[-1]), ffn[0].weight, ffn[0].bias)
+        return ffn[2](g.unflatten(0, h.shape[:-1]))
+    return ffn(h)
 
 
 def _qk_norm(dim: int, eps: float, enabled: bool) -> nn.Module:
@@ -275,7 +315,7 @@ class WanBlock(nn.Module):
                                 fused_q_norm(call.parts))
         if actions is not None and getattr(self, "action_model", None) is not None:
             x = self.action_model(x, actions)
-        y = _ffn(self.ffn, _modulated(self.norm2, x, m, 3, fused, call.parts.ops).to(cd), call.parts.linear)
+        y = _ffn(self.ffn, _modulated(self.norm2, x, m, 3, fused, call.parts.ops).to(cd), call.parts.linear, fused)
         return _gated(x, y, m, 5, fused)
 
     def kv_only(self, x: torch.Tensor, e0: torch.Tensor, rope: tuple, call: LayerCall) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from ...kernels.flash_attention import kernel_problem as triton_attention_problem
 from ...model.attention import explain_backend
-from ...model.blocks import KERNEL_NAMES
+from ...model.blocks import KERNEL_NAMES, epilogue_gelu_runs_on
 from ...sampling.runner import FastOptions, graphs_device, kernels_part
 from ...sampling.sampler import current_path, sampler_path
 from .core import FEATURES, Doctor, doctor_for
@@ -161,7 +161,8 @@ def features_summary(model, options: FastOptions | None, sampler_report: dict, r
     if info.get("path") == "optimized":
         ran.append(f"attention.{info.get('attention', 'sdpa')}")
         part = kernels_part(options, device) if options is not None else False
-        ran += [f"kernel.{k}" for k in (KERNEL_NAMES if part is True else part or ())]
+        epilogue = epilogue_gelu_runs_on(device, model.compute_dtype)     # ffn_gelu runs on CUDA in bf16/fp16 only
+        ran += [f"kernel.{k}" for k in (KERNEL_NAMES if part is True else part or ()) if k != "ffn_gelu" or epilogue]
         if info.get("fused_qkv_blocks"):
             ran.append("fused_qkv")
         if info.get("linear") == "fp8":

@@ -2,10 +2,11 @@
 
 Per feature family: the attention backends (SDPA against plain softmax math; FlashAttention 3 / 2 against SDPA),
 the fused Triton kernels against their torch references (compiled on CUDA, interpreted on a CPU under
-TRITON_INTERPRET=1), fused q/k/v against three GEMMs, CUDA-graph replay of one chunk against eager, a compiled
-block against eager, block swap against resident, and the native ``MODEL`` path (its probe needs ComfyUI, so the nodes
-package registers it: ``vocabulary.register_probe``). Each feature names the code it exercises (``sources``). Inputs are
-seeded and shaped like the real call (head size, dtype, layout) with a few hundred tokens.
+TRITON_INTERPRET=1), the FFN's bias + GELU in the GEMM's epilogue against Linear -> GELU(tanh) in float32 (CUDA
+only), fused q/k/v against three GEMMs, CUDA-graph replay of one chunk against eager, a compiled block against eager,
+block swap against resident, and the native ``MODEL`` path (its probe needs ComfyUI, so the nodes package registers
+it: ``vocabulary.register_probe``). Each feature names the code it exercises (``sources``). Inputs are seeded and
+shaped like the real call (head size, dtype, layout) with a few hundred tokens.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import importlib
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ...kernels import _common, norm_modulate, qk_norm_rope, residual, rms_norm, use_triton
 from ...kernels import candidates as op_candidates
@@ -21,7 +23,7 @@ from ...kernels import fp8_linear as fp8
 from ...kernels import flash_attention, fp8_attention, int8_attention
 from ...model import attention as attn
 from ...model import fused_qkv as fq
-from ...model.blocks import WanSelfAttention, _project
+from ...model.blocks import WanSelfAttention, _project, epilogue_gelu_runs_on, ffn_epilogue, linear_gelu
 from .vocabulary import Feature, NotAvailable, OutsideProbe, Probe, ProbeContext, register_feature, registered_probe
 
 
@@ -227,6 +229,37 @@ def _check_gres(ctx: ProbeContext) -> Probe:
     return Probe(feature, lambda: residual.gated_residual_reference(x, y, gate), ctx.dtype)
 
 
+# ----------------------------------------------------------------------------------------------- FFN epilogue
+def _ffn_gelu_requires(ctx: ProbeContext) -> None:
+    if not epilogue_gelu_runs_on(ctx.device, ctx.dtype):
+        raise NotAvailable(f"runs on a CUDA GPU in bf16/fp16 only (here {ctx.device.type}, "
+                           f"{str(ctx.dtype).replace('torch.', '')}; on a CPU torch's _addmm_activation computes "
+                           f"the erf GELU, not the model's tanh GELU)", "run on a CUDA GPU with bf16/fp16 weights")
+
+
+def _ffn_gelu_inputs(ctx: ProbeContext):
+    """The FFN's first layer [2 * dim, dim] with its bias, and its input: pre-activations spread over about +-5,
+    through the GELU's bend (where the tanh and erf GELUs differ most, about 2.7), the bias as large as the
+    product (a dropped bias shows)."""
+    d = _dim(ctx)
+    x = _rand(ctx, ctx.tokens, d, seed=23)
+    return x, _rand(ctx, 2 * d, d, scale=1.5 * d ** -0.5, seed=24), _rand(ctx, 2 * d, seed=25)
+
+
+def ffn_gelu_probe(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> Probe:
+    """The first linear's bias + GELU in the GEMM's epilogue (``model.blocks.linear_gelu``, the call ``_ffn``
+    makes) against Linear -> GELU(tanh) computed in float32 from the same inputs, compared in x's dtype."""
+    return Probe(lambda: linear_gelu(x, w, b),
+                 lambda: F.gelu(F.linear(x.float(), w.float(), b.float()), approximate="tanh"), x.dtype,
+                 note="against Linear -> GELU(tanh) in float32 from the same inputs; speed: the epilogue saves "
+                      "a pass over the FFN's hidden tensor, not judged at the probe's shape")
+
+
+def _check_ffn_gelu(ctx: ProbeContext) -> Probe:
+    _ffn_gelu_requires(ctx)
+    return ffn_gelu_probe(*_ffn_gelu_inputs(ctx))
+
+
 # ----------------------------------------------------------------------------------------------- fused q/k/v
 def _check_fused_qkv(ctx: ProbeContext) -> Probe:
     d = _dim(ctx)
@@ -378,6 +411,10 @@ for _feature in (
             "this kernel (torch ops)", sources=_kernel_sources(residual)),
     Feature("kernel.rms_norm", "fused RMSNorm (Triton; the cross-attention's query)", _check_rmsnorm, ("triton",),
             "this kernel (torch ops)", sources=_kernel_sources(rms_norm)),
+    Feature("kernel.ffn_gelu", "bias + GELU in the GEMM epilogue (the FFN's first linear; CUDA, bf16/fp16)",
+            _check_ffn_gelu, switches_off="the epilogue (the FFN's Linear -> GELU -> Linear as torch modules)",
+            requires=_ffn_gelu_requires,
+            sources=lambda: (linear_gelu, ffn_epilogue, epilogue_gelu_runs_on, ffn_gelu_probe, _ffn_gelu_inputs)),
     Feature("fused_qkv", "one q/k/v GEMM", _check_fused_qkv, switches_off="fused q/k/v (three GEMMs)",
             sources=lambda: (fq, _project, WanSelfAttention)),
     Feature("cuda_graphs", "CUDA-graph replay of a chunk", _check_graphs, switches_off="CUDA graphs (eager)",
