@@ -56,8 +56,9 @@ class FastOptions:
 
     attention:         None: the model's own setting (the loader's); else auto | sdpa | flash_attn | fa3 | fa2.
     fused_qkv:         one q/k/v GEMM over a concatenated weight.
-    fused_kernels:     the fused Triton kernels (LayerNorm+modulate, RMSNorm+RoPE, gated residual) where Triton
-                       runs (CUDA; the CPU under TRITON_INTERPRET=1); plain torch ops elsewhere.
+    fused_kernels:     the fused kernels where they run: the Triton ones (LayerNorm+modulate, RMSNorm+RoPE, gated
+                       residual, RMSNorm; CUDA, or the CPU under TRITON_INTERPRET=1) and the FFN's GELU in its GEMM
+                       epilogue (CUDA, bf16/fp16); plain torch ops elsewhere.
     cuda_graphs:       'auto' (on CUDA, unless block swap, compile-mode graphs or action modules rule it out) | 'off'.
                        (Compile the model with ``compile.compile_model`` before sampling; the runner keeps its graphs
                        in charge of compiled blocks unless the compile itself uses CUDA graphs.)

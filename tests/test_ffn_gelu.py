@@ -212,3 +212,18 @@ def test_a_run_report_names_the_epilogue_only_where_it_runs(monkeypatch):
     assert ran("cuda", torch.bfloat16) and ran("cuda", torch.float16)
     assert not ran("cuda", torch.float32) and not ran("cpu", torch.bfloat16)
     assert not ran("cuda", torch.bfloat16, switched_off={"kernel.ffn_gelu"})
+
+
+def test_a_report_says_fused_kernels_where_every_kernel_that_applies_ran():
+    """The GELU epilogue applies on CUDA in bf16/fp16 only: a CPU run (the Triton kernels interpreted) that ran every
+    Triton kernel reports ``fused_kernels`` true; on CUDA in bf16 the epilogue must have run too."""
+    from wan_accel.app.doctor.gate import fused_kernels_ran
+    from wan_accel.model.blocks import KERNEL_NAMES
+    triton_only = {"enabled": {f"kernel.{k}": k != "ffn_gelu" for k in KERNEL_NAMES}}
+    assert fused_kernels_ran(triton_only, "cpu", torch.float32)
+    assert not fused_kernels_ran(triton_only, "cuda", torch.bfloat16)
+    assert fused_kernels_ran(triton_only, "cuda", torch.float32)
+    every = {"enabled": {f"kernel.{k}": True for k in KERNEL_NAMES}}
+    assert fused_kernels_ran(every, "cuda", torch.bfloat16)
+    one_off = {"enabled": dict(every["enabled"], **{"kernel.rms_norm": False})}
+    assert not fused_kernels_ran(one_off, "cpu", torch.float32)

@@ -180,3 +180,10 @@ def features_summary(model, options: FastOptions | None, sampler_report: dict, r
     return {"path": info.get("path"), "ran": ran, "switched_off": dict(record.get("switched_off", {})),
             "failed_fallbacks": dict(record.get("failed_fallbacks", {})),
             "enabled": {name: name in ran for name in names}}
+
+
+def fused_kernels_ran(features: dict, device, dtype) -> bool:
+    """A report's ``fused_kernels``: every fused kernel that applies on ``device`` in ``dtype`` ran (``features``
+    from ``features_summary``; the FFN's GELU epilogue applies on CUDA in bf16/fp16 only)."""
+    epilogue = epilogue_gelu_runs_on(device, dtype)
+    return all(features["enabled"][f"kernel.{k}"] for k in KERNEL_NAMES if k != "ffn_gelu" or epilogue)

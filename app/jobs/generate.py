@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from ...cache.owned_files import check_target, write_text, write_with
-from ...model.blocks import KERNEL_NAMES
 from ..ranks.parallel import enable_parallel, parallel_report
 
 VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
@@ -421,7 +420,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
             progress(ci, k, nc, ns)
 
     from ...profiling.session import maybe_profile
-    from ..doctor.gate import features_summary, new_record
+    from ..doctor.gate import features_summary, fused_kernels_ran, new_record
     record = new_record()
     from ...cache import warmup
     one_time = warmup.snapshot()
@@ -450,8 +449,8 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
                                      "graphs_compiled": compiled.compiles}
         if compiled.failed:
             notes.append(f"compile failed, the blocks ran eagerly: {compiled.failed}")
-    if "fused_kernels" in sampler_report:     # true only when every fused kernel ran (which ones: features.ran)
-        sampler_report["fused_kernels"] = all(features["enabled"][f"kernel.{k}"] for k in KERNEL_NAMES)
+    if "fused_kernels" in sampler_report:     # true only when every fused kernel that applies here ran
+        sampler_report["fused_kernels"] = fused_kernels_ran(features, model.device, model.compute_dtype)
     report = {
         "model": handle.source, "tiny_random_model": handle.is_tiny, "config": cfg.to_dict(),
         "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
