@@ -23,8 +23,11 @@ on the call's shapes and timed, the fastest verified one per (heads, head size, 
 GPU fingerprint; a wrong one is failed alone; chosen once per process and shape, never measured inside a CUDA-graph
 capture or a torch.compile trace (there the store's choice, else the availability order fa3 > fa2 > sdpa). On a CPU
 where only SDPA and plain math run, SDPA without timing. int8 and fp8 are never candidates (approximate; opt-in
-only). ``triton`` is one more exact candidate: the pack's Triton flash-attention forward on CUDA GPUs of SM 8.0+
-(``kernels/flash_attention.py``), listed after SDPA, so never the availability order's pick.
+only). ``fa3_hub`` and ``fa3_xformers`` are FlashAttention 3 from prebuilt packages (the Hugging Face kernel hub,
+opt-in by ``WAN_ACCEL_HUB_KERNELS=1``; xformers' FA3 operator), listed after fa3/fa2 and before SDPA
+(``kernels/fa3_packages.py``). ``triton`` is one more exact candidate: the pack's Triton flash-attention forward
+on CUDA GPUs of SM 8.0+ (``kernels/flash_attention.py``), listed after SDPA, so never the availability order's
+pick.
 An explicit request (``flash_attn``, ``fa3``, ``fa2``, ``sdpa``) is resolved by capability detection: the package
 imports, the GPU's compute capability, the dtype (half precision) and the head size. GPU names are never looked
 at. ``resolve_backend`` does this once (the optimized sampler calls it when a run starts); ``attention`` also
@@ -41,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import _common, fp8_attention as fp8, int8_attention as int8
-from ..kernels import flash_attention as triton_flash
+from ..kernels import fa3_packages, flash_attention as triton_flash
 from ..kernels import candidates as op_candidates
 from .kv_cache import fp8_copy
 
@@ -130,6 +133,8 @@ def build_supports(name: str, device, dtype=torch.float16) -> str | None:
     else the error it gave (e.g. "no kernel image is available")."""
     device = torch.device(device)
     key = (name, device.index)
+    if key not in _BUILD and fa3_packages.capturing():
+        return "not probed inside a CUDA-graph capture (a call there would break it); the run's plans probe it first"
     if key not in _BUILD:
         fn = _FUNCS.get(name) or _load(name)
         inputs = _probe_inputs(device, dtype) if fn is not None else None
@@ -293,6 +298,12 @@ AUTO_CANDIDATES: dict[str, op_candidates.Candidate] = {
                                    lambda d, dt, hd: flash_problem("fa3", d, dt, hd), "FlashAttention 3"),
     "fa2": op_candidates.Candidate(STORE_OP, "fa2", "flash", lambda q, k, v: _flash("fa2", q, k, v),
                                    lambda d, dt, hd: flash_problem("fa2", d, dt, hd), "FlashAttention 2"),
+    # FlashAttention 3 from prebuilt packages (kernels/fa3_packages.py): the kernel hub (opt-in), xformers' operator
+    **{name: op_candidates.Candidate(STORE_OP, name, "flash",
+                                     lambda q, k, v, n=name: fa3_packages.attention(n, q, k, v),
+                                     lambda d, dt, hd, n=name: fa3_packages.PROBLEMS[n](d, dt, hd),
+                                     fa3_packages.SUMMARIES[name])
+       for name in fa3_packages.NAMES},
     **{name: op_candidates.Candidate(STORE_OP, name, "sdpa", lambda q, k, v, n=name: _sdpa_with(n, q, k, v),
                                      lambda d, dt, hd, n=name: sdpa_kernel_problem(n, d, dt, hd),
                                      f"torch SDPA, {SDPA_KERNELS[name].lower().replace('_', ' ')} kernel only")
@@ -309,12 +320,13 @@ AUTO_CANDIDATES: dict[str, op_candidates.Candidate] = {
 }   # in availability order: without a stored choice (nothing measured yet and no measuring allowed) the first usable
 
 
-SWITCHABLE = ("attention.fa3", "attention.fa2", "attention.triton")   # doctor features that are 'auto' candidates
+SWITCHABLE = ("attention.fa3", "attention.fa2", "attention.triton",   # doctor features that are 'auto' candidates
+              "attention.fa3_hub", "attention.fa3_xformers")
 
 
 def auto_request(switched_off=()) -> str | tuple:
     """The 'auto' request of a run: 'auto', or ('auto', *names) without the candidates whose self-check failed
-    here ('attention.fa3' / 'attention.fa2' / 'attention.triton' in ``switched_off``)."""
+    here (any of ``SWITCHABLE`` in ``switched_off``)."""
     off = tuple(sorted(n.split(".", 1)[1] for n in switched_off if n in SWITCHABLE))
     return ("auto", *off) if off else "auto"
 

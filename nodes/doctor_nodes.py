@@ -1,8 +1,8 @@
 """Node "Wan Doctor": every accelerated feature's verdict on this machine (the ``doctor`` command's table)."""
 from __future__ import annotations
 
-FEATURE_CHOICES = ["all", "attention.sdpa", "attention.fa3", "attention.fa2", "attention.triton", "attention.int8",
-                   "attention.fp8", "linear.fp8",
+FEATURE_CHOICES = ["all", "attention.sdpa", "attention.fa3", "attention.fa2", "attention.triton",
+                   "attention.fa3_hub", "attention.fa3_xformers", "attention.int8", "attention.fp8", "linear.fp8",
                    "kernel.layernorm_modulate", "kernel.rmsnorm_rope", "kernel.gated_residual", "kernel.rms_norm",
                    "kernel.ffn_gelu", "fused_qkv",
                    "cuda_graphs", "compile", "block_swap", "native_model"] + [

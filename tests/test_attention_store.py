@@ -213,9 +213,11 @@ def test_the_doctor_lists_attention(tmp_path):
     doc = doctor_for("cpu", torch.float32, 16, cache=LimitCache(tmp_path / "limits.json"), heads=4, tokens=24)
     rows = {r["op"]: r for r in doctor_ops.implementations(doc, probe=False)}
     row = rows["attention"]
-    assert row["uses"] == "sdpa" and set(row["candidates"]) == {"fa3", "fa2", "sdpa", "torch", "sdpa.cudnn",
-                                                                 "sdpa.flash", "sdpa.efficient", "triton"}
+    assert row["uses"] == "sdpa" and set(row["candidates"]) == {"fa3", "fa2", "fa3_hub", "fa3_xformers", "sdpa",
+                                                                 "torch", "sdpa.cudnn", "sdpa.flash",
+                                                                 "sdpa.efficient", "triton"}
     assert row["candidates"]["fa3"] == "needs a CUDA device" and row["candidates"]["torch"] == "available"
     assert row["candidates"]["sdpa.cudnn"] == "needs a CUDA device"
+    assert row["candidates"]["fa3_hub"] == row["candidates"]["fa3_xformers"] == "needs a CUDA GPU"
     assert row["candidates"]["triton"] == "the kernel takes fp16/bf16, not float32"
     assert "attention at 1x24x4x16 / 1x24x4x16: sdpa" in doctor_ops.implementation_text(list(rows.values()))

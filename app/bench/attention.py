@@ -3,7 +3,8 @@
 The self-attention calls of a causal video are few and large (the 1.3B shape's largest: 4680 queries against 32760
 keys, 12 heads of 128), so their rate decides half of a video's GPU time. For the calls of a run (``--calls largest``:
 the largest one; ``all``: the largest of every length bucket the operator store keys on, ``plan_shapes``) this bench
-runs every exact candidate of the store's ``auto`` choice that this machine has (FlashAttention 3 / 2, SDPA's cuDNN,
+runs every exact candidate of the store's ``auto`` choice that this machine has (FlashAttention 3 / 2, FlashAttention 3
+from the kernel hub or xformers, SDPA's cuDNN,
 flash and efficient kernels one by one, SDPA's own pick, the pack's Triton flash-attention kernel) and the opt-in
 approximate modes (``--approximate``), each on the same seeded inputs:
 

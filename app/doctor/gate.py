@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from ...kernels.fa3_packages import PROBLEMS as FA3_PACKAGE_PROBLEMS
 from ...kernels.flash_attention import kernel_problem as triton_attention_problem
 from ...model.attention import explain_backend
 from ...model.blocks import KERNEL_NAMES, epilogue_gelu_runs_on
@@ -90,6 +91,9 @@ def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_
         backend = explain_backend(nxt, device, model.compute_dtype, model.config.head_dim)[0]
     if requested == "auto" and triton_attention_problem(device, model.compute_dtype, model.config.head_dim) is None:
         judge("attention.triton")        # one of the operator store's exact candidates
+    for name, problem in FA3_PACKAGE_PROBLEMS.items():     # FlashAttention 3 from prebuilt packages: candidates too
+        if requested == "auto" and problem(device, model.compute_dtype, model.config.head_dim) is None:
+            judge(f"attention.{name}")
     if kernels_part(options, device):
         for name in KERNEL_NAMES:
             judge(f"kernel.{name}")

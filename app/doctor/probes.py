@@ -20,7 +20,7 @@ from ...kernels import _common, norm_modulate, qk_norm_rope, residual, rms_norm,
 from ...kernels import candidates as op_candidates
 from ...kernels import kitchen
 from ...kernels import fp8_linear as fp8
-from ...kernels import flash_attention, fp8_attention, int8_attention
+from ...kernels import fa3_packages, flash_attention, fp8_attention, int8_attention
 from ...model import attention as attn
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project, epilogue_gelu_runs_on, ffn_epilogue, linear_gelu
@@ -99,6 +99,27 @@ def _check_triton_attention(ctx: ProbeContext) -> Probe:
     return Probe(lambda: flash_attention.flash_attention(q, k, v), lambda: _softmax_math(q, k, v), ctx.dtype,
                  judge_speed=False, ulps=ATTENTION_ULPS,
                  note="checked against math; speed: the operator store times it at the call's shapes")
+
+
+def _fa3_package_requires(name: str):
+    def requires(ctx: ProbeContext) -> None:
+        why = fa3_packages.PROBLEMS[name](ctx.device, ctx.dtype, ctx.head_dim)
+        if why:
+            raise NotAvailable(why, fa3_packages.HINTS[name])
+    return requires
+
+
+def _fa3_package_checker(name: str):
+    """FlashAttention 3 from a prebuilt package (an 'auto' candidate) against plain softmax math."""
+    requires = _fa3_package_requires(name)
+
+    def check(ctx: ProbeContext) -> Probe:
+        requires(ctx)
+        q, k, v = _qkv(ctx)
+        return Probe(lambda: fa3_packages.attention(name, q, k, v), lambda: _softmax_math(q, k, v), ctx.dtype,
+                     judge_speed=False, ulps=ATTENTION_ULPS,
+                     note="checked against math; speed: the operator store times it at the call's shapes")
+    return check
 
 
 def _approximate_checker(mode: str, module):
@@ -397,6 +418,13 @@ for _feature in (
             _check_triton_attention, ("triton",), "this kernel (the other exact candidates)",
             requires=_triton_attention_requires,
             sources=lambda: (str(flash_attention._KERNEL_NAME), flash_attention, attn, _qkv, _softmax_math)),
+    Feature("attention.fa3_hub", "FlashAttention 3 from the Hugging Face kernel hub (opt-in; an 'auto' candidate)",
+            _fa3_package_checker("fa3_hub"), ("kernels",), "this package (the other exact candidates)",
+            requires=_fa3_package_requires("fa3_hub"), sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
+    Feature("attention.fa3_xformers", "FlashAttention 3 through xformers (an 'auto' candidate)",
+            _fa3_package_checker("fa3_xformers"), ("xformers",), "this operator (the other exact candidates)",
+            requires=_fa3_package_requires("fa3_xformers"),
+            sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
     Feature("attention.int8", "int8 attention (opt-in)", _check_int8, ("comfy-kitchen",), "int8 (SDPA is used)",
             sources=lambda: (attn, int8_attention, _qkv, _softmax_math)),
     Feature("attention.fp8", "fp8 attention (opt-in)", _check_fp8_attention, ("triton",), "fp8 (SDPA is used)",
