@@ -101,7 +101,10 @@ def int8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes like x, float32 steps x.shape[:-1]) of x [..., D], one step max|x| / 127 per (token, head),
     rounding half to even (the kernel's in-kernel quantization of Q gives the same codes)."""
     xf = x.float()
-    step = xf.abs().amax(-1).clamp_min(INT8_TINY) / LEVELS
+    amax = xf.abs().amax(-1).clamp_min(INT8_TINY)
+    # a correctly rounded division on every device, as the kernels' div_rn (CUDA torch multiplies by a rounded
+    # reciprocal when the divisor is a Python number: a step one bit off for some maxima)
+    step = amax / (amax.new_full((), LEVELS) if amax.is_cuda else LEVELS)
     return torch.round(xf / step[..., None]).clamp_(-LEVELS, LEVELS).to(torch.int8), step
 
 

@@ -37,6 +37,26 @@ ONE_PASS_MAX = 16384                       # the longest row held whole (8960, t
 TILES = (1024, 2048, 4096)                 # K tiles of the two-pass form
 
 if tl is not None:
+    _triton = _common.triton_module()
+
+    # interpreter-only exact replacements of two conversions (also used by ``kernels/kv_quant.py``); jitted here,
+    # when the module loads, in the mode the kernels run in
+    @_triton.jit
+    def bf16_bits_to_f32(v):
+        # bfloat16 given as its int16 bits -> float32 (the interpreter's own widening drops subnormals)
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+    @_triton.jit
+    def e4m3_grid(y):
+        # float32 y (|y| <= 448) to the e4m3 grid, ties to even, carrying into the exponent (the GPU's
+        # ``cvt.rn.satfinite``; the interpreter's cast does neither), as float32
+        a = tl.abs(y)
+        u = a.to(tl.uint32, bitcast=True)
+        normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        r = tl.where(a < 0.015625, (a + 16384.0) - 16384.0, normal)   # below 2^-6: steps of 2^-9
+        sign = y.to(tl.uint32, bitcast=True) & 0x80000000
+        return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
     def _fp8q_kernel(x_ptr, q_ptr, s_ptr, n_rows, K, x_row_stride, tiny, YBLOCK: tl.constexpr,
                      KBLOCK: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr,
                      BF16_BITS: tl.constexpr):
@@ -53,7 +73,7 @@ if tl is not None:
             mask = row_ok[:, None] & ((start + cols0) < K)[None, :]
             v = tl.load(x_rows + (start + cols0)[None, :], mask=mask, other=0)
             if BF16_BITS:   # interpreter only: bfloat16 given as its bits (its own widening drops subnormals)
-                v = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                v = bf16_bits_to_f32(v)
             v = v.to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
         scale = tl.math.div_rn(tl.maximum(amax, tiny), FP8_MAX)
@@ -64,18 +84,13 @@ if tl is not None:
             if not ONE_PASS:
                 v = tl.load(x_rows + (start + cols0)[None, :], mask=mask, other=0)
                 if BF16_BITS:
-                    v = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                    v = bf16_bits_to_f32(v)
                 v = v.to(tl.float32)
             y = tl.math.div_rn(v, scale[:, None])
             y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
                            propagate_nan=tl.PropagateNan.ALL)
             if ROUND_FP8:   # interpreter only: its e4m3 cast neither rounds to even nor carries; round here
-                a = tl.abs(y)
-                u = a.to(tl.uint32, bitcast=True)
-                normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-                r = tl.where(a < 0.015625, (a + 16384.0) - 16384.0, normal)   # below 2^-6: steps of 2^-9
-                sign = y.to(tl.uint32, bitcast=True) & 0x80000000
-                y = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+                y = e4m3_grid(y)
             tl.store(q_rows + (start + cols0)[None, :], y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
 
 

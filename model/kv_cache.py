@@ -16,8 +16,10 @@ quantized once, when they enter the cache, not on every attention call. Smoothin
 one value vector per (batch, head) from every token; attention is exact only if every key it reads was smoothed
 by the same vector, so a layer's pair is fixed at its first write after the cache was emptied (the mean of those
 first keys and values) and every later write (appends, a rolling window's wrap, a re-cache's rewrite, zero
-padding, a write retried after running out of memory) uses it. The choice is made on the device (a flag beside
-the vectors), so a CUDA graph that captured a first write makes the same choice when replayed. Attention finds
+padding, a write retried after running out of memory) uses it. One fused kernel (``kernels/kv_quant.py``, where
+Triton runs for the tensors) quantizes a write straight into its slots, else the same torch ops. The choice is
+made on the device (a flag beside the vectors), so a CUDA graph that captured a first write makes the same choice
+when replayed. Attention finds
 the copy of the cache view it is given (``fp8_copy``). The copy is made once per cache and kept while the cache
 lives (CUDA graphs captured under the mode read its memory); outside the mode it is not written, and switching
 the mode on again quantizes the cache's contents anew.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import kv_quant
 from ..kernels.fp8_attention import FP8, INT8_TINY, LEVELS, TINY_SCALE, Fp8KV, quantize_smoothed, token_mean
 from .attachments import seq_parallel_of
 
@@ -116,10 +119,15 @@ class Fp8Shadow:
             self.fix_means(k, v)
         self._put(index, k, v)
         if self.pad is not None:
-            zeros = torch.zeros((k.shape[0], self.pad.numel()) + tuple(k.shape[2:]), dtype=k.dtype, device=k.device)
+            zeros = k.new_zeros(()).expand((k.shape[0], self.pad.numel()) + tuple(k.shape[2:]))
             self._put(self.pad, zeros, zeros)
 
     def _put(self, index, k, v) -> None:
+        if not kv_quant.write(k, v, self.k_mean, self.v_mean, index, self.k, self.k_scale, self.v, self.v_scale):
+            self.put_torch(index, k, v)             # else one fused kernel wrote it (CUDA SM 8.9+, the interpreter)
+
+    def put_torch(self, index, k, v) -> None:
+        """``_put`` in torch ops (the definition the fused kernel matches bit for bit; any device)."""
         k8, sk, v8, sv = quantize_smoothed(k, v, self.k_mean, self.v_mean)
         self.k.index_copy_(1, index, k8)
         self.v.view(torch.uint8).index_copy_(3, index, v8.view(torch.uint8).permute(0, 2, 3, 1))  # no fp8

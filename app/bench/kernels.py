@@ -1,9 +1,9 @@
 """``bench kernels``: each fused kernel vs its torch reference, and autotune time cold vs warm (GPU figures); the fp8
-linear mode's fused input quantize vs its torch ops and, on GPUs with fp8 tensor cores (SM 8.9+), a 1.3B block's
-linear layers in fp8 (torch and fused quantize) vs exact.
+linear mode's fused input quantize and the fp8 attention mode's fused KV-cache write vs their torch ops and, on GPUs
+with fp8 tensor cores (SM 8.9+), a 1.3B block's linear layers in fp8 (torch and fused quantize) vs exact.
 
 Without a GPU it says so and runs a tiny interpreter sanity pass (TRITON_INTERPRET=1) of every kernel
-against its reference instead (the fp8 quantize: bit equality with ``quantize_rows`` at small shapes); exit status
+against its reference instead (the fp8 quantize and KV write: bit equality with their torch ops at small shapes); exit status
 0 when they match, 1 when one does not.
 """
 from __future__ import annotations
@@ -62,6 +62,10 @@ def _errors(out, ref) -> tuple[float, float]:
 # width; on a CPU (interpreter) a small shape of each kind, for bit equality only
 FP8_QUANT_SHAPES = (("1.3B block in", 4680, 1536), ("1.3B FFN hid", 4680, 8960))
 CPU_FP8_QUANT_SHAPES = (("small", 24, 1536), ("small odd", 9, 17))
+# the fp8 attention mode's KV-cache write (k and v [B, rows, H, D] into a cache copy of ``capacity`` slots): a 1.3B
+# chunk into a cache of 21 latent frames; on a CPU (interpreter) a small one, for bit equality only
+KV_WRITE_SHAPE = ("1.3B chunk", 1, 4680, 12, 128, 21 * 1560)
+CPU_KV_WRITE_SHAPE = ("small", 1, 37, 2, 16, 48)
 # (label, N, K) of a 1.3B block's linear layers, timed at FP8_TOKENS tokens
 FP8_LAYERS = (("q/k/v", 4608, 1536), ("o", 1536, 1536), ("cross q", 1536, 1536), ("cross o", 1536, 1536),
               ("ffn up", 8960, 1536), ("ffn down", 1536, 8960))
@@ -106,6 +110,49 @@ def fp8_quant_rows(device: str, dtype_name: str, shapes=None) -> list[dict]:
     return rows
 
 
+def fp8_kv_write_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
+    """The fused KV-cache write of the fp8 attention mode (``kernels/kv_quant.py``) against its torch ops
+    (``Fp8Shadow.put_torch``): bit equality of the whole cache copy everywhere, times only on a GPU (bytes moved by
+    the kernel: k and v once, their codes, steps and scales)."""
+    import torch
+
+    from ...kernels import kv_quant
+    from ...model.kv_cache import Fp8Shadow
+
+    label, b, rows, h, d, cap = shape or (KV_WRITE_SHAPE if device == "cuda" else CPU_KV_WRITE_SHAPE)
+    dtype = getattr(torch, dtype_name)
+    row = {"kernel": "fp8_kv_write", "shape": label, "dims": [b, rows, h, d, cap], "dtype": dtype_name}
+    g = torch.Generator().manual_seed(rows)
+    k, v = ((torch.randn(b, rows, h, d, generator=g) * 2 + 0.5).to(device=device, dtype=dtype) for _ in range(2))
+    why = kv_quant.problem(k, v)
+    if why is not None:
+        return [dict(row, skipped=why)]
+    cache = torch.zeros((b, cap, h, d), dtype=dtype, device=device)
+    index = (torch.arange(rows, device=device) + cap - rows // 2) % cap          # wraps around the ring's end
+    fused, ref = Fp8Shadow(cache, cache), Fp8Shadow(cache, cache)
+    ref.fix_means(k, v)
+    fused.fix_means(k, v)
+
+    def run_fused():
+        return kv_quant.write(k, v, fused.k_mean, fused.v_mean, index, fused.k, fused.k_scale, fused.v,
+                              fused.v_scale)
+
+    if not run_fused():
+        return [dict(row, ok=False, error="every config of the kernel failed")]
+    ref.put_torch(index, k, v)
+    equal = all(torch.equal(a.view(torch.uint8), c.view(torch.uint8)) for a, c in (
+        (fused.k, ref.k), (fused.k_scale, ref.k_scale), (fused.v, ref.v), (fused.v_scale, ref.v_scale)))
+    row.update(bit_equal=equal, ok=equal)
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        t_ref = do_bench(lambda: ref.put_torch(index, k, v), warmup=10, rep=50)
+        t_tri = do_bench(run_fused, warmup=10, rep=50)
+        moved = 2 * k.numel() * (k.element_size() + 1) + 2 * b * rows * h * 4
+        row.update(torch_ms=t_ref, triton_ms=t_tri, speedup=t_ref / t_tri, triton_gb_s=moved / t_tri / 1e6)
+    return [row]
+
+
 def fp8_linear_rows(dtype_name: str, tokens: int = FP8_TOKENS) -> list[dict]:
     """A 1.3B block's linear layers on a CUDA GPU with fp8 tensor cores: ``F.linear`` in the run's dtype, the fp8
     linear with the torch quantize (``quantize_rows`` + ``torch._scaled_mm``) and with the fused one, per layer
@@ -142,12 +189,13 @@ def fp8_linear_rows(dtype_name: str, tokens: int = FP8_TOKENS) -> list[dict]:
 
 
 def _print_fp8(rows: list[dict]) -> None:
-    print("fp8 linear mode (quantize: fused vs torch ops; linear: bf16 F.linear vs fp8 with torch / fused quantize):")
+    print("fp8 modes (quantize, KV write: fused vs torch ops; linear: bf16 F.linear vs fp8 with torch / fused "
+          "quantize):")
     for r in rows:
         name = f"  {r['kernel']:<14}{r['shape']:<15}"
         if "skipped" in r or "error" in r:
             print(name + (r.get("skipped") or f"FAILED: {r['error']}"))
-        elif r["kernel"] == "fp8_quantize":
+        elif r["kernel"] in ("fp8_quantize", "fp8_kv_write"):
             times = (f"  torch {r['torch_ms']:.3f} ms  fused {r['triton_ms']:.3f} ms  x{r['speedup']:.2f}  "
                      f"{r['triton_gb_s']:.0f} GB/s" if "torch_ms" in r else "")
             print(name + f"{'bit-equal' if r['bit_equal'] else 'MISMATCH'}{times}")
@@ -181,6 +229,7 @@ def _sanity_child() -> None:
                 rows.append({"kernel": name, "dtype": str(dtype).replace("torch.", ""), "max_err": mx,
                              "mean_err": mean, "ok": bool(ok)})
         rows += fp8_quant_rows("cpu", "float32") + fp8_quant_rows("cpu", "bfloat16")
+        rows += fp8_kv_write_rows("cpu", "float32") + fp8_kv_write_rows("cpu", "bfloat16")
     if rows and "skipped" not in rows[0]:
         rows += vae_sanity_rows()
     print(SANITY_MARK + json.dumps(rows), flush=True)
@@ -412,9 +461,10 @@ def run(args) -> int:
             for r in rows:
                 if "skipped" in r or "error" in r:
                     print(f"  {r['kernel']:<20} {r.get('skipped') or 'FAILED: ' + r['error']}")
-                elif r["kernel"] == "fp8_quantize":
+                elif r["kernel"] in ("fp8_quantize", "fp8_kv_write"):
+                    ref = "quantize_rows" if r["kernel"] == "fp8_quantize" else "its torch ops"
                     print(f"  {r['kernel']:<20} {r['dtype']:<9} {r['shape']:<10} "
-                          f"{'bit-equal to quantize_rows' if r['bit_equal'] else 'MISMATCH'}")
+                          f"{'bit-equal to ' + ref if r['bit_equal'] else 'MISMATCH'}")
                 else:
                     print(f"  {r['kernel']:<20} {r['dtype']:<9} max_err {r['max_err']:.2e} "
                           f"mean_err {r['mean_err']:.2e}  {'ok' if r['ok'] else 'MISMATCH'}")
@@ -424,7 +474,8 @@ def run(args) -> int:
     rows = gpu_rows(args.dtype, args.frames)
     cands = candidate_rows("cuda", args.dtype, args.frames)
     vae = vae_rows("cuda", args.dtype)
-    fp8_rows = fp8_quant_rows("cuda", args.dtype) + fp8_linear_rows(args.dtype)
+    fp8_rows = fp8_quant_rows("cuda", args.dtype) + fp8_kv_write_rows("cuda", args.dtype) + \
+        fp8_linear_rows(args.dtype)
     if args.json:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "candidates": cands, "vae": vae,
                           "fp8": fp8_rows},
