@@ -112,6 +112,13 @@ def use_triton(*tensors) -> bool:
     return devices == {"cpu"} and interpreter_usable()
 
 
+def divide(x, divisor: float):
+    """``x / divisor`` correctly rounded on every device, as a kernel's ``div_rn`` computes it: CUDA torch divides by
+    a Python number by multiplying with its rounded reciprocal (one bit off for some values), so there the divisor
+    is a 0-dim tensor on x's device."""
+    return x / (x.new_full((), divisor) if x.is_cuda else divisor)
+
+
 def needs_autograd(*tensors) -> bool:
     import torch
 

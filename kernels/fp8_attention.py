@@ -102,9 +102,7 @@ def int8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rounding half to even (the kernel's in-kernel quantization of Q gives the same codes)."""
     xf = x.float()
     amax = xf.abs().amax(-1).clamp_min(INT8_TINY)
-    # a correctly rounded division on every device, as the kernels' div_rn (CUDA torch multiplies by a rounded
-    # reciprocal when the divisor is a Python number: a step one bit off for some maxima)
-    step = amax / (amax.new_full((), LEVELS) if amax.is_cuda else LEVELS)
+    step = _common.divide(amax, LEVELS)         # correctly rounded on every device, as the kernels' div_rn
     return torch.round(xf / step[..., None]).clamp_(-LEVELS, LEVELS).to(torch.int8), step
 
 

@@ -53,7 +53,7 @@ _STATE: dict = {"failed": {}}
 def row_scales(t: torch.Tensor) -> torch.Tensor:
     """float32 [rows, 1]: max|row| / 448, at least TINY / 448 (a zero row gets codes 0, not NaN)."""
     # |t| and its maximum are exact in t's own dtype: one float32 value per row, no float32 copy of the rows
-    return t.abs().amax(dim=-1, keepdim=True).float().clamp_min(TINY) / FP8_MAX
+    return _common.divide(t.abs().amax(dim=-1, keepdim=True).float().clamp_min(TINY), FP8_MAX)   # as the kernels
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

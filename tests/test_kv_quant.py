@@ -217,3 +217,33 @@ def test_the_kv_write_compiles_to_correctly_rounded_ptx(tmp_path, monkeypatch, a
 
 if __name__ == "__main__" and "--child" in sys.argv:
     _child()
+
+
+class _DeviceStandIn:
+    """A tensor that says it is on CUDA and records what it is divided by."""
+    is_cuda = True
+
+    def new_full(self, size, value):
+        return ("0-dim tensor", size, value)
+
+    def __truediv__(self, divisor):
+        return divisor
+
+
+def test_scale_divisions_are_correctly_rounded_on_every_device():
+    """Steps and scales are max / 127 and max / 448 as the kernels' div_rn computes them: on CUDA the divisor goes in
+    as a 0-dim tensor (torch multiplies by a rounded reciprocal for a Python number), elsewhere as the number."""
+    from wan_accel.kernels import _common
+    assert _common.divide(_DeviceStandIn(), 448.0) == ("0-dim tensor", (), 448.0)
+    x = torch.rand(1000, generator=torch.Generator().manual_seed(0)) * 1000
+    assert torch.equal(_common.divide(x, 127.0), x / 127.0)
+
+
+@pytest.mark.cuda
+def test_scale_divisions_on_a_gpu_equal_correct_rounding():
+    from wan_accel.kernels import _common
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x = 1 + torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 2.0 ** -20       # a binade's mantissas
+    for d in (127.0, 448.0):       # float64 division rounded once to float32 is the correctly rounded quotient
+        assert torch.equal(_common.divide(x, d), (x.double() / d).float())
