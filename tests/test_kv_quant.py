@@ -20,6 +20,17 @@ CASES = [("bfloat16", 2, 37, 3, 16, 50, "mean"), ("float16", 1, 21, 2, 20, 40, "
          ("float32", 2, 13, 3, 32, 30, "mean"), ("bfloat16", 1, 12, 2, 16, 24, "zero")]
 
 
+def _ends():
+    """The configs with the fewest and the most rows per program: a row's codes do not depend on its block, the masks
+    of a partial block do (the interpreter ignores the warp count); the tuned dispatch below may pick any config."""
+    from wan_accel.kernels import kv_quant
+    by_rows = sorted(kv_quant.CANDIDATES, key=lambda c: (c["BLOCK_R"], c["num_warps"]))
+    return (by_rows[0], by_rows[-1])
+
+
+ENDS = _ends()
+
+
 def _ring_index(rows: int, cap: int, sink: int = 2) -> torch.Tensor:
     """Slots of ``rows`` tokens appended to a ring of ``cap - sink`` slots after ``sink`` fixed ones, starting 6
     slots before the ring's end: they wrap (non-contiguous)."""
@@ -74,7 +85,7 @@ def _child() -> None:
         ref.put_torch(index, k, v)
         expect = _snapshot(ref)
         case = {"configs": 0, "differ": {}}
-        for cfg in kv_quant.CANDIDATES:
+        for cfg in ENDS:
             got = Fp8Shadow(cache, cache)
             got.k_mean.copy_(ref.k_mean)
             got.v_mean.copy_(ref.v_mean)
@@ -116,7 +127,7 @@ def interpreted(tmp_path_factory):
 def test_the_kv_write_kernel_runs_under_the_interpreter(interpreted):
     assert interpreted["usable"] is True
     from wan_accel.kernels import kv_quant
-    assert all(c["configs"] == len(kv_quant.CANDIDATES) for c in interpreted["cases"]), interpreted["cases"]
+    assert all(c["configs"] == len(ENDS) for c in interpreted["cases"]), interpreted["cases"]
     assert all(c["dispatch_tuned"] for c in interpreted["cases"])     # Fp8Shadow.write really launched it
 
 
