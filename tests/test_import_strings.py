@@ -191,11 +191,17 @@ def test_the_scan_sees_every_kind_of_module_string():
             f"{PACK}.app.bench.compile", f"{PACK}.app.ranks.pool", "importlib"} <= modules
 
 
+# optional packages the pack looks for at run time (never dependencies): named, they need not be installed here
+OPTIONAL = ("xformers", "kernels", "flash_attn", "flash_attn_interface")
+
+
 @pytest.mark.parametrize("where,module,attr", NAMED, ids=[f"{w}->{m}" + (f":{a}" if a else "") for w, m, a in NAMED])
 def test_named_module_imports(where, module, attr):
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
+        if module.split(".")[0] in OPTIONAL and exc.name and exc.name.split(".")[0] == module.split(".")[0]:
+            pytest.skip(f"{module}: an optional package, not installed here")
         pytest.fail(f"{where} names the module {module}, which does not import: {exc}")
     if attr:
         obj = mod
