@@ -425,6 +425,9 @@ CASES = [  # (batch, queries, keys, heads, head size, tile, BLOCK_M, dtype, valu
 ]
 
 
+CACHED_CASE, PLAIN_CASE = 1, 3     # the bf16 case also runs on a copy made beforehand; the fp16 one on plain codes
+
+
 def _child() -> None:
     from wan_accel.kernels import _common
     from wan_accel.kernels import fp8_attention as fa
@@ -442,10 +445,13 @@ def _child() -> None:
         config = {"BLOCK_M": bm, "num_warps": 4, "num_stages": 1}
         tri = fa.fp8_attention_triton(q, k, v, config=config, tile=tile)
         ref = fa.fp8_attention_torch(q, k, v, tile=tile)
-        cached = fa.fp8_attention_triton(q, k, v, fa.quantize_kv(k, v), config=config, tile=tile)
+        # a copy of K/V made beforehand, and one not smoothed: each in one case (each kernel run costs seconds here)
+        cached = fa.fp8_attention_triton(q, k, v, fa.quantize_kv(k, v), config=config, tile=tile) \
+            if len(rows) == CACHED_CASE else None
         zeros = torch.zeros(b, h, d)
         plain = fa.quantize_kv(k, v, zeros, zeros)   # not smoothed (tiny steps and scales of zero tokens)
-        tri_plain = fa.fp8_attention_triton(q, k, v, plain, config=config, tile=tile)
+        tri_plain = fa.fp8_attention_triton(q, k, v, plain, config=config, tile=tile) \
+            if len(rows) == PLAIN_CASE else None
         ref_plain = fa.fp8_attention_torch(q, k, v, kv8=plain, tile=tile)
         w = torch.softmax((q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2)) * d ** -0.5, -1)
         mv = fa.token_mean(v)[:, None]
@@ -457,8 +463,9 @@ def _child() -> None:
         rows.append({"shape": [b, lq, lk, h, d], "dtype": str(tri.dtype), "finite": bool(torch.isfinite(tri).all()),
                      "within_tol": bool(((tri.float() - ref.float()).abs() <= tol).all()),
                      "max_diff": float((tri.float() - ref.float()).abs().max()),
-                     "cached_equal": bool(torch.equal(cached, tri)),
-                     "plain_within_tol": bool(((tri_plain.float() - ref_plain.float()).abs() <= tol + (
+                     "cached_equal": None if cached is None else bool(torch.equal(cached, tri)),
+                     "plain_within_tol": None if tri_plain is None else bool(((tri_plain.float() - ref_plain.float())
+                                                                              .abs() <= tol + (
                          (d + tile + 32) * fa.F32_U * (w @ v.double().abs().transpose(1, 2)).transpose(1, 2).float())
                      ).all()),
                      "vs_exact": float(((tri.float() - cases.exact(q, k, v)).abs() / bound).max()),
@@ -479,9 +486,9 @@ def test_the_triton_kernel_matches_the_torch_version_under_the_interpreter(inter
         assert row["kind"] == "triton", row
         assert row["dtype"] == f"torch.{case[7]}" and row["finite"], row
         assert row["within_tol"], row
-        assert row["cached_equal"], row                 # a cached copy of K/V gives the same result
-        assert row["plain_within_tol"], row             # unsmoothed codes (given as a copy) likewise
         assert row["vs_exact"] <= 1.0, row              # and the kernel is within the stated bound of exact
+    assert interpreted[CACHED_CASE]["cached_equal"] is True     # a cached copy of K/V gives the same result
+    assert interpreted[PLAIN_CASE]["plain_within_tol"] is True  # unsmoothed codes (given as a copy) likewise
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

@@ -31,11 +31,9 @@ def _smem_order(c: dict) -> tuple:
 
 
 # The configs differ only in tile sizes: the instruction checks hold for any of them, and shared memory grows with
-# BLOCK_M and the stages, so the config needing the most must fit each GPU (then every smaller one does); the
-# smallest is compiled once too (the other end of the range)
-SMALLEST = min(fp8_attention.CANDIDATES, key=_smem_order)
+# BLOCK_M and the stages, so the config needing the most must fit each GPU (then every smaller one does)
 LARGEST = max(fp8_attention.CANDIDATES, key=_smem_order)
-PTX_CASES = [(89, SMALLEST), (89, LARGEST), (90, LARGEST)]
+PTX_CASES = [(89, LARGEST), (90, LARGEST)]
 
 
 @pytest.mark.parametrize("arch, cfg", PTX_CASES,
