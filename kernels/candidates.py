@@ -22,13 +22,14 @@ backends), ``torch`` (the reference only); plain torch always stays as the last 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from . import _common, kitchen
+from . import _common, flash_attention, kitchen, norm_modulate, qk_norm_rope
 from .norm_modulate import layernorm_modulate, layernorm_modulate_reference
 from .qk_norm_rope import rmsnorm_rope, rmsnorm_rope_reference
 
@@ -37,6 +38,11 @@ log = logging.getLogger("wan_accel.kernels")
 OPS = ("layernorm_modulate", "rmsnorm_rope")
 MODES = ("auto", "pack", "kitchen", "torch")
 KERNEL_PREFIX = "ops."
+# How candidates are timed (the operator store's default timer on a GPU: GPU time per call from CUDA-graph
+# replays, cache/autotune.graph_timer). It is part of each op's store name together with the source of the pack's
+# own candidate, so a choice made with another timing, or against an older pack kernel, is measured again.
+TIMING = "graph-replay"
+_PACK_MODULES = {"layernorm_modulate": norm_modulate, "rmsnorm_rope": qk_norm_rope, "attention": flash_attention}
 VERIFY_ULPS = 8       # tolerance in units of the dtype's resolution at the reference's magnitude
 
 
@@ -102,6 +108,21 @@ def _build() -> dict:
 
 CANDIDATES: dict[str, dict[str, Candidate]] = _build()
 REFERENCES = {"layernorm_modulate": layernorm_modulate_reference, "rmsnorm_rope": rmsnorm_rope_reference}
+
+
+def store_kernel(op: str) -> str:
+    """The operator-store kernel name of ``op``'s choice: ``ops.<op>@<version>``, the version a hash of the timing
+    method and of the pack's own candidate's source."""
+    name = _STORE_NAMES.get(op)
+    if name is None:
+        module = _PACK_MODULES.get(op)
+        name = _common.kernel_name(KERNEL_PREFIX + op, module) if module is not None else KERNEL_PREFIX + op
+        version = hashlib.sha256(f"{TIMING}|{name}".encode()).hexdigest()[:8]
+        name = _STORE_NAMES[op] = f"{KERNEL_PREFIX}{op}@{version}"
+    return name
+
+
+_STORE_NAMES: dict[str, str] = {}
 
 
 def check_mode(mode: str) -> str:
@@ -249,8 +270,8 @@ def pick(op: str, usable: list, skipped: list, args: tuple, *, key: str | None =
             return cand.fn(*sample)
 
     configs = tuple({"impl": c.name} for c in usable)
-    best = tuner.tune(KERNEL_PREFIX + op, key, configs, run, benchmark=benchmark)
-    entry = tuner.entry(KERNEL_PREFIX + op, key) or {}
+    best = tuner.tune(store_kernel(op), key, configs, run, benchmark=benchmark)
+    entry = tuner.entry(store_kernel(op), key) or {}
     failed = [f"{cfg_id.split('=', 1)[-1]}: {f.get('error', {}).get('message', '')[:160]}"
               for cfg_id, f in (entry.get("failed") or {}).items()]
     if best is None:

@@ -238,7 +238,7 @@ def _sdpa(q, k, v, mask=None):
 
 
 # ----------------------------------------------------------------------------- 'auto': the operator store's choice
-STORE_OP = "attention"            # kernel 'ops.attention' in the operator store (kernels/candidates.py)
+STORE_OP = "attention"            # kernel 'ops.attention@<version>' in the operator store (kernels/candidates.store_kernel)
 STORE_ULPS = 4 * op_candidates.VERIFY_ULPS   # two accumulations (q.k over head_dim, p.v over keys) whose order
 #                                               differs between an implementation and the reference
 REFERENCE_BLOCK_BYTES = 1 << 28   # the reference's float32 score block per query slice (memory stays bounded)

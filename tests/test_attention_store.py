@@ -21,7 +21,7 @@ from wan_accel.kernels import candidates as C
 from wan_accel.model import attention as att
 
 MARK = "ATTN_CHILD "
-KERNEL = C.KERNEL_PREFIX + att.STORE_OP
+KERNEL = C.store_kernel(att.STORE_OP)
 # (heads, head_dim, query length, key length): the tiny model's layout and Wan 1.3B's (12 heads of 128)
 LAYOUTS = ((4, 16, 24, 48), (12, 128, 30, 90))
 

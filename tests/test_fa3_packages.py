@@ -16,7 +16,7 @@ from wan_accel.kernels import candidates as C
 from wan_accel.kernels import fa3_packages as fa3
 from wan_accel.model import attention as att
 
-KERNEL = C.KERNEL_PREFIX + att.STORE_OP
+KERNEL = C.store_kernel(att.STORE_OP)
 CUDA = "cuda:0"
 
 

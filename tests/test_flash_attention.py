@@ -102,7 +102,7 @@ def _child() -> None:
     tuner.timer = lambda fn: (fn(), times[ran[-1]])[1]
     q, k, v = make_qkv(torch.bfloat16, 16, 1, 2, 20, 40, "fused", gen)
     chosen = att.attention(q, k, v)
-    entry = tuner.entry(C.KERNEL_PREFIX + att.STORE_OP, att.store_key(q, k))
+    entry = tuner.entry(C.store_kernel(att.STORE_OP), att.store_key(q, k))
     tiles = tuner.entry(fa._KERNEL_NAME, f"D=16|q={_common.rows_bucket(20)}|k={_common.rows_bucket(40)}|h=2|bfloat16")
     store = {"ran": ran[-1], "best": entry["best"]["config"], "failed": sorted(entry["failed"]),
              "timed": sorted(entry["timings"]),
@@ -113,7 +113,7 @@ def _child() -> None:
     fa.LOG2E = 1.0
     q, k, v = make_qkv(torch.float16, 16, 1, 2, 70, 90, "fused", gen)
     att.attention(q, k, v)
-    entry = tuner.entry(C.KERNEL_PREFIX + att.STORE_OP, att.store_key(q, k))
+    entry = tuner.entry(C.store_kernel(att.STORE_OP), att.store_key(q, k))
     wrong = {"ran": ran[-1], "best": entry["best"]["config"], "failed": sorted(entry["failed"]),
              "message": entry["failed"].get("impl=triton", {}).get("error", {}).get("message", "")}
     print(MARK + json.dumps({"cases": rows, "store": store, "wrong": wrong, "autograd": autograd}), flush=True)

@@ -100,7 +100,7 @@ def test_store_records_the_choice_and_a_second_process_times_nothing(tmp_path):
         x = torch.randn(1, 24, 256)
         chosen = [C.choose("layernorm_modulate", (x, torch.randn(1, 2, 256), torch.randn(1, 2, 256), 1e-6))[0]]
         tuner = get_autotuner()
-        entry = tuner.entry("ops.layernorm_modulate", C.call_key("layernorm_modulate",
+        entry = tuner.entry(C.store_kernel("layernorm_modulate"), C.call_key("layernorm_modulate",
                             (x, torch.randn(1, 2, 256), torch.randn(1, 2, 256), 1e-6)))
         print({MARK!r} + json.dumps({{"chosen": chosen[0], "benchmarks": tuner.stats["benchmarks"],
                                      "timed": sorted(entry["timings"])}}))
@@ -145,7 +145,7 @@ def test_the_store_fails_a_wrong_candidate_alone(monkeypatch):
     tuner = Autotuner(None, timer=lambda fn: (fn(), 1.0)[1])
     args = _args("layernorm_modulate", 4, 16)
     assert C.choose("layernorm_modulate", args, "kitchen", tuner=tuner)[0] == "torch"
-    entry = tuner.entry("ops.layernorm_modulate", C.call_key("layernorm_modulate", args))
+    entry = tuner.entry(C.store_kernel("layernorm_modulate"), C.call_key("layernorm_modulate", args))
     assert sorted(entry["failed"]) == sorted(f"impl={n}" for n in _runnable("layernorm_modulate")
                                              if n.startswith("kitchen."))
     assert "wrong numbers" in entry["failed"]["impl=kitchen.eager"]["error"]["message"]

@@ -55,7 +55,7 @@ def test_a_half_only_backend_is_not_a_candidate_for_float32_calls_and_says_why(h
     name, why = C.choose("rmsnorm_rope", _rope_args(torch.float32), "kitchen")
     assert name == "torch" and half_only_rope == []   # never called with float32, so never failed for it
     from wan_accel.cache.autotune import get_autotuner
-    entry = get_autotuner().entry("ops.rmsnorm_rope", C.call_key("rmsnorm_rope", _rope_args(torch.float32))) or {}
+    entry = get_autotuner().entry(C.store_kernel("rmsnorm_rope"), C.call_key("rmsnorm_rope", _rope_args(torch.float32))) or {}
     assert not entry.get("failed")
 
 
