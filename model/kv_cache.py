@@ -195,6 +195,7 @@ class KVCache:
         self._index: dict = {}   # writes -> device index tensor (kept: graphs captured on it read its memory;
         # bounded: a global cache has one pattern per chunk position, a rolling one repeats them)
         self._pad = 0       # zero keys/values the next plan attends past its last token (pad_next)
+        self._fp8_new: list = []   # layers whose fp8 copy the last use_fp8(True) made (drop_new_fp8)
 
     @classmethod
     def for_model(cls, model, batch: int, frame_tokens: int, num_frames: int, kv_window: int = -1,
@@ -216,6 +217,8 @@ class KVCache:
         """Keep (and write) an fp8 copy of every layer beside the exact one (the fp8 attention mode), or stop
         writing it. Switched on, the copy is made where missing and the cache's contents are quantized anew (a
         cache filled another way, e.g. copied from an earlier run, is covered)."""
+        if on:
+            self._fp8_new = []
         for layer in self.layers:
             shadow = getattr(layer.k, _FP8_ATTR, None)
             if not on:
@@ -226,12 +229,23 @@ class KVCache:
                 shadow = Fp8Shadow(layer.k, layer.v)
                 setattr(layer.k, _FP8_ATTR, shadow)
                 _FP8["made"] += 1
+                self._fp8_new.append(layer)
             shadow.enabled = True
             valid = min(self.end, self.capacity)
             if valid:              # the tokens it holds fix the smoothing vectors where nothing written has yet
                 shadow.fix_means(layer.k[:, :valid], layer.v[:, :valid])
                 shadow.write(self._step(((0, self.capacity, 0, self.capacity),), 0).index, layer.k, layer.v,
                              fix=False)
+
+    def drop_new_fp8(self) -> int:
+        """Free the fp8 copies the last ``use_fp8(True)`` made (the run chose exact attention before anything ran
+        with them: a copy of every layer is about a third of the cache's memory); copies made earlier stay, as a
+        captured graph may read them. Returns how many were freed."""
+        new, self._fp8_new = self._fp8_new, []
+        for layer in new:
+            if getattr(layer.k, _FP8_ATTR, None) is not None:
+                delattr(layer.k, _FP8_ATTR)
+        return len(new)
 
     @property
     def ring(self) -> int:

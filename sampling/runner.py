@@ -549,6 +549,7 @@ class Run:
         self.parts = self.parts._replace(attention=auto_request(self.options.switched_off)
                                          if graphs_device(self.model.device) else "sdpa")
         self.kv.use_fp8(False)
+        self.kv.drop_new_fp8()          # judged before the first chunk: nothing ran with the copies made at start
         self.info["attention"] = f"exact ({mode} measured slower)"
 
     def _judge_fp8(self, tokens: int, verdict: tuple | None = None) -> None:

@@ -299,6 +299,10 @@ def _fp8_run(monkeypatch, slow: bool, judged: bool = True, **fast):
     model = tiny_causal_model()
     ctx = torch.randn(1, 4, model.config.text_dim, generator=torch.Generator().manual_seed(0))
     report = {"copies": []}
+    from wan_accel.model import kv_cache
+    caches = report["caches"] = []
+    use_fp8 = kv_cache.KVCache.use_fp8
+    monkeypatch.setattr(kv_cache.KVCache, "use_fp8", lambda self, on: caches.append(self) or use_fp8(self, on))
     real = att.fp8_copy
     monkeypatch.setattr(att, "fp8_copy", lambda k, v: (lambda c: report["copies"].append(c is not None) or c)(
         real(k, v)))
@@ -324,6 +328,10 @@ def test_fp8_measured_slower_keeps_the_exact_path(monkeypatch):
     assert report["attention"] == "exact (fp8 measured slower)"
     assert any("fp8 attention is slower" in n and "--keep-slower" in n for n in report["notes"])
     assert torch.equal(out, exact)
+    # the fp8 copy of the cache made at the run's start is freed with the verdict (no memory held for nothing)
+    from wan_accel.model.kv_cache import _FP8_ATTR
+    assert report["caches"] and all(getattr(layer.k, _FP8_ATTR, None) is None
+                                    for kv in report["caches"] for layer in kv.layers)
 
 
 @pytest.mark.parametrize("keep", [False, True])
@@ -331,6 +339,8 @@ def test_fp8_kept_where_faster_or_where_the_user_insists(monkeypatch, keep):
     out, exact, report = _fp8_run(monkeypatch, slow=keep, keep_slower=keep)
     assert report["fp8_attention_speed"]["slower"] is keep and report["attention"] == "fp8"
     assert not torch.equal(out, exact)
+    from wan_accel.model.kv_cache import _FP8_ATTR
+    assert all(getattr(layer.k, _FP8_ATTR, None) is not None for layer in report["caches"][0].layers)
 
 
 # ----------------------------------------------------------------------------- where the mode is offered
