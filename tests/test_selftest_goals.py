@@ -54,6 +54,12 @@ def test_a_row_that_is_not_what_the_goal_asks_is_not_its_figure():
     assert by["fp8 mode video (DiT only)"]["status"] == "unmeasured"
     assert by["first chunk (DiT)"]["value"] == 200 and "chunk_ms" in by["first chunk (DiT)"]["source"]
     assert by["6th chunk, 4 denoising steps"]["status"] == "unmeasured"      # no per-chunk denoise times
+    # a float32 run: its reference-same-dtype is the float32 reference (distance 0); an optimized row within the
+    # exact paths' float32 bound is exact, one beyond it is not
+    f32 = _sampler(**{"reference-same-dtype": {"steady_s": 0.14, "parity_max_abs": 0.0},
+                      "optimized": {"steady_s": 0.09, "parity_max_abs": 1.2e-6},
+                      "optimized-compiled": {"steady_s": 0.05, "parity_max_abs": 3e-3}})
+    assert _by_goal(goals.judge({"bench sampler": f32}))["exact bf16 video (DiT only)"]["value"] == 0.09
     # output of another shape is unmeasured, never an error
     assert _by_goal(goals.judge({"bench sampler": {"rows": "x"}}))["exact bf16 video (DiT only)"]["value"] is None
 
