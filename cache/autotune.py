@@ -146,6 +146,7 @@ def cuda_timer(fn: Callable[[], object]) -> float:
     return statistics.median(times)
 
 
+TIMING = "graph-replay"   # how default_timer measures on a GPU; part of the store names of choices between paths
 GRAPH_CALLS = 8      # back-to-back calls of fn in one captured graph
 GRAPH_REPLAYS = 5    # timed replays (the median is kept)
 
@@ -373,7 +374,7 @@ class Autotuner:
                           run_exact: Callable[..., object], make: Callable[[], tuple] | None = None
                           ) -> tuple[bool | None, str]:
         """(slower, the two timings in words) of an opt-in approximate ``mode`` against the exact path, tuned as the
-        configs {'impl': mode} and {'impl': 'exact'} of ``kernel`` at ``key`` (one verdict per fingerprint and key:
+        configs {'impl': mode} and {'impl': 'exact'} of ``kernel@TIMING`` at ``key`` (one verdict per fingerprint and key:
         a second process times nothing). slower is None when nothing could be measured. ``make()`` gives the
         inputs both runs take (``run_mode(*inputs)``): made only when something is timed, once, and dropped after,
         so a stored verdict costs no allocation and no copy to the device."""
@@ -387,6 +388,7 @@ class Autotuner:
             return fn(*made[0])
 
         fns = {mode: run_mode, "exact": run_exact}
+        kernel = f"{kernel}@{TIMING}"          # a verdict timed another way is measured again
         best = self.tune(kernel, key, ({"impl": mode}, {"impl": "exact"}), lambda cfg: call(fns[cfg["impl"]]))
         made.clear()
         timings = (self.entry(kernel, key) or {}).get("timings") or {}

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from ..cache import autotune
 from . import _common, flash_attention, kitchen, norm_modulate, qk_norm_rope
 from .norm_modulate import layernorm_modulate, layernorm_modulate_reference
 from .qk_norm_rope import rmsnorm_rope, rmsnorm_rope_reference
@@ -41,7 +42,7 @@ KERNEL_PREFIX = "ops."
 # How candidates are timed (the operator store's default timer on a GPU: GPU time per call from CUDA-graph
 # replays, cache/autotune.graph_timer). It is part of each op's store name together with the source of the pack's
 # own candidate, so a choice made with another timing, or against an older pack kernel, is measured again.
-TIMING = "graph-replay"
+TIMING = autotune.TIMING
 _PACK_MODULES = {"layernorm_modulate": norm_modulate, "rmsnorm_rope": qk_norm_rope, "attention": flash_attention}
 VERIFY_ULPS = 8       # tolerance in units of the dtype's resolution at the reference's magnitude
 
