@@ -75,6 +75,7 @@ def _child() -> None:
             rows.append({"case": i, "config": cfg, "shape_ok": out.shape == ref.shape and out.dtype == args[0].dtype,
                          "max": float(diff.max()), "mean": float(diff.mean()), "ref_max": float(ref.abs().max()),
                          "within_ulp": bool((diff <= ulp + 1e-5 * ref.abs().max()).all()),
+                         "unequal": float((diff > 0).float().mean()),
                          "rows": b * l, "strided": strided})
     print(MARK + json.dumps({"interpreter_usable": _common.use_triton(torch.zeros(1)), "rows": rows}), flush=True)
 
@@ -106,7 +107,9 @@ def test_one_pass_tile_matches_reference(results, index):
         if dtype == "float32":
             assert row["max"] <= 1e-5 * row["ref_max"], row
         else:
-            assert row["within_ulp"] and row["mean"] <= 1e-3, row
+            # the same rounding as the GPU (ROUND_BF16): equal to the reference but where float32 sums in another
+            # order land on the other side of a rounding boundary (about 1e-6 / 2**-8 of the elements; 1% allowed)
+            assert row["within_ulp"] and row["mean"] <= 1e-3 and row["unequal"] <= 0.01, row
 
 
 if __name__ == "__main__" and "--child" in sys.argv:
