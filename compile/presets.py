@@ -23,8 +23,10 @@ STATIC_MODE_OPTIONS: dict[str, dict] = {
     "max-autotune": {"max_autotune": True, "coordinate_descent_tuning": True, "triton.cudagraphs": True},
 }
 
-# Tile caps for the pack's own Triton kernels (kernels/): largest XBLOCK / RBLOCK / YBLOCK and num_warps.
-CONSERVATIVE_CAPS = {"XBLOCK": 64, "RBLOCK": 64, "YBLOCK": 8, "num_warps": 8, "autotune_policy": "default"}
+# Tile caps for the pack's own Triton kernels (kernels/): largest XBLOCK / RBLOCK / YBLOCK and num_warps; ROW 0
+# keeps the row kernels to their looped tiles (no whole-row one-pass tiles; the other presets leave them allowed).
+CONSERVATIVE_CAPS = {"XBLOCK": 64, "RBLOCK": 64, "YBLOCK": 8, "num_warps": 8, "ROW": 0,
+                     "autotune_policy": "default"}
 DEFAULT_CAPS = {"XBLOCK": 128, "RBLOCK": 128, "YBLOCK": 8, "num_warps": 8, "autotune_policy": "default"}
 EXTREME_CAPS = {"XBLOCK": 128, "RBLOCK": 128, "YBLOCK": 16, "num_warps": 16, "autotune_policy": "extreme"}
 

@@ -20,8 +20,10 @@ from typing import Callable
 log = logging.getLogger("wan_accel.kernels")
 
 # Tile caps: the most our kernels may use. Set per compiled model by the compile preset (compile/presets.py).
-DEFAULT_CAPS = {"XBLOCK": 64, "RBLOCK": 64, "YBLOCK": 8, "num_warps": 8, "autotune_policy": "default"}
-CAP_KEYS = ("XBLOCK", "RBLOCK", "YBLOCK", "num_warps")
+# ROW: whether the row kernels may hold a whole row in one tile (1) or only loop over it (0); a one-pass tile's
+# RBLOCK is the row's width, bounded by ROW_WIDTH_LIMIT instead of the RBLOCK cap.
+DEFAULT_CAPS = {"XBLOCK": 64, "RBLOCK": 64, "YBLOCK": 8, "num_warps": 8, "ROW": 1, "autotune_policy": "default"}
+CAP_KEYS = ("XBLOCK", "RBLOCK", "YBLOCK", "num_warps", "ROW")
 
 _CAPS: contextvars.ContextVar = contextvars.ContextVar("wan_accel_kernel_caps", default=None)
 
@@ -285,10 +287,13 @@ def capped_configs(candidates: tuple, caps: dict) -> tuple[dict, ...]:
     hit = _FILTERED.get(sig)
     if hit is not None and hit[0] is candidates:
         return hit[1]
-    kept = tuple(c for c in candidates
-                 if all(c.get(k, 0) <= caps.get(k, c.get(k, 0)) for k in CAP_KEYS))
-    if not kept:
-        kept = (min(candidates, key=lambda c: tuple(c.get(k, 0) for k in CAP_KEYS)),)
+    def within(c: dict) -> bool:
+        return all(c.get(k, 0) <= caps.get(k, c.get(k, 0)) for k in CAP_KEYS
+                   if not (k == "RBLOCK" and c.get("ROW")))      # a one-pass tile's RBLOCK is its row's width
+
+    kept = tuple(c for c in candidates if within(c))
+    if not kept:        # the smallest looped tile before any one-pass one
+        kept = (min(candidates, key=lambda c: (c.get("ROW", 0),) + tuple(c.get(k, 0) for k in CAP_KEYS)),)
     _FILTERED[sig] = (candidates, kept)
     return kept
 
@@ -376,11 +381,59 @@ def register_op(name: str, impl: Callable, fake: Callable):
             return None
 
 
-# Candidate tiles of the row kernels (LayerNorm+modulate, RMSNorm+RoPE): YBLOCK rows per program, RBLOCK
-# channels per step, warps. The compile preset's caps remove the larger ones.
+# Candidate tiles of the row kernels (LayerNorm+modulate, RMSNorm+RoPE, RMSNorm): YBLOCK rows per program, RBLOCK
+# channels per step, warps; each row is read twice (statistics, then output). The compile preset's caps remove the
+# larger ones. These loop over rows of any width.
 ROW_CANDIDATES = tuple({"YBLOCK": y, "RBLOCK": r, "num_warps": w} for y, r, w in (
     (1, 64, 2), (2, 64, 2), (4, 64, 4), (8, 64, 4), (8, 64, 8),
     (1, 128, 4), (4, 128, 4), (8, 128, 8), (16, 128, 8), (16, 128, 16)))
+
+# One-pass ("ROW") tiles: the whole row is one [YBLOCK, RBLOCK] tile, RBLOCK the next power of two >= the width,
+# read once into registers, its statistics reduced once and the output written from the registers. Only for rows
+# up to ROW_WIDTH_LIMIT channels, and only (YBLOCK, num_warps) pairs holding at most ROW_VALUES_PER_THREAD float32
+# values of the tile per thread (more would spill registers).
+ROW_WIDTH_LIMIT = 8192
+ROW_VALUES_PER_THREAD = 64
+ROW_MIN_BLOCK = 16
+ONE_PASS_TILES = ((1, 4), (2, 4), (1, 8), (2, 8), (4, 8), (1, 16))      # (YBLOCK, num_warps)
+
+
+def row_block(width: int) -> int:
+    """RBLOCK of a one-pass tile over rows of ``width`` channels."""
+    return max(ROW_MIN_BLOCK, next_pow2(width))
+
+
+def _one_pass_class(block: int) -> tuple:
+    return ROW_CANDIDATES + tuple({"ROW": 1, "YBLOCK": y, "RBLOCK": block, "num_warps": w}
+                                  for y, w in ONE_PASS_TILES if y * block <= ROW_VALUES_PER_THREAD * 32 * w)
+
+
+# one module-level tuple per width class (capped_configs and the operator store recognise tuples by identity)
+_ROW_CLASSES = {block: _one_pass_class(block) for block in
+                (1 << p for p in range(ROW_MIN_BLOCK.bit_length() - 1, ROW_WIDTH_LIMIT.bit_length()))}
+
+
+def row_candidates(width: int) -> tuple[dict, ...]:
+    """The row kernels' candidates for rows of ``width`` channels: the looped tiles, plus the one-pass tiles of
+    the row's width class where the width is at most ROW_WIDTH_LIMIT."""
+    return ROW_CANDIDATES if width > ROW_WIDTH_LIMIT else _ROW_CLASSES[row_block(width)]
+
+
+def row_tile(cfg: dict, width: int) -> dict:
+    """The tile constexprs (YBLOCK, RBLOCK, ROW) a row kernel launches with for ``cfg``: a one-pass config's RBLOCK
+    is computed from the width here. ValueError for a one-pass config over a row wider than ROW_WIDTH_LIMIT."""
+    if not cfg.get("ROW"):
+        return {"YBLOCK": cfg["YBLOCK"], "RBLOCK": cfg["RBLOCK"], "ROW": False}
+    if width > ROW_WIDTH_LIMIT:
+        raise ValueError(f"a one-pass row tile holds rows of at most {ROW_WIDTH_LIMIT} channels, not {width}; "
+                         f"use a looped config (no ROW)")
+    return {"YBLOCK": cfg["YBLOCK"], "RBLOCK": row_block(width), "ROW": True}
+
+
+def row_smem(cfg: dict, tiles: int) -> int:
+    """Upper estimate of a row kernel's shared memory: layout changes of ``tiles`` [YBLOCK, RBLOCK] float32 tiles
+    and the cross-warp reductions (per row and warp, doubled)."""
+    return cfg["YBLOCK"] * cfg["RBLOCK"] * 4 * tiles + cfg["YBLOCK"] * cfg["num_warps"] * 4 * 2
 
 
 def frame_batch_stride(mod, batch: int, width: int) -> int:

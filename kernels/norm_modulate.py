@@ -16,8 +16,10 @@ except Exception:  # noqa: BLE001 - no triton: only the torch path exists
 
 NAME = "layernorm_modulate"
 
-# Candidate tiles: YBLOCK rows per program, RBLOCK columns per step. Capped by the compile preset.
+# Candidate tiles: YBLOCK rows per program, RBLOCK columns per step (looped, any width) and, for rows up to
+# _common.ROW_WIDTH_LIMIT, one-pass tiles (ROW: the whole row in registers). Capped by the compile preset.
 CANDIDATES = _common.ROW_CANDIDATES
+candidates = _common.row_candidates
 
 
 def _as_frames(t: torch.Tensor) -> torch.Tensor:
@@ -54,51 +56,67 @@ def layernorm_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: to
 
 if tl is not None:
     def _lnmod_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, n_rows, D, L, tokens_per_frame, mod_bstride, eps,
-                      YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+                      YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr, ROUND_BF16: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * YBLOCK + tl.arange(0, YBLOCK)
         row_ok = rows < n_rows
         rows64 = rows.to(tl.int64)
         x_rows = x_ptr + rows64[:, None] * D
-        cols0 = tl.arange(0, RBLOCK)
-        # pass 1: mean and M2 per row, merging per-chunk statistics (Chan et al.): stable in float32
-        mean = tl.zeros([YBLOCK], dtype=tl.float32)
-        m2 = tl.zeros([YBLOCK], dtype=tl.float32)
-        count = tl.zeros([YBLOCK], dtype=tl.float32)
-        for start in range(0, D, RBLOCK):
-            cols = start + cols0
-            mask = row_ok[:, None] & (cols < D)[None, :]
-            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            n_b = tl.sum(mask.to(tl.float32), axis=1)
-            c_mean = tl.sum(v, axis=1) / tl.maximum(n_b, 1.0)
-            dev = tl.where(mask, v - c_mean[:, None], 0.0)
-            c_m2 = tl.sum(dev * dev, axis=1)
-            total = tl.maximum(count + n_b, 1.0)
-            delta = c_mean - mean
-            mean = mean + delta * (n_b / total)
-            m2 = m2 + c_m2 + delta * delta * (count * n_b / total)
-            count = count + n_b
-        rstd = 1.0 / tl.sqrt(m2 / tl.maximum(count, 1.0) + eps)
-        # pass 2: normalise, modulate with the row's frame, store
-        frame = (rows64 % L) // tokens_per_frame
+        o_rows = out_ptr + rows64[:, None] * D
+        frame = (rows64 % L) // tokens_per_frame      # the row's frame of shift/scale
         mod_rows = (rows64 // L) * mod_bstride + frame * D
-        for start in range(0, D, RBLOCK):
-            cols = start + cols0
-            mask = row_ok[:, None] & (cols < D)[None, :]
-            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            offs = mod_rows[:, None] + cols[None, :]
+        cols0 = tl.arange(0, RBLOCK)
+        if ROW:  # one pass: the whole row (RBLOCK >= D) read once; mean, then squared deviations from it (float32)
+            mask = row_ok[:, None] & (cols0 < D)[None, :]
+            v = tl.load(x_rows + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
+            mean = tl.sum(v, axis=1) / D
+            dev = tl.where(mask, v - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(dev * dev, axis=1) / D + eps)
+            offs = mod_rows[:, None] + cols0[None, :]
             sh = tl.load(shift_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             sc = tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            y = (v - mean[:, None]) * rstd[:, None] * (1.0 + sc) + sh
+            y = dev * rstd[:, None] * (1.0 + sc) + sh
             if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
                 u = y.to(tl.uint32, bitcast=True)
                 y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
-            tl.store(out_ptr + rows64[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(o_rows + cols0[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # pass 1: mean and M2 per row, merging per-chunk statistics (Chan et al.): stable in float32
+            mean = tl.zeros([YBLOCK], dtype=tl.float32)
+            m2 = tl.zeros([YBLOCK], dtype=tl.float32)
+            count = tl.zeros([YBLOCK], dtype=tl.float32)
+            for start in range(0, D, RBLOCK):
+                cols = start + cols0
+                mask = row_ok[:, None] & (cols < D)[None, :]
+                v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                n_b = tl.sum(mask.to(tl.float32), axis=1)
+                c_mean = tl.sum(v, axis=1) / tl.maximum(n_b, 1.0)
+                dev = tl.where(mask, v - c_mean[:, None], 0.0)
+                c_m2 = tl.sum(dev * dev, axis=1)
+                total = tl.maximum(count + n_b, 1.0)
+                delta = c_mean - mean
+                mean = mean + delta * (n_b / total)
+                m2 = m2 + c_m2 + delta * delta * (count * n_b / total)
+                count = count + n_b
+            rstd = 1.0 / tl.sqrt(m2 / tl.maximum(count, 1.0) + eps)
+            # pass 2: normalise, modulate with the row's frame, store
+            for start in range(0, D, RBLOCK):
+                cols = start + cols0
+                mask = row_ok[:, None] & (cols < D)[None, :]
+                v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                offs = mod_rows[:, None] + cols[None, :]
+                sh = tl.load(shift_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                sc = tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                y = (v - mean[:, None]) * rstd[:, None] * (1.0 + sc) + sh
+                if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
+                    u = y.to(tl.uint32, bitcast=True)
+                    y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                tl.store(o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _smem(cfg: dict) -> int:
     # cross-warp reductions and layout changes of one [YBLOCK, RBLOCK] float32 tile (upper estimate)
-    return cfg["YBLOCK"] * cfg["RBLOCK"] * 4 + cfg["YBLOCK"] * cfg["num_warps"] * 4 * 2
+    return _common.row_smem(cfg, tiles=1)
 
 
 _KERNEL_NAME = _common.kernel_name(NAME, _lnmod_kernel) if tl is not None else NAME
@@ -117,8 +135,8 @@ def _launcher(x, shift, scale, eps):
         kernel = _common.jit(_lnmod_kernel)
         grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
         with _common.device_guard(x2):
-            kernel[grid](x2, sh, sc, out, rows, d, l, l // f, bstride, float(eps),
-                         YBLOCK=cfg["YBLOCK"], RBLOCK=cfg["RBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+            kernel[grid](x2, sh, sc, out, rows, d, l, l // f, bstride, float(eps), **_common.row_tile(cfg, d),
+                         ROUND_BF16=rnd, num_warps=cfg["num_warps"])
 
     key = (f"D={d}|rows={_common.rows_bucket(rows)}|F={'1' if f == 1 else 'n'}|"
            f"{_common.dtype_name(x)}|{_common.dtype_name(sh)}")
@@ -130,7 +148,7 @@ def run_triton(x, shift, scale, eps=1e-6, config: dict | None = None) -> torch.T
     Falls back to the torch reference when every config fails."""
     shift, scale = _check(x, shift, scale)
     launch, key, out = _launcher(x, shift, scale, eps)
-    if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, x, smem=_smem):
+    if _common.launched(_KERNEL_NAME, key, candidates(x.shape[2]), launch, config, x, smem=_smem):
         return out
     return layernorm_modulate_reference(x, shift, scale, eps)
 

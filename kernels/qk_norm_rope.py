@@ -15,8 +15,10 @@ except Exception:  # noqa: BLE001 - no triton: only the torch path exists
 
 NAME = "rmsnorm_rope"
 
-# YBLOCK rows per program, RBLOCK channels per step (RBLOCK/2 rotation pairs). Capped by the compile preset.
+# YBLOCK rows per program, RBLOCK channels per step (RBLOCK/2 rotation pairs): looped tiles for any width and, for
+# rows up to _common.ROW_WIDTH_LIMIT, one-pass tiles (ROW: the whole row in registers). Capped by the compile preset.
 CANDIDATES = _common.ROW_CANDIDATES
+candidates = _common.row_candidates
 
 
 def _check(x, weight, cos, sin, num_heads):
@@ -54,53 +56,72 @@ def rmsnorm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Ten
 
 if tl is not None:
     def _rmsrope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, L, half_hd, eps, x_row_stride,
-                        YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+                        YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr, ROUND_BF16: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * YBLOCK + tl.arange(0, YBLOCK)
         row_ok = rows < n_rows
         rows64 = rows.to(tl.int64)
         x_rows = x_ptr + rows64[:, None] * x_row_stride   # rows of a q/k view of the fused q/k/v output
-        # pass 1: mean of squares over the full width, float32
-        cols0 = tl.arange(0, RBLOCK)
-        acc = tl.zeros([YBLOCK], dtype=tl.float32)
-        for start in range(0, D, RBLOCK):
-            cols = start + cols0
-            mask = row_ok[:, None] & (cols < D)[None, :]
-            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += tl.sum(v * v, axis=1)
-        inv = 1.0 / tl.sqrt(acc / D + eps)
-        # pass 2: scale, weight, rotate pairs (2j, 2j+1) by the token's angle of pair j within its head
+        o_rows = out_ptr + rows64[:, None] * D
         tok = rows64 % L
+        cols0 = tl.arange(0, RBLOCK)
         pairs0 = tl.arange(0, RBLOCK // 2)
         n_pairs = D // 2
-        for start in range(0, n_pairs, RBLOCK // 2):
-            pairs = start + pairs0
-            pmask = pairs < n_pairs
-            mask = row_ok[:, None] & pmask[None, :]
-            even = 2 * pairs
-            xe = tl.load(x_rows + even[None, :], mask=mask, other=0.0).to(tl.float32)
-            xo = tl.load(x_rows + even[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
-            we = tl.load(w_ptr + even, mask=pmask, other=0.0).to(tl.float32)
-            wo = tl.load(w_ptr + even + 1, mask=pmask, other=0.0).to(tl.float32)
-            ang = tok[:, None] * half_hd + (pairs % half_hd)[None, :]
-            c = tl.load(cos_ptr + ang, mask=mask, other=1.0).to(tl.float32)
-            s = tl.load(sin_ptr + ang, mask=mask, other=0.0).to(tl.float32)
-            ae = xe * inv[:, None] * we[None, :]
-            ao = xo * inv[:, None] * wo[None, :]
-            oe = ae * c - ao * s
-            oo = ae * s + ao * c
+        if ROW:  # one pass: the whole row (RBLOCK >= D) read once and contiguously, written from the registers
+            cmask = cols0 < D
+            mask = row_ok[:, None] & cmask[None, :]
+            v = tl.load(x_rows + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+            w = tl.load(w_ptr + cols0, mask=cmask, other=0.0).to(tl.float32)
+            a = v * inv[:, None] * w[None, :]
+            ae, ao = tl.split(tl.reshape(a, [YBLOCK, RBLOCK // 2, 2]))    # channels 2j and 2j+1
+            pmask = row_ok[:, None] & (pairs0 < n_pairs)[None, :]
+            ang = tok[:, None] * half_hd + (pairs0 % half_hd)[None, :]
+            c = tl.load(cos_ptr + ang, mask=pmask, other=1.0).to(tl.float32)
+            s = tl.load(sin_ptr + ang, mask=pmask, other=0.0).to(tl.float32)
+            y = tl.reshape(tl.join(ae * c - ao * s, ae * s + ao * c), [YBLOCK, RBLOCK])
             if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-                ue = oe.to(tl.uint32, bitcast=True)
-                oe = ((ue + 0x7FFF + ((ue >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
-                uo = oo.to(tl.uint32, bitcast=True)
-                oo = ((uo + 0x7FFF + ((uo >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
-            o_rows = out_ptr + rows64[:, None] * D
-            tl.store(o_rows + even[None, :], oe.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(o_rows + even[None, :] + 1, oo.to(out_ptr.dtype.element_ty), mask=mask)
+                u = y.to(tl.uint32, bitcast=True)
+                y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+            tl.store(o_rows + cols0[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # pass 1: mean of squares over the full width, float32
+            acc = tl.zeros([YBLOCK], dtype=tl.float32)
+            for start in range(0, D, RBLOCK):
+                cols = start + cols0
+                mask = row_ok[:, None] & (cols < D)[None, :]
+                v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                acc += tl.sum(v * v, axis=1)
+            inv = 1.0 / tl.sqrt(acc / D + eps)
+            # pass 2: scale, weight, rotate pairs (2j, 2j+1) by the token's angle of pair j within its head
+            for start in range(0, n_pairs, RBLOCK // 2):
+                pairs = start + pairs0
+                pmask = pairs < n_pairs
+                mask = row_ok[:, None] & pmask[None, :]
+                even = 2 * pairs
+                xe = tl.load(x_rows + even[None, :], mask=mask, other=0.0).to(tl.float32)
+                xo = tl.load(x_rows + even[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+                we = tl.load(w_ptr + even, mask=pmask, other=0.0).to(tl.float32)
+                wo = tl.load(w_ptr + even + 1, mask=pmask, other=0.0).to(tl.float32)
+                ang = tok[:, None] * half_hd + (pairs % half_hd)[None, :]
+                c = tl.load(cos_ptr + ang, mask=mask, other=1.0).to(tl.float32)
+                s = tl.load(sin_ptr + ang, mask=mask, other=0.0).to(tl.float32)
+                ae = xe * inv[:, None] * we[None, :]
+                ao = xo * inv[:, None] * wo[None, :]
+                oe = ae * c - ao * s
+                oo = ae * s + ao * c
+                if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
+                    ue = oe.to(tl.uint32, bitcast=True)
+                    oe = ((ue + 0x7FFF + ((ue >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                    uo = oo.to(tl.uint32, bitcast=True)
+                    oo = ((uo + 0x7FFF + ((uo >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                tl.store(o_rows + even[None, :], oe.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(o_rows + even[None, :] + 1, oo.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _smem(cfg: dict) -> int:
-    return cfg["YBLOCK"] * cfg["RBLOCK"] * 4 * 2 + cfg["YBLOCK"] * cfg["num_warps"] * 4 * 2
+    # looped: layout changes of the even and odd tiles; one-pass: the split/join of the row's tile
+    return _common.row_smem(cfg, tiles=1 if cfg.get("ROW") else 2)
 
 
 _KERNEL_NAME = _common.kernel_name(NAME, _rmsrope_kernel) if tl is not None else NAME
@@ -128,8 +149,8 @@ def _launcher(x, weight, cos, sin, num_heads, eps):
         kernel = _common.jit(_rmsrope_kernel)
         grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
         with _common.device_guard(x2):
-            kernel[grid](x2, w, c, s, out, rows, d, l, hd // 2, float(eps), x2.stride(1),
-                         YBLOCK=cfg["YBLOCK"], RBLOCK=cfg["RBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+            kernel[grid](x2, w, c, s, out, rows, d, l, hd // 2, float(eps), x2.stride(1), **_common.row_tile(cfg, d),
+                         ROUND_BF16=rnd, num_warps=cfg["num_warps"])
 
     key = (f"D={d}|hd={hd}|rows={_common.rows_bucket(rows)}|{_common.dtype_name(x)}|"
            f"w={_common.dtype_name(w)}|rope={_common.dtype_name(c)}")
@@ -141,7 +162,7 @@ def run_triton(x, weight, cos, sin, num_heads, eps=1e-6, config: dict | None = N
     Falls back to the torch reference when every config fails."""
     _check(x, weight, cos, sin, num_heads)
     launch, key, out = _launcher(x, weight, cos, sin, num_heads, eps)
-    if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, x, smem=_smem):
+    if _common.launched(_KERNEL_NAME, key, candidates(x.shape[2]), launch, config, x, smem=_smem):
         return out
     return rmsnorm_rope_reference(x, weight, cos, sin, num_heads, eps)
 

@@ -3,8 +3,9 @@
 x [B, L, D] (any row stride with unit channel stride: the q projection's output read in place); weight [D].
 Mean of squares over all D channels in float32, x times its reciprocal square root times weight in float32, one
 rounding to x's dtype. Returns [B, L, D] contiguous. One kernel where the torch module runs about six (cast, square,
-mean, rsqrt, two multiplies and their casts); the same two-pass row layout and tile candidates as RMSNorm+RoPE
-(``qk_norm_rope.py``), tuned through the operator store under its own name.
+mean, rsqrt, two multiplies and their casts); the same row tiles as RMSNorm+RoPE (``qk_norm_rope.py``: one-pass
+tiles holding the whole row, looped two-pass ones for any width), tuned through the operator store under its own
+name.
 """
 import torch
 
@@ -18,8 +19,10 @@ except Exception:  # noqa: BLE001 - no triton: only the torch path exists
 
 NAME = "rmsnorm"
 
-# YBLOCK rows per program, RBLOCK channels per step. Capped by the compile preset.
+# YBLOCK rows per program, RBLOCK channels per step (looped tiles, any width), and for rows up to
+# _common.ROW_WIDTH_LIMIT the one-pass tiles (ROW: the whole row in registers). Capped by the compile preset.
 CANDIDATES = _common.ROW_CANDIDATES
+candidates = _common.row_candidates
 
 
 def _check(x, weight):
@@ -39,34 +42,46 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) 
 
 if tl is not None:
     def _rms_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, eps, x_row_stride,
-                    YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+                    YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr, ROUND_BF16: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * YBLOCK + tl.arange(0, YBLOCK)
         row_ok = rows < n_rows
         rows64 = rows.to(tl.int64)
         x_rows = x_ptr + rows64[:, None] * x_row_stride
-        cols0 = tl.arange(0, RBLOCK)
-        # pass 1: mean of squares over the full width, float32
-        acc = tl.zeros([YBLOCK], dtype=tl.float32)
-        for start in range(0, D, RBLOCK):
-            cols = start + cols0
-            mask = row_ok[:, None] & (cols < D)[None, :]
-            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += tl.sum(v * v, axis=1)
-        inv = 1.0 / tl.sqrt(acc / D + eps)
-        # pass 2: scale and weight, one rounding on the store
         o_rows = out_ptr + rows64[:, None] * D
-        for start in range(0, D, RBLOCK):
-            cols = start + cols0
-            cmask = cols < D
+        cols0 = tl.arange(0, RBLOCK)
+        if ROW:  # one pass: the whole row (RBLOCK >= D) read once, its mean of squares, output from the registers
+            cmask = cols0 < D
             mask = row_ok[:, None] & cmask[None, :]
-            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            v = tl.load(x_rows + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+            w = tl.load(w_ptr + cols0, mask=cmask, other=0.0).to(tl.float32)
             y = v * inv[:, None] * w[None, :]
             if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
                 u = y.to(tl.uint32, bitcast=True)
                 y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
-            tl.store(o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(o_rows + cols0[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # pass 1: mean of squares over the full width, float32
+            acc = tl.zeros([YBLOCK], dtype=tl.float32)
+            for start in range(0, D, RBLOCK):
+                cols = start + cols0
+                mask = row_ok[:, None] & (cols < D)[None, :]
+                v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                acc += tl.sum(v * v, axis=1)
+            inv = 1.0 / tl.sqrt(acc / D + eps)
+            # pass 2: scale and weight, one rounding on the store
+            for start in range(0, D, RBLOCK):
+                cols = start + cols0
+                cmask = cols < D
+                mask = row_ok[:, None] & cmask[None, :]
+                v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+                y = v * inv[:, None] * w[None, :]
+                if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
+                    u = y.to(tl.uint32, bitcast=True)
+                    y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                tl.store(o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _KERNEL_NAME = _common.kernel_name(NAME, _rms_kernel) if tl is not None else NAME
@@ -83,8 +98,8 @@ def _launcher(x, weight, eps):
         kernel = _common.jit(_rms_kernel)
         grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
         with _common.device_guard(x2):
-            kernel[grid](x2, w, out, rows, d, float(eps), x2.stride(1),
-                         YBLOCK=cfg["YBLOCK"], RBLOCK=cfg["RBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+            kernel[grid](x2, w, out, rows, d, float(eps), x2.stride(1), **_common.row_tile(cfg, d),
+                         ROUND_BF16=rnd, num_warps=cfg["num_warps"])
 
     key = f"D={d}|rows={_common.rows_bucket(rows)}|{_common.dtype_name(x)}|w={_common.dtype_name(w)}"
     return launch, key, out
@@ -95,7 +110,7 @@ def run_triton(x, weight, eps=1e-6, config: dict | None = None) -> torch.Tensor:
     Falls back to the torch reference when every config fails."""
     _check(x, weight)
     launch, key, out = _launcher(x, weight, eps)
-    if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, x, smem=_smem):
+    if _common.launched(_KERNEL_NAME, key, candidates(x.shape[2]), launch, config, x, smem=_smem):
         return out
     return rmsnorm_reference(x, weight, eps)
 

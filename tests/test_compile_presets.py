@@ -38,6 +38,10 @@ def test_preset_table(preset, lock, mode):
         assert (caps["XBLOCK"], caps["RBLOCK"], caps["YBLOCK"], caps["num_warps"]) == (128, 128, 16, 16)
     else:
         assert "max_fusion_size" not in options and caps["num_warps"] <= 8
+    from wan_accel.kernels import current_caps, use_kernel_caps
+
+    with use_kernel_caps(caps):      # one-pass row tiles: off under the conservative (locked) caps only
+        assert current_caps()["ROW"] == (0 if lock else 1)
 
 
 @pytest.mark.parametrize("backend", ["cudagraphs", "eager"])
@@ -108,7 +112,10 @@ def test_kernel_default_caps_are_the_conservative_preset():
     from wan_accel.compile.presets import CONSERVATIVE_CAPS
     from wan_accel.kernels import DEFAULT_CAPS
 
-    assert DEFAULT_CAPS == CONSERVATIVE_CAPS
+    # the same tile bounds; one-pass row tiles allowed outside a preset, off under the conservative caps
+    assert {k: v for k, v in DEFAULT_CAPS.items() if k != "ROW"} == \
+        {k: v for k, v in CONSERVATIVE_CAPS.items() if k != "ROW"}
+    assert DEFAULT_CAPS["ROW"] == 1 and CONSERVATIVE_CAPS["ROW"] == 0
 
 
 def test_graph_safe_settings_keep_the_pack_graphs_in_charge():

@@ -105,7 +105,7 @@ def test_every_config_failing_falls_back_to_torch_and_is_remembered(monkeypatch,
     assert torch.equal(out, layernorm_modulate_reference(x, shift, scale, 1e-6))
     assert any("every config of kernel layernorm_modulate" in r.message and "OutOfResources" in r.message
                for r in caplog.records)
-    n_configs = len(_common.capped_configs(norm_modulate.CANDIDATES, _common.current_caps()))
+    n_configs = len(_common.capped_configs(norm_modulate.candidates(x.shape[2]), _common.current_caps()))
     assert len(fake.launches) == n_configs
     entry = LimitCache(cache_path).entries("operator")[0]["value"]
     assert len(entry["failed"]) == n_configs and entry["best"] is None
@@ -131,6 +131,37 @@ def test_tile_caps_bound_the_candidates(monkeypatch):
     assert any(m["RBLOCK"] == 128 for m in fake.launches)
     assert any(m["YBLOCK"] == 16 and m["num_warps"] == 16 for m in fake.launches)
     assert get_autotuner().stats["failures"] == 0
+
+
+def test_one_pass_tiles_follow_the_width_bound_and_the_row_cap(monkeypatch):
+    limit = _common.ROW_WIDTH_LIMIT
+    for d in (16, 64, 96, 1536, 5120, limit):
+        ones = [c for c in _common.row_candidates(d) if c.get("ROW")]
+        assert ones and all(c["RBLOCK"] == _common.next_pow2(d) >= d for c in ones)
+        assert all(c["YBLOCK"] * c["RBLOCK"] <= _common.ROW_VALUES_PER_THREAD * 32 * c["num_warps"] for c in ones)
+        assert _common.row_candidates(d) is _common.row_candidates(_common.next_pow2(d))   # one tuple per class
+    for d in (limit + 2, 2 * limit):                        # wider rows: only the looped tiles
+        assert _common.row_candidates(d) is _common.ROW_CANDIDATES
+    with pytest.raises(ValueError, match="at most"):
+        _common.row_tile({"ROW": 1, "YBLOCK": 1, "num_warps": 4}, limit + 2)
+    # the default caps keep them (their RBLOCK is the row's width, not bounded by the RBLOCK cap); ROW 0 drops them
+    cands = _common.row_candidates(1536)
+    assert any(c.get("ROW") for c in _common.capped_configs(cands, _common.DEFAULT_CAPS))
+    assert not any(c.get("ROW") for c in _common.capped_configs(cands, dict(_common.DEFAULT_CAPS, ROW=0)))
+    assert not any(c.get("ROW") for c in _common.capped_configs(cands, CONSERVATIVE_CAPS))
+    # what the operator store launches: the row's whole width as one tile under the default caps only
+    fake = _FakeKernel(limit_elems=10 ** 9)
+    monkeypatch.setattr(_common, "jit", lambda fn: fake)
+    x, shift, scale = _ln_inputs(d=40)
+    norm_modulate.run_triton(x, shift, scale, 1e-6)
+    assert {(m["ROW"], m["RBLOCK"]) for m in fake.launches if m["ROW"]} == {(True, 64)}
+    assert any(not m["ROW"] for m in fake.launches)
+    for caps, wide in ((CONSERVATIVE_CAPS, False), (None, True)):
+        fake.launches.clear()
+        reset_autotuners()
+        with use_kernel_caps(caps):
+            norm_modulate.run_triton(*_ln_inputs(d=limit + 8 if wide else 40), 1e-6)
+        assert fake.launches and not any(m["ROW"] for m in fake.launches)
 
 
 def test_kernels_are_one_op_inside_torch_compile():

@@ -33,12 +33,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,module,fn_name,sig,cfg,arch", CASES, ids=[c[0] for c in CASES])
+# one-pass tiles: the widest row class with its most rows and its most warps (the split/join of RMSNorm+RoPE's
+# row uses shared memory growing with the warps)
+_WIDEST = [c for c in _common.row_candidates(_common.ROW_WIDTH_LIMIT) if c.get("ROW")]
+CASES += [(f"{name}-row", module, fn_name, sig, cfg, 90) for name, module, fn_name, sig, _cfg, _arch in CASES[:3]
+          for cfg in (max(_WIDEST, key=lambda c: c["YBLOCK"]), max(_WIDEST, key=lambda c: c["num_warps"]))]
+
+
+@pytest.mark.parametrize("name,module,fn_name,sig,cfg,arch", CASES,
+                         ids=[f"{c[0]}-Y{c[4]['YBLOCK']}-w{c[4]['num_warps']}" for c in CASES])
 def test_kernel_compiles_to_ptx_within_estimate(tmp_path, monkeypatch, name, module, fn_name, sig, cfg, arch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a real compile, not a cache hit
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     consts = {k: v for k, v in cfg.items() if k != "num_warps"}
     consts["ROUND_BF16"] = False
+    if name != "gated_residual":
+        consts["ROW"] = bool(cfg.get("ROW"))
     signature = dict(sig, **{k: "constexpr" for k in consts})
     src = compiler.ASTSource(fn=triton.jit(getattr(module, fn_name)), signature=signature, constexprs=consts)
     try:

@@ -189,7 +189,9 @@ def _kernel_ready(ctx: ProbeContext) -> None:
 
 
 def _tuned(mod, launch, key, x):
-    if not _common.tuned_launch(mod._KERNEL_NAME, key, mod.CANDIDATES, launch, smem=mod._smem,
+    # the row kernels' candidates depend on the width (one-pass tiles up to a bound); the others' are fixed
+    cands = mod.candidates(x.shape[-1]) if hasattr(mod, "candidates") else mod.CANDIDATES
+    if not _common.tuned_launch(mod._KERNEL_NAME, key, cands, launch, smem=mod._smem,
                                 benchmark=not _common.capturing(x)):
         raise RuntimeError(f"every Triton config of {mod.NAME} failed on this machine (see the operator store)")
 
