@@ -171,7 +171,8 @@ def graph_timer(fn: Callable[[], object], calls: int = GRAPH_CALLS, replays: int
             fn()
         cuda.current_stream().wait_stream(side)
         graph = cuda.CUDAGraph()
-        with cuda.graph(graph):
+        # thread_local: CUDA work of other threads (a ComfyUI server's, a prefetch stream's) is not refused
+        with cuda.graph(graph, capture_error_mode="thread_local"):
             for _ in range(max(1, calls)):
                 fn()
     except Exception as exc:  # noqa: BLE001 - not capturable: the caller times it call by call

@@ -17,6 +17,7 @@ class FakeCuda:
         self.replays = 0
         self.graph_ms = 0.0
         self.last_replay_ms = 0.0
+        self.modes = []
 
     # what graph_timer / default_timer use
     def is_available(self):
@@ -45,7 +46,8 @@ class FakeCuda:
         return Graph()
 
     @contextlib.contextmanager
-    def graph(self, g):
+    def graph(self, g, capture_error_mode="global"):
+        self.modes.append(capture_error_mode)
         self.capturing = True
         self.graph_ms = 0.0
         try:
@@ -96,6 +98,7 @@ def test_the_gpu_time_per_call_is_a_replay_over_its_calls(fake):
     # one call outside the capture (lazy set-up), then the captured calls; replays do not call fn again
     assert calls == [False, True, True, True, True]
     assert fake.replays == 1 + 3
+    assert fake.modes == ["thread_local"]       # other threads' CUDA work is not refused during the capture
 
 
 def test_a_call_that_cannot_be_captured_is_timed_call_by_call(fake, monkeypatch):
