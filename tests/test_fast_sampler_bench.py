@@ -53,6 +53,8 @@ def test_bench_tiny_reports_every_metric(capsys, cache_path):
         assert len(r["denoise_ms"]) == 2 and 0 < r["denoise_ms"][0] < r["chunk_ms"][0]
         assert all(0 < d <= c for d, c in zip(r["denoise_ms"], r["chunk_ms"]))
         assert r["first_latents_ms"] == r["denoise_ms"][0]
+        # the warm-up video's peak (one-time measuring included) apart from the timed runs'
+        assert set(r["first_video_peak_memory"]) == set(r["peak_memory"]) and r["peak_memory"]
     assert opt["forwards"] == ref["forwards"] - 1 and opt["tflop"] < ref["tflop"]
     # The FLOP figure against an independent count: torch's FlopCounterMode on the same run (6 latent frames of
     # 4x4, i.e. 4 tokens a frame; math SDPA so attention is counted as its two bmm). model/flops.py counts exactly

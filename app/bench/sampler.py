@@ -283,7 +283,12 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, chunks, ran, totals, decodes, denoised = [], [], {}, [], [], []
-    for _ in range(1 + max(1, args.repeat)):
+    first_peak = None
+    for i in range(1 + max(1, args.repeat)):
+        if i == 1:      # the warm-up video's peak includes one-time work (measuring, capturing); then the steady one
+            first_peak = _peak_memory(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
         marks, ready = [], []
         _sync(device)
         t0 = time.perf_counter()
@@ -309,8 +314,8 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
         starts = [t0] + marks[:-1]
         chunks.append([b - a - d for a, b, d in zip(starts, marks, spent)])
         denoised.append([r - a for a, r in zip(starts, ready)])      # a chunk's decode comes after its mark
-    output, structure = _count_run(model, kind, inp, v, args.seed)
     peak_memory = _peak_memory(device)
+    output, structure = _count_run(model, kind, inp, v, args.seed)
     if decoder is not None:
         structure = {**structure, "decode": decoder.kind, **decode_columns(decodes[1:], totals[1:], decoder),
                      "decoder_peak_mb": decoder_peak_mb(decoder, output, decodes[0].chunk_frames, device)}
@@ -341,6 +346,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
             "forwards": work["forwards"], "flops": work["flops"], "tflop": round(work["flops"] / 1e12, 6),
             "tflops_per_s": round(work["flops"] / steady / 1e12, 4),
             "mfu": None if util is None else round(util, 4), "peak_memory": peak_memory,
+            "first_video_peak_memory": first_peak,
             **structure}, output
 
 
