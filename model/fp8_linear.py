@@ -122,18 +122,22 @@ def check_block(block: WanBlock, prefix: str = "") -> None:
             raise Fp8Refused(why)
 
 
-def ensure_fp8(block: WanBlock, prefix: str = "") -> tuple[int, int]:
+def ensure_fp8(block: WanBlock, prefix: str = "", groups=None) -> tuple[int, int]:
     """Give the block's layers their fp8 copies (current ones are kept); (layers with a copy, layers left as they
-    are). Fp8Refused when a layer cannot take it (nothing is changed then)."""
+    are). ``groups``: only the layers of these speed groups (``GROUPS``; None: all), the others' copies freed.
+    Fp8Refused when a layer cannot take it (nothing is changed then)."""
     check_block(block, prefix)
     sa = block.self_attn
     qkv = [sa.q, sa.k, sa.v]
     done = kept = 0
-    singles = block_layers(block)
-    if any(kept_as_is(m) for m in qkv) or len({(m.weight.shape, m.bias is None) for m in qkv}) != 1:
+    if groups is not None:
+        drop_fp8(block, set(GROUPS) - set(groups))
+    singles = [(n, m) for n, m in block_layers(block) if groups is None or group_of(n) in groups]
+    take_qkv = groups is None or "qkv" in groups
+    if take_qkv and (any(kept_as_is(m) for m in qkv) or len({(m.weight.shape, m.bias is None) for m in qkv}) != 1):
         _drop(sa, QKV)
         singles = [(n, m) for n, m in zip("qkv", qkv)] + singles      # a copy each (where not stored quantized)
-    else:
+    elif take_qkv:
         _copy(sa, QKV, qkv)
         for m in qkv:
             _drop(m, SINGLE)
@@ -148,16 +152,21 @@ def ensure_fp8(block: WanBlock, prefix: str = "") -> tuple[int, int]:
     return done, kept
 
 
-def drop_fp8(block: WanBlock) -> None:
-    """Free the block's fp8 copies (its layers run exact)."""
-    for owner, names in _copies(block):
+def drop_fp8(block: WanBlock, groups=None) -> int:
+    """Free the block's fp8 copies (of the layers of these speed groups; None: all): those layers run exact.
+    Returns how many copies were freed."""
+    freed = 0
+    for owner, names in _copies(block, groups):
+        freed += names[0] in owner._buffers
         _drop(owner, names)
+    return freed
 
 
-def _copies(block) -> list:
-    """[(owner, buffer names)] of the block's fp8 copies."""
+def _copies(block, groups=None) -> list:
+    """[(owner, buffer names)] of the block's fp8 copies (of the layers of these speed groups; None: all)."""
     sa = block.self_attn
-    return [(sa, QKV)] + [(m, SINGLE) for m in (sa.q, sa.k, sa.v)] + [(m, SINGLE) for _n, m in block_layers(block)]
+    out = [(sa, QKV)] + [(m, SINGLE) for m in (sa.q, sa.k, sa.v)] if groups is None or "qkv" in groups else []
+    return out + [(m, SINGLE) for n, m in block_layers(block) if groups is None or group_of(n) in groups]
 
 
 def fp8_tensors(model) -> list:
@@ -186,32 +195,59 @@ def linear_path(model) -> tuple[str, str]:
     return "mixed", "; ".join(f"{c} copies {p}: {why}" for (p, why), c in counts.items())
 
 
-def fp8_speed(tokens: int, dim: int, ffn_dim: int, dtype, device, tuner=None) -> tuple[bool | None, str]:
-    """(slower, why): whether the fp8 mode's linear layers are slower than exact ones for a block's linear work at
-    the run's largest call (``tokens`` rows: q/k/v, o, cross q, cross o, FFN up and down), timed through the
-    operator store (its pluggable timer; one verdict per GPU and shape). None where no speed is judged (a CPU,
-    where fp8 is emulated)."""
+# Layer groups of a block, by GEMM shape: each is judged on its own (fp8 pays for a large GEMM, not for a small one
+# whose input quantization costs as much as its bf16 GEMM)
+GROUPS = ("qkv", "square", "ffn_up", "ffn_down")
+
+
+def group_of(name: str) -> str:
+    """The speed group of a block layer named as in ``block_layers`` (or ``self_attn.q``/``k``/``v``)."""
+    if name.startswith("self_attn.") and name.rsplit(".", 1)[-1] in ("q", "k", "v"):
+        return "qkv"
+    return {"ffn.0": "ffn_up", "ffn.2": "ffn_down"}.get(name, "square")
+
+
+def group_shapes(dim: int, ffn_dim: int) -> dict:
+    """{group: (out features, in features)} of the GEMM each group stands for."""
+    return {"qkv": (3 * dim, dim), "square": (dim, dim), "ffn_up": (ffn_dim, dim), "ffn_down": (dim, ffn_dim)}
+
+
+def fp8_speed(tokens: int, dim: int, ffn_dim: int, dtype, device, tuner=None
+              ) -> tuple[bool | None, str, frozenset | None]:
+    """(slower, why, faster groups): fp8 against exact linear layers at the run's largest call (``tokens`` rows),
+    one verdict per layer group (``GROUPS``: the fused q/k/v; o and the cross-attention's layers; the FFN's first;
+    its second), each timed through the operator store (its pluggable timer; once per GPU and shape). ``slower``
+    is True where every group is slower (the mode runs exact), ``faster`` the groups that run fp8. None, None where
+    no speed is judged (a CPU, where fp8 is emulated)."""
     from ..cache.autotune import get_autotuner
     device = torch.device(device)
     if device.type not in SPEED_DEVICES or _common.is_compiling():
-        return None, f"speed not judged on {device.type} (fp8 is emulated there)"
+        return None, f"speed not judged on {device.type} (fp8 is emulated there)", None
     tuner = tuner or get_autotuner()
-    def work():
-        gen = torch.Generator().manual_seed(0)
-        shapes = [(3 * dim, dim), (dim, dim), (dim, dim), (dim, dim), (ffn_dim, dim), (dim, ffn_dim)]
-        weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype) for n, k in shapes]
-        x = torch.randn(tokens, dim, generator=gen).to(device, dtype)
-        h = torch.randn(tokens, ffn_dim, generator=gen).to(device, dtype)
-        return weights, [fp8.quantize_weight(w) for w in weights], [x, x, x, x, x, h]
+    name = str(dtype).replace("torch.", "")
+    faster, shown, unknown = [], [], []
+    for group, (n, k) in group_shapes(dim, ffn_dim).items():
+        def work(n=n, k=k):
+            gen = torch.Generator().manual_seed(0)
+            w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
+            return w, fp8.quantize_weight(w), torch.randn(tokens, k, generator=gen).to(device, dtype)
 
-    def fp8_call(_weights, copies, inputs):
-        return [fp8.fp8_linear(i, q, s) for i, (q, s) in zip(inputs, copies)]
+        def fp8_call(_w, copy, x):
+            return fp8.fp8_linear(x, copy[0], copy[1])
 
-    def exact_call(weights, _copies, inputs):
-        return [torch.nn.functional.linear(i, w) for i, w in zip(inputs, weights)]
+        def exact_call(w, _copy, x):
+            return torch.nn.functional.linear(x, w)
 
-    key = f"{device.type}|m{tokens}|d{dim}|f{ffn_dim}|{str(dtype).replace('torch.', '')}"
-    slower, shown = tuner.slower_than_exact(SPEED_KERNEL, key, "fp8", fp8_call, exact_call, make=work)
-    if slower is None:
-        return None, f"not measured ({shown})"
-    return slower, f"a block's linear layers at {tokens} tokens: {shown}"
+        key = f"{device.type}|m{tokens}|n{n}|k{k}|{name}"
+        slower, words = tuner.slower_than_exact(SPEED_KERNEL, key, "fp8", fp8_call, exact_call, make=work)
+        shown.append(f"{group} {words}")
+        if slower is None:
+            unknown.append(group)
+        elif not slower:
+            faster.append(group)
+    if unknown:
+        return None, f"not measured ({'; '.join(shown)})", None
+    slower = not faster
+    runs = "none" if slower else ", ".join(faster)
+    return slower, f"each layer group at {tokens} tokens: {'; '.join(shown)}; fp8 where faster: {runs}", \
+        frozenset(faster)

@@ -38,6 +38,7 @@ from ..model.attention import (APPROXIMATE, auto_request, explain_backend, fp8_a
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fp8_linear import check_mode as check_linear_mode
 from ..model.fp8_linear import check_block as check_fp8_block
+from ..model.fp8_linear import GROUPS as FP8_GROUPS
 from ..model.fp8_linear import drop_fp8, ensure_fp8, fp8_speed, fp8_tensors, linear_path
 from ..model.fused_qkv import drop_fused_qkv, ensure_fused_qkv
 from ..model.kv_cache import KVCache
@@ -229,9 +230,9 @@ class FastRunner:
         return fused
 
     def _fp8_verdict(self, options: FastOptions, tokens: int) -> tuple | None:
-        """(slower, why) of fp8 against exact linear layers at the run's largest call (``fp8_speed``: the operator
-        store's verdict, measured once per GPU and shape; a stored one makes no tensor), judged before any fp8
-        copy is made; None where the run's chunks are not known here."""
+        """(slower, why, faster groups) of fp8 against exact linear layers at the run's largest call (``fp8_speed``:
+        the operator store's verdicts per layer group, measured once per GPU and shape; stored ones make no tensor),
+        judged before any fp8 copy is made; None where the run's chunks are not known here."""
         if not tokens:
             return None
         cfg = self.model.config
@@ -256,16 +257,18 @@ class FastRunner:
                     drop_fp8(block)
                 return "exact", {}, verdict
             done = kept = 0
+            groups = None if verdict is None or options.keep_slower else verdict[2]   # fp8 only where faster
             for i, block in enumerate(blocks):
                 if i in swapped:            # its weights stream per call: a second copy would stream too
                     drop_fp8(block)
                     continue
-                d, k = ensure_fp8(block, prefix=f"blocks.{i}.")
+                d, k = ensure_fp8(block, prefix=f"blocks.{i}.", groups=groups)
                 done, kept = done + d, kept + k
             path, why = linear_path(self.model)
             return ("fp8" if done else "exact"), {
                 "linear_path": path, "linear_reason": why, "fp8_layers": done, "fp8_layers_kept_as_stored": kept,
-                "fp8_blocks_exact_swapped": len(swapped)}, verdict
+                "fp8_blocks_exact_swapped": len(swapped),
+                "fp8_groups": list(FP8_GROUPS) if groups is None else [g for g in FP8_GROUPS if g in groups]}, verdict
         for block in blocks:
             drop_fp8(block)
         return "exact", {}, None
@@ -555,13 +558,25 @@ class Run:
     def _judge_fp8(self, tokens: int, verdict: tuple | None = None) -> None:
         """fp8 linear is opt-in for speed: where a block's linear layers are measured slower in fp8 than exact at the
         run's largest call on this GPU, the run says so before its first chunk and stays exact (unless
-        ``keep_slower``). ``verdict``: (slower, why) already judged at start."""
+        ``keep_slower``); where only some layer groups are slower, those run exact. ``verdict``: (slower, why,
+        faster groups) already judged at start."""
         cfg = self.model.config
-        slower, why = verdict or fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype,
-                                           self.model.device)
-        self.info["fp8_speed"] = {"slower": slower, "why": why}
+        slower, why, faster = verdict or fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype,
+                                                   self.model.device)
+        self.info["fp8_speed"] = {"slower": slower, "why": why,
+                                  "faster_groups": None if faster is None else sorted(faster)}
         if slower:
             self._slower("fp8 linear", "exact linear layers", why, self._exact_linear)
+        elif faster is not None and not self.options.keep_slower and self.parts.linear == "fp8":
+            self._exact_groups(set(FP8_GROUPS) - set(faster))
+
+    def _exact_groups(self, groups: set) -> None:
+        """The layers of these speed groups run exact from here on (judged before the first chunk): their fp8
+        copies are freed, and the prompt's cross-attention keys/values computed again where theirs were fp8."""
+        freed = sum(drop_fp8(block, groups) for block in self.model.blocks)
+        self.info["fp8_groups"] = [g for g in FP8_GROUPS if g not in groups]
+        if freed and "square" in groups and self.text is not None:
+            self.set_prompt(self.text, self.image)
 
     def _exact_linear(self) -> None:
         """Exact linear layers from here on: the fp8 copies are freed and the prompt's cross-attention keys/values

@@ -541,7 +541,7 @@ def test_a_stored_slower_verdict_costs_nothing(monkeypatch):
     made = _copies_made(monkeypatch)
     out, exact, report, timed = _speed_run(monkeypatch, slow=True)
     assert report["linear"] == "exact (fp8 measured slower)" and torch.equal(out, exact)
-    assert made["ensure_fp8"] == 0 and made["quantize_weight"] == 6            # the probe's six layer weights
+    assert made["ensure_fp8"] == 0 and made["quantize_weight"] == 4      # one probe weight per layer group
     n_timed = len(timed)
     model, report = tiny_causal_model(), {}
     made.update(ensure_fp8=0, quantize_weight=0)
@@ -554,14 +554,57 @@ def test_a_stored_slower_verdict_costs_nothing(monkeypatch):
 
 
 def test_a_stored_faster_verdict_makes_the_copies_once(monkeypatch):
+    from wan_accel.model import fp8_linear as fl
     made = _copies_made(monkeypatch)
     _out, _exact, report, timed = _speed_run(monkeypatch, slow=False)
     n = tiny_causal_model().config.num_layers
-    assert report["linear"] == "fp8" and made["ensure_fp8"] == n and len(timed) == 2
+    groups = len(fl.GROUPS)
+    assert report["linear"] == "fp8" and made["ensure_fp8"] == n and len(timed) == 2 * groups
     model, report = tiny_causal_model(), {}
     _run(model, report, linear="fp8")
-    assert len(timed) == 2 and made["ensure_fp8"] == 2 * n and report["fp8_speed"]["slower"] is False
+    assert len(timed) == 2 * groups and made["ensure_fp8"] == 2 * n and report["fp8_speed"]["slower"] is False
     assert report["linear"] == "fp8" and any("fp8" in name for name, _ in model.named_buffers())
+
+
+@pytest.mark.parametrize("at_start", [True, False])
+def test_only_the_layer_groups_measured_faster_run_fp8(monkeypatch, at_start):
+    """Each layer group is judged on its own (in GROUPS order, fp8 timed before exact): the fused q/k/v and the
+    FFN's first layer faster, the square layers (o, cross-attention) and the FFN's second slower. Only the faster
+    groups hold fp8 copies; the prompt's cross-attention keys/values are exact; the run is fp8 in those layers.
+    Judged before any copy is made (at the run's start) or, where the run's shapes are known only later, before
+    its first chunk (the slower groups' copies are freed then, the prompt's keys/values made again)."""
+    from wan_accel.model import fp8_linear as fl
+    from wan_accel.sampling import runner
+    monkeypatch.setattr(fl, "SPEED_DEVICES", ("cuda", "cpu"))
+    judged_at_start = runner.FastRunner._fp8_verdict
+    if not at_start:
+        monkeypatch.setattr(runner.FastRunner, "_fp8_verdict", lambda self, options, tokens: None)
+    from wan_accel.cache.autotune import get_autotuner
+    times = {"qkv": 1.0, "square": 4.0, "ffn_up": 1.0, "ffn_down": 4.0}
+    timed = []
+
+    def timer(fn):
+        fn()
+        timed.append(1)
+        group = fl.GROUPS[(len(timed) - 1) // 2]
+        return times[group] if len(timed) % 2 else 2.0
+    monkeypatch.setattr(get_autotuner(), "timer", timer)
+    model, report = tiny_causal_model(), {}
+    out = _run(model, report, linear="fp8")
+    assert len(timed) == 2 * len(fl.GROUPS)
+    assert report["fp8_speed"]["slower"] is False and report["fp8_speed"]["faster_groups"] == ["ffn_up", "qkv"]
+    assert report["linear"] == "fp8" and report["fp8_groups"] == ["qkv", "ffn_up"]
+    assert "fp8 where faster: qkv, ffn_up" in report["fp8_speed"]["why"]
+    held = {n for n, _ in model.named_buffers() if "fp8" in n}
+    assert held and all(".self_attn." in n or ".ffn.0." in n for n in held)
+    assert not any(".cross_attn." in n or ".ffn.2." in n or "self_attn.o." in n for n in held)
+    assert not torch.equal(out, _run(tiny_causal_model()))
+    # the same numbers however judged (the other way here, from the stored verdicts: nothing timed again)
+    monkeypatch.setattr(get_autotuner(), "timer", lambda fn: pytest.fail("a stored verdict timed again"))
+    monkeypatch.setattr(runner.FastRunner, "_fp8_verdict",
+                        (lambda self, options, tokens: None) if at_start else judged_at_start)
+    again = _run(tiny_causal_model(), {}, linear="fp8")
+    assert torch.equal(out, again)
 
 
 # ----------------------------------------------------------------------------------------------- doctor
