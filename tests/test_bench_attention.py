@@ -63,3 +63,12 @@ def test_cli_table_and_json(tmp_path):
 ])
 def test_bad_options(argv, words):
     refused(run_cli("bench", "attention", *argv), *words)
+
+
+def test_on_a_gpu_the_table_times_as_the_operator_store_does():
+    """The bench ranks the candidates with the store's own GPU timer (graph replays, call by call only where a
+    call cannot be captured), so its fastest is the store's choice; a CPU times wall clock."""
+    from wan_accel.app.bench import attention as bench
+    from wan_accel.cache import autotune
+    assert bench._timer(torch.device("cuda")) is autotune.default_timer
+    assert bench._timer(torch.device("cpu")) is not autotune.default_timer

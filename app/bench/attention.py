@@ -81,8 +81,10 @@ def _check(args) -> None:
 
 
 def _timer(device: torch.device):
-    from ...cache.autotune import cpu_timer, cuda_timer
-    return cuda_timer if device.type == "cuda" else (lambda fn: cpu_timer(fn, repeats=1))
+    """The operator store's own timer on a GPU (GPU time per call from CUDA-graph replays), so the table ranks the
+    candidates as the store does; wall time on a CPU."""
+    from ...cache.autotune import cpu_timer, default_timer
+    return default_timer if device.type == "cuda" else (lambda fn: cpu_timer(fn, repeats=1))
 
 
 def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
