@@ -147,18 +147,22 @@ def cuda_timer(fn: Callable[[], object]) -> float:
 
 
 TIMING = "graph-replay"   # how default_timer measures on a GPU; part of the store names of choices between paths
-GRAPH_CALLS = 8      # back-to-back calls of fn in one captured graph
+GRAPH_CALLS = 8      # at most this many back-to-back calls of fn in one captured graph
 GRAPH_REPLAYS = 5    # timed replays (the median is kept)
+GRAPH_BUDGET_MS = 2.0    # GPU time aimed at per replay: a slow call is captured fewer times (down to once)
+SLOW_REPLAY_MS = 20.0    # a replay longer than this is timed twice, not GRAPH_REPLAYS times
 
 
-def graph_timer(fn: Callable[[], object], calls: int = GRAPH_CALLS, replays: int = GRAPH_REPLAYS) -> float | None:
-    """Median GPU time of one ``fn()`` in ms, from CUDA-graph replays of ``calls`` back-to-back calls, or None when
-    ``fn`` cannot be captured (it synchronises with the host, or a stream is being captured already).
+def graph_timer(fn: Callable[[], object], calls: int | None = None, replays: int = GRAPH_REPLAYS) -> float | None:
+    """Median GPU time of one ``fn()`` in ms, from CUDA-graph replays of back-to-back calls, or None when ``fn``
+    cannot be captured (it synchronises with the host, or a stream is being captured already).
 
     This is what a call costs where the sampler runs: its model calls replay CUDA graphs, so the host's own time per
     call (Python, argument checks, the launch) is never on the GPU's timeline. Timing call by call instead charges
     that host time as GPU idle time wherever it exceeds the GPU's, which ranks a one-kernel Python launcher behind
-    a few cheaper-to-launch library kernels that take longer on the GPU."""
+    a few cheaper-to-launch library kernels that take longer on the GPU. ``calls`` (default: as many as fit
+    GRAPH_BUDGET_MS by one eager call's time, 1 to GRAPH_CALLS) keeps a slow candidate (plain softmax attention at a
+    long call) from costing seconds."""
     import torch
 
     cuda = torch.cuda
@@ -167,8 +171,16 @@ def graph_timer(fn: Callable[[], object], calls: int = GRAPH_CALLS, replays: int
     side = cuda.Stream()
     side.wait_stream(cuda.current_stream())
     try:
-        with cuda.stream(side):                  # one call outside the capture: lazy init, workspaces
+        with cuda.stream(side):                  # one call outside the capture (lazy init, workspaces), one timed
             fn()
+            start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+        end.synchronize()
+        eager_ms = start.elapsed_time(end)       # an upper bound: the host's time may be in it
+        if calls is None:
+            calls = max(1, min(GRAPH_CALLS, int(GRAPH_BUDGET_MS / max(eager_ms, 1e-3))))
         cuda.current_stream().wait_stream(side)
         graph = cuda.CUDAGraph()
         # thread_local: CUDA work of other threads (a ComfyUI server's, a prefetch stream's) is not refused
@@ -183,7 +195,7 @@ def graph_timer(fn: Callable[[], object], calls: int = GRAPH_CALLS, replays: int
     try:
         graph.replay()
         times = []
-        for _ in range(max(1, replays)):
+        for _ in range(max(1, replays if eager_ms * calls < SLOW_REPLAY_MS else 2)):
             start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
             start.record()
             graph.replay()

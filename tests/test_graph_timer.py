@@ -18,6 +18,7 @@ class FakeCuda:
         self.graph_ms = 0.0
         self.last_replay_ms = 0.0
         self.modes = []
+        self.eager_ms = 0.0
 
     # what graph_timer / default_timer use
     def is_available(self):
@@ -60,22 +61,24 @@ class FakeCuda:
 
         class Ev:
             def record(self):
-                self.at = cuda.replays
+                self.at = (cuda.replays, cuda.eager_ms)
 
             def synchronize(self):
                 pass
 
             def elapsed_time(self, end):
-                return cuda.last_replay_ms * (end.at - self.at)
+                return cuda.last_replay_ms * (end.at[0] - self.at[0]) + end.at[1] - self.at[1]
         return Ev()
 
     def synchronize(self):
         pass
 
-    # what a timed call does
+    # what a timed call does: captured, it adds to the graph; eager, it runs now
     def call(self):
         if self.capturing:
             self.graph_ms += self.gpu_ms_per_call
+        else:
+            self.eager_ms += self.gpu_ms_per_call
 
 
 @pytest.fixture()
@@ -95,8 +98,8 @@ def test_the_gpu_time_per_call_is_a_replay_over_its_calls(fake):
 
     ms = autotune.graph_timer(fn, calls=4, replays=3)
     assert ms == pytest.approx(fake.gpu_ms_per_call)
-    # one call outside the capture (lazy set-up), then the captured calls; replays do not call fn again
-    assert calls == [False, True, True, True, True]
+    # two calls outside the capture (lazy set-up, one timed), then the captured calls; replays do not call fn again
+    assert calls == [False, False, True, True, True, True]
     assert fake.replays == 1 + 3
     assert fake.modes == ["thread_local"]       # other threads' CUDA work is not refused during the capture
 
@@ -135,3 +138,18 @@ def test_the_interpreter_and_a_cpu_take_wall_time(fake, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(autotune, "graph_timer", lambda f: pytest.fail("graph timing under the interpreter"))
     assert autotune.default_timer(lambda: None) >= 0.0
+
+
+@pytest.mark.parametrize("gpu_ms, captured, replays", [(0.01, autotune.GRAPH_CALLS, autotune.GRAPH_REPLAYS),
+                                                       (0.5, 4, autotune.GRAPH_REPLAYS), (60.0, 1, 2)])
+def test_a_slow_call_is_captured_fewer_times(fake, gpu_ms, captured, replays):
+    """As many calls per graph as fit the budget by one eager call's time (a 60 ms call: once, replayed twice)."""
+    fake.gpu_ms_per_call = gpu_ms
+    calls = []
+
+    def fn():
+        calls.append(fake.capturing)
+        fake.call()
+
+    assert autotune.graph_timer(fn) == pytest.approx(gpu_ms)
+    assert calls.count(True) == captured and fake.replays == 1 + replays

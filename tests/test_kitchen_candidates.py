@@ -207,3 +207,23 @@ def test_without_comfy_kitchen_everything_works_as_before(tmp_path):
     assert got["diff"] <= 1e-4 and got["listing"] == [n for n in _runnable("layernorm_modulate")
                                                        if not n.startswith("kitchen.")]
     assert "ops='kitchen'" in got["error"] and "comfyui-wan-accel[kitchen]" in got["error"]
+
+
+def test_every_candidate_is_checked_against_one_reference_output(monkeypatch):
+    """The reference of a choice (plain softmax attention in float32 at a long call is the costliest thing the
+    store runs) is made once for all the candidates it checks, not once per candidate."""
+    from wan_accel.cache.autotune import Autotuner
+    made = []
+
+    def reference(x, shift, scale, eps=1e-6):
+        made.append(1)
+        return C.layernorm_modulate_reference(x, shift, scale, eps)
+
+    x = torch.randn(1, 8, 32)
+    shift, scale = torch.zeros(1, 1, 32), torch.zeros(1, 1, 32)
+    cands = [C.Candidate("layernorm_modulate", name, "torch", C.layernorm_modulate_reference, lambda d: None, name)
+             for name in ("a", "b", "c")]
+    best, why = C.pick("layernorm_modulate", cands, [], (x, shift, scale, 1e-6), reference=reference,
+                       tuner=Autotuner(timer=lambda fn: (fn(), 1.0)[1]), key="test")
+    assert best in ("a", "b", "c") and "fastest verified" in why
+    assert len(made) == 1
