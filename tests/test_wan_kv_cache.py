@@ -1,6 +1,7 @@
 """KV cache: host-side ring-buffer plans, and the rolling window against a from-scratch windowed recompute."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from wan_accel.model.config import WanConfig
 from wan_accel.model.kv_cache import CacheStep, KVCache
@@ -146,3 +147,47 @@ def test_a_contiguous_step_dispatches_no_index_copy():
     with DispatchCounts() as c:
         kv.layers[0].update(rows, rows, kv.plan(24, 12))          # wrapped: index_copy_
     assert any(n.startswith("index_copy") for n in c.op_names) and c.kv_write_bytes == 2 * 12 * 2 * 4
+
+
+class _Copies(TorchDispatchMode):
+    """The dtypes of the copies the code under it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_strided_value_write_copies_8_byte_words_bit_for_bit(dtype):
+    """The values of the fused q/k/v output (rows 3 x width apart) go into their cache slots as 8-byte words: the
+    same bits as an element copy, neighbouring slots untouched."""
+    from wan_accel.model.kv_cache import WIDE, copy_rows
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 30, 3 * 64, generator=g).to(dtype)
+    v = qkv[..., 128:].unflatten(2, (4, 16))
+    cache = torch.full((2, 50, 4, 16), 7.0, dtype=dtype)
+    with _Copies() as seen:
+        copy_rows(cache[:, 10:40], v)
+    assert seen.dtypes == [WIDE]
+    assert torch.equal(cache[:, 10:40], v)
+    assert (cache[:, :10] == 7).all() and (cache[:, 40:] == 7).all()
+
+
+@pytest.mark.parametrize("case", ["cast", "odd_stride", "misaligned", "broadcast"])
+def test_copies_that_cannot_be_words_stay_element_copies(case):
+    from wan_accel.model.kv_cache import copy_rows
+    g = torch.Generator().manual_seed(1)
+    dst = torch.zeros(1, 8, 2, 6, dtype=torch.bfloat16)
+    src = {"cast": torch.randn(1, 8, 2, 6, generator=g),                                  # float32 into bf16
+           "odd_stride": torch.randn(1, 8, 2, 7, generator=g).to(torch.bfloat16)[..., :6],  # rows 7 apart
+           "misaligned": torch.randn(1, 8 * 12 + 1, generator=g).to(torch.bfloat16)[:, 1:].view(1, 8, 2, 6),
+           "broadcast": torch.randn(1, 1, 2, 6, generator=g).to(torch.bfloat16)}[case]
+    with _Copies() as seen:
+        copy_rows(dst, src)
+    assert seen.dtypes == [torch.bfloat16]
+    assert torch.equal(dst, src.to(torch.bfloat16).expand_as(dst))
