@@ -8,10 +8,12 @@ from ._common import DEFAULT_CAPS, current_caps, use_kernel_caps, use_triton
 from .residual import gated_residual, gated_residual_reference
 from .norm_modulate import layernorm_modulate, layernorm_modulate_reference
 from .qk_norm_rope import rmsnorm_rope, rmsnorm_rope_reference
+from .residual_layernorm import residual_norm, residual_norm_reference
 
 __all__ = [
     "layernorm_modulate", "layernorm_modulate_reference",
     "rmsnorm_rope", "rmsnorm_rope_reference",
     "gated_residual", "gated_residual_reference",
+    "residual_norm", "residual_norm_reference",
     "use_kernel_caps", "current_caps", "DEFAULT_CAPS", "use_triton",
 ]

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels import candidates as op_candidates
-from ..kernels import gated_residual, layernorm_modulate, rmsnorm_rope
+from ..kernels import gated_residual, layernorm_modulate, residual_norm, rmsnorm_rope
 from ..kernels.fp8_linear import fp8_linear, quantize_input
 from ..kernels.rms_norm import rmsnorm
 from .attention import attention
@@ -67,7 +67,7 @@ class LayerCall(NamedTuple):
     write_span: slice | None = None    # the slots as one contiguous range, when they are (``CacheStep.span``)
 
 
-KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual", "rms_norm", "ffn_gelu")
+KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual", "rms_norm", "ffn_gelu", "residual_norm")
 
 
 def uses_kernel(fused, kernel: str) -> bool:
@@ -168,6 +168,26 @@ def _gated(x, y, m, i: int, fused: bool):
     if uses_kernel(fused, "gated_residual"):
         return gated_residual(x, y, m[:, :, i])
     return gated_add(x, y, m[:, :, i:i + 1])
+
+
+def fused_residual_norm(parts: BlockParts) -> bool:
+    """Whether a residual update and the LayerNorm after it run as one kernel (``kernels/residual_layernorm.py``): where
+    the fused kernels run and the doctor trusts this one (``kernel.residual_norm``), in an ops mode that lets the
+    pack's kernels run."""
+    if not uses_kernel(parts.fused_kernels, "residual_norm"):
+        return False
+    return not parts.ops or parts.ops[0] in ("auto", "pack")
+
+
+def _gated_norm3(block, x, y, m, parts: BlockParts):
+    """(x + y * gate, norm3 of that): the self-attention's gated residual and the cross-attention's input."""
+    norm = block.norm3
+    if fused_residual_norm(parts) and isinstance(norm, nn.LayerNorm):
+        w = None if norm.weight is None else norm.weight.to(x.dtype)       # in x's dtype, as LayerNorm.forward
+        b = None if norm.bias is None else norm.bias.to(x.dtype)
+        return residual_norm(x, y, m[:, :, 2], w, b, eps=norm.eps)
+    x = _gated(x, y, m, 2, parts.fused_kernels)
+    return x, norm(x)
 
 
 def _norm_rope(norm, x, rope, heads: int, fused: bool, ops: tuple = ()):
@@ -310,12 +330,17 @@ class WanBlock(nn.Module):
         cd, fused = self.compute_dtype, call.parts.fused_kernels
         m = self.modulation.unsqueeze(1) + e0                                    # [B, G, 6, dim]
         y = self.self_attn(_modulated(self.norm1, x, m, 0, fused, call.parts.ops).to(cd), rope, call)
-        x = _gated(x, y, m, 2, fused)
-        x = x + self.cross_attn(self.norm3(x).to(cd), call.cross, call.parts.attention, call.parts.linear,
-                                fused_q_norm(call.parts))
-        if actions is not None and getattr(self, "action_model", None) is not None:
-            x = self.action_model(x, actions)
-        y = _ffn(self.ffn, _modulated(self.norm2, x, m, 3, fused, call.parts.ops).to(cd), call.parts.linear, fused)
+        x, h = _gated_norm3(self, x, y, m, call.parts)
+        y = self.cross_attn(h.to(cd), call.cross, call.parts.attention, call.parts.linear, fused_q_norm(call.parts))
+        acting = actions is not None and getattr(self, "action_model", None) is not None
+        if fused_residual_norm(call.parts) and not acting and y.dtype == x.dtype:
+            x, h = residual_norm(x, y, shift=m[:, :, 3], scale=m[:, :, 4], eps=self.norm2.eps)
+        else:
+            x = x + y
+            if acting:
+                x = self.action_model(x, actions)
+            h = _modulated(self.norm2, x, m, 3, fused, call.parts.ops)
+        y = _ffn(self.ffn, h.to(cd), call.parts.linear, fused)
         return _gated(x, y, m, 5, fused)
 
     def kv_only(self, x: torch.Tensor, e0: torch.Tensor, rope: tuple, call: LayerCall) -> None:

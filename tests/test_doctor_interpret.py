@@ -27,7 +27,8 @@ def _child() -> None:
     from wan_accel.sampling.sampler import generate_latents
 
     small = dict(tokens=32, heads=2)
-    names = ("kernel.layernorm_modulate", "kernel.rmsnorm_rope", "kernel.gated_residual", "kernel.rms_norm")
+    names = ("kernel.layernorm_modulate", "kernel.rmsnorm_rope", "kernel.gated_residual", "kernel.rms_norm",
+             "kernel.residual_norm")
     d = doctor_for("cpu", torch.float32, 16, **small)
     healthy = {n: d.check(n)["status"] for n in names}
 
@@ -72,13 +73,15 @@ def result(tmp_path_factory):
 
 def test_kernel_probes_pass_under_the_interpreter(result):
     assert result["healthy"] == {"kernel.layernorm_modulate": "passed", "kernel.rmsnorm_rope": "passed",
-                                 "kernel.gated_residual": "passed", "kernel.rms_norm": "passed"}
+                                 "kernel.gated_residual": "passed", "kernel.rms_norm": "passed",
+                                 "kernel.residual_norm": "passed"}
 
 
 def test_wrong_kernel_is_switched_off_alone_and_the_run_equals_the_fallback(result):
     assert result["switched_off"] == ["kernel.layernorm_modulate"]
     assert len(result["lines"]) == 1 and "wrong numbers" in result["lines"][0]
-    assert result["parts"] == ["rmsnorm_rope", "gated_residual", "rms_norm", "ffn_gelu"]   # the others stay on
+    assert result["parts"] == ["rmsnorm_rope", "gated_residual", "rms_norm", "ffn_gelu",   # the others stay on
+                               "residual_norm"]
     assert result["checked_equals_fallback"]
     assert result["unchecked_equals_fallback"]      # the store's own check refused the wrong kernel before the doctor
 

@@ -345,7 +345,7 @@ def test_features_summary_tells_which_kernels_ran(monkeypatch):
             "cuda_graphs": False, "compile": None, "swapped_blocks": 0}
     s = features_summary(model, options, info, record)
     assert s["ran"] == ["attention.sdpa", "kernel.layernorm_modulate", "kernel.rmsnorm_rope", "kernel.rms_norm",
-                        "fused_qkv"]
+                        "kernel.residual_norm", "fused_qkv"]
     assert s["enabled"]["kernel.gated_residual"] is False and s["enabled"]["kernel.rmsnorm_rope"] is True
     assert s["switched_off"] == {"kernel.gated_residual": "wrong numbers: ..."}
 

@@ -8,7 +8,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backends = pytest.importorskip("triton.backends.compiler")
 
-from wan_accel.kernels import _common, norm_modulate, qk_norm_rope, residual, rms_norm  # noqa: E402
+from wan_accel.kernels import _common, norm_modulate, qk_norm_rope, residual, residual_layernorm, rms_norm  # noqa: E402
 
 if _common.interpret_enabled():
     pytest.skip("TRITON_INTERPRET is set: compiled-mode checks need it unset", allow_module_level=True)
@@ -38,10 +38,21 @@ CASES = [
 _WIDEST = [c for c in _common.row_candidates(_common.ROW_WIDTH_LIMIT) if c.get("ROW")]
 CASES += [(f"{name}-row", module, fn_name, sig, cfg, 90) for name, module, fn_name, sig, _cfg, _arch in CASES[:3]
           for cfg in (max(_WIDEST, key=lambda c: c["YBLOCK"]), max(_WIDEST, key=lambda c: c["num_warps"]))]
+# the fused residual + LayerNorm in its two uses (gated + affine; plain + modulation), looped and one-pass
+_RESNORM_SIG = {"x_ptr": "*bf16", "y_ptr": "*bf16", "g_ptr": "*fp32", "w_ptr": "*bf16", "b_ptr": "*bf16",
+                "sh_ptr": "*fp32", "sc_ptr": "*fp32", "xo_ptr": "*bf16", "ho_ptr": "*bf16", "n_rows": "i32", "D": "i32",
+                "L": "i32", "tokens_per_frame": "i32", "mod_bstride": "i32", "eps": "fp32"}
+_NORM3 = {"GATE": True, "AFFINE": True, "BIAS": True, "MODULATE": False}
+_NORM2 = {"GATE": False, "AFFINE": False, "BIAS": False, "MODULATE": True}
+CASES += [(f"residual_norm-{use}", residual_layernorm, "_resnorm_kernel", _RESNORM_SIG, dict(cfg, **flags), 90)
+          for use, flags in (("norm3", _NORM3), ("norm2", _NORM2))
+          for cfg in ({"YBLOCK": 16, "RBLOCK": 128, "num_warps": 16}, max(_WIDEST, key=lambda c: c["YBLOCK"]),
+                      {"ROW": 1, "YBLOCK": 4, "RBLOCK": 2048, "num_warps": 8})]
 
 
 @pytest.mark.parametrize("name,module,fn_name,sig,cfg,arch", CASES,
-                         ids=[f"{c[0]}-Y{c[4]['YBLOCK']}-w{c[4]['num_warps']}" for c in CASES])
+                         ids=[f"{c[0]}-Y{c[4]['YBLOCK']}-R{c[4].get('RBLOCK', c[4].get('XBLOCK'))}-w{c[4]['num_warps']}"
+                              for c in CASES])
 def test_kernel_compiles_to_ptx_within_estimate(tmp_path, monkeypatch, name, module, fn_name, sig, cfg, arch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a real compile, not a cache hit
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
@@ -59,4 +70,4 @@ def test_kernel_compiles_to_ptx_within_estimate(tmp_path, monkeypatch, name, mod
             pytest.skip(f"cannot build for CUDA here: {exc}")
         raise
     assert ".entry" in kernel.asm["ptx"]
-    assert kernel.metadata.shared <= module._smem(cfg)
+    assert kernel.metadata.shared <= module._smem(cfg), kernel.metadata.shared

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ...kernels import _common, norm_modulate, qk_norm_rope, residual, rms_norm, use_triton
+from ...kernels import _common, norm_modulate, qk_norm_rope, residual, residual_layernorm, rms_norm, use_triton
 from ...kernels import candidates as op_candidates
 from ...kernels import kitchen
 from ...kernels import fp8_linear as fp8
@@ -252,6 +252,28 @@ def _check_gres(ctx: ProbeContext) -> Probe:
     return Probe(feature, lambda: residual.gated_residual_reference(x, y, gate), ctx.dtype)
 
 
+def _check_resnorm(ctx: ProbeContext) -> Probe:
+    _kernel_ready(ctx)
+    d, frames = _dim(ctx), 2
+    n = ctx.tokens - ctx.tokens % frames
+    x, y = _rand(ctx, 1, n, d, seed=15), _rand(ctx, 1, n, d, seed=16)
+    gate, shift, scale = (_rand(ctx, 1, frames, d, scale=0.1, seed=s) for s in (17, 18, 19))
+    w, b = 1 + _rand(ctx, d, scale=0.1, seed=20), _rand(ctx, d, scale=0.1, seed=21)
+    uses = ({"gate": gate, "weight": w, "bias": b}, {"shift": shift, "scale": scale})   # after self-/cross-attention
+
+    def feature():
+        outs = []
+        for kw in uses:
+            w, b = kw.get("weight"), kw.get("bias")
+            g, sh, sc = residual_layernorm._check(x, y, kw.get("gate"), w, b, kw.get("shift"), kw.get("scale"))
+            launch, key, x_new, h = residual_layernorm._launcher(x, y, g, w, b, sh, sc, 1e-6)
+            _tuned(residual_layernorm, launch, key, x)
+            outs += [x_new, h]
+        return torch.cat(outs, dim=1)
+    return Probe(feature, lambda: torch.cat([t for kw in uses for t in residual_layernorm.residual_norm_reference(
+        x, y, **kw, eps=1e-6)], dim=1), ctx.dtype)
+
+
 # ----------------------------------------------------------------------------------------------- FFN epilogue
 def _ffn_gelu_requires(ctx: ProbeContext) -> None:
     if not epilogue_gelu_runs_on(ctx.device, ctx.dtype):
@@ -441,6 +463,9 @@ for _feature in (
             "this kernel (torch ops)", sources=_kernel_sources(residual)),
     Feature("kernel.rms_norm", "fused RMSNorm (Triton; the cross-attention's query)", _check_rmsnorm, ("triton",),
             "this kernel (torch ops)", sources=_kernel_sources(rms_norm)),
+    Feature("kernel.residual_norm", "fused residual + LayerNorm (Triton; around the cross-attention)", _check_resnorm,
+            ("triton",), "this kernel (the gated residual, LayerNorm, LayerNorm+modulate apart)",
+            sources=_kernel_sources(residual_layernorm)),
     Feature("kernel.ffn_gelu", "bias + GELU in the GEMM epilogue (the FFN's first linear; CUDA, bf16/fp16)",
             _check_ffn_gelu, switches_off="the epilogue (the FFN's Linear -> GELU -> Linear as torch modules)",
             requires=_ffn_gelu_requires,

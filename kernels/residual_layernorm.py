@@ -1,0 +1,268 @@
+"""Fused residual + LayerNorm: the residual stream updated and normalised in one pass over its rows.
+
+Between the sublayers of a Wan block the residual stream ``x`` [B, L, D] is first updated, then normalised for
+the next sublayer: after self-attention ``x + y * gate`` then the cross-attention's affine LayerNorm (norm3),
+after cross-attention ``x + y`` then LayerNorm + modulation (norm2). Unfused these are two kernels that each read
+``x`` (the second reads the first's output back); fused, one kernel reads ``x`` and ``y`` once and writes both
+results:
+
+    x_new = (x + y * gate)  rounded to x's dtype          (gate None: x + y)
+    h     = LN(x_new) [* weight + bias] [* (1 + scale) + shift]   rounded to x's dtype
+
+``gate``, ``shift``, ``scale``: per frame, [B, F, D] (or [B, D] for F=1; batch 1 broadcasts), token l using frame
+``l // (L // F)``, as in ``kernels/residual.py`` and ``kernels/norm_modulate.py``; ``weight``, ``bias``: [D]. The
+statistics are taken from the rounded ``x_new``, exactly the value the unfused path normalises, so ``x_new`` is
+bit for bit the gated residual's and ``h`` differs from the unfused LayerNorm only by the order of float32 sums.
+Math in float32.
+"""
+import sys
+from typing import Optional
+
+import torch
+import torch.nn.functional as torch_F
+
+from . import _common
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - no triton: only the torch path exists
+    triton = tl = None
+
+NAME = "residual_norm"
+CANDIDATES = _common.ROW_CANDIDATES
+candidates = _common.row_candidates
+
+
+def _frames(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t.unsqueeze(1) if t is not None and t.dim() == 2 else t
+
+
+def _check(x, y, gate, weight, bias, shift, scale):
+    """The per-frame tensors as [B or 1, F, D] (gate, shift, scale); ValueError saying what is wrong."""
+    if x.dim() != 3 or y.shape != x.shape:
+        raise ValueError(f"residual_norm: x and y must both be [B, L, D], got {tuple(x.shape)} and {tuple(y.shape)}")
+    b, l, d = x.shape
+    if (shift is None) != (scale is None):
+        raise ValueError("residual_norm: shift and scale go together (modulation), give both or neither")
+    if bias is not None and weight is None:
+        raise ValueError("residual_norm: a bias needs a weight (LayerNorm's affine pair)")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (d,):
+            raise ValueError(f"residual_norm: {name} must be [{d}], got {tuple(t.shape)}")
+    gate, shift, scale = _frames(gate), _frames(shift), _frames(scale)
+    frames = None
+    for name, t in (("gate", gate), ("shift", shift), ("scale", scale)):
+        if t is None:
+            continue
+        if t.dim() != 3 or t.shape[-1] != d or t.shape[0] not in (1, b):
+            raise ValueError(f"residual_norm: {name} must be [B, F, D] = [{b}, F, {d}] (batch 1 broadcasts), "
+                             f"got {tuple(t.shape)}")
+        if frames is not None and tuple(t.shape) != frames:
+            raise ValueError(f"residual_norm: gate, shift and scale must have one shape, got {tuple(t.shape)} "
+                             f"and {frames}")
+        frames = tuple(t.shape)
+        if t.shape[1] < 1 or l % t.shape[1]:
+            raise ValueError(f"residual_norm: the frame count F={t.shape[1]} of {name} must divide L={l}")
+    return gate, shift, scale
+
+
+def _per_token(t: torch.Tensor, b: int, l: int) -> torch.Tensor:
+    """[B or 1, F, D] per frame -> [B or 1, L, D] float32 per token."""
+    f = t.shape[1]
+    return t.float().repeat_interleave(l // f, dim=1)
+
+
+def residual_norm_reference(x, y, gate=None, weight=None, bias=None, shift=None, scale=None, eps: float = 1e-6):
+    """The torch definition the kernel must match: (x_new, h) as the module doc says."""
+    gate, shift, scale = _check(x, y, gate, weight, bias, shift, scale)
+    b, l, d = x.shape
+    s = x.float() + (y.float() if gate is None else y.float() * _per_token(gate, b, l))
+    x_new = s.to(x.dtype)
+    h = torch_F.layer_norm(x_new.float(), (d,), eps=eps)
+    if weight is not None:
+        h = h * weight.float() + (0.0 if bias is None else bias.float())
+    if shift is not None:
+        h = h * (1.0 + _per_token(scale, b, l)) + _per_token(shift, b, l)
+    return x_new, h.to(x.dtype)
+
+
+if tl is not None:
+    @triton.jit
+    def _round_bf16(s):
+        # float32 to the bf16 grid, ties to even (the GPU's conversion; the interpreter's truncates), as float32
+        u = s.to(tl.uint32, bitcast=True)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _updated(x_ptr, y_ptr, g_ptr, offs, g_offs, mask, GATE: tl.constexpr, ROUND_BF16: tl.constexpr):
+        # x + y * gate (x + y) in float32 (the interpreter: already on the bf16 grid, as the GPU rounds)
+        s = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        yv = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if GATE:
+            s = s + yv * tl.load(g_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            s = s + yv
+        if ROUND_BF16:
+            s = _round_bf16(s)
+        return s
+
+    @triton.jit
+    def _normalised(v, mean, rstd, w_ptr, b_ptr, sh_ptr, sc_ptr, cols, col_ok, mod_offs, mask,
+                    AFFINE: tl.constexpr, BIAS: tl.constexpr, MODULATE: tl.constexpr, ROUND_BF16: tl.constexpr):
+        h = (v - mean[:, None]) * rstd[:, None]
+        if AFFINE:
+            h = h * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if BIAS:
+                h = h + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if MODULATE:
+            sc = tl.load(sc_ptr + mod_offs, mask=mask, other=0.0).to(tl.float32)
+            h = h * (1.0 + sc) + tl.load(sh_ptr + mod_offs, mask=mask, other=0.0).to(tl.float32)
+        if ROUND_BF16:
+            h = _round_bf16(h)
+        return h
+
+    def _resnorm_kernel(x_ptr, y_ptr, g_ptr, w_ptr, b_ptr, sh_ptr, sc_ptr, xo_ptr, ho_ptr,
+                        n_rows, D, L, tokens_per_frame, mod_bstride, eps,
+                        GATE: tl.constexpr, AFFINE: tl.constexpr, BIAS: tl.constexpr, MODULATE: tl.constexpr,
+                        YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr,
+                        ROUND_BF16: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
+        row_ok = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        frame_rows = (rows64 // L) * mod_bstride + ((rows64 % L) // tokens_per_frame) * D
+        cols0 = tl.arange(0, RBLOCK)
+        out_ty = xo_ptr.dtype.element_ty
+        if ROW:  # one pass: the whole row (RBLOCK >= D) in registers; mean, then squared deviations from it
+            col_ok = cols0 < D
+            mask = row_ok[:, None] & col_ok[None, :]
+            offs = rows64[:, None] * D + cols0[None, :]
+            mod_offs = frame_rows[:, None] + cols0[None, :]
+            xr = _updated(x_ptr, y_ptr, g_ptr, offs, mod_offs, mask, GATE, ROUND_BF16).to(out_ty)
+            tl.store(xo_ptr + offs, xr, mask=mask)
+            v = xr.to(tl.float32)
+            mean = tl.sum(v, axis=1) / D
+            dev = tl.where(mask, v - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(dev * dev, axis=1) / D + eps)
+            h = _normalised(v, mean, rstd, w_ptr, b_ptr, sh_ptr, sc_ptr, cols0, col_ok, mod_offs, mask,
+                            AFFINE, BIAS, MODULATE, ROUND_BF16)
+            tl.store(ho_ptr + offs, h.to(ho_ptr.dtype.element_ty), mask=mask)
+        else:
+            # pass 1: x_new stored; its mean and M2 per row, merging per-step statistics (Chan et al.)
+            mean = tl.zeros([YBLOCK], dtype=tl.float32)
+            m2 = tl.zeros([YBLOCK], dtype=tl.float32)
+            count = tl.zeros([YBLOCK], dtype=tl.float32)
+            for start in range(0, D, RBLOCK):
+                cols = start + cols0
+                mask = row_ok[:, None] & (cols < D)[None, :]
+                offs = rows64[:, None] * D + cols[None, :]
+                xr = _updated(x_ptr, y_ptr, g_ptr, offs, frame_rows[:, None] + cols[None, :], mask, GATE,
+                              ROUND_BF16).to(out_ty)
+                tl.store(xo_ptr + offs, xr, mask=mask)
+                v = xr.to(tl.float32)
+                n_b = tl.sum(mask.to(tl.float32), axis=1)
+                c_mean = tl.sum(v, axis=1) / tl.maximum(n_b, 1.0)
+                dev = tl.where(mask, v - c_mean[:, None], 0.0)
+                c_m2 = tl.sum(dev * dev, axis=1)
+                total = tl.maximum(count + n_b, 1.0)
+                delta = c_mean - mean
+                mean = mean + delta * (n_b / total)
+                m2 = m2 + c_m2 + delta * delta * (count * n_b / total)
+                count = count + n_b
+            rstd = 1.0 / tl.sqrt(m2 / tl.maximum(count, 1.0) + eps)
+            # pass 2: x_new of the step recomputed from x, y, gate (the same rounding), normalised, stored
+            for start in range(0, D, RBLOCK):
+                cols = start + cols0
+                col_ok = cols < D
+                mask = row_ok[:, None] & col_ok[None, :]
+                offs = rows64[:, None] * D + cols[None, :]
+                mod_offs = frame_rows[:, None] + cols[None, :]
+                v = _updated(x_ptr, y_ptr, g_ptr, offs, mod_offs, mask, GATE, ROUND_BF16).to(out_ty).to(tl.float32)
+                h = _normalised(v, mean, rstd, w_ptr, b_ptr, sh_ptr, sc_ptr, cols, col_ok, mod_offs, mask,
+                                AFFINE, BIAS, MODULATE, ROUND_BF16)
+                tl.store(ho_ptr + offs, h.to(ho_ptr.dtype.element_ty), mask=mask)
+
+
+def _smem(cfg: dict) -> int:
+    # layout changes of the x_new and h tiles and the cross-warp reductions (upper estimate)
+    return _common.row_smem(cfg, tiles=2)
+
+
+# the store's name hashes the whole module: the kernel and the helpers it calls
+_KERNEL_NAME = _common.kernel_name(NAME, sys.modules[__name__])
+
+
+def _launcher(x, y, gate, weight, bias, shift, scale, eps):
+    b, l, d = x.shape
+    x2, y2 = x.contiguous(), y.contiguous()
+    g = None if gate is None else gate.contiguous()
+    sh = None if shift is None else shift.contiguous()
+    sc = None if scale is None else scale.contiguous()
+    w = None if weight is None else weight.contiguous()
+    bi = None if bias is None else bias.contiguous()
+    x_new, h = torch.empty_like(x2), torch.empty_like(x2)
+    per_frame = next((t for t in (g, sh) if t is not None), None)
+    f = 1 if per_frame is None else per_frame.shape[1]
+    bstride = 0 if per_frame is None else _common.frame_batch_stride(per_frame, b, d)
+    rnd = _common.round_bf16(x_new)
+    dummy = x2                       # a pointer for the absent operands (their loads are compiled out)
+
+    def launch(cfg: dict):
+        kernel = _common.jit(_resnorm_kernel)
+        grid = (_common.cdiv(b * l, cfg["YBLOCK"]),)
+        with _common.device_guard(x2):
+            kernel[grid](x2, y2, dummy if g is None else g, dummy if w is None else w, dummy if bi is None else bi,
+                         dummy if sh is None else sh, dummy if sc is None else sc, x_new, h,
+                         b * l, d, l, l // f, bstride, float(eps),
+                         GATE=g is not None, AFFINE=w is not None, BIAS=bi is not None, MODULATE=sh is not None,
+                         **_common.row_tile(cfg, d), ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+
+    parts = "".join(c for c, t in zip("gwbm", (g, w, bi, sh)) if t is not None) or "-"
+    key = (f"D={d}|rows={_common.rows_bucket(b * l)}|F={'1' if f == 1 else 'n'}|{parts}|{_common.dtype_name(x)}|"
+           f"y={_common.dtype_name(y)}|" + ",".join(_common.dtype_name(t) for t in (g, w, sh) if t is not None))
+    return launch, key, x_new, h
+
+
+def run_triton(x, y, gate=None, weight=None, bias=None, shift=None, scale=None, eps: float = 1e-6,
+               config: dict | None = None):
+    """The Triton path with an explicit config (tests) or tuned through the operator store (config=None); the
+    torch reference where every config fails."""
+    gate, shift, scale = _check(x, y, gate, weight, bias, shift, scale)
+    launch, key, x_new, h = _launcher(x, y, gate, weight, bias, shift, scale, eps)
+    if _common.launched(_KERNEL_NAME, key, candidates(x.shape[2]), launch, config, x, smem=_smem):
+        return x_new, h
+    return residual_norm_reference(x, y, gate, weight, bias, shift, scale, eps)
+
+
+def _eager(x: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+           bias: Optional[torch.Tensor], shift: Optional[torch.Tensor], scale: Optional[torch.Tensor],
+           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    given = [t for t in (x, y, gate, weight, bias, shift, scale) if t is not None]
+    if tl is not None and _common.use_triton(*given) and not _common.needs_autograd(*given):
+        return run_triton(x, y, gate, weight, bias, shift, scale, eps)
+    return residual_norm_reference(x, y, gate, weight, bias, shift, scale, eps)
+
+
+def _fake(x, y, gate, weight, bias, shift, scale, eps):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+_OP = _common.register_op(NAME, _eager, _fake)
+
+
+def residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None = None,
+                  weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                  shift: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y * gate, LN(that) [* weight + bias] [* (1 + scale) + shift]), both in x's dtype (module doc).
+
+    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch (always torch when autograd
+    needs to track the inputs). Inside torch.compile the call is one opaque op
+    (``torch.ops.wan_accel.residual_norm``).
+    """
+    given = [t for t in (x, y, gate, weight, bias, shift, scale) if t is not None]
+    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(*given):
+        return _OP(x, y, gate, weight, bias, shift, scale, float(eps))
+    return _eager(x, y, gate, weight, bias, shift, scale, eps)
