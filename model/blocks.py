@@ -333,7 +333,7 @@ class WanBlock(nn.Module):
         x, h = _gated_norm3(self, x, y, m, call.parts)
         y = self.cross_attn(h.to(cd), call.cross, call.parts.attention, call.parts.linear, fused_q_norm(call.parts))
         acting = actions is not None and getattr(self, "action_model", None) is not None
-        if fused_residual_norm(call.parts) and not acting and y.dtype == x.dtype:
+        if fused_residual_norm(call.parts) and not acting and torch.promote_types(x.dtype, y.dtype) == x.dtype:
             x, h = residual_norm(x, y, shift=m[:, :, 3], scale=m[:, :, 4], eps=self.norm2.eps)
         else:
             x = x + y
