@@ -40,16 +40,50 @@ def _inputs(name, b, l, d, heads, frames, dtype, device):
     if name == "rmsnorm_rope":
         ang = r(l, hd // 2, dt=torch.float32)
         return (r(b, l, d), r(d), ang.cos(), ang.sin(), heads, 1e-6)
+    if name == "residual_norm3":           # self-attention's gated residual + the cross-attention's LayerNorm
+        return (r(b, l, d), r(b, l, d), r(b, frames, d, dt=torch.float32), 1 + 0.1 * r(d), 0.1 * r(d))
+    if name == "residual_norm2":           # cross-attention's residual add + the FFN's LayerNorm + modulation
+        return (r(b, l, d), r(b, l, d), r(b, frames, d, dt=torch.float32), r(b, frames, d, dt=torch.float32))
     return (r(b, l, d), r(b, l, d), r(b, frames, d, dt=torch.float32))
+
+
+def _both(pair):
+    import torch
+
+    return torch.cat(pair, dim=1)            # (x_new, h) as one tensor: one error, one timing
 
 
 def _kernels():
     from ...kernels import (gated_residual, gated_residual_reference, layernorm_modulate, layernorm_modulate_reference,
-                   rmsnorm_rope, rmsnorm_rope_reference)
+                            residual_norm, residual_norm_reference, rmsnorm_rope, rmsnorm_rope_reference)
 
     return (("layernorm_modulate", layernorm_modulate, layernorm_modulate_reference),
             ("rmsnorm_rope", rmsnorm_rope, rmsnorm_rope_reference),
-            ("gated_residual", gated_residual, gated_residual_reference))
+            ("gated_residual", gated_residual, gated_residual_reference),
+            ("residual_norm3", lambda x, y, g, w, b: _both(residual_norm(x, y, g, w, b)),
+             lambda x, y, g, w, b: _both(residual_norm_reference(x, y, g, w, b))),
+            ("residual_norm2", lambda x, y, sh, sc: _both(residual_norm(x, y, shift=sh, scale=sc)),
+             lambda x, y, sh, sc: _both(residual_norm_reference(x, y, shift=sh, scale=sc))))
+
+
+def _unfused(name):
+    """What a fused residual + LayerNorm replaces: the pack's kernels and torch ops one after another (None for the
+    other kernels)."""
+    import torch.nn.functional as F
+
+    from ...kernels import gated_residual, layernorm_modulate
+
+    if name == "residual_norm3":
+        def norm3(x, y, g, w, b):
+            xn = gated_residual(x, y, g)
+            return _both((xn, F.layer_norm(xn, (x.shape[-1],), w, b, 1e-6)))
+        return norm3
+    if name == "residual_norm2":
+        def norm2(x, y, sh, sc):
+            xn = x + y
+            return _both((xn, layernorm_modulate(xn, sh, sc)))
+        return norm2
+    return None
 
 
 def _errors(out, ref) -> tuple[float, float]:
@@ -390,6 +424,10 @@ def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
                                  "torch_ms": t_ref, "triton_ms": t_tri, "speedup": t_ref / t_tri,
                                  "tune_cold_s": cold_s, "tune_warm_s": warm_s, "benchmarks_cold": cold_bench,
                                  "benchmarks_warm": warm_bench, "max_err": mx, "mean_err": mean})
+                    apart = _unfused(name)
+                    if apart is not None:      # the fused kernel against the steps it replaces (the pack's own)
+                        t_apart = do_bench(lambda: apart(*args), warmup=10, rep=50)
+                        rows[-1].update(unfused_ms=t_apart, fused_vs_unfused=t_apart / t_tri)
         finally:
             _restore("WAN_ACCEL_CACHE", old_cache)
             reset_autotuners()
@@ -488,7 +526,8 @@ def run(args) -> int:
     for r in rows:
         print(f"{r['kernel']:<20}{r['shape']:<12}{r['torch_ms']:>10.3f}{r['triton_ms']:>11.3f}{r['speedup']:>7.2f}"
               f"{r['tune_cold_s']:>13.3f}{r['tune_warm_s']:>13.4f}"
-              f"{str(r['benchmarks_cold']) + '/' + str(r['benchmarks_warm']):>11}{r['max_err']:>10.1e}")
+              f"{str(r['benchmarks_cold']) + '/' + str(r['benchmarks_warm']):>11}{r['max_err']:>10.1e}"
+              + (f"  unfused {r['unfused_ms']:.3f} ms: fused x{r['fused_vs_unfused']:.2f}" if "unfused_ms" in r else ""))
     _print_candidates(cands)
     _print_vae(vae)
     _print_fp8(fp8_rows)
