@@ -207,16 +207,20 @@ def graph_timer(fn: Callable[[], object], calls: int | None = None, replays: int
         del graph
 
 
-def default_timer(fn: Callable[[], object]) -> float:
-    """On a CUDA GPU: GPU time per call in a CUDA graph (``graph_timer``), call by call where ``fn`` cannot be
-    captured (``cuda_timer``); elsewhere wall time."""
+def _gpu_timed() -> bool:
+    """Whether ``default_timer`` measures GPU time here (a CUDA GPU, not Triton's interpreter)."""
     try:
         import torch
 
-        on_gpu = torch.cuda.is_available() and not _interpreting()
+        return torch.cuda.is_available() and not _interpreting()
     except Exception:  # noqa: BLE001 - no usable torch.cuda: wall time
-        on_gpu = False
-    if not on_gpu:
+        return False
+
+
+def default_timer(fn: Callable[[], object]) -> float:
+    """On a CUDA GPU: GPU time per call in a CUDA graph (``graph_timer``), call by call where ``fn`` cannot be
+    captured (``cuda_timer``); elsewhere wall time."""
+    if not _gpu_timed():
         return cpu_timer(fn, repeats=1)
     try:
         graphed = graph_timer(fn)
@@ -444,12 +448,16 @@ class Autotuner:
         measured: dict = {}
         last_working = None
         errors = tuning_errors()
+        wall = self.timer is default_timer and not _gpu_timed()
         for cid, cfg in to_measure:
             try:
                 self.stats["launch_checks"] += 1
+                t0 = time.perf_counter()
                 run(cfg)  # compile + first launch: resource errors surface here
                 self.stats["benchmarks"] += 1
-                ms = float(self.timer(lambda cfg=cfg: run(cfg)))
+                # wall time (a CPU, Triton's interpreter: nothing is compiled, so the first launch is a launch like
+                # any other and is the timing); on a GPU the timer measures further calls
+                ms = (time.perf_counter() - t0) * 1e3 if wall else float(self.timer(lambda cfg=cfg: run(cfg)))
             except errors as exc:
                 new_failed[cid] = {"config": cfg, "error": describe_error(exc)}
                 self.stats["failures"] += 1

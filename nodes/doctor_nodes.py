@@ -4,7 +4,7 @@ from __future__ import annotations
 FEATURE_CHOICES = ["all", "attention.sdpa", "attention.fa3", "attention.fa2", "attention.triton",
                    "attention.fa3_hub", "attention.fa3_xformers", "attention.int8", "attention.fp8", "linear.fp8",
                    "kernel.layernorm_modulate", "kernel.rmsnorm_rope", "kernel.gated_residual", "kernel.rms_norm",
-                   "kernel.ffn_gelu", "kernel.residual_norm", "fused_qkv",
+                   "kernel.residual_norm", "kernel.ffn_gelu", "fused_qkv",
                    "cuda_graphs", "compile", "block_swap", "native_model"] + [
     f"op.{op}.kitchen.{backend}" for op in ("layernorm_modulate", "rmsnorm_rope")
     for backend in ("cuda", "triton", "eager")]
