@@ -37,6 +37,7 @@ import sys
 import torch
 
 from . import _common
+from ._tiles import round_bf16
 
 try:
     import triton
@@ -71,12 +72,6 @@ def _smem(cfg: dict, head_dim: int, elem: int = 2, hopper: bool = True) -> int:
 # ----------------------------------------------------------------------------- Triton kernel
 if tl is not None:
     @triton.jit
-    def _round_bf16(x):
-        # float32 x to the bf16 grid, ties to even (the GPU's conversion; the interpreter's truncates), as float32
-        u = x.to(tl.uint32, bitcast=True)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, k_sn, v_sn, start, stop, Lk, qk_scale, offs_d, offs_t,
                       BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EMULATE_BF16: tl.constexpr):
         # the online softmax over the key tiles [start, stop): (acc, l_i, m_i) updated; MASKED for the last,
@@ -107,7 +102,7 @@ if tl is not None:
                 v = tl.load(v_ptrs)
             if EMULATE_BF16:  # interpreter only: P rounded to bf16 as the GPU converts it, both factors of the
                 #               product in float32 (exact: bf16 products fit float32)
-                acc = acc * alpha[:, None] + tl.dot(_round_bf16(p), v.to(tl.float32))
+                acc = acc * alpha[:, None] + tl.dot(round_bf16(p), v.to(tl.float32))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -140,7 +135,7 @@ if tl is not None:
                                           offs_d, offs_t, BLOCK_N, True, EMULATE_BF16)
         out = acc / l_i[:, None]
         if EMULATE_BF16:  # interpreter only: the GPU's round-to-nearest-even bf16 conversion
-            out = _round_bf16(out)
+            out = round_bf16(out)
         tl.store(O + b * o_sb + h * o_sh + m64[:, None] * o_sm + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=m_ok[:, None])
 

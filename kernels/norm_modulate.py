@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common
+from ._tiles import merge_row_stats
 
 try:
     import triton.language as tl
@@ -89,15 +90,7 @@ if tl is not None:
                 cols = start + cols0
                 mask = row_ok[:, None] & (cols < D)[None, :]
                 v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                n_b = tl.sum(mask.to(tl.float32), axis=1)
-                c_mean = tl.sum(v, axis=1) / tl.maximum(n_b, 1.0)
-                dev = tl.where(mask, v - c_mean[:, None], 0.0)
-                c_m2 = tl.sum(dev * dev, axis=1)
-                total = tl.maximum(count + n_b, 1.0)
-                delta = c_mean - mean
-                mean = mean + delta * (n_b / total)
-                m2 = m2 + c_m2 + delta * delta * (count * n_b / total)
-                count = count + n_b
+                mean, m2, count = merge_row_stats(mean, m2, count, v, mask)
             rstd = 1.0 / tl.sqrt(m2 / tl.maximum(count, 1.0) + eps)
             # pass 2: normalise, modulate with the row's frame, store
             for start in range(0, D, RBLOCK):

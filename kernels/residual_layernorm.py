@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common
+from ._tiles import merge_row_stats, round_bf16
 
 try:
     import triton
@@ -89,12 +90,6 @@ def residual_norm_reference(x, y, gate=None, weight=None, bias=None, shift=None,
 
 if tl is not None:
     @triton.jit
-    def _round_bf16(s):
-        # float32 to the bf16 grid, ties to even (the GPU's conversion; the interpreter's truncates), as float32
-        u = s.to(tl.uint32, bitcast=True)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _updated(x_ptr, y_ptr, g_ptr, offs, g_offs, mask, GATE: tl.constexpr, ROUND_BF16: tl.constexpr):
         # x + y * gate (x + y) in float32 (the interpreter: already on the bf16 grid, as the GPU rounds)
         s = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -104,7 +99,7 @@ if tl is not None:
         else:
             s = s + yv
         if ROUND_BF16:
-            s = _round_bf16(s)
+            s = round_bf16(s)
         return s
 
     @triton.jit
@@ -119,7 +114,7 @@ if tl is not None:
             sc = tl.load(sc_ptr + mod_offs, mask=mask, other=0.0).to(tl.float32)
             h = h * (1.0 + sc) + tl.load(sh_ptr + mod_offs, mask=mask, other=0.0).to(tl.float32)
         if ROUND_BF16:
-            h = _round_bf16(h)
+            h = round_bf16(h)
         return h
 
     def _resnorm_kernel(x_ptr, y_ptr, g_ptr, w_ptr, b_ptr, sh_ptr, sc_ptr, xo_ptr, ho_ptr,
@@ -160,16 +155,7 @@ if tl is not None:
                 xr = _updated(x_ptr, y_ptr, g_ptr, offs, frame_rows[:, None] + cols[None, :], mask, GATE,
                               ROUND_BF16).to(out_ty)
                 tl.store(xo_ptr + offs, xr, mask=mask)
-                v = xr.to(tl.float32)
-                n_b = tl.sum(mask.to(tl.float32), axis=1)
-                c_mean = tl.sum(v, axis=1) / tl.maximum(n_b, 1.0)
-                dev = tl.where(mask, v - c_mean[:, None], 0.0)
-                c_m2 = tl.sum(dev * dev, axis=1)
-                total = tl.maximum(count + n_b, 1.0)
-                delta = c_mean - mean
-                mean = mean + delta * (n_b / total)
-                m2 = m2 + c_m2 + delta * delta * (count * n_b / total)
-                count = count + n_b
+                mean, m2, count = merge_row_stats(mean, m2, count, xr.to(tl.float32), mask)
             rstd = 1.0 / tl.sqrt(m2 / tl.maximum(count, 1.0) + eps)
             # pass 2: x_new of the step recomputed from x, y, gate (the same rounding), normalised, stored
             for start in range(0, D, RBLOCK):

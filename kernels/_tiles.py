@@ -1,0 +1,28 @@
+"""Small Triton functions the pack's kernels share (decorated with ``triton.jit`` when this module is imported, so
+the process's ``TRITON_INTERPRET`` must be set before, as for every Triton import)."""
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - no triton: the kernels that call these never run
+    triton = tl = None
+round_bf16 = merge_row_stats = None
+
+if tl is not None:
+    @triton.jit
+    def round_bf16(x):
+        """float32 x to the bf16 grid, ties to even (the GPU's conversion; the interpreter's truncates), as
+        float32."""
+        u = x.to(tl.uint32, bitcast=True)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def merge_row_stats(mean, m2, count, v, mask):
+        """The running (mean, M2, count) of each row merged with the masked values ``v`` [rows, block] of one more
+        step over the row (Chan et al.: stable in float32)."""
+        n_b = tl.sum(mask.to(tl.float32), axis=1)
+        c_mean = tl.sum(v, axis=1) / tl.maximum(n_b, 1.0)
+        dev = tl.where(mask, v - c_mean[:, None], 0.0)
+        c_m2 = tl.sum(dev * dev, axis=1)
+        total = tl.maximum(count + n_b, 1.0)
+        delta = c_mean - mean
+        return (mean + delta * (n_b / total), m2 + c_m2 + delta * delta * (count * n_b / total), count + n_b)
