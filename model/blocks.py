@@ -182,7 +182,9 @@ def fused_residual_norm(parts: BlockParts) -> bool:
 def _gated_norm3(block, x, y, m, parts: BlockParts):
     """(x + y * gate, norm3 of that): the self-attention's gated residual and the cross-attention's input."""
     norm = block.norm3
-    if fused_residual_norm(parts) and isinstance(norm, nn.LayerNorm):
+    # only the pack's own LayerNorm, whose forward is known (another implementation's module, a borrowed block's,
+    # may cast or patch its weights as it runs): any other norm3 is called as it is
+    if fused_residual_norm(parts) and type(norm) is LayerNorm:
         w = None if norm.weight is None else norm.weight.to(x.dtype)       # in x's dtype, as LayerNorm.forward
         b = None if norm.bias is None else norm.bias.to(x.dtype)
         return residual_norm(x, y, m[:, :, 2], w, b, eps=norm.eps)

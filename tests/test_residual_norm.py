@@ -168,3 +168,32 @@ def test_bad_arguments_say_what_is_wrong(kwargs, words):
 
 if __name__ == "__main__" and "--child" in sys.argv:
     _child()
+
+
+def test_block_fuses_only_its_own_layernorm(monkeypatch):
+    """The block's gated residual + norm3 run as one kernel only for the pack's own LayerNorm; another LayerNorm
+    module (a borrowed block's, which may cast or patch its weights as it runs) is called as it is."""
+    from types import SimpleNamespace
+
+    from wan_accel.model import blocks
+    from wan_accel.model.layers import LayerNorm
+
+    calls = []
+    real = blocks.residual_norm
+    monkeypatch.setattr(blocks, "residual_norm", lambda *a, **kw: calls.append("fused") or real(*a, **kw))
+
+    class Borrowed(torch.nn.LayerNorm):
+        def forward(self, x):
+            calls.append("module")
+            return super().forward(x)
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(1, 6, 16, generator=g), torch.randn(1, 6, 16, generator=g)
+    m = torch.randn(1, 3, 6, 16, generator=g)
+    on = blocks.BlockParts(fused_kernels=True)
+    for norm, parts, want in ((LayerNorm(16, eps=1e-6), on, ["fused"]), (Borrowed(16, eps=1e-6), on, ["module"]),
+                              (LayerNorm(16, eps=1e-6), blocks.BlockParts(fused_kernels=("gated_residual",)), [])):
+        calls.clear()
+        xn, h = blocks._gated_norm3(SimpleNamespace(norm3=norm), x, y, m, parts)
+        assert calls == want
+        torch.testing.assert_close(h, torch.nn.functional.layer_norm(xn, (16,), norm.weight, norm.bias, 1e-6))
