@@ -197,3 +197,28 @@ def test_block_fuses_only_its_own_layernorm(monkeypatch):
         xn, h = blocks._gated_norm3(SimpleNamespace(norm3=norm), x, y, m, parts)
         assert calls == want
         torch.testing.assert_close(h, torch.nn.functional.layer_norm(xn, (16,), norm.weight, norm.bias, 1e-6))
+
+
+def test_bench_kernels_gpu_rows_time_each_fused_use_against_its_unfused_steps(monkeypatch):
+    """``bench kernels``' GPU rows, run on the CPU with the GPU's timer and synchronisation stood in for (its Python
+    only: the numbers mean nothing here): each use of the fused residual + LayerNorm gets a row with its error
+    against the reference and its time against the unfused steps it replaces."""
+    triton_testing = pytest.importorskip("triton.testing")
+    from wan_accel.app.bench import kernels as bench
+
+    timed = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **kw: None)
+    monkeypatch.setattr(triton_testing, "do_bench", lambda fn, warmup=0, rep=0: (timed.append(fn()), 1.0)[1])
+    real = bench._inputs
+    monkeypatch.setattr(bench, "_inputs", lambda name, b, l, d, heads, frames, dtype, device:
+                        real(name, b, l, d, heads, frames, dtype, "cpu"))
+    monkeypatch.setattr(bench, "GPU_SHAPES", (("small", 1, 6, 32, 2),))
+    rows = {r["kernel"]: r for r in bench.gpu_rows("float32", 3)}
+    for name in ("residual_norm3", "residual_norm2"):
+        assert rows[name]["fused_vs_unfused"] == 1.0 and rows[name]["max_err"] <= 1e-5
+        assert rows[name]["unfused_ms"] == 1.0
+    assert "fused_vs_unfused" not in rows["gated_residual"]
+    # the unfused steps compute what the fused kernel does: (x_new, h) side by side
+    x, y, g, w, b = real("residual_norm3", 1, 6, 32, 2, 3, torch.float32, "cpu")
+    torch.testing.assert_close(bench._unfused("residual_norm3")(x, y, g, w, b),
+                               dict((n, f) for n, f, _r in bench._kernels())["residual_norm3"](x, y, g, w, b))
