@@ -68,7 +68,7 @@ def _check(x, y, gate, weight, bias, shift, scale):
     return gate, shift, scale
 
 
-def _per_token(t: torch.Tensor, b: int, l: int) -> torch.Tensor:
+def _per_token(t: torch.Tensor, l: int) -> torch.Tensor:
     """[B or 1, F, D] per frame -> [B or 1, L, D] float32 per token."""
     f = t.shape[1]
     return t.float().repeat_interleave(l // f, dim=1)
@@ -77,14 +77,14 @@ def _per_token(t: torch.Tensor, b: int, l: int) -> torch.Tensor:
 def residual_norm_reference(x, y, gate=None, weight=None, bias=None, shift=None, scale=None, eps: float = 1e-6):
     """The torch definition the kernel must match: (x_new, h) as the module doc says."""
     gate, shift, scale = _check(x, y, gate, weight, bias, shift, scale)
-    b, l, d = x.shape
-    s = x.float() + (y.float() if gate is None else y.float() * _per_token(gate, b, l))
+    _b, l, d = x.shape
+    s = x.float() + (y.float() if gate is None else y.float() * _per_token(gate, l))
     x_new = s.to(x.dtype)
     h = torch_F.layer_norm(x_new.float(), (d,), eps=eps)
     if weight is not None:
         h = h * weight.float() + (0.0 if bias is None else bias.float())
     if shift is not None:
-        h = h * (1.0 + _per_token(scale, b, l)) + _per_token(shift, b, l)
+        h = h * (1.0 + _per_token(scale, l)) + _per_token(shift, l)
     return x_new, h.to(x.dtype)
 
 
