@@ -2,7 +2,9 @@
 
 Layout everywhere is ``[B, L, heads, head_dim]``. Backends:
 
-* ``fa3``: FlashAttention 3 (``flash_attn_interface``), Hopper GPUs (compute capability 9.x);
+* ``fa3``: FlashAttention 3, Hopper GPUs (compute capability 9.x): upstream's 'hopper' build
+  (``flash_attn_interface``) or PyPI's forward-only wheel ``fa3-fwd`` (``fa3_fwd_interface``; bf16 only there);
+  ``fa3.split2`` / ``fa3.split3`` are the same kernels with the keys split (``num_splits``), candidates of 'auto';
 * ``fa2``: FlashAttention 2 (``flash_attn``), compute capability 8.0 or newer *and* kernels for this GPU in the
   installed build: wheels built without sm_100 / sm_120 code fail with "no kernel image is available", so a tiny
   probe call decides once per device (and a kernel-image error at run time falls back to SDPA for good);
@@ -53,21 +55,55 @@ log = logging.getLogger("wan_accel")
 BACKENDS = ("auto", "sdpa", "flash_attn", "fa3", "fa2", "int8", "fp8")
 RESOLVED = ("fa3", "fa2", "sdpa", "int8", "fp8")
 APPROXIMATE = ("int8", "fp8")   # the opt-in modes that change the numerics (never chosen by 'auto')
-_MODULES = {"fa3": "flash_attn_interface", "fa2": "flash_attn"}
+# The modules each FlashAttention generation is found under, first that imports wins: FA3 as upstream's 'hopper'
+# build (flash_attn_interface) or as PyPI's forward-only wheel fa3-fwd (fa3_fwd_interface: the same kernels and
+# signatures, torch's stable ABI, no fp16 / windowed / paged kernels built).
+_IMPORTS = {"fa3": ("flash_attn_interface", "fa3_fwd_interface"), "fa2": ("flash_attn",)}
+_MODULES = {name: " or ".join(mods) for name, mods in _IMPORTS.items()}   # in messages
 _FUNCS: dict = {}          # "fa3"/"fa2" -> flash_attn_func or None (import attempted once)
+_FROM: dict = {}           # "fa3"/"fa2" -> the module it was found in
+_NO_FP16: dict = {}        # "fa3"/"fa2" -> True where the loaded build has no fp16 kernels
+FA3_SPLITS = (2, 3)        # key splits (FA3's num_splits) offered to the operator store as candidates of their own
+
+
+def _build_lacks_fp16(module) -> bool:
+    """Whether a FlashAttention build says it was compiled without fp16 kernels (fa3-fwd's config: bf16 only)."""
+    try:
+        config = __import__(module.__name__.replace("_interface", "_config"), fromlist=["CONFIG"]).CONFIG
+        return bool(config["build_flags"].get("FLASHATTENTION_DISABLE_FP16"))
+    except Exception:  # noqa: BLE001 - no config module: assume the build of record (fa3-fwd ships without fp16)
+        return module.__name__ == "fa3_fwd_interface"
 
 
 def _load(name: str):
-    """flash_attn_func of FA3 / FA2, or None when the package does not import (never required)."""
+    """flash_attn_func of FA3 / FA2, or None when no package of it imports (never required)."""
     if name not in _FUNCS:
         fn = None
-        try:
-            module = __import__(_MODULES[name], fromlist=["flash_attn_func"])
-            fn = getattr(module, "flash_attn_func", None)
-        except Exception:  # noqa: BLE001 - any import failure means: not available
-            fn = None
+        for module_name in _IMPORTS[name]:
+            try:
+                module = __import__(module_name, fromlist=["flash_attn_func"])
+                fn = getattr(module, "flash_attn_func", None)
+            except Exception:  # noqa: BLE001 - any import failure means: not available
+                fn = None
+            if fn is not None:
+                _FROM[name], _NO_FP16[name] = module_name, _build_lacks_fp16(module)
+                break
         _FUNCS[name] = fn
     return _FUNCS[name]
+
+
+def loaded_from(name: str) -> str | None:
+    """The module FlashAttention ``name`` was found in ('flash_attn_interface', 'fa3_fwd_interface', ...)."""
+    return _FROM.get(name) if _load(name) is not None else None
+
+
+def fa_dtype_problem(name: str, dtype: torch.dtype) -> str | None:
+    """Why the installed FlashAttention ``name`` cannot take ``dtype`` calls (fp16 on fa3-fwd), or None."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
+    if dtype == torch.float16 and _load(name) is not None and _NO_FP16.get(name):
+        return f"{_FROM[name]} is built without fp16 kernels (bf16 only)"
+    return None
 
 
 def fa_available(name: str) -> bool:
@@ -173,6 +209,8 @@ def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capabili
         return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
     if not fa_available(name):
         return f"{_MODULES[name]} not installed"
+    if fa_dtype_problem(name, dtype):
+        return fa_dtype_problem(name, dtype)
     cap = capability or _capability(device.index if device.index is not None else torch.cuda.current_device())
     if not capability_supports(name, cap):
         return f"compute capability {cap[0]}.{cap[1]} not supported"
@@ -203,7 +241,7 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
             why.append(f"{name}: {problem}")
             continue
         skipped = f" (skipped {'; '.join(why)})" if why else ""
-        return name, f"{name} ({_MODULES[name]}) for requested '{requested}'{skipped}"
+        return name, f"{name} ({_FROM.get(name, _MODULES[name])}) for requested '{requested}'{skipped}"
     reason = "torch SDPA" + (f" ({'; '.join(why)})" if why else "")
     if requested in ("fa3", "fa2", "flash_attn") and why:
         log.warning("wan_accel: attention '%s' is not usable here, using SDPA: %s", requested, "; ".join(why))
@@ -216,14 +254,22 @@ def resolve_backend(requested: str, device, dtype: torch.dtype, head_dim: int) -
     return explain_backend(requested, device, dtype, head_dim)[0]
 
 
-def _flash(name: str, q, k, v):
+def _flash(name: str, q, k, v, splits: int = 1):
+    """FlashAttention ``name`` on [B, L, H, D] q/k/v (non-causal, no window, scale 1/sqrt(D)); ``splits`` > 1
+    splits the keys into that many parts combined by their log-sum-exp inside the kernel (FA3's num_splits: more
+    tiles than multiprocessors when the query tiles alone leave the last wave part-empty). Runs without autograd
+    (FA3's autograd wrapper would keep q, k, v alive for a backward that never comes)."""
     fn = _FUNCS.get(name) or _load(name)
     if fn is None:
         raise RuntimeError(f"attention backend {name!r} needs {_MODULES[name]}, which does not import")
     if _BUILD.get((name, q.device.index)):
         return _sdpa(q, k, v)       # this build has no kernels for this GPU (found at run time)
     try:
-        out = fn(q, k, v)
+        if splits > 1 or torch.is_grad_enabled():
+            with torch.no_grad():
+                out = fn(q, k, v, num_splits=splits) if splits > 1 else fn(q, k, v)
+        else:
+            out = fn(q, k, v)
     except RuntimeError as exc:
         if not _is_no_kernel_error(exc):
             raise
@@ -310,6 +356,12 @@ AUTO_CANDIDATES: dict[str, op_candidates.Candidate] = {
        for name in SDPA_KERNELS},
     "sdpa": op_candidates.Candidate(STORE_OP, "sdpa", "sdpa", lambda q, k, v: _sdpa(q, k, v), _no_problem,
                                     "torch scaled_dot_product_attention (its own pick)"),
+    # FA3 with its keys split (num_splits): the store keeps one where it measures it faster at a call's shape
+    **{f"fa3.split{n}": op_candidates.Candidate(STORE_OP, f"fa3.split{n}", "flash",
+                                                lambda q, k, v, n=n: _flash("fa3", q, k, v, splits=n),
+                                                lambda d, dt, hd: flash_problem("fa3", d, dt, hd),
+                                                f"FlashAttention 3, keys split in {n} (num_splits={n})")
+       for n in FA3_SPLITS},
     # after SDPA: never the availability order's pick, only the store's where it is verified and fastest
     "triton": op_candidates.Candidate(STORE_OP, "triton", "triton",
                                       lambda q, k, v: _triton_attention(q, k, v),
@@ -322,6 +374,11 @@ AUTO_CANDIDATES: dict[str, op_candidates.Candidate] = {
 
 SWITCHABLE = ("attention.fa3", "attention.fa2", "attention.triton",   # doctor features that are 'auto' candidates
               "attention.fa3_hub", "attention.fa3_xformers")
+
+
+def feature_of(candidate: str) -> str:
+    """The doctor feature's candidate name a candidate is switched off with: FA3's key splits go with 'fa3'."""
+    return candidate.split(".split", 1)[0]
 
 
 def auto_request(switched_off=()) -> str | tuple:
@@ -346,7 +403,8 @@ def auto_listing(device, dtype, head_dim: int, off: tuple = ()) -> list:
     """(candidate, why it is not used or None) for every exact candidate of 'auto' on this device/dtype/head size."""
     rows = []
     for cand in AUTO_CANDIDATES.values():
-        why = (SWITCHED_OFF if cand.name in off else None) or cand.problem(torch.device(device), dtype, head_dim)
+        why = (SWITCHED_OFF if feature_of(cand.name) in off else None) or cand.problem(torch.device(device), dtype,
+                                                                                      head_dim)
         rows.append((cand, why))
     return rows
 

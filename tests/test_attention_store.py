@@ -215,7 +215,8 @@ def test_the_doctor_lists_attention(tmp_path):
     row = rows["attention"]
     assert row["uses"] == "sdpa" and set(row["candidates"]) == {"fa3", "fa2", "fa3_hub", "fa3_xformers", "sdpa",
                                                                  "torch", "sdpa.cudnn", "sdpa.flash",
-                                                                 "sdpa.efficient", "triton"}
+                                                                 "sdpa.efficient", "triton", "fa3.split2",
+                                                                 "fa3.split3"}
     assert row["candidates"]["fa3"] == "needs a CUDA device" and row["candidates"]["torch"] == "available"
     assert row["candidates"]["sdpa.cudnn"] == "needs a CUDA device"
     assert row["candidates"]["fa3_hub"] == row["candidates"]["fa3_xformers"] == "needs a CUDA GPU"

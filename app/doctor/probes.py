@@ -58,7 +58,8 @@ def _check_sdpa(ctx: ProbeContext) -> Probe:
                  note="SDPA is the fallback of every attention backend; checked against math")
 
 
-FA_HINTS = {"fa3": "install FlashAttention 3 (the 'hopper' build, module flash_attn_interface) on an SM 9.x GPU",
+FA_HINTS = {"fa3": "pip install fa3-fwd (PyPI: FlashAttention 3's forward, bf16, CUDA 13, torch >= 2.10) or the "
+                   "'hopper' build of flash-attn (module flash_attn_interface); SM 9.x GPUs",
             "fa2": "pip install flash-attn (2.x) built for this GPU's architecture; needs SM 8.0+"}
 
 
@@ -72,6 +73,8 @@ def _fa_checker(name: str):
         fn = attn._load(name)
         if fn is None:
             raise NotAvailable(f"{attn._MODULES[name]} is not installed", hint)
+        if attn.fa_dtype_problem(name, ctx.dtype):
+            raise NotAvailable(attn.fa_dtype_problem(name, ctx.dtype), "run in bf16 to use it")
         cap = torch.cuda.get_device_capability(ctx.device)
         if not attn.capability_supports(name, cap):
             raise NotAvailable(f"compute capability {cap[0]}.{cap[1]} not supported by {name}",
@@ -434,7 +437,7 @@ _ATTENTION = lambda: (attn, _qkv, _softmax_math)   # noqa: E731
 for _feature in (
     Feature("attention.sdpa", "torch scaled_dot_product_attention", _check_sdpa, switches_off="nothing (fallback)",
             sources=_ATTENTION),
-    Feature("attention.fa3", "FlashAttention 3", _fa_checker("fa3"), ("flash_attn_3", "flash-attn-3"),
+    Feature("attention.fa3", "FlashAttention 3", _fa_checker("fa3"), ("flash_attn_3", "flash-attn-3", "fa3-fwd"),
             "fa3 (fa2 or SDPA is used)", sources=_ATTENTION),
     Feature("attention.fa2", "FlashAttention 2", _fa_checker("fa2"), ("flash-attn", "flash_attn"),
             "fa2 (SDPA is used)", sources=_ATTENTION),
