@@ -278,6 +278,43 @@ def _flash(name: str, q, k, v, splits: int = 1):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+E4M3_MAX = 448.0
+
+
+def quantize_e4m3_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L, H, D] -> (float8_e4m3fn codes, float32 descale [B, H]): one scale per (batch, head), its largest
+    magnitude mapped to e4m3's 448, the layout FA3's fp8 kernels take (``q_descale`` / ``k_descale`` /
+    ``v_descale``). Rounding: e4m3 keeps 3 mantissa bits, a relative step of 2^-3 (unit roundoff 2^-4) for every
+    value within the scale's binades."""
+    amax = x.abs().amax(dim=(1, 3)).float().clamp_min(1e-12)
+    descale = amax / E4M3_MAX
+    codes = (x.float() / descale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, descale.contiguous()
+
+
+def fa3_fp8_problem(device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FA3's fp8 kernels cannot take a call here (no FA3, not Hopper, not a bf16 run), or None."""
+    if dtype != torch.bfloat16:
+        return f"needs a bf16 run (its output is bf16; got {str(dtype).replace('torch.', '')})"
+    if not hasattr(torch, "float8_e4m3fn"):
+        return f"torch {torch.__version__} has no float8_e4m3fn"
+    return flash_problem("fa3", device, dtype, head_dim)
+
+
+def fa3_fp8_attention(q, k8, v8, k_descale, v_descale, splits: int = 1):
+    """FA3's e4m3 forward with a bf16 output: queries quantized here (per call), keys and values given quantized
+    (``quantize_e4m3_heads``, as a cache would keep them once). Not a run mode yet: ``bench attention`` times it
+    (``--approximate fa3_fp8``) beside exact attention and states its error."""
+    fn = _FUNCS.get("fa3") or _load("fa3")
+    if fn is None:
+        raise RuntimeError(f"fp8 through FlashAttention 3 needs {_MODULES['fa3']}, which does not import")
+    q8, q_descale = quantize_e4m3_heads(q)
+    with torch.no_grad():
+        out = fn(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, num_splits=splits)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.to(q.dtype)
+
+
 def _sdpa(q, k, v, mask=None):
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
     return out.transpose(1, 2)

@@ -32,9 +32,17 @@ def _stand_in(calls: list, combine_right: bool = True):
     def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                         v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                         pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
-        assert q.dtype == torch.bfloat16, "the wheel has no fp16 kernels"
         assert not causal and window_size == (-1, -1) and qv is None and softcap == 0.0
-        calls.append({"num_splits": num_splits, "grad": torch.is_grad_enabled(), "scale": softmax_scale})
+        calls.append({"num_splits": num_splits, "grad": torch.is_grad_enabled(), "scale": softmax_scale,
+                      "dtype": q.dtype})
+        if q.dtype == torch.float8_e4m3fn:                   # fp8: codes times float32 descales [B, H_k]
+            assert k.dtype == v.dtype == q.dtype
+            for t, d in ((q, q_descale), (k, k_descale), (v, v_descale)):
+                assert d is not None and d.dtype == torch.float32 and tuple(d.shape) == (t.shape[0], t.shape[2])
+            q, k, v = (t.float() * d[:, None, :, None] for t, d in ((q, q_descale), (k, k_descale),
+                                                                     (v, v_descale)))
+            q = q.to(torch.bfloat16)                         # its output is bf16
+        assert q.dtype == torch.bfloat16, "the wheel has no fp16 kernels"
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         parts = [_math_lse(q, kp, vp, scale) for kp, vp in zip(k.chunk(max(1, num_splits), dim=1),
                                                                  v.chunk(max(1, num_splits), dim=1))]
@@ -164,3 +172,30 @@ def test_the_doctor_refuses_fp16_with_the_wheel_and_says_how(wheel, monkeypatch)
     with pytest.raises(NotAvailable, match="without fp16 kernels"):
         probes._fa_checker("fa3")(ctx)
     assert "fa3-fwd" in probes.FA_HINTS["fa3"]
+
+
+def test_quantized_heads_round_within_e4m3s_step():
+    x = _qkv(torch.float32)[1] * torch.tensor([1.0, 30.0, 1e-3])[None, None, :, None]   # heads of unlike scales
+    codes, descale = att.quantize_e4m3_heads(x)
+    assert codes.dtype == torch.float8_e4m3fn and descale.shape == (x.shape[0], x.shape[2])
+    back = codes.float() * descale[:, None, :, None]
+    step = x.abs().amax(dim=(1, 3), keepdim=True) / 448          # one code's worth of the head's scale
+    # round to nearest: half e4m3's relative step (2^-3) of the value, or half the subnormal step (2^-9) near 0
+    assert torch.all((back - x).abs() <= 2.0 ** -4 * x.abs() + step * 2.0 ** -10 + 1e-30)
+    assert float((back - x).abs().max()) > 0                                # it does round
+
+
+def test_fp8_through_fa3_gets_codes_and_descales_and_stays_near_exact(wheel):
+    q, k, v = _qkv()
+    (k8, kd), (v8, vd) = att.quantize_e4m3_heads(k), att.quantize_e4m3_heads(v)
+    out = att.fa3_fp8_attention(q, k8, v8, kd, vd)
+    assert out.dtype == torch.bfloat16 and wheel[-1]["dtype"] == torch.float8_e4m3fn
+    ref = att.attention_reference(q.float(), k.float(), v.float())
+    err = float((out.float() - ref).abs().max())
+    # three operands each within e4m3's relative step 2^-4, the logits of a unit-variance call a few units:
+    # a loose bound several times the observed error, far below a wrong scale's (order 1)
+    assert 0 < err < 0.25, err
+    wrong = att.fa3_fp8_attention(q, k8, v8, kd * 2, vd)                    # keys' descale off by 2: the logits move
+    assert float((wrong.float() - ref).abs().max()) > 2 * err
+    assert att.fa3_fp8_problem(CUDA, torch.float16, 128).startswith("needs a bf16 run")
+    assert att.fa3_fp8_problem(CUDA, torch.bfloat16, 128) is None

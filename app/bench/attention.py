@@ -30,26 +30,9 @@ import torch
 from ..validate import UsageError
 
 # shape -> (tokens per latent frame, latent frames, frames per chunk, heads, head size, text tokens)
-SHAPES = {"1.3b": (1560, 21, 3, 12, 128, 512), "14b": (1560, 21, 3, 40, 128, 512), "tiny": (96, 6, 3, 2, 16, 16)}
-APPROXIMATE = ("int8", "fp8")    # opt-in approximate attention modes (model/attention.py BACKENDS)
+from .options import APPROXIMATE, ATTENTION_SHAPES as SHAPES  # noqa: E402,F401  (defined without torch)
+from .options import attention as add_arguments  # noqa: E402,F401
 GOAL_TFLOPS = 550.0               # issue 30: attention at the largest call on an H100/H200
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--shape", choices=list(SHAPES), help="the run whose calls are timed (default: 1.3b on "
-                        "CUDA, tiny on a CPU)")
-    parser.add_argument("--calls", default="largest", choices=["largest", "all"], help="largest: the run's largest "
-                        "self-attention call; all: the largest call of every length bucket (cross-attention too)")
-    parser.add_argument("--lq", type=int, help="query length of one call to time instead of a run's (with --lk)")
-    parser.add_argument("--lk", type=int, help="key length of that call (with --lq)")
-    parser.add_argument("--batch", type=int, default=1, help="batch (default 1)")
-    parser.add_argument("--device", help="cuda / cpu (default: cuda if available)")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default bf16 on CUDA, fp32 on a CPU")
-    parser.add_argument("--approximate", default="int8,fp8", help="comma list of opt-in approximate modes to time too "
-                        f"({', '.join(APPROXIMATE)}), or 'none'")
-    parser.add_argument("--no-ceiling", action="store_true", help="skip measuring the GPU's matmul ceiling")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
 
 
 def calls(shape: str, which: str) -> list:
@@ -117,6 +100,9 @@ def _approximate_call(name: str, k, v):
     if name == "fp8":
         kv8 = fp8_attention.quantize_kv(k, v)
         return lambda a, b_, c: fp8_attention.fp8_attention(a, b_, c, kv8=kv8)
+    if name == "fa3_fp8":          # keys and values quantized once (as a cache would keep them), queries per call
+        (k8, kd), (v8, vd) = attn.quantize_e4m3_heads(k), attn.quantize_e4m3_heads(v)
+        return lambda a, b_, c: attn.fa3_fp8_attention(a, k8, v8, kd, vd)
     return lambda a, b_, c: attn.attention(a, b_, c, backend=name)
 
 
@@ -140,6 +126,11 @@ def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, devi
             continue
         rows.append(_row(cand.name, "exact", cand.fn, q, k, v, ref, timer, ceiling))
     for name in approximate:
+        why = attn.fa3_fp8_problem(device, dtype, head_dim) if name == "fa3_fp8" else None
+        if why is not None:
+            rows.append({"lq": lq, "lk": lk, "candidate": name, "kind": "approximate", "status": "unavailable",
+                         "why": why})
+            continue
         rows.append(_row(name, "approximate", _approximate_call(name, k, v), q, k, v, ref, timer, ceiling))
     try:
         store, why = attn.choose_auto(q, k, v, benchmark=False)
