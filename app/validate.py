@@ -239,9 +239,10 @@ def check_device(name: str, value) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------- files
-def check_input_file(name: str, value, kind: str = "safetensors", convert: str = "convert") -> Path:
+def check_input_file(name: str, value, kind: str = "safetensors", convert: str | None = "convert") -> Path:
     """An existing, non-empty regular file; for kind 'safetensors' also a readable safetensors header (a pickle
-    file is told the command that converts it: ``convert``, or ``convert-lora`` for a LoRA)."""
+    file is told the command that converts it: ``convert`` for a DiT, ``convert-lora`` for a LoRA; None for a file
+    no command converts (a decoder, a text embedding): it is told to get or save the .safetensors form)."""
     if value is None or str(value).strip() == "":
         raise UsageError(f"{name} is empty: give the path of a .{kind} file")
     path = Path(str(value)).expanduser()
@@ -260,6 +261,10 @@ def check_input_file(name: str, value, kind: str = "safetensors", convert: str =
         raise UsageError(f"{name} {path} is empty (0 bytes); give a complete .{kind} file")
     if kind == "safetensors":
         if path.suffix.lower() in (".pt", ".pth", ".ckpt", ".bin", ".pkl"):
+            if convert is None:
+                raise UsageError(f"{name} {path} is a pickle file; only .safetensors files are loaded (pickle files "
+                                 f"can run code) and no wan_accel command converts this kind: give its .safetensors "
+                                 f"release, or save its tensors with safetensors.torch.save_file")
             raise UsageError(f"{name} {path} is a pickle checkpoint; only .safetensors files are loaded. Convert it "
                              f"once: python -m wan_accel {convert} {path} {path.with_suffix('.safetensors')}")
         try:
@@ -311,6 +316,13 @@ def read_user_file(name: str, value, *, what: str = "a text file", limit: int = 
         raise UsageError(f"{name} {shown(text)} cannot name a file; give the path of {what}") from None
     where = f"{name} {shown(str(path))}" + (f" (a link to {shown(os.path.realpath(path))})" if link else "")
     try:
+        before = os.stat(path)                          # a pipe, device or socket is refused before it is opened:
+        if not stat.S_ISREG(before.st_mode):            # opening some devices acts (a tty, a tape) or can stall
+            from ..cache.safety import file_kind
+
+            kind = file_kind(before.st_mode)
+            fix = "a file in it" if kind == "a folder" else "a regular file (save the text to a file first)"
+            raise UsageError(f"{where} is {kind}, not a file; give the path of {what}: {fix}")
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise UsageError(f"{where}: no such file; check the path (give the path of {what})") from None
@@ -436,7 +448,7 @@ def check_fits(model_config: dict, frames, height, width, *, device=None, frames
     """Refuse a sampling run whose estimated peak (latents, KV cache, activations and weights still to load;
     ``memory/estimate.py``) exceeds the device's memory, before any tensor is made. The message gives the estimate,
     the device's free/total (CUDA) or available RAM (CPU) and the settings that would fit. Every sampler entry
-    point (command line, nodes, ``sample_latents``) calls it with its own input names; ``world``: ranks of a
+    point (command line, nodes, ``prepare.sample_video``) calls it with its own input names; ``world``: ranks of a
     sequence-parallel run (the estimate is one rank's). Arithmetic and one memory query: cheap to repeat."""
     from ..memory.estimate import fit_problem
 

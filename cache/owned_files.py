@@ -215,11 +215,7 @@ def replace_file(path: Path, write: Callable[[str], object], *, durable: bool = 
     ``durable``), given the target's mode, checked by ``before_rename()`` and moved over ``path``; then the folder
     is fsynced. A failure leaves the previous file as it was and no temporary file behind."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(p.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.{TMP_MARK}-{os.getpid()}-",
-                               suffix=f".tmp{p.suffix}" if suffix is None else suffix, dir=str(p.parent))
-    os.close(fd)
+    tmp = new_temporary(p, suffix)
     try:
         write(tmp)
         fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
@@ -249,6 +245,20 @@ def replace_file(path: Path, write: Callable[[str], object], *, durable: bool = 
     if durable:
         _fsync_folder(p.parent)
     return p
+
+
+def new_temporary(path, suffix: str | None = None) -> str:
+    """A new empty temporary file beside ``path`` (its folder made), named as this writer's own
+    (``.<name>.wan_accel-<pid>-*<suffix>``, by default ``.tmp`` plus the target's extension), after removing the
+    temporaries a killed process left there. A file filled over a long time (a video written as its frames are
+    decoded) is filled here and handed to :func:`write_with` at the end (``os.replace`` onto its temporary)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(p.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.{TMP_MARK}-{os.getpid()}-",
+                               suffix=f".tmp{p.suffix}" if suffix is None else suffix, dir=str(p.parent))
+    os.close(fd)
+    return tmp
 
 
 def write_with(path, write: Callable[[str], object], *, option: str = "", purpose: str = "the output",
@@ -282,6 +292,10 @@ def read_regular(path, limit: int | None = None) -> bytes:
     """The bytes of ``path`` when it is a regular file (at most ``limit``); opened without blocking, so a pipe or
     a device put where the pack keeps a file can never hang a read. FileNotFoundError when absent; OSError
     :class:`OwnedFileError` (a ValueError: the user's to fix) when it is not a regular file."""
+    mode = os.stat(path).st_mode                    # refused before it is opened: opening a device can act or stall
+    if not stat.S_ISREG(mode):
+        raise OwnedFileError(f"{path} is {file_kind(mode)}; the pack reads only a regular file there: remove "
+                             f"it (the pack makes the file again)")
     fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
     try:
         mode = os.fstat(fd).st_mode

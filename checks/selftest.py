@@ -17,6 +17,11 @@ run's calls), the optimized sampler with every chunk decoded by the Wan 2.1 VAE 
 kernels``, block swap under a VRAM cap (``bench offload``), the tests marked ``cuda``; and ComfyUI's own loader where
 ComfyUI imports (the doctor's native probe). The speed goals (``checks/goals.py``) are read from the bench stages'
 output and written beside the table (``--goals``: only the stages they are read from).
+
+``--out``, the files written there and ``--require-gpu`` are checked before the first stage (``check_outputs``,
+``check_gpu``). selftest.json and selftest.md are written again after every finished stage, so a run stopped
+half-way leaves the table of what it finished (``finished`` false, ``not_run`` the stages left). Progress goes to
+``log`` (the command line: stderr), with a line every HEARTBEAT_S while a stage runs.
 """
 from __future__ import annotations
 
@@ -227,7 +232,31 @@ def _tail(text: str, n: int = 400) -> str:
     return (lines[-1] if lines else "")[:n]
 
 
-def run_stage(stage: Stage, ctx: Context) -> dict:
+HEARTBEAT_S = 30.0         # a stage still running says so this often (the stage's own output is kept for its log)
+
+
+def _communicate(proc, timeout: float, log, name: str) -> tuple:
+    """(stdout, stderr) of ``proc``, saying every HEARTBEAT_S that ``name`` still runs; TimeoutExpired after
+    ``timeout`` seconds (the process killed)."""
+    t0 = time.perf_counter()
+    while True:
+        left = timeout - (time.perf_counter() - t0)
+        try:
+            return proc.communicate(timeout=max(0.01, min(left, HEARTBEAT_S)))
+        except subprocess.TimeoutExpired:
+            if time.perf_counter() - t0 >= timeout:
+                proc.kill()
+                proc.communicate()
+                raise
+            if log is not None:
+                log(f"    {name}: still running, {time.perf_counter() - t0:.0f} s of at most {timeout:.0f} s")
+        except BaseException:            # Ctrl-C: the stage ends with the self-test (as subprocess.run does)
+            proc.kill()
+            raise
+
+
+def run_stage(stage: Stage, ctx: Context, log=None) -> dict:
+    """The row of one stage, run in a new process; ``log(text)`` hears every HEARTBEAT_S that it still runs."""
     row = {"stage": stage.name, "status": "passed", "seconds": 0.0, "detail": "", "gpu": stage.gpu}
     if stage.gpu and not ctx.gpu:
         return dict(row, status=NEEDS_GPU, detail="no CUDA GPU on this machine")
@@ -240,8 +269,10 @@ def run_stage(stage: Stage, ctx: Context) -> dict:
     timeout = stage.timeout * (1.0 if ctx.gpu else CPU_FACTOR)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(ctx), cwd=str(ctx.work),
-                              timeout=timeout)
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(ctx),
+                              cwd=str(ctx.work)) as child:
+            stdout, stderr = _communicate(child, timeout, log, stage.name)
+            proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     except subprocess.TimeoutExpired:
         return dict(row, status="failed", seconds=round(time.perf_counter() - t0, 2),
                     detail=f"did not finish within {timeout:.0f} s")
@@ -314,7 +345,8 @@ def markdown(result: dict) -> str:
     for r in result["stages"]:
         detail = str(r.get("detail", "")).replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {r['stage']} | {r['status']} | {r['seconds']:.1f} | {detail} |")
-    verdict = "PASSED" if result["passed"] else "FAILED"
+    verdict = "PASSED" if result["passed"] else "FAILED" if result.get("finished", True) else \
+        "UNFINISHED (written after each stage; the stages not run yet are named below)"
     text = head + "\n".join(lines) + f"\n\n{verdict}: {result['summary']}\n"
     if result.get("goals"):
         text += "\nSpeed goals (1.3B causal video, 480x832, 81 frames, bf16; targets for one H100 or H200):\n\n"
@@ -322,39 +354,98 @@ def markdown(result: dict) -> str:
     return text
 
 
+FILES = (("selftest.json", "the self-test's JSON"), ("selftest.md", "the self-test's table"))
+
+
+def check_outputs(out) -> Path:
+    """``--out`` as a folder the self-test can write selftest.json, selftest.md and stages/ into, checked before any
+    stage runs; else UsageError naming the path and the fix (a link or a folder where one of the files goes, a file
+    where the folder goes)."""
+    import stat
+
+    from ..app.validate import UsageError, check_output_dir
+    from ..cache.owned_files import check_target
+    from ..cache.safety import file_kind
+    out = check_output_dir("--out", out)
+    for name, purpose in FILES:
+        path = out / name
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise UsageError(f"--out {out}: {path} is a symbolic link; the self-test writes {name} only as a regular "
+                             f"file, never through a link: remove the link or choose another --out")
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"--out {out}: {path} is {file_kind(st.st_mode)} where the self-test writes {name}: "
+                             f"remove it or choose another --out")
+        check_target(path, option="--out", purpose=purpose)       # a system folder, the limit cache's own files
+    stages = out / "stages"
+    if os.path.lexists(stages) and (os.path.islink(stages) or not os.path.isdir(stages)):
+        raise UsageError(f"--out {out}: {stages} is not a folder; the self-test keeps each stage's output in "
+                         f"{stages}/: remove it or choose another --out")
+    return out
+
+
+def check_gpu(require_gpu: bool) -> bool:
+    """Whether a CUDA GPU is here; with ``require_gpu`` and none, UsageError before any stage runs."""
+    import torch
+    from ..app.validate import UsageError
+    gpu = torch.cuda.is_available()
+    if require_gpu and not gpu:
+        raise UsageError("--require-gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False, torch "
+                         f"{torch.__version__}); run without --require-gpu to list the GPU stages as needing one")
+    return gpu
+
+
+def _result(rows: list, chosen: list, gpu: bool, info: dict, goal_rows: list) -> dict:
+    """The result of the stages run so far (``rows``) out of ``chosen``: finished when every one ran."""
+    rows = [{k: v for k, v in r.items() if k != OUTPUT} for r in rows]
+    failed = [r["stage"] for r in rows if r["status"] == "failed"]
+    gpu_only = [r["stage"] for r in rows if r["status"] == NEEDS_GPU]
+    left = [s.name for s in chosen[len(rows):]]
+    summary = (f"{sum(r['status'] == 'passed' for r in rows)} passed, {len(failed)} failed"
+               + (f", {len(gpu_only)} need a CUDA GPU ({', '.join(gpu_only)})" if gpu_only else "")
+               + (f"; failed: {', '.join(failed)}" if failed else "")
+               + (f"; not run yet: {', '.join(left)}" if left else ""))
+    return {"kind": "wan_accel.selftest", "schema": 1, "machine": info, "gpu": gpu, "stages": rows,
+            "needs_gpu": gpu_only, "passed": not failed and not left, "finished": not left, "not_run": left,
+            "summary": summary, "goals": goal_rows}
+
+
+def _write(out: Path, result: dict) -> dict:
+    """selftest.json and selftest.md written atomically (cache/owned_files.py: a reader sees the old file or the new
+    one, never a part); the result with their paths."""
+    from ..cache.owned_files import write_text
+    write_text(out / "selftest.json", json.dumps(result, indent=2) + "\n", option="--out", purpose=FILES[0][1])
+    write_text(out / "selftest.md", markdown(result), option="--out", purpose=FILES[1][1])
+    return dict(result, files={"json": str(out / "selftest.json"), "markdown": str(out / "selftest.md")})
+
+
 def run_selftest(out: Path, *, require_gpu: bool = False, quick: bool = False, stages: list | None = None,
                  log=print, only_goals: bool = False) -> dict:
-    import torch
-    from ..cache.owned_files import write_text
-    gpu = torch.cuda.is_available()
+    """Run the chosen stages; selftest.json and selftest.md are written after every finished stage (a run stopped
+    half-way leaves the table of the stages it finished). ``--out`` and ``--require-gpu`` are checked first."""
+    out = check_outputs(out)
+    gpu = check_gpu(require_gpu)
     wanted = set(stages or ()) | (set(goals.STAGES) if only_goals else set())
     chosen = STAGES if not wanted else [s for s in STAGES if s.name in wanted]
     out.mkdir(parents=True, exist_ok=True)
+    info = machine()
     with tempfile.TemporaryDirectory(prefix="wan_accel_selftest_") as work:
         ctx = Context(out=out, work=Path(work), gpu=gpu, device="cuda" if gpu else "cpu", quick=quick)
         rows = []
         for i, stage in enumerate(chosen):
             log(f"[{i + 1}/{len(chosen)}] {stage.name} ...")
-            row = run_stage(stage, ctx)
+            row = run_stage(stage, ctx, log)
             rows.append(row)
             log(f"[{i + 1}/{len(chosen)}] {stage.name}: {row['status']} ({row['seconds']:.1f} s) {row['detail']}"
                 .rstrip())
+            if i + 1 < len(chosen):
+                _write(out, _result(rows, chosen, gpu, info, []))
     outputs = {r["stage"]: r.pop(OUTPUT) for r in rows if OUTPUT in r}
     goal_rows = goals.judge(outputs) if any(r["stage"] in goals.STAGES for r in rows) else []
-    failed = [r["stage"] for r in rows if r["status"] == "failed"]
-    gpu_only = [r["stage"] for r in rows if r["status"] == NEEDS_GPU]
-    problems = list(failed)
-    if require_gpu and not gpu:
-        problems.append("no CUDA GPU (--require-gpu)")
-    summary = (f"{sum(r['status'] == 'passed' for r in rows)} passed, {len(failed)} failed"
-               + (f", {len(gpu_only)} need a CUDA GPU ({', '.join(gpu_only)})" if gpu_only else "")
-               + (f"; failed: {', '.join(problems)}" if problems else ""))
-    result = {"kind": "wan_accel.selftest", "schema": 1, "machine": machine(), "gpu": gpu, "stages": rows,
-              "needs_gpu": gpu_only, "passed": not problems, "summary": summary, "goals": goal_rows}
-    write_text(out / "selftest.json", json.dumps(result, indent=2) + "\n", option="--out", purpose="the JSON")
-    write_text(out / "selftest.md", markdown(result), option="--out", purpose="the table")
-    result["files"] = {"json": str(out / "selftest.json"), "markdown": str(out / "selftest.md")}
-    return result
+    return _write(out, _result(rows, chosen, gpu, info, goal_rows))
 
 
 # ----------------------------------------------------------------------------------------------- fp8 stage

@@ -20,7 +20,11 @@ BENCHES = {
     "offload": ("..app.bench.memory", "block swap step time and peak VRAM"),
     "play": ("..app.bench.play", "Matrix-Game-2 play chunks: caches in place vs copied"),
     "fidelity": ("..app.bench.fidelity", "int8 attention / fp8 linear vs exact on the recorded fixtures"),
+    "native": ("..app.bench.native", "ComfyUI's MODEL: core's SamplerARVideo vs the Wan Accel AR Sampler vs the pack's "
+               "own path (needs ComfyUI)"),
 }
+# bench name -> modules imported first: they register what app/ may not import itself (ComfyUI, the nodes)
+SIDES = {"native": ("..nodes.native_bench",)}
 
 
 def _one_dtype_vocabulary(parser) -> bool:
@@ -46,9 +50,9 @@ def check_bench_args(what: str, ns) -> None:
     """The values every bench shares, checked before anything runs (0 or a negative count is an error)."""
     from ..app.validate import check_device, check_float, check_geometry, check_input_file, check_int, check_pixels
 
-    for name in ("checkpoint", "vae"):                    # weights files: readable safetensors, before any work
-        if getattr(ns, name, None):
-            check_input_file("--" + name, getattr(ns, name))
+    for name, convert in (("checkpoint", "convert"), ("vae", None)):   # weights files: readable safetensors, first
+        if getattr(ns, name, None) is not None:        # '' too: an empty path is refused, never taken as "none"
+            check_input_file("--" + name, getattr(ns, name), convert=convert)
     if getattr(ns, "device", None) is not None:          # one check of --device for every bench
         ns.device = check_device("--device", ns.device)
     for name, lo, hi in POSITIVE_NUMBERS:        # rates and times: a figure made from 0 or a negative one is wrong
@@ -84,11 +88,21 @@ def _route(what: str, bench_args: list) -> tuple:
     return BENCHES[what]
 
 
+def _options(module: str):
+    """The function that adds the options of the bench ``module``: from app/bench/options.py where the module
+    imports torch (its --help and usage errors answer before torch loads), else the module's own add_arguments."""
+    from ..app.bench.options import ARGUMENTS
+
+    adder = ARGUMENTS.get(module.rpartition(".")[2])
+    if adder is not None:
+        return adder
+    return importlib.import_module(importlib.util.resolve_name(module, __package__)).add_arguments
+
+
 def _run(args) -> int:
     module, help_text = _route(args.what, args.bench_args)
-    mod = importlib.import_module(importlib.util.resolve_name(module, __package__))
     parser = argparse.ArgumentParser(prog=f"python -m wan_accel bench {args.what}", description=help_text)
-    mod.add_arguments(parser)
+    _options(module)(parser)
     wants_torch = _one_dtype_vocabulary(parser)
     from ..app.validate import friendly_numbers
     friendly_numbers(parser)
@@ -96,6 +110,9 @@ def _run(args) -> int:
     if wants_torch and getattr(ns, "dtype", None):
         ns.dtype = TORCH_NAMES[ns.dtype]
     check_bench_args(args.what, ns)
+    for side in SIDES.get(args.what, ()):
+        importlib.import_module(importlib.util.resolve_name(side, __package__))
+    mod = importlib.import_module(importlib.util.resolve_name(module, __package__))
     return int(mod.run(ns) or 0)
 
 

@@ -168,9 +168,9 @@ def register(sub) -> None:
 
     s = csub.add_parser("clear", help="remove entries (every machine's) from one namespace or all")
     s.add_argument("--namespace", "-n", help="only this namespace")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the number of removed entries as JSON")
     s.set_defaults(func=_clear)
 
     s = csub.add_parser("prune-stale", help="remove entries measured with other driver/CUDA/torch/triton versions")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the number of removed entries as JSON")
     s.set_defaults(func=_prune)

@@ -9,7 +9,6 @@ exit 1. Anything else is a bug of the pack: one line naming it, exit 1, and the 
 from __future__ import annotations
 
 import errno
-import os
 import sys
 import warnings
 
@@ -76,7 +75,8 @@ def run_guarded(func, args) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - this is the one place that turns errors into messages
-        if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+        from ..profiling.child import debug
+        if debug():                                     # only 1/true/yes/on: WAN_ACCEL_DEBUG=false keeps it quiet
             raise
         message, code = describe(exc)
         print(f"error: {message}", file=sys.stderr)

@@ -78,7 +78,7 @@ def _plan(args) -> int:
     from ..app.validate import check_float, check_geometry, check_input_file, check_int, check_window
 
     try:
-        if args.checkpoint:
+        if args.checkpoint is not None:
             check_input_file("--checkpoint", args.checkpoint)
         check_geometry(args.frames, args.height, args.width, args.frames_per_block if args.mode == "causal" else 1,
                        names={"frames": "--frames", "height": "--height", "width": "--width",

@@ -23,7 +23,9 @@ def register(subparsers) -> None:
 def _add_generate(subparsers) -> None:
     p = subparsers.add_parser("generate", help="sample a causal Wan video latent (tiny built-in model by default)",
                               description="Sample latents with the causal few-step sampler; writes "
-                                          "latents.safetensors, preview.webp and report.json.")
+                                          "latents.safetensors, preview.webp and report.json, and with --decode "
+                                          "(or --vae) the decoded video, video.mp4 (PyAV) or video.webp, each "
+                                          "chunk written as it is decoded.")
     p.add_argument("--out", default="wan_accel_out", help="output directory (default: wan_accel_out)")
     p.add_argument("--checkpoint", help=".safetensors DiT checkpoint (default: built-in tiny random model)")
     p.add_argument("--text-embeds", help=".safetensors with the prompt's umt5 embedding ('context', [L, 4096])")
@@ -34,7 +36,8 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--frames", type=int, help="video frames, 4k+1 (default 33 tiny / 81 checkpoint)")
     p.add_argument("--height", type=int, help="pixels, multiple of 16 (default 128 tiny / 480 checkpoint)")
     p.add_argument("--width", type=int, help="pixels, multiple of 16 (default 128 tiny / 832 checkpoint)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default 0; the same seed and "
+                   "settings give the same latents)")
     p.add_argument("--model-kind", default="wan", choices=["wan", "matrix-game2"],
                    help="wan: text-to-video causal Wan (default); matrix-game2: action-conditioned world model")
     p.add_argument("--preset", help="wan: self_forcing (default) / causvid / longlive (its schedule, 3-frame "
@@ -47,7 +50,10 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--device", help="cuda / cpu (default: cuda if available)")
     p.add_argument("--dtype", type=dtype_arg("--dtype"), metavar="{bf16,fp16,fp32}",
                    help="default: bf16 on cuda, fp32 on cpu (bfloat16/float16/float32 are accepted too)")
-    p.add_argument("--precision", default="self_forcing", choices=["float32", "wan21", "self_forcing"])
+    p.add_argument("--precision", default="self_forcing", choices=["float32", "wan21", "self_forcing"],
+                   help="self_forcing (default): the whole model in --dtype, as the causal checkpoints ran; wan21: "
+                   "time embedding, modulation, residual stream, norms and head in float32, matmuls in --dtype; "
+                   "float32: everything in float32 (parity checks)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8", "fp8"],
                    help="auto: FlashAttention 3, then 2, then SDPA, by what is installed and the GPU supports; "
                         "int8 (opt-in): int8 Q/K attention; fp8 (opt-in): Q, K, V and P in fp8, K/V quantized once "
@@ -71,7 +77,16 @@ def _add_generate(subparsers) -> None:
                         "rebuild the KV cache from a context of K = --kv-window - --frames-per-block frames "
                         "(Krea Realtime; --kv-window -1: K = 3; default of --preset krea)")
     p.add_argument("--num-heads", type=int, help="heads, for checkpoints whose dim is not a multiple of 128")
-    p.add_argument("--no-preview", action="store_true")
+    p.add_argument("--decode", choices=["wan", "tiny", "none"],
+                   help="decode each chunk as it is made and write the video beside the latents (video.mp4 with "
+                        "PyAV, else an animated video.webp): wan (the Wan 2.1 VAE's decoder) or tiny (the "
+                        "TAEHV-class taew2_1 decoder: much faster). Default: the decoder of --vae, none without it. "
+                        "Without --vae the built-in tiny model decodes with seeded random decoder weights (no "
+                        "download; the frames show the pipeline, not a picture)")
+    p.add_argument("--vae", metavar="FILE", help="the decoder's weights: a Wan 2.1 VAE (wan_2.1_vae.safetensors) for "
+                   "--decode wan, taew2_1.safetensors for --decode tiny; needed to decode a --checkpoint's video")
+    p.add_argument("--no-preview", action="store_true", help="do not write the animated preview (preview.webp) "
+                   "beside the latents")
     p.add_argument("--sampler", default="auto", choices=["auto", "optimized", "reference"],
                    help="sampling path: auto (optimized on CUDA, reference elsewhere), optimized, reference")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"], help="CUDA graphs (optimized path)")
@@ -96,7 +111,7 @@ def _run_job(args, log, parallel=None):
     if args.model_kind == "matrix-game2":
         from ..app.jobs.mg2 import MG2Options, run_mg2_generate
         from ..sampling.sampler import sampler_path
-        from ..app.jobs.generate import latent_frames
+        from ..app.prepare import latent_frames
         fields = dict(out_dir=args.out, checkpoint=args.checkpoint, conditioning=args.conditioning,
                       preset=args.preset, window=args.window, seed=args.seed, device=args.device, dtype=args.dtype,
                       precision=args.precision, attention=args.attention, actions=args.actions,
@@ -105,8 +120,7 @@ def _run_job(args, log, parallel=None):
                       skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview)
         options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels, "ops": args.ops,
                    "linear": args.linear, "keep_slower": args.keep_slower}
-        path = "optimized" if args.linear == "fp8" and args.sampler == "auto" else args.sampler
-        with sampler_path(path, options):
+        with sampler_path(args.sampler, options):       # the prepare step applies the run rules (fp8 linear)
             return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log,
                                     parallel=parallel)
     from ..app.jobs.generate import GenerateOptions, run_generate
@@ -120,7 +134,8 @@ def _run_job(args, log, parallel=None):
         sampler=args.sampler, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
         ops=args.ops, lora=args.lora, lora_strength=1.0 if args.lora_strength is None else args.lora_strength,
         compile=args.compile, prompt_schedule=getattr(args, "prompt_schedule_text", None),
-        recache=args.recache or "switch", keep_slower=args.keep_slower, linear=args.linear)
+        recache=args.recache or "switch", keep_slower=args.keep_slower, linear=args.linear,
+        decode=args.decode, vae=args.vae)
     return run_generate(opts, log=log, parallel=parallel)
 
 
@@ -132,13 +147,15 @@ GENERATE_NAMES = {"frames": "--frames", "height": "--height", "width": "--width"
 WAN_ONLY = (("frames_per_block", "--frames-per-block", 3), ("kv_window", "--kv-window", -1), ("sink", "--sink", 0),
             ("no_warp", "--no-warp", False), ("compile", "--compile", False), ("text_embeds", "--text-embeds", None),
             ("height", "--height", None), ("width", "--width", None), ("prompt_schedule", "--prompt-schedule", None),
-            ("recache", "--recache", None), ("lora", "--lora", None), ("lora_strength", "--lora-strength", None))
+            ("recache", "--recache", None), ("lora", "--lora", None), ("lora_strength", "--lora-strength", None),
+            ("decode", "--decode", None), ("vae", "--vae", None))
 
 
 def check_generate_args(args) -> None:
     """Every value of ``generate`` checked before anything is loaded (UsageError names the option and the fix);
     options that do not apply to the model kind are refused, and the run must fit the device's memory."""
     from ..app.jobs.generate import MODEL_DEFAULTS, TINY_DEFAULTS, check_outputs
+    from ..sampling.sampler import path_for_linear
     if args.model_kind == "matrix-game2":
         # given = not the parser's default (None for values, False for flags); by identity: 0 == False in Python
         given = [opt for attr, opt, _ in WAN_ONLY if getattr(args, attr, None) is not None
@@ -157,13 +174,16 @@ def check_generate_args(args) -> None:
                 setattr(args, attr, default)
     check_output_dir("--out", args.out)
     check_outputs(args.out, "--out")         # every file it writes there: no link, pipe, folder or cache file
-    if args.checkpoint:
+    if args.model_kind != "matrix-game2":
+        from ..app.jobs.video import check_decode
+        check_decode(args.decode, args.vae, args.checkpoint)    # --decode / --vae: the decoder and its file
+    if args.checkpoint is not None:              # '' too: an empty path is refused, never read as "the tiny model"
         check_input_file("--checkpoint", args.checkpoint)
-    if args.text_embeds:
-        check_input_file("--text-embeds", args.text_embeds)
+    if args.text_embeds:                         # '' means none (tests/test_bad_inputs.py embeds-empty-path)
+        check_input_file("--text-embeds", args.text_embeds, convert=None)
     _check_lora_args(args)
-    if getattr(args, "conditioning", None):
-        check_input_file("--conditioning", args.conditioning)
+    if getattr(args, "conditioning", None) is not None:
+        check_input_file("--conditioning", args.conditioning, convert=None)
     for attr, option in (("actions", "--actions"), ("steps", "--steps"), ("preset", "--preset")):
         if getattr(args, attr, None) is not None:     # typed text: bytes that are not UTF-8 are refused now
             check_text(option, getattr(args, attr))
@@ -178,9 +198,10 @@ def check_generate_args(args) -> None:
                              f"model runs, which has its own: add --checkpoint FILE, or leave --num-heads out")
     check_device("--device", args.device)
     _check_ops(args)
-    if args.linear == "fp8" and args.sampler == "reference":
-        raise UsageError("--linear fp8 runs on the optimized sampler path only (the reference path keeps every "
-                         "layer exact): use --sampler optimized (or auto), or leave --linear out")
+    try:
+        path_for_linear(args.sampler, args.linear, names=("--sampler", "--linear"))     # the one rule, its words
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if args.model_kind == "matrix-game2":
         if args.window is not None:
             check_int("--window", args.window, 3, 1024, hint=" (latent frames, at least one 3-frame chunk)")
@@ -351,7 +372,7 @@ def _add_convert(subparsers) -> None:
     p.add_argument("dst", help="output .safetensors")
     p.add_argument("--ema", action="store_true", help="take the EMA weights ('generator_ema')")
     p.add_argument("--num-heads", type=int, help="heads, when dim is not a multiple of 128")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the conversion summary as JSON")
     p.set_defaults(func=_convert)
 
 
@@ -422,16 +443,18 @@ def _add_check(subparsers) -> None:
                               description="Runs every recognised fixture in DIR (float32) and prints the max "
                                           "abs difference of every recorded tensor; exits 1 above --tol.")
     p.add_argument("dir", help="fixture directory (*_config.json + weights + io safetensors)")
-    p.add_argument("--tol", type=float, default=1e-4)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--tol", type=float, default=1e-4, help="largest max abs difference a recorded tensor may "
+                   "have (default 1e-4); above it the check fails (exit 1)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the float32 model runs")
+    p.add_argument("--json", action="store_true", help="print the rows, the worst difference and the verdict as "
+                   "JSON")
     p.set_defaults(func=_check)
 
 
 def _check(args) -> int:
     from pathlib import Path
 
-    from ..app.jobs.reference import check_reference, format_table
+    from ..app.jobs.reference import check_reference, format_table, row_ok, verdict
     folder = Path(args.dir).expanduser()
     if not folder.is_dir():
         raise UsageError(f"DIR {folder}: {'not a folder' if folder.exists() else 'not found'}; give the folder "
@@ -439,13 +462,18 @@ def _check(args) -> int:
     check_float("--tol", args.tol, 0.0)
     check_device("--device", args.device)
     rows = check_reference(folder, device=args.device)  # no fixture there: one error line (exit 2), as every command
-    worst = max(d for _, d in rows)
+    result = verdict(rows, args.tol)            # from every row: NaN, a missing tensor, an unusable fixture fail
+    for note in getattr(rows, "notes", ()):
+        print(f"note: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"rows": [{"tensor": n, "max_abs_diff": d} for n, d in rows], "worst": worst,
-                          "tolerance": args.tol, "pass": worst <= args.tol}, indent=2))
+        print(json.dumps({"rows": [{"tensor": r[0], "max_abs_diff": r[1], "ok": row_ok(r[1], args.tol),
+                                    **({"note": r.note} if getattr(r, "note", None) else {})} for r in rows],
+                          "tensors": result["tensors"], "failed": result["failed"], "worst": result["worst"],
+                          "tolerance": args.tol, "pass": result["pass"],
+                          "notes": list(getattr(rows, "notes", ()))}, indent=2))
     else:
         print(format_table(rows, args.tol))
-    return 0 if worst <= args.tol else 1
+    return 0 if result["pass"] else 1
 
 
 def main(argv=None) -> int:

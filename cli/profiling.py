@@ -44,7 +44,8 @@ def register(sub) -> None:
     p.add_argument("--width", type=int, help="pixels, multiple of 16 (default 64 tiny, 832 checkpoint)")
     p.add_argument("--steps", help="sampler step list, e.g. 1000,750,500,250 (default: the preset's)")
     p.add_argument("--preset", help="sampler schedule preset: self_forcing, causvid, custom (default self_forcing)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and of the inputs "
+                   "(default 0)")
     p.add_argument("--explain", action="store_true",
                    help="also list graph breaks with reasons (torch._dynamo.explain, in a separate process)")
     p.add_argument("--explain-only", action="store_true", help="only the explain step, no profiled run")
@@ -142,7 +143,7 @@ def run_profile(args) -> int:
 
     if args.checkpoint and args.shape != "tiny":
         raise UsageError("--shape picks a random-weight model; with --checkpoint leave it out")
-    if args.checkpoint:
+    if args.checkpoint is not None:
         check_input_file("--checkpoint", args.checkpoint)
     if args.compile not in targets.COMPILE_MODES:
         raise UsageError(f"--compile must be one of {', '.join(targets.COMPILE_MODES)}, got {args.compile!r}")

@@ -16,9 +16,12 @@ def _run(args) -> int:
     unknown = [n for n in (args.only or []) if n not in names]
     if unknown:
         raise UsageError(f"--only {', '.join(unknown)}: no such stage; the stages are: {', '.join(names)}")
-    quiet = (lambda *_: None) if args.json else print
+    from ..app.progress import Progress
+    progress = Progress("selftest")       # stderr: stdout keeps the table (or the JSON) alone
+    # --out, its files and --require-gpu are checked inside, before the first stage; selftest.json and selftest.md
+    # are written after every finished stage
     result = selftest.run_selftest(Path(args.out).expanduser(), require_gpu=args.require_gpu, quick=args.quick,
-                                   stages=args.only, log=quiet, only_goals=args.goals)
+                                   stages=args.only, log=progress, only_goals=args.goals)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -37,10 +40,11 @@ def register(sub) -> None:
                                    "in its own process with its own time limit. Exit 1 on a crash, a parity over "
                                    "its tolerance or a path kept on although measured slower; a stage that needs a "
                                    "GPU is listed as such on a machine without one.")
-    p.add_argument("--out", default="selftest_out", help="folder for selftest.json and selftest.md "
-                                                         "(default: selftest_out)")
+    p.add_argument("--out", default="selftest_out", help="folder for selftest.json and selftest.md, written again "
+                   "after every finished stage, and each stage's output under stages/ (default: selftest_out)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--require-gpu", action="store_true", help="a machine without a CUDA GPU is an error")
+    p.add_argument("--require-gpu", action="store_true", help="a machine without a CUDA GPU is an error (refused "
+                   "before any stage runs)")
     p.add_argument("--quick", action="store_true", help="smaller shapes on the GPU stages (a smoke run)")
     p.add_argument("--only", action="append", metavar="STAGE", help="run only this stage (repeatable)")
     p.add_argument("--goals", action="store_true", help="run only the stages the speed goals are read from (bench "

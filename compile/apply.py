@@ -93,8 +93,10 @@ class CompileHandle:
             from ..cache.warmup import spent
             with spent("compile"):
                 return self._call(fn, args, kwargs)
-        except compile_errors() as exc:
-            if eager is None:
+        except Exception as exc:  # noqa: BLE001 - the first compiled call: any failure falls back (one line)
+            first = self.calls == 0
+            oom = type(exc).__name__ == "OutOfMemoryError"        # memory is the run's to plan, not the compiler's
+            if eager is None or not (isinstance(exc, compile_errors()) or (first and not oom)):
                 raise
             self.failed = compile_failure_text(exc)
             log.warning("wan_accel: compiling the %s failed, running them eagerly (%s)",

@@ -369,9 +369,22 @@ def register_op(name: str, impl: Callable, fake: Callable):
     (no graph break, no tracing into the autotuner). Returns the op, or None where unsupported."""
     import torch
 
+    import functools
+
     qualname = f"wan_accel::{name}"
-    try:
-        op = torch.library.custom_op(qualname, mutates_args=())(impl)
+
+    @functools.wraps(impl)
+    def laid_out(*args, **kwargs):      # the real output in the layout the fake declares: contiguous, whatever the
+        out = impl(*args, **kwargs)     # implementation the operator store chose returns (a compiled graph's
+        if isinstance(out, torch.Tensor):                       # stride assertion holds)
+            return out.contiguous()
+        if isinstance(out, (tuple, list)):
+            return type(out)(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out)
+        return out
+
+    try:                                # the schema from ``impl`` itself (its annotations, in its module)
+        schema = torch.library.infer_schema(impl, mutates_args=())
+        op = torch.library.custom_op(qualname, laid_out, mutates_args=(), schema=schema)
         op.register_fake(fake)
         return op
     except Exception:  # noqa: BLE001 - already registered (module imported twice) or old torch

@@ -63,6 +63,14 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes, float32 scale of shape ()) of a whole tensor with one scale: max|t| / 448, at least
+    TINY / 448 (the per-tensor form of ``quantize_rows``; what a scaled fp8 checkpoint stores per weight)."""
+    scale = _common.divide(t.detach().abs().amax().float().clamp_min(TINY), FP8_MAX)
+    codes = (t.detach() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return codes.contiguous(), scale.reshape(())
+
+
 def quantize_input(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows`` of a layer's input [M, K], in one fused kernel where it runs (``kernels/fp8_quant.py``:
     CUDA SM 8.9+, or a CPU under TRITON_INTERPRET=1; the same codes and scales bit for bit), else in torch. Inside

@@ -40,6 +40,7 @@ class SystemInfo:
     pinned_budget: int = 0
     simulated: bool = False
     device_index: int = 0
+    vram_cap: int = 0                   # bytes of WAN_ACCEL_VRAM_CAP_GB when it made the card look smaller (0: none)
 
     def __post_init__(self):
         if self.capability is not None:
@@ -57,7 +58,7 @@ class SystemInfo:
         ram = f"host RAM {gib(self.host_ram_available)} available of {gib(self.host_ram_total)}"
         if not self.has_gpu:
             return f"CPU only (no CUDA device); {ram}"
-        sim = " (simulated)" if self.simulated else ""
+        sim = " (simulated)" if self.simulated else (f" (capped to {gib(self.vram_cap)})" if self.vram_cap else "")
         return (f"{self.gpu_name}{sim}: {gib(self.free_vram)} free of {gib(self.total_vram)}, SM {self.capability_str}, "
                 f"bf16 {'yes' if self.bf16 else 'no'}, fp8 {'yes' if self.fp8 else 'no'}; {ram}, "
                 f"pinned budget {gib(self.pinned_budget)}")
@@ -109,6 +110,55 @@ def memory_limit() -> int | None:
         raise ValueError(f"{MEMORY_LIMIT_ENV} must be a positive number of GiB (e.g. 24), got {raw!r}; unset it "
                          f"to use all the memory there is")
     return int(value * GiB)
+
+
+VRAM_CAP_ENV = "WAN_ACCEL_VRAM_CAP_GB"
+
+
+def vram_cap() -> int | None:
+    """The card size (bytes) to plan for, from ``WAN_ACCEL_VRAM_CAP_GB`` (GiB, a positive number): a big GPU made to
+    behave like a smaller card. ``detect_system`` then reports this as the card's total and at most this less what
+    this process holds as free, so every face's VRAM plan (nodes, command line, benches) decides block swap, KV
+    window and VAE chunks for that card; ``apply_vram_cap`` also caps the CUDA caching allocator to it. None when
+    unset; ValueError naming the variable when it is not a positive number."""
+    raw = os.environ.get(VRAM_CAP_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{VRAM_CAP_ENV} must be a positive number of GiB (e.g. 12), got {raw!r}; unset it to "
+                         f"plan for the whole card")
+    return int(value * GiB)
+
+
+def apply_vram_cap(cap_gb: float | None = None, device=None) -> dict:
+    """Make this process's CUDA memory behave like a card of ``cap_gb`` GiB (default: ``WAN_ACCEL_VRAM_CAP_GB``):
+    sets ``WAN_ACCEL_VRAM_CAP_GB`` (so the VRAM plan sees that card) and the caching allocator's per-process
+    fraction cap / total, so any allocation past the cap raises out of memory as on the smaller card. Call it before
+    anything is allocated on the device. Returns {'cap_bytes', 'total_bytes', 'fraction'}; ValueError when there
+    is no CUDA device or the cap exceeds the card."""
+    import torch  # lazy
+
+    if cap_gb is not None:
+        if not cap_gb > 0 or cap_gb == float("inf"):
+            raise ValueError(f"the memory cap must be a positive number of GiB, got {cap_gb!r}")
+        os.environ[VRAM_CAP_ENV] = f"{float(cap_gb):g}"
+    cap = vram_cap()
+    if cap is None:
+        raise ValueError(f"no memory cap given ({VRAM_CAP_ENV} is unset)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"a memory cap of {cap / GiB:g} GiB caps CUDA memory, and there is no CUDA device")
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    total = int(torch.cuda.get_device_properties(index).total_memory)
+    if cap > total:
+        raise ValueError(f"a memory cap of {cap / GiB:g} GiB is more than the card's {total / GiB:.1f} GiB")
+    fraction = cap / total
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return {"cap_bytes": int(cap), "total_bytes": total, "fraction": fraction}
 
 
 def _capped(n_bytes: int) -> int:
@@ -178,13 +228,18 @@ def detect_system(device=None) -> SystemInfo:
     # The driver counts memory that this process's caching allocator holds but does not use as taken; it is
     # free for our next allocations, so add it back.
     free += max(0, torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index))
+    cap = vram_cap()                    # WAN_ACCEL_VRAM_CAP_GB: plan for a card of that size
+    capped_to = 0
+    if cap is not None and cap < total:
+        free = min(free, max(0, cap - int(torch.cuda.memory_allocated(index))))
+        total, capped_to = cap, cap
     free = _capped(free)                # WAN_ACCEL_MEMORY_LIMIT_GB: memory kept for other programs
     cap = (int(props.major), int(props.minor))
     bf16 = cap >= (8, 0)  # native bf16 (Ampere and newer) on this device, not emulation
     return SystemInfo(device="cuda", gpu_name=str(props.name), total_vram=int(total), free_vram=int(free),
                       capability=cap, bf16=bf16, fp8=cap >= (8, 9), host_ram_total=total_ram,
                       host_ram_available=avail_ram, pinned_budget=pinned_budget_for(total_ram, avail_ram),
-                      device_index=int(index))
+                      device_index=int(index), vram_cap=int(capped_to))
 
 
 def auto_dtype(system: SystemInfo) -> tuple[str, str]:

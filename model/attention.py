@@ -124,7 +124,7 @@ def check_backend(backend: str) -> str:
                            "is not installed; install flash-attn or choose 'auto' / 'sdpa'.")
     if backend in _MODULES and not fa_available(backend):
         raise RuntimeError(f"attention backend {backend!r} was requested but {_MODULES[backend]} does not import; "
-                           f"install {'FlashAttention 3 (hopper build)' if backend == 'fa3' else 'flash-attn 2'} "
+                           f"install {'fa3-fwd (pip install fa3-fwd) or FlashAttention 3 (hopper build)' if backend == 'fa3' else 'flash-attn 2'} "
                            f"or choose 'auto' / 'sdpa'.")
     return backend
 

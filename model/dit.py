@@ -33,6 +33,15 @@ class EmbeddedText:
     tensor: torch.Tensor
 
 
+def check_text_tokens(tokens: int, text_len: int, where: str = "the text context") -> None:
+    """The one check of a text embedding's length: at most the model's ``text_len`` tokens (umt5-xxl's output is
+    padded or cut to it); ValueError naming ``where`` and the fix."""
+    if int(tokens) > int(text_len):
+        raise ValueError(f"{where} has {int(tokens)} tokens but the model reads at most text_len={int(text_len)}; "
+                         f"encode the prompt with the model's own text encoder (umt5-xxl, which gives at most "
+                         f"{int(text_len)}), or keep only its first {int(text_len)} token rows")
+
+
 def param_dtype(name: str, precision: str, dtype: torch.dtype) -> torch.dtype:
     """dtype a parameter takes under a precision policy with load dtype ``dtype``."""
     if precision == "float32":
@@ -115,9 +124,7 @@ class WanModel(nn.Module):
             if u.dim() != 2 or u.shape[1] != c.text_dim:
                 raise ValueError(f"text context rows must be [L, {c.text_dim}] (the model's text_dim), "
                                  f"got {tuple(u.shape)}")
-            if u.shape[0] > c.text_len:
-                raise ValueError(f"text context has {u.shape[0]} tokens; the model takes at most "
-                                 f"text_len={c.text_len}")
+            check_text_tokens(u.shape[0], c.text_len)
             padded.append(torch.cat([u, u.new_zeros(c.text_len - u.shape[0], u.shape[1])]))
         ctx = torch.stack(padded).to(device=self.device, dtype=self.compute_dtype)
         return EmbeddedText(self.text_embedding(ctx))

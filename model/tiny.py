@@ -23,17 +23,21 @@ def init_tiny_weights(model: WanModel, seed: int = 0) -> WanModel:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             w = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("modulation"):
-                w = 0.1 * w
-            elif "norm" in name and name.endswith("weight"):
-                w = 1.0 + 0.05 * w
-            elif name.endswith("bias"):
-                w = 0.02 * w
-            else:
-                fan_in = math.prod(p.shape[1:]) if p.dim() > 1 else p.shape[0]
-                w = w / math.sqrt(fan_in)
-            p.copy_(w.to(p.dtype))
+            p.copy_(shape_values(name, w).to(p.dtype))
     return model
+
+
+def shape_values(name: str, w: torch.Tensor) -> torch.Tensor:
+    """Standard normals ``w`` drawn for parameter ``name`` given the spread of its kind: modulation 0.1, norm
+    weights 1 +- 0.05, biases 0.02, other weights scaled by 1/sqrt(fan-in) (``random_weights`` uses it too)."""
+    if name.endswith("modulation"):
+        return 0.1 * w
+    if "norm" in name and name.endswith("weight"):
+        return 1.0 + 0.05 * w
+    if name.endswith("bias"):
+        return 0.02 * w
+    fan_in = math.prod(w.shape[1:]) if w.dim() > 1 else w.shape[0]
+    return w / math.sqrt(fan_in)
 
 
 def tiny_causal_model(seed: int = 0, device="cpu", dtype=torch.float32, precision=None,

@@ -177,9 +177,9 @@ class MatrixGame2Sampler:
                 state["bar"] = state["bar"] or bar_cls(n)
                 state["bar"].update_absolute(ci + 1, n)
 
-        from ..app.doctor.gate import gated_sampling
+        from ..app.prepare import prepared_sampling
         doctor_notes: list = []
-        with torch.inference_mode(), gated_sampling(net, doctor_notes):
+        with torch.inference_mode(), prepared_sampling(net, notes=doctor_notes):
             if keep_state or continue_from is not None:
                 latents, kept = _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window,
                                              continue_from, bool(keep_state), on_step, on_chunk)

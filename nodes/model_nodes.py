@@ -152,8 +152,8 @@ def conditioning_to_context(conditioning, text_dim: int, text_len: int, what: st
         raise ValueError(f"the conditioning is {cond.shape[-1]} wide but the model's text_dim is {text_dim}. "
                          f"Wan models take umt5-xxl conditioning (4096); the built-in tiny model takes none: "
                          f"leave 'positive' unconnected for it.")
-    if cond.shape[1] > text_len:
-        raise ValueError(f"the conditioning has {cond.shape[1]} tokens; the model takes at most {text_len}")
+    from ..model.dit import check_text_tokens
+    check_text_tokens(cond.shape[1], text_len, what)
     check_conditioning(cond[:1], what)
     return cond[:1].float()
 
@@ -255,12 +255,13 @@ def comfy_krea_reencode(vae):
     the VAE's own layers: the policy's own walk decodes every clean latent frame once, in order, and the last pixel
     frame of latent frame f0 - K as the stream gave it is encoded again as a first frame). A VAE that the streaming
     decoder cannot walk (not Wan 2.1, or no ComfyUI) falls back to ``comfy_vae_reencode`` (that latent frame decoded
-    on its own)."""
+    on its own); a tiny decoder (taew2_1 / lighttaew2_1) is refused: the re-encode needs the full VAE."""
     import torch
 
     from ..app.jobs.preview import from_vae_latents, to_vae_latents
     from ..sampling.krea import StreamReencode
     from . import streaming_decode
+    streaming_decode.refuse_tiny_for_reencode(vae)
     try:
         decoder = streaming_decode.KreaStreamDecoder(vae)
     except (ImportError, ValueError):
@@ -415,9 +416,9 @@ class CausalWanSampler:
                positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False,
                sampler="auto", keep_state=False, continue_from=None, prompt_schedule="", recache="switch", clip=None,
                ops="auto"):
-        import functools
         from ..profiling.session import maybe_profile
-        from ..app.jobs.generate import sample_latents, sample_latents_with_state, sampler_setup
+        from ..app.prepare import RunSpec, prepare_model, sample_video, sample_video_with_state
+        from ..sampling.request import SamplingHooks
         from ..app.jobs.preview import to_vae_latents
         from ..app.validate import MAX_SEED, check_fits, check_geometry, check_int, check_schedule_args
         from ..sampling.scheduler import resolve_schedule
@@ -443,8 +444,13 @@ class CausalWanSampler:
             raise ValueError(f"sampler must be one of {list(SAMPLER_CHOICES)}, got {sampler!r}")
         path, graphs, fused = SAMPLER_CHOICES[sampler]
         doctor_notes: list = []
-        options = sampler_setup(model, path, graphs, fused, notes=doctor_notes, ops=_check_ops(ops, path, model))
+        spec = RunSpec.for_handle(model, path=path, cuda_graphs=graphs, fused_kernels=fused,
+                                  ops=_check_ops(ops, path, model), schedule=schedule,
+                                  frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
+                                  skip_last_refresh=bool(skip_last_refresh), seed=seed)
+        setup = prepare_model(model.model, spec, notes=doctor_notes)    # the doctor's verdicts, swap, compile
         report: dict = {}
+        hooks = SamplingHooks(callback=self._progress(), on_chunk_latents=self._chunk_latents(), report=report)
         pool = getattr(model, "extra", {}).get("rank_pool")       # CausalWan Sequence Parallel: several GPUs
         if keep_state or continue_from is not None or prompts:
             if pool is not None and cache.cache_policy is not None:
@@ -457,17 +463,12 @@ class CausalWanSampler:
                 raise ValueError("keep_state / continue_from do not run on several GPUs yet: remove the CausalWan "
                                  "Sequence Parallel node (or set its world_size to 1) to keep or continue a video")
             latents, state = maybe_profile(
-                model, sample_latents_with_state, model.model, context, width, height, num_frames, seed, schedule,
-                frames_per_block, kv_window, sink, state=continue_from, keep_state=bool(keep_state),
-                skip_last_refresh=skip_last_refresh, callback=self._progress(), path=path, fast_options=options,
-                report=report, on_chunk_latents=self._chunk_latents(), **prompts)
+                model, sample_video_with_state, model.model, spec, context, width, height, num_frames,
+                state=continue_from, keep_state=bool(keep_state), setup=setup, hooks=hooks, **prompts)
         else:
-            run = sample_latents if pool is None else functools.partial(pool.sample, setup={
-                "cuda_graphs": graphs, "fused_kernels": fused, "ops": options.ops})
-            latents, state = maybe_profile(model, run, model.model, context, width, height, num_frames, seed,
-                                           schedule, frames_per_block, kv_window, sink, skip_last_refresh,
-                                           callback=self._progress(), path=path, fast_options=options,
-                                           report=report, on_chunk_latents=self._chunk_latents()), None
+            run = sample_video if pool is None else pool.sample
+            latents, state = maybe_profile(model, run, model.model, spec, context, width, height, num_frames,
+                                           setup=setup, hooks=hooks), None
         self.last_report = report
         result = ({"samples": to_vae_latents(latents).cpu()}, state)
         if doctor_notes:        # features that failed their self-check here: say so in the node's text

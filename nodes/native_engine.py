@@ -3,7 +3,8 @@
 ComfyUI loads a causal checkpoint through ``UNETLoader`` as ``WAN21_CausalAR`` (or, without the ``causal_ar``
 metadata, as a plain ``WAN21``); its diffusion model uses the official attribute names, and its layers
 (``comfy.ops``) cast stored fp8 weights and apply LoRA patches when they are called. ``model.borrowed`` builds the
-engine's model over those very layers (no second copy of a weight; the device and offload are ComfyUI's), and
+engine's model over those very layers (no second copy of a weight; the device and offload are ComfyUI's), the
+app floor's prepare step (``app/prepare.py``: the doctor's verdicts, compile, fast options) readies the run, and
 ``sample_causal`` runs the one chunk loop over it. ComfyUI calls ``sample_wan_accel`` as a ``KSAMPLER`` function
 from ``SamplerCustomAdvanced``: the latent arrives noised by the sigma-0 scaling in the model's latent space
 [B, C, T, H, W]; the text comes from the guider's positive conditioning; re-noising draws come from a generator
@@ -23,8 +24,9 @@ from ..memory.offload import COMFY_FULL, PACK, memory_manager
 from ..memory.sampling_guard import OOM_RETRY_MODES, oom_guard
 from ..model.attention import explain_backend
 from ..model.borrowed import borrow_wan_model
-from ..sampling.runner import FastOptions
-from ..sampling.sampler import PATHS, generator_noise, sample_causal
+from ..app.prepare import RunSpec, prepare
+from ..sampling.request import SamplingHooks
+from ..sampling.sampler import PATHS, generator_noise
 from ..sampling.scheduler import schedule_from_sigmas
 
 log = logging.getLogger("wan_accel")
@@ -143,16 +145,6 @@ def native_compile_settings(guider, transformer_options: dict):
     return None
 
 
-def _apply_compile(engine, settings, path: str, device) -> None:
-    from ..app.jobs.generate import compile_for_sampling
-    from ..compile import uncompile_model
-    from ..sampling.sampler import resolve_path
-    if settings is not None and resolve_path(path, device, model=engine)[0] == "optimized":
-        compile_for_sampling(engine, settings)
-    else:
-        uncompile_model(engine)          # the reference path runs eager, as the pack's own sampler node
-
-
 def _recorded_noise_provider(recorded: dict):
     def provide(ci, k, shape, dtype, device):
         key = f"extra_noise.block{ci}.step{k}"
@@ -233,8 +225,9 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     not whole blocks ends with a shorter block, as core's sampler. The sigmas are read from the device once.
     ``oom_retry`` ('auto': CUDA only, 'on', 'off'): on out of memory in a block, swap more of ComfyUI's blocks to
     the host and redo the block. ``step_callback(chunk, step, chunks, steps, x0)`` (profiling) and ``report``
-    (a dict: what the run did, with ``fused_qkv_off``, why q/k/v ran as three GEMMs, and ``attention``) are for
-    tools. ``attention``: the backend request of model/attention.py ('auto', 'sdpa', 'int8', ...), on both paths."""
+    (a dict: what the run did, with ``fused_qkv_off``, why q/k/v ran as three GEMMs, ``attention``, and
+    ``switched_off``, the doctor's verdicts applied: {feature: why}) are for tools. ``attention``: the backend
+    request of model/attention.py ('auto', 'sdpa', 'int8', ...), on both paths."""
     extra_args = extra_args or {}
     if x.ndim != 5:
         raise ValueError(f"Wan Accel AR Sampler needs a video latent [B, C, T, H, W]; got shape {tuple(x.shape)}. "
@@ -267,24 +260,28 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     if prefix is not None:
         prefix = base.process_latent_in(prefix).to(device=device, dtype=torch.float32).movedim(1, 2)
     noise = x.movedim(1, 2).float()
-    _apply_compile(engine, native_compile_settings(guider, options), path, device)
     swap_before = active_swap(dm)
     swapped = swap_before is not None       # Wan Block Swap streams weights between calls
     fused_off = _qkv_fusion(engine, swapped)
-    fast = FastOptions(fused_qkv=fused_off is None, cuda_graphs="auto" if cuda_graphs and not swapped else "off")
     manager = _memory_manager(guider)
     guard = _guard(engine, dm, tuple(noise.shape), int(frames_per_block), oom_retry) if manager.swap_allowed else None
     run = {} if report is None else report
     prompts, kv_window = schedule_cache(positive_schedule(guider), int(frames_per_block), int(kv_window), int(sink))
-    try:
-        out = sample_causal(engine, context, noise, schedule, int(frames_per_block), generator=gen,
-                            noise_provider=provider, kv_window=int(kv_window), sink=int(sink),
-                            callback=_progress(callback, sigmas, step_callback), path=path, fast_options=fast,
-                            prefix=prefix, chunk_guard=guard, report=run, partial_last_block=True, **prompts)
+    spec = RunSpec(path=path, cuda_graphs="auto" if cuda_graphs and not swapped else "off",
+                   fused_qkv=fused_off is None, compile=native_compile_settings(guider, options), schedule=schedule,
+                   frames_per_block=int(frames_per_block), kv_window=int(kv_window), sink=int(sink), seed=seed,
+                   oom_retry=oom_retry if manager.swap_allowed else "off")
+    hooks = SamplingHooks(callback=_progress(callback, sigmas, step_callback), chunk_guard=guard, report=run)
+    try:                                    # the doctor's verdicts, compile and fast options: the one prepare step
+        prepared = prepare(engine, spec, context, noise, hooks=hooks, generator=gen, noise_provider=provider,
+                           prefix=prefix, partial_last_block=True, **prompts)
+        out = prepared.run(engine)
     finally:
         engine.unfuse_qkv()                 # ComfyUI may move or patch its weights before the next run
         if swap_before is None and active_swap(dm) is not None:
             ensure_block_swap(dm, None)     # a retry's swap: ComfyUI's model is not left patched
     run["fused_qkv_off"] = fused_off
     run.setdefault("attention", attention_used)
+    if run["switched_off"]:                 # the report names the verdicts applied; the console says them once
+        log.info("wan_accel: native sampler: the doctor switched off %s", ", ".join(sorted(run["switched_off"])))
     return out.movedim(1, 2).to(dtype=x.dtype, device=x.device)

@@ -4,8 +4,8 @@
   latent, registers a play session (``app.play.registry.REGISTRY``) and tells the page (event ``wan_accel.play``, kind
   ``ready``). Nothing is sampled: the prompt ends at once.
 * **Matrix-Game-2 Play Step** (queued by the pack's panel, one prompt per chunk): generates the next chunk with the
-  keys and camera motion held, decodes it in lockstep (``streaming_decode.WanStreamDecoder``, the walk kept between
-  chunks) and sends its frames (kind ``chunk``). Each chunk is its own prompt, so other prompts wait at most one
+  keys and camera motion held, decodes it in lockstep (``streaming_decode.stream_decoder``: the Wan 2.1 VAE or a tiny
+  decoder, the walk kept between chunks) and sends its frames (kind ``chunk``). Each chunk is its own prompt, so other prompts wait at most one
   chunk, and a stalled or paused session holds nothing in the queue. A chunk that fails or is interrupted ends the
   session (its memory is freed; what was made can still be saved).
 * **Matrix-Game-2 Play Save**: the session as a video (mp4, or animated WEBP), the Game Actions script that
@@ -69,7 +69,8 @@ class MatrixGame2PlaySession:
             "required": {
                 "model": ("CAUSALWAN_MODEL", {"tooltip": "A Matrix-Game-2 checkpoint from CausalWan Model Loader "
                                                          "(or its built-in tiny Matrix-Game-2 model)."}),
-                "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE: each chunk is decoded as it is made and shown live."}),
+                "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE, or a tiny decoder (taew2_1 / lighttaew2_1: faster): "
+                                           "each chunk is decoded as it is made and shown live."}),
                 "start_latent": ("LATENT", {"tooltip": "The start image's latent (VAE Encode, or Matrix-Game-2 Start "
                                                        "Latent); its first latent frame starts the video."}),
                 "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
@@ -117,7 +118,7 @@ class MatrixGame2PlaySession:
                              f"{keys_in}: use preset {' or '.join(fits) or '(none fits)'}")
         image = model_space_start(start_latent)[:1, :, :1]
         tokens = clip_tokens(clip_vision_output, model)[:1]
-        decoder = streaming_decode.WanStreamDecoder(vae)        # a clear error now for a VAE that is not Wan 2.1
+        decoder = streaming_decode.stream_decoder(vae)          # a clear error now for a VAE that does not stream
         session = PlaySession(net, image.to(net.device), tokens.to(net.device), seed=seed, preset=preset,
                               window=kv_window or None, state_device="cpu" if state_on == "cpu" else None)
         session.attached["decoder"] = decoder
@@ -172,7 +173,7 @@ class MatrixGame2PlayStep:
         import contextlib
 
         import torch
-        from ..app.doctor.gate import gated_sampling
+        from ..app.prepare import prepared_sampling
         from ..app.play.registry import PlayError
         from ._comfy import progress_and_interrupt
         from .mg2_nodes import to_latent_space
@@ -185,7 +186,7 @@ class MatrixGame2PlayStep:
         names = parse_keys(keys)
         _bar, interrupt = progress_and_interrupt()
         notes: list = []
-        gate = gated_sampling(play.model, notes) if play.model is not None else contextlib.nullcontext()
+        gate = prepared_sampling(play.model, notes=notes) if play.model is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
         try:
             with torch.inference_mode(), gate:          # the doctor's verdicts, as the samplers apply them
@@ -213,42 +214,6 @@ class MatrixGame2PlayStep:
                         frames=[] if images is None else _jpeg_frames(images[0].cpu()))
         play.frames_shown += frames
         return {"ui": {"text": [f"chunk {entry['chunk']}: {entry['action']} ({t2 - t0:.2f} s)", *notes]}}
-
-
-def _write_mp4(path, batches, fps: int) -> int:
-    import av
-    frames = 0
-    with av.open(str(path), mode="w") as out:
-        stream = None
-        for images in batches:
-            arr = (images.clamp(0, 1) * 255).round().byte().cpu().numpy()
-            arr = arr[:, : arr.shape[1] // 2 * 2, : arr.shape[2] // 2 * 2]      # h264 (yuv420p) wants even sizes
-            if stream is None:
-                stream = out.add_stream("h264", rate=fps)
-                stream.width, stream.height, stream.pix_fmt = arr.shape[2], arr.shape[1], "yuv420p"
-            for frame in arr:
-                out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-                frames += 1
-        if stream is not None:
-            out.mux(stream.encode())
-    return frames
-
-
-def _write_webp(path, batches, fps: int) -> int:
-    from PIL import Image
-    images = [Image.fromarray(f) for b in batches for f in (b.clamp(0, 1) * 255).round().byte().cpu().numpy()]
-    if images:
-        images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0,
-                       quality=90)
-    return len(images)
-
-
-def _have_av() -> bool:
-    try:
-        import av  # noqa: F401
-        return True
-    except ImportError:
-        return False
 
 
 class MatrixGame2PlaySave:
@@ -292,7 +257,8 @@ class MatrixGame2PlaySave:
             full, name, counter, subfolder = save_path(filename_prefix, input_name="filename_prefix")
         except ImportError:
             raise ValueError("Play Save writes into ComfyUI's output folder: run it inside ComfyUI") from None
-        fmt = video_format if video_format != "mp4" or _have_av() else "webp"
+        from ..cache.video_file import open_video_file, video_format_for
+        fmt = video_format_for(video_format)                 # mp4 needs PyAV; animated WEBP without it
         base = f"{name}_{counter:05}_"
         from pathlib import Path
         folder = Path(full)
@@ -303,25 +269,27 @@ class MatrixGame2PlaySave:
         vae = play.kept.get("vae")
         written = 0
         if vae is not None:
-            decoder = streaming_decode.WanStreamDecoder(vae)
+            decoder = streaming_decode.stream_decoder(vae)
+            video = open_video_file(folder / files["video"], FPS, option="filename_prefix",
+                                    purpose="the saved play video")
             try:
-                def batches():
-                    for part in play_chunks(latents):
+                with torch.inference_mode():
+                    for part in play_chunks(latents):       # each chunk written as it is decoded
                         lat = to_latent_space(part)
                         decoder.load(lat.shape)
                         images = decoder.push(lat)
                         if images is not None:
-                            yield images[0]
+                            video.write(images[0])
                     tail = decoder.finish()
                     if tail is not None:
-                        yield tail[0]
-                with torch.inference_mode():
-                    writer = _write_mp4 if fmt == "mp4" else _write_webp
-                    counts = []
-                    write_with(folder / files["video"], lambda tmp: counts.append(writer(tmp, batches(), FPS)),
-                               option="filename_prefix", purpose="the saved play video")
-                    written = counts[0]
+                        video.write(tail[0])
+                if video.frames:
+                    video.close()
+                else:                                       # nothing made yet: no video
+                    files.pop("video")
+                written = video.frames
             finally:
+                video.discard()                             # (nothing left to discard once closed)
                 decoder.release()
         else:
             files.pop("video")

@@ -77,7 +77,9 @@ class CausalWanPromptPlaySession:
     def INPUT_TYPES(cls):
         return {"required": {
             "model": ("CAUSALWAN_MODEL", {"tooltip": "A causal text-to-video model from CausalWan Model Loader."}),
-            "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE: each chunk is decoded as it is made."}),
+            "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE, or a tiny decoder (taew2_1 / lighttaew2_1: faster; not "
+                                       "with recache krea, whose re-encode needs the Wan 2.1 VAE): each chunk is "
+                                       "decoded as it is made."}),
             "prompt": ("STRING", {"default": "a cat walks in the garden", "tooltip":
                        "The first chunk's prompt (one schedule prompt: a text, or a mix 'a :0.7 | b :0.3')."}),
             "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16,
@@ -131,6 +133,7 @@ class CausalWanPromptPlaySession:
         ph, pw = net.config.patch_size[1:]
         if geo["latent_height"] % ph or geo["latent_width"] % pw:
             raise ValueError(f"width and height must be multiples of {8 * max(ph, pw)} for this model")
+        decoder = streaming_decode.stream_decoder(vae)  # a clear error now for a VAE that does not stream
         encode = text_encoder(clip, model)
         try:                                            # a bad first prompt is refused now, not at the first chunk
             session = PromptPlaySession(net, encode, geo["latent_height"], geo["latent_width"], seed=seed,
@@ -141,7 +144,7 @@ class CausalWanPromptPlaySession:
                                         settings={"width": width, "height": height, "preset": preset})
         except PlayError as exc:                        # its message names the input (the prompt, kv_window...)
             raise ValueError(str(exc)) from None
-        session.attached["decoder"] = streaming_decode.WanStreamDecoder(vae)
+        session.attached["decoder"] = decoder
         session.kept["vae"] = vae
         server = _server()
         owner = f"{getattr(server, 'client_id', None)}:{unique_id}"
@@ -177,6 +180,7 @@ class CausalWanPromptPlayStep:
     def step(self, session, prompt="", chunk=-1):
         import torch
         from ..app.play.registry import PlayError
+        from ..app.prepare import prepared_sampling
         from ._comfy import progress_and_interrupt
         from .mg2_nodes import to_latent_space
         from .play_nodes import _is_interrupt, _registry, send_play_event
@@ -189,9 +193,10 @@ class CausalWanPromptPlayStep:
             raise ValueError(f"chunk {chunk} was asked for but the session has made {play.chunks}: is another tab "
                              f"playing it? Reload the panel")
         _bar, interrupt = progress_and_interrupt()
+        notes: list = []
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), prepared_sampling(play.model, notes=notes):   # the doctor's verdicts
                 latents = play.step(prompt, callback=(lambda *_a: interrupt()) if interrupt is not None else None)
                 t1 = time.perf_counter()
                 decoder = play.attached.get("decoder")
@@ -214,7 +219,7 @@ class CausalWanPromptPlayStep:
                         first_frame=play.frames_shown,
                         frames=[] if images is None else _jpeg_frames(images[0].cpu()))
         play.frames_shown += 0 if images is None else images.shape[1]
-        return {"ui": {"text": [f"chunk {entry['chunk']}: {entry['prompt']} ({t2 - t0:.2f} s)"]}}
+        return {"ui": {"text": [f"chunk {entry['chunk']}: {entry['prompt']} ({t2 - t0:.2f} s)", *notes]}}
 
 
 NODE_CLASS_MAPPINGS = {

@@ -1,7 +1,8 @@
-"""CausalWan Sampler + Decode: sampling with the Wan 2.1 VAE decode in lockstep, and live frames to the browser.
+"""CausalWan Sampler + Decode: sampling with the VAE decode in lockstep, and live frames to the browser.
 
-Each chunk's clean latents are decoded as soon as the chunk is done (``streaming_decode.WanStreamDecoder``: the
-frames of one whole decode, flat decoder memory), and its frames are sent to the page (event ``wan_accel.frames``)
+Each chunk's clean latents are decoded as soon as the chunk is done (``streaming_decode.stream_decoder``: the Wan 2.1
+VAE's walk or a tiny decoder's, the frames of one whole decode, flat decoder memory), and its frames are sent to the
+page (event ``wan_accel.frames``)
 where the node and the panel play them at the video's frame rate with the chunk's latency. The node returns the
 IMAGE frames, the LATENT and, with keep_state, the state a later prompt continues from.
 """
@@ -97,9 +98,10 @@ class _DecodeInLockstep(_ComfyProgress):
 
 
 class CausalWanSamplerDecode(CausalWanSampler):
-    DESCRIPTION = ("CausalWan Sampler with the Wan 2.1 VAE decode in lockstep: each chunk is decoded as soon as it "
-                   "is sampled (the frames of one whole decode, with decoder memory that stays flat in video "
-                   "length) and its frames play live in this node while the rest is made.")
+    DESCRIPTION = ("CausalWan Sampler with the VAE decode in lockstep: each chunk is decoded as soon as it is sampled "
+                   "(the frames of one whole decode, with decoder memory that stays flat in video length) and its "
+                   "frames play live in this node while the rest is made. Takes the Wan 2.1 VAE or a tiny decoder "
+                   "(taew2_1 / lighttaew2_1: much faster, a little less detail).")
     RETURN_TYPES = ("IMAGE", "LATENT", "CAUSALWAN_STATE")
     RETURN_NAMES = ("images", "latent", "state")
     OUTPUT_TOOLTIPS = ("The decoded video frames (same as VAE Decode of the latent).",) + CausalWanSampler.OUTPUT_TOOLTIPS
@@ -107,7 +109,8 @@ class CausalWanSamplerDecode(CausalWanSampler):
     @classmethod
     def INPUT_TYPES(cls):
         spec = CausalWanSampler.INPUT_TYPES()
-        spec["required"] = {"vae": ("VAE", {"tooltip": "The Wan 2.1 VAE (wan_2.1_vae.safetensors) from Load VAE."}),
+        spec["required"] = {"vae": ("VAE", {"tooltip": "The Wan 2.1 VAE (wan_2.1_vae.safetensors), or a tiny "
+                                                       "decoder (taew2_1 / lighttaew2_1) from Load VAE."}),
                             **spec["required"]}
         spec["optional"]["live_preview"] = ("BOOLEAN", {"default": True, "tooltip":
                                             "Send each decoded chunk's frames to this node while sampling."})
@@ -119,15 +122,15 @@ class CausalWanSamplerDecode(CausalWanSampler):
         import inspect
 
         import torch
-        from .streaming_decode import WanStreamDecoder
-        decoder = WanStreamDecoder(vae)
+        from . import streaming_decode
+        decoder = streaming_decode.stream_decoder(vae)      # a clear error now for a VAE that does not stream
         self._krea_vae = vae                     # recache krea: its first-frame re-encode goes through this VAE
         given = inspect.signature(CausalWanSampler.sample).bind(self, model, *args, **kwargs).arguments
         before = getattr(given.get("continue_from"), "extra", None) or {}
         skip = 0
         if before.get("decoder") is not None:       # go on with the first run's decode walk: no seam
             decoder.restore(before["decoder"])
-            skip = 4 if before["decoder"]["held"] is not None else 0   # its held frame, shown when that run ended
+            skip = 4 if before["decoder"].get("held") is not None else 0   # its held frame, shown when that run ended
         self._lockstep = _DecodeInLockstep(decoder, unique_id, bool(live_preview),
                                            keep_walk=bool(given.get("keep_state")), skip=skip)
         try:

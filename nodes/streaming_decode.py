@@ -1,4 +1,6 @@
-"""Streaming decode of Wan 2.1 latents, chunk by chunk, with ComfyUI's own VAE: the one adapter around its internals.
+"""Streaming decode of Wan 2.1 latents, chunk by chunk, with a graph's VAE: the adapters of ComfyUI's VAEs to the
+pack's one streaming decoder interface (``vae.frames.FrameStream``: raw latents in, ComfyUI IMAGE frames
+[B, frames, H, W, 3] in 0..1 out), and ``stream_decoder``, which picks the adapter for a VAE.
 
 ComfyUI's ``WanVAE.decode`` (comfy/ldm/wan/vae.py) is causal: after a 1x1x1 ``conv2`` it walks the latent frames,
 the first alone, then pairs, through ``decoder(x, feat_cache, feat_idx)`` with one feature cache (the last frames of
@@ -7,39 +9,126 @@ between chunks and holds back a frame whose pair is still to come, so its frames
 ``VAE.decode`` (tests/e2e/test_streaming_decode.py checks it against ``VAE.decode``) while its working memory is
 one pair of frames however long the video is.
 
+ComfyUI's tiny video decoders (``comfy.taesd.taehv.TAEHV`` in a ``comfy.sd.VAE``: the ``taew2_1`` and
+``lighttaew2_1`` files ComfyUI's VAE loader reads) decode a whole video at once. ``ComfyTinyStream`` streams them
+with the pack's TAEHV-class decoder (``vae/taehv.py``) built from the VAE's own weights by key name, the VAE's latent
+scaling (``process_in``) applied first: the frames of ``VAE.decode`` (tests/e2e/test_vae_decoders_comfy.py checks
+the pack's decoder against ComfyUI's TAEHV on the same weights; tests/e2e/test_streaming_decode.py the stream
+against ``VAE.decode``), clamped to 0..1 as an IMAGE is.
+
 ``KreaStreamDecoder`` walks the same decoder as Krea Realtime's session decoder does, for Krea's first-frame
 re-encode (``sampling.krea.StreamReencode``): one latent frame at a time, and in a temporal upsampling fed one frame
 at a time the cache Krea's decoder keeps, which from latent frame 3 on gives other pixels than Wan 2.1's decode
-(tests/e2e/test_krea_reencode_vae.py checks it against the official decoder's stream).
+(tests/e2e/test_krea_reencode_vae.py checks it against the official decoder's stream). It needs the full Wan 2.1
+VAE (its encoder re-encodes the frame): a tiny decoder is refused there (``refuse_tiny_for_reencode``).
 
 Everything here that touches ComfyUI internals (``first_stage_model``, ``conv2``, ``decoder`` and its layers,
-``count_cache_layers``, the VAE's device/dtype/patcher/``process_output``) is in this file: a ComfyUI change shows
-up as one failing parity test. This module imports only torch at import time (the test loads it on its own).
+``count_cache_layers``, ``process_in``, the VAE's device/dtype/patcher/``process_output``) is in this file: a
+ComfyUI change shows up as one failing parity test. ComfyUI is imported only inside the Wan adapters (a tiny
+decoder streams without it).
 """
 from __future__ import annotations
 
 import torch
 
+from ..vae.frames import DecoderFrames, FrameStream, check_latents
 
-class WanStreamDecoder:
-    """Decode Wan 2.1 latents [B, 16, n, H, W] (VAE space, a LATENT's ``samples``) chunk after chunk.
+TINY_MARK = "decoder.22.bias"           # ComfyUI's VAE loader reads a state dict with it as a TAEHV-class decoder
+WAN21_CHANNELS = 16
+ACCEPTED = ("the Wan 2.1 VAE (wan_2.1_vae.safetensors) or a Wan 2.1 tiny decoder (taew2_1 / lighttaew2_1) from "
+            "Load VAE")
+
+
+def _tiny_model(vae):
+    """The TAEHV-class module of a ComfyUI tiny video decoder (None for any other VAE), told as ComfyUI's own loader
+    tells it: by its state dict (``decoder.22.bias``, the last convolution), whatever the module's class."""
+    model = getattr(vae, "first_stage_model", None)
+    if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "decoder", None), torch.nn.Sequential) \
+            and TINY_MARK in model.state_dict():
+        return model
+    return None
+
+
+def is_tiny_decoder(vae) -> bool:
+    """Whether ``vae`` is a tiny video decoder: ComfyUI's (taew2_1, lighttaew2_1, ...) or the pack's own."""
+    from ..vae.taehv import TinyVideoDecoder
+    return _tiny_model(vae) is not None or isinstance(vae, TinyVideoDecoder)
+
+
+def refuse_tiny_for_reencode(vae, what: str = "recache krea") -> None:
+    """ValueError when ``vae`` is a tiny decoder: Krea's first-frame re-encode needs the full VAE's encoder."""
+    if is_tiny_decoder(vae):
+        raise ValueError(f"{what} re-encodes a decoded frame with the VAE's encoder, and this VAE is a tiny decoder "
+                         f"(taew2_1 / lighttaew2_1), whose frames differ from the Wan 2.1 VAE's: connect the Wan 2.1 "
+                         f"VAE (wan_2.1_vae.safetensors) here, or use recache switch / none")
+
+
+def stream_decoder(vae) -> FrameStream:
+    """The streaming decoder of a graph's VAE: ComfyUI's tiny video decoder -> ``ComfyTinyStream``; a pack decoder
+    (``vae.stream.StreamingDecoder``) -> ``DecoderFrames``; anything else -> ``WanStreamDecoder`` (ComfyUI's Wan 2.1
+    VAE; another VAE is refused there with a message naming what streams)."""
+    from ..vae.stream import StreamingDecoder
+    if isinstance(vae, StreamingDecoder):
+        return DecoderFrames(vae)
+    if _tiny_model(vae) is not None:
+        return ComfyTinyStream(vae)
+    return WanStreamDecoder(vae)
+
+
+class ComfyTinyStream(DecoderFrames):
+    """A ComfyUI tiny video decoder (``comfy.sd.VAE`` holding a ``TAEHV`` of Wan 2.1 latents) streamed chunk after
+    chunk by the pack's tiny decoder, built once from the VAE's decoder weights (by key name; a few MB) on the VAE's
+    device in its dtype; the VAE's ``process_in`` is applied to each chunk first, as its ``decode`` does. Every push
+    gives all the frames of its latent frames (nothing is held back); the images go to the VAE's output device."""
+
+    def __init__(self, vae):
+        from ..vae.taehv import TinyVideoDecoder
+        from ..vae.weights import DecoderWeightsError
+        model = _tiny_model(vae)
+        if model is None:
+            raise ValueError(f"not a tiny video decoder; streaming decode takes {ACCEPTED}")
+        state = {k: v for k, v in model.state_dict().items() if k.startswith("decoder.")}
+        channels, rgb = state["decoder.1.weight"].shape[1], state[TINY_MARK].shape[0]
+        if channels != WAN21_CHANNELS or rgb != 3:
+            raise ValueError(f"this tiny decoder decodes {channels}-channel latents"
+                             f"{' in 2x2 patches' if rgb != 3 else ''} (Wan 2.2's taew2_2, HunyuanVideo 1.5's ...); "
+                             f"the causal Wan models make Wan 2.1 latents ({WAN21_CHANNELS} channels): load taew2_1 "
+                             f"or lighttaew2_1 with Load VAE")
+        try:
+            decoder = TinyVideoDecoder.from_state(state, f"the tiny VAE ({type(model).__name__})")
+        except DecoderWeightsError as exc:
+            raise ValueError(f"{exc}; streaming decode takes {ACCEPTED}") from None
+        device = torch.device(getattr(vae, "device", None) or "cpu")
+        dtype = getattr(vae, "vae_dtype", None) or torch.float32
+        super().__init__(decoder.prepare(device, dtype), output_device=getattr(vae, "output_device", None),
+                         latent_in=getattr(model, "process_in", None))
+        self.kind = "comfy-tiny"
+
+
+class WanStreamDecoder(FrameStream):
+    """Decode Wan 2.1 latents [B, 16, n, H, W] (VAE space, a LATENT's ``samples``) chunk after chunk with ComfyUI's
+    Wan 2.1 VAE.
 
     ``push(chunk)`` returns the images that chunk completes, [B, frames, 8H, 8W, 3] in 0..1 (the first chunk gives
     1 + 4 * (its frames - 1) video frames when it has an odd count, later ones 4 per latent frame, a held-back frame
     coming with the next chunk), or None; ``finish()`` returns the frames of a frame still held back (or None).
     Concatenated, they are ``VAE.decode`` of the whole latent video."""
 
+    kind = "comfy-wan"
+
     def __init__(self, vae):
-        from comfy.ldm.wan import vae as wan_vae
+        super().__init__()
         model = getattr(vae, "first_stage_model", None)
-        if not isinstance(model, wan_vae.WanVAE):
-            raise ValueError(f"streaming decode needs a Wan 2.1 VAE (wan_2.1_vae.safetensors in models/vae); this VAE "
-                             f"is a {type(model).__name__}. Decode with the VAE Decode node instead.")
+        try:
+            from comfy.ldm.wan import vae as wan_vae
+        except ImportError:
+            wan_vae = None
+        if wan_vae is None or not isinstance(model, wan_vae.WanVAE):
+            raise ValueError(f"streaming decode takes {ACCEPTED}; this VAE is a {type(model).__name__}. Decode "
+                             f"with the VAE Decode node instead.")
         self.vae, self.model = vae, model
         self.feat_map = [None] * wan_vae.count_cache_layers(model.decoder)
         self.held = None                 # conv2 output of a latent frame waiting for its pair
-        self.frames_in = 0               # latent frames received
-        self.frames_out = 0              # video frames returned
         self.loaded = False              # the VAE loaded for this decoder's first push
 
     def load(self, shape) -> None:
@@ -66,9 +155,7 @@ class WanStreamDecoder:
 
     def _input(self, latent: torch.Tensor):
         """A chunk's latents checked and through ``conv2`` (None for no frames); the VAE is loaded on the first."""
-        if latent.dim() != 5 or latent.shape[1] != self.model.z_dim:
-            raise ValueError(f"expected Wan 2.1 latents [B, {self.model.z_dim}, frames, H, W], got "
-                             f"{tuple(latent.shape)}")
+        check_latents(latent, self.model.z_dim)
         if latent.shape[2] == 0:
             return None
         if not self.loaded:                         # load once: nothing else is loaded between chunks

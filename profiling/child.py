@@ -44,9 +44,13 @@ def child_argv(target: str, *args) -> list:
     return [sys.executable, "-c", BOOT, str(PACKAGE_ROOT), pack_name(), target, *(str(a) for a in args)]
 
 
+DEBUG_TRUE = ("1", "true", "yes", "on", "y", "t")
+
+
 def debug() -> bool:
-    """Whether ``WAN_ACCEL_DEBUG`` asks for whole tracebacks."""
-    return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
+    """Whether ``WAN_ACCEL_DEBUG`` asks for whole tracebacks: only a truthy value (1, true, yes, on; any case)
+    does; false, off, no, 0, empty or anything else does not. The one reading of the variable."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in DEBUG_TRUE
 
 
 def one_line(exc: BaseException | str) -> str:

@@ -22,7 +22,7 @@ import torch
 from ..model.attachments import model_signature
 from ..model.kv_cache import KVCache
 from .prompts import PromptSchedule
-from .sampler import _as_schedule, chunk_plan, sample_causal
+from .sampler import _as_schedule, causal_request, chunk_plan, sample_causal
 
 
 @dataclass(frozen=True)
@@ -251,8 +251,9 @@ def sample_continuable(model, context, num_frames: int, height: int, width: int,
         kwargs["prompt_schedule"] = PromptSchedule.coerce(kwargs["prompt_schedule"]).until(len(plan))
     shape = (batch, num_frames, c.out_dim, height, width)
     last = last_chunk_context(context, num_frames, frames_per_block, kwargs) if keep_state else None
-    out = sample_causal(model, context, shape, schedule, frames_per_block, generator=gen, kv_window=kv_window,
-                        sink=sink, refresh_t=refresh_t, kv_cache=kv, start_frame=start, **kwargs)
+    out = sample_causal(model, *causal_request(model, context, shape, schedule, frames_per_block, generator=gen,
+                                               kv_window=kv_window, sink=sink, refresh_t=refresh_t, kv_cache=kv,
+                                               start_frame=start, **kwargs))
     new_state = None
     if keep_state:
         history = window_history(kv_window, None if state is None else state.history, out)

@@ -18,8 +18,8 @@ Krea Realtime (a causal, few-step Wan 2.1 14B) keeps no rolling cache. Before bl
 A prompt change in Krea interpolates over ``N`` blocks with ``torch.lerp(old, new, linspace(0, 1, N))``, one step
 per block and a fresh cross-attention cache each: the first of those blocks still uses the old prompt, and a change
 that interrupts a running interpolation starts from the embedding in effect. In a prompt schedule that is
-``b: new (blend N, krea)`` for a change requested at block ``b`` (``krea_schedule_line``; without an interruption
-also ``(b + 1): new (blend N - 1)``, ``krea_schedule_entry``). Krea's server interpolates a prompt sent without a
+``b: new (blend N, krea)`` for a change requested at block ``b`` (``krea_schedule_line``, from
+``krea_schedule_entry``'s ``(b, "N, krea")``; exact whether or not the change interrupts another). Krea's server interpolates a prompt sent without a
 step count over ``KREA_INTERP_STEPS`` = 4 blocks, also when it interrupts a running interpolation; a prompt sent
 before the first block is that block's prompt, and a prompt equal to the one in effect changes nothing. A live
 session under 'krea' does the same (``CacheSetup.live_line``): a prompt typed without a blend becomes
@@ -69,24 +69,26 @@ def krea_schedule(steps: int = 4, strength: float = 1.0, shift: float = 5.0):
 
 
 def krea_schedule_entry(block: int, interp_steps: int) -> tuple:
-    """(chunk, blend) of the linear prompt-schedule entry equal to Krea's prompt change at ``block`` interpolated
-    over ``interp_steps`` blocks (the first interpolated block keeps the old prompt) when no other change interrupts
-    it; ``krea_schedule_line`` is exact in every case. One step never reaches the new prompt in Krea
-    (``linspace(0, 1, 1) == [0]``), so it is refused here."""
-    if interp_steps < 2:
-        raise ValueError(f"interp_steps must be at least 2 (Krea's one-step interpolation stays on the old prompt), "
-                         f"got {interp_steps}")
-    return block + 1, interp_steps - 1
+    """(chunk, blend) of the prompt-schedule entry equal to Krea's prompt change requested before ``block`` and
+    interpolated over ``interp_steps`` blocks: ``(block, "N, krea")``, so ``f"{chunk}: {prompt} (blend {blend})"``
+    is ``krea_schedule_line``'s line (one implementation), exact also when the change interrupts a running one
+    (Krea restarts from the embedding in effect; a plain ``(blend N - 1)`` from ``block + 1`` matches only an
+    uninterrupted change, so it is never given). One step never reaches the new prompt in Krea
+    (``linspace(0, 1, 1) == [0]``), so it is refused."""
+    if isinstance(interp_steps, bool) or int(interp_steps) != interp_steps or interp_steps < 2:
+        raise ValueError(f"interp_steps must be a whole number of at least 2 (Krea's one-step interpolation stays on "
+                         f"the old prompt), got {interp_steps!r}")
+    if isinstance(block, bool) or int(block) != block or block < 0:
+        raise ValueError(f"block must be a whole number >= 0, got {block!r}")
+    return int(block), f"{int(interp_steps)}, krea"
 
 
 def krea_schedule_line(block: int, prompt: str, interp_steps: int) -> str:
     """The prompt-schedule line equal to Krea's prompt change requested before ``block`` and interpolated over
     ``interp_steps`` blocks, also when it interrupts a running interpolation: ``<block>: <prompt> (blend N, krea)``
     (``prompts``: the block repeats the embedding in effect, then ``torch.lerp`` steps to the new prompt)."""
-    if interp_steps < 2:
-        raise ValueError(f"interp_steps must be at least 2 (Krea's one-step interpolation stays on the old prompt), "
-                         f"got {interp_steps}")
-    return f"{int(block)}: {prompt} (blend {int(interp_steps)}, krea)"
+    chunk, blend = krea_schedule_entry(block, interp_steps)
+    return f"{chunk}: {prompt} (blend {blend})"
 
 
 def interpolated_contexts(old: torch.Tensor, new: torch.Tensor, steps: int) -> list:

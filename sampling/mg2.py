@@ -110,7 +110,7 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
     what the run did (as ``sample_causal``'s).
     """
     from ..model.kv_cache import KVCache
-    from .sampler import sample_causal
+    from .sampler import causal_request, sample_causal
     from ..model.mg2_model import MatrixGameModel
     if not isinstance(model, MatrixGameModel):
         raise TypeError("sample_mg2 needs a Matrix-Game-2 model (a checkpoint with action modules); "
@@ -135,11 +135,11 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
     device = model.device
     y = cond_concat.transpose(1, 2).to(device)
     base_noise = noise.transpose(1, 2) if isinstance(noise, torch.Tensor) else (b, f) + shape[1:2] + (h, w)
-    out = sample_causal(model, visual_context.to(device), base_noise, schedule, FRAMES_PER_BLOCK,
-                        generator=generator, noise_provider=noise_provider, kv_window=window, sink=0,
-                        skip_last_refresh=skip_last_refresh, callback=callback, tracer=tracer,
-                        on_chunk=on_chunk, y=y, kv_cache=kv, model_kwargs={"actions": call}, start_frame=start_frame,
-                        report=report, on_chunk_latents=channels_first(on_chunk_latents))
+    out = sample_causal(model, *causal_request(
+        model, visual_context.to(device), base_noise, schedule, FRAMES_PER_BLOCK, generator=generator,
+        noise_provider=noise_provider, kv_window=window, sink=0, skip_last_refresh=skip_last_refresh,
+        callback=callback, tracer=tracer, on_chunk=on_chunk, y=y, kv_cache=kv, model_kwargs={"actions": call},
+        start_frame=start_frame, report=report, on_chunk_latents=channels_first(on_chunk_latents)))
     return out.transpose(1, 2)
 
 

@@ -143,6 +143,29 @@ def _check_weight(w: float, where: str) -> float:
     return float(w)
 
 
+_BLEND_WORD = re.compile(r"\(\s*blend\b", re.IGNORECASE)
+_TRAILING_WEIGHT = re.compile(r"\s:\s*\S*\s*$")
+
+
+def _unambiguous(text: str, where: str, weighted: bool = True) -> str:
+    """Refuse prompt text that reads as a mistyped part of the grammar rather than as text: a ``(blend`` that is
+    not the line's trailing ``(blend N)`` (no length, not at the end, a second one), or a part ending in ``' :'``
+    after its weight was taken (a second weight, or a colon with no weight)."""
+    shown = text.strip()[:60]
+    if _BLEND_WORD.search(text):
+        raise ValueError(f"{where}: {shown!r} holds a '(blend' that is not a blend this grammar reads (a blend is "
+                         f"the end of the line, '(blend N)' with N a whole number of chunks, e.g. '... (blend 2)' or "
+                         f"'... (blend 2, slerp)'); write it so, or leave it out of the prompt text")
+    if _TRAILING_WEIGHT.search(text) and not weighted:
+        raise ValueError(f"{where}: {shown!r} ends in ' :' with no weight after it; write the weight after the colon "
+                         f"(e.g. 'a cat :0.7'), or remove the colon")
+    if _TRAILING_WEIGHT.search(text):
+        raise ValueError(f"{where}: {shown!r} ends in ' :' after its weight was read: a part has one weight, "
+                         f"written once after a space and a colon (e.g. 'a cat :0.7 | a dog :0.3'); remove the "
+                         f"extra ' :...', or separate the prompts with ' | '")
+    return text
+
+
 def _parse_prompt(body: str, where: str) -> tuple:
     parts = []
     if body.count("|") >= MAX_MIX_PARTS:
@@ -151,10 +174,11 @@ def _parse_prompt(body: str, where: str) -> tuple:
     for piece in body.split("|"):
         m = _WEIGHT.match(piece)
         if m is None:
-            parts.append((_check_text(piece, where), 1.0))
+            parts.append((_check_text(_unambiguous(piece, where, weighted=False), where), 1.0))
             continue
         text, w = (m.group(1), m.group(2)) if m.group(1) is not None else ("", m.group(3))
-        parts.append((_check_text(text, where), _check_weight(_number(w, "the weight", where), where)))
+        parts.append((_check_text(_unambiguous(text, where), where),
+                      _check_weight(_number(w, "the weight", where), where)))
     return tuple(parts)
 
 
@@ -236,7 +260,7 @@ class PromptSchedule:
                 blend = _number(b.group(1), "the blend length", where, int)
                 if blend < 0:
                     raise ValueError(f"{where}: the blend length {blend} must be >= 0 chunks")
-                mode = (b.group(2) or "linear").lower()
+                mode = (b.group(2) if b.group(2) is not None else "linear").lower()
                 if mode not in BLEND_MODES:
                     raise ValueError(f"{where}: blend mode {b.group(2)!r} is not one of {BLEND_MODES}; write "
                                      f"'(blend {blend}, slerp)' or '(blend {blend})'")

@@ -1,8 +1,10 @@
 """A sampling run as data: the request (resolved once, frozen) and the hooks (progress, interrupt, preview, traces,
 out-of-memory policy).
 
-``sample_causal`` validates its arguments once into a ``SamplingRequest``; the chunk loop, the executors and the
-policies read it instead of having parameters threaded through them.
+``sampler.causal_request`` validates a run's arguments once into a ``SamplingRequest``, its ``SamplingInputs`` and
+its ``SamplingHooks``, which ``sampler.sample_causal`` takes (a face of the pack builds them through the app floor's
+prepare step, ``app/prepare.py``); the chunk loop, the executors and the policies read them instead of having
+parameters threaded through them.
 """
 from __future__ import annotations
 
@@ -68,13 +70,19 @@ class SamplingHooks:
     tracer(dict) receives every model call (chunk, kind, step, current_start, t, xt, flow, x0) for checks;
     chunk_guard(attempt, on_oom) runs one chunk: ``attempt()`` computes it (and may be called again: the noise
     generator is rewound), ``on_oom()`` drops the executor's state that a retry must not reuse. The memory floor
-    provides the out-of-memory guard (swap more blocks, redo the chunk).
+    provides the out-of-memory guard (swap more blocks, redo the chunk);
+    report: a dict that receives what the run did (its path, the executor's report; the app floor's prepare step
+    adds ``switched_off``, the doctor's verdicts it applied).
     """
     callback: Callable | None = None
     on_chunk: Callable | None = None
     tracer: Callable | None = None
     chunk_guard: Callable | None = None
     on_chunk_latents: Callable | None = None
+    report: dict | None = None
+
+    def replace(self, **changes) -> "SamplingHooks":
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass

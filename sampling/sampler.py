@@ -1,5 +1,8 @@
-"""The causal sampler's entry point: ``sample_causal`` resolves a request once and runs the one chunk loop
-(``loop.py``) with the executor of the chosen path (reference: ``loop.EagerExecutor``; optimized: ``runner.Run``).
+"""The causal sampler's entry point: ``causal_request`` checks a run's arguments once into its frozen request, its
+inputs and its hooks; ``sample_causal(model, request, inputs, hooks)`` runs the one chunk loop (``loop.py``) with the
+executor of the chosen path (reference: ``loop.EagerExecutor``; optimized: ``runner.Run``). The pack's faces build
+the three through the app floor's prepare step (``app/prepare.py``). ``path_for_linear`` is the one rule between a
+run's path and its linear mode.
 """
 from __future__ import annotations
 
@@ -61,6 +64,22 @@ def resolve_path(path: str, device, tracer=None, model=None) -> tuple[str, objec
     return path, options
 
 
+LINEAR_PATH_NOTE = "linear fp8: the optimized sampler path runs (the only one with fp8 linear layers)"
+
+
+def path_for_linear(path: str, linear: str | None = "exact", names: tuple = ("sampler", "linear")) -> tuple:
+    """(path, note or None): the one rule between a run's path and its linear mode. fp8 linear layers exist on the
+    optimized path only, so 'auto' means 'optimized' with them (the note says so) and 'reference' is refused
+    (ValueError naming the fix in the caller's option ``names``: (path, linear))."""
+    if linear in (None, "exact"):
+        return path, None
+    if path == "reference":
+        p, lin = names
+        raise ValueError(f"{lin} {linear} runs on the optimized sampler path only (the reference path keeps every "
+                         f"layer exact): use {p} optimized (or auto), or {lin} exact")
+    return ("optimized", LINEAR_PATH_NOTE) if path == "auto" else (path, None)
+
+
 def chunk_plan(num_frames: int, frames_per_block: int, independent_first_frame: bool = False,
                partial_last: bool = False) -> list:
     """[(first_frame, num_frames), ...] covering all latent frames; clear error when they do not divide, unless
@@ -100,36 +119,78 @@ def _as_schedule(schedule) -> Schedule:
                     f"got {type(schedule).__name__}")
 
 
-def sample_causal(model, context, noise, schedule="self_forcing", frames_per_block: int = 3,
-                  generator: torch.Generator | None = None, noise_provider=None, kv_window: int = -1,
-                  sink: int = 0, skip_last_refresh: bool = False, callback=None, *, refresh_t: float = 0.0,
-                  independent_first_frame: bool = False, tracer=None, on_chunk=None, clip_fea=None, y=None,
-                  kv_cache: KVCache | None = None, model_kwargs: dict | None = None, path: str = "auto",
-                  fast_options=None, report: dict | None = None, chunk_guard=None, cache=None, prefix=None,
-                  start_frame: int = 0, partial_last_block: bool = False, prompt_schedule=None,
-                  prompt_embeddings: dict | None = None, recache: str = "switch", cache_policy=None,
-                  chunk_contexts: list | None = None, previous_context=None, history=None,
-                  on_chunk_latents=None):
-    """Sample latents [B, F, C, H, W] (float32) from initial noise [B, F, C, H, W].
+def sample_causal(model, request, inputs=None, hooks: SamplingHooks | None = None, *legacy, cache=None,
+                  **keywords):
+    """Sample latents [B, F, C, H, W] (float32): ``sample_causal(model, request, inputs, hooks=None)``.
 
-    noise may also be just the shape (B, F, C, H, W): each chunk's initial noise is then drawn from the noise
-    provider (step index -1) when the chunk starts, so every random draw happens in chunk order and a longer
+    request (``SamplingRequest``), inputs (``SamplingInputs``) and hooks (``SamplingHooks``, with its ``report``
+    dict) come from ``causal_request`` or, for a face of the pack, from the app floor's prepare step
+    (``app/prepare.py``), which applies the doctor's verdicts, the VRAM plan, block swap and compile first.
+    cache: the LimitCache of the optimized path (recorded graph failures); None: the default one.
+
+    The keyword form of earlier versions, ``sample_causal(model, context, noise, schedule, frames_per_block,
+    ...)``, still runs (tests and tools): it builds the objects with ``causal_request`` (its arguments) and
+    runs them."""
+    if not isinstance(request, SamplingRequest):
+        given = (request, inputs) + ((hooks,) if hooks is not None else ()) + legacy
+        request, inputs, hooks = causal_request(model, *given, **keywords)
+    elif legacy or keywords:
+        raise TypeError(f"sample_causal(model, request, inputs, hooks) takes no other arguments; got "
+                        f"{len(legacy)} more positional and {sorted(keywords)}")
+    if not isinstance(inputs, SamplingInputs):
+        raise TypeError(f"sample_causal needs the run's SamplingInputs beside its request, got "
+                        f"{type(inputs).__name__}")
+    hooks = hooks if hooks is not None else SamplingHooks()
+    req, report = request, hooks.report
+    given = [inputs.context] if inputs.chunk_contexts is None else list(inputs.chunk_contexts)
+    pending = context_flags(given + [inputs.previous_context])   # where the conditioning enters; read with the output
+    if report is not None:
+        report["path"] = req.path
+    if req.path == "optimized":
+        executor = get_runner(model).start(req.options, batch=req.batch, num_frames=req.num_frames,
+                                           grid_hw=req.grid_hw, kv_window=req.kv_window, sink=req.sink,
+                                           kv_cache=inputs.kv_cache, actions=inputs.model_kwargs.get("actions"),
+                                           cache=open_cache(cache), chunks=req.chunks)
+    else:
+        executor = EagerExecutor(model, req, inputs)
+    out, info = run_chunks(model, executor, req, inputs, hooks)
+    if report is not None:
+        report.update(info, skipped_last_refresh=req.skip_last_refresh)
+    check_output(out, dtype=getattr(model, "compute_dtype", None), contexts=given, model=model,
+                 pending=pending)                             # once, at the end: one host sync per run
+    return out                                                # a continued run: its new frames only
+
+
+def causal_request(model, context, noise, schedule="self_forcing", frames_per_block: int = 3,
+                   generator: torch.Generator | None = None, noise_provider=None, kv_window: int = -1,
+                   sink: int = 0, skip_last_refresh: bool = False, callback=None, *, refresh_t: float = 0.0,
+                   independent_first_frame: bool = False, tracer=None, on_chunk=None, clip_fea=None, y=None,
+                   kv_cache: KVCache | None = None, model_kwargs: dict | None = None, path: str = "auto",
+                   fast_options=None, report: dict | None = None, chunk_guard=None, prefix=None,
+                   start_frame: int = 0, partial_last_block: bool = False, prompt_schedule=None,
+                   prompt_embeddings: dict | None = None, recache: str = "switch", cache_policy=None,
+                   chunk_contexts: list | None = None, previous_context=None, history=None,
+                   on_chunk_latents=None) -> tuple[SamplingRequest, SamplingInputs, SamplingHooks]:
+    """The arguments of a run checked once: (request, inputs, hooks) for ``sample_causal``.
+
+    noise [B, F, C, H, W], or just that shape (B, F, C, H, W): each chunk's initial noise is then drawn from the
+    noise provider (step index -1) when the chunk starts, so every random draw happens in chunk order and a longer
     video starts with exactly the frames of a shorter one with the same seed.
 
     context: [B or 1, L, text_dim] text embedding of the prompt (or an EmbeddedText).
     schedule: preset name, dict for resolve_schedule, or a Schedule.
     noise_provider(chunk, step, shape, dtype, device) -> eps used to go from step k to k+1; defaults to
     draws from ``generator`` (a fresh generator seeded 0 when none is given).
-    callback / on_chunk / on_chunk_latents / tracer / chunk_guard: see ``request.SamplingHooks`` (a streaming
-    consumer, e.g. a decode, takes each chunk's frames from on_chunk_latents: before the chunk's refresh pass).
+    callback / on_chunk / on_chunk_latents / tracer / chunk_guard / report: see ``request.SamplingHooks`` (a
+    streaming consumer, e.g. a decode, takes each chunk's frames from on_chunk_latents: before the chunk's refresh
+    pass).
     y [B, F, C_y, H, W] (i2v conditioning latents, concatenated on channels) and clip_fea are optional; a continued
     run's y may cover its frames only ([B, F - start_frame, ...]), so its memory does not grow with the video.
     kv_cache: a fresh KVCache to use (e.g. to inspect it afterwards); built from kv_window/sink when None.
     model_kwargs: extra keyword arguments of every forward call (``actions`` for Matrix-Game-2).
     path: 'reference' (``loop.EagerExecutor``: one ``forward_chunk`` per call), 'optimized' (``runner.Run``: static
     buffers, fused parts, CUDA graphs; same results within rounding) or 'auto' (see ``resolve_path``).
-    fast_options: FastOptions (or dict) of the optimized path. report: a dict that receives what the run did.
-    cache: the LimitCache of the optimized path (recorded graph failures); None: the default one.
+    fast_options: FastOptions (or dict) of the optimized path.
     prefix: clean latent frames [B, P, C, H, W] that begin the video (e.g. an encoded start image): written into the
     KV cache by one refresh pass before the first chunk and returned as the first P frames; the chunks cover the
     frames after them.
@@ -164,24 +225,7 @@ def sample_causal(model, context, noise, schedule="self_forcing", frames_per_blo
     inputs = dataclasses.replace(inputs, context=context, chunk_contexts=None if chunk_contexts is None else list(chunk_contexts),
                                  cache_policy=cache_policy, recache=recache, previous_context=previous_context,
                                  history=history)
-    given = [context] if chunk_contexts is None else list(chunk_contexts)
-    pending = context_flags(given + [previous_context])   # where the conditioning enters; read with the output
-    hooks = SamplingHooks(callback, on_chunk, tracer, chunk_guard, on_chunk_latents)
-    if report is not None:
-        report["path"] = req.path
-    if req.path == "optimized":
-        executor = get_runner(model).start(req.options, batch=req.batch, num_frames=req.num_frames,
-                                           grid_hw=req.grid_hw, kv_window=req.kv_window, sink=req.sink,
-                                           kv_cache=inputs.kv_cache, actions=inputs.model_kwargs.get("actions"),
-                                           cache=open_cache(cache), chunks=req.chunks)
-    else:
-        executor = EagerExecutor(model, req, inputs)
-    out, info = run_chunks(model, executor, req, inputs, hooks)
-    if report is not None:
-        report.update(info, skipped_last_refresh=req.skip_last_refresh)
-    check_output(out, dtype=getattr(model, "compute_dtype", None), contexts=given, model=model,
-                 pending=pending)                             # once, at the end: one host sync per run
-    return out                                                # a continued run: its new frames only
+    return req, inputs, SamplingHooks(callback, on_chunk, tracer, chunk_guard, on_chunk_latents, report)
 
 
 def schedule_contexts(schedule, embeddings, req: SamplingRequest, frames_per_block: int, start_frame: int = 0,
@@ -242,6 +286,10 @@ def resolve_request(model, context, noise, schedule, frames_per_block, generator
         raise ValueError(f"latent height/width {h}x{w} must be divisible by the patch size {ph}x{pw}")
     check_positions(0, num_frames, h // ph, w // pw)
     check_window(num_frames, frames_per_block, kv_window, sink)
+    from .krea import official_problem      # the rule every face meets: LongLive's sink, whatever the preset's form
+    problem = official_problem("switch", frames_per_block, kv_window, sink, sched, {"preset": "schedule"})
+    if problem:
+        raise ValueError(problem)
     device = model.device
     generator = generator if generator is not None or noise_provider is not None else \
         torch.Generator(device=device).manual_seed(0)
@@ -258,9 +306,8 @@ def resolve_request(model, context, noise, schedule, frames_per_block, generator
         latent_dtype = options.latent_dtype_for(model)
     else:
         asked = fast_options if fast_options is not None else ctx_options
-        if asked is not None and FastOptions.coerce(asked).linear != "exact":
-            raise ValueError("the fp8 linear mode runs on the optimized sampler path only (the reference path keeps "
-                             "every layer exact): use path 'optimized', or linear 'exact'")
+        if asked is not None:
+            path_for_linear("reference", FastOptions.coerce(asked).linear, names=("path", "linear"))
         options, skip_last, latent_dtype = None, bool(skip_last_refresh), model.stream_dtype
     req = SamplingRequest(shape, sched, tuple(plan), (h // ph, w // pw), int(kv_window), int(sink), float(refresh_t),
                           skip_last, chosen, options, latent_dtype)
@@ -290,4 +337,5 @@ def generate_latents(model, context, num_frames: int, height: int, width: int, s
     begins with the frames of a shorter one."""
     gen = torch.Generator(device=model.device).manual_seed(int(seed))
     shape = (batch, num_frames, model.config.out_dim, height, width)
-    return sample_causal(model, context, shape, schedule, frames_per_block, generator=gen, **kwargs)
+    return sample_causal(model, *causal_request(model, context, shape, schedule, frames_per_block, generator=gen,
+                                                **kwargs))

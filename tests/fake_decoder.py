@@ -1,4 +1,4 @@
-"""Stands in for nodes/streaming_decode.WanStreamDecoder outside ComfyUI: a latent frame's 'images' are its mean
+"""Stands in for nodes/streaming_decode.WanStreamDecoder (a ``vae.frames.FrameStream``) outside ComfyUI: a latent frame's 'images' are its mean
 (2x2 RGB), one for the walk's first frame and four for every later one (as the real decoder gives), an unpaired last
 frame held back until the next push or ``finish`` (the walk: the first frame alone, then pairs). Every push, load, finish and
 release is recorded."""

@@ -24,7 +24,8 @@ COMFY_ROOTS = {"comfy", "comfy_extras", "comfy_api", "folder_paths", "server", "
 def _modules():
     for path in sorted(REPO_ROOT.rglob("*.py")):
         rel = path.relative_to(REPO_ROOT)
-        if rel.parts[0] in ("tests", ".venv", "build", "docs", "workflows", "web") or rel.parts[0].startswith("."):
+        # tools/: the repository's scripts (carrying ComfyUI to a GPU machine), never imported by the package
+        if rel.parts[0] in ("tests", "tools", ".venv", "build", "docs", "workflows", "web") or rel.parts[0].startswith("."):
             continue
         parts = list(rel.with_suffix("").parts)
         is_pkg = parts[-1] == "__init__"

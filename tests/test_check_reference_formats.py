@@ -64,7 +64,9 @@ def _keep_variants(folder: Path, *names) -> dict:
 def test_both_folders_are_recognised():
     assert {"longlive", "krea_realtime"} <= set(FORMATS)
     assert [name for name, _, _ in discover(LONGLIVE)] == ["longlive"]
-    assert [name for name, _, _ in discover(KREA)] == ["krea_realtime"]
+    found = [(name, path.name) for name, path, _ in discover(KREA)]      # every Krea case of the folder runs
+    assert found == [("krea_realtime", "krea_config.json"), ("krea_realtime", "krea_interrupted_config.json"),
+                     ("krea_realtime", "krea_partial_block_config.json")]
 
 
 def test_longlive_folder_passes(capsys):

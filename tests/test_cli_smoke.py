@@ -155,6 +155,14 @@ def _selftest(out: str, tmp: Path) -> None:
     assert kept.startswith("$ fp8 checkpoint") and '"relative_rms"' in kept
 
 
+def _native(out: str, tmp: Path) -> None:
+    """Without ComfyUI (this suite's Python): the skipped JSON; with it, the tiny shape ran (tests/test_bench_native.py
+    checks both further)."""
+    data = json.loads(out)
+    assert data["bench"] == "native"
+    assert data["skipped"] or {v["weights"] for v in data["variants"]} == {"bf16"}, data
+
+
 CASES = {
     "selftest": (["selftest", "--out", "{tmp}/st", "--json", "--only", "doctor", "--only", "fp8 checkpoint",
                   "--only", "bench sampler"], _selftest, None),
@@ -212,6 +220,7 @@ CASES = {
                        _keys("rows", "speed"), None),
     "bench fidelity_fp8": (["bench", "fidelity", "--fixture", str(FIXTURES / "wan_reference"), "--linear", "fp8",
                             "--json"], _fp8_fidelity, None),
+    "bench native": (["bench", "native", "--repeat", "1", "--json"], _native, None),
 }
 
 

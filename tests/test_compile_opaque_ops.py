@@ -9,7 +9,7 @@ import torch
 
 from wan_accel.compile import CompileSettings, uncompile_model
 from wan_accel.compile.apply import compile_handle
-from wan_accel.app.jobs.generate import compile_for_sampling
+from wan_accel.app.prepare import compile_for_sampling
 from wan_accel.kernels import candidates as C
 from wan_accel.kernels.norm_modulate import layernorm_modulate_reference
 from wan_accel.kernels.qk_norm_rope import rmsnorm_rope_reference

@@ -2,7 +2,6 @@
 them, probes counted across processes and fingerprints, and damaged or unwritable caches."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -159,7 +158,7 @@ def _run(model, options):
 @pytest.mark.parametrize("mode", ["wrong", "raise"])
 def test_broken_fused_qkv_is_switched_off_and_the_run_equals_the_fallback(monkeypatch, mode, caplog):
     from wan_accel.app.jobs.handle import load_model_handle
-    from wan_accel.app.jobs.generate import sampler_setup
+    from wan_accel.app.prepare import RunSpec, prepare_model
     from wan_accel.sampling.runner import FastOptions
     handle = load_model_handle(None, "fp32", device="cpu")
     fallback = _run(handle.model, FastOptions(cuda_graphs="off", fused_kernels=False, fused_qkv=False))
@@ -169,7 +168,8 @@ def test_broken_fused_qkv_is_switched_off_and_the_run_equals_the_fallback(monkey
         assert not torch.equal(_run(unchecked.model, FastOptions(cuda_graphs="off", fused_kernels=False)), fallback)
     notes: list = []
     with caplog.at_level(logging.WARNING, logger="wan_accel"):
-        options = sampler_setup(handle, "optimized", "off", False, notes=notes)
+        options = prepare_model(handle.model, RunSpec.for_handle(handle, path="optimized", cuda_graphs="off",
+                                                                 fused_kernels=False), notes=notes).options
     assert options.switched_off == {"fused_qkv"}
     assert len(notes) == 1 and "fused_qkv is switched off on this machine" in notes[0]
     assert ("wrong numbers" if mode == "wrong" else "CUBLAS_STATUS_NOT_SUPPORTED") in notes[0]
@@ -179,7 +179,9 @@ def test_broken_fused_qkv_is_switched_off_and_the_run_equals_the_fallback(monkey
     assert torch.equal(out, fallback)
     value = LimitCache().get("doctor", "fused_qkv:float32:16")
     assert value["status"] == "failed"
-    again = sampler_setup(load_model_handle(None, "fp32", device="cpu"), "optimized", "off", False)
+    again_handle = load_model_handle(None, "fp32", device="cpu")
+    again = prepare_model(again_handle.model, RunSpec.for_handle(again_handle, path="optimized", cuda_graphs="off",
+                                                                 fused_kernels=False)).options
     assert again.switched_off == {"fused_qkv"}
     del report
 
@@ -279,8 +281,9 @@ def test_doctor_command_table_json_and_report(tmp_path, capsys):
 
 
 def test_matrix_game2_runs_with_the_verdicts(monkeypatch):
-    """The Matrix-Game-2 loop takes no FastOptions: gated_sampling routes the verdicts to it."""
-    from wan_accel.app.doctor.gate import gated_sampling
+    """The Matrix-Game-2 loop takes no FastOptions: the prepare step's block (prepared_sampling) routes the
+    verdicts to it."""
+    from wan_accel.app.prepare import prepared_sampling
     from wan_accel.model.mg2_model import tiny_mg2_model
     from wan_accel.sampling.mg2 import generate_mg2
     from wan_accel.sampling.runner import FastOptions
@@ -299,10 +302,11 @@ def test_matrix_game2_runs_with_the_verdicts(monkeypatch):
     _sabotage_fused_qkv(monkeypatch, "wrong")
     with sampler_path("optimized"):
         assert not torch.equal(run(), fallback)                 # unchecked, the sabotage shows
-    assert isinstance(gated_sampling(model, []), contextlib.nullcontext)     # CPU: 'auto' stays the reference
+    with prepared_sampling(model) as setup:                  # CPU: 'auto' stays the reference, nothing judged
+        assert setup.options is None and not setup.judged
     notes: list = []
-    with gated_sampling(model, notes, only_cuda=False):
-        assert torch.equal(run(), fallback)
+    with sampler_path("optimized"), prepared_sampling(model, notes=notes) as setup:   # the optimized path (CUDA's)
+        assert torch.equal(run(), fallback) and setup.judged
     assert len(notes) == 1 and "fused_qkv" in notes[0]
 
 

@@ -287,17 +287,18 @@ def _stand_in_comfy(monkeypatch):
 
 
 def test_native_probe_runs_the_ar_sampler_on_a_native_model_against_the_engine(cache_path, monkeypatch):
-    from wan_accel.nodes import doctor_nodes, native_engine, native_probe
+    from wan_accel.nodes import doctor_nodes, native_probe
     native_probe.register()                    # whatever an earlier test left in the registry
     _stand_in_comfy(monkeypatch)
     text = doctor_nodes.WanAccelDoctor().run(feature="native_model", dtype="fp32")["result"][0]
     row = next(line for line in text.splitlines() if line.startswith("native_model"))
     assert " passed " in row
-    real = native_engine.sample_causal
+    from wan_accel.app import prepare
+    real = prepare.sample_causal                # where the native path's prepared run enters the loop
 
     def drifting(*args, **kwargs):             # the native path a little off
         return real(*args, **kwargs) * 1.001
-    monkeypatch.setattr(native_engine, "sample_causal", drifting)
+    monkeypatch.setattr(prepare, "sample_causal", drifting)
     d = doc.doctor_for("cpu", torch.float32, 16)
     verdict = d.check("native_model", recheck=True)
     assert verdict["status"] == "failed" and "wrong numbers" in verdict["error"]
@@ -352,8 +353,8 @@ def test_features_summary_tells_which_kernels_ran(monkeypatch):
 
 # ------------------------------------------------------------------------------------- graph-safe compile settings
 @pytest.mark.parametrize("mode,want", [("reduce-overhead", "default"), ("max-autotune", "max-autotune-no-cudagraphs")])
-def test_sampler_setup_compiles_with_the_graph_safe_settings(mode, want):
-    from wan_accel.app.jobs.generate import sampler_setup
+def test_prepare_model_compiles_with_the_graph_safe_settings(mode, want):
+    from wan_accel.app.prepare import RunSpec, prepare_model
     from wan_accel.app.jobs.handle import load_model_handle
     from wan_accel.compile import CompileSettings, uncompile_model
     from wan_accel.compile.apply import compile_handle
@@ -361,7 +362,8 @@ def test_sampler_setup_compiles_with_the_graph_safe_settings(mode, want):
     handle = load_model_handle(None, "fp32", device="cpu", compile_settings=settings)
     said: list = []
     try:
-        sampler_setup(handle, "optimized", "off", False, log=said.append)
+        prepare_model(handle.model, RunSpec.for_handle(handle, path="optimized", cuda_graphs="off",
+                                                       fused_kernels=False), log=said.append)
         compiled = compile_handle(handle.model)
         assert compiled is not None and compiled.settings.mode == want and compiled.settings.scope == "blocks"
         assert any(f"compiled as '{want}'" in s for s in said)
@@ -369,7 +371,8 @@ def test_sampler_setup_compiles_with_the_graph_safe_settings(mode, want):
         uncompile_model(handle.model)
     graphs_backend = load_model_handle(None, "fp32", device="cpu",
                                        compile_settings=CompileSettings(backend="cudagraphs", warm_start=False))
-    sampler_setup(graphs_backend, "optimized", "off", False)
+    prepare_model(graphs_backend.model, RunSpec.for_handle(graphs_backend, path="optimized", cuda_graphs="off",
+                                                           fused_kernels=False))
     assert compile_handle(graphs_backend.model) is None          # the sampler's own graphs replay eager blocks
 
 

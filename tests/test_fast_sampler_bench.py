@@ -158,20 +158,21 @@ def test_sampler_node_paths_and_profile_request(tmp_path):
     assert "fa3" in CausalWanModelLoader.INPUT_TYPES()["required"]["attention"][0]
 
 
-def test_sampler_setup_honours_compile_settings_and_reference_uncompiles():
+def test_prepare_model_honours_compile_settings_and_reference_uncompiles():
     from wan_accel.compile import CompileSettings, compile_model
     from wan_accel.compile.apply import compile_handle
     from wan_accel.app.jobs.handle import load_model_handle
-    from wan_accel.app.jobs.generate import sampler_setup
+    from wan_accel.app.prepare import RunSpec, prepare_model
     settings = CompileSettings(backend="eager", warm_start=False)
     handle = load_model_handle(None, "fp32", device="cpu", compile_settings=settings)
-    opts = sampler_setup(handle, "optimized", "off", False)
+    opts = prepare_model(handle.model, RunSpec.for_handle(handle, path="optimized", cuda_graphs="off",
+                                                          fused_kernels=False)).options
     assert opts.cuda_graphs == "off" and opts.fused_kernels is False
     assert compile_handle(handle.model).settings == settings.replace(scope="blocks")   # compiled for the path
-    sampler_setup(handle, "reference")
+    prepare_model(handle.model, RunSpec.for_handle(handle, path="reference"))
     assert compile_handle(handle.model) is None              # the reference path runs eager
     with pytest.raises(ValueError, match="sampler must be one of"):
-        sampler_setup(handle, "fastest")
+        prepare_model(handle.model, RunSpec.for_handle(handle, path="fastest"))
 
 
 def test_a_model_switch_frees_the_previous_copy_at_once():

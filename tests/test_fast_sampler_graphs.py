@@ -180,7 +180,7 @@ def test_backend_choice_by_capability_dtype_and_head_size(monkeypatch):
     assert name == "sdpa" and "8.6 not supported" in why
     monkeypatch.setitem(att._FUNCS, "fa3", None)
     name, why = att.explain_backend("auto", "cuda:0", bf16, 128, capability=(9, 0))
-    assert name == "fa2" and "flash_attn_interface not installed" in why
+    assert name == "fa2" and "fa3: flash_attn_interface or fa3_fwd_interface not installed" in why
 
 
 def test_flash_return_types_are_both_handled(monkeypatch):
@@ -195,7 +195,7 @@ def test_flash_return_types_are_both_handled(monkeypatch):
 
 def test_forcing_a_missing_flash_attention_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(att._FUNCS, "fa3", None)
-    with pytest.raises(RuntimeError, match="flash_attn_interface does not import"):
+    with pytest.raises(RuntimeError, match="flash_attn_interface or fa3_fwd_interface does not import"):
         att.check_backend("fa3")
 
 

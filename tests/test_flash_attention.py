@@ -186,7 +186,11 @@ def test_a_failed_doctor_verdict_switches_it_off(monkeypatch):
     from wan_accel.model.tiny import tiny_causal_model
     from wan_accel.nodes.doctor_nodes import FEATURE_CHOICES
     from wan_accel.sampling.runner import FastOptions
+    from wan_accel.kernels import _common
     assert "attention.triton" in FEATURES and "attention.triton" in FEATURE_CHOICES
+    # a CPU without Triton's interpreter, whatever this process's TRITON_INTERPRET says (tests/test_interpret_pass.py
+    # runs this file under it): no fused kernel and no candidate of them to judge
+    monkeypatch.setattr(_common, "interpreter_usable", lambda: False)
 
     class Verdicts:
         def why_off(self, name):

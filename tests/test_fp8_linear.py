@@ -647,7 +647,7 @@ def test_matrix_game2_and_the_doctors_gate_keep_the_callers_linear_mode(tmp_path
     """generate --model-kind matrix-game2 --linear fp8 runs fp8 and says so; the doctor's gate (which routes the
     Matrix-Game-2 loop on CUDA) gates the enclosing block's options instead of replacing them, and keeps its
     reference path."""
-    from wan_accel.app.doctor.gate import gated_sampling
+    from wan_accel.app.prepare import prepared_sampling
     from wan_accel.cli import main
     from wan_accel.sampling.sampler import generate_latents, sampler_path
     code = main(["generate", "--model-kind", "matrix-game2", "--linear", "fp8", "--device", "cpu", "--frames", "9",
@@ -659,7 +659,7 @@ def test_matrix_game2_and_the_doctors_gate_keep_the_callers_linear_mode(tmp_path
     for outer, path, linear in ((("auto", {"linear": "fp8", "cuda_graphs": "off"}), "optimized", "fp8"),
                                 (("reference", None), "reference", None)):
         report = {}
-        with sampler_path(*outer), gated_sampling(model, only_cuda=False):
+        with sampler_path(*outer), prepared_sampling(model):
             generate_latents(model, _ctx(model), 3, 4, 4, seed=1, report=report)
         assert report["path"] == path and report.get("linear") == linear, report
 

@@ -187,8 +187,9 @@ def test_selftest_without_a_gpu_lists_the_gpu_parts_and_require_gpu_makes_it_an_
     result = selftest.run_selftest(tmp_path / "st", stages=["bench kernels", "block swap"], log=lambda *_: None)
     assert result["passed"] and result["needs_gpu"] == ["bench kernels", "block swap"]
     assert "| bench kernels | needs a CUDA GPU |" in (tmp_path / "st" / "selftest.md").read_text()
-    strict = selftest.run_selftest(tmp_path / "st2", stages=["bench kernels"], require_gpu=True, log=lambda *_: None)
-    assert not strict["passed"] and "--require-gpu" in strict["summary"]
+    with pytest.raises(ValueError, match="--require-gpu: no CUDA GPU"):     # refused before any stage runs
+        selftest.run_selftest(tmp_path / "st2", stages=["bench kernels"], require_gpu=True, log=lambda *_: None)
+    assert not (tmp_path / "st2").exists()
     names = {s.name for s in selftest.STAGES if s.gpu}
     assert {"bench sampler", "bench kernels", "block swap", "generate compiled", "tests marked cuda"} <= names
 

@@ -208,31 +208,31 @@ def test_plan_capability_and_doctor_head_dim(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- continuation
 def test_state_of_other_weights_is_refused():
-    from wan_accel.app.jobs.generate import sample_latents_with_state
+    from wan_accel.app.prepare import RunSpec, sample_video_with_state
     from wan_accel.model.tiny import tiny_causal_model
 
     a = tiny_causal_model(0, "cpu", torch.float32, "float32")
     b = tiny_causal_model(1, "cpu", torch.float32, "float32")       # same structure, other weights
     ctx = torch.zeros(1, 0, a.config.text_dim)
-    _, state = sample_latents_with_state(a, ctx, 32, 32, 9, seed=0)
+    _, state = sample_video_with_state(a, RunSpec(), ctx, 32, 32, 9)
     with pytest.raises(ValueError, match="model weights"):
-        sample_latents_with_state(b, ctx, 32, 32, 21, state=state)
+        sample_video_with_state(b, RunSpec(), ctx, 32, 32, 21, state=state)
     first = next(a.parameters())
     saved = first.detach().clone()
     with torch.no_grad():                                             # patched in place: also other weights
         first.add_(1.0)
     with pytest.raises(ValueError, match="model weights"):
-        sample_latents_with_state(a, ctx, 32, 32, 21, state=state)
+        sample_video_with_state(a, RunSpec(), ctx, 32, 32, 21, state=state)
     with torch.no_grad():
         first.copy_(saved)
-    more, _ = sample_latents_with_state(a, ctx, 32, 32, 21, state=state)
+    more, _ = sample_video_with_state(a, RunSpec(), ctx, 32, 32, 21, state=state)
     assert more.shape[1] == 3
 
 
 def test_state_of_weights_loaded_as_inference_tensors():
     """ComfyUI loads weights as inference tensors (no in-place version counter): a continuation on the same
     weights goes on, other weights or a weight patched in place are refused."""
-    from wan_accel.app.jobs.generate import sample_latents_with_state
+    from wan_accel.app.prepare import RunSpec, sample_video_with_state
     from wan_accel.model.tiny import tiny_causal_model
 
     with torch.inference_mode():
@@ -241,14 +241,14 @@ def test_state_of_weights_loaded_as_inference_tensors():
     assert next(a.parameters()).is_inference()
     ctx = torch.zeros(1, 0, a.config.text_dim)
     with torch.inference_mode():
-        _, state = sample_latents_with_state(a, ctx, 32, 32, 9, seed=0)
-        more, _ = sample_latents_with_state(a, ctx, 32, 32, 21, state=state)
+        _, state = sample_video_with_state(a, RunSpec(), ctx, 32, 32, 9)
+        more, _ = sample_video_with_state(a, RunSpec(), ctx, 32, 32, 21, state=state)
         assert more.shape[1] == 3
         with pytest.raises(ValueError, match="model weights"):
-            sample_latents_with_state(b, ctx, 32, 32, 21, state=state)
+            sample_video_with_state(b, RunSpec(), ctx, 32, 32, 21, state=state)
         next(a.parameters()).add_(1.0)                                # in place, no version counter to see it
         with pytest.raises(ValueError, match="model weights"):
-            sample_latents_with_state(a, ctx, 32, 32, 21, state=state)
+            sample_video_with_state(a, RunSpec(), ctx, 32, 32, 21, state=state)
 
 
 def test_mg2_node_refuses_out_of_range_actions():
@@ -277,9 +277,9 @@ def _need(config: dict, frames, height, width, **kw) -> int:
     return sum(sampling_need(config, frames, height, width, **kw).values())
 
 
-@pytest.mark.parametrize("entry", ["sample_latents", "sample_latents_with_state"])
+@pytest.mark.parametrize("entry", ["sample_video", "sample_video_with_state"])
 def test_python_api_refuses_before_allocating(monkeypatch, capsys, entry):
-    import wan_accel.app.jobs.generate as job
+    import wan_accel.app.prepare as job
     import wan_accel.sampling.continuation as continuation
     import wan_accel.sampling.sampler as sampler
     from wan_accel.model.tiny import tiny_causal_model
@@ -297,9 +297,9 @@ def test_python_api_refuses_before_allocating(monkeypatch, capsys, entry):
         m.setattr(sampler, "generate_latents", no_tensors)
         m.setattr(continuation, "sample_continuable", no_tensors)
         with pytest.raises(ValueError, match=r"num_frames 9 at 32x32 needs about .* test device has"):
-            run(model, ctx, 32, 32, 9, seed=0)
+            run(model, job.RunSpec(), ctx, 32, 32, 9)
     _device_with(monkeypatch, need)                      # exactly the estimate: runs, and the check says nothing
-    out = run(model, ctx, 32, 32, 9, seed=0)
+    out = run(model, job.RunSpec(), ctx, 32, 32, 9)
     out = out[0] if isinstance(out, tuple) else out
     assert out.shape[1] == 3 and torch.isfinite(out).all()
     assert capsys.readouterr().err == ""

@@ -144,8 +144,13 @@ def test_the_interrupted_fixture_follows_krea_entries_not_the_linear_mapping(mod
     assert torch.equal(io["block4.prompt_embeds"], io["block3.prompt_embeds"])
     # the (blend N - 1) mapping of an uninterrupted change lets the interrupted blends go on: other embeddings,
     # other frames
-    linear = "\n".join(["0: p0"] + [f"{c}: p{ch['prompt']} (blend {n})" for ch in cfg["prompt_changes"]
-                                    for c, n in [krea_schedule_entry(ch["block"], ch["interp_steps"])]])
+    linear = "\n".join(["0: p0"] + [f"{ch['block'] + 1}: p{ch['prompt']} (blend {ch['interp_steps'] - 1})"
+                                    for ch in cfg["prompt_changes"]])
+    # krea_schedule_entry is krea_schedule_line's one implementation: never the linear mapping
+    for ch in cfg["prompt_changes"]:
+        chunk, blend = krea_schedule_entry(ch["block"], ch["interp_steps"])
+        assert f"{chunk}: p{ch['prompt']} (blend {blend})" == krea_schedule_line(ch["block"], f"p{ch['prompt']}",
+                                                                               ch["interp_steps"])
     lin_ctx = PromptSchedule.parse(linear).contexts(prompts, blocks)
     assert max((lin_ctx[b] - io[f"block{b}.prompt_embeds"]).abs().max() for b in range(blocks)) > 100 * TOL
     out, *_ = _run(model, "interrupted", "reference", schedule_text=linear)

@@ -78,7 +78,7 @@ def test_pyproject_lists_every_subpackage_and_metadata():
     found = {"wan_accel"} | {
         "wan_accel." + ".".join(p.parent.relative_to(REPO).parts)
         for p in REPO.rglob("__init__.py")
-        if p.parent != REPO and not {"tests", "build"} & set(p.relative_to(REPO).parts)
+        if p.parent != REPO and not {"tests", "build", "tools"} & set(p.relative_to(REPO).parts)   # tools/: repo scripts
         and not any(part.startswith(".") for part in p.relative_to(REPO).parts)}   # hidden folders hold no package
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
 

@@ -98,13 +98,13 @@ NODE_ARGS = dict(width=32, height=32, num_frames=4 * 11 + 1, seed=4, frames_per_
     (dict(preset="longlive", kv_window=15, sink=6), LONGLIVE_MSG),
 ])
 def test_the_sampler_node_refuses_before_any_work(handle, monkeypatch, settings, want):
-    from wan_accel.app.jobs import generate
+    from wan_accel.app import prepare
     from wan_accel.nodes.model_nodes import CausalWanSampler
 
     def never(*_a, **_k):
         raise AssertionError("sampled a refused setting")
-    monkeypatch.setattr(generate, "sample_latents", never)
-    monkeypatch.setattr(generate, "sample_latents_with_state", never)
+    monkeypatch.setattr(prepare, "sample_video", never)
+    monkeypatch.setattr(prepare, "sample_video_with_state", never)
     with pytest.raises(ValueError, match="^" + want):
         CausalWanSampler().sample(handle, **{**NODE_ARGS, **settings})
 

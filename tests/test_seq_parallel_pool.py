@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from wan_accel.app.jobs.handle import load_model_handle
-from wan_accel.app.jobs.generate import sample_latents
+from wan_accel.app.prepare import RunSpec, sample_video
 from wan_accel.app.ranks.pool import POOL_KEY
 from wan_accel.model.attachments import seq_parallel_of
 from wan_accel.model.seq_parallel import ParallelError
 from wan_accel.nodes.model_nodes import CausalWanSampler
 from wan_accel.nodes.parallel_nodes import CausalWanSequenceParallel
+from wan_accel.sampling.request import SamplingHooks
 
-ARGS = (torch.zeros(1, 0, 64), 64, 64, 9, 3, "self_forcing", 3, -1, 0, False)   # tiny model, 9 frames 64x64
+SPEC = RunSpec(path="reference", seed=3)                      # tiny model, 9 frames 64x64
+ARGS = (SPEC, torch.zeros(1, 0, 64), 64, 64, 9)
 NODE_ARGS = (64, 64, 9, 3, "self_forcing", 3, -1, 0)       # the sampler node's widgets for the same run
 
 
@@ -37,7 +39,7 @@ def test_pool_matches_one_process_and_leaves_no_worker_behind():
     try:
         handle = load_model_handle(None, "fp32", "float32", "sdpa", "cpu")
         with torch.no_grad():
-            one = sample_latents(handle.model, *ARGS, path="reference")
+            one = sample_video(handle.model, *ARGS)
             node_one = CausalWanSampler().sample(handle, *NODE_ARGS, sampler="reference")[0]["samples"]
         with pytest.raises(ValueError, match="use one of 1, 2, 4 ranks"):
             CausalWanSequenceParallel().apply(handle, 3, 20)
@@ -46,25 +48,25 @@ def test_pool_matches_one_process_and_leaves_no_worker_behind():
         assert same is handle and not pool.running
         node_two = CausalWanSampler().sample(handle, *NODE_ARGS, sampler="reference")[0]["samples"]
         assert pool.running and float((node_two - node_one).abs().max()) <= 1e-5
-        two = pool.sample(handle.model, *ARGS, path="reference")
+        two = pool.sample(handle.model, *ARGS)
         assert float((two - one).abs().max()) <= 1e-5
         workers = list(pool.procs)
-        assert float((pool.sample(handle.model, *ARGS, path="reference") - one).abs().max()) <= 1e-5
+        assert float((pool.sample(handle.model, *ARGS) - one).abs().max()) <= 1e-5
         assert pool.procs == workers and all(pool.alive())         # reused, not restarted
 
         with pytest.raises(Interrupted):                  # an interrupt on rank 0: the workers go
-            pool.sample(handle.model, *ARGS, path="reference", callback=_interrupt_at(1))
+            pool.sample(handle.model, *ARGS, hooks=SamplingHooks(callback=_interrupt_at(1)))
         assert not pool.running and all(p.poll() is not None for p in workers)
         assert seq_parallel_of(handle.model) is None
         assert not torch.distributed.is_initialized()
 
-        assert float((pool.sample(handle.model, *ARGS, path="reference") - one).abs().max()) <= 1e-5  # restarted
+        assert float((pool.sample(handle.model, *ARGS) - one).abs().max()) <= 1e-5  # restarted
         pool.procs[0].kill()                              # a worker dies: one clear error, no hang
         with pytest.raises(ParallelError, match="another rank stopped|died"):
-            pool.sample(handle.model, *ARGS, path="reference")
+            pool.sample(handle.model, *ARGS)
         assert not pool.running and not torch.distributed.is_initialized()
 
-        pool.sample(handle.model, *ARGS, path="reference")
+        pool.sample(handle.model, *ARGS)
         workers = list(pool.procs)
         del handle, same, pool                            # dropping the model stops its workers
         gc.collect()

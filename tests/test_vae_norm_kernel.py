@@ -214,7 +214,17 @@ def test_the_decoder_streamed_with_the_kernel_gives_the_frames_of_the_layers(res
 
 
 # ----------------------------------------------------------------------------------------- on the CPU (torch)
-def test_the_cpu_path_writes_the_buffer_without_the_kernel():
+@pytest.fixture
+def torch_path(monkeypatch):
+    """A CPU without Triton's interpreter, whatever this process's TRITON_INTERPRET says (tests/test_interpret_pass.py
+    runs this file again under TRITON_INTERPRET=1): CPU tensors take the torch path."""
+    from wan_accel.kernels import _common
+
+    monkeypatch.setattr(_common, "interpreter_usable", lambda: False)
+    assert not _common.use_triton(torch.zeros(1))
+
+
+def test_the_cpu_path_writes_the_buffer_without_the_kernel(torch_path):
     """No Triton here: the fused layout's torch ops (no concatenation) give the layers' frames, history included."""
     torch.manual_seed(0)
     norm = wan21.RMSNorm(6).requires_grad_(False)
@@ -255,7 +265,7 @@ def test_bad_input_gives_one_clear_error(call, message):
     assert "\n" not in str(info.value)
 
 
-def test_the_torch_fallback_is_the_definition():
+def test_the_torch_fallback_is_the_definition(torch_path):
     x, gamma = _inputs(7, (2, 3, 3), "float32", 0)
     out = torch.empty(1, 7, 4, 3, 3)
     got = vae_norm.norm_silu(x, gamma, True, out[:, :, 2:])
@@ -264,7 +274,7 @@ def test_the_torch_fallback_is_the_definition():
     assert _excess(out[:, :, 2:], _module_math(x, gamma, True), _pre(x, gamma), "float32", 7) <= 1.0
 
 
-def test_bench_kernels_vae_row_on_the_cpu():
+def test_bench_kernels_vae_row_on_the_cpu(torch_path):
     from wan_accel.app.bench import kernels as bench
 
     (row,) = bench.vae_rows("cpu", "float32", ("tiny", 8, 2, 5, 7))

@@ -13,6 +13,13 @@ DECODERS = {  # name -> (class, released config, reduced config)
 MARKS = {"wan": "decoder.middle.0.residual.0.gamma", "tiny": "decoder.22.bias"}   # a key only that file has
 
 
+def decoder_kind(header: dict) -> str | None:
+    """'wan' or 'tiny': the decoder whose weights a file's header (``weights.read_header``) holds, by a key only that
+    decoder's file has; None for neither."""
+    found = [k for k, mark in MARKS.items() if mark in header]
+    return found[0] if len(found) == 1 else None
+
+
 def build_decoder(kind: str, path=None, reduced: bool = False, seed: int = 0) -> StreamingDecoder:
     """A float32 decoder on the CPU: ``kind`` 'wan' or 'tiny'; weights from ``path`` (a .safetensors file whose
     key names are the real file's), else random (seeded) at the released size or, with ``reduced``, narrow."""

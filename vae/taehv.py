@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .stream import StreamingDecoder
-from .weights import DecoderWeightsError, load_file
+from .weights import DecoderWeightsError, header_of, load_file, load_state
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ TAEW2_1 = TinyDecoderConfig()
 REDUCED = TinyDecoderConfig(widths=(32, 16, 8, 8))      # the same architecture, narrow: CPU tests, tiny bench shape
 FILE_HINT = "use taew2_1.safetensors (github.com/madebyollin/taehv), the file ComfyUI's VAE loader reads as taew2_1"
 UNUSED = ("encoder.",)
+WHAT = "TAEHV-class tiny decoder (taew2_1)"
 # where each stage's first memory block and the last convolution sit in the decoder sequence (their shapes give
 # the widths of a file)
 STAGE_BLOCKS, LAST_CONV = (3, 9, 15), 20
@@ -126,17 +127,29 @@ class TinyVideoDecoder(StreamingDecoder):
 
     @classmethod
     def from_file(cls, path, header: dict) -> "TinyVideoDecoder":
+        cfg = cls.config_of(header, path)
+        return load_file(lambda: cls(cfg), path, WHAT, UNUSED, FILE_HINT, header)
+
+    @classmethod
+    def from_state(cls, state: dict, source: str) -> "TinyVideoDecoder":
+        """The decoder with the weights of another implementation's state dict of the same layout (ComfyUI's
+        ``TAEHV`` of a ``taew2_1`` / ``lighttaew2_1`` file), checked by key name as a file is."""
+        return load_state(cls(cls.config_of(header_of(state), source)), state, source, WHAT, UNUSED, FILE_HINT)
+
+    @staticmethod
+    def config_of(header: dict, path) -> TinyDecoderConfig:
+        """The widths of a ``taew2_1``-layout header (the released ones where the file does not give them: the key
+        check then says what is wrong); DecoderWeightsError for another latent space or out-of-range widths."""
         first = header.get("decoder.1.weight", ((),))[0]
         if len(first) == 4 and first[1] != TAEW2_1.latent_channels:
             raise DecoderWeightsError(f"{path}: a tiny decoder of {first[1]}-channel latents; Wan 2.1 latents "
                                       f"have {TAEW2_1.latent_channels}: {FILE_HINT}")
         shapes = [header.get(f"decoder.{i}.conv.0.weight", ((),))[0] for i in STAGE_BLOCKS]
         last = header.get(f"decoder.{LAST_CONV}.weight", ((),))[0]
-        cfg = TAEW2_1                                   # widths not in the file: the key check says what is wrong
         if all(len(s) == 4 for s in shapes) and len(last) == 4:
             widths = tuple(s[0] for s in shapes) + (last[0],)
             if not all(1 <= v <= MAX_WIDTH for v in widths):
                 raise DecoderWeightsError(f"{path}: widths {widths} out of range; taew2_1 has {TAEW2_1.widths}: "
                                           f"{FILE_HINT}")
-            cfg = TinyDecoderConfig(widths=widths)
-        return load_file(cls(cfg), path, "TAEHV-class tiny decoder (taew2_1)", UNUSED, FILE_HINT, header)
+            return TinyDecoderConfig(widths=widths)
+        return TAEW2_1

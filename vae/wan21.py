@@ -275,4 +275,4 @@ class WanVAEDecoder(StreamingDecoder):
                 raise DecoderWeightsError(f"{path}: decoder.head.0.gamma gives a base width of {shape[0]}; a Wan "
                                           f"2.1 VAE has 96: {FILE_HINT}")
             cfg = WanVAEConfig(dim=shape[0])
-        return load_file(cls(cfg), path, "Wan 2.1 VAE decoder", UNUSED, FILE_HINT, header)
+        return load_file(lambda: cls(cfg), path, "Wan 2.1 VAE decoder", UNUSED, FILE_HINT, header)

@@ -61,18 +61,57 @@ def check_keys(module: torch.nn.Module, header: dict, path, what: str, unused_pr
 
 
 @torch.no_grad()
-def load_file(module: torch.nn.Module, path, what: str, unused_prefixes: tuple = (), hint: str = "",
+def load_file(module, path, what: str, unused_prefixes: tuple = (), hint: str = "",
               header: dict | None = None) -> torch.nn.Module:
-    """Copy the weights of ``path`` into ``module`` by key name after checking the whole file (see module doc)."""
+    """Copy the weights of ``path`` into ``module`` by key name after checking the whole file (see module doc), then
+    check every weight finite. ``module`` may be a function that builds it: the header is then checked against a
+    copy built on the meta device first, so a small file that only claims a wide decoder is refused from its header
+    before anything is allocated."""
     from safetensors import safe_open
     path = Path(path)
     header = read_header(path) if header is None else header
+    if not isinstance(module, torch.nn.Module):
+        with torch.device("meta"):
+            check_keys(module(), header, path, what, unused_prefixes, hint)     # shapes only: nothing allocated
+        module = module()
     check_keys(module, header, path, what, unused_prefixes, hint)
-    state = module.state_dict()
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        for key, target in state.items():
-            target.copy_(f.get_tensor(key).to(target.dtype))
+        _copy_in(module, f.get_tensor)
+    check_finite(module, path, hint)
     return module
+
+
+def check_finite(module: torch.nn.Module, source, hint: str = "") -> None:
+    """DecoderWeightsError naming the first weight that holds NaN or inf (a damaged file, or values that overflow
+    the decoder's dtype)."""
+    for key, t in module.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise DecoderWeightsError(f"{source}: {key} holds NaN or inf values (a damaged file, or values too large "
+                                      f"for float32); write or download it again" + (f": {hint}" if hint else ""))
+
+
+SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
+
+
+def header_of(state: dict) -> dict:
+    """A state dict's {key: (shape tuple, safetensors dtype name)}, as ``read_header`` gives a file's."""
+    return {k: (tuple(v.shape), SAFETENSORS_DTYPES.get(v.dtype, str(v.dtype))) for k, v in state.items()}
+
+
+@torch.no_grad()
+def load_state(module: torch.nn.Module, state: dict, source: str, what: str, unused_prefixes: tuple = (),
+               hint: str = "") -> torch.nn.Module:
+    """Copy the tensors of ``state`` (another implementation's state dict, e.g. a ComfyUI VAE's) into ``module`` by
+    key name, checked as a file is (``source`` names it in a message)."""
+    check_keys(module, header_of(state), source, what, unused_prefixes, hint)
+    _copy_in(module, lambda key: state[key].detach().to("cpu"))
+    check_finite(module, source, hint)
+    return module
+
+
+def _copy_in(module: torch.nn.Module, get) -> None:
+    for key, target in module.state_dict().items():
+        target.copy_(get(key).to(target.dtype))
 
 
 @torch.no_grad()

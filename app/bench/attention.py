@@ -57,6 +57,9 @@ def _approximate(text: str) -> list:
 def _check(args) -> None:
     if (args.lq is None) != (args.lk is None):
         raise UsageError("--lq and --lk go together (one call of that size); give both or neither")
+    if args.lq is not None and getattr(args, "calls", None) is not None:
+        raise UsageError(f"--calls {args.calls} picks a run's calls, and --lq/--lk time one call of their own size "
+                         f"instead: give --calls, or --lq and --lk, not both")
     for name in ("lq", "lk", "batch"):
         value = getattr(args, name)
         if value is not None and not 1 <= value <= 1 << 20:
@@ -107,9 +110,11 @@ def _approximate_call(name: str, k, v):
 
 
 def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, approximate=(),
-            seed: int = 0, ceiling: float | None = None) -> list:
-    """Rows of every candidate at one call of [batch, lq|lk, heads, head_dim] (module doc)."""
+            seed: int = 0, ceiling: float | None = None, progress=None) -> list:
+    """Rows of every candidate at one call of [batch, lq|lk, heads, head_dim] (module doc); ``progress(text)`` is
+    told which candidate is being timed."""
     from ...model import attention as attn
+    tell = progress or (lambda _text: None)
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
     k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
@@ -124,6 +129,7 @@ def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, devi
             rows.append({"lq": lq, "lk": lk, "candidate": cand.name, "kind": "exact", "status": "unavailable",
                          "why": why})
             continue
+        tell(f"timing {cand.name}")
         rows.append(_row(cand.name, "exact", cand.fn, q, k, v, ref, timer, ceiling))
     for name in approximate:
         why = attn.fa3_fp8_problem(device, dtype, head_dim) if name == "fa3_fp8" else None
@@ -131,6 +137,7 @@ def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, devi
             rows.append({"lq": lq, "lk": lk, "candidate": name, "kind": "approximate", "status": "unavailable",
                          "why": why})
             continue
+        tell(f"timing {name} (approximate)")
         rows.append(_row(name, "approximate", _approximate_call(name, k, v), q, k, v, ref, timer, ceiling))
     try:
         store, why = attn.choose_auto(q, k, v, benchmark=False)
@@ -154,12 +161,18 @@ def run(args) -> int:
     shape = args.shape or ("1.3b" if device.type == "cuda" else "tiny")
     dtype = parse_dtype(args.dtype or ("bf16" if device.type == "cuda" else "fp32"))
     _ft, _frames, _chunk, heads, head_dim, _text = SHAPES[shape]
-    todo = [(args.lq, args.lk)] if args.lq is not None else calls(shape, args.calls)
+    todo = [(args.lq, args.lk)] if args.lq is not None else calls(shape, args.calls or "largest")
+    from ..progress import Progress
+    progress = Progress("bench attention")
+    if not args.no_ceiling:
+        progress(f"measuring the matmul ceiling of {device}")
     ceil = None if args.no_ceiling else measure_ceilings(device)
     ceiling = (ceil or {}).get("bf16_matmul_tflops")
     t0 = time.perf_counter()
-    rows = [r for lq, lk in todo for r in measure(lq, lk, args.batch, heads, head_dim, dtype, device, approximate,
-                                                   args.seed, ceiling)]
+    rows = [r for i, (lq, lk) in enumerate(todo)
+            for r in measure(lq, lk, args.batch, heads, head_dim, dtype, device, approximate, args.seed, ceiling,
+                             lambda text, i=i, lq=lq, lk=lk: progress(f"call {i + 1}/{len(todo)} ({lq} x {lk}): "
+                                                                      f"{text}"))]
     best = {}
     for r in rows:
         if r.get("status") == "ran" and r["kind"] == "exact" and r.get("within"):

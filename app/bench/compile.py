@@ -197,13 +197,17 @@ def run(args) -> int:
     args.blocks = 2 if args.blocks is None else args.blocks
     args.dim = 32 if args.dim is None else args.dim
     colds, warms = [], []
+    from ..progress import Progress
+    progress, n = Progress("bench compile"), max(1, args.repeat)
     with tempfile.TemporaryDirectory(prefix="wan_accel_bench_compile_") as root:
         first_dir = None
-        for i in range(max(1, args.repeat)):
+        for i in range(n):
             d = Path(root) / f"cold{i}"
             first_dir = first_dir or d
+            progress(f"cold compile {i + 1}/{n} (a new process, empty compile caches: can take minutes)")
             colds.append(run_child(d, device, args.blocks, args.dim, settings, model=model))
-        for _ in range(max(1, args.repeat)):
+        for i in range(n):
+            progress(f"warm compile {i + 1}/{n} (a new process reading the first cold run's caches)")
             warms.append(run_child(first_dir, device, args.blocks, args.dim, settings, model=model))
     cold_s = statistics.median(r["compile_s"] for r in colds)
     warm_s = statistics.median(r["compile_s"] for r in warms)

@@ -27,7 +27,7 @@ import torch
 
 from ..jobs.generate import _sync
 
-DECODES = ("none", "wan", "tiny")
+from .options import DECODES  # noqa: E402,F401  (bench sampler --decode; defined without torch)
 
 
 def check_decode_args(args) -> None:
@@ -60,18 +60,31 @@ class ChunkDecoder:
         self.chunk_frames: list = []        # latent frames per chunk
         self.frames = 0                     # pixel frames decoded
         self.first_frame_s = None
+        self.finite: list = []              # per chunk: whether its pixels are finite (device bools, one sync at end)
 
     def __call__(self, ci, num_chunks, x0) -> None:
         _sync(self.device)
         start = time.perf_counter()
-        made = self.stream.push(x0).shape[2]
+        pixels = self.stream.push(x0)
+        made = pixels.shape[2]
         _sync(self.device)
         now = time.perf_counter()
+        self.finite.append(torch.isfinite(pixels).all())     # after the clock: what was timed is checked too
         self.decode_s.append(now - start)
         self.chunk_frames.append(int(x0.shape[1]))
         self.frames += made
         if self.first_frame_s is None and made:
             self.first_frame_s = now - self.t0
+
+
+    def check(self, kind: str) -> None:
+        """NonFiniteError when a decoded chunk held NaN or inf pixels: a timed decode of non-finite frames is no
+        figure (one host sync, after the run)."""
+        from ...model.finite import NonFiniteError
+        if self.finite and not bool(torch.stack(self.finite).all()):
+            first = next(i for i, ok in enumerate(self.finite) if not bool(ok))
+            raise NonFiniteError(f"--decode {kind}: the decoder gave NaN or inf pixels (chunk {first}); its weights "
+                                 f"are damaged or overflow in the run dtype: give another --vae, or run --dtype fp32")
 
 
 def decoder_peak_mb(decoder, latents: torch.Tensor, chunk_frames: list, device: torch.device):

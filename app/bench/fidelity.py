@@ -26,15 +26,7 @@ DEFAULT_FIXTURES = ("wan_reference", "matrix_game2")
 PATHS = ("reference", "optimized")
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--fixture", action="append", help="fixture folder (repeatable; default: the pack's "
-                        "wan_reference and matrix_game2)")
-    parser.add_argument("--attention", help="attention compared with exact SDPA (default: int8, or sdpa with "
-                        "--linear fp8)")
-    parser.add_argument("--linear", default="exact", choices=["exact", "fp8"],
-                        help="fp8: compare fp8 linear layers with exact ones (the optimized path)")
-    parser.add_argument("--device", help="cuda / cpu (default: cpu: float32 on the fixtures)")
-    parser.add_argument("--json", action="store_true")
+from .options import fidelity as add_arguments  # noqa: E402,F401  (defined without torch)
 
 
 def _fixture(directory: Path):
@@ -126,14 +118,17 @@ def paths_for(linear: str) -> tuple:
     return PATHS if linear == "exact" else ("optimized",)
 
 
-def measure(directory, attention: str = "int8", device="cpu", linear: str = "exact") -> list:
+def measure(directory, attention: str = "int8", device="cpu", linear: str = "exact", progress=None) -> list:
     """Rows {fixture, path, attention, linear, final: {max_abs, mean_abs}, steps: [{chunk, step, max_abs,
-    mean_abs}]}."""
+    mean_abs}]}; ``progress(text)`` is told of each run as it starts."""
     directory = Path(directory)
     kind, cfg = _fixture(directory)
+    tell = progress or (lambda _text: None)
     rows = []
     for path in paths_for(linear):
+        tell(f"{directory.name}, {path} path: the exact run (sdpa, exact linear layers)")
         exact, exact_steps = _run(kind, directory, cfg, "sdpa", path, device)
+        tell(f"{directory.name}, {path} path: the run with attention {attention}, linear {linear}")
         other, other_steps = _run(kind, directory, cfg, attention, path, device, linear)
         steps = [dict(chunk=c, step=k, **_diff(other_steps[(c, k)], exact_steps[(c, k)]))
                  for c, k in sorted(exact_steps) if (c, k) in other_steps]
@@ -156,7 +151,9 @@ def run(args) -> int:
     for f in folders:
         if not f.is_dir():
             raise UsageError(f"--fixture {f}: not a folder; give a recorded fixture's folder")
-    rows = [r for f in folders for r in measure(f, attention, device, linear)]
+    from ..progress import Progress
+    progress = Progress("bench fidelity")
+    rows = [r for f in folders for r in measure(f, attention, device, linear, progress)]
     _check_finite(rows)
     speed = ("bench sampler --linear fp8 times it (a gain needs fp8 tensor cores: a CUDA GPU of SM 8.9+)"
              if linear == "fp8" else "bench sampler --attention fp8 times it (a gain needs the pack's fp8 kernel: a "

@@ -22,7 +22,9 @@ GPU_SHAPES = (("1.3B chunk", 1, 4680, 1536, 12), ("14B chunk", 1, 4680, 5120, 40
 
 def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="dtype of the timed kernels on a CUDA GPU (default bf16; without one, the sanity "
+                        "pass runs float32)")
     parser.add_argument("--frames", type=int, default=3, help="frames per chunk (per-frame modulation F)")
 
 
@@ -487,9 +489,14 @@ def run(args) -> int:
 
     from ...kernels._common import triton_module
 
+    from ..progress import Progress
+    progress = Progress("bench kernels")
     if not torch.cuda.is_available() or triton_module() is None:
+        progress("no CUDA GPU with triton: the interpreter sanity pass (a process of its own)")
         rows = sanity_pass()
+        progress("the candidates of every fused op on the CPU")
         cands = candidate_rows("cpu", "float32", args.frames)
+        progress("the VAE norm + SiLU against the torch layers")
         vae = vae_rows("cpu", "float32")
         ok = all(r.get("ok", True) for r in rows + cands + vae)
         if args.json:
@@ -510,9 +517,13 @@ def run(args) -> int:
             _print_candidates(cands)
             _print_vae(vae)
         return 0 if ok else 1
+    progress(f"timing the fused kernels against torch, autotune cold and warm ({args.dtype})")
     rows = gpu_rows(args.dtype, args.frames)
+    progress("timing the candidates of every fused op")
     cands = candidate_rows("cuda", args.dtype, args.frames)
+    progress("timing the VAE norm + SiLU against the torch layers")
     vae = vae_rows("cuda", args.dtype)
+    progress("timing the fp8 quantize, the fp8 KV write and the fp8 linear layers")
     fp8_rows = fp8_quant_rows("cuda", args.dtype) + fp8_kv_write_rows("cuda", args.dtype) + \
         fp8_linear_rows(args.dtype)
     if args.json:

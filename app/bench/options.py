@@ -110,8 +110,9 @@ def attention(parser) -> None:
     """``bench attention``'s options."""
     parser.add_argument("--shape", choices=list(ATTENTION_SHAPES), help="the run whose calls are timed (default: "
                         "1.3b on CUDA, tiny on a CPU)")
-    parser.add_argument("--calls", default="largest", choices=["largest", "all"], help="largest: the run's largest "
-                        "self-attention call; all: the largest call of every length bucket (cross-attention too)")
+    parser.add_argument("--calls", choices=["largest", "all"], help="largest (default): the run's largest "
+                        "self-attention call; all: the largest call of every length bucket (cross-attention too); "
+                        "not with --lq/--lk")
     parser.add_argument("--lq", type=int, help="query length of one call to time instead of a run's (with --lk)")
     parser.add_argument("--lk", type=int, help="key length of that call (with --lq)")
     parser.add_argument("--batch", type=int, default=1, help="batch (default 1)")

@@ -30,11 +30,7 @@ from ..validate import UsageError
 from ..ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
 
 
-def add_arguments(parser) -> None:
-    bs.add_arguments(parser)
-    parser.add_argument("--world-size", type=int, default=1, help="sequence-parallel ranks to compare with one "
-                        "process (the first N GPUs, else N CPU processes on gloo)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the whole parallel run may take")
+from .options import parallel as add_arguments  # noqa: E402,F401  (defined without torch)
 
 
 def model_heads(args) -> int:

@@ -21,20 +21,7 @@ import time
 
 import torch
 
-SIZES = {"tiny": (64, 64), "released": (640, 352)}
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--model", choices=tuple(SIZES), default="tiny",
-                   help="tiny (default) or released (the 1.3B shape, random weights; CUDA only)")
-    p.add_argument("--checkpoint", default=None, help="a Matrix-Game-2 checkpoint (.safetensors) instead")
-    p.add_argument("--width", type=int, default=None, help="video width in pixels (tiny 64, released 640)")
-    p.add_argument("--height", type=int, default=None, help="video height in pixels (tiny 64, released 352)")
-    p.add_argument("--chunks", type=int, default=6, help="timed chunks per mode (median reported)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed chunks first (3 fill the 6-frame window)")
-    p.add_argument("--dtype", default="bf16", help="weights and math on CUDA (fp32 on a CPU)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+from .options import PLAY_SIZES as SIZES, play as add_arguments  # noqa: E402,F401  (defined without torch)
 
 
 def _model(args, device, dtype):
@@ -58,7 +45,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_mode(model, image, tokens, keys, in_place: bool, warmup: int, chunks: int, device) -> dict:
+def _run_mode(model, image, tokens, keys, in_place: bool, warmup: int, chunks: int, device, progress=None) -> dict:
     from ..play.registry import PlaySession
     from ...profiling.dispatch_counts import DispatchCounts
 
@@ -78,6 +65,9 @@ def _run_mode(model, image, tokens, keys, in_place: bool, warmup: int, chunks: i
                 times.append(time.perf_counter() - t0)
                 if device.type == "cuda":
                     peaks.append(torch.cuda.max_memory_allocated(device) - before)
+            if progress is not None:        # after the chunk's clock stopped
+                progress(f"warm-up chunk {i + 1}/{warmup} done" if i < warmup else
+                         f"timed chunk {i - warmup + 1}/{chunks} done")
         with DispatchCounts() as counts:
             play.step(keys[(warmup + chunks) % len(keys)])
     latents = play.latent_video()
@@ -106,6 +96,8 @@ def run(args, out=print) -> int:
     check_pixels("--width", width)
     check_pixels("--height", height)
     dtype = args.dtype if device.type == "cuda" else "fp32"
+    from ..progress import Progress
+    Progress("bench play")(f"loading {args.checkpoint}" if args.checkpoint else f"building the {args.model} model")
     model = _model(args, device, dtype)
     c = model.config
     gen = torch.Generator().manual_seed(0)
@@ -115,7 +107,11 @@ def run(args, out=print) -> int:
         "gta_drive" if model.action_config.keyboard_dim_in == 2 else "universal")
     names = MODES[mode]["keys"]
     keys = [{names[0]}, {names[0], names[-1]}, set(), {names[-1]}]
-    rows = [_run_mode(model, image, tokens, keys, flag, args.warmup, args.chunks, device) for flag in (True, False)]
+    from ..progress import Progress
+    progress = Progress("bench play")
+    rows = [_run_mode(model, image, tokens, keys, flag, args.warmup, args.chunks, device,
+                      lambda text, flag=flag: progress(f"caches {'in place' if flag else 'copied'}: {text}"))
+            for flag in (True, False)]
     same = torch.equal(rows[0].pop("latents"), rows[1].pop("latents"))
     inplace, copies = rows
     ratio = lambda a, b: None if not a or not b else b / a

@@ -57,68 +57,11 @@ import torch
 
 from ...cache.fingerprint import cpu_name
 from ..validate import UsageError
-from .decode import DECODES, ChunkDecoder, build_bench_decoder, check_decode_args, decode_columns, decoder_peak_mb
+from .decode import ChunkDecoder, build_bench_decoder, check_decode_args, decode_columns, decoder_peak_mb
 
-VARIANTS = {
-    "reference": {"path": "reference", "dtype": "fp32", "precision": "float32", "attention": "sdpa",
-                  "skip_last_refresh": False},
-    "reference-same-dtype": {"path": "reference", "dtype": None, "precision": "self_forcing", "attention": "auto",
-                             "skip_last_refresh": False},
-    "optimized": {"path": "optimized", "dtype": None, "precision": "self_forcing", "attention": "auto",
-                  "skip_last_refresh": True, "options": {}},
-    "optimized-no-graphs": {"path": "optimized", "dtype": None, "precision": "self_forcing", "attention": "auto",
-                            "skip_last_refresh": True, "options": {"cuda_graphs": "off"}},
-    "optimized-compiled": {"path": "optimized", "dtype": None, "precision": "self_forcing", "attention": "auto",
-                           "skip_last_refresh": True, "options": {}, "compile": {"backend": "inductor"}},
-}
-OPS_MODES = ("pack", "kitchen", "torch")     # FastOptions.ops besides 'auto': 'optimized-ops-<mode>'
-OPS = "-ops-"
-VARIANTS.update({f"optimized{OPS}{mode}": dict(VARIANTS["optimized"], options={"ops": mode}) for mode in OPS_MODES})
-INT8 = "-int8"   # every variant's twin with int8 attention (opt-in): '<variant>-int8'
-FP8ATT = "-fp8att"   # ... with fp8 attention (opt-in): '<variant>-fp8att' ('-fp8' is fp8 linear's)
-ATTENTION_TWINS = {"int8": INT8, "fp8": FP8ATT}
-VARIANTS.update({name + suffix: dict(v, attention=mode) for name, v in list(VARIANTS.items())
-                 for mode, suffix in ATTENTION_TWINS.items()})
-FP8 = "-fp8"     # every optimized variant's twin with fp8 linear layers (opt-in): '<variant>-fp8'
-VARIANTS.update({name + FP8: dict(v, options=dict(v["options"], linear="fp8")) for name, v in list(VARIANTS.items())
-                 if v["path"] == "optimized"})
-TWINS = (INT8, FP8ATT, FP8)     # an approximate twin's name ends with one of these; without it, its exact twin's
-SHAPES = {  # model kind -> shape -> (config factory name, video frames, height, width)
-    "wan": {"tiny": (33, 128, 128), "1.3b": (81, 480, 832)},
-    "matrix-game2": {"tiny": (33, 128, 128), "1.3b": (57, 352, 640)},
-}
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--shape", choices=["tiny", "1.3b"], help="random-weight model size (default tiny; "
-                        "ignored with --checkpoint)")
-    parser.add_argument("--model-kind", default="wan", choices=list(SHAPES), help="wan (default) or matrix-game2")
-    parser.add_argument("--checkpoint", help=".safetensors DiT instead of random weights")
-    parser.add_argument("--frames", type=int, help="video frames (default: the shape's)")
-    parser.add_argument("--height", type=int, help="pixels (default: the shape's)")
-    parser.add_argument("--width", type=int, help="pixels (default: the shape's)")
-    parser.add_argument("--device", help="cuda / cpu (default: cuda if available)")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="run dtype (default bf16 on cuda, fp32 on cpu)")
-    parser.add_argument("--repeat", type=int, default=2, help="timed runs per variant after one warm-up")
-    parser.add_argument("--variants", help="comma list of: " + ", ".join(VARIANTS) +
-                        " (default: reference, optimized; plus reference-same-dtype when the run dtype is not fp32)")
-    parser.add_argument("--attention", choices=list(ATTENTION_TWINS), help="int8 / fp8: also run every chosen "
-                        "variant with int8 attention ('<variant>-int8') or fp8 attention ('<variant>-fp8att'), each "
-                        "row beside its exact twin (vs_exact_max_abs / mean)")
-    parser.add_argument("--linear", choices=["fp8"], help="fp8: also run every chosen optimized variant with fp8 "
-                        "linear layers ('<variant>-fp8'), each row beside its exact twin (vs_exact_max_abs / mean)")
-    parser.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s for MFU (default: table by capability)")
-    parser.add_argument("--decode", default="none", choices=list(DECODES), help="decode every chunk to pixels as "
-                        "soon as it is made and report decode time, video FPS including decode and time to the first "
-                        "decoded frame: wan (the Wan 2.1 VAE), tiny (a TAEHV-class taew2_1 decoder), none (default)")
-    parser.add_argument("--vae", help=".safetensors weights of the --decode decoder (wan_2.1_vae.safetensors or "
-                        "taew2_1.safetensors); default: seeded random weights of the released architecture (a narrow "
-                        "one at the tiny random-model shape)")
-    parser.add_argument("--no-parity", action="store_true", help="skip the untimed float32 reference run that the "
-                        "parity columns need (they are then n/a) unless 'reference' is one of the variants: a quicker "
-                        "run where only speed is asked")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
+# the variants, shapes and options are defined without torch (bench sampler --help answers at once)
+from .options import (ATTENTION_TWINS, FP8, FP8ATT, INT8, OPS, OPS_MODES, TWINS, VARIANTS,  # noqa: E402,F401
+                      SAMPLER_SHAPES as SHAPES, sampler as add_arguments)
 
 
 # ----------------------------------------------------------------------------- models and inputs
@@ -141,23 +84,29 @@ def _base_model(args, kind: str, shape: str):
             return load_mg2_handle(args.checkpoint, "fp32", "float32", "auto", "cpu").model
         from ...model.loader import load_wan_checkpoint
         return load_wan_checkpoint(args.checkpoint, device="cpu", dtype=torch.float32, precision="float32")
+    from ...model.checkpoint import model_class
     if kind == "matrix-game2":
-        from ...model.mg2_model import MatrixGameModel, tiny_mg2_config
+        from ...model.mg2_model import tiny_mg2_config
         cfg = tiny_mg2_config() if shape == "tiny" else mg2_config_1_3b()
-        model = MatrixGameModel(cfg)
     else:
-        from ...model.config import WAN_1_3B
-        from ...model.dit import WanModel
-        from ...model.tiny import TINY_CONFIG
-        model = WanModel(TINY_CONFIG if shape == "tiny" else WAN_1_3B)
-    return init_tiny_weights(model, args.seed).eval().requires_grad_(False)
+        from .sampler_setup import shape_config
+        cfg = shape_config(kind, shape)
+    model = init_tiny_weights(model_class(cfg)(cfg), args.seed).eval().requires_grad_(False)
+    if getattr(args, "weights", "bf16") == "fp8":       # block linears stored as e4m3, one scale per tensor
+        from ...model.random_weights import to_fp8_weights
+        to_fp8_weights(model)
+    return model
 
 
 class _Models:
-    """Device copies of the base model per (dtype, precision, attention); one at a time on the device."""
+    """Device copies of the base model per (dtype, precision, attention); one at a time on the device. ``swap``: the
+    VRAM plan's block swap (SwapSettings) each copy is placed with. ``build(dtype)``: a model made on the device
+    instead of a base copy (the 14B shapes: drawn once in the run dtype, kept across variants of that dtype).
+    ``sampler_kwargs``: a callable giving the shape's extra sampler arguments (window, sink, Krea's recompute)."""
 
-    def __init__(self, base, device):
+    def __init__(self, base, device, swap=None, build=None, sampler_kwargs=None):
         self.base, self.device, self.key, self.model = base, device, None, None
+        self.swap, self.build, self.sampler_kwargs = swap, build, sampler_kwargs or (lambda: {})
 
     def drop(self) -> None:
         """Free the device copy now: its sampler buffers (KV cache, graphs) at once, and the model with them (the
@@ -173,15 +122,21 @@ class _Models:
 
     def get(self, dtype: torch.dtype, precision: str, attention: str):
         key = (dtype, precision, attention)
-        if key != self.key:
+        if key != self.key and self.build is not None and self.key is not None and self.key[:2] == key[:2]:
+            from ...sampling.runner import release_buffers      # the same drawn model, another attention backend
+            release_buffers(self.model)
+            self.model, self.key = self.model.set_attention_backend(attention), key
+        elif key != self.key:
+            from .sampler_setup import place
             self.drop()
-            m = copy.deepcopy(self.base).set_precision(precision, dtype).to(self.device)
+            m = (self.build(dtype) if self.build is not None
+                 else place(copy.deepcopy(self.base).set_precision(precision, dtype), self.device, self.swap))
             self.model, self.key = m.set_attention_backend(attention), key
         return self.model
 
 
 def _inputs(model, kind: str, frames: int, height: int, width: int, seed: int) -> dict:
-    from ..jobs.generate import latent_frames, latent_size
+    from ..prepare import latent_frames, latent_size
     gen = torch.Generator().manual_seed(seed + 1)
     cfg = model.config
     lf = latent_frames(frames)
@@ -199,26 +154,21 @@ def _inputs(model, kind: str, frames: int, height: int, width: int, seed: int) -
             "context": torch.randn(1, min(cfg.text_len, 16), cfg.text_dim, generator=gen)}
 
 
-def _schedule(kind: str):
-    """The run's schedule, resolved once (host-side tables): the Matrix-Game-2 preset or 'self_forcing'."""
-    if kind == "matrix-game2":
-        from ...sampling.mg2 import resolve_preset
-        return resolve_preset("universal")
-    from ...sampling.scheduler import resolve_schedule
-    return resolve_schedule("self_forcing")
+def _schedule(kind: str, shape: str | None = None):
+    """The run's schedule, resolved once (host-side tables): the Matrix-Game-2 preset, or the shape's (sampler_setup:
+    'self_forcing'; Krea's and LongLive's for those shapes)."""
+    from .sampler_setup import shape_schedule
+    return shape_schedule(kind, shape or "tiny")
 
 
 def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_chunk_latents=None):
-    from ...compile import uncompile_model
-    from ...sampling.sampler import generate_latents, sampler_path
-    from ..jobs.generate import compile_for_sampling
-    opts = dict(v.get("options", {}))
-    if v.get("compile") is not None and v["path"] == "optimized":
-        compile_for_sampling(model, v["compile"])      # kept across repeats (same settings: not recompiled)
-    else:
-        uncompile_model(model)                         # models are shared between variants
+    from ...sampling.sampler import generate_latents
+    from ..prepare import RunSpec, prepared_sampling
+    # the one prepare step: the doctor's verdicts, the variant's compile (kept across repeats: same settings are not
+    # recompiled; None: eager, models are shared between variants) and fast options
+    spec = RunSpec(path=v["path"], compile=v.get("compile"), **v.get("options", {}))
     schedule = inp["schedule"]
-    with sampler_path(v["path"], opts if v["path"] == "optimized" else None):
+    with prepared_sampling(model, spec):
         if kind == "matrix-game2":
             from ...sampling.mg2 import generate_mg2
             dev = model.device
@@ -230,7 +180,8 @@ def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_
                                 on_chunk_latents=on_chunk_latents)
         return generate_latents(model, inp["context"], inp["latent_frames"], inp["lh"], inp["lw"], seed=seed,
                                 schedule=schedule, skip_last_refresh=v["skip_last_refresh"], on_chunk=on_chunk,
-                                callback=callback, report=report, on_chunk_latents=on_chunk_latents)
+                                callback=callback, report=report, on_chunk_latents=on_chunk_latents,
+                                **inp.get("sampler_kwargs", dict)())     # the shape's window / Krea recompute
 
 
 def _kv_plan(model, kind, inp, v) -> list:
@@ -240,11 +191,13 @@ def _kv_plan(model, kind, inp, v) -> list:
     cfg = model.config
     ft = (inp["lh"] // cfg.patch_size[1]) * (inp["lw"] // cfg.patch_size[2])
     frames = inp["latent_frames"]
+    sink = 0
     if kind == "matrix-game2":
         window, steps = inp["schedule"].window, len(inp["schedule"].schedule.timesteps)
     else:
-        window, steps = -1, len(inp["schedule"].timesteps)
-    kv = KVCache.for_model(model, 1, ft, frames, window, 0, device="meta")
+        extra = inp.get("sampler_kwargs", dict)()
+        window, sink, steps = extra.get("kv_window", -1), extra.get("sink", 0), len(inp["schedule"].timesteps)
+    kv = KVCache.for_model(model, 1, ft, frames, window, sink, device="meta")
     row = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * torch.empty(0, dtype=model.compute_dtype).element_size()
     starts = list(range(0, frames, 3))
     out = []
@@ -270,7 +223,10 @@ def _count_run(model, kind, inp, v, seed) -> tuple:
 
 
 # ----------------------------------------------------------------------------- timing
-def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, width, peak, decoder=None) -> tuple:
+def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, width, peak, decoder=None,
+                  progress=None) -> tuple:
+    """One variant's row and latents. ``progress(text)``: told of every run and chunk as it finishes (stderr); the
+    time it takes is left out of every figure (each chunk's clock starts again after it)."""
     from ...model import flops as fl
     from ..jobs.handle import parse_dtype
     from ..jobs.generate import _peak_memory, _sync
@@ -278,25 +234,35 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     dtype = parse_dtype(v["dtype"] or run_dtype)
     precision = "float32" if dtype == torch.float32 else v["precision"]
     device = models.device
+    tell = progress or (lambda _text: None)
+    tell(f"{name}: preparing the model ({str(dtype).replace('torch.', '')}, {precision}, attention "
+         f"{v['attention']})")
     model = models.get(dtype, precision, v["attention"])
-    inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind))
+    inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind, args.shape),
+               sampler_kwargs=models.sampler_kwargs)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, chunks, ran, totals, decodes, denoised = [], [], {}, [], [], []
     first_peak = None
-    for i in range(1 + max(1, args.repeat)):
+    runs = 1 + max(1, args.repeat)
+    for i in range(runs):
         if i == 1:      # the warm-up video's peak includes one-time work (measuring, capturing); then the steady one
             first_peak = _peak_memory(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-        marks, ready = [], []
+        what = (f"{name}: warm-up run (first_s, with its one-time work)" if i == 0 else
+                f"{name}: timed run {i}/{runs - 1}") + (f" with --decode {decoder.kind}" if decoder is not None else "")
+        tell(what)
+        marks, ready, resumed = [], [], []
         _sync(device)
         t0 = time.perf_counter()
         dec = ChunkDecoder(decoder, device, t0) if decoder is not None else None
 
-        def on_chunk(_ci, _n):
+        def on_chunk(ci, n, what=what, marks=marks, resumed=resumed):
             _sync(device)
             marks.append(time.perf_counter())
+            tell(f"{what}: chunk {ci + 1}/{n} done")
+            resumed.append(time.perf_counter())          # the next chunk's clock starts after the progress line
 
         def on_latents(ci, n, x0, dec=dec, ready=ready):     # before the chunk's refresh pass (and its decode)
             _sync(device)
@@ -307,14 +273,17 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
         ran.clear()
         _sample(model, kind, inp, v, args.seed, on_chunk, report=ran, on_chunk_latents=on_latents)
         _sync(device)
-        totals.append(time.perf_counter() - t0)
+        totals.append(time.perf_counter() - t0 - sum(r - m for m, r in zip(marks, resumed)))
         decodes.append(dec)
+        if dec is not None:
+            dec.check(decoder.kind)                       # the frames it timed are finite, or no figure at all
         spent = dec.decode_s if dec is not None else [0.0] * len(marks)     # the DiT-only figures leave it out
         times.append(totals[-1] - sum(spent))
-        starts = [t0] + marks[:-1]
+        starts = [t0] + resumed[:-1]
         chunks.append([b - a - d for a, b, d in zip(starts, marks, spent)])
         denoised.append([r - a for a, r in zip(starts, ready)])      # a chunk's decode comes after its mark
     peak_memory = _peak_memory(device)
+    tell(f"{name}: one more untimed run counting the dispatched ops and host syncs")
     output, structure = _count_run(model, kind, inp, v, args.seed)
     if decoder is not None:
         structure = {**structure, "decode": decoder.kind, **decode_columns(decodes[1:], totals[1:], decoder),
@@ -435,32 +404,79 @@ def run(args) -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise UsageError(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if getattr(args, "linear", None) == "fp8" and not any(n.endswith(FP8) for n in names):
+        raise UsageError(f"--linear fp8 adds an fp8 twin to each optimized variant, and --variants "
+                         f"{args.variants} has none (the reference path keeps every layer exact): add optimized to "
+                         f"--variants, or leave out --linear")
     _check_ops_variants(names, device)
     check_decode_args(args)
+    from . import sampler_setup as setup
+    setup.check_options(args, device, names, VARIANTS)      # shape, --weights, --memory-cap-gb: before any work
     if args.checkpoint:
         d = {"wan": (81, 480, 832), "matrix-game2": (57, 352, 640)}[kind]
     else:
         d = SHAPES[kind][shape]
     frames, height, width = args.frames or d[0], args.height or d[1], args.width or d[2]
     peak, peak_src = fl.peak_tflops(device, args.peak_tflops)
+    from ...app.progress import Progress
     from ..jobs.handle import parse_dtype
+    progress = Progress("bench sampler")
+    progress(f"{len(names)} variant(s) ({', '.join(names)}), {1 + max(1, args.repeat)} runs each (1 warm-up), "
+             f"{frames} frames at {width}x{height} on {device}")
+    memory = setup.prepare_memory(args, device, kind, shape, frames, height, width)    # the cap, then the plan
+    info = {**memory["memory"], "parity_off": setup.parity_off(args)}
+    if memory["refused"]:
+        progress(memory["refused"])
+        if args.json:
+            print(json.dumps({"device": str(device), "shape": shape, "error": "does not fit",
+                              "message": memory["refused"], **info, "rows": []}, indent=2))
+        else:
+            print(f"bench sampler: {memory['refused']}")
+        return 1
+    if args.decode != "none":
+        progress(f"building the {args.decode} decoder" + (f" from {args.vae}" if args.vae else " (random weights)"))
     decoder = build_bench_decoder(args, device, parse_dtype(run_dtype), shape)
-    models = _Models(_base_model(args, kind, shape), device)
-    timed = [_time_variant(n, args, models, kind, run_dtype, frames, height, width, peak, decoder) for n in names]
+    progress(f"loading {args.checkpoint}" if args.checkpoint else f"building the random {shape} {kind} model")
+    run_kwargs = setup.sampler_kwargs(shape if not args.checkpoint else "1.3b", memory["kv_window"])
+    if shape in setup.ON_DEVICE_SHAPES and not args.checkpoint:    # drawn on the device in the run dtype, once
+        cfg = setup.shape_config(kind, shape)
+        models = _Models(None, device, swap=memory["swap"], sampler_kwargs=run_kwargs,
+                         build=lambda dt: setup.device_model(cfg, device, dt, args.seed, args.weights, memory["swap"]))
+    else:
+        models = _Models(_base_model(args, kind, shape), device, swap=memory["swap"], sampler_kwargs=run_kwargs)
+    timed, failed = [], []
+    from ...memory.oom import is_oom
+    for k, n in enumerate(names):
+        try:
+            timed.append(_time_variant(n, args, models, kind, run_dtype, frames, height, width, peak, decoder,
+                                       lambda text, k=k: progress(f"[{k + 1}/{len(names)}] {text}")))
+            timed[-1][0]["weights"] = getattr(args, "weights", "bf16")
+            timed[-1][0]["model_bytes"] = setup.model_bytes(models.model)
+        except Exception as exc:  # noqa: BLE001 - out of memory becomes the row's answer; anything else is raised
+            if not is_oom(exc):
+                raise
+            progress(f"[{k + 1}/{len(names)}] {n}: out of memory ({str(exc).strip().splitlines()[0][:160]})")
+            failed.append(setup.oom_row(n, exc))
+            models.drop()
+    ok_names = [r["variant"] for r, _o in timed]
     rows, outputs = [r for r, _o in timed], [o for _r, o in timed]
-    if "reference" in names:
-        reference = outputs[names.index("reference")]
-    elif getattr(args, "no_parity", False):
+    if "reference" in ok_names:
+        reference = outputs[ok_names.index("reference")]
+    elif getattr(args, "no_parity", False) or info["parity_off"] or not rows:
         reference = None
     else:       # parity needs the reference latents: one untimed reference run
+        progress("one untimed float32 reference run for the parity columns (--no-parity skips it)")
         v = VARIANTS["reference"]
         model = models.get(torch.float32, v["precision"], v["attention"])
-        inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind))
+        inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind, args.shape),
+                   sampler_kwargs=models.sampler_kwargs)
         reference = _sample(model, kind, inp, v, args.seed, None).float().cpu()
     _parity(rows, outputs, reference)
     _vs_exact(rows, outputs)
     models.drop()
-    base = rows[0]["steady_s"]
+    for r in rows:
+        r["first_chunk_ms"] = r["chunk_ms"][0] if r.get("chunk_ms") else None
+    base = rows[0]["steady_s"] if rows else None
     same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference"
             and r["attention"] not in ATTENTION_TWINS}
     for r in rows:
@@ -470,14 +486,25 @@ def run(args) -> int:
     result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
               else cpu_name(), "threads": torch.get_num_threads(), "model": args.checkpoint or f"random {shape}", "model_kind": kind, "shape": shape,
               "frames": frames, "height": height, "width": width, "peak_tflops": peak, "peak_source": peak_src,
-              "torch": torch.__version__, "decode": args.decode, "vae": args.vae, "rows": rows}
+              "torch": torch.__version__, "decode": args.decode, "vae": args.vae, **info, "rows": rows}
     _history(result)
+    result["rows"] = rows + failed          # a variant that ran out of memory: its row says so
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
+        return 0 if rows else 1
     print(f"sampler bench on {result['device_name']} ({device}), {kind} {result['model']}, {frames} frames "
           f"{width}x{height}; peak {peak if peak else 'n/a'} TFLOP/s ({peak_src})"
           + (f"; each chunk decoded by {args.decode} ({args.vae or 'random weights'})" if decoder is not None else ""))
+    plan = info.get("plan")
+    if info.get("memory_cap_gb") is not None or getattr(args, "weights", "bf16") != "bf16" or (plan and plan["blocks_to_swap"]):
+        print(f"weights {getattr(args, 'weights', 'bf16')}; memory cap {info.get('memory_cap_gb') or 'none'}" + (
+            f"; VRAM plan: {plan['blocks_to_swap']} of {plan['blocks_total']} blocks swapped, KV window "
+            f"{plan['kv_window']}, estimated peak {plan['estimated_peak_gb']} GiB of {plan['budget_gb']} GiB "
+            f"({plan['reasons'].get('blocks_to_swap', '')})" if plan else ""))
+    for r in failed:
+        print(f"{r['variant']}: out of memory ({r['detail']})")
+    if not rows:
+        return 1
     cols = ["variant", "dtype", "ops", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "tflop", "mfu",
             "speedup_vs_first", "speedup_vs_reference_same_dtype", "parity_max_abs", "parity_mean_abs",
             "ops_per_step", "host_syncs", "kv_kb_per_chunk"]

@@ -3,14 +3,13 @@
 ``gate_options`` checks (probing once per machine) each feature the optimized path is about to use for this model
 (its device, dtype and head size) and returns FastOptions whose ``switched_off`` names the ones that are not
 trusted, with one line per feature for the console and the node's text. ``gate_compile`` and ``gate_swap`` do the
-same for the compile and the block swap that ``app/jobs/generate.sampler_setup`` applies; ``gated_sampling`` routes callers
-that take no FastOptions (the Matrix-Game-2 loop). Each takes an optional ``record`` (``new_record()``) that
+same for the compile and the block swap; the one prepare step of every run (``app/prepare.prepare_model``) calls the
+three, in its fixed order. Each takes an optional ``record`` (``new_record()``) that
 receives ``switched_off`` {feature: why} and ``failed_fallbacks`` {feature: why}; ``features_summary`` turns it
 and the sampler's report into what a run's report says about its features.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 
@@ -21,7 +20,6 @@ from ...kernels.flash_attention import kernel_problem as triton_attention_proble
 from ...model.attention import explain_backend
 from ...model.blocks import KERNEL_NAMES, epilogue_gelu_runs_on
 from ...sampling.runner import FastOptions, graphs_device, kernels_part
-from ...sampling.sampler import current_path, sampler_path
 from .core import FEATURES, Doctor, doctor_for
 
 log = logging.getLogger("wan_accel")
@@ -138,22 +136,6 @@ def gate_swap(model, settings, doctor: Doctor | None = None, log_fn=None, lines:
         _say(lines if lines is not None else [], "block_swap (prefetch stream)", why, log_fn, record)
         return dataclasses.replace(settings, prefetch=0)
     return settings
-
-
-def gated_sampling(model, notes: list | None = None, log_fn=None, only_cuda: bool = True):
-    """A context in which ``sample_causal`` calls left on path 'auto' run the optimized path with the doctor's
-    verdicts applied (on CUDA, where 'auto' means the optimized path; elsewhere nothing changes unless
-    ``only_cuda`` is False). An enclosing ``sampler_path`` block is honoured: its reference path stays, its
-    options (e.g. ``generate --linear fp8``) are the ones gated."""
-    if only_cuda and torch.device(model.device).type != "cuda":
-        return contextlib.nullcontext()
-    path, given = current_path() or ("auto", None)
-    if path == "reference":
-        return contextlib.nullcontext()
-    options, lines = gate_options(model, FastOptions.coerce(given), log_fn=log_fn)
-    if notes is not None:
-        notes.extend(lines)
-    return sampler_path("optimized", options)
 
 
 def features_summary(model, options: FastOptions | None, sampler_report: dict, record: dict | None) -> dict:

@@ -1,4 +1,5 @@
-"""The `generate` job: load a model, sample latents, write latents.safetensors, a preview and report.json."""
+"""The `generate` job: load a model, sample latents, write latents.safetensors, a preview and report.json. The run
+is prepared by the one prepare step (``app/prepare.py``) every face uses."""
 from __future__ import annotations
 
 import json
@@ -13,32 +14,16 @@ from pathlib import Path
 import torch
 
 from ...cache.owned_files import check_target, write_text, write_with
+from ...sampling.request import SamplingHooks
+from ...sampling.sampler import path_for_linear
+from ..prepare import RunSpec, prepare_model, sample_video
 from ..ranks.parallel import enable_parallel, parallel_report
 
-VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
 TINY_DEFAULTS = {"frames": 33, "height": 128, "width": 128}
 MODEL_DEFAULTS = {"frames": 81, "height": 480, "width": 832}
 
 
-def latent_frames(video_frames: int) -> int:
-    """Video frames -> latent frames, (n - 1) / 4 + 1; clear error when n is not 4k + 1."""
-    if video_frames < 1 or (video_frames - 1) % VAE_TIME_STRIDE:
-        k = max(0, (video_frames - 1) // VAE_TIME_STRIDE)
-        raise ValueError(f"{video_frames} video frames is not 4k+1 (the Wan VAE packs 4 frames per latent "
-                         f"frame after the first); use {VAE_TIME_STRIDE * k + 1} or "
-                         f"{VAE_TIME_STRIDE * (k + 1) + 1}")
-    return (video_frames - 1) // VAE_TIME_STRIDE + 1
-
-
-def latent_size(height: int, width: int, patch=(2, 2)) -> tuple[int, int]:
-    """Pixel size -> latent size (/8); must be divisible by 8 * patch (16 for Wan 2.1)."""
-    mh, mw = VAE_SPACE_STRIDE * patch[0], VAE_SPACE_STRIDE * patch[1]
-    if height % mh or width % mw or height <= 0 or width <= 0:
-        raise ValueError(f"width x height {width}x{height} must be positive multiples of {mw}x{mh}")
-    return height // VAE_SPACE_STRIDE, width // VAE_SPACE_STRIDE
-
-
-def load_text_embeds(path, text_dim: int, key: str | None = None) -> torch.Tensor:
+def load_text_embeds(path, text_dim: int, key: str | None = None, text_len: int | None = None) -> torch.Tensor:
     """A text embedding [L, text_dim] or [1, L, text_dim] from a safetensors file (key 'context' or the only
     tensor, or the tensor ``key``) -> [1, L, text_dim]."""
     from safetensors.torch import load_file
@@ -58,6 +43,9 @@ def load_text_embeds(path, text_dim: int, key: str | None = None) -> torch.Tenso
     if not t.is_floating_point():
         raise ValueError(f"{path}: text embedding must hold floating-point numbers (bf16/fp16/fp32), got {t.dtype}; "
                          f"write the umt5 encoder's output as it is")
+    if text_len is not None:
+        from ...model.dit import check_text_tokens
+        check_text_tokens(t.shape[1], text_len, f"{path}: the text embedding")
     t = t.float()
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{path}: text embedding holds NaN or inf values (it would give a NaN video); encode the "
@@ -126,143 +114,7 @@ def schedule_embeddings(schedule, handle, text_embeds) -> dict:
     if missing:
         raise ValueError(f"{text_embeds}: no embedding named {missing[0]!r}; write one tensor per prompt text of the "
                          f"schedule, named by the text (found {sorted(names)[:5]})")
-    return {t: load_text_embeds(text_embeds, cfg.text_dim, key=t) for t in schedule.texts()}
-
-
-def sample_latents(model, context, width: int, height: int, num_frames: int, seed: int = 0,
-                   schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1, sink: int = 0,
-                   skip_last_refresh: bool = False, callback=None, on_chunk=None, batch: int = 1,
-                   path: str = "auto", fast_options=None, report: dict | None = None,
-                   oom_retry: str = "auto", on_chunk_latents=None, **prompts) -> torch.Tensor:
-    """Pixel-space request (width, height, video frames) -> model-space latents [B, F, 16, H/8, W/8].
-    Validates the geometry (4k+1 frames, multiples of 16, whole blocks) before any work.
-    path / fast_options / report: see ``sampling.sampler.sample_causal`` (optimized path by default on CUDA).
-    oom_retry: 'auto' (CUDA) | 'on' | 'off': on out-of-memory in a chunk, swap more blocks and redo it
-    (``memory.sampling_guard``). on_chunk_latents: each chunk's latents before its refresh pass (a streaming
-    decode). prompts: prompt_schedule / prompt_embeddings / recache of ``sample_causal``."""
-    from ...memory.sampling_guard import oom_guard
-    from ...sampling.sampler import generate_latents
-    lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink, batch)
-    guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
-    return generate_latents(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
-                            frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
-                            skip_last_refresh=skip_last_refresh, callback=callback, on_chunk=on_chunk,
-                            path=path, fast_options=fast_options, report=report, chunk_guard=guard,
-                            on_chunk_latents=on_chunk_latents, **prompts)
-
-
-def _latent_geometry(model, width: int, height: int, num_frames: int, frames_per_block: int, kv_window: int = -1,
-                     sink: int = 0, batch: int = 1) -> tuple:
-    """(latent frames, latent height, latent width), after the one geometry check of every entry point (4k+1
-    frames, multiples of 16, whole blocks, window and sink; its advice passes it) and the memory estimate of the
-    run on the model's device (``validate.check_fits``: refused before any tensor is made). The command line and
-    the nodes check both earlier with their own input names; repeating them here costs one memory query."""
-    from ...model.attachments import seq_parallel_of
-    from ..validate import check_fits, check_geometry
-    names = {"frames": "num_frames"}
-    check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names)
-    sp = seq_parallel_of(model)
-    check_fits(model.config.to_dict(), num_frames, height, width, device=model.device,
-               dtype=str(model.compute_dtype), frames_per_block=frames_per_block, kv_window=kv_window,
-               batch=batch, names=names, world=sp.world if sp is not None else 1)
-    lf = latent_frames(num_frames)
-    lh, lw = latent_size(height, width, model.config.patch_size[1:])
-    return lf, lh, lw
-
-
-def sample_latents_with_state(model, context, width: int, height: int, num_frames: int, seed: int = 0,
-                              schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1,
-                              sink: int = 0, state=None, keep_state: bool = True, state_device="cpu",
-                              oom_retry: str = "auto", **kwargs):
-    """``sample_latents`` that can continue a video: ``num_frames`` is the video length to reach (4k+1 video
-    frames); with ``state`` (a ``SamplerState``) only the frames after it are sampled, exactly as one long run
-    would have. Returns (latents of the new frames [B, n, 16, H/8, W/8], the state after them or None when
-    ``keep_state`` is off; kept on ``state_device``, the CPU by default, between prompts)."""
-    from ...memory.sampling_guard import oom_guard
-    from ...sampling.continuation import sample_continuable
-    batch = int(kwargs.pop("batch", 1))
-    lf, lh, lw = _latent_geometry(model, width, height, num_frames, frames_per_block, kv_window, sink, batch)
-    guard = oom_guard(model, (batch, lf, model.config.out_dim, lh, lw), frames_per_block, mode=oom_retry)
-    return sample_continuable(model, context, lf, lh, lw, seed=seed, batch=batch, schedule=schedule,
-                              frames_per_block=frames_per_block, kv_window=kv_window, sink=sink, state=state,
-                              keep_state=keep_state, state_device=state_device, chunk_guard=guard, **kwargs)
-
-
-def sampler_setup(handle, path: str = "auto", cuda_graphs: str = "auto", fused_kernels: bool = True,
-                  log=None, doctor: bool = True, notes: list | None = None, record: dict | None = None,
-                  ops: str = "auto", keep_slower: bool = False, linear: str = "exact"):
-    """FastOptions for a handle, with its block swap / VRAM plan and its compile settings applied to the model.
-
-    The swap carried by the handle (or its plan's) is (re)applied on CUDA, or removed when the handle has none;
-    the handle's compile settings compile the blocks (scope 'blocks': the optimized path calls them directly) unless
-    they already are; a reference run removes a regional compile left by an optimized run (it runs eager).
-
-    doctor: each accelerated feature the run is about to use is checked on this machine first (once; the verdict
-    is remembered in the limit cache, ``app/doctor/core.py``); one that failed or was slower is switched off and a
-    line saying so goes to ``log`` and to ``notes`` (a failed fallback too); ``record`` (``gate.new_record()``)
-    receives {feature: why} of both. ops: which implementation runs the normalization ops (``FastOptions.ops``);
-    linear: 'exact' or the opt-in 'fp8' (``FastOptions.linear``)."""
-    from ..doctor.gate import gate_compile, gate_options, gate_swap
-    from ...memory.block_swap import ensure_block_swap, handle_swap_settings
-    from .handle import _planned_swap
-    from ...sampling.runner import FastOptions
-    from ...sampling.sampler import PATHS, resolve_path
-    if path not in PATHS:
-        raise ValueError(f"sampler must be one of {PATHS}, got {path!r}")
-    model = handle.model
-    settings = handle_swap_settings(handle)
-    plan = getattr(handle, "plan", None)
-    if settings is None and plan is not None:
-        settings = _planned_swap(plan)
-    lines = notes if notes is not None else []
-    if doctor and model.device.type == "cuda":
-        settings = gate_swap(model, settings, log_fn=log, lines=lines, record=record)
-    if model.device.type == "cuda" or settings is None:
-        ensure_block_swap(model, settings, device=model.device)
-    optimized = resolve_path(path, model.device, model=model)[0] != "reference"
-    if not optimized:
-        from ...compile import uncompile_model
-        if uncompile_model(model) and log is not None:
-            log("reference sampler: removed the regional compile of an earlier optimized run")
-    else:
-        compile_settings = getattr(handle, "compile_settings", None)
-        if doctor and compile_settings is not None:
-            compile_settings = gate_compile(model, compile_settings, log_fn=log, lines=lines, record=record)
-            if compile_settings is None:
-                from ...compile import uncompile_model
-                uncompile_model(model)
-        compile_for_sampling(model, compile_settings, log=log)
-    options = FastOptions(cuda_graphs=cuda_graphs, fused_kernels=bool(fused_kernels), ops=ops,
-                          keep_slower=bool(keep_slower), linear=linear)
-    if doctor and optimized:
-        options, switched = gate_options(model, options, log_fn=log, record=record)
-        lines.extend(switched)
-    return options
-
-
-def compile_for_sampling(model, settings, log=None) -> str | None:
-    """Regional compile of the blocks for the optimized sampler (None settings: nothing); returns the mode."""
-    if settings is None:
-        return None
-    from ...compile import uncompile_model
-    from ...compile.apply import compile_handle, compile_model
-    from ...compile.presets import graph_safe_settings
-    from ...compile.settings import coerce_settings
-    s = coerce_settings(settings)
-    if s.scope != "blocks":
-        if log is not None:
-            log("compile scope set to 'blocks' (the optimized path calls the blocks directly)")
-        s = s.replace(scope="blocks")
-    safe, note = graph_safe_settings(s)         # the sampler's own CUDA graphs stay in charge of capture
-    if note and log is not None:
-        log(note)
-    if safe is None:
-        uncompile_model(model)
-        return s.backend
-    handle = compile_handle(model)
-    if handle is None or handle.settings != safe:
-        compile_model(model, safe)
-    return safe.mode if safe.backend == "inductor" else safe.backend
+    return {t: load_text_embeds(text_embeds, cfg.text_dim, key=t, text_len=cfg.text_len) for t in schedule.texts()}
 
 
 @dataclass
@@ -299,6 +151,8 @@ class GenerateOptions:
     recache: str = "switch"              # switch (LongLive KV re-cache at a prompt switch) | none | krea (recompute)
     keep_slower: bool = False            # keep int8 attention / fp8 linear where measured slower than exact (optimized)
     linear: str = "exact"                # exact | fp8 (opt-in, approximate; optimized path: 'auto' becomes 'optimized')
+    decode: str | None = None            # wan | tiny | none: a video decoded as the chunks are made (app/jobs/video.py);
+    vae: str | None = None               # None: the vae file's decoder, else none. vae: that decoder's .safetensors
 
 
 def _peak_memory(device: torch.device) -> dict:
@@ -347,31 +201,20 @@ def _resolve(opts: GenerateOptions):
     return device, dtype, frames, height, width
 
 
-FP8_PATH_NOTE = "linear fp8: the optimized sampler path runs (the only one with fp8 linear layers)"
-
-
-def optimized_for_fp8(opts):
-    """(opts, note): the fp8 linear mode lives on the optimized path, so sampler 'auto' means 'optimized' with it;
-    an explicit 'reference' is refused (ValueError naming the fix)."""
-    if getattr(opts, "linear", "exact") == "exact":
-        return opts, None
-    if opts.sampler == "reference":
-        raise ValueError("linear fp8 runs on the optimized sampler path only; use sampler optimized (or auto), or "
-                         "linear exact")
-    if opts.sampler == "auto":
-        return replace(opts, sampler="optimized"), FP8_PATH_NOTE
-    return opts, None
-
-
 def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None) -> dict:
     """Run the job; progress(chunk, step, num_chunks, num_steps) per step. Returns the report dict.
     parallel: this rank's ``SeqParallel`` (``app/ranks/parallel.py``) to sample sequence-parallel; rank 0 writes the files."""
     from .handle import load_model_handle
     from ...sampling.scheduler import resolve_schedule
     device, dtype, frames, height, width = _resolve(opts)
-    opts, path_note = optimized_for_fp8(opts)
+    path, path_note = path_for_linear(opts.sampler, opts.linear)      # the run rules, said before any work
+    opts = replace(opts, sampler=path)
+    video = None                         # --decode: each chunk decoded and written as it is made (app/jobs/video.py)
     if _writes(parallel):
         check_outputs(opts.out_dir)
+        from .video import open_generate_video
+        video = open_generate_video(opts.decode, opts.vae, opts.checkpoint, opts.out_dir, device, dtype, opts.seed,
+                                    log=log)
     t0 = time.perf_counter()
     compile_settings = None
     if opts.compile:
@@ -390,7 +233,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     load_s = time.perf_counter() - t0
     cfg = model.config
     if opts.text_embeds and opts.prompt_schedule is None:
-        context = load_text_embeds(opts.text_embeds, cfg.text_dim)
+        context = load_text_embeds(opts.text_embeds, cfg.text_dim, text_len=cfg.text_len)
     else:
         context = torch.zeros(1, 0, cfg.text_dim)
         if not handle.is_tiny:
@@ -420,24 +263,29 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
             progress(ci, k, nc, ns)
 
     from ...profiling.session import maybe_profile
-    from ..doctor.gate import features_summary, fused_kernels_ran, new_record
-    record = new_record()
+    from ..doctor.gate import features_summary, fused_kernels_ran
     from ...cache import warmup
     one_time = warmup.snapshot()
-    fast_options = sampler_setup(handle, opts.sampler, opts.cuda_graphs, opts.fused_kernels, log=log, notes=notes,
-                                 record=record, ops=opts.ops, keep_slower=opts.keep_slower, linear=opts.linear)
+    spec = RunSpec.for_handle(handle, path=opts.sampler, cuda_graphs=opts.cuda_graphs,
+                              fused_kernels=opts.fused_kernels, ops=opts.ops, keep_slower=opts.keep_slower,
+                              linear=opts.linear, schedule=schedule, frames_per_block=opts.frames_per_block,
+                              kv_window=opts.kv_window, sink=opts.sink, skip_last_refresh=opts.skip_last_refresh,
+                              seed=opts.seed, oom_retry="off" if parallel is not None else "auto")
+    setup = prepare_model(model, spec, log=log, notes=notes)        # the doctor's verdicts, swap, compile, options
+    fast_options, record = setup.options, setup.record
     sampler_report: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     t_start = timer.start()
-    latents = maybe_profile(handle, sample_latents, model, context, width, height, frames, opts.seed, schedule,
-                            opts.frames_per_block, opts.kv_window, opts.sink, opts.skip_last_refresh,
-                            callback=on_step, on_chunk=on_chunk, path=opts.sampler, fast_options=fast_options,
-                            report=sampler_report, oom_retry="off" if parallel is not None else "auto", **prompts)
+    hooks = SamplingHooks(callback=on_step, on_chunk=on_chunk, report=sampler_report, on_chunk_latents=video)
+    latents = maybe_profile(handle, sample_video, model, spec, context, width, height, frames, setup=setup,
+                            hooks=hooks, **prompts)
     _sync(device)
     sample_s = time.perf_counter() - t_start
     files = _write_outputs(latents, opts, parallel)
+    if video is not None:
+        files["video"] = video.close()
     features = features_summary(model, fast_options, sampler_report, record)
     sampler_report["one_time_s"] = warmup.since(one_time)   # doctor probes, autotuning, plans, capture, compile
     if warmup.line(sampler_report["one_time_s"]):
@@ -461,6 +309,8 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
         "chunk_seconds": chunk_seconds, "peak_memory": _peak_memory(device), "files": files, "notes": notes,
         "torch": torch.__version__, "sampler": _jsonable(sampler_report), "features": features,
     }
+    if video is not None:
+        report["video"] = video.report()
     if parallel is not None:
         report["parallel"] = parallel_report(model, parallel, latents.shape, opts.kv_window, opts.sink,
                                              len(chunk_seconds))

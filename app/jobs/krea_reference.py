@@ -2,13 +2,17 @@
 
 The official session is reproduced with the pack's causal sampler and its ``KreaRecompute`` cache policy (the KV
 cache rebuilt from a short clean context before every block, the block sampled at a capped position), the prompt
-changes as a prompt schedule with blends (``krea_schedule_entry``), Krea's step list (``krea_schedule``) and the
+changes as a prompt schedule of Krea's interpolations (``krea_schedule_line``: exact also when a change interrupts
+a running one), Krea's step list (``krea_schedule``) and the
 fixture's stand-in VAE round trip ``a * float16(x) + b``. It runs on both sampler paths (``reference`` and
 ``optimized``).
 
 Compared: the step list, the prompt embedding in effect per block, the call sequence (current start and timestep
 of every denoising call; the context recompute passes are the policy's and are not traced), the frames handed to
-the re-encoder, every denoising call's x0 and the output. Every number comes from the config JSON.
+the re-encoder, every denoising call's x0 and the output. Every number comes from the config JSON, and every tensor
+the config implies (each block's prompt embedding, each block and step's x0, each re-encoded frame, the output, the
+step list) is expected: one missing from the io file is a failing row. The three cases of the folder
+(``krea_config.json``, ``krea_partial_block_config.json``, ``krea_interrupted_config.json``) all run.
 """
 from __future__ import annotations
 
@@ -17,11 +21,12 @@ from pathlib import Path
 import torch
 
 FIXTURE_NAME = "krea_realtime_recompute"
+FIXTURE_NAMES = (FIXTURE_NAME, "krea_realtime_partial_block", "krea_realtime_interrupted")
 PATHS = ("reference", "optimized")
 
 
 def detect(cfg: dict) -> bool:
-    return cfg.get("fixture") == FIXTURE_NAME
+    return cfg.get("fixture") in FIXTURE_NAMES
 
 
 def _model(directory: Path, cfg: dict, device):
@@ -31,21 +36,30 @@ def _model(directory: Path, cfg: dict, device):
                                precision="float32", config=WanConfig.from_dict(cfg["config"]), attention="sdpa")
 
 
-def _prompt_count(io: dict) -> int:
-    n = 0
-    while f"prompt{n}" in io:
-        n += 1
-    return n
+def _prompt_count(cfg: dict) -> int:
+    """Prompts the session uses: prompt0 and every prompt a change names."""
+    return 1 + max([int(ch["prompt"]) for ch in cfg["prompt_changes"]], default=0)
+
+
+def _prompts(cfg: dict, io) -> dict:
+    return {f"p{i}": io[f"prompt{i}"] for i in range(_prompt_count(cfg))}      # a missing one names the io file
 
 
 def schedule_text(cfg: dict) -> str:
-    """Krea's prompt changes (at block b, interpolated over N blocks) as a prompt schedule over prompts p0, p1, ..."""
-    from ...sampling.krea import krea_schedule_entry
-    lines = ["0: p0"]
-    for ch in cfg["prompt_changes"]:
-        chunk, blend = krea_schedule_entry(int(ch["block"]), int(ch["interp_steps"]))
-        lines.append(f"{chunk}: p{int(ch['prompt'])} (blend {blend})")
-    return "\n".join(lines)
+    """Krea's prompt changes (requested before block b, interpolated over N blocks) as a prompt schedule over
+    prompts p0, p1, ...: ``krea_schedule_line``, exact also for a change that interrupts a running one."""
+    from ...sampling.krea import krea_schedule_line
+    return "\n".join(["0: p0"] + [krea_schedule_line(int(ch["block"]), f"p{int(ch['prompt'])}", int(ch["interp_steps"]))
+                                   for ch in cfg["prompt_changes"]])
+
+
+def reencoded_blocks(cfg: dict) -> int:
+    """How many blocks re-encode a stand-in first frame (each hands one frame to the encoder)."""
+    from ...sampling.krea import context_frames
+    s = cfg["session"]
+    k, fpb = int(s["kv_cache_num_frames"]), int(s["num_frame_per_block"])
+    return sum(any(i < 0 for i in context_frames(b * fpb, k, fpb, bool(s.get("keep_first_frame", False))))
+               for b in range(int(s["num_blocks"])))
 
 
 def _schedule(cfg: dict):
@@ -85,7 +99,7 @@ def outside_float16_cell(ours: torch.Tensor, ref16: torch.Tensor) -> float:
 def _run_path(model, cfg: dict, io: dict, path: str) -> list:
     from ...sampling.krea import KreaRecompute
     from ...sampling.sampler import sample_causal
-    from .reference import max_abs_diff
+    from .reference import Row
     s, r = cfg["session"], cfg["reencode"]
     fpb, k = int(s["num_frame_per_block"]), int(s["kv_cache_num_frames"])
     handed = []
@@ -101,41 +115,39 @@ def _run_path(model, cfg: dict, io: dict, path: str) -> list:
     policy = KreaRecompute(k, fpb, reencode=reencode, keep_first_frame=bool(s.get("keep_first_frame", False)))
     out = sample_causal(model, None, io["initial_noise"], _schedule(cfg), fpb, noise_provider=provide,
                         kv_window=k + fpb, path=path, prompt_schedule=schedule_text(cfg),
-                        prompt_embeddings={f"p{i}": io[f"prompt{i}"] for i in range(_prompt_count(io))},
+                        prompt_embeddings=_prompts(cfg, io),
                         recache="none", cache_policy=policy, tracer=records.append,
                         fast_options={"cuda_graphs": "off"} if path == "optimized" else None)
     denoise = [rec for rec in records if rec["kind"] == "denoise"]
     rows = [(f"{path}.calls", _calls_row(denoise, cfg["calls"]))]
-    wanted = sorted((key for key in io if key.startswith("reencode_input.")), key=lambda key: int(key.rsplit(".", 1)[1]))
-    if wanted:
-        rows.append((f"{path}.reencode_count", 0.0 if len(handed) == len(wanted) else float("inf")))
-        for i, key in enumerate(wanted):
-            rows.append((f"{path}.{key}", outside_float16_cell(handed[i], io[key]) if i < len(handed)
-                         else float("inf")))
-    for rec in denoise:
-        key = f"block{rec['chunk']}.step{rec['step']}.x0"
-        if key in io:
-            rows.append((f"{path}.{key}", max_abs_diff(rec["x0"], io[key])))
-    rows.append((f"{path}.output", max_abs_diff(out, io["output"])))
+    expected = reencoded_blocks(cfg)
+    recorded = [key for key in io if key.startswith("reencode_input.")]
+    counted = len(handed) == expected == len(recorded)
+    rows.append(Row(f"{path}.reencode_count", 0.0 if counted else float("inf"), None if counted else
+                    f"the run re-encoded {len(handed)} frames and the config implies {expected}; {io.path.name} "
+                    f"records {len(recorded)}"))
+    for i in range(max(expected, len(recorded))):
+        key = f"reencode_input.{i}"
+        rows.append(io.compare(key, handed[i] if i < len(handed) else None, outside_float16_cell, f"{path}.{key}"))
+    ours = {(rec["chunk"], rec["step"]): rec["x0"] for rec in denoise}
+    for b in range(int(s["num_blocks"])):
+        for step in range(int(s["num_denoising_steps"])):
+            key = f"block{b}.step{step}.x0"
+            rows.append(io.compare(key, ours.get((b, step)), name=f"{path}.{key}"))
+    rows.append(io.compare("output", out, name=f"{path}.output"))
     return rows
 
 
 def run(directory, cfg: dict, device="cpu") -> list:
     from ...sampling.prompts import PromptSchedule
-    from .reference import _load_io, max_abs_diff
+    from .reference import _load_io
     directory = Path(directory)
     io = _load_io(directory, cfg)
-    rows = []
-    if "denoising_step_list" in io:
-        rows.append(("denoising_step_list", max_abs_diff(torch.tensor(_schedule(cfg).timesteps,
-                                                                      dtype=torch.float32), io["denoising_step_list"])))
+    rows = [io.compare("denoising_step_list", torch.tensor(_schedule(cfg).timesteps, dtype=torch.float32))]
     blocks = int(cfg["session"]["num_blocks"])
-    contexts = PromptSchedule.parse(schedule_text(cfg)).contexts(
-        {f"p{i}": io[f"prompt{i}"] for i in range(_prompt_count(io))}, blocks)
+    contexts = PromptSchedule.parse(schedule_text(cfg)).contexts(_prompts(cfg, io), blocks)
     for b, ctx in enumerate(contexts):
-        key = f"block{b}.prompt_embeds"
-        if key in io:
-            rows.append((key, max_abs_diff(ctx, io[key])))
+        rows.append(io.compare(f"block{b}.prompt_embeds", ctx))
     model = _model(directory, cfg, device)
     for path in PATHS:
         rows += _run_path(model, cfg, io, path)

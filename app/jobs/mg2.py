@@ -85,7 +85,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     from .generate import (ChunkTimer, _jsonable, _peak_memory, _sync, _write_outputs, _write_report, _writes,
                            check_outputs)
     from ...sampling.mg2 import generate_mg2, resolve_preset
-    from ..doctor.gate import gated_sampling
+    from ..prepare import prepared_sampling
     from .handle import default_device
     device = torch.device(opts.device) if opts.device else default_device()
     dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -112,7 +112,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     chunk_seconds = on_chunk.seconds
     t_start = on_chunk.start()
     sampler_report: dict = {}
-    with gated_sampling(handle.model, notes, log_fn=log):      # the doctor's verdicts (optimized path on CUDA)
+    with prepared_sampling(handle.model, notes=notes, log=log):      # the doctor's verdicts, the one prepare step
         latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings,
                                on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh, report=sampler_report)
     _sync(device)

@@ -6,7 +6,6 @@ arguments of its first block call (or of its first chunk call) and hand back ``(
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
                  "eager", "aot_eager")
@@ -86,20 +85,21 @@ def make_inputs(model, target: ProfileTarget) -> dict:
 
 
 def sampler_call(model, target: ProfileTarget, inputs: dict):
-    """A zero-argument callable running the causal sampler once on ``inputs``."""
-    from ...sampling.sampler import sample_causal
+    """A zero-argument callable running the causal sampler once on ``inputs``, prepared by the one prepare step
+    (the doctor's verdicts, compile and fast options applied once, here; each call is one run)."""
+    from ..prepare import RunSpec, prepare, prepare_model
 
     import torch
 
     schedule = target.preset or "self_forcing"
     if target.steps:
         schedule = {"preset": schedule, "steps": str(target.steps)}
-    kwargs = {"schedule": schedule} if "schedule" in inspect.signature(sample_causal).parameters else {}
-    kwargs["path"] = target.sampler
+    spec = RunSpec(path=target.sampler, schedule=schedule)
+    setup = prepare_model(model, spec)
 
     def run():
         with torch.inference_mode():
-            return sample_causal(model, inputs["context"], inputs["noise"], **kwargs)
+            return prepare(model, spec, inputs["context"], inputs["noise"], setup=setup).run(model)
 
     return run
 

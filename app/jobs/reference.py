@@ -8,6 +8,7 @@ frames, latent size, padding, step list, shift, ...) is read from the fixture's 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -16,10 +17,93 @@ from ...cache.owned_files import loads_json, read_regular
 
 TOLERANCE = 1e-4
 FORMATS: dict = {}
+INF = float("inf")
 
 
 def register_format(name: str, detect, run) -> None:
     FORMATS[name] = (detect, run)
+
+
+class FixtureError(ValueError):
+    """A fixture the check cannot use (a file that is missing or damaged, a config key or recorded tensor that is
+    not there); the message names the file and the fix."""
+
+
+class Row(tuple):
+    """One compared tensor: ``(name, max_abs_diff)`` (a 2-tuple, so ``dict(rows)`` and ``for n, d in rows``
+    work), with ``note`` saying why a row failed without a number (a tensor missing from the fixture, a fixture
+    that could not run)."""
+
+    def __new__(cls, name: str, diff, note: str | None = None):
+        row = tuple.__new__(cls, (str(name), float(diff)))
+        row.note = note
+        return row
+
+
+class Rows(list):
+    """The rows of a check, with ``notes``: inputs of the folder that were not checked, and why."""
+
+    def __init__(self, rows=(), notes=()):
+        super().__init__(rows)
+        self.notes = list(notes)
+
+
+def row_ok(diff: float, tol: float = TOLERANCE) -> bool:
+    """Whether one row passes: a number within the tolerance (NaN and inf fail)."""
+    return isinstance(diff, (int, float)) and math.isfinite(diff) and diff <= tol
+
+
+def verdict(rows, tol: float = TOLERANCE) -> dict:
+    """The one verdict of a check, computed from every row: it passes when there is at least one row and every
+    row passes (``row_ok``). worst: NaN when any row is NaN, else the largest difference."""
+    diffs = [d for _, d in rows]
+    failed = [n for n, d in rows if not row_ok(d, tol)]
+    worst = float("nan") if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
+    return {"tensors": len(diffs), "worst": worst, "failed": failed, "pass": bool(diffs) and not failed}
+
+
+class FixtureConfig(dict):
+    """A fixture's config JSON: a key that is not there names the config file and the key (never a bare
+    KeyError)."""
+
+    def __init__(self, data: dict, path: Path, where: str = ""):
+        super().__init__({k: _config_value(v, path, f"{where}{k}.") for k, v in data.items()})
+        self.path, self.where = Path(path), where
+
+    def __missing__(self, key):
+        section = f" in '{self.where[:-1]}'" if self.where else ""
+        raise FixtureError(f"{self.path.name}: no '{key}'{section}; this fixture config is incomplete: copy it again "
+                           f"from the fixture's source (or produce it again)")
+
+
+def _config_value(value, path: Path, where: str):
+    if isinstance(value, dict):
+        return FixtureConfig(value, path, where)
+    if isinstance(value, list):
+        return [_config_value(v, path, where) for v in value]
+    return value
+
+
+class Recorded(dict):
+    """The tensors of a fixture's io file: an input the run needs that is not there names the file
+    (``FixtureError``); ``compare(key, ours)`` is the row of one expected recorded tensor (inf, with a note, when
+    the file lacks it or the run made nothing to compare)."""
+
+    def __init__(self, tensors: dict, path: Path):
+        super().__init__(tensors)
+        self.path = Path(path)
+
+    def __missing__(self, key):
+        raise FixtureError(f"{self.path.name}: no tensor '{key}', which the run needs; the fixture is incomplete: "
+                           f"copy or produce it again")
+
+    def compare(self, key: str, ours, diff=None, name: str | None = None) -> Row:
+        name = key if name is None else name
+        if key not in self:
+            return Row(name, INF, f"expected, but missing from {self.path.name}")
+        if ours is None:
+            return Row(name, INF, "recorded, but the run made nothing to compare it with")
+        return Row(name, (diff or max_abs_diff)(ours, self[key]))
 
 
 def max_abs_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -34,9 +118,24 @@ def max_abs_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max())
 
 
-def _load_io(directory: Path, cfg: dict) -> dict:
+def load_recorded(path) -> Recorded:
+    """The tensors of a fixture's io file: one that is missing, damaged or truncated is a ``FixtureError``
+    naming it; a recorded tensor of NaN or inf is kept (its rows fail: NaN is never within a tolerance)."""
     from safetensors.torch import load_file
-    return load_file(str(directory / cfg["io_file"]))
+    path = Path(path)
+    if not path.is_file():
+        raise FixtureError(f"{path.name}: {'not a regular file' if path.exists() else 'not found'} (the recorded "
+                           f"tensors of the fixture, in {path.parent}); copy or produce the fixture again")
+    try:
+        return Recorded(load_file(str(path)), path)
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error types: a damaged file, said as one
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise FixtureError(f"{path.name}: not a readable safetensors file ({reason}): it is damaged or truncated; "
+                           f"copy or produce the fixture again") from None
+
+
+def _load_io(directory: Path, cfg: dict) -> Recorded:
+    return load_recorded(Path(directory) / cfg["io_file"])
 
 
 def _load_model(directory: Path, cfg: dict, device):
@@ -81,11 +180,11 @@ def _run_full(directory: Path, cfg: dict, device) -> list:
     finally:
         for h in handles:
             h.remove()
-    output = out[0] if io["output"].dim() == 4 else torch.stack(out)
-    rows = [("output", max_abs_diff(output, io["output"]))]
-    for key in sorted(k for k in io if k.startswith("inter.")):
-        name = key[len("inter."):]
-        rows.append((key, max_abs_diff(seen[name], io[key]) if name in seen else float("inf")))
+    output = out[0] if "output" not in io or io["output"].dim() == 4 else torch.stack(out)
+    rows = [io.compare("output", output)]
+    expected = {str(k) for k in cfg.get("intermediates", {})} | {k for k in io if k.startswith("inter.")}
+    for key in sorted(expected):                  # every intermediate the config lists, and every one recorded
+        rows.append(io.compare(key, seen.get(key[len("inter."):])))
     return rows
 
 
@@ -143,12 +242,16 @@ def _calls_row(records: list, cfg: dict, ends: list | None = None) -> tuple:
 
 
 def _kv_rows(kv, io: dict) -> list:
+    """The final cache of every layer, expected when the fixture records any of them."""
     rows = []
+    if not any(key.startswith("kv_final.") for key in io):
+        return rows
     for i in range(len(kv.layers)):
         k, v = kv.ordered(i)
         for name, ours in (("k", k), ("v", v)):
             key = f"kv_final.layer{i}.{name}"
             if key not in io:
+                rows.append(io.compare(key, ours))
                 continue
             ref = io[key]
             padded = torch.zeros(ref.shape, dtype=torch.float64)
@@ -180,13 +283,28 @@ def _run_causal(directory: Path, cfg: dict, device) -> list:
                         independent_first_frame=bool(s.get("independent_first_frame", False)),
                         tracer=records.append, kv_cache=kv)
     rows = _schedule_rows(sched, io) + [_calls_row(records, cfg)]
+    for key, ours in call_tensors(records, cfg, _call_name, io):
+        rows.append(io.compare(key, ours))
+    rows.append(io.compare("output", out))
+    return rows + _kv_rows(kv, io)
+
+
+def call_tensors(records: list, cfg: dict, call_name, io=(), transpose: bool = False) -> list:
+    """[(recorded tensor name, our tensor or None)] of every model call: the tensors the config's ``calls`` list
+    for each call (``tensors``; else every call's xt, flow and x0), and every other one of them ``io`` records; a
+    call the run did not make gives None."""
+    official = cfg.get("calls") or []
+    ours = {}
     for rec in records:
         for part in ("xt", "flow", "x0"):
-            key = f"{_call_name(rec)}.{part}"
-            if key in io:
-                rows.append((key, max_abs_diff(rec[part], io[key])))
-    rows.append(("output", max_abs_diff(out, io["output"])))
-    return rows + _kv_rows(kv, io)
+            ours[f"{call_name(rec)}.{part}"] = rec[part].transpose(1, 2) if transpose else rec[part]
+    names = []
+    for call in official:
+        names += [str(t) for t in call.get("tensors", ())] if isinstance(call, dict) else []
+    if not any(isinstance(call, dict) and "tensors" in call for call in official):
+        names = list(ours)
+    names += [n for n in ours if n in io]
+    return [(n, ours.get(n)) for n in dict.fromkeys(names)]
 
 
 register_format("wan_t2v_full", _detect_full, _run_full)
@@ -211,45 +329,88 @@ _register_optional("krea_realtime", ".krea_reference")
 
 
 # --------------------------------------------------------------------- entry point
-def discover(directory) -> list:
-    """[(format name, config path, config dict)] for every recognised fixture config in ``directory``."""
-    found = []
+def survey(directory) -> tuple:
+    """(recognised, unusable, notes) of the JSON files in ``directory``: recognised [(format name, config path,
+    config)] with each config a ``FixtureConfig``; unusable [(config path, why)] for every ``*_config.json`` that
+    cannot be read or is no format's (a fixture config the check cannot use is said, never skipped); notes for
+    other JSON files that name a fixture kind the check does not run."""
+    recognised, unusable, notes = [], [], []
     for path in sorted(Path(directory).glob("*.json")):
+        is_config = path.name.endswith("_config.json")
         try:
             cfg = loads_json(read_regular(path).decode("utf-8"))   # a pipe named *.json never blocks
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
+            if is_config:
+                unusable.append((path, f"cannot be read as JSON ({' '.join(str(exc).split())[:160]})"))
             continue
-        for name, (detect, _run) in FORMATS.items():
-            if isinstance(cfg, dict) and detect(cfg):
-                found.append((name, path, cfg))
-                break
-    return found
+        name = next((n for n, (detect, _run) in FORMATS.items() if isinstance(cfg, dict) and detect(cfg)), None)
+        if name is not None:
+            recognised.append((name, path, FixtureConfig(cfg, path)))
+            continue
+        kind = cfg.get("fixture") if isinstance(cfg, dict) else None
+        if is_config:
+            unusable.append((path, (f"fixture kind {str(kind)[:60]!r} is not one check-reference runs" if kind
+                                    else "not a fixture config of a known format") + f" (known: {', '.join(FORMATS)})"))
+        elif kind:
+            notes.append(f"{path.name}: fixture kind {str(kind)[:60]!r} is not one check-reference runs; not checked")
+    return recognised, unusable, notes
 
 
-def check_reference(directory, device="cpu", formats=None) -> list:
+def discover(directory) -> list:
+    """[(format name, config path, config dict)] for every recognised fixture config in ``directory``."""
+    return survey(directory)[0]
+
+
+FIXTURE_FAILURES = (ValueError, OSError, RuntimeError, KeyError, IndexError, TypeError)
+
+
+def check_reference(directory, device="cpu", formats=None) -> Rows:
     """Run every recognised fixture in ``directory``; returns [(name, max_abs_diff)] where name is
-    '<config stem>/<tensor>'. Raises FileNotFoundError when no fixture is recognised."""
+    '<config stem>/<tensor>' (``Row``s; ``notes`` lists JSON files that were not checked). A fixture config that
+    cannot be used (unreadable, of no known format, naming a missing or damaged file or key, a run that fails on
+    it) is a failing row '<config stem>/fixture' with the reason as its note. Raises FileNotFoundError when no
+    fixture is recognised (naming the configs that could not be used)."""
     directory = Path(directory)
-    fixtures = discover(directory)
+    fixtures, unusable, notes = survey(directory)
     if formats:
         fixtures = [fx for fx in fixtures if fx[0] in formats]
+        unusable = []
     if not fixtures:
+        said = "; ".join(f"{path.name}: {why}" for path, why in unusable[:3])
         raise FileNotFoundError(f"no recognised fixture config (*.json) in {directory}; known formats: "
-                                f"{', '.join(FORMATS)}")
-    rows = []
+                                f"{', '.join(FORMATS)}" + (f" ({said})" if said else ""))
+    rows = Rows(notes=notes)
+    for path, why in unusable:
+        rows.append(Row(f"{path.stem.replace('_config', '')}/fixture", INF, f"{path.name}: {why}"))
     for name, path, cfg in fixtures:
         stem = path.stem.replace("_config", "")
-        with torch.no_grad():
-            rows += [(f"{stem}/{key}", diff) for key, diff in FORMATS[name][1](directory, cfg, device)]
+        try:
+            with torch.no_grad():
+                got = list(FORMATS[name][1](directory, cfg, device))
+        except FIXTURE_FAILURES as exc:
+            reason = " ".join(str(exc).split())[:400] or type(exc).__name__
+            if not isinstance(exc, ValueError):
+                reason = f"{type(exc).__name__}: {reason}"
+            if not reason.startswith(path.name) and not isinstance(exc, FixtureError):
+                reason = f"{path.name}: {reason}"
+            rows.append(Row(f"{stem}/fixture", INF, f"could not run ({reason})"))
+            continue
+        if not got:
+            rows.append(Row(f"{stem}/fixture", INF, f"{path.name}: no recorded tensor was compared"))
+        rows += [Row(f"{stem}/{r[0]}", r[1], getattr(r, "note", None)) for r in got]
     return rows
 
 
 def format_table(rows, tol: float = TOLERANCE) -> str:
     width = max([len(n) for n, _ in rows] + [6])
     lines = [f"{'tensor':<{width}}  {'max_abs_diff':>12}  status"]
-    for name, diff in rows:
-        lines.append(f"{name:<{width}}  {diff:>12.3e}  {'ok' if diff <= tol else 'FAIL'}")
-    worst = max((d for _, d in rows), default=0.0)
-    lines.append(f"{len(rows)} tensors, worst {worst:.3e}, tolerance {tol:.0e}: "
-                 f"{'PASS' if worst <= tol else 'FAIL'}")
+    for row in rows:
+        name, diff = row
+        note = getattr(row, "note", None)
+        lines.append(f"{name:<{width}}  {diff:>12.3e}  {'ok' if row_ok(diff, tol) else 'FAIL'}"
+                     + (f"  ({note})" if note else ""))
+    v = verdict(rows, tol)
+    failed = f", {len(v['failed'])} failed" if v["failed"] else ""
+    lines.append(f"{v['tensors']} tensors{failed}, worst {v['worst']:.3e}, tolerance {tol:.0e}: "
+                 f"{'PASS' if v['pass'] else 'FAIL'}")
     return "\n".join(lines)

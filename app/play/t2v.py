@@ -27,6 +27,7 @@ import threading
 
 import torch
 
+from ...model.dit import check_text_tokens
 from ...model.finite import NonFiniteError, check_conditioning
 from ...sampling.continuation import sample_continuable, weight_fingerprint
 from ...sampling.krea import cache_setup
@@ -120,6 +121,11 @@ class PromptPlaySession(SessionBase):
             if emb.shape[-1] != self.model.config.text_dim:
                 raise PlayError(f"the text encoder's embedding is {emb.shape[-1]} wide but the model takes "
                                 f"{self.model.config.text_dim}: connect the model's own text encoder (umt5-xxl for Wan)")
+            try:
+                check_text_tokens(emb.shape[1], self.model.config.text_len,
+                                  f"the text encoder's answer for {text[:60]!r}")
+            except ValueError as exc:
+                raise PlayError(str(exc)) from None
             check_conditioning(emb, f"the text encoder's answer for {text[:60]!r}",
                                "the text encoder is broken or in the wrong precision; type another prompt")
             self.embeddings[text] = emb.detach().cpu()

@@ -59,7 +59,7 @@ def serve(*argv: str) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
         from ..jobs.handle import load_model_handle
-        from ..jobs.generate import sample_latents, sampler_setup
+        from ..prepare import RunSpec, sample_video
         handle = load_model_handle(spec["source"], spec["dtype"], spec["precision"], spec["attention"], device,
                                    num_heads=spec.get("num_heads"), lora=spec.get("lora"),
                                    lora_strength=spec.get("lora_strength", 1.0))
@@ -79,10 +79,9 @@ def serve(*argv: str) -> None:
             if job is None:
                 return
             try:
-                options = sampler_setup(handle, job["path"], **job["setup"])
+                spec = RunSpec.for_handle(handle, **job["spec"])      # this rank's own swap and compile
                 with torch.no_grad():
-                    sample_latents(handle.model, *job["args"], path=job["path"], fast_options=options,
-                                   oom_retry="off", **job["kwargs"])
+                    sample_video(handle.model, spec, *job["args"], **job["kwargs"])
                 outbox.send(("done", rank))
             except BaseException as exc:  # noqa: BLE001
                 outbox.send(("error", one_line(exc), traceback.format_exc()))
@@ -177,19 +176,19 @@ class RankPool:
                 raise ParallelError(worker_message(f"sequence-parallel worker rank {rank} failed: {value}",
                                                    *details[:1]))
 
-    def sample(self, model, *args, callback=None, path="auto", fast_options=None, setup=None, report=None,
-               on_chunk_latents=None, **kwargs):
-        """``job.sample_latents(model, *args, ...)`` on every rank; rank 0's latents (its hooks: callback and
-        on_chunk_latents run on rank 0 only). Any error or interrupt tears the workers down before it propagates."""
-        from ..jobs.generate import sample_latents
+    def sample(self, model, spec, *args, setup=None, hooks=None, **kwargs):
+        """``prepare.sample_video(model, spec, *args, ...)`` on every rank (each prepares its own model from the
+        spec); rank 0's latents (its hooks: callback and on_chunk_latents run on rank 0 only). Any error or
+        interrupt tears the workers down before it propagates."""
+        from ..prepare import sample_video
         self.start(model)
+        spec = spec.replace(oom_retry="off")
         job = {"args": tuple(_plain(a) for a in args), "kwargs": {k: _plain(v) for k, v in kwargs.items()},
-               "path": path, "setup": dict(setup or {})}
+               "spec": {k: _plain(v) for k, v in spec.plain().items()}}
         try:
             for out, _inbox in self.conns:
                 out.send(job)
-            latents = sample_latents(model, *args, callback=callback, path=path, fast_options=fast_options,
-                                     report=report, oom_retry="off", on_chunk_latents=on_chunk_latents, **kwargs)
+            latents = sample_video(model, spec, *args, setup=setup, hooks=hooks, **kwargs)
             self._collect("done", self.timeout_s)
             return latents
         except BaseException:

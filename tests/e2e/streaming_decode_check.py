@@ -2,14 +2,17 @@
 
     python streaming_decode_check.py parity   -> JSON: max |streaming - VAE.decode| per (frames, chunk size), and for a
                                                  walk continued by another decoder (snapshot / restore)
+    python streaming_decode_check.py tiny     -> JSON: the same for ComfyUI's tiny video decoder (TAEHV, taew2_1's
+                                                 layout, random weights, loaded through comfy.sd.VAE as a file is)
+    python streaming_decode_check.py write-tiny-vae PATH -> a random-weight taew2_1-layout .safetensors at PATH
     python streaming_decode_check.py memory N [S] -> JSON: peak RSS growth of a streaming decode of N latent frames of SxS (4)
     python streaming_decode_check.py write-vae PATH -> a small random-weight Wan 2.1 VAE .safetensors at PATH
     python streaming_decode_check.py timing [FRAMES SIDE] -> JSON: first-frame time, chunk latency, decode share
     python streaming_decode_check.py memory-whole N [S] -> the same for ComfyUI's whole VAE.decode (for contrast)
 
 A random-weight Wan 2.1 VAE is built from ComfyUI's own class (comfy.ldm.wan.vae.WanVAE) at a small width and loaded
-through ``comfy.sd.VAE`` like a real file; float32 on the CPU. The adapter module is loaded on its own (it imports
-only torch at import time), so the pack need not be installed in ComfyUI's environment.
+through ``comfy.sd.VAE`` like a real file; float32 on the CPU. The adapters (nodes/streaming_decode.py) are imported
+from this checkout as ``wan_accel`` (``load_pack``), so the pack need not be installed in ComfyUI's environment.
 """
 from __future__ import annotations
 
@@ -26,10 +29,9 @@ ADAPTER = Path(__file__).resolve().parents[2] / "nodes" / "streaming_decode.py"
 
 
 def adapter():
-    spec = importlib.util.spec_from_file_location("wan_accel_streaming_decode", ADAPTER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """nodes/streaming_decode.py of this checkout (it imports the pack's vae/ floor, so through the package)."""
+    load_pack()
+    return importlib.import_module("wan_accel.nodes.streaming_decode")
 
 
 def small_vae(dim: int = 8, seed: int = 0):
@@ -50,6 +52,51 @@ def small_vae(dim: int = 8, seed: int = 0):
     return comfy.sd.VAE(sd=model.state_dict(), dtype=torch.float32)
 
 
+def tiny_state(seed: int = 1) -> dict:
+    """A random-weight ComfyUI TAEHV for 16 latent channels (taew2_1's layout) as a float32 state dict (a float16 file
+    is read by ComfyUI's loader as HunyuanVideo's taehv, whose latents it scales)."""
+    from comfy.taesd.taehv import TAEHV
+    from vae_decoders_check import fill
+    model = fill(TAEHV(latent_channels=16), seed).float()
+    return {k: v.contiguous() for k, v in model.state_dict().items()}
+
+
+def tiny_vae(seed: int = 1):
+    import comfy.sd
+    vae = comfy.sd.VAE(sd=tiny_state(seed), dtype=torch.float32)
+    model = vae.first_stage_model
+    assert type(model).__name__ == "TAEHV" and vae.latent_channels == 16, (type(model), vae.latent_channels)
+    if hasattr(model, "show_progress_bar"):
+        model.show_progress_bar = False
+    return vae
+
+
+def write_tiny_vae(path: str) -> dict:
+    """A random-weight taew2_1-layout file for a server's Load VAE (ComfyUI reads it as a tiny video decoder)."""
+    from safetensors.torch import save_file
+    sd = tiny_state()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, path)
+    return {"path": path, "tensors": len(sd), "class": "TAEHV"}
+
+
+def tiny_parity() -> dict:
+    """ComfyUI's tiny video decoder streamed (``stream_decoder``: ComfyTinyStream) against its own ``VAE.decode``,
+    clamped to 0..1 as an IMAGE; chunks of 1, 2, 3 latent frames; and what ComfyUI's VAE.decode gives (its range)."""
+    mod, vae = adapter(), tiny_vae()
+    result = {"adapter": type(mod.stream_decoder(vae)).__name__}
+    for frames in (5, 6):
+        z = torch.randn(1, 16, frames, 4, 6, generator=torch.Generator().manual_seed(frames)) * 2
+        whole = vae.decode(z)
+        result[f"whole_range_{frames}"] = [float(whole.min()), float(whole.max())]
+        result[f"whole_shape_{frames}"] = list(whole.shape)
+        for chunk in (1, 2, 3):
+            got = stream(mod, vae, z, chunk, mod.stream_decoder)
+            assert got.shape == whole.shape, (got.shape, whole.shape)
+            result[f"{frames}x{chunk}"] = (got - whole.clamp(0, 1)).abs().max().item()
+    return result
+
+
 def write_vae(path: str, dim: int = 8) -> dict:
     """A random-weight Wan 2.1 VAE file (ComfyUI's class, small width) for a server to load like a real one."""
     from comfy.ldm.wan.vae import WanVAE
@@ -61,8 +108,8 @@ def write_vae(path: str, dim: int = 8) -> dict:
     return {"path": path, "tensors": len(sd), "class": WanVAE.__name__}
 
 
-def stream(mod, vae, z, chunk: int):
-    dec, parts = mod.WanStreamDecoder(vae), []
+def stream(mod, vae, z, chunk: int, make=None):
+    dec, parts = (make or mod.WanStreamDecoder)(vae), []
     for f in range(0, z.shape[2], chunk):
         out = dec.push(z[:, :, f:f + chunk])
         if out is not None:
@@ -177,6 +224,12 @@ if __name__ == "__main__":
         sys.exit(0)
     if what == "write-vae":
         print(json.dumps(write_vae(sys.argv[2])))
+        sys.exit(0)
+    if what == "write-tiny-vae":
+        print(json.dumps(write_tiny_vae(sys.argv[2])))
+        sys.exit(0)
+    if what == "tiny":
+        print(json.dumps(tiny_parity()))
         sys.exit(0)
     print(json.dumps(parity() if what == "parity" else memory(int(sys.argv[2]), whole=what == "memory-whole",
                                                                      side=int(sys.argv[3]) if len(sys.argv) > 3 else 4)))

@@ -81,6 +81,11 @@ def comfy_server(tmp_path_factory, extra_args=()):
                           str(work / "models" / "vae" / "wan_2.1_vae.safetensors")], cwd=comfy_dir,
                          capture_output=True, text=True, timeout=300)
     assert vae.returncode == 0, vae.stderr[-3000:]
+    # and a small random-weight tiny video decoder (taew2_1's layout), which ComfyUI's Load VAE reads as a TAEHV
+    tiny = subprocess.run([str(_python()), str(Path(__file__).with_name("streaming_decode_check.py")),
+                           "write-tiny-vae", str(work / "models" / "vae" / "taew2_1.safetensors")], cwd=comfy_dir,
+                          capture_output=True, text=True, timeout=300)
+    assert tiny.returncode == 0, tiny.stderr[-3000:]
     (work / "extra_model_paths.yaml").write_text(f"wan_accel_e2e:\n    base_path: {work}\n    vae: models/vae\n")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -372,12 +377,13 @@ def _browser_with_prompt(comfy, tmp_path, mode: str, prompt: dict, timeout_s: fl
     return report
 
 
-def live_prompt(num_frames: int = 21, side: int = 64) -> dict:
-    """The tiny model sampled by CausalWan Sampler + Decode with the run's small Wan 2.1 VAE file."""
+def live_prompt(num_frames: int = 21, side: int = 64, vae: str = "wan_2.1_vae.safetensors") -> dict:
+    """The tiny model sampled by CausalWan Sampler + Decode with the run's small Wan 2.1 VAE file (or ``vae``: its
+    tiny decoder, taew2_1.safetensors)."""
     return {
         "1": {"class_type": "CausalWanModelLoader", "inputs": {"checkpoint": "(built-in tiny model)", "dtype": "fp32",
                                                                "precision": "float32", "attention": "sdpa"}},
-        "2": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_2.1_vae.safetensors"}},
+        "2": {"class_type": "VAELoader", "inputs": {"vae_name": vae}},
         "3": {"class_type": "CausalWanSamplerDecode", "inputs": {
             "vae": ["2", 0], "model": ["1", 0], "width": side, "height": side, "num_frames": num_frames, "seed": 1,
             "preset": "self_forcing", "frames_per_block": 3, "kv_window": -1, "sink": 0,
@@ -389,8 +395,12 @@ def live_prompt(num_frames: int = 21, side: int = 64) -> dict:
     }
 
 
-def test_live_frames_reach_the_page_before_the_prompt_ends(comfy, tmp_path):
-    report = _browser_with_prompt(comfy, tmp_path, "live", live_prompt(), timeout_s=300)
+@pytest.mark.parametrize("vae", ["wan_2.1_vae.safetensors", "taew2_1.safetensors"])
+def test_live_frames_reach_the_page_before_the_prompt_ends(comfy, tmp_path, vae, monkeypatch):
+    """With the Wan 2.1 VAE and with ComfyUI's tiny video decoder (Load VAE of a taew2_1 file): the same stream."""
+    if vae != "wan_2.1_vae.safetensors":             # the docs' screenshots stay the Wan 2.1 VAE's run
+        monkeypatch.delenv("WAN_ACCEL_SCREENSHOTS", raising=False)
+    report = _browser_with_prompt(comfy, tmp_path, "live", live_prompt(vae=vae), timeout_s=300)
     live = report["live"]
     assert live["ends"] and live["ends"][0]["kind"] == "execution_success", (live, comfy["log"].read_text()[-3000:])
     events = live["events"]

@@ -1,8 +1,8 @@
 """The engine over ComfyUI's own model against core's forward and core's SamplerARVideo, with ComfyUI's Python
 (skipped unless COMFYUI_DIR and COMFYUI_VENV are set): one chunk forward each way on the public causal fixture, and
-wall time per video of both samplers at the tiny shape, measured in one run (the mid shape, dim 512, 8 layers,
-21 latent frames of 16x16, takes minutes on a CPU: ``bench_native_vs_core.py --shape mid``, figures in
-docs/benchmarks.md)."""
+both samplers at the tiny shape through the pack's bench (``python -m wan_accel bench native``, app/bench/native.py;
+the mid shape, dim 512, 8 layers, 21 latent frames of 16x16, takes minutes on a CPU: ``bench native --shape mid``,
+figures in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
@@ -22,13 +22,15 @@ pytestmark = pytest.mark.skipif(not (COMFY_DIR and COMFY_VENV),
 
 
 def _run(tmp_path, script: str, *args) -> dict:
+    """A script of this folder, or ``-m wan_accel`` with its arguments, run by ComfyUI's Python in its folder."""
     (tmp_path / "pkg").mkdir(exist_ok=True)
     link = tmp_path / "pkg" / "wan_accel"
     if not link.exists():
         link.symlink_to(REPO, target_is_directory=True)
     env = dict(os.environ, WAN_ACCEL_CACHE=str(tmp_path / "limits.json"),
                PYTHONPATH=os.pathsep.join([str(tmp_path / "pkg"), COMFY_DIR]))
-    out = subprocess.run([str(Path(COMFY_VENV) / "bin" / "python"), str(HERE / script), *args], cwd=COMFY_DIR,
+    target = ["-m", script] if script == "wan_accel" else [str(HERE / script)]
+    out = subprocess.run([str(Path(COMFY_VENV) / "bin" / "python"), *target, *args], cwd=COMFY_DIR,
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return json.loads(out.stdout[out.stdout.index("{"):])
@@ -43,10 +45,11 @@ def test_engine_forward_matches_cores_own_forward(tmp_path):
 def test_both_samplers_run_side_by_side_on_one_model(tmp_path):
     """The side-by-side benchmark runs both samplers on the same MODEL (its figures are a benchmark's, printed and
     recorded in docs/benchmarks.md, never asserted: speed is not a test)."""
-    res = _run(tmp_path, "bench_native_vs_core.py", "--shape", "tiny", "--repeats", "1")
+    res = _run(tmp_path, "wan_accel", "bench", "native", "--shape", "tiny", "--repeat", "1", "--json")
     print("tiny shape:", json.dumps(res))
-    assert res["model"] == "WAN21_CausalAR"
-    assert set(res["min_s"]) == {"wan_accel", "core_ar_video"} and all(v > 0 for v in res["min_s"].values())
-    native, own = res["structure"]["wan_accel"], res["structure"]["pack_optimized"]
+    (variant,) = res["variants"]
+    assert variant["comfy_model"] == "WAN21_CausalAR"
+    assert all(variant["rows"][k]["seconds_per_video"] > 0 for k in ("core", "native", "own")), variant["rows"]
+    native, own = variant["structure"]["native"], variant["structure"]["own"]
     assert native["syncs_per_video"] <= 2, native    # the sigmas, read once; the finite check at the video's end
-    assert abs(native["ops_per_step"] - own["ops_per_step"]) <= 0.05 * own["ops_per_step"], res["structure"]
+    assert abs(native["ops_per_step"] - own["ops_per_step"]) <= 0.05 * own["ops_per_step"], variant["structure"]

@@ -1,7 +1,7 @@
 """Streaming decode against ComfyUI's own ``VAE.decode`` (skipped unless COMFYUI_DIR and COMFYUI_VENV are set).
 
 Runs tests/e2e/streaming_decode_check.py with ComfyUI's python in its work tree: a random-weight Wan 2.1 VAE built
-from ComfyUI's class at a small size, float32 on the CPU.
+from ComfyUI's class at a small size, and ComfyUI's tiny video decoder (TAEHV, taew2_1's layout), float32 on the CPU.
 """
 from __future__ import annotations
 
@@ -53,3 +53,18 @@ def test_decoder_memory_is_flat_in_video_length():
     # flat: 60 more latent frames add less than 5 % of what they add to the whole decode (RSS noise is a few MB)
     grown = long["rss_growth_kb"] - short["rss_growth_kb"]
     assert grown < 0.05 * (whole_long["rss_growth_kb"] - whole_short["rss_growth_kb"]), (short, long)
+
+
+def test_tiny_decoder_streaming_equals_its_whole_decode():
+    """ComfyUI's tiny video decoder (its TAEHV with taew2_1's layout, loaded through comfy.sd.VAE as a file is) goes
+    through the pack's ComfyTinyStream; chunk by chunk it gives ComfyUI's own VAE.decode, clamped to 0..1."""
+    result = _run("tiny")
+    assert result.pop("adapter") == "ComfyTinyStream"
+    for frames in (5, 6):
+        assert result.pop(f"whole_shape_{frames}")[1] == 1 + 4 * (frames - 1)
+        lo, hi = result.pop(f"whole_range_{frames}")
+        print(f"\nComfyUI's tiny VAE.decode of {frames} latent frames ranges over [{lo:.3f}, {hi:.3f}]",
+              file=sys.stderr)
+    assert set(result) == {f"{f}x{c}" for f in (5, 6) for c in (1, 2, 3)}
+    for case, err in result.items():                           # frames x chunk size; ~30 layers in float32
+        assert err <= 1e-4, (case, err)

@@ -1,0 +1,299 @@
+"""One door for every run: a face describes its run as one frozen ``RunSpec``; ``prepare_model`` applies, once and
+in one fixed order, the run rules, the doctor's verdicts, the VRAM plan, block swap, compile and fast options to the
+model; ``prepare`` (``prepare_video`` from pixel sizes) returns the request, inputs and hooks ``sample_causal`` takes.
+
+The order: (1) the run rules (``sampling.sampler.path_for_linear``: fp8 linear layers exist on the optimized path
+only); (2) the block swap: the spec's, else the one its VRAM plan asks for, else the model's own (``KEEP``), without
+its prefetch stream where the doctor judged block swap unsafe here (CUDA); (3) compile: the spec's settings (or the
+model's own), dropped where the doctor judged compiled blocks wrong or slower here, none on the reference path;
+(4) the fast options, with ``switched_off`` naming every feature the doctor switched off for this model (its device,
+dtype and head size). The doctor judges a run whose path resolves to the optimized one (on CUDA, what 'auto' means).
+
+Every face goes through here: the CausalWan Sampler node and ``generate`` (``sample_video``), the native AR sampler
+(``prepare``), Matrix-Game-2, play and prompt steering (``prepared_sampling``: the loops that call ``sample_causal``
+themselves run inside it), ``bench sampler``, the ranks of a sequence-parallel run and ``profile``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..sampling.request import SamplingHooks
+from ..sampling.runner import FastOptions
+from ..sampling.sampler import PATHS, causal_request, current_path, path_for_linear, resolve_path, sample_causal, \
+    sampler_path
+
+VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
+KEEP = "keep"          # RunSpec.swap / compile: the model's own (what it carries now), still judged by the doctor
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run asks for. path 'auto' | 'optimized' | 'reference'; cuda_graphs 'auto' | 'off'; fused_kernels,
+    fused_qkv, ops, keep_slower, linear: the optimized path's ``FastOptions``; compile: CompileSettings (or their
+    dict) of the blocks, None (eager) or KEEP (the model's own: a handle without compile settings keeps the model
+    as it is); swap: SwapSettings, None (no swap) or KEEP; plan: a VRAM plan whose swap applies when ``swap`` is
+    None; doctor: apply the doctor's verdicts (off only where a run checks the accelerated paths themselves);
+    oom_retry 'auto' | 'on' | 'off' (``memory.sampling_guard``); the first ones: the chunk loop's settings
+    (``sampling.sampler.causal_request``), the noise seeded by ``seed``."""
+    frames_per_block: int = 3
+    kv_window: int = -1
+    sink: int = 0
+    skip_last_refresh: bool = False
+    seed: int = 0
+    batch: int = 1
+    schedule: Any = "self_forcing"
+    path: str = "auto"
+    cuda_graphs: str = "auto"
+    fused_kernels: bool = True
+    fused_qkv: bool = True
+    ops: str = "auto"
+    keep_slower: bool = False
+    linear: str = "exact"
+    compile: Any = KEEP
+    swap: Any = KEEP
+    plan: Any = None
+    doctor: bool = True
+    oom_retry: str = "auto"
+
+    @classmethod
+    def for_handle(cls, handle, **fields) -> "RunSpec":
+        """The spec of a run on a model handle: its block swap (or its VRAM plan's) and its compile settings."""
+        from ..memory.block_swap import handle_swap_settings
+        fields.setdefault("swap", handle_swap_settings(handle))
+        fields.setdefault("plan", getattr(handle, "plan", None))
+        fields.setdefault("compile", getattr(handle, "compile_settings", None) or KEEP)
+        return cls(**fields)
+
+    def replace(self, **changes) -> "RunSpec":
+        return dataclasses.replace(self, **changes)
+
+    def fast_options(self) -> FastOptions:
+        return FastOptions(cuda_graphs=self.cuda_graphs, fused_kernels=bool(self.fused_kernels),
+                           fused_qkv=bool(self.fused_qkv), ops=self.ops, keep_slower=bool(self.keep_slower),
+                           linear=self.linear)
+
+    def plain(self) -> dict:
+        """The loop's settings as plain data (what another process rebuilds the spec from, with its own handle)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("compile", "swap", "plan")}
+
+
+@dataclass
+class Setup:
+    """What ``prepare_model`` did: the path to run (the spec's, after the run rules), the options of the optimized
+    path (None on the reference path), the lines said about the doctor's verdicts and its record (``gate.new_record``:
+    ``switched_off`` / ``failed_fallbacks`` {feature: why})."""
+    path: str
+    options: FastOptions | None
+    notes: list
+    record: dict
+    judged: bool = False
+
+    @property
+    def switched_off(self) -> dict:
+        return dict(self.record.get("switched_off", {}))
+
+
+@dataclass
+class Prepared:
+    """A run ready for the loop: ``sample_causal(model, request, inputs, hooks)`` (``run``)."""
+    request: Any
+    inputs: Any
+    hooks: SamplingHooks
+    setup: Setup
+
+    def run(self, model):
+        return sample_causal(model, self.request, self.inputs, self.hooks)
+
+
+def prepare_model(model, spec: RunSpec, *, log=None, notes: list | None = None, record: dict | None = None) -> Setup:
+    """Apply ``spec`` to ``model`` in the one fixed order (the module's doc) and return what the loop runs with.
+    ``log``: where the doctor's lines go (else the log); ``notes`` receives them too (a node's text)."""
+    from ..compile import uncompile_model
+    from ..compile.apply import compile_handle
+    from ..memory.block_swap import active_swap, ensure_block_swap
+    from .doctor.gate import gate_compile, gate_options, gate_swap, new_record
+    from .jobs.handle import _planned_swap
+    if spec.path not in PATHS:
+        raise ValueError(f"sampler must be one of {PATHS}, got {spec.path!r}")
+    lines = notes if notes is not None else []
+    record = record if record is not None else new_record()
+    path, note = path_for_linear(spec.path, spec.linear)                                   # (1) the run rules
+    if note:
+        lines.append(note)
+        if log is not None:
+            log(note)
+    cuda = torch.device(model.device).type == "cuda"
+    optimized = resolve_path(path, model.device, model=model)[0] == "optimized"
+    judged = bool(spec.doctor) and optimized
+    swap = spec.swap                                                                       # (2) VRAM plan, swap
+    if isinstance(swap, str) and swap == KEEP:
+        swap = getattr(active_swap(model), "settings", None)
+    elif swap is None:
+        swap = _planned_swap(spec.plan)
+    if judged and cuda:
+        swap = gate_swap(model, swap, log_fn=log, lines=lines, record=record)
+    if cuda or swap is None:
+        ensure_block_swap(model, swap, device=model.device)
+    settings = spec.compile                                                                # (3) compile
+    if isinstance(settings, str) and settings == KEEP:
+        settings = getattr(compile_handle(model), "settings", None)
+    if not optimized:
+        if uncompile_model(model) and log is not None:
+            log("reference sampler: removed the regional compile of an earlier optimized run")
+        return Setup(path, None, lines, record)
+    if judged and settings is not None:
+        settings = gate_compile(model, settings, log_fn=log, lines=lines, record=record)
+    if settings is None:
+        uncompile_model(model)       # eager: asked for, or the doctor judged compiled blocks wrong or slower here
+    compile_for_sampling(model, settings, log=log)
+    options = spec.fast_options()                                                          # (4) fast options
+    if judged:
+        options, switched = gate_options(model, options, log_fn=log, record=record)
+        lines.extend(line for line in switched if line not in lines)
+    return Setup(path, options, lines, record, judged)
+
+
+def prepare(model, spec: RunSpec, context, noise, *, setup: Setup | None = None, hooks: SamplingHooks | None = None,
+            generator: torch.Generator | None = None, log=None, notes: list | None = None, **inputs) -> Prepared:
+    """``prepare_model`` (unless ``setup`` says it was done), then the run's request, inputs and hooks. noise: the
+    initial noise [B, F, C, H, W], or its shape (each chunk's noise then drawn from ``spec.seed``'s generator);
+    generator: the re-noising draws' (default: seeded with ``spec.seed`` on the model's device); hooks: the
+    face's; its chunk_guard, else the out-of-memory retry of ``spec.oom_retry``; inputs: the other run tensors and
+    prompt arguments of ``sampling.sampler.causal_request`` (noise_provider, prefix, y, prompt_schedule, ...)."""
+    from ..memory.sampling_guard import oom_guard
+    setup = setup if setup is not None else prepare_model(model, spec, log=log, notes=notes)
+    hooks = hooks if hooks is not None else SamplingHooks()
+    shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
+    guard = hooks.chunk_guard
+    if guard is None:
+        guard = oom_guard(model, shape, spec.frames_per_block, mode=spec.oom_retry)
+    gen = generator if generator is not None else torch.Generator(device=model.device).manual_seed(int(spec.seed))
+    request, run_inputs, run_hooks = causal_request(
+        model, context, noise, spec.schedule, spec.frames_per_block, generator=gen, kv_window=spec.kv_window,
+        sink=spec.sink, skip_last_refresh=spec.skip_last_refresh, path=setup.path, fast_options=setup.options,
+        callback=hooks.callback, on_chunk=hooks.on_chunk, tracer=hooks.tracer, chunk_guard=guard,
+        on_chunk_latents=hooks.on_chunk_latents, report=hooks.report, **inputs)
+    if hooks.report is not None:                     # the verdicts applied: {feature: why}
+        hooks.report["switched_off"] = setup.switched_off
+    return Prepared(request, run_inputs, run_hooks, setup)
+
+
+def prepare_video(model, spec: RunSpec, context, width: int, height: int, num_frames: int, **kwargs) -> Prepared:
+    """``prepare`` of a video given in pixels (``num_frames`` 4k+1 video frames), after the one geometry check of
+    every entry point and the memory estimate (``latent_geometry``); the noise is drawn per chunk from the seed."""
+    lf, lh, lw = latent_geometry(model, width, height, num_frames, spec.frames_per_block, spec.kv_window, spec.sink,
+                                 spec.batch)
+    return prepare(model, spec, context, (spec.batch, lf, model.config.out_dim, lh, lw), **kwargs)
+
+
+def sample_video(model, spec: RunSpec, context, width: int, height: int, num_frames: int, **kwargs) -> torch.Tensor:
+    """Pixel-space request -> model-space latents [B, F, 16, H/8, W/8] (``prepare_video``, then the loop)."""
+    return prepare_video(model, spec, context, width, height, num_frames, **kwargs).run(model)
+
+
+def sample_video_with_state(model, spec: RunSpec, context, width: int, height: int, num_frames: int, *, state=None,
+                            keep_state: bool = True, state_device="cpu", setup: Setup | None = None,
+                            hooks: SamplingHooks | None = None, log=None, notes: list | None = None, **inputs):
+    """``sample_video`` that can continue a video: ``num_frames`` is the video length to reach (4k+1 video frames);
+    with ``state`` (a ``SamplerState``) only the frames after it are sampled, exactly as one long run would have.
+    Returns (latents of the new frames [B, n, 16, H/8, W/8], the state after them or None when ``keep_state`` is
+    off; kept on ``state_device``, the CPU by default, between prompts)."""
+    from ..memory.sampling_guard import oom_guard
+    from ..sampling.continuation import sample_continuable
+    setup = setup if setup is not None else prepare_model(model, spec, log=log, notes=notes)
+    hooks = hooks if hooks is not None else SamplingHooks()
+    lf, lh, lw = latent_geometry(model, width, height, num_frames, spec.frames_per_block, spec.kv_window, spec.sink,
+                                 spec.batch)
+    guard = hooks.chunk_guard or oom_guard(model, (spec.batch, lf, model.config.out_dim, lh, lw),
+                                           spec.frames_per_block, mode=spec.oom_retry)
+    return sample_continuable(model, context, lf, lh, lw, seed=spec.seed, batch=spec.batch, schedule=spec.schedule,
+                              frames_per_block=spec.frames_per_block, kv_window=spec.kv_window, sink=spec.sink,
+                              state=state, keep_state=keep_state, state_device=state_device,
+                              skip_last_refresh=spec.skip_last_refresh, path=setup.path, fast_options=setup.options,
+                              callback=hooks.callback, on_chunk=hooks.on_chunk, report=hooks.report,
+                              on_chunk_latents=hooks.on_chunk_latents, chunk_guard=guard, **inputs)
+
+
+@contextlib.contextmanager
+def prepared_sampling(model, spec: RunSpec | None = None, notes: list | None = None, log=None):
+    """For loops that call ``sample_causal`` themselves (Matrix-Game-2, play sessions, continuations): within the
+    block, calls left on path 'auto' run with ``prepare_model``'s path and options. An enclosing ``sampler_path``
+    block (``generate --model-kind matrix-game2 --linear fp8``) gives the path and options when the spec leaves
+    them at their defaults; its reference path stays."""
+    spec = spec if spec is not None else RunSpec()
+    outer = current_path()
+    if outer is not None and spec.path == "auto":
+        path, given = outer
+        given = FastOptions.coerce(given)
+        spec = spec.replace(path=path, cuda_graphs=given.cuda_graphs, fused_kernels=given.fused_kernels,
+                            fused_qkv=given.fused_qkv, ops=given.ops, keep_slower=given.keep_slower,
+                            linear=given.linear)
+    setup = prepare_model(model, spec, log=log, notes=notes)
+    with sampler_path(setup.path, setup.options):
+        yield setup
+
+
+def latent_frames(video_frames: int) -> int:
+    """Video frames -> latent frames, (n - 1) / 4 + 1; clear error when n is not 4k + 1."""
+    if video_frames < 1 or (video_frames - 1) % VAE_TIME_STRIDE:
+        k = max(0, (video_frames - 1) // VAE_TIME_STRIDE)
+        raise ValueError(f"{video_frames} video frames is not 4k+1 (the Wan VAE packs 4 frames per latent "
+                         f"frame after the first); use {VAE_TIME_STRIDE * k + 1} or "
+                         f"{VAE_TIME_STRIDE * (k + 1) + 1}")
+    return (video_frames - 1) // VAE_TIME_STRIDE + 1
+
+
+def latent_size(height: int, width: int, patch=(2, 2)) -> tuple[int, int]:
+    """Pixel size -> latent size (/8); must be divisible by 8 * patch (16 for Wan 2.1)."""
+    mh, mw = VAE_SPACE_STRIDE * patch[0], VAE_SPACE_STRIDE * patch[1]
+    if height % mh or width % mw or height <= 0 or width <= 0:
+        raise ValueError(f"width x height {width}x{height} must be positive multiples of {mw}x{mh}")
+    return height // VAE_SPACE_STRIDE, width // VAE_SPACE_STRIDE
+
+
+def latent_geometry(model, width: int, height: int, num_frames: int, frames_per_block: int, kv_window: int = -1,
+                    sink: int = 0, batch: int = 1) -> tuple:
+    """(latent frames, latent height, latent width), after the one geometry check of every entry point (4k+1
+    frames, multiples of 16, whole blocks, window and sink; its advice passes it) and the memory estimate of the
+    run on the model's device (``validate.check_fits``: refused before any tensor is made). The command line and
+    the nodes check both earlier with their own input names; repeating them here costs one memory query."""
+    from ..model.attachments import seq_parallel_of
+    from .validate import check_fits, check_geometry
+    names = {"frames": "num_frames"}
+    check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names)
+    sp = seq_parallel_of(model)
+    check_fits(model.config.to_dict(), num_frames, height, width, device=model.device,
+               dtype=str(model.compute_dtype), frames_per_block=frames_per_block, kv_window=kv_window,
+               batch=batch, names=names, world=sp.world if sp is not None else 1)
+    return latent_frames(num_frames), *latent_size(height, width, model.config.patch_size[1:])
+
+
+def compile_for_sampling(model, settings, log=None) -> str | None:
+    """Regional compile of the blocks for the optimized sampler (None settings: nothing); returns the mode."""
+    if settings is None:
+        return None
+    from ..compile import uncompile_model
+    from ..compile.apply import compile_handle, compile_model
+    from ..compile.presets import graph_safe_settings
+    from ..compile.settings import coerce_settings
+    s = coerce_settings(settings)
+    if s.scope != "blocks":
+        if log is not None:
+            log("compile scope set to 'blocks' (the optimized path calls the blocks directly)")
+        s = s.replace(scope="blocks")
+    safe, note = graph_safe_settings(s)         # the sampler's own CUDA graphs stay in charge of capture
+    if note and log is not None:
+        log(note)
+    if safe is None:
+        uncompile_model(model)
+        return s.backend
+    handle = compile_handle(model)
+    if handle is None or handle.settings != safe:
+        compile_model(model, safe)
+    return safe.mode if safe.backend == "inductor" else safe.backend

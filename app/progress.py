@@ -1,0 +1,35 @@
+"""What a long command is doing now, one line at a time on stderr: the stage, the variant, the chunk, what is being
+timed, and the seconds since the command started. stdout keeps the command's result (its table or JSON) as it is,
+so ``--json > out.json`` still gives one JSON document while the terminal shows the progress.
+
+``WAN_ACCEL_QUIET=1`` silences these lines (errors and warnings are still printed)."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+QUIET_ENV = "WAN_ACCEL_QUIET"
+
+
+def quiet() -> bool:
+    return os.environ.get(QUIET_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+class Progress:
+    """``progress = Progress("bench sampler"); progress("optimized: timed run 1/2")`` prints
+    ``bench sampler [  3.2 s]: optimized: timed run 1/2`` on stderr (at call time: a redirected stderr is honoured)."""
+
+    def __init__(self, command: str, enabled: bool = True):
+        self.command, self.enabled, self.t0 = command, enabled, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        if not self.enabled or quiet():
+            return
+        print(f"{self.command} [{time.perf_counter() - self.t0:6.1f} s]: {what}", file=sys.stderr, flush=True)
+
+    def chunks(self, what: str):
+        """An ``on_chunk(chunk_index, num_chunks)`` callback printing ``what: chunk i/n done``."""
+        def on_chunk(ci: int, n: int) -> None:
+            self(f"{what}: chunk {ci + 1}/{n} done")
+        return on_chunk

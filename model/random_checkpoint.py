@@ -1,0 +1,80 @@
+"""Random Wan checkpoints in the layouts ComfyUI loads (``bench native``, app/bench/native.py): the DiT's tensors
+under their official names, drawn on any device; ComfyUI's scaled fp8 layout (current and legacy); one random LoRA
+in the keys ComfyUI maps on a WAN model; and the safetensors writer. The metadata that makes core load a file as
+``WAN21_CausalAR`` is ``checkpoint.core_causal_metadata``."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from .checkpoint import expected_shapes
+from .tiny import shape_values
+
+# the block linear weights ComfyUI's fp8_scaled Wan files store in fp8 (and a Wan LoRA adapts)
+BLOCK_LINEAR = re.compile(r"^blocks\.\d+\.((self_attn|cross_attn)\.(q|k|v|o)|ffn\.(0|2))\.weight$")
+FP8_MAX = 448.0             # the largest float8 e4m3fn value
+
+
+def random_weights(config, seed: int, device, dtype) -> dict:
+    """The DiT's tensors (official names) drawn on ``device`` (float32 normals shaped by kind, model/tiny.py), cast
+    to ``dtype`` one tensor at a time."""
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    out = {}
+    with torch.no_grad():
+        for name, shape in sorted(expected_shapes(config).items()):
+            w = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+            out[name] = shape_values(name, w).to(dtype)
+    return out
+
+
+def fp8_scaled(weights: dict, legacy: bool = False, device=None) -> tuple:
+    """(tensors, metadata) of ComfyUI's scaled fp8 layout: each block linear weight as float8 e4m3fn divided by a
+    float32 per-tensor scale (absmax / 448), the scale beside it. Current layout: ``<layer>.weight_scale`` and the
+    ``_quantization_metadata`` header (``{"format_version": "1.0", "layers": {layer: {"format":
+    "float8_e4m3fn"}}}``); legacy: ``<layer>.scale_weight`` and an empty float8 ``scaled_fp8`` marker tensor.
+    ``device``: where each tensor is converted (a GPU: fast at full size); the results stay where the weights are."""
+    out, layers = {}, {}
+    for name, w in weights.items():
+        if not BLOCK_LINEAR.match(name):
+            out[name] = w
+            continue
+        layer = name[:-len(".weight")]
+        wf = w.to(device or w.device).float()
+        scale = (wf.abs().amax() / FP8_MAX).clamp(min=1e-12)
+        out[name] = (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(w.device)
+        out[f"{layer}.scale_weight" if legacy else f"{layer}.weight_scale"] = scale.reshape(()).float().to(w.device)
+        layers[layer] = {"format": "float8_e4m3fn"}
+    meta = {}
+    if legacy:
+        out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn, device=next(iter(weights.values())).device)
+    else:
+        meta["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
+    return out, meta
+
+
+def random_lora(weights: dict, rank: int, seed: int) -> dict:
+    """One LoRA on every block linear in the keys ComfyUI maps on a WAN model (``diffusion_model.<layer>.lora_A /
+    lora_B .weight``, ``<layer>.alpha`` = rank, so the scale is 1), bf16; its update about a quarter of the weight's
+    spread."""
+    gen = torch.Generator().manual_seed(int(seed) + 7)
+    out = {}
+    for name, w in sorted(weights.items()):
+        if not BLOCK_LINEAR.match(name):
+            continue
+        layer, (n_out, n_in) = name[:-len(".weight")], tuple(w.shape)
+        down = torch.randn(rank, n_in, generator=gen) / n_in ** 0.5
+        up = 0.25 * torch.randn(n_out, rank, generator=gen) / rank ** 0.5
+        out[f"diffusion_model.{layer}.lora_A.weight"] = down.to(torch.bfloat16)
+        out[f"diffusion_model.{layer}.lora_B.weight"] = up.to(torch.bfloat16)
+        out[f"diffusion_model.{layer}.alpha"] = torch.tensor(float(rank))
+    return out
+
+
+def write_file(path: Path, tensors: dict, metadata: dict) -> float:
+    """Write tensors (moved to the CPU) as safetensors; returns the file's size in MiB."""
+    from safetensors.torch import save_file
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    return round(path.stat().st_size / 2 ** 20, 2)

@@ -1,0 +1,232 @@
+"""One door for every run (app/prepare.py): every face reaches the sampling loop with the doctor's verdicts applied,
+the Wan Accel AR Sampler on ComfyUI's own MODEL included, and one spec gives the same video through every face that
+can express it. ComfyUI is stood in for as in test_native_sampler.py (guider and BaseModel) and test_play_mode.py
+(the play registry, events and decoder); the gate's CUDA-only condition (on CUDA 'auto' means the optimized path,
+which the doctor judges) is stood in for by resolving 'auto' as on CUDA, and the doctor by a verdict that switches
+fused q/k/v off."""
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from wan_accel.app import prepare
+from wan_accel.app.doctor import gate
+from wan_accel.model.tiny import TINY_CONFIG
+from wan_accel.sampling import sampler
+
+from .test_native_sampler import _native
+
+WHY = "wrong numbers: the test's stand-in verdict"
+EPS32 = torch.finfo(torch.float32).eps
+
+
+class _Verdicts:
+    """The doctor, stood in: fused q/k/v failed its check on this machine; everything else passed."""
+
+    def why_off(self, name):
+        return WHY if name == "fused_qkv" else None
+
+    def availability(self, name):
+        return None
+
+
+@pytest.fixture
+def reached(monkeypatch):
+    """The requests that reached the chunk loop, with 'auto' resolved as on CUDA and the stand-in verdicts."""
+    real_resolve, real_loop = sampler.resolve_path, sampler.run_chunks
+
+    def as_on_cuda(path, device, tracer=None, model=None):
+        ctx = sampler.current_path()
+        asked = ctx[0] if path == "auto" and ctx is not None else path
+        chosen, options = real_resolve(path, device, tracer, model)
+        if asked == "auto" and tracer is None and "forward_chunk" not in getattr(model, "__dict__", {}):
+            chosen = "optimized"
+        return chosen, options
+
+    seen = []
+
+    def loop(model, executor, req, inputs, hooks):
+        seen.append(req)
+        return real_loop(model, executor, req, inputs, hooks)
+    monkeypatch.setattr(sampler, "resolve_path", as_on_cuda)
+    monkeypatch.setattr(prepare, "resolve_path", as_on_cuda)
+    monkeypatch.setattr(gate, "model_doctor", lambda model, doctor=None: _Verdicts())
+    monkeypatch.setattr(sampler, "run_chunks", loop)
+    return seen
+
+
+def _tiny_handle():
+    from wan_accel.app.jobs.handle import load_model_handle
+    return load_model_handle(None, "fp32", "float32", "sdpa", device="cpu")
+
+
+def _context(seed=4):
+    return torch.randn(1, 5, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------------- the faces
+def native_sampler(_tmp):
+    from wan_accel.model.tiny import tiny_causal_model
+    from wan_accel.nodes.native_engine import sample_wan_accel
+    from wan_accel.sampling.scheduler import resolve_schedule
+    model_k, _ = _native(tiny_causal_model(seed=2), _context())
+    x = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(5))
+    report: dict = {}
+    sample_wan_accel(model_k, x, torch.tensor(resolve_schedule("self_forcing").sigmas()), extra_args={"seed": 1},
+                     report=report)
+    assert report["switched_off"] == {"fused_qkv": WHY}           # the sampler's report names the verdicts
+
+
+def sampler_node(_tmp):
+    from wan_accel.nodes.model_nodes import CausalWanSampler
+    out = CausalWanSampler().sample(_tiny_handle(), 32, 32, 9, 1, "self_forcing", 3, -1, 0)
+    assert "fused_qkv is switched off" in out["ui"]["text"][0]
+
+
+def generate_library(_tmp):
+    prepare.sample_video(_tiny_handle().model, prepare.RunSpec(seed=1), _context(), 32, 32, 9)
+
+
+def generate_job(tmp):
+    from wan_accel.app.jobs.generate import GenerateOptions, run_generate
+    report = run_generate(GenerateOptions(out_dir=str(tmp), frames=9, height=32, width=32, preview=False),
+                          log=lambda *_a: None)
+    assert report["features"]["switched_off"] == {"fused_qkv": WHY}
+
+
+def mg2_node(_tmp):
+    from wan_accel.app.jobs.mg2 import load_mg2_handle
+    from wan_accel.nodes.mg2_nodes import GameActions, MatrixGame2Sampler
+    handle = load_mg2_handle(None, dtype="fp32", device="cpu", seed=3)
+    actions = GameActions().build("W*8, idle*4", "universal")["result"][0]
+    clip = SimpleNamespace(penultimate_hidden_states=torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(1)))
+    MatrixGame2Sampler().sample(handle, {"samples": torch.randn(1, 16, 1, 8, 8)}, clip, actions, seed=1)
+
+
+def mg2_job(tmp):
+    from wan_accel.app.jobs.mg2 import MG2Options, run_mg2_generate
+    run_mg2_generate(MG2Options(out_dir=str(tmp), frames=3, device="cpu", preview=False), log=lambda *_a: None)
+
+
+def _play_env(monkeypatch):
+    from wan_accel.app.play import registry as play_registry
+    from wan_accel.app.play.registry import PlayRegistry
+    from wan_accel.nodes import play_nodes, streaming_decode
+    registry = PlayRegistry(reaper=False)
+    monkeypatch.setattr(play_registry, "REGISTRY", registry)
+    monkeypatch.setattr(streaming_decode, "WanStreamDecoder", lambda vae: None)     # ComfyUI's decoder: not here
+    monkeypatch.setattr(play_nodes, "send_play_event", lambda *a, **k: None)
+    return registry
+
+
+def mg2_play(_tmp, monkeypatch):
+    from wan_accel.nodes import play_nodes
+    from wan_accel.nodes.model_nodes import TINY_MG2_NAME, CausalWanModelLoader
+    registry = _play_env(monkeypatch)
+    (handle,) = CausalWanModelLoader().load(TINY_MG2_NAME, "fp32", "float32", "sdpa")
+    start = {"samples": torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(4))}
+    sid = play_nodes.MatrixGame2PlaySession().start(handle, object(), start, seed=11)["result"][0]
+    try:
+        out = play_nodes.MatrixGame2PlayStep().step(sid, "w")
+        assert any("fused_qkv is switched off" in line for line in out["ui"]["text"])
+    finally:
+        registry.clear()
+
+
+def prompt_play(_tmp, monkeypatch):
+    from wan_accel.nodes.prompt_nodes import CausalWanPromptPlaySession, CausalWanPromptPlayStep
+    registry = _play_env(monkeypatch)
+    sid = CausalWanPromptPlaySession().start(_tiny_handle(), object(), "a cat", width=32, height=32, seed=5,
+                                             frames_per_block=3, kv_window=-1, sink=0)["result"][0]
+    try:
+        out = CausalWanPromptPlayStep().step(sid, "")
+        assert any("fused_qkv is switched off" in line for line in out["ui"]["text"])
+    finally:
+        registry.clear()
+
+
+def bench_sampler(_tmp, capsys):
+    from wan_accel.app.bench import sampler as bench
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--variants", "optimized", "--no-parity", "--repeat", "1", "--frames", "9",
+                              "--height", "32", "--width", "32", "--device", "cpu", "--json"])
+    assert bench.run(args) == 0
+    json.loads(capsys.readouterr().out)
+
+
+def profile(_tmp):
+    from wan_accel.app.jobs import profile_targets as targets
+    target = targets.ProfileTarget(device="cpu").resolved()
+    model = targets.load_model(target)
+    targets.sampler_call(model, target, targets.make_inputs(model, target))()
+
+
+FACES = {f.__name__: f for f in (native_sampler, sampler_node, generate_library, generate_job, mg2_node, mg2_job,
+                                 mg2_play, prompt_play, bench_sampler, profile)}
+
+
+@pytest.mark.parametrize("face", list(FACES))
+def test_every_face_reaches_the_loop_with_the_doctors_verdicts(face, reached, tmp_path, monkeypatch, capsys):
+    fn = FACES[face]
+    extra = {"monkeypatch": monkeypatch} if face in ("mg2_play", "prompt_play") else {}
+    if face == "bench_sampler":
+        extra = {"capsys": capsys}
+    fn(tmp_path, **extra)
+    assert reached, f"{face} never reached the loop"
+    for req in reached:
+        assert req.path == "optimized", (face, req.path)
+        assert "fused_qkv" in req.options.switched_off, (face, req.options)
+
+
+# ------------------------------------------------------------------------------------------- one spec, one video
+SEED, FRAMES, SIZE = 7, 21, 32          # 21 video frames: 6 latent frames, two 3-frame chunks of 4x4 latents
+
+
+def _draws(steps: int):
+    """The draws of a seeded run in the loop's order (each chunk's initial noise, then its re-noising), split as
+    the native sampler takes them: the noised latent and the recorded re-noising draws."""
+    g = torch.Generator().manual_seed(SEED)
+    shape, inits, rec = (1, 3, 16, SIZE // 8, SIZE // 8), [], {}
+    for ci in range(2):
+        inits.append(torch.randn(shape, generator=g))
+        for k in range(steps - 1):
+            rec[f"extra_noise.block{ci}.step{k}"] = torch.randn(shape, generator=g)
+    return torch.cat(inits, 1), rec
+
+
+@pytest.mark.parametrize("path", ["reference", "optimized"])
+def test_one_spec_gives_the_same_video_through_every_face(path, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from wan_accel.app.jobs.generate import GenerateOptions, run_generate
+    from wan_accel.nodes.model_nodes import CausalWanSampler
+    from wan_accel.nodes.native_engine import RECORDED_NOISE_KEY, sample_wan_accel
+    from wan_accel.sampling.scheduler import resolve_schedule
+    from wan_accel.vae.latents import to_vae_latents
+    handle, ctx = _tiny_handle(), _context()
+    spec = prepare.RunSpec(path=path, seed=SEED)
+    library = prepare.sample_video(handle.model, spec, ctx, SIZE, SIZE, FRAMES)
+
+    node = CausalWanSampler().sample(handle, SIZE, SIZE, FRAMES, SEED, "self_forcing", 3, -1, 0, positive=[[ctx, {}]],
+                                     sampler=path)[0]["samples"]
+    assert torch.equal(node, to_vae_latents(library))
+
+    save_file({"context": ctx}, str(tmp_path / "text.safetensors"))
+    run_generate(GenerateOptions(out_dir=str(tmp_path), text_embeds=str(tmp_path / "text.safetensors"),
+                                 frames=FRAMES, height=SIZE, width=SIZE, seed=SEED, sampler=path, preview=False),
+                 log=lambda *_a: None)
+    assert torch.equal(load_file(str(tmp_path / "latents.safetensors"))["latents"], library)
+
+    sched = resolve_schedule("self_forcing")
+    noise, rec = _draws(len(sched.timesteps))
+    model_k, _ = _native(handle.model, ctx)
+    native = sample_wan_accel(model_k, noise.movedim(1, 2), torch.tensor(sched.sigmas()),
+                              extra_args={"seed": SEED, "model_options": {"transformer_options": {
+                                  RECORDED_NOISE_KEY: rec}}}, frames_per_block=3, path=path).movedim(1, 2)
+    assert native.shape == library.shape
+    torch.testing.assert_close(native, library, rtol=0, atol=64 * EPS32 * float(library.abs().max()))
