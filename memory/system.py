@@ -99,7 +99,13 @@ def memory_limit() -> int | None:
     """The most memory (bytes) a run may count on, from ``WAN_ACCEL_MEMORY_LIMIT_GB`` (GiB, a positive number):
     caps the available host RAM and the free VRAM every estimate and plan uses, to keep memory for other programs.
     None when unset; ValueError naming the variable when it is not a positive number."""
-    raw = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    return _gib_env(MEMORY_LIMIT_ENV, 24, "use all the memory there is")
+
+
+def _gib_env(name: str, example: int, unset_means: str) -> int | None:
+    """Bytes from the environment variable ``name`` holding a positive number of GiB; None when unset; ValueError
+    naming the variable, an example and what unsetting it means when it holds anything else."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return None
     try:
@@ -107,8 +113,8 @@ def memory_limit() -> int | None:
     except ValueError:
         value = float("nan")
     if not value > 0 or value == float("inf"):
-        raise ValueError(f"{MEMORY_LIMIT_ENV} must be a positive number of GiB (e.g. 24), got {raw!r}; unset it "
-                         f"to use all the memory there is")
+        raise ValueError(f"{name} must be a positive number of GiB (e.g. {example}), got {raw!r}; unset it to "
+                         f"{unset_means}")
     return int(value * GiB)
 
 
@@ -121,17 +127,7 @@ def vram_cap() -> int | None:
     this process holds as free, so every face's VRAM plan (nodes, command line, benches) decides block swap, KV
     window and VAE chunks for that card; ``apply_vram_cap`` also caps the CUDA caching allocator to it. None when
     unset; ValueError naming the variable when it is not a positive number."""
-    raw = os.environ.get(VRAM_CAP_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{VRAM_CAP_ENV} must be a positive number of GiB (e.g. 12), got {raw!r}; unset it to "
-                         f"plan for the whole card")
-    return int(value * GiB)
+    return _gib_env(VRAM_CAP_ENV, 12, "plan for the whole card")
 
 
 def apply_vram_cap(cap_gb: float | None = None, device=None) -> dict:

@@ -289,22 +289,16 @@ def _faces_refuse(text, words, tmp_path, handle):
     assert clip.encoded == []                           # refused before anything was encoded
 
 
-@pytest.mark.parametrize("name", list(AMBIGUOUS))
-def test_ambiguous_schedule_text_is_refused_by_every_face(name, tmp_path, handle, env):
-    text, words = AMBIGUOUS[name]
+@pytest.mark.parametrize("table,name", [("ambiguous", n) for n in AMBIGUOUS] +
+                         [("weights", n) for n in WEIGHTS_REFUSED])
+def test_ambiguous_text_and_weights_no_float_holds_are_refused_by_every_face(table, name, tmp_path, handle, env):
+    text, words = (AMBIGUOUS if table == "ambiguous" else WEIGHTS_REFUSED)[name]
     _faces_refuse(text, words, tmp_path, handle)
     with pytest.raises(ValueError) as err:
         _start(handle, text)
     assert str(err.value).startswith("prompt") and len(env) == 0
-
-
-@pytest.mark.parametrize("name", list(WEIGHTS_REFUSED))
-def test_weights_no_float_holds_are_refused_by_every_face(name, tmp_path, handle, env):
-    text, words = WEIGHTS_REFUSED[name]
-    _faces_refuse(text, words, tmp_path, handle)
-    with pytest.raises(ValueError) as err:
-        _start(handle, text)
-    assert str(err.value).startswith("prompt") and all(w in str(err.value) for w in words) and len(env) == 0
+    if table == "weights":
+        assert all(w in str(err.value) for w in words)
 
 
 @pytest.mark.parametrize("text", WEIGHTS_TAKEN)
