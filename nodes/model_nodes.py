@@ -44,6 +44,13 @@ OPS_TOOLTIP = ("Which implementation runs LayerNorm+modulate and RMSNorm+RoPE on
                "torch elsewhere. pack: the pack's fused Triton kernels. kitchen: comfy-kitchen's backends (needs "
                "comfy-kitchen). torch: plain torch. A choice that cannot run here stops with the reason.")
 
+LINEAR_TOOLTIP = ("exact (default), or fp8 (opt-in, approximate: within a stated error of exact, docs/sampler.md: "
+                  "Fidelity): the blocks' linear layers run fp8 copies of their weights. Judged per layer group "
+                  "against exact on this GPU before the first chunk: only the groups measured faster run fp8, the "
+                  "others (or all) stay exact. Needs the optimized sampler path (auto means optimized with it; the "
+                  "reference path is refused).")
+LINEAR_CHOICES = ["exact", "fp8"]
+
 
 def _lora_input():
     """The loader's lora widget: ComfyUI's loras folder (safetensors files), or a path outside ComfyUI."""
@@ -405,6 +412,7 @@ class CausalWanSampler:
                 "clip": ("CLIP", {"tooltip": "The text encoder (umt5-xxl) that encodes prompt_schedule's prompts; "
                                   "not needed by the built-in tiny model."}),
                 "ops": (["auto", "pack", "kitchen", "torch"], {"default": "auto", "tooltip": OPS_TOOLTIP}),
+                "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
                 "continue_from": ("CAUSALWAN_STATE", {"tooltip":
                                   "A state from an earlier sampler with keep_state on: go on from where it stopped, "
                                   "exactly as one long run. num_frames is then the total length to reach, seed is "
@@ -415,12 +423,13 @@ class CausalWanSampler:
     def sample(self, model, width, height, num_frames, seed, preset, frames_per_block, kv_window, sink,
                positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False,
                sampler="auto", keep_state=False, continue_from=None, prompt_schedule="", recache="switch", clip=None,
-               ops="auto"):
+               ops="auto", linear="exact"):
         from ..profiling.session import maybe_profile
         from ..app.prepare import RunSpec, prepare_model, sample_video, sample_video_with_state
         from ..sampling.request import SamplingHooks
         from ..app.jobs.preview import to_vae_latents
         from ..app.validate import MAX_SEED, check_fits, check_geometry, check_int, check_schedule_args
+        from ..sampling.sampler import path_for_linear
         from ..sampling.scheduler import resolve_schedule
         seed = check_int("seed", seed, 0, MAX_SEED)
         if preset == "custom":
@@ -443,9 +452,12 @@ class CausalWanSampler:
         if sampler not in SAMPLER_CHOICES:
             raise ValueError(f"sampler must be one of {list(SAMPLER_CHOICES)}, got {sampler!r}")
         path, graphs, fused = SAMPLER_CHOICES[sampler]
+        if linear not in LINEAR_CHOICES:
+            raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
+        path_for_linear(path, linear, names=("sampler", "linear"))      # the CLI's one rule, in the node's words
         doctor_notes: list = []
         spec = RunSpec.for_handle(model, path=path, cuda_graphs=graphs, fused_kernels=fused,
-                                  ops=_check_ops(ops, path, model), schedule=schedule,
+                                  ops=_check_ops(ops, path, model), linear=linear, schedule=schedule,
                                   frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
                                   skip_last_refresh=bool(skip_last_refresh), seed=seed)
         setup = prepare_model(model.model, spec, notes=doctor_notes)    # the doctor's verdicts, swap, compile

@@ -220,14 +220,15 @@ def _progress(callback, sigmas, step_callback=None):
 def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=None, frames_per_block: int = 3,
                      kv_window: int = -1, sink: int = 0, path: str = "auto", cuda_graphs: bool = True,
                      oom_retry: str = "auto", step_callback=None, report: dict | None = None, attention: str = "auto",
-                     **_):
+                     linear: str = "exact", **_):
     """KSAMPLER function: chunk-autoregressive sampling of x [B, C, T, H, W] over ``sigmas``. A frame count that is
     not whole blocks ends with a shorter block, as core's sampler. The sigmas are read from the device once.
     ``oom_retry`` ('auto': CUDA only, 'on', 'off'): on out of memory in a block, swap more of ComfyUI's blocks to
     the host and redo the block. ``step_callback(chunk, step, chunks, steps, x0)`` (profiling) and ``report``
     (a dict: what the run did, with ``fused_qkv_off``, why q/k/v ran as three GEMMs, ``attention``, and
     ``switched_off``, the doctor's verdicts applied: {feature: why}) are for tools. ``attention``: the backend
-    request of model/attention.py ('auto', 'sdpa', 'int8', ...), on both paths."""
+    request of model/attention.py ('auto', 'sdpa', 'int8', ...), on both paths. ``linear``: 'exact' or 'fp8' (the
+    optimized path's fp8 linear layers, as ``generate --linear``; the reference path refuses it)."""
     extra_args = extra_args or {}
     if x.ndim != 5:
         raise ValueError(f"Wan Accel AR Sampler needs a video latent [B, C, T, H, W]; got shape {tuple(x.shape)}. "
@@ -268,7 +269,8 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     run = {} if report is None else report
     prompts, kv_window = schedule_cache(positive_schedule(guider), int(frames_per_block), int(kv_window), int(sink))
     spec = RunSpec(path=path, cuda_graphs="auto" if cuda_graphs and not swapped else "off",
-                   fused_qkv=fused_off is None, compile=native_compile_settings(guider, options), schedule=schedule,
+                   fused_qkv=fused_off is None, compile=native_compile_settings(guider, options), linear=linear,
+                   schedule=schedule,
                    frames_per_block=int(frames_per_block), kv_window=int(kv_window), sink=int(sink), seed=seed,
                    oom_retry=oom_retry if manager.swap_allowed else "off")
     hooks = SamplingHooks(callback=_progress(callback, sigmas, step_callback), chunk_guard=guard, report=run)

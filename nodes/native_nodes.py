@@ -3,6 +3,8 @@ drop-in for core's SamplerARVideo), the released causal schedules as SIGMAS, and
 re-noising draws, text) to replay an official output."""
 from __future__ import annotations
 
+from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP    # torch-free: the sampler nodes' one linear widget
+
 # the sampling modules import torch: they load when a node's inputs are listed or it runs, not at import
 
 CATEGORY = "wan_accel/native"
@@ -41,21 +43,26 @@ class WanAccelARSampler:
                           "pack's torch version elsewhere), close to exact but not equal (docs/sampler.md: Fidelity). fp8 "
                           "(opt-in): keys and values smoothed, Q/K in int8, V and P in fp8 (the pack's kernel on "
                           "GPUs of SM 8.9+), within a stated error of exact."}),
+            "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
         }}
 
-    def get_sampler(self, frames_per_block=3, kv_window=-1, sink=0, path="auto", cuda_graphs=True, attention="auto"):
+    def get_sampler(self, frames_per_block=3, kv_window=-1, sink=0, path="auto", cuda_graphs=True, attention="auto",
+                    linear="exact"):
         import comfy.samplers
         from ..model.attention import BACKENDS
         from ..app.validate import check_window
-        from ..sampling.sampler import PATHS
+        from ..sampling.sampler import PATHS, path_for_linear
         from .native_engine import sample_wan_accel
         if path not in PATHS:
             raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
         if attention not in BACKENDS:
             raise ValueError(f"attention must be one of {list(BACKENDS)}, got {attention!r}")
+        if linear not in LINEAR_CHOICES:
+            raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
+        path_for_linear(path, linear, names=("path", "linear"))     # the CLI's one rule, in the node's words
         check_window(frames_per_block, kv_window, sink)     # the one window check: kv_window 0 is refused here
         options = {"frames_per_block": int(frames_per_block), "kv_window": int(kv_window), "sink": int(sink),
-                   "path": path, "cuda_graphs": bool(cuda_graphs), "attention": attention}
+                   "path": path, "cuda_graphs": bool(cuda_graphs), "attention": attention, "linear": linear}
         return (comfy.samplers.KSAMPLER(sample_wan_accel, extra_options=options),)
 
 

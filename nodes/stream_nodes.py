@@ -134,16 +134,18 @@ class CausalWanSamplerDecode(CausalWanSampler):
         self._lockstep = _DecodeInLockstep(decoder, unique_id, bool(live_preview),
                                            keep_walk=bool(given.get("keep_state")), skip=skip)
         try:
-            latent, state = super().sample(model, *args, **kwargs)
+            out = super().sample(model, *args, **kwargs)
         finally:
             self._lockstep.decoder.release()
+        ui = out.get("ui") if isinstance(out, dict) else None      # the sampler's notes (doctor, linear fp8 path)
+        latent, state = out["result"] if isinstance(out, dict) else out
         run = self._lockstep
         if state is not None and run.walk is not None:
             state = dataclasses.replace(state, extra=dict(state.extra or {}, decoder=run.walk))
         self.last_report = dict(getattr(self, "last_report", {}), first_frames_s=run.first_frames_s,
                                 chunk_s=run.chunk_s, decode_s=run.decode_s)
         images = torch.cat(run.parts, 0) if run.parts else torch.zeros(0, 8, 8, 3)
-        return images, latent, state
+        return {"ui": ui, "result": (images, latent, state)} if ui else (images, latent, state)
 
     def _chunk_latents(self):
         return self._lockstep.chunk_latents

@@ -12,7 +12,9 @@ prepares one sampling run and returns a ``Run``, the executor the chunk loop (``
 * refresh passes that skip the last block's unused work and the head;
 * under ``linear='fp8'`` (opt-in, approximate): an fp8 copy of every block linear layer's weight
   (``model/fp8_linear.py``), kept while the weights do not change, made only after the speed verdict (read from
-  the operator store, or measured once) says fp8 is not slower at the run's largest call.
+  the operator store, or measured once) says fp8 is not slower at the run's largest call;
+* under ``attention='fp8'`` (opt-in, approximate): the KV cache's fp8 copy, likewise made only after fp8
+  attention's speed verdict at the run's largest self-attention call says it is not slower.
 
 The block forward is the model's own (``model/blocks.py``); only the parts differ from the reference executor. What
 the policy floors did to the model (block swap, compile) is read through ``model/attachments.py``: the model is
@@ -198,6 +200,7 @@ def largest_call(batch: int, chunks, frame_tokens: int) -> int:
     return batch * max((n for _f0, n in chunks), default=0) * frame_tokens
 
 
+SPEED_FIELDS = {"int8": "int8_speed", "fp8": "fp8_attention_speed"}   # the report field of each attention verdict
 GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune", "cudagraphs")
 
 
@@ -354,7 +357,6 @@ class FastRunner:
             sess.graphs.release()
             sess.graphs = None
         kernels = kernels_part(options, device)
-        sess.kv.use_fp8(attention_part == "fp8")     # fp8 attention: K/V quantized once, as they enter the cache
         parts = BlockParts(attention_part, kernels, bool(options.fused_qkv), ops_part(options, device, kernels),
                            linear)
         self.runs += 1
@@ -364,6 +366,14 @@ class FastRunner:
             "compile": compile_mode, "cuda_graphs": graph_reason is None,
             "cuda_graphs_reason": graph_reason or "on", "swapped_blocks": len(swapped), "linear": linear,
             **linear_info, "notes": self.notes})
+        if attention_part == "fp8" and chunks and sp is None:
+            # fp8 attention's speed verdict before the cache's fp8 copy exists: a run judged slower (and not
+            # kept) never allocates it; without the chunks the run judges it in ``warm``
+            largest = max(plan_shapes(frame_tokens, chunks, kv_window, num_frames), key=lambda s: s[0] * s[1])
+            _b, _cap, heads, head_dim = sess.kv.layers[0].k.shape
+            run._judge_attention("fp8", largest, batch, int(heads), int(head_dim))
+        run.fp8_cache = run.parts.attention == "fp8"
+        sess.kv.use_fp8(run.fp8_cache)      # fp8 attention: K/V quantized once, as they enter the cache
         if verdict is not None and (linear == "fp8" or verdict[0]):
             run._judge_fp8(fp8_tokens, verdict)
         return run
@@ -390,6 +400,7 @@ class Run:
         self.emb: dict = {}
         self.cross: list = []
         self.image = self.text = None
+        self.fp8_cache = False      # whether this run's start switched the cache's fp8 copy on
 
     @property
     def kv(self) -> KVCache:
@@ -535,14 +546,15 @@ class Run:
         if chosen:
             self.info["attention_kernels"] = {f"q{q}/k{k}": name for (q, k), name in chosen}
             self.info["attention_plans_s"] = round(time.perf_counter() - t0, 4)
-        if self.parts.attention in APPROXIMATE and shapes:
+        if self.parts.attention in APPROXIMATE and shapes and \
+                SPEED_FIELDS[self.parts.attention] not in self.info:          # not judged at start
             self._judge_attention(self.parts.attention, max(shapes, key=lambda s: s[0] * s[1]), req.batch,
                                   int(heads), int(head_dim))
 
     def _judge_attention(self, mode: str, shape, batch: int, heads: int, head_dim: int) -> None:
         """int8 / fp8 attention is opt-in for speed: where it is measured slower than exact attention at the run's
         largest call on this GPU, the run says so before its first chunk and stays exact (unless ``keep_slower``)."""
-        speed, name = {"int8": (int8_speed, "int8_speed"), "fp8": (fp8_attention_speed, "fp8_attention_speed")}[mode]
+        speed, name = {"int8": int8_speed, "fp8": fp8_attention_speed}[mode], SPEED_FIELDS[mode]
         slower, why = speed(shape[0], shape[1], batch, heads, head_dim, self.model.compute_dtype, self.model.device)
         self.info[name] = {"slower": slower, "why": why}
         if slower:
@@ -552,7 +564,9 @@ class Run:
         self.parts = self.parts._replace(attention=auto_request(self.options.switched_off)
                                          if graphs_device(self.model.device) else "sdpa")
         self.kv.use_fp8(False)
-        self.kv.drop_new_fp8()          # judged before the first chunk: nothing ran with the copies made at start
+        if self.fp8_cache:              # judged in ``warm``, before the first chunk: nothing ran with the copies
+            self.kv.drop_new_fp8()      # made at start (judged at start: none was made)
+            self.fp8_cache = False
         self.info["attention"] = f"exact ({mode} measured slower)"
 
     def _judge_fp8(self, tokens: int, verdict: tuple | None = None) -> None:

@@ -95,3 +95,30 @@ def test_matrix_game2_hands_its_chunks_over_in_its_own_layout():
                        on_chunk_latents=lambda ci, n, x0: got.append(x0.clone()))
     assert [tuple(x.shape) for x in got] == [(1, 16, 3, 4, 6)] * 2
     assert torch.equal(torch.cat(got, 2).float(), out)
+
+
+def test_with_cuda_graphs_the_first_chunk_is_handed_over_before_its_refresh_and_its_capture(monkeypatch):
+    """The optimized path with CUDA graphs (a stand-in backend on the CPU): chunk 0's frames leave as soon as its
+    last denoising step is done, before its refresh pass and the refresh graph's capture, exactly as later chunks';
+    the run's one-time attention measuring (``warm``) is over before the first chunk starts."""
+    from test_fast_sampler_graphs import FakeGraphs
+    from wan_accel.sampling import runner
+    monkeypatch.setattr(runner, "graphs_device", lambda device: True)
+    monkeypatch.setattr(runner, "CudaGraphBackend", FakeGraphs)
+    events: list = []
+    _record_forwards(monkeypatch, events)
+    capture = FakeGraphs.capture
+    monkeypatch.setattr(FakeGraphs, "capture", lambda self, fn: events.append(("capture",)) or capture(self, fn))
+    warm = runner.Run.warm
+    monkeypatch.setattr(runner.Run, "warm", lambda self, req: events.append(("warm",)) or warm(self, req))
+    report: dict = {}
+    generate_latents(tiny_causal_model(), CTX, 9, 4, 6, seed=1, path="optimized", report=report,
+                     on_chunk_latents=lambda ci, n, x0: events.append(("ready", ci)),
+                     on_chunk=lambda ci, n: events.append(("chunk", ci)))
+    assert report["cuda_graphs"] and report["graphs"]["captures"] > 0
+    denoise = [("call", "denoise")] * 2 + [("capture",)] + [("call", "denoise")] * 2   # warm-up, capture, replays
+    want = [("warm",)]
+    for ci in range(3):
+        refresh = [] if ci == 2 else [("call", "refresh"), ("capture",)]
+        want += denoise + [("ready", ci)] + refresh + [("chunk", ci)]
+    assert events == want

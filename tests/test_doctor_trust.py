@@ -313,6 +313,9 @@ def _failing(name: str) -> Feature:
 
 def test_report_json_lists_what_ran_and_what_was_switched_off(tmp_path, monkeypatch):
     from wan_accel.app.jobs.generate import GenerateOptions, run_generate
+    from wan_accel.kernels import _common
+    # the plain CPU run, whatever this process's TRITON_INTERPRET says (under it the fused kernels would run too)
+    monkeypatch.setattr(_common, "interpreter_usable", lambda: False)
     monkeypatch.setitem(doc.FEATURES, "fused_qkv", _failing("fused_qkv"))
     monkeypatch.setitem(doc.FEATURES, "attention.sdpa", _failing("attention.sdpa"))
     said: list = []

@@ -163,8 +163,11 @@ def test_bad_inputs_say_what_to_fix():
         fa.error_bound(q, k, v, kernel="cuda")
 
 
-def test_on_a_cpu_the_torch_version_runs_and_says_why():
+def test_on_a_cpu_the_torch_version_runs_and_says_why(monkeypatch):
+    from wan_accel.kernels import _common
     from wan_accel.kernels import fp8_attention as fa
+    # a CPU without Triton's interpreter, whatever this process's TRITON_INTERPRET says (under it the kernel runs)
+    monkeypatch.setattr(_common, "interpreter_usable", lambda: False)
     kind, reason = fa.implementation("cpu", torch.float32, 128)
     assert kind == "torch" and "torch version" in reason
     assert "head sizes" in fa.kernel_problem("cpu", torch.float32, 96)
@@ -328,7 +331,7 @@ def test_fp8_measured_slower_keeps_the_exact_path(monkeypatch):
     assert report["attention"] == "exact (fp8 measured slower)"
     assert any("fp8 attention is slower" in n and "--keep-slower" in n for n in report["notes"])
     assert torch.equal(out, exact)
-    # the fp8 copy of the cache made at the run's start is freed with the verdict (no memory held for nothing)
+    # no fp8 copy of the cache is left (the verdict comes before any is made: no memory held for nothing)
     from wan_accel.model.kv_cache import _FP8_ATTR
     assert report["caches"] and all(getattr(layer.k, _FP8_ATTR, None) is None
                                     for kv in report["caches"] for layer in kv.layers)
@@ -341,6 +344,27 @@ def test_fp8_kept_where_faster_or_where_the_user_insists(monkeypatch, keep):
     assert not torch.equal(out, exact)
     from wan_accel.model.kv_cache import _FP8_ATTR
     assert all(getattr(layer.k, _FP8_ATTR, None) is not None for layer in report["caches"][0].layers)
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_the_speed_verdict_is_read_before_any_fp8_copy_of_the_cache_is_made(monkeypatch, slow):
+    """A run whose fp8 attention is judged slower never allocates the cache's fp8 copy (not made and freed later);
+    one judged faster makes it once per layer, after the verdict."""
+    from wan_accel.model import kv_cache
+    from wan_accel.sampling import runner
+    events = []
+    shadow = kv_cache.Fp8Shadow
+    monkeypatch.setattr(kv_cache, "Fp8Shadow", lambda *a, **kw: events.append("copy") or shadow(*a, **kw))
+    speed = runner.fp8_attention_speed
+    monkeypatch.setattr(runner, "fp8_attention_speed", lambda *a, **kw: events.append("verdict") or speed(*a, **kw))
+    out, exact, report = _fp8_run(monkeypatch, slow=slow)
+    layers = len(report["caches"][0].layers)
+    assert report["fp8_attention_speed"]["slower"] is slow
+    if slow:
+        assert events == ["verdict"] and report["attention"] == "exact (fp8 measured slower)"
+        assert torch.equal(out, exact)
+    else:
+        assert events == ["verdict"] + ["copy"] * layers and report["attention"] == "fp8"
 
 
 # ----------------------------------------------------------------------------- where the mode is offered

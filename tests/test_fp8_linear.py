@@ -485,11 +485,19 @@ def test_the_reference_path_and_the_cli_refuse_fp8_with_the_fix(capsys, tmp_path
 
 
 # ----------------------------------------------------------------------------------------------- speed verdict
+def _no_interpreter(monkeypatch):
+    """A CPU without Triton's interpreter, whatever this process's TRITON_INTERPRET says: a stand-in timer counts
+    the fp8 verdict's own timings, and under the interpreter the fused kernels would tune their tiles with the same
+    timer first (speed_timer.install does the same)."""
+    from wan_accel.kernels import _common
+    monkeypatch.setattr(_common, "interpreter_usable", lambda: False)
+
+
 def _speed_run(monkeypatch, slow: bool, **fast):
     import speed_timer
     from wan_accel.model import fp8_linear as fl
     monkeypatch.setattr(fl, "SPEED_DEVICES", ("cuda", "cpu"))    # judge speed here, with the store's own timer
-    timed = speed_timer.install(monkeypatch, slow)               # fp8 timed first, then exact
+    timed = speed_timer.install(monkeypatch, slow)               # fp8 timed first, then exact (no interpreter)
     model = tiny_causal_model()
     report = {}
     out = _run(model, report, linear="fp8", **fast)
@@ -575,6 +583,7 @@ def test_only_the_layer_groups_measured_faster_run_fp8(monkeypatch, at_start):
     its first chunk (the slower groups' copies are freed then, the prompt's keys/values made again)."""
     from wan_accel.model import fp8_linear as fl
     from wan_accel.sampling import runner
+    _no_interpreter(monkeypatch)
     monkeypatch.setattr(fl, "SPEED_DEVICES", ("cuda", "cpu"))
     judged_at_start = runner.FastRunner._fp8_verdict
     if not at_start:

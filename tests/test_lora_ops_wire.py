@@ -229,12 +229,20 @@ def test_generate_ops_reaches_the_blocks(tmp_path, monkeypatch, ops, used):
     assert (calls["adaln"] > 0 and calls["norm_rope"] > 0) == used, calls
 
 
+def _no_interpreter(monkeypatch):
+    """A CPU without Triton's interpreter, whatever this process's TRITON_INTERPRET says (under it the pack's kernels
+    run on a CPU, so 'pack' is not refused there)."""
+    from wan_accel.kernels import _common
+    monkeypatch.setattr(_common, "interpreter_usable", lambda: False)
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--ops", "kitchen"], "add --sampler optimized"),                # auto on a CPU: the reference sampler
     (["--ops", "torch", "--sampler", "reference"], "--sampler reference"),
     (["--ops", "pack", "--sampler", "optimized"], "--ops: ops='pack' cannot run here"),
 ])
-def test_generate_ops_errors_name_the_fix(tmp_path, extra, message):
+def test_generate_ops_errors_name_the_fix(tmp_path, extra, message, monkeypatch):
+    _no_interpreter(monkeypatch)            # 'pack' cannot run on a CPU without it
     code, _out, err = run_cli("generate", "--out", str(tmp_path / "o"), "--no-preview", *SMALL, *extra)
     assert code == 2 and err.startswith("error: ") and message in err, err
 
@@ -270,5 +278,7 @@ def test_bench_sampler_rows_per_ops_mode(tmp_path):
     rows = {r["variant"]: r for r in json.loads(out)["rows"]}
     assert rows["optimized"]["ops"] == "auto" and rows["optimized-ops-torch"]["ops"] == "torch"
     assert rows["optimized-ops-torch"]["parity_max_abs"] <= 1e-4
-    code, _out, err = run_cli("bench", "sampler", "--repeat", "1", "--variants", "optimized-ops-pack", *SMALL)
+    with pytest.MonkeyPatch.context() as mp:
+        _no_interpreter(mp)                 # 'pack' cannot run on a CPU without it
+        code, _out, err = run_cli("bench", "sampler", "--repeat", "1", "--variants", "optimized-ops-pack", *SMALL)
     assert code == 2 and "--variants optimized-ops-pack: ops='pack' cannot run here" in err, err

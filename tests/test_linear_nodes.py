@@ -1,0 +1,127 @@
+"""fp8 linear layers are a choice on the sampler nodes, not only on the command line: the CausalWan Sampler (and its
+streaming twin) and the Wan Accel AR Sampler take ``linear`` (exact | fp8), the request that reaches the chunk loop
+carries it, and a reference path with fp8 is refused with the command line's message in the node's own words."""
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from wan_accel.sampling import sampler as sampler_mod
+
+
+def _record_requests(monkeypatch) -> list:
+    seen = []
+    real = sampler_mod.run_chunks
+
+    def run_chunks(model, executor, req, inputs, hooks):
+        seen.append(req)
+        return real(model, executor, req, inputs, hooks)
+    monkeypatch.setattr(sampler_mod, "run_chunks", run_chunks)
+    return seen
+
+
+def _tiny_handle():
+    from wan_accel.nodes.model_nodes import CausalWanModelLoader
+    return CausalWanModelLoader().load("(built-in tiny model)", "fp32", "self_forcing", "sdpa")[0]
+
+
+def _cli_message(capsys, tmp_path) -> str:
+    from wan_accel.cli import main
+    assert main(["generate", "--out", str(tmp_path), "--linear", "fp8", "--sampler", "reference",
+                 "--no-preview"]) == 2
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "--linear fp8" in line)
+    return line[line.index("--linear fp8"):].strip()
+
+
+def test_every_sampler_node_offers_linear_with_a_tooltip():
+    from wan_accel.nodes.model_nodes import CausalWanSampler
+    from wan_accel.nodes.native_nodes import WanAccelARSampler
+    from wan_accel.nodes.stream_nodes import CausalWanSamplerDecode
+    for node in (CausalWanSampler, CausalWanSamplerDecode, WanAccelARSampler):
+        choices, opts = node.INPUT_TYPES()["optional"]["linear"]
+        assert list(choices) == ["exact", "fp8"] and opts["default"] == "exact"
+        tip = opts["tooltip"]
+        assert all(w in tip for w in ("approximate", "opt-in", "layer group", "measured faster", "optimized"))
+
+
+def test_the_sampler_node_passes_linear_fp8_to_the_loop(monkeypatch):
+    from wan_accel.nodes.model_nodes import CausalWanSampler
+    seen = _record_requests(monkeypatch)
+    node = CausalWanSampler()
+    out = node.sample(_tiny_handle(), 32, 32, 9, 0, "self_forcing", 3, -1, 0, linear="fp8")
+    assert len(seen) == 1 and seen[0].path == "optimized" and seen[0].options.linear == "fp8"
+    assert node.last_report["linear"] == "fp8"
+    # 'auto' means the optimized path with fp8 linear layers: the node's text says so
+    assert isinstance(out, dict) and any("linear fp8" in t for t in out["ui"]["text"])
+    seen.clear()
+    CausalWanSampler().sample(_tiny_handle(), 32, 32, 9, 0, "self_forcing", 3, -1, 0, sampler="optimized")
+    assert seen[0].options.linear == "exact"
+
+
+def test_the_sampler_node_refuses_fp8_on_the_reference_path_as_the_cli_does(monkeypatch, capsys, tmp_path):
+    from wan_accel.nodes.model_nodes import CausalWanSampler
+    seen = _record_requests(monkeypatch)
+    cli = _cli_message(capsys, tmp_path)
+    with pytest.raises(ValueError) as err:
+        CausalWanSampler().sample(_tiny_handle(), 32, 32, 9, 0, "self_forcing", 3, -1, 0, sampler="reference",
+                                  linear="fp8")
+    assert str(err.value) == cli.replace("--sampler", "sampler").replace("--linear", "linear")
+    assert not seen                                  # refused before anything ran
+    with pytest.raises(ValueError, match="linear must be one of"):
+        CausalWanSampler().sample(_tiny_handle(), 32, 32, 9, 0, "self_forcing", 3, -1, 0, linear="fp4")
+
+
+@pytest.fixture
+def fake_comfy(monkeypatch):
+    comfy = types.ModuleType("comfy")
+    samplers = types.ModuleType("comfy.samplers")
+
+    class KSAMPLER:
+        def __init__(self, fn, extra_options=None):
+            self.fn, self.extra_options = fn, extra_options or {}
+
+    samplers.KSAMPLER = KSAMPLER
+    comfy.samplers = samplers
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.samplers", samplers)
+
+
+class WAN21_CausalAR:                      # noqa: N801 - named as ComfyUI's class, which the sampler checks
+    def __init__(self, dm):
+        self.diffusion_model = dm
+        self.model_sampling = SimpleNamespace(multiplier=1000.0)
+
+    def get_dtype_inference(self):
+        return torch.float32
+
+    def process_latent_in(self, latent):
+        return latent
+
+
+def test_the_ar_sampler_node_passes_linear_fp8_to_the_loop(fake_comfy, monkeypatch, capsys, tmp_path):
+    from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
+    from wan_accel.nodes.native_nodes import WanAccelARSampler
+    from wan_accel.sampling.scheduler import resolve_schedule
+    cli = _cli_message(capsys, tmp_path)
+    with pytest.raises(ValueError) as err:
+        WanAccelARSampler().get_sampler(path="reference", linear="fp8")
+    assert str(err.value) == cli.replace("--sampler", "path").replace("--linear", "linear")
+    sampler = WanAccelARSampler().get_sampler(path="optimized", linear="fp8")[0]
+    assert sampler.extra_options["linear"] == "fp8"
+    seen = _record_requests(monkeypatch)
+    dm = tiny_causal_model(seed=2)
+    dm.model_type, dm.num_heads, dm.text_len = "t2v", dm.config.num_heads, dm.config.text_len
+    ctx = torch.randn(1, 5, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(4))
+    guider = SimpleNamespace(inner_model=WAN21_CausalAR(dm), cfg=1.0,
+                             conds={"positive": [{"model_conds": {"c_crossattn": SimpleNamespace(cond=ctx)}}]})
+    noise = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    report: dict = {}
+    sampler.fn(SimpleNamespace(inner_model=guider), noise, torch.tensor(resolve_schedule("self_forcing").sigmas()),
+               extra_args={"seed": 1}, report=report, **sampler.extra_options)
+    assert len(seen) == 1 and seen[0].path == "optimized" and seen[0].options.linear == "fp8"
+    assert report["linear"] == "fp8"
