@@ -13,14 +13,14 @@ from ..app.validate import TORCH_NAMES
 
 # bench name -> module (relative to the package) providing add_arguments(parser) and run(args) -> int
 BENCHES = {
-    "sampler": ("..app.bench.sampler", "reference vs optimized causal sampler"),
-    "compile": ("..app.bench.compile", "cold vs warm compile of the tiny model"),
-    "kernels": ("..app.bench.kernels", "fused kernels vs torch, autotune cold vs warm"),
-    "attention": ("..app.bench.attention", "every attention implementation at a run's own calls, TFLOP/s"),
-    "offload": ("..app.bench.memory", "block swap step time and peak VRAM"),
-    "play": ("..app.bench.play", "Matrix-Game-2 play chunks: caches in place vs copied"),
-    "fidelity": ("..app.bench.fidelity", "int8 attention / fp8 linear vs exact on the recorded fixtures"),
-    "native": ("..app.bench.native", "ComfyUI's MODEL: core's SamplerARVideo vs the Wan Accel AR Sampler vs the pack's "
+    "sampler": ("..bench.sampler", "reference vs optimized causal sampler"),
+    "compile": ("..bench.compile", "cold vs warm compile of the tiny model"),
+    "kernels": ("..bench.kernels", "fused kernels vs torch, autotune cold vs warm"),
+    "attention": ("..bench.attention", "every attention implementation at a run's own calls, TFLOP/s"),
+    "offload": ("..bench.memory", "block swap step time and peak VRAM"),
+    "play": ("..bench.play", "Matrix-Game-2 play chunks: caches in place vs copied"),
+    "fidelity": ("..bench.fidelity", "int8 attention / fp8 linear vs exact on the recorded fixtures"),
+    "native": ("..bench.native", "ComfyUI's MODEL: core's SamplerARVideo vs the Wan Accel AR Sampler vs the pack's "
                "own path (needs ComfyUI)"),
 }
 # bench name -> modules imported first: they register what app/ may not import itself (ComfyUI, the nodes)
@@ -73,12 +73,12 @@ def check_bench_args(what: str, ns) -> None:
     elif getattr(ns, "frames", None) is not None:
         check_int("--frames", ns.frames, 1, 4096)
     if what == "sampler" and hasattr(ns, "world_size"):
-        from ..app.bench.parallel import check_world_args    # world size and torchrun's variables, before any rank
+        from ..bench.parallel import check_world_args    # world size and torchrun's variables, before any rank
         check_world_args(ns)
 
 
 # a bench run with one of these options -> the module that runs it
-ROUTES = {("sampler", "--world-size"): ("..app.bench.parallel", "one process vs N sequence-parallel ranks")}
+ROUTES = {("sampler", "--world-size"): ("..bench.parallel", "one process vs N sequence-parallel ranks")}
 
 
 def _route(what: str, bench_args: list) -> tuple:
@@ -89,9 +89,9 @@ def _route(what: str, bench_args: list) -> tuple:
 
 
 def _options(module: str):
-    """The function that adds the options of the bench ``module``: from app/bench/options.py where the module
+    """The function that adds the options of the bench ``module``: from bench/options.py where the module
     imports torch (its --help and usage errors answer before torch loads), else the module's own add_arguments."""
-    from ..app.bench.options import ARGUMENTS
+    from ..bench.options import ARGUMENTS
 
     adder = ARGUMENTS.get(module.rpartition(".")[2])
     if adder is not None:

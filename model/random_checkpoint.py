@@ -1,4 +1,4 @@
-"""Random Wan checkpoints in the layouts ComfyUI loads (``bench native``, app/bench/native.py): the DiT's tensors
+"""Random Wan checkpoints in the layouts ComfyUI loads (``bench native``, bench/native.py): the DiT's tensors
 under their official names, drawn on any device; ComfyUI's scaled fp8 layout (current and legacy); one random LoRA
 in the keys ComfyUI maps on a WAN model; and the safetensors writer. The metadata that makes core load a file as
 ``WAN21_CausalAR`` is ``checkpoint.core_causal_metadata``."""

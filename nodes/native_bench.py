@@ -1,4 +1,4 @@
-"""The ComfyUI side of ``bench native`` (app/bench/native.py): ComfyUI's loader, core's SamplerARVideo node and
+"""The ComfyUI side of ``bench native`` (bench/native.py): ComfyUI's loader, core's SamplerARVideo node and
 the Wan Accel AR Sampler node on one MODEL. Registered with the bench at import (``app/`` may not import ComfyUI
 or the nodes); every ComfyUI import is made inside a function, so this module imports anywhere."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ..app.bench.native import register_comfy_side
+from ..bench.native import register_comfy_side
 
 
 class ComfySide:

@@ -1,6 +1,6 @@
 """A function of this pack in a fresh Python interpreter, and how a worker's failure reads in this one.
 
-``child_argv("app.bench.compile:_child")`` is the command line of a new interpreter that loads this pack from its
+``child_argv("bench.compile:_child")`` is the command line of a new interpreter that loads this pack from its
 folder under the name this process imported it by (``wan_accel`` when installed, editable or not; a ComfyUI
 ``custom_nodes`` folder of any name), then calls ``module.function(*args)`` with the given string arguments. It
 needs no PYTHONPATH and works whatever the folder is called.

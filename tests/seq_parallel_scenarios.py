@@ -121,7 +121,7 @@ def dies_mid_run(sp, dying_rank: int = 1) -> dict:
 
 def bench_rank(sp) -> dict:
     """One rank of ``bench sampler --world-size N`` (tiny model, CPU, 9 frames 64x64, one timed run)."""
-    from wan_accel.app.bench import parallel as bench_parallel
+    from wan_accel.bench import parallel as bench_parallel
     opts = dict(checkpoint=None, seed=0, repeat=1, kind="wan", shape="tiny", geometry=(9, 64, 64),
                 run_dtype="fp32", variant="reference", devices=["cpu"] * (1 if sp is None else sp.world))
     return bench_parallel._rank_run(sp, opts)

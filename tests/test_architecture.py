@@ -14,7 +14,7 @@ FLOORS = {
     "model": 2, "vae": 2,
     "sampling": 3,
     "memory": 4, "compile": 4, "profiling": 4,
-    "app": 5, "checks": 5,
+    "app": 5, "bench": 5, "checks": 5,
     "nodes": 6, "cli": 6, "server_routes": 6, "__main__": 6, "__init__": 7,
 }
 COMFY_ROOTS = {"comfy", "comfy_extras", "comfy_api", "folder_paths", "server", "nodes", "execution",

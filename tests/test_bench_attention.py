@@ -1,4 +1,4 @@
-"""``bench attention``: every attention implementation at a run's own calls (app/bench/attention.py)."""
+"""``bench attention``: every attention implementation at a run's own calls (bench/attention.py)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from wan_accel.app.bench import attention as bench
+from wan_accel.bench import attention as bench
 from wan_accel.model import attention as attn
 
 from .cli_run import refused, run_cli
@@ -68,7 +68,7 @@ def test_bad_options(argv, words):
 def test_on_a_gpu_the_table_times_as_the_operator_store_does():
     """The bench ranks the candidates with the store's own GPU timer (graph replays, call by call only where a
     call cannot be captured), so its fastest is the store's choice; a CPU times wall clock."""
-    from wan_accel.app.bench import attention as bench
+    from wan_accel.bench import attention as bench
     from wan_accel.cache import autotune
     assert bench._timer(torch.device("cuda")) is autotune.default_timer
     assert bench._timer(torch.device("cpu")) is not autotune.default_timer

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.cli_run import refused, run_cli
-from wan_accel.app.bench import sampler as bench
-from wan_accel.app.bench import sampler_setup as setup
+from wan_accel.bench import sampler as bench
+from wan_accel.bench import sampler_setup as setup
 from wan_accel.memory import system as msys
 from wan_accel.memory.system import GiB, SystemInfo
 
@@ -114,7 +114,7 @@ def test_apply_vram_cap_without_cuda_says_so(monkeypatch):
 
 # ----------------------------------------------------------------------------- shapes and weights
 def test_shape_tables():
-    from wan_accel.app.bench.options import SAMPLER_SHAPES
+    from wan_accel.bench.options import SAMPLER_SHAPES
     from wan_accel.sampling.krea import KreaRecompute
     assert set(setup.SHAPE_PRESETS) == set(SAMPLER_SHAPES["wan"])
     c14 = setup.shape_config("wan", "14b")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from wan_accel.app.bench.native import SKIP_LINE, SHAPES, parse_weights, shape_config
+from wan_accel.bench.native import SKIP_LINE, SHAPES, parse_weights, shape_config
 from wan_accel.app.validate import UsageError
 from wan_accel.model.checkpoint import core_causal_metadata
 from wan_accel.model.random_checkpoint import fp8_scaled, random_lora, random_weights, write_file

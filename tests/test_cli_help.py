@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import wan_accel
-from wan_accel.app.bench import options
+from wan_accel.bench import options
 from wan_accel.cli import bench as cli_bench
 from wan_accel.cli import build_parser
 
@@ -145,7 +145,7 @@ def test_the_named_options_say_what_they_do():
 
 @pytest.mark.parametrize("name", sorted(options.ARGUMENTS))
 def test_a_bench_module_takes_its_options_from_the_light_module(name):
-    """The bench that runs is the bench whose options --help printed (one definition, in app/bench/options.py)."""
-    module = importlib.import_module(f"wan_accel.app.bench.{name}")
+    """The bench that runs is the bench whose options --help printed (one definition, in bench/options.py)."""
+    module = importlib.import_module(f"wan_accel.bench.{name}")
     assert module.add_arguments is options.ARGUMENTS[name]
 

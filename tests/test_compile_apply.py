@@ -8,7 +8,7 @@ import wan_accel.compile.compat as compat
 from wan_accel.compile import CompileSettings, compile_model, end_warmup, uncompile_model
 from wan_accel.compile.apply import compile_handle
 from wan_accel.nodes.comfy_compile import compile_for_comfy
-from wan_accel.app.bench.compile import tiny_workload
+from wan_accel.bench.compile import tiny_workload
 from wan_accel.kernels import current_caps
 
 EAGER = dict(backend="eager", warm_start=False)
@@ -194,7 +194,7 @@ def test_comfy_patch_swaps_blocks_only_during_apply_model():
 
 
 def test_tiny_causal_wan_compiles_per_block_with_identical_samples():
-    from wan_accel.app.bench.compile import wan_workload
+    from wan_accel.bench.compile import wan_workload
 
     model, run = wan_workload()
     expected = run(model)

@@ -75,7 +75,7 @@ def _patcher(diffusion_model):
 def test_apply_node_returns_a_patched_copy():
     import torch
 
-    from wan_accel.app.bench.compile import tiny_workload
+    from wan_accel.bench.compile import tiny_workload
 
     patcher = _patcher(tiny_workload(blocks=2)[0])
     node = compile_nodes.ApplyCompileNativeWan()

@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from wan_accel.app.bench import sampler as bench
+from wan_accel.bench import sampler as bench
 from wan_accel.model import flops
 from wan_accel.sampling.sampler import generate_latents
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
@@ -182,7 +182,7 @@ def test_a_model_switch_frees_the_previous_copy_at_once():
     import argparse
     import weakref
 
-    from wan_accel.app.bench import sampler as bs
+    from wan_accel.bench import sampler as bs
 
     args = argparse.Namespace(checkpoint=None, seed=0, repeat=1, shape="tiny", model_kind="wan")
     models = bs._Models(bs._base_model(args, "wan", "tiny"), torch.device("cpu"))

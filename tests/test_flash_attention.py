@@ -209,7 +209,7 @@ def test_a_failed_doctor_verdict_switches_it_off(monkeypatch):
 
 
 def test_bench_attention_lists_it_among_the_exact_candidates():
-    from wan_accel.app.bench.attention import measure
+    from wan_accel.bench.attention import measure
     rows = {r["candidate"]: r for r in measure(8, 12, 1, 2, 16, torch.bfloat16, torch.device("cpu"))}
     assert rows["triton"]["kind"] == "exact" and rows["triton"]["status"] == "unavailable", rows["triton"]
     assert rows["triton"]["why"] == "the kernel needs a CUDA GPU"

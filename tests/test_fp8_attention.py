@@ -370,7 +370,7 @@ def test_the_speed_verdict_is_read_before_any_fp8_copy_of_the_cache_is_made(monk
 # ----------------------------------------------------------------------------- where the mode is offered
 def test_fp8_is_offered_by_the_cli_the_nodes_and_the_benches_never_by_default():
     import argparse
-    from wan_accel.app.bench import sampler
+    from wan_accel.bench import sampler
     from wan_accel.cli import build_parser
     from wan_accel.model import attention as attn
     from wan_accel.nodes.doctor_nodes import FEATURE_CHOICES
@@ -416,7 +416,7 @@ def test_the_doctor_judges_fp8_by_its_bound(monkeypatch):
 
 
 def test_bench_attention_times_fp8_with_its_keys_quantized_beforehand():
-    from wan_accel.app.bench import attention as bench
+    from wan_accel.bench import attention as bench
     sys.path.insert(0, str(HERE.parent))
     from cli_run import run_cli
     by = {r["candidate"]: r for r in bench.measure(40, 70, 1, 2, 16, torch.float32, torch.device("cpu"), ["fp8"])}
@@ -430,7 +430,7 @@ def test_bench_attention_times_fp8_with_its_keys_quantized_beforehand():
 def test_every_fp8_call_of_a_fidelity_run_is_within_the_bound(monkeypatch):
     """``bench fidelity --attention fp8`` on the recorded wan fixture, both paths: every fp8 attention call stays
     within ``error_bound`` of exact attention (float64) on its own inputs, and fp8 changes the video."""
-    from wan_accel.app.bench.fidelity import FIXTURES, PATHS, measure
+    from wan_accel.bench.fidelity import FIXTURES, PATHS, measure
     from wan_accel.kernels import fp8_attention as fa
     worst, calls = [0.0], [0]
     real = fa.fp8_attention_torch

@@ -215,7 +215,7 @@ def _quant_child() -> None:
         case["linear_equal"] = torch.equal(fp8.fp8_linear(x, wq, ws),
                                            fp8.emulated(x, wq, ws, None, x.dtype, (ref_q, ref_s)))
         results["cases"].append(case)
-    from wan_accel.app.bench.kernels import fp8_quant_rows
+    from wan_accel.bench.kernels import fp8_quant_rows
     results["bench"] = fp8_quant_rows("cpu", "bfloat16")
     print(MARK + json.dumps(results), flush=True)
 
@@ -245,7 +245,7 @@ def test_the_fused_quantize_equals_quantize_rows_bit_for_bit(quantized, index):
 def test_bench_kernels_fp8_quantize_rows(quantized, capsys):
     """``bench kernels``' fp8 quantize rows: under the interpreter the kernel at small shapes, bit-equal to the
     torch ops; without it (this process, a CPU) a row saying why; the GPU table prints each figure it is given."""
-    from wan_accel.app.bench.kernels import CPU_FP8_QUANT_SHAPES, _print_fp8, fp8_quant_rows
+    from wan_accel.bench.kernels import CPU_FP8_QUANT_SHAPES, _print_fp8, fp8_quant_rows
     from wan_accel.kernels import _common
     bench = quantized["bench"]
     assert [(r["shape"], r["dtype"]) for r in bench] == [(s[0], "bfloat16") for s in CPU_FP8_QUANT_SHAPES]
@@ -674,7 +674,7 @@ def test_matrix_game2_and_the_doctors_gate_keep_the_callers_linear_mode(tmp_path
 
 
 def _bench(capsys, *argv):
-    from wan_accel.app.bench import sampler
+    from wan_accel.bench import sampler
     parser = argparse.ArgumentParser()
     sampler.add_arguments(parser)
     assert sampler.run(parser.parse_args(list(argv) + ["--json", "--device", "cpu", "--repeat", "1"])) == 0
@@ -682,7 +682,7 @@ def _bench(capsys, *argv):
 
 
 def test_bench_sampler_puts_fp8_rows_beside_their_exact_twins(capsys):
-    from wan_accel.app.bench import sampler
+    from wan_accel.bench import sampler
     ns = argparse.Namespace(variants="reference,optimized,optimized-no-graphs", attention=None, linear="fp8")
     assert sampler._variant_names(ns, "fp32") == ["reference", "optimized", "optimized-fp8", "optimized-no-graphs",
                                                   "optimized-no-graphs-fp8"]
@@ -701,7 +701,7 @@ def test_bench_sampler_puts_fp8_rows_beside_their_exact_twins(capsys):
 
 
 def test_bench_sampler_refuses_a_reference_fp8_twin():
-    from wan_accel.app.bench import sampler
+    from wan_accel.bench import sampler
     from wan_accel.app.validate import UsageError
     parser = argparse.ArgumentParser()
     sampler.add_arguments(parser)
@@ -730,7 +730,7 @@ def test_every_fp8_call_of_the_fidelity_runs_is_within_the_bound(monkeypatch):
     ``bench fidelity --linear fp8``'s runs stays within ``error_bound`` of the exact product of its own inputs, and
     fp8 does change the video. The table's digits are one machine's measurement (another CPU sums float32 in
     another order, an e4m3 code rounds the other way), so they are checked for their form and machine."""
-    from wan_accel.app.bench.fidelity import measure, paths_for
+    from wan_accel.bench.fidelity import measure, paths_for
     from wan_accel.model import fp8_linear as fl
     worst, calls, made = [0.0], [0], {}
     real, real_copy = blocks.fp8_linear, fl._copy

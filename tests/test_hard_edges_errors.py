@@ -139,7 +139,7 @@ def test_a_failed_explain_run_is_one_run_error(debug, tmp_path, monkeypatch, cap
 def test_too_few_gpus_for_the_parallel_bench_is_one_input_error():
     import torch
 
-    from wan_accel.app.bench import parallel
+    from wan_accel.bench import parallel
     from wan_accel.app.validate import UsageError
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has the GPUs")

@@ -342,7 +342,7 @@ def test_the_writer_names_its_temporaries_as_its_own(tmp_path):
 
 def test_bench_compile_children_keep_every_cache_in_the_removed_folder(tmp_path, monkeypatch):
     import subprocess
-    from wan_accel.app.bench import compile as bench
+    from wan_accel.bench import compile as bench
     seen = {}
 
     def fake_run(argv, env=None, **kw):

@@ -11,7 +11,7 @@ leaves them behind, and the failure shows only when that command or child proces
   ``_chunk_sources``, ...): their literal arguments;
 * ``package_target("module:attr")`` and ``child_argv("module:function")``: the module, and that it has the attr;
 * the code of ``python -c CODE`` command lines (``import X`` / ``from X import``);
-* module-level tables of relative module names (``"..app.bench.sampler"``: cli/bench.py's BENCHES and ROUTES).
+* module-level tables of relative module names (``"..bench.sampler"``: cli/bench.py's BENCHES and ROUTES).
 """
 from __future__ import annotations
 
@@ -184,11 +184,11 @@ def test_the_scan_sees_every_kind_of_module_string():
     modules = {m for _, m, _ in NAMED}
     # the lazy command tables, the bench tables, the child processes, the optional formats and the doctor's sources
     assert {"cli/__init__.py", "cli/bench.py", "nodes/__init__.py", "app/jobs/reference.py",
-            "app/doctor/probes.py", "app/bench/compile.py", "app/bench/kernels.py", "app/ranks/pool.py",
+            "app/doctor/probes.py", "bench/compile.py", "bench/kernels.py", "app/ranks/pool.py",
             "cli/profiling.py"} <= where
-    assert {f"{PACK}.cli.bench", f"{PACK}.app.bench.sampler", f"{PACK}.app.bench.parallel",
+    assert {f"{PACK}.cli.bench", f"{PACK}.bench.sampler", f"{PACK}.bench.parallel",
             f"{PACK}.nodes.model_nodes", f"{PACK}.app.jobs.mg2_reference", f"{PACK}.sampling.cuda_graphs",
-            f"{PACK}.app.bench.compile", f"{PACK}.app.ranks.pool", "importlib"} <= modules
+            f"{PACK}.bench.compile", f"{PACK}.app.ranks.pool", "importlib"} <= modules
 
 
 # optional packages the pack looks for at run time (never dependencies): named, they need not be installed here

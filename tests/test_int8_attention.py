@@ -108,7 +108,7 @@ def test_both_sampler_paths_run_int8_from_the_loader(monkeypatch, path):
 
 def test_bench_sampler_puts_int8_rows_beside_exact():
     import argparse
-    from wan_accel.app.bench import sampler
+    from wan_accel.bench import sampler
     ns = argparse.Namespace(variants="reference,optimized", attention="int8")
     assert sampler._variant_names(ns, "fp32") == ["reference", "reference-int8", "optimized", "optimized-int8"]
     assert sampler.VARIANTS["optimized-int8"]["attention"] == "int8"
@@ -126,7 +126,7 @@ def test_every_int8_call_of_the_fidelity_runs_is_within_the_bound(monkeypatch):
     are one machine's measurement (another CPU sums float32 in another order, an int8 code rounds the other way
     and the figures move by percents), so they are checked for their form and the machine they name, not their
     digits."""
-    from wan_accel.app.bench.fidelity import PATHS, measure
+    from wan_accel.bench.fidelity import PATHS, measure
     worst, calls = [0.0], [0]
     real = ia.int8_attention_torch
 

@@ -112,7 +112,7 @@ def _child() -> None:
         case["at_max"] = float(ref.v[..., slot2].float().abs().max())
         case["wraps"] = bool((index.diff() < 0).any())
         out["cases"].append(case)
-    from wan_accel.app.bench.kernels import fp8_kv_write_rows
+    from wan_accel.bench.kernels import fp8_kv_write_rows
     out["bench"] = fp8_kv_write_rows("cpu", "bfloat16")
     print(MARK + json.dumps(out), flush=True)
 
@@ -167,7 +167,7 @@ def test_interpreted_case_values(interpreted):
 def test_bench_kernels_fp8_kv_write(interpreted, capsys):
     """``bench kernels``' fp8 KV write row: under the interpreter the kernel at a small shape, bit-equal to the torch
     ops; the GPU table prints the figures it is given."""
-    from wan_accel.app.bench.kernels import CPU_KV_WRITE_SHAPE, _print_fp8
+    from wan_accel.bench.kernels import CPU_KV_WRITE_SHAPE, _print_fp8
     bench = interpreted["bench"]
     assert [r["shape"] for r in bench] == [CPU_KV_WRITE_SHAPE[0]]
     assert all(r["ok"] and r["bit_equal"] for r in bench), bench

@@ -155,7 +155,7 @@ def test_bench_sampler_tells_each_run_and_chunk_on_stderr_and_leaves_it_out_of_t
     run's wall time (between its progress lines) holds both pauses, its steady_s and its chunks neither."""
     import time
 
-    from wan_accel.app.bench import sampler as bench
+    from wan_accel.bench import sampler as bench
 
     pause, marks = 0.5, {}
     real = progress_mod.Progress.__call__

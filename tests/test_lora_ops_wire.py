@@ -270,7 +270,7 @@ def test_sampler_node_ops_widget(monkeypatch):
 
 
 def test_bench_sampler_rows_per_ops_mode(tmp_path):
-    from wan_accel.app.bench.sampler import VARIANTS
+    from wan_accel.bench.sampler import VARIANTS
     assert {f"optimized-ops-{m}" for m in ("pack", "kitchen", "torch")} <= set(VARIANTS)
     code, out, err = run_cli("bench", "sampler", "--repeat", "1", "--variants", "optimized,optimized-ops-torch",
                           "--json", *SMALL)

@@ -188,7 +188,7 @@ def test_sampler_oom_reaction_swaps_more_blocks_and_learns(model, tmp_path):
 def test_offload_bench_runs_its_cpu_pass(capsys):
     import argparse
 
-    from wan_accel.app.bench import memory as bench
+    from wan_accel.bench import memory as bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

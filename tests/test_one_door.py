@@ -150,7 +150,7 @@ def prompt_play(_tmp, monkeypatch):
 
 
 def bench_sampler(_tmp, capsys):
-    from wan_accel.app.bench import sampler as bench
+    from wan_accel.bench import sampler as bench
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--variants", "optimized", "--no-parity", "--repeat", "1", "--frames", "9",

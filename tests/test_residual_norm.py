@@ -204,7 +204,7 @@ def test_bench_kernels_gpu_rows_time_each_fused_use_against_its_unfused_steps(mo
     only: the numbers mean nothing here): each use of the fused residual + LayerNorm gets a row with its error
     against the reference and its time against the unfused steps it replaces."""
     triton_testing = pytest.importorskip("triton.testing")
-    from wan_accel.app.bench import kernels as bench
+    from wan_accel.bench import kernels as bench
 
     timed = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **kw: None)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wan_accel.app.bench import sampler as bench
-from wan_accel.app.bench.decode import ChunkDecoder
+from wan_accel.bench import sampler as bench
+from wan_accel.bench.decode import ChunkDecoder
 from wan_accel.cli import main
 from wan_accel.vae import latents, taehv, wan21
 from wan_accel.vae.build import build_decoder

@@ -275,7 +275,7 @@ def test_the_torch_fallback_is_the_definition(torch_path):
 
 
 def test_bench_kernels_vae_row_on_the_cpu(torch_path):
-    from wan_accel.app.bench import kernels as bench
+    from wan_accel.bench import kernels as bench
 
     (row,) = bench.vae_rows("cpu", "float32", ("tiny", 8, 2, 5, 7))
     assert row["kernel"] == "vae norm+silu" and row["dims"] == [1, 8, 2, 5, 7] and row["ok"], row

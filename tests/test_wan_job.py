@@ -79,7 +79,7 @@ def test_preview_projection():
 
 def test_sampler_bench_runs_both_variants(capsys):
     import argparse
-    from wan_accel.app.bench import sampler as bench
+    from wan_accel.bench import sampler as bench
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--frames", "9", "--height", "32", "--width", "32", "--repeat", "1", "--json",

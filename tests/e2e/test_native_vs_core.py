@@ -1,6 +1,6 @@
 """The engine over ComfyUI's own model against core's forward and core's SamplerARVideo, with ComfyUI's Python
 (skipped unless COMFYUI_DIR and COMFYUI_VENV are set): one chunk forward each way on the public causal fixture, and
-both samplers at the tiny shape through the pack's bench (``python -m wan_accel bench native``, app/bench/native.py;
+both samplers at the tiny shape through the pack's bench (``python -m wan_accel bench native``, bench/native.py;
 the mid shape, dim 512, 8 layers, 21 latent frames of 16x16, takes minutes on a CPU: ``bench native --shape mid``,
 figures in docs/benchmarks.md)."""
 from __future__ import annotations

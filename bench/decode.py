@@ -25,14 +25,14 @@ import time
 
 import torch
 
-from ..jobs.generate import _sync
+from ..app.jobs.generate import _sync
 
 from .options import DECODES  # noqa: E402,F401  (bench sampler --decode; defined without torch)
 
 
 def check_decode_args(args) -> None:
     """--vae needs a decoder to load it into (bad --decode values are refused by the parser's choices)."""
-    from ..validate import UsageError
+    from ..app.validate import UsageError
     if getattr(args, "vae", None) and getattr(args, "decode", "none") == "none":
         raise UsageError("--vae gives weights for a decoder: add --decode wan (a Wan 2.1 VAE file) or --decode tiny "
                          "(a taew2_1 file)")
@@ -44,7 +44,7 @@ def build_bench_decoder(args, device: torch.device, dtype: torch.dtype, shape: s
     (contiguous) memory layout: channels-last made both decoders slower on an H200 in bf16 (docs/benchmarks.md)."""
     if args.decode == "none":
         return None
-    from ...vae.build import build_decoder
+    from ..vae.build import build_decoder
     reduced = args.vae is None and shape == "tiny" and not args.checkpoint
     decoder = build_decoder(args.decode, args.vae, reduced=reduced, seed=args.seed)
     return decoder.prepare(device, dtype)
@@ -80,7 +80,7 @@ class ChunkDecoder:
     def check(self, kind: str) -> None:
         """NonFiniteError when a decoded chunk held NaN or inf pixels: a timed decode of non-finite frames is no
         figure (one host sync, after the run)."""
-        from ...model.finite import NonFiniteError
+        from ..model.finite import NonFiniteError
         if self.finite and not bool(torch.stack(self.finite).all()):
             first = next(i for i, ok in enumerate(self.finite) if not bool(ok))
             raise NonFiniteError(f"--decode {kind}: the decoder gave NaN or inf pixels (chunk {first}); its weights "

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...profiling.child import child_argv, last_error, worker_message
+from ..profiling.child import child_argv, last_error, worker_message
 
 # (label, B, L, D, heads): a causal chunk of 3 latent frames at 480x832 for Wan 1.3B and 14B
 GPU_SHAPES = (("1.3B chunk", 1, 4680, 1536, 12), ("14B chunk", 1, 4680, 5120, 40))
@@ -58,7 +58,7 @@ def _joined(out):
 
 
 def _kernels():
-    from ...kernels import (gated_residual, gated_residual_reference, layernorm_modulate, layernorm_modulate_reference,
+    from ..kernels import (gated_residual, gated_residual_reference, layernorm_modulate, layernorm_modulate_reference,
                             residual_norm, residual_norm_reference, rmsnorm_rope, rmsnorm_rope_reference)
 
     return (("layernorm_modulate", layernorm_modulate, layernorm_modulate_reference),
@@ -74,7 +74,7 @@ def _unfused(name):
     other kernels)."""
     import torch.nn.functional as F
 
-    from ...kernels import gated_residual, layernorm_modulate
+    from ..kernels import gated_residual, layernorm_modulate
 
     if name == "residual_norm3":
         def norm3(x, y, g, w, b):
@@ -115,8 +115,8 @@ def fp8_quant_rows(device: str, dtype_name: str, shapes=None) -> list[dict]:
     the scales)."""
     import torch
 
-    from ...kernels import fp8_linear as fp8
-    from ...kernels import fp8_quant
+    from ..kernels import fp8_linear as fp8
+    from ..kernels import fp8_quant
 
     dtype = getattr(torch, dtype_name)
     rows = []
@@ -153,8 +153,8 @@ def fp8_kv_write_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
     the kernel: k and v once, their codes, steps and scales)."""
     import torch
 
-    from ...kernels import kv_quant
-    from ...model.kv_cache import Fp8Shadow
+    from ..kernels import kv_quant
+    from ..model.kv_cache import Fp8Shadow
 
     label, b, rows, h, d, cap = shape or (KV_WRITE_SHAPE if device == "cuda" else CPU_KV_WRITE_SHAPE)
     dtype = getattr(torch, dtype_name)
@@ -198,7 +198,7 @@ def fp8_linear_rows(dtype_name: str, tokens: int = FP8_TOKENS) -> list[dict]:
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from ...kernels import fp8_linear as fp8
+    from ..kernels import fp8_linear as fp8
 
     why = fp8.mm_problem("cuda", 1536, 1536)
     if why is not None:
@@ -248,7 +248,7 @@ def _sanity_child() -> None:
     """Runs in a process started with TRITON_INTERPRET=1: every kernel vs its reference, one JSON line."""
     import torch
 
-    from ...kernels._common import triton_module, use_triton
+    from ..kernels._common import triton_module, use_triton
 
     if triton_module() is None:
         rows = [{"kernel": name, "skipped": "triton not importable"} for name, _, _ in _kernels()]
@@ -281,7 +281,7 @@ def sanity_pass() -> list[dict]:
     env["TRITON_INTERPRET"] = "1"
     with tempfile.TemporaryDirectory(prefix="wan_accel_bench_kernels_") as tmp:
         env["WAN_ACCEL_CACHE"] = str(Path(tmp) / "limits.json")
-        proc = subprocess.run(child_argv("app.bench.kernels:_sanity_child"), env=env, capture_output=True,
+        proc = subprocess.run(child_argv("bench.kernels:_sanity_child"), env=env, capture_output=True,
                               text=True, timeout=600)
     for line in proc.stdout.splitlines():
         if line.startswith(SANITY_MARK):
@@ -299,7 +299,7 @@ VAE_CPU_SHAPE = ("96ch 4f 30x52", 96, 4, 30, 52)
 def _vae_inputs(channels: int, frames: int, height: int, width: int, dtype, device):
     import torch
 
-    from ...vae.wan21 import CACHE_FRAMES, RMSNorm
+    from ..vae.wan21 import CACHE_FRAMES, RMSNorm
 
     g = torch.Generator(device="cpu").manual_seed(0)
     norm = RMSNorm(channels).requires_grad_(False)
@@ -334,8 +334,8 @@ def vae_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
     there, and without Triton the fused side is the same torch math written in place, no concatenation)."""
     import torch
 
-    from ...cache.autotune import cpu_timer, default_timer
-    from ...kernels.candidates import tolerance
+    from ..cache.autotune import cpu_timer, default_timer
+    from ..kernels.candidates import tolerance
 
     label, c, t, h, w = shape or (VAE_GPU_SHAPE if device == "cuda" else VAE_CPU_SHAPE)
     dtype = getattr(torch, dtype_name)
@@ -360,8 +360,8 @@ def vae_sanity_rows() -> list[dict]:
     history buffer (an odd width and position count)."""
     import torch
 
-    from ...kernels import vae_norm
-    from ...kernels.candidates import tolerance
+    from ..kernels import vae_norm
+    from ..kernels.candidates import tolerance
 
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -396,7 +396,7 @@ def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
     import torch
     from triton.testing import do_bench
 
-    from ...cache.autotune import get_autotuner, reset_autotuners
+    from ..cache.autotune import get_autotuner, reset_autotuners
 
     dtype = getattr(torch, dtype_name)
     rows = []
@@ -447,8 +447,8 @@ def candidate_rows(device: str, dtype_name: str, frames: int, shapes=None) -> li
     cannot run here."""
     import torch
 
-    from ...cache.autotune import cpu_timer, default_timer
-    from ...kernels import candidates as op_candidates
+    from ..cache.autotune import cpu_timer, default_timer
+    from ..kernels import candidates as op_candidates
 
     dtype = getattr(torch, dtype_name)
     timer = default_timer if device == "cuda" else (lambda fn: cpu_timer(fn, repeats=5))
@@ -487,9 +487,9 @@ def _print_candidates(rows: list[dict]) -> None:
 def run(args) -> int:
     import torch
 
-    from ...kernels._common import triton_module
+    from ..kernels._common import triton_module
 
-    from ..progress import Progress
+    from ..app.progress import Progress
     progress = Progress("bench kernels")
     if not torch.cuda.is_available() or triton_module() is None:
         progress("no CUDA GPU with triton: the interpreter sanity pass (a process of its own)")

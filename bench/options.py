@@ -8,7 +8,7 @@ builds the parser from here and imports the bench module only to run it). Each b
 from __future__ import annotations
 
 # ----------------------------------------------------------------------------- bench sampler
-# variant name -> how it runs (app/bench/sampler.py)
+# variant name -> how it runs (bench/sampler.py)
 VARIANTS = {
     "reference": {"path": "reference", "dtype": "fp32", "precision": "float32", "attention": "sdpa",
                   "skip_last_refresh": False},
@@ -36,13 +36,13 @@ TWINS = (INT8, FP8ATT, FP8)     # an approximate twin's name ends with one of th
 SAMPLER_SHAPES = {  # model kind -> shape -> (video frames, height, width)
     # 14b: Wan 2.1 14B (dim 5120, 40 layers) on the Self-Forcing 4-step schedule; krea: Krea Realtime 14B (the
     # 14B with Krea's schedule and per-block KV recompute, window 6); longlive: the 1.3B with LongLive's schedule,
-    # window 12 and 3 sink frames (app/bench/sampler.py SHAPE_MODELS)
+    # window 12 and 3 sink frames (bench/sampler.py SHAPE_MODELS)
     "wan": {"tiny": (33, 128, 128), "1.3b": (81, 480, 832), "14b": (81, 480, 832), "krea": (81, 480, 832),
             "longlive": (81, 480, 832)},
     "matrix-game2": {"tiny": (33, 128, 128), "1.3b": (57, 352, 640)},
 }
 SAMPLER_WEIGHTS = ("bf16", "fp8")   # bench sampler --weights: the run dtype, or block linears stored as e4m3
-DECODES = ("none", "wan", "tiny")    # bench sampler --decode (app/bench/decode.py)
+DECODES = ("none", "wan", "tiny")    # bench sampler --decode (bench/decode.py)
 
 
 def sampler(parser) -> None:
@@ -91,7 +91,7 @@ def sampler(parser) -> None:
 
 
 def parallel(parser) -> None:
-    """``bench sampler --world-size N``'s options: bench sampler's and the world's (app/bench/parallel.py)."""
+    """``bench sampler --world-size N``'s options: bench sampler's and the world's (bench/parallel.py)."""
     sampler(parser)
     parser.add_argument("--world-size", type=int, default=1, help="sequence-parallel ranks to compare with one "
                         "process (the first N GPUs, else N CPU processes on gloo)")

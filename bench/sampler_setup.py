@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import UsageError
+from ..app.validate import UsageError
 from .options import SAMPLER_SHAPES, SAMPLER_WEIGHTS
 
 ON_DEVICE_SHAPES = ("14b", "krea")          # drawn on the device in the run dtype (model/random_weights.py)
@@ -33,12 +33,12 @@ FRAMES_PER_BLOCK = 3
 
 
 def shape_config(kind: str, shape: str):
-    """The WanConfig of a random-weight wan shape (matrix-game2's: app/bench/sampler.py)."""
-    from ...model.config import KREA_14B, WAN_1_3B, WAN_14B
-    from ...model.tiny import TINY_CONFIG
+    """The WanConfig of a random-weight wan shape (matrix-game2's: bench/sampler.py)."""
+    from ..model.config import KREA_14B, WAN_1_3B, WAN_14B
+    from ..model.tiny import TINY_CONFIG
     if kind != "wan":
         raise ValueError(f"shape_config: the {kind} shapes are built by the sampler bench itself")
-    from ...sampling.scheduler import PRESET_CHUNKING
+    from ..sampling.scheduler import PRESET_CHUNKING
     longlive = PRESET_CHUNKING["longlive"]
     return {"tiny": TINY_CONFIG, "1.3b": WAN_1_3B, "14b": WAN_14B, "krea": KREA_14B,
             "longlive": WAN_1_3B.replace(local_attn_size=longlive["kv_window"], sink_size=longlive["sink"])}[shape]
@@ -46,16 +46,16 @@ def shape_config(kind: str, shape: str):
 
 def shape_window(shape: str) -> tuple:
     """(kv_window, sink) the shape's sampler runs with (-1, 0: a global cache)."""
-    from ...sampling.scheduler import PRESET_CHUNKING
+    from ..sampling.scheduler import PRESET_CHUNKING
     c = PRESET_CHUNKING.get(SHAPE_PRESETS.get(shape, ""), {})
     return int(c.get("kv_window", -1)), int(c.get("sink", 0))
 
 
 def shape_schedule(kind: str, shape: str):
     if kind == "matrix-game2":
-        from ...sampling.mg2 import resolve_preset
+        from ..sampling.mg2 import resolve_preset
         return resolve_preset("universal")
-    from ...sampling.scheduler import resolve_schedule
+    from ..sampling.scheduler import resolve_schedule
     return resolve_schedule(SHAPE_PRESETS.get(shape, "self_forcing"))
 
 
@@ -67,7 +67,7 @@ def sampler_kwargs(shape: str, kv_window: int | None = None):
         window = kv_window
     if SHAPE_PRESETS.get(shape) == "krea":
         def krea():
-            from ...sampling.krea import cache_setup
+            from ..sampling.krea import cache_setup
             setup = cache_setup("krea", FRAMES_PER_BLOCK, window, preset="krea")
             return {"kv_window": setup.kv_window, "recache": setup.recache, "cache_policy": setup.cache_policy}
         return krea
@@ -127,9 +127,9 @@ def weights_table(config, weights: str = "bf16"):
     """The plan's byte table of a config's weights (``memory/weights.py``), block linears fp8 with --weights fp8."""
     import math
 
-    from ...memory.plan import fp8_weights
-    from ...memory.weights import TensorInfo, weights_from_tensors
-    from ...model.checkpoint import config_dict, expected_shapes
+    from ..memory.plan import fp8_weights
+    from ..memory.weights import TensorInfo, weights_from_tensors
+    from ..model.checkpoint import config_dict, expected_shapes
     shapes = expected_shapes(config)
     table = weights_from_tensors({n: TensorInfo(n, "BF16", s, 2 * math.prod(s)) for n, s in shapes.items()},
                                  source="random", config=config_dict(config))
@@ -138,8 +138,8 @@ def weights_table(config, weights: str = "bf16"):
 
 def make_run_plan(config, weights: str, frames: int, height: int, width: int, system=None, kv_window=None):
     """The VRAM plan of one bench run (learned limits left out: a bench measures the estimate's decisions)."""
-    from ...memory.estimate import Workload
-    from ...memory.plan import make_plan
+    from ..memory.estimate import Workload
+    from ..memory.plan import make_plan
     return make_plan(weights_table(config, weights), Workload(width, height, frames,
                                                               frames_per_block=FRAMES_PER_BLOCK),
                      system, kv_window=kv_window, use_learned=False)
@@ -169,7 +169,7 @@ def plan_window(plan, shape: str) -> int | None:
 def device_model(config, device, dtype: torch.dtype, seed: int, weights: str, swap=None):
     """The random model drawn on ``device`` in ``dtype`` (``model/random_weights.py``), with the plan's block swap:
     the swapped blocks are moved to the host as they are drawn, then streamed (``memory/block_swap.py``)."""
-    from ...model.random_weights import random_model
+    from ..model.random_weights import random_model
     n = swap.blocks_to_swap if swap is not None else 0
     model = random_model(config, device, dtype, seed=seed, weights=weights, host_blocks=n,
                          precision="float32" if dtype == torch.float32 else "self_forcing")
@@ -180,7 +180,7 @@ def device_model(config, device, dtype: torch.dtype, seed: int, weights: str, sw
 def place(model, device, swap=None):
     """Put ``model`` on ``device``: all of it, or with block swap where ``swap`` (SwapSettings) swaps blocks."""
     if swap is not None and (swap.blocks_to_swap > 0 or swap.offload_embeddings) and torch.device(device).type == "cuda":
-        from ...memory.block_swap import apply_block_swap
+        from ..memory.block_swap import apply_block_swap
         apply_block_swap(model, swap, device=device)
         return model
     return model.to(device)
@@ -214,18 +214,18 @@ def prepare_memory(args, device: torch.device, kind: str, shape: str, frames: in
     out = {"memory": {"memory_cap_gb": cap, "weights": weights, "plan": None}, "swap": None, "kv_window": None,
            "refused": None}
     if cap is not None:
-        from ...memory.system import apply_vram_cap
+        from ..memory.system import apply_vram_cap
         applied = apply_vram_cap(cap, device)
         out["memory"].update(cap_bytes=applied["cap_bytes"], card_total_gb=round(applied["total_bytes"] / 1024 ** 3, 2),
                              memory_fraction=round(applied["fraction"], 5))
     if device.type != "cuda" or kind != "wan":
         return out
-    from ...memory.system import detect_system
+    from ..memory.system import detect_system
     own, _sink = shape_window(shape)
     if args.checkpoint:
-        from ...memory.estimate import Workload
-        from ...memory.plan import make_plan
-        from ...memory.weights import weights_from_checkpoint
+        from ..memory.estimate import Workload
+        from ..memory.plan import make_plan
+        from ..memory.weights import weights_from_checkpoint
         plan = make_plan(weights_from_checkpoint(args.checkpoint), Workload(width, height, frames), detect_system(device),
                          use_learned=False)
     else:

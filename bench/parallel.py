@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from ...cache.fingerprint import cpu_name
+from ..cache.fingerprint import cpu_name
 from . import sampler as bs
-from ..validate import UsageError
-from ..ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
+from ..app.validate import UsageError
+from ..app.ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
 
 
 from .options import parallel as add_arguments  # noqa: E402,F401  (defined without torch)
@@ -36,20 +36,20 @@ from .options import parallel as add_arguments  # noqa: E402,F401  (defined with
 def model_heads(args) -> int:
     """Attention heads of the model the bench runs (the checkpoint's header, or the random shape's config)."""
     if getattr(args, "checkpoint", None):
-        from ...memory.weights import weights_from_checkpoint
+        from ..memory.weights import weights_from_checkpoint
         return int(weights_from_checkpoint(args.checkpoint).num_heads)
     kind, shape = getattr(args, "model_kind", "wan"), getattr(args, "shape", None) or "tiny"
     if kind == "matrix-game2":
-        from ...model.mg2_model import tiny_mg2_config
+        from ..model.mg2_model import tiny_mg2_config
         return int((tiny_mg2_config() if shape == "tiny" else bs.mg2_config_1_3b()).num_heads)
-    from ...model.config import WAN_1_3B
-    from ...model.tiny import TINY_CONFIG
+    from ..model.config import WAN_1_3B
+    from ..model.tiny import TINY_CONFIG
     return int((TINY_CONFIG if shape == "tiny" else WAN_1_3B).num_heads)
 
 
 def check_world_args(args) -> None:
     """--world-size and torchrun's variables, checked before any process starts (``ranks/parallel.py``)."""
-    from ..ranks.parallel import check_rank_env
+    from ..app.ranks.parallel import check_rank_env
     if getattr(args, "decode", "none") != "none":
         raise UsageError("--decode is measured in one process: leave --world-size out to time the decode")
     heads = model_heads(args)
@@ -68,7 +68,7 @@ def _rank_run(sp, opts: dict) -> dict:
     """One rank's (or, sp None, the one process's) timed runs: figures and, on rank 0, the latents."""
     args = argparse.Namespace(**opts)
     device = torch.device(opts["devices"][sp.rank] if sp is not None else opts["devices"][0])
-    from ..jobs.handle import parse_dtype
+    from ..app.jobs.handle import parse_dtype
     v = bs.VARIANTS[opts["variant"]]
     dtype = parse_dtype(v["dtype"] or opts["run_dtype"])
     precision = "float32" if dtype == torch.float32 else v["precision"]
@@ -118,7 +118,7 @@ def _sync(device) -> None:
 
 
 def run(args) -> int:
-    from ..jobs.handle import default_device
+    from ..app.jobs.handle import default_device
     world = int(args.world_size)
     under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not under_torchrun and world < 2:

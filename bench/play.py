@@ -25,10 +25,10 @@ from .options import PLAY_SIZES as SIZES, play as add_arguments  # noqa: E402,F4
 
 
 def _model(args, device, dtype):
-    from ..jobs.handle import parse_dtype
-    from ..jobs.mg2 import load_mg2_handle
-    from ...model.config import WanConfig
-    from ...model.mg2_model import tiny_mg2_model
+    from ..app.jobs.handle import parse_dtype
+    from ..app.jobs.mg2 import load_mg2_handle
+    from ..model.config import WanConfig
+    from ..model.mg2_model import tiny_mg2_model
 
     if args.checkpoint:
         return load_mg2_handle(args.checkpoint, dtype, "self_forcing", "auto", device).model
@@ -46,8 +46,8 @@ def _sync(device) -> None:
 
 
 def _run_mode(model, image, tokens, keys, in_place: bool, warmup: int, chunks: int, device, progress=None) -> dict:
-    from ..play.registry import PlaySession
-    from ...profiling.dispatch_counts import DispatchCounts
+    from ..app.play.registry import PlaySession
+    from ..profiling.dispatch_counts import DispatchCounts
 
     play = PlaySession(model, image, tokens, seed=0, in_place=in_place)
     times, peaks = [], []
@@ -82,8 +82,8 @@ def _mb(n) -> str:
 
 
 def run(args, out=print) -> int:
-    from ..validate import UsageError, check_int, check_pixels
-    from ...sampling.actions_script import MODES
+    from ..app.validate import UsageError, check_int, check_pixels
+    from ..sampling.actions_script import MODES
 
     # --device was checked with every bench's values (cli/bench.py: validate.check_device)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -96,7 +96,7 @@ def run(args, out=print) -> int:
     check_pixels("--width", width)
     check_pixels("--height", height)
     dtype = args.dtype if device.type == "cuda" else "fp32"
-    from ..progress import Progress
+    from ..app.progress import Progress
     Progress("bench play")(f"loading {args.checkpoint}" if args.checkpoint else f"building the {args.model} model")
     model = _model(args, device, dtype)
     c = model.config
@@ -107,7 +107,7 @@ def run(args, out=print) -> int:
         "gta_drive" if model.action_config.keyboard_dim_in == 2 else "universal")
     names = MODES[mode]["keys"]
     keys = [{names[0]}, {names[0], names[-1]}, set(), {names[-1]}]
-    from ..progress import Progress
+    from ..app.progress import Progress
     progress = Progress("bench play")
     rows = [_run_mode(model, image, tokens, keys, flag, args.warmup, args.chunks, device,
                       lambda text, flag=flag: progress(f"caches {'in place' if flag else 'copied'}: {text}"))

@@ -43,7 +43,7 @@ Then one more, untimed run under ``profiling.dispatch_counts`` gives the structu
 
 With ``--decode wan|tiny`` every chunk is also decoded to pixels as soon as it is made, and each row gets the
 decode columns (decode_s, end_to_end_s, video_fps_with_decode, first_frame_s, decoder_peak_mb, ...:
-app/bench/decode.py); the columns above stay DiT-only.
+bench/decode.py); the columns above stay DiT-only.
 """
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ import time
 
 import torch
 
-from ...cache.fingerprint import cpu_name
-from ..validate import UsageError
+from ..cache.fingerprint import cpu_name
+from ..app.validate import UsageError
 from .decode import ChunkDecoder, build_bench_decoder, check_decode_args, decode_columns, decoder_peak_mb
 
 # the variants, shapes and options are defined without torch (bench sampler --help answers at once)
@@ -66,7 +66,7 @@ from .options import (ATTENTION_TWINS, FP8, FP8ATT, INT8, OPS, OPS_MODES, TWINS,
 
 # ----------------------------------------------------------------------------- models and inputs
 def mg2_config_1_3b():
-    from ...model.config import WAN_1_3B
+    from ..model.config import WAN_1_3B
     action = {"blocks": list(range(15)), "mouse_dim_in": 2, "keyboard_dim_in": 4, "heads_num": 16,
               "mouse_hidden_dim": 1024, "keyboard_hidden_dim": 1024, "hidden_size": 128, "img_hidden_size": 1536,
               "vae_time_compression_ratio": 4, "windows_size": 3, "rope_theta": 256,
@@ -77,23 +77,23 @@ def mg2_config_1_3b():
 
 def _base_model(args, kind: str, shape: str):
     """float32 model on the CPU with deterministic weights (random, or the checkpoint's)."""
-    from ...model.tiny import init_tiny_weights
+    from ..model.tiny import init_tiny_weights
     if args.checkpoint:
         if kind == "matrix-game2":
-            from ..jobs.mg2 import load_mg2_handle
+            from ..app.jobs.mg2 import load_mg2_handle
             return load_mg2_handle(args.checkpoint, "fp32", "float32", "auto", "cpu").model
-        from ...model.loader import load_wan_checkpoint
+        from ..model.loader import load_wan_checkpoint
         return load_wan_checkpoint(args.checkpoint, device="cpu", dtype=torch.float32, precision="float32")
-    from ...model.checkpoint import model_class
+    from ..model.checkpoint import model_class
     if kind == "matrix-game2":
-        from ...model.mg2_model import tiny_mg2_config
+        from ..model.mg2_model import tiny_mg2_config
         cfg = tiny_mg2_config() if shape == "tiny" else mg2_config_1_3b()
     else:
         from .sampler_setup import shape_config
         cfg = shape_config(kind, shape)
     model = init_tiny_weights(model_class(cfg)(cfg), args.seed).eval().requires_grad_(False)
     if getattr(args, "weights", "bf16") == "fp8":       # block linears stored as e4m3, one scale per tensor
-        from ...model.random_weights import to_fp8_weights
+        from ..model.random_weights import to_fp8_weights
         to_fp8_weights(model)
     return model
 
@@ -113,7 +113,7 @@ class _Models:
         model and its runner reference each other, so only the cycle collector frees them; a row measured after a
         switch would otherwise carry the previous copy in its peak memory)."""
         if self.model is not None:
-            from ...sampling.runner import release_buffers
+            from ..sampling.runner import release_buffers
             release_buffers(self.model)
         self.model, self.key = None, None
         gc.collect()
@@ -123,7 +123,7 @@ class _Models:
     def get(self, dtype: torch.dtype, precision: str, attention: str):
         key = (dtype, precision, attention)
         if key != self.key and self.build is not None and self.key is not None and self.key[:2] == key[:2]:
-            from ...sampling.runner import release_buffers      # the same drawn model, another attention backend
+            from ..sampling.runner import release_buffers      # the same drawn model, another attention backend
             release_buffers(self.model)
             self.model, self.key = self.model.set_attention_backend(attention), key
         elif key != self.key:
@@ -136,7 +136,7 @@ class _Models:
 
 
 def _inputs(model, kind: str, frames: int, height: int, width: int, seed: int) -> dict:
-    from ..prepare import latent_frames, latent_size
+    from ..app.prepare import latent_frames, latent_size
     gen = torch.Generator().manual_seed(seed + 1)
     cfg = model.config
     lf = latent_frames(frames)
@@ -162,15 +162,15 @@ def _schedule(kind: str, shape: str | None = None):
 
 
 def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_chunk_latents=None):
-    from ...sampling.sampler import generate_latents
-    from ..prepare import RunSpec, prepared_sampling
+    from ..sampling.sampler import generate_latents
+    from ..app.prepare import RunSpec, prepared_sampling
     # the one prepare step: the doctor's verdicts, the variant's compile (kept across repeats: same settings are not
     # recompiled; None: eager, models are shared between variants) and fast options
     spec = RunSpec(path=v["path"], compile=v.get("compile"), **v.get("options", {}))
     schedule = inp["schedule"]
     with prepared_sampling(model, spec):
         if kind == "matrix-game2":
-            from ...sampling.mg2 import generate_mg2
+            from ..sampling.mg2 import generate_mg2
             dev = model.device
             mouse = None if inp["mouse"] is None else inp["mouse"].to(dev)
             keyboard = None if inp["keyboard"] is None else inp["keyboard"].to(dev)
@@ -187,7 +187,7 @@ def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_
 def _kv_plan(model, kind, inp, v) -> list:
     """Self-attention KV bytes written in each chunk, from the cache's write plan (a meta-device cache: no memory):
     rows the chunk's plan writes x forwards of the chunk x layers x 2 (k and v) x heads x head_dim x element size."""
-    from ...model.kv_cache import KVCache
+    from ..model.kv_cache import KVCache
     cfg = model.config
     ft = (inp["lh"] // cfg.patch_size[1]) * (inp["lw"] // cfg.patch_size[2])
     frames = inp["latent_frames"]
@@ -211,7 +211,7 @@ def _kv_plan(model, kind, inp, v) -> list:
 
 def _count_run(model, kind, inp, v, seed) -> tuple:
     """One untimed run under the dispatch counter: (latents on the CPU, structure figures)."""
-    from ...profiling.dispatch_counts import DispatchCounts
+    from ..profiling.dispatch_counts import DispatchCounts
     with torch.no_grad(), DispatchCounts() as counts:
         out = _sample(model, kind, inp, v, seed, None, callback=counts.step_callback())
     steady = counts.steady_step()
@@ -227,9 +227,9 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
                   progress=None) -> tuple:
     """One variant's row and latents. ``progress(text)``: told of every run and chunk as it finishes (stderr); the
     time it takes is left out of every figure (each chunk's clock starts again after it)."""
-    from ...model import flops as fl
-    from ..jobs.handle import parse_dtype
-    from ..jobs.generate import _peak_memory, _sync
+    from ..model import flops as fl
+    from ..app.jobs.handle import parse_dtype
+    from ..app.jobs.generate import _peak_memory, _sync
     v = VARIANTS[name]
     dtype = parse_dtype(v["dtype"] or run_dtype)
     precision = "float32" if dtype == torch.float32 else v["precision"]
@@ -299,7 +299,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
                       kv_window=cfg.local_attn_size if kind == "matrix-game2" else -1)
     work = fl.run_flops(cfg, geo, steps, optimized=v["path"] == "optimized", skip_last_refresh=v["skip_last_refresh"])
     util = fl.mfu(work["flops"], steady, peak)
-    from ...compile.apply import compile_handle
+    from ..compile.apply import compile_handle
     compiled = compile_handle(model) if v.get("compile") is not None else None
     what_ran = {"attention_ran": str(ran.get("attention", v["attention"])),
                 "linear": v.get("options", {}).get("linear", "exact"), "linear_ran": str(ran.get("linear", "exact")),
@@ -356,7 +356,7 @@ def variant_ops(name: str) -> str:
 
 def _check_ops_variants(names: list, device) -> None:
     """UsageError naming the variant when its ops mode cannot run on ``device`` (before any model is built)."""
-    from ...kernels.candidates import mode_problem
+    from ..kernels.candidates import mode_problem
     for name in names:
         problem = mode_problem(variant_ops(name), device) if VARIANTS[name]["path"] == "optimized" else None
         if problem:
@@ -375,7 +375,7 @@ def _vs_exact(rows: list, outputs: list) -> None:
 
 def _history(result: dict) -> None:
     try:
-        from ...profiling import history
+        from ..profiling import history
         for r in result["rows"]:
             history.append(history.make_record(
                 "bench", label=f"sampler/{r['variant']}" + (f"+decode-{r['decode']}" if "decode" in r else ""),
@@ -390,8 +390,8 @@ def _history(result: dict) -> None:
 
 
 def run(args) -> int:
-    from ...model import flops as fl
-    from ..jobs.handle import default_device
+    from ..model import flops as fl
+    from ..app.jobs.handle import default_device
     device = torch.device(args.device) if args.device else default_device()
     kind = args.model_kind
     shape = args.shape or "tiny"
@@ -418,8 +418,8 @@ def run(args) -> int:
         d = SHAPES[kind][shape]
     frames, height, width = args.frames or d[0], args.height or d[1], args.width or d[2]
     peak, peak_src = fl.peak_tflops(device, args.peak_tflops)
-    from ...app.progress import Progress
-    from ..jobs.handle import parse_dtype
+    from ..app.progress import Progress
+    from ..app.jobs.handle import parse_dtype
     progress = Progress("bench sampler")
     progress(f"{len(names)} variant(s) ({', '.join(names)}), {1 + max(1, args.repeat)} runs each (1 warm-up), "
              f"{frames} frames at {width}x{height} on {device}")
@@ -445,7 +445,7 @@ def run(args) -> int:
     else:
         models = _Models(_base_model(args, kind, shape), device, swap=memory["swap"], sampler_kwargs=run_kwargs)
     timed, failed = [], []
-    from ...memory.oom import is_oom
+    from ..memory.oom import is_oom
     for k, n in enumerate(names):
         try:
             timed.append(_time_variant(n, args, models, kind, run_dtype, frames, height, width, peak, decoder,

@@ -124,13 +124,13 @@ def skipped(why: str, args) -> int:
 
 # ----------------------------------------------------------------------------- checkpoint files
 def shape_config(shape: str):
-    from ...model import config as cfgmod
+    from ..model import config as cfgmod
     spec = SHAPES[shape][0]
     return getattr(cfgmod, spec) if isinstance(spec, str) else cfgmod.WanConfig(**spec)
 
 
 def parse_weights(text: str) -> list:
-    from ..validate import UsageError
+    from ..app.validate import UsageError
     names = [n.strip() for n in str(text).split(",") if n.strip()]
     if not names:
         raise UsageError("--weights: name at least one of " + ", ".join(WEIGHTS))
@@ -208,10 +208,10 @@ def own_rows(path: Path, lora: Path | None, args, dtype, device, inputs: dict, p
     """(row, final latents [B, C, T, H, W], structure) of the pack's own loader and sampler on the file."""
     import torch
 
-    from ...model.loader import load_wan_checkpoint
-    from ...sampling.runner import release_buffers
-    from ...sampling.sampler import sample_causal
-    from ...sampling.scheduler import schedule_from_sigmas
+    from ..model.loader import load_wan_checkpoint
+    from ..sampling.runner import release_buffers
+    from ..sampling.sampler import sample_causal
+    from ..sampling.scheduler import schedule_from_sigmas
     model = load_wan_checkpoint(str(path), device=device, dtype=dtype, lora=None if lora is None else str(lora),
                                 lora_strength=args.lora_strength)
     sched = schedule_from_sigmas(inputs["sigmas"].tolist())
@@ -232,7 +232,7 @@ def own_rows(path: Path, lora: Path | None, args, dtype, device, inputs: dict, p
             times.append(dt), firsts.append(first), peaks.append(peak)
     structure = None
     if profile:
-        from ...profiling.dispatch_counts import DispatchCounts
+        from ..profiling.dispatch_counts import DispatchCounts
         counts = DispatchCounts()
         with counts:
             run(None, callback=counts.step_callback())
@@ -277,8 +277,8 @@ def run_variant(name: str, side, args, config, device, workdir: Path, base_weigh
 
     import torch
 
-    from ...model.checkpoint import core_causal_metadata
-    from ...model.random_checkpoint import fp8_scaled, random_lora, write_file
+    from ..model.checkpoint import core_causal_metadata
+    from ..model.random_checkpoint import fp8_scaled, random_lora, write_file
     weights = name.removesuffix(LORA)
     lora = name.endswith(LORA)
     meta = dict(core_causal_metadata(config))
@@ -358,7 +358,7 @@ def run_variant(name: str, side, args, config, device, workdir: Path, base_weigh
 def _inputs(config, shape: str, seed: int, device) -> dict:
     import torch
 
-    from ...sampling.scheduler import resolve_schedule
+    from ..sampling.scheduler import resolve_schedule
     _spec, frames, lh, lw, tokens = SHAPES[shape]
     g = torch.Generator().manual_seed(int(seed) + 1)
     context = torch.randn(1, tokens, config.text_dim, generator=g)
@@ -378,7 +378,7 @@ def _versions(side) -> dict:
         out["triton"] = triton.__version__
     except Exception:  # noqa: BLE001
         out["triton"] = None
-    from ... import __version__
+    from .. import __version__
     out["comfyui-wan-accel"] = __version__
     out.update(side.versions())
     return out
@@ -391,9 +391,9 @@ def run(args) -> int:
 
     import torch
 
-    from ...cache.fingerprint import cpu_name
-    from ...model.random_checkpoint import random_weights
-    from ..validate import UsageError, check_float, check_int
+    from ..cache.fingerprint import cpu_name
+    from ..model.random_checkpoint import random_weights
+    from ..app.validate import UsageError, check_float, check_int
     names = parse_weights(args.weights)
     check_int("--lora-rank", args.lora_rank, 1, 4096)
     check_float("--lora-strength", args.lora_strength, -100.0, 100.0)

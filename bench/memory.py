@@ -91,7 +91,7 @@ def _stack(n, dim, ffn, heads, device, dtype):
 def _cpu_pass(args) -> int:
     import torch
 
-    from ...memory.block_swap import SwapSettings, apply_block_swap
+    from ..memory.block_swap import SwapSettings, apply_block_swap
 
     import sys
 
@@ -175,7 +175,7 @@ def run(args, vae_decode=None) -> int:
     """The benchmark; ``vae_decode(latent)`` (optional) adds the VAE decode peak against the chunk length."""
     import torch
 
-    from ...memory.block_swap import SwapSettings, apply_block_swap
+    from ..memory.block_swap import SwapSettings, apply_block_swap
 
     if not torch.cuda.is_available():
         return _cpu_pass(args)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..validate import UsageError
+from ..app.validate import UsageError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 DEFAULT_FIXTURES = ("wan_reference", "matrix_game2")
@@ -44,7 +44,7 @@ def _refuse_constant(name: str):
 
 def _read_config(path: Path) -> dict:
     """A fixture's config: a JSON object of finite numbers (NaN / Infinity refused), read without blocking."""
-    from ...cache.owned_files import loads_json, read_regular
+    from ..cache.owned_files import loads_json, read_regular
     try:
         cfg = loads_json(read_regular(path, 1 << 20).decode("utf-8"), parse_constant=_refuse_constant)
     except (OSError, ValueError) as exc:
@@ -68,8 +68,8 @@ def _check_finite(rows: list) -> None:
 
 def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, device, linear: str = "exact") -> tuple:
     """(final latents, {(chunk, step): x0}) of one run of the fixture."""
-    from ...sampling.sampler import sampler_path
-    from ..jobs.reference import _load_io, _load_model, _schedule_from
+    from ..sampling.sampler import sampler_path
+    from ..app.jobs.reference import _load_io, _load_model, _schedule_from
     io = _load_io(directory, cfg)
     steps = {}
 
@@ -78,7 +78,7 @@ def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, devic
 
     with torch.no_grad(), sampler_path(path, {"linear": linear} if path == "optimized" else None):
         if kind == "wan":
-            from ...sampling.sampler import sample_causal
+            from ..sampling.sampler import sample_causal
             model = _load_model(directory, cfg, device).set_attention_backend(attention)
             s = cfg["sampler"]
 
@@ -92,8 +92,8 @@ def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, devic
                                 sink=int(cfg["config"].get("sink_size", 0)),
                                 independent_first_frame=bool(s.get("independent_first_frame", False)))
         else:
-            from ...sampling.mg2 import sample_mg2
-            from ..jobs.mg2_reference import load_fixture_model
+            from ..sampling.mg2 import sample_mg2
+            from ..app.jobs.mg2_reference import load_fixture_model
             model = load_fixture_model(directory, cfg, device).set_attention_backend(attention)
             window = int(cfg["config"]["local_attn_size"])
             actions = model.new_action_call(io["mouse_cond"].to(device) if "mouse_cond" in io else None,
@@ -138,7 +138,7 @@ def measure(directory, attention: str = "int8", device="cpu", linear: str = "exa
 
 
 def run(args) -> int:
-    from ...model.attention import BACKENDS
+    from ..model.attention import BACKENDS
     linear = getattr(args, "linear", "exact")
     attention = args.attention or ("int8" if linear == "exact" else "sdpa")
     if attention not in BACKENDS:
@@ -151,7 +151,7 @@ def run(args) -> int:
     for f in folders:
         if not f.is_dir():
             raise UsageError(f"--fixture {f}: not a folder; give a recorded fixture's folder")
-    from ..progress import Progress
+    from ..app.progress import Progress
     progress = Progress("bench fidelity")
     rows = [r for f in folders for r in measure(f, attention, device, linear, progress)]
     _check_finite(rows)

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...profiling.child import child_argv, last_error, worker_message
+from ..profiling.child import child_argv, last_error, worker_message
 
 CHILD_MARK = "WAN_ACCEL_BENCH_RESULT "
 
@@ -31,7 +31,7 @@ def tiny_workload(device: str = "cpu", blocks: int = 2, dim: int = 32, tokens: i
     """
     import torch
 
-    from ...kernels import gated_residual, layernorm_modulate
+    from ..kernels import gated_residual, layernorm_modulate
 
     class Block(torch.nn.Module):
         def __init__(self, d: int, heads: int = 2):
@@ -82,8 +82,8 @@ def wan_workload(device: str = "cpu", seed: int = 0, frames: int = 6):
     in chunks of 3 (KV cache, cross-attention cache and all)."""
     import torch
 
-    from ...sampling.sampler import sample_causal
-    from ...model.tiny import tiny_causal_model
+    from ..sampling.sampler import sample_causal
+    from ..model.tiny import tiny_causal_model
 
     model = tiny_causal_model(seed=seed, device=device)
     cfg = model.config
@@ -113,10 +113,10 @@ def _child() -> None:
     t_import = time.perf_counter()
     import torch  # noqa: F401
 
-    from ...cache import LimitCache
-    from ...compile import compat
-    from ...compile.apply import compile_handle, compile_model
-    from ...compile.settings import CompileSettings
+    from ..cache import LimitCache
+    from ..compile import compat
+    from ..compile.apply import compile_handle, compile_model
+    from ..compile.settings import CompileSettings
 
     cache = LimitCache(Path(cfg["cache_dir"]) / "limits.json")
     model, run = workload(cfg.get("model", "standin"), cfg["device"], cfg["blocks"], cfg["dim"])
@@ -151,7 +151,7 @@ def run_child(cache_dir: str | os.PathLike, device: str = "cpu", blocks: int = 2
     env["TMPDIR"] = env["TEMP"] = env["TMP"] = str(tmp)
     env["WAN_ACCEL_BENCH_CHILD"] = json.dumps({"cache_dir": str(cache_dir), "device": device, "blocks": blocks,
                                                "dim": dim, "settings": settings or {}, "model": model})
-    proc = subprocess.run(child_argv("app.bench.compile:_child"), env=env, capture_output=True, text=True,
+    proc = subprocess.run(child_argv("bench.compile:_child"), env=env, capture_output=True, text=True,
                           timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(CHILD_MARK):
@@ -187,17 +187,17 @@ def run(args) -> int:
     if model is None:
         import importlib.util
 
-        model = "wan" if importlib.util.find_spec("...model.tiny", __package__) else "standin"
+        model = "wan" if importlib.util.find_spec("..model.tiny", __package__) else "standin"
     given = [opt for opt, value in (("--blocks", args.blocks), ("--dim", args.dim)) if value is not None]
     if model == "wan" and given:        # the tiny Wan model has its own size: these would be ignored
-        from ..validate import UsageError
+        from ..app.validate import UsageError
         raise UsageError(f"{' and '.join(given)} size the stand-in model, but the tiny causal Wan model runs "
                          f"({'--model wan' if args.model else 'the default'}), which has its own size: add --model "
                          f"standin, or leave {'it' if len(given) == 1 else 'them'} out")
     args.blocks = 2 if args.blocks is None else args.blocks
     args.dim = 32 if args.dim is None else args.dim
     colds, warms = [], []
-    from ..progress import Progress
+    from ..app.progress import Progress
     progress, n = Progress("bench compile"), max(1, args.repeat)
     with tempfile.TemporaryDirectory(prefix="wan_accel_bench_compile_") as root:
         first_dir = None

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from ..validate import UsageError
+from ..app.validate import UsageError
 
 # shape -> (tokens per latent frame, latent frames, frames per chunk, heads, head size, text tokens)
 from .options import APPROXIMATE, ATTENTION_SHAPES as SHAPES  # noqa: E402,F401  (defined without torch)
@@ -37,7 +37,7 @@ GOAL_TFLOPS = 550.0               # issue 30: attention at the largest call on a
 
 def calls(shape: str, which: str) -> list:
     """[(query length, key length)] of a run of ``shape``: its largest self-attention call, or every bucket's."""
-    from ...model.attention import plan_shapes
+    from ..model.attention import plan_shapes
     ft, frames, per_chunk, _h, _d, text = SHAPES[shape]
     chunks = [(f0, min(per_chunk, frames - f0)) for f0 in range(0, frames, per_chunk)]
     found = plan_shapes(ft, chunks, -1, frames, text if which == "all" else None)
@@ -69,13 +69,13 @@ def _check(args) -> None:
 def _timer(device: torch.device):
     """The operator store's own timer on a GPU (GPU time per call from CUDA-graph replays), so the table ranks the
     candidates as the store does; wall time on a CPU."""
-    from ...cache.autotune import cpu_timer, default_timer
+    from ..cache.autotune import cpu_timer, default_timer
     return default_timer if device.type == "cuda" else (lambda fn: cpu_timer(fn, repeats=1))
 
 
 def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
-    from ...kernels.candidates import tolerance
-    from ...model.attention import STORE_ULPS
+    from ..kernels.candidates import tolerance
+    from ..model.attention import STORE_ULPS
     b, lq, h, d = q.shape
     row = {"lq": lq, "lk": k.shape[1], "candidate": name, "kind": kind}
     try:
@@ -98,8 +98,8 @@ def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
 def _approximate_call(name: str, k, v):
     """The call of an opt-in mode as a run makes it: fp8 reads keys/values quantized beforehand (a run's KV cache
     keeps them so), int8 quantizes them itself."""
-    from ...kernels import fp8_attention
-    from ...model import attention as attn
+    from ..kernels import fp8_attention
+    from ..model import attention as attn
     if name == "fp8":
         kv8 = fp8_attention.quantize_kv(k, v)
         return lambda a, b_, c: fp8_attention.fp8_attention(a, b_, c, kv8=kv8)
@@ -113,7 +113,7 @@ def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, devi
             seed: int = 0, ceiling: float | None = None, progress=None) -> list:
     """Rows of every candidate at one call of [batch, lq|lk, heads, head_dim] (module doc); ``progress(text)`` is
     told which candidate is being timed."""
-    from ...model import attention as attn
+    from ..model import attention as attn
     tell = progress or (lambda _text: None)
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
@@ -152,9 +152,9 @@ def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, devi
 
 
 def run(args) -> int:
-    from ...cache.fingerprint import cpu_name
-    from ...profiling.ceilings import measure_ceilings
-    from ..jobs.handle import default_device, parse_dtype
+    from ..cache.fingerprint import cpu_name
+    from ..profiling.ceilings import measure_ceilings
+    from ..app.jobs.handle import default_device, parse_dtype
     _check(args)
     approximate = _approximate(args.approximate)
     device = torch.device(args.device) if args.device else default_device()
@@ -162,7 +162,7 @@ def run(args) -> int:
     dtype = parse_dtype(args.dtype or ("bf16" if device.type == "cuda" else "fp32"))
     _ft, _frames, _chunk, heads, head_dim, _text = SHAPES[shape]
     todo = [(args.lq, args.lk)] if args.lq is not None else calls(shape, args.calls or "largest")
-    from ..progress import Progress
+    from ..app.progress import Progress
     progress = Progress("bench attention")
     if not args.no_ceiling:
         progress(f"measuring the matmul ceiling of {device}")
