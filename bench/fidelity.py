@@ -21,7 +21,7 @@ import torch
 
 from ..app.validate import UsageError
 
-FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 DEFAULT_FIXTURES = ("wan_reference", "matrix_game2")
 PATHS = ("reference", "optimized")
 

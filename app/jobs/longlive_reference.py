@@ -7,9 +7,11 @@ from the first chunk whose first frame is at or after ``switch_frame_indices``),
 (``reference`` and ``optimized``); the LoRA variant also runs on the merged weights file.
 
 Compared: each variant's warped step list, its call sequence (start frame and timestep of every chunk and cache
-refresh call, the re-cache passes left out), the x0 of every step of every chunk where recorded (``x0_steps``) and
-the final latents. Every number (model, schedule, window, sink, switch frames, prompts) comes from the config
-JSON; the file names the producer writes are used when the config does not name them.
+refresh call, the re-cache passes left out), the x0 of every step of every chunk (``x0_steps``) and the final
+latents. Every tensor the config implies is expected (each variant's latents; each variant without the LoRA, its
+``x0_steps``): one missing from the io file is a failing row. Every number (model, schedule, window, sink, switch
+frames, prompts) comes from the config JSON; the file names the producer writes are used when the config does
+not name them.
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ def _sample(model, cfg: dict, io: dict, variant: str, path: str, records: list):
 
 
 def _run_rows(model, cfg: dict, io: dict, variant: str, path: str, tag: str) -> list:
-    from .reference import max_abs_diff
+    from .reference import Row, max_abs_diff
     fpb = int(cfg["frames_per_block"])
     noise = io["initial_noise"]
     p = model.config.patch_size
@@ -87,25 +89,35 @@ def _run_rows(model, cfg: dict, io: dict, variant: str, path: str, tag: str) -> 
     records = []
     out = _sample(model, cfg, io, variant, path, records)
     rows = [(f"{tag}.calls", _calls_row(records, cfg["variants"][variant]["calls"], fpb, frame_tokens))]
-    if f"{variant}.x0_steps" in io:
-        ref = io[f"{variant}.x0_steps"]
-        seen = torch.full(ref.shape, float("nan"), dtype=torch.float64)
-        for rec in records:
-            if rec["kind"] == "denoise" and rec["step"] < ref.shape[0]:
-                c = rec["chunk"]
-                seen[rec["step"], :, c * fpb:(c + 1) * fpb] = rec["x0"].detach().to("cpu", torch.float64)
-        diff = max_abs_diff(seen, ref)
-        rows.append((f"{tag}.x0_steps", diff if bool(torch.isfinite(seen).all()) else float("inf")))
-    rows.append((f"{tag}.latents", max_abs_diff(out, io[f"{variant}.latents"])))
+    key = f"{variant}.x0_steps"
+    if x0_steps_expected(cfg, variant) or key in io:
+        if key not in io:
+            rows.append(io.compare(key, None, name=f"{tag}.x0_steps"))
+        else:
+            ref = io.reference(key)
+            seen = torch.full(ref.shape, float("nan"), dtype=torch.float64)
+            for rec in records:
+                if rec["kind"] == "denoise" and rec["step"] < ref.shape[0]:
+                    c = rec["chunk"]
+                    seen[rec["step"], :, c * fpb:(c + 1) * fpb] = rec["x0"].detach().to("cpu", torch.float64)
+            diff = max_abs_diff(seen, ref)
+            made = bool(torch.isfinite(seen).all())
+            rows.append(Row(f"{tag}.x0_steps", diff if made else float("inf"),
+                            None if made else "the run made no x0 for some recorded steps"))
+    rows.append(io.compare(f"{variant}.latents", out, name=f"{tag}.latents"))
     return rows
 
 
-def run(directory, cfg: dict, device="cpu") -> list:
-    from safetensors.torch import load_file
+def x0_steps_expected(cfg: dict, variant: str) -> bool:
+    """Whether the io file must record ``<variant>.x0_steps``: the producer records every step's x0 of each
+    variant run without the LoRA adapter (the adapter run's steps are not traced; its latents are)."""
+    return not cfg["variants"][variant].get("lora")
 
-    from .reference import _schedule_from_steps, max_abs_diff
+
+def run(directory, cfg: dict, device="cpu") -> list:
+    from .reference import _schedule_from_steps, load_recorded, max_abs_diff
     directory = Path(directory)
-    io = load_file(str(directory / cfg.get("io_file", IO_FILE)))
+    io = load_recorded(directory / cfg.get("io_file", IO_FILE))
     base = (directory / cfg["base_weights"]).resolve()
     rows = []
     if "base_weights_sha256" in cfg:

@@ -76,7 +76,7 @@ def _call_key(rec: dict) -> str:
 def run(directory, cfg: dict, device="cpu") -> list:
     from ...sampling.mg2 import sample_mg2
     from ...model.kv_cache import KVCache
-    from .reference import _calls_row, _load_io, _schedule_from, _schedule_rows, max_abs_diff
+    from .reference import _calls_row, _load_io, _schedule_from, _schedule_rows, call_tensors
     directory = Path(directory)
     model = load_fixture_model(directory, cfg, device)
     io = _load_io(directory, cfg)
@@ -106,18 +106,28 @@ def run(directory, cfg: dict, device="cpu") -> list:
                          kv_cache=kv, actions=actions)
     finally:
         recorder.close()
-    rows = _schedule_rows(sched, io) + [_calls_row(records, cfg, ends)]
-    for rec in records:
-        for part in ("xt", "flow", "x0"):
-            key = f"{_call_key(rec)}.{part}"
-            if key in io:
-                rows.append((key, max_abs_diff(rec[part].transpose(1, 2), io[key])))
-    for key in sorted(k for k in io if k.startswith("inter.")):
+    rows = _schedule_rows(sched, io, cfg) + [_calls_row(records, cfg, ends)]
+    for key, ours in call_tensors(records, cfg, _call_key, io, transpose=True):
+        rows.append(io.compare(key, ours))
+    for key in expected_intermediates(cfg, io):
         tag, _, name = key[len("inter."):].partition(".")
-        got = recorder.saved.get(tag, {}).get(name)
-        rows.append((key, max_abs_diff(got, io[key]) if got is not None else float("inf")))
-    rows.append(("output", max_abs_diff(out, io["output"])))
-    return rows + _cache_rows(model, kv, actions, io)
+        rows.append(io.compare(key, recorder.saved.get(tag, {}).get(name)))
+    rows.append(io.compare("output", out))
+    return rows + _cache_rows(model, kv, actions, io, cfg)
+
+
+def expected_intermediates(cfg: dict, io=()) -> list:
+    """The intermediates the config implies (for each call ``intermediates.calls`` names: the patch embedding,
+    img_emb, every block's output, and for each action block its input, output and the branch contribution of
+    each enabled branch), then every other one ``io`` records."""
+    c, a = cfg["config"], cfg["config"].get("action_config", {})
+    names = ["patch_embedding", "img_emb"] + [f"block{i}" for i in range(int(c["num_layers"]))]
+    for b in a.get("blocks", ()):
+        names += [f"block{b}.action_in", f"block{b}.action_out"]
+        names += [f"block{b}.proj_mouse"] if a.get("enable_mouse", True) else []
+        names += [f"block{b}.proj_keyboard"] if a.get("enable_keyboard", True) else []
+    keys = [f"inter.{tag}.{n}" for tag in cfg.get("intermediates", {}).get("calls", {}) for n in names]
+    return list(dict.fromkeys(keys + sorted(k for k in io if k.startswith("inter."))))
 
 
 def _cache_ends(kv, actions) -> dict:
@@ -131,8 +141,10 @@ def _cache_ends(kv, actions) -> dict:
     return out
 
 
-def _cache_rows(model, kv, actions, io) -> list:
-    from .reference import max_abs_diff
+def _cache_rows(model, kv, actions, io, cfg: dict) -> list:
+    """The final self-attention, mouse and keyboard caches: every one expected when the config describes them
+    (``final_caches``), else the ones recorded."""
+    expected = "final_caches" in cfg
     pairs = [(f"kv_final.layer{i}", kv, i) for i in range(len(kv.layers))]
     for slot, b in enumerate(model.action_config.blocks):
         if actions.mouse_cache is not None:
@@ -144,6 +156,6 @@ def _cache_rows(model, kv, actions, io) -> list:
         k, v = cache.ordered(layer)
         for name, ours in (("k", k), ("v", v)):
             key = f"{prefix}.{name}"
-            if key in io:
-                rows.append((key, max_abs_diff(ours, io[key])))
+            if expected or key in io:
+                rows.append(io.compare(key, ours))
     return rows

@@ -85,17 +85,30 @@ def _config_value(value, path: Path, where: str):
 
 
 class Recorded(dict):
-    """The tensors of a fixture's io file: an input the run needs that is not there names the file
-    (``FixtureError``); ``compare(key, ours)`` is the row of one expected recorded tensor (inf, with a note, when
-    the file lacks it or the run made nothing to compare)."""
+    """The tensors of a fixture's io file: an input the run needs (``io[key]``) that is not there, or that holds
+    NaN or inf, names the file and the key (``FixtureError``); ``compare(key, ours)`` is the row of one expected
+    recorded tensor (inf, with a note, when the file lacks it or the run made nothing to compare; a recorded tensor
+    of NaN or inf fails its row, with a note naming it); ``reference(key)`` is a recorded tensor as it is."""
 
     def __init__(self, tensors: dict, path: Path):
         super().__init__(tensors)
         self.path = Path(path)
+        self.nonfinite = {k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())}
 
     def __missing__(self, key):
         raise FixtureError(f"{self.path.name}: no tensor '{key}', which the run needs; the fixture is incomplete: "
                            f"copy or produce it again")
+
+    def __getitem__(self, key):
+        tensor = super().__getitem__(key)
+        if key in self.nonfinite:
+            raise FixtureError(f"{self.path.name}: tensor '{key}', which the run needs, holds NaN or inf; the "
+                               f"fixture is damaged: copy or produce it again")
+        return tensor
+
+    def reference(self, key: str) -> torch.Tensor:
+        """A recorded tensor to compare with (kept when it holds NaN or inf: its row fails)."""
+        return dict.__getitem__(self, key) if key in self else self.__missing__(key)
 
     def compare(self, key: str, ours, diff=None, name: str | None = None) -> Row:
         name = key if name is None else name
@@ -103,7 +116,9 @@ class Recorded(dict):
             return Row(name, INF, f"expected, but missing from {self.path.name}")
         if ours is None:
             return Row(name, INF, "recorded, but the run made nothing to compare it with")
-        return Row(name, (diff or max_abs_diff)(ours, self[key]))
+        value = (diff or max_abs_diff)(ours, self.reference(key))
+        note = f"the recorded tensor holds NaN or inf in {self.path.name}" if key in self.nonfinite else None
+        return Row(name, value if note is None or not row_ok(value) else INF, note)
 
 
 def max_abs_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -119,17 +134,21 @@ def max_abs_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def load_recorded(path) -> Recorded:
-    """The tensors of a fixture's io file: one that is missing, damaged or truncated is a ``FixtureError``
-    naming it; a recorded tensor of NaN or inf is kept (its rows fail: NaN is never within a tolerance)."""
+    """The tensors of a fixture's io file: one that is missing, damaged or truncated (the checkpoints' header check,
+    ``read_header``, before anything is loaded) is a ``FixtureError`` naming it; a recorded tensor of NaN or inf is
+    kept (its rows fail, naming it; as an input it is refused naming the file and key)."""
     from safetensors.torch import load_file
+
+    from ...model.checkpoint import read_header
     path = Path(path)
     if not path.is_file():
         raise FixtureError(f"{path.name}: {'not a regular file' if path.exists() else 'not found'} (the recorded "
                            f"tensors of the fixture, in {path.parent}); copy or produce the fixture again")
     try:
+        read_header(path)          # the checkpoints' header check: every tensor's bytes in the file, before loading
         return Recorded(load_file(str(path)), path)
     except Exception as exc:  # noqa: BLE001 - safetensors' own error types: a damaged file, said as one
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        reason = " ".join(str(exc).split("; pickle checkpoints")[0].split())[:200] or type(exc).__name__
         raise FixtureError(f"{path.name}: not a readable safetensors file ({reason}): it is damaged or truncated; "
                            f"copy or produce the fixture again") from None
 
@@ -180,7 +199,7 @@ def _run_full(directory: Path, cfg: dict, device) -> list:
     finally:
         for h in handles:
             h.remove()
-    output = out[0] if "output" not in io or io["output"].dim() == 4 else torch.stack(out)
+    output = out[0] if "output" not in io or io.reference("output").dim() == 4 else torch.stack(out)
     rows = [io.compare("output", output)]
     expected = {str(k) for k in cfg.get("intermediates", {})} | {k for k in io if k.startswith("inter.")}
     for key in sorted(expected):                  # every intermediate the config lists, and every one recorded
@@ -205,13 +224,23 @@ def _schedule_from(cfg: dict):
                                 s.get("scheduler", {}).get("num_train_timesteps", 1000))
 
 
-def _schedule_rows(sched, io: dict) -> list:
-    rows = []
+def _schedule_rows(sched, io: dict, cfg: dict | None = None) -> list:
+    """The step list and the scheduler tables. With ``cfg`` (a config whose ``sampler`` names the step list, and
+    its ``scheduler`` the tables) each one the config implies is expected: missing from the io file, a failing
+    row; without it, the ones recorded."""
     pairs = {"scheduler.sigmas": sched.scheduler.sigmas, "scheduler.timesteps": sched.scheduler.timesteps,
              "denoising_step_list": torch.tensor(sched.timesteps, dtype=torch.float32)}
+    expected = set()
+    if cfg is not None:
+        expected = {"denoising_step_list"} | ({"scheduler.sigmas", "scheduler.timesteps"}
+                                              if "scheduler" in cfg.get("sampler", {}) else set())
+    compare = getattr(io, "compare", None)
+    rows = []
     for key, ours in pairs.items():
-        if key in io:
-            rows.append((key, max_abs_diff(ours, io[key])))
+        if key in expected and compare is not None:
+            rows.append(compare(key, ours))
+        elif key in io:
+            rows.append((key, max_abs_diff(ours, io.reference(key) if hasattr(io, "reference") else io[key])))
     return rows
 
 
@@ -253,7 +282,7 @@ def _kv_rows(kv, io: dict) -> list:
             if key not in io:
                 rows.append(io.compare(key, ours))
                 continue
-            ref = io[key]
+            ref = io.reference(key)
             padded = torch.zeros(ref.shape, dtype=torch.float64)
             n = min(ours.shape[1], ref.shape[1])
             padded[:, :n] = ours[:, :n].to("cpu", torch.float64)
@@ -282,7 +311,7 @@ def _run_causal(directory: Path, cfg: dict, device) -> list:
                         noise_provider=provide, refresh_t=float(s.get("context_noise", 0)),
                         independent_first_frame=bool(s.get("independent_first_frame", False)),
                         tracer=records.append, kv_cache=kv)
-    rows = _schedule_rows(sched, io) + [_calls_row(records, cfg)]
+    rows = _schedule_rows(sched, io, cfg) + [_calls_row(records, cfg)]
     for key, ours in call_tensors(records, cfg, _call_name, io):
         rows.append(io.compare(key, ours))
     rows.append(io.compare("output", out))
