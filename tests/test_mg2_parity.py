@@ -128,6 +128,7 @@ def _write_variant(directory: Path, seed=5, layers=3, blocks=(1, 2), dim=48, hea
         io[f"mouse_kv_final.layer{b}.k"], io[f"mouse_kv_final.layer{b}.v"] = actions.mouse_cache.ordered(slot)
         io[f"keyboard_kv_final.layer{b}.k"], io[f"keyboard_kv_final.layer{b}.v"] = actions.keyboard_cache.ordered(slot)
     cfg["calls"] = calls
+    io["denoising_step_list"] = torch.tensor(_schedule_from(cfg).timesteps, dtype=torch.float32)   # as recorded
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / cfg["weights_file"]))
     save_file({k: v.clone().contiguous() for k, v in io.items()}, str(directory / cfg["io_file"]))
     (directory / "v_config.json").write_text(json.dumps(cfg))

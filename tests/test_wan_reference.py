@@ -93,7 +93,8 @@ def _write_causal_fixture(d: Path, cfg: WanConfig, model, shape, fpb: int, steps
     provide = lambda ci, k, shp, dt, dev: extra[f"extra_noise.block{ci}.step{k}"].reshape(shp).to(dt)
     out = sample_causal(model, context.double(), noise.double(), sched, fpb, noise_provider=provide,
                         tracer=records.append)
-    io = {"context": context, "initial_noise": noise, "output": out.float(), **extra}
+    io = {"context": context, "initial_noise": noise, "output": out.float(), **extra,
+          "denoising_step_list": torch.tensor(sched.timesteps, dtype=torch.float32)}   # as the producer records it
     for r in records:
         tag = "context" if r["kind"] == "context" else f"step{r['step']}"
         for part in ("xt", "flow", "x0"):
