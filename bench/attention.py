@@ -81,6 +81,8 @@ def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
     try:
         with torch.no_grad():
             out = fn(q, k, v)
+            if not bool(torch.isfinite(out).all()):     # a figure for wrong numbers would be no figure
+                return dict(row, status="failed", why="non-finite output (NaN or inf): not timed")
             diff = (out.float() - ref.float()).abs()
             ms = timer(lambda: fn(q, k, v))
     except Exception as exc:  # noqa: BLE001 - one candidate's failure is a row, the others still run

@@ -45,6 +45,19 @@ def test_a_wrong_candidate_is_caught_and_a_raising_one_is_a_row(monkeypatch):
     assert by["fa2"]["status"] == "failed" and "ZeroDivisionError" in by["fa2"]["why"]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_output_is_a_failed_row_never_a_figure(monkeypatch, bad):
+    def poisoned(q, k, v):
+        out = attn._sdpa(q, k, v).clone()
+        out[0, 0, 0, 0] = bad
+        return out
+    cand = attn.op_candidates.Candidate(attn.STORE_OP, "sdpa", "sdpa", poisoned, attn._no_problem, "one bad value")
+    monkeypatch.setitem(attn.AUTO_CANDIDATES, "sdpa", cand)
+    by = {r["candidate"]: r for r in bench.measure(16, 24, 1, 2, 16, torch.float32, torch.device("cpu"))}
+    assert by["sdpa"]["status"] == "failed" and "non-finite" in by["sdpa"]["why"]
+    assert "ms" not in by["sdpa"] and "tflops" not in by["sdpa"]
+
+
 def test_cli_table_and_json(tmp_path):
     code, out, err = run_cli("bench", "attention", "--lq", "33", "--lk", "65", "--approximate", "none", "--json")
     assert code == 0, err
