@@ -380,6 +380,9 @@ def check_output_dir(name: str, value) -> Path:
             raise UsageError(f"{name} {path}: {p} cannot be used ({exc.strerror or exc})") from None
         if not stat.S_ISDIR(st.st_mode):
             raise UsageError(f"{name} {path}: {p} is a file, not a folder; choose another {name}")
+        if not os.access(p, os.W_OK | os.X_OK):        # refused now, not when the first file is written
+            raise UsageError(f"{name} {path}: {p} is not writable (permission denied or a read-only disk); choose "
+                             f"a folder you may write")
         break
     return path
 

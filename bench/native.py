@@ -79,8 +79,10 @@ def add_arguments(p) -> None:
                    help="the pack's sampler path, for the native and own runs alike (auto: optimized on CUDA)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights, prompt and noise")
-    p.add_argument("--lora-rank", type=int, default=16, help="rank of the random LoRA")
-    p.add_argument("--lora-strength", type=float, default=1.0, help="strength the LoRA is applied at")
+    p.add_argument("--lora-rank", type=int, default=None, help="rank of the random LoRA (default 16; only with a "
+                   f"'{LORA}' variant in --weights)")
+    p.add_argument("--lora-strength", type=float, default=None, help="strength the LoRA is applied at (default 1.0; "
+                   f"only with a '{LORA}' variant in --weights)")
     p.add_argument("--comfyui", default=None, metavar="DIR",
                    help=f"ComfyUI's folder, put on sys.path (default: ${COMFYUI_ENV}, else the current folder)")
     p.add_argument("--workdir", default=None, help="folder for the checkpoint files (default: a temporary one, "
@@ -398,6 +400,12 @@ def run(args) -> int:
     from ..model.random_checkpoint import random_weights
     from ..app.validate import UsageError, check_float, check_int
     names = parse_weights(args.weights)
+    given = [o for o, v in (("--lora-rank", args.lora_rank), ("--lora-strength", args.lora_strength)) if v is not None]
+    if given and not any(n.endswith(LORA) for n in names):   # it would be ignored: no variant applies a LoRA
+        raise UsageError(f"{given[0]} sets the random LoRA, and --weights {args.weights} has no '{LORA}' variant: "
+                         f"add one (e.g. bf16{LORA}), or leave out {' and '.join(given)}")
+    args.lora_rank = 16 if args.lora_rank is None else args.lora_rank
+    args.lora_strength = 1.0 if args.lora_strength is None else args.lora_strength
     check_int("--lora-rank", args.lora_rank, 1, 4096)
     check_float("--lora-strength", args.lora_strength, -100.0, 100.0)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

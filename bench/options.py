@@ -51,7 +51,7 @@ def sampler(parser) -> None:
                         "tiny, 1.3b (Wan 2.1 1.3B, Self-Forcing), 14b (Wan 2.1 14B, Self-Forcing schedule), krea "
                         "(Krea Realtime 14B: its schedule, per-block KV recompute, window 6), longlive (the 1.3B with "
                         "LongLive's schedule, window 12, 3 sink frames); the 14B shapes are drawn on the device in the "
-                        "run dtype (no float32 copy: no 'reference' variant, no parity run). Ignored with --checkpoint")
+                        "run dtype (no float32 copy: no 'reference' variant, no parity run). Not with --checkpoint")
     parser.add_argument("--weights", choices=list(SAMPLER_WEIGHTS), default="bf16", help="bf16 (default): weights "
                         "in the run dtype; fp8: every block linear weight stored as float8 e4m3 with one scale per "
                         "tensor, as a scaled fp8 checkpoint holds it (the pack's FP8Linear; a 14B's weights in ~15 GB)")
@@ -139,7 +139,8 @@ def play(parser) -> None:
     parser.add_argument("--height", type=int, default=None, help="video height in pixels (tiny 64, released 352)")
     parser.add_argument("--chunks", type=int, default=6, help="timed chunks per mode (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed chunks first (3 fill the 6-frame window)")
-    parser.add_argument("--dtype", default="bf16", help="weights and math on CUDA (fp32 on a CPU)")
+    parser.add_argument("--dtype", default=None, help="weights and math on CUDA (default bf16; a CPU runs fp32 "
+                        "and refuses another --dtype)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -95,7 +95,10 @@ def run(args, out=print) -> int:
     width, height = args.width or SIZES[args.model][0], args.height or SIZES[args.model][1]
     check_pixels("--width", width)
     check_pixels("--height", height)
-    dtype = args.dtype if device.type == "cuda" else "fp32"
+    if args.dtype not in (None, "fp32") and device.type != "cuda":     # it would be ignored: a CPU runs float32
+        raise UsageError(f"--dtype {args.dtype}: bench play runs float32 on a {device.type}; leave out --dtype, or "
+                         f"run on a CUDA device")
+    dtype = (args.dtype or "bf16") if device.type == "cuda" else "fp32"
     from ..app.progress import Progress
     Progress("bench play")(f"loading {args.checkpoint}" if args.checkpoint else f"building the {args.model} model")
     model = _model(args, device, dtype)

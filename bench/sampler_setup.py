@@ -82,6 +82,9 @@ def check_options(args, device: torch.device, names: list, variants: dict) -> No
     kind, shape = args.model_kind, args.shape or "tiny"
     cap = getattr(args, "memory_cap_gb", None)
     weights = getattr(args, "weights", None) or "bf16"
+    if args.shape is not None and args.checkpoint:      # the checkpoint's own size is run: --shape would be ignored
+        raise UsageError(f"--shape {args.shape} picks a random-weight model, and --checkpoint runs the file's model: "
+                         f"leave out one of them")
     if shape not in SAMPLER_SHAPES[kind]:
         raise UsageError(f"--shape {shape}: {kind} has the shapes {', '.join(SAMPLER_SHAPES[kind])}")
     if weights not in SAMPLER_WEIGHTS:

@@ -117,6 +117,9 @@ def check_target(path, *, option: str = "", purpose: str = "the output", cache_p
         if not stat.S_ISDIR(st.st_mode):
             raise OwnedFileError(f"{where}: {folder} is {file_kind(st.st_mode)} where a folder is needed; choose "
                                  f"another place for {purpose}")
+        if not os.access(folder, os.W_OK | os.X_OK):   # the file (or the folders still to make) cannot be made there
+            raise OwnedFileError(f"{where}: the folder {folder} is not writable (permission denied or a read-only "
+                                 f"disk); choose a folder you may write for {purpose}")
         break
     try:
         st = os.lstat(p)

@@ -44,15 +44,21 @@ def _one_dtype_vocabulary(parser) -> bool:
 
 # bench options that must be positive numbers: (attribute, exclusive low, high)
 POSITIVE_NUMBERS = (("peak_tflops", 0.0, 1e6), ("timeout", 0.0, 86400.0))
+# bench options naming a folder the bench writes into (bench native --workdir)
+OUTPUT_FOLDERS = ("workdir",)
 
 
 def check_bench_args(what: str, ns) -> None:
     """The values every bench shares, checked before anything runs (0 or a negative count is an error)."""
-    from ..app.validate import check_device, check_float, check_geometry, check_input_file, check_int, check_pixels
+    from ..app.validate import (check_device, check_float, check_geometry, check_input_file, check_int,
+                                check_output_dir, check_pixels)
 
     for name, convert in (("checkpoint", "convert"), ("vae", None)):   # weights files: readable safetensors, first
         if getattr(ns, name, None) is not None:        # '' too: an empty path is refused, never taken as "none"
             check_input_file("--" + name, getattr(ns, name), convert=convert)
+    for name in OUTPUT_FOLDERS:         # folders a bench writes: checked before anything runs (a file there, ...)
+        if getattr(ns, name, None) is not None:
+            check_output_dir("--" + name, getattr(ns, name))
     if getattr(ns, "device", None) is not None:          # one check of --device for every bench
         ns.device = check_device("--device", ns.device)
     for name, lo, hi in POSITIVE_NUMBERS:        # rates and times: a figure made from 0 or a negative one is wrong

@@ -49,8 +49,9 @@ def register(sub) -> None:
     p.add_argument("--explain", action="store_true",
                    help="also list graph breaks with reasons (torch._dynamo.explain, in a separate process)")
     p.add_argument("--explain-only", action="store_true", help="only the explain step, no profiled run")
-    p.add_argument("--explain-scope", choices=("block", "model"), default="block",
-                   help="explain one transformer block call (what regional compile compiles) or one chunk call")
+    p.add_argument("--explain-scope", choices=("block", "model"), default=None,
+                   help="with --explain or --explain-only: explain one transformer block call (what regional "
+                        "compile compiles; default) or one chunk call")
     p.add_argument("--explain-target", metavar="MODULE:FACTORY",
                    help="explain your own target instead (a factory returning (fn, args[, kwargs]))")
     p.add_argument("--no-history", action="store_true", help="do not append this run to the metrics history")
@@ -136,6 +137,22 @@ def profile_geometry(args) -> dict:
                           d["width"] if args.width is None else args.width, 3, names=PROFILE_NAMES)
 
 
+def check_profile_combinations(args) -> None:
+    """An option another one makes ignored is refused before any work (exit 2, one line saying what to change)."""
+    explains = args.explain or args.explain_only
+    if args.explain_scope is not None and (args.explain_target or not explains):
+        raise UsageError(f"--explain-scope {args.explain_scope} chooses what the pack's own explain step looks at"
+                         + (", and --explain-target explains your target instead: leave out --explain-scope"
+                            if args.explain_target else ": add --explain (or --explain-only), or leave it out"))
+    if args.explain_only:               # no profiled run: its options would be ignored
+        dropped = [o for o, given in (("--compile", args.compile != "none"), ("--runs", args.runs != 1),
+                                      ("--warmup", args.warmup != 1), ("--no-history", args.no_history))
+                   if given]
+        if dropped:
+            raise UsageError(f"{dropped[0]} sets the profiled run, and --explain-only runs only the explain step: "
+                             f"leave out {' and '.join(dropped)}, or --explain-only (use --explain for both)")
+
+
 def run_profile(args) -> int:
     from ..profiling import ExplainError, ExplainTargetError, explain_in_subprocess, package_target, profile_run
     from ..app.jobs import profile_targets as targets
@@ -143,6 +160,7 @@ def run_profile(args) -> int:
 
     if args.checkpoint and args.shape != "tiny":
         raise UsageError("--shape picks a random-weight model; with --checkpoint leave it out")
+    check_profile_combinations(args)
     if args.checkpoint is not None:
         check_input_file("--checkpoint", args.checkpoint)
     if args.compile not in targets.COMPILE_MODES:
@@ -167,7 +185,7 @@ def run_profile(args) -> int:
             name, kwargs, search = args.explain_target, {}, [os.getcwd()]   # as `python -m`: this folder first
         else:
             name, search = package_target("app.jobs.profile_targets:explain_model"), []
-            kwargs = {"scope": args.explain_scope, **target.settings()}
+            kwargs = {"scope": args.explain_scope or "block", **target.settings()}
         try:
             explained = explain_in_subprocess(name, kwargs=kwargs, sys_path=search)
         except ExplainTargetError as exc:
@@ -235,6 +253,8 @@ def run_report(args) -> int:
     from ..profiling import history
     from ..profiling.history_view import COLUMNS, plot_history, table_rows
 
+    if args.json and args.plain:        # --plain chooses how the table looks; --json prints no table
+        raise UsageError("--plain shapes the text table, and --json prints the records instead: leave out one")
     if args.last is not None:
         check_int("--last", args.last, 1, 10**9)
     if args.plot:  # refused before anything is read: no link, pipe, folder or limit cache file

@@ -1,0 +1,77 @@
+"""Issue 43, class 4 (more of it): every command checks its outputs and its option combinations before any work.
+
+An output folder or file whose folder cannot be written is refused up front by the pack's one output checks
+(cache/owned_files.check_target, app/validate.check_output_dir); an option another option makes ignored is
+refused with one line naming it, before anything is built, run or written."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cli_run import refused, run_cli, run_cli_in
+
+FIX = Path(__file__).resolve().parent / "fixtures"
+CKPT = FIX / "wan_reference" / "causal_weights.safetensors"
+
+
+# ============================================================================ (a) outputs checked up front
+def test_bench_native_workdir_that_is_a_file_is_refused_before_anything(tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("mine")
+    result = run_cli("bench", "native", "--device", "cpu", "--workdir", target)
+    refused(result, "--workdir", str(target))
+    assert "skipped" not in result[1] and target.read_text() == "mine"
+
+
+def _unwritable(monkeypatch, folder: Path) -> None:
+    """os.access answers 'no' for ``folder`` (the tests run as root, where every folder is writable)."""
+    real = os.access
+
+    def access(path, mode, *a, **kw):
+        if os.path.abspath(str(path)) == str(folder) and mode & os.W_OK:
+            return False
+        return real(path, mode, *a, **kw)
+    monkeypatch.setattr(os, "access", access)
+
+
+def test_a_report_in_a_folder_that_cannot_be_written_is_refused_before_any_probe(tmp_path, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    _unwritable(monkeypatch, locked)
+    result = run_cli_in(tmp_path, "doctor", "--device", "cpu", "--report", locked / "report.json")
+    refused(result, "--report", str(locked), "not writable")
+    assert not result[1] and list(locked.iterdir()) == []
+
+
+def test_an_output_folder_under_a_folder_that_cannot_be_written_is_refused_first(tmp_path, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    _unwritable(monkeypatch, locked)
+    result = run_cli_in(tmp_path, "profile", "--device", "cpu", "--out", locked / "traces")
+    refused(result, "--out", str(locked), "not writable")
+    assert "profile:" not in result[2] and not (locked / "traces").exists()
+
+
+# ============================================================================ (b) no option silently dropped
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "native", "--device", "cpu", "--lora-rank", "4"], ["--lora-rank", "+lora", "--weights"]),
+    (["bench", "native", "--device", "cpu", "--weights", "bf16,fp8_scaled", "--lora-strength", "0.5"],
+     ["--lora-strength", "+lora"]),
+    (["report", "--json", "--plain"], ["--plain", "--json"]),
+    (["profile", "--device", "cpu", "--explain-scope", "model"], ["--explain-scope", "--explain"]),
+    (["profile", "--device", "cpu", "--explain-only", "--explain-target", "x:y", "--explain-scope", "model"],
+     ["--explain-scope", "--explain-target"]),
+    (["profile", "--device", "cpu", "--explain-only", "--compile", "eager"], ["--compile", "--explain-only"]),
+    (["profile", "--device", "cpu", "--explain-only", "--runs", "3"], ["--runs", "--explain-only"]),
+    (["bench", "play", "--device", "cpu", "--dtype", "fp16"], ["--dtype fp16", "cpu"]),
+    (["bench", "sampler", "--device", "cpu", "--checkpoint", CKPT, "--shape", "1.3b"], ["--shape 1.3b",
+                                                                                        "--checkpoint"]),
+])
+def test_an_option_another_one_makes_ignored_is_refused_before_any_work(argv, words, tmp_path):
+    result = run_cli_in(tmp_path, *argv)
+    refused(result, *words)
+    assert "skipped" not in result[1]                       # bench native answered before its ComfyUI check
+    assert not [ln for ln in result[2].splitlines() if not ln.startswith("error:")]   # no progress: nothing ran
+    assert not (tmp_path / "wan_accel_profiles").exists()  # no trace folder made
