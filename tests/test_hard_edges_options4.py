@@ -36,22 +36,16 @@ def _unwritable(monkeypatch, folder: Path) -> None:
     monkeypatch.setattr(os, "access", access)
 
 
-def test_a_report_in_a_folder_that_cannot_be_written_is_refused_before_any_probe(tmp_path, monkeypatch):
+@pytest.mark.parametrize("command, option, inside", [("doctor", "--report", "report.json"),   # a file in it
+                                                     ("profile", "--out", "traces")])            # a folder in it
+def test_an_output_in_a_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch, command,
+                                                                                 option, inside):
     locked = tmp_path / "locked"
     locked.mkdir()
     _unwritable(monkeypatch, locked)
-    result = run_cli_in(tmp_path, "doctor", "--device", "cpu", "--report", locked / "report.json")
-    refused(result, "--report", str(locked), "not writable")
-    assert not result[1] and list(locked.iterdir()) == []
-
-
-def test_an_output_folder_under_a_folder_that_cannot_be_written_is_refused_first(tmp_path, monkeypatch):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    _unwritable(monkeypatch, locked)
-    result = run_cli_in(tmp_path, "profile", "--device", "cpu", "--out", locked / "traces")
-    refused(result, "--out", str(locked), "not writable")
-    assert "profile:" not in result[2] and not (locked / "traces").exists()
+    result = run_cli_in(tmp_path, command, "--device", "cpu", option, locked / inside)
+    refused(result, option, str(locked), "not writable")
+    assert f"{command}:" not in result[2] and list(locked.iterdir()) == []
 
 
 # ============================================================================ (b) no option silently dropped

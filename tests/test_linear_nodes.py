@@ -3,14 +3,15 @@ streaming twin) and the Wan Accel AR Sampler take ``linear`` (exact | fp8), the 
 carries it, and a reference path with fp8 is refused with the command line's message in the node's own words."""
 from __future__ import annotations
 
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from wan_accel.sampling import sampler as sampler_mod
+
+from .test_hard_edges_round3_options import fake_comfy  # noqa: F401 - a fixture
+from .test_native_sampler import WAN21_CausalAR as NativeModel
 
 
 def _record_requests(monkeypatch) -> list:
@@ -76,29 +77,7 @@ def test_the_sampler_node_refuses_fp8_on_the_reference_path_as_the_cli_does(monk
         CausalWanSampler().sample(_tiny_handle(), 32, 32, 9, 0, "self_forcing", 3, -1, 0, linear="fp4")
 
 
-@pytest.fixture
-def fake_comfy(monkeypatch):
-    comfy = types.ModuleType("comfy")
-    samplers = types.ModuleType("comfy.samplers")
-
-    class KSAMPLER:
-        def __init__(self, fn, extra_options=None):
-            self.fn, self.extra_options = fn, extra_options or {}
-
-    samplers.KSAMPLER = KSAMPLER
-    comfy.samplers = samplers
-    monkeypatch.setitem(sys.modules, "comfy", comfy)
-    monkeypatch.setitem(sys.modules, "comfy.samplers", samplers)
-
-
-class WAN21_CausalAR:                      # noqa: N801 - named as ComfyUI's class, which the sampler checks
-    def __init__(self, dm):
-        self.diffusion_model = dm
-        self.model_sampling = SimpleNamespace(multiplier=1000.0)
-
-    def get_dtype_inference(self):
-        return torch.float32
-
+class WAN21_CausalAR(NativeModel):         # noqa: N801 - named as ComfyUI's class, which the sampler checks
     def process_latent_in(self, latent):
         return latent
 
