@@ -87,6 +87,15 @@ def check_options(args, device: torch.device, names: list, variants: dict) -> No
                          f"leave out one of them")
     if shape not in SAMPLER_SHAPES[kind]:
         raise UsageError(f"--shape {shape}: {kind} has the shapes {', '.join(SAMPLER_SHAPES[kind])}")
+    off = parity_off(args)
+    if getattr(args, "no_parity", False) and off:       # nothing to skip: --no-parity would be ignored
+        raise UsageError(f"--no-parity skips the float32 parity run, and this run has none ({off}): leave "
+                         f"--no-parity out")
+    if args.dtype is not None and getattr(args, "decode", "none") == "none" and names \
+            and all(variants[n]["dtype"] is not None for n in names if n in variants):
+        raise UsageError(f"--dtype {args.dtype} sets the run dtype, and every chosen variant ({', '.join(names)}) "
+                         f"runs in its own float32: add a run-dtype variant (e.g. optimized) to --variants, or "
+                         f"leave --dtype out")
     if weights not in SAMPLER_WEIGHTS:
         raise UsageError(f"--weights must be one of {', '.join(SAMPLER_WEIGHTS)}, got {weights!r}")
     if weights != "bf16" and args.checkpoint:

@@ -22,6 +22,9 @@ def _doctor(args):
     if head_dim % 2:
         raise UsageError(f"--head-dim {head_dim} must be even (rotary embeddings pair the channels); e.g. 128")
     device = check_device("--device", args.device) or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.with_compile and device.startswith("cuda"):     # probed on a GPU anyway: it would change nothing
+        raise UsageError(f"--with-compile adds the torch.compile probe on a CPU, and {device} always probes it: "
+                         f"leave --with-compile out, or add --device cpu")
     try:
         dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
         ctx = default_context(device, dtype, args.head_dim, with_compile=args.with_compile)
@@ -44,6 +47,9 @@ def _run(args) -> int:
             raise UsageError(f"--feature: unknown feature(s) {', '.join(unknown)}; known: "
                              f"{', '.join(doctor.catalogue)}")
         names = args.feature
+        if args.with_compile and "compile" not in names:   # only the compile probe reads it
+            raise UsageError(f"--with-compile adds the compile probe, and --feature {' '.join(names)} leaves it "
+                             f"out: add --feature compile, or leave --with-compile out")
     rows = doctor_rows(doctor, names, recheck=args.recheck)
     if args.report:
         try:

@@ -25,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--kv-window", type=int, default=None,
                    help="latent frames in the KV cache (-1 global; default: the model's own)")
     p.add_argument("--vram-gb", type=float, default=None, help="plan for a GPU with this many GiB (all free)")
-    p.add_argument("--capability", default="8.9", help="compute capability of the --vram-gb GPU (default 8.9)")
+    p.add_argument("--capability", default=None, help="compute capability of the --vram-gb GPU (default 8.9)")
     p.add_argument("--ram-gb", type=float, default=None, help="host RAM in GiB (default: this machine's)")
     p.add_argument("--reserve-gb", type=float, default=0.0, help="VRAM (or RAM) to leave unused, in GiB")
     p.add_argument("--vae", choices=("auto", "wan2.1", "wan2.2"), default="auto",
@@ -50,7 +50,7 @@ def parse_capability(text) -> tuple[int, int]:
 def _system(args):
     from ..memory.system import GiB, SystemInfo, detect_system, pinned_budget_for
 
-    cap = parse_capability(args.capability)      # checked even without --vram-gb: never ignored silently
+    cap = parse_capability("8.9" if args.capability is None else args.capability)
     if args.vram_gb is not None:
         return SystemInfo.simulated_gpu(args.vram_gb, ram_gb=args.ram_gb, capability=cap,
                                         name=f"simulated {args.vram_gb:g} GiB GPU")
@@ -75,7 +75,7 @@ def _plan(args) -> int:
     from ..memory.system import GiB
     from ..memory.weights import HeaderError, preset_weights, weights_from_checkpoint
 
-    from ..app.validate import check_float, check_geometry, check_input_file, check_int, check_window
+    from ..app.validate import UsageError, check_float, check_geometry, check_input_file, check_int, check_window
 
     try:
         if args.checkpoint is not None:
@@ -84,6 +84,14 @@ def _plan(args) -> int:
                        names={"frames": "--frames", "height": "--height", "width": "--width",
                               "frames_per_block": "--frames-per-block"})
         check_int("--batch", args.batch, 1, 64)
+        if args.kv_window is not None and args.mode == "full":      # one sequence, no KV cache: it would be ignored
+            raise UsageError(f"--kv-window {args.kv_window} sizes the causal KV cache, and --mode full keeps none: "
+                             f"leave --kv-window out, or use --mode causal")
+        if args.capability is not None:
+            parse_capability(args.capability)      # a bad value is named first
+            if args.vram_gb is None:               # this machine's GPU is planned for: it would be ignored
+                raise UsageError(f"--capability {args.capability} describes the --vram-gb GPU, and without --vram-gb "
+                                 f"this machine is planned for: add --vram-gb N, or leave --capability out")
         if args.kv_window is not None and args.mode == "causal":   # the run's own window check (Krea's too)
             check_window(args.frames_per_block, args.kv_window, 0, "krea" if _is_krea(args) else "switch",
                          names={"frames_per_block": "--frames-per-block", "kv_window": "--kv-window",

@@ -197,6 +197,10 @@ def check_generate_args(args) -> None:
             raise UsageError(f"--num-heads {args.num_heads} sets the heads of a --checkpoint, but the built-in tiny "
                              f"model runs, which has its own: add --checkpoint FILE, or leave --num-heads out")
     check_device("--device", args.device)
+    if args.keep_slower and not any(getattr(args, a) in m for a, m in APPROXIMATE_MODES.items()):
+        raise UsageError(f"--keep-slower keeps --attention int8 / fp8 or --linear fp8 where measured slower, and "
+                         f"this run asks for neither (--attention {args.attention}, --linear {args.linear}): add "
+                         f"one of them, or leave --keep-slower out")
     _check_ops(args)
     try:
         path_for_linear(args.sampler, args.linear, names=("--sampler", "--linear"))     # the one rule, its words
@@ -258,7 +262,8 @@ def _check_lora_args(args) -> None:
 # options only the optimized sampler uses: (attribute, option, its default); given with the reference sampler
 # they would be ignored while report.json says they were set, so they are refused
 OPTIMIZED_ONLY = (("ops", "--ops", "auto"), ("compile", "--compile", False), ("cuda_graphs", "--cuda-graphs", "auto"),
-                  ("no_fused_kernels", "--no-fused-kernels", False))
+                  ("no_fused_kernels", "--no-fused-kernels", False), ("keep_slower", "--keep-slower", False))
+APPROXIMATE_MODES = {"attention": ("int8", "fp8"), "linear": ("fp8",)}   # what --keep-slower may keep
 
 
 def _check_ops(args) -> None:

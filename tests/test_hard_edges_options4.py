@@ -62,6 +62,16 @@ def test_an_output_in_a_folder_that_cannot_be_written_is_refused_before_any_work
     (["bench", "play", "--device", "cpu", "--dtype", "fp16"], ["--dtype fp16", "cpu"]),
     (["bench", "sampler", "--device", "cpu", "--checkpoint", CKPT, "--shape", "1.3b"], ["--shape 1.3b",
                                                                                         "--checkpoint"]),
+    (["bench", "sampler", "--device", "cpu", "--shape", "14b", "--no-parity"], ["--no-parity", "14B"]),
+    (["bench", "sampler", "--device", "cpu", "--memory-cap-gb", "8", "--no-parity"], ["--no-parity",
+                                                                                      "--memory-cap-gb"]),
+    (["bench", "sampler", "--device", "cpu", "--variants", "reference", "--dtype", "bf16"], ["--dtype bf16",
+                                                                                             "--variants"]),
+    (["doctor", "--device", "cpu", "--with-compile", "--feature", "fused_qkv"], ["--with-compile",
+                                                                                "--feature compile"]),
+    (["generate", "--device", "cpu", "--keep-slower"], ["--keep-slower", "--attention int8"]),
+    (["plan", "--model", "1.3b", "--mode", "full", "--kv-window", "6"], ["--kv-window 6", "--mode full"]),
+    (["plan", "--model", "1.3b", "--capability", "9.0"], ["--capability 9.0", "--vram-gb"]),
 ])
 def test_an_option_another_one_makes_ignored_is_refused_before_any_work(argv, words, tmp_path):
     result = run_cli_in(tmp_path, *argv)
@@ -69,3 +79,13 @@ def test_an_option_another_one_makes_ignored_is_refused_before_any_work(argv, wo
     assert "skipped" not in result[1]                       # bench native answered before its ComfyUI check
     assert not [ln for ln in result[2].splitlines() if not ln.startswith("error:")]   # no progress: nothing ran
     assert not (tmp_path / "wan_accel_profiles").exists()  # no trace folder made
+
+
+def test_doctor_with_compile_on_a_cuda_device_is_refused_before_any_probe(tmp_path, monkeypatch):
+    """A CUDA device always probes torch.compile: --with-compile would change nothing there."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    result = run_cli_in(tmp_path, "doctor", "--device", "cuda", "--with-compile")
+    refused(result, "--with-compile", "cuda", "--device cpu")
+    assert not (tmp_path / "cache").exists()                 # no verdict recorded: nothing probed
