@@ -27,9 +27,3 @@ class Progress:
         if not self.enabled or quiet():
             return
         print(f"{self.command} [{time.perf_counter() - self.t0:6.1f} s]: {what}", file=sys.stderr, flush=True)
-
-    def chunks(self, what: str):
-        """An ``on_chunk(chunk_index, num_chunks)`` callback printing ``what: chunk i/n done``."""
-        def on_chunk(ci: int, n: int) -> None:
-            self(f"{what}: chunk {ci + 1}/{n} done")
-        return on_chunk

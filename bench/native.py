@@ -293,11 +293,11 @@ def run_variant(name: str, side, args, config, device, workdir: Path, base_weigh
         tensors, extra = fp8_scaled(base_weights, legacy=weights == "fp8_scaled_legacy",
                                     device=device if device.type == "cuda" else None)
         meta.update(extra)
-    path = workdir / f"wan_{args.shape}_{weights}.safetensors"
+    path = workdir / f"wan_{args.shape}_{weights}_s{args.seed}.safetensors"    # reused only for the same contents
     file_mb = write_file(path, tensors, meta) if not path.exists() else round(path.stat().st_size / 2 ** 20, 2)
     lora_path = None
     if lora:
-        lora_path = workdir / f"lora_r{args.lora_rank}.safetensors"
+        lora_path = workdir / f"lora_{args.shape}_r{args.lora_rank}_s{args.seed}.safetensors"
         if not lora_path.exists():
             write_file(lora_path, random_lora(base_weights, args.lora_rank, args.seed), {})
     del tensors

@@ -209,8 +209,9 @@ def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capabili
         return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
     if not fa_available(name):
         return f"{_MODULES[name]} not installed"
-    if fa_dtype_problem(name, dtype):
-        return fa_dtype_problem(name, dtype)
+    why = fa_dtype_problem(name, dtype)
+    if why:
+        return why
     cap = capability or _capability(device.index if device.index is not None else torch.cuda.current_device())
     if not capability_supports(name, cap):
         return f"compute capability {cap[0]}.{cap[1]} not supported"
@@ -278,17 +279,14 @@ def _flash(name: str, q, k, v, splits: int = 1):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-E4M3_MAX = 448.0
-
-
 def quantize_e4m3_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, L, H, D] -> (float8_e4m3fn codes, float32 descale [B, H]): one scale per (batch, head), its largest
     magnitude mapped to e4m3's 448, the layout FA3's fp8 kernels take (``q_descale`` / ``k_descale`` /
     ``v_descale``). Rounding: e4m3 keeps 3 mantissa bits, a relative step of 2^-3 (unit roundoff 2^-4) for every
     value within the scale's binades."""
     amax = x.abs().amax(dim=(1, 3)).float().clamp_min(1e-12)
-    descale = amax / E4M3_MAX
-    codes = (x.float() / descale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    descale = amax / fp8.FP8_MAX
+    codes = (x.float() / descale[:, None, :, None]).clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(torch.float8_e4m3fn)
     return codes, descale.contiguous()
 
 

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 
+from ..cache.owned_files import write_with
+from ..kernels.fp8_linear import quantize_tensor
 from .checkpoint import expected_shapes
 from .tiny import shape_values
 
 # the block linear weights ComfyUI's fp8_scaled Wan files store in fp8 (and a Wan LoRA adapts)
 BLOCK_LINEAR = re.compile(r"^blocks\.\d+\.((self_attn|cross_attn)\.(q|k|v|o)|ffn\.(0|2))\.weight$")
-FP8_MAX = 448.0             # the largest float8 e4m3fn value
 
 
 def random_weights(config, seed: int, device, dtype) -> dict:
@@ -42,10 +43,9 @@ def fp8_scaled(weights: dict, legacy: bool = False, device=None) -> tuple:
             out[name] = w
             continue
         layer = name[:-len(".weight")]
-        wf = w.to(device or w.device).float()
-        scale = (wf.abs().amax() / FP8_MAX).clamp(min=1e-12)
-        out[name] = (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(w.device)
-        out[f"{layer}.scale_weight" if legacy else f"{layer}.weight_scale"] = scale.reshape(()).float().to(w.device)
+        codes, scale = quantize_tensor(w.to(device or w.device).float())     # the loader's own per-tensor rule
+        out[name] = codes.to(w.device)
+        out[f"{layer}.scale_weight" if legacy else f"{layer}.weight_scale"] = scale.to(w.device)
         layers[layer] = {"format": "float8_e4m3fn"}
     meta = {}
     if legacy:
@@ -74,7 +74,10 @@ def random_lora(weights: dict, rank: int, seed: int) -> dict:
 
 
 def write_file(path: Path, tensors: dict, metadata: dict) -> float:
-    """Write tensors (moved to the CPU) as safetensors; returns the file's size in MiB."""
+    """Write tensors (moved to the CPU) as safetensors, atomically (a stopped run leaves no truncated file that a
+    later run would reuse); returns the file's size in MiB."""
     from safetensors.torch import save_file
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    write_with(path, lambda tmp: save_file(cpu, tmp, metadata=metadata), option="--workdir",
+               purpose="a random checkpoint")
     return round(path.stat().st_size / 2 ** 20, 2)

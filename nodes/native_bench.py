@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ..bench.native import register_comfy_side
+from ..bench.native import _structure, register_comfy_side
 
 
 class ComfySide:
@@ -132,8 +132,7 @@ class ComfySide:
             counts, marks = DispatchCounts(), []
             self.sample(guider, sampler, inputs, lambda c=counts, m=marks: m.append(c.snapshot()), counts=counts)
             step = counts.steady_step() if counts.steps else marks[-1] - marks[-2]
-            out[key] = {"ops_per_step": step.ops, "syncs_per_video": counts.syncs,
-                        "sync_names": dict(counts.sync_names), "step_op_names": dict(step.op_names)}
+            out[key] = _structure(counts, step)
         return out
 
     def unload(self) -> None:
