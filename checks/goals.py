@@ -5,6 +5,9 @@ the measured figure, the target, whether it is met, and which row of which stage
 run (no GPU, a stage not chosen, a failed stage) or whose row is missing is "unmeasured": a figure is never
 estimated here. The targets are those of the 1.3B causal video (480x832, 81 frames, 4 steps per 3-frame chunk, bf16,
 random weights) on one H100 or H200; on any other GPU the table still reads its figures, against the same targets.
+The native goals are read from ``bench native``'s bf16 variant at that shape on CUDA only (ComfyUI's MODEL through
+the Wan Accel AR Sampler against the pack's own path and against core's SamplerARVideo); its tiny CPU run leaves them
+unmeasured.
 """
 from __future__ import annotations
 
@@ -104,6 +107,36 @@ def decode_fps(data: dict):
     return (value, f"optimized video_fps_with_decode ({r.get('decode')})") if value is not None else None
 
 
+NATIVE_SHAPE, NATIVE_WEIGHTS = "1.3b", "bf16"     # the bench native run the native goals are read from
+
+
+def _native_seconds(data: dict):
+    """{sampler: seconds per video} of bench native's bf16 variant at the 1.3B shape on CUDA; None for any other
+    run (the tiny shape, a CPU, a skipped bench), whose figures say nothing about the goals' targets."""
+    if data.get("shape") != NATIVE_SHAPE or not str(data.get("device", "")).startswith("cuda"):
+        return None
+    variant = next((v for v in data.get("variants", []) if isinstance(v, dict) and v.get("weights") == NATIVE_WEIGHTS),
+                   None)
+    rows = (variant or {}).get("rows") or {}
+    return {k: r.get("seconds_per_video") for k, r in rows.items() if isinstance(r, dict)}
+
+
+def native_over_own(data: dict):
+    """Seconds per video of the Wan Accel AR Sampler on ComfyUI's MODEL over the pack's own path on the same file."""
+    s = _native_seconds(data) or {}
+    if not s.get("native") or not s.get("own"):
+        return None
+    return round(s["native"] / s["own"], 3), f"{NATIVE_WEIGHTS}: native {s['native']} s / own {s['own']} s per video"
+
+
+def native_vs_core(data: dict):
+    """Seconds per video of core's SamplerARVideo over the Wan Accel AR Sampler's, on the same MODEL."""
+    s = _native_seconds(data) or {}
+    if not s.get("native") or not s.get("core"):
+        return None
+    return round(s["core"] / s["native"], 3), f"{NATIVE_WEIGHTS}: core {s['core']} s / native {s['native']} s per video"
+
+
 GOALS = (
     Goal("exact bf16 video (DiT only)", "s", 1.5, "<=", "bench sampler", exact_video),
     Goal("6th chunk, 4 denoising steps", "ms", 280.0, "<=", "bench sampler", sixth_chunk),
@@ -113,6 +146,8 @@ GOALS = (
     Goal("video FPS with decode, Wan 2.1 VAE", "FPS", 25.0, ">=", "bench decode wan", decode_fps),
     Goal("video FPS with decode, tiny decoder", "FPS", 35.0, ">=", "bench decode tiny", decode_fps),
     Goal("peak memory, exact bf16", "GB", 10.0, "<=", "bench sampler", peak_gb),
+    Goal("native path vs the pack's own path, 1.3B", "x", 1.03, "<=", "bench native", native_over_own),
+    Goal("native path vs core's SamplerARVideo, same MODEL", "x", 1.5, ">=", "bench native", native_vs_core),
 )
 STAGES = tuple(dict.fromkeys(g.stage for g in GOALS))
 

@@ -4,8 +4,9 @@ Each stage is a command of the pack run the way a user types it (``python -m wan
 its own time limit), so one stage that crashes or hangs costs only itself. Stages that need a CUDA GPU are listed
 as "needs a CUDA GPU" on a machine without one (and the run still exits 0, unless ``--require-gpu``). A stage
 fails on a crash (non-zero exit, a traceback, a time-out), a parity over its tolerance (``check-reference``, the
-bench's parity column, the fp8 bound) or a path that stays on although it was measured slower than its fallback
-(int8 attention or fp8 linear layers kept where slower than exact). All stages share one limit cache made for the self-test, so
+bench's parity column, the fp8 bound), a ``bench native`` row that errored or whose parity is not a finite number, or
+a path that stays on although it was measured slower than its fallback (int8 attention or fp8 linear layers kept
+where slower than exact). All stages share one limit cache made for the self-test, so
 the doctor and the operator store start cold, as on a new machine; the first-run costs are then part of the table.
 
 The stages (``STAGES``): the doctor (every feature, cold); ``check-reference`` in float32 for every fixture folder
@@ -14,9 +15,11 @@ checkpoint through the pack's loader; and on a GPU: ``bench sampler`` at the 1.3
 dtype, optimized, without CUDA graphs, compiled, int8 attention, fp8 linear, fp8 attention, fp8 both),
 ``bench attention`` (every implementation at the
 run's calls), the optimized sampler with every chunk decoded by the Wan 2.1 VAE and by the tiny decoder, ``bench
-kernels``, block swap under a VRAM cap (``bench offload``), the tests marked ``cuda``; and ComfyUI's own loader where
-ComfyUI imports (the doctor's native probe). The speed goals (``checks/goals.py``) are read from the bench stages'
-output and written beside the table (``--goals``: only the stages they are read from).
+kernels``, block swap under a VRAM cap (``bench offload``), the tests marked ``cuda``; and where ComfyUI imports,
+ComfyUI's own loader (the doctor's native probe) and ``bench native`` (ComfyUI's MODEL through core's
+SamplerARVideo, the Wan Accel AR Sampler and the pack's own path on the same file: the tiny shape on a CPU or with
+``--quick``, else the 1.3B shape; bf16, fp8_scaled and bf16 with a LoRA). The speed goals (``checks/goals.py``) are
+read from the bench stages' output and written beside the table (``--goals``: only the stages they are read from).
 
 ``--out``, the files written there and ``--require-gpu`` are checked before the first stage (``check_outputs``,
 ``check_gpu``). selftest.json and selftest.md are written again after every finished stage, so a run stopped
@@ -26,6 +29,7 @@ half-way leaves the table of what it finished (``finished`` false, ``not_run`` t
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -44,6 +48,9 @@ NEEDS_GPU = "needs a CUDA GPU"
 STATUSES = ("passed", "failed", NEEDS_GPU, "skipped")
 SLOWER_MARGIN = 1.05       # int8 / fp8 kept although its steady time is more than 5 % above exact's: a failure
 OUTPUT = "_output"         # a stage row's parsed JSON output while the goal table is made
+NATIVE_WEIGHTS = "bf16,fp8_scaled,bf16+lora"    # bench native's variants: plain, ComfyUI's scaled fp8, a LoRA
+NATIVE_PARITY = (("native_vs_own_max_abs", {"native", "own"}),       # bench native's parity figures: the rows each
+                 ("native_vs_core_max_abs", {"native", "core"}))     # compares
 KEPT_TWINS = (("optimized-int8", "attention_ran", "int8", "int8 attention"),     # twin, what ran, its mode, words
               ("optimized-fp8att", "attention_ran", "fp8", "fp8 attention"),
               ("optimized-fp8", "linear_ran", "fp8", "fp8 linear"))
@@ -138,6 +145,35 @@ def judge_native(stdout: str, ctx: Context) -> list:
     return []
 
 
+def judge_bench_native(stdout: str, ctx: Context) -> list:
+    """Skipped where the bench says ComfyUI does not import; else every variant and every sampler row ran (an error
+    is the row's own line), and each parity figure whose two rows ran is a finite number. ``bench native`` states
+    no parity tolerance (its figures are reported, never bounded), so a figure is judged only for being there and
+    finite; ``native_vs_core_own_draws_max_abs`` compares different re-noising draws by design and is not judged."""
+    data = _json(stdout)
+    if data.get("skipped"):
+        raise Skipped(f"ComfyUI does not import here ({str(data.get('detail') or '')[:120]}); run the self-test "
+                      "with ComfyUI's Python, or set COMFYUI_DIR to ComfyUI's folder")
+    variants = [v for v in data.get("variants", []) if isinstance(v, dict)]
+    if not variants:
+        return ["no weights variant ran"]
+    problems = []
+    for v in variants:
+        name, rows, parity = v.get("weights"), v.get("rows") or {}, v.get("parity") or {}
+        if v.get("error"):
+            problems.append(f"{name}: {v['error']}")
+        problems += [f"{name} {key}: {r['error']}" for key, r in rows.items() if isinstance(r, dict) and r.get("error")]
+        ran = {key for key, r in rows.items() if isinstance(r, dict) and not r.get("error")}
+        for key, pair in NATIVE_PARITY:
+            value = parity.get(key)
+            if value is None:
+                if pair <= ran and not v.get("error"):
+                    problems.append(f"{name}: no {key} although {' and '.join(sorted(pair))} ran")
+            elif not math.isfinite(value):
+                problems.append(f"{name}: {key} is {value} (a video that is not finite)")
+    return problems
+
+
 def judge_fp8(stdout: str, ctx: Context) -> list:
     data = _json(stdout)
     return [] if data.get("pass") else [data.get("why", "fp8 over its bound")]
@@ -176,6 +212,14 @@ def _sampler_argv(ctx: Context) -> list:
     return argv + ([] if ctx.quick else ["--shape", "1.3b"])
 
 
+def _native_argv(ctx: Context) -> list:
+    """``bench native``: the tiny shape on a CPU or with ``--quick`` (it runs end to end where ComfyUI imports), else
+    the 1.3B shape the native goals are read from; the three weights variants either way."""
+    small = ctx.quick or not ctx.gpu
+    return ["bench", "native", "--shape", "tiny" if small else "1.3b", "--weights", NATIVE_WEIGHTS,
+            "--repeat", "1" if small else "3", "--device", ctx.device, "--json"]
+
+
 STAGES: list = [
     Stage("doctor", lambda ctx: ["doctor", "--json", "--device", ctx.device], 120, judge=judge_doctor),
     *_fixture_stages(),
@@ -196,6 +240,8 @@ STAGES: list = [
           150, gpu=True),
     Stage("native model", lambda ctx: ["doctor", "--json", "--feature", "native_model", "--device", ctx.device],
           120, judge=judge_native),
+    # three variants of three samplers each at 1.3B (a cold limit cache, ComfyUI's load, the dispatch counts)
+    Stage("bench native", _native_argv, 600, judge=judge_bench_native),
     Stage("tests marked cuda", lambda ctx: ["-m", "pytest", "-q", "-m", "cuda", str(PACKAGE_ROOT / "tests")], 240,
           gpu=True, available=_tests_problem, pytest=True),
 ]
@@ -319,6 +365,11 @@ def _summary(stage: Stage, stdout: str) -> str:
         return "; ".join(f"{r['variant']} {r.get('steady_s')} s" for r in data.get("rows", []))
     if stage.judge is judge_fp8:
         return data.get("why", "")
+    if stage.judge is judge_bench_native:
+        return f"shape {data.get('shape')}: " + "; ".join(
+            f"{v.get('weights')} " + ", ".join(f"{k} {(v.get('rows') or {}).get(k, {}).get('seconds_per_video')} s"
+                                               for k in ("core", "native", "own"))
+            for v in data.get("variants", []))
     return ""
 
 

@@ -36,7 +36,9 @@ def register(sub) -> None:
                                    "checkpoint, and on a CUDA GPU bench sampler at the 1.3B shape (reference, "
                                    "optimized, without graphs, compiled, int8, fp8 linear), bench attention, the sampler with "
                                    "each decoder, bench kernels, block swap and the tests marked cuda, and the speed "
-                                   "goals read from those benches; ComfyUI's own loader where ComfyUI imports. Each stage runs "
+                                   "goals read from those benches; where ComfyUI imports, ComfyUI's own loader "
+                                   "and bench native (core's SamplerARVideo, the Wan Accel AR Sampler and the "
+                                   "pack's own path on one MODEL; the tiny shape on a CPU). Each stage runs "
                                    "in its own process with its own time limit. Exit 1 on a crash, a parity over "
                                    "its tolerance or a path kept on although measured slower; a stage that needs a "
                                    "GPU is listed as such on a machine without one.")
@@ -48,7 +50,7 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="smaller shapes on the GPU stages (a smoke run)")
     p.add_argument("--only", action="append", metavar="STAGE", help="run only this stage (repeatable)")
     p.add_argument("--goals", action="store_true", help="run only the stages the speed goals are read from (bench "
-                   "sampler, bench attention, bench decode wan / tiny; with --only: those too)")
+                   "sampler, bench attention, bench decode wan / tiny, bench native; with --only: those too)")
     p.add_argument("--stage", choices=["fp8"], help=argparse_suppress())
     p.add_argument("--device", help=argparse_suppress())
     p.set_defaults(func=_run)

@@ -488,14 +488,33 @@ def _choose_once(q, k, v, key: tuple, measuring: bool) -> str:
     return name
 
 
-def _auto(q, k, v, request):
+def auto_name(q, k, v, request) -> str:
+    """The exact candidate an 'auto' request runs for this call (the store's choice, made once per shape bucket)."""
     off = request[1:] if isinstance(request, tuple) else ()
     key = (off, q.device, q.dtype, q.shape[2], q.shape[3], length_bucket(q.shape[1]), length_bucket(k.shape[1]))
     name = _AUTO.get(key)
     if name is None:
         measuring = not (_common.is_compiling() or _common.capturing(q))
         name = (None if measuring else _AUTO_UNMEASURED.get(key)) or _choose_once(q, k, v, key, measuring)
-    return AUTO_CANDIDATES[name].fn(q, k, v)
+    return name
+
+
+def _auto(q, k, v, request):
+    return AUTO_CANDIDATES[auto_name(q, k, v, request)].fn(q, k, v)
+
+
+def kernel_of(q, k, v, backend) -> str | None:
+    """The exact kernel an ``attention(q, k, v, backend=backend)`` call without a key mask runs: a candidate name
+    of 'auto' ('fa3', 'fa3.split2', 'sdpa.cudnn', ...), 'fa3' / 'fa2' for an explicit request that resolves to it,
+    else None (SDPA's own choice, an approximate mode, a CPU)."""
+    if backend in APPROXIMATE or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if backend == "auto" or isinstance(backend, tuple):
+        return auto_name(q, k, v, backend)
+    if backend == "sdpa":
+        return None
+    name = backend if backend in RESOLVED else resolve_backend(backend, q.device, q.dtype, q.shape[-1])
+    return None if name == "sdpa" or _BUILD.get((name, q.device.index)) else name
 
 
 def plan_shapes(frame_tokens: int, chunks, kv_window: int, num_frames: int, text_len: int | None = None) -> list:

@@ -10,8 +10,9 @@ the chunk's shape, so a compiled block (``compile.compile_model``, scope 'blocks
 bookkeeping:
 
 * the layer's KV buffers and the step's device index of the slots each chunk row goes to (``kv_cache.write_kv``;
-  eager code copies into their one contiguous range, ``write_span``, where they form one), plus ``read_len``
-  (slots attended; it changes only when the attended window grows);
+  eager code copies into their one contiguous range, ``write_span``, where they form one; FlashAttention 3 may
+  append them inside its kernel from ``write_lens``: ``cached_attention``), plus ``read_len`` (slots attended; it
+  changes only when the attended window grows);
 * the cross-attention keys/values, computed once per prompt (``cross_kv``);
 * ``e0`` [B, G, 6, dim]: the time projection per token group (one group per latent frame, or one per chunk when
   the chunk's timestep is uniform).
@@ -37,6 +38,7 @@ from ..kernels.fp8_linear import fp8_linear, quantize_input
 from ..kernels.rms_norm import rmsnorm
 from .attention import attention
 from .fused_qkv import QKV_BIAS, QKV_WEIGHT
+from .cached_attention import cached_attention
 from .kv_cache import write_kv
 from .layers import LayerNorm, RMSNorm, gated_add, modulate
 from .rope import apply_rope
@@ -65,6 +67,7 @@ class LayerCall(NamedTuple):
     key_mask: torch.Tensor | None = None   # [B, L] bool, padded keys (no cache only)
     seq: object = None                 # a seq_parallel.SeqShard: x holds this rank's tokens, the cache its heads
     write_span: slice | None = None    # the slots as one contiguous range, when they are (``CacheStep.span``)
+    write_lens: torch.Tensor | None = None   # [B] int32: the range's first slot, on the device (``CacheStep.seqlens``)
 
 
 KERNEL_NAMES = ("layernorm_modulate", "rmsnorm_rope", "gated_residual", "rms_norm", "ffn_gelu", "residual_norm")
@@ -258,11 +261,11 @@ class WanSelfAttention(nn.Module):
         q, k, v = self.keys_values(h, rope, call, with_query=True)
         if call.seq is not None:                 # sequence shards -> head shards (every token, this rank's heads)
             q, k, v = call.seq.to_heads(q, k, v)
-        key_mask = call.key_mask
         if call.k_cache is not None:
-            write_kv(call.k_cache, call.v_cache, call.write_idx, k, v, call.write_span)
-            k, v, key_mask = call.k_cache[:, :call.read_len], call.v_cache[:, :call.read_len], None
-        out = attention(q, k, v, key_mask, backend=call.parts.attention)
+            out = cached_attention(q, k, v, call.k_cache, call.v_cache, call.write_idx, call.write_span,
+                                   call.read_len, call.write_lens, backend=call.parts.attention)
+        else:
+            out = attention(q, k, v, call.key_mask, backend=call.parts.attention)
         if call.seq is not None:
             out = call.seq.to_tokens(out)
         return run_linear(self.o, out.flatten(2), call.parts.linear)

@@ -285,7 +285,7 @@ class WanModel(nn.Module):
             else:
                 layer = kv_cache.layers[i]
                 calls.append(LayerCall(cross, parts, layer.k, layer.v, step.index, step.read_len, seq=seq,
-                                       write_span=step.span))
+                                       write_span=step.span, write_lens=step.seqlens))
         hidden = self.run_blocks(tokens, e0, rope, calls, actions)
         if not return_output:
             return None

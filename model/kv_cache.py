@@ -45,6 +45,9 @@ class CacheStep:
     read_len: int          # attend to slots [0, read_len)
     index: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
     # [rows] long on the cache's device: the slot of each chunk row (same information as ``writes``)
+    seqlens: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
+    # [batch] int32 on the cache's device: the first slot of the rows when they fill one contiguous range (the
+    # cached length an in-kernel append starts at, ``model/cached_attention.py``), else None
 
     @property
     def span(self) -> slice | None:
@@ -161,6 +164,12 @@ def _write_fp8(k_cache, v_cache, index, k, v) -> None:
     shadow = getattr(k_cache, _FP8_ATTR, None)
     if shadow is not None and shadow.enabled:
         shadow.write(index, k.to(k_cache.dtype), v.to(v_cache.dtype))
+
+
+def writes_fp8(k_cache: torch.Tensor) -> bool:
+    """Whether writes into this cache layer also write its fp8 copy (the fp8 attention mode)."""
+    shadow = getattr(k_cache, _FP8_ATTR, None) if _FP8["made"] else None
+    return shadow is not None and shadow.enabled
 
 
 def fp8_copy(k: torch.Tensor, v: torch.Tensor) -> Fp8KV | None:
@@ -302,7 +311,7 @@ class KVCache:
             layer.v[:, read:read + pad].zero_()
         for shadow in shadows:         # every write of this step quantizes the padding with the layer's vectors
             shadow.pad = self._step(((read, read + pad, 0, pad),), 0).index
-        return CacheStep(step.writes, read + pad, step.index)
+        return CacheStep(step.writes, read + pad, step.index, step.seqlens)
 
     def _plan(self, start: int, num_tokens: int) -> CacheStep:
         end = start + num_tokens
@@ -339,12 +348,15 @@ class KVCache:
         return self._step(self._segments(start, end), min(self.end, self.capacity))
 
     def _step(self, writes: tuple, read_len: int) -> CacheStep:
-        idx = self._index.get(writes)
-        if idx is None:
+        made = self._index.get(writes)
+        if made is None:
             parts = [torch.arange(d0, d1, device=self.device) for d0, d1, _s0, _s1 in sorted(writes, key=lambda w: w[2])]
-            idx = torch.cat(parts) if len(parts) > 1 else parts[0]
-            self._index[writes] = idx
-        return CacheStep(writes, read_len, idx)
+            span = CacheStep(writes, read_len).span
+            batch = self.layers[0].k.shape[0] if self.layers else 1
+            made = (torch.cat(parts) if len(parts) > 1 else parts[0],
+                    None if span is None else torch.full((batch,), span.start, dtype=torch.int32, device=self.device))
+            self._index[writes] = made
+        return CacheStep(writes, read_len, *made)
 
     def _segments(self, g0: int, g1: int) -> tuple:
         segs, g, s, r = [], g0, self.sink_tokens, self.ring

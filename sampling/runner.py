@@ -468,7 +468,7 @@ class Run:
         calls = self.sess.calls.get(key)
         if calls is None:
             calls = [LayerCall(cross, self.parts, layer.k, layer.v, step.index, step.read_len, seq=seq,
-                               write_span=step.span)
+                               write_span=step.span, write_lens=step.seqlens)
                      for layer, cross in zip(self.kv.layers, self.cross)]
             if len(self.sess.calls) >= 256:
                 self.sess.calls.clear()
