@@ -100,14 +100,14 @@ def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
 def _approximate_call(name: str, k, v):
     """The call of an opt-in mode as a run makes it: fp8 reads keys/values quantized beforehand (a run's KV cache
     keeps them so), int8 quantizes them itself."""
-    from ..kernels import fp8_attention
+    from ..kernels import fa3_fp8, fp8_attention
     from ..model import attention as attn
     if name == "fp8":
         kv8 = fp8_attention.quantize_kv(k, v)
         return lambda a, b_, c: fp8_attention.fp8_attention(a, b_, c, kv8=kv8)
     if name == "fa3_fp8":          # keys and values quantized once (as a cache would keep them), queries per call
-        (k8, kd), (v8, vd) = attn.quantize_e4m3_heads(k), attn.quantize_e4m3_heads(v)
-        return lambda a, b_, c: attn.fa3_fp8_attention(a, k8, v8, kd, vd)
+        kv = fa3_fp8.quantize_kv(k, v)
+        return lambda a, b_, c: attn.fa3_fp8_attention(a, kv)
     return lambda a, b_, c: attn.attention(a, b_, c, backend=name)
 
 

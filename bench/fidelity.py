@@ -6,8 +6,11 @@ optimized) runs once exact (SDPA, exact linear layers) and once with ``--attenti
 ``--linear`` (``fp8``: fp8 linear layers, SDPA unless ``--attention`` says otherwise; the optimized path only, the
 reference path has no fp8 mode). Per run: the largest and mean absolute difference of every chunk's denoised
 prediction x0 after each step, and of the final latents. A measurement, not a test of the bounds (those are
-``kernels.int8_attention.error_bound``, ``kernels.fp8_attention.error_bound`` and ``kernels.fp8_linear.error_bound``
-per call): the differences compound over blocks, steps and chunks. Speed is not measured here: ``bench sampler
+``kernels.int8_attention.error_bound``, ``kernels.fp8_attention.error_bound``, ``kernels.fa3_fp8.error_bound`` and
+``kernels.fp8_linear.error_bound``
+per call): the differences compound over blocks, steps and chunks. ``--fp8-numerics fa3`` runs fp8 attention with FlashAttention 3's
+math (``kernels/fa3_fp8.py``: its kernels where they run, else the same math in torch), ``pack`` with the pack's
+own; the default, what a run on this machine takes. Speed is not measured here: ``bench sampler
 --attention int8`` / ``--attention fp8`` / ``--linear fp8`` times each beside exact (the gains need comfy-kitchen's
 int8 kernel, and fp8 tensor cores, on a CUDA GPU).
 """
@@ -137,6 +140,19 @@ def measure(directory, attention: str = "int8", device="cpu", linear: str = "exa
     return rows
 
 
+def fp8_kind(numerics: str, device) -> str:
+    """The fp8 attention implementation ``--fp8-numerics`` names on this device: 'here' what a run takes; 'fa3'
+    FlashAttention 3's kernels where they run for the fixtures' float32 runs (never: its output is bf16), else its
+    math in torch; 'pack' the pack's Triton kernel where it runs, else its torch version."""
+    from ..kernels import fp8_attention
+    from ..model import attention as attn
+    if numerics == "here":
+        return attn.fp8_implementation(device, torch.float32, 128)[0]
+    if numerics == "fa3":
+        return "fa3" if attn.fa3_fp8_problem(device, torch.float32, 128) is None else "fa3-torch"
+    return fp8_attention.implementation(device, torch.float32, 128)[0]
+
+
 def run(args) -> int:
     from ..model.attention import BACKENDS
     linear = getattr(args, "linear", "exact")
@@ -146,28 +162,37 @@ def run(args) -> int:
     if linear == "exact" and attention == "sdpa":
         raise UsageError("--attention sdpa with exact linear layers is the baseline itself: nothing to compare; "
                          "give --attention int8, --attention fp8 or --linear fp8")
+    numerics = getattr(args, "fp8_numerics", "here")
+    if numerics != "here" and attention != "fp8":
+        raise UsageError(f"--fp8-numerics {numerics} chooses the math of fp8 attention: give --attention fp8 with it "
+                         f"(or leave it out)")
     device = torch.device(args.device or "cpu")
     folders = [Path(f) for f in args.fixture] if args.fixture else [FIXTURES / n for n in DEFAULT_FIXTURES]
     for f in folders:
         if not f.is_dir():
             raise UsageError(f"--fixture {f}: not a folder; give a recorded fixture's folder")
     from ..app.progress import Progress
+    from ..model import attention as attn
     progress = Progress("bench fidelity")
-    rows = [r for f in folders for r in measure(f, attention, device, linear, progress)]
+    kind = fp8_kind(numerics, device) if attention == "fp8" else None
+    with attn.fp8_numerics(kind if numerics != "here" else None):
+        rows = [r for f in folders for r in measure(f, attention, device, linear, progress)]
     _check_finite(rows)
     speed = ("bench sampler --linear fp8 times it (a gain needs fp8 tensor cores: a CUDA GPU of SM 8.9+)"
              if linear == "fp8" else "bench sampler --attention fp8 times it (a gain needs the pack's fp8 kernel: a "
-                                     "CUDA GPU of SM 8.9+)" if attention == "fp8" else
+                                     "CUDA GPU of SM 8.9+, or FlashAttention 3 on a Hopper GPU)" if attention == "fp8" else
              "bench sampler --attention int8 times it (a gain needs comfy-kitchen's int8 kernel on a CUDA GPU)")
     result = {"device": str(device), "attention": attention, "linear": linear, "baseline": "sdpa, exact linear",
               "paths": list(paths_for(linear)), "rows": rows, "speed": f"not measured here: {speed}"}
+    if kind is not None:
+        result["fp8_numerics"] = kind
     if linear == "fp8":
         result["note"] = "the reference path has no fp8 linear mode: the optimized path alone is compared"
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"fidelity of attention '{attention}', linear '{linear}' against exact (SDPA, exact linear layers) on "
-          f"{device} (float32 weights)")
+    print(f"fidelity of attention '{attention}'{f' ({kind})' if kind else ''}, linear '{linear}' against exact (SDPA, "
+          f"exact linear layers) on {device} (float32 weights)")
     if result.get("note"):
         print(result["note"])
     print(f"{'fixture':<16}{'path':<11}{'final max':>11}{'final mean':>12}{'worst step max':>16}{'at':>12}")

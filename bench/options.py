@@ -102,8 +102,8 @@ def parallel(parser) -> None:
 # run -> (tokens per latent frame, latent frames, frames per chunk, heads, head dim, text tokens)
 ATTENTION_SHAPES = {"1.3b": (1560, 21, 3, 12, 128, 512), "14b": (1560, 21, 3, 40, 128, 512),
                     "tiny": (96, 6, 3, 2, 16, 16)}
-APPROXIMATE = ("int8", "fp8", "fa3_fp8")   # opt-in approximate attention modes (model/attention.py BACKENDS) and
-#                                          FA3's e4m3 kernels (timed here only, not a run mode yet)
+APPROXIMATE = ("int8", "fp8", "fa3_fp8")   # opt-in approximate attention modes: int8, fp8 with the pack's kernel,
+#                                          fp8 with FA3's e4m3 kernels (what the fp8 mode runs where FA3 runs)
 
 
 def attention(parser) -> None:
@@ -154,6 +154,10 @@ def fidelity(parser) -> None:
                         "--linear fp8)")
     parser.add_argument("--linear", default="exact", choices=["exact", "fp8"],
                         help="fp8: compare fp8 linear layers with exact ones (the optimized path)")
+    parser.add_argument("--fp8-numerics", default="here", choices=["here", "fa3", "pack"],
+                        help="with --attention fp8, whose fp8 math runs: here = what this machine runs (FlashAttention "
+                             "3's e4m3 kernels on a Hopper GPU with FA3, else the pack's); fa3 = FlashAttention 3's "
+                             "(its kernels where they run, else the same math in torch); pack = the pack's own")
     parser.add_argument("--device", help="cuda / cpu (default: cpu: float32 on the fixtures)")
     parser.add_argument("--json", action="store_true", help="print JSON on stdout instead of a table")
 

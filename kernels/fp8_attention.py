@@ -374,6 +374,50 @@ def rounding_variance(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return ulp.square() / 12
 
 
+def exact_softmax(qh, kh, vs, keep, s: float) -> tuple:
+    """(p, o', L) of the exact call, float32 [B, H, ...]: the softmax weights p [B, H, R, Lk] of queries qh over keys
+    kh (``keep`` [B, Lk]: the attended ones), the smoothed output o' = p v' [B, H, R, D], and the row sums L_i of
+    the exp of the logits less their maximum [B, H, R, 1]."""
+    logits = torch.matmul(qh, kh.transpose(-1, -2)) * s
+    if keep is not None:
+        logits = logits.masked_fill(~keep[:, None, None, :], float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    big = torch.exp(logits - logits.amax(-1, keepdim=True)).sum(-1, keepdim=True)
+    return p, torch.matmul(p, vs), big
+
+
+def first_order(p, o, ks, vs, var_q, var_k, q_big, s: float) -> tuple:
+    """(variance, sigma_logit) of the output's error from rounding Q and K' (the logits' first order through the
+    softmax; ``error_bound``'s derivation). var_q: the variance of each query element's rounding, [B, H, R, D] or
+    broadcastable ([B, H, R, 1]: one per token); var_k the same of each key element, [B, H, Lk, D] or
+    broadcastable; q_big [B, H, R, D]: a bound on each rounded query element's size. sigma_logit [B, H, R, 1]: the
+    largest standard deviation of a logit's error of each query (the softmax's second order)."""
+    d = ks.shape[-1]
+    var_q = var_q.expand(*var_q.shape[:-1], d)
+    var_k = var_k.expand(*var_k.shape[:-1], d)
+    # Q term: sum_d var_q,id (sum_j p_ij (v'_jc - o'_ic) k'_jd)^2
+    a = torch.einsum("bhrj,bhjc,bhjd->bhrcd", p, vs, ks) - o[..., None] * torch.matmul(p, ks)[..., None, :]
+    var = s * s * (a.square() * var_q[..., None, :]).sum(-1)
+    # K term: sum_j p_ij^2 (v'_jc - o'_ic)^2 sum_d var_k,jd |q_id|^2 (the rounded query's size)
+    kvar = torch.matmul(q_big.square(), var_k.transpose(-1, -2))               # [B, H, R, Lk]
+    pk = p.square() * kvar
+    var += s * s * (torch.matmul(pk, vs.square()) - 2 * o * torch.matmul(pk, vs) + o.square() * pk.sum(-1, True))
+    sigma_logit = s * torch.sqrt((torch.matmul(var_q, ks.square().transpose(-1, -2)) + kvar).amax(-1, True))
+    return var, sigma_logit
+
+
+def p_rounding(p, x_f, unit, vs, v_codes_abs) -> tuple:
+    """(variance, deterministic bound) of the output's error from rounding the softmax weights to e4m3: x_f the
+    weight as rounded, taken with the row's final maximum [B, H, R, Lk]; ``unit`` the output value of one unit of
+    x times one V code ([B, H, R, Lk] or broadcastable); v_codes_abs [B, H, Lk, D] a bound on the V codes' size.
+    Normal x_f (>= 2^-6): zero-mean, relative variance at most 2^-6 / 12; below it, min(x_f, 2^-10) per key
+    outright (``error_bound``'s derivation)."""
+    normal = x_f >= MIN_NORMAL
+    var = 2.0 ** -6 / 12 * torch.matmul(torch.where(normal, p, 0).square(), vs.square())
+    under = torch.where(normal, 0, x_f.clamp_max(SUBNORMAL_STEP / 2)) * unit
+    return var, torch.matmul(under, v_codes_abs)
+
+
 def error_bound(q, k, v, key_padding_mask: torch.Tensor | None = None, kernel: str = "torch",
                 rows: torch.Tensor | slice | None = None, z: float = Z, tile: int = TILE,
                 k_mean: torch.Tensor | None = None, v_mean: torch.Tensor | None = None) -> torch.Tensor:
@@ -429,35 +473,18 @@ def error_bound(q, k, v, key_padding_mask: torch.Tensor | None = None, kernel: s
     var_v = rounding_variance(vs, sv)
     sel = slice(None) if rows is None else rows
     qh, dq = qh[:, :, sel], dq[:, :, sel]
-    logits = torch.matmul(qh, kh.transpose(-1, -2)) * s
-    if keep is not None:
-        logits = logits.masked_fill(~keep[:, None, None, :], float("-inf"))
-    p = torch.softmax(logits, dim=-1)                                          # [B, H, R, Lk]
-    o = torch.matmul(p, vs)                                                    # [B, H, R, D] (smoothed)
+    p, o, big = exact_softmax(qh, kh, vs, keep, s)
     pv_abs = torch.matmul(p, vs.abs())
-    # Q term: a_icd = sum_j p_ij (v'_jc - o'_ic) k'_jd
-    a = torch.einsum("bhrj,bhjc,bhjd->bhrcd", p, vs, ks) - o[..., None] * torch.matmul(p, ks)[..., None, :]
-    var = s * s * dq.square() / 12 * a.square().sum(-1)
-    # K term: sum_j p_ij^2 (v'_jc - o'_ic)^2 var_k,j sum_d (|q_id| + dq_i / 2)^2
     q_big = qh.abs() + dq / 2
-    kvar = q_big.square().sum(-1, keepdim=True) * (dk.square() / 12)[:, :, None, :]   # [B, H, R, Lk]
-    pk = p.square() * kvar
-    var += s * s * (torch.matmul(pk, vs.square()) - 2 * o * torch.matmul(pk, vs) + o.square() * pk.sum(-1, True))
+    var, sigma_logit = first_order(p, o, ks, vs, dq.square() / 12, (dk.square() / 12)[..., None], q_big, s)
     var += torch.matmul(p.square(), var_v)                                     # V term
     # P term: x_f = 448 p_ij L_i sv_j / m_T
-    mx = logits.amax(-1, keepdim=True)
-    big = torch.exp(logits - mx).sum(-1, keepdim=True)                         # L_i
     sv_row = sv.squeeze(-1)[:, :, None, :]                                     # [B, H, 1, Lk]
     kept = sv.squeeze(-1) if keep is None else sv.squeeze(-1) * keep[:, None, :].to(sv)
     m_t = tile_maxima(kept, tile).clamp_min(TINY_SCALE)[:, :, None, :]
-    x_f = FP8_MAX * p * big * sv_row / m_t
-    normal = x_f >= MIN_NORMAL
-    var += 2.0 ** -6 / 12 * torch.matmul(torch.where(normal, p, 0).square(), vs.square())
     v8_abs = vs.abs() / sv * (1 + 2.0 ** -MANTISSA_BITS)                       # |V codes| (rounded up)
-    under = torch.where(normal, 0, x_f.clamp_max(SUBNORMAL_STEP / 2)) * m_t / (FP8_MAX * big)
-    deterministic = torch.matmul(under, v8_abs)
-    # second order of the softmax
-    sigma_logit = s * torch.sqrt((dq.square() / 12 * ks.square().sum(-1)[:, :, None, :] + kvar).amax(-1, True))
+    p_var, deterministic = p_rounding(p, FP8_MAX * p * big * sv_row / m_t, m_t / (FP8_MAX * big), vs, v8_abs)
+    var += p_var
     spread = (torch.matmul(p, vs.square()) - o.square()).clamp_min(0).sqrt()
     # float32 scaling of the exact integer logits, the P . V sums, float32 roundings, mv added, the output's rounding
     gamma_pv = tile * F32_U

@@ -36,6 +36,12 @@ at. ``resolve_backend`` does this once (the optimized sampler calls it when a ru
 accepts an unresolved request and resolves it per call (cached), which is what the reference path does.
 FlashAttention's return type differs between releases (a tensor, or a tuple whose first item is the output):
 both are handled.
+
+The opt-in ``fp8`` mode runs FlashAttention 3's e4m3 kernels where they run (``fp8_implementation``: a Hopper GPU
+with FA3, a bf16 run; ``kernels/fa3_fp8.py``), else the pack's Triton kernel or its torch version
+(``kernels/fp8_attention.py``); the two schemes quantize differently and each states its own bound
+(``fp8_error_bound``). ``kernel_of`` names the exact kernel a call runs (``model/cached_attention.py`` asks it
+whether the cache's write can go inside FA3's kernel).
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..kernels import _common, fp8_attention as fp8, int8_attention as int8
+from ..kernels import _common, fa3_fp8, fp8_attention as fp8, int8_attention as int8
 from ..kernels import fa3_packages, flash_attention as triton_flash
 from ..kernels import candidates as op_candidates
 from .kv_cache import fp8_copy
@@ -232,7 +238,7 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
     if requested == "int8":
         return "int8", int8.implementation(device, dtype, head_dim)[1]
     if requested == "fp8":
-        return "fp8", fp8.implementation(device, dtype, head_dim)[1]
+        return "fp8", fp8_implementation(device, dtype, head_dim)[1]
     why = []
     for name in _candidates(requested):
         if name == "sdpa":
@@ -279,17 +285,6 @@ def _flash(name: str, q, k, v, splits: int = 1):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def quantize_e4m3_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, L, H, D] -> (float8_e4m3fn codes, float32 descale [B, H]): one scale per (batch, head), its largest
-    magnitude mapped to e4m3's 448, the layout FA3's fp8 kernels take (``q_descale`` / ``k_descale`` /
-    ``v_descale``). Rounding: e4m3 keeps 3 mantissa bits, a relative step of 2^-3 (unit roundoff 2^-4) for every
-    value within the scale's binades."""
-    amax = x.abs().amax(dim=(1, 3)).float().clamp_min(1e-12)
-    descale = amax / fp8.FP8_MAX
-    codes = (x.float() / descale[:, None, :, None]).clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(torch.float8_e4m3fn)
-    return codes, descale.contiguous()
-
-
 def fa3_fp8_problem(device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why FA3's fp8 kernels cannot take a call here (no FA3, not Hopper, not a bf16 run), or None."""
     if dtype != torch.bfloat16:
@@ -299,18 +294,19 @@ def fa3_fp8_problem(device, dtype: torch.dtype, head_dim: int) -> str | None:
     return flash_problem("fa3", device, dtype, head_dim)
 
 
-def fa3_fp8_attention(q, k8, v8, k_descale, v_descale, splits: int = 1):
-    """FA3's e4m3 forward with a bf16 output: queries quantized here (per call), keys and values given quantized
-    (``quantize_e4m3_heads``, as a cache would keep them once). Not a run mode yet: ``bench attention`` times it
-    (``--approximate fa3_fp8``) beside exact attention and states its error."""
+def fa3_fp8_attention(q, kv, splits: int = 1):
+    """FA3's e4m3 forward (``kernels/fa3_fp8.py``): queries quantized here (per call, one scale per batch and head),
+    keys and values given quantized and smoothed (``kv``: a cache's copy, or ``fa3_fp8.quantize_kv``); the bf16
+    output plus the values' smoothing vector, in q's dtype."""
     fn = _FUNCS.get("fa3") or _load("fa3")
     if fn is None:
         raise RuntimeError(f"fp8 through FlashAttention 3 needs {_MODULES['fa3']}, which does not import")
-    q8, q_descale = quantize_e4m3_heads(q)
+    q8, q_descale = fa3_fp8.quantize_heads(q)
     with torch.no_grad():
-        out = fn(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, num_splits=splits)
+        out = fn(q8, kv.k, kv.v, q_descale=q_descale, k_descale=kv.k_descale, v_descale=kv.v_descale,
+                 num_splits=splits)
     out = out[0] if isinstance(out, (tuple, list)) else out
-    return out.to(q.dtype)
+    return (out.to(q.dtype).float() + kv.v_mean[:, None]).to(q.dtype)
 
 
 def _sdpa(q, k, v, mask=None):
@@ -564,7 +560,7 @@ def warm_plans(shapes, batch: int, heads: int, head_dim: int, dtype, device, req
     return out
 
 
-SPEED_KERNELS = {"int8": "speed.attention.int8", "fp8": "speed.attention.fp8"}   # the operator store's kernels
+SPEED_KERNELS = {"int8": "speed.attention.int8", "fp8": "speed.attention.fp8", "fa3_fp8": "speed.attention.fa3_fp8"}   # the operator store's kernels
 SPEED_KERNEL = SPEED_KERNELS["int8"]      # of the opt-in modes' speed verdicts
 SPEED_DEVICES = ("cuda",)                 # where a timing says something about speed (a CPU runs the torch version)
 
@@ -602,22 +598,83 @@ def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, d
                        head_dim, dtype, device, exact, tuner)
 
 
+FP8_FORCED: dict = {"kind": None}    # fp8_numerics(): the fp8 implementation every call takes, whatever runs here
+
+
+class fp8_numerics:
+    """``with fp8_numerics('fa3-torch'):`` every fp8 attention call (and a KV cache's fp8 copy made meanwhile) takes
+    that implementation: FA3's math on a machine without FA3 (``bench fidelity --fp8-numerics fa3``, tests)."""
+
+    def __init__(self, kind: str | None):
+        if kind is not None and kind not in FP8_KINDS:
+            raise ValueError(f"fp8 numerics must be one of {', '.join(FP8_KINDS)}, got {kind!r}")
+        self.kind, self.before = kind, None
+
+    def __enter__(self):
+        self.before, FP8_FORCED["kind"] = FP8_FORCED["kind"], self.kind
+        return self
+
+    def __exit__(self, *exc):
+        FP8_FORCED["kind"] = self.before
+
+
+FP8_KINDS = ("fa3", "fa3-torch", "triton", "torch")   # FA3's e4m3 kernels (and their math in torch); the pack's
+
+
+def fp8_implementation(device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+    """(kind, why in words) of the opt-in fp8 attention mode here: FA3's e4m3 kernels where they run (a Hopper GPU
+    with FA3 installed, a bf16 run), else the pack's Triton kernel (SM 8.9+), else the pack's torch version (its
+    numerics, not its speed); ``fp8_numerics`` overrides it."""
+    forced = FP8_FORCED["kind"]
+    if forced is not None:
+        return forced, f"fp8 ({forced}: chosen for this run)"
+    why = fa3_fp8_problem(device, dtype, head_dim)
+    if why is None:
+        return "fa3", f"fp8 (FlashAttention 3's e4m3 kernels, {loaded_from('fa3')})"
+    kind, words = fp8.implementation(device, dtype, head_dim)
+    return kind, f"{words}; FlashAttention 3's fp8 kernels: {why}"
+
+
+def fp8_scheme(kind: str) -> str:
+    """'fa3' (e4m3 Q, K and V, one scale per head) or 'smoothed' (the pack's int8 Q . K, e4m3 P . V) of a kind."""
+    return "fa3" if kind in fa3_fp8.KINDS else "smoothed"
+
+
+def fp8_error_bound(q, k, v, key_padding_mask=None, kind: str = "torch", **kw):
+    """The error bound of fp8 attention of implementation ``kind`` (its module's ``error_bound``)."""
+    if fp8_scheme(kind) == "fa3":
+        return fa3_fp8.error_bound(q, k, v, key_padding_mask, kernel=kind, **kw)
+    return fp8.error_bound(q, k, v, key_padding_mask, kernel=kind, **kw)
+
+
 def fp8_attention_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, exact="auto",
               tuner=None) -> tuple[bool | None, str]:
     """(slower, why) of the opt-in fp8 mode against exact attention at the run's own largest call, like
     ``int8_speed``; the keys/values quantized beforehand, as the KV cache keeps them. None where no speed can be
-    judged: not a GPU, or the torch version runs here (no fp8 kernel: its numerics, not its speed)."""
-    kind, why = fp8.implementation(device, dtype, head_dim)
-    if kind != "triton" and torch.device(device).type in SPEED_DEVICES:
+    judged: not a GPU, or a torch version runs here (its numerics, not its speed)."""
+    kind, why = fp8_implementation(device, dtype, head_dim)
+    if kind not in ("triton", "fa3") and torch.device(device).type in SPEED_DEVICES:
         return None, f"speed not judged: {why}"
+    if kind == "fa3":
+        return _mode_speed("fa3_fp8", lambda q, k, kv: fa3_fp8_attention(q, kv),
+                           lambda k: (fa3_fp8.quantize_kv(k, k),), lq, lk, batch, heads, head_dim, dtype, device,
+                           exact, tuner)
     return _mode_speed("fp8", lambda q, k, kv8: fp8.fp8_attention(q, k, k, kv8=kv8),
                        lambda k: (fp8.quantize_kv(k, k),), lq, lk, batch, heads, head_dim, dtype, device, exact,
                        tuner)
 
 
 def _fp8_attention(q, k, v, key_padding_mask):
-    """fp8 attention, reading the KV cache's fp8 copy of k, v where it keeps one (eagerly under compile)."""
-    return fp8.fp8_attention(q, k, v, key_padding_mask, kv8=fp8_copy(k, v))
+    """fp8 attention by this machine's implementation (``fp8_implementation``), reading the KV cache's fp8 copy of
+    k, v where it keeps one in that implementation's form (eagerly under compile)."""
+    kind = fp8_implementation(q.device, q.dtype, q.shape[-1])[0]
+    copy = fp8_copy(k, v)
+    if fp8_scheme(kind) == "fa3":
+        kv = copy if isinstance(copy, fa3_fp8.Fa3KV) else None
+        if kind == "fa3" and key_padding_mask is None:
+            return fa3_fp8_attention(q, kv if kv is not None else fa3_fp8.quantize_kv(k, v))
+        return fa3_fp8.fa3_fp8_torch(q, k, v, key_padding_mask, kv=kv)
+    return fp8.fp8_attention(q, k, v, key_padding_mask, kv8=copy if isinstance(copy, fp8.Fp8KV) else None)
 
 
 _fp8_attention = _no_compile(_fp8_attention)

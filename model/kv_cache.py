@@ -19,7 +19,9 @@ first keys and values) and every later write (appends, a rolling window's wrap, 
 padding, a write retried after running out of memory) uses it. One fused kernel (``kernels/kv_quant.py``, where
 Triton runs for the tensors) quantizes a write straight into its slots, else the same torch ops. The choice is
 made on the device (a flag beside the vectors), so a CUDA graph that captured a first write makes the same choice
-when replayed. Attention finds
+when replayed. Where the mode runs FlashAttention 3's e4m3 kernels the copy takes their form instead (``Fa3Shadow``:
+e4m3 codes of the smoothed keys and values with one scale per (batch, head) each, fixed with the vectors at the
+first write, ``kernels/fa3_fp8.py``; written in torch ops). Attention finds
 the copy of the cache view it is given (``fp8_copy``). The copy is made once per cache and kept while the cache
 lives (CUDA graphs captured under the mode read its memory); outside the mode it is not written, and switching
 the mode on again quantizes the cache's contents anew.
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import kv_quant
+from ..kernels import fa3_fp8, kv_quant
 from ..kernels.fp8_attention import FP8, INT8_TINY, LEVELS, TINY_SCALE, Fp8KV, quantize_smoothed, token_mean
 from .attachments import seq_parallel_of
 
@@ -106,6 +108,7 @@ class Fp8Shadow:
     [B, capacity, H], and the layer's smoothing vectors [B, H, D] with the device flag saying they are fixed."""
 
     __slots__ = ("k", "k_scale", "v", "v_scale", "k_mean", "v_mean", "fixed", "pad", "v_ptr", "enabled")
+    scheme = "smoothed"
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
         b, cap, h, d = k_cache.shape
@@ -159,6 +162,51 @@ class Fp8Shadow:
                      self.k_mean, self.v_mean)
 
 
+class Fa3Shadow(Fp8Shadow):
+    """The fp8 copy of one layer's cache in FlashAttention 3's form (``kernels/fa3_fp8.py``): the smoothed keys' and
+    values' e4m3 codes [B, capacity, H, D], one float32 scale per (batch, head) for each and the smoothing vectors
+    [B, H, D], the scales and vectors fixed together at the layer's first write (the scales with ``HEADROOM``)."""
+
+    __slots__ = ()
+    scheme = "fa3"
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        b, cap, h, d = k_cache.shape
+        dev = k_cache.device
+        self.k = torch.zeros((b, cap, h, d), dtype=FP8, device=dev)
+        self.v = torch.zeros((b, cap, h, d), dtype=FP8, device=dev)
+        self.k_scale = torch.ones((b, h), device=dev)
+        self.v_scale = torch.ones((b, h), device=dev)
+        self.k_mean = torch.zeros((b, h, d), device=dev)
+        self.v_mean = torch.zeros((b, h, d), device=dev)
+        self.fixed = torch.zeros((), dtype=torch.bool, device=dev)
+        self.pad = None
+        self.v_ptr, self.enabled = v_cache.data_ptr(), True
+
+    def fix_means(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Where not fixed yet, the means of k, v [B, rows, H, D] become the smoothing vectors and the largest
+        smoothed magnitudes, with ``HEADROOM``, the scales (device ops only)."""
+        for x, mean, scale in ((k, self.k_mean, self.k_scale), (v, self.v_mean, self.v_scale)):
+            m = token_mean(x)
+            mean.copy_(torch.where(self.fixed, mean, m))
+            scale.copy_(torch.where(self.fixed, scale, fa3_fp8.head_scales(x.float() - m[:, None], fa3_fp8.HEADROOM)))
+        self.fixed.fill_(True)
+
+    def _put(self, index, k, v) -> None:
+        self.put_torch(index, k, v)
+
+    def put_torch(self, index, k, v) -> None:
+        kv = fa3_fp8.quantize_kv(k, v, self.k_mean, self.v_mean, self.k_scale, self.v_scale)
+        self.k.view(torch.uint8).index_copy_(1, index, kv.k.view(torch.uint8))     # no fp8 index_copy_ on a CPU
+        self.v.view(torch.uint8).index_copy_(1, index, kv.v.view(torch.uint8))
+
+    def view(self, n: int) -> fa3_fp8.Fa3KV:
+        return fa3_fp8.Fa3KV(self.k[:, :n], self.v[:, :n], self.k_scale, self.v_scale, self.k_mean, self.v_mean)
+
+
+SHADOWS = {"smoothed": Fp8Shadow, "fa3": Fa3Shadow}    # the fp8 copy of each fp8 attention scheme
+
+
 @_eager
 def _write_fp8(k_cache, v_cache, index, k, v) -> None:
     shadow = getattr(k_cache, _FP8_ATTR, None)
@@ -172,7 +220,7 @@ def writes_fp8(k_cache: torch.Tensor) -> bool:
     return shadow is not None and shadow.enabled
 
 
-def fp8_copy(k: torch.Tensor, v: torch.Tensor) -> Fp8KV | None:
+def fp8_copy(k: torch.Tensor, v: torch.Tensor) -> Fp8KV | fa3_fp8.Fa3KV | None:
     """The fp8 copy of k, v when they are the leading slots of a cache layer that keeps one (``use_fp8``), else
     None (attention then quantizes them itself: the same codes, per token)."""
     if not _FP8["made"]:
@@ -238,10 +286,11 @@ class KVCache:
                    dtype=dtype if dtype is not None else model.compute_dtype,
                    rolling=rolling, sink_tokens=sink * frame_tokens)
 
-    def use_fp8(self, on: bool) -> None:
-        """Keep (and write) an fp8 copy of every layer beside the exact one (the fp8 attention mode), or stop
-        writing it. Switched on, the copy is made where missing and the cache's contents are quantized anew (a
-        cache filled another way, e.g. copied from an earlier run, is covered)."""
+    def use_fp8(self, on: bool, scheme: str = "smoothed") -> None:
+        """Keep (and write) an fp8 copy of every layer beside the exact one (the fp8 attention mode), in the form of
+        ``scheme`` ('smoothed': the pack's kernels; 'fa3': FlashAttention 3's), or stop writing it. Switched on, the
+        copy is made where missing (or kept in the other form) and the cache's contents are quantized anew (a cache
+        filled another way, e.g. copied from an earlier run, is covered)."""
         if on:
             self._fp8_new = []
         for layer in self.layers:
@@ -250,8 +299,8 @@ class KVCache:
                 if shadow is not None:
                     shadow.enabled = False
                 continue
-            if shadow is None:
-                shadow = Fp8Shadow(layer.k, layer.v)
+            if shadow is None or shadow.scheme != scheme:
+                shadow = SHADOWS[scheme](layer.k, layer.v)
                 setattr(layer.k, _FP8_ATTR, shadow)
                 _FP8["made"] += 1
                 self._fp8_new.append(layer)

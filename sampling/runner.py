@@ -35,8 +35,8 @@ from ..kernels.candidates import check_mode as check_ops_mode
 from ..kernels.candidates import mode_problem as ops_mode_problem
 from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, seq_parallel_of,
                                  swapped_blocks)
-from ..model.attention import (APPROXIMATE, auto_request, explain_backend, fp8_attention_speed, int8_speed, plan_shapes,
-                               warm_plans)
+from ..model.attention import (APPROXIMATE, auto_request, explain_backend, fp8_attention_speed, fp8_implementation,
+                               fp8_scheme, int8_speed, plan_shapes, warm_plans)
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fp8_linear import check_mode as check_linear_mode
 from ..model.fp8_linear import check_block as check_fp8_block
@@ -373,7 +373,11 @@ class FastRunner:
             _b, _cap, heads, head_dim = sess.kv.layers[0].k.shape
             run._judge_attention("fp8", largest, batch, int(heads), int(head_dim))
         run.fp8_cache = run.parts.attention == "fp8"
-        sess.kv.use_fp8(run.fp8_cache)      # fp8 attention: K/V quantized once, as they enter the cache
+        scheme = "smoothed"
+        if run.fp8_cache:                   # the copy in the form this machine's fp8 implementation reads
+            kind = fp8_implementation(device, model.compute_dtype, model.config.head_dim)[0]
+            scheme, run.info["fp8_attention_kind"] = fp8_scheme(kind), kind
+        sess.kv.use_fp8(run.fp8_cache, scheme)      # fp8 attention: K/V quantized once, as they enter the cache
         if verdict is not None and (linear == "fp8" or verdict[0]):
             run._judge_fp8(fp8_tokens, verdict)
         return run

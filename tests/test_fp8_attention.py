@@ -305,7 +305,7 @@ def _fp8_run(monkeypatch, slow: bool, judged: bool = True, **fast):
     from wan_accel.model import kv_cache
     caches = report["caches"] = []
     use_fp8 = kv_cache.KVCache.use_fp8
-    monkeypatch.setattr(kv_cache.KVCache, "use_fp8", lambda self, on: caches.append(self) or use_fp8(self, on))
+    monkeypatch.setattr(kv_cache.KVCache, "use_fp8", lambda self, on, *a: caches.append(self) or use_fp8(self, on, *a))
     real = att.fp8_copy
     monkeypatch.setattr(att, "fp8_copy", lambda k, v: (lambda c: report["copies"].append(c is not None) or c)(
         real(k, v)))
@@ -354,7 +354,7 @@ def test_the_speed_verdict_is_read_before_any_fp8_copy_of_the_cache_is_made(monk
     from wan_accel.sampling import runner
     events = []
     shadow = kv_cache.Fp8Shadow
-    monkeypatch.setattr(kv_cache, "Fp8Shadow", lambda *a, **kw: events.append("copy") or shadow(*a, **kw))
+    monkeypatch.setitem(kv_cache.SHADOWS, "smoothed", lambda *a, **kw: events.append("copy") or shadow(*a, **kw))
     speed = runner.fp8_attention_speed
     monkeypatch.setattr(runner, "fp8_attention_speed", lambda *a, **kw: events.append("verdict") or speed(*a, **kw))
     out, exact, report = _fp8_run(monkeypatch, slow=slow)

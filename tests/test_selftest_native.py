@@ -41,8 +41,8 @@ def _variant(weights: str, core=3.0, native_s=1.5, own=1.48, parity=(0.0, 5e-6))
             "parity": {"native_vs_core_max_abs": parity[1], "native_vs_core_own_draws_max_abs": 5.3,
                        "native_vs_own_max_abs": parity[0]},
             "comfy_model": "WAN21_CausalAR", "comfy_diffusion_model": "CausalWanModel",
-            "comfy_weight_dtype": "bfloat16",
-            "comfy_manual_cast": "None", "comfy_quantized_layers": 0, "lora_patches": 0,
+            "comfy_weight_dtype": "bfloat16", "comfy_manual_cast": "None", "comfy_quantized_layers": 0,
+            "lora_patches": 0,
             "ratios": {"native_speedup_vs_core": round(core / native_s, 3),
                        "native_speedup_vs_own": round(own / native_s, 3)},
             "why_slower": None}

@@ -20,7 +20,7 @@ from ...kernels import _common, norm_modulate, qk_norm_rope, residual, residual_
 from ...kernels import candidates as op_candidates
 from ...kernels import kitchen
 from ...kernels import fp8_linear as fp8
-from ...kernels import fa3_packages, flash_attention, fp8_attention, int8_attention
+from ...kernels import fa3_fp8, fa3_packages, flash_attention, fp8_attention, int8_attention
 from ...model import attention as attn
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project, epilogue_gelu_runs_on, ffn_epilogue, linear_gelu
@@ -142,7 +142,16 @@ def _approximate_checker(mode: str, module):
 
 
 _check_int8 = _approximate_checker("int8", int8_attention)
-_check_fp8_attention = _approximate_checker("fp8", fp8_attention)
+class _Fp8Mode:
+    """The fp8 mode's implementation here (FlashAttention 3's e4m3 kernels or the pack's) and that one's bound."""
+    implementation = staticmethod(attn.fp8_implementation)
+
+    @staticmethod
+    def error_bound(q, k, v, kernel):
+        return attn.fp8_error_bound(q, k, v, kind=kernel)
+
+
+_check_fp8_attention = _approximate_checker("fp8", _Fp8Mode)
 
 
 # ----------------------------------------------------------------------------------------------- fp8 linear
@@ -454,8 +463,9 @@ for _feature in (
             sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
     Feature("attention.int8", "int8 attention (opt-in)", _check_int8, ("comfy-kitchen",), "int8 (SDPA is used)",
             sources=lambda: (attn, int8_attention, _qkv, _softmax_math)),
-    Feature("attention.fp8", "fp8 attention (opt-in)", _check_fp8_attention, ("triton",), "fp8 (SDPA is used)",
-            sources=lambda: (attn, fp8_attention, _qkv, _softmax_math)),
+    Feature("attention.fp8", "fp8 attention (opt-in)", _check_fp8_attention,
+            ("triton", "flash_attn_3", "flash-attn-3", "fa3-fwd"), "fp8 (SDPA is used)",
+            sources=lambda: (attn, fp8_attention, fa3_fp8, _qkv, _softmax_math)),
     Feature("linear.fp8", "fp8 linear layers (opt-in)", _check_fp8, switches_off="fp8 linear (exact linear layers)",
             sources=lambda: (fp8, _fp8_inputs)),
     Feature("kernel.layernorm_modulate", "fused LayerNorm + modulate (Triton)", _check_lnmod, ("triton",),
