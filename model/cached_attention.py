@@ -18,9 +18,10 @@ store's choice for 'auto', FA3's key splits included: the fused call gets the sa
 that ends the attended range (a global cache, a rolling one until it wraps; not a wrapped ring, not Krea's padding
 keys), the chunk, the cache and the queries share one dtype, no fp8 copy of the cache is written beside it, no
 torch.compile trace is running; and where it was measured faster (``fused_speed``: the two ways timed through the
-operator store at the call's shapes, one verdict per GPU and shape, the fused output first checked against the
-separate one within the store's tolerance for attention: a wrong layout or append fails and is never used).
-Measuring never happens inside a CUDA-graph capture; there an unknown shape takes the separate way.
+operator store at the call's shapes, one verdict per GPU and (query, key) length bucket, the fused output first
+checked against the separate one within the store's tolerance for attention: a wrong layout or append fails and is
+never used). A run makes every verdict it needs before its first chunk (``warm``, from the runner's warm-up);
+measuring never happens inside a CUDA-graph capture, where an unknown shape takes the separate way.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ SPEED_KERNEL = "speed.attention.fa3_kvcache"     # the operator store's kernel o
 SPLITS = {"fa3": 1, **{f"fa3.split{n}": n for n in att.FA3_SPLITS}}   # FA3 kernels -> the num_splits they pass
 SPEED_DEVICES = ("cuda",)                        # where a timing says something about speed
 _FN: dict = {}            # "fa3" -> flash_attn_with_kvcache of the module FA3 was found in, or None
-_VERDICT: dict = {}       # (device, dtype, heads, head size, rows, attended, batch, splits) -> fused is faster
+_VERDICT: dict = {}       # (device, dtype, heads, head size, batch, length buckets, splits) -> fused is faster
 
 
 def kvcache_fn():
@@ -68,6 +69,8 @@ def fused_problem(kernel: str | None, q, k, k_cache, span, read_len: int, seqlen
         return f"{att._FROM.get('fa3', 'FlashAttention 3')} has no flash_attn_with_kvcache"
     if span is None or seqlens is None or span.stop != read_len:
         return "the chunk's slots are not one range ending the attended slots (a wrapped ring, padding keys)"
+    if k.shape[1] != q.shape[1]:
+        return "the call's queries and new keys differ in length"
     if not q.dtype == k.dtype == k_cache.dtype:
         return "the queries, the chunk's keys and the cache differ in dtype"
     if k_cache.stride(-1) != 1 or seqlens.shape[0] != q.shape[0]:
@@ -95,35 +98,39 @@ def _separate(q, k, v, k_cache, v_cache, index, span, read_len, backend):
     return att.attention(q, k_cache[:, :read_len], v_cache[:, :read_len], None, backend=backend)
 
 
-def fused_speed(q, k, v, k_cache, seqlens, read_len: int, backend, splits: int, tuner=None) -> bool | None:
-    """Whether the fused append-and-attend is faster than writing then attending at this call's shapes (timed
-    through the operator store on inputs of those shapes; the fused output checked against the separate one
-    first). None where nothing can be measured (not a GPU, a capture or a compile running, nothing stored)."""
-    b, rows, heads, hd = k.shape
-    key = (q.device, q.dtype, heads, hd, q.shape[1], read_len, b, splits)
+def fused_speed(batch: int, lq: int, lk: int, heads: int, head_dim: int, dtype, device, backend, splits: int,
+                tuner=None) -> bool | None:
+    """Whether the fused append-and-attend of ``lq`` new rows into a cache attended up to ``lk`` slots is faster
+    than writing then attending, timed through the operator store on seeded inputs of those shapes (the fused
+    output checked against the separate one first); one verdict per GPU and (query, key) length bucket, like the
+    attention kernel's choice. None where nothing can be measured (not a GPU, a capture or a compile running)."""
+    device = torch.device(device)
+    key = (device, dtype, heads, head_dim, batch, att.length_bucket(lq), att.length_bucket(lk), splits)
     if key in _VERDICT:
         return _VERDICT[key]
-    if q.device.type not in SPEED_DEVICES or _common.is_compiling() or _common.capturing(q):
+    if device.type not in SPEED_DEVICES or _common.is_compiling() or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return None
     from ..cache.autotune import get_autotuner
     tuner = tuner or get_autotuner()
-    start = read_len - rows
+    start = lk - lq
+    span = slice(start, lk)
 
     def inputs():
         gen = torch.Generator().manual_seed(0)
-        made = [torch.randn(b, n, heads, hd, generator=gen).to(q.device, q.dtype) for n in (q.shape[1], rows, rows)]
-        caches = [torch.randn(b, k_cache.shape[1], heads, hd, generator=gen).to(q.device, q.dtype) for _ in "kv"]
-        lens = torch.full((b,), start, dtype=torch.int32, device=q.device)
-        index = torch.arange(start, read_len, device=q.device)
-        return (*made, *caches, lens, index)
+        new = [torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype) for _ in range(3)]
+        caches = [torch.randn(batch, lk + lq, heads, head_dim, generator=gen).to(device, dtype)   # room after
+                  for _ in range(2)]                                                              # the range
+        lens = torch.full((batch,), start, dtype=torch.int32, device=device)
+        return (*new, *caches, lens, torch.arange(start, lk, device=device))
 
     checked: list = []
 
-    def run_fused(q_, k_, v_, kc, vc, lens, index):
-        out = fused_attention(q_, k_, v_, kc, vc, lens, splits)
+    def run_fused(q, k, v, kc, vc, lens, index):
+        out = fused_attention(q, k, v, kc, vc, lens, splits)
         if not checked:           # the first call: the same inputs the separate way, within attention's tolerance
-            want = _separate(q_, k_, v_, kc.clone(), vc.clone(), index, slice(start, read_len), read_len, backend)
-            tol = op_candidates.tolerance(q_.dtype, float(want.float().abs().max()), att.STORE_ULPS)
+            want = _separate(q, k, v, kc.clone(), vc.clone(), index, span, lk, backend)
+            tol = op_candidates.tolerance(q.dtype, float(want.float().abs().max()), att.STORE_ULPS)
             err = float((out.float() - want.float()).abs().max())
             if not err <= tol:
                 raise op_candidates.CandidateMismatch(
@@ -131,18 +138,36 @@ def fused_speed(q, k, v, k_cache, seqlens, read_len: int, backend, splits: int, 
             checked.append(err)
         return out
 
-    def run_separate(q_, k_, v_, kc, vc, lens, index):
-        return _separate(q_, k_, v_, kc, vc, index, slice(start, read_len), read_len, backend)
+    def run_separate(q, k, v, kc, vc, lens, index):
+        return _separate(q, k, v, kc, vc, index, span, lk, backend)
 
-    store_key = (f"{q.device.type}|h{heads}|d{hd}|{str(q.dtype).replace('torch.', '')}|b{b}|q{q.shape[1]}"
-                 f"|k{read_len}|s{splits}")
+    store_key = (f"{device.type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|b{batch}"
+                 f"|q{att.length_bucket(lq)}|k{att.length_bucket(lk)}|s{splits}")
     slower, shown = tuner.slower_than_exact(SPEED_KERNEL, store_key, "fused", run_fused, run_separate, make=inputs)
     if slower is None:
         return None
     _VERDICT[key] = not slower
-    log.info("wan_accel: self-attention at %s queries x %s keys %s the cache inside FA3's kernel (%s)", q.shape[1],
-             read_len, "appends to" if not slower else "writes separately, not", shown)
+    log.info("wan_accel: self-attention at %s queries x %s keys %s (%s)", lq, lk,
+             "appends to the cache inside FA3's kernel" if not slower else "writes the cache separately", shown)
     return not slower
+
+
+def warm(shapes, batch: int, heads: int, head_dim: int, dtype, device, backend) -> dict:
+    """The fused-or-separate verdict for every self-attention (query, key) length of a run whose kernel is FA3,
+    made now so no chunk pays for measuring; {"q<lq>/k<lk>": fused or not}."""
+    out = {}
+    for lq, lk in shapes:
+        if lk < lq:
+            continue
+        q = torch.empty((batch, lq, heads, head_dim), device=device, dtype=dtype)
+        k = torch.empty((batch, lk, heads, head_dim), device=device, dtype=dtype)
+        kernel = att.kernel_of(q, k, k, backend)
+        del q, k
+        if kernel in SPLITS and kvcache_fn() is not None:
+            verdict = fused_speed(batch, lq, lk, heads, head_dim, dtype, device, backend, SPLITS[kernel])
+            if verdict is not None:
+                out[f"q{lq}/k{lk}"] = verdict
+    return out
 
 
 def cached_attention(q, k, v, k_cache, v_cache, index, span, read_len: int, seqlens, backend="auto"):
@@ -152,6 +177,7 @@ def cached_attention(q, k, v, k_cache, v_cache, index, span, read_len: int, seql
     if seqlens is not None:
         kernel = att.kernel_of(q, k_cache[:, :read_len], v_cache[:, :read_len], backend)
         if kernel in SPLITS and fused_problem(kernel, q, k, k_cache, span, read_len, seqlens) is None:
-            if fused_speed(q, k, v, k_cache, seqlens, read_len, backend, SPLITS[kernel]):
+            b, lq, heads, hd = q.shape
+            if fused_speed(b, lq, read_len, heads, hd, q.dtype, q.device, backend, SPLITS[kernel]):
                 return fused_attention(q, k, v, k_cache, v_cache, seqlens, SPLITS[kernel])
     return _separate(q, k, v, k_cache, v_cache, index, span, read_len, backend)

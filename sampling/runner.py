@@ -37,6 +37,7 @@ from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup,
                                  swapped_blocks)
 from ..model.attention import (APPROXIMATE, auto_request, explain_backend, fp8_attention_speed, fp8_implementation,
                                fp8_scheme, int8_speed, plan_shapes, warm_plans)
+from ..model import cached_attention
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fp8_linear import check_mode as check_linear_mode
 from ..model.fp8_linear import check_block as check_fp8_block
@@ -535,7 +536,8 @@ class Run:
 
     def warm(self, req) -> None:
         """Before the first chunk: the operator store's attention choice for every (query, key) length the run
-        will meet, so no timed chunk pays for measuring (the choices and the time go into the report); the speed
+        will meet, and where that is FlashAttention 3 whether the cache's write goes inside its kernel, so no timed
+        chunk pays for measuring (the choices and the time go into the report); the speed
         verdicts of the opt-in approximate modes (int8 attention, fp8 linear) at the run's shapes."""
         if self.parts.linear == "fp8" and "fp8_speed" not in self.info:      # not judged at start
             self._judge_fp8(largest_call(req.batch, req.chunks, self.frame_tokens))
@@ -547,6 +549,11 @@ class Run:
         with spent("attention_plans"):
             chosen = warm_plans(shapes, req.batch, int(heads), int(head_dim), self.model.compute_dtype,
                                 self.model.device, self.parts.attention)
+            appends = cached_attention.warm(plan_shapes(self.frame_tokens, req.chunks, req.kv_window,
+                                                        req.num_frames), req.batch, int(heads), int(head_dim),
+                                            self.model.compute_dtype, self.model.device, self.parts.attention)
+        if appends:
+            self.info["kv_append_in_kernel"] = appends
         if chosen:
             self.info["attention_kernels"] = {f"q{q}/k{k}": name for (q, k), name in chosen}
             self.info["attention_plans_s"] = round(time.perf_counter() - t0, 4)

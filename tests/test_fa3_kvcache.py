@@ -142,8 +142,8 @@ def test_a_wrong_append_position_fails_its_check_and_is_never_used(monkeypatch):
     want = ca._separate(q, k, v, kc.clone(), vc.clone(), index, slice(start, end), end, "sdpa")
     out = ca.cached_attention(q, k, v, kc, vc, index, slice(start, end), end, lens, backend="auto")
     assert torch.allclose(out, want, atol=1e-5)     # the separate way's result
-    assert ca.fused_speed(q, k, v, kc, lens, end, "auto", 2) is False
-    entry = get_autotuner().entry(f"{ca.SPEED_KERNEL}@{C.autotune.TIMING}", f"cpu|h3|d16|float32|b2|q8|k{end}|s2")
+    assert ca.fused_speed(2, 8, end, 3, 16, torch.float32, "cpu", "auto", 2) is False
+    entry = get_autotuner().entry(f"{ca.SPEED_KERNEL}@{C.autotune.TIMING}", "cpu|h3|d16|float32|b2|q8|k32|s2")
     assert "differs from writing then attending" in str(entry["failed"])
     _forget()
 
@@ -156,7 +156,7 @@ def test_measured_slower_it_writes_separately(monkeypatch):
     ca.cached_attention(q, k, v, kc, vc, index, slice(start, end), end, lens, backend="auto")
     n = len(calls)                                  # the verdict's own calls
     ca.cached_attention(q, k, v, kc, vc, index, slice(start, end), end, lens, backend="auto")
-    assert len(calls) == n and ca.fused_speed(q, k, v, kc, lens, end, "auto", 2) is False
+    assert len(calls) == n and ca.fused_speed(2, 8, end, 3, 16, torch.float32, "cpu", "auto", 2) is False
     _forget()
 
 
@@ -208,7 +208,13 @@ def test_a_video_through_the_fused_way_equals_the_separate_ways(wheel, window):
     model = tiny_causal_model()
     ctx = torch.randn(1, 5, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(1))
     kw = dict(kv_window=window, sink=1 if window > 0 else 0, seed=4, path="optimized")
-    fused = generate_latents(model, ctx, 15, 4, 6, **kw)
+    report: dict = {}
+    fused = generate_latents(model, ctx, 15, 4, 6, report=report, **kw)
+    # every verdict made before the first chunk, one per (query, key) length bucket of the run's self-attention:
+    # keys 18, 36..54, 72..90 (global); 18, then 30 from the second chunk on (a 5-frame window)
+    want = ("q18/k18", "q18/k54", "q18/k90") if window == -1 else ("q18/k30",)
+    assert report["kv_append_in_kernel"] == dict.fromkeys(want, True)
+    verdicts = dict(ca._VERDICT)
     starts = {c["seqlens"][0] for c in wheel if c["rows"] < 200}
     assert wheel and {c["num_splits"] for c in wheel} == {2}
     monkeypatch = pytest.MonkeyPatch()
@@ -220,6 +226,7 @@ def test_a_video_through_the_fused_way_equals_the_separate_ways(wheel, window):
     finally:
         monkeypatch.undo()
     assert (fused - separate).abs().max().item() <= 1e-5
+    assert ca._VERDICT == verdicts                                          # nothing measured during the chunks
     chunk = 3 * (4 * 6 // 4)                 # 3 latent frames a chunk, 4 x 6 latents in 2 x 2 patches: 18 tokens
     if window == -1:
         assert starts == {0, chunk, 2 * chunk, 3 * chunk, 4 * chunk}          # each chunk at its own first slot
