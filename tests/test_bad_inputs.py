@@ -148,6 +148,8 @@ CLI_CASES = [
     ("bench-repeat-zero", ["bench", "sampler", "--repeat", "0"], ["--repeat", "between 1"]),
     ("bench-repeat-text", ["bench", "sampler", "--repeat", "x"], ["--repeat", "whole number"]),
     ("bench-kernels-frames-zero", ["bench", "kernels", "--frames", "0"], ["--frames", "between 1"]),
+    ("fidelity-numerics-without-fp8", ["bench", "fidelity", "--attention", "int8", "--fp8-numerics", "fa3"],
+     ["--fp8-numerics fa3", "--attention fp8"]),
     ("bench-offload-width-odd", ["bench", "offload", "--width", "833"], ["--width 833", "use 832 or 848"]),
     ("plan-frames-zero", ["plan", "--model", "1.3b", "--frames", "0"], ["--frames", "between 1"]),
     ("plan-frames-odd", ["plan", "--model", "1.3b", "--frames", "10"], ["--frames 10", "use 9 or 21"]),

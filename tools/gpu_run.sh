@@ -3,8 +3,8 @@
 # exact video, the user's path (ComfyUI's MODEL: core's SamplerARVideo beside the pack's AR sampler, bf16, fp8
 # scaled, a LoRA), a smaller card (8 GB cap) and Krea 14B (fp8 weights at a 24 GB cap; bf16 uncapped).
 # Each stage has its own time limit; each finished stage is appended to $OUT/results.tar at once (a run stopped
-# half-way keeps what finished), with $OUT/summary.txt. Two calls: PART=1 (attention, 1.3B, native; about 7
-# minutes at most), then PART=2 (caps and 14B; about 6).
+# half-way keeps what finished), with $OUT/summary.txt. Two calls: PART=1 (attention, FA3's append-and-attend and
+# fp8 calls, 1.3B exact and fp8, native; about 9 minutes at most), then PART=2 (caps and 14B; about 6).
 # Before it: bash tools/gpu_prepare.sh (here, with network: the wheels and the ComfyUI carry into .gpu/).
 # On the GPU machine: OUT=$OUT PY=python3 PART=1 bash tools/gpu_run.sh   (carry .gpu)
 # CPU trial first: TRIAL=1 PY=<a python with torch> OUT=/tmp/gpu-out bash tools/gpu_run.sh   (tiny shapes)
@@ -65,6 +65,18 @@ try:
             o2 = f.flash_attn_func(q, k, k, num_splits=2)
             o2 = o2[0] if isinstance(o2, tuple) else o2
             info["fa3_split2_max_abs_vs_sdpa"] = float((o2.float()-ref.float()).abs().max())
+            # the append-and-attend: the last 4680 keys written into the cache inside the kernel
+            kc, vc = k.clone(), k.clone(); kc[:, -4680:] = 0; vc[:, -4680:] = 0
+            lens = torch.full((1,), 32760 - 4680, dtype=torch.int32, device="cuda")
+            o3 = f.flash_attn_with_kvcache(q, kc, vc, k=k[:, -4680:], v=k[:, -4680:], cache_seqlens=lens, num_splits=1)
+            o3 = o3[0] if isinstance(o3, tuple) else o3
+            info["fa3_kvcache_max_abs_vs_sdpa"] = float((o3.float()-ref.float()).abs().max())
+            info["fa3_kvcache_wrote_cache"] = bool(torch.equal(kc, k))
+            from wan_accel.kernels import fa3_fp8
+            from wan_accel.model import attention as att
+            o4 = att.fa3_fp8_attention(q, fa3_fp8.quantize_kv(k, k))
+            info["fa3_fp8_max_abs_vs_sdpa"] = float((o4.float()-ref.float()).abs().max())
+            info["fa3_fp8_mean_abs_vs_sdpa"] = float((o4.float()-ref.float()).abs().mean())
 except Exception as e:
     info["fa3_fwd"] = f"{type(e).__name__}: {e}"
 try:
@@ -84,6 +96,8 @@ if [ "$TRIAL" = 1 ]; then stage att_all 40 $PY -m wan_accel bench attention --sh
 else stage att_all 70 $PY -m wan_accel bench attention --shape 1.3b --calls all --approximate none --no-ceiling --json; fi
 # ---- 2. the pack's own path, exact, with FA3 in the store; tiny decoder for the first frames
 stage sampler13 110 $PY -m wan_accel bench sampler --shape $S13 --variants optimized --decode tiny --repeat 2 --json
+# ---- 2b. the fp8 attention mode (FA3's e4m3 kernels where fa3-fwd imports) beside exact, same run
+stage sampler13_fp8 120 $PY -m wan_accel bench sampler --shape $S13 --variants optimized,optimized-fp8att --repeat 2 --json
 # ---- 3. the user's path: ComfyUI's MODEL, core's SamplerARVideo beside the pack's AR sampler
 if [ "$TRIAL" = 1 ]; then NW="bf16,fp8_scaled,bf16+lora"; else NW="bf16,fp8_scaled,bf16+lora"; fi
 ( cd "${COMFYUI_DIR:-$REPO}" && stage native ${NATIVE_LIMIT:-150} $PY -m wan_accel bench native --shape $S13 --weights $NW --repeat 2 --json )
