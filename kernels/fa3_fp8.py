@@ -16,8 +16,9 @@ FA3's fp8 forward (upstream's ``hopper`` build, PyPI's ``fa3-fwd``) takes Q, K a
   without a cached copy quantizes its own keys and values with its own maxima (no headroom).
 * Queries are quantized per call, one scale per (batch, head) from their own maximum.
 * The kernel: logits ``(Q8 . K8) * dq * dk / sqrt(D)`` (fp8 tensor cores), flash attention's online softmax in
-  base 2, the weights ``p`` in [0, 1] (relative to the running maximum) rounded to e4m3 as they are, summed with
-  the V codes, the row sum over the unrounded ``p``; the output ``acc * dv / l`` in bf16, then ``+ mv``.
+  base 2 with FA3's fp8 offset: the weights ``p = 2^(logit - running maximum + 8)`` in [0, 256] (so small weights
+  keep e4m3's normal range eight binades longer), rounded to e4m3, summed with the V codes; the row sum over the
+  unrounded ``p`` (the offset cancels); the output ``acc * dv / l`` in bf16, then ``+ mv``.
 
 ``fa3_fp8_torch`` is that math in torch ops (any device; tests, and ``bench fidelity`` states its whole-video
 effect on a machine without FA3); ``error_bound`` states the tolerance of both against exact attention.
@@ -33,6 +34,8 @@ from .fp8_attention import (F32_U, GROUP_K, LOG2E, MANTISSA_BITS, SUBNORMAL_STEP
 from .fp8_linear import FP8, FP8_MAX, TENSOR_CORE_U, TINY
 
 HEADROOM = 16.0            # a cache's fixed scales: the first rows' maximum at 448 / 16 (four binades above it free)
+P_OFFSET = 8               # FA3's fp8 softmax weights are exp2(logit - max + 8): in [0, 256], not [0, 1]
+P_SCALE = float(1 << P_OFFSET)
 KINDS = ("fa3", "fa3-torch")   # FA3's kernels; the same math in torch ops
 
 
@@ -106,7 +109,7 @@ def fa3_fp8_torch(q, k, v, key_padding_mask: torch.Tensor | None = None, kv: Fa3
         m_new = torch.maximum(m, logits.amax(-1, keepdim=True))
         base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # a tile of padded keys only
         alpha = torch.exp2(m - base)
-        p = torch.exp2(logits - base)
+        p = torch.exp2(logits - base + P_OFFSET)
         l = l * alpha + p.sum(-1, keepdim=True)
         acc = acc * alpha + torch.matmul(round_e4m3(p), kv.v[:, t0:t1].float().transpose(1, 2))
         m = m_new
@@ -130,8 +133,9 @@ def error_bound(q, k, v, key_padding_mask: torch.Tensor | None = None, kernel: s
     rounded up) |e_jd|: every weight then moves by a factor within exp(+-2 max_j delta_ij), so the output by at most
     expm1(2 max_j delta_ij) sum_j p_ij |v'_jc - o'_ic|, whatever their size) and the values' as sum_j p_ij |e_jc|. The logits' first order through the softmax (Q and K terms), V's own rounding and the second
     order are as in that derivation, each element with its own variance. P: the weights as rounded are
-    x = p_ij L_i relative to the running maximum (at least x_f, taken with the final one): relative variance
-    2^-6 / 12 where x_f >= 2^-6, else min(x_f, 2^-10) / L_i per key times |V code| dv outright. Deterministic
+    x = 256 p_ij L_i relative to the running maximum (FA3's offset of 8 binades; at least x_f, taken with the final
+    one): relative variance 2^-6 / 12 where x_f >= 2^-6, else min(x_f, 2^-10) / (256 L_i) per key times
+    |V code| dv outright. Deterministic
     additions: the Q8 . K8 sums (D float32 roundings, 2^-24 each, relative to s sum_d |q8 dq| |k8 dk|; the fp8
     tensor cores keep about 14 bits of each group of 32 products: cdiv(D, 32) 2^-14 more), the P . V sums (Lk
     float32 roundings relative to the sum of |terms|; on the tensor cores every group of 32 keys added to the
@@ -162,7 +166,7 @@ def error_bound(q, k, v, key_padding_mask: torch.Tensor | None = None, kernel: s
     var, sigma_logit = first_order(p, o, ks, vs, rounding_variance(qh, dq), rounding_variance(k_in, dk), q_big, s)
     var += torch.matmul(p.square(), rounding_variance(v_in, dv))                # V term
     v_codes = (v_in.abs() / dv) * (1 + half) + SUBNORMAL_STEP / 2               # |V codes| (rounded up)
-    p_var, deterministic = p_rounding(p, p * big, dv / big, vs, v_codes)
+    p_var, deterministic = p_rounding(p, P_SCALE * p * big, dv / (P_SCALE * big), vs, v_codes)
     var += p_var
     pv_abs = torch.matmul(p, vs.abs())
     w_abs = pv_abs + o.abs()
