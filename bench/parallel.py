@@ -47,11 +47,38 @@ def model_heads(args) -> int:
     return int((TINY_CONFIG if shape == "tiny" else WAN_1_3B).num_heads)
 
 
+# bench sampler's options the sequence-parallel comparison does not use, with their defaults: given with
+# --world-size they would be ignored, so they are refused (one variant, tiny or 1.3b, the run dtype, the seed,
+# frames/height/width, the model kind and checkpoint and --repeat are what it takes)
+ONE_PROCESS_ONLY = {"attention": None, "linear": None, "weights": "bf16", "memory_cap_gb": None,
+                    "peak_tflops": None, "vae": None, "no_parity": False, "decode": "none"}
+WORLD_SHAPES = ("tiny", "1.3b")
+
+
+def _ignored_with_world(args) -> str | None:
+    """The first bench sampler option a --world-size run would ignore, in words, or None."""
+    for name, default in ONE_PROCESS_ONLY.items():
+        if getattr(args, name, default) != default:
+            return f"--{name.replace('_', '-')}"
+    if len([v for v in (getattr(args, "variants", None) or "").split(",") if v.strip()]) > 1:
+        return "a second variant in --variants (one variant runs against its ranks)"
+    shape = getattr(args, "shape", None)
+    if shape is not None and shape not in WORLD_SHAPES:
+        return f"--shape {shape} (the ranks run {' or '.join(WORLD_SHAPES)})"
+    return None
+
+
 def check_world_args(args) -> None:
-    """--world-size and torchrun's variables, checked before any process starts (``ranks/parallel.py``)."""
+    """--world-size and torchrun's variables, checked before any process starts (``ranks/parallel.py``); an option
+    the parallel comparison would ignore is refused, never dropped."""
     from ..app.ranks.parallel import check_rank_env
-    if getattr(args, "decode", "none") != "none":
+    world = int(getattr(args, "world_size", 1) or 1) > 1 or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    ignored = _ignored_with_world(args) if world else None
+    if ignored == "--decode":
         raise UsageError("--decode is measured in one process: leave --world-size out to time the decode")
+    if ignored:
+        raise UsageError(f"{ignored} is not used by the sequence-parallel comparison (--world-size): leave it out, "
+                         f"or leave --world-size out to run it in one process")
     heads = model_heads(args)
     check_rank_env(heads, device=args.device)
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:

@@ -72,6 +72,13 @@ def test_an_output_in_a_folder_that_cannot_be_written_is_refused_before_any_work
     (["generate", "--device", "cpu", "--keep-slower"], ["--keep-slower", "--attention int8"]),
     (["plan", "--model", "1.3b", "--mode", "full", "--kv-window", "6"], ["--kv-window 6", "--mode full"]),
     (["plan", "--model", "1.3b", "--capability", "9.0"], ["--capability 9.0", "--vram-gb"]),
+    (["bench", "sampler", "--device", "cpu", "--world-size", "2", "--attention", "fp8"], ["--attention",
+                                                                                        "--world-size"]),
+    (["bench", "sampler", "--device", "cpu", "--world-size", "2", "--weights", "fp8"], ["--weights", "--world-size"]),
+    (["bench", "sampler", "--device", "cpu", "--world-size", "2", "--no-parity"], ["--no-parity", "--world-size"]),
+    (["bench", "sampler", "--device", "cpu", "--world-size", "2", "--variants", "reference,optimized"],
+     ["second variant", "--world-size"]),
+    (["bench", "sampler", "--device", "cpu", "--world-size", "2", "--shape", "krea"], ["--shape krea", "tiny or 1.3b"]),
 ])
 def test_an_option_another_one_makes_ignored_is_refused_before_any_work(argv, words, tmp_path):
     result = run_cli_in(tmp_path, *argv)
