@@ -28,6 +28,7 @@ the mode on again quantizes the cache's contents anew.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +38,13 @@ from ..kernels.fp8_attention import FP8, INT8_TINY, LEVELS, TINY_SCALE, Fp8KV, q
 from .attachments import seq_parallel_of
 
 _FP8_ATTR = "_wan_accel_fp8"      # a cache tensor's fp8 copy (Fp8Shadow), set by KVCache.use_fp8
-_FP8 = {"made": 0}                 # fp8 copies made in this process: 0 = write_kv never looks for one
+_FP8 = {"made": 0}                 # fp8 copies alive in this process: 0 = write_kv never looks for one (a compiled
+#                                    block then writes without the eager fp8 step: no graph break)
 _eager = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn)   # runs eagerly under compile
+
+
+def _one_fewer() -> None:
+    _FP8["made"] -= 1
 
 
 @dataclass(frozen=True)
@@ -107,8 +113,15 @@ class Fp8Shadow:
     e4m3 value codes keys-fastest [B, H, D, capacity] (the kernel's operand layout), float32 steps / scales
     [B, capacity, H], and the layer's smoothing vectors [B, H, D] with the device flag saying they are fixed."""
 
-    __slots__ = ("k", "k_scale", "v", "v_scale", "k_mean", "v_mean", "fixed", "pad", "v_ptr", "enabled")
+    __slots__ = ("k", "k_scale", "v", "v_scale", "k_mean", "v_mean", "fixed", "pad", "v_ptr", "enabled",
+                 "__weakref__")
     scheme = "smoothed"
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        _FP8["made"] += 1                               # counted while it lives (freed with its cache, or dropped)
+        weakref.finalize(self, _one_fewer)
+        return self
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
         b, cap, h, d = k_cache.shape
@@ -302,7 +315,6 @@ class KVCache:
             if shadow is None or shadow.scheme != scheme:
                 shadow = SHADOWS[scheme](layer.k, layer.v)
                 setattr(layer.k, _FP8_ATTR, shadow)
-                _FP8["made"] += 1
                 self._fp8_new.append(layer)
             shadow.enabled = True
             valid = min(self.end, self.capacity)

@@ -60,6 +60,8 @@ PASS_FILES = (
     "test_cuda_paths.py",
     "test_fa3_packages.py",
     "test_fa3_fwd.py",
+    "test_fa3_fp8.py",
+    "test_fa3_kvcache.py",
     "test_gpu_paths_cpu.py",
     "test_autotune_store.py",
     "test_graph_timer.py",
@@ -101,6 +103,10 @@ DESELECT = {
         "the doctor's probes of every candidate: 11 s",
     "test_kitchen_candidates.py::test_comfy_kitchen_triton_under_the_interpreter":
         "starts its own TRITON_INTERPRET=1 process: it ran in the plain run",
+    "test_fa3_fp8.py::test_bench_fidelity_states_fa3s_whole_video_effect":
+        "four fixture runs of bench fidelity with the pack's fp8 kernel interpreted: 65 s",
+    "test_fa3_kvcache.py::test_a_video_through_the_fused_way_equals_the_separate_ways":
+        "four tiny sampler runs with the fused kernels interpreted: 47 s",
 }
 TIMEOUT = 900
 

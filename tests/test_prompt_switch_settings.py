@@ -289,7 +289,7 @@ class OfficialRecompute(KreaRecompute):
     rows dropped. Only the frame selection is the pack's (checked against the official session elsewhere)."""
 
     def _context_pass(self, ex, req, ctx):
-        from wan_accel.model import blocks
+        from wan_accel.model import attention as att     # self-attention over the KV cache calls att.attention
         n, fs, fpb = ctx.shape[1], req.frame_tokens, self.fpb
         total = n * fs
         full = -(-total // 128) * 128
@@ -298,7 +298,7 @@ class OfficialRecompute(KreaRecompute):
             ends[s0:s0 + fs * fpb] = s0 + fs * fpb
         idx = torch.arange(full)
         mask = (idx[None, :] < ends[:, None]) | (idx[:, None] == idx[None, :])
-        plain = blocks.attention
+        plain = att.attention
 
         def official(q, k, v, key_padding_mask=None, backend="auto"):
             if q.shape[1] != total or k.shape[1] != total:       # cross-attention: as it is
@@ -309,11 +309,11 @@ class OfficialRecompute(KreaRecompute):
             return out.transpose(1, 2)[:, :total].to(q.dtype)
 
         step = ex.begin_chunk(0, n)
-        blocks.attention = official
+        att.attention = official
         try:
             ex.forward("refresh", ctx, float(req.refresh_t), 0, step, want_output=False)
         finally:
-            blocks.attention = plain
+            att.attention = plain
 
 
 def test_padding_keys_follow_the_official_mask():
