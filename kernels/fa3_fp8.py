@@ -29,8 +29,9 @@ from typing import NamedTuple
 
 import torch
 
-from .fp8_attention import (F32_U, GROUP_K, LOG2E, MANTISSA_BITS, SUBNORMAL_STEP, TILE, Z, exact_softmax,
-                            first_order, p_rounding, round_e4m3, rounding_variance, token_mean, unit_roundoff)
+from .fp8_attention import (F32_U, GROUP_K, LOG2E, MANTISSA_BITS, SUBNORMAL_STEP, TILE, Z, check_call,
+                            exact_softmax, first_order, online_softmax, p_rounding, round_e4m3, rounding_variance,
+                            token_mean, unit_roundoff)
 from .fp8_linear import FP8, FP8_MAX, TENSOR_CORE_U, TINY
 
 HEADROOM = 16.0            # a cache's fixed scales: the first rows' maximum at 448 / 16 (four binades above it free)
@@ -77,42 +78,20 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor | None = 
     return Fa3KV(k8, v8, dk, dv, k_mean, v_mean)
 
 
-def _check(q, k, v, kv: Fa3KV | None) -> None:
-    if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"fp8 attention takes q [B, Lq, H, D] and k, v [B, Lk, H, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if kv is not None and (kv.k.shape != k.shape or kv.v.shape != v.shape):
-        raise ValueError(f"fp8 attention: the quantized keys/values {tuple(kv.k.shape)} do not match k, v "
-                         f"{tuple(k.shape)}")
-
-
 def fa3_fp8_torch(q, k, v, key_padding_mask: torch.Tensor | None = None, kv: Fa3KV | None = None,
                   tile: int = TILE) -> torch.Tensor:
     """FA3's fp8 math (module doc) in torch ops, float32 sums: q [B, Lq, H, D], k/v [B, Lk, H, D] (used when
     ``kv``, their quantized copy, is not given), key_padding_mask [B, Lk] bool (True = attended). [B, Lq, H, D] in
     q's dtype."""
-    _check(q, k, v, kv)
+    check_call(q, k, v, kv)
     kv = kv if kv is not None else quantize_kv(k, v, keep=key_padding_mask)
     q8, dq = quantize_heads(q)
     qf = q8.float().transpose(1, 2)                                              # [B, H, Lq, D]
     row = (dq * kv.k_descale)[:, :, None, None] * (q.shape[-1] ** -0.5 * LOG2E)   # [B, H, 1, 1]
-    b, h, lq, d = qf.shape
-    m = torch.full((b, h, lq, 1), float("-inf"), device=q.device)
-    l = torch.zeros((b, h, lq, 1), device=q.device)
-    acc = torch.zeros((b, h, lq, d), device=q.device)
     keep = None if key_padding_mask is None else key_padding_mask.to(q.device)[:, None, None, :]
-    for t0 in range(0, k.shape[1], tile):
-        t1 = min(t0 + tile, k.shape[1])
-        logits = torch.matmul(qf, kv.k[:, t0:t1].float().permute(0, 2, 3, 1)) * row
-        if keep is not None:
-            logits = logits.masked_fill(~keep[..., t0:t1], float("-inf"))
-        m_new = torch.maximum(m, logits.amax(-1, keepdim=True))
-        base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # a tile of padded keys only
-        alpha = torch.exp2(m - base)
-        p = torch.exp2(logits - base + P_OFFSET)
-        l = l * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(round_e4m3(p), kv.v[:, t0:t1].float().transpose(1, 2))
-        m = m_new
+    acc, l = online_softmax(
+        qf, k.shape[1], lambda t0, t1: torch.matmul(qf, kv.k[:, t0:t1].float().permute(0, 2, 3, 1)) * row,
+        lambda p, t0, t1: torch.matmul(round_e4m3(p), kv.v[:, t0:t1].float().transpose(1, 2)), keep, tile, P_OFFSET)
     out = acc * kv.v_descale[:, :, None, None] / l
     return (out.to(q.dtype).float() + kv.v_mean[:, :, None, :]).transpose(1, 2).to(q.dtype)
 
@@ -131,7 +110,8 @@ def error_bound(q, k, v, key_padding_mask: torch.Tensor | None = None, kernel: s
     and at most half of it: |error| <= 2^-4 |x| + 2^-10 sc. A key or value element beyond 448 sc is saturated: its
     whole error e (exactly known) is counted outright, the keys' through the logits (delta_ij = s sum_d (|q_id|
     rounded up) |e_jd|: every weight then moves by a factor within exp(+-2 max_j delta_ij), so the output by at most
-    expm1(2 max_j delta_ij) sum_j p_ij |v'_jc - o'_ic|, whatever their size) and the values' as sum_j p_ij |e_jc|. The logits' first order through the softmax (Q and K terms), V's own rounding and the second
+    expm1(2 max_j delta_ij) sum_j p_ij |v'_jc - o'_ic|, whatever their size) and the values' as sum_j p_ij |e_jc|.
+    The logits' first order through the softmax (Q and K terms), V's own rounding and the second
     order are as in that derivation, each element with its own variance. P: the weights as rounded are
     x = 256 p_ij L_i relative to the running maximum (FA3's offset of 8 binades; at least x_f, taken with the final
     one): relative variance 2^-6 / 12 where x_f >= 2^-6, else min(x_f, 2^-10) / (256 L_i) per key times
@@ -145,7 +125,7 @@ def error_bound(q, k, v, key_padding_mask: torch.Tensor | None = None, kernel: s
     """
     if kernel not in KINDS:
         raise ValueError(f"kernel must be one of {', '.join(KINDS)}, got {kernel!r}")
-    _check(q, k, v, kv)
+    check_call(q, k, v, kv)
     keep = None if key_padding_mask is None else key_padding_mask.to(q.device)
     kv = kv if kv is not None else quantize_kv(k, v, keep=keep)
     qh, kh, vh = (t.transpose(1, 2).float() for t in (q, k, v))                 # [B, H, L, D]

@@ -140,7 +140,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor | None = 
     return Fp8KV(k8, sk, v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), sv, k_mean, v_mean)
 
 
-def _check(q, k, v, kv8: Fp8KV | None = None) -> None:
+def check_call(q, k, v, kv8=None) -> None:
+    """q [B, Lq, H, D] and k, v [B, Lk, H, D] of one batch and head layout; their quantized copy ``kv8`` (either
+    scheme's: fields k and v) of the same shapes."""
     if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"fp8 attention takes q [B, Lq, H, D] and k, v [B, Lk, H, D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -167,37 +169,52 @@ def fp8_attention_torch(q, k, v, key_padding_mask: torch.Tensor | None = None, k
     """The fp8 attention math (module doc) in torch ops: q [B, Lq, H, D], k/v [B, Lk, H, D] (used when ``kv8``,
     their quantized copy, is not given), key_padding_mask [B, Lk] bool (True = attended). [B, Lq, H, D] in q's
     dtype."""
-    _check(q, k, v, kv8)
+    check_call(q, k, v, kv8)
     kv8 = kv8 if kv8 is not None else quantize_kv(k, v, keep=key_padding_mask)
     q8, sq = int8_tokens(q)
     qf = q8.float().transpose(1, 2)                                            # [B, H, Lq, D]
     row = sq.transpose(1, 2)[..., None] * (q.shape[-1] ** -0.5 * LOG2E)        # [B, H, Lq, 1]
-    b, h, lq, d = qf.shape
-    m = torch.full((b, h, lq, 1), float("-inf"), device=q.device)
-    l = torch.zeros((b, h, lq, 1), device=q.device)
-    acc = torch.zeros((b, h, lq, d), device=q.device)
     keep = None if key_padding_mask is None else key_padding_mask.to(q.device)[:, None, None, :]
-    for t0 in range(0, k.shape[1], tile):
-        t1 = min(t0 + tile, k.shape[1])
+
+    def logits(t0, t1):
         kt = kv8.k[:, t0:t1].float().permute(0, 2, 3, 1)                       # [B, H, D, n]
         ks = kv8.k_scale[:, t0:t1].transpose(1, 2)[:, :, None, :]             # [B, H, 1, n]
-        logits = torch.matmul(qf, kt) * row * ks                               # integer sums: exact
-        if keep is not None:
-            logits = logits.masked_fill(~keep[..., t0:t1], float("-inf"))
-        m_new = torch.maximum(m, logits.amax(-1, keepdim=True))
-        base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # a tile of padded keys only
-        alpha = torch.exp2(m - base)
-        p = torch.exp2(logits - base)
-        l = l * alpha + p.sum(-1, keepdim=True)
+        return torch.matmul(qf, kt) * row * ks                                 # integer sums: exact
+
+    def pv(p, t0, t1):
         vs = kv8.v_scale[:, t0:t1].transpose(1, 2)                            # [B, H, n]
         if keep is not None:                  # a padded key's value scale takes no part in its tile's maximum
             vs = vs * keep[:, 0, :, t0:t1]
         mt = vs.amax(-1, keepdim=True).clamp_min(TINY_SCALE)                  # [B, H, 1]
         pq = round_e4m3(p * ((vs / mt) * FP8_MAX)[:, :, None, :])
-        pv = torch.matmul(pq, kv8.v[:, t0:t1].float().transpose(1, 2))         # [B, H, Lq, D]
-        acc = acc * alpha + pv * (mt / FP8_MAX)[..., None]
-        m = m_new
+        return torch.matmul(pq, kv8.v[:, t0:t1].float().transpose(1, 2)) * (mt / FP8_MAX)[..., None]
+
+    acc, l = online_softmax(qf, k.shape[1], logits, pv, keep, tile)
     return (acc / l + kv8.v_mean[:, :, None, :]).transpose(1, 2).to(q.dtype)
+
+
+def online_softmax(qf, lk: int, logits_of, pv_of, keep, tile: int, offset: float = 0.0) -> tuple:
+    """Flash attention's online softmax in base 2 over ``tile`` keys at a time, float32, for the queries qf
+    [B, H, Lq, D]: ``logits_of(t0, t1)`` the base-2 logits [B, H, Lq, n] of keys [t0, t1), ``pv_of(p, t0, t1)`` that
+    tile's P . V from its weights ``p = 2^(logit - running maximum + offset)``; ``keep`` [B, 1, 1, Lk] the attended
+    keys. Returns (acc, l): the output before its division by the row sums l [B, H, Lq, 1]."""
+    b, h, lq, d = qf.shape
+    m = torch.full((b, h, lq, 1), float("-inf"), device=qf.device)
+    l = torch.zeros((b, h, lq, 1), device=qf.device)
+    acc = torch.zeros((b, h, lq, d), device=qf.device)
+    for t0 in range(0, lk, tile):
+        t1 = min(t0 + tile, lk)
+        logits = logits_of(t0, t1)
+        if keep is not None:
+            logits = logits.masked_fill(~keep[..., t0:t1], float("-inf"))
+        m_new = torch.maximum(m, logits.amax(-1, keepdim=True))
+        base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # a tile of padded keys only
+        alpha = torch.exp2(m - base)
+        p = torch.exp2(logits - base + offset) if offset else torch.exp2(logits - base)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + pv_of(p, t0, t1)
+        m = m_new
+    return acc, l
 
 
 # ----------------------------------------------------------------------------- Triton kernel
@@ -335,7 +352,7 @@ def fp8_attention_triton(q, k, v, kv8: Fp8KV | None = None, config: dict | None 
                          tile: int = TILE) -> torch.Tensor:
     """The Triton kernel (module doc) with an explicit config (tests) or tuned through the operator store
     (config None); the torch version where every config fails. No key padding mask."""
-    _check(q, k, v, kv8)
+    check_call(q, k, v, kv8)
     kv8 = kv8 if kv8 is not None else quantize_kv(k, v)
     if kv8.k.stride(-1) != 1:
         kv8 = kv8._replace(k=kv8.k.contiguous())
@@ -459,7 +476,7 @@ def error_bound(q, k, v, key_padding_mask: torch.Tensor | None = None, kernel: s
     """
     if kernel not in ("torch", "triton"):
         raise ValueError(f"kernel must be 'torch' or 'triton', got {kernel!r}")
-    _check(q, k, v)
+    check_call(q, k, v)
     keep = None if key_padding_mask is None else key_padding_mask.to(q.device)
     k_mean = token_mean(k, keep) if k_mean is None else k_mean.float()
     v_mean = token_mean(v, keep) if v_mean is None else v_mean.float()

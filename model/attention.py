@@ -560,7 +560,8 @@ def warm_plans(shapes, batch: int, heads: int, head_dim: int, dtype, device, req
     return out
 
 
-SPEED_KERNELS = {"int8": "speed.attention.int8", "fp8": "speed.attention.fp8", "fa3_fp8": "speed.attention.fa3_fp8"}   # the operator store's kernels
+# the operator store's kernels of the opt-in modes' speed verdicts
+SPEED_KERNELS = {"int8": "speed.attention.int8", "fp8": "speed.attention.fp8", "fa3_fp8": "speed.attention.fa3_fp8"}
 SPEED_KERNEL = SPEED_KERNELS["int8"]      # of the opt-in modes' speed verdicts
 SPEED_DEVICES = ("cuda",)                 # where a timing says something about speed (a CPU runs the torch version)
 

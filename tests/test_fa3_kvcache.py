@@ -10,7 +10,9 @@ import types
 import pytest
 import torch
 
-from wan_accel.cache.autotune import get_autotuner, reset_autotuners
+import speed_timer
+from test_fa3_fwd import _forget as forget_fa3
+from wan_accel.cache.autotune import get_autotuner
 from wan_accel.kernels import candidates as C
 from wan_accel.model import attention as att
 from wan_accel.model import cached_attention as ca
@@ -62,14 +64,8 @@ def _stand_in(calls: list, shift: int = 0):
 
 
 def _forget():
-    att._FUNCS.clear()
-    att._FROM.clear()
-    att._NO_FP16.clear()
-    att._BUILD.clear()
-    att.resolve_backend.cache_clear()
-    att.forget_choices()
+    forget_fa3()
     ca.forget()
-    reset_autotuners()
 
 
 def _install(monkeypatch, mod, kernel="fa3.split2", faster=True):
@@ -80,15 +76,7 @@ def _install(monkeypatch, mod, kernel="fa3.split2", faster=True):
     monkeypatch.setitem(sys.modules, "fa3_fwd_interface", mod)
     monkeypatch.setattr(att, "kernel_of", lambda q, k, v, backend: kernel)
     monkeypatch.setattr(ca, "SPEED_DEVICES", ("cuda", "cpu"))
-    timed: list = []
-
-    def timer(fn, *a, **kw):
-        fn()
-        timed.append(1)
-        return (0.001 if faster else 0.004) if len(timed) % 2 else 0.002
-
-    monkeypatch.setattr(get_autotuner(), "timer", timer)
-    return timed
+    return speed_timer.install(monkeypatch, slow=not faster)
 
 
 @pytest.fixture
