@@ -1,6 +1,8 @@
 """ComfyUI nodes of Matrix-Game-2: Game Actions (script -> per-frame actions) and Matrix-Game-2 Sampler."""
 from __future__ import annotations
 
+from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
+
 MODES = ["universal", "gta_drive", "templerun"]
 PRESETS = ["universal", "gta_drive", "templerun"]
 DEFAULT_SCRIPT = "W*20, W+A*8, mouse(0.1,0)*12, idle*4"
@@ -129,11 +131,12 @@ class MatrixGame2Sampler:
                                   "A state from an earlier Matrix-Game-2 Sampler with keep_state on: the actions then "
                                   "drive the new frames only (4 video frames per latent frame), num_frames is the "
                                   "total to reach (0: every whole chunk the actions cover) and seed is not used."}),
+                "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
             },
         }
 
     def sample(self, model, start_latent, clip_vision_output=None, actions=None, seed=0, num_frames=0,
-               preset="universal", kv_window=0, keep_state=False, continue_from=None):
+               preset="universal", kv_window=0, keep_state=False, continue_from=None, linear="exact"):
         import torch
         from ..sampling.mg2 import PRESETS as LIB_PRESETS, generate_mg2
         from ._comfy import progress_and_interrupt
@@ -177,9 +180,14 @@ class MatrixGame2Sampler:
                 state["bar"] = state["bar"] or bar_cls(n)
                 state["bar"].update_absolute(ci + 1, n)
 
-        from ..app.prepare import prepared_sampling
-        doctor_notes: list = []
-        with torch.inference_mode(), prepared_sampling(net, notes=doctor_notes):
+        from ..app.prepare import RunSpec, prepared_sampling
+        from ..sampling.sampler import path_for_linear
+        if linear not in LINEAR_CHOICES:
+            raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
+        path, note = path_for_linear("auto", linear)           # the CLI's one rule: fp8 on the optimized path
+        doctor_notes: list = [note] if note else []
+        spec = RunSpec(path=path, linear=linear) if linear != "exact" else None
+        with torch.inference_mode(), prepared_sampling(net, spec, notes=doctor_notes):
             if keep_state or continue_from is not None:
                 latents, kept = _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window,
                                              continue_from, bool(keep_state), on_step, on_chunk)

@@ -42,8 +42,9 @@ def _cli_message(capsys, tmp_path) -> str:
 def test_every_sampler_node_offers_linear_with_a_tooltip():
     from wan_accel.nodes.model_nodes import CausalWanSampler
     from wan_accel.nodes.native_nodes import WanAccelARSampler
+    from wan_accel.nodes.mg2_nodes import MatrixGame2Sampler
     from wan_accel.nodes.stream_nodes import CausalWanSamplerDecode
-    for node in (CausalWanSampler, CausalWanSamplerDecode, WanAccelARSampler):
+    for node in (CausalWanSampler, CausalWanSamplerDecode, WanAccelARSampler, MatrixGame2Sampler):
         choices, opts = node.INPUT_TYPES()["optional"]["linear"]
         assert list(choices) == ["exact", "fp8"] and opts["default"] == "exact"
         tip = opts["tooltip"]
@@ -104,3 +105,24 @@ def test_the_ar_sampler_node_passes_linear_fp8_to_the_loop(fake_comfy, monkeypat
                extra_args={"seed": 1}, report=report, **sampler.extra_options)
     assert len(seen) == 1 and seen[0].path == "optimized" and seen[0].options.linear == "fp8"
     assert report["linear"] == "fp8"
+
+
+def test_the_matrix_game2_sampler_node_passes_linear_fp8_to_the_loop(monkeypatch):
+    """Matrix-Game-2's sampler node: linear fp8 reaches the chunk loop on the optimized path (the node's text says
+    so); exact keeps the path it had; anything else is refused by name."""
+    from wan_accel.app.jobs.mg2 import load_mg2_handle
+    from wan_accel.nodes.mg2_nodes import GameActions, MatrixGame2Sampler
+    seen = _record_requests(monkeypatch)
+    handle = load_mg2_handle(None, dtype="fp32", device="cpu", seed=3)
+    actions = GameActions().build("W*8, idle*4", "universal")["result"][0]
+    start = {"samples": torch.randn(1, 16, 1, 8, 8)}
+    clip = SimpleNamespace(penultimate_hidden_states=torch.randn(1, 9, 32))
+    out = MatrixGame2Sampler().sample(handle, start, clip, actions, seed=1, num_frames=3, preset="universal",
+                                      linear="fp8")
+    assert len(seen) == 1 and seen[0].path == "optimized" and seen[0].options.linear == "fp8"
+    assert isinstance(out, dict) and any("linear fp8" in t for t in out["ui"]["text"])
+    exact = MatrixGame2Sampler().sample(handle, start, clip, actions, seed=1, num_frames=3, preset="universal")
+    assert seen[1].options is None or seen[1].options.linear == "exact"
+    assert not torch.equal(out["result"][0]["samples"], exact[0]["samples"])
+    with pytest.raises(ValueError, match="linear must be one of"):
+        MatrixGame2Sampler().sample(handle, start, clip, actions, seed=1, num_frames=3, linear="fp4")
