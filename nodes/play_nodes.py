@@ -17,6 +17,7 @@ import re
 import time
 
 from .mg2_nodes import PRESETS
+from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
 EVENT = "wan_accel.play"
 FPS = 16
@@ -43,6 +44,19 @@ def send_play_event(kind: str, session: str, **payload) -> bool:
         return False
     server.send_sync(EVENT, {"kind": kind, "session": session, **payload}, getattr(server, "client_id", None))
     return True
+
+
+def linear_spec(linear: str):
+    """(the run spec of a play session's chunks, the note to show) for the start node's ``linear``: None for exact
+    (the defaults); fp8 through the one path rule (the optimized path runs it)."""
+    from ..app.prepare import RunSpec
+    from ..sampling.sampler import path_for_linear
+    if linear not in LINEAR_CHOICES:
+        raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
+    if linear == "exact":
+        return None, None
+    path, note = path_for_linear("auto", linear)
+    return RunSpec(path=path, linear=linear), note
 
 
 def _is_interrupt(exc: BaseException) -> bool:
@@ -89,6 +103,7 @@ class MatrixGame2PlaySession:
                 "state_on": (STATE_PLACES, {"default": "model device", "tooltip":
                              "Where the session's caches wait between chunks: the model's device (fastest), or "
                              "the CPU (frees GPU memory for other prompts between chunks)."}),
+                "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -98,7 +113,7 @@ class MatrixGame2PlaySession:
         return float("nan")         # every run starts a new session (a cached result would name an ended one)
 
     def start(self, model, vae, start_latent, seed=0, preset="universal", clip_vision_output=None, kv_window=0,
-              idle_timeout_s=300, state_on="model device", unique_id=None):
+              idle_timeout_s=300, state_on="model device", linear="exact", unique_id=None):
         from ..app.play.registry import PlaySession
         from ..sampling.mg2 import PRESETS as LIB_PRESETS
         from . import streaming_decode
@@ -116,6 +131,7 @@ class MatrixGame2PlaySession:
             fits = [p for p in PRESETS if len(MODES[LIB_PRESETS[p]["mode"]]["keys"]) == keys_in]
             raise ValueError(f"preset {preset!r} drives {len(MODES[mode]['keys'])} keys but this checkpoint has "
                              f"{keys_in}: use preset {' or '.join(fits) or '(none fits)'}")
+        spec, note = linear_spec(linear)
         image = model_space_start(start_latent)[:1, :, :1]
         tokens = clip_tokens(clip_vision_output, model)[:1]
         decoder = streaming_decode.stream_decoder(vae)          # a clear error now for a VAE that does not stream
@@ -123,6 +139,7 @@ class MatrixGame2PlaySession:
                               window=kv_window or None, state_device="cpu" if state_on == "cpu" else None)
         session.attached["decoder"] = decoder
         session.kept["vae"] = vae
+        session.run_spec = spec
         server = _server()
         owner = f"{getattr(server, 'client_id', None)}:{unique_id}"
         sid = _registry().open(session, owner=owner, idle_timeout_s=float(idle_timeout_s))
@@ -131,7 +148,7 @@ class MatrixGame2PlaySession:
         send_play_event("ready", sid, **info)
         keys = " ".join(k.upper() if len(k) == 1 else k for k in session.keys)
         text = (f"Play session {sid} ready ({session.mode}: keys {keys}{', drag for the camera' if session.has_mouse else ''}). "
-                f"Open the Wan Accel panel and press Play.")
+                f"Open the Wan Accel panel and press Play.{f' ({note})' if note else ''}")
         return {"ui": {"text": [text], "wan_accel_play": [sid]}, "result": (sid,)}
 
 
@@ -186,7 +203,8 @@ class MatrixGame2PlayStep:
         names = parse_keys(keys)
         _bar, interrupt = progress_and_interrupt()
         notes: list = []
-        gate = prepared_sampling(play.model, notes=notes) if play.model is not None else contextlib.nullcontext()
+        gate = (prepared_sampling(play.model, play.run_spec, notes=notes) if play.model is not None
+                else contextlib.nullcontext())
         t0 = time.perf_counter()
         try:
             with torch.inference_mode(), gate:          # the doctor's verdicts, as the samplers apply them

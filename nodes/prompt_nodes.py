@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from .model_nodes import (GRAMMAR, comfy_krea_reencode, comfy_vae_reencode, encode_schedule,  # noqa: F401
-                          parse_schedule, schedule_widget, text_encoder)
+from .model_nodes import (GRAMMAR, LINEAR_CHOICES, LINEAR_TOOLTIP, comfy_krea_reencode,  # noqa: F401
+                          comfy_vae_reencode, encode_schedule, parse_schedule, schedule_widget, text_encoder)
 
 SCHEDULE_KEY = "wan_accel_prompt_schedule"     # conditioning dict entry read by the native sampler
 
@@ -110,6 +110,7 @@ class CausalWanPromptPlaySession:
                                "no panel watching it."}),
             "state_on": (["model device", "cpu"], {"default": "model device", "tooltip":
                          "Where the session's caches wait between chunks: the model's device, or the CPU."}),
+            "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
         }, "hidden": {"unique_id": "UNIQUE_ID"}}
 
     @classmethod
@@ -118,13 +119,14 @@ class CausalWanPromptPlaySession:
 
     def start(self, model, vae, prompt, width=832, height=480, seed=0, preset="self_forcing", frames_per_block=3,
               kv_window=12, sink=3, recache="switch", clip=None, idle_timeout_s=300, state_on="model device",
-              unique_id=None):
+              linear="exact", unique_id=None):
         from ..app.play.registry import PlayError
         from ..app.play.t2v import PromptPlaySession
         from ..app.validate import MAX_SEED, check_geometry, check_int
         from . import streaming_decode
-        from .play_nodes import _registry, _server, send_play_event
+        from .play_nodes import _registry, _server, linear_spec, send_play_event
         seed = check_int("seed", seed, 0, MAX_SEED)
+        spec, note = linear_spec(linear)
         geo = check_geometry(4 * (int(frames_per_block) - 1) + 1, height, width, frames_per_block, kv_window, sink,
                              names={"frames": "frames_per_block"}, recache=recache)   # window, sink and recache
         net = getattr(model, "model", model)
@@ -146,13 +148,15 @@ class CausalWanPromptPlaySession:
             raise ValueError(str(exc)) from None
         session.attached["decoder"] = decoder
         session.kept["vae"] = vae
+        session.run_spec = spec
         server = _server()
         owner = f"{getattr(server, 'client_id', None)}:{unique_id}"
         sid = _registry().open(session, owner=owner, idle_timeout_s=float(idle_timeout_s))
         send_play_event("ready", sid, **dict(session.describe(), prompt=prompt, fps=16,
                                              node=str(unique_id) if unique_id is not None else None,
                                              idle_timeout_s=float(idle_timeout_s)))
-        text = f"Prompt play session {sid} ready. Open the Wan Accel panel, press Play and type prompts."
+        text = (f"Prompt play session {sid} ready. Open the Wan Accel panel, press Play and type prompts."
+                f"{f' ({note})' if note else ''}")
         return {"ui": {"text": [text], "wan_accel_play": [sid]}, "result": (sid,)}
 
 
@@ -196,7 +200,8 @@ class CausalWanPromptPlayStep:
         notes: list = []
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode(), prepared_sampling(play.model, notes=notes):   # the doctor's verdicts
+            # the doctor's verdicts and the start's choices (fp8 linear), as the samplers apply them
+            with torch.inference_mode(), prepared_sampling(play.model, play.run_spec, notes=notes):
                 latents = play.step(prompt, callback=(lambda *_a: interrupt()) if interrupt is not None else None)
                 t1 = time.perf_counter()
                 decoder = play.attached.get("decoder")

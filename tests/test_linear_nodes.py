@@ -1,6 +1,7 @@
 """fp8 linear layers are a choice on the sampler nodes, not only on the command line: the CausalWan Sampler (and its
-streaming twin) and the Wan Accel AR Sampler take ``linear`` (exact | fp8), the request that reaches the chunk loop
-carries it, and a reference path with fp8 is refused with the command line's message in the node's own words."""
+streaming twin), the Wan Accel AR Sampler, the Matrix-Game-2 Sampler and both play sessions take ``linear`` (exact |
+fp8), the request that reaches the chunk loop carries it, and a reference path with fp8 is refused with the command
+line's message in the node's own words."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -43,8 +44,11 @@ def test_every_sampler_node_offers_linear_with_a_tooltip():
     from wan_accel.nodes.model_nodes import CausalWanSampler
     from wan_accel.nodes.native_nodes import WanAccelARSampler
     from wan_accel.nodes.mg2_nodes import MatrixGame2Sampler
+    from wan_accel.nodes.play_nodes import MatrixGame2PlaySession
+    from wan_accel.nodes.prompt_nodes import CausalWanPromptPlaySession
     from wan_accel.nodes.stream_nodes import CausalWanSamplerDecode
-    for node in (CausalWanSampler, CausalWanSamplerDecode, WanAccelARSampler, MatrixGame2Sampler):
+    for node in (CausalWanSampler, CausalWanSamplerDecode, WanAccelARSampler, MatrixGame2Sampler,
+                 MatrixGame2PlaySession, CausalWanPromptPlaySession):
         choices, opts = node.INPUT_TYPES()["optional"]["linear"]
         assert list(choices) == ["exact", "fp8"] and opts["default"] == "exact"
         tip = opts["tooltip"]
@@ -126,3 +130,41 @@ def test_the_matrix_game2_sampler_node_passes_linear_fp8_to_the_loop(monkeypatch
     assert not torch.equal(out["result"][0]["samples"], exact[0]["samples"])
     with pytest.raises(ValueError, match="linear must be one of"):
         MatrixGame2Sampler().sample(handle, start, clip, actions, seed=1, num_frames=3, linear="fp4")
+
+
+@pytest.mark.parametrize("face", ["mg2", "prompt"])
+def test_the_play_sessions_run_every_chunk_with_the_starts_linear_choice(monkeypatch, face):
+    """A play session started with linear fp8 makes every chunk on the optimized path with fp8 linear layers (the
+    start's text says so); started exact, its chunks keep the defaults."""
+    from .test_one_door import _play_env
+    from wan_accel.nodes import play_nodes
+    from wan_accel.nodes.model_nodes import TINY_MG2_NAME, CausalWanModelLoader
+    from wan_accel.nodes.prompt_nodes import CausalWanPromptPlaySession, CausalWanPromptPlayStep
+    registry = _play_env(monkeypatch)
+    seen = _record_requests(monkeypatch)
+
+    def start(linear):
+        if face == "mg2":
+            (handle,) = CausalWanModelLoader().load(TINY_MG2_NAME, "fp32", "float32", "sdpa")
+            latent = {"samples": torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(4))}
+            return play_nodes.MatrixGame2PlaySession().start(handle, object(), latent, seed=11, linear=linear)
+        return CausalWanPromptPlaySession().start(_tiny_handle(), object(), "a cat", width=32, height=32, seed=5,
+                                                  frames_per_block=3, kv_window=-1, sink=0, linear=linear)
+
+    def step(sid):
+        return (play_nodes.MatrixGame2PlayStep().step(sid, "w") if face == "mg2"
+                else CausalWanPromptPlayStep().step(sid, ""))
+
+    try:
+        out = start("fp8")
+        assert "linear fp8" in out["ui"]["text"][0]
+        sid = out["result"][0]
+        step(sid)
+        step(sid)
+        assert len(seen) == 2 and all(r.path == "optimized" and r.options.linear == "fp8" for r in seen)
+        step(start("exact")["result"][0])
+        assert seen[2].options is None or seen[2].options.linear == "exact"
+        with pytest.raises(ValueError, match="linear must be one of"):
+            start("fp4")
+    finally:
+        registry.clear()

@@ -36,8 +36,11 @@ class PlayError(ValueError):
 
 class SessionBase:
     """What every play session shares: its chunks' latents, and ``free`` (drops the heavy attributes named in
-    ``HEAVY``, the state and attached decoders; keeps the latents and the script)."""
+    ``HEAVY``, the state and attached decoders; keeps the latents and the script). ``run_spec``: the run spec
+    (``app/prepare.RunSpec``) every chunk is prepared with (the start's choices, e.g. fp8 linear layers); None: the
+    defaults."""
     HEAVY: tuple = ("model",)
+    run_spec = None
 
     def latent_video(self) -> torch.Tensor:
         """Every chunk's latents so far, [1, C, frames, h, w] (model space, CPU)."""
