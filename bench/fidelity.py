@@ -141,15 +141,15 @@ def measure(directory, attention: str = "int8", device="cpu", linear: str = "exa
 
 
 def fp8_kind(numerics: str, device) -> str:
-    """The fp8 attention implementation ``--fp8-numerics`` names on this device: 'here' what a run takes; 'fa3'
-    FlashAttention 3's kernels where they run for the fixtures' float32 runs (never: its output is bf16), else its
-    math in torch; 'pack' the pack's Triton kernel where it runs, else its torch version."""
+    """The fp8 attention implementation ``--fp8-numerics`` names for the fixtures' float32 runs on this device:
+    'here' what a run takes; 'fa3' FlashAttention 3's math in torch (its kernels take bf16 runs only); 'pack' the
+    pack's Triton kernel where it runs, else its torch version."""
     from ..kernels import fp8_attention
     from ..model import attention as attn
     if numerics == "here":
         return attn.fp8_implementation(device, torch.float32, 128)[0]
     if numerics == "fa3":
-        return "fa3" if attn.fa3_fp8_problem(device, torch.float32, 128) is None else "fa3-torch"
+        return "fa3-torch"
     return fp8_attention.implementation(device, torch.float32, 128)[0]
 
 

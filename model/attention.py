@@ -599,6 +599,7 @@ def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, d
                        head_dim, dtype, device, exact, tuner)
 
 
+FP8_KINDS = ("fa3", "fa3-torch", "triton", "torch")   # FA3's e4m3 kernels (and their math in torch); the pack's
 FP8_FORCED: dict = {"kind": None}    # fp8_numerics(): the fp8 implementation every call takes, whatever runs here
 
 
@@ -619,7 +620,6 @@ class fp8_numerics:
         FP8_FORCED["kind"] = self.before
 
 
-FP8_KINDS = ("fa3", "fa3-torch", "triton", "torch")   # FA3's e4m3 kernels (and their math in torch); the pack's
 
 
 def fp8_implementation(device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:

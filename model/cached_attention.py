@@ -93,9 +93,14 @@ def fused_attention(q, k, v, k_cache, v_cache, seqlens, splits: int = 1):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _separate(q, k, v, k_cache, v_cache, index, span, read_len, backend):
+def _separate(q, k, v, k_cache, v_cache, index, span, read_len, backend, kernel: str | None = None):
+    """Write then attend; ``kernel``: the exact candidate the call was found to run (``kernel_of``), called directly
+    instead of choosing it again."""
     write_kv(k_cache, v_cache, index, k, v, span)
-    return att.attention(q, k_cache[:, :read_len], v_cache[:, :read_len], None, backend=backend)
+    kc, vc = k_cache[:, :read_len], v_cache[:, :read_len]
+    if kernel in att.AUTO_CANDIDATES:
+        return att.AUTO_CANDIDATES[kernel].fn(q, kc, vc)
+    return att.attention(q, kc, vc, None, backend=backend)
 
 
 def fused_speed(batch: int, lq: int, lk: int, heads: int, head_dim: int, dtype, device, backend, splits: int,
@@ -174,10 +179,11 @@ def cached_attention(q, k, v, k_cache, v_cache, index, span, read_len: int, seql
     """Attention of q [B, Lq, H, D] over the cache after writing this call's k, v [B, rows, H, D] into it (slots
     ``index`` / ``span``; attended slots [0, read_len)): FA3's append-and-attend where it runs and was measured
     faster (see the module's docstring), else the write then ``attention`` with ``backend``."""
+    kernel = None
     if seqlens is not None:
         kernel = att.kernel_of(q, k_cache[:, :read_len], v_cache[:, :read_len], backend)
         if kernel in SPLITS and fused_problem(kernel, q, k, k_cache, span, read_len, seqlens) is None:
             b, lq, heads, hd = q.shape
             if fused_speed(b, lq, read_len, heads, hd, q.dtype, q.device, backend, SPLITS[kernel]):
                 return fused_attention(q, k, v, k_cache, v_cache, seqlens, SPLITS[kernel])
-    return _separate(q, k, v, k_cache, v_cache, index, span, read_len, backend)
+    return _separate(q, k, v, k_cache, v_cache, index, span, read_len, backend, kernel)

@@ -126,15 +126,20 @@ class Fp8Shadow:
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
         b, cap, h, d = k_cache.shape
         dev = k_cache.device
-        self.k = torch.zeros((b, cap, h, d), dtype=torch.int8, device=dev)
-        self.v = torch.zeros((b, h, d, cap), dtype=FP8, device=dev)
-        self.k_scale = torch.full((b, cap, h), INT8_TINY / LEVELS, device=dev)
-        self.v_scale = torch.full((b, cap, h), TINY_SCALE, device=dev)
+        self.k, self.k_scale, self.v, self.v_scale = self._codes(b, cap, h, d, dev)
         self.k_mean = torch.zeros((b, h, d), device=dev)
         self.v_mean = torch.zeros((b, h, d), device=dev)
         self.fixed = torch.zeros((), dtype=torch.bool, device=dev)
         self.pad = None           # slots of zero padding keys the current step attends (KVCache.pad_next)
         self.v_ptr, self.enabled = v_cache.data_ptr(), True
+
+    @staticmethod
+    def _codes(b, cap, h, d, dev) -> tuple:
+        """(key codes, their steps, value codes, their scales) of an empty copy, in this scheme's layout."""
+        return (torch.zeros((b, cap, h, d), dtype=torch.int8, device=dev),
+                torch.full((b, cap, h), INT8_TINY / LEVELS, device=dev),
+                torch.zeros((b, h, d, cap), dtype=FP8, device=dev),
+                torch.full((b, cap, h), TINY_SCALE, device=dev))
 
     def forget_means(self) -> None:
         """The cache was emptied: the next write fixes the smoothing vectors anew (on the device)."""
@@ -183,18 +188,10 @@ class Fa3Shadow(Fp8Shadow):
     __slots__ = ()
     scheme = "fa3"
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        b, cap, h, d = k_cache.shape
-        dev = k_cache.device
-        self.k = torch.zeros((b, cap, h, d), dtype=FP8, device=dev)
-        self.v = torch.zeros((b, cap, h, d), dtype=FP8, device=dev)
-        self.k_scale = torch.ones((b, h), device=dev)
-        self.v_scale = torch.ones((b, h), device=dev)
-        self.k_mean = torch.zeros((b, h, d), device=dev)
-        self.v_mean = torch.zeros((b, h, d), device=dev)
-        self.fixed = torch.zeros((), dtype=torch.bool, device=dev)
-        self.pad = None
-        self.v_ptr, self.enabled = v_cache.data_ptr(), True
+    @staticmethod
+    def _codes(b, cap, h, d, dev) -> tuple:
+        return (torch.zeros((b, cap, h, d), dtype=FP8, device=dev), torch.ones((b, h), device=dev),
+                torch.zeros((b, cap, h, d), dtype=FP8, device=dev), torch.ones((b, h), device=dev))
 
     def fix_means(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Where not fixed yet, the means of k, v [B, rows, H, D] become the smoothing vectors and the largest

@@ -16,6 +16,7 @@ from wan_accel.model import attention as attn
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
+from test_fa3_fwd import wheel  # noqa: E402,F401 - a fixture: fa3-fwd's stand-in on a stood-in Hopper GPU
 
 
 def _qkv(lq, lk, dtype, spread=1.0, offset=0.0, heads=3, hd=64, seed=0):
@@ -125,19 +126,10 @@ def test_the_cache_keeps_fa3_codes_with_scales_fixed_at_the_first_write():
 
 # ----------------------------------------------------------------------------- FA3 where it runs
 @pytest.fixture
-def hopper(monkeypatch):
-    from test_fa3_fwd import _forget, _stand_in
-    _forget()
-    calls: list = []
-    mod, config = _stand_in(calls)
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
-    monkeypatch.setitem(sys.modules, "fa3_fwd_interface", mod)
-    monkeypatch.setitem(sys.modules, "fa3_fwd_config", config)
-    monkeypatch.setattr(attn, "_capability", lambda index: (9, 0))
+def hopper(wheel, monkeypatch):
+    """test_fa3_fwd's stand-in wheel on a stood-in Hopper 'cuda:0', the pack's fp8 kernel seeing SM 9.0 too."""
     monkeypatch.setattr(attn.fp8, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(attn, "build_supports", lambda name, device, dtype=None: None)
-    yield calls
-    _forget()
+    return wheel
 
 
 def test_the_fp8_mode_takes_fa3_where_it_runs_and_says_so(hopper):
@@ -194,6 +186,7 @@ def test_a_run_reads_the_fa3_copy_and_every_call_is_within_the_bound(monkeypatch
     real, seen = F.fa3_fp8_torch, {"copies": 0, "calls": 0, "worst": 0.0}
 
     def checked(q, k, v, key_padding_mask=None, kv=None, tile=F.TILE):
+        assert kv is None or isinstance(kv, F.Fa3KV), type(kv)      # the cache's copy is in FA3's form
         out = real(q, k, v, key_padding_mask, kv, tile)
         seen["calls"] += 1
         seen["copies"] += kv is not None
@@ -213,7 +206,7 @@ def test_a_run_reads_the_fa3_copy_and_every_call_is_within_the_bound(monkeypatch
     assert seen["copies"] and seen["copies"] < seen["calls"]     # self-attention reads the cache's copy; cross
     assert 0 < seen["worst"] <= 1                                  # attention quantizes the prompt per call
     assert not torch.equal(out, exact) and float((out - exact).abs().max()) < 0.2
-    assert kv_cache.SHADOWS["fa3"] is kv_cache.Fa3Shadow
+    assert kv_cache.Fa3Shadow.scheme == attn.fp8_scheme(report["fp8_attention_kind"])   # the copy the run made
 
 
 def test_bench_fidelity_states_fa3s_whole_video_effect():
