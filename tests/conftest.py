@@ -12,6 +12,30 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))      # test helpers (kv_reference, ...)
 
 
+def _real_comfyui_defaults() -> None:
+    """Point tests/e2e (and the native bench / self-test tests) at the ComfyUI that tools/setup_comfyui.sh set up,
+    unless COMFYUI_DIR / COMFYUI_VENV already name one or WAN_ACCEL_E2E=0. Done here, before any test module reads
+    the variables at import."""
+    import os
+
+    if os.environ.get("WAN_ACCEL_E2E") == "0":
+        for name in ("COMFYUI_DIR", "COMFYUI_VENV"):
+            os.environ.pop(name, None)
+        return
+    home = Path(os.environ.get("WAN_ACCEL_E2E_HOME")
+                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wan-accel-e2e")
+    if os.environ.get("COMFYUI_DIR") or not (home / "ready").is_file():
+        return
+    os.environ["COMFYUI_DIR"] = str(home / "ComfyUI")
+    os.environ["COMFYUI_VENV"] = str(home / "venv")
+    frontends = sorted(str(p) for p in home.glob("frontend-*/comfyui_frontend_package/static") if p.is_dir())
+    if frontends and "WAN_ACCEL_E2E_FRONTENDS" not in os.environ:
+        os.environ["WAN_ACCEL_E2E_FRONTENDS"] = os.pathsep.join(frontends)
+
+
+_real_comfyui_defaults()
+
+
 @pytest.fixture(autouse=True)
 def _isolated_limit_cache(tmp_path, monkeypatch):
     path = tmp_path / "wan_accel_cache" / "limits.json"
