@@ -112,6 +112,8 @@ def test_registry_metadata():
     assert re.fullmatch(r"[A-Za-z](?:[A-Za-z0-9]|[-_.](?![-_.]))*", name) and len(name) < 100, name
     assert re.fullmatch(r"[a-z0-9-]+", comfy["PublisherId"]) and comfy["DisplayName"]
     assert re.fullmatch(r"(>=|==|~=)\d+\.\d+\.\d+", comfy["requires-comfyui"])
+    install = (REPO / "README.md").read_text().split("## Install into ComfyUI", 1)[1].split("\n## ", 1)[0]
+    assert f"git clone {repo}\n" in install, "the README's clone command must name [project.urls] Repository"
     raw = f"https://raw.githubusercontent.com/{m[1]}/{m[2]}/main/"
     assert comfy["Icon"].startswith(raw), f"Icon must be the raw address of a file of {repo}"
     icon = comfy["Icon"][len(raw):]
