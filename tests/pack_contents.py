@@ -27,6 +27,8 @@ COMFYUI_REQUIREMENTS = {
     "aiohttp", "yarl", "pyyaml", "pillow", "scipy", "tqdm", "psutil", "alembic", "sqlalchemy", "filelock", "av",
     "comfy-kitchen", "comfy-aimdo", "requests", "simpleeval", "blake3", "kornia", "spandrel", "pydantic",
     "pydantic-settings", "pyopengl", "comfy-angle"}
+# what torch's Linux CUDA wheels install with it (the pack detects it at run time and runs without it)
+WITH_TORCH = {"triton"}
 # ComfyUI's own modules (imported only inside ComfyUI, by nodes/)
 COMFYUI_MODULES = {"comfy", "comfy_extras", "comfy_api", "comfy_execution", "folder_paths", "server",
                    "comfyui_version", "nodes", "execution", "node_helpers", "latent_preview"}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from pack_contents import (COMFYUI_MODULES, COMFYUI_REQUIREMENTS, REPO, _git, distribution, pack_files,
+from pack_contents import (COMFYUI_MODULES, COMFYUI_REQUIREMENTS, REPO, WITH_TORCH, _git, distribution, pack_files,
                            runtime_files, third_party_imports)
 from test_package import _load_as
 
@@ -89,10 +89,12 @@ def test_requirements_txt_adds_only_what_comfyui_lacks_and_agrees_with_pyproject
 
 
 def test_every_import_of_the_pack_is_satisfied_inside_comfyui():
-    """An import must come from ComfyUI itself, its requirements, requirements.txt, an extra the docs name
-    (optional), or sit in a try/except ImportError (the pack runs without it)."""
-    provided = COMFYUI_REQUIREMENTS | {distribution(Requirement(line).name) for line in _requirements() if line.strip()}
-    extras = {distribution(Requirement(d).name) for ds in META["project"]["optional-dependencies"].values() for d in ds}
+    """An import must come from ComfyUI itself, its requirements, requirements.txt, torch, an optional extra the
+    docs name, or sit in a try/except ImportError (the pack runs without it)."""
+    provided = COMFYUI_REQUIREMENTS | WITH_TORCH | {distribution(Requirement(line).name) for line in _requirements()
+                                                    if line.strip()}
+    extras = {distribution(Requirement(d).name) for extra, ds in META["project"]["optional-dependencies"].items()
+              if extra != "test" for d in ds}
     unmet = {}
     for module, sites in third_party_imports().items():
         dist = distribution(module)
