@@ -35,7 +35,7 @@ COMFYUI_MODULES = {"comfy", "comfy_extras", "comfy_api", "comfy_execution", "fol
 IMPORT_NAMES = {"PIL": "pillow", "yaml": "pyyaml", "flash_attn": "flash-attn"}   # import name -> distribution
 
 
-def _git(*args: str, repo: Path = REPO) -> list[str]:
+def git_lines(*args: str, repo: Path = REPO) -> list[str]:
     try:
         out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
@@ -46,11 +46,11 @@ def _git(*args: str, repo: Path = REPO) -> list[str]:
 
 
 def tracked_files(repo: Path = REPO) -> list[str]:
-    return _git("ls-files", repo=repo)
+    return git_lines("ls-files", repo=repo)
 
 
 def pack_files(repo: Path = REPO) -> list[str]:
-    ignored = set(_git("ls-files", "--cached", "--ignored", "--exclude-from=.comfyignore", repo=repo)) \
+    ignored = set(git_lines("ls-files", "--cached", "--ignored", "--exclude-from=.comfyignore", repo=repo)) \
         if (repo / ".comfyignore").is_file() else set()
     return [f for f in tracked_files(repo) if f not in ignored]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from pack_contents import (COMFYUI_MODULES, COMFYUI_REQUIREMENTS, REPO, WITH_TORCH, _git, distribution, pack_files,
-                           runtime_files, third_party_imports)
+from pack_contents import (COMFYUI_MODULES, COMFYUI_REQUIREMENTS, REPO, WITH_TORCH, distribution, git_lines,
+                           pack_files, runtime_files, third_party_imports)
 from test_package import _load_as
 
 ZIP_LIMIT = 2_000_000
@@ -119,7 +119,7 @@ def test_registry_metadata():
     raw = f"https://raw.githubusercontent.com/{m[1]}/{m[2]}/main/"
     assert comfy["Icon"].startswith(raw), f"Icon must be the raw address of a file of {repo}"
     icon = comfy["Icon"][len(raw):]
-    assert icon in _git("ls-files"), f"the icon {icon} is not in the repository"
+    assert icon in git_lines("ls-files"), f"the icon {icon} is not in the repository"
     from PIL import Image
     with Image.open(REPO / icon) as img:       # the registry's limits: SVG, PNG, JPG or GIF, at most 800 x 400
         assert img.format in ("PNG", "JPEG", "GIF") and img.width <= 800 and img.height <= 400
@@ -129,7 +129,7 @@ def test_registry_metadata():
 def _scanned_sources() -> list[str]:
     # what `ruff check .` reads in `comfy node validate`: every .py file but the git-ignored ones, .comfyignore or
     # not (tracked and untracked)
-    return _git("ls-files", "--cached", "--others", "--exclude-standard", "*.py")
+    return git_lines("ls-files", "--cached", "--others", "--exclude-standard", "*.py")
 
 
 def test_no_exec_eval_or_two_statements_on_a_line():
