@@ -76,7 +76,8 @@ def _guarded(tree: ast.AST) -> set[int]:
         if isinstance(node, ast.Try) and any(
                 h.type is None or {n.id for n in ast.walk(h.type) if isinstance(n, ast.Name)}
                 & {"ImportError", "ModuleNotFoundError", "Exception"} for h in node.handlers):
-            lines |= {n.lineno for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+            lines |= {n.lineno for stmt in node.body for n in ast.walk(stmt)
+                      if isinstance(n, (ast.Import, ast.ImportFrom))}
     return lines
 
 
