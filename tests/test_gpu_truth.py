@@ -223,13 +223,15 @@ def test_a_crashing_or_hanging_stage_fails_alone(tmp_path, monkeypatch):
     assert by["doctor"]["status"] == "passed" and not result["passed"]
 
 
-def test_a_modules_run_time_state_is_not_part_of_its_code_digest():
+def test_a_modules_run_time_state_is_not_part_of_its_code_digest(tmp_path):
     """Verdicts hold for the code they judged: a memo filled in by running (the interpreter check's state) must not
     make a verdict look stale, or every run in a long-lived process probes again."""
-    import types
+    import importlib.util
     from wan_accel.kernels._common import code_digest
-    mod = types.ModuleType("fake_kernels")
-    exec("LIMIT = 3\n_STATE = {}\ndef f(x):\n    return x + LIMIT\n", mod.__dict__)
+    (tmp_path / "fake_kernels.py").write_text("LIMIT = 3\n_STATE = {}\n\n\ndef f(x):\n    return x + LIMIT\n")
+    spec = importlib.util.spec_from_file_location("fake_kernels", tmp_path / "fake_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     before = code_digest(mod)
     mod._STATE["usable"] = True                     # filled in at run time
     assert code_digest(mod) == before

@@ -155,3 +155,20 @@ def test_readme_nodes_at_a_glance_names_every_node_in_its_category():
         name = NODE_DISPLAY_NAME_MAPPINGS[key]
         assert cls.CATEGORY in rows and name in rows[cls.CATEGORY].split(" | ")[1].split(", "), \
             f"the README's Nodes at a glance should list {name} under `{cls.CATEGORY}`"
+
+
+def test_a_built_wheel_carries_every_file_the_pack_runs(tmp_path):
+    """A non-editable install (``pip install .``, a wheel) from a clone: every module, web file and workflow
+    (with its API copy and thumbnail) is inside the wheel under ``wan_accel/``."""
+    import zipfile
+    from pack_contents import copy_files, runtime_files, tracked_files
+
+    src = copy_files(tracked_files(), tmp_path / "src")
+    out = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                          "print(b.build_wheel(sys.argv[1]))", str(tmp_path / "dist")], cwd=src, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with zipfile.ZipFile(tmp_path / "dist" / out.stdout.split()[-1]) as wheel:
+        members = set(wheel.namelist())
+    missing = sorted(f for f in runtime_files() if f"wan_accel/{f}" not in members)
+    assert not missing, f"the wheel lacks (add to [tool.setuptools] packages or package-data): {missing[:10]}"

@@ -60,8 +60,9 @@ def http(url: str, body=None, timeout: float = 60):
         return status, raw.decode("utf-8", "replace")
 
 
-def comfy_server(tmp_path_factory, extra_args=()):
-    """Start ComfyUI (generator: yields the url, the work folder and the log; stops it after); extra_args go to main.py."""
+def comfy_server(tmp_path_factory, extra_args=(), extra_env=None):
+    """Start ComfyUI (generator: yields the url, the work folder and the log; stops it after); extra_args go to main.py,
+    extra_env to its environment."""
     comfy_dir = Path(COMFY_DIR)
     assert (comfy_dir / "main.py").is_file(), f"COMFYUI_DIR={comfy_dir} has no main.py"
     assert _python().is_file(), f"COMFYUI_VENV={COMFY_VENV} has no bin/python"
@@ -91,6 +92,7 @@ def comfy_server(tmp_path_factory, extra_args=()):
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, WAN_ACCEL_CACHE=str(work / "wan_accel" / "limits.json"))
     env.pop("PYTHONPATH", None)
+    env.update(extra_env or {})
     log_path = work / "comfy.log"
     cmd = [str(_python()), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
            "--disable-auto-launch", "--output-directory", str(work / "output"), "--input-directory",
