@@ -6,10 +6,12 @@ runs or a command is called. Loaded by ComfyUI from ``custom_nodes/<any folder n
 """
 __version__ = "0.1.0"
 
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
-
 WEB_DIRECTORY = "./web"
 
-from .server_routes import register_routes as _register_routes  # noqa: E402,F401  (web panel routes; no-op outside ComfyUI)
+# Run as a lone file outside any package (pytest's importlib mode does so with a checkout whose folder name is no
+# Python name, e.g. a clone in "comfyui-wan-accel"): nothing to register, and no relative import to fail.
+if __package__:
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+    from .server_routes import register_routes as _register_routes  # noqa: E402,F401  (web panel routes; no-op outside ComfyUI)
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY", "__version__"]

@@ -172,3 +172,20 @@ def test_a_built_wheel_carries_every_file_the_pack_runs(tmp_path):
         members = set(wheel.namelist())
     missing = sorted(f for f in runtime_files() if f"wan_accel/{f}" not in members)
     assert not missing, f"the wheel lacks (add to [tool.setuptools] packages or package-data): {missing[:10]}"
+
+
+def test_the_suite_runs_in_a_clone_whose_folder_name_is_no_python_name(tmp_path):
+    """``git clone`` names the folder ``comfyui-wan-accel``, which no Python module can be called: pytest's importlib
+    mode then runs the package's ``__init__.py`` as a lone file while setting up the tests, and it must not fail
+    there (every test of such a clone would error)."""
+    from pack_contents import copy_files, runtime_files
+
+    clone = copy_files(runtime_files() + ["pyproject.toml", "tests/conftest.py", "tests/test_cache_store.py"],
+                       tmp_path / "comfyui-wan-accel")
+    path = tmp_path / "path"
+    path.mkdir()
+    (path / "wan_accel").symlink_to(clone, target_is_directory=True)      # `import wan_accel` finds the clone
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/test_cache_store.py::test_round_trip_and_api"], cwd=clone,
+                         env=dict(os.environ, PYTHONPATH=str(path)), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
