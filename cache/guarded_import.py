@@ -55,7 +55,14 @@ def guarded_import(module: str, package: str | None = None):
         if absent:
             raise ImportProblem(exc.name, False, _one_line(exc)) from None
         sys.modules.pop(name, None)          # a half-run module is not left behind as if it had imported
-        raise ImportProblem(name, True, _one_line(exc)) from None
+        raise ImportProblem(_failed_part(name), True, _one_line(exc)) from None
+
+
+def _failed_part(name: str) -> str:
+    """The package of ``name`` whose import failed: the first of ``a``, ``a.b``, ``a.b.c`` that is not imported
+    (Python imports the parents first and drops a module that raised)."""
+    parts = name.split(".")
+    return next((p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p not in sys.modules), name)
 
 
 def try_import(module: str, package: str | None = None) -> tuple:
