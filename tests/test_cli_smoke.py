@@ -260,12 +260,19 @@ def run_cli(args: list, tmp: Path, timeout: float = CASE_TIMEOUT_S):
 SLOW_FIRST = ("bench compile", "selftest", "bench kernels", "profile", "bench sampler --world-size")
 
 
+def _selected(session) -> set:
+    """The cases this session runs (``-k`` or a node id may pick a few): only those are started."""
+    return {item.callspec.params["case"] for item in session.items
+            if item.name.startswith("test_command_runs[") and hasattr(item, "callspec")}
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Every case started at once, a few processes at a time (each is one new interpreter: most of a case is its
-    start-up, which a second core overlaps), each in its own folder with its own limit cache:
+def launched(tmp_path_factory, request):
+    """Every selected case started at once, a few processes at a time (each is one new interpreter: most of a case is
+    its start-up, which a second core overlaps), each in its own folder with its own limit cache:
     {case: (folder, future of the finished process)}."""
-    order = [c for c in SLOW_FIRST if c in CASES] + sorted(c for c in CASES if c not in SLOW_FIRST)
+    chosen = _selected(request.session) or set(CASES)
+    order = [c for c in SLOW_FIRST if c in chosen] + sorted(c for c in chosen if c not in SLOW_FIRST)
     workers = max(2, min(4, (os.cpu_count() or 1) + 1))
     started = {}
     with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -301,12 +301,9 @@ def test_convert_never_writes_over_its_input(tmp_path):
 
 
 def test_a_krea_config_without_its_fixture_key_is_named(tmp_path):
-    (tmp_path / "wan_reference").mkdir()
-    shutil.copy(FIXTURES / "wan_reference" / "causal_weights.safetensors", tmp_path / "wan_reference")
-    folder = tmp_path / "krea_realtime"
-    folder.mkdir()
-    shutil.copy(FIXTURES / "krea_realtime" / "krea_io.safetensors", folder)
-    cfg = json.loads((FIXTURES / "krea_realtime" / "krea_config.json").read_text())
+    from test_hard_edges_round4 import _krea_copy
+    folder = _krea_copy(tmp_path)
+    cfg = json.loads((folder / "krea_config.json").read_text())
     del cfg["fixture"]
     (folder / "krea_config.json").write_text(json.dumps(cfg))
     refused(run_cli("check-reference", folder), "krea_config.json: no 'fixture' key", "incomplete")
