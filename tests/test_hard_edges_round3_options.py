@@ -309,8 +309,8 @@ def test_a_killed_writer_leaves_no_temporary_behind_for_good(tmp_path, capsys):
     # a live writer holds the lock of its temporary (cache/owned_files.py: new_temporary); one in another pid
     # namespace too, where the pid in the name is not one this process can see
     holder = ("import fcntl, os, sys, time\nfor p in sys.argv[1:]:\n    fd = os.open(p, os.O_RDWR | os.O_CREAT)\n"
-              "    fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(30)\n")
-    pid_of = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+              "    fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(600)\n")
+    pid_of = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])   # killed below
     left = out / f".report.json.wan_accel-{pid_of.pid}-abc123xy.tmp.json"
     left.write_text("{half")
     old = out / ".latents.safetensors.wan_accel-999999999-zz.tmp.safetensors"   # a pid no process has
