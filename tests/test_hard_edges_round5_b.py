@@ -241,6 +241,19 @@ def test_a_comfyui_module_that_exits_under_bench_native_is_a_skip_naming_it(tmp_
     assert "comfy.cli_args is installed but does not import" in data["detail"] and "sys.exit(0)" in data["detail"]
 
 
+def test_a_broken_matplotlib_is_named_never_told_to_install(tmp_path, monkeypatch):
+    from wan_accel.profiling.history_view import PlotUnavailable, plot_history
+    (tmp_path / "mods" / "matplotlib").mkdir(parents=True)
+    (tmp_path / "mods" / "matplotlib" / "__init__.py").write_text("import sys\nsys.exit(4)\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(PlotUnavailable) as info:
+        plot_history([{"kind": "generate"}], tmp_path / "x.png")
+    assert "matplotlib is installed but does not import (SystemExit" in str(info.value)
+    assert "pip install" not in str(info.value) and not (tmp_path / "x.png").exists()
+
+
 def test_the_guarded_import_lets_ctrl_c_through_and_keeps_no_half_module(tmp_path, monkeypatch):
     from wan_accel.cache.guarded_import import ImportProblem, guarded_import, try_import
     monkeypatch.syspath_prepend(str(_modules(tmp_path / "mods", r5_interrupts="raise KeyboardInterrupt\n",
