@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from ..app.validate import (UsageError, check_device, check_fits, check_float, check_geometry, check_input_file,
                             check_int, check_output_dir, check_schedule_args, check_steps, check_text,
@@ -427,7 +426,7 @@ def check_not_input(dst, src) -> None:
         pass
     if same:
         raise UsageError(f"DST {dst} is the input SRC {src} (the same file); the converter never writes over its "
-                         f"input: choose another DST, e.g. {Path(str(src)).stem}_comfy.safetensors")
+                         f"input: choose another DST, a new .safetensors file")
 
 
 def _convert(args) -> int:
