@@ -310,6 +310,10 @@ def stop_group(proc, grace: float = STOP_GRACE_S) -> None:
     """End a stage and every process it started: SIGTERM to its process group (each stage runs in a new session,
     so the group is the stage's own), SIGKILL to what is left after ``grace`` seconds."""
     import signal
+    if not hasattr(os, "killpg"):        # no process groups here (Windows): the stage alone
+        proc.kill()
+        proc.wait()
+        return
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
         try:
             os.killpg(proc.pid, sig)
