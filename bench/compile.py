@@ -23,6 +23,22 @@ CHILD_MARK = "WAN_ACCEL_BENCH_RESULT "
 
 
 # ----------------------------------------------------------------------------- the workload
+STANDIN_HEADS = 2                  # attention heads of the stand-in's blocks: its width is split among them
+MAX_STANDIN_DIM = 8192
+
+
+def check_standin_dim(dim: int) -> int:
+    """``--dim`` of the stand-in model: a multiple of its STANDIN_HEADS heads, up to MAX_STANDIN_DIM; else
+    UsageError saying which values work."""
+    from ..app.validate import UsageError, check_int
+    dim = check_int("--dim", dim, STANDIN_HEADS, MAX_STANDIN_DIM)
+    if dim % STANDIN_HEADS:
+        raise UsageError(f"--dim {dim}: the stand-in model splits its width among {STANDIN_HEADS} attention heads, "
+                         f"so --dim must be a multiple of {STANDIN_HEADS} from {STANDIN_HEADS} to {MAX_STANDIN_DIM} "
+                         f"(e.g. {dim - 1} or {dim + 1})")
+    return dim
+
+
 def tiny_workload(device: str = "cpu", blocks: int = 2, dim: int = 32, tokens: int = 16, seed: int = 0):
     """(model, run) for the benchmark: ``run(model)`` performs one forward.
 
@@ -34,7 +50,7 @@ def tiny_workload(device: str = "cpu", blocks: int = 2, dim: int = 32, tokens: i
     from ..kernels import gated_residual, layernorm_modulate
 
     class Block(torch.nn.Module):
-        def __init__(self, d: int, heads: int = 2):
+        def __init__(self, d: int, heads: int = STANDIN_HEADS):
             super().__init__()
             self.heads = heads
             self.modulation = torch.nn.Parameter(torch.randn(1, 4, d) / d ** 0.5)
@@ -196,6 +212,7 @@ def run(args) -> int:
                          f"standin, or leave {'it' if len(given) == 1 else 'them'} out")
     args.blocks = 2 if args.blocks is None else args.blocks
     args.dim = 32 if args.dim is None else args.dim
+    check_standin_dim(args.dim)          # before any child starts: its compiler would only say a shape is invalid
     colds, warms = [], []
     from ..app.progress import Progress
     progress, n = Progress("bench compile"), max(1, args.repeat)

@@ -34,11 +34,40 @@ from .options import fidelity as add_arguments  # noqa: E402,F401  (defined with
 
 def _fixture(directory: Path):
     """(kind, config dict) of a fixture folder: 'wan' (causal_config.json) or 'matrix-game2' (mg2_config.json)."""
-    for name, kind in (("causal_config.json", "wan"), ("mg2_config.json", "matrix-game2")):
+    for kind, name in CONFIG_FILES.items():
         if (directory / name).is_file():
             return kind, _read_config(directory / name)
     raise UsageError(f"--fixture {directory}: no causal_config.json or mg2_config.json there; give a folder of "
                      f"a recorded causal fixture (tests/fixtures/wan_reference or tests/fixtures/matrix_game2)")
+
+
+CONFIG_FILES = {"wan": "causal_config.json", "matrix-game2": "mg2_config.json"}
+RUNS_HELD = 2                   # the exact run's model and the other one's may both be alive at once
+
+
+def check_fixture_fits(directory: Path, kind: str, cfg: dict, device) -> None:
+    """Refuse a fixture whose config describes a model that cannot fit before anything is built: its float32
+    weights (``memory.weights.config_parameters``, arithmetic on the config's sizes) for the two runs against the
+    device's memory, naming the config file and its largest size field. A config whose sizes are not numbers is
+    left to the loader, which names what is wrong with it."""
+    from ..app.validate import device_memory
+    from ..memory.system import gib
+    from ..memory.weights import config_parameters, largest_size_field
+    model = cfg.get("config")
+    if not isinstance(model, dict):
+        return
+    model = dict(model, **({"clip_dim": cfg["clip_dim"]} if "clip_dim" in cfg else {}))
+    try:
+        need = RUNS_HELD * 4 * config_parameters(model)
+    except (TypeError, ValueError, OverflowError):
+        return
+    budget, where = device_memory(device)
+    if need > budget:
+        field = largest_size_field(model)
+        raise UsageError(f"--fixture {directory}: {CONFIG_FILES[kind]} describes a model of about {gib(need)} of "
+                         f"float32 weights for its two runs (config.{field} is {model.get(field)}), but {where}; "
+                         f"nothing was built: check config.{field} in {CONFIG_FILES[kind]}, or record the fixture "
+                         f"again")
 
 
 def _refuse_constant(name: str):
@@ -126,6 +155,7 @@ def measure(directory, attention: str = "int8", device="cpu", linear: str = "exa
     mean_abs}]}; ``progress(text)`` is told of each run as it starts."""
     directory = Path(directory)
     kind, cfg = _fixture(directory)
+    check_fixture_fits(directory, kind, cfg, device)
     tell = progress or (lambda _text: None)
     rows = []
     for path in paths_for(linear):

@@ -439,6 +439,10 @@ def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
 
 # (label, B, L, D, heads) of the side-by-side rows on a CPU: Wan 1.3B's head layout, a few frames' worth of tokens
 CPU_CANDIDATE_SHAPES = (("1.3B heads", 1, 96, 1536, 12),)
+# where this process itself runs Triton's interpreter (TRITON_INTERPRET=1), its kernels are candidates on the CPU
+# at seconds a call: the side-by-side rows then check them on small shapes (times mean nothing there)
+INTERPRETED_CANDIDATE_SHAPES = (("interpreted", 1, 24, 40, 2),)
+VAE_INTERPRETED_SHAPE = ("37ch 3f 5x7 interpreted", 37, 3, 5, 7)
 
 
 def candidate_rows(device: str, dtype_name: str, frames: int, shapes=None) -> list[dict]:
@@ -494,10 +498,12 @@ def run(args) -> int:
     if not torch.cuda.is_available() or triton_module() is None:
         progress("no CUDA GPU with triton: the interpreter sanity pass (a process of its own)")
         rows = sanity_pass()
-        progress("the candidates of every fused op on the CPU")
-        cands = candidate_rows("cpu", "float32", args.frames)
+        from ..kernels._common import interpret_enabled
+        interpreted = interpret_enabled()          # Triton's kernels interpreted here too: small shapes
+        progress("the candidates of every fused op on the CPU" + (" (interpreted: small shapes)" if interpreted else ""))
+        cands = candidate_rows("cpu", "float32", args.frames, INTERPRETED_CANDIDATE_SHAPES if interpreted else None)
         progress("the VAE norm + SiLU against the torch layers")
-        vae = vae_rows("cpu", "float32")
+        vae = vae_rows("cpu", "float32", VAE_INTERPRETED_SHAPE if interpreted else None)
         ok = all(r.get("ok", True) for r in rows + cands + vae)
         if args.json:
             print(json.dumps({"gpu": False, "message": "kernel benchmarks need a CUDA GPU",

@@ -159,6 +159,47 @@ _TMP_NAME = re.compile(r"^\..+\.wan_accel-(\d+)-[A-Za-z0-9_]+\.tmp")
 STALE_TMP_SECONDS = 24 * 3600      # a temporary this old is stale even if its pid now names another process
 QUIET_TMP_SECONDS = 60             # ... and one of a gone process is removed once untouched this long (a writer
                                    # in another pid namespace keeps its file's mtime fresh while it writes)
+LOCK_GRACE_SECONDS = 2.0           # a writer takes its temporary's lock this soon after making it
+_HELD: dict = {}                   # temporary path -> the descriptor holding its lock while this process writes it
+
+
+def _hold(tmp: str, fd: int) -> None:
+    """Keep ``fd`` open with an exclusive ``flock`` on the temporary ``tmp`` for as long as this process writes it:
+    the lock (kept by the kernel, in every pid namespace, dropped when the process dies however it dies) is how a
+    later run tells a live writer from a killed one. Where locks are not supported the descriptor is closed."""
+    try:
+        import fcntl
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (ImportError, OSError):
+        os.close(fd)
+        return
+    _HELD[tmp] = fd
+
+
+def release(tmp: str) -> None:
+    """The temporary ``tmp`` was renamed or removed: its lock is let go."""
+    fd = _HELD.pop(str(tmp), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _writer_alive(path: str) -> bool | None:
+    """Whether a process holds the lock of the temporary ``path`` (True), none does (False: its writer ended, or
+    was killed), or this cannot be told here (None: no locks on this system or file system)."""
+    try:
+        import fcntl
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+    except (ImportError, OSError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -173,9 +214,10 @@ def _pid_alive(pid: int) -> bool:
 
 def stale_temporaries(folder) -> list:
     """Temporary files of this writer left in ``folder`` by a process that was killed while writing: regular files
-    of this user named ``.<name>.wan_accel-<pid>-<random>.tmp...`` whose process is gone and that nothing wrote for
-    a minute (or that are a day old).
-    Nothing else matches: a user's file is never among them."""
+    of this user named ``.<name>.wan_accel-<pid>-<random>.tmp...`` whose lock no process holds (every writer locks
+    its temporary while it exists: :func:`new_temporary`) and whose pid is gone, or that nothing wrote for a
+    minute; where locks cannot be asked, those whose process is gone and that nothing wrote for a minute; and any
+    a day old. Nothing else matches: a user's file is never among them."""
     found, now = [], time.time()
     try:
         entries = list(os.scandir(folder))
@@ -192,7 +234,16 @@ def stale_temporaries(folder) -> list:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             continue
         age = now - st.st_mtime
-        if (age > QUIET_TMP_SECONDS and not _pid_alive(int(m.group(1)))) or age > STALE_TMP_SECONDS:
+        if age > STALE_TMP_SECONDS:
+            found.append(Path(entry.path))
+            continue
+        alive = _writer_alive(entry.path) if age > LOCK_GRACE_SECONDS else True
+        gone = not _pid_alive(int(m.group(1)))
+        if alive is None:
+            stale = gone and age > QUIET_TMP_SECONDS
+        else:                        # unlocked: its writer ended; a live pid is another process that took its number
+            stale = not alive and (gone or age > QUIET_TMP_SECONDS)
+        if stale:
             found.append(Path(entry.path))
     return found
 
@@ -245,6 +296,8 @@ def replace_file(path: Path, write: Callable[[str], object], *, durable: bool = 
         except OSError:
             pass
         raise
+    finally:
+        release(tmp)
     if durable:
         _fsync_folder(p.parent)
     return p
@@ -254,13 +307,14 @@ def new_temporary(path, suffix: str | None = None) -> str:
     """A new empty temporary file beside ``path`` (its folder made), named as this writer's own
     (``.<name>.wan_accel-<pid>-*<suffix>``, by default ``.tmp`` plus the target's extension), after removing the
     temporaries a killed process left there. A file filled over a long time (a video written as its frames are
-    decoded) is filled here and handed to :func:`write_with` at the end (``os.replace`` onto its temporary)."""
+    decoded) is filled here and handed to :func:`write_with` at the end (``os.replace`` onto its temporary).
+    The temporary stays locked (:func:`_hold`) until :func:`release`, so a later run knows it is being written."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(p.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.{TMP_MARK}-{os.getpid()}-",
                                suffix=f".tmp{p.suffix}" if suffix is None else suffix, dir=str(p.parent))
-    os.close(fd)
+    _hold(tmp, fd)
     return tmp
 
 

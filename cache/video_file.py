@@ -19,18 +19,18 @@ import struct
 import weakref
 from pathlib import Path
 
-from .owned_files import check_target, new_temporary, write_with
+from .owned_files import check_target, new_temporary, release, write_with
 
 FPS = 16                             # Wan 2.1's frame rate
 WEBP_QUALITY = 90
 
 
 def have_av() -> bool:
-    try:
-        import av  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    """Whether a real PyAV imports here: its module has a version string (an import stand-in, such as the one
+    ``tools/comfy_stubs`` puts on the path for ComfyUI's imports, has none), whatever it does while imported."""
+    from .guarded_import import try_import
+    av, _ = try_import("av")
+    return av is not None and isinstance(getattr(av, "__version__", None), str) and callable(getattr(av, "open", None))
 
 
 def video_format_for(wanted: str = "mp4") -> str:
@@ -122,6 +122,7 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+    release(path)
 
 
 class VideoFile:
@@ -166,7 +167,10 @@ class VideoFile:
             self.discard()
             raise ValueError(f"{self.path}: no frames were decoded, so no video was written")
         self.encoder.close()
-        write_with(self.path, lambda tmp: os.replace(self.tmp, tmp), option=self.option, purpose=self.purpose)
+        try:
+            write_with(self.path, lambda tmp: os.replace(self.tmp, tmp), option=self.option, purpose=self.purpose)
+        finally:
+            release(self.tmp)         # renamed (or removed on failure by the finalizer, which releases it too)
         self.closed = True
         self._cleanup.detach()
         return self.path

@@ -22,8 +22,10 @@ SamplerARVideo, the Wan Accel AR Sampler and the pack's own path on the same fil
 read from the bench stages' output and written beside the table (``--goals``: only the stages they are read from).
 
 ``--out``, the files written there and ``--require-gpu`` are checked before the first stage (``check_outputs``,
-``check_gpu``). selftest.json and selftest.md are written again after every finished stage, so a run stopped
-half-way leaves the table of what it finished (``finished`` false, ``not_run`` the stages left). Progress goes to
+``check_gpu``). selftest.json and selftest.md say "unfinished" before the first stage and are written again after
+every finished stage, so a run stopped half-way leaves the table of what it finished (``finished`` false,
+``not_run`` the stages left), never an earlier run's. Each stage runs in its own process group: a stop (Ctrl-C,
+SIGTERM, SIGHUP, a time-out) ends the stage and whatever it started, and the work folder is removed. Progress goes to
 ``log`` (the command line: stderr), with a line every HEARTBEAT_S while a stage runs.
 """
 from __future__ import annotations
@@ -291,14 +293,41 @@ def _communicate(proc, timeout: float, log, name: str) -> tuple:
             return proc.communicate(timeout=max(0.01, min(left, HEARTBEAT_S)))
         except subprocess.TimeoutExpired:
             if time.perf_counter() - t0 >= timeout:
-                proc.kill()
+                stop_group(proc)
                 proc.communicate()
                 raise
             if log is not None:
                 log(f"    {name}: still running, {time.perf_counter() - t0:.0f} s of at most {timeout:.0f} s")
-        except BaseException:            # Ctrl-C: the stage ends with the self-test (as subprocess.run does)
-            proc.kill()
+        except BaseException:            # Ctrl-C, SIGTERM: the stage and what it started end with the self-test
+            stop_group(proc)
             raise
+
+
+STOP_GRACE_S = 5.0         # a stage asked to stop (SIGTERM) has this long before it is killed
+
+
+def stop_group(proc, grace: float = STOP_GRACE_S) -> None:
+    """End a stage and every process it started: SIGTERM to its process group (each stage runs in a new session,
+    so the group is the stage's own), SIGKILL to what is left after ``grace`` seconds."""
+    import signal
+    if not hasattr(os, "killpg"):        # no process groups here (Windows): the stage alone
+        proc.kill()
+        proc.wait()
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        try:                             # the stage ended: its children too, before its work folder goes
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return
 
 
 def run_stage(stage: Stage, ctx: Context, log=None) -> dict:
@@ -316,7 +345,7 @@ def run_stage(stage: Stage, ctx: Context, log=None) -> dict:
     t0 = time.perf_counter()
     try:
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(ctx),
-                              cwd=str(ctx.work)) as child:
+                              cwd=str(ctx.work), start_new_session=True) as child:     # its own process group
             stdout, stderr = _communicate(child, timeout, log, stage.name)
             proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     except subprocess.TimeoutExpired:
@@ -473,17 +502,65 @@ def _write(out: Path, result: dict) -> dict:
     return dict(result, files={"json": str(out / "selftest.json"), "markdown": str(out / "selftest.md")})
 
 
-def run_selftest(out: Path, *, require_gpu: bool = False, quick: bool = False, stages: list | None = None,
+class Stopped(KeyboardInterrupt):
+    """The self-test was asked to stop by a signal (SIGTERM, SIGHUP): ``signum``; it stops as on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class stop_on_signals:
+    """Context manager: SIGTERM and SIGHUP raise :class:`Stopped` in the main thread while the self-test runs, so
+    the running stage's process group is stopped and the work folder removed on the way out (the signals' own
+    handlers come back afterwards; outside the main thread nothing is changed)."""
+
+    def __enter__(self):
+        import signal
+        import threading
+        self.saved = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+                if sig is not None:
+                    self.saved[sig] = signal.signal(sig, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise Stopped(signum)
+
+    def __exit__(self, *exc):
+        import signal
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def _clear_previous(out: Path) -> None:
+    """What an earlier run left in ``out`` that this one replaces: the stage logs of the pack's own names (nothing
+    else in the folder is touched), so this run's table never points at an earlier run's output."""
+    for stage in STAGES:
+        path = out / "stages" / stage_file(stage.name)
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+
+
+def run_selftest(out, *, require_gpu: bool = False, quick: bool = False, stages: list | None = None,
                  log=print, only_goals: bool = False) -> dict:
-    """Run the chosen stages; selftest.json and selftest.md are written after every finished stage (a run stopped
-    half-way leaves the table of the stages it finished). ``--out`` and ``--require-gpu`` are checked first."""
+    """Run the chosen stages; selftest.json and selftest.md say "unfinished" before the first stage (never an
+    earlier run's verdict) and are written again after every finished stage (a run stopped half-way leaves the
+    table of the stages it finished). ``--out`` and ``--require-gpu`` are checked first. SIGTERM or SIGHUP stop
+    it as Ctrl-C does (:class:`Stopped`): the running stage and every process it started end, its work folder
+    goes."""
     out = check_outputs(out)
     gpu = check_gpu(require_gpu)
     wanted = set(stages or ()) | (set(goals.STAGES) if only_goals else set())
     chosen = STAGES if not wanted else [s for s in STAGES if s.name in wanted]
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
-    with tempfile.TemporaryDirectory(prefix="wan_accel_selftest_") as work:
+    _write(out, _result([], chosen, gpu, info, []))       # unfinished from the start: an earlier verdict is gone
+    _clear_previous(out)
+    with stop_on_signals(), tempfile.TemporaryDirectory(prefix="wan_accel_selftest_") as work:
         ctx = Context(out=out, work=Path(work), gpu=gpu, device="cuda" if gpu else "cpu", quick=quick)
         rows = []
         for i, stage in enumerate(chosen):

@@ -117,7 +117,7 @@ def _run_job(args, log, parallel=None):
                       precision=args.precision, attention=args.attention, actions=args.actions,
                       frames=latent_frames(args.frames) if args.frames is not None else None, steps=args.steps,
                       shift=args.shift, num_heads=args.num_heads,
-                      skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview)
+                      skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview, out_option="--out")
         options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels, "ops": args.ops,
                    "linear": args.linear, "keep_slower": args.keep_slower}
         with sampler_path(args.sampler, options):       # the prepare step applies the run rules (fp8 linear)
@@ -135,7 +135,7 @@ def _run_job(args, log, parallel=None):
         ops=args.ops, lora=args.lora, lora_strength=1.0 if args.lora_strength is None else args.lora_strength,
         compile=args.compile, prompt_schedule=getattr(args, "prompt_schedule_text", None),
         recache=args.recache or "switch", keep_slower=args.keep_slower, linear=args.linear,
-        decode=args.decode, vae=args.vae)
+        decode=args.decode, vae=args.vae, out_option="--out")
     return run_generate(opts, log=log, parallel=parallel)
 
 
@@ -408,10 +408,25 @@ def _convert_lora(args) -> int:
     if dst.suffix.lower() != ".safetensors":
         raise UsageError(f"DST {dst} must end in .safetensors")
     check_output_dir("DST's folder", dst.parent if str(dst.parent) else ".")
+    check_not_input(dst, args.src)
     check_target(dst, option="DST", purpose="the converted LoRA")
     alpha = None if args.alpha is None else check_float("--alpha", args.alpha, 0.0, None, lo_open=True)
     print(f"{to_comfy(args.src, dst, alpha, tensors=tensors)} LoRA layers written to {dst}")
     return 0
+
+
+def check_not_input(dst, src) -> None:
+    """UsageError when the output DST is the input SRC: the same name, another name of it (a link, a hard link, a
+    path through a linked folder) or a link to it; a converter never writes over the file it reads."""
+    import os
+    same = os.path.realpath(dst) == os.path.realpath(src)
+    try:
+        same = same or os.path.samefile(dst, src)
+    except OSError:                      # DST not there yet (or unreadable): its resolved path decides
+        pass
+    if same:
+        raise UsageError(f"DST {dst} is the input SRC {src} (the same file); the converter never writes over its "
+                         f"input: choose another DST, a new .safetensors file")
 
 
 def _convert(args) -> int:
@@ -427,6 +442,7 @@ def _convert(args) -> int:
     if dst.suffix.lower() != ".safetensors":
         raise UsageError(f"DST {dst} must end in .safetensors")
     check_output_dir("DST's folder", dst.parent if str(dst.parent) else ".")
+    check_not_input(dst, args.src)
     if dst.exists() and not dst.is_file():
         raise UsageError(f"DST {dst} exists and is not a file; choose another output path")
     from ..cache.owned_files import check_target

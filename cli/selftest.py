@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import sys
 
 
 def _run(args) -> int:
     from ..checks import selftest
-    from ..app.validate import UsageError, check_device
+    from ..app.validate import UsageError, check_device, check_output_dir
     if args.stage == "fp8":           # one in-process stage, run by the self-test in its own process
         device = check_device("--device", args.device or "cpu")
-        print(json.dumps(selftest.fp8_stage(device, Path(args.out).expanduser())))
+        print(json.dumps(selftest.fp8_stage(device, check_output_dir("--out", args.out))))
         return 0
     names = [s.name for s in selftest.STAGES]
     unknown = [n for n in (args.only or []) if n not in names]
@@ -20,8 +20,14 @@ def _run(args) -> int:
     progress = Progress("selftest")       # stderr: stdout keeps the table (or the JSON) alone
     # --out, its files and --require-gpu are checked inside, before the first stage; selftest.json and selftest.md
     # are written after every finished stage
-    result = selftest.run_selftest(Path(args.out).expanduser(), require_gpu=args.require_gpu, quick=args.quick,
-                                   stages=args.only, log=progress, only_goals=args.goals)
+    try:            # --out as typed: '' is refused there, never read as the current folder
+        result = selftest.run_selftest(args.out, require_gpu=args.require_gpu, quick=args.quick,
+                                       stages=args.only, log=progress, only_goals=args.goals)
+    except selftest.Stopped as stop:
+        import signal
+        print(f"stopped ({signal.Signals(stop.signum).name}): the running stage and its processes were ended; "
+              f"{args.out}/selftest.json holds the finished stages, marked unfinished", file=sys.stderr)
+        return 128 + stop.signum
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import logging
 import os
+import sys
 import types
 from typing import Callable
 
@@ -57,13 +58,12 @@ def triton_module():
     """The triton module, or None when it is not importable (checked once)."""
     if not _TRITON["checked"]:
         _TRITON["checked"] = True
-        try:
-            import triton  # noqa: F401
-            import triton.language  # noqa: F401
-
-            _TRITON["module"] = triton
-        except Exception as exc:  # noqa: BLE001 - any import failure means: use torch
-            log.info("wan_accel: triton not usable (%s); fused kernels fall back to torch", exc)
+        from ..cache.guarded_import import try_import
+        language, problem = try_import("triton.language")      # any failure (sys.exit too) means: use torch
+        if language is not None:
+            _TRITON["module"] = sys.modules["triton"]
+        else:
+            log.info("wan_accel: triton not usable (%s); fused kernels fall back to torch", problem)
     return _TRITON["module"]
 
 

@@ -24,13 +24,14 @@ until ``bench attention`` runs on a GPU.
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import os
 import sys
 
 import torch
+
+from ..cache.guarded_import import ImportProblem, guarded_import
 
 log = logging.getLogger("wan_accel")
 
@@ -63,13 +64,13 @@ def _error(exc: BaseException) -> str:
 def _import(module: str):
     """The module, or raise ImportError; never the pack's own ``kernels`` folder (found as a top-level ``kernels``
     where the pack's folder is on sys.path, e.g. tests run from the repository root: it is not imported twice)."""
-    if module not in sys.modules:
+    if module not in sys.modules and "." not in module:
         spec = importlib.util.find_spec(module)
         if spec is None:
             raise ImportError(f"{module} is not installed")
         if spec.origin and os.path.dirname(os.path.abspath(spec.origin)) == _HERE:
             raise ImportError(f"{module} is not installed (only this pack's own folder of that name)")
-    return importlib.import_module(module)
+    return guarded_import(module)       # ImportProblem for whatever it raised, sys.exit included
 
 
 def _hub_loader():
@@ -112,7 +113,8 @@ def load(name: str) -> tuple:
             _LOADED[name] = (_adapter(_LOADERS[name]()), None)
         except Exception as exc:  # noqa: BLE001 - whatever fails here means: not a candidate
             why = _error(exc)
-            quiet = name != "fa3_hub" and isinstance(exc, ImportError)     # xformers absent: common, no warning
+            broken = isinstance(exc, ImportProblem) and exc.installed        # installed, failing: always said
+            quiet = name != "fa3_hub" and isinstance(exc, ImportError) and not broken   # absent: common, no warning
             (log.info if quiet else log.warning)("wan_accel: %s is not available: %s", name, why)
             _LOADED[name] = (None, why)
     return _LOADED[name]

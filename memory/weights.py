@@ -218,3 +218,35 @@ def preset_weights(name: str, dtype: str = "BF16") -> ModelWeights:
     shapes = expected_shapes(WanConfig.from_dict(cfg))
     tensors = {n: TensorInfo(n, dtype, shape, math.prod(shape) * bits // 8) for n, shape in shapes.items()}
     return weights_from_tensors(tensors, source=f"preset {name}", config=cfg)
+
+
+# ---------------------------------------------------------------------- from a config alone (nothing built)
+SIZE_FIELDS = ("dim", "ffn_dim", "num_layers", "in_dim", "out_dim", "text_dim", "freq_dim", "clip_dim")
+
+
+def config_parameters(config: dict) -> int:
+    """About how many parameters the Wan DiT of ``config`` has, by arithmetic on its sizes (no tensor, not even
+    on the meta device, so a config claiming an absurd size is sized, never allocated): per block self- and
+    cross-attention (4 dim x dim each, plus the image branch of i2v), the FFN (2 dim x ffn_dim) and the
+    modulation; the patch, text, time and image embeddings and the head. Within a few per cent of the built model
+    (biases and norms are counted; Matrix-Game-2's action modules are not)."""
+    get = lambda key, default=0: int(config.get(key) or default)       # noqa: E731
+    dim, ffn, layers = get("dim"), get("ffn_dim"), get("num_layers")
+    patch = math.prod(int(p) for p in (config.get("patch_size") or (1, 2, 2)))
+    i2v = config.get("model_type") == "i2v"
+    attn = 4 * (dim * dim + dim)
+    block = 2 * attn + (2 * (dim * dim + dim) if i2v else 0) + 2 * dim * ffn + ffn + dim + 6 * dim + 8 * dim
+    text = 0 if "action_config" in config else get("text_dim", 4096) * dim + dim * dim + 2 * dim  # MG2: none
+    embed = (get("in_dim") * patch * dim + dim + text
+             + get("freq_dim", 256) * dim + dim * dim + 2 * dim + 6 * (dim * dim + dim)
+             + dim * get("out_dim") * patch + 4 * dim)
+    if i2v:
+        clip = get("clip_dim", 1280)
+        embed += clip * dim + dim * dim + 2 * clip + 4 * dim
+    return layers * block + embed
+
+
+def largest_size_field(config: dict) -> str:
+    """The size field of ``config`` with the largest value (the one to look at when a config claims too much)."""
+    fields = [k for k in SIZE_FIELDS if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)]
+    return max(fields, key=lambda k: config[k], default="dim")

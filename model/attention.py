@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import _common, fa3_fp8, fp8_attention as fp8, int8_attention as int8
+from ..cache.guarded_import import ImportProblem, try_import
 from ..kernels import fa3_packages, flash_attention as triton_flash
 from ..kernels import candidates as op_candidates
 from .kv_cache import fp8_copy
@@ -69,6 +70,7 @@ _MODULES = {name: " or ".join(mods) for name, mods in _IMPORTS.items()}   # in m
 _FUNCS: dict = {}          # "fa3"/"fa2" -> flash_attn_func or None (import attempted once)
 _FROM: dict = {}           # "fa3"/"fa2" -> the module it was found in
 _NO_FP16: dict = {}        # "fa3"/"fa2" -> True where the loaded build has no fp16 kernels
+_PROBLEMS: dict = {}       # "fa3"/"fa2" -> the ImportProblem of each module that did not give flash_attn_func
 FA3_SPLITS = (2, 3)        # key splits (FA3's num_splits) offered to the operator store as candidates of their own
 
 
@@ -82,19 +84,21 @@ def _build_lacks_fp16(module) -> bool:
 
 
 def _load(name: str):
-    """flash_attn_func of FA3 / FA2, or None when no package of it imports (never required)."""
+    """flash_attn_func of FA3 / FA2, or None when no package of it imports (never required); why each module did
+    not is kept for the message (``_PROBLEMS``: an installed module that fails to import is named with its error)."""
     if name not in _FUNCS:
-        fn = None
+        fn, problems = None, []
         for module_name in _IMPORTS[name]:
-            try:
-                module = __import__(module_name, fromlist=["flash_attn_func"])
-                fn = getattr(module, "flash_attn_func", None)
-            except Exception:  # noqa: BLE001 - any import failure means: not available
-                fn = None
+            module, problem = try_import(module_name)        # any failure, sys.exit included: not available
+            fn = getattr(module, "flash_attn_func", None) if module is not None else None
+            if problem is not None:
+                problems.append(problem)
+            elif fn is None:
+                problems.append(ImportProblem(module_name, True, "it has no flash_attn_func"))
             if fn is not None:
                 _FROM[name], _NO_FP16[name] = module_name, _build_lacks_fp16(module)
                 break
-        _FUNCS[name] = fn
+        _FUNCS[name], _PROBLEMS[name] = fn, problems
     return _FUNCS[name]
 
 
@@ -126,13 +130,25 @@ def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "flash_attn" and not flash_attn_available():
-        raise RuntimeError("attention backend 'flash_attn' was requested but the flash-attn package "
+        raise BackendUnavailable("attention backend 'flash_attn' was requested but the flash-attn package "
                            "is not installed; install flash-attn or choose 'auto' / 'sdpa'.")
     if backend in _MODULES and not fa_available(backend):
-        raise RuntimeError(f"attention backend {backend!r} was requested but {_MODULES[backend]} does not import; "
-                           f"install {'fa3-fwd (pip install fa3-fwd) or FlashAttention 3 (hopper build)' if backend == 'fa3' else 'flash-attn 2'} "
-                           f"or choose 'auto' / 'sdpa'.")
+        broken = [p for p in _PROBLEMS.get(backend, ()) if p.installed]
+        if broken:          # installed but failing: its own error, never advice to install what is installed
+            raise BackendUnavailable(
+                f"attention backend {backend!r} was requested but {_MODULES[backend]} does not import: "
+                + "; ".join(f"{p.module} is installed but fails ({p.reason})" for p in broken)
+                + "; repair or reinstall that package for this torch, or choose 'auto' / 'sdpa'.")
+        raise BackendUnavailable(
+            f"attention backend {backend!r} was requested but {_MODULES[backend]} does not import (not installed); "
+            f"install {'fa3-fwd (pip install fa3-fwd) or FlashAttention 3 (hopper build)' if backend == 'fa3' else 'flash-attn 2'} "
+            f"or choose 'auto' / 'sdpa'.")
     return backend
+
+
+class BackendUnavailable(ValueError, RuntimeError):
+    """A FlashAttention backend that was asked for by name and cannot run here: the user's to change (a usage
+    error, exit 2), and a RuntimeError for callers that catch the run's failures."""
 
 
 @functools.lru_cache(maxsize=None)

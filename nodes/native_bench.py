@@ -18,18 +18,18 @@ class ComfySide:
         """None where ComfyUI's loader, samplers and core's AR video nodes import, its model management started on
         ``device`` (on a CPU as ``main.py --cpu`` starts it, before model management is first imported); else why
         not."""
-        try:
-            from comfy.cli_args import args
-            if device.type == "cpu" and "comfy.model_management" not in sys.modules:
+        from ..cache.guarded_import import ImportProblem, guarded_import
+        try:                    # a ComfyUI module that raises or calls sys.exit while imported: named, with its error
+            cpu_first = device.type == "cpu" and "comfy.model_management" not in sys.modules
+            args = guarded_import("comfy.cli_args").args
+            if cpu_first:
                 args.cpu = True
-            import comfy.model_management as mm
-            import comfy.samplers  # noqa: F401
-            import comfy.sd  # noqa: F401
-            import comfy_extras.nodes_ar_video  # noqa: F401
-            import comfy_extras.nodes_custom_sampler  # noqa: F401
-        except Exception as exc:  # noqa: BLE001 - not ComfyUI, or a ComfyUI that fails to import
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return f"{type(exc).__name__}: {text[:200]}"
+            mm = guarded_import("comfy.model_management")
+            for name in ("comfy.samplers", "comfy.sd", "comfy_extras.nodes_ar_video",
+                         "comfy_extras.nodes_custom_sampler"):
+                guarded_import(name)
+        except ImportProblem as problem:
+            return str(problem)
         got = torch.device(mm.get_torch_device())
         if got.type != device.type:
             raise RuntimeError(f"ComfyUI's model management runs on {got}, the bench was asked for {device} (it "

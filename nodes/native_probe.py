@@ -24,17 +24,16 @@ HINT = ("run the Wan Doctor node inside ComfyUI (or `python -m wan_accel doctor`
 
 def _comfy():
     """ComfyUI's loader and model management, or NotAvailable('needs ComfyUI')."""
-    try:
+    from ..cache.guarded_import import ImportProblem, guarded_import
+    try:                        # a ComfyUI module that raises or calls sys.exit while imported: named, with its error
         if "comfy.model_management" not in sys.modules and not torch.cuda.is_available():
             # outside a ComfyUI server (the doctor command run with ComfyUI's Python) on a machine without CUDA:
             # start ComfyUI's model management on the CPU, as `main.py --cpu` would
-            from comfy.cli_args import args
-            args.cpu = True
-        import comfy.model_management as mm
-        import comfy.sd as sd
-    except Exception as exc:  # noqa: BLE001 - not inside ComfyUI (or a ComfyUI that fails to import)
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise NotAvailable(f"needs ComfyUI (ComfyUI does not import here: {text[:120]})", HINT) from None
+            guarded_import("comfy.cli_args").args.cpu = True
+        mm = guarded_import("comfy.model_management")
+        sd = guarded_import("comfy.sd")
+    except ImportProblem as problem:
+        raise NotAvailable(f"needs ComfyUI (ComfyUI does not import here: {str(problem)[:160]})", HINT) from None
     return sd, mm
 
 

@@ -70,13 +70,14 @@ def table_rows(records: list[dict]) -> list[dict]:
 
 def plot_history(records: list[dict], out_path) -> Path:
     """Write a PNG with two panels over the run index: speed (or run time) and peak memory."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError as exc:
-        raise PlotUnavailable("plotting needs matplotlib, which is not installed: pip install matplotlib "
-                              "(or install this pack with the 'plot' extra)") from exc
+    from ..cache.guarded_import import ImportProblem, guarded_import
+    try:                        # one that is installed but fails is named with its error, never "install it"
+        FigureCanvasAgg = guarded_import("matplotlib.backends.backend_agg").FigureCanvasAgg
+        Figure = guarded_import("matplotlib.figure").Figure
+        MaxNLocator = guarded_import("matplotlib.ticker").MaxNLocator
+    except ImportProblem as problem:
+        raise PlotUnavailable(f"plotting needs matplotlib: {problem}" + ("" if problem.installed else
+                              "; pip install matplotlib (or install this pack with the 'plot' extra)")) from None
     if not records:
         raise ValueError("the metrics history is empty: nothing to plot (run generate, bench or profile first)")
     metric = speed_metric(records)

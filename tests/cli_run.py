@@ -56,3 +56,40 @@ def refused(result, *words, longest: int | None = None) -> str:
     if longest is not None:
         assert len(lines[0]) < longest, lines[0][:300]
     return lines[0]
+
+
+TRACEBACK = "Traceback (most recent call last)"
+
+
+def failure_report(result, tail: int = 3000) -> str:
+    """What a failed command said that explains it, for an assertion's message: its exit code; every traceback
+    and ``error:`` line of stderr in full, wherever it stands in a long output (a tail alone can cut it); then the
+    tails of stdout and stderr. ``result``: a CompletedProcess, ``(code, stdout, stderr)``, or the TimeoutExpired
+    of a command that did not finish (with what it printed until then)."""
+    import subprocess
+
+    def text(value) -> str:
+        return value.decode("utf-8", "replace") if isinstance(value, bytes) else (value or "")
+    if isinstance(result, subprocess.TimeoutExpired):
+        head, out, err = f"did not finish within {result.timeout:g} s (killed)", text(result.output), \
+            text(result.stderr)
+    elif isinstance(result, subprocess.CompletedProcess):
+        head, out, err = f"exit {result.returncode}", text(result.stdout), text(result.stderr)
+    else:
+        code, out, err = result
+        head, out, err = f"exit {code}", text(out), text(err)
+    parts = [head]
+    start = err.find(TRACEBACK)
+    while start >= 0:                       # each traceback up to the line that names the exception
+        lines = err[start:].splitlines()
+        end = next((i for i, ln in enumerate(lines[1:], 1) if ln and not ln.startswith(" ")), len(lines) - 1)
+        parts.append("--- traceback on stderr:\n" + "\n".join(lines[:end + 1])[-4000:])
+        start = err.find(TRACEBACK, start + 1)
+        if len(parts) > 4:
+            break
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    if errors:
+        parts.append("--- error lines:\n" + "\n".join(errors[-5:]))
+    parts.append(f"--- stdout (last {tail // 2} characters):\n{out[-(tail // 2):]}")
+    parts.append(f"--- stderr (last {tail} characters):\n{err[-tail:]}")
+    return "\n".join(parts)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_run import failure_report
 from wan_accel.cli import build_parser
 from wan_accel.cli.bench import BENCHES, ROUTES
 
@@ -241,23 +242,37 @@ def test_every_command_and_bench_has_a_smoke_case():
     assert _commands() == {name.split("_", 1)[0] for name in CASES}
 
 
-def run_cli(args: list, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+CASE_TIMEOUT_S = 900        # a limit against a hung case, not a speed test: interpreted kernels on a loaded machine
+
+
+def run_cli(args: list, tmp: Path, timeout: float = CASE_TIMEOUT_S):
+    """The finished process, or the TimeoutExpired of one that did not finish (with what it printed until then)."""
     env = dict(os.environ, WAN_ACCEL_CACHE=str(tmp / "cache" / "limits.json"))
     env.pop("WAN_ACCEL_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "wan_accel", *args], capture_output=True, text=True, env=env,
-                          cwd=tmp, timeout=timeout)
+    try:
+        return subprocess.run([sys.executable, "-m", "wan_accel", *args], capture_output=True, text=True, env=env,
+                              cwd=tmp, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        return exc
 
 
 # the cases that take longest start first; the others fill the remaining workers
 SLOW_FIRST = ("bench compile", "selftest", "bench kernels", "profile", "bench sampler --world-size")
 
 
+def _selected(session) -> set:
+    """The cases this session runs (``-k`` or a node id may pick a few): only those are started."""
+    return {item.callspec.params["case"] for item in session.items
+            if item.name.startswith("test_command_runs[") and hasattr(item, "callspec")}
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Every case started at once, a few processes at a time (each is one new interpreter: most of a case is its
-    start-up, which a second core overlaps), each in its own folder with its own limit cache:
+def launched(tmp_path_factory, request):
+    """Every selected case started at once, a few processes at a time (each is one new interpreter: most of a case is
+    its start-up, which a second core overlaps), each in its own folder with its own limit cache:
     {case: (folder, future of the finished process)}."""
-    order = [c for c in SLOW_FIRST if c in CASES] + sorted(c for c in CASES if c not in SLOW_FIRST)
+    chosen = _selected(request.session) or set(CASES)
+    order = [c for c in SLOW_FIRST if c in chosen] + sorted(c for c in chosen if c not in SLOW_FIRST)
     workers = max(2, min(4, (os.cpu_count() or 1) + 1))
     started = {}
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -277,6 +292,10 @@ def test_command_runs(case, launched):
     tmp, future = launched[case]
     _, check, _ = CASES[case]
     proc = future.result()
-    assert proc.returncode == 0, f"{case}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    check(proc.stdout, tmp)
+    assert isinstance(proc, subprocess.CompletedProcess), f"{case}: {failure_report(proc)}"
+    assert proc.returncode == 0, f"{case}: {failure_report(proc)}"
+    assert "Traceback" not in proc.stderr, f"{case}: a traceback on stderr\n{failure_report(proc)}"
+    try:
+        check(proc.stdout, tmp)
+    except AssertionError as exc:           # what the check found, then what the command said
+        raise AssertionError(f"{case}: {exc}\n{failure_report(proc)}") from None

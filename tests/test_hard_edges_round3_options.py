@@ -306,8 +306,12 @@ def test_a_killed_writer_leaves_no_temporary_behind_for_good(tmp_path, capsys):
     from wan_accel.cache.owned_files import write_text
     out = tmp_path / "o"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    left = out / f".report.json.wan_accel-{proc.pid}-abc123xy.tmp.json"
+    # a live writer holds the lock of its temporary (cache/owned_files.py: new_temporary); one in another pid
+    # namespace too, where the pid in the name is not one this process can see
+    holder = ("import fcntl, os, sys, time\nfor p in sys.argv[1:]:\n    fd = os.open(p, os.O_RDWR | os.O_CREAT)\n"
+              "    fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(600)\n")
+    pid_of = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])   # killed below
+    left = out / f".report.json.wan_accel-{pid_of.pid}-abc123xy.tmp.json"
     left.write_text("{half")
     old = out / ".latents.safetensors.wan_accel-999999999-zz.tmp.safetensors"   # a pid no process has
     old.write_bytes(b"x")
@@ -315,21 +319,26 @@ def test_a_killed_writer_leaves_no_temporary_behind_for_good(tmp_path, capsys):
     mine.write_text("mine")
     link = out / ".x.wan_accel-999999998-q.tmp"
     link.symlink_to(mine)
-    fresh = out / ".y.json.wan_accel-999999997-f.tmp.json"     # a gone pid, but written a moment ago: kept
+    fresh = out / ".y.json.wan_accel-999999997-f.tmp.json"     # a pid not seen here, but its lock is held: kept
     fresh.write_text("{")
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(left), str(fresh)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
     hour_ago = time.time() - 3600
     for p in (left, old, mine):                 # as a run killed an hour ago leaves them
         os.utime(p, (hour_ago, hour_ago))
     try:
         write_text(out / "other.txt", "x")
         assert left.exists() and not old.exists()      # the writer is alive: its temporary stays
+        assert main(GEN + ["--out", str(out)]) == 0, capsys.readouterr().err
+        assert fresh.exists()
     finally:
-        proc.kill()
-        proc.wait()
+        for p in (proc, pid_of):
+            p.kill()
+            p.wait()
     assert main(GEN + ["--out", str(out)]) == 0, capsys.readouterr().err
-    assert not left.exists() and mine.read_text() == "mine" and link.is_symlink() and fresh.exists()
+    assert not left.exists() and mine.read_text() == "mine" and link.is_symlink() and not fresh.exists()
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted([".notes.txt.abc.tmp", ".x.wan_accel-999999998-q.tmp", fresh.name, "latents.safetensors",
+    assert names == sorted([".notes.txt.abc.tmp", ".x.wan_accel-999999998-q.tmp", "latents.safetensors",
                             "other.txt", "report.json"]), names
 
 

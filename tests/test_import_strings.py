@@ -191,8 +191,9 @@ def test_the_scan_sees_every_kind_of_module_string():
             f"{PACK}.bench.compile", f"{PACK}.app.ranks.pool", "importlib"} <= modules
 
 
-# optional packages the pack looks for at run time (never dependencies): named, they need not be installed here
-OPTIONAL = ("xformers", "kernels", "flash_attn", "flash_attn_interface")
+# optional packages the pack looks for at run time (never dependencies): named, they need not be installed here;
+# ComfyUI's own packages too (bench native and the doctor's native probe import them through the guarded import)
+OPTIONAL = ("xformers", "kernels", "flash_attn", "flash_attn_interface", "comfy", "comfy_extras")
 
 
 @pytest.mark.parametrize("where,module,attr", NAMED, ids=[f"{w}->{m}" + (f":{a}" if a else "") for w, m, a in NAMED])

@@ -74,7 +74,7 @@ def test_a_file_where_the_stages_folder_goes_is_refused_up_front(tmp_path, no_st
 # ----------------------------------------------------------------------------------------- written as it goes
 def _fake_stages(monkeypatch, names, stop_at=None):
     """Stages that pass at once; the one named ``stop_at`` is interrupted (Ctrl-C) instead. Returns, per stage
-    started, what selftest.json held when it started (None: no file yet)."""
+    started, what selftest.json held when it started (before the first: the run's own "unfinished" file)."""
     seen = []
     stages = [selftest.Stage(n, lambda ctx: [], 10) for n in names]
 
@@ -93,7 +93,7 @@ def _fake_stages(monkeypatch, names, stop_at=None):
 def test_the_files_are_written_after_every_finished_stage(tmp_path, monkeypatch):
     seen = _fake_stages(monkeypatch, ["one", "two", "three"])
     result = selftest.run_selftest(tmp_path / "st", log=lambda *_: None)
-    assert seen[0] is None
+    assert seen[0]["stages"] == [] and seen[0]["not_run"] == ["one", "two", "three"] and not seen[0]["finished"]
     assert [r["stage"] for r in seen[1]["stages"]] == ["one"] and seen[1]["not_run"] == ["two", "three"]
     assert [r["stage"] for r in seen[2]["stages"]] == ["one", "two"] and not seen[2]["finished"]
     assert not seen[2]["passed"] and "not run yet: three" in seen[2]["summary"]
@@ -122,7 +122,7 @@ def test_the_files_go_through_the_atomic_writer(tmp_path, monkeypatch):
     monkeypatch.setattr(owned_files, "write_bytes", lambda path, data, **kw: written.append(path.name) or
                         real(path, data, **kw))
     selftest.run_selftest(tmp_path / "st", log=lambda *_: None)
-    assert written == ["selftest.json", "selftest.md"] * 2
+    assert written == ["selftest.json", "selftest.md"] * 3      # unfinished first, after stage one, at the end
 
 
 def test_the_cli_shows_progress_on_stderr_and_keeps_stdout_json(tmp_path, monkeypatch, loud):

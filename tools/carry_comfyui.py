@@ -189,6 +189,19 @@ def _comfy_version(root: Path) -> dict:
     return out
 
 
+def folder_problem(folder: Path, must_exist: bool = False) -> str | None:
+    """Why ``folder`` cannot be used as a folder (a file, or a part of its path that is one; absent where it must
+    exist), or None."""
+    for p in [folder, *folder.parents]:
+        if p.exists():
+            if not p.is_dir():
+                return f"{p} is a file, not a folder; choose a folder"
+            return None
+        if must_exist:
+            return "not found; give ComfyUI's folder"
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--comfyui", default=os.environ.get("COMFYUI_DIR"),
@@ -201,8 +214,17 @@ def main(argv=None) -> int:
     if not a.comfyui:
         p.error("give ComfyUI's folder: --comfyui DIR or COMFYUI_DIR")
     out = Path(a.out)
-    wheels = {} if a.no_wheels else download_wheels(Path(a.wheels), requirement_pins(a.comfyui), a.offline)
-    m = build(a.comfyui, out, wheels)
+    for option, folder in (("--out", out), ("--wheels", Path(a.wheels)), ("--comfyui", Path(a.comfyui))):
+        problem = folder_problem(folder, must_exist=option == "--comfyui")
+        if problem:
+            print(f"error: {option} {folder}: {problem}", file=sys.stderr)
+            return 2
+    try:
+        wheels = {} if a.no_wheels else download_wheels(Path(a.wheels), requirement_pins(a.comfyui), a.offline)
+        m = build(a.comfyui, out, wheels)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"{out / ARCHIVE}: {m['archive_mib']} MiB (ComfyUI {m['comfyui']['version']}, {m['source_files']} source "
           f"files; wheels: {', '.join(w['file'].split('-')[0] + ' ' + w['file'].split('-')[1] for w in m['wheels'].values()) or 'none'})")
     if m["archive_mib"] > BUDGET_MIB:

@@ -153,6 +153,7 @@ class GenerateOptions:
     linear: str = "exact"                # exact | fp8 (opt-in, approximate; optimized path: 'auto' becomes 'optimized')
     decode: str | None = None            # wan | tiny | none: a video decoded as the chunks are made (app/jobs/video.py);
     vae: str | None = None               # None: the vae file's decoder, else none. vae: that decoder's .safetensors
+    out_option: str = "out_dir"          # how out_dir is named in messages (the command line: --out)
 
 
 def _peak_memory(device: torch.device) -> dict:
@@ -211,10 +212,10 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     opts = replace(opts, sampler=path)
     video = None                         # --decode: each chunk decoded and written as it is made (app/jobs/video.py)
     if _writes(parallel):
-        check_outputs(opts.out_dir)
+        check_outputs(opts.out_dir, opts.out_option)
         from .video import open_generate_video
         video = open_generate_video(opts.decode, opts.vae, opts.checkpoint, opts.out_dir, device, dtype, opts.seed,
-                                    log=log)
+                                    option=opts.out_option, log=log)
     t0 = time.perf_counter()
     compile_settings = None
     if opts.compile:
@@ -366,14 +367,20 @@ def _write_outputs(latents, opts, parallel=None) -> dict:
             "seed": str(opts.seed), "preset": opts.preset}
     tensors = {"latents": lat, "vae_latents": to_vae_latents(lat)}
     write_with(out / "latents.safetensors", lambda tmp: save_file(tensors, tmp, metadata=meta),
-               option=OUT_OPTION, purpose="the latents")
+               option=_option(opts), purpose="the latents")
     files = {"latents": str(out / "latents.safetensors")}
     if opts.preview:
-        files["preview"] = str(save_animation(latents_to_rgb(lat)[0], out / "preview.webp", option=OUT_OPTION))
+        files["preview"] = str(save_animation(latents_to_rgb(lat)[0], out / "preview.webp",
+                                                               option=_option(opts)))
     return files
 
 
 OUT_OPTION = "out_dir"      # how the output folder is named in messages (the command line says --out)
+
+
+def _option(opts) -> str:
+    """The output folder's name as the caller typed it (``--out`` on the command line), else ``out_dir``."""
+    return getattr(opts, "out_option", OUT_OPTION)
 OUTPUT_FILES = ("latents.safetensors", "preview.webp", "preview.gif", "report.json")
 
 
@@ -391,6 +398,6 @@ def _write_report(report: dict, opts, parallel=None) -> bool:
     if not _writes(parallel):
         return False
     path = Path(opts.out_dir) / "report.json"
-    write_text(path, json.dumps(report, indent=2), option=OUT_OPTION, purpose="the run's report")
+    write_text(path, json.dumps(report, indent=2), option=_option(opts), purpose="the run's report")
     report["files"]["report"] = str(path)
     return True

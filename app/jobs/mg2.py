@@ -33,6 +33,7 @@ class MG2Options:
     attention: str = "auto"
     skip_last_refresh: bool = False
     preview: bool = True
+    out_option: str = "out_dir"          # how out_dir is named in messages (the command line: --out)
 
 
 def load_mg2_handle(checkpoint=None, dtype="bf16", precision="self_forcing", attention="auto", device=None,
@@ -94,7 +95,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     settings = resolve_preset(opts.preset, steps=steps, shift=opts.shift, window=opts.window)
     actions = parse_action_script(opts.actions, settings.mode)
     if _writes(parallel):
-        check_outputs(opts.out_dir)
+        check_outputs(opts.out_dir, opts.out_option)
     t0 = time.perf_counter()
     handle = load_mg2_handle(opts.checkpoint, dtype, opts.precision, opts.attention, device,
                              seed=opts.seed if not opts.checkpoint else 0, num_heads=opts.num_heads,

@@ -379,10 +379,21 @@ def survey(directory) -> tuple:
         kind = cfg.get("fixture") if isinstance(cfg, dict) else None
         if is_config:
             unusable.append((path, (f"fixture kind {str(kind)[:60]!r} is not one check-reference runs" if kind
-                                    else "not a fixture config of a known format") + f" (known: {', '.join(FORMATS)})"))
+                                    else _why_no_format(cfg)) + f" (known: {', '.join(FORMATS)})"))
         elif kind:
             notes.append(f"{path.name}: fixture kind {str(kind)[:60]!r} is not one check-reference runs; not checked")
     return recognised, unusable, notes
+
+
+def _why_no_format(cfg) -> str:
+    """Why a ``*_config.json`` is no format's: not a JSON object, or an object without its 'fixture' key (the key
+    every format's config names its kind with)."""
+    if not isinstance(cfg, dict):
+        return f"not a fixture config: a JSON {type(cfg).__name__}, not an object"
+    if "fixture" not in cfg:
+        return ("no 'fixture' key (the key that names the fixture's kind); this fixture config is incomplete: copy "
+                "it again from the fixture's source (or produce it again)")
+    return "not a fixture config of a known format"
 
 
 def discover(directory) -> list:
