@@ -29,11 +29,13 @@ FOLDER = "comfyui-wan-accel"          # the folder a clone of the repository get
 
 
 def _venv(code: str, *args: str, path: Path | None = None) -> subprocess.CompletedProcess:
-    """The venv's python running ``code`` (or ``args`` alone), with ``path`` as its only PYTHONPATH."""
+    """The venv's python running ``code`` (or ``args`` alone) in ComfyUI's folder, as ComfyUI runs, with ``path`` as
+    its only PYTHONPATH (never in the checkout: an editable install leaves the pack's metadata there, which a Python
+    started in it would count as installed)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({"PYTHONPATH": str(path)} if path else {})
     return subprocess.run([str(_python()), *(("-c", code) if code else ()), *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+                          timeout=300, env=env, cwd=COMFY_DIR)
 
 
 def _requirements(clone: Path) -> list[Requirement]:
