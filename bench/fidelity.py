@@ -16,12 +16,12 @@ int8 kernel, and fp8 tensor cores, on a CUDA GPU).
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from ..cache.json_out import to_json
 from ..app.validate import UsageError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
@@ -189,7 +189,7 @@ def run(args) -> int:
     if linear == "fp8":
         result["note"] = "the reference path has no fp8 linear mode: the optimized path alone is compared"
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(to_json(result))
         return 0
     print(f"fidelity of attention '{attention}'{f' ({kind})' if kind else ''}, linear '{linear}' against exact (SDPA, "
           f"exact linear layers) on {device} (float32 weights)")

@@ -17,13 +17,13 @@ show the mechanism working, not what GPUs gain.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 
+from ..cache.json_out import to_json
 from ..cache.fingerprint import cpu_name
 from . import sampler as bs
 from ..app.validate import UsageError
@@ -186,7 +186,7 @@ def run(args) -> int:
               "frames": geometry[0], "height": geometry[1], "width": geometry[2], "world_size": world,
               "torch": torch.__version__, "rows": rows}
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(to_json(result))
         return 0
     print(f"sequence-parallel sampler bench on {result['device_name']}, {kind} {result['model']}, "
           f"{geometry[0]} frames {geometry[2]}x{geometry[1]}, {opts['variant']} path")

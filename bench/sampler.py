@@ -49,12 +49,12 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import statistics
 import time
 
 import torch
 
+from ..cache.json_out import to_json
 from ..cache.fingerprint import cpu_name
 from ..app.validate import UsageError
 from .decode import ChunkDecoder, build_bench_decoder, check_decode_args, decode_columns, decoder_peak_mb
@@ -428,7 +428,7 @@ def run(args) -> int:
     if memory["refused"]:
         progress(memory["refused"])
         if args.json:
-            print(json.dumps({"device": str(device), "shape": shape, "error": "does not fit",
+            print(to_json({"device": str(device), "shape": shape, "error": "does not fit",
                               "message": memory["refused"], **info, "rows": []}, indent=2))
         else:
             print(f"bench sampler: {memory['refused']}")
@@ -490,7 +490,7 @@ def run(args) -> int:
     _history(result)
     result["rows"] = rows + failed          # a variant that ran out of memory: its row says so
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(to_json(result))
         return 0 if rows else 1
     print(f"sampler bench on {result['device_name']} ({device}), {kind} {result['model']}, {frames} frames "
           f"{width}x{height}; peak {peak if peak else 'n/a'} TFLOP/s ({peak_src})"

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from ..cache.json_out import to_json
 from ..app.validate import (UsageError, check_device, check_fits, check_float, check_geometry, check_input_file,
                             check_int, check_output_dir, check_schedule_args, check_steps, check_text,
                             dtype_arg)
@@ -359,7 +359,7 @@ def _generate(args) -> int:
     if parallel is not None and parallel.rank != 0:
         return 0
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(to_json(report))
     else:
         print(f"{report['model']} on {report['device']} ({report['dtype']}, {report['precision']}): "
               f"latents {report['latent_shape']} in {report['sample_seconds']:.2f} s")
@@ -435,7 +435,7 @@ def _convert(args) -> int:
         check_int("--num-heads", args.num_heads, 1, 1024)
     summary = convert_pt_to_safetensors(args.src, args.dst, ema=args.ema, num_heads=args.num_heads)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(to_json(summary))
     else:
         c = summary["config"]
         print(f"wrote {summary['output']}: {summary['tensors']} tensors from '{summary['entry']}' "
@@ -471,7 +471,7 @@ def _check(args) -> int:
     for note in getattr(rows, "notes", ()):
         print(f"note: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"rows": [{"tensor": r[0], "max_abs_diff": r[1], "ok": row_ok(r[1], args.tol),
+        print(to_json({"rows": [{"tensor": r[0], "max_abs_diff": r[1], "ok": row_ok(r[1], args.tol),
                                     **({"note": r.note} if getattr(r, "note", None) else {})} for r in rows],
                           "tensors": result["tensors"], "failed": result["failed"], "worst": result["worst"],
                           "tolerance": args.tol, "pass": result["pass"],

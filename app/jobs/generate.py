@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ...cache.json_out import to_json
 from ...cache.owned_files import check_target, write_text, write_with
 from ...sampling.request import SamplingHooks
 from ...sampling.sampler import path_for_linear
@@ -391,6 +392,6 @@ def _write_report(report: dict, opts, parallel=None) -> bool:
     if not _writes(parallel):
         return False
     path = Path(opts.out_dir) / "report.json"
-    write_text(path, json.dumps(report, indent=2), option=OUT_OPTION, purpose="the run's report")
+    write_text(path, to_json(report), option=OUT_OPTION, purpose="the run's report")
     report["files"]["report"] = str(path)
     return True
