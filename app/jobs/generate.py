@@ -284,9 +284,10 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
                             hooks=hooks, **prompts)
     _sync(device)
     sample_s = time.perf_counter() - t_start
+    video_path = video.close() if video is not None else None     # its frames checked before anything is written
     files = _write_outputs(latents, opts, parallel)
-    if video is not None:
-        files["video"] = video.close()
+    if video_path is not None:
+        files["video"] = video_path
     features = features_summary(model, fast_options, sampler_report, record)
     sampler_report["one_time_s"] = warmup.since(one_time)   # doctor probes, autotuning, plans, capture, compile
     if warmup.line(sampler_report["one_time_s"]):
