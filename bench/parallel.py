@@ -79,6 +79,11 @@ def check_world_args(args) -> None:
     if ignored:
         raise UsageError(f"{ignored} is not used by the sequence-parallel comparison (--world-size): leave it out, "
                          f"or leave --world-size out to run it in one process")
+    if world:                           # the model and dtype rules of one process hold for the ranks too
+        from ..app.jobs.handle import default_device
+        from .sampler_setup import check_model_options
+        device = torch.device(args.device) if args.device else default_device()
+        check_model_options(args, [_variant(args, device)], bs.VARIANTS)
     heads = model_heads(args)
     check_rank_env(heads, device=args.device)
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:

@@ -303,8 +303,7 @@ def _model_size(args) -> tuple[dict | None, int]:
     except ValueError:
         return None, 0          # not sizable from its header: the loader says what is wrong with it
     elem = 4 if (args.dtype or "fp32") == "fp32" and not str(args.device or "").startswith("cuda") else 2
-    return dict(weights.config, **{k: getattr(weights, k) for k in ("dim", "ffn_dim", "num_layers", "num_heads")}), \
-        sum(weights.block_bytes_at(elem)) + weights.other_bytes_at(elem)
+    return weights.sampling_config(), weights.bytes_at(elem)
 
 
 def _check_mg2_schedule(args) -> None:
