@@ -103,7 +103,8 @@ def check_weights(model: torch.nn.Module, source: str, hints: dict | None = None
 
 
 def check_conditioning(t, what: str, fix: str = "encode the prompt again, or use another text encoder") -> None:
-    """NonFiniteError when the text embedding ``t`` (a tensor; anything else passes) holds NaN or inf."""
+    """NonFiniteError when a run's input ``t`` (a text embedding, the initial noise; a tensor: anything else passes)
+    holds NaN or inf."""
     if isinstance(t, torch.Tensor) and t.is_floating_point() and bool(_bad_flag(t)):
         raise NonFiniteError(f"{what} holds {_what(t)} (it would give a NaN video); {fix}")
 

@@ -3,6 +3,7 @@ and checked once where it is read (on every device), and every JSON the pack pri
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -190,3 +191,106 @@ def test_bench_fidelity_rows_of_non_finite_runs_are_failed_rows(monkeypatch):
     rows = fidelity.measure(FIXTURES / "wan_reference", "int8")
     assert [r["status"] for r in rows] == ["failed", "failed"]
     assert all("final latents" in r["why"] and "final" not in r for r in rows)
+
+
+# ============================================================================ 3. inputs checked once, where read
+CKPT = FIXTURES / "wan_reference" / "causal_weights.safetensors"
+BAD_GIB = ["abc", "-1", "0", "nan", "inf"]
+
+
+@pytest.mark.parametrize("raw", BAD_GIB)
+@pytest.mark.parametrize("var", ["WAN_ACCEL_VRAM_CAP_GB", "WAN_ACCEL_MEMORY_LIMIT_GB"])
+def test_a_bad_memory_variable_is_refused_on_a_cpu_too(var, raw, monkeypatch, tmp_path):
+    from wan_accel.memory import system as msys
+    monkeypatch.setenv(var, raw)
+    with pytest.raises(ValueError, match=f"^{var} must be a positive number of GiB"):
+        msys.detect_system("cpu")
+    refused(run_cli_in(tmp_path, "plan", "--model", "1.3b", env={var: raw}), var, repr(raw))
+    refused(run_cli_in(tmp_path, "generate", "--out", tmp_path / "run", *SMALL, env={var: raw}), var)
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_for_a_simulated_card_sees_the_vram_cap(tmp_path):
+    code, out, err = run_cli_in(tmp_path, "plan", "--model", "1.3b", "--vram-gb", "24", "--json",
+                                env={"WAN_ACCEL_VRAM_CAP_GB": "8"})
+    system = strict_json(out)["system"]
+    assert code == 0 and system["total_vram"] == 8 * 1024 ** 3 and system["vram_cap"] == 8 * 1024 ** 3, err
+    code, out, _ = run_cli_in(tmp_path, "plan", "--model", "1.3b", "--vram-gb", "6", "--json",
+                              env={"WAN_ACCEL_VRAM_CAP_GB": "8"})          # a cap above the card: the card
+    assert code == 0 and strict_json(out)["system"]["total_vram"] == 6 * 1024 ** 3
+
+
+def test_a_refused_vram_cap_leaves_nothing_set(monkeypatch):
+    from wan_accel.memory import system as msys
+    monkeypatch.delenv(msys.VRAM_CAP_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cap in (8, "abc", -1, float("nan")):
+        with pytest.raises(ValueError):
+            msys.apply_vram_cap(cap)
+        assert msys.VRAM_CAP_ENV not in os.environ, cap
+
+
+def test_a_cpu_bench_under_a_memory_limit_is_estimated_before_its_model_is_built(tmp_path, monkeypatch):
+    from wan_accel.bench import sampler as bs
+    monkeypatch.setattr(bs, "_base_model", lambda *a, **k: pytest.fail("the model was built"))
+    line = refused(run_cli_in(tmp_path, "bench", "sampler", "--shape", "1.3b", "--device", "cpu", "--variants",
+                              "reference", "--repeat", "1", env={"WAN_ACCEL_MEMORY_LIMIT_GB": "2"}),
+                   "--frames 81", "WAN_ACCEL_MEMORY_LIMIT_GB 2", "Nothing was allocated")
+    assert "weights 5.29 GiB" in line          # the 1.3B model's float32 weights counted
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--variants", "reference", "--dtype", "bf16"], ["--dtype bf16", "runs in its own float32"]),
+    (["--checkpoint", CKPT, "--shape", "tiny"], ["--shape tiny", "--checkpoint"])])
+def test_bench_sampler_with_world_size_keeps_the_one_process_rules(argv, words):
+    for world in ([], ["--world-size", "2"]):
+        refused(run_cli("bench", "sampler", "--device", "cpu", *world, *argv), *words)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("fused_kernels", "false"), ("fused_qkv", 0), ("doctor", None), ("keep_slower", "yes"),
+    ("skip_last_refresh", 1), ("frames_per_block", 0), ("batch", 2.0), ("seed", "7"), ("kv_window", -2),
+    ("sink", -1), ("path", "fast"), ("cuda_graphs", "on"), ("oom_retry", "sometimes"), ("ops", "turbo"),
+    ("linear", "int4"), ("swap", "abc"), ("swap", 3), ("compile", "max"), ("plan", "abc"),
+    ("plan", {"blocks_to_swap": "3"})])
+def test_a_run_spec_field_of_the_wrong_kind_is_refused_where_the_spec_is_made(field, value):
+    from wan_accel.app.prepare import RunSpec
+    with pytest.raises(ValueError, match=field):
+        RunSpec(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        RunSpec().replace(**{field: value})
+
+
+def test_valid_run_specs_still_build():
+    from wan_accel.app.prepare import KEEP, RunSpec
+    from wan_accel.memory.block_swap import SwapSettings
+    for fields in ({}, {"swap": None, "compile": None}, {"swap": SwapSettings(2, 1), "compile": {"mode": "default"}},
+                   {"swap": KEEP, "plan": {"blocks_to_swap": 2}}, {"fused_kernels": False, "seed": -3}):
+        assert RunSpec(**fields).replace(**fields) == RunSpec(**fields)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model, tiny_text_embedding
+    return tiny_causal_model(), tiny_text_embedding("a cat", 6, TINY_CONFIG.text_dim)[None]
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 16, 4, 4), (0, 3, 16, 4, 4), (1, 3, 16, 4), (1, 3, 16, 0, 4)])
+def test_prepare_refuses_a_run_of_no_latent_frames(tiny, shape):
+    from wan_accel.app.prepare import RunSpec, prepare
+    model, context = tiny
+    with pytest.raises(ValueError, match="every size at least 1"):
+        prepare(model, RunSpec(path="reference"), context, shape)
+    with pytest.raises(ValueError, match="every size at least 1"):
+        prepare(model, RunSpec(path="reference"), context, torch.zeros(shape))
+
+
+def test_nan_noise_is_refused_before_sampling_naming_the_noise(tiny, monkeypatch):
+    from wan_accel.app import prepare as P
+    from wan_accel.model.finite import NonFiniteError
+    model, context = tiny
+    noise = torch.randn(1, 3, 16, 4, 4)
+    noise[0, 1, 2, 3, 0] = float("nan")
+    monkeypatch.setattr(P, "causal_request", lambda *a, **k: pytest.fail("sampling was prepared"))
+    with pytest.raises(NonFiniteError, match=r"^the initial noise holds non-finite values \(1 NaN of 768\)"):
+        P.prepare(model, P.RunSpec(path="reference"), context, noise)
