@@ -294,3 +294,20 @@ def test_nan_noise_is_refused_before_sampling_naming_the_noise(tiny, monkeypatch
     monkeypatch.setattr(P, "causal_request", lambda *a, **k: pytest.fail("sampling was prepared"))
     with pytest.raises(NonFiniteError, match=r"^the initial noise holds non-finite values \(1 NaN of 768\)"):
         P.prepare(model, P.RunSpec(path="reference"), context, noise)
+
+
+# ============================================================================ 8. tolerances from the dtype compared
+def test_a_float16_copy_one_rounding_apart_is_within_the_dtype_tolerance():
+    """Two correct float32 results a few float32 steps apart that straddle a float16 rounding boundary (what another CPU's vector
+    width gives) round to neighbouring float16 numbers: a step apart, which a fixed 1e-4 does not allow at these
+    magnitudes and ``step(float16, magnitude)`` does."""
+    from tolerances import step, within
+    lo = torch.tensor([0.1, 0.7, 3.5, 4.0], dtype=torch.float16)
+    mid = (lo.double() + torch.nextafter(lo, torch.tensor(8.0, dtype=torch.float16)).double()) / 2   # the boundary
+    ours, theirs = (mid * (1 + 2 ** -20)).float(), (mid * (1 - 2 ** -20)).float()
+    want = theirs.half().float()
+    assert bool((ours.half() != theirs.half()).all())                # every value rounds the other way
+    assert not within(ours.half(), want, 1e-4)                       # the fixed tolerance: a CPU-bound test
+    assert within(ours.half(), want, 1e-6 + step(torch.float16, want))
+    assert step(torch.bfloat16, 4.0) == 4.0 * 2 ** -7 and step(torch.float32, 0.0) == torch.finfo(torch.float32).eps \
+        * torch.finfo(torch.float32).tiny
