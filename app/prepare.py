@@ -24,8 +24,8 @@ import torch
 
 from ..compile.settings import CompileSettings
 from ..memory.block_swap import SwapSettings
-from ..model.finite import check_conditioning
 from ..memory.sampling_guard import OOM_RETRY_MODES
+from ..model.finite import check_conditioning
 from ..sampling.request import SamplingHooks
 from ..sampling.runner import CUDA_GRAPH_MODES, FastOptions, check_linear_mode, check_ops_mode
 from ..sampling.sampler import PATHS, causal_request, current_path, path_for_linear, resolve_path, sample_causal, \

@@ -58,7 +58,8 @@ class SystemInfo:
         ram = f"host RAM {gib(self.host_ram_available)} available of {gib(self.host_ram_total)}"
         if not self.has_gpu:
             return f"CPU only (no CUDA device); {ram}"
-        sim = (" (simulated)" if self.simulated else "") + (f" (capped to {gib(self.vram_cap)})" if self.vram_cap else "")
+        sim = (" (simulated)" if self.simulated else "") + \
+            (f" (capped to {gib(self.vram_cap)})" if self.vram_cap else "")
         return (f"{self.gpu_name}{sim}: {gib(self.free_vram)} free of {gib(self.total_vram)}, SM {self.capability_str}, "
                 f"bf16 {'yes' if self.bf16 else 'no'}, fp8 {'yes' if self.fp8 else 'no'}; {ram}, "
                 f"pinned budget {gib(self.pinned_budget)}")

@@ -110,9 +110,10 @@ def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None
     if bad:
         src_name = names[bad[0]]
         more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
+        other = "the non-EMA weights" if ema else "--ema"
         raise CheckpointError(f"{src.name}: the weight {src_name!r} in '{entry}' holds values that are not "
-                              f"numbers ({counts(out[bad[0]])}){more}; every loader refuses such a file, so nothing was written: "
-                              f"convert another checkpoint (an earlier save, or {'the non-EMA weights' if ema else '--ema'})")
+                              f"numbers ({counts(out[bad[0]])}){more}; every loader refuses such a file, so nothing "
+                              f"was written: convert another checkpoint (an earlier save, or {other})")
     meta = {METADATA_KEY: json.dumps(config.to_dict()), "wan_accel.source": f"{src.name}:{entry}",
             **core_causal_metadata(config)}     # ComfyUI's Load Diffusion Model reads it as WAN21_CausalAR
     from ..cache.owned_files import write_with
