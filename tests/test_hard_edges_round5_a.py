@@ -299,8 +299,8 @@ def test_nan_noise_is_refused_before_sampling_naming_the_noise(tiny, monkeypatch
 # ============================================================================ 8. tolerances from the dtype compared
 def test_a_float16_copy_one_rounding_apart_is_within_the_dtype_tolerance():
     """Two correct float32 results a few float32 steps apart that straddle a float16 rounding boundary (what
-    another CPU's vector width gives) round to neighbouring float16 numbers: a step apart, which a fixed 1e-4 does not allow at these
-    magnitudes and ``step(float16, magnitude)`` does."""
+    another CPU's vector width gives) round to neighbouring float16 numbers: a step apart, which a fixed 1e-4 does
+    not allow at these magnitudes and ``step(float16, magnitude)`` does."""
     from tolerances import step, within
     lo = torch.tensor([0.1, 0.7, 3.5, 4.0], dtype=torch.float16)
     mid = (lo.double() + torch.nextafter(lo, torch.tensor(8.0, dtype=torch.float16)).double()) / 2   # the boundary
