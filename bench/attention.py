@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from ..cache.finite_flags import non_finite
 from ..cache.json_out import to_json
 from ..app.validate import UsageError
 
@@ -81,7 +82,7 @@ def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
     try:
         with torch.no_grad():
             out = fn(q, k, v)
-            if not bool(torch.isfinite(out).all()):     # a figure for wrong numbers would be no figure
+            if non_finite({"output": out}):             # a figure for wrong numbers would be no figure
                 return dict(row, status="failed", why="non-finite output (NaN or inf): not timed")
             diff = (out.float() - ref.float()).abs()
             ms = timer(lambda: fn(q, k, v))
