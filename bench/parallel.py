@@ -164,6 +164,7 @@ def run(args) -> int:
                 variant=_variant(args, device))
     if opts["variant"] not in bs.VARIANTS:
         raise UsageError(f"--variants: unknown {opts['variant']}; choose from {', '.join(bs.VARIANTS)}")
+    bs._check_host_fit(args, device, kind, shape, *geometry)      # off CUDA: the estimate before any model is built
     if under_torchrun:
         sp, dev = group_from_env(args.device)
         opts["devices"] = [str(dev)] * sp.world

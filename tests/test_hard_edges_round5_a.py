@@ -237,6 +237,8 @@ def test_a_cpu_bench_under_a_memory_limit_is_estimated_before_its_model_is_built
                               "reference", "--repeat", "1", env={"WAN_ACCEL_MEMORY_LIMIT_GB": "2"}),
                    "--frames 81", "WAN_ACCEL_MEMORY_LIMIT_GB 2", "Nothing was allocated")
     assert "weights 5.29 GiB" in line          # the 1.3B model's float32 weights counted
+    refused(run_cli_in(tmp_path, "bench", "sampler", "--world-size", "2", "--shape", "1.3b", "--device", "cpu",
+                       "--repeat", "1", env={"WAN_ACCEL_MEMORY_LIMIT_GB": "2"}), "WAN_ACCEL_MEMORY_LIMIT_GB 2")
 
 
 @pytest.mark.parametrize("argv, words", [
