@@ -22,8 +22,12 @@ from typing import Any
 
 import torch
 
+from ..compile.settings import CompileSettings
+from ..memory.block_swap import SwapSettings
+from ..memory.sampling_guard import OOM_RETRY_MODES
+from ..model.finite import check_conditioning
 from ..sampling.request import SamplingHooks
-from ..sampling.runner import FastOptions
+from ..sampling.runner import CUDA_GRAPH_MODES, FastOptions, check_linear_mode, check_ops_mode
 from ..sampling.sampler import PATHS, causal_request, current_path, path_for_linear, resolve_path, sample_causal, \
     sampler_path
 
@@ -60,6 +64,9 @@ class RunSpec:
     doctor: bool = True
     oom_retry: str = "auto"
 
+    def __post_init__(self):
+        check_spec(self)
+
     @classmethod
     def for_handle(cls, handle, **fields) -> "RunSpec":
         """The spec of a run on a model handle: its block swap (or its VRAM plan's) and its compile settings."""
@@ -81,6 +88,45 @@ class RunSpec:
         """The loop's settings as plain data (what another process rebuilds the spec from, with its own handle)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in ("compile", "swap", "plan")}
+
+
+SPEC_FLAGS = ("fused_kernels", "fused_qkv", "keep_slower", "skip_last_refresh", "doctor")
+SPEC_INTS = {"frames_per_block": 1, "batch": 1, "sink": 0, "kv_window": -1, "seed": None}   # field: least value
+
+
+def _spec_error(name: str, value, wanted: str) -> ValueError:
+    return ValueError(f"RunSpec {name} must be {wanted}, got {value!r} ({type(value).__name__})")
+
+
+def check_spec(spec: RunSpec) -> None:
+    """Every field of a ``RunSpec`` checked once, where the spec is made (ValueError naming the field, what it takes
+    and the value given): the switches are True or False (the text 'false' would turn a feature on), the counts
+    are whole numbers, the modes are among theirs, and ``swap`` / ``plan`` / ``compile`` are what ``prepare_model``
+    reads (a value of another kind would run as if absent)."""
+    for name in SPEC_FLAGS:
+        if not isinstance(getattr(spec, name), bool):
+            raise _spec_error(name, getattr(spec, name), "True or False")
+    for name, least in SPEC_INTS.items():
+        v = getattr(spec, name)
+        if isinstance(v, bool) or not isinstance(v, int) or (least is not None and v < least):
+            raise _spec_error(name, v, "a whole number" + (f" >= {least}" if least is not None else ""))
+    for name, modes in (("path", PATHS), ("cuda_graphs", CUDA_GRAPH_MODES), ("oom_retry", OOM_RETRY_MODES)):
+        if getattr(spec, name) not in modes:
+            raise _spec_error(name, getattr(spec, name), f"one of {', '.join(map(repr, modes))}")
+    check_ops_mode(spec.ops)
+    check_linear_mode(spec.linear)
+    kinds = {"swap": (SwapSettings,), "compile": (CompileSettings, dict)}
+    for name, types in kinds.items():
+        v = getattr(spec, name)
+        if not (v is None or (isinstance(v, str) and v == KEEP) or isinstance(v, types)):
+            raise _spec_error(name, v, f"None, {KEEP!r} or {' or a '.join(t.__name__ for t in types)}")
+    plan = spec.plan
+    if not (plan is None or hasattr(plan, "swap_settings") or isinstance(plan, dict)):
+        raise _spec_error("plan", plan, "None, a MemoryPlan or its dict")
+    if isinstance(plan, dict):
+        n = plan.get("blocks_to_swap", 0)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise _spec_error("plan's blocks_to_swap", n, "a whole number >= 0")
 
 
 @dataclass
@@ -169,7 +215,7 @@ def prepare(model, spec: RunSpec, context, noise, *, setup: Setup | None = None,
     from ..memory.sampling_guard import oom_guard
     setup = setup if setup is not None else prepare_model(model, spec, log=log, notes=notes)
     hooks = hooks if hooks is not None else SamplingHooks()
-    shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
+    shape = check_noise(noise)
     guard = hooks.chunk_guard
     if guard is None:
         guard = oom_guard(model, shape, spec.frames_per_block, mode=spec.oom_retry)
@@ -182,6 +228,23 @@ def prepare(model, spec: RunSpec, context, noise, *, setup: Setup | None = None,
     if hooks.report is not None:                     # the verdicts applied: {feature: why}
         hooks.report["switched_off"] = setup.switched_off
     return Prepared(request, run_inputs, run_hooks, setup)
+
+
+def check_noise(noise) -> tuple:
+    """The shape [B, F, C, H, W] of the initial noise (a tensor, or its shape), every size at least 1 (zero latent
+    frames would sample an empty video); a noise tensor of NaN or inf is refused here, before anything is sampled
+    (``model.finite``: one host sync), naming the noise rather than the weights. ValueError otherwise."""
+    tensor = isinstance(noise, torch.Tensor)
+    try:
+        shape = tuple(noise.shape) if tensor else tuple(int(v) for v in noise)
+    except (TypeError, ValueError):
+        raise ValueError(f"noise must be a tensor [B, F, C, H, W] or its shape, got {noise!r}") from None
+    if len(shape) != 5 or min(shape) < 1:
+        raise ValueError(f"noise must be [batch, latent frames, channels, height, width] with every size at least 1, "
+                         f"got {list(shape)}: a run of no latent frames is no video; give at least one latent frame")
+    if tensor:
+        check_conditioning(noise, "the initial noise", "give finite noise, or its shape to draw it from the seed")
+    return shape
 
 
 def prepare_video(model, spec: RunSpec, context, width: int, height: int, num_frames: int, **kwargs) -> Prepared:

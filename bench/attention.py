@@ -21,12 +21,13 @@ still run). ``--lq/--lk`` time one call of any size instead of a run's.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 
 import torch
 
+from ..cache.finite_flags import non_finite
+from ..cache.json_out import to_json
 from ..app.validate import UsageError
 
 # shape -> (tokens per latent frame, latent frames, frames per chunk, heads, head size, text tokens)
@@ -81,7 +82,7 @@ def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
     try:
         with torch.no_grad():
             out = fn(q, k, v)
-            if not bool(torch.isfinite(out).all()):     # a figure for wrong numbers would be no figure
+            if non_finite({"output": out}):             # a figure for wrong numbers would be no figure
                 return dict(row, status="failed", why="non-finite output (NaN or inf): not timed")
             diff = (out.float() - ref.float()).abs()
             ms = timer(lambda: fn(q, k, v))
@@ -193,7 +194,7 @@ def run(args) -> int:
               "fastest_exact_tflops": top and top["tflops"], "goal_tflops": GOAL_TFLOPS,
               "seconds": round(time.perf_counter() - t0, 2), "rows": rows}
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(to_json(result))
         return 0
     print(f"attention bench on {result['device_name']} ({device}), {shape} run: batch {args.batch}, {heads} heads of "
           f"{head_dim}, {result['dtype']}" + (f"; bf16 matmul ceiling {ceiling} TFLOP/s" if ceiling else ""))

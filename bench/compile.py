@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..cache.json_out import to_json
 from ..profiling.child import child_argv, last_error, worker_message
 
 CHILD_MARK = "WAN_ACCEL_BENCH_RESULT "
@@ -235,7 +236,7 @@ def run(args) -> int:
                "cold_counters": colds[0]["counters"], "warm_counters": warms[-1]["counters"],
                "warm_loaded_artifacts": warms[-1]["loaded_artifacts"], "runs": {"cold": colds, "warm": warms}}
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(to_json(summary))
         return 0
     what = "tiny causal Wan, 2 chunks" if model == "wan" else f"stand-in, {args.blocks} blocks, dim {args.dim}"
     print(f"compile benchmark: {what}, {device}, preset {args.preset}")

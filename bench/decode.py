@@ -26,6 +26,7 @@ import time
 import torch
 
 from ..app.jobs.generate import _sync
+from ..cache.finite_flags import bad_flag, read_flags
 
 from .options import DECODES  # noqa: E402,F401  (bench sampler --decode; defined without torch)
 
@@ -60,7 +61,7 @@ class ChunkDecoder:
         self.chunk_frames: list = []        # latent frames per chunk
         self.frames = 0                     # pixel frames decoded
         self.first_frame_s = None
-        self.finite: list = []              # per chunk: whether its pixels are finite (device bools, one sync at end)
+        self.finite: list = []              # per chunk: whether its pixels hold NaN/inf (device bools, one sync at end)
 
     def __call__(self, ci, num_chunks, x0) -> None:
         _sync(self.device)
@@ -69,7 +70,7 @@ class ChunkDecoder:
         made = pixels.shape[2]
         _sync(self.device)
         now = time.perf_counter()
-        self.finite.append(torch.isfinite(pixels).all())     # after the clock: what was timed is checked too
+        self.finite.append(bad_flag(pixels))               # after the clock: what was timed is checked too
         self.decode_s.append(now - start)
         self.chunk_frames.append(int(x0.shape[1]))
         self.frames += made
@@ -81,8 +82,9 @@ class ChunkDecoder:
         """NonFiniteError when a decoded chunk held NaN or inf pixels: a timed decode of non-finite frames is no
         figure (one host sync, after the run)."""
         from ..model.finite import NonFiniteError
-        if self.finite and not bool(torch.stack(self.finite).all()):
-            first = next(i for i, ok in enumerate(self.finite) if not bool(ok))
+        bad = read_flags(self.finite)
+        if any(bad):
+            first = bad.index(True)
             raise NonFiniteError(f"--decode {kind}: the decoder gave NaN or inf pixels (chunk {first}); its weights "
                                  f"are damaged or overflow in the run dtype: give another --vae, or run --dtype fp32")
 

@@ -16,12 +16,12 @@ int8 kernel, and fp8 tensor cores, on a CUDA GPU).
 """
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 import torch
 
+from ..cache.finite_flags import non_finite
+from ..cache.json_out import to_json
 from ..app.validate import UsageError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
@@ -88,18 +88,25 @@ def _read_config(path: Path) -> dict:
     return cfg
 
 
-def _check_finite(rows: list) -> None:
-    """A comparison that is not a finite number is no measurement: refused, naming the fixture."""
-    for r in rows:
-        values = [r["final"]["max_abs"], r["final"]["mean_abs"]] + [s["max_abs"] for s in r["steps"]]
-        if not all(math.isfinite(v) for v in values):
-            raise RuntimeError(f"fixture {r['fixture']} ({r['path']} path): the runs gave NaN or infinite latents, "
-                               f"so no difference can be measured; check the fixture's config and weights (record "
-                               f"it again)")
+def _substitute(attention: str, device, model) -> str | None:
+    """Why the run's attention is not ``attention`` (another implementation runs in its place: FlashAttention
+    requested where it cannot run, or found unusable during the run), or None when it is what runs."""
+    from ..model import attention as attn
+    if attention not in ("fa3", "fa2", "flash_attn"):
+        return None                 # sdpa itself; int8 / fp8: their math, in a kernel or in torch (fp8_numerics)
+    c = model.config
+    ran, why = attn.explain_backend(attention, device, model.compute_dtype, c.dim // c.num_heads)
+    return None if ran != "sdpa" else f"{ran} ran in place of '{attention}' ({why})"
+
+
+def _failed(row: dict, why: str) -> dict:
+    """A row with no figures: what ran instead, or why its figures are no measurement."""
+    return {k: v for k, v in row.items() if k not in ("final", "steps")} | {"status": "failed", "why": why}
 
 
 def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, device, linear: str = "exact") -> tuple:
-    """(final latents, {(chunk, step): x0}) of one run of the fixture."""
+    """(final latents, {(chunk, step): x0}, None) of one run of the fixture; (None, None, why) when another
+    attention than ``attention`` would run or ran (``_substitute``): nothing of it is a measurement of it."""
     from ..sampling.sampler import sampler_path
     from ..app.jobs.reference import _load_io, _load_model, _schedule_from
     io = _load_io(directory, cfg)
@@ -112,6 +119,8 @@ def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, devic
         if kind == "wan":
             from ..sampling.sampler import sample_causal
             model = _load_model(directory, cfg, device).set_attention_backend(attention)
+            if (instead := _substitute(attention, device, model)):
+                return None, None, instead
             s = cfg["sampler"]
 
             def provide(ci, k, shape, dtype, dev):
@@ -127,6 +136,8 @@ def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, devic
             from ..sampling.mg2 import sample_mg2
             from ..app.jobs.mg2_reference import load_fixture_model
             model = load_fixture_model(directory, cfg, device).set_attention_backend(attention)
+            if (instead := _substitute(attention, device, model)):
+                return None, None, instead
             window = int(cfg["config"]["local_attn_size"])
             actions = model.new_action_call(io["mouse_cond"].to(device) if "mouse_cond" in io else None,
                                             io["keyboard_cond"].to(device) if "keyboard_cond" in io else None, window)
@@ -137,7 +148,7 @@ def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, devic
             out = sample_mg2(model, io["initial_noise"].to(device), io["cond_concat"].to(device),
                              io["visual_context"].to(device), actions.mouse, actions.keyboard, _schedule_from(cfg),
                              window, noise_provider=provide, callback=callback, actions=actions)
-    return out.float().cpu(), steps
+    return out.float().cpu(), steps, _substitute(attention, device, model)     # a build found unusable meanwhile
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -151,8 +162,10 @@ def paths_for(linear: str) -> tuple:
 
 
 def measure(directory, attention: str = "int8", device="cpu", linear: str = "exact", progress=None) -> list:
-    """Rows {fixture, path, attention, linear, final: {max_abs, mean_abs}, steps: [{chunk, step, max_abs,
-    mean_abs}]}; ``progress(text)`` is told of each run as it starts."""
+    """Rows {fixture, path, attention, linear, status 'ok', final: {max_abs, mean_abs}, steps: [{chunk, step,
+    max_abs, mean_abs}]}, or status 'failed' and ``why`` (no figures) for a run whose attention was another
+    implementation (``_substitute``: what ran is named) or whose tensors are not finite (one finite check of every
+    tensor compared); ``progress(text)`` is told of each run as it starts."""
     directory = Path(directory)
     kind, cfg = _fixture(directory)
     check_fixture_fits(directory, kind, cfg, device)
@@ -160,13 +173,23 @@ def measure(directory, attention: str = "int8", device="cpu", linear: str = "exa
     rows = []
     for path in paths_for(linear):
         tell(f"{directory.name}, {path} path: the exact run (sdpa, exact linear layers)")
-        exact, exact_steps = _run(kind, directory, cfg, "sdpa", path, device)
+        exact, exact_steps, _ = _run(kind, directory, cfg, "sdpa", path, device)
         tell(f"{directory.name}, {path} path: the run with attention {attention}, linear {linear}")
-        other, other_steps = _run(kind, directory, cfg, attention, path, device, linear)
-        steps = [dict(chunk=c, step=k, **_diff(other_steps[(c, k)], exact_steps[(c, k)]))
-                 for c, k in sorted(exact_steps) if (c, k) in other_steps]
-        rows.append({"fixture": directory.name, "model_kind": kind, "path": path, "attention": attention,
-                     "linear": linear, "final": _diff(other, exact), "steps": steps})
+        other, other_steps, instead = _run(kind, directory, cfg, attention, path, device, linear)
+        row = {"fixture": directory.name, "model_kind": kind, "path": path, "attention": attention, "linear": linear}
+        if instead:
+            rows.append(_failed(row, instead))
+            continue
+        pairs = [(c, k) for c, k in sorted(exact_steps) if (c, k) in other_steps]
+        bad = non_finite([("final latents", other), ("exact final latents", exact)]
+                         + [(f"x0 of chunk {c} step {k}", other_steps[(c, k)]) for c, k in pairs]
+                         + [(f"exact x0 of chunk {c} step {k}", exact_steps[(c, k)]) for c, k in pairs])
+        if bad:
+            rows.append(_failed(row, f"the runs gave NaN or infinite values ({bad[0]}), so no difference can be "
+                                     f"measured; check the fixture's config and weights (record it again)"))
+            continue
+        steps = [dict(chunk=c, step=k, **_diff(other_steps[(c, k)], exact_steps[(c, k)])) for c, k in pairs]
+        rows.append(dict(row, status="ok", final=_diff(other, exact), steps=steps))
     return rows
 
 
@@ -207,7 +230,7 @@ def run(args) -> int:
     kind = fp8_kind(numerics, device) if attention == "fp8" else None
     with attn.fp8_numerics(kind if numerics != "here" else None):
         rows = [r for f in folders for r in measure(f, attention, device, linear, progress)]
-    _check_finite(rows)
+    failed = [r for r in rows if r["status"] != "ok"]
     speed = ("bench sampler --linear fp8 times it (a gain needs fp8 tensor cores: a CUDA GPU of SM 8.9+)"
              if linear == "fp8" else "bench sampler --attention fp8 times it (a gain needs the pack's fp8 kernel: a "
                                      "CUDA GPU of SM 8.9+, or FlashAttention 3 on a Hopper GPU)" if attention == "fp8" else
@@ -219,17 +242,20 @@ def run(args) -> int:
     if linear == "fp8":
         result["note"] = "the reference path has no fp8 linear mode: the optimized path alone is compared"
     if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
+        print(to_json(result))
+        return 1 if failed else 0
     print(f"fidelity of attention '{attention}'{f' ({kind})' if kind else ''}, linear '{linear}' against exact (SDPA, "
           f"exact linear layers) on {device} (float32 weights)")
     if result.get("note"):
         print(result["note"])
     print(f"{'fixture':<16}{'path':<11}{'final max':>11}{'final mean':>12}{'worst step max':>16}{'at':>12}")
     for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['fixture']:<16}{r['path']:<11}FAILED: {r['why']}")
+            continue
         worst = max(r["steps"], key=lambda s: s["max_abs"]) if r["steps"] else None
         at = f"c{worst['chunk']} s{worst['step']}" if worst else "-"
         print(f"{r['fixture']:<16}{r['path']:<11}{r['final']['max_abs']:>11.2e}{r['final']['mean_abs']:>12.2e}"
               f"{(worst['max_abs'] if worst else 0):>16.2e}{at:>12}")
     print(result["speed"])
-    return 0
+    return 1 if failed else 0

@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..cache.json_out import to_json
 from ..profiling.child import child_argv, last_error, worker_message
 
 # (label, B, L, D, heads): a causal chunk of 3 latent frames at 480x832 for Wan 1.3B and 14B
@@ -506,7 +507,7 @@ def run(args) -> int:
         vae = vae_rows("cpu", "float32", VAE_INTERPRETED_SHAPE if interpreted else None)
         ok = all(r.get("ok", True) for r in rows + cands + vae)
         if args.json:
-            print(json.dumps({"gpu": False, "message": "kernel benchmarks need a CUDA GPU",
+            print(to_json({"gpu": False, "message": "kernel benchmarks need a CUDA GPU",
                               "sanity": rows, "candidates": cands, "vae": vae, "ok": ok}, indent=2))
         else:
             print("bench kernels: timings need a CUDA GPU with triton; ran the interpreter sanity pass instead")
@@ -533,7 +534,7 @@ def run(args) -> int:
     fp8_rows = fp8_quant_rows("cuda", args.dtype) + fp8_kv_write_rows("cuda", args.dtype) + \
         fp8_linear_rows(args.dtype)
     if args.json:
-        print(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "candidates": cands, "vae": vae,
+        print(to_json({"gpu": torch.cuda.get_device_name(), "rows": rows, "candidates": cands, "vae": vae,
                           "fp8": fp8_rows},
                          indent=2))
         return 0

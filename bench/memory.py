@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from ..cache.json_out import print_json
+
 SHAPES = {"1.3b": (1536, 8960, 12, 30), "14b": (5120, 13824, 40, 40)}
 
 
@@ -113,9 +115,7 @@ def _cpu_pass(args) -> int:
 
 
 def _print_json(obj) -> None:
-    import json
-
-    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    print_json(obj, sort_keys=True)
 
 
 def _format_rows(rows, cols) -> str:

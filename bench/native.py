@@ -33,13 +33,14 @@ command line (``app/`` imports neither ComfyUI nor the nodes).
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from ..cache.json_out import to_json
 
 SKIP_LINE = ("ComfyUI is not importable here: run it with ComfyUI's Python from the ComfyUI folder, or set "
              "COMFYUI_DIR")
@@ -120,7 +121,7 @@ def skipped(why: str, args) -> int:
         print(SKIP_LINE, file=sys.stderr)
     else:
         print(SKIP_LINE)
-    print(json.dumps(result))
+    print(to_json(result, indent=None))
     return 0
 
 
@@ -440,7 +441,7 @@ def run(args) -> int:
             shutil.rmtree(work, ignore_errors=True)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(to_json(result, indent=1))
     else:
         print_table(result)
     return 0
@@ -472,7 +473,7 @@ def print_table(result: dict) -> None:
         print("  ".join(str("n/a" if s is None else s).ljust(w) for s, w in zip(t, widths)))
     for var in result["variants"]:
         if var.get("why_slower"):
-            print(f"{var['weights']}: native slower than own: {json.dumps(var['why_slower'])}")
+            print(f"{var['weights']}: native slower than own: {to_json(var['why_slower'], indent=None)}")
     for var in result["variants"]:
         for what in [var.get("error")] + [f"{k}: {r['error']}" for k, r in var["rows"].items() if r.get("error")]:
             if what:

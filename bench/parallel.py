@@ -17,13 +17,13 @@ show the mechanism working, not what GPUs gain.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 
+from ..cache.json_out import to_json
 from ..cache.fingerprint import cpu_name
 from . import sampler as bs
 from ..app.validate import UsageError
@@ -79,6 +79,11 @@ def check_world_args(args) -> None:
     if ignored:
         raise UsageError(f"{ignored} is not used by the sequence-parallel comparison (--world-size): leave it out, "
                          f"or leave --world-size out to run it in one process")
+    if world:                           # the model and dtype rules of one process hold for the ranks too
+        from ..app.jobs.handle import default_device
+        from .sampler_setup import check_model_options
+        device = torch.device(args.device) if args.device else default_device()
+        check_model_options(args, [_variant(args, device)], bs.VARIANTS)
     heads = model_heads(args)
     check_rank_env(heads, device=args.device)
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
@@ -159,6 +164,7 @@ def run(args) -> int:
                 variant=_variant(args, device))
     if opts["variant"] not in bs.VARIANTS:
         raise UsageError(f"--variants: unknown {opts['variant']}; choose from {', '.join(bs.VARIANTS)}")
+    bs._check_host_fit(args, device, kind, shape, *geometry)      # off CUDA: the estimate before any model is built
     if under_torchrun:
         sp, dev = group_from_env(args.device)
         opts["devices"] = [str(dev)] * sp.world
@@ -186,7 +192,7 @@ def run(args) -> int:
               "frames": geometry[0], "height": geometry[1], "width": geometry[2], "world_size": world,
               "torch": torch.__version__, "rows": rows}
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(to_json(result))
         return 0
     print(f"sequence-parallel sampler bench on {result['device_name']}, {kind} {result['model']}, "
           f"{geometry[0]} frames {geometry[2]}x{geometry[1]}, {opts['variant']} path")

@@ -15,12 +15,12 @@ measured side by side in one run.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import torch
 
+from ..cache.json_out import to_json
 from .options import PLAY_SIZES as SIZES, play as add_arguments  # noqa: E402,F401  (defined without torch)
 
 
@@ -125,7 +125,7 @@ def run(args, out=print) -> int:
                "new_bytes_ratio": ratio(inplace["new_bytes_per_chunk"], copies["new_bytes_per_chunk"]),
                "peak_ratio": ratio(inplace["peak_bytes_per_chunk"], copies["peak_bytes_per_chunk"])}
     if args.json:
-        out(json.dumps(summary, indent=2))
+        out(to_json(summary))
         return 0
     out(f"Matrix-Game-2 play chunks: {summary['model']}, {width}x{height}, {summary['device']}, {summary['dtype']}, "
         f"{args.chunks} timed chunks after {args.warmup}")

@@ -49,12 +49,12 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import statistics
 import time
 
 import torch
 
+from ..cache.json_out import to_json
 from ..cache.fingerprint import cpu_name
 from ..app.validate import UsageError
 from .decode import ChunkDecoder, build_bench_decoder, check_decode_args, decode_columns, decoder_peak_mb
@@ -75,6 +75,38 @@ def mg2_config_1_3b():
                             extra={"action_config": action})
 
 
+def _random_config(kind: str, shape: str):
+    """The config of a random-weight shape."""
+    if kind == "matrix-game2":
+        from ..model.mg2_model import tiny_mg2_config
+        return tiny_mg2_config() if shape == "tiny" else mg2_config_1_3b()
+    from .sampler_setup import shape_config
+    return shape_config(kind, shape)
+
+
+def _check_host_fit(args, device, kind: str, shape: str, frames: int, height: int, width: int) -> None:
+    """Off CUDA, before the model is built: the run's estimate (its float32 weights, latents, KV cache and
+    activations: ``validate.check_fits``) against the available RAM, which ``WAN_ACCEL_MEMORY_LIMIT_GB`` caps; a
+    run that cannot fit is refused with what would (a CUDA run has its VRAM plan: ``prepare_memory``)."""
+    if device.type == "cuda":
+        return
+    from ..app.validate import check_fits
+    if args.checkpoint:
+        from ..memory.weights import weights_from_checkpoint
+        weights = weights_from_checkpoint(args.checkpoint)
+        config, weight_bytes = weights.sampling_config(), weights.bytes_at(4)
+    else:
+        from ..model.checkpoint import model_class
+        cfg = _random_config(kind, shape)
+        with torch.device("meta"):
+            weight_bytes = 4 * sum(p.numel() for p in model_class(cfg)(cfg).parameters())
+        config = cfg.to_dict()
+    from .sampler_setup import shape_window
+    check_fits(config, frames, height, width, device=device, dtype="fp32", kv_window=shape_window(shape)[0],
+               weight_bytes=weight_bytes, names={"frames": "--frames", "height": "--height", "width": "--width"},
+               window_option=False)
+
+
 def _base_model(args, kind: str, shape: str):
     """float32 model on the CPU with deterministic weights (random, or the checkpoint's)."""
     from ..model.tiny import init_tiny_weights
@@ -85,12 +117,7 @@ def _base_model(args, kind: str, shape: str):
         from ..model.loader import load_wan_checkpoint
         return load_wan_checkpoint(args.checkpoint, device="cpu", dtype=torch.float32, precision="float32")
     from ..model.checkpoint import model_class
-    if kind == "matrix-game2":
-        from ..model.mg2_model import tiny_mg2_config
-        cfg = tiny_mg2_config() if shape == "tiny" else mg2_config_1_3b()
-    else:
-        from .sampler_setup import shape_config
-        cfg = shape_config(kind, shape)
+    cfg = _random_config(kind, shape)
     model = init_tiny_weights(model_class(cfg)(cfg), args.seed).eval().requires_grad_(False)
     if getattr(args, "weights", "bf16") == "fp8":       # block linears stored as e4m3, one scale per tensor
         from ..model.random_weights import to_fp8_weights
@@ -423,12 +450,13 @@ def run(args) -> int:
     progress = Progress("bench sampler")
     progress(f"{len(names)} variant(s) ({', '.join(names)}), {1 + max(1, args.repeat)} runs each (1 warm-up), "
              f"{frames} frames at {width}x{height} on {device}")
+    _check_host_fit(args, device, kind, shape, frames, height, width)                 # CPU: the estimate first
     memory = setup.prepare_memory(args, device, kind, shape, frames, height, width)    # the cap, then the plan
     info = {**memory["memory"], "parity_off": setup.parity_off(args)}
     if memory["refused"]:
         progress(memory["refused"])
         if args.json:
-            print(json.dumps({"device": str(device), "shape": shape, "error": "does not fit",
+            print(to_json({"device": str(device), "shape": shape, "error": "does not fit",
                               "message": memory["refused"], **info, "rows": []}, indent=2))
         else:
             print(f"bench sampler: {memory['refused']}")
@@ -490,7 +518,7 @@ def run(args) -> int:
     _history(result)
     result["rows"] = rows + failed          # a variant that ran out of memory: its row says so
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(to_json(result))
         return 0 if rows else 1
     print(f"sampler bench on {result['device_name']} ({device}), {kind} {result['model']}, {frames} frames "
           f"{width}x{height}; peak {peak if peak else 'n/a'} TFLOP/s ({peak_src})"

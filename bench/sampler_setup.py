@@ -77,25 +77,33 @@ def sampler_kwargs(shape: str, kv_window: int | None = None):
 
 
 # ----------------------------------------------------------------------------- option checks (before any work)
-def check_options(args, device: torch.device, names: list, variants: dict) -> None:
-    """UsageError (exit 2, one line) for a combination the bench cannot run, before any model is built."""
+def check_model_options(args, names: list, variants: dict) -> None:
+    """The model and dtype a bench sampler run takes, for one process and for --world-size alike: --shape with
+    --checkpoint, a shape the model kind lacks, and --dtype where every chosen variant runs its own float32 (and
+    nothing decodes) are refused, never dropped."""
     kind, shape = args.model_kind, args.shape or "tiny"
-    cap = getattr(args, "memory_cap_gb", None)
-    weights = getattr(args, "weights", None) or "bf16"
     if args.shape is not None and args.checkpoint:      # the checkpoint's own size is run: --shape would be ignored
         raise UsageError(f"--shape {args.shape} picks a random-weight model, and --checkpoint runs the file's model: "
                          f"leave out one of them")
     if shape not in SAMPLER_SHAPES[kind]:
         raise UsageError(f"--shape {shape}: {kind} has the shapes {', '.join(SAMPLER_SHAPES[kind])}")
-    off = parity_off(args)
-    if getattr(args, "no_parity", False) and off:       # nothing to skip: --no-parity would be ignored
-        raise UsageError(f"--no-parity skips the float32 parity run, and this run has none ({off}): leave "
-                         f"--no-parity out")
     if args.dtype is not None and getattr(args, "decode", "none") == "none" and names \
             and all(variants[n]["dtype"] is not None for n in names if n in variants):
         raise UsageError(f"--dtype {args.dtype} sets the run dtype, and every chosen variant ({', '.join(names)}) "
                          f"runs in its own float32: add a run-dtype variant (e.g. optimized) to --variants, or "
                          f"leave --dtype out")
+
+
+def check_options(args, device: torch.device, names: list, variants: dict) -> None:
+    """UsageError (exit 2, one line) for a combination the bench cannot run, before any model is built."""
+    kind, shape = args.model_kind, args.shape or "tiny"
+    cap = getattr(args, "memory_cap_gb", None)
+    weights = getattr(args, "weights", None) or "bf16"
+    check_model_options(args, names, variants)
+    off = parity_off(args)
+    if getattr(args, "no_parity", False) and off:       # nothing to skip: --no-parity would be ignored
+        raise UsageError(f"--no-parity skips the float32 parity run, and this run has none ({off}): leave "
+                         f"--no-parity out")
     if weights not in SAMPLER_WEIGHTS:
         raise UsageError(f"--weights must be one of {', '.join(SAMPLER_WEIGHTS)}, got {weights!r}")
     if weights != "bf16" and args.checkpoint:

@@ -11,7 +11,6 @@ leaves the previous file intact. Appends open with ``O_NOFOLLOW | O_NONBLOCK`` a
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from .json_out import to_json
 from .paths import default_cache_path
 from .safety import file_kind, loads_json, system_folder  # noqa: F401 - loads_json: the files' JSON reader
 
@@ -341,8 +341,9 @@ def write_text(path, text: str, encoding: str = "utf-8", **kw) -> Path:
 
 
 def write_json(path, obj, *, indent: int | None = 2, sort_keys: bool = True, default=str, **kw) -> Path:
-    """``obj`` as JSON (with a final newline), written atomically."""
-    return write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n", **kw)
+    """``obj`` as strict JSON (``json_out.to_json``: non-finite numbers as strings; a final newline), written
+    atomically."""
+    return write_text(path, to_json(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n", **kw)
 
 
 def read_regular(path, limit: int | None = None) -> bytes:

@@ -8,8 +8,10 @@
 
 The file fills a temporary beside its target (``owned_files.new_temporary``); ``close()`` hands it to the pack's
 one writer (``owned_files.write_with``: checked again, fsynced, renamed), so the target is either the whole video or
-untouched; ``discard()`` (or the object's collection) removes the temporary of a run that failed. Users: ``generate
---decode`` (``app/jobs/video.py``) and Matrix-Game-2 Play Save (``nodes/play_nodes.py``).
+untouched. Float frames that hold NaN or inf are refused where they are written (``NonFiniteFramesError``, the file
+discarded: the pack's one finite check, ``finite_flags``), never cast to bytes; ``discard()`` (or the object's
+collection) removes the temporary of a run that failed. Users: ``generate --decode`` (``app/jobs/video.py``) and
+Matrix-Game-2 Play Save (``nodes/play_nodes.py``).
 """
 from __future__ import annotations
 
@@ -117,6 +119,10 @@ class _Mp4:
         self.out.close()
 
 
+class NonFiniteFramesError(ValueError):
+    """Frames given to a video hold NaN or inf; the message names the video, the frame and the likely cause."""
+
+
 def _remove(path: str) -> None:
     try:
         os.unlink(path)
@@ -149,6 +155,7 @@ class VideoFile:
         import torch
         if isinstance(images, torch.Tensor):
             if images.is_floating_point():
+                self._check_finite(images)
                 images = (images.detach().float().clamp(0, 1) * 255).round()
             images = images.to("cpu", torch.uint8).numpy()
         if images.ndim != 4 or images.shape[-1] != 3:
@@ -160,6 +167,22 @@ class VideoFile:
         for frame in images:
             self.encoder.add(frame)
             self.frames += 1
+
+    def _check_finite(self, images) -> None:
+        """NonFiniteFramesError (the unfinished file discarded) when float frames hold NaN or inf: a NaN cast to a
+        byte is a pixel of no value, so such a video is never written (one host sync per batch of frames, which is
+        copied to the host anyway)."""
+        import torch
+
+        from .finite_flags import counts, non_finite        # torch's: imported when frames come
+        if non_finite({"frames": images}):
+            bad = (~torch.isfinite(images)).flatten(1).any(1).nonzero()
+            first = self.frames + (int(bad[0, 0]) if bad.numel() else 0)
+            self.discard()
+            raise NonFiniteFramesError(
+                f"{self.purpose} ({self.path.name}): frame {first} holds values that are not numbers "
+                f"({counts(images)}): the decoder overflowed (its weights are damaged or too large "
+                f"for its dtype); give other decoder weights or decode in float32. No video was written")
 
     def close(self) -> Path:
         """The complete video at ``path`` (ValueError for a video without frames, which is discarded)."""

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from ..cache.json_out import to_json
 from ..app.validate import (UsageError, check_device, check_fits, check_float, check_geometry, check_input_file,
                             check_int, check_output_dir, check_schedule_args, check_steps, check_text,
                             dtype_arg)
@@ -303,8 +303,7 @@ def _model_size(args) -> tuple[dict | None, int]:
     except ValueError:
         return None, 0          # not sizable from its header: the loader says what is wrong with it
     elem = 4 if (args.dtype or "fp32") == "fp32" and not str(args.device or "").startswith("cuda") else 2
-    return dict(weights.config, **{k: getattr(weights, k) for k in ("dim", "ffn_dim", "num_layers", "num_heads")}), \
-        sum(weights.block_bytes_at(elem)) + weights.other_bytes_at(elem)
+    return weights.sampling_config(), weights.bytes_at(elem)
 
 
 def _check_mg2_schedule(args) -> None:
@@ -359,7 +358,7 @@ def _generate(args) -> int:
     if parallel is not None and parallel.rank != 0:
         return 0
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(to_json(report))
     else:
         print(f"{report['model']} on {report['device']} ({report['dtype']}, {report['precision']}): "
               f"latents {report['latent_shape']} in {report['sample_seconds']:.2f} s")
@@ -451,7 +450,7 @@ def _convert(args) -> int:
         check_int("--num-heads", args.num_heads, 1, 1024)
     summary = convert_pt_to_safetensors(args.src, args.dst, ema=args.ema, num_heads=args.num_heads)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(to_json(summary))
     else:
         c = summary["config"]
         print(f"wrote {summary['output']}: {summary['tensors']} tensors from '{summary['entry']}' "
@@ -487,7 +486,7 @@ def _check(args) -> int:
     for note in getattr(rows, "notes", ()):
         print(f"note: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"rows": [{"tensor": r[0], "max_abs_diff": r[1], "ok": row_ok(r[1], args.tol),
+        print(to_json({"rows": [{"tensor": r[0], "max_abs_diff": r[1], "ok": row_ok(r[1], args.tol),
                                     **({"note": r.note} if getattr(r, "note", None) else {})} for r in rows],
                           "tensors": result["tensors"], "failed": result["failed"], "worst": result["worst"],
                           "tolerance": args.tol, "pass": result["pass"],

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
-import sys
+
+from ..cache import json_out
 
 
 def print_json(obj) -> None:
-    json.dump(obj, sys.stdout, indent=2, sort_keys=True, default=str)
-    sys.stdout.write("\n")
+    """``obj`` on stdout as strict JSON (the pack's one JSON writer: ``cache/json_out.py``)."""
+    json_out.print_json(obj, sort_keys=True)
 
 
 def format_table(rows: list[dict], columns: list[str], headers: list[str] | None = None,

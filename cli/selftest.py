@@ -1,8 +1,9 @@
 """``python -m wan_accel selftest [--json] [--out DIR] [--require-gpu] [--quick] [--only STAGE] [--goals]``."""
 from __future__ import annotations
 
-import json
 import sys
+
+from ..cache.json_out import to_json
 
 
 def _run(args) -> int:
@@ -10,7 +11,7 @@ def _run(args) -> int:
     from ..app.validate import UsageError, check_device, check_output_dir
     if args.stage == "fp8":           # one in-process stage, run by the self-test in its own process
         device = check_device("--device", args.device or "cpu")
-        print(json.dumps(selftest.fp8_stage(device, check_output_dir("--out", args.out))))
+        print(to_json(selftest.fp8_stage(device, check_output_dir("--out", args.out)), indent=None))
         return 0
     names = [s.name for s in selftest.STAGES]
     unknown = [n for n in (args.only or []) if n not in names]
@@ -29,7 +30,7 @@ def _run(args) -> int:
               f"{args.out}/selftest.json holds the finished stages, marked unfinished", file=sys.stderr)
         return 128 + stop.signum
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(to_json(result))
     else:
         print(selftest.markdown(result))
         print(f"written: {result['files']['json']}, {result['files']['markdown']}")

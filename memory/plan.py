@@ -5,9 +5,9 @@ namespace ``memory``) override them.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 
+from ..cache.json_out import to_json
 from .estimate import (Workload, activation_bytes, attended_tokens, block_compute_ms, cross_cache_bytes,
                        kv_cache_bytes, query_tokens, transfer_ms, vae_decode_bytes, video_frames_for)
 from .limits import dit_limit_key, learned_size, vae_kind as vae_kind_of, vae_limit_key
@@ -55,7 +55,7 @@ class MemoryPlan:
         return dataclasses.asdict(self)
 
     def to_json(self, **kw) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True, **kw)
+        return to_json(self.to_dict(), **{"sort_keys": True, "indent": None, **kw})
 
     @classmethod
     def from_dict(cls, d: dict) -> "MemoryPlan":

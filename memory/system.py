@@ -58,7 +58,8 @@ class SystemInfo:
         ram = f"host RAM {gib(self.host_ram_available)} available of {gib(self.host_ram_total)}"
         if not self.has_gpu:
             return f"CPU only (no CUDA device); {ram}"
-        sim = " (simulated)" if self.simulated else (f" (capped to {gib(self.vram_cap)})" if self.vram_cap else "")
+        sim = (" (simulated)" if self.simulated else "") + \
+            (f" (capped to {gib(self.vram_cap)})" if self.vram_cap else "")
         return (f"{self.gpu_name}{sim}: {gib(self.free_vram)} free of {gib(self.total_vram)}, SM {self.capability_str}, "
                 f"bf16 {'yes' if self.bf16 else 'no'}, fp8 {'yes' if self.fp8 else 'no'}; {ram}, "
                 f"pinned budget {gib(self.pinned_budget)}")
@@ -81,10 +82,10 @@ class SystemInfo:
             raise ValueError(f"vram_gb must be positive, got {vram_gb}")
         total_ram, avail_ram = (int(ram_gb * GiB),) * 2 if ram_gb is not None else host_memory()
         cap = tuple(capability)
-        return cls(device="cuda", gpu_name=name, total_vram=int(vram_gb * GiB),
-                   free_vram=int((vram_gb if free_gb is None else free_gb) * GiB), capability=cap,
+        total, free, capped_to = capped_card(int(vram_gb * GiB), int((vram_gb if free_gb is None else free_gb) * GiB))
+        return cls(device="cuda", gpu_name=name, total_vram=total, free_vram=free, capability=cap,
                    bf16=cap >= (8, 0), fp8=cap >= (8, 9), host_ram_total=total_ram, host_ram_available=avail_ram,
-                   pinned_budget=pinned_budget_for(total_ram, avail_ram), simulated=True)
+                   pinned_budget=pinned_budget_for(total_ram, avail_ram), simulated=True, vram_cap=capped_to)
 
     @classmethod
     def cpu_only(cls, *, ram_gb: float | None = None) -> "SystemInfo":
@@ -102,20 +103,25 @@ def memory_limit() -> int | None:
     return _gib_env(MEMORY_LIMIT_ENV, 24, "use all the memory there is")
 
 
-def _gib_env(name: str, example: int, unset_means: str) -> int | None:
-    """Bytes from the environment variable ``name`` holding a positive number of GiB; None when unset; ValueError
-    naming the variable, an example and what unsetting it means when it holds anything else."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
+def parse_gib(raw, name: str, example: int, unset_means: str) -> int:
+    """Bytes of ``raw``, a positive finite number of GiB (text or a number); ValueError naming ``name``, an
+    example and what unsetting it means otherwise ('abc', 0, -1, nan, inf). The one parser of the memory
+    variables and of a cap given in code."""
     try:
-        value = float(raw)
-    except ValueError:
+        value = float(raw) if not isinstance(raw, bool) else float("nan")
+    except (TypeError, ValueError):
         value = float("nan")
     if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a positive number of GiB (e.g. {example}), got {raw!r}; unset it to "
-                         f"{unset_means}")
+        raise ValueError(f"{name} must be a positive number of GiB (e.g. {example}), got {str(raw).strip()!r}; "
+                         f"unset it to {unset_means}")
     return int(value * GiB)
+
+
+def _gib_env(name: str, example: int, unset_means: str) -> int | None:
+    """Bytes from the environment variable ``name`` holding a positive number of GiB (``parse_gib``); None when
+    unset."""
+    raw = os.environ.get(name, "").strip()
+    return parse_gib(raw, name, example, unset_means) if raw else None
 
 
 VRAM_CAP_ENV = "WAN_ACCEL_VRAM_CAP_GB"
@@ -124,27 +130,39 @@ VRAM_CAP_ENV = "WAN_ACCEL_VRAM_CAP_GB"
 def vram_cap() -> int | None:
     """The card size (bytes) to plan for, from ``WAN_ACCEL_VRAM_CAP_GB`` (GiB, a positive number): a big GPU made to
     behave like a smaller card. ``detect_system`` then reports this as the card's total and at most this less what
-    this process holds as free, so every face's VRAM plan (nodes, command line, benches) decides block swap, KV
-    window and VAE chunks for that card; ``apply_vram_cap`` also caps the CUDA caching allocator to it. None when
-    unset; ValueError naming the variable when it is not a positive number."""
+    this process holds as free, and a simulated card (``SystemInfo.simulated_gpu``, ``plan --vram-gb``) is capped
+    the same way, so every face's VRAM plan (nodes, command line, benches) decides block swap, KV window and VAE
+    chunks for that card; ``apply_vram_cap`` also caps the CUDA caching allocator to it. None when unset;
+    ValueError naming the variable when it is not a positive number, on every device (``detect_system`` reads it
+    first, with or without a GPU)."""
     return _gib_env(VRAM_CAP_ENV, 12, "plan for the whole card")
+
+
+def capped_card(total: int, free: int, held: int = 0) -> tuple:
+    """(total, free, the cap in bytes or 0) of a card of ``total`` bytes with ``free`` free, as a plan sees it
+    under ``WAN_ACCEL_VRAM_CAP_GB`` (a cap at or above the card changes nothing; ``held``: what this process
+    already holds of the cap)."""
+    cap = vram_cap()
+    if cap is None or cap >= total:
+        return int(total), int(free), 0
+    return cap, min(int(free), max(0, cap - int(held))), cap
 
 
 def apply_vram_cap(cap_gb: float | None = None, device=None) -> dict:
     """Make this process's CUDA memory behave like a card of ``cap_gb`` GiB (default: ``WAN_ACCEL_VRAM_CAP_GB``):
     sets ``WAN_ACCEL_VRAM_CAP_GB`` (so the VRAM plan sees that card) and the caching allocator's per-process
     fraction cap / total, so any allocation past the cap raises out of memory as on the smaller card. Call it before
-    anything is allocated on the device. Returns {'cap_bytes', 'total_bytes', 'fraction'}; ValueError when there
-    is no CUDA device or the cap exceeds the card."""
+    anything is allocated on the device. Returns {'cap_bytes', 'total_bytes', 'fraction'}; ValueError when the cap
+    is not a positive number, there is no CUDA device or the cap exceeds the card; a refused cap changes nothing
+    (the variable is set only once the allocator is capped)."""
     import torch  # lazy
 
     if cap_gb is not None:
-        if not cap_gb > 0 or cap_gb == float("inf"):
-            raise ValueError(f"the memory cap must be a positive number of GiB, got {cap_gb!r}")
-        os.environ[VRAM_CAP_ENV] = f"{float(cap_gb):g}"
-    cap = vram_cap()
-    if cap is None:
-        raise ValueError(f"no memory cap given ({VRAM_CAP_ENV} is unset)")
+        cap = parse_gib(cap_gb, "the memory cap", 12, "run without a cap")
+    else:
+        cap = vram_cap()
+        if cap is None:
+            raise ValueError(f"no memory cap given ({VRAM_CAP_ENV} is unset)")
     if not torch.cuda.is_available():
         raise ValueError(f"a memory cap of {cap / GiB:g} GiB caps CUDA memory, and there is no CUDA device")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -154,6 +172,8 @@ def apply_vram_cap(cap_gb: float | None = None, device=None) -> dict:
         raise ValueError(f"a memory cap of {cap / GiB:g} GiB is more than the card's {total / GiB:.1f} GiB")
     fraction = cap / total
     torch.cuda.set_per_process_memory_fraction(fraction, index)
+    if cap_gb is not None:
+        os.environ[VRAM_CAP_ENV] = f"{float(cap_gb):g}"
     return {"cap_bytes": int(cap), "total_bytes": total, "fraction": fraction}
 
 
@@ -209,7 +229,8 @@ def detect_system(device=None) -> SystemInfo:
     """Read this machine. ``device``: a CUDA index / 'cuda:N' / torch.device, or None for the current one."""
     import torch  # lazy
 
-    total_ram, avail_ram = host_memory()
+    vram_cap()                          # WAN_ACCEL_VRAM_CAP_GB checked on every device, where it is read
+    total_ram, avail_ram = host_memory()        # WAN_ACCEL_MEMORY_LIMIT_GB, likewise
     if not torch.cuda.is_available() or (device is not None and str(device).startswith("cpu")):
         return SystemInfo(host_ram_total=total_ram, host_ram_available=avail_ram, pinned_budget=0)
     if device is None:
@@ -224,11 +245,7 @@ def detect_system(device=None) -> SystemInfo:
     # The driver counts memory that this process's caching allocator holds but does not use as taken; it is
     # free for our next allocations, so add it back.
     free += max(0, torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index))
-    cap = vram_cap()                    # WAN_ACCEL_VRAM_CAP_GB: plan for a card of that size
-    capped_to = 0
-    if cap is not None and cap < total:
-        free = min(free, max(0, cap - int(torch.cuda.memory_allocated(index))))
-        total, capped_to = cap, cap
+    total, free, capped_to = capped_card(total, free, torch.cuda.memory_allocated(index))   # plan for the cap
     free = _capped(free)                # WAN_ACCEL_MEMORY_LIMIT_GB: memory kept for other programs
     cap = (int(props.major), int(props.minor))
     bf16 = cap >= (8, 0)  # native bf16 (Ampere and newer) on this device, not emulation

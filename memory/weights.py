@@ -123,6 +123,15 @@ class ModelWeights:
     def embedding_bytes_at(self, elem_bytes: int | None) -> int:
         return self.embedding_bytes if elem_bytes is None else self._at(self._other(EMBEDDING_PREFIXES), elem_bytes)
 
+    def sampling_config(self) -> dict:
+        """The config a run's memory estimate reads (``validate.check_fits``): the file's config with the sizes
+        read from its tensors."""
+        return dict(self.config, **{k: getattr(self, k) for k in ("dim", "ffn_dim", "num_layers", "num_heads")})
+
+    def bytes_at(self, elem_bytes: int | None) -> int:
+        """Bytes of every tensor once float tensors are held at ``elem_bytes`` per element (None: as stored)."""
+        return sum(self.block_bytes_at(elem_bytes)) + self.other_bytes_at(elem_bytes)
+
     @property
     def signature(self) -> str:
         """Short identity of the architecture (limits.model_identity: the same for every storage dtype)."""

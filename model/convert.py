@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache.finite_flags import counts, non_finite
 from .checkpoint import (METADATA_KEY, OVERRIDABLE, CheckpointError, canonical_names, core_causal_metadata,
                          expected_shapes, infer_config, validate_keys)
 
@@ -84,7 +85,8 @@ def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None
     """Convert; returns a summary dict (source entry, number of tensors, config). The config written to the
     metadata (``checkpoint.METADATA_KEY``) is inferred from the shapes; ``config`` may add what shapes cannot show
     (``num_heads``, a rolling window: ``local_attn_size`` / ``sink_size``, ``text_len``, ...). ComfyUI's ``config``
-    entry (``checkpoint.core_causal_metadata``) is written too, so core loads the file as ``WAN21_CausalAR``."""
+    entry (``checkpoint.core_causal_metadata``) is written too, so core loads the file as ``WAN21_CausalAR``. A
+    weight holding NaN or inf is refused (CheckpointError naming it) and nothing is written."""
     from safetensors.torch import save_file
     src, dst = Path(src), Path(dst)
     if dst.suffix.lower() != ".safetensors":
@@ -104,6 +106,14 @@ def convert_pt_to_safetensors(src, dst, ema: bool = False, num_heads: int | None
     config = infer_config(shapes, num_heads=num_heads, overrides=extra)
     validate_keys(expected_shapes(config), shapes, src.name)
     out = {n: tensors[src_name].contiguous() for n, src_name in names.items()}
+    bad = non_finite(out)                       # every weight written is finite (one pass, one host sync)
+    if bad:
+        src_name = names[bad[0]]
+        more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
+        other = "the non-EMA weights" if ema else "--ema"
+        raise CheckpointError(f"{src.name}: the weight {src_name!r} in '{entry}' holds values that are not "
+                              f"numbers ({counts(out[bad[0]])}){more}; every loader refuses such a file, so nothing "
+                              f"was written: convert another checkpoint (an earlier save, or {other})")
     meta = {METADATA_KEY: json.dumps(config.to_dict()), "wan_accel.source": f"{src.name}:{entry}",
             **core_causal_metadata(config)}     # ComfyUI's Load Diffusion Model reads it as WAN21_CausalAR
     from ..cache.owned_files import write_with

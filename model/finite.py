@@ -10,13 +10,14 @@
 * ``check_output(latents, ...)``: the latents of a sampling run, once when it ends (never inside the chunk loop:
   one host sync per run), before they are written or shown.
 
-Each check reads the values once on their device and syncs once (one flag per tensor, read together); the
-messages are built only when something is wrong.
+Each check reads the values once on their device and syncs once (one flag per tensor, read together: the pack's
+one finite check, ``cache/finite_flags.py``); the messages are built only when something is wrong.
 """
 from __future__ import annotations
 
 import torch
 
+from ..cache.finite_flags import bad_flag as _bad_flag, counts as _counts, read_flags as _read_flags
 from .quant import is_quantized
 
 ROWS_PER_PASS = 4096         # rows of an fp8 weight dequantized at a time (bounded temporary memory)
@@ -24,23 +25,6 @@ ROWS_PER_PASS = 4096         # rows of an fp8 weight dequantized at a time (boun
 
 class NonFiniteError(ValueError):
     """A tensor a run is made of holds NaN or infinite values; the message names it and what to fix."""
-
-
-def _bad_flag(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor on ``t``'s device: True when ``t`` holds a value that is not finite (no host sync)."""
-    return ~torch.isfinite(t).all()
-
-
-def _read_flags(flags: list) -> list:
-    """The values of 0-d bool tensors, read with one host sync per device they are on."""
-    out = [False] * len(flags)
-    by_device: dict = {}
-    for i, f in enumerate(flags):
-        by_device.setdefault(f.device, []).append(i)
-    for idx in by_device.values():
-        for i, v in zip(idx, torch.stack([flags[i] for i in idx]).tolist()):
-            out[i] = bool(v)
-    return out
 
 
 def _dequantized_rows(layer, dtype):
@@ -55,13 +39,6 @@ def _dequantized_rows(layer, dtype):
 def _run_dtype(model) -> torch.dtype:
     dtype = getattr(model, "compute_dtype", torch.float32)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
-
-
-def _counts(t: torch.Tensor) -> str:
-    v = t.detach().float()
-    nan, inf = int(torch.isnan(v).sum()), int(torch.isinf(v).sum())
-    return ", ".join(p for p in (f"{nan:,} NaN" if nan else "", f"{inf:,} infinite" if inf else "") if p) + \
-        f" of {v.numel():,}"
 
 
 def _what(t: torch.Tensor) -> str:
@@ -126,7 +103,8 @@ def check_weights(model: torch.nn.Module, source: str, hints: dict | None = None
 
 
 def check_conditioning(t, what: str, fix: str = "encode the prompt again, or use another text encoder") -> None:
-    """NonFiniteError when the text embedding ``t`` (a tensor; anything else passes) holds NaN or inf."""
+    """NonFiniteError when a run's input ``t`` (a text embedding, the initial noise; a tensor: anything else passes)
+    holds NaN or inf."""
     if isinstance(t, torch.Tensor) and t.is_floating_point() and bool(_bad_flag(t)):
         raise NonFiniteError(f"{what} holds {_what(t)} (it would give a NaN video); {fix}")
 

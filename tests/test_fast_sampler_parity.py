@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tolerances import step
 from wan_accel.model.config import WanConfig
 from wan_accel.model.kv_cache import KVCache
 from wan_accel.model.loader import load_wan_checkpoint
@@ -102,9 +103,12 @@ def _chunk_errors(out, ref):
              (out[:, s:s + 3] - ref[:, s:s + 3]).abs().mean().item()) for s in range(0, out.shape[1], 3)]
 
 
-@pytest.mark.parametrize("precision,max_tol,mean_tol", [("self_forcing", 6e-2, 1e-2), ("wan21", 3e-2, 5e-3)])
-def test_bf16_on_cpu_within_bf16_error_of_fp32_reference(fixture, reference_fp32, precision, max_tol, mean_tol):
+@pytest.mark.parametrize("precision,max_steps,mean_tol", [("self_forcing", 2, 1e-2), ("wan21", 1, 5e-3)])
+def test_bf16_on_cpu_within_bf16_error_of_fp32_reference(fixture, reference_fp32, precision, max_steps, mean_tol):
+    """The largest error: at most ``max_steps`` bf16 steps at the video's largest value (the GEMMs' bf16 rounding,
+    which depends on the CPU, moves it by about a step)."""
     _cfg, io, sched = fixture
+    max_tol = step(torch.bfloat16, float(reference_fp32.abs().max()), ulps=max_steps)
     model = _model(fixture[0], torch.bfloat16, precision)
     opt, _ = _run(model, io, sched, "optimized")
     ref_bf16, _ = _run(model, io, sched, "reference")

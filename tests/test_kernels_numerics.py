@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from tolerances import step
 
 PKG_PARENT = Path(__file__).resolve().parent.parent.parent
 MARK = "KERNEL_CASES "
@@ -108,9 +111,10 @@ def test_kernel_matches_reference(results, index):
     if dtype == "float32":
         assert case["max"] <= 1e-5 * case["ref_max"], case
         assert case["dispatch_max"] <= 1e-5 * case["ref_max"], case
-    else:
-        assert case["max"] <= 1e-2 and case["mean"] <= 1e-3, case
-        assert case["dispatch_max"] <= 1e-2 and case["dispatch_mean"] <= 1e-3, case
+    else:       # one rounding to bf16 each: at most a step apart at the largest value, most elements equal
+        one = step(getattr(torch, dtype), case["ref_max"])
+        assert case["max"] <= one and case["mean"] <= one / 8, case
+        assert case["dispatch_max"] <= one and case["dispatch_mean"] <= one / 8, case
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

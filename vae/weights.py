@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..cache.finite_flags import non_finite
+
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 SHOWN = 4               # keys named per problem in a message
 
@@ -84,10 +86,10 @@ def load_file(module, path, what: str, unused_prefixes: tuple = (), hint: str = 
 def check_finite(module: torch.nn.Module, source, hint: str = "") -> None:
     """DecoderWeightsError naming the first weight that holds NaN or inf (a damaged file, or values that overflow
     the decoder's dtype)."""
-    for key, t in module.state_dict().items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise DecoderWeightsError(f"{source}: {key} holds NaN or inf values (a damaged file, or values too large "
-                                      f"for float32); write or download it again" + (f": {hint}" if hint else ""))
+    bad = non_finite(module.state_dict())               # one host sync for every weight
+    if bad:
+        raise DecoderWeightsError(f"{source}: {bad[0]} holds NaN or inf values (a damaged file, or values too large "
+                                  f"for float32); write or download it again" + (f": {hint}" if hint else ""))
 
 
 SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}

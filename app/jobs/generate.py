@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ...cache.json_out import to_json
 from ...cache.owned_files import check_target, write_text, write_with
 from ...sampling.request import SamplingHooks
 from ...sampling.sampler import path_for_linear
@@ -284,9 +285,10 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
                             hooks=hooks, **prompts)
     _sync(device)
     sample_s = time.perf_counter() - t_start
+    video_path = video.close() if video is not None else None     # its frames checked before anything is written
     files = _write_outputs(latents, opts, parallel)
-    if video is not None:
-        files["video"] = video.close()
+    if video_path is not None:
+        files["video"] = video_path
     features = features_summary(model, fast_options, sampler_report, record)
     sampler_report["one_time_s"] = warmup.since(one_time)   # doctor probes, autotuning, plans, capture, compile
     if warmup.line(sampler_report["one_time_s"]):
@@ -398,6 +400,6 @@ def _write_report(report: dict, opts, parallel=None) -> bool:
     if not _writes(parallel):
         return False
     path = Path(opts.out_dir) / "report.json"
-    write_text(path, json.dumps(report, indent=2), option=_option(opts), purpose="the run's report")
+    write_text(path, to_json(report), option=_option(opts), purpose="the run's report")
     report["files"]["report"] = str(path)
     return True

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ...cache.finite_flags import non_finite
 from ...cache.owned_files import loads_json, read_regular
 
 TOLERANCE = 1e-4
@@ -93,7 +94,7 @@ class Recorded(dict):
     def __init__(self, tensors: dict, path: Path):
         super().__init__(tensors)
         self.path = Path(path)
-        self.nonfinite = {k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())}
+        self.nonfinite = set(non_finite(tensors))          # one host sync for the whole file
 
     def __missing__(self, key):
         raise FixtureError(f"{self.path.name}: no tensor '{key}', which the run needs; the fixture is incomplete: "

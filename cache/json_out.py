@@ -1,0 +1,52 @@
+"""The one writer of the pack's JSON output: what every command prints with ``--json`` and every JSON file it
+writes (reports, summaries, bench results), so a strict reader (``jq``, ``JSON.parse``) reads all of it.
+
+Python's ``json`` writes a NaN or an infinity as the bare words ``NaN`` / ``Infinity``, which JSON does not have:
+a strict reader refuses the whole output for one such number. Here a number that is not finite is written as a
+string instead, ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (what Python's ``float()`` and JavaScript's
+``Number()`` read back), so the field keeps its name and says what it held; everything else is written as
+``json.dumps`` would, and the result is always checked with ``allow_nan=False``.
+
+* ``to_json(obj, indent=2, sort_keys=False, default=str)``: the text;
+* ``print_json(obj, file=None, **kw)``: the text and a newline on stdout (or ``file``);
+* ``finite_json(obj)``: ``obj`` with its non-finite numbers encoded (dicts, lists and tuples walked; no copy of
+  anything else).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def _encode(x: float) -> str:
+    return NON_FINITE[repr(float(x)).lower()]
+
+
+def finite_json(obj):
+    """``obj`` with every float that is not finite written as its string (see the module doc)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else _encode(obj)
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
+def to_json(obj, *, indent: int | None = 2, sort_keys: bool = False, default=str, separators=None) -> str:
+    """``obj`` as strict JSON text (non-finite numbers as strings; ``default``: how other objects are written)."""
+    def other(o):
+        return finite_json(default(o)) if default is not None else o
+    return json.dumps(finite_json(obj), indent=indent, sort_keys=sort_keys, default=other if default else None,
+                      separators=separators, allow_nan=False)
+
+
+def print_json(obj, file=None, **kw) -> None:
+    """``to_json(obj, **kw)`` and a newline on ``file`` (stdout)."""
+    (file or sys.stdout).write(to_json(obj, **kw) + "\n")
+
+
+__all__ = ["finite_json", "to_json", "print_json"]
