@@ -1,6 +1,8 @@
 """ComfyUI nodes of the model area: CausalWan Model Loader and CausalWan Sampler (thin adapters over wan/)."""
 from __future__ import annotations
 
+from .comfy_core import optional
+
 TINY_NAME = "(built-in tiny model)"   # same string as app.jobs.handle.TINY_NAME (kept here: no heavy import)
 TINY_MG2_NAME = "(built-in tiny Matrix-Game-2 model)"   # app.jobs.handle.TINY_MG2_NAME
 PRESETS = ["self_forcing", "causvid", "custom"]
@@ -23,8 +25,8 @@ def loadable_checkpoints(names) -> tuple[list, list]:
 
 
 def _checkpoint_input():
-    try:
-        import folder_paths
+    folder_paths = optional("folder_paths")
+    if folder_paths is not None:
         names, refused = loadable_checkpoints(folder_paths.get_filename_list("diffusion_models"))
         hidden = (f" {len(refused)} pickle file(s) there are not listed ({', '.join(map(str, refused[:3]))}"
                   f"{', ...' if len(refused) > 3 else ''}): convert them first." if refused else "")
@@ -32,8 +34,7 @@ def _checkpoint_input():
                 "Causal Wan DiT (.safetensors in models/diffusion_models), or a built-in tiny random model "
                 "for smoke tests (text-to-video, or Matrix-Game-2 with the universal keys). Convert .pt checkpoints with: python -m wan_accel convert IN.pt OUT.safetensors."
                 + hidden})
-    except ImportError:
-        return ("STRING", {"default": TINY_NAME, "tooltip":
+    return ("STRING", {"default": TINY_NAME, "tooltip":
                 "Path of a causal Wan DiT .safetensors file, or '(built-in tiny model)'."})
 
 
@@ -56,12 +57,11 @@ def _lora_input():
     """The loader's lora widget: ComfyUI's loras folder (safetensors files), or a path outside ComfyUI."""
     tooltip = ("A LoRA merged into the weights at load: LongLive's (peft names) or one in ComfyUI's layout, from "
                "models/loras. (none): no LoRA.")
-    try:
-        import folder_paths
+    folder_paths = optional("folder_paths")
+    if folder_paths is not None:
         names, _refused = loadable_checkpoints(folder_paths.get_filename_list("loras"))
         return ([NO_LORA] + names, {"default": NO_LORA, "tooltip": tooltip})
-    except ImportError:
-        return ("STRING", {"default": "", "tooltip": tooltip + " Outside ComfyUI: the file's path."})
+    return ("STRING", {"default": "", "tooltip": tooltip + " Outside ComfyUI: the file's path."})
 
 
 def _resolve_lora(name) -> str | None:
@@ -81,11 +81,8 @@ def _resolve_checkpoint(name: str) -> str:
 
 
 def _torch_device():
-    try:
-        import comfy.model_management as mm
-        return mm.get_torch_device()
-    except ImportError:
-        return None
+    mm = optional("comfy.model_management")
+    return None if mm is None else mm.get_torch_device()
 
 
 class CausalWanModelLoader:
@@ -327,7 +324,7 @@ class _ComfyProgress:
     """Per-step progress bar, latent preview and interrupt check (no-ops outside ComfyUI)."""
 
     def __init__(self):
-        from ._comfy import progress_and_interrupt
+        from .comfy_core import progress_and_interrupt
 
         self.bar = None
         self.bar_cls, self.interrupt = progress_and_interrupt()

@@ -9,7 +9,11 @@ app floor's prepare step (``app/prepare.py``: the doctor's verdicts, compile, fa
 from ``SamplerCustomAdvanced``: the latent arrives noised by the sigma-0 scaling in the model's latent space
 [B, C, T, H, W]; the text comes from the guider's positive conditioning; re-noising draws come from a generator
 seeded with the NOISE input's seed (or from recorded draws, ``RECORDED_NOISE_KEY``); ``ARVideoI2V``'s start
-image is written into the KV cache before the first block, as core does.
+image is written into the KV cache before the first block, as core does. On cores with the Comfy Compiler the
+whole run (prepare and loop) is outside core's memory graph (``comfy_core.outside_memory_graph``). The engine
+calls ComfyUI's layers, never its attention: q, k and v come from the borrowed ``q``/``k``/``v``/``norm_*`` layers, so
+core's attention contract (plain tensors up to 0.39, ``AttentionTensorContainer`` and ``preferred_attention`` from
+0.40) does not reach it; the layers are called as ``layer(x)``, which every core's ``comfy.ops`` honours.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from ..app.prepare import RunSpec, prepare
 from ..sampling.request import SamplingHooks
 from ..sampling.sampler import PATHS, generator_noise
 from ..sampling.scheduler import schedule_from_sigmas
+from .comfy_core import outside_memory_graph, progress_and_interrupt
 
 log = logging.getLogger("wan_accel")
 
@@ -200,7 +205,6 @@ def _memory_manager(guider):
 
 
 def _progress(callback, sigmas, step_callback=None):
-    from ._comfy import progress_and_interrupt
     _, interrupt = progress_and_interrupt()
     steps = len(sigmas) - 1
 
@@ -275,9 +279,10 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
                    oom_retry=oom_retry if manager.swap_allowed else "off")
     hooks = SamplingHooks(callback=_progress(callback, sigmas, step_callback), chunk_guard=guard, report=run)
     try:                                    # the doctor's verdicts, compile and fast options: the one prepare step
-        prepared = prepare(engine, spec, context, noise, hooks=hooks, generator=gen, noise_provider=provider,
-                           prefix=prefix, partial_last_block=True, **prompts)
-        out = prepared.run(engine)
+        with outside_memory_graph():        # the pack's loop, allocations and CUDA graphs: never in core's graph
+            prepared = prepare(engine, spec, context, noise, hooks=hooks, generator=gen, noise_provider=provider,
+                               prefix=prefix, partial_last_block=True, **prompts)
+            out = prepared.run(engine)
     finally:
         engine.unfuse_qkv()                 # ComfyUI may move or patch its weights before the next run
         if swap_before is None and active_swap(dm) is not None:

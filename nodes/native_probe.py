@@ -8,13 +8,13 @@ the feature says it needs ComfyUI. ``app/`` may not import ComfyUI or the nodes,
 """
 from __future__ import annotations
 
-import sys
 from types import SimpleNamespace
 
 import torch
 
 from ..app.doctor.vocabulary import NotAvailable, Probe, ProbeContext, register_probe
 from . import native_engine
+from .comfy_core import CoreMissing, core, start_core
 
 NATIVE_ULPS = 64          # a whole chunk (every block, two steps) accumulates more rounding than one op
 SCHEDULE = {"preset": "custom", "steps": [1000, 500], "shift": 5.0}
@@ -25,17 +25,13 @@ HINT = ("run the Wan Doctor node inside ComfyUI (or `python -m wan_accel doctor`
 def _comfy():
     """ComfyUI's loader and model management, or NotAvailable('needs ComfyUI')."""
     try:
-        if "comfy.model_management" not in sys.modules and not torch.cuda.is_available():
-            # outside a ComfyUI server (the doctor command run with ComfyUI's Python) on a machine without CUDA:
-            # start ComfyUI's model management on the CPU, as `main.py --cpu` would
-            from comfy.cli_args import args
-            args.cpu = True
-        import comfy.model_management as mm
-        import comfy.sd as sd
-    except Exception as exc:  # noqa: BLE001 - not inside ComfyUI (or a ComfyUI that fails to import)
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise NotAvailable(f"needs ComfyUI (ComfyUI does not import here: {text[:120]})", HINT) from None
-    return sd, mm
+        # outside a ComfyUI server (the doctor command run with ComfyUI's Python) on a machine without CUDA, ComfyUI's
+        # model management starts on the CPU, as `main.py --cpu` would
+        mm = start_core("cuda" if torch.cuda.is_available() else "cpu")
+        load = core("comfy.sd.load_diffusion_model_state_dict")
+    except CoreMissing as exc:
+        raise NotAvailable(f"needs ComfyUI ({exc})", HINT) from None
+    return load, mm
 
 
 def requires(ctx: ProbeContext) -> None:
@@ -57,10 +53,10 @@ def check(ctx: ProbeContext) -> Probe:
     from ..sampling.sampler import sample_causal
     from ..sampling.scheduler import resolve_schedule
     from .native_nodes import WanAccelARSampler
-    sd, mm = _comfy()
+    load, mm = _comfy()
     ours = _tiny(ctx, ctx.device, ctx.dtype)
     weights = {k: v.detach().to("cpu").clone() for k, v in ours.state_dict().items()}
-    patcher = sd.load_diffusion_model_state_dict(weights, model_options={"dtype": ctx.dtype},
+    patcher = load(weights, model_options={"dtype": ctx.dtype},
                                                  metadata=core_causal_metadata(ours.config))
     if patcher is None:
         raise RuntimeError("ComfyUI did not recognise the tiny causal Wan model")
