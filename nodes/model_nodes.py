@@ -1,8 +1,6 @@
 """ComfyUI nodes of the model area: CausalWan Model Loader and CausalWan Sampler (thin adapters over wan/)."""
 from __future__ import annotations
 
-from .comfy_core import optional
-
 TINY_NAME = "(built-in tiny model)"   # same string as app.jobs.handle.TINY_NAME (kept here: no heavy import)
 TINY_MG2_NAME = "(built-in tiny Matrix-Game-2 model)"   # app.jobs.handle.TINY_MG2_NAME
 PRESETS = ["self_forcing", "causvid", "custom"]
@@ -25,6 +23,7 @@ def loadable_checkpoints(names) -> tuple[list, list]:
 
 
 def _checkpoint_input():
+    from .comfy_core import optional
     folder_paths = optional("folder_paths")
     if folder_paths is not None:
         names, refused = loadable_checkpoints(folder_paths.get_filename_list("diffusion_models"))
@@ -57,6 +56,7 @@ def _lora_input():
     """The loader's lora widget: ComfyUI's loras folder (safetensors files), or a path outside ComfyUI."""
     tooltip = ("A LoRA merged into the weights at load: LongLive's (peft names) or one in ComfyUI's layout, from "
                "models/loras. (none): no LoRA.")
+    from .comfy_core import optional
     folder_paths = optional("folder_paths")
     if folder_paths is not None:
         names, _refused = loadable_checkpoints(folder_paths.get_filename_list("loras"))
@@ -81,6 +81,7 @@ def _resolve_checkpoint(name: str) -> str:
 
 
 def _torch_device():
+    from .comfy_core import optional
     mm = optional("comfy.model_management")
     return None if mm is None else mm.get_torch_device()
 

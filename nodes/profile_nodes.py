@@ -6,8 +6,6 @@ latest report of either. Traces go to ComfyUI's output folder (``wan_accel_profi
 """
 from __future__ import annotations
 
-from .comfy_core import wrapper_types
-
 WRAPPER_KEY = "wan_accel_profile"
 CATEGORY = "wan_accel/profile"
 
@@ -110,6 +108,7 @@ class WanAccelProfileNative:
         request = ProfileRequest(runs=model_calls, out_dir=_out_dir(output_subfolder), name="wan_native",
                                  record_shapes=record_shapes, settings={"source": "Wan Profile (native MODEL)"},
                                  device=getattr(patcher, "load_device", None))
+        from .comfy_core import wrapper_types
         kinds = wrapper_types()
         apply_model_key, cleanup_key = kinds["apply_model"], kinds["on_cleanup"]
 
