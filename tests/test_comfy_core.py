@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 
 import comfy_newer
+from test_memory_nodes import FakePatcher
+from test_native_sampler import _native
 from wan_accel.model.borrowed import borrow_wan_model
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 from wan_accel.nodes import comfy_core
@@ -27,19 +29,8 @@ COMFY_ROOTS = {"comfy", "comfy_extras", "comfy_api", "comfy_execution", "folder_
 CTX = torch.randn(1, 5, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(4))
 
 
-class WAN21_CausalAR:                      # noqa: N801 - named as ComfyUI's class, which the sampler checks
-    def __init__(self, dm):
-        self.diffusion_model = dm
-        self.model_sampling = SimpleNamespace(multiplier=1000.0)
-
-    def get_dtype_inference(self):
-        return torch.float32
-
-
 def _model_k(dm):
-    dm.model_type, dm.num_heads, dm.text_len = "t2v", dm.config.num_heads, dm.config.text_len
-    conds = {"positive": [{"model_conds": {"c_crossattn": SimpleNamespace(cond=CTX)}}]}
-    return SimpleNamespace(inner_model=SimpleNamespace(inner_model=WAN21_CausalAR(dm), conds=conds, cfg=1.0))
+    return _native(dm, CTX)[0]
 
 
 def _sample(model_k, step_callback=None):
@@ -157,26 +148,6 @@ def test_on_033_the_door_does_nothing(monkeypatch):
     assert out.shape == (1, 16, 3, 8, 8)
 
 
-class _Patcher:
-    def __init__(self, model):
-        self.model, self.callbacks, self.wrappers = model, {}, {}
-
-    def clone(self, disable_dynamic=False):
-        return self
-
-    def get_model_object(self, name):
-        return getattr(self.model, name)
-
-    def add_callback_with_key(self, kind, key, fn):
-        self.callbacks.setdefault(kind, {})[key] = fn
-
-    def add_wrapper_with_key(self, kind, key, fn):
-        self.wrappers.setdefault(kind, {}).setdefault(key, []).append(fn)
-
-    def remove_wrappers_with_key(self, kind, key):
-        self.wrappers.get(kind, {}).pop(key, None)
-
-
 def _core_forward_inside_outer_sample(patcher, prefetch, device):
     """Core's sampling run: the OUTER_SAMPLE wrappers, then a model forward that opens the graph when enabled
     (as a core model that opted into the compiler does) and reports whether it did."""
@@ -187,9 +158,8 @@ def _core_forward_inside_outer_sample(patcher, prefetch, device):
             prefetch.malloc_graph_end()
         return opened
     run = forward
-    for fns in patcher.wrappers.get("outer_sample", {}).values():
-        for fn in fns:
-            run = (lambda f, inner: lambda: f(lambda: inner()))(fn, run)
+    for fn in patcher.wrappers.get("outer_sample", {}).values():
+        run = (lambda f, inner: lambda: f(lambda: inner()))(fn, run)
     return run()
 
 
@@ -199,7 +169,7 @@ def test_block_swap_on_core_model_steps_out_at_outer_sample(monkeypatch):
     device = torch.device("cpu")
     base = nn.Module()
     base.diffusion_model = tiny_causal_model(seed=1)
-    patcher = _Patcher(base)
+    patcher = FakePatcher(base)
     assert _core_forward_inside_outer_sample(patcher, newer.prefetch, device)      # unpatched: core compiles
     (patched,) = memory_nodes.WanBlockSwap().apply(patcher, blocks_to_swap=1, prefetch_blocks=1)
     assert memory_nodes.PATCH_KEY in patched.wrappers["outer_sample"]
@@ -216,7 +186,7 @@ def test_apply_compile_on_core_model_steps_out_at_outer_sample(monkeypatch):
     monkeypatch.setattr(compile_apply, "compile_regions", lambda dm, settings, cache, prefix: (handle, {}))
     base = nn.Module()
     base.diffusion_model = nn.Linear(2, 2)
-    patched = compile_for_comfy(_Patcher(base))
+    patched = compile_for_comfy(FakePatcher(base))
     assert not _core_forward_inside_outer_sample(patched, newer.prefetch, torch.device("cpu")) and ended
 
 

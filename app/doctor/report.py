@@ -11,7 +11,7 @@ import time
 from ...cache.owned_files import write_json
 from .core import Doctor, library_version
 from .ops import implementation_text, implementations
-from .versions import known_breaks, stack_text, versions
+from .versions import STACK, known_breaks, stack_text, versions
 
 COLUMNS = ["feature", "available", "verified", "difference", "speed", "why_off", "fix"]
 HEADERS = ["feature", "available", "verified", "difference", "speed vs fallback", "why off", "to turn it on"]
@@ -95,7 +95,7 @@ def doctor_text(doctor: Doctor, rows: list[dict]) -> str:
     off = [r["feature"] for r in rows if r["status"] in ("failed", "slower")]
     tail = (f"switched off on this machine: {', '.join(off)}" if off else
             "no feature is switched off on this machine")
-    soft = ", ".join(f"{k} {v}" for k, v in versions().items())
+    soft = ", ".join(f"{k} {v}" for k, v in versions().items() if k not in STACK)    # the stack: its own line
     ops = implementation_text(implementations(doctor))
     return f"{machine_line(doctor)}\nversions: {soft}\n{stack_text()}\n\n{format_rows(rows)}\n\n{tail}\n\n{ops}"
 
