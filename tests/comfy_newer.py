@@ -29,8 +29,8 @@ import types
 from types import SimpleNamespace
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class MallocGraph:
@@ -163,8 +163,8 @@ def _ops(model_management):
 
     class CastWeightBiasOp:
         comfy_cast_weights = False
-        weight_function: list = []
-        bias_function: list = []
+        weight_function: tuple = ()       # core's are lists, empty on the class
+        bias_function: tuple = ()
 
     class Linear(nn.Linear, CastWeightBiasOp):
         def forward(self, *args, **kwargs):
@@ -182,12 +182,12 @@ def _ops(model_management):
                 return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
             return super().forward(*args, **kwargs)
 
-    class disable_weight_init:  # noqa: N801 - core's name
+    class disable_weight_init:
         pass
 
     disable_weight_init.Linear, disable_weight_init.RMSNorm = Linear, RMSNorm
 
-    class manual_cast(disable_weight_init):  # noqa: N801
+    class manual_cast(disable_weight_init):
         pass
 
     manual_cast.Linear = type("Linear", (Linear,), {"comfy_cast_weights": True})

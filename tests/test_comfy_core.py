@@ -5,17 +5,17 @@ ones; a missing name or a too-old dependency is said in words."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import comfy_newer
 import pytest
 import torch
-import torch.nn as nn
-
-import comfy_newer
 from test_memory_nodes import FakePatcher
 from test_native_sampler import _native
+from torch import nn
 from wan_accel.model.borrowed import borrow_wan_model
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 from wan_accel.nodes import comfy_core
@@ -132,9 +132,8 @@ def test_the_pack_loop_never_runs_inside_core_memory_graph(monkeypatch):
 def test_a_user_disabled_compiler_is_left_as_set(monkeypatch):
     newer = comfy_newer.install(monkeypatch)
     newer.args.disable_comfy_compiler = True
-    with comfy_core.outside_memory_graph():
-        with comfy_core.outside_memory_graph():
-            assert newer.args.disable_comfy_compiler is True
+    with comfy_core.outside_memory_graph(), comfy_core.outside_memory_graph():
+        assert newer.args.disable_comfy_compiler is True
     assert newer.args.disable_comfy_compiler is True
 
 
@@ -159,7 +158,7 @@ def _core_forward_inside_outer_sample(patcher, prefetch, device):
         return opened
     run = forward
     for fn in patcher.wrappers.get("outer_sample", {}).values():
-        run = (lambda f, inner: lambda: f(lambda: inner()))(fn, run)
+        run = functools.partial(fn, run)            # wrapper(executor): the executor is the inner run
     return run()
 
 

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from wan_accel.cache.autotune import Autotuner
 from wan_accel.kernels import candidates as C
 from wan_accel.kernels import int8_attention as int8

@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-
 from wan_accel.app.doctor import versions
 
 RUN_033 = {"comfyui": "0.33.0", "comfyui-frontend-package": "1.49.6", "comfy-kitchen": "0.2.31",
@@ -71,7 +70,7 @@ def test_doctor_command_text_and_json_say_what_it_runs_in(newer_stack, capsys):
     assert main(["doctor", "--device", "cpu", "--head-dim", "16", "--feature", "cuda_graphs", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["versions"]["comfyui"] == "0.47.1" and data["versions"]["comfy-aimdo"] == "0.4.13"
-    assert [b["fix"] for b in data["known_breaks"]][0] == versions.AIMDO_FIX
+    assert data["known_breaks"][0]["fix"] == versions.AIMDO_FIX
 
 
 def test_doctor_route_and_selftest_carry_the_stack(newer_stack):

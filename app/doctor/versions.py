@@ -90,19 +90,20 @@ def _below(text, ceiling: tuple) -> bool:
 
 # (what breaks, its fix, the test on the stack). Facts from ComfyUI's releases and requirements (docs/comfyui.md).
 KNOWN_BREAKS = (
-    ("ComfyUI {comfyui} imports comfy_aimdo.malloc_graph and comfy_aimdo.storage (the Comfy Compiler, core 0.34 "
-     "and later); comfy-aimdo {comfy-aimdo} lacks them and ComfyUI does not start", AIMDO_FIX,
+    (("ComfyUI {comfyui} imports comfy_aimdo.malloc_graph and comfy_aimdo.storage (the Comfy Compiler, core 0.34 "
+      "and later); comfy-aimdo {comfy-aimdo} lacks them and ComfyUI does not start"), AIMDO_FIX,
      lambda s: _at_least(s["comfyui"], (0, 34)) and _below(s["comfy-aimdo"], (0, 5))),
-    ("ComfyUI {comfyui} passes input_act_weight to comfy-kitchen's linear ops; comfy-kitchen {comfy-kitchen} does "
-     "not take it and sampling fails at run time (core only logs that the kitchen is older than recommended)",
+    (("ComfyUI {comfyui} passes input_act_weight to comfy-kitchen's linear ops; comfy-kitchen {comfy-kitchen} does "
+      "not take it and sampling fails at run time (core only logs that the kitchen is older than recommended)"),
      KITCHEN_FIX, lambda s: _at_least(s["comfyui"], (0, 36)) and _below(s["comfy-kitchen"], (0, 2, 34))),
-    ("ComfyUI {comfyui} has no causal Wan model (WAN21_CausalAR) nor core's AR video nodes: the Wan Accel AR "
-     "Sampler (native MODEL) and the tiny native model need core 0.33.0 or newer",
+    (("ComfyUI {comfyui} has no causal Wan model (WAN21_CausalAR) nor core's AR video nodes: the Wan Accel AR "
+      "Sampler (native MODEL) and the tiny native model need core 0.33.0 or newer"),
      "update ComfyUI (0.33.0 or newer)", lambda s: _below(s["comfyui"], (0, 33))),
-    ("frontend {comfyui-frontend-package} has Nodes 2.0 (setting Comfy.VueNodes.Enabled, on by default for new "
-     "Desktop and Cloud installs): node bodies are Vue components, canvas drawing (onDrawForeground, "
-     "node.onMouseDown) does not run there", "if a node pack's canvas parts are missing, switch Nodes 2.0 off in "
-     "the settings (Comfy.VueNodes.Enabled) or update the pack",
+    (("frontend {comfyui-frontend-package} has Nodes 2.0 (setting Comfy.VueNodes.Enabled, on by default for new "
+      "Desktop and Cloud installs): node bodies are Vue components, canvas drawing (onDrawForeground, "
+      "node.onMouseDown) does not run there"),
+     ("if a node pack's canvas parts are missing, switch Nodes 2.0 off in the settings (Comfy.VueNodes.Enabled) "
+      "or update the pack"),
      lambda s: _at_least(s["comfyui-frontend-package"], (1, 58))),
 )
 
