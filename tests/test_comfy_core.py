@@ -56,6 +56,10 @@ def test_only_comfy_core_imports_comfyui_and_every_name_used_is_declared():
                and "tools" not in p.relative_to(package).parts]
     direct = {str(p.relative_to(package)): _comfy_imports(p) for p in sources}
     assert not {k: v for k, v in direct.items() if v}, "ComfyUI imported outside nodes/comfy_core.py"
+    kitchen_imports = [str(p.relative_to(package)) for p in sources
+                       if re.search(r"import_module\(\s*f?[\"']comfy_(kitchen|aimdo)|^\s*(from|import) comfy_(kitchen|aimdo)",
+                                    p.read_text(), re.MULTILINE)]
+    assert kitchen_imports == ["kernels/kitchen.py"], kitchen_imports      # comfy-kitchen found in one place too
     used = set()
     for p in NODES.glob("*.py"):
         used |= set(re.findall(r"""\b(?:core|optional)\(\s*f?["']([\w.]+)["']""", p.read_text()))
