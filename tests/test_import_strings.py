@@ -191,8 +191,9 @@ def test_the_scan_sees_every_kind_of_module_string():
             f"{PACK}.bench.compile", f"{PACK}.app.ranks.pool", "importlib"} <= modules
 
 
-# optional packages the pack looks for at run time (never dependencies): named, they need not be installed here
-OPTIONAL = ("xformers", "kernels", "flash_attn", "flash_attn_interface")
+# optional packages the pack looks for at run time (never dependencies): named, they need not be installed here;
+# comfyui_version is ComfyUI's own file, found only where ComfyUI is (app/doctor/versions.py reads it)
+OPTIONAL = ("xformers", "kernels", "flash_attn", "flash_attn_interface", "comfyui_version")
 
 
 @pytest.mark.parametrize("where,module,attr", NAMED, ids=[f"{w}->{m}" + (f":{a}" if a else "") for w, m, a in NAMED])
