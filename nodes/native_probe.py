@@ -14,7 +14,7 @@ import torch
 
 from ..app.doctor.vocabulary import NotAvailable, Probe, ProbeContext, register_probe
 from . import native_engine
-from .comfy_core import CoreMissing, core, start_core
+from .comfy_core import CoreMissing, core, in_comfyui, start_core
 
 NATIVE_ULPS = 64          # a whole chunk (every block, two steps) accumulates more rounding than one op
 SCHEDULE = {"preset": "custom", "steps": [1000, 500], "shift": 5.0}
@@ -30,7 +30,8 @@ def _comfy():
         mm = start_core("cuda" if torch.cuda.is_available() else "cpu")
         load = core("comfy.sd.load_diffusion_model_state_dict")
     except CoreMissing as exc:
-        raise NotAvailable(f"needs ComfyUI ({exc})", HINT) from None
+        why = "ComfyUI does not import here" if not in_comfyui() else str(exc)
+        raise NotAvailable(f"needs ComfyUI ({why})", HINT) from None
     return load, mm
 
 
