@@ -50,6 +50,7 @@ NAMES = {
     "server.PromptServer": RUN_CORE,
     "comfy.model_prefetch": COMPILER_CORE,
     "comfy.model_prefetch.pause_malloc_graph": COMPILER_CORE,
+    "comfy.model_prefetch.ACTIVE_MALLOC_GRAPHS": COMPILER_CORE,
 }
 
 
@@ -211,12 +212,31 @@ def _compiler_off():
 
 
 @contextlib.contextmanager
+def _paused(graph):
+    graph.pause()
+    try:
+        yield
+    finally:
+        graph.resume()
+
+
+def _pause_graph():
+    """Core's pause of the memory graph open on this thread: ``pause_malloc_graph()``, or on the first compiler cores
+    (graphs by thread in ``ACTIVE_MALLOC_GRAPHS``, no pause helper) that graph's own pause/resume."""
+    pause = optional("comfy.model_prefetch.pause_malloc_graph")
+    if pause is not None:
+        return pause()
+    graphs = optional("comfy.model_prefetch.ACTIVE_MALLOC_GRAPHS")
+    graph = graphs.get(threading.get_ident()) if isinstance(graphs, dict) else None
+    return _paused(graph) if graph is not None and hasattr(graph, "pause") else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
 def outside_memory_graph():
     """The pack's own work (loop, allocations, CUDA graphs, block swap) outside core's memory graph: a graph open on
     this thread is paused (core's ``pause_malloc_graph``) and the compiler stays off until the work ends, so no
     core code called inside opens one. Nothing happens on cores without the compiler."""
-    pause = optional("comfy.model_prefetch.pause_malloc_graph") if compiler_present() else None
-    with _compiler_off(), (pause() if pause is not None else contextlib.nullcontext()):
+    with _compiler_off(), (_pause_graph() if compiler_present() else contextlib.nullcontext()):
         yield
 
 

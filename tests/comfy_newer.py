@@ -68,6 +68,34 @@ def _module(name, **attrs):
     return mod
 
 
+def _early_prefetch(args, memory_management, model_management, malloc_graph):
+    """The first compiler cores' ``comfy/model_prefetch.py``: ``malloc_graph_begin(module, device)`` keeps the graph
+    on the module and the active one per thread in ``ACTIVE_MALLOC_GRAPHS``; there is no ``pause_malloc_graph``."""
+    active: dict = {}
+
+    def malloc_graph_enabled(device):
+        return (not args.disable_comfy_compiler and memory_management.aimdo_enabled
+                and model_management.is_device_cuda(device))
+
+    def malloc_graph_begin(module, device):
+        if not malloc_graph_enabled(device):
+            return
+        graph = getattr(module, "_comfy_malloc_graph", None)
+        if graph is None:
+            graph = module._comfy_malloc_graph = malloc_graph.record(model_management.current_stream(device))
+        else:
+            graph.push()
+        active[threading.get_ident()] = graph
+
+    def malloc_graph_end():
+        graph = active.pop(threading.get_ident(), None)
+        if graph is not None:
+            graph.pop()
+
+    return _module("comfy.model_prefetch", ACTIVE_MALLOC_GRAPHS=active, malloc_graph_enabled=malloc_graph_enabled,
+                   malloc_graph_begin=malloc_graph_begin, malloc_graph_end=malloc_graph_end)
+
+
 def _prefetch(args, memory_management, model_management, malloc_graph):
     graphs: dict = {}
 
@@ -215,8 +243,9 @@ class WanFeedForward(nn.Sequential):
         return sys.modules["comfy.ops"].linear_input_act(self[2], self[0](x), "gelu_tanh")
 
 
-def install(monkeypatch, version: str = "0.47.1", compiler: bool = True):
-    """A newer core in sys.modules for this test: {'args', 'prefetch', 'ops', 'graph_module', ...}."""
+def install(monkeypatch, version: str = "0.47.1", compiler: bool | str = True):
+    """A newer core in sys.modules for this test (``compiler``: True, False, or 'early' for the first compiler
+    cores' model_prefetch): {'args', 'prefetch', 'ops', 'modules'}."""
     args = SimpleNamespace(cpu=False, disable_comfy_compiler=False, disable_cuda_graphs=False,
                            assert_graph_breaks=False)
     memory_management = _module("comfy.memory_management", aimdo_enabled=True)
@@ -239,7 +268,8 @@ def install(monkeypatch, version: str = "0.47.1", compiler: bool = True):
             "comfyui_version": _module("comfyui_version", __version__=version),
             "folder_paths": _module("folder_paths")}
     if compiler:
-        mods["comfy.model_prefetch"] = _prefetch(args, memory_management, model_management, malloc_graph)
+        make = _early_prefetch if compiler == "early" else _prefetch
+        mods["comfy.model_prefetch"] = make(args, memory_management, model_management, malloc_graph)
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
         parent, _, child = name.rpartition(".")

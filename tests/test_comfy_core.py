@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -109,7 +110,7 @@ def test_outside_comfyui_names_are_absent_and_core_says_so():
 def _graph_checker(prefetch, device, seen):
     """A step callback recording, at each step of the pack's loop, whether core's graph records or could open."""
     def check(*_):
-        graph = prefetch.MALLOC_GRAPHS.get(__import__("threading").get_ident())
+        graph = prefetch.MALLOC_GRAPHS.get(threading.get_ident())
         seen.append((graph is not None and graph.recording, prefetch.malloc_graph_enabled(device)))
     return check
 
@@ -124,12 +125,28 @@ def test_the_pack_loop_never_runs_inside_core_memory_graph(monkeypatch):
     assert seen and not any(enabled for _, enabled in seen)     # nothing called inside the loop may open a graph
     assert newer.args.disable_comfy_compiler is False            # given back after the run
     prefetch.malloc_graph_begin(device)                          # a graph open on this thread (core's, a preview's)
-    graph = prefetch.MALLOC_GRAPHS[__import__("threading").get_ident()]
+    graph = prefetch.MALLOC_GRAPHS[threading.get_ident()]
     seen.clear()
     out = _sample(model_k, _graph_checker(prefetch, device, seen))
     assert seen and seen == [(False, False)] * len(seen)         # paused and closed for the whole loop
     assert graph.recording and graph.events == ["pause", "resume"]
     torch.testing.assert_close(out, out_free, rtol=0, atol=0)
+    prefetch.malloc_graph_end()
+
+
+def test_first_compiler_cores_without_pause_helper_are_stepped_out_of_too(monkeypatch):
+    newer = comfy_newer.install(monkeypatch, version="0.34.0", compiler="early")
+    prefetch, device = newer.prefetch, torch.device("cpu")
+    owner = nn.Module()
+    prefetch.malloc_graph_begin(owner, device)
+    graph = prefetch.ACTIVE_MALLOC_GRAPHS[threading.get_ident()]
+    seen = []
+
+    def check(*_):
+        seen.append((graph.recording, prefetch.malloc_graph_enabled(device)))
+    _sample(_model_k(tiny_causal_model(seed=2)), check)
+    assert seen and seen == [(False, False)] * len(seen)
+    assert graph.recording and newer.args.disable_comfy_compiler is False
     prefetch.malloc_graph_end()
 
 
