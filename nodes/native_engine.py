@@ -82,6 +82,18 @@ def check_native_run(base, shape, device, frames_per_block: int, kv_window: int,
     return seed
 
 
+def declared_attention(dm) -> str | None:
+    """The attention method a checkpoint declares for core 0.40+ (``ComfyAttention.config['attention']`` on the
+    blocks' attention modules, e.g. 'comfy_kitchen_int8'), or None. The engine runs its own attention (the
+    sampler's ``attention`` input); the console says so once per model."""
+    for block in getattr(dm, "blocks", ()):
+        for attn in (getattr(block, "self_attn", None), getattr(block, "cross_attn", None)):
+            config = getattr(getattr(attn, "comfy_attention", None), "config", None)
+            if isinstance(config, dict) and config.get("attention"):
+                return str(config["attention"])
+    return None
+
+
 def engine_for(base, device, dtype=None):
     """The engine model over ``base.diffusion_model``'s layers (built once per diffusion model, kept weakly)."""
     check_native_model(base)
@@ -93,6 +105,11 @@ def engine_for(base, device, dtype=None):
     if engine is None:
         engine = borrow_wan_model(dm, dtype, device, num_heads=dm.num_heads, text_len=dm.text_len)
         _ENGINES[dm] = engine
+        declared = declared_attention(dm)
+        if declared:
+            log.info("wan_accel: native sampler: this checkpoint declares attention %r for ComfyUI's own sampling; "
+                     "the Wan Accel AR Sampler runs its attention input instead (int8 there: attention=int8)",
+                     declared)
     return engine.set_run(dtype, device)
 
 

@@ -242,3 +242,14 @@ def test_core_040_attention_contract_gives_the_engine_attention(monkeypatch):
     mine = engine(x, engine.context_kv(ctx), "sdpa")
     eps = torch.finfo(torch.float32).eps
     torch.testing.assert_close(mine, core, rtol=64 * eps, atol=64 * eps)
+
+
+def test_attention_a_checkpoint_declares_for_core_is_said_once(monkeypatch, caplog):
+    newer = comfy_newer.install(monkeypatch)
+    source = comfy_newer.newer_core_wan(tiny_causal_model(seed=5), newer.ops)
+    source.blocks[1].self_attn.comfy_attention.config = {"attention": "comfy_kitchen_int8"}
+    with caplog.at_level("INFO", logger="wan_accel"):
+        _sample(_model_k(source))
+        _sample(_model_k(source))
+    said = [r.getMessage() for r in caplog.records if "declares attention" in r.getMessage()]
+    assert len(said) == 1 and "'comfy_kitchen_int8'" in said[0] and "attention=int8" in said[0]
