@@ -188,9 +188,12 @@ def _doctor(doctor):
 
 def _doctor_answer(doctor, rows) -> dict:
     from .app.doctor.report import machine_line
+    from .app.doctor.versions import known_breaks, stack
 
     keep = ("feature", "summary", "available", "verified", "status", "difference", "speed", "why_off", "fix")
+    found = stack()
     return {"machine": machine_line(doctor), "fingerprint_id": doctor.cache.fingerprint_id,
+            "versions": found, "known_breaks": known_breaks(found),
             "features": [{k: r.get(k) for k in keep} for r in rows],
             "set_aside": set_aside_payload(doctor.cache)}
 

@@ -404,10 +404,12 @@ def _summary(stage: Stage, stdout: str) -> str:
 
 def machine() -> dict:
     import torch
-    from ..app.doctor.report import versions
+    from ..app.doctor.versions import known_breaks, stack, versions
     info = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__,
             "cuda": torch.version.cuda or "none", "python": platform.python_version()}
     info.update({k: v for k, v in versions().items() if k in ("triton", "comfy-kitchen", "flash-attn")})
+    info["stack"] = stack()                 # what the pack runs in: core, frontend, kitchen, aimdo, torch, triton
+    info["known_breaks"] = known_breaks(info["stack"])
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
     else:
@@ -416,11 +418,16 @@ def machine() -> dict:
     return info
 
 
+def _stack_lines(m: dict) -> str:
+    from ..app.doctor.versions import stack_text
+    return stack_text(m["stack"]) + "\n" if "stack" in m else ""
+
+
 def markdown(result: dict) -> str:
     m = result["machine"]
     head = (f"selftest on {m['device']}, {m['date']}: torch {m['torch']} (CUDA {m['cuda']}), "
             f"triton {m.get('triton', 'none')}, comfy-kitchen {m.get('comfy-kitchen', 'none')}, "
-            f"flash-attn {m.get('flash-attn', 'none')}\n\n")
+            f"flash-attn {m.get('flash-attn', 'none')}\n{_stack_lines(m)}\n")
     lines = ["| stage | status | seconds | detail |", "|---|---|---|---|"]
     for r in result["stages"]:
         detail = str(r.get("detail", "")).replace("|", "\\|").replace("\n", " ")

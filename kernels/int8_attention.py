@@ -4,8 +4,12 @@ Two implementations of one computation, layout ``[B, L, heads, head_dim]`` (the 
 ``[B, heads, L, head_dim]`` inside):
 
 * ``kitchen``: comfy-kitchen's ``int8_attention`` (an optional extra). Its kernel is CUDA only (SM 7.5 or newer;
-  comfy-kitchen 0.2.31 has no eager implementation), so it is used when ``int8_attention_is_available`` says so
-  for the tensors' device. It also quantizes V (int8 per channel) and P (unsigned int8), and rotates Q and K by a
+  comfy-kitchen 0.2.31 to 0.2.40 have no eager implementation), so it is used when ``int8_attention_is_available``
+  says so for the tensors' device. comfy-kitchen also splits the same kernel in two
+  (``prequantize_int8_attention``, then ``int8_attention_from_prequantized``: the float Q/K/V may be freed between);
+  that pair is a second candidate, ``kitchen.prequantized``, used only where it is verified equal to the one-call
+  kernel (``candidates.VERIFY_ULPS`` of the dtype's resolution) and measured faster for the call's shapes
+  (``kitchen_call``, operator store op ``int8_attention``). It also quantizes V (int8 per channel) and P (unsigned int8), and rotates Q and K by a
   block Hadamard transform before quantizing them; for float32 inputs it computes in bf16.
 * ``torch``: the pack's own version of the same math, which runs everywhere (CPU included) and is what CI tests:
   K is smoothed by subtracting its mean over tokens (softmax-invariant: every logit of a query moves by the same
@@ -25,7 +29,8 @@ import math
 
 import torch
 
-from . import kitchen
+from . import _common, kitchen
+from . import candidates as op_candidates
 
 log = logging.getLogger("wan_accel")
 
@@ -44,11 +49,20 @@ def _kitchen():
     return kitchen.module()
 
 
-def kitchen_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str | None:
-    """None when comfy-kitchen's int8 kernel runs for these tensors; else why not (in words)."""
+# comfy-kitchen's int8 entry points: candidate -> the functions it calls
+KITCHEN_CALLS = {"kitchen": ("int8_attention",),
+                 "kitchen.prequantized": ("prequantize_int8_attention", "int8_attention_from_prequantized")}
+STORE_OP = "int8_attention"
+
+
+def kitchen_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
+                    call: str = "kitchen") -> str | None:
+    """None when comfy-kitchen's int8 kernel (through ``call``, a key of KITCHEN_CALLS) runs for these tensors;
+    else why not (in words)."""
     ck = _kitchen()
-    if ck is None or not hasattr(ck, "int8_attention"):
-        return "comfy-kitchen (with int8_attention) is not installed"
+    needs = KITCHEN_CALLS[call]
+    if ck is None or not all(hasattr(ck, name) for name in needs):
+        return f"comfy-kitchen (with {' and '.join(needs)}) is not installed"
     device = torch.device(device)
     if device.type != "cuda":
         return "comfy-kitchen's int8 kernel needs a CUDA GPU (it has no eager implementation)"
@@ -129,13 +143,59 @@ def int8_attention_torch(q, k, v, key_padding_mask: torch.Tensor | None = None) 
     return torch.cat(out, dim=2).transpose(1, 2).to(q.dtype)
 
 
-def int8_attention_kitchen(q, k, v, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """comfy-kitchen's int8 kernel on the pack's layout (masked calls run the torch version)."""
-    if key_padding_mask is not None:
-        return int8_attention_torch(q, k, v, key_padding_mask)
+def _kitchen_one_call(q, k, v) -> torch.Tensor:
     out = _kitchen().int8_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                     scale=q.shape[-1] ** -0.5)
     return out.transpose(1, 2).to(q.dtype)
+
+
+def _kitchen_prequantized(q, k, v) -> torch.Tensor:
+    ck = _kitchen()
+    packed = ck.prequantize_int8_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           scale=q.shape[-1] ** -0.5)
+    return ck.int8_attention_from_prequantized(packed).transpose(1, 2).to(q.dtype)
+
+
+_KITCHEN_FNS = {"kitchen": _kitchen_one_call, "kitchen.prequantized": _kitchen_prequantized}
+_CALLS: dict = {}            # store key -> the entry point chosen with measuring allowed
+
+
+def _store_key(q, k) -> str:
+    return (f"{q.device.type}|h{q.shape[2]}|d{q.shape[3]}|{str(q.dtype).replace('torch.', '')}"
+            f"|q{q.shape[1]}|k{k.shape[1]}")
+
+
+def kitchen_call(q, k, v, tuner=None) -> tuple[str | None, str]:
+    """(comfy-kitchen entry point for this call, why): the one-call kernel, or the prequantized pair where it runs
+    here, is verified equal to the one-call kernel on seeded inputs of these shapes and is the faster of the two
+    (the operator store remembers both per GPU). (None, why) when neither runs. Nothing is measured during a
+    CUDA graph capture or under compile (the one-call kernel then, unless a choice is known)."""
+    rows = [(name, kitchen_problem(q.device, q.dtype, q.shape[-1], name)) for name in KITCHEN_CALLS]
+    usable = [op_candidates.Candidate(STORE_OP, name, "kitchen", _KITCHEN_FNS[name], lambda d: None,
+                                      f"comfy-kitchen {' + '.join(KITCHEN_CALLS[name])}")
+              for name, why in rows if why is None]
+    skipped = [f"{name}: {why}" for name, why in rows if why is not None]
+    if len(usable) < 2:
+        return (usable[0].name, "the only comfy-kitchen entry point here") if usable else (None, "; ".join(skipped))
+    key = _store_key(q, k)
+    if key in _CALLS:
+        return _CALLS[key], "chosen before in this process"
+    measuring = not (_common.is_compiling() or _common.capturing(q))
+    best, why = op_candidates.pick(STORE_OP, usable, skipped, (q, k, v), key=key, reference=_kitchen_one_call,
+                                   tuner=tuner, benchmark=measuring)
+    if best is None:
+        return "kitchen", f"the one-call kernel ({why})"
+    if measuring:
+        _CALLS[key] = best
+    return best, why
+
+
+def int8_attention_kitchen(q, k, v, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """comfy-kitchen's int8 kernel on the pack's layout, through the entry point ``kitchen_call`` chooses (masked
+    calls run the torch version)."""
+    if key_padding_mask is not None:
+        return int8_attention_torch(q, k, v, key_padding_mask)
+    return _KITCHEN_FNS[kitchen_call(q, k, v)[0] or "kitchen"](q, k, v)
 
 
 def int8_attention(q, k, v, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:

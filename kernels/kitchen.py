@@ -51,11 +51,18 @@ def version() -> str:
         return "none"
 
 
-def _triton_backend_module():
-    try:
-        return importlib.import_module("comfy_kitchen.backends.triton")
-    except Exception:  # noqa: BLE001
+def submodule(name: str):
+    """comfy-kitchen's submodule ``comfy_kitchen.<name>``, or None where comfy-kitchen or it does not import."""
+    if module() is None:
         return None
+    try:
+        return importlib.import_module(f"comfy_kitchen.{name}")
+    except Exception:  # noqa: BLE001 - a broken install counts as absent
+        return None
+
+
+def _triton_backend_module():
+    return submodule("backends.triton")
 
 
 def backend_problem(backend: str, func: str, device) -> str | None:

@@ -22,8 +22,6 @@ that raises falls back to the next one.
 """
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -101,12 +99,7 @@ def kitchen_scaled_mm():
     """comfy-kitchen's fp8 scaled matmul (``comfy_kitchen.scaled_mm_v2.scaled_mm_v2``: input, weight, scale_a,
     scale_b, bias, out_dtype), or None when comfy-kitchen is absent or does not offer it."""
     if "kitchen" not in _FOUND:
-        fn = None
-        if kitchen.available():
-            try:
-                fn = getattr(importlib.import_module("comfy_kitchen.scaled_mm_v2"), "scaled_mm_v2", None)
-            except Exception:  # noqa: BLE001 - a broken install counts as absent
-                fn = None
+        fn = getattr(kitchen.submodule("scaled_mm_v2"), "scaled_mm_v2", None)
         _FOUND["kitchen"] = fn if callable(fn) else None
     return _FOUND["kitchen"]
 

@@ -2,21 +2,20 @@
 
 The ModelPatcher is cloned; the compiled stand-ins (``compile.apply.compile_regions``) are swapped in only while
 ComfyUI's ``apply_model`` runs (an APPLY_MODEL wrapper) and swapped back in a ``finally``; the end of the first
-sampling run (an OUTER_SAMPLE wrapper) ends warm-up. The stand-ins fire the original blocks' forward hooks, so a
+sampling run (an OUTER_SAMPLE wrapper, which also keeps the run outside core's memory graph on cores with the Comfy Compiler)
+ends warm-up. The stand-ins fire the original blocks' forward hooks, so a
 Wan Block Swap before or after this node keeps streaming its blocks.
 """
 from __future__ import annotations
+
+from .comfy_core import outside_memory_graph, wrapper_types
 
 COMFY_KEY = "wan_accel.compile"
 
 
 def _comfy_wrapper_types() -> tuple[str, str]:
-    try:
-        from comfy.patcher_extension import WrappersMP
-
-        return WrappersMP.APPLY_MODEL, WrappersMP.OUTER_SAMPLE
-    except ImportError:
-        return "apply_model", "outer_sample"
+    kinds = wrapper_types()
+    return kinds["apply_model"], kinds["outer_sample"]
 
 
 def compile_for_comfy(patcher, settings=None, cache=None):
@@ -33,7 +32,8 @@ def compile_for_comfy(patcher, settings=None, cache=None):
             return executor(*args, **kwargs)
 
     def outer_sample_wrapper(executor, *args, **kwargs):
-        out = executor(*args, **kwargs)
+        with outside_memory_graph():     # compiled regions (and their CUDA graphs) never recorded in core's graph
+            out = executor(*args, **kwargs)
         handle.end_warmup()
         return out
 

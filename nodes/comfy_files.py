@@ -10,6 +10,8 @@ import ntpath
 import os
 from pathlib import Path
 
+from .comfy_core import core, optional
+
 
 NAME_MAX = 255   # bytes in one path component on the file systems ComfyUI runs on
 
@@ -58,9 +60,7 @@ def resolve_inside(folder, name, *, input_name: str, folder_label: str, suffixes
 
 def input_file(name, *, input_name: str = "file", suffixes: tuple = (".safetensors",)) -> Path:
     """A file in ComfyUI's input folder (see :func:`resolve_inside`)."""
-    import folder_paths
-
-    return resolve_inside(folder_paths.get_input_directory(), name, input_name=input_name,
+    return resolve_inside(core("folder_paths").get_input_directory(), name, input_name=input_name,
                           folder_label="ComfyUI's input folder", suffixes=suffixes)
 
 
@@ -68,9 +68,8 @@ def model_file(folder_kind: str, name, *, input_name: str) -> str:
     """A file of ComfyUI's ``models/<folder_kind>`` (and the folders configured for it), as ComfyUI resolves
     it; a name that is absolute, climbs with ``..`` or is not there is refused. Outside ComfyUI (scripts, tests)
     the name is a path chosen by the caller and is returned as given."""
-    try:
-        import folder_paths
-    except ImportError:
+    folder_paths = optional("folder_paths")
+    if folder_paths is None:
         return name
     text = "" if name is None else str(name).strip()
     label = f"models/{folder_kind}"
@@ -99,8 +98,7 @@ def save_path(prefix, *, input_name: str = "filename_prefix"):
     subfolder) inside ComfyUI's output folder. A prefix that is absolute, climbs with ``..``, holds a control
     character or an over-long name is refused with a ValueError naming the input, before ComfyUI's own check
     (a bare Exception) or the OS (an error naming no input) would meet it."""
-    import folder_paths
-
+    folder_paths = core("folder_paths")
     text = check_name_text("" if prefix is None else str(prefix).strip(), input_name=input_name)
     if not text:
         raise ValueError(f"{input_name} is empty: give a name such as wan_accel/play")

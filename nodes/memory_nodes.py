@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+from .comfy_core import add_outer_sample_guard, optional, wrapper_types
+
 log = logging.getLogger("wan_accel")
 CATEGORY = "wan_accel/memory"
 PATCH_KEY = "wan_accel_block_swap"
@@ -19,9 +21,8 @@ def _swap_saves_memory(device) -> bool:
 
 
 def _diffusion_model_files() -> list | None:
-    try:
-        import folder_paths
-    except ImportError:
+    folder_paths = optional("folder_paths")
+    if folder_paths is None:
         return None
     try:
         from .model_nodes import loadable_checkpoints
@@ -271,15 +272,11 @@ class WanBlockSwap:
                         "with --disable-dynamic-vram to use it", exc)
             return (model,)
         patch = _ComfySwapPatch(settings)
-        try:
-            from comfy.patcher_extension import CallbacksMP, WrappersMP
-
-            on_load, on_detach, wrap = CallbacksMP.ON_LOAD, CallbacksMP.ON_DETACH, WrappersMP.DIFFUSION_MODEL
-        except ImportError:
-            on_load, on_detach, wrap = "on_load_after", "on_detach_after", "diffusion_model"
-        m.add_callback_with_key(on_load, PATCH_KEY, patch.on_load)
-        m.add_callback_with_key(on_detach, PATCH_KEY, patch.on_detach)
-        m.add_wrapper_with_key(wrap, PATCH_KEY, patch.wrapper)
+        kinds = wrapper_types()
+        m.add_callback_with_key(kinds["on_load"], PATCH_KEY, patch.on_load)
+        m.add_callback_with_key(kinds["on_detach"], PATCH_KEY, patch.on_detach)
+        m.add_wrapper_with_key(kinds["diffusion_model"], PATCH_KEY, patch.wrapper)
+        add_outer_sample_guard(m, PATCH_KEY)     # the swap's copies never recorded in core's memory graph
         return (m,)
 
 
@@ -331,12 +328,9 @@ class _TiledFallbackWatch(logging.Handler):
 
 
 def _comfy_free(_size=None) -> None:
-    try:
-        import comfy.model_management as mm
-
+    mm = optional("comfy.model_management")
+    if mm is not None:
         mm.soft_empty_cache()
-    except ImportError:
-        pass
 
 
 def _vae_kind(vae, channels: int) -> str:

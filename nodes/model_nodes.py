@@ -23,8 +23,9 @@ def loadable_checkpoints(names) -> tuple[list, list]:
 
 
 def _checkpoint_input():
-    try:
-        import folder_paths
+    from .comfy_core import optional
+    folder_paths = optional("folder_paths")
+    if folder_paths is not None:
         names, refused = loadable_checkpoints(folder_paths.get_filename_list("diffusion_models"))
         hidden = (f" {len(refused)} pickle file(s) there are not listed ({', '.join(map(str, refused[:3]))}"
                   f"{', ...' if len(refused) > 3 else ''}): convert them first." if refused else "")
@@ -32,8 +33,7 @@ def _checkpoint_input():
                 "Causal Wan DiT (.safetensors in models/diffusion_models), or a built-in tiny random model "
                 "for smoke tests (text-to-video, or Matrix-Game-2 with the universal keys). Convert .pt checkpoints with: python -m wan_accel convert IN.pt OUT.safetensors."
                 + hidden})
-    except ImportError:
-        return ("STRING", {"default": TINY_NAME, "tooltip":
+    return ("STRING", {"default": TINY_NAME, "tooltip":
                 "Path of a causal Wan DiT .safetensors file, or '(built-in tiny model)'."})
 
 
@@ -56,12 +56,12 @@ def _lora_input():
     """The loader's lora widget: ComfyUI's loras folder (safetensors files), or a path outside ComfyUI."""
     tooltip = ("A LoRA merged into the weights at load: LongLive's (peft names) or one in ComfyUI's layout, from "
                "models/loras. (none): no LoRA.")
-    try:
-        import folder_paths
+    from .comfy_core import optional
+    folder_paths = optional("folder_paths")
+    if folder_paths is not None:
         names, _refused = loadable_checkpoints(folder_paths.get_filename_list("loras"))
         return ([NO_LORA] + names, {"default": NO_LORA, "tooltip": tooltip})
-    except ImportError:
-        return ("STRING", {"default": "", "tooltip": tooltip + " Outside ComfyUI: the file's path."})
+    return ("STRING", {"default": "", "tooltip": tooltip + " Outside ComfyUI: the file's path."})
 
 
 def _resolve_lora(name) -> str | None:
@@ -81,11 +81,9 @@ def _resolve_checkpoint(name: str) -> str:
 
 
 def _torch_device():
-    try:
-        import comfy.model_management as mm
-        return mm.get_torch_device()
-    except ImportError:
-        return None
+    from .comfy_core import optional
+    mm = optional("comfy.model_management")
+    return None if mm is None else mm.get_torch_device()
 
 
 class CausalWanModelLoader:
@@ -327,7 +325,7 @@ class _ComfyProgress:
     """Per-step progress bar, latent preview and interrupt check (no-ops outside ComfyUI)."""
 
     def __init__(self):
-        from ._comfy import progress_and_interrupt
+        from .comfy_core import progress_and_interrupt
 
         self.bar = None
         self.bar_cls, self.interrupt = progress_and_interrupt()

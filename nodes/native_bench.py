@@ -4,11 +4,12 @@ or the nodes); every ComfyUI import is made inside a function, so this module im
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 
+from ..app.doctor.versions import NOT_FOUND, stack
 from ..bench.native import _structure, register_comfy_side
+from .comfy_core import CoreMissing, core, optional, start_core
 
 
 class ComfySide:
@@ -18,18 +19,13 @@ class ComfySide:
         """None where ComfyUI's loader, samplers and core's AR video nodes import, its model management started on
         ``device`` (on a CPU as ``main.py --cpu`` starts it, before model management is first imported); else why
         not."""
-        from ..cache.guarded_import import ImportProblem, guarded_import
-        try:                    # a ComfyUI module that raises or calls sys.exit while imported: named, with its error
-            cpu_first = device.type == "cpu" and "comfy.model_management" not in sys.modules
-            args = guarded_import("comfy.cli_args").args
-            if cpu_first:
-                args.cpu = True
-            mm = guarded_import("comfy.model_management")
-            for name in ("comfy.samplers", "comfy.sd", "comfy_extras.nodes_ar_video",
-                         "comfy_extras.nodes_custom_sampler"):
-                guarded_import(name)
-        except ImportProblem as problem:
-            return str(problem)
+        try:
+            mm = start_core(device.type)
+            for name in ("comfy.samplers.KSAMPLER", "comfy.sd.load_diffusion_model",
+                         "comfy_extras.nodes_ar_video.SamplerARVideo", "comfy_extras.nodes_custom_sampler.Guider_Basic"):
+                core(name)
+        except CoreMissing as exc:      # not ComfyUI, or a ComfyUI that lacks (or fails to import) what the bench uses
+            return str(exc)
         got = torch.device(mm.get_torch_device())
         if got.type != device.type:
             raise RuntimeError(f"ComfyUI's model management runs on {got}, the bench was asked for {device} (it "
@@ -37,28 +33,15 @@ class ComfySide:
         return None
 
     def versions(self) -> dict:
-        from importlib import metadata
-        out = {}
-        try:
-            import comfyui_version
-            out["comfyui"] = comfyui_version.__version__
-        except Exception:  # noqa: BLE001
-            out["comfyui"] = None
-        try:
-            out["comfy-kitchen"] = metadata.version("comfy-kitchen")
-        except metadata.PackageNotFoundError:
-            import comfy.quant_ops as q
-            out["comfy-kitchen"] = "importable (no metadata)" if getattr(q, "_CK_AVAILABLE", False) else None
-        return out
+        """The ComfyUI stack the bench ran in (app/doctor/versions.py; None where a part is absent)."""
+        return {k: (None if v == NOT_FOUND else v) for k, v in stack().items() if k not in ("torch", "triton")}
 
     def load(self, path, lora_path=None, strength: float = 1.0):
         """Load Diffusion Model (UNETLoader, weight dtype default), then LoraLoaderModelOnly when a LoRA is given."""
-        import comfy.sd
-        import comfy.utils
-        patcher = comfy.sd.load_diffusion_model(str(path))
+        patcher = core("comfy.sd.load_diffusion_model")(str(path))
         if lora_path is not None:
-            lora = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
-            patcher, _clip = comfy.sd.load_lora_for_models(patcher, None, lora, float(strength), 0)
+            lora = core("comfy.utils.load_torch_file")(str(lora_path), safe_load=True)
+            patcher, _clip = core("comfy.sd.load_lora_for_models")(patcher, None, lora, float(strength), 0)
         return patcher
 
     def describe(self, patcher) -> dict:
@@ -77,8 +60,8 @@ class ComfySide:
 
     def core_sampler(self, frames_per_block: int):
         """Core's Sampler AR Video node's SAMPLER."""
-        from comfy_extras.nodes_ar_video import SamplerARVideo
-        return SamplerARVideo.execute(num_frame_per_block=int(frames_per_block)).result[0]
+        node = core("comfy_extras.nodes_ar_video.SamplerARVideo")
+        return node.execute(num_frame_per_block=int(frames_per_block)).result[0]
 
     def native_sampler(self, frames_per_block: int, path: str):
         """The Wan Accel AR Sampler node's SAMPLER (its defaults: global cache, CUDA graphs)."""
@@ -87,8 +70,7 @@ class ComfySide:
 
     def guider(self, patcher, context):
         """Basic Guider (cfg 1, as the distilled causal models run) over the positive conditioning."""
-        from comfy_extras.nodes_custom_sampler import Guider_Basic
-        guider = Guider_Basic(patcher)
+        guider = core("comfy_extras.nodes_custom_sampler.Guider_Basic")(patcher)
         guider.set_conds([[context, {}]])
         return guider
 
@@ -96,7 +78,6 @@ class ComfySide:
         """SamplerCustomAdvanced's call; returns the sampler function's own output [B, C, T, H, W] (before the
         latent format's process_latent_out), float32 on the CPU. recorded: re-noising draws for the Wan Accel AR
         Sampler (its recorded-run input); counts: a DispatchCounts around the sampler function alone."""
-        import comfy.samplers
         captured = {}
         inner = sampler.sampler_function
 
@@ -111,7 +92,7 @@ class ComfySide:
                 out = inner(*args, **kwargs)
             captured["x"] = out
             return out
-        wrapped = comfy.samplers.KSAMPLER(sampler_function, extra_options=dict(sampler.extra_options),
+        wrapped = core("comfy.samplers.KSAMPLER")(sampler_function, extra_options=dict(sampler.extra_options),
                                           inpaint_options=dict(getattr(sampler, "inpaint_options", {}) or {}))
         if recorded is not None:
             from .native_engine import RECORDED_NOISE_KEY
@@ -137,9 +118,8 @@ class ComfySide:
 
     def unload(self) -> None:
         """ComfyUI's models off the device (the own path's memory is then its own)."""
-        try:
-            import comfy.model_management as mm
-        except Exception:  # noqa: BLE001
+        mm = optional("comfy.model_management")
+        if mm is None:
             return
         mm.unload_all_models()
         mm.soft_empty_cache()

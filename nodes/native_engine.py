@@ -9,7 +9,11 @@ app floor's prepare step (``app/prepare.py``: the doctor's verdicts, compile, fa
 from ``SamplerCustomAdvanced``: the latent arrives noised by the sigma-0 scaling in the model's latent space
 [B, C, T, H, W]; the text comes from the guider's positive conditioning; re-noising draws come from a generator
 seeded with the NOISE input's seed (or from recorded draws, ``RECORDED_NOISE_KEY``); ``ARVideoI2V``'s start
-image is written into the KV cache before the first block, as core does.
+image is written into the KV cache before the first block, as core does. On cores with the Comfy Compiler the
+whole run (prepare and loop) is outside core's memory graph (``comfy_core.outside_memory_graph``). The engine
+calls ComfyUI's layers, never its attention: q, k and v come from the borrowed ``q``/``k``/``v``/``norm_*`` layers, so
+core's attention contract (plain tensors up to 0.39, ``AttentionTensorContainer`` and ``preferred_attention`` from
+0.40) does not reach it; the layers are called as ``layer(x)``, which every core's ``comfy.ops`` honours.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from ..app.prepare import RunSpec, prepare
 from ..sampling.request import SamplingHooks
 from ..sampling.sampler import PATHS, generator_noise
 from ..sampling.scheduler import schedule_from_sigmas
+from .comfy_core import outside_memory_graph, progress_and_interrupt
 
 log = logging.getLogger("wan_accel")
 
@@ -77,6 +82,18 @@ def check_native_run(base, shape, device, frames_per_block: int, kv_window: int,
     return seed
 
 
+def declared_attention(dm) -> str | None:
+    """The attention method a checkpoint declares for core 0.40+ (``ComfyAttention.config['attention']`` on the
+    blocks' attention modules, e.g. 'comfy_kitchen_int8'), or None. The engine runs its own attention (the
+    sampler's ``attention`` input); the console says so once per model."""
+    for block in getattr(dm, "blocks", ()):
+        for attn in (getattr(block, "self_attn", None), getattr(block, "cross_attn", None)):
+            config = getattr(getattr(attn, "comfy_attention", None), "config", None)
+            if isinstance(config, dict) and config.get("attention"):
+                return str(config["attention"])
+    return None
+
+
 def engine_for(base, device, dtype=None):
     """The engine model over ``base.diffusion_model``'s layers (built once per diffusion model, kept weakly)."""
     check_native_model(base)
@@ -88,6 +105,11 @@ def engine_for(base, device, dtype=None):
     if engine is None:
         engine = borrow_wan_model(dm, dtype, device, num_heads=dm.num_heads, text_len=dm.text_len)
         _ENGINES[dm] = engine
+        declared = declared_attention(dm)
+        if declared:
+            log.info("wan_accel: native sampler: this checkpoint declares attention %r for ComfyUI's own sampling; "
+                     "the Wan Accel AR Sampler runs its attention input instead (int8 there: attention=int8)",
+                     declared)
     return engine.set_run(dtype, device)
 
 
@@ -200,7 +222,6 @@ def _memory_manager(guider):
 
 
 def _progress(callback, sigmas, step_callback=None):
-    from ._comfy import progress_and_interrupt
     _, interrupt = progress_and_interrupt()
     steps = len(sigmas) - 1
 
@@ -275,9 +296,10 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
                    oom_retry=oom_retry if manager.swap_allowed else "off")
     hooks = SamplingHooks(callback=_progress(callback, sigmas, step_callback), chunk_guard=guard, report=run)
     try:                                    # the doctor's verdicts, compile and fast options: the one prepare step
-        prepared = prepare(engine, spec, context, noise, hooks=hooks, generator=gen, noise_provider=provider,
-                           prefix=prefix, partial_last_block=True, **prompts)
-        out = prepared.run(engine)
+        with outside_memory_graph():        # the pack's loop, allocations and CUDA graphs: never in core's graph
+            prepared = prepare(engine, spec, context, noise, hooks=hooks, generator=gen, noise_provider=provider,
+                               prefix=prefix, partial_last_block=True, **prompts)
+            out = prepared.run(engine)
     finally:
         engine.unfuse_qkv()                 # ComfyUI may move or patch its weights before the next run
         if swap_before is None and active_swap(dm) is not None:

@@ -3,6 +3,7 @@ drop-in for core's SamplerARVideo), the released causal schedules as SIGMAS, and
 re-noising draws, text) to replay an official output."""
 from __future__ import annotations
 
+from .comfy_core import core
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP    # torch-free: the sampler nodes' one linear widget
 
 # the sampling modules import torch: they load when a node's inputs are listed or it runs, not at import
@@ -48,7 +49,6 @@ class WanAccelARSampler:
 
     def get_sampler(self, frames_per_block=3, kv_window=-1, sink=0, path="auto", cuda_graphs=True, attention="auto",
                     linear="exact"):
-        import comfy.samplers
         from ..model.attention import BACKENDS
         from ..app.validate import check_window
         from ..sampling.sampler import PATHS, path_for_linear
@@ -63,7 +63,7 @@ class WanAccelARSampler:
         check_window(frames_per_block, kv_window, sink)     # the one window check: kv_window 0 is refused here
         options = {"frames_per_block": int(frames_per_block), "kv_window": int(kv_window), "sink": int(sink),
                    "path": path, "cuda_graphs": bool(cuda_graphs), "attention": attention, "linear": linear}
-        return (comfy.samplers.KSAMPLER(sample_wan_accel, extra_options=options),)
+        return (core("comfy.samplers.KSAMPLER")(sample_wan_accel, extra_options=options),)
 
 
 def causal_sigmas(preset: str, steps: str = "1000,750,500,250", shift: float = 5.0, warp: bool = True):
@@ -177,12 +177,12 @@ class WanTinyNativeModel:
         }}
 
     def load(self, seed=0):
-        import comfy.sd
         import torch
         from ..model.checkpoint import core_causal_metadata
         from ..model.tiny import TINY_CONFIG, tiny_causal_model
         sd = tiny_causal_model(seed=int(seed)).state_dict()
-        patcher = comfy.sd.load_diffusion_model_state_dict(sd, metadata=core_causal_metadata(TINY_CONFIG))
+        load = core("comfy.sd.load_diffusion_model_state_dict")
+        patcher = load(sd, metadata=core_causal_metadata(TINY_CONFIG))
         if patcher is None:
             raise ValueError("this ComfyUI did not recognise the tiny causal Wan model; it needs ComfyUI 0.33 or "
                              "newer (WAN21_CausalAR)")

@@ -8,13 +8,13 @@ the feature says it needs ComfyUI. ``app/`` may not import ComfyUI or the nodes,
 """
 from __future__ import annotations
 
-import sys
 from types import SimpleNamespace
 
 import torch
 
 from ..app.doctor.vocabulary import NotAvailable, Probe, ProbeContext, register_probe
 from . import native_engine
+from .comfy_core import CoreMissing, core, in_comfyui, start_core
 
 NATIVE_ULPS = 64          # a whole chunk (every block, two steps) accumulates more rounding than one op
 SCHEDULE = {"preset": "custom", "steps": [1000, 500], "shift": 5.0}
@@ -24,17 +24,15 @@ HINT = ("run the Wan Doctor node inside ComfyUI (or `python -m wan_accel doctor`
 
 def _comfy():
     """ComfyUI's loader and model management, or NotAvailable('needs ComfyUI')."""
-    from ..cache.guarded_import import ImportProblem, guarded_import
-    try:                        # a ComfyUI module that raises or calls sys.exit while imported: named, with its error
-        if "comfy.model_management" not in sys.modules and not torch.cuda.is_available():
-            # outside a ComfyUI server (the doctor command run with ComfyUI's Python) on a machine without CUDA:
-            # start ComfyUI's model management on the CPU, as `main.py --cpu` would
-            guarded_import("comfy.cli_args").args.cpu = True
-        mm = guarded_import("comfy.model_management")
-        sd = guarded_import("comfy.sd")
-    except ImportProblem as problem:
-        raise NotAvailable(f"needs ComfyUI (ComfyUI does not import here: {str(problem)[:160]})", HINT) from None
-    return sd, mm
+    try:
+        # outside a ComfyUI server (the doctor command run with ComfyUI's Python) on a machine without CUDA, ComfyUI's
+        # model management starts on the CPU, as `main.py --cpu` would
+        mm = start_core("cuda" if torch.cuda.is_available() else "cpu")
+        load = core("comfy.sd.load_diffusion_model_state_dict")
+    except CoreMissing as exc:
+        why = "ComfyUI does not import here" if not in_comfyui() else str(exc)
+        raise NotAvailable(f"needs ComfyUI ({why})", HINT) from None
+    return load, mm
 
 
 def requires(ctx: ProbeContext) -> None:
@@ -56,10 +54,10 @@ def check(ctx: ProbeContext) -> Probe:
     from ..sampling.sampler import sample_causal
     from ..sampling.scheduler import resolve_schedule
     from .native_nodes import WanAccelARSampler
-    sd, mm = _comfy()
+    load, mm = _comfy()
     ours = _tiny(ctx, ctx.device, ctx.dtype)
     weights = {k: v.detach().to("cpu").clone() for k, v in ours.state_dict().items()}
-    patcher = sd.load_diffusion_model_state_dict(weights, model_options={"dtype": ctx.dtype},
+    patcher = load(weights, model_options={"dtype": ctx.dtype},
                                                  metadata=core_causal_metadata(ours.config))
     if patcher is None:
         raise RuntimeError("ComfyUI did not recognise the tiny causal Wan model")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import time
 
+from .comfy_core import optional
 from .mg2_nodes import PRESETS
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
@@ -30,11 +31,7 @@ def _registry():
 
 
 def _server():
-    try:
-        from server import PromptServer
-        return PromptServer.instance
-    except (ImportError, AttributeError):
-        return None
+    return getattr(optional("server.PromptServer"), "instance", None)
 
 
 def send_play_event(kind: str, session: str, **payload) -> bool:
@@ -192,7 +189,7 @@ class MatrixGame2PlayStep:
         import torch
         from ..app.prepare import prepared_sampling
         from ..app.play.registry import PlayError
-        from ._comfy import progress_and_interrupt
+        from .comfy_core import progress_and_interrupt
         from .mg2_nodes import to_latent_space
         from .stream_nodes import _jpeg_frames
         registry = _registry()

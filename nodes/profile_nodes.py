@@ -108,13 +108,9 @@ class WanAccelProfileNative:
         request = ProfileRequest(runs=model_calls, out_dir=_out_dir(output_subfolder), name="wan_native",
                                  record_shapes=record_shapes, settings={"source": "Wan Profile (native MODEL)"},
                                  device=getattr(patcher, "load_device", None))
-        apply_model_key, cleanup_key = "apply_model", "on_cleanup"
-        try:
-            from comfy.patcher_extension import CallbacksMP, WrappersMP
-
-            apply_model_key, cleanup_key = WrappersMP.APPLY_MODEL, CallbacksMP.ON_CLEANUP
-        except ImportError:
-            pass
+        from .comfy_core import wrapper_types
+        kinds = wrapper_types()
+        apply_model_key, cleanup_key = kinds["apply_model"], kinds["on_cleanup"]
 
         def profile_apply_model(executor, *args, **kwargs):
             return request.step(executor, *args, **kwargs)

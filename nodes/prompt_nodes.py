@@ -185,7 +185,7 @@ class CausalWanPromptPlayStep:
         import torch
         from ..app.play.registry import PlayError
         from ..app.prepare import prepared_sampling
-        from ._comfy import progress_and_interrupt
+        from .comfy_core import progress_and_interrupt
         from .mg2_nodes import to_latent_space
         from .play_nodes import _is_interrupt, _registry, send_play_event
         from .stream_nodes import _jpeg_frames

@@ -12,6 +12,7 @@ import base64
 import io
 import time
 
+from .comfy_core import optional
 from .model_nodes import CausalWanSampler, _ComfyProgress
 
 EVENT = "wan_accel.frames"
@@ -36,10 +37,8 @@ def _jpeg_frames(images, side: int = PREVIEW_SIDE) -> list:
 
 def send_frames(node_id, chunk: int, num_chunks: int, images, latency_s: float, first_frame: int) -> bool:
     """Send a chunk's frames to the browser (no-op outside a ComfyUI server); True when sent."""
-    try:
-        from server import PromptServer
-        server = PromptServer.instance
-    except (ImportError, AttributeError):
+    server = getattr(optional("server.PromptServer"), "instance", None)
+    if server is None:
         return False
     server.send_sync(EVENT, {"node": str(node_id) if node_id is not None else None, "chunk": chunk,
                              "chunks": num_chunks, "first_frame": first_frame, "fps": FPS,

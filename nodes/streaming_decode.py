@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..vae.frames import DecoderFrames, FrameStream, check_latents
+from .comfy_core import core, optional
 
 TINY_MARK = "decoder.22.bias"           # ComfyUI's VAE loader reads a state dict with it as a TAEHV-class decoder
 WAN21_CHANNELS = 16
@@ -119,10 +120,7 @@ class WanStreamDecoder(FrameStream):
     def __init__(self, vae):
         super().__init__()
         model = getattr(vae, "first_stage_model", None)
-        try:
-            from comfy.ldm.wan import vae as wan_vae
-        except ImportError:
-            wan_vae = None
+        wan_vae = optional("comfy.ldm.wan.vae")
         if wan_vae is None or not isinstance(model, wan_vae.WanVAE):
             raise ValueError(f"streaming decode takes {ACCEPTED}; this VAE is a {type(model).__name__}. Decode "
                              f"with the VAE Decode node instead.")
@@ -134,7 +132,7 @@ class WanStreamDecoder(FrameStream):
     def load(self, shape) -> None:
         """Have ComfyUI load the VAE for latents of ``shape`` (done by the first push; again after other prompts ran)."""
         self.loaded = True
-        from comfy import model_management
+        model_management = core("comfy.model_management")
         vae = self.vae
         need = vae.memory_used_decode((shape[0], shape[1], 2) + tuple(shape[3:]), vae.vae_dtype)
         model_management.load_models_gpu([vae.patcher], memory_required=need,
@@ -238,8 +236,7 @@ class KreaStreamDecoder(WanStreamDecoder):
 
     def __init__(self, vae):
         super().__init__(vae)
-        from comfy.ldm.wan import vae as wan_vae
-        self.layers = wan_vae
+        self.layers = core("comfy.ldm.wan.vae")
         self.cached: dict = {}            # layer -> the frames it keeps for the next step
 
     def _conv(self, conv, x):

@@ -389,7 +389,7 @@ def test_native_probe_starts_comfyuis_model_management_on_the_cpu_outside_a_serv
     (pkg / "cli_args.py").write_text("import types\nargs = types.SimpleNamespace(cpu=False)\n")
     (pkg / "model_management.py").write_text(
         "from .cli_args import args\nif not args.cpu:\n    raise RuntimeError('Found no NVIDIA driver')\n")
-    (pkg / "sd.py").write_text("")
+    (pkg / "sd.py").write_text("def load_diffusion_model_state_dict(sd, **kwargs):\n    return None\n")
     code = ("import torch\nfrom wan_accel.nodes import native_probe\n"
             "torch.cuda.is_available = lambda: False\n"
             "sd, mm = native_probe._comfy()\nprint('cpu', mm.args.cpu)\n")

@@ -6,17 +6,15 @@ nothing beyond what ``doctor`` prints (no paths, user or host names; the table p
 """
 from __future__ import annotations
 
-import platform
 import time
-from importlib import metadata
 
 from ...cache.owned_files import write_json
 from .core import Doctor, library_version
 from .ops import implementation_text, implementations
+from .versions import STACK, known_breaks, stack_text, versions
 
 COLUMNS = ["feature", "available", "verified", "difference", "speed", "why_off", "fix"]
 HEADERS = ["feature", "available", "verified", "difference", "speed vs fallback", "why off", "to turn it on"]
-VERSIONS = ("torch", "triton", "flash-attn", "flash_attn_3", "comfy-kitchen", "safetensors", "numpy")
 
 
 def _ms(v) -> str:
@@ -97,24 +95,9 @@ def doctor_text(doctor: Doctor, rows: list[dict]) -> str:
     off = [r["feature"] for r in rows if r["status"] in ("failed", "slower")]
     tail = (f"switched off on this machine: {', '.join(off)}" if off else
             "no feature is switched off on this machine")
-    soft = ", ".join(f"{k} {v}" for k, v in versions().items())
+    soft = ", ".join(f"{k} {v}" for k, v in versions().items() if k not in STACK)    # the stack: its own line
     ops = implementation_text(implementations(doctor))
-    return f"{machine_line(doctor)}\nversions: {soft}\n\n{format_rows(rows)}\n\n{tail}\n\n{ops}"
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version(), "system": f"{platform.system()} {platform.release()}",
-           "machine": platform.machine()}
-    for dist in VERSIONS:
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = "none"
-    try:
-        out["comfyui-wan-accel"] = metadata.version("comfyui-wan-accel")
-    except metadata.PackageNotFoundError:
-        out["comfyui-wan-accel"] = "unknown"
-    return out
+    return f"{machine_line(doctor)}\nversions: {soft}\n{stack_text()}\n\n{format_rows(rows)}\n\n{tail}\n\n{ops}"
 
 
 def report(doctor: Doctor, rows: list[dict]) -> dict:
@@ -128,7 +111,7 @@ def report(doctor: Doctor, rows: list[dict]) -> dict:
             "fingerprint": dict(doctor.cache.fingerprint), "fingerprint_id": doctor.cache.fingerprint_id,
             "probe": {"device": ctx.device.type, "dtype": str(ctx.dtype).replace("torch.", ""),
                       "head_dim": ctx.head_dim, "heads": ctx.heads, "tokens": ctx.tokens},
-            "versions": versions(), "features": [{k: r[k] for k in COLUMNS + ["status", "library", "verdict"]}
+            "versions": versions(), "known_breaks": known_breaks(), "features": [{k: r[k] for k in COLUMNS + ["status", "library", "verdict"]}
                                                  for r in rows],
             "last_errors": errors[:20]}
 

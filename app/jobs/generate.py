@@ -2,7 +2,6 @@
 is prepared by the one prepare step (``app/prepare.py``) every face uses."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import resource

@@ -7,7 +7,6 @@ frames, latent size, padding, step list, shift, ...) is read from the fixture's 
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
