@@ -115,8 +115,9 @@ def missing_message(name: str, error: BaseException | None = None) -> str:
     """What to tell the user when ``name`` cannot be had: which ComfyUI runs, which core has it, what to install."""
     since = NAMES[name]
     if not in_comfyui():
-        return (f"Wan Accel needs ComfyUI's {name} (ComfyUI {since} or newer): ComfyUI does not import here. Run "
-                f"this inside ComfyUI, or with ComfyUI's Python and its folder on the path.")
+        why = f" ({error})" if isinstance(error, ImportProblem) and error.installed else ""   # present but failing
+        return (f"Wan Accel needs ComfyUI's {name} (ComfyUI {since} or newer): ComfyUI does not import here{why}. "
+                f"Run this inside ComfyUI, or with ComfyUI's Python and its folder on the path.")
     running = core_version() or "of unknown version"
     text = f"Wan Accel needs {name} from ComfyUI, which this ComfyUI ({running}) does not offer"
     if error is not None:

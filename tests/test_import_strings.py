@@ -194,7 +194,8 @@ def test_the_scan_sees_every_kind_of_module_string():
 # optional packages the pack looks for at run time (never dependencies): named, they need not be installed here;
 # ComfyUI's own packages too (bench native and the doctor's native probe import them through the guarded import);
 # comfyui_version is ComfyUI's own file, found only where ComfyUI is (app/doctor/versions.py reads it)
-OPTIONAL = ("xformers", "kernels", "flash_attn", "flash_attn_interface", "comfy", "comfy_extras", "comfyui_version")
+OPTIONAL = ("xformers", "kernels", "flash_attn", "flash_attn_interface", "comfy", "comfy_extras", "comfyui_version",
+            "matplotlib")
 
 
 @pytest.mark.parametrize("where,module,attr", NAMED, ids=[f"{w}->{m}" + (f":{a}" if a else "") for w, m, a in NAMED])
