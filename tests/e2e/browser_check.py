@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -561,9 +562,9 @@ def main() -> int:
                     "from the panel, typing a new prompt mid-stream")
     ap.add_argument("--renderer", choices=["classic", "vue"], default="classic",
                     help="classic: the LiteGraph canvas; vue: Nodes 2.0 (setting Comfy.VueNodes.Enabled)")
-    ap.add_argument("--showcase", metavar="NAME", help="with --queue tiny_smoke: add a Wan Compile Settings node "
-                    "after the run, follow its badges through widget changes and save NAME.jpg of it beside the "
-                    "Limit Cache node's report text")
+    ap.add_argument("--showcase", action="store_true", help="with --queue tiny_smoke: add a Wan Compile Settings "
+                    "node after the run, follow its badges through widget changes and save a JPEG of it beside the "
+                    "Limit Cache node's report text (web_<frontend version>_<renderer>.jpg)")
     ap.add_argument("--report", help="write the JSON report here")
     ap.add_argument("--timeout", type=float, default=120)
     ap.add_argument("--chromium", default=os.environ.get("CHROMIUM") or shutil.which("chromium") or "chromium")
@@ -571,7 +572,11 @@ def main() -> int:
     base = args.url.rstrip("/")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    report: dict = {"workflows": [], "console_errors": [], "page_errors": []}
+    report: dict = {"workflows": [], "console_errors": [], "page_errors": [], "seconds": {}}
+    started = time.monotonic()
+
+    def took(step: str) -> None:                  # how long each part took (the report's "seconds")
+        report["seconds"][step] = round(time.monotonic() - started - sum(report["seconds"].values()), 1)
     status = 0
     profile = tempfile.mkdtemp(prefix="wan_accel_browser_")
     try:
@@ -591,6 +596,7 @@ def main() -> int:
                 report["frontend_version"] = page.evaluate("() => window.__COMFYUI_FRONTEND_VERSION__ || null")
                 report["extension_loaded"] = page.evaluate(
                     "() => (window.app.extensions || []).some(e => e.name === 'wan_accel.panel')")
+                took("page")
                 known = get_json(base + "/object_info")
                 api_dir = Path(args.api_dir) if args.api_dir else None
                 for wf in args.workflow:
@@ -601,24 +607,29 @@ def main() -> int:
                                 or not res["run"].get("text_shown"):
                             res["problems"].append(f"run: {res['run']}")
                         if args.showcase and Path(wf).stem == "tiny_smoke":
-                            report["showcase"] = run_showcase(page, out_dir, args.showcase)
+                            name = f"web_{report['frontend_version']}_{report['renderer']}"
+                            report["showcase"] = run_showcase(page, out_dir, name)
                     report["workflows"].append(res)
                     if res["problems"]:
                         status = 1
+                took("workflows")
                 if args.live:
                     report["live"] = run_live(page, base, Path(args.live), args.timeout, out_dir)
                     if not report["live"]["events"]:
                         status = 1
+                took("live")
                 if args.play:
                     report["play"] = run_play(page, Path(args.play), args.timeout, out_dir)
                     report["play"]["ended"] = end_play(page, args.timeout)
                 if args.prompt_play:
                     report["prompt_play"] = run_prompt_play(page, Path(args.prompt_play), args.timeout, out_dir)
                     report["prompt_play"]["ended"] = end_play(page, args.timeout)
+                took("play")
                 if args.panel:
                     report["panel"] = open_panel(page, out_dir)
                     if args.clear:
                         report["panel"]["clear"] = clear_from_panel(page, args.clear, out_dir)
+                took("panel")
                 if not report["extension_loaded"]:
                     status = 1
             finally:
