@@ -285,9 +285,10 @@ function badgeWidget(node) {
   let widget = node.widgets?.find((w) => w.name === BADGE_WIDGET);
   if (widget) return widget;
   const row = el("div", { class: "wan-accel-badges", style: { display: "flex", flexWrap: "wrap", gap: "4px",
-                                                              alignItems: "center", minHeight: "20px" } });
+                                                              alignItems: "center", minHeight: "20px",
+                                                              padding: "2px 0", boxSizing: "border-box" } });
   widget = node.addDOMWidget(BADGE_WIDGET, "wan_accel_badges", row, {
-    serialize: false, hideOnZoom: false, getMinHeight: () => 22, getMaxHeight: () => 44,
+    serialize: false, hideOnZoom: false, getMinHeight: () => 26, getMaxHeight: () => 48,
     getValue: () => row.dataset.badges || "", setValue: () => {},
   });
   widget.serialize = false;

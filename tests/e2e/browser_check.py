@@ -127,6 +127,14 @@ def get_json(url: str, timeout: float = 30):
         return json.load(r)
 
 
+def post_setting(base: str, key: str, value) -> None:
+    """Set one of the user's frontend settings on the server (before the page reads them)."""
+    req = urllib.request.Request(f"{base}/settings/{key}", data=json.dumps(value).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=30):
+        pass
+
+
 def close_dialogs(page, report: dict) -> None:
     """Note and close the dialogs the page opened by itself (e.g. missing models), waiting for each to go."""
     dialogs = page.locator("[role=dialog]")
@@ -429,6 +437,9 @@ def _start_session(page, api_path: Path, name: str, timeout: float):
     settle(page)
     open_panel_tab(page)
     page.wait_for_selector(".wan-accel-play", timeout=15000)
+    # a fresh log for this session (an earlier session of the same page logged into it too)
+    page.evaluate("() => { const p = window.__wanAccelPlay;"
+                  " for (const k of Object.keys(p)) if (Array.isArray(p[k])) p[k].length = 0; }")
     box = page.locator(".wan-accel-play")
     box.get_by_role("button", name="Start session").click()
     _wait_play(page, "p.ready.length > 0", timeout, "the session start")
@@ -573,10 +584,12 @@ def main() -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict = {"workflows": [], "console_errors": [], "page_errors": [], "seconds": {}}
-    started = time.monotonic()
+    mark = [time.monotonic()]
 
     def took(step: str) -> None:                  # how long each part took (the report's "seconds")
-        report["seconds"][step] = round(time.monotonic() - started - sum(report["seconds"].values()), 1)
+        now = time.monotonic()
+        report["seconds"][step] = round(now - mark[0], 1)
+        mark[0] = now
     status = 0
     profile = tempfile.mkdtemp(prefix="wan_accel_browser_")
     try:
@@ -588,6 +601,7 @@ def main() -> int:
                 page.on("console", lambda m: m.type == "error" and report["console_errors"].append(m.text[:300]))
                 page.on("pageerror", lambda e: report["page_errors"].append(str(e)[:300]))
                 page.add_init_script(PAGE_HELPERS)
+                post_setting(base, "Comfy.TutorialCompleted", True)    # no first-run template browser on top
                 page.goto(base + "/", wait_until="domcontentloaded", timeout=args.timeout * 1000)
                 page.wait_for_function(PAGE_READY, timeout=args.timeout * 1000)
                 close_dialogs(page, report)
