@@ -414,8 +414,11 @@ def run_live(page, base: str, api_path: Path, timeout: float, out_dir: Path) -> 
 
 
 PLAY_LOG = "() => JSON.parse(JSON.stringify(window.__wanAccelPlay || {}))"
-# every chunk asked for has come and its frames have played (the play box shows the last one)
-PLAYED = "p.chunks.length >= p.sent.length && p.shown >= p.frames"
+# every chunk asked for has come, its prompt has ended on the server (what the server records of a chunk is
+# complete then; web/wan_accel_live.js logs every prompt's end) and its frames have played (the play box shows the
+# last one)
+PLAYED = ("p.chunks.length >= p.sent.length && p.sent.every(s => window.__wanAccelLive.ends.some("
+          "e => e.prompt_id === s.prompt_id)) && p.shown >= p.frames")
 
 
 def _wait_play(page, condition: str, timeout: float, what: str) -> dict:
