@@ -300,7 +300,7 @@ function syncBadges(node) {
   const widget = badgeWidget(node);
   const wanted = compileBadges(node);
   const key = wanted.map(([t]) => t).join("|");
-  widget._row.dataset.nodeId = String(node.id);        // the id a node gets when it is added to a graph
+  widget._row.dataset.wanAccelNode = String(node.id);        // the id a node gets when it is added to a graph
   if (widget._row.dataset.badges === key && widget._row.childElementCount === wanted.length) return;
   widget._row.dataset.badges = key;
   widget._row.replaceChildren(...wanted.map(([text, bg]) => el("span", { class: "wan-accel-badge", "data-badge": text,
@@ -330,7 +330,7 @@ function showText(node, message) {
   let widget = node.widgets?.find((w) => w.name === TEXT_WIDGET);
   if (!widget) {
     const area = el("textarea", { readonly: "readonly", spellcheck: "false", class: "wan-accel-text",
-      "data-node-id": String(node.id),
+      "data-wan-accel-node": String(node.id),
       style: { width: "100%", height: "100%", boxSizing: "border-box", fontFamily: "monospace", fontSize: "11px",
                resize: "none", background: "var(--comfy-input-bg, #222)", color: "var(--input-text, #ddd)",
                border: "1px solid var(--border-color, #444)", borderRadius: "4px", whiteSpace: "pre" } });

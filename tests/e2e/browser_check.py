@@ -57,7 +57,7 @@ function SHOWN_BADGES() {
     const r = row.getBoundingClientRect();
     const seen = row.isConnected && r.width > 0 && r.height > 0 && (!row.checkVisibility || row.checkVisibility())
       && r.bottom > 0 && r.right > 0 && r.top < innerHeight && r.left < innerWidth;
-    if (seen) out[row.dataset.nodeId] = [...row.querySelectorAll('[data-badge]')].map(b => b.dataset.badge);
+    if (seen) out[row.dataset.wanAccelNode] = [...row.querySelectorAll('[data-badge]')].map(b => b.dataset.badge);
   }
   return out;
 }
@@ -67,7 +67,7 @@ function SHOWN_TEXT() {
   for (const area of document.querySelectorAll('textarea.wan-accel-text')) {
     const r = area.getBoundingClientRect();
     if (area.isConnected && r.width > 0 && r.height > 0 && (!area.checkVisibility || area.checkVisibility()))
-      out[area.dataset.nodeId] = area.value;
+      out[area.dataset.wanAccelNode] = area.value;
   }
   return out;
 }

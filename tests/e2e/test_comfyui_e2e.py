@@ -6,8 +6,10 @@ Starts ``main.py --cpu`` on a free loopback port with the pack linked into ``cus
 ``comfyui-wan-accel`` (all writable state in a temporary folder), then checks: the pack imports and
 ``/object_info`` lists every node with a tooltip on every input; the web panel's routes answer; the example
 workflows are served; ``tiny_smoke`` runs through ``/prompt`` and writes its image; every workflow loads in
-headless Chromium with no missing node type (needs Playwright in COMFYUI_VENV and a ``chromium`` on PATH, or
-CHROMIUM). Screenshots go to a temporary folder, or to WAN_ACCEL_SCREENSHOTS when set (e.g. docs/images).
+headless Chromium with no missing node type and no node over another, with the pack's badges, report text, live
+frames, panel and play mode working (needs Playwright in COMFYUI_VENV and a ``chromium`` on PATH, or CHROMIUM), for
+the bundled frontend and each frontend static folder in WAN_ACCEL_E2E_FRONTENDS (os.pathsep-separated), each with
+Nodes 2.0 off and on. Screenshots go to a temporary folder, or to WAN_ACCEL_SCREENSHOTS when set (e.g. docs/images).
 WAN_ACCEL_PACK_DIR loads another copy of the pack (e.g. an installed one) instead of this checkout.
 """
 from __future__ import annotations
