@@ -254,6 +254,26 @@ def test_node_types_are_known(workflow):
         assert t in NODE_CLASS_MAPPINGS or t in CORE_NODES or t in FRONTEND_ONLY, f"{name}: node {node['id']} has unknown type {t!r}"
 
 
+TITLE_HEIGHT = 30  # the frontend's title bar, drawn above a node's pos
+
+
+def file_overlaps(ui: dict) -> list:
+    """Pairs of node ids whose boxes as the file asks for them (title bar included) overlap."""
+    boxes = [(n["id"], n["pos"][0], n["pos"][1] - TITLE_HEIGHT, n["size"][0], n["size"][1] + TITLE_HEIGHT)
+             for n in ui["nodes"]]
+    return [(a[0], b[0]) for i, a in enumerate(boxes) for b in boxes[i + 1:]
+            if min(a[1] + a[3], b[1] + b[3]) > max(a[1], b[1]) and min(a[2] + a[4], b[2] + b[4]) > max(a[2], b[2])]
+
+
+def test_nodes_keep_apart_in_the_file(workflow):
+    """The offline half of the layout check: no node asks for a place over another (or over its note). The browser
+    check (tests/e2e) measures the boxes each renderer draws, which can be larger (Nodes 2.0)."""
+    name, ui = workflow
+    assert file_overlaps(ui) == [], f"{name}: nodes placed over each other"
+    moved = json.loads(json.dumps(ui))
+    moved["nodes"][1]["pos"] = list(moved["nodes"][0]["pos"])     # the checker itself sees a node put on another
+    assert file_overlaps(moved)
+
 def test_ids_and_links_are_consistent(workflow):
     name, ui = workflow
     ids = [n["id"] for n in ui["nodes"]]

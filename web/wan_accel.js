@@ -5,8 +5,10 @@
 //    Below it, the doctor: each accelerated feature's verdict on this machine with a re-check button
 //    (GET /api/wan_accel/doctor, POST /api/wan_accel/doctor/recheck).
 //    Above it, Matrix-Game-2 play mode (web/wan_accel_play.js, told by the event "wan_accel:panel").
-//  * Badges on compile settings nodes: EXTREME-PLUS tiling preset (red), lock_global_ops on (blue).
-//  * A read-only text box on the pack's output nodes that return {"ui": {"text": [...]}}.
+//  * Badges on compile settings nodes: EXTREME-PLUS tiling preset (red), lock_global_ops on (blue), as a row of
+//    pills in a DOM widget (the classic canvas and Nodes 2.0 both show it), kept in step with the two widgets.
+//  * A read-only text box on the pack's output nodes that return {"ui": {"text": [...]}} (from the api's
+//    "executed" event and onExecuted, whichever the frontend sends).
 // Only the public modules scripts/app.js and scripts/api.js are imported; el and toast are shared with the
 // pack's other scripts.
 import { app } from "../../scripts/app.js";
@@ -15,6 +17,7 @@ import { api } from "../../scripts/api.js";
 const EXT_NAME = "wan_accel.panel";
 const CATEGORY_PREFIX = "wan_accel";
 const TEXT_WIDGET = "wan_accel_text";
+const BADGE_WIDGET = "wan_accel_badges";
 const RISKY_PRESET = "EXTREME-PLUS";
 
 // ------------------------------------------------------------------------------------------------ helpers
@@ -274,45 +277,50 @@ function compileBadges(node) {
   return out;
 }
 
-function drawBadges(ctx, node, badges) {
-  // fallback when the frontend has no LGraphBadge: pills at the right end of the title bar
-  const h = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
-  ctx.save();
-  ctx.font = "bold 11px sans-serif";
-  ctx.textBaseline = "middle";
-  let x = node.size[0] - 6;
-  for (const [text, color] of badges) {
-    const w = ctx.measureText(text).width + 12;
-    x -= w;
-    const y = -h + (h - 18) / 2;
-    ctx.fillStyle = color;
-    ctx.beginPath();
-    if (ctx.roundRect) ctx.roundRect(x, y, w, 18, 5); else ctx.rect(x, y, w, 18);
-    ctx.fill();
-    ctx.fillStyle = "#fff";
-    ctx.fillText(text, x + 6, y + 9);
-    x -= 4;
-  }
-  ctx.restore();
+// The badges live in a DOM widget (a row of pills under the node's widgets): both renderers, the classic canvas
+// and Nodes 2.0 (Vue nodes), mount DOM widgets, whereas a canvas-drawn title badge never shows under Nodes 2.0 and
+// a node's badge list is read there only when the node mounts. The row is rebuilt when the graph is loaded and
+// whenever one of the two widgets changes (their callbacks run in both renderers).
+function badgeWidget(node) {
+  let widget = node.widgets?.find((w) => w.name === BADGE_WIDGET);
+  if (widget) return widget;
+  const row = el("div", { class: "wan-accel-badges", style: { display: "flex", flexWrap: "wrap", gap: "4px",
+                                                              alignItems: "center", minHeight: "20px",
+                                                              padding: "2px 0", boxSizing: "border-box" } });
+  widget = node.addDOMWidget(BADGE_WIDGET, "wan_accel_badges", row, {
+    serialize: false, hideOnZoom: false, getMinHeight: () => 26, getMaxHeight: () => 48,
+    getValue: () => row.dataset.badges || "", setValue: () => {},
+  });
+  widget.serialize = false;
+  widget._row = row;
+  return widget;
 }
 
-// Keeps the node's LGraphBadge list in step with its widgets; returns the badges to draw by hand when the
-// frontend has no badge support.
 function syncBadges(node) {
+  const widget = badgeWidget(node);
   const wanted = compileBadges(node);
-  const Badge = globalThis.LGraphBadge;
-  if (!Badge || !Array.isArray(node.badges)) return wanted;
   const key = wanted.map(([t]) => t).join("|");
-  if (node._wanAccelBadgeKey !== key) {
-    node._wanAccelBadgeKey = key;
-    node.badges = node.badges.filter((b) => !b?._wanAccel).concat(wanted.map(([text, bgColor]) => {
-      const b = new Badge({ text, bgColor, fgColor: "#fff" });
-      b._wanAccel = true;
-      return b;
-    }));
-    node.setDirtyCanvas?.(true, true);
+  widget._row.dataset.wanAccelNode = String(node.id);        // the id a node gets when it is added to a graph
+  if (widget._row.dataset.badges === key && widget._row.childElementCount === wanted.length) return;
+  widget._row.dataset.badges = key;
+  widget._row.replaceChildren(...wanted.map(([text, bg]) => el("span", { class: "wan-accel-badge", "data-badge": text,
+    style: { background: bg, color: "#fff", font: "bold 11px sans-serif", padding: "2px 6px", borderRadius: "5px",
+             whiteSpace: "nowrap" } }, text)));
+  node.setDirtyCanvas?.(true, true);
+}
+
+function watchBadgeInputs(node) {
+  for (const w of node.widgets || []) {
+    if (w.name !== "tiling_preset" && w.name !== "lock_global_ops" || w._wanAccelWatched) continue;
+    const callback = w.callback;
+    w.callback = function () {
+      const r = callback?.apply(this, arguments);
+      syncBadges(node);
+      return r;
+    };
+    w._wanAccelWatched = true;
   }
-  return [];
+  syncBadges(node);
 }
 
 function showText(node, message) {
@@ -321,7 +329,8 @@ function showText(node, message) {
   const text = lines.map(String).join("\n");
   let widget = node.widgets?.find((w) => w.name === TEXT_WIDGET);
   if (!widget) {
-    const area = el("textarea", { readonly: "readonly", spellcheck: "false",
+    const area = el("textarea", { readonly: "readonly", spellcheck: "false", class: "wan-accel-text",
+      "data-wan-accel-node": String(node.id),
       style: { width: "100%", height: "100%", boxSizing: "border-box", fontFamily: "monospace", fontSize: "11px",
                resize: "none", background: "var(--comfy-input-bg, #222)", color: "var(--input-text, #ddd)",
                border: "1px solid var(--border-color, #444)", borderRadius: "4px", whiteSpace: "pre" } });
@@ -336,6 +345,14 @@ function showText(node, message) {
   widget._area.value = text;
   node.setDirtyCanvas?.(true, true);
 }
+
+// The api's "executed" event reaches the page under every renderer (onExecuted is reported not to run under some
+// Nodes 2.0 builds); showing the same text twice is harmless.
+api.addEventListener("executed", (ev) => {
+  const d = ev.detail || {};
+  const node = app.graph?.getNodeById?.(d.display_node ?? d.node);
+  if (node && isPackNode(node.constructor?.nodeData)) showText(node, d.output);
+});
 
 // ------------------------------------------------------------------------------------------------ extension
 app.registerExtension({
@@ -358,17 +375,23 @@ app.registerExtension({
     if (!isPackNode(nodeData)) return;
     const inputs = { ...(nodeData.input?.required || {}), ...(nodeData.input?.optional || {}) };
     if ("tiling_preset" in inputs || "lock_global_ops" in inputs) {
-      const onDrawForeground = nodeType.prototype.onDrawForeground;
-      nodeType.prototype.onDrawForeground = function (ctx) {
-        const r = onDrawForeground?.apply(this, arguments);
-        if (!this.flags?.collapsed) {
-          const manual = syncBadges(this);
-          if (manual.length) drawBadges(ctx, this, manual);
-        }
+      const onNodeCreated = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const r = onNodeCreated?.apply(this, arguments);
+        watchBadgeInputs(this);
         return r;
       };
+      for (const hook of ["onConfigure", "onAdded"]) {   // a loaded workflow's values; a node put on a graph
+        const previous = nodeType.prototype[hook];
+        nodeType.prototype[hook] = function () {
+          const r = previous?.apply(this, arguments);
+          syncBadges(this);
+          return r;
+        };
+      }
     }
-    {   // output nodes, and any pack node that reports something (e.g. a feature switched off by the doctor)
+    {   // output nodes, and any pack node that reports something (e.g. a feature switched off by the doctor); the
+        // api's "executed" event (below) does the same where a frontend does not call onExecuted
       const onExecuted = nodeType.prototype.onExecuted;
       nodeType.prototype.onExecuted = function (message) {
         const r = onExecuted?.apply(this, arguments);

@@ -91,7 +91,8 @@ api.addEventListener(EVENT, (ev) => {
 });
 
 for (const name of ["execution_success", "execution_error", "execution_interrupted"]) {
-  api.addEventListener(name, () => log.ends.push({ t: performance.now(), kind: name }));
+  api.addEventListener(name, (ev) => log.ends.push({ t: performance.now(), kind: name,
+                                                     prompt_id: ev.detail?.prompt_id }));
 }
 
 app.registerExtension({ name: "wan_accel.live" });

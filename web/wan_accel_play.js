@@ -11,7 +11,8 @@
 // A prompt play session (CausalWan Prompt Play Session, a causal text-to-video model) plays the same way with a
 // text box instead of keys: each chunk is asked for with the prompt in the box (CausalWanPromptPlayStep), which takes
 // effect at that chunk; Save writes the video and the prompt schedule that reproduces it.
-// window.__wanAccelPlay keeps what was sent and what arrived, read by the end-to-end check.
+// window.__wanAccelPlay keeps what was sent and what arrived (and how many frames have played), read by the
+// end-to-end check.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { callJson, el, toast as toastFor } from "./wan_accel.js";
@@ -168,6 +169,7 @@ api.addEventListener(EVENT, (ev) => {
     S.info.chunks = d.chunk + 1;
     came.chunks.set(d.chunk, { kind: "chunk" });
     S.frames.push(...(d.frames || []));
+    log.frames = S.frames.length;
     S.fps = d.fps || 16;
     playFrames();
     setStatus(`chunk ${d.chunk + 1} · ${d.action} · ${Math.round(d.latency_s * 1000)} ms ` +
@@ -205,6 +207,7 @@ function playFrames() {
     if (S.shown >= S.frames.length) { clearInterval(S.timer); S.timer = null; return; }
     S.img.src = "data:image/jpeg;base64," + S.frames[S.shown];
     S.shown += 1;
+    log.shown = S.shown;
   }, 1000 / (S.fps || 16));
 }
 
@@ -248,6 +251,7 @@ function adopt(session, info) {
   S.info = { ...info, chunks: info.chunks || 0 };
   S.frames = [];
   S.shown = 0;
+  log.frames = log.shown = 0;
   S.held.clear();
   S.tapped.clear();
   S.drag = [0, 0];

@@ -6,14 +6,17 @@ Starts ``main.py --cpu`` on a free loopback port with the pack linked into ``cus
 ``comfyui-wan-accel`` (all writable state in a temporary folder), then checks: the pack imports and
 ``/object_info`` lists every node with a tooltip on every input; the web panel's routes answer; the example
 workflows are served; ``tiny_smoke`` runs through ``/prompt`` and writes its image; every workflow loads in
-headless Chromium with no missing node type (needs Playwright in COMFYUI_VENV and a ``chromium`` on PATH, or
-CHROMIUM). Screenshots go to a temporary folder, or to WAN_ACCEL_SCREENSHOTS when set (e.g. docs/images).
+headless Chromium with no missing node type and no node over another, with the pack's badges, report text, live
+frames, panel and play mode working (needs Playwright in COMFYUI_VENV and a ``chromium`` on PATH, or CHROMIUM), for
+the bundled frontend and each frontend static folder in WAN_ACCEL_E2E_FRONTENDS (os.pathsep-separated), each with
+Nodes 2.0 off and on. Screenshots go to a temporary folder, or to WAN_ACCEL_SCREENSHOTS when set (e.g. docs/images).
 WAN_ACCEL_PACK_DIR loads another copy of the pack (e.g. an installed one) instead of this checkout.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -295,59 +298,6 @@ def test_sequence_parallel_node_samples_on_two_ranks(comfy):
                           for i in images)
 
 
-def _browser_ready() -> str | None:
-    chromium = os.environ.get("CHROMIUM") or shutil.which("chromium")
-    if not chromium:
-        return "no chromium on PATH (set CHROMIUM)"
-    if subprocess.run([str(_python()), "-c", "import playwright"], capture_output=True).returncode:
-        return "playwright is not installed in COMFYUI_VENV"
-    return None
-
-
-def test_every_workflow_loads_in_the_browser(comfy, tmp_path):
-    why = _browser_ready()
-    if why:
-        pytest.skip(why)
-    from wan_accel.cache import LimitCache
-
-    # an entry for the panel's Clear button to remove (written by this process: it counts as another machine
-    # unless this Python has the same torch/triton as ComfyUI's)
-    server_cache = LimitCache(comfy["work"] / "wan_accel" / "limits.json")
-    server_cache.put("sampler", "e2e-check", {"note": "written by the end-to-end test"})
-    shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
-    report_path = tmp_path / "browser.json"
-    cmd = [str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
-           "--out-dir", str(shots), "--api-dir", str(WORKFLOWS / "api"), "--queue", "tiny_smoke",
-           "--queue", "native_causal_tiny", "--panel",
-           "--clear", "sampler", "--report", str(report_path)]
-    for wf in sorted(WORKFLOWS.glob("*.json")):
-        cmd += ["--workflow", str(wf)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert report_path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
-    report = json.loads(report_path.read_text())
-    assert "error" not in report, report["error"]
-    assert report["extension_loaded"], "the pack's frontend extension did not load"
-    assert len(report["workflows"]) == len(list(WORKFLOWS.glob("*.json")))
-    for wf in report["workflows"]:
-        assert not wf["missing_node_types"], (wf["workflow"], wf["missing_node_types"])
-        assert not wf["problems"], (wf["workflow"], wf["problems"])
-        assert Path(wf["screenshot"]).stat().st_size > 10_000
-    smoke = next(w for w in report["workflows"] if w["workflow"] == "tiny_smoke")
-    assert smoke["run"]["status"] == "success", smoke["run"]
-    native = next(w for w in report["workflows"] if w["workflow"] == "native_causal_tiny")
-    assert native["run"]["status"] == "success", native["run"]      # the native MODEL path, run in the browser
-    # the Limit Cache node's text shows on the node after the run (the pack's text display)
-    limit_node = next(n["id"] for n in json.loads((WORKFLOWS / "tiny_smoke.json").read_text())["nodes"]
-                      if n["type"] == "WanAccelLimitCache")
-    assert str(limit_node) in {str(i) for i in smoke["run"]["text_boxes"]}, smoke["run"]
-    assert {"operator", "compile", "memory", "sampler"} <= set(report["panel"]["namespaces"])
-    clear = report["panel"]["clear"]
-    assert clear["before"]["sampler"] == "1" and clear["after"]["sampler"] == "0", clear
-    assert "sampler" in clear["dialog"], clear["dialog"]
-    assert LimitCache(comfy["work"] / "wan_accel" / "limits.json").entries("sampler", all_fingerprints=True) == []
-    assert out.returncode == 0, out.stdout[-3000:]
-
-
 def test_native_causal_tiny_runs_through_prompt(comfy):
     """The no-model-files native workflow: the tiny model as core's WAN21_CausalAR MODEL, the Wan Accel AR Sampler
     in SamplerCustomAdvanced, a preview image saved."""
@@ -358,24 +308,75 @@ def test_native_causal_tiny_runs_through_prompt(comfy):
     assert images, entry["outputs"]
 
 
-def _browser_with_prompt(comfy, tmp_path, mode: str, prompt: dict, timeout_s: float) -> dict:
-    """Run browser_check.py with ``--<mode> <API prompt>`` against the server; its report (also kept beside the
-    screenshots when WAN_ACCEL_SCREENSHOTS is set, for the timings in the docs). Skips without a browser."""
-    why = _browser_ready()
-    if why:
-        pytest.skip(why)
-    path = tmp_path / f"{mode}.json"
-    path.write_text(json.dumps(prompt))
-    shots = Path(os.environ.get("WAN_ACCEL_SCREENSHOTS") or tmp_path / "shots")
-    report_path = tmp_path / f"{mode}_report.json"
-    out = subprocess.run([str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", comfy["url"],
-                          "--out-dir", str(shots), f"--{mode}", str(path), "--report", str(report_path),
-                          "--timeout", str(timeout_s)], capture_output=True, text=True, timeout=3 * timeout_s)
+def _browser_ready() -> str | None:
+    chromium = os.environ.get("CHROMIUM") or shutil.which("chromium")
+    if not chromium:
+        return "no chromium on PATH (set CHROMIUM)"
+    if subprocess.run([str(_python()), "-c", "import playwright"], capture_output=True).returncode:
+        return "playwright is not installed in COMFYUI_VENV"
+    return None
+
+
+# The frontends the browser half runs against: the one ComfyUI bundles, then every frontend static folder named in
+# WAN_ACCEL_E2E_FRONTENDS (os.pathsep-separated; each given to ComfyUI's --front-end-root). One server per frontend;
+# within it the page runs with each renderer (Nodes 2.0 off and on).
+BUNDLED = "bundled"
+FRONTENDS = [BUNDLED] + [p for p in os.environ.get("WAN_ACCEL_E2E_FRONTENDS", "").split(os.pathsep) if p.strip()]
+RENDERERS = ["classic", "vue"]
+
+
+def _frontend_id(root: str) -> str:
+    if root == BUNDLED:
+        return BUNDLED
+    version = re.search(r"\d+\.\d+\.\d+", root)
+    return f"frontend-{version.group(0) if version else Path(root).name}"
+
+
+@pytest.fixture(scope="module")
+def frontend_servers(comfy, tmp_path_factory):
+    """A ComfyUI per frontend (get(root)), each started when first asked for and kept for the module: the module's
+    server for the bundled one, one with --front-end-root for each other."""
+    started, running = {BUNDLED: dict(comfy, frontend=BUNDLED)}, []
+
+    def get(root: str) -> dict:
+        if root not in started:
+            assert (Path(root) / "index.html").is_file(), \
+                f"WAN_ACCEL_E2E_FRONTENDS names {root}, which is not a frontend's static folder (no index.html)"
+            server = comfy_server(tmp_path_factory, ("--front-end-root", str(Path(root))))
+            running.append(server)
+            started[root] = dict(next(server), frontend=_frontend_id(root))
+        return started[root]
+
+    yield get
+    for server in running:
+        next(server, None)                          # stops it
+
+
+def _shots(server: dict, renderer: str, tmp: Path) -> tuple[Path, Path | None]:
+    """Where a browser run's screenshots go, and where its docs images are copied: WAN_ACCEL_SCREENSHOTS (e.g.
+    docs/images) takes the bundled frontend's classic screenshots and every configuration's web_*.jpg."""
+    docs = os.environ.get("WAN_ACCEL_SCREENSHOTS")
+    if docs and server["frontend"] == BUNDLED and renderer == "classic":
+        return Path(docs), Path(docs)
+    return tmp / "shots", Path(docs) if docs else None
+
+
+def _browser(server: dict, renderer: str, tmp: Path, args: list[str], timeout_s: float) -> dict:
+    """Run browser_check.py against the server with the renderer and ``args``; its report, with the files it made
+    (docs images copied to WAN_ACCEL_SCREENSHOTS when set). Fails when the page did not come up."""
+    shots, docs = _shots(server, renderer, tmp)
+    report_path = tmp / "browser.json"
+    out = subprocess.run([str(_python()), str(Path(__file__).with_name("browser_check.py")), "--url", server["url"],
+                          "--renderer", renderer, "--out-dir", str(shots), "--report", str(report_path),
+                          "--timeout", str(timeout_s), *args], capture_output=True, text=True, timeout=1500)
     assert report_path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(report_path.read_text())
-    if os.environ.get("WAN_ACCEL_SCREENSHOTS"):
-        shutil.copy(report_path, shots / f"{mode}_report.json")
-    assert "error" not in report, (report["error"], comfy["log"].read_text()[-3000:])
+    assert "error" not in report, (report["error"], server["log"].read_text()[-3000:])
+    assert report["renderer"] == renderer, report["renderer"]
+    if docs is not None:
+        for jpg in shots.glob("web_*.jpg"):
+            if jpg.parent != docs:
+                shutil.copy(jpg, docs / jpg.name)
     return report
 
 
@@ -397,14 +398,95 @@ def live_prompt(num_frames: int = 21, side: int = 64, vae: str = "wan_2.1_vae.sa
     }
 
 
-@pytest.mark.parametrize("vae", ["wan_2.1_vae.safetensors", "taew2_1.safetensors"])
-def test_live_frames_reach_the_page_before_the_prompt_ends(comfy, tmp_path, vae, monkeypatch):
-    """With the Wan 2.1 VAE and with ComfyUI's tiny video decoder (Load VAE of a taew2_1 file): the same stream."""
-    if vae != "wan_2.1_vae.safetensors":             # the docs' screenshots stay the Wan 2.1 VAE's run
-        monkeypatch.delenv("WAN_ACCEL_SCREENSHOTS", raising=False)
-    report = _browser_with_prompt(comfy, tmp_path, "live", live_prompt(vae=vae), timeout_s=300)
-    live = report["live"]
-    assert live["ends"] and live["ends"][0]["kind"] == "execution_success", (live, comfy["log"].read_text()[-3000:])
+CONFIGS = [(f, r) for f in FRONTENDS for r in RENDERERS]
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{_frontend_id(f)}-{r}" for f, r in CONFIGS])
+def ui_check(frontend_servers, request, tmp_path_factory):
+    """One browser session per frontend and renderer: every workflow loaded (and tiny_smoke and native_causal_tiny
+    run from the page), the compile badges followed through widget changes beside a report text, live frames of a
+    CausalWan Sampler + Decode run, the panel opened and one namespace cleared with its button."""
+    from wan_accel.cache import LimitCache
+
+    why = _browser_ready()
+    if why:
+        pytest.skip(why)
+    comfy_ui, renderer = frontend_servers(request.param[0]), request.param[1]
+    tmp = tmp_path_factory.mktemp(f"ui_{comfy_ui['frontend']}_{renderer}")
+    # an entry for the panel's Clear button to remove (written by this process: it counts as another machine
+    # unless this Python has the same torch/triton as ComfyUI's)
+    LimitCache(comfy_ui["work"] / "wan_accel" / "limits.json").put(
+        "sampler", "e2e-check", {"note": "written by the end-to-end test"})
+    (tmp / "live.json").write_text(json.dumps(live_prompt()))
+    args = ["--api-dir", str(WORKFLOWS / "api"), "--queue", "tiny_smoke", "--queue", "native_causal_tiny",
+            "--showcase", "--live", str(tmp / "live.json"), "--panel", "--clear", "sampler"]
+    for wf in sorted(WORKFLOWS.glob("*.json")):
+        args += ["--workflow", str(wf)]
+    report = _browser(comfy_ui, renderer, tmp, args, timeout_s=300)
+    if os.environ.get("WAN_ACCEL_SCREENSHOTS"):      # the timings, for the docs
+        (Path(os.environ["WAN_ACCEL_SCREENSHOTS"]) / f"browser_{comfy_ui['frontend']}_{renderer}.json").write_text(
+            json.dumps({"frontend": report["frontend_version"], "renderer": renderer, "seconds": report["seconds"]}))
+    return dict(report, server=comfy_ui)
+
+
+def _badges_in_file(path: Path) -> dict:
+    """The badges each compile settings node of a UI workflow should show, from its widget values."""
+    out = {}
+    for n in json.loads(path.read_text())["nodes"]:
+        if n["type"] == "WanAccelCompileSettings":
+            named = n["widgets_values_named"]
+            out[str(n["id"])] = [t for t, on in (("EXTREME-PLUS", named["tiling_preset"] == "EXTREME-PLUS"),
+                                                 ("GLOBAL OPS LOCKED", named["lock_global_ops"] is True)) if on]
+    return {k: v for k, v in out.items() if v}
+
+
+def test_every_workflow_loads_in_the_browser(ui_check):
+    """Per frontend and renderer: every workflow loads with no missing node, no node over another or over its note
+    (boxes measured on the page), the compile badges as the file's widgets ask; tiny_smoke and native_causal_tiny run
+    from the page and the Limit Cache node's report text shows."""
+    report = ui_check
+    assert report["extension_loaded"], "the pack's frontend extension did not load"
+    assert len(report["workflows"]) == len(list(WORKFLOWS.glob("*.json")))
+    for wf in report["workflows"]:
+        assert not wf["missing_node_types"], (wf["workflow"], wf["missing_node_types"])
+        assert wf["overlaps"] == [], (wf["workflow"], wf["overlaps"])
+        assert not wf["problems"], (wf["workflow"], wf["problems"])
+        assert len(wf["boxes"]) == len(json.loads((WORKFLOWS / f"{wf['workflow']}.json").read_text())["nodes"])
+        assert wf["badges"] == _badges_in_file(WORKFLOWS / f"{wf['workflow']}.json"), wf["workflow"]
+        assert Path(wf["screenshot"]).stat().st_size > 10_000
+    assert any(wf["badges"] for wf in report["workflows"])      # some workflow shows a badge at all
+    smoke = next(w for w in report["workflows"] if w["workflow"] == "tiny_smoke")
+    assert smoke["run"]["status"] == "success", smoke["run"]
+    native = next(w for w in report["workflows"] if w["workflow"] == "native_causal_tiny")
+    assert native["run"]["status"] == "success", native["run"]      # the native MODEL path, run in the browser
+    # the Limit Cache node's text shows on the node after the run (the pack's text display)
+    limit_node = next(n["id"] for n in json.loads((WORKFLOWS / "tiny_smoke.json").read_text())["nodes"]
+                      if n["type"] == "WanAccelLimitCache")
+    assert str(limit_node) in smoke["run"]["text_reported"] and smoke["run"]["text_shown"], smoke["run"]
+
+
+def test_compile_badges_follow_their_widgets_beside_a_report_text(ui_check):
+    show = ui_check["showcase"]
+    assert show["added"] == ["GLOBAL OPS LOCKED"], show           # the node's defaults: the lock on
+    assert show["both_on"] == ["EXTREME-PLUS", "GLOBAL OPS LOCKED"], show
+    assert show["lock_off"] == ["EXTREME-PLUS"], show
+    assert show["text_shown"], show
+    assert Path(show["screenshot"]).stat().st_size > 5_000
+
+
+def test_the_panel_opens_and_clears_a_namespace(ui_check):
+    assert ui_check["panel"]["tab_button"] == 1, "the side-bar tab button was not found by its label"
+    assert {"operator", "compile", "memory", "sampler"} <= set(ui_check["panel"]["namespaces"])
+    clear = ui_check["panel"]["clear"]
+    assert clear["before"]["sampler"] == "1" and clear["after"]["sampler"] == "0", clear
+    assert "sampler" in clear["dialog"], clear["dialog"]
+    from wan_accel.cache import LimitCache
+    limits = LimitCache(ui_check["server"]["work"] / "wan_accel" / "limits.json")
+    assert limits.entries("sampler", all_fingerprints=True) == []
+
+
+def _assert_live(live: dict, log: Path) -> None:
+    assert live["ends"] and live["ends"][0]["kind"] == "execution_success", (live, log.read_text()[-3000:])
     events = live["events"]
     assert [e["chunk"] for e in events] == [0, 1], events           # 6 latent frames: two 3-frame chunks
     assert all(e["node"] == "3" for e in events)
@@ -412,7 +494,25 @@ def test_live_frames_reach_the_page_before_the_prompt_ends(comfy, tmp_path, vae,
     assert events[0]["t"] < live["ends"][0]["t"]                     # the first frames came before the end
     assert all(e["latency_s"] > 0 for e in events)
     assert live["panel_playing"], "the pack's panel shows no live frames"
+    assert live["played_out"], live["players"]                     # both players showed every frame
     assert Path(live["screenshot_after"]).stat().st_size > 10_000
+
+
+def test_live_frames_reach_the_page_before_the_prompt_ends(ui_check):
+    live = ui_check["live"]
+    _assert_live(live, ui_check["server"]["log"])
+    assert live["node_playing"], live["players"]                   # in the node, on the page
+
+
+def test_live_frames_of_the_tiny_video_decoder(comfy, tmp_path):
+    """ComfyUI's tiny video decoder (Load VAE of a taew2_1 file): the same stream (the bundled frontend)."""
+    why = _browser_ready()
+    if why:
+        pytest.skip(why)
+    (tmp_path / "live.json").write_text(json.dumps(live_prompt(vae="taew2_1.safetensors")))
+    server = dict(comfy, frontend="taew")            # its screenshots stay out of the docs
+    report = _browser(server, "classic", tmp_path, ["--live", str(tmp_path / "live.json")], timeout_s=300)
+    _assert_live(report["live"], comfy["log"])
 
 
 TINY_MG2 = "(built-in tiny Matrix-Game-2 model)"
@@ -458,11 +558,49 @@ def _one_hot(keys: str) -> list:
     return [[float(k in keys.split("+")) for k in ("w", "s", "a", "d")]]
 
 
-def test_play_mode_keys_reach_the_model_and_the_saved_script_reproduces_it(comfy, tmp_path):
+def _browser_with_prompt(server: dict, tmp_path: Path, mode: str, prompt: dict, timeout_s: float,
+                         renderer: str = "classic") -> dict:
+    """browser_check.py with ``--<mode> <API prompt>`` against the server; its report."""
+    path = tmp_path / f"{mode}.json"
+    path.write_text(json.dumps(prompt))
+    return _browser(dict(server, frontend=server.get("frontend", BUNDLED)), renderer, tmp_path,
+                    [f"--{mode}", str(path)], timeout_s)
+
+
+@pytest.fixture(scope="module", params=FRONTENDS, ids=[_frontend_id(f) for f in FRONTENDS])
+def play_check(frontend_servers, request, tmp_path_factory):
+    """Play mode and prompt play from the panel, once per frontend: under the classic canvas with the bundled
+    frontend, under Nodes 2.0 with the others (the panel is the same under both; the graph it runs differs)."""
+    why = _browser_ready()
+    if why:
+        pytest.skip(why)
+    comfy_ui = frontend_servers(request.param)
+    renderer = "classic" if comfy_ui["frontend"] == BUNDLED else "vue"
+    tmp = tmp_path_factory.mktemp(f"play_{comfy_ui['frontend']}")
+    from e2e.test_prompt_play_e2e import session_prompt
+    (tmp / "play.json").write_text(json.dumps(play_prompt()))
+    (tmp / "prompt_play.json").write_text(json.dumps(session_prompt()))
+    report = _browser(comfy_ui, renderer, tmp, ["--play", str(tmp / "play.json"),
+                                                "--prompt-play", str(tmp / "prompt_play.json")], timeout_s=240)
+    return dict(report, server=comfy_ui)
+
+
+def test_prompt_box_reaches_the_model(play_check):
+    """The prompt box of prompt play (its schedule and rows are checked in test_prompt_play_e2e.py)."""
+    play = play_check["prompt_play"]
+    assert not play["errors"], play["errors"]
+    sent, given = play["sent"], play["server"]["chunk_actions"]
+    switch = next(i for i, s in enumerate(sent) if s["prompt"] == play["new_prompt"])
+    assert switch >= 2 and len(given) == len(sent) >= switch + 2
+    assert [row["prompt"] for row in given] == [s["prompt"] for s in sent]
+    assert play["ended"]["reason"] == "ended by the user"
+
+
+def test_play_mode_keys_reach_the_model_and_the_saved_script_reproduces_it(play_check):
     import torch
     from safetensors.torch import load_file
-    report = _browser_with_prompt(comfy, tmp_path, "play", play_prompt(), timeout_s=240)
-    play = report["play"]
+    comfy = play_check["server"]
+    play = play_check["play"]
     assert not play["errors"], play["errors"]
     sent, server = play["sent"], play["server"]["chunk_actions"]
     assert [s["chunk"] for s in sent] == list(range(len(sent))) == [c["chunk"] for c in play["chunks"]]
