@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 ADAPTER = Path(__file__).resolve().parents[2] / "nodes" / "streaming_decode.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vae_decoders_check import load_pack  # noqa: E402
 
 
 def adapter():
@@ -181,18 +183,6 @@ def memory(frames: int, chunk: int = 3, whole: bool = False, side: int = 4) -> d
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"latent_frames": frames, "video_frames": made, "rss_growth_kb": peak - base, "peak_rss_kb": peak,
             "seconds": time.perf_counter() - t0, "first_frames_s": first}
-
-
-def load_pack():
-    """The pack of this checkout imported as ``wan_accel`` (it need not be installed in ComfyUI's environment)."""
-    if "wan_accel" not in sys.modules:
-        root = ADAPTER.parents[1]
-        spec = importlib.util.spec_from_file_location("wan_accel", root / "__init__.py",
-                                                      submodule_search_locations=[str(root)])
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules["wan_accel"] = pkg
-        spec.loader.exec_module(pkg)
-    return sys.modules["wan_accel"]
 
 
 def timing(num_frames: int = 33, side: int = 64) -> dict:

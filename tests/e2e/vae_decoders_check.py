@@ -18,16 +18,26 @@ from pathlib import Path
 import torch
 
 WAN_DIM = 8
-WEIGHTS = Path(__file__).resolve().parents[2] / "vae" / "weights.py"
+ROOT = Path(__file__).resolve().parents[2]          # the checkout: the pack's package folder
+
+
+def load_pack():
+    """The pack of this checkout imported as ``wan_accel`` (it need not be installed in ComfyUI's environment)."""
+    if "wan_accel" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("wan_accel", ROOT / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["wan_accel"] = pkg
+        spec.loader.exec_module(pkg)
+    return sys.modules["wan_accel"]
 
 
 def fill(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """ComfyUI's layers leave their weights uninitialised: the pack's seeded random weights (vae/weights.py, which
-    imports only torch, loaded on its own: the pack need not be installed in ComfyUI's environment)."""
-    spec = importlib.util.spec_from_file_location("wan_accel_vae_weights", WEIGHTS)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.init_random(model, seed).eval()
+    """ComfyUI's layers leave their weights uninitialised: the pack's seeded random weights (vae/weights.py)."""
+    load_pack()
+    from wan_accel.vae.weights import init_random
+
+    return init_random(model, seed).eval()
 
 
 def main(out: Path) -> dict:
