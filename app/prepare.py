@@ -30,6 +30,7 @@ from ..sampling.request import SamplingHooks
 from ..sampling.runner import CUDA_GRAPH_MODES, FastOptions, check_linear_mode, check_ops_mode
 from ..sampling.sampler import PATHS, causal_request, current_path, path_for_linear, resolve_path, sample_causal, \
     sampler_path
+from .validate import MAX_FRAMES_PER_BLOCK, check_int
 
 VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
 KEEP = "keep"          # RunSpec.swap / compile: the model's own (what it carries now), still judged by the doctor
@@ -91,7 +92,9 @@ class RunSpec:
 
 
 SPEC_FLAGS = ("fused_kernels", "fused_qkv", "keep_slower", "skip_last_refresh", "doctor")
-SPEC_INTS = {"frames_per_block": 1, "batch": 1, "sink": 0, "kv_window": -1, "seed": None}   # field: least value
+# field: (least, most) value
+SPEC_INTS = {"frames_per_block": (1, MAX_FRAMES_PER_BLOCK), "batch": (1, None), "sink": (0, None),
+             "kv_window": (-1, None), "seed": (None, None)}
 
 
 def _spec_error(name: str, value, wanted: str) -> ValueError:
@@ -106,11 +109,14 @@ def check_spec(spec: RunSpec) -> None:
     for name in SPEC_FLAGS:
         if not isinstance(getattr(spec, name), bool):
             raise _spec_error(name, getattr(spec, name), "True or False")
-    for name, least in SPEC_INTS.items():
+    for name, (least, most) in SPEC_INTS.items():
         v = getattr(spec, name)
-        if isinstance(v, bool) or not isinstance(v, int) or (least is not None and v < least):
-            raise _spec_error(name, v, "a whole number" + (f" >= {least}" if least is not None else ""))
-    for name, modes in (("path", PATHS), ("cuda_graphs", CUDA_GRAPH_MODES), ("oom_retry", OOM_RETRY_MODES)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _spec_error(name, v, "a whole number")
+        check_int(f"RunSpec {name}", v, least, most)        # the range, worded as every command's and node's check
+    if spec.path not in PATHS:
+        raise ValueError(f"RunSpec path: sampler must be one of {PATHS}, got {spec.path!r}")
+    for name, modes in (("cuda_graphs", CUDA_GRAPH_MODES), ("oom_retry", OOM_RETRY_MODES)):
         if getattr(spec, name) not in modes:
             raise _spec_error(name, getattr(spec, name), f"one of {', '.join(map(repr, modes))}")
     check_ops_mode(spec.ops)
@@ -165,8 +171,6 @@ def prepare_model(model, spec: RunSpec, *, log=None, notes: list | None = None, 
     from ..memory.block_swap import active_swap, ensure_block_swap
     from .doctor.gate import gate_compile, gate_options, gate_swap, new_record
     from .jobs.handle import _planned_swap
-    if spec.path not in PATHS:
-        raise ValueError(f"sampler must be one of {PATHS}, got {spec.path!r}")
     lines = notes if notes is not None else []
     record = record if record is not None else new_record()
     path, note = path_for_linear(spec.path, spec.linear)                                   # (1) the run rules
