@@ -157,5 +157,7 @@ def test_runs_end_to_end_at_the_tiny_shape_with_comfyui(tmp_path):
     assert by["fp8_scaled"]["comfy_quantized_layers"] == 20 and by["bf16"]["comfy_quantized_layers"] == 0
     assert by["bf16+lora"]["lora_patches"] > 0 and by["bf16"]["lora_patches"] == 0
     native, own = by["bf16"]["structure"]["native"], by["bf16"]["structure"]["own"]
-    assert native["syncs_per_video"] <= 2, native     # the sigmas, read once; the finite check at the video's end
+    # the noise checked before the first chunk (NaN noise is refused before sampling), the sigmas read once, the
+    # finite check at the video's end
+    assert native["syncs_per_video"] <= 3, native
     assert abs(native["ops_per_step"] - own["ops_per_step"]) <= 0.05 * own["ops_per_step"], by["bf16"]["structure"]

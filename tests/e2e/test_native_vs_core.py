@@ -51,5 +51,7 @@ def test_both_samplers_run_side_by_side_on_one_model(tmp_path):
     assert variant["comfy_model"] == "WAN21_CausalAR"
     assert all(variant["rows"][k]["seconds_per_video"] > 0 for k in ("core", "native", "own")), variant["rows"]
     native, own = variant["structure"]["native"], variant["structure"]["own"]
-    assert native["syncs_per_video"] <= 2, native    # the sigmas, read once; the finite check at the video's end
+    # the noise checked before the first chunk (NaN noise is refused before sampling), the sigmas read once, the
+    # finite check at the video's end
+    assert native["syncs_per_video"] <= 3, native
     assert abs(native["ops_per_step"] - own["ops_per_step"]) <= 0.05 * own["ops_per_step"], variant["structure"]
