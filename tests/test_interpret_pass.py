@@ -54,6 +54,7 @@ PASS_FILES = (
     "test_kv_quant.py",
     "test_kitchen_dtypes.py",
     "test_kitchen_candidates.py",
+    "test_kitchen_newer.py",
     "test_int8_attention.py",
     "test_attention_store.py",
     "test_compile_presets.py",
@@ -72,6 +73,8 @@ PASS_FILES = (
 # with other jobs (AMD EPYC, 2026-11-28). The tests of these files that took "no Triton on a CPU" for granted were
 # made to say so themselves (they force the CPU without the interpreter: run them with TRITON_INTERPRET=1 to check)
 LEFT_OUT = {
+    "test_hard_edges_round5_b.py": "names the FA3 discovery only to stand in a build that exits while imported; no "
+                                   "kernel runs",
     "test_fp8_attention.py": "its CPU tests run the fp8 attention kernel at Wan shapes in the interpreter: over 500 s",
     "test_fp8_linear.py": "whole tiny sampler runs with every fp8 quantize interpreted: over 840 s",
     "test_compile_apply.py": "Inductor compiles of the tiny model around the kernels: 68 s",
