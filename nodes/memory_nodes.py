@@ -446,7 +446,7 @@ class WanChunkedVAEDecode:
                 raise SoftOOM(f"the VAE fell back to tiled decoding at {chunk.shape[2]} latent frames")
             return out
 
-        from ._comfy import progress_and_interrupt
+        from .comfy_core import progress_and_interrupt
 
         bar_cls, interrupt = progress_and_interrupt()
         pbar = bar_cls(t) if bar_cls is not None else None
