@@ -132,7 +132,7 @@ def test_an_interrupted_chunk_ends_the_session_and_frees_its_memory(handle, env,
 
     def interrupt():
         raise InterruptProcessingException()
-    monkeypatch.setattr("wan_accel.nodes._comfy.progress_and_interrupt", lambda: (None, interrupt))
+    monkeypatch.setattr("wan_accel.nodes.comfy_core.progress_and_interrupt", lambda: (None, interrupt))
     with pytest.raises(InterruptProcessingException):
         step.step(sid, "a")
     assert play.ended == "interrupted" and play.state is None and play.model is None and play.chunks == 1
@@ -141,7 +141,7 @@ def test_an_interrupted_chunk_ends_the_session_and_frees_its_memory(handle, env,
     assert kv() is None and model() is not None                 # its caches are gone; the loaded model is not its own
     with pytest.raises(PlayError, match="has ended \\(interrupted\\)"):
         play.step({"w"})
-    monkeypatch.setattr("wan_accel.nodes._comfy.progress_and_interrupt", lambda: (None, None))
+    monkeypatch.setattr("wan_accel.nodes.comfy_core.progress_and_interrupt", lambda: (None, None))
     saved = play_nodes.MatrixGame2PlaySave().save(sid, "wan_accel/play", "webp")     # what was made can be saved
     latent = load_file(str(env.out / "wan_accel" / saved["ui"]["wan_accel_play_saved"][0]["latent"]))
     assert latent["latent_tensor"].shape[2] == 3

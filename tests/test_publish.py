@@ -53,7 +53,7 @@ def test_the_pack_imports_from_its_published_zip(tmp_path):
     folder = tmp_path / "comfyui-wan-accel"                        # how the registry installs it: unpacked
     with zipfile.ZipFile(_zip(pack_files(), tmp_path / "node.zip")) as z:
         z.extractall(folder)
-    count, heavy, web = _load_as(folder, "custom_nodes.comfyui-wan-accel")
+    count, heavy, web = _load_as(folder)
     assert int(count) == len(NODE_CLASS_MAPPINGS) and web == "./web"
 
 
