@@ -44,6 +44,15 @@ def _isolated_limit_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _no_memory_caps(monkeypatch):
+    """Each test starts without the memory variables (a run's cap, set by ``apply_vram_cap`` in one test, would
+    shrink every later plan), and whatever a test sets is undone after it."""
+    for name in ("WAN_ACCEL_VRAM_CAP_GB", "WAN_ACCEL_MEMORY_LIMIT_GB"):
+        monkeypatch.setenv(name, "1")       # recorded as it was, so the teardown restores it (absent included)
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_cache_warnings():
     """Each test starts like a new process: the limit cache's warn-once registry is empty."""
     from wan_accel.cache import safety
