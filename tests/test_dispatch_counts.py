@@ -19,6 +19,16 @@ SCHEDULE = resolve_schedule("self_forcing")
 
 
 
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch):
+    """The counts are of the loop's own structure, as on any CPU: under TRITON_INTERPRET=1 the fused kernels would run
+    in Triton's interpreter, whose own tensor copies count as dispatches, so their torch versions run here (the
+    kernels' numbers are the kernel tests' to check, under the interpreter too)."""
+    from wan_accel.kernels import _common
+
+    monkeypatch.setattr(_common, "interpreter_usable", lambda: False)
+
+
 END_OF_RUN = {"tolist": 1}     # model/finite.check_output: the one host read of a run, after its last chunk
 
 def test_counter_sees_syncs_ops_and_kv_write_bytes():
