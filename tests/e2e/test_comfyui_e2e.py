@@ -317,6 +317,13 @@ def _browser_ready() -> str | None:
     return None
 
 
+def _need_browser() -> None:
+    """Skip without a browser; under CI=true, where tools/setup_comfyui.sh installs one, its absence fails."""
+    why = _browser_ready()
+    if why:
+        (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(why)
+
+
 # The frontends the browser half runs against: the one ComfyUI bundles, then every frontend static folder named in
 # WAN_ACCEL_E2E_FRONTENDS (os.pathsep-separated; each given to ComfyUI's --front-end-root). One server per frontend;
 # within it the page runs with each renderer (Nodes 2.0 off and on).
@@ -408,9 +415,7 @@ def ui_check(frontend_servers, request, tmp_path_factory):
     CausalWan Sampler + Decode run, the panel opened and one namespace cleared with its button."""
     from wan_accel.cache import LimitCache
 
-    why = _browser_ready()
-    if why:
-        pytest.skip(why)
+    _need_browser()
     comfy_ui, renderer = frontend_servers(request.param[0]), request.param[1]
     tmp = tmp_path_factory.mktemp(f"ui_{comfy_ui['frontend']}_{renderer}")
     # an entry for the panel's Clear button to remove (written by this process: it counts as another machine
@@ -506,9 +511,7 @@ def test_live_frames_reach_the_page_before_the_prompt_ends(ui_check):
 
 def test_live_frames_of_the_tiny_video_decoder(comfy, tmp_path):
     """ComfyUI's tiny video decoder (Load VAE of a taew2_1 file): the same stream (the bundled frontend)."""
-    why = _browser_ready()
-    if why:
-        pytest.skip(why)
+    _need_browser()
     (tmp_path / "live.json").write_text(json.dumps(live_prompt(vae="taew2_1.safetensors")))
     server = dict(comfy, frontend="taew")            # its screenshots stay out of the docs
     report = _browser(server, "classic", tmp_path, ["--live", str(tmp_path / "live.json")], timeout_s=300)
@@ -571,9 +574,7 @@ def _browser_with_prompt(server: dict, tmp_path: Path, mode: str, prompt: dict, 
 def play_check(frontend_servers, request, tmp_path_factory):
     """Play mode and prompt play from the panel, once per frontend: under the classic canvas with the bundled
     frontend, under Nodes 2.0 with the others (the panel is the same under both; the graph it runs differs)."""
-    why = _browser_ready()
-    if why:
-        pytest.skip(why)
+    _need_browser()
     comfy_ui = frontend_servers(request.param)
     renderer = "classic" if comfy_ui["frontend"] == BUNDLED else "vue"
     tmp = tmp_path_factory.mktemp(f"play_{comfy_ui['frontend']}")
