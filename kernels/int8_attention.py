@@ -170,16 +170,19 @@ def kitchen_call(q, k, v, tuner=None) -> tuple[str | None, str]:
     here, is verified equal to the one-call kernel on seeded inputs of these shapes and is the faster of the two
     (the operator store remembers both per GPU). (None, why) when neither runs. Nothing is measured during a
     CUDA graph capture or under compile (the one-call kernel then, unless a choice is known)."""
+    key = _store_key(q, k)
+    if key in _CALLS:                       # every later call of these shapes: no availability check, no lookup
+        return _CALLS[key], "chosen before in this process"
     rows = [(name, kitchen_problem(q.device, q.dtype, q.shape[-1], name)) for name in KITCHEN_CALLS]
     usable = [op_candidates.Candidate(STORE_OP, name, "kitchen", _KITCHEN_FNS[name], lambda d: None,
                                       f"comfy-kitchen {' + '.join(KITCHEN_CALLS[name])}")
               for name, why in rows if why is None]
     skipped = [f"{name}: {why}" for name, why in rows if why is not None]
     if len(usable) < 2:
-        return (usable[0].name, "the only comfy-kitchen entry point here") if usable else (None, "; ".join(skipped))
-    key = _store_key(q, k)
-    if key in _CALLS:
-        return _CALLS[key], "chosen before in this process"
+        if usable:
+            _CALLS[key] = usable[0].name
+            return usable[0].name, "the only comfy-kitchen entry point here"
+        return None, "; ".join(skipped)
     measuring = not (_common.is_compiling() or _common.capturing(q))
     best, why = op_candidates.pick(STORE_OP, usable, skipped, (q, k, v), key=key, reference=_kitchen_one_call,
                                    tuner=tuner, benchmark=measuring)
