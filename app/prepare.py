@@ -1,21 +1,23 @@
-"""One door for every run: a face describes its run as one frozen ``RunSpec``; ``prepare_model`` applies, once and
-in one fixed order, the run rules, the doctor's verdicts, the VRAM plan, block swap, compile and fast options to the
-model; ``prepare`` (``prepare_video`` from pixel sizes) returns the request, inputs and hooks ``sample_causal`` takes.
+"""One door for every run: a face describes its run as one frozen ``RunSpec`` and its ``RunInputs``;
+``prepare(model, spec, inputs)`` (``prepare_video`` from pixel sizes) does, once and before the first chunk,
+everything the run needs, and returns a ``Run`` the face samples (``latents()``) and, when continuable, goes on with
+(``extend``) without preparing again.
 
-The order: (1) the run rules (``sampling.sampler.path_for_linear``: fp8 linear layers exist on the optimized path
-only); (2) the block swap: the spec's, else the one its VRAM plan asks for, else the model's own (``KEEP``), without
-its prefetch stream where the doctor judged block swap unsafe here (CUDA); (3) compile: the spec's settings (or the
-model's own), dropped where the doctor judged compiled blocks wrong or slower here, none on the reference path;
-(4) the fast options, with ``switched_off`` naming every feature the doctor switched off for this model (its device,
-dtype and head size). The doctor judges a run whose path resolves to the optimized one (on CUDA, what 'auto' means).
+``prepare_model`` applies, in one fixed order: (1) the run rules (``sampling.sampler.path_for_linear``: fp8 linear
+layers exist on the optimized path only); (2) the block swap: the spec's, else the one its VRAM plan asks for, else
+the model's own (``KEEP``), without its prefetch stream where the doctor judged block swap unsafe here (CUDA); (3)
+compile: the spec's settings (or the model's own), dropped where the doctor judged compiled blocks wrong or slower
+here, none on the reference path; (4) the fast options, with ``switched_off`` naming every feature the doctor switched
+off for this model (its device, dtype and head size). The doctor judges a run whose path resolves to the optimized
+one (on CUDA, what 'auto' means). Then ``prepare`` checks the inputs, picks the out-of-memory guard and builds the
+loop's request (``sampling.sampler.build_request``).
 
-Every face goes through here: the CausalWan Sampler node and ``generate`` (``sample_video``), the native AR sampler
-(``prepare``), Matrix-Game-2, play and prompt steering (``prepared_sampling``: the loops that call ``sample_causal``
-themselves run inside it), ``bench sampler``, the ranks of a sequence-parallel run and ``profile``.
+Every face goes through here: the CausalWan Sampler node and ``generate``, the native AR sampler, Matrix-Game-2,
+play sessions and prompt steering, the benches, the ranks of a sequence-parallel run and ``profile``; the replay tools
+(check-reference, bench fidelity, bench compile, the self-test, the doctor's probes) with ``RunSpec(doctor=False)``.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +28,11 @@ from ..compile.settings import CompileSettings
 from ..memory.block_swap import SwapSettings
 from ..memory.sampling_guard import OOM_RETRY_MODES
 from ..model.finite import check_conditioning
-from ..sampling.request import SamplingHooks
+from ..sampling.continuation import continued, state_after
+from ..sampling.recache import RECACHE_MODES
+from ..sampling.request import RunInputs, SamplingHooks
 from ..sampling.runner import CUDA_GRAPH_MODES, FastOptions, check_linear_mode, check_ops_mode
-from ..sampling.sampler import PATHS, causal_request, current_path, path_for_linear, resolve_path, sample_causal, \
-    sampler_path
+from ..sampling.sampler import PATHS, build_request, path_for_linear, resolve_path, sample_causal
 from .validate import MAX_FRAMES_PER_BLOCK, check_int
 
 VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
@@ -43,8 +46,10 @@ class RunSpec:
     dict) of the blocks, None (eager) or KEEP (the model's own: a handle without compile settings keeps the model
     as it is); swap: SwapSettings, None (no swap) or KEEP; plan: a VRAM plan whose swap applies when ``swap`` is
     None; doctor: apply the doctor's verdicts (off only where a run checks the accelerated paths themselves);
-    oom_retry 'auto' | 'on' | 'off' (``memory.sampling_guard``); the first ones: the chunk loop's settings
-    (``sampling.sampler.causal_request``), the noise seeded by ``seed``."""
+    oom_retry 'auto' | 'on' | 'off' (``memory.sampling_guard``); the first ones and the last ones: the chunk loop's
+    settings (``sampling.sampler.build_request``: refresh_t the timestep of the cache-refresh pass,
+    independent_first_frame a first chunk of one frame, partial_last_block a shorter last chunk, recache 'switch' |
+    'none' at a prompt switch), the noise seeded by ``seed``."""
     frames_per_block: int = 3
     kv_window: int = -1
     sink: int = 0
@@ -64,6 +69,10 @@ class RunSpec:
     plan: Any = None
     doctor: bool = True
     oom_retry: str = "auto"
+    refresh_t: float = 0.0
+    independent_first_frame: bool = False
+    partial_last_block: bool = False
+    recache: str = "switch"
 
     def __post_init__(self):
         check_spec(self)
@@ -91,7 +100,8 @@ class RunSpec:
                 if f.name not in ("compile", "swap", "plan")}
 
 
-SPEC_FLAGS = ("fused_kernels", "fused_qkv", "keep_slower", "skip_last_refresh", "doctor")
+SPEC_FLAGS = ("fused_kernels", "fused_qkv", "keep_slower", "skip_last_refresh", "doctor", "independent_first_frame",
+              "partial_last_block")
 # field: (least, most) value
 SPEC_INTS = {"frames_per_block": (1, MAX_FRAMES_PER_BLOCK), "batch": (1, None), "sink": (0, None),
              "kv_window": (-1, None), "seed": (None, None)}
@@ -116,7 +126,11 @@ def check_spec(spec: RunSpec) -> None:
         check_int(f"RunSpec {name}", v, least, most)        # the range, worded as every command's and node's check
     if spec.path not in PATHS:
         raise ValueError(f"RunSpec path: sampler must be one of {PATHS}, got {spec.path!r}")
-    for name, modes in (("cuda_graphs", CUDA_GRAPH_MODES), ("oom_retry", OOM_RETRY_MODES)):
+    if isinstance(spec.refresh_t, bool) or not isinstance(spec.refresh_t, (int, float)) or \
+            not 0.0 <= spec.refresh_t <= 1000.0:
+        raise _spec_error("refresh_t", spec.refresh_t, "a timestep from 0 to 1000")
+    for name, modes in (("cuda_graphs", CUDA_GRAPH_MODES), ("oom_retry", OOM_RETRY_MODES),
+                        ("recache", RECACHE_MODES)):
         if getattr(spec, name) not in modes:
             raise _spec_error(name, getattr(spec, name), f"one of {', '.join(map(repr, modes))}")
     check_ops_mode(spec.ops)
@@ -144,23 +158,62 @@ class Setup:
     options: FastOptions | None
     notes: list
     record: dict
-    judged: bool = False
 
     @property
     def switched_off(self) -> dict:
         return dict(self.record.get("switched_off", {}))
 
 
-@dataclass
-class Prepared:
-    """A run ready for the loop: ``sample_causal(model, request, inputs, hooks)`` (``run``)."""
-    request: Any
-    inputs: Any
-    hooks: SamplingHooks
-    setup: Setup
+class Run:
+    """A run prepared once (made by ``prepare``): ``latents()`` samples it, chunk after chunk, and returns the new
+    latent frames [B, F, C, H, W]; a continuable run then holds ``state`` (``continuation.SamplerState``: the KV
+    caches, the generator, the position) and ``extend(num_frames, ...)`` samples the frames after it up to
+    ``num_frames`` latent frames in all, with new inputs where given (a prompt, actions), without preparing again.
+    ``request`` / ``inputs`` / ``hooks``: what the loop runs next."""
 
-    def run(self, model):
-        return sample_causal(model, self.request, self.inputs, self.hooks)
+    def __init__(self, model, spec: RunSpec, setup: Setup, inputs: RunInputs, hooks: SamplingHooks,
+                 continuable: bool, keep_state: bool, state_device=None):
+        self.model, self.spec, self.setup, self.hooks = model, spec, setup, hooks
+        self.continuable, self.keep_state, self.state_device = continuable, keep_state, state_device
+        self.state = inputs.state
+        self._build(inputs)
+
+    def _build(self, inputs: RunInputs) -> None:
+        from ..memory.sampling_guard import oom_guard
+        shape = check_noise(inputs.noise)
+        spec, self._settings, self._last = self.spec, None, None
+        if self.continuable:
+            inputs, self._settings, self._last = continued(self.model, spec, inputs, self.keep_state)
+            spec = spec.replace(skip_last_refresh=False)       # the run's last chunk stays in its kept cache
+        self._inputs = inputs
+        self.request, self.inputs = build_request(self.model, spec, inputs, self.setup.path, self.setup.options,
+                                                  self.hooks.tracer)
+        if self.hooks.chunk_guard is None:
+            self.hooks = self.hooks.replace(chunk_guard=oom_guard(self.model, shape, spec.frames_per_block,
+                                                                  mode=spec.oom_retry))
+
+    def latents(self) -> torch.Tensor:
+        if self.hooks.report is not None:                # the verdicts applied: {feature: why}
+            self.hooks.report["switched_off"] = self.setup.switched_off
+        out = sample_causal(self.model, self.request, self.inputs, self.hooks)
+        if self.continuable:
+            earlier, self.state = self.state, None
+            if self.keep_state:
+                self.state = state_after(self.spec, self._settings, self._inputs, earlier, out, self._last,
+                                         self.state_device)
+        return out
+
+    def extend(self, num_frames: int, **changes) -> torch.Tensor:
+        """The frames after this run's up to ``num_frames`` latent frames in all: ``latents()`` of the same run
+        continued from its state, with the ``RunInputs`` fields in ``changes`` (context, prompt_schedule, ...)."""
+        if not (self.continuable and self.keep_state and self.state is not None):
+            raise ValueError("only a continuable run that keeps its state goes on: prepare it with keep_state=True "
+                             "and sample it first")
+        b, _, c, h, w = self.request.shape
+        self._build(self._inputs.replace(noise=(b, int(num_frames), c, h, w), state=self.state, kv_cache=None,
+                                         generator=None, start_frame=0, previous_context=None, history=None,
+                                         **changes))
+        return self.latents()
 
 
 def prepare_model(model, spec: RunSpec, *, log=None, notes: list | None = None, record: dict | None = None) -> Setup:
@@ -206,32 +259,25 @@ def prepare_model(model, spec: RunSpec, *, log=None, notes: list | None = None, 
     if judged:
         options, switched = gate_options(model, options, log_fn=log, record=record)
         lines.extend(line for line in switched if line not in lines)
-    return Setup(path, options, lines, record, judged)
+    return Setup(path, options, lines, record)
 
 
-def prepare(model, spec: RunSpec, context, noise, *, setup: Setup | None = None, hooks: SamplingHooks | None = None,
-            generator: torch.Generator | None = None, log=None, notes: list | None = None, **inputs) -> Prepared:
-    """``prepare_model`` (unless ``setup`` says it was done), then the run's request, inputs and hooks. noise: the
-    initial noise [B, F, C, H, W], or its shape (each chunk's noise then drawn from ``spec.seed``'s generator);
-    generator: the re-noising draws' (default: seeded with ``spec.seed`` on the model's device); hooks: the
-    face's; its chunk_guard, else the out-of-memory retry of ``spec.oom_retry``; inputs: the other run tensors and
-    prompt arguments of ``sampling.sampler.causal_request`` (noise_provider, prefix, y, prompt_schedule, ...)."""
-    from ..memory.sampling_guard import oom_guard
+def prepare(model, spec: RunSpec, inputs: RunInputs, hooks: SamplingHooks | None = None, *,
+            setup: Setup | None = None, keep_state: bool = False, continuable: bool = False, state_device=None,
+            log=None, notes: list | None = None) -> Run:
+    """The one call of every run: ``prepare_model`` (unless ``setup`` says it was done: a rank pool, a replay tool
+    that keeps the model as it is), then the inputs checked and the loop's request built. inputs: ``RunInputs``
+    (noise: the initial noise [B, F, C, H, W], or its shape, each chunk's noise then drawn from the generator, by
+    default seeded with ``spec.seed``); hooks: the face's, its chunk_guard else the out-of-memory retry of
+    ``spec.oom_retry``. keep_state: the run keeps the state it ends in (``Run.state``, its caches on
+    ``state_device``, default the model's device) and can be extended; continuable: a run that builds its cache as a
+    continuation does, keeping no state; ``inputs.state``: go on from that state. log / notes: where the doctor's
+    lines go."""
     setup = setup if setup is not None else prepare_model(model, spec, log=log, notes=notes)
-    hooks = hooks if hooks is not None else SamplingHooks()
-    shape = check_noise(noise)
-    guard = hooks.chunk_guard
-    if guard is None:
-        guard = oom_guard(model, shape, spec.frames_per_block, mode=spec.oom_retry)
-    gen = generator if generator is not None else torch.Generator(device=model.device).manual_seed(int(spec.seed))
-    request, run_inputs, run_hooks = causal_request(
-        model, context, noise, spec.schedule, spec.frames_per_block, generator=gen, kv_window=spec.kv_window,
-        sink=spec.sink, skip_last_refresh=spec.skip_last_refresh, path=setup.path, fast_options=setup.options,
-        callback=hooks.callback, on_chunk=hooks.on_chunk, tracer=hooks.tracer, chunk_guard=guard,
-        on_chunk_latents=hooks.on_chunk_latents, report=hooks.report, **inputs)
-    if hooks.report is not None:                     # the verdicts applied: {feature: why}
-        hooks.report["switched_off"] = setup.switched_off
-    return Prepared(request, run_inputs, run_hooks, setup)
+    if not isinstance(inputs, RunInputs):
+        raise TypeError(f"prepare takes the run's RunInputs, got {type(inputs).__name__}")
+    return Run(model, spec, setup, inputs, hooks if hooks is not None else SamplingHooks(),
+               bool(continuable or keep_state or inputs.state is not None), bool(keep_state), state_device)
 
 
 def check_noise(noise) -> tuple:
@@ -251,59 +297,19 @@ def check_noise(noise) -> tuple:
     return shape
 
 
-def prepare_video(model, spec: RunSpec, context, width: int, height: int, num_frames: int, **kwargs) -> Prepared:
-    """``prepare`` of a video given in pixels (``num_frames`` 4k+1 video frames), after the one geometry check of
-    every entry point and the memory estimate (``latent_geometry``); the noise is drawn per chunk from the seed."""
-    lf, lh, lw = latent_geometry(model, width, height, num_frames, spec.frames_per_block, spec.kv_window, spec.sink,
-                                 spec.batch)
-    return prepare(model, spec, context, (spec.batch, lf, model.config.out_dim, lh, lw), **kwargs)
+def prepare_video(model, spec: RunSpec, inputs: RunInputs, width: int, height: int, num_frames: int, *,
+                  names: dict | None = None, **kwargs) -> Run:
+    """``prepare`` of a video given in pixels (``num_frames`` 4k+1 video frames): the one geometry check and memory
+    estimate of every entry point (``latent_geometry``; ``names``: the face's names of its inputs), then the noise
+    drawn per chunk from the generator (``inputs.noise`` is set to its shape)."""
+    lf, lh, lw = latent_geometry(model, width, height, num_frames, spec, names=names)
+    return prepare(model, spec, inputs.replace(noise=(spec.batch, lf, model.config.out_dim, lh, lw)), **kwargs)
 
 
-def sample_video(model, spec: RunSpec, context, width: int, height: int, num_frames: int, **kwargs) -> torch.Tensor:
+def sample_video(model, spec: RunSpec, inputs: RunInputs, width: int, height: int, num_frames: int,
+                 **kwargs) -> torch.Tensor:
     """Pixel-space request -> model-space latents [B, F, 16, H/8, W/8] (``prepare_video``, then the loop)."""
-    return prepare_video(model, spec, context, width, height, num_frames, **kwargs).run(model)
-
-
-def sample_video_with_state(model, spec: RunSpec, context, width: int, height: int, num_frames: int, *, state=None,
-                            keep_state: bool = True, state_device="cpu", setup: Setup | None = None,
-                            hooks: SamplingHooks | None = None, log=None, notes: list | None = None, **inputs):
-    """``sample_video`` that can continue a video: ``num_frames`` is the video length to reach (4k+1 video frames);
-    with ``state`` (a ``SamplerState``) only the frames after it are sampled, exactly as one long run would have.
-    Returns (latents of the new frames [B, n, 16, H/8, W/8], the state after them or None when ``keep_state`` is
-    off; kept on ``state_device``, the CPU by default, between prompts)."""
-    from ..memory.sampling_guard import oom_guard
-    from ..sampling.continuation import sample_continuable
-    setup = setup if setup is not None else prepare_model(model, spec, log=log, notes=notes)
-    hooks = hooks if hooks is not None else SamplingHooks()
-    lf, lh, lw = latent_geometry(model, width, height, num_frames, spec.frames_per_block, spec.kv_window, spec.sink,
-                                 spec.batch)
-    guard = hooks.chunk_guard or oom_guard(model, (spec.batch, lf, model.config.out_dim, lh, lw),
-                                           spec.frames_per_block, mode=spec.oom_retry)
-    return sample_continuable(model, context, lf, lh, lw, seed=spec.seed, batch=spec.batch, schedule=spec.schedule,
-                              frames_per_block=spec.frames_per_block, kv_window=spec.kv_window, sink=spec.sink,
-                              state=state, keep_state=keep_state, state_device=state_device,
-                              skip_last_refresh=spec.skip_last_refresh, path=setup.path, fast_options=setup.options,
-                              callback=hooks.callback, on_chunk=hooks.on_chunk, report=hooks.report,
-                              on_chunk_latents=hooks.on_chunk_latents, chunk_guard=guard, **inputs)
-
-
-@contextlib.contextmanager
-def prepared_sampling(model, spec: RunSpec | None = None, notes: list | None = None, log=None):
-    """For loops that call ``sample_causal`` themselves (Matrix-Game-2, play sessions, continuations): within the
-    block, calls left on path 'auto' run with ``prepare_model``'s path and options. An enclosing ``sampler_path``
-    block (``generate --model-kind matrix-game2 --linear fp8``) gives the path and options when the spec leaves
-    them at their defaults; its reference path stays."""
-    spec = spec if spec is not None else RunSpec()
-    outer = current_path()
-    if outer is not None and spec.path == "auto":
-        path, given = outer
-        given = FastOptions.coerce(given)
-        spec = spec.replace(path=path, cuda_graphs=given.cuda_graphs, fused_kernels=given.fused_kernels,
-                            fused_qkv=given.fused_qkv, ops=given.ops, keep_slower=given.keep_slower,
-                            linear=given.linear)
-    setup = prepare_model(model, spec, log=log, notes=notes)
-    with sampler_path(setup.path, setup.options):
-        yield setup
+    return prepare_video(model, spec, inputs, width, height, num_frames, **kwargs).latents()
 
 
 def latent_frames(video_frames: int) -> int:
@@ -324,20 +330,21 @@ def latent_size(height: int, width: int, patch=(2, 2)) -> tuple[int, int]:
     return height // VAE_SPACE_STRIDE, width // VAE_SPACE_STRIDE
 
 
-def latent_geometry(model, width: int, height: int, num_frames: int, frames_per_block: int, kv_window: int = -1,
-                    sink: int = 0, batch: int = 1) -> tuple:
+def latent_geometry(model, width: int, height: int, num_frames: int, spec: RunSpec, names: dict | None = None
+                    ) -> tuple:
     """(latent frames, latent height, latent width), after the one geometry check of every entry point (4k+1
     frames, multiples of 16, whole blocks, window and sink; its advice passes it) and the memory estimate of the
-    run on the model's device (``validate.check_fits``: refused before any tensor is made). The command line and
-    the nodes check both earlier with their own input names; repeating them here costs one memory query."""
+    run on the model's device (``validate.check_fits``: refused before any tensor is made), in the words of the
+    face's ``names`` (default: this function's)."""
     from ..model.attachments import seq_parallel_of
     from .validate import check_fits, check_geometry
-    names = {"frames": "num_frames"}
-    check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names)
+    names = dict(names or {"frames": "num_frames"})
+    check_geometry(num_frames, height, width, spec.frames_per_block, spec.kv_window, spec.sink, names=names,
+                   recache=spec.recache)
     sp = seq_parallel_of(model)
     check_fits(model.config.to_dict(), num_frames, height, width, device=model.device,
-               dtype=str(model.compute_dtype), frames_per_block=frames_per_block, kv_window=kv_window,
-               batch=batch, names=names, world=sp.world if sp is not None else 1)
+               dtype=str(model.compute_dtype), frames_per_block=spec.frames_per_block, kv_window=spec.kv_window,
+               batch=spec.batch, names=names, world=sp.world if sp is not None else 1)
     return latent_frames(num_frames), *latent_size(height, width, model.config.patch_size[1:])
 
 

@@ -1,8 +1,9 @@
 """Continue a video later: the state a causal run ends in, and a run that goes on from it.
 
 A causal run's future depends only on its KV caches (self-attention, and Matrix-Game-2's action caches), the next
-latent frame's position and the noise generator's state. ``sample_continuable`` returns them as a
-``SamplerState`` beside the latents; given that state, a later call samples the next frames exactly as one long run
+latent frame's position and the noise generator's state. A continuable run (``app.prepare.prepare(...,
+keep_state=True)``) returns them as a ``SamplerState`` beside the latents; given that state (``RunInputs.state``), a
+later run samples the next frames exactly as one long run
 would have (same chunks, same noise draws, same cache contents and layout: bit for bit on the same device). The
 state records the model and the settings it was made with and refuses others with an error naming the difference.
 
@@ -22,7 +23,8 @@ import torch
 from ..model.attachments import model_signature
 from ..model.kv_cache import KVCache
 from .prompts import PromptSchedule
-from .sampler import _as_schedule, causal_request, chunk_plan, sample_causal
+from .request import RunInputs
+from .sampler import as_schedule, chunk_plan
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ def weight_fingerprint(model) -> str:
 def run_settings(model, batch: int, height: int, width: int, schedule, frames_per_block: int, kv_window: int,
                  sink: int, refresh_t: float = 0.0, **extra) -> dict:
     """What a state must share with the run that continues it (plain values: compared and shown in errors)."""
-    sched = _as_schedule(schedule)
+    sched = as_schedule(schedule)
     return {"model": model_signature(model), "weights": weight_fingerprint(model), "batch": int(batch),
             "height": int(height), "width": int(width),
             "frames_per_block": int(frames_per_block), "kv_window": int(kv_window), "sink": int(sink),
@@ -186,17 +188,16 @@ def window_history(kv_window: int, earlier, new: torch.Tensor) -> torch.Tensor:
     return frames[:, -kv_window:] if 0 < kv_window < frames.shape[1] else frames
 
 
-def last_chunk_context(context, num_frames: int, frames_per_block: int, kwargs: dict):
+def last_chunk_context(spec, inputs: RunInputs, num_frames: int):
     """The raw context of the last chunk of a run of ``num_frames`` frames (a schedule's, the last of the chunk
     contexts, or the one context)."""
-    if kwargs.get("chunk_contexts") is not None:
-        return kwargs["chunk_contexts"][-1]
-    if kwargs.get("prompt_schedule") is not None:
-        plan = chunk_plan(num_frames, frames_per_block, kwargs.get("independent_first_frame", False),
-                          kwargs.get("partial_last_block", False))
-        sched = PromptSchedule.coerce(kwargs["prompt_schedule"])
-        return sched.contexts(kwargs.get("prompt_embeddings") or {}, len(plan))[-1]
-    return context
+    if inputs.chunk_contexts is not None:
+        return inputs.chunk_contexts[-1]
+    if inputs.prompt_schedule is not None:
+        plan = chunk_plan(num_frames, spec.frames_per_block, spec.independent_first_frame, spec.partial_last_block)
+        sched = PromptSchedule.coerce(inputs.prompt_schedule)
+        return sched.contexts(inputs.prompt_embeddings or {}, len(plan))[-1]
+    return inputs.context
 
 
 def restore_generator(state: SamplerState, device) -> torch.Generator:
@@ -209,56 +210,58 @@ def restore_generator(state: SamplerState, device) -> torch.Generator:
     return gen
 
 
-def sample_continuable(model, context, num_frames: int, height: int, width: int, seed: int = 0, batch: int = 1,
-                       schedule="self_forcing", frames_per_block: int = 3, kv_window: int = -1, sink: int = 0,
-                       state: SamplerState | None = None, keep_state: bool = True, state_device=None,
-                       refresh_t: float = 0.0, **kwargs):
-    """Sample latent frames up to ``num_frames`` in all: from 0 (state None, seeded by ``seed``) or from where
-    ``state`` stopped (seed unused: the noise goes on from the state's generator). Returns (latents of the new frames
-    [B, n, C, H, W] float32, the state after them or None when ``keep_state`` is off). ``state_device``: where the
-    returned state's caches live (default: the model's device). kwargs go to ``sample_causal`` (callback, on_chunk,
-    on_chunk_latents, path, fast_options, report, chunk_guard; independent_first_frame for a first run;
-    prompt_schedule with prompt_embeddings, recache, cache_policy). The state keeps the last chunk's context and the window's clean
-    latents: a continued run whose context differs from the state's switches the prompt at its first chunk (with
-    its re-cache), so chunk-by-chunk runs with prompt changes equal one run with the schedule they followed."""
-    settings = run_settings(model, batch, height, width, schedule, frames_per_block, kv_window, sink, refresh_t)
-    c = model.config
-    frame_tokens = (height // c.patch_size[1]) * (width // c.patch_size[2])
-    if keep_state and kwargs.get("skip_last_refresh"):
+def continued(model, spec, inputs: RunInputs, keep_state: bool) -> tuple:
+    """A continuable run's inputs: from frame 0 (no ``inputs.state``: seeded by the generator given, else the spec's
+    seed) or from where ``inputs.state`` stopped (the noise goes on from the state's generator; a context different
+    from the state's last one switches the prompt at the first chunk, with its re-cache). The cache is the whole long
+    run's, with the state's frames copied in; a prompt schedule is cut to this run's length. Returns (the inputs with
+    cache, generator, start frame, previous context and history; the settings the state after it keeps; the last
+    chunk's context, None when no state is kept)."""
+    b, num_frames, _, height, width = (tuple(inputs.noise.shape) if isinstance(inputs.noise, torch.Tensor)
+                                       else tuple(int(v) for v in inputs.noise))
+    fpb, state = spec.frames_per_block, inputs.state
+    settings = run_settings(model, b, height, width, spec.schedule, fpb, spec.kv_window, spec.sink, spec.refresh_t)
+    if keep_state and spec.skip_last_refresh:
         raise ValueError("skip_last_refresh leaves the last chunk out of the KV cache: turn it off to keep a state "
                          "that can be continued")
-    kwargs.pop("skip_last_refresh", None)
-    start = 0
+    start, changes = 0, {}
     if state is not None:
         check_state(state, settings)
         start = state.frames
-        if kwargs.pop("independent_first_frame", False):
+        if spec.independent_first_frame:
             raise ValueError("independent_first_frame applies to the first run only, not to a continuation")
         if num_frames <= start:
             raise ValueError(f"the video already has {start} latent frames: ask for more than that in all "
                              f"(num_frames is the length to reach)")
-    kv = KVCache.for_model(model, batch, frame_tokens, num_frames, kv_window, sink)
+    c = model.config
+    frame_tokens = (height // c.patch_size[1]) * (width // c.patch_size[2])
+    kv = KVCache.for_model(model, b, frame_tokens, num_frames, spec.kv_window, spec.sink)
     if state is None:
-        gen = torch.Generator(device=model.device).manual_seed(int(seed))
+        gen = inputs.generator or torch.Generator(device=model.device).manual_seed(int(spec.seed))
     else:
         copy_cache(state.kv, kv)
         gen = restore_generator(state, model.device)
-        kwargs.setdefault("previous_context", state.last_context)      # a new prompt here is a switch
-        kwargs.setdefault("history", None if state.history is None else state.history.to(model.device))
-    if kwargs.get("prompt_schedule") is not None:      # the schedule of the whole video: its part up to here
-        plan = chunk_plan(num_frames, frames_per_block, kwargs.get("independent_first_frame", False),
-                          kwargs.get("partial_last_block", False))
-        kwargs["prompt_schedule"] = PromptSchedule.coerce(kwargs["prompt_schedule"]).until(len(plan))
-    shape = (batch, num_frames, c.out_dim, height, width)
-    last = last_chunk_context(context, num_frames, frames_per_block, kwargs) if keep_state else None
-    out = sample_causal(model, *causal_request(model, context, shape, schedule, frames_per_block, generator=gen,
-                                               kv_window=kv_window, sink=sink, refresh_t=refresh_t, kv_cache=kv,
-                                               start_frame=start, **kwargs))
-    new_state = None
-    if keep_state:
-        history = window_history(kv_window, None if state is None else state.history, out)
-        new_state = capture(settings, num_frames, kv, gen, device=state_device, last_context=last, history=history)
-    return out, new_state
+        if inputs.previous_context is None:                 # a new prompt here is a switch
+            changes["previous_context"] = state.last_context
+        if inputs.history is None and state.history is not None:
+            changes["history"] = state.history.to(model.device)
+    if inputs.prompt_schedule is not None:      # the schedule of the whole video: its part up to here
+        plan = chunk_plan(num_frames, fpb, spec.independent_first_frame, spec.partial_last_block)
+        changes["prompt_schedule"] = PromptSchedule.coerce(inputs.prompt_schedule).until(len(plan))
+    inputs = inputs.replace(kv_cache=kv, generator=gen, start_frame=start, state=None, **changes)
+    last = last_chunk_context(spec, inputs, num_frames) if keep_state else None
+    return inputs, settings, last
 
 
-__all__ = ["SamplerState", "sample_continuable", "check_state", "run_settings", "copy_cache", "weight_fingerprint"]
+def state_after(spec, settings: dict, inputs: RunInputs, earlier, out: torch.Tensor, last_context,
+                device=None) -> SamplerState:
+    """The state after a continuable run (``continued``'s inputs, the state it went on from or None, its new
+    latents): its caches copied to ``device`` (default: the model's)."""
+    history = window_history(spec.kv_window, None if earlier is None else earlier.history, out)
+    return capture(settings, int(inputs.noise[1] if not isinstance(inputs.noise, torch.Tensor)
+                                 else inputs.noise.shape[1]), inputs.kv_cache, inputs.generator, device=device,
+                   last_context=last_context, history=history)
+
+
+__all__ = ["SamplerState", "continued", "state_after", "check_state", "run_settings", "copy_cache",
+           "weight_fingerprint"]

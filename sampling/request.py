@@ -1,10 +1,10 @@
 """A sampling run as data: the request (resolved once, frozen) and the hooks (progress, interrupt, preview, traces,
 out-of-memory policy).
 
-``sampler.causal_request`` validates a run's arguments once into a ``SamplingRequest``, its ``SamplingInputs`` and
-its ``SamplingHooks``, which ``sampler.sample_causal`` takes (a face of the pack builds them through the app floor's
-prepare step, ``app/prepare.py``); the chunk loop, the executors and the policies read them instead of having
-parameters threaded through them.
+A face describes a run as a spec (``app.prepare.RunSpec``) and its ``RunInputs``; the app floor's one prepare step
+(``app/prepare.py``) hands them to ``sampler.build_request``, which checks them once into a frozen
+``SamplingRequest`` and the run's ``SamplingInputs``; the chunk loop, the executors and the policies read those
+instead of having parameters threaded through them.
 """
 from __future__ import annotations
 
@@ -112,3 +112,41 @@ class SamplingInputs:
     recache: str = "switch"
     previous_context: Any = None
     history: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What a run samples from, typed (``app.prepare.prepare`` takes it beside the run's spec).
+
+    context [B or 1, L, text_dim] (or an EmbeddedText); or prompt_schedule (a ``prompts.PromptSchedule`` or its text,
+    over the chunks of the whole video) with prompt_embeddings {text: raw context}; or chunk_contexts, the raw context
+    of every chunk of this run. noise [B, F, C, H, W], or that shape: each chunk's initial noise is then drawn when the
+    chunk starts (step index -1), so every draw happens in chunk order and a longer video begins with the frames of a
+    shorter one of the same seed. generator: the draws' (default: seeded with the spec's seed on the model's device);
+    noise_provider(chunk, step, shape, dtype, device) -> eps replaces it. prefix: clean first frames [B, P, C, H, W]
+    (an encoded start image) written into the cache before the first chunk. y [B, F (or F - start_frame), C_y, H, W]
+    and clip_fea: image conditioning. model_kwargs: extra forward arguments (``actions`` for Matrix-Game-2).
+    kv_cache: a caller-made KVCache. state: a ``continuation.SamplerState`` to go on from (its frames are not sampled
+    again; the cache, generator, context in effect and history come from it). start_frame / previous_context /
+    history: a continuation given by hand (``mg2_continuation``). cache_policy: ``before_chunk(state)`` before every
+    chunk (Krea's re-cache)."""
+    context: Any = None
+    noise: Any = None
+    generator: torch.Generator | None = None
+    noise_provider: Callable | None = None
+    prefix: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+    clip_fea: torch.Tensor | None = None
+    model_kwargs: dict | None = None
+    kv_cache: Any = None
+    prompt_schedule: Any = None
+    prompt_embeddings: dict | None = None
+    chunk_contexts: list | None = None
+    state: Any = None
+    start_frame: int = 0
+    previous_context: Any = None
+    history: torch.Tensor | None = None
+    cache_policy: Any = None
+
+    def replace(self, **changes) -> "RunInputs":
+        return dataclasses.replace(self, **changes)

@@ -35,7 +35,8 @@ def loader_runs(module, torch_fn: str, mode: str, path: str, monkeypatch) -> tup
     latents}, {mode: the run's report}), asserting the mode's torch version (``module.torch_fn``) ran in the
     ``mode`` run only."""
     from wan_accel.nodes.model_nodes import CausalWanModelLoader
-    from wan_accel.sampling.sampler import generate_latents, sampler_path
+    from wan_accel.sampling.sampler import sampler_path
+    from run_helpers import generate_latents
     calls = []
     real = getattr(module, torch_fn)
     monkeypatch.setattr(module, torch_fn, lambda *a, **kw: calls.append(1) or real(*a, **kw))

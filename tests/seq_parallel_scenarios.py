@@ -28,7 +28,7 @@ def t2v_fixture(sp, kv_window: int = -1, path: str = "reference") -> dict:
     from safetensors.torch import load_file
     from wan_accel.app.jobs.reference import _load_model, _schedule_from
     from wan_accel.model.kv_cache import KVCache
-    from wan_accel.sampling.sampler import sample_causal
+    from run_helpers import run_causal
     d = FIXTURES / "wan_reference"
     cfg = json.loads((d / "causal_config.json").read_text())
     model = _enable(_load_model(d, cfg, "cpu"), sp)
@@ -41,7 +41,7 @@ def t2v_fixture(sp, kv_window: int = -1, path: str = "reference") -> dict:
 
     if sp is not None:
         sp.reset_stats()
-    out = sample_causal(model, io["context"], noise, _schedule_from(cfg), 3, noise_provider=provide, kv_cache=kv,
+    out = run_causal(model, io["context"], noise, _schedule_from(cfg), 3, noise_provider=provide, kv_cache=kv,
                         path=path, fast_options={"cuda_graphs": "off"} if path == "optimized" else None)
     res = dict(_kv(kv), out=out, fixture=io["output"])
     if sp is not None:
@@ -53,13 +53,13 @@ def tiny6(sp, kv_window: int = -1, sink: int = 0, path: str = "reference") -> di
     """A tiny 6-head model (splits over 2 and 3 ranks) on a 5x6 token grid (30 tokens a frame, uneven over 4)."""
     from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
     from wan_accel.model.kv_cache import KVCache
-    from wan_accel.sampling.sampler import sample_causal
+    from run_helpers import run_causal
     model = _enable(tiny_causal_model(seed=5, config=TINY_CONFIG.replace(dim=96, num_heads=6)), sp)
     gen = torch.Generator().manual_seed(7)
     ctx = torch.randn(1, 5, model.config.text_dim, generator=gen)
     shape = (1, 9, 16, 10, 12)
     kv = KVCache.for_model(model, 1, 30, 9, kv_window, sink)
-    out = sample_causal(model, ctx, shape, "self_forcing", 3, generator=torch.Generator().manual_seed(11),
+    out = run_causal(model, ctx, shape, "self_forcing", 3, generator=torch.Generator().manual_seed(11),
                         kv_cache=kv, kv_window=kv_window, sink=sink, path=path,
                         fast_options={"cuda_graphs": "off"} if path == "optimized" else None)
     return dict(_kv(kv), out=out)
@@ -106,7 +106,7 @@ def several(sp, jobs) -> dict:
 def dies_mid_run(sp, dying_rank: int = 1) -> dict:
     """Rank ``dying_rank`` exits hard after its first chunk; the others must stop with a ParallelError."""
     from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     model = _enable(tiny_causal_model(seed=5, config=TINY_CONFIG.replace(dim=96, num_heads=6)), sp)
 
     def on_chunk(ci, n):

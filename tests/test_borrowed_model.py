@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from wan_accel.model.borrowed import borrow_wan_model, borrowed_config
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
-from wan_accel.sampling.sampler import generate_latents
+from run_helpers import generate_latents
 
 CTX = torch.randn(1, 7, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(1))
 

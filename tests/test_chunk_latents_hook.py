@@ -6,7 +6,7 @@ import torch
 
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 from wan_accel.sampling import loop
-from wan_accel.sampling.sampler import generate_latents
+from run_helpers import generate_latents
 
 CTX = torch.randn(1, 4, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(0))
 

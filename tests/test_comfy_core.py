@@ -21,7 +21,7 @@ from wan_accel.model.borrowed import borrow_wan_model
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 from wan_accel.nodes import comfy_core
 from wan_accel.nodes.native_engine import sample_wan_accel
-from wan_accel.sampling.sampler import generate_latents
+from run_helpers import generate_latents
 from wan_accel.sampling.scheduler import resolve_schedule
 
 NODES = Path(comfy_core.__file__).parent

@@ -14,7 +14,7 @@ from wan_accel.kernels import candidates as C
 from wan_accel.kernels.norm_modulate import layernorm_modulate_reference
 from wan_accel.kernels.qk_norm_rope import rmsnorm_rope_reference
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
-from wan_accel.sampling.sampler import generate_latents
+from run_helpers import generate_latents
 
 
 def _via_dlpack(t: torch.Tensor) -> torch.Tensor:

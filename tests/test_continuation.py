@@ -6,8 +6,9 @@ import torch
 from wan_accel.model.config import WanConfig
 from wan_accel.model.dit import WanModel
 from wan_accel.model.tiny import init_tiny_weights
-from wan_accel.sampling.continuation import SamplerState, sample_continuable
-from wan_accel.sampling.sampler import generate_latents
+from wan_accel.sampling.continuation import SamplerState
+from run_helpers import sample_continuable
+from run_helpers import generate_latents
 
 CFG = WanConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=2, text_dim=16, text_len=4, freq_dim=8)
 SCHEDULE = {"preset": "custom", "steps": [1000, 600, 300], "shift": 5.0}

@@ -18,7 +18,7 @@ def test_compiled_blocks_with_comfy_kitchens_ops_run_and_match_eager():
     from wan_accel.compile.apply import compile_handle
     from wan_accel.app.prepare import compile_for_sampling
     from wan_accel.kernels import kitchen
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     if kitchen.backend_problem("cuda", "adaln", "cuda"):
         pytest.skip("comfy-kitchen's CUDA backend is not available here")
     model, ctx = _model_and_ctx()

@@ -150,7 +150,7 @@ def _sabotage_fused_qkv(monkeypatch, mode: str):
 
 
 def _run(model, options):
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     ctx = torch.randn(1, model.config.text_len, model.config.text_dim, generator=torch.Generator().manual_seed(3))
     return generate_latents(model, ctx, 3, 8, 8, seed=1, path="optimized", fast_options=options)
 

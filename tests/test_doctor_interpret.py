@@ -24,7 +24,7 @@ def _child() -> None:
     from wan_accel.kernels import norm_modulate
     from wan_accel.model.tiny import tiny_causal_model
     from wan_accel.sampling.runner import FastOptions, get_runner
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
 
     small = dict(tokens=32, heads=2)
     names = ("kernel.layernorm_modulate", "kernel.rmsnorm_rope", "kernel.gated_residual", "kernel.rms_norm",

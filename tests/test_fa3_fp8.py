@@ -180,7 +180,7 @@ def test_the_speed_verdict_times_fa3s_fp8_against_exact(hopper, monkeypatch):
 def test_a_run_reads_the_fa3_copy_and_every_call_is_within_the_bound(monkeypatch):
     from wan_accel.model import kv_cache
     from wan_accel.model.tiny import tiny_causal_model
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     model = tiny_causal_model()
     ctx = torch.randn(1, 4, model.config.text_dim, generator=torch.Generator().manual_seed(0))
     real, seen = F.fa3_fp8_torch, {"copies": 0, "calls": 0, "worst": 0.0}

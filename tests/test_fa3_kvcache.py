@@ -192,7 +192,7 @@ def test_a_video_through_the_fused_way_equals_the_separate_ways(wheel, window):
     (at its chunk's first slot, with the kernel's splits), a wrapped ring writes separately, and the video is the
     separate way's within float32 rounding."""
     from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     model = tiny_causal_model()
     ctx = torch.randn(1, 5, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(1))
     kw = dict(kv_window=window, sink=1 if window > 0 else 0, seed=4, path="optimized")

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from wan_accel.bench import sampler as bench
 from wan_accel.model import flops
-from wan_accel.sampling.sampler import generate_latents
+from run_helpers import generate_latents
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
 

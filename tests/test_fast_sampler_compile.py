@@ -6,7 +6,7 @@ from torch._dynamo.utils import counters
 from wan_accel.compile import CompileSettings, uncompile_model
 from wan_accel.compile.apply import compile_handle
 from wan_accel.app.prepare import compile_for_sampling
-from wan_accel.sampling.sampler import generate_latents
+from run_helpers import generate_latents
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
 

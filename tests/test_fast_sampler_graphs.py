@@ -9,7 +9,8 @@ from wan_accel.model import attention as att
 from wan_accel.sampling import runner as fast_runner
 from wan_accel.model.fused_qkv import QKV_WEIGHT, ensure_fused_qkv, fused_qkv_intact
 from wan_accel.sampling.runner import FastOptions, get_runner, release_buffers
-from wan_accel.sampling.sampler import generate_latents, resolve_path, sampler_path
+from wan_accel.sampling.sampler import resolve_path, sampler_path
+from run_helpers import generate_latents
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
 CTX = torch.randn(1, 4, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(0))

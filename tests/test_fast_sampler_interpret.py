@@ -20,7 +20,7 @@ def _child() -> None:
     from wan_accel.model.config import WanConfig
     from wan_accel.model.loader import load_wan_checkpoint
     from wan_accel.app.jobs.reference import _load_io
-    from wan_accel.sampling.sampler import sample_causal
+    from run_helpers import run_causal
     from wan_accel.sampling.scheduler import resolve_schedule
 
     fixtures = HERE.parent / "fixtures" / "wan_reference"
@@ -35,12 +35,12 @@ def _child() -> None:
         return io[f"extra_noise.block{ci}.step{k}"].reshape(shape).to(dev, dtype)
 
     kw = dict(noise_provider=provide)
-    ref = sample_causal(model, io["context"], noise, sched, 3, path="reference", **kw)
+    ref = run_causal(model, io["context"], noise, sched, 3, path="reference", **kw)
     from wan_accel.kernels import rms_norm
     q_norms, real = [], rms_norm.run_triton
     rms_norm.run_triton = lambda *a, **k: q_norms.append(1) or real(*a, **k)    # the cross-attention q norm
     before = dict(get_autotuner().stats)
-    opt = sample_causal(model, io["context"], noise, sched, 3, path="optimized", **kw)
+    opt = run_causal(model, io["context"], noise, sched, 3, path="optimized", **kw)
     stats = get_autotuner().stats
     print(MARK + json.dumps({"interpreter_usable": interpreter_usable(),
                              "triton_launches": stats["benchmarks"] + stats["memo_hits"] - before["benchmarks"]

@@ -6,7 +6,7 @@ from wan_accel.cache import LimitCache
 from wan_accel.memory.block_swap import active_swap, ensure_block_swap
 from wan_accel.memory.oom import NoFitError
 from wan_accel.memory.sampling_guard import oom_guard
-from wan_accel.sampling.sampler import generate_latents
+from run_helpers import generate_latents
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
 CTX = torch.randn(1, 4, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(0))

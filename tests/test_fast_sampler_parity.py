@@ -17,7 +17,8 @@ from wan_accel.model.config import WanConfig
 from wan_accel.model.kv_cache import KVCache
 from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.app.jobs.reference import _load_io, _schedule_from
-from wan_accel.sampling.sampler import generate_latents, sample_causal, sampler_path
+from wan_accel.sampling.sampler import sampler_path
+from run_helpers import generate_latents, run_causal
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -40,7 +41,7 @@ def _run(model, io, sched, path, **kw):
     def provide(ci, k, shape, dtype, dev):
         return io[f"extra_noise.block{ci}.step{k}"].reshape(shape).to(dev, dtype)
     report = {}
-    out = sample_causal(model, io["context"], io["initial_noise"], sched, 3, noise_provider=provide, path=path,
+    out = run_causal(model, io["context"], io["initial_noise"], sched, 3, noise_provider=provide, path=path,
                         report=report, **kw)
     return out, report
 
@@ -174,7 +175,7 @@ def test_i2v_image_branch_and_independent_first_frame():
     ctx, clip = torch.randn(1, 4, cfg.text_dim, generator=g), torch.randn(1, 5, 24, generator=g)
     y = torch.randn(1, 7, 4, 4, 6, generator=g)
     noise = torch.randn(1, 7, 16, 4, 6, generator=g)
-    outs = [sample_causal(model, ctx, noise, "self_forcing", 3, clip_fea=clip, y=y, independent_first_frame=True,
+    outs = [run_causal(model, ctx, noise, "self_forcing", 3, clip_fea=clip, y=y, independent_first_frame=True,
                           generator=torch.Generator().manual_seed(0), path=p) for p in ("reference", "optimized")]
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
 

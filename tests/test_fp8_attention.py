@@ -291,7 +291,7 @@ def _fp8_run(monkeypatch, slow: bool, judged: bool = True, **fast):
     from wan_accel.kernels import fp8_attention as fa
     from wan_accel.model import attention as att
     from wan_accel.model.tiny import tiny_causal_model
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     sys.path.insert(0, str(HERE.parent))
     if judged:
         monkeypatch.setattr(att, "SPEED_DEVICES", ("cuda", "cpu"))

@@ -329,7 +329,7 @@ def _ctx(model):
 
 
 def _run(model, report=None, **fast):
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     return generate_latents(model, _ctx(model), 6, 4, 6, seed=1, path="optimized", report=report,
                             fast_options={"cuda_graphs": "off", **fast})
 
@@ -473,7 +473,7 @@ def test_swapped_blocks_run_exact():
 
 def test_the_reference_path_and_the_cli_refuse_fp8_with_the_fix(capsys, tmp_path):
     from wan_accel.cli import main
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     model = tiny_causal_model()
     with pytest.raises(ValueError, match="optimized sampler path only"):
         generate_latents(model, _ctx(model), 3, 4, 4, path="reference", fast_options={"linear": "fp8"})
@@ -658,7 +658,8 @@ def test_matrix_game2_and_the_doctors_gate_keep_the_callers_linear_mode(tmp_path
     reference path."""
     from wan_accel.app.prepare import prepared_sampling
     from wan_accel.cli import main
-    from wan_accel.sampling.sampler import generate_latents, sampler_path
+    from wan_accel.sampling.sampler import sampler_path
+    from run_helpers import generate_latents
     code = main(["generate", "--model-kind", "matrix-game2", "--linear", "fp8", "--device", "cpu", "--frames", "9",
                  "--out", str(tmp_path), "--no-preview", "--json"])
     assert code == 0
@@ -821,7 +822,7 @@ def test_the_fused_quantize_equals_quantize_rows_on_a_gpu(dtype):
 def test_fp8_runs_on_the_gpu_with_cuda_graphs():
     model = tiny_causal_model(0, "cuda", torch.bfloat16)
     ctx = _ctx(model).cuda()
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     report = {}
     run = lambda **kw: generate_latents(model, ctx, 6, 4, 6, seed=1, path="optimized",  # noqa: E731
                                         fast_options={"linear": "fp8", "keep_slower": True}, **kw)

@@ -11,7 +11,7 @@ from wan_accel.model.checkpoint import METADATA_KEY, CheckpointError, keeps_fp8
 from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.model.quant import FP8Linear
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 
 E4M3 = torch.float8_e4m3fn
 F32_EPS = torch.finfo(torch.float32).eps
@@ -54,7 +54,7 @@ def _generate(model):
     g = torch.Generator().manual_seed(0)
     ctx = torch.randn(1, 7, TINY_CONFIG.text_dim, generator=g)
     noise = torch.randn(1, 6, TINY_CONFIG.in_dim, 4, 6, generator=g)
-    return sample_causal(model, ctx, noise, "self_forcing", 3, generator=torch.Generator().manual_seed(1))
+    return run_causal(model, ctx, noise, "self_forcing", 3, generator=torch.Generator().manual_seed(1))
 
 
 def _assert_float32_rounding(got, want):
@@ -81,9 +81,9 @@ def test_fp8_file_generates_like_its_dequantized_copy(tmp_path, case):
     assert all(m.weight.element_size() == 1 and m.weight.dtype.is_floating_point for m in quantized)
     _assert_float32_rounding(_generate(fp8), _generate(ref))
     # the optimized path (fused q/k/v when the layers allow it) gives the same video
-    opt = sample_causal(fp8, *_inputs(), "self_forcing", 3, generator=torch.Generator().manual_seed(1),
+    opt = run_causal(fp8, *_inputs(), "self_forcing", 3, generator=torch.Generator().manual_seed(1),
                         path="optimized")
-    _assert_float32_rounding(opt, sample_causal(ref, *_inputs(), "self_forcing", 3,
+    _assert_float32_rounding(opt, run_causal(ref, *_inputs(), "self_forcing", 3,
                                                 generator=torch.Generator().manual_seed(1), path="optimized"))
 
 

@@ -119,7 +119,7 @@ def _int8_run(monkeypatch, slow: bool, **fast):
     import speed_timer
     from wan_accel.model import attention as att
     from wan_accel.model.tiny import tiny_causal_model
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     monkeypatch.setattr(att, "SPEED_DEVICES", ("cuda", "cpu"))   # judge speed here, with the store's own timer
     speed_timer.install(monkeypatch, slow)                       # int8 timed first, then exact
     model = tiny_causal_model()

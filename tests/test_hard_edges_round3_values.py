@@ -221,7 +221,7 @@ def test_a_text_encoder_that_answers_nan_is_named_with_the_prompt(handle):
 
 
 def test_the_sampler_checks_every_chunk_context_where_it_enters():
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     model = tiny_causal_model(seed=3)
     good = tiny_text_embedding("a cat", 6, TINY_CONFIG.text_dim)
     bad = good.clone()
@@ -242,7 +242,7 @@ def test_latents_that_overflow_while_sampling_are_not_written(tmp_path):
     _refused(run_cli("generate", "--text-embeds", str(embeds), "--out", str(out), *SMALL),
              "sampled latents", "text conditioning", "Nothing was kept")
     assert not (out / "latents.safetensors").exists() and not (out / "report.json").exists()
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     with pytest.raises(NonFiniteError, match="latent frame 0"):
         generate_latents(tiny_causal_model(seed=3), torch.full((1, 6, TINY_CONFIG.text_dim), 1e37), 3, H, W)
 

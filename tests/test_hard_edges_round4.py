@@ -201,20 +201,20 @@ def test_the_fixture_error_is_a_value_error():
 
 # ============================================================================ 3. refusals at the mechanism
 def test_longlive_sink_larger_than_a_chunk_is_refused_by_the_library(handle):
-    from wan_accel.sampling.continuation import sample_continuable
-    from wan_accel.sampling.sampler import sample_causal
+    from run_helpers import sample_continuable
+    from run_helpers import run_causal
     from wan_accel.sampling.scheduler import resolve_schedule
     model = handle.model
     ctx = torch.zeros(1, 4, model.config.text_dim)
     shape = (1, 6, model.config.out_dim, H, W)
     for schedule in ("longlive", {"preset": "longlive"}, resolve_schedule("longlive")):
         with pytest.raises(ValueError, match="sink 6 with schedule longlive"):
-            sample_causal(model, ctx, shape, schedule=schedule, sink=6, kv_window=15, frames_per_block=3)
+            run_causal(model, ctx, shape, schedule=schedule, sink=6, kv_window=15, frames_per_block=3)
     with pytest.raises(ValueError, match="LongLive"):
         sample_continuable(model, ctx, 6, H, W, schedule="longlive", sink=6, kv_window=15, frames_per_block=3)
-    out = sample_causal(model, ctx, shape, schedule="self_forcing", sink=6, kv_window=15, frames_per_block=3)
+    out = run_causal(model, ctx, shape, schedule="self_forcing", sink=6, kv_window=15, frames_per_block=3)
     assert out.shape == shape                           # the pack's own sink semantics under another preset
-    sample_causal(model, ctx, shape, schedule="longlive", sink=3, kv_window=12, frames_per_block=3)
+    run_causal(model, ctx, shape, schedule="longlive", sink=3, kv_window=12, frames_per_block=3)
 
 
 @pytest.mark.parametrize("block, steps", [(1, 2), (2, 3), (5, 4), (0, 7)])

@@ -145,7 +145,7 @@ CAUSAL = [
 
 @pytest.mark.parametrize("case", range(len(CAUSAL)))
 def test_causal_sampler_matches_independent_float64(case, tmp_path):
-    from wan_accel.sampling.sampler import sample_causal
+    from run_helpers import run_causal
     c, (b, f, h, wd), fpb, steps, shift, warp, window, sink, lt = CAUSAL[case]
     w = _weights(c, 200 + case)
     model = _model(c, w, tmp_path)
@@ -160,7 +160,7 @@ def test_causal_sampler_matches_independent_float64(case, tmp_path):
     frame_tokens = (h // 2) * (wd // 2)
     kv = KVCache.for_model(model, b, frame_tokens, f, window, sink)
     records = []
-    out = sample_causal(model, context, noise, sched, fpb, kv_window=window, sink=sink, kv_cache=kv,
+    out = run_causal(model, context, noise, sched, fpb, kv_window=window, sink=sink, kv_cache=kv,
                         noise_provider=lambda ci, k, shape, dtype, dev: eps[(ci, k)].reshape(shape).to(dev, dtype),
                         tracer=records.append)
     ref_calls = []
@@ -174,7 +174,7 @@ def test_causal_sampler_matches_independent_float64(case, tmp_path):
             assert _maxdiff(r[name], ref) <= TOL, (case, ci, k, name, _maxdiff(r[name], ref))
     assert ref_out.abs().max() > 0.1
     assert _maxdiff(out, ref_out) <= TOL, (case, _maxdiff(out, ref_out))
-    fast = sample_causal(model, context, noise, sched, fpb, kv_window=window, sink=sink, path="optimized",
+    fast = run_causal(model, context, noise, sched, fpb, kv_window=window, sink=sink, path="optimized",
                          noise_provider=lambda ci, k, shape, dtype, dev: eps[(ci, k)].reshape(shape).to(dev, dtype))
     assert _maxdiff(fast, ref_out) <= TOL, (case, "optimized path", _maxdiff(fast, ref_out))
     for i, cache in enumerate(caches):

@@ -187,7 +187,7 @@ def test_without_comfy_kitchen_everything_works_as_before(tmp_path):
         import torch
         from wan_accel.kernels import candidates as C, kitchen
         from wan_accel.model.tiny import tiny_causal_model
-        from wan_accel.sampling.sampler import generate_latents
+        from run_helpers import generate_latents
         from wan_accel.sampling.runner import FastOptions
         model = tiny_causal_model(0, "cpu", torch.float32)
         ctx = torch.randn(1, model.config.text_len, model.config.text_dim, generator=torch.Generator().manual_seed(1))

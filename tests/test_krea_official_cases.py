@@ -27,7 +27,7 @@ from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.sampling.krea import (KREA_INTERP_STEPS, KreaRecompute, krea_schedule, krea_schedule_entry,
                                      krea_schedule_line, padding_keys)
 from wan_accel.sampling.prompts import PromptSchedule
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 
 FIX = Path(__file__).parent / "fixtures" / "krea_realtime"
 TOL = 1e-4
@@ -83,7 +83,7 @@ def _run(model, case, path, policy=None, schedule_text=None):
     seen = []
     policy = policy or KreaRecompute(k, fpb, reencode=_reencode(cfg, seen))
     calls = []
-    out = sample_causal(model, None, io["initial_noise"], krea_schedule(s["num_denoising_steps"], s["strength"],
+    out = run_causal(model, None, io["initial_noise"], krea_schedule(s["num_denoising_steps"], s["strength"],
                                                                         s["timestep_shift"]),
                         fpb, noise_provider=_provider(io), kv_window=k + fpb, path=path,
                         prompt_schedule=schedule_text or _schedule_text(cfg),

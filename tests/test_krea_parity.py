@@ -11,7 +11,7 @@ from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.sampling.krea import (KreaRecompute, context_frames, interpolated_contexts, krea_schedule,
                                      krea_schedule_entry)
 from wan_accel.sampling.prompts import PromptSchedule
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 
 FIX = Path(__file__).parent / "fixtures" / "krea_realtime"
 CFG = json.loads((FIX / "krea_config.json").read_text())
@@ -49,7 +49,7 @@ def _run(path, policy=None, recache="none"):
         return IO[f"extra_noise.block{ci}.step{step}"].reshape(shape).to(dev, dtype)
 
     calls = []
-    out = sample_causal(model, None, noise, krea_schedule(S["num_denoising_steps"], S["strength"],
+    out = run_causal(model, None, noise, krea_schedule(S["num_denoising_steps"], S["strength"],
                                                           S["timestep_shift"]),
                         fpb, noise_provider=provide, kv_window=k + fpb, path=path,
                         prompt_schedule=_schedule_text(),
@@ -105,7 +105,7 @@ def test_without_the_policy_it_differs():
     model = _model()
     fpb = S["num_frame_per_block"]
     noise = IO["initial_noise"]
-    out = sample_causal(model, None, noise, krea_schedule(S["num_denoising_steps"]), fpb,
+    out = run_causal(model, None, noise, krea_schedule(S["num_denoising_steps"]), fpb,
                         noise_provider=lambda ci, st, shape, dt, dev: IO[f"extra_noise.block{ci}.step{st}"],
                         path="reference", prompt_schedule=_schedule_text(), recache="none",
                         prompt_embeddings={f"p{i}": IO[f"prompt{i}"] for i in range(3)})

@@ -11,7 +11,7 @@ from wan_accel.app.play.t2v import PromptPlaySession
 from wan_accel.model.tiny import tiny_causal_model, tiny_text_embedding
 from wan_accel.sampling.krea import IDENTITY_REENCODE_NOTE, KreaRecompute, cache_setup
 from wan_accel.sampling.prompts import PromptSchedule
-from wan_accel.sampling.sampler import generate_latents
+from run_helpers import generate_latents
 
 H = W = 4                        # latent size (the tiny model's patch is 2x2)
 FPB, WINDOW = 3, 6               # Krea's K = WINDOW - FPB = 3: from chunk 2 on, frame f0 - K stands in for frame 0

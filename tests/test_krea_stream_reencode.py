@@ -18,7 +18,7 @@ from wan_accel.app.play.t2v import PromptPlaySession
 from wan_accel.model.config import WanConfig
 from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.sampling.krea import KreaRecompute, StreamReencode, cache_setup, krea_schedule, vae_reencode
-from wan_accel.sampling.sampler import generate_latents, sample_causal
+from run_helpers import generate_latents, run_causal
 
 FIX = Path(__file__).parent / "fixtures" / "krea_realtime"
 CFG = json.loads((FIX / "krea_config.json").read_text())
@@ -96,7 +96,7 @@ def model():
 
 def _run(model, policy, path="reference", blocks=6, k=3, fpb=3, seed=3):
     noise = torch.randn(1, blocks * fpb, 16, 4, 6, generator=torch.Generator().manual_seed(seed))
-    return sample_causal(model, IO["prompt0"], noise, krea_schedule(4), fpb, generator=torch.Generator().manual_seed(1),
+    return run_causal(model, IO["prompt0"], noise, krea_schedule(4), fpb, generator=torch.Generator().manual_seed(1),
                          kv_window=k + fpb, recache="none", cache_policy=policy, path=path,
                          fast_options={"cuda_graphs": "off"} if path == "optimized" else None)
 
@@ -136,7 +136,7 @@ def test_with_the_fixtures_memoryless_decoder_it_matches_the_official_session(mo
     rec = Recorder()
     noise = IO["initial_noise"]
     sched = "\n".join(["0: p0", "3: p1 (blend 2)", "6: p2 (blend 1)"])
-    out = sample_causal(model, None, noise, krea_schedule(4), fpb, kv_window=k + fpb, recache="none",
+    out = run_causal(model, None, noise, krea_schedule(4), fpb, kv_window=k + fpb, recache="none",
                         noise_provider=lambda ci, st, shape, dt, dev: IO[f"extra_noise.block{ci}.step{st}"],
                         prompt_schedule=sched, prompt_embeddings={f"p{i}": IO[f"prompt{i}"] for i in range(3)},
                         cache_policy=KreaRecompute(k, fpb, reencode=StreamReencode(push, rec)), path="reference")
@@ -217,7 +217,7 @@ def test_the_nodes_re_encode_through_the_vaes_stream_decoder(monkeypatch):
     assert isinstance(setup.cache_policy.reencode, StreamReencode)
     model = tiny_causal_model(seed=5)
     noise = torch.randn(1, 12, 16, 4, 4, generator=torch.Generator().manual_seed(0))
-    out = sample_causal(model, torch.randn(1, model.config.text_len, model.config.text_dim), noise, krea_schedule(4),
+    out = run_causal(model, torch.randn(1, model.config.text_len, model.config.text_dim), noise, krea_schedule(4),
                         3, kv_window=setup.kv_window, path="reference", **setup.sampler_kwargs())
     (stream,) = streams
     assert [z.shape[2] for z in stream.pushed] == [3, 3, 3]          # frames 0..8, one push a block

@@ -12,7 +12,7 @@ from wan_accel.model.config import WanConfig
 from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.sampling.krea import (KREA_CONTEXT_FRAMES, KreaRecompute, cache_setup, krea_schedule,
                                      krea_schedule_entry, vae_reencode)
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 from wan_accel.sampling.scheduler import resolve_schedule
 
 FIX = Path(__file__).parent / "fixtures" / "krea_realtime"
@@ -50,7 +50,7 @@ def test_the_mapping_reproduces_the_official_session():
     lines = ["0: p0"] + [f"{krea_schedule_entry(c['block'], c['interp_steps'])[0]}: p{c['prompt']} "
                          f"(blend {krea_schedule_entry(c['block'], c['interp_steps'])[1]})"
                          for c in cfg["prompt_changes"]]
-    out = sample_causal(model, None, io["initial_noise"], krea_schedule(s["num_denoising_steps"], s["strength"],
+    out = run_causal(model, None, io["initial_noise"], krea_schedule(s["num_denoising_steps"], s["strength"],
                                                                         s["timestep_shift"]), fpb,
                         noise_provider=lambda ci, st, shape, dt, dev: io[f"extra_noise.block{ci}.step{st}"],
                         kv_window=setup.kv_window, path="reference", prompt_schedule="\n".join(lines),
@@ -93,7 +93,7 @@ def test_sampler_node_recache_krea_equals_the_engine_run(handle):
     cfg = handle.model.config
     ctx = torch.zeros(1, 0, cfg.text_dim)
     gen = torch.Generator().manual_seed(4)
-    want = sample_causal(handle.model, ctx, (1, 12, cfg.out_dim, 4, 4), resolve_schedule("self_forcing"), 3,
+    want = run_causal(handle.model, ctx, (1, 12, cfg.out_dim, 4, 4), resolve_schedule("self_forcing"), 3,
                          generator=gen, kv_window=6, recache="none", cache_policy=KreaRecompute(3, 3),
                          path="reference")
     assert torch.allclose(latent["samples"], to_vae_latents(want), atol=1e-5)

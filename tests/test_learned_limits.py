@@ -20,7 +20,7 @@ from wan_accel.memory.system import SystemInfo
 from wan_accel.memory.weights import weights_from_checkpoint
 from wan_accel.model.loader import load_wan_checkpoint, save_wan_checkpoint
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
-from wan_accel.sampling.sampler import generate_latents
+from run_helpers import generate_latents
 
 F, H, W = 9, 4, 6                                   # latent frames / height / width of the runs below
 VIDEO = dict(width=W * 8, height=H * 8, frames=4 * (F - 1) + 1)

@@ -12,7 +12,7 @@ from wan_accel.model.config import WanConfig
 from wan_accel.model.lora import LoraError, merge_lora, read_lora, to_comfy
 from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.sampling.prompts import PromptSchedule
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 from wan_accel.sampling.scheduler import resolve_schedule
 
 FIX = Path(__file__).parent / "fixtures" / "longlive"
@@ -56,7 +56,7 @@ def _run(model, variant, path, **kw):
     args = dict(prompt_schedule=PromptSchedule.parse(_schedule_text(variant)), prompt_embeddings=EMBEDDINGS,
                 recache="switch")
     args.update(kw)
-    return sample_causal(model, EMBEDDINGS[CFG["prompts"][0]], IO["initial_noise"], _sched(), FPB,
+    return run_causal(model, EMBEDDINGS[CFG["prompts"][0]], IO["initial_noise"], _sched(), FPB,
                          noise_provider=_provide, kv_window=v["local_attn_size"], sink=v["sink_size"], path=path,
                          **args)
 
@@ -220,11 +220,11 @@ def test_blend_transition_is_the_hand_computed_mix(base_model):
     assert schedule.switch_chunks(n_chunks) == [3, 4, 5]
     v = CFG["variants"]["w12s3"]
     kw = dict(noise_provider=_provide, kv_window=v["local_attn_size"], sink=v["sink_size"], path="reference")
-    by_schedule = sample_causal(base_model, e0, IO["initial_noise"], _sched(), FPB, prompt_schedule=schedule,
+    by_schedule = run_causal(base_model, e0, IO["initial_noise"], _sched(), FPB, prompt_schedule=schedule,
                                 prompt_embeddings=EMBEDDINGS, **kw)
-    by_hand = sample_causal(base_model, e0, IO["initial_noise"], _sched(), FPB, chunk_contexts=hand, **kw)
+    by_hand = run_causal(base_model, e0, IO["initial_noise"], _sched(), FPB, chunk_contexts=hand, **kw)
     assert (by_schedule - by_hand).abs().max() <= BOUND
-    hard = sample_causal(base_model, e0, IO["initial_noise"], _sched(), FPB,
+    hard = run_causal(base_model, e0, IO["initial_noise"], _sched(), FPB,
                          prompt_schedule=PromptSchedule.parse(f"0: {p0}\n3: {p1}"), prompt_embeddings=EMBEDDINGS,
                          **kw)
     assert torch.equal(by_schedule[:, :3 * FPB], hard[:, :3 * FPB])

@@ -204,7 +204,7 @@ def test_offload_bench_runs_its_cpu_pass(capsys):
 
 def test_causal_wan_sampling_is_unchanged_by_block_swap():
     try:
-        from wan_accel.sampling.sampler import generate_latents
+        from run_helpers import generate_latents
         from wan_accel.model.tiny import tiny_causal_model
     except ImportError:
         pytest.skip("the causal Wan model is not part of this build")

@@ -73,7 +73,7 @@ def test_fused_qkv_block_is_held_and_copied_once():
 
 
 def test_fused_model_samples_identically_under_swap():
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
 
     model = _fused_tiny()
     ctx = torch.randn(1, model.config.text_len, model.config.text_dim, generator=torch.Generator().manual_seed(0))

@@ -19,7 +19,7 @@ from wan_accel.model.kv_cache import CrossAttnCache, KVCache
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 from wan_accel.nodes.native_engine import RECORDED_NOISE_KEY, sample_wan_accel
 from wan_accel.profiling.dispatch_counts import DispatchCounts
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 from wan_accel.sampling.scheduler import FlowMatchScheduler, resolve_schedule, schedule_from_sigmas
 
 from .test_native_sampler import _native, _recorded
@@ -65,7 +65,7 @@ def test_one_host_read_per_video_and_ops_per_step_of_the_optimized_path():
     own = tiny_causal_model(seed=2)
     sched = schedule_from_sigmas(SIGMAS)
     with torch.no_grad(), DispatchCounts() as core:
-        sample_causal(own, ctx, noise, sched, 3, generator=torch.Generator().manual_seed(1), path="optimized",
+        run_causal(own, ctx, noise, sched, 3, generator=torch.Generator().manual_seed(1), path="optimized",
                       callback=core.step_callback())
     assert dict(core.sync_names) == {"tolist": 1}          # the finite check when the run ends
     n, c = native.steady_step().ops, core.steady_step().ops
@@ -93,7 +93,7 @@ def test_plain_weights_fuse_qkv_as_views_without_a_second_copy():
     assert seen[0] is True and set(seen[1::2]) == {bytes_before}, seen[:2]   # one buffer, the weights held once
     assert report["fused_qkv_off"] is None and report["fused_qkv_blocks"] == TINY_CONFIG.num_layers
     own = tiny_causal_model(seed=2)                     # the pack's own optimized path (fused q/k/v too)
-    want = sample_causal(own, ctx, noise, schedule_from_sigmas(SIGMAS), 3, path="optimized",
+    want = run_causal(own, ctx, noise, schedule_from_sigmas(SIGMAS), 3, path="optimized",
                          noise_provider=lambda ci, k, shape, dt, dev: rec[f"extra_noise.block{ci}.step{k}"]
                          .reshape(shape))
     torch.testing.assert_close(out, want, rtol=0, atol=0)

@@ -12,7 +12,7 @@ import torch
 from wan_accel.model.kv_cache import CrossAttnCache, KVCache
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 from wan_accel.nodes.native_engine import RECORDED_NOISE_KEY, sample_wan_accel
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 from wan_accel.sampling.scheduler import FlowMatchScheduler, resolve_schedule, schedule_from_sigmas
 
 FIXTURE = Path(__file__).parent / "fixtures" / "wan_reference"
@@ -59,7 +59,7 @@ def test_sampler_function_runs_the_engine_on_the_native_model():
     out = sample_wan_accel(model_k, noise.movedim(1, 2), torch.tensor(sched.sigmas()),
                            extra_args={"seed": 1, "model_options": {"transformer_options": {RECORDED_NOISE_KEY: rec}}},
                            callback=seen.append, frames_per_block=3, path="reference")
-    want = sample_causal(model, ctx, noise, sched, 3, path="reference",
+    want = run_causal(model, ctx, noise, sched, 3, path="reference",
                          noise_provider=lambda ci, k, shape, dt, dev: rec[f"extra_noise.block{ci}.step{k}"].reshape(shape))
     torch.testing.assert_close(out, want.movedim(1, 2), rtol=0, atol=0)
     assert [d["i"] for d in seen] == [0, 0, 1, 1, 2, 2, 3, 3]          # 8 calls scaled onto the 4 sigma steps
@@ -67,7 +67,7 @@ def test_sampler_function_runs_the_engine_on_the_native_model():
     windowed = sample_wan_accel(model_k, noise.movedim(1, 2), torch.tensor(sched.sigmas()),
                                 extra_args={"seed": 1}, frames_per_block=1, kv_window=3, sink=1, path="reference")
     gen = torch.Generator().manual_seed(1)
-    want = sample_causal(model, ctx, noise, sched, 1, generator=gen, kv_window=3, sink=1, path="reference")
+    want = run_causal(model, ctx, noise, sched, 1, generator=gen, kv_window=3, sink=1, path="reference")
     torch.testing.assert_close(windowed, want.movedim(1, 2), rtol=0, atol=0)
 
 
@@ -95,7 +95,7 @@ def test_start_latent_is_written_to_the_cache_first_as_core_does():
     sched = resolve_schedule("self_forcing")
     rec = _recorded((1, 6, 16, 8, 8), len(sched.timesteps), 3)
     provide = lambda ci, k, shape, dt, dev: rec[f"extra_noise.block{ci}.step{k}"].reshape(shape)   # noqa: E731
-    out = sample_causal(model, ctx, noise, sched, 3, noise_provider=provide, prefix=start, path="reference")
+    out = run_causal(model, ctx, noise, sched, 3, noise_provider=provide, prefix=start, path="reference")
     # the loop written out: a t=0 pass over the start frame, then each block's steps and its refresh pass
     kv, cross = KVCache.for_model(model, 1, 16, 7), CrossAttnCache(TINY_CONFIG.num_layers)
     call = lambda x, t, f0, **kw: model.forward_chunk(x, torch.full(x.shape[:2], t), ctx, kv, cross, f0 * 16, **kw)  # noqa: E731
@@ -111,7 +111,7 @@ def test_start_latent_is_written_to_the_cache_first_as_core_does():
         call(x0, 0.0, f0, return_output=False)
         frames.append(x0)
     torch.testing.assert_close(out, torch.cat(frames, 1), rtol=0, atol=1e-6)
-    fast = sample_causal(model, ctx, noise, sched, 3, noise_provider=provide, prefix=start, path="optimized")
+    fast = run_causal(model, ctx, noise, sched, 3, noise_provider=provide, prefix=start, path="optimized")
     torch.testing.assert_close(fast, out, rtol=1e-5, atol=1e-5)
 
 
@@ -151,7 +151,7 @@ def test_start_image_of_ar_video_i2v_is_honoured():
     out = sample_wan_accel(model_k, x, sigmas, extra_args=opts, frames_per_block=3, path="reference")
     start = base.process_latent_in(start_vae)                  # core puts the start latent in the model's space
     torch.testing.assert_close(out[:, :, :1], start, rtol=0, atol=0)
-    want = sample_causal(model, ctx, x.movedim(1, 2), schedule_from_sigmas(sigmas), 3, path="reference",
+    want = run_causal(model, ctx, x.movedim(1, 2), schedule_from_sigmas(sigmas), 3, path="reference",
                          generator=torch.Generator().manual_seed(3), prefix=start.movedim(1, 2))
     torch.testing.assert_close(out, want.movedim(1, 2), rtol=0, atol=0)
     plain = sample_wan_accel(model_k, x, sigmas, extra_args={"seed": 3}, frames_per_block=1, path="reference")

@@ -12,10 +12,10 @@ from wan_accel.model.config import WanConfig
 from wan_accel.model.dit import WanModel
 from wan_accel.model.kv_cache import KVCache
 from wan_accel.model.tiny import init_tiny_weights
-from wan_accel.sampling.continuation import sample_continuable
+from run_helpers import sample_continuable
 from wan_accel.sampling.prompts import PromptSchedule
 from wan_accel.sampling.recache import recache_range
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 
 CFG = WanConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=2, text_dim=16, text_len=6, freq_dim=8)
 SCHEDULE = {"preset": "custom", "steps": [1000, 600, 300], "shift": 5.0}
@@ -36,7 +36,7 @@ def emb():
 
 
 def _run(model, emb, schedule, frames=12, window=6, sink=2, path="reference", **kw):
-    return sample_causal(model, None, (1, frames, CFG.out_dim, H, W), SCHEDULE, FPB,
+    return run_causal(model, None, (1, frames, CFG.out_dim, H, W), SCHEDULE, FPB,
                          generator=torch.Generator().manual_seed(9), kv_window=window, sink=sink,
                          prompt_schedule=schedule, prompt_embeddings=emb, path=path, **kw)
 
@@ -147,7 +147,7 @@ def test_cache_policy_runs_before_every_chunk(model, emb):
 def test_chunk_by_chunk_with_prompt_changes_equals_one_scheduled_run(model, emb, window, sink):
     plan = ["a cat", "a cat", "a dog", "a dog", "a fox", "a cat", "a cat"]
     frames = len(plan) * FPB
-    one = sample_causal(model, None, (1, frames, CFG.out_dim, H, W), SCHEDULE, FPB,
+    one = run_causal(model, None, (1, frames, CFG.out_dim, H, W), SCHEDULE, FPB,
                         generator=torch.Generator().manual_seed(11), kv_window=window, sink=sink,
                         prompt_schedule="0: a cat\n2: a dog\n4: a fox\n5: a cat", prompt_embeddings=emb,
                         path="reference")

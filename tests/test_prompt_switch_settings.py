@@ -34,7 +34,7 @@ from wan_accel.model.tiny import tiny_causal_model, tiny_text_embedding
 from wan_accel.sampling.krea import (KREA_INTERP_STEPS, KreaRecompute, cache_setup, krea_schedule, krea_schedule_line,
                                      official_problem, padding_keys)
 from wan_accel.sampling.prompts import PromptSchedule
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 
 FIX = Path(__file__).parent / "fixtures" / "krea_realtime"
 TOL = 1e-4
@@ -186,7 +186,7 @@ def test_krea_entries_match_the_official_fixture():
 def krea_run(model, path, **prompts):
     gen = torch.Generator().manual_seed(3)
     noise = torch.randn(1, RUN_BLOCKS * FPB, model.config.out_dim, H, W, generator=gen)
-    return sample_causal(model, None, noise, krea_schedule(4), FPB, generator=torch.Generator().manual_seed(4),
+    return run_causal(model, None, noise, krea_schedule(4), FPB, generator=torch.Generator().manual_seed(4),
                          kv_window=2 * FPB, recache="none", cache_policy=KreaRecompute(FPB, FPB), path=path,
                          fast_options={"cuda_graphs": "off"} if path == "optimized" else None, **prompts)
 
@@ -229,7 +229,7 @@ def test_live_play_under_krea_follows_krea_and_saves_it_bit_for_bit(model):
     # the saved schedule file reproduces the session bit for bit (one run, both paths' reference for play)
     saved = PromptSchedule.parse(play.script_file())
     assert saved == PromptSchedule.parse(schedule_text("a cat", RUN_REQUESTS))
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     setup = cache_setup("krea", FPB, 2 * FPB)
     again = generate_latents(model, None, RUN_BLOCKS * FPB, H, W, seed=7, schedule="self_forcing", frames_per_block=FPB,
                              kv_window=setup.kv_window, prompt_schedule=saved,
@@ -336,7 +336,7 @@ def test_a_context_of_partial_blocks_samples_as_krea(model, k, h, w):
     embeds = {t: encode_with(model)(t) for t in sched.texts()}
 
     def run(policy, path):
-        return sample_causal(model, None, noise, krea_schedule(4), fpb, generator=torch.Generator().manual_seed(2),
+        return run_causal(model, None, noise, krea_schedule(4), fpb, generator=torch.Generator().manual_seed(2),
                              kv_window=k + fpb, recache="none", cache_policy=policy, path=path,
                              prompt_schedule=sched, prompt_embeddings=embeds,
                              fast_options={"cuda_graphs": "off"} if path == "optimized" else None)
@@ -354,7 +354,7 @@ def test_a_context_of_partial_blocks_in_play_and_on_the_command_line(model, tmp_
     for p in ("", "", "a dog (blend 2, krea)", ""):
         play.step(p)
     assert play.cache.cache_policy.k == 5 and play.cache.cache_policy.positions[-1] == (9, 5)
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     sched = PromptSchedule.parse(play.script_file())
     setup = cache_setup("krea", FPB, 8)
     one = generate_latents(model, None, 4 * FPB, H, W, seed=5, schedule="self_forcing", frames_per_block=FPB,

@@ -8,7 +8,7 @@ from wan_accel.app.play.registry import PlayError, PlayRegistry
 from wan_accel.app.play.t2v import PromptPlaySession, context_digest
 from wan_accel.model.tiny import tiny_causal_model, tiny_text_embedding
 from wan_accel.sampling.prompts import PromptSchedule
-from wan_accel.sampling.sampler import generate_latents
+from run_helpers import generate_latents
 
 H = W = 4                        # latent size (the tiny model's patch is 2x2)
 SETTINGS = dict(frames_per_block=3, kv_window=6, sink=3)       # the window rolls within 4 chunks

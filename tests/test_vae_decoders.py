@@ -199,7 +199,7 @@ def test_each_chunk_is_decoded_from_the_sampler_s_final_latents(decoders):
     """The on_chunk_latents hook decodes every chunk once, before its refresh, and its frames are the decode of the
     finished video."""
     from wan_accel.model.tiny import tiny_causal_model
-    from wan_accel.sampling.sampler import generate_latents
+    from run_helpers import generate_latents
     dec = decoders["wan"]
     model = tiny_causal_model(0, "cpu", torch.float32, "float32")
     hook = ChunkDecoder(dec, torch.device("cpu"), 0.0)

@@ -7,7 +7,7 @@ from wan_accel.model.config import WanConfig
 from wan_accel.model.kv_cache import CacheStep, KVCache
 from kv_reference import ShiftingCache
 from wan_accel.model.dit import WanModel
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 from wan_accel.model.tiny import init_tiny_weights
 
 CFG = WanConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=2, text_dim=16, text_len=4, freq_dim=8)
@@ -65,7 +65,7 @@ def _run(model, cache=None, frames_per_block=3, **kw):
     g = torch.Generator().manual_seed(5)
     noise = torch.randn(1, FRAMES, 16, 4, 4, generator=g)
     ctx = torch.randn(1, 3, CFG.text_dim, generator=g)
-    return sample_causal(model, ctx, noise, SCHEDULE, frames_per_block, generator=torch.Generator().manual_seed(9),
+    return run_causal(model, ctx, noise, SCHEDULE, frames_per_block, generator=torch.Generator().manual_seed(9),
                          kv_cache=cache, **kw)
 
 

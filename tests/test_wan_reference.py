@@ -11,7 +11,7 @@ from wan_accel.cli.model import main as cli_main
 from wan_accel.model.config import WanConfig
 from wan_accel.model.loader import save_wan_checkpoint
 from wan_accel.app.jobs.reference import FORMATS, check_reference, discover, format_table
-from wan_accel.sampling.sampler import sample_causal
+from run_helpers import run_causal
 from wan_accel.sampling.scheduler import resolve_schedule
 from wan_accel.model.tiny import init_tiny_weights
 from wan_accel.model.dit import WanModel
@@ -91,7 +91,7 @@ def _write_causal_fixture(d: Path, cfg: WanConfig, model, shape, fpb: int, steps
              for ci in range(f // fpb) for k in range(len(steps) - 1)}
     records = []
     provide = lambda ci, k, shp, dt, dev: extra[f"extra_noise.block{ci}.step{k}"].reshape(shp).to(dt)
-    out = sample_causal(model, context.double(), noise.double(), sched, fpb, noise_provider=provide,
+    out = run_causal(model, context.double(), noise.double(), sched, fpb, noise_provider=provide,
                         tracer=records.append)
     io = {"context": context, "initial_noise": noise, "output": out.float(), **extra,
           "denoising_step_list": torch.tensor(sched.timesteps, dtype=torch.float32)}   # as the producer records it

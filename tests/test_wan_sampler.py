@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from wan_accel.sampling.sampler import chunk_plan, generate_latents, sample_causal
+from wan_accel.sampling.sampler import chunk_plan
+from run_helpers import generate_latents, run_causal
 from wan_accel.sampling.scheduler import FlowMatchScheduler, resolve_schedule
 from wan_accel.model.tiny import tiny_causal_model
 
@@ -95,9 +96,9 @@ def test_noise_provider_is_the_noise_path(model):
     def provider(ci, k, shape, dtype, device):
         draws.append((ci, k, shape))
         return torch.zeros(shape, dtype=dtype, device=device)
-    out = sample_causal(model, _ctx(model), noise, noise_provider=provider)
+    out = run_causal(model, _ctx(model), noise, noise_provider=provider)
     assert draws == [(c, k, (1, 3, 16, 4, 6)) for c in range(2) for k in range(3)]
-    assert not torch.equal(out, sample_causal(model, _ctx(model), noise, generator=torch.Generator().manual_seed(1)))
+    assert not torch.equal(out, run_causal(model, _ctx(model), noise, generator=torch.Generator().manual_seed(1)))
 
 
 def test_last_refresh_does_not_change_the_output(model):
@@ -119,12 +120,12 @@ def test_refresh_changes_later_chunks(model):
 def test_frame_limits_are_checked_before_work(model):
     noise = torch.zeros(1, 1026, 16, 2, 2)
     with pytest.raises(ValueError, match="1024 positions"):
-        sample_causal(model, _ctx(model), noise)
+        run_causal(model, _ctx(model), noise)
     with pytest.raises(ValueError, match="divisible by the patch size"):
-        sample_causal(model, _ctx(model), torch.zeros(1, 3, 16, 3, 4))
+        run_causal(model, _ctx(model), torch.zeros(1, 3, 16, 3, 4))
     with pytest.raises(ValueError, match="KV cache holds"):
         from wan_accel.model.kv_cache import KVCache
-        sample_causal(model, _ctx(model), torch.zeros(1, 6, 16, 2, 2), kv_cache=KVCache.for_model(model, 1, 1, 3))
+        run_causal(model, _ctx(model), torch.zeros(1, 6, 16, 2, 2), kv_cache=KVCache.for_model(model, 1, 1, 3))
 
 
 def test_batch_and_context_broadcast(model):
