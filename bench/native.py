@@ -211,38 +211,36 @@ def own_rows(path: Path, lora: Path | None, args, dtype, device, inputs: dict, p
     """(row, final latents [B, C, T, H, W], structure) of the pack's own loader and sampler on the file."""
     import torch
 
-    from ..app.prepare import RunSpec, prepared_sampling
+    from ..app.prepare import RunInputs, RunSpec, prepare, prepare_model
     from ..model.loader import load_wan_checkpoint
+    from ..sampling.request import SamplingHooks
     from ..sampling.runner import release_buffers
-    from ..sampling.sampler import sample_causal
     from ..sampling.scheduler import schedule_from_sigmas
     model = load_wan_checkpoint(str(path), device=device, dtype=dtype, lora=None if lora is None else str(lora),
                                 lora_strength=args.lora_strength)
     sched = schedule_from_sigmas(inputs["sigmas"].tolist())
-    context = inputs["context"].to(device)
-    noise = inputs["noise"].to(device).movedim(1, 2)
+    spec = RunSpec(path=args.path, schedule=sched, frames_per_block=FRAMES_PER_BLOCK, seed=inputs["seed"],
+                   partial_last_block=True, oom_retry="off")
+    setup = prepare_model(model, spec)      # the doctor's verdicts, as the native sampler's run gets them
+    run_inputs = RunInputs(context=inputs["context"].to(device), noise=inputs["noise"].to(device).movedim(1, 2))
     steps = len(sched.timesteps)
 
     def run(on_step, callback=None):
-        gen = torch.Generator(device=device).manual_seed(inputs["seed"])
         cb = callback or (lambda ci, k, nc, ns, x0: on_step())
         with torch.no_grad():
-            return sample_causal(model, context, noise, sched, FRAMES_PER_BLOCK, generator=gen, path="auto",
-                                 callback=cb, partial_last_block=True)
+            return prepare(model, spec, run_inputs, SamplingHooks(callback=cb), setup=setup).latents()
     times, firsts, peaks, out = [], [], [], None
     structure = None
-    # the one prepare step of every face: the doctor's verdicts, as the native sampler's run gets them
-    with prepared_sampling(model, RunSpec(path=args.path)):
-        for rep in range(1 + args.repeat):
-            out, dt, first, peak = timed(run, device, steps)
-            if rep:
-                times.append(dt), firsts.append(first), peaks.append(peak)
-        if profile:
-            from ..profiling.dispatch_counts import DispatchCounts
-            counts = DispatchCounts()
-            with counts:
-                run(None, callback=counts.step_callback())
-            structure = _structure(counts, counts.steady_step())
+    for rep in range(1 + args.repeat):
+        out, dt, first, peak = timed(run, device, steps)
+        if rep:
+            times.append(dt), firsts.append(first), peaks.append(peak)
+    if profile:
+        from ..profiling.dispatch_counts import DispatchCounts
+        counts = DispatchCounts()
+        with counts:
+            run(None, callback=counts.step_callback())
+        structure = _structure(counts, counts.steady_step())
     release_buffers(model)
     del model
     return summarize(times, firsts, peaks), out.movedim(1, 2).float().cpu(), structure

@@ -189,26 +189,27 @@ def _schedule(kind: str, shape: str | None = None):
 
 
 def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_chunk_latents=None):
-    from ..sampling.sampler import generate_latents
-    from ..app.prepare import RunSpec, prepared_sampling
+    from ..app.prepare import RunInputs, RunSpec, prepare
+    from ..sampling.request import SamplingHooks
     # the one prepare step: the doctor's verdicts, the variant's compile (kept across repeats: same settings are not
     # recompiled; None: eager, models are shared between variants) and fast options
-    spec = RunSpec(path=v["path"], compile=v.get("compile"), **v.get("options", {}))
+    spec = RunSpec(path=v["path"], compile=v.get("compile"), oom_retry="off", **v.get("options", {}))
     schedule = inp["schedule"]
-    with prepared_sampling(model, spec):
-        if kind == "matrix-game2":
-            from ..sampling.mg2 import generate_mg2
-            dev = model.device
-            mouse = None if inp["mouse"] is None else inp["mouse"].to(dev)
-            keyboard = None if inp["keyboard"] is None else inp["keyboard"].to(dev)
-            return generate_mg2(model, inp["image"].to(dev), inp["context"].to(dev), (mouse, keyboard),
-                                num_frames=inp["latent_frames"], seed=seed, preset=schedule, on_chunk=on_chunk,
-                                callback=callback, skip_last_refresh=v["skip_last_refresh"],
-                                on_chunk_latents=on_chunk_latents)
-        return generate_latents(model, inp["context"], inp["latent_frames"], inp["lh"], inp["lw"], seed=seed,
-                                schedule=schedule, skip_last_refresh=v["skip_last_refresh"], on_chunk=on_chunk,
-                                callback=callback, report=report, on_chunk_latents=on_chunk_latents,
-                                **inp.get("sampler_kwargs", dict)())     # the shape's window / Krea recompute
+    if kind == "matrix-game2":
+        from ..app.jobs.mg2 import generate_mg2      # Matrix-Game-2's run: its inputs, through the same prepare
+        dev = model.device
+        mouse = None if inp["mouse"] is None else inp["mouse"].to(dev)
+        keyboard = None if inp["keyboard"] is None else inp["keyboard"].to(dev)
+        return generate_mg2(model, inp["image"].to(dev), inp["context"].to(dev), (mouse, keyboard),
+                            num_frames=inp["latent_frames"], seed=seed, preset=schedule, on_chunk=on_chunk,
+                            callback=callback, skip_last_refresh=v["skip_last_refresh"],
+                            on_chunk_latents=on_chunk_latents, spec=spec)
+    extra = inp.get("sampler_kwargs", dict)()       # the shape's window / Krea recompute
+    policy = extra.pop("cache_policy", None)
+    spec = spec.replace(seed=seed, schedule=schedule, skip_last_refresh=v["skip_last_refresh"], **extra)
+    noise = (1, inp["latent_frames"], model.config.out_dim, inp["lh"], inp["lw"])
+    hooks = SamplingHooks(callback=callback, on_chunk=on_chunk, report=report, on_chunk_latents=on_chunk_latents)
+    return prepare(model, spec, RunInputs(context=inp["context"], noise=noise, cache_policy=policy), hooks).latents()
 
 
 def _kv_plan(model, kind, inp, v) -> list:

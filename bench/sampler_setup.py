@@ -60,7 +60,7 @@ def shape_schedule(kind: str, shape: str):
 
 
 def sampler_kwargs(shape: str, kv_window: int | None = None):
-    """A callable giving the extra ``generate_latents`` arguments of one run (a fresh Krea policy each run):
+    """A callable giving the extra run settings of one run (``RunSpec`` fields, and a fresh Krea ``cache_policy``):
     the window and sink of the shape (``kv_window``: the VRAM plan's instead), Krea's recompute for 'krea'."""
     window, sink = shape_window(shape)
     if kv_window is not None:

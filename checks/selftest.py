@@ -598,7 +598,7 @@ def fp8_stage(device: str, out: Path) -> dict:
     from ..model.loader import load_wan_checkpoint
     from ..model.quant import FP8Linear, fp8_matmul_path
     from ..model.tiny import TINY_CONFIG, tiny_causal_model
-    from ..sampling.sampler import sample_causal
+    from ..app.prepare import RunInputs, RunSpec, prepare
 
     e4m3 = torch.float8_e4m3fn
     state = {n: t.detach().clone().contiguous() for n, t in tiny_causal_model(seed=3).state_dict().items()}
@@ -623,9 +623,9 @@ def fp8_stage(device: str, out: Path) -> dict:
     g = torch.Generator().manual_seed(0)
     ctx = torch.randn(1, 7, TINY_CONFIG.text_dim, generator=g)
     noise = torch.randn(1, 6, TINY_CONFIG.in_dim, 4, 6, generator=g)
-    path = "optimized" if device.startswith("cuda") else "reference"
-    x = sample_causal(a, ctx, noise, "self_forcing", 3, generator=torch.Generator().manual_seed(1), path=path).float()
-    y = sample_causal(b, ctx, noise, "self_forcing", 3, generator=torch.Generator().manual_seed(1), path=path).float()
+    spec = RunSpec(path="optimized" if device.startswith("cuda") else "reference", doctor=False, oom_retry="off")
+    x, y = (prepare(m, spec, RunInputs(context=ctx, noise=noise, generator=torch.Generator().manual_seed(1))
+                    ).latents().float() for m in (a, b))
     rel = float((x - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt().clamp_min(1e-30))
     probe_x = torch.randn(4, layers[0].in_features, generator=g).to(device, a.compute_dtype) if layers else None
     matmul = fp8_matmul_path(layers[0], probe_x)[0] if layers else "none"

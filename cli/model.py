@@ -110,19 +110,17 @@ def _add_generate(subparsers) -> None:
 def _run_job(args, log, parallel=None):
     if args.model_kind == "matrix-game2":
         from ..app.jobs.mg2 import MG2Options, run_mg2_generate
-        from ..sampling.sampler import sampler_path
-        from ..app.prepare import latent_frames
+        from ..app.prepare import RunSpec, latent_frames
         fields = dict(out_dir=args.out, checkpoint=args.checkpoint, conditioning=args.conditioning,
                       preset=args.preset, window=args.window, seed=args.seed, device=args.device, dtype=args.dtype,
                       precision=args.precision, attention=args.attention, actions=args.actions,
                       frames=latent_frames(args.frames) if args.frames is not None else None, steps=args.steps,
                       shift=args.shift, num_heads=args.num_heads,
                       skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview, out_option="--out")
-        options = {"cuda_graphs": args.cuda_graphs, "fused_kernels": not args.no_fused_kernels, "ops": args.ops,
-                   "linear": args.linear, "keep_slower": args.keep_slower}
-        with sampler_path(args.sampler, options):       # the prepare step applies the run rules (fp8 linear)
-            return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log,
-                                    parallel=parallel)
+        spec = RunSpec(path=args.sampler, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
+                       ops=args.ops, linear=args.linear, keep_slower=args.keep_slower)  # run rules: in prepare
+        return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log,
+                                parallel=parallel, spec=spec)
     from ..app.jobs.generate import GenerateOptions, run_generate
     opts = GenerateOptions(
         out_dir=args.out, checkpoint=args.checkpoint, text_embeds=args.text_embeds, frames=args.frames,

@@ -312,7 +312,7 @@ def _check_ops(ops, path: str, model) -> str:
     if ops not in MODES:
         raise ValueError(f"ops must be one of {list(MODES)}, got {ops!r}")
     device = model.model.device
-    if ops != "auto" and resolve_path(path, device, model=model.model)[0] == "reference":
+    if ops != "auto" and resolve_path(path, device, model=model.model) == "reference":
         raise ValueError(f"ops {ops!r} picks the optimized sampler's implementation, but the reference sampler runs "
                          f"here: set sampler to optimized, or ops to auto")
     problem = mode_problem(ops, device)
@@ -423,7 +423,7 @@ class CausalWanSampler:
                sampler="auto", keep_state=False, continue_from=None, prompt_schedule="", recache="switch", clip=None,
                ops="auto", linear="exact"):
         from ..profiling.session import maybe_profile
-        from ..app.prepare import RunSpec, prepare_model, sample_video, sample_video_with_state
+        from ..app.prepare import RunInputs, RunSpec, prepare_model, prepare_video
         from ..sampling.request import SamplingHooks
         from ..app.jobs.preview import to_vae_latents
         from ..app.validate import MAX_SEED, check_fits, check_geometry, check_int, check_schedule_args
@@ -457,28 +457,31 @@ class CausalWanSampler:
         spec = RunSpec.for_handle(model, path=path, cuda_graphs=graphs, fused_kernels=fused,
                                   ops=_check_ops(ops, path, model), linear=linear, schedule=schedule,
                                   frames_per_block=frames_per_block, kv_window=kv_window, sink=sink,
-                                  skip_last_refresh=bool(skip_last_refresh), seed=seed)
+                                  skip_last_refresh=bool(skip_last_refresh), seed=seed,
+                                  recache=prompts.pop("recache", "switch"))
         setup = prepare_model(model.model, spec, notes=doctor_notes)    # the doctor's verdicts, swap, compile
         report: dict = {}
         hooks = SamplingHooks(callback=self._progress(), on_chunk_latents=self._chunk_latents(), report=report)
         pool = getattr(model, "extra", {}).get("rank_pool")       # CausalWan Sequence Parallel: several GPUs
-        if keep_state or continue_from is not None or prompts:
-            if pool is not None and cache.cache_policy is not None:
+        kept = keep_state or continue_from is not None or bool(prompts)
+        if pool is not None and kept:
+            if cache.cache_policy is not None:
                 raise ValueError("recache krea does not run on several GPUs yet: remove the CausalWan Sequence "
                                  "Parallel node (or set its world_size to 1), or choose recache switch")
-            if pool is not None and prompts:
+            if prompts:
                 raise ValueError("prompt_schedule does not run on several GPUs yet: remove the CausalWan Sequence "
                                  "Parallel node (or set its world_size to 1), or clear prompt_schedule")
+            raise ValueError("keep_state / continue_from do not run on several GPUs yet: remove the CausalWan "
+                             "Sequence Parallel node (or set its world_size to 1) to keep or continue a video")
+
+        def sampled(*args, **kw):       # the video, and the state it ends in (kept on the CPU between prompts)
             if pool is not None:
-                raise ValueError("keep_state / continue_from do not run on several GPUs yet: remove the CausalWan "
-                                 "Sequence Parallel node (or set its world_size to 1) to keep or continue a video")
-            latents, state = maybe_profile(
-                model, sample_video_with_state, model.model, spec, context, width, height, num_frames,
-                state=continue_from, keep_state=bool(keep_state), setup=setup, hooks=hooks, **prompts)
-        else:
-            run = sample_video if pool is None else pool.sample
-            latents, state = maybe_profile(model, run, model.model, spec, context, width, height, num_frames,
-                                           setup=setup, hooks=hooks), None
+                return pool.sample(*args, **kw), None
+            run = prepare_video(*args, keep_state=bool(keep_state), continuable=kept, state_device="cpu", **kw)
+            return run.latents(), run.state
+        inputs = RunInputs(context=context, state=continue_from, **prompts)
+        latents, state = maybe_profile(model, sampled, model.model, spec, inputs, width, height, num_frames,
+                                       setup=setup, hooks=hooks)
         self.last_report = report
         result = ({"samples": to_vae_latents(latents).cpu()}, state)
         if doctor_notes:        # features that failed their self-check here: say so in the node's text

@@ -51,7 +51,8 @@ def _tiny(ctx: ProbeContext, device, dtype):
 def check(ctx: ProbeContext) -> Probe:
     """The probe: the AR Sampler on ComfyUI's MODEL against the pack's engine on the same weights."""
     from ..model.checkpoint import core_causal_metadata
-    from ..sampling.sampler import sample_causal
+    from ..app.prepare import RunInputs, RunSpec, Setup, prepare
+    from ..sampling.runner import FastOptions
     from ..sampling.scheduler import resolve_schedule
     from .native_nodes import WanAccelARSampler
     load, mm = _comfy()
@@ -82,11 +83,10 @@ def check(ctx: ProbeContext) -> Probe:
                                        **sampler.extra_options)
         return out.movedim(1, 2)
 
-    def fallback():
-        from ..sampling.runner import FastOptions
-        g = torch.Generator(device=device).manual_seed(7)
-        return sample_causal(ours, context, noise.to(ctx.dtype).float(), schedule, 3, generator=g, path="auto",
-                             fast_options=FastOptions(fused_qkv=False, cuda_graphs="off"))
+    def fallback():         # the engine on the same weights, the model kept as it is
+        inputs = RunInputs(context=context, noise=noise.to(ctx.dtype).float())
+        return prepare(ours, RunSpec(schedule=schedule, seed=7, doctor=False, oom_retry="off"), inputs,
+                       setup=Setup("auto", FastOptions(fused_qkv=False, cuda_graphs="off"), [], {})).latents()
     return Probe(feature, fallback, ctx.dtype, judge_speed=False, ulps=NATIVE_ULPS,
                  note="speed not judged: the same engine runs on both sides")
 

@@ -16,7 +16,7 @@ from ...cache.json_out import to_json
 from ...cache.owned_files import check_target, write_text, write_with
 from ...sampling.request import SamplingHooks
 from ...sampling.sampler import path_for_linear
-from ..prepare import RunSpec, prepare_model, sample_video
+from ..prepare import RunInputs, RunSpec, prepare_model, sample_video
 from ..ranks.parallel import enable_parallel, parallel_report
 
 TINY_DEFAULTS = {"frames": 33, "height": 128, "width": 128}
@@ -271,7 +271,8 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
                               fused_kernels=opts.fused_kernels, ops=opts.ops, keep_slower=opts.keep_slower,
                               linear=opts.linear, schedule=schedule, frames_per_block=opts.frames_per_block,
                               kv_window=opts.kv_window, sink=opts.sink, skip_last_refresh=opts.skip_last_refresh,
-                              seed=opts.seed, oom_retry="off" if parallel is not None else "auto")
+                              seed=opts.seed, oom_retry="off" if parallel is not None else "auto",
+                              recache=prompts.pop("recache", "switch"))
     setup = prepare_model(model, spec, log=log, notes=notes)        # the doctor's verdicts, swap, compile, options
     fast_options, record = setup.options, setup.record
     sampler_report: dict = {}
@@ -280,8 +281,8 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     _sync(device)
     t_start = timer.start()
     hooks = SamplingHooks(callback=on_step, on_chunk=on_chunk, report=sampler_report, on_chunk_latents=video)
-    latents = maybe_profile(handle, sample_video, model, spec, context, width, height, frames, setup=setup,
-                            hooks=hooks, **prompts)
+    latents = maybe_profile(handle, sample_video, model, spec, RunInputs(context=context, **prompts), width, height,
+                            frames, setup=setup, hooks=hooks)
     _sync(device)
     sample_s = time.perf_counter() - t_start
     video_path = video.close() if video is not None else None     # its frames checked before anything is written

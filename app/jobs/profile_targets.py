@@ -87,9 +87,9 @@ def make_inputs(model, target: ProfileTarget) -> dict:
 def sampler_call(model, target: ProfileTarget, inputs: dict):
     """A zero-argument callable running the causal sampler once on ``inputs``, prepared by the one prepare step
     (the doctor's verdicts, compile and fast options applied once, here; each call is one run)."""
-    from ..prepare import RunSpec, prepare, prepare_model
-
     import torch
+
+    from ..prepare import RunInputs, RunSpec, prepare, prepare_model
 
     schedule = target.preset or "self_forcing"
     if target.steps:
@@ -99,7 +99,8 @@ def sampler_call(model, target: ProfileTarget, inputs: dict):
 
     def run():
         with torch.inference_mode():
-            return prepare(model, spec, inputs["context"], inputs["noise"], setup=setup).run(model)
+            return prepare(model, spec, RunInputs(context=inputs["context"], noise=inputs["noise"]),
+                           setup=setup).latents()
 
     return run
 
@@ -116,7 +117,7 @@ def work_per_run(model, target: ProfileTarget) -> tuple[int, dict]:
     if cfg is None or not hasattr(cfg, "patch_size"):
         return None, None
     steps = len(resolve_schedule(target.preset or "self_forcing", target.steps).timesteps)
-    path, _ = resolve_path(target.sampler, target.device)
+    path = resolve_path(target.sampler, target.device)
     _pt, ph, pw = cfg.patch_size
     geo = fl.Geometry(1, target.frames, (target.height // ph) * (target.width // pw))
     optimized = path == "optimized"
