@@ -427,7 +427,6 @@ class CausalWanSampler:
         from ..sampling.request import SamplingHooks
         from ..app.jobs.preview import to_vae_latents
         from ..app.validate import MAX_SEED, check_fits, check_geometry, check_int, check_schedule_args
-        from ..sampling.sampler import path_for_linear
         from ..sampling.scheduler import resolve_schedule
         seed = check_int("seed", seed, 0, MAX_SEED)
         if preset == "custom":
@@ -452,7 +451,6 @@ class CausalWanSampler:
         path, graphs, fused = SAMPLER_CHOICES[sampler]
         if linear not in LINEAR_CHOICES:
             raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
-        path_for_linear(path, linear, names=("sampler", "linear"))      # the CLI's one rule, in the node's words
         doctor_notes: list = []
         spec = RunSpec.for_handle(model, path=path, cuda_graphs=graphs, fused_kernels=fused,
                                   ops=_check_ops(ops, path, model), linear=linear, schedule=schedule,

@@ -25,12 +25,10 @@ import torch
 
 from ..memory.block_swap import active_swap, ensure_block_swap
 from ..memory.offload import COMFY_FULL, PACK, memory_manager
-from ..memory.sampling_guard import OOM_RETRY_MODES, oom_guard
-from ..model.attention import explain_backend
+from ..memory.sampling_guard import oom_guard
 from ..model.borrowed import borrow_wan_model
-from ..app.prepare import RunSpec, prepare
+from ..app.prepare import RunInputs, RunSpec, prepare
 from ..sampling.request import SamplingHooks
-from ..sampling.sampler import PATHS, generator_noise
 from ..sampling.scheduler import schedule_from_sigmas
 from .comfy_core import outside_memory_graph, progress_and_interrupt
 
@@ -64,22 +62,42 @@ NATIVE_NAMES = {"frames": "length", "height": "height", "width": "width",
                 "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink"}
 
 
-def check_native_run(base, shape, device, frames_per_block: int, kv_window: int, sink: int, seed) -> int:
-    """The sampler's inputs checked before any tensor of the run is made: window and sink, a 64-bit seed, and the
-    memory estimate (``app.validate.check_fits``: KV cache, activations and latents of the incoming latent's size,
-    from the dims, heads and blocks of ComfyUI's model as the engine will see them). ValueError naming the input;
-    returns the seed."""
-    from ..app.validate import MAX_SEED, check_fits, check_int, check_window
+def native_spec(guider, options: dict, x, sigmas, seed, frames_per_block, kv_window, sink, **fields) -> tuple:
+    """(the run's ``RunSpec``, its prompt inputs) from the sampler's inputs, checked before any tensor of the run is
+    made: the model kind, a 64-bit seed, the sigmas, the prompt schedule's cache mode, every ``RunSpec`` field
+    (``fields``: path, oom_retry, linear...) and the memory estimate (``app.validate.check_fits``: KV cache,
+    activations and latents of the incoming latent's size, from ComfyUI's model as the engine will see it).
+    ValueError naming the input."""
+    from ..app.validate import MAX_SEED, check_fits, check_int
     from ..model.borrowed import borrowed_config
-    fpb = check_int("frames_per_block", frames_per_block, 1, 64)
-    window = check_window(fpb, kv_window, sink, names=NATIVE_NAMES)     # the AR Sampler's own check, again
+    base = guider.inner_model
+    check_native_model(base)
     seed = check_int("noise_seed", seed, 0, MAX_SEED)
+    multiplier = float(getattr(getattr(base, "model_sampling", None), "multiplier", 1000.0))
+    sigma_values = tuple(sigmas.tolist()) if isinstance(sigmas, torch.Tensor) else tuple(sigmas)   # one read
+    prompts, kv_window = schedule_cache(positive_schedule(guider), frames_per_block, kv_window, sink)
+    spec = RunSpec(schedule=_schedule(sigma_values, int(round(multiplier))), frames_per_block=frames_per_block,
+                   kv_window=kv_window, sink=sink, seed=seed, partial_last_block=True,
+                   compile=native_compile_settings(guider, options), swap=None,    # the engine's blocks: ComfyUI's
+                   recache=prompts.pop("recache", "switch"), **fields)
     dm = base.diffusion_model
-    cfg = borrowed_config(dm, num_heads=dm.num_heads, text_len=dm.text_len)
-    b, _, t, h, w = shape
-    check_fits(cfg.to_dict(), 4 * (int(t) - 1) + 1, 8 * int(h), 8 * int(w), device=device,
-               dtype=str(run_dtype(base)), frames_per_block=fpb, kv_window=window, batch=int(b), names=NATIVE_NAMES)
-    return seed
+    b, _, t, h, w = x.shape
+    check_fits(borrowed_config(dm, num_heads=dm.num_heads, text_len=dm.text_len).to_dict(), 4 * (int(t) - 1) + 1,
+               8 * int(h), 8 * int(w), device=x.device, dtype=str(run_dtype(base)), frames_per_block=frames_per_block,
+               kv_window=spec.kv_window, batch=int(b), names=NATIVE_NAMES)
+    return spec, prompts
+
+
+def native_inputs(guider, options: dict, x, prompts: dict) -> RunInputs:
+    """The run's inputs: the guider's positive text, the noised latent as [B, F, C, H, W], recorded re-noising
+    draws where given (else the spec's seed draws them), ``ARVideoI2V``'s start image in the model's space."""
+    base, device = guider.inner_model, x.device
+    recorded = options.get(RECORDED_NOISE_KEY)
+    prefix = options.get("ar_config", {}).get("initial_latent")
+    if prefix is not None:
+        prefix = base.process_latent_in(prefix).to(device=device, dtype=torch.float32).movedim(1, 2)
+    return RunInputs(context=positive_context(guider).to(device), noise=x.movedim(1, 2).float(), prefix=prefix,
+                     noise_provider=None if recorded is None else _recorded_noise_provider(recorded), **prompts)
 
 
 def declared_attention(dm) -> str | None:
@@ -94,13 +112,10 @@ def declared_attention(dm) -> str | None:
     return None
 
 
-def engine_for(base, device, dtype=None):
-    """The engine model over ``base.diffusion_model``'s layers (built once per diffusion model, kept weakly)."""
-    check_native_model(base)
-    dm = base.diffusion_model
-    dtype = run_dtype(base) if dtype is None else dtype
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        dtype = torch.float32
+def engine_for(base, device):
+    """The engine model over ``base.diffusion_model``'s layers in ``run_dtype`` (built once per diffusion model,
+    kept weakly; the model checked by ``native_spec``)."""
+    dm, dtype = base.diffusion_model, run_dtype(base)
     engine = _ENGINES.get(dm)
     if engine is None:
         engine = borrow_wan_model(dm, dtype, device, num_heads=dm.num_heads, text_len=dm.text_len)
@@ -246,66 +261,41 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     not whole blocks ends with a shorter block, as core's sampler. The sigmas are read from the device once.
     ``oom_retry`` ('auto': CUDA only, 'on', 'off'): on out of memory in a block, swap more of ComfyUI's blocks to
     the host and redo the block. ``step_callback(chunk, step, chunks, steps, x0)`` (profiling) and ``report``
-    (a dict: what the run did, with ``fused_qkv_off``, why q/k/v ran as three GEMMs, ``attention``, and
-    ``switched_off``, the doctor's verdicts applied: {feature: why}) are for tools. ``attention``: the backend
-    request of model/attention.py ('auto', 'sdpa', 'int8', ...), on both paths. ``linear``: 'exact' or 'fp8' (the
-    optimized path's fp8 linear layers, as ``generate --linear``; the reference path refuses it)."""
+    (a dict: what the run did, with ``fused_qkv_off``, why q/k/v ran as three GEMMs, the optimized path's
+    ``attention``, and ``switched_off``, the doctor's verdicts applied: {feature: why}) are for tools.
+    ``attention``: the backend request of model/attention.py ('auto', 'sdpa', 'int8', ...), on both paths.
+    ``linear``: 'exact' or 'fp8' (the optimized path's fp8 linear layers, as ``generate --linear``; the reference
+    path refuses it). The one ``prepare`` call does the run's preparation (run rules, path, the doctor's verdicts,
+    compile, fast options, window and start checks, the seeded generator); before it the sampler makes 8 calls:
+    ``native_spec`` (every input checked, before the engine is built), ``engine_for``, ``active_swap`` (Wan Block
+    Swap), ``_qkv_fusion``, ``_memory_manager``, ``native_inputs``, and ``_guard`` / ``_progress`` for its hooks."""
     extra_args = extra_args or {}
     if x.ndim != 5:
         raise ValueError(f"Wan Accel AR Sampler needs a video latent [B, C, T, H, W]; got shape {tuple(x.shape)}. "
                          f"Use Empty AR Video Latent or Empty Hunyuan Latent Video.")
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    if oom_retry not in OOM_RETRY_MODES:
-        raise ValueError(f"oom_retry must be one of {OOM_RETRY_MODES}, got {oom_retry!r}")
     guider = model.inner_model
-    base = guider.inner_model
-    device = x.device
-    check_native_model(base)
-    seed = check_native_run(base, tuple(x.shape), device, frames_per_block, kv_window, sink,
-                            extra_args.get("seed", 0) or 0)
-    engine = engine_for(base, device).set_attention_backend(attention)     # the reference path reads it too
-    attention_used, attention_reason = explain_backend(attention, device, engine.compute_dtype,
-                                                       engine.config.head_dim)
-    if attention_used in ("int8", "fp8"):
-        log.info("wan_accel: native sampler: attention %s", attention_reason)
-    dm = base.diffusion_model
     options = extra_args.get("model_options", {}).get("transformer_options", {})
-    multiplier = float(getattr(getattr(base, "model_sampling", None), "multiplier", 1000.0))
-    sigma_values = tuple(sigmas.tolist()) if isinstance(sigmas, torch.Tensor) else tuple(sigmas)   # one read
-    schedule = _schedule(sigma_values, int(round(multiplier)))
-    context = positive_context(guider).to(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    recorded = options.get(RECORDED_NOISE_KEY)
-    provider = _recorded_noise_provider(recorded) if recorded is not None else generator_noise(gen)
-    prefix = options.get("ar_config", {}).get("initial_latent")
-    if prefix is not None:
-        prefix = base.process_latent_in(prefix).to(device=device, dtype=torch.float32).movedim(1, 2)
-    noise = x.movedim(1, 2).float()
-    swap_before = active_swap(dm)
-    swapped = swap_before is not None       # Wan Block Swap streams weights between calls
-    fused_off = _qkv_fusion(engine, swapped)
+    spec, prompts = native_spec(guider, options, x, sigmas, extra_args.get("seed", 0) or 0, frames_per_block,
+                                kv_window, sink, path=path, oom_retry=oom_retry, linear=linear)
+    dm = guider.inner_model.diffusion_model
+    engine = engine_for(guider.inner_model, x.device).set_attention_backend(attention)   # the reference path too
+    swap_before = active_swap(dm)           # Wan Block Swap streams weights between calls
+    fused_off = _qkv_fusion(engine, swap_before is not None)
     manager = _memory_manager(guider)
-    guard = _guard(engine, dm, tuple(noise.shape), int(frames_per_block), oom_retry) if manager.swap_allowed else None
+    spec = spec.replace(cuda_graphs="auto" if cuda_graphs and swap_before is None else "off",
+                        fused_qkv=fused_off is None, oom_retry=oom_retry if manager.swap_allowed else "off")
+    inputs = native_inputs(guider, options, x, prompts)
+    guard = _guard(engine, dm, tuple(inputs.noise.shape), spec.frames_per_block, spec.oom_retry)
     run = {} if report is None else report
-    prompts, kv_window = schedule_cache(positive_schedule(guider), int(frames_per_block), int(kv_window), int(sink))
-    spec = RunSpec(path=path, cuda_graphs="auto" if cuda_graphs and not swapped else "off",
-                   fused_qkv=fused_off is None, compile=native_compile_settings(guider, options), linear=linear,
-                   schedule=schedule,
-                   frames_per_block=int(frames_per_block), kv_window=int(kv_window), sink=int(sink), seed=seed,
-                   oom_retry=oom_retry if manager.swap_allowed else "off")
     hooks = SamplingHooks(callback=_progress(callback, sigmas, step_callback), chunk_guard=guard, report=run)
     try:                                    # the doctor's verdicts, compile and fast options: the one prepare step
         with outside_memory_graph():        # the pack's loop, allocations and CUDA graphs: never in core's graph
-            prepared = prepare(engine, spec, context, noise, hooks=hooks, generator=gen, noise_provider=provider,
-                               prefix=prefix, partial_last_block=True, **prompts)
-            out = prepared.run(engine)
+            out = prepare(engine, spec, inputs, hooks).latents()
     finally:
         engine.unfuse_qkv()                 # ComfyUI may move or patch its weights before the next run
         if swap_before is None and active_swap(dm) is not None:
             ensure_block_swap(dm, None)     # a retry's swap: ComfyUI's model is not left patched
     run["fused_qkv_off"] = fused_off
-    run.setdefault("attention", attention_used)
     if run["switched_off"]:                 # the report names the verdicts applied; the console says them once
         log.info("wan_accel: native sampler: the doctor switched off %s", ", ".join(sorted(run["switched_off"])))
     return out.movedim(1, 2).to(dtype=x.dtype, device=x.device)
