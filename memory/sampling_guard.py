@@ -1,4 +1,4 @@
-"""The out-of-memory policy of causal sampling: a chunk guard for ``sample_causal(..., chunk_guard=...)``.
+"""The out-of-memory policy of causal sampling: a chunk guard for ``SamplingHooks(chunk_guard=...)``.
 
 On an out-of-memory error inside a chunk the guard swaps more blocks to the host (``block_swap``) and redoes the chunk
 (the loop rewinds the noise generator, so the result does not change); the resident block count that worked is

@@ -129,7 +129,7 @@ class KreaRecompute:
     reencode(frames [B, 1, C, H, W]) -> [B, 1, C, H, W] the VAE round trip of the frame that stands in for the
     first frame (None: the frame itself, i.e. no round trip), keep_first_frame never re-encode.
     The policy remembers the clean frames it may still need and the previous block's prompt, so a continued run
-    (``continuation.sample_continuable``) with the same policy object goes on as one long run would: the frames of
+    (``RunInputs.state``) with the same policy object goes on as one long run would: the frames of
     the earlier run come from the state's history (the window, K + frames_per_block frames: frame 0 while
     f0 < K + frames_per_block, else frame f0 - K, and the newest K - 1), and the continued run's cache need not
     hold the earlier frames (``rebuilds_self_kv``). ``mark()`` / ``rewind(mark)`` undo a run that failed."""
@@ -275,7 +275,7 @@ class CacheSetup:
     note: str | None = None
 
     def sampler_kwargs(self) -> dict:
-        """``recache`` / ``cache_policy`` of ``sample_causal`` (and everything that forwards to it)."""
+        """``recache`` (a ``RunSpec`` field) and ``cache_policy`` (a ``RunInputs`` field) of a run."""
         return {"recache": self.recache, "cache_policy": self.cache_policy}
 
     def live_line(self, chunk: int, prompt: str) -> str:

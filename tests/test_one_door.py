@@ -16,7 +16,7 @@ import torch
 from wan_accel.app import prepare
 from wan_accel.app.doctor import gate
 from wan_accel.model.tiny import TINY_CONFIG
-from wan_accel.sampling import sampler
+from wan_accel.sampling import loop, sampler
 
 from .test_native_sampler import _native
 
@@ -40,12 +40,10 @@ def reached(monkeypatch):
     real_resolve, real_loop = sampler.resolve_path, sampler.run_chunks
 
     def as_on_cuda(path, device, tracer=None, model=None):
-        ctx = sampler.current_path()
-        asked = ctx[0] if path == "auto" and ctx is not None else path
-        chosen, options = real_resolve(path, device, tracer, model)
-        if asked == "auto" and tracer is None and "forward_chunk" not in getattr(model, "__dict__", {}):
+        chosen = real_resolve(path, device, tracer, model)
+        if path == "auto" and tracer is None and "forward_chunk" not in getattr(model, "__dict__", {}):
             chosen = "optimized"
-        return chosen, options
+        return chosen
 
     seen = []
 
@@ -57,6 +55,38 @@ def reached(monkeypatch):
     monkeypatch.setattr(gate, "model_doctor", lambda model, doctor=None: _Verdicts())
     monkeypatch.setattr(sampler, "run_chunks", loop)
     return seen
+
+
+@pytest.fixture
+def door(monkeypatch):
+    """The way to the chunk loop, in order: 'prepare' for every run prepared (``prepare`` makes the only ``Run``),
+    'loop' for every time the loop runs inside a prepared run's ``latents()``, 'loop outside a run' for a face that
+    reaches ``sampler.sample_causal`` or ``loop.run_chunks`` by itself."""
+    events, inside = [], []
+    real_init, real_latents = prepare.Run.__init__, prepare.Run.latents
+
+    def init(self, *a, **k):
+        events.append("prepare")
+        real_init(self, *a, **k)
+
+    def latents(self):
+        inside.append(self)
+        try:
+            return real_latents(self)
+        finally:
+            inside.pop()
+
+    def spy(real):
+        def reach(*a, **k):
+            events.append("loop" if inside else "loop outside a run")
+            return real(*a, **k)
+        return reach
+    monkeypatch.setattr(prepare.Run, "__init__", init)
+    monkeypatch.setattr(prepare.Run, "latents", latents)
+    monkeypatch.setattr(sampler, "sample_causal", spy(sampler.sample_causal))
+    monkeypatch.setattr(loop, "run_chunks", spy(loop.run_chunks))
+    monkeypatch.setattr(sampler, "run_chunks", spy(sampler.run_chunks))
+    return events
 
 
 def _tiny_handle():
@@ -87,8 +117,18 @@ def sampler_node(_tmp):
     assert "fused_qkv is switched off" in out["ui"]["text"][0]
 
 
+def sampler_node_continued(_tmp):
+    from wan_accel.nodes.model_nodes import CausalWanSampler
+    node, handle = CausalWanSampler(), _tiny_handle()
+    _, state = node.sample(handle, 32, 32, 9, 1, "self_forcing", 3, -1, 0, keep_state=True)["result"]
+    assert state is not None and state.frames == 3
+    latent, _ = node.sample(handle, 32, 32, 21, 1, "self_forcing", 3, -1, 0, continue_from=state)["result"]
+    assert latent["samples"].shape[2] == 3                 # the frames after the state's
+
+
 def generate_library(_tmp):
-    prepare.sample_video(_tiny_handle().model, prepare.RunSpec(seed=1), _context(), 32, 32, 9)
+    prepare.sample_video(_tiny_handle().model, prepare.RunSpec(seed=1), prepare.RunInputs(context=_context()), 32,
+                         32, 9)
 
 
 def generate_job(tmp):
@@ -166,17 +206,76 @@ def profile(_tmp):
     targets.sampler_call(model, target, targets.make_inputs(model, target))()
 
 
+def rank_pool(_tmp, monkeypatch):
+    """Rank 0 of a sequence-parallel run (the workers stood in: each runs ``sample_video`` as rank 0 does)."""
+    from wan_accel.app.ranks.pool import RankPool
+    from wan_accel.nodes.model_nodes import CausalWanSampler
+    handle = _tiny_handle()
+    pool = RankPool(2, {}, ["cpu", "cpu"])
+    monkeypatch.setattr(pool, "start", lambda model: None)
+    monkeypatch.setattr(pool, "_collect", lambda *a: None)
+    handle.extra["rank_pool"] = pool
+    CausalWanSampler().sample(handle, 32, 32, 9, 1, "self_forcing", 3, -1, 0)
+
+
 FACES = {f.__name__: f for f in (native_sampler, sampler_node, generate_library, generate_job, mg2_node, mg2_job,
                                  mg2_play, prompt_play, bench_sampler, profile)}
 
 
-@pytest.mark.parametrize("face", list(FACES))
-def test_every_face_reaches_the_loop_with_the_doctors_verdicts(face, reached, tmp_path, monkeypatch, capsys):
-    fn = FACES[face]
-    extra = {"monkeypatch": monkeypatch} if face in ("mg2_play", "prompt_play") else {}
-    if face == "bench_sampler":
+# the replay tools and benches that keep the model as it is (no doctor): they reach the loop through prepare too
+def bench_native(tmp):
+    from wan_accel.bench import native
+    from wan_accel.model.checkpoint import core_causal_metadata
+    from wan_accel.model.random_checkpoint import random_weights, write_file
+    config = native.shape_config("tiny")
+    write_file(tmp / "m.safetensors", random_weights(config, 0, torch.device("cpu"), torch.float32),
+               core_causal_metadata(config))
+    args = argparse.Namespace(path="auto", repeat=1, lora_strength=1.0)
+    inputs = native._inputs(config, "tiny", 0, torch.device("cpu"))
+    native.own_rows(tmp / "m.safetensors", None, args, torch.float32, torch.device("cpu"), inputs, False)
+
+
+def bench_compile(_tmp):
+    from wan_accel.bench.compile import wan_workload
+    model, run = wan_workload("cpu")
+    assert run(model).shape == (1, 6, 16, 8, 8)
+
+
+def selftest_parity(tmp):
+    from wan_accel.checks.selftest import fp8_stage
+    assert fp8_stage("cpu", tmp)["layers"] > 0
+
+
+def doctor_probe(_tmp):
+    from wan_accel.app.doctor.probes import _chunk, _probe_model
+    from wan_accel.app.doctor.vocabulary import ProbeContext
+    ctx = ProbeContext(torch.device("cpu"), torch.float32, head_dim=16)
+    assert _chunk(_probe_model(ctx), ctx).shape == (1, 3, 16, 16, 16)
+
+
+DOOR_FACES = dict(FACES, sampler_node_continued=sampler_node_continued, rank_pool=rank_pool,
+                  bench_native=bench_native, bench_compile=bench_compile, selftest_parity=selftest_parity,
+                  doctor_probe=doctor_probe)
+
+
+def _call(fn, tmp_path, monkeypatch, capsys):
+    extra = {"monkeypatch": monkeypatch} if fn.__name__ in ("mg2_play", "prompt_play", "rank_pool") else {}
+    if fn.__name__ == "bench_sampler":
         extra = {"capsys": capsys}
     fn(tmp_path, **extra)
+
+
+@pytest.mark.parametrize("face", list(DOOR_FACES))
+def test_every_face_reaches_the_loop_through_prepare(face, reached, door, tmp_path, monkeypatch, capsys):
+    _call(DOOR_FACES[face], tmp_path, monkeypatch, capsys)
+    assert "loop" in door, f"{face} never reached the loop: {door}"
+    assert "loop outside a run" not in door, f"{face} ran the loop without prepare: {door}"
+    assert door[0] == "prepare", door
+
+
+@pytest.mark.parametrize("face", list(FACES))
+def test_every_face_reaches_the_loop_with_the_doctors_verdicts(face, reached, tmp_path, monkeypatch, capsys):
+    _call(FACES[face], tmp_path, monkeypatch, capsys)
     assert reached, f"{face} never reached the loop"
     for req in reached:
         assert req.path == "optimized", (face, req.path)
@@ -210,7 +309,7 @@ def test_one_spec_gives_the_same_video_through_every_face(path, tmp_path):
     from wan_accel.vae.latents import to_vae_latents
     handle, ctx = _tiny_handle(), _context()
     spec = prepare.RunSpec(path=path, seed=SEED)
-    library = prepare.sample_video(handle.model, spec, ctx, SIZE, SIZE, FRAMES)
+    library = prepare.sample_video(handle.model, spec, prepare.RunInputs(context=ctx), SIZE, SIZE, FRAMES)
 
     node = CausalWanSampler().sample(handle, SIZE, SIZE, FRAMES, SEED, "self_forcing", 3, -1, 0, positive=[[ctx, {}]],
                                      sampler=path)[0]["samples"]
