@@ -31,14 +31,15 @@ def test_every_suggested_frame_count_passes_every_check(fpb, capsys):
 
 
 def test_library_entry_gives_the_same_advice():
-    from wan_accel.app.prepare import RunSpec, sample_video
+    from wan_accel.app.prepare import RunInputs, RunSpec, sample_video
     from wan_accel.model.tiny import tiny_causal_model
 
     model = tiny_causal_model(0, "cpu", torch.float32, "float32")
+    inputs = RunInputs(context=torch.zeros(1, 0, model.config.text_dim))
     with pytest.raises(ValueError, match=r"num_frames 13 .*use 9 or 21"):
-        sample_video(model, RunSpec(), torch.zeros(1, 0, model.config.text_dim), 32, 32, 13)
+        sample_video(model, RunSpec(), inputs, 32, 32, 13)
     with pytest.raises(ValueError, match=r"frames_per_block must be between 1 and 64, got 0") as info:
-        sample_video(model, RunSpec(frames_per_block=0), torch.zeros(1, 0, model.config.text_dim), 32, 32, 33)
+        sample_video(model, RunSpec(frames_per_block=0), inputs, 32, 32, 33)
     assert "1-frame" not in str(info.value)
 
 

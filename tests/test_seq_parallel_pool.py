@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from wan_accel.app.jobs.handle import load_model_handle
-from wan_accel.app.prepare import RunSpec, sample_video
+from wan_accel.app.prepare import RunInputs, RunSpec, sample_video
 from wan_accel.app.ranks.pool import POOL_KEY
 from wan_accel.model.attachments import seq_parallel_of
 from wan_accel.model.seq_parallel import ParallelError
@@ -18,7 +18,7 @@ from wan_accel.nodes.parallel_nodes import CausalWanSequenceParallel
 from wan_accel.sampling.request import SamplingHooks
 
 SPEC = RunSpec(path="reference", seed=3)                      # tiny model, 9 frames 64x64
-ARGS = (SPEC, torch.zeros(1, 0, 64), 64, 64, 9)
+ARGS = (SPEC, RunInputs(context=torch.zeros(1, 0, 64)), 64, 64, 9)
 NODE_ARGS = (64, 64, 9, 3, "self_forcing", 3, -1, 0)       # the sampler node's widgets for the same run
 
 
