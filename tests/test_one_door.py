@@ -40,12 +40,10 @@ def reached(monkeypatch):
     real_resolve, real_loop = sampler.resolve_path, sampler.run_chunks
 
     def as_on_cuda(path, device, tracer=None, model=None):
-        ctx = sampler.current_path()
-        asked = ctx[0] if path == "auto" and ctx is not None else path
-        chosen, options = real_resolve(path, device, tracer, model)
-        if asked == "auto" and tracer is None and "forward_chunk" not in getattr(model, "__dict__", {}):
+        chosen = real_resolve(path, device, tracer, model)
+        if path == "auto" and tracer is None and "forward_chunk" not in getattr(model, "__dict__", {}):
             chosen = "optimized"
-        return chosen, options
+        return chosen
 
     seen = []
 
