@@ -1,6 +1,6 @@
-"""Random Wan checkpoints in the layouts ComfyUI loads (``bench native``, bench/native.py): the DiT's tensors
-under their official names, drawn on any device; ComfyUI's scaled fp8 layout (current and legacy); one random LoRA
-in the keys ComfyUI maps on a WAN model; and the safetensors writer. The metadata that makes core load a file as
+"""Random Wan checkpoints in the layouts ComfyUI loads (``bench native``, bench/native.py; the DiT's tensors are
+``tiny.draw_weights`` of ``checkpoint.expected_shapes``): ComfyUI's scaled fp8 layout (current and legacy); one
+random LoRA in the keys ComfyUI maps on a WAN model; and the safetensors writer. The metadata that makes core load a file as
 ``WAN21_CausalAR`` is ``checkpoint.core_causal_metadata``."""
 from __future__ import annotations
 
@@ -12,23 +12,9 @@ import torch
 
 from ..cache.owned_files import write_with
 from ..kernels.fp8_linear import quantize_tensor
-from .checkpoint import expected_shapes
-from .tiny import shape_values
 
 # the block linear weights ComfyUI's fp8_scaled Wan files store in fp8 (and a Wan LoRA adapts)
 BLOCK_LINEAR = re.compile(r"^blocks\.\d+\.((self_attn|cross_attn)\.(q|k|v|o)|ffn\.(0|2))\.weight$")
-
-
-def random_weights(config, seed: int, device, dtype) -> dict:
-    """The DiT's tensors (official names) drawn on ``device`` (float32 normals shaped by kind, model/tiny.py), cast
-    to ``dtype`` one tensor at a time."""
-    gen = torch.Generator(device=device).manual_seed(int(seed))
-    out = {}
-    with torch.no_grad():
-        for name, shape in sorted(expected_shapes(config).items()):
-            w = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-            out[name] = shape_values(name, w).to(dtype)
-    return out
 
 
 def fp8_scaled(weights: dict, legacy: bool = False, device=None) -> tuple:
