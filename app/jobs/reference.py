@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from ...cache.owned_files import loads_json, read_regular
-from .replay import INF, Fixture, FixtureConfig, FixtureError, Row, kind_of, max_abs_diff, replay, row_ok
+from .replay import (INF, TOLERANCE, Fixture, FixtureConfig, FixtureError, Row, kind_of, max_abs_diff, replay,
+                     row_ok)
 
-TOLERANCE = 1e-4
 PATHS = ("reference", "optimized")
 
 

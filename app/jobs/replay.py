@@ -12,6 +12,7 @@ import torch
 from ...cache.finite_flags import non_finite
 
 INF = float("inf")
+TOLERANCE = 1e-4                 # the largest max abs difference a recorded tensor may have
 MG2_FIXTURE = "matrix_game2_causal_action_sampling"
 KREA_FIXTURES = ("krea_realtime_recompute", "krea_realtime_partial_block", "krea_realtime_interrupted")
 LONGLIVE_FILES = {"io_file": "longlive_io.safetensors", "lora_file": "lora_peft.safetensors",   # produce.py's
@@ -77,7 +78,7 @@ class Row(tuple):
         return row
 
 
-def row_ok(diff: float, tol: float = 1e-4) -> bool:
+def row_ok(diff: float, tol: float = TOLERANCE) -> bool:
     """Whether one row passes: a number within the tolerance (NaN and inf fail)."""
     return isinstance(diff, (int, float)) and math.isfinite(diff) and diff <= tol
 
