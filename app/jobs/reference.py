@@ -38,16 +38,18 @@ def verdict(rows, tol: float = TOLERANCE) -> dict:
 
 
 # --------------------------------------------------------------------- Wan T2V: full sequence forward
+def _keep(module, store: dict, name: str, handles: list) -> None:
+    """A forward hook that keeps a copy of ``module``'s output as ``store[name]``."""
+    handles.append(module.register_forward_hook(lambda _m, _i, out: store.__setitem__(name, out.detach().clone())))
+
+
 def _capture(model) -> tuple[dict, list]:
     """Forward hooks recording the fixture's intermediate activations."""
     seen, handles = {}, []
-    modules = {"patch_embedding": model.patch_embedding, "time_embedding": model.time_embedding,
-               "time_projection": model.time_projection, "text_embedding": model.text_embedding,
-               "head": model.head}
-    modules.update({f"block{i}": b for i, b in enumerate(model.blocks)})
-    for name, module in modules.items():
-        handles.append(module.register_forward_hook(
-            lambda _m, _i, out, name=name: seen.__setitem__(name, out.detach().clone())))
+    for name in ("patch_embedding", "time_embedding", "time_projection", "text_embedding", "head"):
+        _keep(getattr(model, name), seen, name, handles)
+    for i, block in enumerate(model.blocks):
+        _keep(block, seen, f"block{i}", handles)
     return seen, handles
 
 
@@ -123,11 +125,10 @@ class _Recorder:
         self.wanted = {int(v): k for k, v in wanted.items()}        # call index -> 'callN'
         self.current, self.saved, self.once, self.calls = {}, {}, {}, 0
         self.handles = []
-        hook = lambda name, store: (lambda _m, _i, out: store.__setitem__(name, out.detach().clone()))
-        self.handles.append(model.patch_embedding.register_forward_hook(hook("patch_embedding", self.current)))
-        self.handles.append(model.img_emb.register_forward_hook(hook("img_emb", self.once)))
+        _keep(model.patch_embedding, self.current, "patch_embedding", self.handles)
+        _keep(model.img_emb, self.once, "img_emb", self.handles)
         for i, block in enumerate(model.blocks):
-            self.handles.append(block.register_forward_hook(hook(f"block{i}", self.current)))
+            _keep(block, self.current, f"block{i}", self.handles)
         for b in model.action_config.blocks:
             act = model.blocks[b].action_model
             self.handles.append(act.register_forward_hook(
@@ -135,8 +136,7 @@ class _Recorder:
                                                                 f"block{b}.action_out": out.detach().clone()})))
             for name in ("proj_mouse", "proj_keyboard"):
                 if hasattr(act, name):
-                    self.handles.append(getattr(act, name).register_forward_hook(
-                        hook(f"block{b}.{name}", self.current)))
+                    _keep(getattr(act, name), self.current, f"block{b}.{name}", self.handles)
 
     def after_call(self) -> None:
         tag = self.wanted.get(self.calls)
