@@ -183,7 +183,7 @@ def test_bench_fidelity_rows_of_non_finite_runs_are_failed_rows(monkeypatch):
 
     def poisoned(*a, **k):
         out, steps, instead = real(*a, **k)
-        if a[3] != "sdpa":
+        if a[1] != "sdpa":
             out = out.clone()
             out.view(-1)[0] = float("nan")
         return out, steps, instead
