@@ -46,7 +46,6 @@ def loader_runs(module, torch_fn: str, mode: str, path: str, monkeypatch) -> tup
         with torch.no_grad():
             outs[m] = generate_latents(handle.model, torch.randn(1, 8, handle.model.config.text_dim,
                                        generator=torch.Generator().manual_seed(1)), 6, 4, 4, seed=3,
-                                       schedule="self_forcing", report=reports[m], path=path,
-                                       fast_options={} if path == "optimized" else None)
+                                       schedule="self_forcing", report=reports[m], path=path)
         assert bool(calls) == (m == mode)
     return outs, reports

@@ -207,38 +207,41 @@ def test_plan_capability_and_doctor_head_dim(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- continuation
-def _continued(model, ctx, num_frames, state=None):
-    """(new latents, the state after them) of a continuable run on the CPU, as the CausalWan Sampler keeps it."""
-    from wan_accel.app.prepare import RunInputs, RunSpec, prepare_video
-    run = prepare_video(model, RunSpec(), RunInputs(context=ctx, state=state), 32, 32, num_frames, keep_state=True,
-                        state_device="cpu")
+def sample_video_with_state(model, spec, context, width, height, num_frames, state=None):
+    """(new latents, state after them): a continuable run through the one prepare call."""
+    from wan_accel.app.prepare import prepare_video
+    from wan_accel.sampling.request import RunInputs
+    run = prepare_video(model, spec, RunInputs(context=context, state=state), width, height, num_frames,
+                        keep_state=True)
     return run.latents(), run.state
 
 
 def test_state_of_other_weights_is_refused():
+    from wan_accel.app.prepare import RunSpec
     from wan_accel.model.tiny import tiny_causal_model
 
     a = tiny_causal_model(0, "cpu", torch.float32, "float32")
     b = tiny_causal_model(1, "cpu", torch.float32, "float32")       # same structure, other weights
     ctx = torch.zeros(1, 0, a.config.text_dim)
-    _, state = _continued(a, ctx, 9)
+    _, state = sample_video_with_state(a, RunSpec(), ctx, 32, 32, 9)
     with pytest.raises(ValueError, match="model weights"):
-        _continued(b, ctx, 21, state)
+        sample_video_with_state(b, RunSpec(), ctx, 32, 32, 21, state=state)
     first = next(a.parameters())
     saved = first.detach().clone()
     with torch.no_grad():                                             # patched in place: also other weights
         first.add_(1.0)
     with pytest.raises(ValueError, match="model weights"):
-        _continued(a, ctx, 21, state)
+        sample_video_with_state(a, RunSpec(), ctx, 32, 32, 21, state=state)
     with torch.no_grad():
         first.copy_(saved)
-    more, _ = _continued(a, ctx, 21, state)
+    more, _ = sample_video_with_state(a, RunSpec(), ctx, 32, 32, 21, state=state)
     assert more.shape[1] == 3
 
 
 def test_state_of_weights_loaded_as_inference_tensors():
     """ComfyUI loads weights as inference tensors (no in-place version counter): a continuation on the same
     weights goes on, other weights or a weight patched in place are refused."""
+    from wan_accel.app.prepare import RunSpec
     from wan_accel.model.tiny import tiny_causal_model
 
     with torch.inference_mode():
@@ -247,14 +250,14 @@ def test_state_of_weights_loaded_as_inference_tensors():
     assert next(a.parameters()).is_inference()
     ctx = torch.zeros(1, 0, a.config.text_dim)
     with torch.inference_mode():
-        _, state = _continued(a, ctx, 9)
-        more, _ = _continued(a, ctx, 21, state)
+        _, state = sample_video_with_state(a, RunSpec(), ctx, 32, 32, 9)
+        more, _ = sample_video_with_state(a, RunSpec(), ctx, 32, 32, 21, state=state)
         assert more.shape[1] == 3
         with pytest.raises(ValueError, match="model weights"):
-            _continued(b, ctx, 21, state)
+            sample_video_with_state(b, RunSpec(), ctx, 32, 32, 21, state=state)
         next(a.parameters()).add_(1.0)                                # in place, no version counter to see it
         with pytest.raises(ValueError, match="model weights"):
-            _continued(a, ctx, 21, state)
+            sample_video_with_state(a, RunSpec(), ctx, 32, 32, 21, state=state)
 
 
 def test_mg2_node_refuses_out_of_range_actions():
@@ -283,28 +286,27 @@ def _need(config: dict, frames, height, width, **kw) -> int:
     return sum(sampling_need(config, frames, height, width, **kw).values())
 
 
-@pytest.mark.parametrize("continuable", [False, True])
-def test_python_api_refuses_before_allocating(monkeypatch, capsys, continuable):
+@pytest.mark.parametrize("keep_state", [False, True])
+def test_python_api_refuses_before_allocating(monkeypatch, capsys, keep_state):
     import wan_accel.app.prepare as job
+    from wan_accel.sampling.request import RunInputs
     from wan_accel.model.tiny import tiny_causal_model
 
     model = tiny_causal_model(0, "cpu", torch.float32, "float32")
-    inputs = job.RunInputs(context=torch.zeros(1, 0, model.config.text_dim))
+    ctx = torch.zeros(1, 0, model.config.text_dim)
     need = _need(model.config.to_dict(), 9, 32, 32)
     _device_with(monkeypatch, need - 1)
 
     def no_tensors(*_a, **_k):
         raise AssertionError("sampling started")
 
-    def run():
-        return job.prepare_video(model, job.RunSpec(), inputs, 32, 32, 9, keep_state=continuable).latents()
-
     with monkeypatch.context() as m:
-        m.setattr(job, "prepare", no_tensors)
+        m.setattr(job, "build_request", no_tensors)
+        m.setattr(job, "continued", no_tensors)
         with pytest.raises(ValueError, match=r"num_frames 9 at 32x32 needs about .* test device has"):
-            run()
+            job.prepare_video(model, job.RunSpec(), RunInputs(context=ctx), 32, 32, 9, keep_state=keep_state)
     _device_with(monkeypatch, need)                      # exactly the estimate: runs, and the check says nothing
-    out = run()
+    out = job.prepare_video(model, job.RunSpec(), RunInputs(context=ctx), 32, 32, 9, keep_state=keep_state).latents()
     assert out.shape[1] == 3 and torch.isfinite(out).all()
     assert capsys.readouterr().err == ""
 

@@ -103,7 +103,6 @@ def test_the_sampler_node_refuses_before_any_work(handle, monkeypatch, settings,
 
     def never(*_a, **_k):
         raise AssertionError("sampled a refused setting")
-    monkeypatch.setattr(prepare, "prepare_video", never)
     monkeypatch.setattr(prepare, "prepare", never)
     with pytest.raises(ValueError, match="^" + want):
         CausalWanSampler().sample(handle, **{**NODE_ARGS, **settings})
