@@ -293,14 +293,14 @@ def test_native_probe_runs_the_ar_sampler_on_a_native_model_against_the_engine(c
     text = doctor_nodes.WanAccelDoctor().run(feature="native_model", dtype="fp32")["result"][0]
     row = next(line for line in text.splitlines() if line.startswith("native_model"))
     assert " passed " in row
-    from wan_accel.app import prepare
+    from wan_accel.app import run
     from wan_accel.model.borrowed import BorrowedWanModel
-    real = prepare.sample_causal                # where both sides' prepared runs enter the loop
+    real = run.sample_causal                    # where both sides' prepared runs enter the loop
 
     def drifting(model, *args, **kwargs):      # the native path (the engine over ComfyUI's layers) a little off
         out = real(model, *args, **kwargs)
         return out * 1.001 if isinstance(model, BorrowedWanModel) else out
-    monkeypatch.setattr(prepare, "sample_causal", drifting)
+    monkeypatch.setattr(run, "sample_causal", drifting)
     d = doc.doctor_for("cpu", torch.float32, 16)
     verdict = d.check("native_model", recheck=True)
     assert verdict["status"] == "failed" and "wrong numbers" in verdict["error"]

@@ -289,6 +289,7 @@ def _need(config: dict, frames, height, width, **kw) -> int:
 @pytest.mark.parametrize("keep_state", [False, True])
 def test_python_api_refuses_before_allocating(monkeypatch, capsys, keep_state):
     import wan_accel.app.prepare as job
+    import wan_accel.app.run as run
     from wan_accel.sampling.request import RunInputs
     from wan_accel.model.tiny import tiny_causal_model
 
@@ -301,8 +302,8 @@ def test_python_api_refuses_before_allocating(monkeypatch, capsys, keep_state):
         raise AssertionError("sampling started")
 
     with monkeypatch.context() as m:
-        m.setattr(job, "build_request", no_tensors)
-        m.setattr(job, "continued", no_tensors)
+        m.setattr(run, "build_request", no_tensors)
+        m.setattr(run, "continued", no_tensors)
         with pytest.raises(ValueError, match=r"num_frames 9 at 32x32 needs about .* test device has"):
             job.prepare_video(model, job.RunSpec(), RunInputs(context=ctx), 32, 32, 9, keep_state=keep_state)
     _device_with(monkeypatch, need)                      # exactly the estimate: runs, and the check says nothing

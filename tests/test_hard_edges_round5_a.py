@@ -295,7 +295,8 @@ def test_nan_noise_is_refused_before_sampling_naming_the_noise(tiny, monkeypatch
     noise = torch.randn(1, 3, 16, 4, 4)
     noise[0, 1, 2, 3, 0] = float("nan")
     from wan_accel.sampling.request import RunInputs
-    monkeypatch.setattr(P, "build_request", lambda *a, **k: pytest.fail("sampling was prepared"))
+    from wan_accel.app import run
+    monkeypatch.setattr(run, "build_request", lambda *a, **k: pytest.fail("sampling was prepared"))
     with pytest.raises(NonFiniteError, match=r"^the initial noise holds non-finite values \(1 NaN of 768\)"):
         P.prepare(model, P.RunSpec(path="reference"), RunInputs(context=context, noise=noise))
 

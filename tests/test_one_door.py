@@ -58,8 +58,9 @@ def reached(monkeypatch):
 
 
 @pytest.fixture
-def door(monkeypatch):
-    """The way to the chunk loop, in order: 'prepare' for every run prepared (``prepare`` makes the only ``Run``),
+def run_door(monkeypatch):
+    """The way to the chunk loop, in order: 'prepare' for every run prepared (``Run``, made by ``prepare`` or, for a
+    model the doctor's probes prepared themselves, by ``prepare``'s second half ``app.run.Run``),
     'loop' for every time the loop runs inside a prepared run's ``latents()``, 'loop outside a run' for a face that
     reaches ``sampler.sample_causal`` or ``loop.run_chunks`` by itself."""
     events, inside = [], []
@@ -225,10 +226,11 @@ FACES = {f.__name__: f for f in (native_sampler, sampler_node, generate_library,
 # the replay tools and benches that keep the model as it is (no doctor): they reach the loop through prepare too
 def bench_native(tmp):
     from wan_accel.bench import native
-    from wan_accel.model.checkpoint import core_causal_metadata
-    from wan_accel.model.random_checkpoint import random_weights, write_file
+    from wan_accel.model.checkpoint import core_causal_metadata, expected_shapes
+    from wan_accel.model.random_checkpoint import write_file
+    from wan_accel.model.tiny import draw_weights
     config = native.shape_config("tiny")
-    write_file(tmp / "m.safetensors", random_weights(config, 0, torch.device("cpu"), torch.float32),
+    write_file(tmp / "m.safetensors", dict(draw_weights(expected_shapes(config), 0, "cpu", torch.float32)),
                core_causal_metadata(config))
     args = argparse.Namespace(path="auto", repeat=1, lora_strength=1.0)
     inputs = native._inputs(config, "tiny", 0, torch.device("cpu"))
@@ -258,24 +260,23 @@ DOOR_FACES = dict(FACES, sampler_node_continued=sampler_node_continued, rank_poo
                   doctor_probe=doctor_probe)
 
 
-def _call(fn, tmp_path, monkeypatch, capsys):
-    extra = {"monkeypatch": monkeypatch} if fn.__name__ in ("mg2_play", "prompt_play", "rank_pool") else {}
-    if fn.__name__ == "bench_sampler":
-        extra = {"capsys": capsys}
-    fn(tmp_path, **extra)
-
-
 @pytest.mark.parametrize("face", list(DOOR_FACES))
-def test_every_face_reaches_the_loop_through_prepare(face, reached, door, tmp_path, monkeypatch, capsys):
-    _call(DOOR_FACES[face], tmp_path, monkeypatch, capsys)
-    assert "loop" in door, f"{face} never reached the loop: {door}"
-    assert "loop outside a run" not in door, f"{face} ran the loop without prepare: {door}"
-    assert door[0] == "prepare", door
+def test_every_face_reaches_the_loop_inside_a_prepared_run(face, reached, run_door, tmp_path, monkeypatch, capsys):
+    fn = DOOR_FACES[face]
+    extra = {"monkeypatch": monkeypatch} if face in ("mg2_play", "prompt_play", "rank_pool") else {}
+    fn(tmp_path, **({"capsys": capsys} if face == "bench_sampler" else extra))
+    assert "loop" in run_door, f"{face} never reached the loop: {run_door}"
+    assert "loop outside a run" not in run_door, f"{face} ran the loop outside a prepared run: {run_door}"
+    assert run_door[0] == "prepare", run_door
 
 
 @pytest.mark.parametrize("face", list(FACES))
 def test_every_face_reaches_the_loop_with_the_doctors_verdicts(face, reached, tmp_path, monkeypatch, capsys):
-    _call(FACES[face], tmp_path, monkeypatch, capsys)
+    fn = FACES[face]
+    extra = {"monkeypatch": monkeypatch} if face in ("mg2_play", "prompt_play") else {}
+    if face == "bench_sampler":
+        extra = {"capsys": capsys}
+    fn(tmp_path, **extra)
     assert reached, f"{face} never reached the loop"
     for req in reached:
         assert req.path == "optimized", (face, req.path)

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from . import probes as doctor_probes  # noqa: F401 - registers the pack's features
 from .verdict import NAMESPACE, STATUSES, code_digest, pack_version, verdict_problem
 from .vocabulary import FEATURES, Feature, NotAvailable, Probe, ProbeContext, register_feature
 

@@ -347,13 +347,13 @@ CHUNK_ULPS = 64     # a whole chunk (every block, two steps) accumulates more ro
 def _chunk(model, ctx: ProbeContext, **options):
     """One chunk (3 latent frames, 16x16 latents: 192 tokens) of the optimized path."""
     from ...sampling.runner import FastOptions
-    from ..prepare import RunInputs, RunSpec, Setup, prepare
+    from ..run import Run, RunInputs, RunSpec, Setup
     cfg = model.config
     context = torch.randn(1, cfg.text_len, cfg.text_dim, generator=torch.Generator().manual_seed(15)).to(ctx.device)
     opts = FastOptions(fused_kernels=False, keep_buffers=True, **{"cuda_graphs": "off", **options})
     spec = RunSpec(schedule=CHUNK_SCHEDULE, doctor=False, oom_retry="off")      # the model as the probe made it
-    return prepare(model, spec, RunInputs(context=context, noise=(1, 3, cfg.out_dim, 16, 16)),
-                   setup=Setup("optimized", opts, [], {})).latents().to(ctx.dtype)
+    return Run(model, spec, Setup("optimized", opts, [], {}),
+               RunInputs(context=context, noise=(1, 3, cfg.out_dim, 16, 16))).latents().to(ctx.dtype)
 
 
 def _needs_graphs(ctx: ProbeContext) -> None:
