@@ -133,7 +133,7 @@ def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, devic
                                 sink=int(cfg["config"].get("sink_size", 0)),
                                 independent_first_frame=bool(s.get("independent_first_frame", False)))
         else:
-            from ..sampling.mg2 import sample_mg2
+            from ..app.jobs.mg2 import sample_mg2
             from ..app.jobs.mg2_reference import load_fixture_model
             model = load_fixture_model(directory, cfg, device).set_attention_backend(attention)
             if (instead := _substitute(attention, device, model)):

@@ -72,7 +72,7 @@ def mg2(sp, heads: int = 4) -> dict:
     from wan_accel.app.jobs.mg2_reference import load_fixture_model
     from wan_accel.app.jobs.reference import _schedule_from
     from wan_accel.model.kv_cache import KVCache
-    from wan_accel.sampling.mg2 import sample_mg2
+    from wan_accel.app.jobs.mg2 import sample_mg2
     d = FIXTURES / "matrix_game2"
     cfg = json.loads((d / "mg2_config.json").read_text())
     io = load_file(str(d / cfg["io_file"]))

@@ -8,7 +8,8 @@ from wan_accel.model.mg2_model import tiny_mg2_model
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 from wan_accel.profiling.dispatch_counts import Counts, DispatchCounts
 from wan_accel.sampling import runner as runner_mod
-from wan_accel.sampling.mg2 import generate_mg2, resolve_preset
+from wan_accel.app.jobs.mg2 import generate_mg2
+from wan_accel.sampling.mg2 import resolve_preset
 from wan_accel.sampling.sampler import sampler_path
 from run_helpers import generate_latents
 from wan_accel.sampling.scheduler import resolve_schedule

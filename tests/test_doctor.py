@@ -285,7 +285,7 @@ def test_matrix_game2_runs_with_the_verdicts(monkeypatch):
     verdicts to it."""
     from wan_accel.app.prepare import prepared_sampling
     from wan_accel.model.mg2_model import tiny_mg2_model
-    from wan_accel.sampling.mg2 import generate_mg2
+    from wan_accel.app.jobs.mg2 import generate_mg2
     from wan_accel.sampling.runner import FastOptions
     from wan_accel.sampling.sampler import sampler_path
     model = tiny_mg2_model()

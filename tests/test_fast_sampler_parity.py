@@ -191,7 +191,7 @@ def test_matrix_game2_fixture_through_the_optimized_path():
 
 def test_matrix_game2_lean_refresh_keeps_every_cache():
     """No tracer: refreshes run lean; output and self/mouse/keyboard caches equal the reference run's."""
-    from wan_accel.sampling.mg2 import sample_mg2
+    from wan_accel.app.jobs.mg2 import sample_mg2
     from wan_accel.model.mg2_model import tiny_mg2_model
     model = tiny_mg2_model()
     g = torch.Generator().manual_seed(5)

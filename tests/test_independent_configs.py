@@ -206,7 +206,7 @@ MG2 = [
 
 @pytest.mark.parametrize("case", range(len(MG2)))
 def test_mg2_sampler_matches_independent_float64(case, tmp_path):
-    from wan_accel.sampling.mg2 import sample_mg2
+    from wan_accel.app.jobs.mg2 import sample_mg2
     c, (f, h, wd), window, steps, lc = MG2[case]
     w = _weights(c, 300 + case)
     model = _model(c, w, tmp_path)

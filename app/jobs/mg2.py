@@ -1,4 +1,5 @@
-"""The Matrix-Game-2 `generate` job: start latent + CLIP tokens + scripted actions -> latents, preview, report.
+"""The Matrix-Game-2 `generate` job: start latent + CLIP tokens + scripted actions -> latents, preview, report; and
+the Matrix-Game-2 runs through the one prepare call (``sample_mg2``, ``generate_mg2``, ``sample_mg2_continuable``).
 
 Without a checkpoint it runs the built-in tiny action model on random (seeded) conditioning, end to end on
 CPU in seconds; with one, pass the start image latent and CLIP tokens as safetensors files.
@@ -9,6 +10,12 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from ...sampling.mg2 import FRAMES_PER_BLOCK, MG2Settings, _check_actions, batch_noise, build_cond_concat
+from ...sampling.mg2 import channels_first, mg2_run, resolve_preset
+from ...sampling.mg2_continuation import mg2_continuation
+from ...sampling.request import SamplingHooks
+from ..prepare import RunSpec, prepare, prepare_model
 
 DEFAULT_SCRIPT = "W*20, W+A*8, mouse(0.1,0)*12, idle*4"
 TINY_LATENT = (16, 16)          # latent height, width of the tiny run (128x128 pixels)
@@ -55,6 +62,95 @@ def load_mg2_handle(checkpoint=None, dtype="bf16", precision="self_forcing", att
     return handle
 
 
+def sample_mg2(model, noise, cond_concat: torch.Tensor, visual_context: torch.Tensor, mouse: torch.Tensor | None,
+               keyboard: torch.Tensor | None, schedule, window: int, noise_provider=None,
+               generator: torch.Generator | None = None, callback=None, tracer=None, on_chunk=None,
+               skip_last_refresh: bool = False, kv_cache=None, actions=None, start_frame: int = 0,
+               report: dict | None = None, on_chunk_latents=None, *, spec: RunSpec | None = None,
+               setup=None) -> torch.Tensor:
+    """Run the Matrix-Game-2 loop through ``app.prepare.prepare``; returns x0 latents ``[B, 16, F, H, W]`` (float32,
+    model space).
+
+    noise ``[B, 16, F, H, W]``, or just that shape: each chunk's initial noise ``[B, 3, 16, H, W]`` then
+    comes from noise_provider (step -1) when the chunk starts; cond_concat ``[B, 20, F, H, W]`` (or, continuing,
+    its frames from start_frame on);
+    visual_context ``[B or 1, tokens, clip_dim]``; mouse/keyboard ``[B or 1, video frames, dims]`` (at least
+    ``4*(F-1)`` frames, ``1 + 4*(F-1)`` as released); schedule: a Schedule or preset name; window: the
+    rolling window of every cache in latent frames. start_frame: sample only the chunks from that latent frame on
+    over caches holding the earlier frames (continue a video: ``sample_mg2_continuable``); returns those frames.
+    noise_provider(chunk, step, shape [B, 3, 16, H, W], dtype, device) supplies the re-noising draws
+    (default: ``generator``). callback/tracer/on_chunk as ``SamplingHooks``' (tracer tensors are
+    ``[B, 3, C, H, W]``); on_chunk_latents(chunk, num_chunks, x0) likewise, x0 ``[B, 16, 3, H, W]`` (this function's
+    layout). kv_cache / actions: pre-built caches to inspect afterwards. report: a dict that receives what the run
+    did. spec: the run's path and options (``RunSpec``; its loop fields are Matrix-Game-2's); setup: the
+    ``prepare_model`` already done (a replay tool, a play session), else the model is prepared here.
+    """
+    fields, inputs = mg2_run(model, noise, cond_concat, visual_context, mouse, keyboard, schedule, window,
+                             noise_provider, generator, kv_cache, actions, start_frame)
+    spec = (spec if spec is not None else RunSpec()).replace(skip_last_refresh=skip_last_refresh, **fields)
+    hooks = SamplingHooks(callback=callback, on_chunk=on_chunk, tracer=tracer, report=report,
+                          on_chunk_latents=channels_first(on_chunk_latents))
+    return prepare(model, spec, inputs, hooks, setup=setup).latents().transpose(1, 2)
+
+
+def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor, actions, num_frames: int = 0,
+                 seed: int = 0, preset: str = "universal", window: int | None = None, steps=None,
+                 callback=None, on_chunk=None, skip_last_refresh: bool = False, report: dict | None = None,
+                 on_chunk_latents=None, *, spec: RunSpec | None = None, setup=None) -> torch.Tensor:
+    """Seeded end-to-end sampling; returns latents ``[B, 16, F, H, W]`` (float32, model space).
+
+    image_latent: model-space start latent ``[B, 16, 1 or >=F, H, W]``; visual_context: CLIP tokens
+    ``[B or 1, tokens, clip_dim]``; actions: a GameActions or a (mouse, keyboard) pair of tensors
+    ``[B or 1, video frames, dims]``; num_frames: latent frames (0: every whole chunk the actions cover);
+    preset: a preset name (``steps``/``window`` override it) or resolved :class:`MG2Settings`.
+    Batch element i draws its noise from its own generator seeded ``seed + i`` (chunk by chunk), so a batch
+    gives the same latents as separate batch-1 runs with those seeds, and a longer video starts with
+    exactly the frames of a shorter one. report: a dict that receives what the run did. on_chunk_latents: each
+    chunk's latents ``[B, 16, 3, H, W]`` before its refresh pass; spec / setup as ``sample_mg2``'s.
+    """
+    settings = preset if isinstance(preset, MG2Settings) else resolve_preset(preset, steps=steps, window=window)
+    device = model.device
+    if hasattr(actions, "tensors"):
+        frames_avail = actions.latent_frames
+        mouse, keyboard = actions.tensors(batch=1)
+    else:
+        mouse, keyboard = actions
+        seq = keyboard if keyboard is not None else mouse
+        frames_avail = 1 + (seq.shape[1] - 1) // 4
+    _check_actions(model, mouse, keyboard)
+    if num_frames <= 0:
+        num_frames = (frames_avail // FRAMES_PER_BLOCK) * FRAMES_PER_BLOCK
+        if num_frames == 0:
+            raise ValueError(f"the actions cover {frames_avail} latent frame(s); a chunk needs "
+                             f"{FRAMES_PER_BLOCK} (13 video frames)")
+    if num_frames % FRAMES_PER_BLOCK:
+        raise ValueError(f"num_frames ({num_frames} latent frames) must be a multiple of {FRAMES_PER_BLOCK}")
+    if num_frames > frames_avail:
+        raise ValueError(f"{num_frames} latent frames need {1 + 4 * (num_frames - 1)} video frames of actions; "
+                         f"the actions give {1 + 4 * (frames_avail - 1)}")
+    b, _, _, h, w = image_latent.shape
+    cond = build_cond_concat(image_latent.to(device), num_frames)
+    gens = [torch.Generator(device=device).manual_seed((int(seed) + i) % 2 ** 64) for i in range(b)]
+    to_dev = lambda t: None if t is None else t.to(device)
+    return sample_mg2(model, (b, model.config.out_dim, num_frames, h, w), cond, visual_context.to(device),
+                      to_dev(mouse), to_dev(keyboard), settings.schedule, settings.window, noise_provider=batch_noise(gens, device),
+                      callback=callback, on_chunk=on_chunk, skip_last_refresh=skip_last_refresh, report=report,
+                      on_chunk_latents=on_chunk_latents, spec=spec, setup=setup)
+
+
+def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: torch.Tensor, mouse, keyboard,
+                           num_frames: int, seed: int = 0, preset="universal", state=None, keep_state: bool = True,
+                           state_device=None, callback=None, on_chunk=None, in_place: bool = False,
+                           on_chunk_latents=None, *, spec: RunSpec | None = None, setup=None):
+    """(new latents ``[B, 16, n, H, W]`` up to ``num_frames`` latent frames in all, the state after them or None):
+    ``sampling.mg2_continuation.mg2_continuation``'s run (its arguments) through ``sample_mg2``."""
+    run, state_after = mg2_continuation(model, image_latent, visual_context, mouse, keyboard, num_frames, seed,
+                                        preset, state, state_device, in_place)
+    out = sample_mg2(model, **run, callback=callback, on_chunk=on_chunk, on_chunk_latents=on_chunk_latents,
+                     spec=spec, setup=setup)
+    return out, state_after() if keep_state else None
+
+
 def _conditioning(opts: MG2Options, model, device):
     c = model.config
     if opts.conditioning:
@@ -78,15 +174,14 @@ def _conditioning(opts: MG2Options, model, device):
     return image.to(device), ctx.to(device)
 
 
-def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) -> dict:
+def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, spec: RunSpec | None = None) -> dict:
     """Run the job; progress(chunk, num_chunks) per chunk. Returns the report dict. parallel: this rank's
-    ``SeqParallel`` to sample sequence-parallel (``app/ranks/parallel.py``); rank 0 writes the files."""
+    ``SeqParallel`` to sample sequence-parallel (``app/ranks/parallel.py``); rank 0 writes the files. spec: the
+    run's path and options (the command line's ``--sampler``, ``--linear``...; default ``RunSpec()``)."""
     from ..ranks.parallel import enable_parallel, parallel_report
     from ...sampling.actions_script import parse_action_script
     from .generate import (ChunkTimer, _jsonable, _peak_memory, _sync, _write_outputs, _write_report, _writes,
                            check_outputs)
-    from ...sampling.mg2 import generate_mg2, resolve_preset
-    from ..prepare import prepared_sampling
     from .handle import default_device
     device = torch.device(opts.device) if opts.device else default_device()
     dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -113,9 +208,10 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     chunk_seconds = on_chunk.seconds
     t_start = on_chunk.start()
     sampler_report: dict = {}
-    with prepared_sampling(handle.model, notes=notes, log=log):      # the doctor's verdicts, the one prepare step
-        latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings,
-                               on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh, report=sampler_report)
+    spec = spec if spec is not None else RunSpec()
+    setup = prepare_model(handle.model, spec, log=log, notes=notes)      # the doctor's verdicts, said in the log
+    latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings, on_chunk=on_chunk,
+                           skip_last_refresh=opts.skip_last_refresh, report=sampler_report, spec=spec, setup=setup)
     _sync(device)
     sample_s = time.perf_counter() - t_start
     files = _write_outputs(latents.transpose(1, 2), opts, parallel)

@@ -74,7 +74,7 @@ def _call_key(rec: dict) -> str:
 
 
 def run(directory, cfg: dict, device="cpu") -> list:
-    from ...sampling.mg2 import sample_mg2
+    from .mg2 import sample_mg2
     from ...model.kv_cache import KVCache
     from .reference import _calls_row, _load_io, _schedule_from, _schedule_rows, call_tensors
     directory = Path(directory)

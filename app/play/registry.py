@@ -1,7 +1,8 @@
 """Matrix-Game-2 play mode: sessions whose next chunk is driven by the actions held while it is made.
 
-``PlaySession.step(keys, mouse)`` continues the video by one 3-latent-frame chunk (``sampling.mg2_continuation``)
-with the given keys and camera motion held for the whole chunk, and records them: ``script`` is the Game Actions
+``PlaySession.step(keys, mouse)`` continues the video by one 3-latent-frame chunk (``jobs.mg2.sample_mg2_continuable``
+over the model the session prepared once, at its first chunk) with the given keys and camera motion held for the
+whole chunk, and records them: ``script`` is the Game Actions
 script of the session, and ``generate_mg2`` with it and the same seed reproduces the session's frames exactly.
 ``free`` drops everything heavy (the model, the caches, attached decoders) and keeps what saving needs (the
 latents made so far, the script).
@@ -22,7 +23,8 @@ import torch
 from ...sampling.actions_script import MODES, parse_action_script
 from ...sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
 from ...sampling.continuation import weight_fingerprint
-from ...sampling.mg2_continuation import sample_mg2_continuable
+from ..jobs.mg2 import sample_mg2_continuable
+from ..prepare import RunSpec, prepare_model
 
 FIRST_CHUNK_FRAMES = 4 * (FRAMES_PER_BLOCK - 1)     # scripted video frames of the first chunk (after the start frame)
 CHUNK_FRAMES = 4 * FRAMES_PER_BLOCK                 # video frames of every later chunk
@@ -37,10 +39,18 @@ class PlayError(ValueError):
 class SessionBase:
     """What every play session shares: its chunks' latents, and ``free`` (drops the heavy attributes named in
     ``HEAVY``, the state and attached decoders; keeps the latents and the script). ``run_spec``: the run spec
-    (``app/prepare.RunSpec``) every chunk is prepared with (the start's choices, e.g. fp8 linear layers); None: the
-    defaults."""
+    (``app/prepare.RunSpec``) the session is prepared with (the start's choices, e.g. fp8 linear layers); None: the
+    defaults. ``setup``: what preparing it did (``prepared``)."""
     HEAVY: tuple = ("model",)
     run_spec = None
+    setup = None
+
+    def prepared(self):
+        """The session's model prepared once, at its first chunk (``app.prepare.prepare_model`` with ``run_spec``:
+        the doctor's verdicts and the start's choices; ``setup.notes`` says what was switched off)."""
+        if self.setup is None:
+            self.setup = prepare_model(self.model, self.run_spec or RunSpec())
+        return self.setup
 
     def latent_video(self) -> torch.Tensor:
         """Every chunk's latents so far, [1, C, frames, h, w] (model space, CPU)."""
@@ -139,7 +149,7 @@ class PlaySession(SessionBase):
             out, self.state = sample_mg2_continuable(
                 self.model, self.image, self.context, mouse_t, keyboard_t, self.frames + FRAMES_PER_BLOCK,
                 seed=self.seed, preset=self.settings, state=self.state, state_device=self.state_device,
-                callback=callback, in_place=self.in_place)
+                callback=callback, in_place=self.in_place, spec=self.run_spec, setup=self.prepared())
             first = 0 if self.chunks == 0 else 1 + FIRST_CHUNK_FRAMES + CHUNK_FRAMES * (self.chunks - 1)
             given = self.state.actions             # exactly the tensors the model's action modules were given
             rows = lambda t: None if t is None else t[0, first:first + keyboard_t.shape[1]]

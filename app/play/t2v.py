@@ -1,7 +1,8 @@
 """Live prompt steering of a causal text-to-video model: sessions whose next chunk follows the prompt typed now.
 
-``PromptPlaySession.step(prompt)`` continues the video by one chunk (``sampling.continuation``) with ``prompt`` in
-effect from that chunk on; an empty prompt keeps the one in effect. A prompt is one line of the prompt schedule's
+``PromptPlaySession.step(prompt)`` continues the video by one chunk with ``prompt`` in effect from that chunk on: the
+session is one run, prepared once at its first chunk (``app.prepare.prepare``, keeping its state) and extended by
+one chunk per step (``Run.extend``); an empty prompt keeps the one in effect. A prompt is one line of the prompt schedule's
 grammar (``sampling.prompts``): a text, a weighted mix ``a :0.7 | b :0.3``, an optional ``(blend N)``. Every change
 becomes one schedule entry ``<chunk>: <prompt>``, and each chunk's context is taken from that schedule exactly as a
 one-shot run takes it, so ``schedule_text`` given to ``generate --prompt-schedule`` (or the sampler nodes) with the
@@ -29,9 +30,11 @@ import torch
 
 from ...model.dit import check_text_tokens
 from ...model.finite import NonFiniteError, check_conditioning
-from ...sampling.continuation import sample_continuable, weight_fingerprint
+from ...sampling.continuation import weight_fingerprint
 from ...sampling.krea import cache_setup
 from ...sampling.prompts import PromptSchedule
+from ...sampling.request import RunInputs, SamplingHooks
+from ..prepare import RunSpec, prepare
 from .registry import PlayError, SessionBase
 
 HEAD_VALUES = 8                 # first values of the context's first row kept in the log
@@ -44,7 +47,7 @@ def context_digest(context: torch.Tensor) -> str:
 
 
 class PromptPlaySession(SessionBase):
-    HEAVY = ("model", "encode")
+    HEAVY = ("model", "encode", "run")
 
     kind = "t2v"
 
@@ -72,6 +75,7 @@ class PromptPlaySession(SessionBase):
         self.kv_window, self.sink, self.recache = self.cache.kv_window, int(sink), recache
         self.state_device, self.settings = state_device, dict(settings or {})
         self.state = None
+        self.run = None                     # the session's one run (``app.prepare.Run``), from its first chunk
         self.lines: list[str] = []          # schedule entries "<chunk>: <prompt>", one per change
         self.prompt: str | None = None      # the prompt in effect (as typed)
         self.embeddings: dict = {}          # text -> [1, L, D] embedding (CPU), each text encoded once
@@ -160,23 +164,23 @@ class PromptPlaySession(SessionBase):
                 raise PlayError(f"this play session has ended ({self.ended}): start a new one")
             self._check_weights()
             schedule, lines, text, context, switched = self._prepare(prompt)
-            device = self.model.device
             policy = self.cache.cache_policy
             mark = policy.mark() if hasattr(policy, "mark") else None
+            before = self.state
             try:
-                out, state = sample_continuable(
-                    self.model, context.to(device), (self.chunks + 1) * self.frames_per_block, self.height,
-                    self.width, seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block,
-                    kv_window=self.kv_window, sink=self.sink, state=self.state, state_device=self.state_device,
-                    callback=callback, **self.cache.sampler_kwargs())
+                out = self._chunk(context.to(self.model.device), callback)
             except BaseException as exc:
+                if before is None:              # a first chunk that failed: the next step prepares the run again
+                    self.run = None
+                else:                           # the chunk is dropped: the run goes on from the state before it
+                    self.run.state = before
                 if mark is not None:            # an interrupted chunk: the policy goes on from the last chunk made
                     policy.rewind(mark)
-                if isinstance(exc, NonFiniteError):     # the state was copied, not changed: the session goes on
+                if isinstance(exc, NonFiniteError):
                     raise PlayError(f"prompt {text[:80]!r} gave a chunk of NaN values, which was dropped: "
                                     f"{exc}; the session goes on from chunk {self.chunks}") from None
                 raise
-            self.state = state
+            self.state = self.run.state
             self.lines, self.prompt = lines, text
             self.log.append({"chunk": self.chunks, "prompt": text, "switched": switched,
                              "context_sha256": context_digest(context),
@@ -184,6 +188,21 @@ class PromptPlaySession(SessionBase):
             self.latents.append(out.detach().float().cpu().transpose(1, 2))
             self.chunks += 1
             return self.latents[-1]
+
+    def _chunk(self, context: torch.Tensor, callback) -> torch.Tensor:
+        """The next chunk's latents: the session's run prepared at its first chunk, then extended by one chunk."""
+        frames = (self.chunks + 1) * self.frames_per_block
+        if self.run is not None:
+            self.run.hooks = self.run.hooks.replace(callback=callback)
+            return self.run.extend(frames, context=context)
+        spec = (self.run_spec or RunSpec()).replace(
+            seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block, kv_window=self.kv_window,
+            sink=self.sink, recache=self.cache.recache)
+        inputs = RunInputs(context=context, noise=(1, frames, self.model.config.out_dim, self.height, self.width),
+                           cache_policy=self.cache.cache_policy)
+        self.run = prepare(self.model, spec, inputs, SamplingHooks(callback=callback), setup=self.prepared(),
+                           keep_state=True, state_device=self.state_device)
+        return self.run.latents()
 
     def _check_weights(self) -> None:
         if self.state is not None and weight_fingerprint(self.model) != self.state.settings.get("weights"):
