@@ -232,7 +232,7 @@ def prepare_model(model, spec: RunSpec, *, log=None, notes: list | None = None, 
         if log is not None:
             log(note)
     cuda = torch.device(model.device).type == "cuda"
-    optimized = resolve_path(path, model.device, model=model)[0] == "optimized"
+    optimized = resolve_path(path, model.device, model=model) == "optimized"
     judged = bool(spec.doctor) and optimized
     swap = spec.swap                                                                       # (2) VRAM plan, swap
     if isinstance(swap, str) and swap == KEEP:
