@@ -40,12 +40,10 @@ def reached(monkeypatch):
     real_resolve, real_loop = sampler.resolve_path, sampler.run_chunks
 
     def as_on_cuda(path, device, tracer=None, model=None):
-        ctx = sampler.current_path()
-        asked = ctx[0] if path == "auto" and ctx is not None else path
-        chosen, options = real_resolve(path, device, tracer, model)
-        if asked == "auto" and tracer is None and "forward_chunk" not in getattr(model, "__dict__", {}):
+        chosen = real_resolve(path, device, tracer, model)
+        if path == "auto" and tracer is None and "forward_chunk" not in getattr(model, "__dict__", {}):
             chosen = "optimized"
-        return chosen, options
+        return chosen
 
     seen = []
 
@@ -181,6 +179,91 @@ def test_every_face_reaches_the_loop_with_the_doctors_verdicts(face, reached, tm
     for req in reached:
         assert req.path == "optimized", (face, req.path)
         assert "fused_qkv" in req.options.switched_off, (face, req.options)
+
+
+# ------------------------------------------------------------------------------------ no face around the door
+@pytest.fixture
+def door(monkeypatch):
+    """What was reached, in order: 'prepare', 'prepare_model' and 'loop' (the chunk loop, by either of its names)."""
+    from wan_accel.sampling import loop
+    calls: list = []
+
+    def spy(name, owner, attr):
+        real = getattr(owner, attr)
+        monkeypatch.setattr(owner, attr, lambda *a, **k: calls.append(name) or real(*a, **k))
+    spy("prepare", prepare, "prepare")
+    spy("prepare_model", prepare, "prepare_model")
+    spy("loop", sampler, "run_chunks")
+    spy("loop", loop, "run_chunks")
+    return calls
+
+
+def through_the_door(calls: list, runs: int | None = None) -> None:
+    """Every entry into the loop came after a prepare call of its own (``runs``: how many entries there were)."""
+    assert "loop" in calls, "the face never reached the loop"
+    loops = [i for i, c in enumerate(calls) if c == "loop"]
+    assert calls.count("prepare") >= len(loops) and calls.index("prepare") < loops[0], calls
+    for a, b in zip(loops, loops[1:]):
+        assert "prepare" in calls[a:b], f"a run reached the loop without prepare: {calls}"
+    assert runs is None or len(loops) == runs, calls
+
+
+def _mg2_play_session(seed=11):
+    from wan_accel.app.play.registry import PlaySession
+    from wan_accel.model.mg2_model import tiny_mg2_model
+    model = tiny_mg2_model(seed=1)
+    g = torch.Generator().manual_seed(seed)
+    return PlaySession(model, torch.randn(1, 16, 1, 4, 4, generator=g),
+                       torch.randn(1, model.config.clip_tokens, model.config.clip_dim, generator=g), seed=seed)
+
+
+def test_the_mg2_job_and_node_go_through_prepare(door, tmp_path):
+    mg2_job(tmp_path)
+    through_the_door(door, runs=1)
+    door.clear()
+    mg2_node(tmp_path)
+    through_the_door(door, runs=1)
+
+
+def test_a_t2v_play_session_is_one_run_prepared_once(door):
+    from wan_accel.app.play.t2v import PromptPlaySession
+    from wan_accel.model.tiny import tiny_causal_model, tiny_text_embedding
+    model = tiny_causal_model(seed=3)
+    encode = lambda text: tiny_text_embedding(text, model.config.text_len, model.config.text_dim)  # noqa: E731
+    play = PromptPlaySession(model, encode, 4, 4, prompt="a cat", frames_per_block=3, kv_window=6, sink=3)
+    for prompt in ("", "a dog", ""):
+        play.step(prompt)
+    assert door.count("prepare") == door.count("prepare_model") == 1, door       # once for the three chunks
+    assert door.index("prepare") < door.index("loop") and door.count("loop") == 3, door
+
+
+def test_a_mg2_play_session_prepares_its_model_once(door):
+    play = _mg2_play_session()
+    for keys in (["w"], [], ["a"]):
+        play.step(keys)
+    through_the_door(door, runs=3)
+    assert door.count("prepare_model") == 1, door
+
+
+def test_the_prompt_play_node_goes_through_the_sessions_one_run(door, monkeypatch):
+    from wan_accel.nodes.prompt_nodes import CausalWanPromptPlaySession, CausalWanPromptPlayStep
+    registry = _play_env(monkeypatch)
+    sid = CausalWanPromptPlaySession().start(_tiny_handle(), object(), "a cat", width=32, height=32, seed=5,
+                                             frames_per_block=3, kv_window=-1, sink=0)["result"][0]
+    try:
+        for prompt in ("", "a dog"):
+            CausalWanPromptPlayStep().step(sid, prompt)
+    finally:
+        registry.clear()
+    assert door.count("prepare") == door.count("prepare_model") == 1 and door.count("loop") == 2, door
+    assert door.index("prepare") < door.index("loop")
+
+
+def test_bench_play_times_the_sessions_step_through_prepare(door, capsys):
+    from wan_accel.cli import main
+    assert main(["bench", "play", "--chunks", "1", "--warmup", "1", "--json"]) == 0
+    through_the_door(door, runs=2 * 3)              # two modes of 1 warm-up, 1 timed and 1 counted chunk
+    assert door.count("prepare_model") == 2, door   # each mode's session prepared its model once
 
 
 # ------------------------------------------------------------------------------------------- one spec, one video

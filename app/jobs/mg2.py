@@ -15,7 +15,7 @@ from ...sampling.mg2 import FRAMES_PER_BLOCK, MG2Settings, _check_actions, batch
 from ...sampling.mg2 import channels_first, mg2_run, resolve_preset
 from ...sampling.mg2_continuation import mg2_continuation
 from ...sampling.request import SamplingHooks
-from ..prepare import RunSpec, prepare, prepare_model
+from ..prepare import RunSpec
 
 DEFAULT_SCRIPT = "W*20, W+A*8, mouse(0.1,0)*12, idle*4"
 TINY_LATENT = (16, 16)          # latent height, width of the tiny run (128x128 pixels)
@@ -85,6 +85,7 @@ def sample_mg2(model, noise, cond_concat: torch.Tensor, visual_context: torch.Te
     did. spec: the run's path and options (``RunSpec``; its loop fields are Matrix-Game-2's); setup: the
     ``prepare_model`` already done (a replay tool, a play session), else the model is prepared here.
     """
+    from ..prepare import prepare
     fields, inputs = mg2_run(model, noise, cond_concat, visual_context, mouse, keyboard, schedule, window,
                              noise_provider, generator, kv_cache, actions, start_frame)
     spec = (spec if spec is not None else RunSpec()).replace(skip_last_refresh=skip_last_refresh, **fields)
@@ -174,7 +175,8 @@ def _conditioning(opts: MG2Options, model, device):
     return image.to(device), ctx.to(device)
 
 
-def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, spec: RunSpec | None = None) -> dict:
+def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, spec: RunSpec | None = None
+                     ) -> dict:
     """Run the job; progress(chunk, num_chunks) per chunk. Returns the report dict. parallel: this rank's
     ``SeqParallel`` to sample sequence-parallel (``app/ranks/parallel.py``); rank 0 writes the files. spec: the
     run's path and options (the command line's ``--sampler``, ``--linear``...; default ``RunSpec()``)."""
@@ -182,6 +184,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, 
     from ...sampling.actions_script import parse_action_script
     from .generate import (ChunkTimer, _jsonable, _peak_memory, _sync, _write_outputs, _write_report, _writes,
                            check_outputs)
+    from ..prepare import prepare_model
     from .handle import default_device
     device = torch.device(opts.device) if opts.device else default_device()
     dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")

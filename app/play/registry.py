@@ -24,7 +24,6 @@ from ...sampling.actions_script import MODES, parse_action_script
 from ...sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
 from ...sampling.continuation import weight_fingerprint
 from ..jobs.mg2 import sample_mg2_continuable
-from ..prepare import RunSpec, prepare_model
 
 FIRST_CHUNK_FRAMES = 4 * (FRAMES_PER_BLOCK - 1)     # scripted video frames of the first chunk (after the start frame)
 CHUNK_FRAMES = 4 * FRAMES_PER_BLOCK                 # video frames of every later chunk
@@ -48,6 +47,7 @@ class SessionBase:
     def prepared(self):
         """The session's model prepared once, at its first chunk (``app.prepare.prepare_model`` with ``run_spec``:
         the doctor's verdicts and the start's choices; ``setup.notes`` says what was switched off)."""
+        from ..prepare import RunSpec, prepare_model
         if self.setup is None:
             self.setup = prepare_model(self.model, self.run_spec or RunSpec())
         return self.setup

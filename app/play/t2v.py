@@ -34,7 +34,6 @@ from ...sampling.continuation import weight_fingerprint
 from ...sampling.krea import cache_setup
 from ...sampling.prompts import PromptSchedule
 from ...sampling.request import RunInputs, SamplingHooks
-from ..prepare import RunSpec, prepare
 from .registry import PlayError, SessionBase
 
 HEAD_VALUES = 8                 # first values of the context's first row kept in the log
@@ -191,6 +190,7 @@ class PromptPlaySession(SessionBase):
 
     def _chunk(self, context: torch.Tensor, callback) -> torch.Tensor:
         """The next chunk's latents: the session's run prepared at its first chunk, then extended by one chunk."""
+        from ..prepare import RunSpec, prepare
         frames = (self.chunks + 1) * self.frames_per_block
         if self.run is not None:
             self.run.hooks = self.run.hooks.replace(callback=callback)
