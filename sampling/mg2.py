@@ -143,7 +143,7 @@ def channels_first(hook):
     return lambda ci, n, x0: hook(ci, n, x0.transpose(1, 2))
 
 
-def _check_actions(model, mouse, keyboard) -> None:
+def check_actions(model, mouse, keyboard) -> None:
     a = model.action_config
     if a.enable_keyboard and (keyboard is None or keyboard.shape[-1] != a.keyboard_dim_in):
         got = "none" if keyboard is None else keyboard.shape[-1]

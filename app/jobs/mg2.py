@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ...sampling.mg2 import FRAMES_PER_BLOCK, MG2Settings, _check_actions, batch_noise, build_cond_concat
-from ...sampling.mg2 import channels_first, mg2_run, resolve_preset
+from ...sampling.mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_cond_concat, channels_first
+from ...sampling.mg2 import check_actions, mg2_run, resolve_preset
 from ...sampling.mg2_continuation import mg2_continuation
 from ...sampling.request import SamplingHooks
 from ..prepare import RunSpec
@@ -118,7 +118,7 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
         mouse, keyboard = actions
         seq = keyboard if keyboard is not None else mouse
         frames_avail = 1 + (seq.shape[1] - 1) // 4
-    _check_actions(model, mouse, keyboard)
+    check_actions(model, mouse, keyboard)
     if num_frames <= 0:
         num_frames = (frames_avail // FRAMES_PER_BLOCK) * FRAMES_PER_BLOCK
         if num_frames == 0:
@@ -134,9 +134,10 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
     gens = [torch.Generator(device=device).manual_seed((int(seed) + i) % 2 ** 64) for i in range(b)]
     to_dev = lambda t: None if t is None else t.to(device)
     return sample_mg2(model, (b, model.config.out_dim, num_frames, h, w), cond, visual_context.to(device),
-                      to_dev(mouse), to_dev(keyboard), settings.schedule, settings.window, noise_provider=batch_noise(gens, device),
-                      callback=callback, on_chunk=on_chunk, skip_last_refresh=skip_last_refresh, report=report,
-                      on_chunk_latents=on_chunk_latents, spec=spec, setup=setup)
+                      to_dev(mouse), to_dev(keyboard), settings.schedule, settings.window,
+                      noise_provider=batch_noise(gens, device), callback=callback, on_chunk=on_chunk,
+                      skip_last_refresh=skip_last_refresh, report=report, on_chunk_latents=on_chunk_latents,
+                      spec=spec, setup=setup)
 
 
 def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: torch.Tensor, mouse, keyboard,

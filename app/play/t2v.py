@@ -1,19 +1,19 @@
 """Live prompt steering of a causal text-to-video model: sessions whose next chunk follows the prompt typed now.
 
 ``PromptPlaySession.step(prompt)`` continues the video by one chunk with ``prompt`` in effect from that chunk on: the
-session is one run, prepared once at its first chunk (``app.prepare.prepare``, keeping its state) and extended by
-one chunk per step (``Run.extend``); an empty prompt keeps the one in effect. A prompt is one line of the prompt schedule's
-grammar (``sampling.prompts``): a text, a weighted mix ``a :0.7 | b :0.3``, an optional ``(blend N)``. Every change
-becomes one schedule entry ``<chunk>: <prompt>``, and each chunk's context is taken from that schedule exactly as a
-one-shot run takes it, so ``schedule_text`` given to ``generate --prompt-schedule`` (or the sampler nodes) with the
-same seed and settings reproduces the session's frames exactly. A prompt switch re-caches the window under the new
-prompt (``recache='switch'``, LongLive) unless the session was started with ``recache='none'``, or with
+session is one run, prepared once at its first chunk (``app.prepare.prepare``, keeping its state) and extended by one
+chunk per step (``Run.extend``); an empty prompt keeps the one in effect. A prompt is one line of the prompt
+schedule's grammar (``sampling.prompts``): a text, a weighted mix ``a :0.7 | b :0.3``, an optional ``(blend N)``.
+Every change becomes one schedule entry ``<chunk>: <prompt>``, and each chunk's context is taken from that schedule
+exactly as a one-shot run takes it, so ``schedule_text`` given to ``generate --prompt-schedule`` (or the sampler
+nodes) with the same seed and settings reproduces the session's frames exactly. A prompt switch re-caches the window
+under the new prompt (``recache='switch'``, LongLive) unless the session was started with ``recache='none'``, or with
 ``recache='krea'`` rebuilds the cache from a short clean context before every chunk (Krea Realtime; the one policy
-object goes on from chunk to chunk, reading the earlier clean frames from the state's history). The mode goes
-through ``sampling.krea.cache_setup``; with 'krea' the session's ``reencode`` (the VAE round trip of the frame that
-stands in for the first frame) is used, or the frame as it is, said once in the log, and a prompt typed without a
-blend eases in as Krea's server does it, ``(blend 4, krea)`` (``CacheSetup.live_line``; ``(blend 0)`` switches at
-once). A prompt equal to the one in effect (as typed) changes nothing.
+object goes on from chunk to chunk, reading the earlier clean frames from the state's history). The mode goes through
+``sampling.krea.cache_setup``; with 'krea' the session's ``reencode`` (the VAE round trip of the frame that stands in
+for the first frame) is used, or the frame as it is, said once in the log, and a prompt typed without a blend eases in
+as Krea's server does it, ``(blend 4, krea)`` (``CacheSetup.live_line``; ``(blend 0)`` switches at once). A prompt
+equal to the one in effect (as typed) changes nothing.
 
 ``log`` records per chunk the prompt in effect and the context rows the model was given (their SHA-256 and first
 values), as Matrix-Game-2 play records the action rows. The session has the interface of ``registry.PlaySession``
