@@ -204,8 +204,9 @@ class MatrixGame2Sampler:
 def _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window, state, keep_state, run):
     """A Matrix-Game-2 run that keeps its state, or continues one (the actions then drive the new frames only);
     run: the keywords of the run (its spec, setup and hooks)."""
-    from ..app.jobs.mg2 import sample_mg2_continuable
+    from ..app.jobs.mg2 import sample_mg2
     from ..sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
+    from ..sampling.mg2_continuation import mg2_continuation
     settings = resolve_preset(preset, window=kv_window or None)
     mouse, keyboard = actions.tensors(batch=1)
     seq = keyboard if keyboard is not None else mouse
@@ -217,8 +218,8 @@ def _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_windo
         mouse = None if mouse is None else mouse[:, :4 * (cover - done)]
         keyboard = None if keyboard is None else keyboard[:, :4 * (cover - done)]
     total = num_frames or done + (cover - done) // FRAMES_PER_BLOCK * FRAMES_PER_BLOCK
-    return sample_mg2_continuable(net, image, tokens, mouse, keyboard, total, seed, settings, state=state,
-                                  keep_state=keep_state, state_device="cpu", **run)
+    args, state_after = mg2_continuation(net, image, tokens, mouse, keyboard, total, seed, settings, state, "cpu")
+    return sample_mg2(net, **args, **run), state_after() if keep_state else None
 
 
 class MatrixGame2StartLatent:

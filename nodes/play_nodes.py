@@ -67,17 +67,17 @@ class PlaySessionNode:
         return float("nan")         # every run starts a new session (a cached result would name an ended one)
 
     @staticmethod
-    def _open(session, vae, decoder, spec, idle_timeout_s, unique_id, text, **event) -> dict:
-        """Register ``session`` and tell the page; ``text(sid)``: the node's text."""
+    def _open(session, vae, decoder, linear, idle_timeout_s, unique_id, text, **event) -> dict:
+        """Register ``session`` (its chunks run with ``linear``) and tell the page; ``text(sid)``: the node's text."""
+        session.run_spec, note = linear_spec(linear)
         session.attached["decoder"] = decoder
         session.kept["vae"] = vae
-        session.run_spec = spec
         server = _server()
         owner = f"{getattr(server, 'client_id', None)}:{unique_id}"
         sid = _registry().open(session, owner=owner, idle_timeout_s=float(idle_timeout_s))
         send_play_event("ready", sid, **dict(session.describe(), node=str(unique_id) if unique_id is not None else None,
                                              fps=FPS, idle_timeout_s=float(idle_timeout_s), **event))
-        return {"ui": {"text": [text(sid)], "wan_accel_play": [sid]}, "result": (sid,)}
+        return {"ui": {"text": [text(sid) + (f" ({note})" if note else "")], "wan_accel_play": [sid]}, "result": (sid,)}
 
 
 class PlayStepNode:
@@ -122,7 +122,8 @@ class PlayStepNode:
         except PlayError:
             raise                                          # a refused input: nothing was made, the session goes on
         except BaseException as exc:
-            why = "interrupted" if _is_interrupt(exc) else f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            interrupted = type(exc).__name__ in ("InterruptProcessingException", "KeyboardInterrupt")
+            why = "interrupted" if interrupted else f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             registry.end(session, why)
             send_play_event("ended", session, reason=why, chunks=play.chunks)
             raise
@@ -135,10 +136,6 @@ class PlayStepNode:
         play.frames_shown += 0 if images is None else images.shape[1]
         notes = play.setup.notes if play.setup is not None else []
         return {"ui": {"text": [f"chunk {entry['chunk']}: {said['action']} ({t2 - t0:.2f} s)", *notes]}}
-
-
-def _is_interrupt(exc: BaseException) -> bool:
-    return type(exc).__name__ in ("InterruptProcessingException", "KeyboardInterrupt")
 
 
 class MatrixGame2PlaySession(PlaySessionNode):
@@ -201,16 +198,16 @@ class MatrixGame2PlaySession(PlaySessionNode):
             fits = [p for p in PRESETS if len(MODES[LIB_PRESETS[p]["mode"]]["keys"]) == keys_in]
             raise ValueError(f"preset {preset!r} drives {len(MODES[mode]['keys'])} keys but this checkpoint has "
                              f"{keys_in}: use preset {' or '.join(fits) or '(none fits)'}")
-        spec, note = linear_spec(linear)
         image = model_space_start(start_latent)[:1, :, :1]
         tokens = clip_tokens(clip_vision_output, model)[:1]
         decoder = streaming_decode.stream_decoder(vae)          # a clear error now for a VAE that does not stream
         session = PlaySession(net, image.to(net.device), tokens.to(net.device), seed=seed, preset=preset,
                               window=kv_window or None, state_device="cpu" if state_on == "cpu" else None)
         keys = " ".join(k.upper() if len(k) == 1 else k for k in session.keys)
-        return self._open(session, vae, decoder, spec, idle_timeout_s, unique_id, lambda sid: (
-            f"Play session {sid} ready ({session.mode}: keys {keys}{', drag for the camera' if session.has_mouse else ''}). "
-            f"Open the Wan Accel panel and press Play.{f' ({note})' if note else ''}"))
+        camera = ", drag for the camera" if session.has_mouse else ""
+        return self._open(session, vae, decoder, linear, idle_timeout_s, unique_id, lambda sid: (
+            f"Play session {sid} ready ({session.mode}: keys {keys}{camera}). Open the Wan Accel panel and press "
+            f"Play."))
 
 
 def parse_keys(keys: str) -> list:

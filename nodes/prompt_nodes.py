@@ -115,9 +115,7 @@ class CausalWanPromptPlaySession(PlaySessionNode):
         from ..app.play.t2v import PromptPlaySession
         from ..app.validate import MAX_SEED, check_geometry, check_int
         from . import streaming_decode
-        from .play_nodes import linear_spec
         seed = check_int("seed", seed, 0, MAX_SEED)
-        spec, note = linear_spec(linear)
         geo = check_geometry(4 * (int(frames_per_block) - 1) + 1, height, width, frames_per_block, kv_window, sink,
                              names={"frames": "frames_per_block"}, recache=recache)   # window, sink and recache
         net = getattr(model, "model", model)
@@ -137,9 +135,8 @@ class CausalWanPromptPlaySession(PlaySessionNode):
                                         settings={"width": width, "height": height, "preset": preset})
         except PlayError as exc:                        # its message names the input (the prompt, kv_window...)
             raise ValueError(str(exc)) from None
-        return self._open(session, vae, decoder, spec, idle_timeout_s, unique_id, lambda sid: (
-            f"Prompt play session {sid} ready. Open the Wan Accel panel, press Play and type prompts."
-            f"{f' ({note})' if note else ''}"), prompt=prompt)
+        return self._open(session, vae, decoder, linear, idle_timeout_s, unique_id, lambda sid: (
+            f"Prompt play session {sid} ready. Open the Wan Accel panel, press Play and type prompts."), prompt=prompt)
 
 
 class CausalWanPromptPlayStep(PlayStepNode):

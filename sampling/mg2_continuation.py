@@ -1,7 +1,6 @@
 """Continue a Matrix-Game-2 video: the state after a run (self-attention and action caches, the per-batch-element
 noise generators, the actions so far) and a run that goes on from it with the next actions, exactly as one long run
-with all the actions would have gone (``mg2_continuation`` builds it, ``app.jobs.mg2.sample_mg2_continuable`` runs
-it)."""
+with all the actions would have gone (``mg2_continuation`` builds it, ``app.jobs.mg2.sample_mg2`` runs it)."""
 from __future__ import annotations
 
 import torch

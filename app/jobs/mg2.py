@@ -1,5 +1,5 @@
 """The Matrix-Game-2 `generate` job: start latent + CLIP tokens + scripted actions -> latents, preview, report; and
-the Matrix-Game-2 runs through the one prepare call (``sample_mg2``, ``generate_mg2``, ``sample_mg2_continuable``).
+the Matrix-Game-2 runs through the one prepare call (``sample_mg2``, ``generate_mg2``).
 
 Without a checkpoint it runs the built-in tiny action model on random (seeded) conditioning, end to end on
 CPU in seconds; with one, pass the start image latent and CLIP tokens as safetensors files.
@@ -13,7 +13,6 @@ import torch
 
 from ...sampling.mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_cond_concat, channels_first
 from ...sampling.mg2 import check_actions, mg2_run, resolve_preset
-from ...sampling.mg2_continuation import mg2_continuation
 from ...sampling.request import SamplingHooks
 from ..prepare import RunSpec
 
@@ -68,23 +67,16 @@ def sample_mg2(model, noise, cond_concat: torch.Tensor, visual_context: torch.Te
                skip_last_refresh: bool = False, kv_cache=None, actions=None, start_frame: int = 0,
                report: dict | None = None, on_chunk_latents=None, *, spec: RunSpec | None = None,
                setup=None) -> torch.Tensor:
-    """Run the Matrix-Game-2 loop through ``app.prepare.prepare``; returns x0 latents ``[B, 16, F, H, W]`` (float32,
-    model space).
+    """The Matrix-Game-2 loop through ``app.prepare.prepare``: x0 latents ``[B, 16, F, H, W]`` (float32, model space).
 
-    noise ``[B, 16, F, H, W]``, or just that shape: each chunk's initial noise ``[B, 3, 16, H, W]`` then
-    comes from noise_provider (step -1) when the chunk starts; cond_concat ``[B, 20, F, H, W]`` (or, continuing,
-    its frames from start_frame on);
-    visual_context ``[B or 1, tokens, clip_dim]``; mouse/keyboard ``[B or 1, video frames, dims]`` (at least
-    ``4*(F-1)`` frames, ``1 + 4*(F-1)`` as released); schedule: a Schedule or preset name; window: the
-    rolling window of every cache in latent frames. start_frame: sample only the chunks from that latent frame on
-    over caches holding the earlier frames (continue a video: ``sample_mg2_continuable``); returns those frames.
-    noise_provider(chunk, step, shape [B, 3, 16, H, W], dtype, device) supplies the re-noising draws
-    (default: ``generator``). callback/tracer/on_chunk as ``SamplingHooks``' (tracer tensors are
-    ``[B, 3, C, H, W]``); on_chunk_latents(chunk, num_chunks, x0) likewise, x0 ``[B, 16, 3, H, W]`` (this function's
-    layout). kv_cache / actions: pre-built caches to inspect afterwards. report: a dict that receives what the run
-    did. spec: the run's path and options (``RunSpec``; its loop fields are Matrix-Game-2's); setup: the
-    ``prepare_model`` already done (a replay tool, a play session), else the model is prepared here.
-    """
+    noise ``[B, 16, F, H, W]`` or its shape (each chunk's noise then drawn when it starts, from
+    noise_provider(chunk, step, shape [B, 3, 16, H, W], dtype, device), else ``generator``); cond_concat
+    ``[B, 20, F (or F - start_frame), H, W]``; visual_context ``[B or 1, tokens, clip_dim]``; mouse/keyboard
+    ``[B or 1, video frames, dims]`` (``1 + 4*(F-1)`` as released); schedule: a Schedule or preset name; window:
+    every cache's rolling window in latent frames; start_frame: only the chunks from there on, over caches holding
+    the earlier frames (``sampling.mg2_continuation``). The hooks and report as ``SamplingHooks``' (on_chunk_latents
+    in this layout); kv_cache / actions: caches to inspect afterwards. spec: the run's path and options (its loop
+    fields are Matrix-Game-2's); setup: ``prepare_model`` already done (a replay tool, a play session)."""
     from ..prepare import prepare
     fields, inputs = mg2_run(model, noise, cond_concat, visual_context, mouse, keyboard, schedule, window,
                              noise_provider, generator, kv_cache, actions, start_frame)
@@ -138,19 +130,6 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
                       noise_provider=batch_noise(gens, device), callback=callback, on_chunk=on_chunk,
                       skip_last_refresh=skip_last_refresh, report=report, on_chunk_latents=on_chunk_latents,
                       spec=spec, setup=setup)
-
-
-def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: torch.Tensor, mouse, keyboard,
-                           num_frames: int, seed: int = 0, preset="universal", state=None, keep_state: bool = True,
-                           state_device=None, callback=None, on_chunk=None, in_place: bool = False,
-                           on_chunk_latents=None, *, spec: RunSpec | None = None, setup=None):
-    """(new latents ``[B, 16, n, H, W]`` up to ``num_frames`` latent frames in all, the state after them or None):
-    ``sampling.mg2_continuation.mg2_continuation``'s run (its arguments) through ``sample_mg2``."""
-    run, state_after = mg2_continuation(model, image_latent, visual_context, mouse, keyboard, num_frames, seed,
-                                        preset, state, state_device, in_place)
-    out = sample_mg2(model, **run, callback=callback, on_chunk=on_chunk, on_chunk_latents=on_chunk_latents,
-                     spec=spec, setup=setup)
-    return out, state_after() if keep_state else None
 
 
 def _conditioning(opts: MG2Options, model, device):
@@ -212,8 +191,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, 
     chunk_seconds = on_chunk.seconds
     t_start = on_chunk.start()
     sampler_report: dict = {}
-    spec = spec if spec is not None else RunSpec()
-    setup = prepare_model(handle.model, spec, log=log, notes=notes)      # the doctor's verdicts, said in the log
+    setup = prepare_model(handle.model, spec or RunSpec(), log=log, notes=notes)   # the doctor's verdicts, logged
     latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings, on_chunk=on_chunk,
                            skip_last_refresh=opts.skip_last_refresh, report=sampler_report, spec=spec, setup=setup)
     _sync(device)

@@ -1,7 +1,7 @@
 """Matrix-Game-2 play mode: sessions whose next chunk is driven by the actions held while it is made.
 
-``PlaySession.step(keys, mouse)`` continues the video by one 3-latent-frame chunk (``jobs.mg2.sample_mg2_continuable``
-over the model the session prepared once, at its first chunk) with the given keys and camera motion held for the
+``PlaySession.step(keys, mouse)`` continues the video by one 3-latent-frame chunk (``sampling.mg2_continuation``, run
+by ``jobs.mg2.sample_mg2`` over the model the session prepared once, at its first chunk) with the given keys and camera motion held for the
 whole chunk, and records them: ``script`` is the Game Actions
 script of the session, and ``generate_mg2`` with it and the same seed reproduces the session's frames exactly.
 ``free`` drops everything heavy (the model, the caches, attached decoders) and keeps what saving needs (the
@@ -23,7 +23,8 @@ import torch
 from ...sampling.actions_script import MODES, parse_action_script
 from ...sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
 from ...sampling.continuation import weight_fingerprint
-from ..jobs.mg2 import sample_mg2_continuable
+from ...sampling.mg2_continuation import mg2_continuation
+from ..jobs.mg2 import sample_mg2
 
 FIRST_CHUNK_FRAMES = 4 * (FRAMES_PER_BLOCK - 1)     # scripted video frames of the first chunk (after the start frame)
 CHUNK_FRAMES = 4 * FRAMES_PER_BLOCK                 # video frames of every later chunk
@@ -44,6 +45,17 @@ class SessionBase:
     run_spec = None
     setup = None
 
+    def __init__(self):
+        self.state = None
+        self.log: list[dict] = []           # per chunk: what it was given (the action or prompt, the rows)
+        self.latents: list[torch.Tensor] = []   # model-space latents of each chunk, on the CPU (for saving)
+        self.chunks = 0
+        self.ended: str | None = None       # why the session ended (None while it can go on)
+        self.attached: dict = {}            # front-end objects (a decoder...) released with the session
+        self.kept: dict = {}                # what saving needs after the end (the VAE), dropped when forgotten
+        self.frames_shown = 0               # decoded video frames sent to the page so far
+        self.lock = threading.RLock()
+
     def prepared(self):
         """The session's model prepared once, at its first chunk (``app.prepare.prepare_model`` with ``run_spec``:
         the doctor's verdicts and the start's choices; ``setup.notes`` says what was switched off)."""
@@ -51,6 +63,15 @@ class SessionBase:
         if self.setup is None:
             self.setup = prepare_model(self.model, self.run_spec or RunSpec())
         return self.setup
+
+    def _check_weights(self) -> None:
+        """The session's caches were made with the weights of its last chunk: other values (another checkpoint of
+        the same structure, a patch applied in place) are refused before anything is made; the session goes on
+        once they are restored (``sampling.continuation.weight_fingerprint``, as every continued state)."""
+        if self.state is not None and weight_fingerprint(self.model) != self.state.settings.get("weights"):
+            raise PlayError("the model's weights changed since this session's last chunk (another checkpoint of the "
+                            "same structure, or a patch applied in place); its caches hold the earlier weights: "
+                            "restore them, or start a new play session")
 
     def latent_video(self) -> torch.Tensor:
         """Every chunk's latents so far, [1, C, frames, h, w] (model space, CPU)."""
@@ -92,16 +113,8 @@ class PlaySession(SessionBase):
         self.preset, self.window = preset, window
         self.mode, self.seed, self.state_device = self.settings.mode, int(seed), state_device
         self.in_place = bool(in_place)      # the session owns its state: caches written in place (False: copies)
-        self.state = None
         self.items: list[str] = []          # one script item per chunk
-        self.log: list[dict] = []           # per chunk: the action and the action tensor rows the model was given
-        self.latents: list[torch.Tensor] = []   # model-space latents of each chunk, on the CPU (for saving)
-        self.chunks = 0
-        self.ended: str | None = None       # why the session ended (None while it can go on)
-        self.attached: dict = {}            # front-end objects (a decoder...) released with the session
-        self.kept: dict = {}                # what saving needs after the end (the VAE), dropped when forgotten
-        self.frames_shown = 0               # decoded video frames sent to the page so far
-        self.lock = threading.RLock()
+        super().__init__()
 
     @property
     def frames(self) -> int:
@@ -146,10 +159,11 @@ class PlaySession(SessionBase):
             if self.chunks:                      # the parser repeats the first action as a start frame: not here
                 mouse_t = None if mouse_t is None else mouse_t[:, 1:]
                 keyboard_t = keyboard_t[:, 1:]
-            out, self.state = sample_mg2_continuable(
-                self.model, self.image, self.context, mouse_t, keyboard_t, self.frames + FRAMES_PER_BLOCK,
-                seed=self.seed, preset=self.settings, state=self.state, state_device=self.state_device,
-                callback=callback, in_place=self.in_place, spec=self.run_spec, setup=self.prepared())
+            run, state_after = mg2_continuation(
+                self.model, self.image, self.context, mouse_t, keyboard_t, self.frames + FRAMES_PER_BLOCK, self.seed,
+                self.settings, self.state, self.state_device, self.in_place)
+            out = sample_mg2(self.model, **run, callback=callback, spec=self.run_spec, setup=self.prepared())
+            self.state = state_after()
             first = 0 if self.chunks == 0 else 1 + FIRST_CHUNK_FRAMES + CHUNK_FRAMES * (self.chunks - 1)
             given = self.state.actions             # exactly the tensors the model's action modules were given
             rows = lambda t: None if t is None else t[0, first:first + keyboard_t.shape[1]]
@@ -160,17 +174,6 @@ class PlaySession(SessionBase):
             self.latents.append(out.detach().float().cpu())
             self.chunks += 1
             return out
-
-    def _check_weights(self) -> None:
-        """The session's caches were made with the weights of its last chunk: other values (another checkpoint of
-        the same structure, a patch applied in place) are refused before anything is made; the session goes on
-        once they are restored (``sampling.continuation.weight_fingerprint``, as every continued state)."""
-        if self.state is None:
-            return
-        if weight_fingerprint(self.model) != self.state.settings.get("weights"):
-            raise PlayError("the model's weights changed since this session's last chunk (another checkpoint of the "
-                            "same structure, or a patch applied in place); its caches hold the earlier weights: "
-                            "restore them, or start a new play session")
 
     @property
     def script(self) -> str:

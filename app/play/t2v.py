@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 
 import torch
 
 from ...model.dit import check_text_tokens
 from ...model.finite import NonFiniteError, check_conditioning
-from ...sampling.continuation import weight_fingerprint
 from ...sampling.krea import cache_setup
 from ...sampling.prompts import PromptSchedule
 from ...sampling.request import RunInputs, SamplingHooks
@@ -73,19 +71,11 @@ class PromptPlaySession(SessionBase):
         self.schedule, self.frames_per_block = schedule, int(frames_per_block)
         self.kv_window, self.sink, self.recache = self.cache.kv_window, int(sink), recache
         self.state_device, self.settings = state_device, dict(settings or {})
-        self.state = None
         self.run = None                     # the session's one run (``app.prepare.Run``), from its first chunk
         self.lines: list[str] = []          # schedule entries "<chunk>: <prompt>", one per change
         self.prompt: str | None = None      # the prompt in effect (as typed)
         self.embeddings: dict = {}          # text -> [1, L, D] embedding (CPU), each text encoded once
-        self.log: list[dict] = []           # per chunk: the prompt and the context rows the model was given
-        self.latents: list[torch.Tensor] = []   # per chunk [1, C, frames, h, w] model space, CPU (for saving)
-        self.chunks = 0
-        self.ended: str | None = None
-        self.attached: dict = {}
-        self.kept: dict = {}
-        self.frames_shown = 0
-        self.lock = threading.RLock()
+        super().__init__()
         self.first_prompt = str(prompt or "")
         if self.first_prompt.strip():
             self._schedule_with(self.first_prompt)      # a bad first prompt is refused before anything is made
@@ -203,11 +193,6 @@ class PromptPlaySession(SessionBase):
         self.run = prepare(self.model, spec, inputs, SamplingHooks(callback=callback), setup=self.prepared(),
                            keep_state=True, state_device=self.state_device)
         return self.run.latents()
-
-    def _check_weights(self) -> None:
-        if self.state is not None and weight_fingerprint(self.model) != self.state.settings.get("weights"):
-            raise PlayError("the model's weights changed since this session's last chunk; its caches hold the "
-                            "earlier weights: restore them, or start a new play session")
 
     @property
     def frames(self) -> int:
