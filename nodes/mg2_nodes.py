@@ -8,6 +8,17 @@ PRESETS = ["universal", "gta_drive", "templerun"]
 DEFAULT_SCRIPT = "W*20, W+A*8, mouse(0.1,0)*12, idle*4"
 
 
+def linear_spec(linear: str):
+    """(the run spec of a run started by a node, the note to show) for the node's ``linear``: the defaults for
+    exact; fp8 through the one path rule (the optimized path runs it)."""
+    from ..app.prepare import RunSpec
+    from ..sampling.sampler import path_for_linear
+    if linear not in LINEAR_CHOICES:
+        raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
+    path, note = path_for_linear("auto", linear)
+    return RunSpec(path=path, linear=linear), note
+
+
 class GameActions:
     DESCRIPTION = ("Builds the per-video-frame keyboard and mouse actions of a Matrix-Game-2 run from a short "
                    "script such as 'W*20, W+A*8, mouse(0.1,0)*12, idle*4' (ACTION*FRAMES items; keys joined "
@@ -182,7 +193,6 @@ class MatrixGame2Sampler:
 
         from ..app.jobs.mg2 import generate_mg2
         from ..app.prepare import prepare_model
-        from .play_nodes import linear_spec
         spec, note = linear_spec(linear)                       # the CLI's one rule: fp8 on the optimized path
         doctor_notes: list = [note] if note else []
         setup = prepare_model(net, spec, notes=doctor_notes)   # the doctor's verdicts, said in the node's text

@@ -17,7 +17,7 @@ import re
 import time
 
 from .comfy_core import optional
-from .mg2_nodes import PRESETS
+from .mg2_nodes import PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
 EVENT = "wan_accel.play"
@@ -41,17 +41,6 @@ def send_play_event(kind: str, session: str, **payload) -> bool:
         return False
     server.send_sync(EVENT, {"kind": kind, "session": session, **payload}, getattr(server, "client_id", None))
     return True
-
-
-def linear_spec(linear: str):
-    """(the run spec of a run started by a node, the note to show) for the node's ``linear``: the defaults for
-    exact; fp8 through the one path rule (the optimized path runs it)."""
-    from ..app.prepare import RunSpec
-    from ..sampling.sampler import path_for_linear
-    if linear not in LINEAR_CHOICES:
-        raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
-    path, note = path_for_linear("auto", linear)
-    return RunSpec(path=path, linear=linear), note
 
 
 class PlaySessionNode:
