@@ -195,9 +195,9 @@ class MatrixGame2Sampler:
         from ..app.prepare import prepare_model
         spec, note = linear_spec(linear)                       # the CLI's one rule: fp8 on the optimized path
         doctor_notes: list = [note] if note else []
-        setup = prepare_model(net, spec, notes=doctor_notes)   # the doctor's verdicts, said in the node's text
-        run = {"spec": spec, "setup": setup, "callback": on_step, "on_chunk": on_chunk}
         with torch.inference_mode():
+            setup = prepare_model(net, spec, notes=doctor_notes)   # the doctor's verdicts, said in the node's text
+            run = {"spec": spec, "setup": setup, "callback": on_step, "on_chunk": on_chunk}
             if keep_state or continue_from is not None:
                 latents, kept = _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window,
                                              continue_from, bool(keep_state), run)

@@ -1,11 +1,10 @@
 """Matrix-Game-2 play mode: sessions whose next chunk is driven by the actions held while it is made.
 
 ``PlaySession.step(keys, mouse)`` continues the video by one 3-latent-frame chunk (``sampling.mg2_continuation``, run
-by ``jobs.mg2.sample_mg2`` over the model the session prepared once, at its first chunk) with the given keys and camera motion held for the
-whole chunk, and records them: ``script`` is the Game Actions
-script of the session, and ``generate_mg2`` with it and the same seed reproduces the session's frames exactly.
-``free`` drops everything heavy (the model, the caches, attached decoders) and keeps what saving needs (the
-latents made so far, the script).
+by ``jobs.mg2.sample_mg2`` over the model the session prepared once, at its first chunk) with the given keys and
+camera motion held for the whole chunk, and records them: ``script`` is the Game Actions script of the session, and
+``generate_mg2`` with it and the same seed reproduces the session's frames exactly. ``free`` drops everything heavy
+(the model, the caches, attached decoders) and keeps what saving needs (the latents made so far, the script).
 
 ``PlayRegistry`` holds the live sessions of a server: one per starting node (starting again replaces it), at most
 ``max_sessions``, each ended once nobody has made a chunk or looked at it (``touch``) for its idle timeout (an
