@@ -1,10 +1,10 @@
 """Matrix-Game-2 play mode: sessions whose next chunk is driven by the actions held while it is made.
 
-``PlaySession.step(keys, mouse)`` continues the video by one 3-latent-frame chunk (``sampling.mg2_continuation``, run
-by ``jobs.mg2.sample_mg2`` over the model the session prepared once, at its first chunk) with the given keys and
-camera motion held for the whole chunk, and records them: ``script`` is the Game Actions script of the session, and
-``generate_mg2`` with it and the same seed reproduces the session's frames exactly. ``free`` drops everything heavy
-(the model, the caches, attached decoders) and keeps what saving needs (the latents made so far, the script).
+``PlaySession.step(keys, mouse)`` continues the video by one 3-latent-frame chunk (``sampling.mg2_continuation``: the
+session is one run, prepared once at its first chunk, its next chunks sampled by ``Run.again``) with the given keys
+and camera motion held for the whole chunk, and records them: ``script`` is the Game Actions script of the session,
+and ``generate_mg2`` with it and the same seed reproduces the session's frames exactly. ``free`` drops everything
+heavy (the model, the caches, attached decoders) and keeps what saving needs (the latents made so far, the script).
 
 ``PlayRegistry`` holds the live sessions of a server: one per starting node (starting again replaces it), at most
 ``max_sessions``, each ended once nobody has made a chunk or looked at it (``touch``) for its idle timeout (an
@@ -20,10 +20,10 @@ import time
 import torch
 
 from ...sampling.actions_script import MODES, parse_action_script
-from ...sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
+from ...sampling.mg2 import FRAMES_PER_BLOCK, mg2_run, resolve_preset
 from ...sampling.continuation import weight_fingerprint
 from ...sampling.mg2_continuation import mg2_continuation
-from ..jobs.mg2 import sample_mg2
+from ...sampling.request import SamplingHooks
 
 FIRST_CHUNK_FRAMES = 4 * (FRAMES_PER_BLOCK - 1)     # scripted video frames of the first chunk (after the start frame)
 CHUNK_FRAMES = 4 * FRAMES_PER_BLOCK                 # video frames of every later chunk
@@ -99,7 +99,7 @@ class SessionBase:
 
 
 class PlaySession(SessionBase):
-    HEAVY = ("model", "context")
+    HEAVY = ("model", "context", "run")
 
     def __init__(self, model, image_latent: torch.Tensor, visual_context: torch.Tensor, seed: int = 0,
                  preset: str = "universal", window: int | None = None, state_device=None, in_place: bool = True):
@@ -113,6 +113,7 @@ class PlaySession(SessionBase):
         self.mode, self.seed, self.state_device = self.settings.mode, int(seed), state_device
         self.in_place = bool(in_place)      # the session owns its state: caches written in place (False: copies)
         self.items: list[str] = []          # one script item per chunk
+        self.run = None                     # the session's one run (``app.prepare.Run``), from its first chunk
         super().__init__()
 
     @property
@@ -147,6 +148,7 @@ class PlaySession(SessionBase):
 
     def step(self, keys=(), mouse=(0.0, 0.0), callback=None) -> torch.Tensor:
         """Generate the next chunk with ``keys`` and ``mouse`` held; returns its latents [1, 16, 3, h, w]."""
+        from ..prepare import RunSpec, prepare
         with self.lock:
             if self.ended:
                 raise PlayError(f"this play session has ended ({self.ended}): start a new one")
@@ -158,10 +160,17 @@ class PlaySession(SessionBase):
             if self.chunks:                      # the parser repeats the first action as a start frame: not here
                 mouse_t = None if mouse_t is None else mouse_t[:, 1:]
                 keyboard_t = keyboard_t[:, 1:]
-            run, state_after = mg2_continuation(
+            args, state_after = mg2_continuation(
                 self.model, self.image, self.context, mouse_t, keyboard_t, self.frames + FRAMES_PER_BLOCK, self.seed,
                 self.settings, self.state, self.state_device, self.in_place)
-            out = sample_mg2(self.model, **run, callback=callback, spec=self.run_spec, setup=self.prepared())
+            fields, inputs = mg2_run(self.model, **args)
+            if self.run is None:                 # the session's one run, prepared at its first chunk
+                spec = (self.run_spec or RunSpec()).replace(**fields)
+                self.run = prepare(self.model, spec, inputs, SamplingHooks(callback=callback), setup=self.prepared())
+                out = self.run.latents().transpose(1, 2)
+            else:                                # the next chunk's inputs on the same run: nothing prepared again
+                self.run.hooks = self.run.hooks.replace(callback=callback)
+                out = self.run.again(inputs).transpose(1, 2)
             self.state = state_after()
             first = 0 if self.chunks == 0 else 1 + FIRST_CHUNK_FRAMES + CHUNK_FRAMES * (self.chunks - 1)
             given = self.state.actions             # exactly the tensors the model's action modules were given
