@@ -39,13 +39,13 @@ class SessionBase:
     """What every play session shares: its chunks' latents, and ``free`` (drops the heavy attributes named in
     ``HEAVY``, the state and attached decoders; keeps the latents and the script). ``run_spec``: the run spec
     (``app/prepare.RunSpec``) the session is prepared with (the start's choices, e.g. fp8 linear layers); None: the
-    defaults. ``setup``: what preparing it did (``prepared``)."""
+    defaults. ``setup`` / ``run``: what preparing it did (``_chunk``)."""
     HEAVY: tuple = ("model",)
     run_spec = None
     setup = None
 
     def __init__(self):
-        self.state = None
+        self.state = self.run = None        # the state after the last chunk; the session's one run (``_chunk``)
         self.log: list[dict] = []           # per chunk: what it was given (the action or prompt, the rows)
         self.latents: list[torch.Tensor] = []   # model-space latents of each chunk, on the CPU (for saving)
         self.chunks = 0
@@ -55,13 +55,19 @@ class SessionBase:
         self.frames_shown = 0               # decoded video frames sent to the page so far
         self.lock = threading.RLock()
 
-    def prepared(self):
-        """The session's model prepared once, at its first chunk (``app.prepare.prepare_model`` with ``run_spec``:
-        the doctor's verdicts and the start's choices; ``setup.notes`` says what was switched off)."""
-        from ..prepare import RunSpec, prepare_model
-        if self.setup is None:
-            self.setup = prepare_model(self.model, self.run_spec or RunSpec())
-        return self.setup
+    def _chunk(self, fields: dict, inputs, callback, more, **kwargs) -> torch.Tensor:
+        """The next chunk's latents on the session's one run: at the first chunk the model (``setup``: the doctor's
+        verdicts, the start's choices; its notes say what was switched off) and the run (``run_spec`` with
+        ``fields``, ``inputs``, ``prepare``'s ``kwargs``) are prepared; every next chunk is ``more(run)``."""
+        from ..prepare import RunSpec, prepare, prepare_model
+        if self.run is not None:
+            self.run.hooks = self.run.hooks.replace(callback=callback)
+            return more(self.run)
+        spec = self.run_spec or RunSpec()
+        self.setup = self.setup or prepare_model(self.model, spec)
+        self.run = prepare(self.model, spec.replace(**fields), inputs, SamplingHooks(callback=callback),
+                           setup=self.setup, **kwargs)
+        return self.run.latents()
 
     def _check_weights(self) -> None:
         """The session's caches were made with the weights of its last chunk: other values (another checkpoint of
@@ -113,7 +119,6 @@ class PlaySession(SessionBase):
         self.mode, self.seed, self.state_device = self.settings.mode, int(seed), state_device
         self.in_place = bool(in_place)      # the session owns its state: caches written in place (False: copies)
         self.items: list[str] = []          # one script item per chunk
-        self.run = None                     # the session's one run (``app.prepare.Run``), from its first chunk
         super().__init__()
 
     @property
@@ -148,7 +153,6 @@ class PlaySession(SessionBase):
 
     def step(self, keys=(), mouse=(0.0, 0.0), callback=None) -> torch.Tensor:
         """Generate the next chunk with ``keys`` and ``mouse`` held; returns its latents [1, 16, 3, h, w]."""
-        from ..prepare import RunSpec, prepare
         with self.lock:
             if self.ended:
                 raise PlayError(f"this play session has ended ({self.ended}): start a new one")
@@ -164,13 +168,7 @@ class PlaySession(SessionBase):
                 self.model, self.image, self.context, mouse_t, keyboard_t, self.frames + FRAMES_PER_BLOCK, self.seed,
                 self.settings, self.state, self.state_device, self.in_place)
             fields, inputs = mg2_run(self.model, **args)
-            if self.run is None:                 # the session's one run, prepared at its first chunk
-                spec = (self.run_spec or RunSpec()).replace(**fields)
-                self.run = prepare(self.model, spec, inputs, SamplingHooks(callback=callback), setup=self.prepared())
-                out = self.run.latents().transpose(1, 2)
-            else:                                # the next chunk's inputs on the same run: nothing prepared again
-                self.run.hooks = self.run.hooks.replace(callback=callback)
-                out = self.run.again(inputs).transpose(1, 2)
+            out = self._chunk(fields, inputs, callback, lambda run: run.again(inputs)).transpose(1, 2)
             self.state = state_after()
             first = 0 if self.chunks == 0 else 1 + FIRST_CHUNK_FRAMES + CHUNK_FRAMES * (self.chunks - 1)
             given = self.state.actions             # exactly the tensors the model's action modules were given

@@ -31,7 +31,7 @@ from ...model.dit import check_text_tokens
 from ...model.finite import NonFiniteError, check_conditioning
 from ...sampling.krea import cache_setup
 from ...sampling.prompts import PromptSchedule
-from ...sampling.request import RunInputs, SamplingHooks
+from ...sampling.request import RunInputs
 from .registry import PlayError, SessionBase
 
 HEAD_VALUES = 8                 # first values of the context's first row kept in the log
@@ -71,7 +71,6 @@ class PromptPlaySession(SessionBase):
         self.schedule, self.frames_per_block = schedule, int(frames_per_block)
         self.kv_window, self.sink, self.recache = self.cache.kv_window, int(sink), recache
         self.state_device, self.settings = state_device, dict(settings or {})
-        self.run = None                     # the session's one run (``app.prepare.Run``), from its first chunk
         self.lines: list[str] = []          # schedule entries "<chunk>: <prompt>", one per change
         self.prompt: str | None = None      # the prompt in effect (as typed)
         self.embeddings: dict = {}          # text -> [1, L, D] embedding (CPU), each text encoded once
@@ -157,7 +156,13 @@ class PromptPlaySession(SessionBase):
             mark = policy.mark() if hasattr(policy, "mark") else None
             before = self.state
             try:
-                out = self._chunk(context.to(self.model.device), callback)
+                frames, ctx = (self.chunks + 1) * self.frames_per_block, context.to(self.model.device)
+                out = self._chunk(
+                    dict(seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block,
+                         kv_window=self.kv_window, sink=self.sink, recache=self.cache.recache),
+                    RunInputs(context=ctx, noise=(1, frames, self.model.config.out_dim, self.height, self.width),
+                              cache_policy=policy), callback, lambda run: run.extend(frames, context=ctx),
+                    keep_state=True, state_device=self.state_device)
             except BaseException as exc:
                 if before is None:              # a first chunk that failed: the next step prepares the run again
                     self.run = None
@@ -177,22 +182,6 @@ class PromptPlaySession(SessionBase):
             self.latents.append(out.detach().float().cpu().transpose(1, 2))
             self.chunks += 1
             return self.latents[-1]
-
-    def _chunk(self, context: torch.Tensor, callback) -> torch.Tensor:
-        """The next chunk's latents: the session's run prepared at its first chunk, then extended by one chunk."""
-        from ..prepare import RunSpec, prepare
-        frames = (self.chunks + 1) * self.frames_per_block
-        if self.run is not None:
-            self.run.hooks = self.run.hooks.replace(callback=callback)
-            return self.run.extend(frames, context=context)
-        spec = (self.run_spec or RunSpec()).replace(
-            seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block, kv_window=self.kv_window,
-            sink=self.sink, recache=self.cache.recache)
-        inputs = RunInputs(context=context, noise=(1, frames, self.model.config.out_dim, self.height, self.width),
-                           cache_policy=self.cache.cache_policy)
-        self.run = prepare(self.model, spec, inputs, SamplingHooks(callback=callback), setup=self.prepared(),
-                           keep_state=True, state_device=self.state_device)
-        return self.run.latents()
 
     @property
     def frames(self) -> int:
