@@ -104,50 +104,20 @@ def _failed(row: dict, why: str) -> dict:
     return {k: v for k, v in row.items() if k not in ("final", "steps")} | {"status": "failed", "why": why}
 
 
-def _run(kind: str, directory: Path, cfg: dict, attention: str, path: str, device, linear: str = "exact") -> tuple:
-    """(final latents, {(chunk, step): x0}, None) of one run of the fixture; (None, None, why) when another
+def _run(fx, attention: str, path: str, device, linear: str = "exact") -> tuple:
+    """(final latents, {(chunk, step): x0}, None) of one replay of the fixture; (None, None, why) when another
     attention than ``attention`` would run or ran (``_substitute``): nothing of it is a measurement of it."""
-    from ..sampling.sampler import sampler_path
-    from ..app.jobs.reference import _load_io, _load_model, _schedule_from
-    io = _load_io(directory, cfg)
+    from ..app.jobs.replay import replay
     steps = {}
 
     def callback(ci, k, _chunks, _steps, x0):
         steps[(ci, k)] = x0.detach().float().cpu().clone()
 
-    with torch.no_grad(), sampler_path(path, {"linear": linear} if path == "optimized" else None):
-        if kind == "wan":
-            from ..sampling.sampler import sample_causal
-            model = _load_model(directory, cfg, device).set_attention_backend(attention)
-            if (instead := _substitute(attention, device, model)):
-                return None, None, instead
-            s = cfg["sampler"]
-
-            def provide(ci, k, shape, dtype, dev):
-                return io[f"extra_noise.block{ci}.step{k}"].reshape(shape).to(dev, dtype)
-
-            out = sample_causal(model, io["context"].to(device), io["initial_noise"].to(device),
-                                _schedule_from(cfg), s["num_frame_per_block"], noise_provider=provide,
-                                refresh_t=float(s.get("context_noise", 0)), callback=callback,
-                                kv_window=int(cfg["config"].get("local_attn_size", -1)),
-                                sink=int(cfg["config"].get("sink_size", 0)),
-                                independent_first_frame=bool(s.get("independent_first_frame", False)))
-        else:
-            from ..app.jobs.mg2 import sample_mg2
-            from ..app.jobs.mg2_reference import load_fixture_model
-            model = load_fixture_model(directory, cfg, device).set_attention_backend(attention)
-            if (instead := _substitute(attention, device, model)):
-                return None, None, instead
-            window = int(cfg["config"]["local_attn_size"])
-            actions = model.new_action_call(io["mouse_cond"].to(device) if "mouse_cond" in io else None,
-                                            io["keyboard_cond"].to(device) if "keyboard_cond" in io else None, window)
-
-            def provide(ci, k, shape, dtype, dev):
-                return io[f"extra_noise.chunk{ci}.step{k}"].reshape(shape).to(dev, dtype)
-
-            out = sample_mg2(model, io["initial_noise"].to(device), io["cond_concat"].to(device),
-                             io["visual_context"].to(device), actions.mouse, actions.keyboard, _schedule_from(cfg),
-                             window, noise_provider=provide, callback=callback, actions=actions)
+    with torch.no_grad():
+        model = fx.model(device).set_attention_backend(attention)
+        if (instead := _substitute(attention, device, model)):
+            return None, None, instead
+        out = replay(fx, model, path=path, linear=linear, callback=callback)
     return out.float().cpu(), steps, _substitute(attention, device, model)     # a build found unusable meanwhile
 
 
@@ -166,16 +136,18 @@ def measure(directory, attention: str = "int8", device="cpu", linear: str = "exa
     max_abs, mean_abs}]}, or status 'failed' and ``why`` (no figures) for a run whose attention was another
     implementation (``_substitute``: what ran is named) or whose tensors are not finite (one finite check of every
     tensor compared); ``progress(text)`` is told of each run as it starts."""
+    from ..app.jobs.replay import Fixture
     directory = Path(directory)
     kind, cfg = _fixture(directory)
     check_fixture_fits(directory, kind, cfg, device)
+    fx = Fixture(directory, cfg, {"wan": "causal_wan", "matrix-game2": "matrix_game2"}[kind])
     tell = progress or (lambda _text: None)
     rows = []
     for path in paths_for(linear):
         tell(f"{directory.name}, {path} path: the exact run (sdpa, exact linear layers)")
-        exact, exact_steps, _ = _run(kind, directory, cfg, "sdpa", path, device)
+        exact, exact_steps, _ = _run(fx, "sdpa", path, device)
         tell(f"{directory.name}, {path} path: the run with attention {attention}, linear {linear}")
-        other, other_steps, instead = _run(kind, directory, cfg, attention, path, device, linear)
+        other, other_steps, instead = _run(fx, attention, path, device, linear)
         row = {"fixture": directory.name, "model_kind": kind, "path": path, "attention": attention, "linear": linear}
         if instead:
             rows.append(_failed(row, instead))

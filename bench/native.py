@@ -398,7 +398,8 @@ def run(args) -> int:
     import torch
 
     from ..cache.fingerprint import cpu_name
-    from ..model.random_checkpoint import random_weights
+    from ..model.checkpoint import expected_shapes
+    from ..model.tiny import draw_weights
     from ..app.validate import UsageError, check_float, check_int
     names = parse_weights(args.weights)
     given = [o for o, v in (("--lora-rank", args.lora_rank), ("--lora-strength", args.lora_strength)) if v is not None]
@@ -421,7 +422,7 @@ def run(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     gen_device = device if device.type == "cuda" else torch.device("cpu")
-    base = {k: v.cpu() for k, v in random_weights(config, args.seed, gen_device, torch.bfloat16).items()}
+    base = {k: v.cpu() for k, v in draw_weights(expected_shapes(config), args.seed, gen_device, torch.bfloat16)}
     if device.type == "cuda":          # drawn there (fast), kept on the host: no sampler's peak holds them
         torch.cuda.empty_cache()
     inputs = _inputs(config, args.shape, args.seed, device)

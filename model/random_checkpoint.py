@@ -1,6 +1,6 @@
-"""Random Wan checkpoints in the layouts ComfyUI loads (``bench native``, bench/native.py): the DiT's tensors
-under their official names, drawn on any device; ComfyUI's scaled fp8 layout (current and legacy); one random LoRA
-in the keys ComfyUI maps on a WAN model; and the safetensors writer. The metadata that makes core load a file as
+"""Random Wan checkpoints in the layouts ComfyUI loads (``bench native``, bench/native.py; the DiT's tensors are
+``tiny.draw_weights`` of ``checkpoint.expected_shapes``): ComfyUI's scaled fp8 layout (current and legacy); one
+random LoRA in the keys ComfyUI maps on a WAN model; and the safetensors writer. The metadata that makes core load a file as
 ``WAN21_CausalAR`` is ``checkpoint.core_causal_metadata``."""
 from __future__ import annotations
 
@@ -12,23 +12,10 @@ import torch
 
 from ..cache.owned_files import write_with
 from ..kernels.fp8_linear import quantize_tensor
-from .checkpoint import expected_shapes
-from .tiny import shape_values
+from .tiny import draw_weights
 
 # the block linear weights ComfyUI's fp8_scaled Wan files store in fp8 (and a Wan LoRA adapts)
 BLOCK_LINEAR = re.compile(r"^blocks\.\d+\.((self_attn|cross_attn)\.(q|k|v|o)|ffn\.(0|2))\.weight$")
-
-
-def random_weights(config, seed: int, device, dtype) -> dict:
-    """The DiT's tensors (official names) drawn on ``device`` (float32 normals shaped by kind, model/tiny.py), cast
-    to ``dtype`` one tensor at a time."""
-    gen = torch.Generator(device=device).manual_seed(int(seed))
-    out = {}
-    with torch.no_grad():
-        for name, shape in sorted(expected_shapes(config).items()):
-            w = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-            out[name] = shape_values(name, w).to(dtype)
-    return out
 
 
 def fp8_scaled(weights: dict, legacy: bool = False, device=None) -> tuple:
@@ -57,19 +44,18 @@ def fp8_scaled(weights: dict, legacy: bool = False, device=None) -> tuple:
 
 def random_lora(weights: dict, rank: int, seed: int) -> dict:
     """One LoRA on every block linear in the keys ComfyUI maps on a WAN model (``diffusion_model.<layer>.lora_A /
-    lora_B .weight``, ``<layer>.alpha`` = rank, so the scale is 1), bf16; its update about a quarter of the weight's
-    spread."""
-    gen = torch.Generator().manual_seed(int(seed) + 7)
+    lora_B .weight``, ``<layer>.alpha`` = rank, so the scale is 1), bf16 (``tiny.draw_weights``, seed + 7); its
+    update about a quarter of the weight's spread."""
+    shapes = {}
+    for name, w in weights.items():
+        if BLOCK_LINEAR.match(name):
+            layer = f"diffusion_model.{name[:-len('.weight')]}"
+            shapes[f"{layer}.lora_A.weight"], shapes[f"{layer}.lora_B.weight"] = (rank, w.shape[1]), (w.shape[0], rank)
     out = {}
-    for name, w in sorted(weights.items()):
-        if not BLOCK_LINEAR.match(name):
-            continue
-        layer, (n_out, n_in) = name[:-len(".weight")], tuple(w.shape)
-        down = torch.randn(rank, n_in, generator=gen) / n_in ** 0.5
-        up = 0.25 * torch.randn(n_out, rank, generator=gen) / rank ** 0.5
-        out[f"diffusion_model.{layer}.lora_A.weight"] = down.to(torch.bfloat16)
-        out[f"diffusion_model.{layer}.lora_B.weight"] = up.to(torch.bfloat16)
-        out[f"diffusion_model.{layer}.alpha"] = torch.tensor(float(rank))
+    for name, t in draw_weights(shapes, int(seed) + 7, dtype=torch.bfloat16):
+        out[name] = 0.25 * t if name.endswith("lora_B.weight") else t
+        if name.endswith("lora_B.weight"):
+            out[name[:-len("lora_B.weight")] + "alpha"] = torch.tensor(float(rank))
     return out
 
 

@@ -2,7 +2,7 @@
 
 ``random_model(config, device, dtype, seed=..., weights='bf16' | 'fp8', host_blocks=N)`` builds the model on the
 meta device, then draws every tensor on its own target device, in its own dtype, from its own generator seeded by
-the run's seed and the tensor's name: a 14B model in bf16 (28 GB) never exists in float32 nor passes through host
+the run's seed and the tensor's name (``tiny.draw_weights``): a 14B model in bf16 (28 GB) never exists in float32 nor passes through host
 RAM, and the values do not depend on the order tensors are made in. The last ``host_blocks`` blocks are drawn and
 moved to the CPU as each is made (where block swap keeps them; the same values as without swap), so the device
 holds the resident part and one tensor more.
@@ -16,15 +16,13 @@ The spread of each tensor is the tiny model's (``tiny.shape_values``); the numbe
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.nn as nn
 
 from ..kernels.fp8_linear import quantize_tensor
 from .checkpoint import keeps_fp8, model_class
 from .quant import FP8Linear, install_fp8_linears, is_quantized
-from .tiny import shape_values
+from .tiny import draw_weights
 
 WEIGHT_KINDS = ("bf16", "fp8")      # 'bf16': the run's dtype (bf16 on a GPU); 'fp8': block linears in e4m3
 
@@ -36,11 +34,6 @@ def fp8_weight_names(model: nn.Module) -> list:
             isinstance(model.get_submodule(n[:-len(".weight")]), nn.Linear)]
 
 
-def tensor_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{int(seed)}\0{name}".encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner) if owner else model
@@ -50,13 +43,6 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 def _block_index(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[1]) if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit() else None
-
-
-def _draw(name: str, shape, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
-    draw_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    w = torch.randn(tuple(shape), generator=gen, device=device, dtype=draw_dtype)
-    return shape_values(name, w).to(draw_dtype)
 
 
 def random_model(config, device, dtype: torch.dtype, *, seed: int = 0, precision: str = "self_forcing",
@@ -76,6 +62,10 @@ def random_model(config, device, dtype: torch.dtype, *, seed: int = 0, precision
         install_fp8_linears(model, {n: torch.float8_e4m3fn for n in fp8_weight_names(model)})
     model.set_precision(precision, dtype)
     quantized = {prefix for prefix, mod in model.named_modules() if is_quantized(mod)}
+
+    def draw(name, shape, dt):
+        return next(draw_weights({name: shape}, seed, device, dt, per_tensor=True))[1]
+
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             block = _block_index(name)
@@ -83,11 +73,11 @@ def random_model(config, device, dtype: torch.dtype, *, seed: int = 0, precision
             owner, _, leaf = name.rpartition(".")
             if owner in quantized and leaf != "bias":
                 if leaf == "weight":        # drawn in the run's dtype, stored as e4m3 codes + one scale
-                    codes, scale = quantize_tensor(_draw(name, p.shape, seed, device, dtype))
+                    codes, scale = quantize_tensor(draw(name, p.shape, dtype))
                     _set_param(model, name, codes.to(where))
                     _set_param(model, f"{owner}.scale_weight", scale.to(where))
                 continue
-            _set_param(model, name, _draw(name, p.shape, seed, device, p.dtype).to(device=where, dtype=p.dtype))
+            _set_param(model, name, draw(name, p.shape, p.dtype).to(device=where, dtype=p.dtype))
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"random_model left parameters unmade: {left[:4]}")

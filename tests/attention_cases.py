@@ -35,7 +35,6 @@ def loader_runs(module, torch_fn: str, mode: str, path: str, monkeypatch) -> tup
     latents}, {mode: the run's report}), asserting the mode's torch version (``module.torch_fn``) ran in the
     ``mode`` run only."""
     from wan_accel.nodes.model_nodes import CausalWanModelLoader
-    from wan_accel.sampling.sampler import sampler_path
     from run_helpers import generate_latents
     calls = []
     real = getattr(module, torch_fn)
@@ -44,9 +43,9 @@ def loader_runs(module, torch_fn: str, mode: str, path: str, monkeypatch) -> tup
     for m in ("sdpa", mode):
         handle = CausalWanModelLoader().load("(built-in tiny model)", "fp32", "float32", m)[0]
         reports[m] = {}
-        with torch.no_grad(), sampler_path(path, {} if path == "optimized" else None):
+        with torch.no_grad():
             outs[m] = generate_latents(handle.model, torch.randn(1, 8, handle.model.config.text_dim,
                                        generator=torch.Generator().manual_seed(1)), 6, 4, 4, seed=3,
-                                       schedule="self_forcing", report=reports[m])
+                                       schedule="self_forcing", report=reports[m], path=path)
         assert bool(calls) == (m == mode)
     return outs, reports

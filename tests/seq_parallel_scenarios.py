@@ -26,12 +26,13 @@ def t2v_fixture(sp, kv_window: int = -1, path: str = "reference") -> dict:
     """The public causal fixture (4 heads): its weights, noise and re-noising draws; global or rolling cache."""
     import json
     from safetensors.torch import load_file
-    from wan_accel.app.jobs.reference import _load_model, _schedule_from
+    from wan_accel.app.jobs.replay import Fixture
     from wan_accel.model.kv_cache import KVCache
     from run_helpers import run_causal
     d = FIXTURES / "wan_reference"
     cfg = json.loads((d / "causal_config.json").read_text())
-    model = _enable(_load_model(d, cfg, "cpu"), sp)
+    fx = Fixture(d, cfg)
+    model = _enable(fx.model("cpu"), sp)
     io = load_file(str(d / cfg["io_file"]))
     noise = io["initial_noise"]
     kv = KVCache.for_model(model, 1, cfg["frame_seq_length"], noise.shape[1], kv_window, 1 if kv_window > 0 else 0)
@@ -41,7 +42,7 @@ def t2v_fixture(sp, kv_window: int = -1, path: str = "reference") -> dict:
 
     if sp is not None:
         sp.reset_stats()
-    out = run_causal(model, io["context"], noise, _schedule_from(cfg), 3, noise_provider=provide, kv_cache=kv,
+    out = run_causal(model, io["context"], noise, fx.schedule(), 3, noise_provider=provide, kv_cache=kv,
                         path=path, fast_options={"cuda_graphs": "off"} if path == "optimized" else None)
     res = dict(_kv(kv), out=out, fixture=io["output"])
     if sp is not None:
@@ -69,15 +70,14 @@ def mg2(sp, heads: int = 4) -> dict:
     """Matrix-Game-2: the public fixture (4 heads) or the tiny model with ``heads`` heads; rolling caches."""
     import json
     from safetensors.torch import load_file
-    from wan_accel.app.jobs.mg2_reference import load_fixture_model
-    from wan_accel.app.jobs.reference import _schedule_from
+    from wan_accel.app.jobs.replay import Fixture
     from wan_accel.model.kv_cache import KVCache
     from wan_accel.app.jobs.mg2 import sample_mg2
     d = FIXTURES / "matrix_game2"
     cfg = json.loads((d / "mg2_config.json").read_text())
-    io = load_file(str(d / cfg["io_file"]))
+    io, fx = load_file(str(d / cfg["io_file"])), Fixture(d, cfg)
     if heads == 4:
-        model = load_fixture_model(d, cfg, "cpu")
+        model = fx.model("cpu")
     else:
         from wan_accel.model.mg2_model import tiny_mg2_config, tiny_mg2_model
         c = tiny_mg2_config()
@@ -92,7 +92,7 @@ def mg2(sp, heads: int = 4) -> dict:
         return io[f"extra_noise.chunk{ci}.step{k}"].reshape(shape).to(dev, dtype)
 
     out = sample_mg2(model, noise, io["cond_concat"], io["visual_context"], actions.mouse, actions.keyboard,
-                     _schedule_from(cfg), window, noise_provider=provide, kv_cache=kv, actions=actions)
+                     fx.schedule(), window, noise_provider=provide, kv_cache=kv, actions=actions)
     res = dict(_kv(kv), out=out, fixture=io["output"] if heads == 4 else None)
     res["mouse_bytes"] = sum(t.k.nbytes + t.v.nbytes for t in actions.mouse_cache.layers)
     return res

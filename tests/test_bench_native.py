@@ -17,7 +17,9 @@ import torch
 from wan_accel.bench.native import SKIP_LINE, SHAPES, parse_weights, shape_config
 from wan_accel.app.validate import UsageError
 from wan_accel.model.checkpoint import core_causal_metadata
-from wan_accel.model.random_checkpoint import fp8_scaled, random_lora, random_weights, write_file
+from wan_accel.model.checkpoint import expected_shapes
+from wan_accel.model.random_checkpoint import fp8_scaled, random_lora, write_file
+from wan_accel.model.tiny import draw_weights
 
 from .cli_run import run_cli_in
 
@@ -85,7 +87,7 @@ def test_scaled_fp8_file_loads_in_the_packs_loader_as_comfyui_stores_it(tmp_path
 
     from wan_accel.model.loader import load_wan_checkpoint
     config = shape_config("tiny")
-    base = random_weights(config, 0, torch.device("cpu"), torch.bfloat16)
+    base = dict(draw_weights(expected_shapes(config), 0, torch.device("cpu"), torch.bfloat16))
     tensors, meta = fp8_scaled(base, legacy=legacy)
     path = tmp_path / "m.safetensors"
     write_file(path, tensors, dict(core_causal_metadata(config), **meta))
@@ -108,7 +110,7 @@ def test_scaled_fp8_file_loads_in_the_packs_loader_as_comfyui_stores_it(tmp_path
 def test_lora_file_is_in_comfyuis_wan_keys_and_merges_in_the_packs_loader(tmp_path):
     from wan_accel.model.loader import load_wan_checkpoint
     config = shape_config("tiny")
-    base = random_weights(config, 0, torch.device("cpu"), torch.bfloat16)
+    base = dict(draw_weights(expected_shapes(config), 0, torch.device("cpu"), torch.bfloat16))
     lora = random_lora(base, 4, 0)
     assert "diffusion_model.blocks.1.ffn.2.lora_A.weight" in lora and \
         float(lora["diffusion_model.blocks.1.ffn.2.alpha"]) == 4.0

@@ -120,7 +120,7 @@ def test_longlive_an_inf_in_an_input_is_refused_naming_file_and_key(tmp_path):
 
 
 def test_longlive_expects_x0_steps_of_each_variant_without_the_lora():
-    from wan_accel.app.jobs.longlive_reference import x0_steps_expected
+    from wan_accel.app.jobs.reference import x0_steps_expected
     cfg = json.loads((FIXTURES / "longlive" / "longlive_config.json").read_text())
     expected = {v for v in cfg["variants"] if x0_steps_expected(cfg, v)}
     with_steps = {k[:-len(".x0_steps")] for k in load_file(str(FIXTURES / "longlive" / "longlive_io.safetensors"))

@@ -9,7 +9,7 @@ from wan_accel.model import attention as att
 from wan_accel.sampling import runner as fast_runner
 from wan_accel.model.fused_qkv import QKV_WEIGHT, ensure_fused_qkv, fused_qkv_intact
 from wan_accel.sampling.runner import FastOptions, get_runner, release_buffers
-from wan_accel.sampling.sampler import resolve_path, sampler_path
+from wan_accel.sampling.sampler import resolve_path
 from run_helpers import generate_latents
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
@@ -226,14 +226,12 @@ def test_options_validation_and_path_choice():
         oom_guard(tiny_causal_model(), (1, 3, 16, 4, 4), 3, mode="sometimes")
     assert oom_guard(tiny_causal_model(), (1, 3, 16, 4, 4), 3, mode="auto") is None      # CPU: errors pass through
     assert FastOptions.coerce({"fused_kernels": False}).fused_kernels is False
-    assert resolve_path("auto", "cpu")[0] == "reference"
-    assert resolve_path("auto", "cuda")[0] == "optimized"
-    assert resolve_path("auto", "cuda", tracer=print)[0] == "reference"
+    assert resolve_path("auto", "cpu") == "reference"
+    assert resolve_path("auto", "cuda") == "optimized"
+    assert resolve_path("auto", "cuda", tracer=print) == "reference"
     model = tiny_causal_model()
     model.forward_chunk = model.forward_chunk                      # replaced on the instance (e.g. a capture)
-    assert resolve_path("auto", "cuda", model=model)[0] == "reference"
-    with sampler_path("optimized", {"cuda_graphs": "off"}):
-        assert resolve_path("auto", "cpu") == ("optimized", {"cuda_graphs": "off"})
-        assert resolve_path("reference", "cpu")[0] == "reference"
+    assert resolve_path("auto", "cuda", model=model) == "reference"
+    assert resolve_path("optimized", "cpu") == "optimized" and resolve_path("reference", "cuda") == "reference"
     with pytest.raises(ValueError, match="sampler path"):
         resolve_path("fastest", "cpu")

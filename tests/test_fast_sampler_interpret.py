@@ -19,13 +19,13 @@ def _child() -> None:
     from wan_accel.kernels._common import interpreter_usable
     from wan_accel.model.config import WanConfig
     from wan_accel.model.loader import load_wan_checkpoint
-    from wan_accel.app.jobs.reference import _load_io
+    from wan_accel.app.jobs.replay import Fixture
     from run_helpers import run_causal
     from wan_accel.sampling.scheduler import resolve_schedule
 
     fixtures = HERE.parent / "fixtures" / "wan_reference"
     cfg = json.loads((fixtures / "causal_config.json").read_text())
-    io = _load_io(fixtures, cfg)
+    io = Fixture(fixtures, cfg).io
     sched = resolve_schedule("custom", [1000, 500], shift=cfg["sampler"]["timestep_shift"])   # two steps: fast
     model = load_wan_checkpoint(fixtures / cfg["weights_file"], dtype=torch.float32, precision="float32",
                                 config=WanConfig.from_dict(cfg["config"]), attention="sdpa")

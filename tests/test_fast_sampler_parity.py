@@ -16,7 +16,7 @@ from tolerances import step
 from wan_accel.model.config import WanConfig
 from wan_accel.model.kv_cache import KVCache
 from wan_accel.model.loader import load_wan_checkpoint
-from wan_accel.app.jobs.reference import _load_io, _schedule_from
+from wan_accel.app.jobs.replay import Fixture
 from wan_accel.sampling.sampler import sampler_path
 from run_helpers import generate_latents, run_causal
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
@@ -29,7 +29,8 @@ MG2 = FIXTURES / "matrix_game2"
 @pytest.fixture(scope="module")
 def fixture():
     cfg = json.loads((WAN / "causal_config.json").read_text())
-    return cfg, _load_io(WAN, cfg), _schedule_from(cfg)
+    fx = Fixture(WAN, cfg)
+    return cfg, fx.io, fx.schedule()
 
 
 def _model(cfg, dtype=torch.float32, precision="float32"):
@@ -181,10 +182,10 @@ def test_i2v_image_branch_and_independent_first_frame():
 
 
 def test_matrix_game2_fixture_through_the_optimized_path():
-    from wan_accel.app.jobs import mg2_reference
+    from wan_accel.app.jobs.reference import check_fixture
     cfg = json.loads((MG2 / "mg2_config.json").read_text())
     with sampler_path("optimized"):
-        rows = mg2_reference.run(MG2, cfg)
+        rows = check_fixture(Fixture(MG2, cfg))
     worst = max(rows, key=lambda r: r[1])
     assert worst[1] <= 1e-4, worst
 

@@ -207,8 +207,17 @@ def test_plan_capability_and_doctor_head_dim(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- continuation
+def sample_video_with_state(model, spec, context, width, height, num_frames, state=None):
+    """(new latents, state after them): a continuable run through the one prepare call."""
+    from wan_accel.app.prepare import prepare_video
+    from wan_accel.sampling.request import RunInputs
+    run = prepare_video(model, spec, RunInputs(context=context, state=state), width, height, num_frames,
+                        keep_state=True)
+    return run.latents(), run.state
+
+
 def test_state_of_other_weights_is_refused():
-    from wan_accel.app.prepare import RunSpec, sample_video_with_state
+    from wan_accel.app.prepare import RunSpec
     from wan_accel.model.tiny import tiny_causal_model
 
     a = tiny_causal_model(0, "cpu", torch.float32, "float32")
@@ -232,7 +241,7 @@ def test_state_of_other_weights_is_refused():
 def test_state_of_weights_loaded_as_inference_tensors():
     """ComfyUI loads weights as inference tensors (no in-place version counter): a continuation on the same
     weights goes on, other weights or a weight patched in place are refused."""
-    from wan_accel.app.prepare import RunSpec, sample_video_with_state
+    from wan_accel.app.prepare import RunSpec
     from wan_accel.model.tiny import tiny_causal_model
 
     with torch.inference_mode():
@@ -277,30 +286,27 @@ def _need(config: dict, frames, height, width, **kw) -> int:
     return sum(sampling_need(config, frames, height, width, **kw).values())
 
 
-@pytest.mark.parametrize("entry", ["sample_video", "sample_video_with_state"])
-def test_python_api_refuses_before_allocating(monkeypatch, capsys, entry):
+@pytest.mark.parametrize("keep_state", [False, True])
+def test_python_api_refuses_before_allocating(monkeypatch, capsys, keep_state):
     import wan_accel.app.prepare as job
-    import wan_accel.sampling.continuation as continuation
-    import wan_accel.sampling.sampler as sampler
+    from wan_accel.sampling.request import RunInputs
     from wan_accel.model.tiny import tiny_causal_model
 
     model = tiny_causal_model(0, "cpu", torch.float32, "float32")
     ctx = torch.zeros(1, 0, model.config.text_dim)
     need = _need(model.config.to_dict(), 9, 32, 32)
-    run = getattr(job, entry)
     _device_with(monkeypatch, need - 1)
 
     def no_tensors(*_a, **_k):
         raise AssertionError("sampling started")
 
     with monkeypatch.context() as m:
-        m.setattr(sampler, "generate_latents", no_tensors)
-        m.setattr(continuation, "sample_continuable", no_tensors)
+        m.setattr(job, "build_request", no_tensors)
+        m.setattr(job, "continued", no_tensors)
         with pytest.raises(ValueError, match=r"num_frames 9 at 32x32 needs about .* test device has"):
-            run(model, job.RunSpec(), ctx, 32, 32, 9)
+            job.prepare_video(model, job.RunSpec(), RunInputs(context=ctx), 32, 32, 9, keep_state=keep_state)
     _device_with(monkeypatch, need)                      # exactly the estimate: runs, and the check says nothing
-    out = run(model, job.RunSpec(), ctx, 32, 32, 9)
-    out = out[0] if isinstance(out, tuple) else out
+    out = job.prepare_video(model, job.RunSpec(), RunInputs(context=ctx), 32, 32, 9, keep_state=keep_state).latents()
     assert out.shape[1] == 3 and torch.isfinite(out).all()
     assert capsys.readouterr().err == ""
 

@@ -183,7 +183,7 @@ def test_bench_fidelity_rows_of_non_finite_runs_are_failed_rows(monkeypatch):
 
     def poisoned(*a, **k):
         out, steps, instead = real(*a, **k)
-        if a[3] != "sdpa":
+        if a[1] != "sdpa":
             out = out.clone()
             out.view(-1)[0] = float("nan")
         return out, steps, instead
@@ -280,11 +280,12 @@ def tiny():
 @pytest.mark.parametrize("shape", [(1, 0, 16, 4, 4), (0, 3, 16, 4, 4), (1, 3, 16, 4), (1, 3, 16, 0, 4)])
 def test_prepare_refuses_a_run_of_no_latent_frames(tiny, shape):
     from wan_accel.app.prepare import RunSpec, prepare
+    from wan_accel.sampling.request import RunInputs
     model, context = tiny
     with pytest.raises(ValueError, match="every size at least 1"):
-        prepare(model, RunSpec(path="reference"), context, shape)
+        prepare(model, RunSpec(path="reference"), RunInputs(context=context, noise=shape))
     with pytest.raises(ValueError, match="every size at least 1"):
-        prepare(model, RunSpec(path="reference"), context, torch.zeros(shape))
+        prepare(model, RunSpec(path="reference"), RunInputs(context=context, noise=torch.zeros(shape)))
 
 
 def test_nan_noise_is_refused_before_sampling_naming_the_noise(tiny, monkeypatch):
@@ -293,9 +294,10 @@ def test_nan_noise_is_refused_before_sampling_naming_the_noise(tiny, monkeypatch
     model, context = tiny
     noise = torch.randn(1, 3, 16, 4, 4)
     noise[0, 1, 2, 3, 0] = float("nan")
-    monkeypatch.setattr(P, "causal_request", lambda *a, **k: pytest.fail("sampling was prepared"))
+    from wan_accel.sampling.request import RunInputs
+    monkeypatch.setattr(P, "build_request", lambda *a, **k: pytest.fail("sampling was prepared"))
     with pytest.raises(NonFiniteError, match=r"^the initial noise holds non-finite values \(1 NaN of 768\)"):
-        P.prepare(model, P.RunSpec(path="reference"), context, noise)
+        P.prepare(model, P.RunSpec(path="reference"), RunInputs(context=context, noise=noise))
 
 
 # ============================================================================ 8. tolerances from the dtype compared

@@ -182,12 +182,12 @@ NAMED = named_modules()
 def test_the_scan_sees_every_kind_of_module_string():
     where = {w.split(":")[0] for w, _, _ in NAMED}
     modules = {m for _, m, _ in NAMED}
-    # the lazy command tables, the bench tables, the child processes, the optional formats and the doctor's sources
-    assert {"cli/__init__.py", "cli/bench.py", "nodes/__init__.py", "app/jobs/reference.py",
+    # the lazy command tables, the bench tables, the child processes and the doctor's sources
+    assert {"cli/__init__.py", "cli/bench.py", "nodes/__init__.py",
             "app/doctor/probes.py", "bench/compile.py", "bench/kernels.py", "app/ranks/pool.py",
             "cli/profiling.py"} <= where
     assert {f"{PACK}.cli.bench", f"{PACK}.bench.sampler", f"{PACK}.bench.parallel",
-            f"{PACK}.nodes.model_nodes", f"{PACK}.app.jobs.mg2_reference", f"{PACK}.sampling.cuda_graphs",
+            f"{PACK}.nodes.model_nodes", f"{PACK}.sampling.cuda_graphs",
             f"{PACK}.bench.compile", f"{PACK}.app.ranks.pool", "importlib"} <= modules
 
 

@@ -170,9 +170,10 @@ def spy_kitchen(monkeypatch) -> dict:
 
 def test_optimized_path_with_kitchen_ops_matches_the_fixture(monkeypatch):
     from tests.test_fast_sampler_parity import WAN, _model, _run
-    from wan_accel.app.jobs.reference import _load_io, _schedule_from
+    from wan_accel.app.jobs.replay import Fixture
     cfg = json.loads((WAN / "causal_config.json").read_text())
-    io, sched = _load_io(WAN, cfg), _schedule_from(cfg)
+    fx = Fixture(WAN, cfg)
+    io, sched = fx.io, fx.schedule()
     calls = spy_kitchen(monkeypatch)
     out, report = _run(_model(cfg), io, sched, "optimized", fast_options={"ops": "kitchen"})
     assert report["path"] == "optimized"

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from wan_accel.app.jobs import mg2_reference
-from wan_accel.app.jobs.reference import check_reference, discover
+from wan_accel.app.jobs import reference
+from wan_accel.app.jobs.reference import check_fixture, check_reference, discover
+from wan_accel.app.jobs.replay import MG2_FIXTURE, Fixture
 
 FIX = Path(__file__).parent / "fixtures" / "matrix_game2"
 TOL = 1e-4
@@ -17,7 +18,7 @@ INPUTS = ("initial_noise", "cond_concat", "visual_context", "mouse_cond", "keybo
 @pytest.fixture(scope="module")
 def rows():
     cfg = json.loads((FIX / "mg2_config.json").read_text())
-    return cfg, dict(mg2_reference.run(FIX, cfg))
+    return cfg, dict(check_fixture(Fixture(FIX, cfg)))
 
 
 def test_every_recorded_tensor_within_tolerance(rows):
@@ -53,7 +54,7 @@ def test_a_wrong_window_is_caught(tmp_path, rows):
         shutil.copy(FIX / name, tmp_path / name)
     cfg = json.loads(json.dumps(cfg))
     cfg["config"]["local_attn_size"] = 9
-    got = dict(mg2_reference.run(tmp_path, cfg))
+    got = dict(check_fixture(Fixture(tmp_path, cfg)))
     assert got["output"] > 1e-2 and got["calls"] == float("inf")
 
 
@@ -70,7 +71,6 @@ def _write_variant(directory: Path, seed=5, layers=3, blocks=(1, 2), dim=48, hea
     from wan_accel.app.jobs.mg2 import sample_mg2
     from wan_accel.sampling.mg2 import build_cond_concat
     from wan_accel.model.mg2_model import MatrixGameModel
-    from wan_accel.app.jobs.reference import _schedule_from
     from wan_accel.model.tiny import init_tiny_weights
     action = {"blocks": list(blocks), "mouse_dim_in": 2, "keyboard_dim_in": 3, "heads_num": action_heads,
               "mouse_hidden_dim": 64 * action_heads, "keyboard_hidden_dim": 64 * action_heads, "hidden_size": 8,
@@ -93,19 +93,19 @@ def _write_variant(directory: Path, seed=5, layers=3, blocks=(1, 2), dim=48, hea
         for k in range(len(steps) - 1):
             io[f"extra_noise.chunk{b}.step{k}"] = torch.randn(3, 16, h, w, generator=g)
     last = (frames // 3 - 1) * (len(steps) + 1)
-    cfg = {"fixture": mg2_reference.FIXTURE_NAME, "config": conf, "clip_dim": clip_dim, "frame_seq_length": s,
+    cfg = {"fixture": MG2_FIXTURE, "config": conf, "clip_dim": clip_dim, "frame_seq_length": s,
            "sampler": {"num_frame_per_block": 3, "denoising_step_list_config": list(steps), "timestep_shift": 5.0,
                        "warp_denoising_step": True, "context_noise": 0},
            "intermediates": {"calls": {"call0": 0, f"call{last}": last}},
            "weights_file": "v_weights.safetensors", "io_file": "v_io.safetensors"}
     kv = KVCache.for_model(model, 1, s, frames, window, 0)
     actions = model.new_action_call(io["mouse_cond"], io["keyboard_cond"], window)
-    rec = mg2_reference._Recorder(model, cfg["intermediates"]["calls"])
+    rec = reference._Recorder(model, cfg["intermediates"]["calls"])
     calls = []
 
     def trace(r):
         rec.after_call()
-        ends = mg2_reference._cache_ends(kv, actions)
+        ends = reference.cache_ends(kv, actions)
         calls.append({"chunk": r["chunk"], "kind": r["kind"], "step": r["step"], "timestep": r["t"],
                       "current_start": r["current_start"],
                       "cache_ends_after_call": {"self_attn": [ends["self_attn"]] * layers,
@@ -118,7 +118,7 @@ def _write_variant(directory: Path, seed=5, layers=3, blocks=(1, 2), dim=48, hea
     provide = lambda ci, k, shape, dt, dev: io[f"extra_noise.chunk{ci}.step{k}"].reshape(shape)
     with torch.no_grad():
         io["output"] = sample_mg2(model, io["initial_noise"], io["cond_concat"], io["visual_context"],
-                                  io["mouse_cond"], io["keyboard_cond"], _schedule_from(cfg), window,
+                                  io["mouse_cond"], io["keyboard_cond"], Fixture(directory, cfg).schedule(), window,
                                   noise_provider=provide, tracer=trace, kv_cache=kv, actions=actions)
     rec.close()
     for tag, tensors in rec.saved.items():
@@ -129,7 +129,7 @@ def _write_variant(directory: Path, seed=5, layers=3, blocks=(1, 2), dim=48, hea
         io[f"mouse_kv_final.layer{b}.k"], io[f"mouse_kv_final.layer{b}.v"] = actions.mouse_cache.ordered(slot)
         io[f"keyboard_kv_final.layer{b}.k"], io[f"keyboard_kv_final.layer{b}.v"] = actions.keyboard_cache.ordered(slot)
     cfg["calls"] = calls
-    io["denoising_step_list"] = torch.tensor(_schedule_from(cfg).timesteps, dtype=torch.float32)   # as recorded
+    io["denoising_step_list"] = torch.tensor(Fixture(directory, cfg).schedule().timesteps, dtype=torch.float32)   # as recorded
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / cfg["weights_file"]))
     save_file({k: v.clone().contiguous() for k, v in io.items()}, str(directory / cfg["io_file"]))
     (directory / "v_config.json").write_text(json.dumps(cfg))

@@ -74,13 +74,14 @@ def test_sampler_function_runs_the_engine_on_the_native_model():
 def test_sampler_function_reproduces_the_official_causal_fixture():
     from safetensors.torch import load_file
 
-    from wan_accel.app.jobs.reference import _load_model, _schedule_from
+    from wan_accel.app.jobs.replay import Fixture
     cfg = json.loads((FIXTURE / "causal_config.json").read_text())
     io = load_file(str(FIXTURE / "causal_io.safetensors"))
-    model = _load_model(FIXTURE, cfg, "cpu")
+    fx = Fixture(FIXTURE, cfg)
+    model = fx.model("cpu")
     rec = {k: v for k, v in io.items() if k.startswith("extra_noise.")}
     model_k, _ = _native(model, io["context"])
-    sigmas = torch.tensor(_schedule_from(cfg).sigmas())
+    sigmas = torch.tensor(fx.schedule().sigmas())
     out = sample_wan_accel(model_k, io["initial_noise"].movedim(1, 2), sigmas,
                            extra_args={"model_options": {"transformer_options": {RECORDED_NOISE_KEY: rec}}},
                            frames_per_block=3, path="reference")

@@ -103,8 +103,7 @@ def test_the_sampler_node_refuses_before_any_work(handle, monkeypatch, settings,
 
     def never(*_a, **_k):
         raise AssertionError("sampled a refused setting")
-    monkeypatch.setattr(prepare, "sample_video", never)
-    monkeypatch.setattr(prepare, "sample_video_with_state", never)
+    monkeypatch.setattr(prepare, "prepare", never)
     with pytest.raises(ValueError, match="^" + want):
         CausalWanSampler().sample(handle, **{**NODE_ARGS, **settings})
 

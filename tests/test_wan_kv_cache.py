@@ -99,7 +99,7 @@ def test_a_sink_that_leaves_no_room_for_a_chunk_is_refused_in_frames_before_any_
         with pytest.raises(ValueError, match=r"window of 4 latent frames cannot hold 2 sink frame\(s\) plus one "
                                              r"3-frame chunk; use kv_window >= 5 or sink <= 1"):
             _run(model, kv_window=4, sink=2)
-        with pytest.raises(ValueError, match="sink must be >= 0"):
+        with pytest.raises(ValueError, match="sink must be at least 0"):
             _run(model, kv_window=6, sink=-1)
         with pytest.raises(ValueError, match="cannot hold 3 sink"):       # even when the video is shorter than
             _run(model, kv_window=FRAMES + 1, sink=3, frames_per_block=9)  # the window (one chunk)

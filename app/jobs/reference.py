@@ -1,43 +1,23 @@
 """Parity check against reference fixtures (outputs of the official implementations).
 
-A fixture directory holds ``*_config.json`` files; each names its weights and io safetensors files.
-``FORMATS`` maps a format name to (detect(config) -> bool, run(directory, config, device) -> rows);
-a new fixture kind (e.g. Matrix-Game-2) is added with ``register_format``. Every number (widths, heads,
-frames, latent size, padding, step list, shift, ...) is read from the fixture's config.
+A fixture directory holds ``*_config.json`` files; each names its weights and io safetensors files. The fixture
+is loaded and its official run replayed by ``replay.py``; ``FORMATS`` maps a format name to its check(fixture,
+device) -> rows, which compares every tensor the config implies (a missing one is a failing row). Every number
+(widths, heads, frames, latent size, padding, step list, shift, ...) is read from the fixture's config.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
 import torch
 
-from ...cache.finite_flags import non_finite
 from ...cache.owned_files import loads_json, read_regular
+from .replay import (INF, TOLERANCE, Fixture, FixtureConfig, FixtureError, Row, kind_of, max_abs_diff, replay,
+                     row_ok)
 
-TOLERANCE = 1e-4
-FORMATS: dict = {}
-INF = float("inf")
-
-
-def register_format(name: str, detect, run) -> None:
-    FORMATS[name] = (detect, run)
-
-
-class FixtureError(ValueError):
-    """A fixture the check cannot use (a file that is missing or damaged, a config key or recorded tensor that is
-    not there); the message names the file and the fix."""
-
-
-class Row(tuple):
-    """One compared tensor: ``(name, max_abs_diff)`` (a 2-tuple, so ``dict(rows)`` and ``for n, d in rows``
-    work), with ``note`` saying why a row failed without a number (a tensor missing from the fixture, a fixture
-    that could not run)."""
-
-    def __new__(cls, name: str, diff, note: str | None = None):
-        row = tuple.__new__(cls, (str(name), float(diff)))
-        row.note = note
-        return row
+PATHS = ("reference", "optimized")
 
 
 class Rows(list):
@@ -46,11 +26,6 @@ class Rows(list):
     def __init__(self, rows=(), notes=()):
         super().__init__(rows)
         self.notes = list(notes)
-
-
-def row_ok(diff: float, tol: float = TOLERANCE) -> bool:
-    """Whether one row passes: a number within the tolerance (NaN and inf fail)."""
-    return isinstance(diff, (int, float)) and math.isfinite(diff) and diff <= tol
 
 
 def verdict(rows, tol: float = TOLERANCE) -> dict:
@@ -62,124 +37,19 @@ def verdict(rows, tol: float = TOLERANCE) -> dict:
     return {"tensors": len(diffs), "worst": worst, "failed": failed, "pass": bool(diffs) and not failed}
 
 
-class FixtureConfig(dict):
-    """A fixture's config JSON: a key that is not there names the config file and the key (never a bare
-    KeyError)."""
-
-    def __init__(self, data: dict, path: Path, where: str = ""):
-        super().__init__({k: _config_value(v, path, f"{where}{k}.") for k, v in data.items()})
-        self.path, self.where = Path(path), where
-
-    def __missing__(self, key):
-        section = f" in '{self.where[:-1]}'" if self.where else ""
-        raise FixtureError(f"{self.path.name}: no '{key}'{section}; this fixture config is incomplete: copy it again "
-                           f"from the fixture's source (or produce it again)")
-
-
-def _config_value(value, path: Path, where: str):
-    if isinstance(value, dict):
-        return FixtureConfig(value, path, where)
-    if isinstance(value, list):
-        return [_config_value(v, path, where) for v in value]
-    return value
-
-
-class Recorded(dict):
-    """The tensors of a fixture's io file: an input the run needs (``io[key]``) that is not there, or that holds
-    NaN or inf, names the file and the key (``FixtureError``); ``compare(key, ours)`` is the row of one expected
-    recorded tensor (inf, with a note, when the file lacks it or the run made nothing to compare; a recorded tensor
-    of NaN or inf fails its row, with a note naming it); ``reference(key)`` is a recorded tensor as it is."""
-
-    def __init__(self, tensors: dict, path: Path):
-        super().__init__(tensors)
-        self.path = Path(path)
-        self.nonfinite = set(non_finite(tensors))          # one host sync for the whole file
-
-    def __missing__(self, key):
-        raise FixtureError(f"{self.path.name}: no tensor '{key}', which the run needs; the fixture is incomplete: "
-                           f"copy or produce it again")
-
-    def __getitem__(self, key):
-        tensor = super().__getitem__(key)
-        if key in self.nonfinite:
-            raise FixtureError(f"{self.path.name}: tensor '{key}', which the run needs, holds NaN or inf; the "
-                               f"fixture is damaged: copy or produce it again")
-        return tensor
-
-    def reference(self, key: str) -> torch.Tensor:
-        """A recorded tensor to compare with (kept when it holds NaN or inf: its row fails)."""
-        return dict.__getitem__(self, key) if key in self else self.__missing__(key)
-
-    def compare(self, key: str, ours, diff=None, name: str | None = None) -> Row:
-        name = key if name is None else name
-        if key not in self:
-            return Row(name, INF, f"expected, but missing from {self.path.name}")
-        if ours is None:
-            return Row(name, INF, "recorded, but the run made nothing to compare it with")
-        value = (diff or max_abs_diff)(ours, self.reference(key))
-        note = f"the recorded tensor holds NaN or inf in {self.path.name}" if key in self.nonfinite else None
-        return Row(name, value if note is None or not row_ok(value) else INF, note)
-
-
-def max_abs_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours = ours.detach().to("cpu", torch.float64)
-    ref = ref.detach().to("cpu", torch.float64)
-    if ours.shape != ref.shape:
-        if ours.numel() != ref.numel():
-            return float("inf")
-        ours = ours.reshape(ref.shape)
-    if ref.numel() == 0:
-        return 0.0
-    return float((ours - ref).abs().max())
-
-
-def load_recorded(path) -> Recorded:
-    """The tensors of a fixture's io file: one that is missing, damaged or truncated (the checkpoints' header check,
-    ``read_header``, before anything is loaded) is a ``FixtureError`` naming it; a recorded tensor of NaN or inf is
-    kept (its rows fail, naming it; as an input it is refused naming the file and key)."""
-    from safetensors.torch import load_file
-
-    from ...model.checkpoint import read_header
-    path = Path(path)
-    if not path.is_file():
-        raise FixtureError(f"{path.name}: {'not a regular file' if path.exists() else 'not found'} (the recorded "
-                           f"tensors of the fixture, in {path.parent}); copy or produce the fixture again")
-    try:
-        read_header(path)          # the checkpoints' header check: every tensor's bytes in the file, before loading
-        return Recorded(load_file(str(path)), path)
-    except Exception as exc:  # noqa: BLE001 - safetensors' own error types: a damaged file, said as one
-        reason = " ".join(str(exc).split("; pickle checkpoints")[0].split())[:200] or type(exc).__name__
-        raise FixtureError(f"{path.name}: not a readable safetensors file ({reason}): it is damaged or truncated; "
-                           f"copy or produce the fixture again") from None
-
-
-def _load_io(directory: Path, cfg: dict) -> Recorded:
-    return load_recorded(Path(directory) / cfg["io_file"])
-
-
-def _load_model(directory: Path, cfg: dict, device):
-    from ...model.config import WanConfig
-    from ...model.loader import load_wan_checkpoint
-    config = WanConfig.from_dict(cfg["config"])
-    return load_wan_checkpoint(directory / cfg["weights_file"], device=device, dtype=torch.float32,
-                               precision="float32", config=config, attention="sdpa")
-
-
-# --------------------------------------------------------------------- fixture A: full sequence
-def _detect_full(cfg: dict) -> bool:
-    return cfg.get("fixture") == "wan_t2v_full_sequence_forward"
+# --------------------------------------------------------------------- Wan T2V: full sequence forward
+def _keep(module, store: dict, name: str, handles: list) -> None:
+    """A forward hook that keeps a copy of ``module``'s output as ``store[name]``."""
+    handles.append(module.register_forward_hook(lambda _m, _i, out: store.__setitem__(name, out.detach().clone())))
 
 
 def _capture(model) -> tuple[dict, list]:
     """Forward hooks recording the fixture's intermediate activations."""
     seen, handles = {}, []
-    modules = {"patch_embedding": model.patch_embedding, "time_embedding": model.time_embedding,
-               "time_projection": model.time_projection, "text_embedding": model.text_embedding,
-               "head": model.head}
-    modules.update({f"block{i}": b for i, b in enumerate(model.blocks)})
-    for name, module in modules.items():
-        handles.append(module.register_forward_hook(
-            lambda _m, _i, out, name=name: seen.__setitem__(name, out.detach().clone())))
+    for name in ("patch_embedding", "time_embedding", "time_projection", "text_embedding", "head"):
+        _keep(getattr(model, name), seen, name, handles)
+    for i, block in enumerate(model.blocks):
+        _keep(block, seen, f"block{i}", handles)
     return seen, handles
 
 
@@ -187,135 +57,46 @@ def _as_list(t: torch.Tensor, dims: int) -> list:
     return [t] if t.dim() == dims else list(t.unbind(0))
 
 
-def _run_full(directory: Path, cfg: dict, device) -> list:
-    model = _load_model(directory, cfg, device)
-    io = _load_io(directory, cfg)
+def _check_full(fx: Fixture, device) -> list:
+    model, io = fx.model(device), fx.io
     xs = [u.to(device) for u in _as_list(io["x"], 4)]
     ctx = [u.to(device) for u in _as_list(io["context"], 2)]
     seen, handles = _capture(model)
     try:
         with torch.no_grad():
-            out = model.forward_full(xs, io["t"].to(device), ctx, seq_len=cfg["inputs"].get("seq_len"))
+            out = model.forward_full(xs, io["t"].to(device), ctx, seq_len=fx.cfg["inputs"].get("seq_len"))
     finally:
         for h in handles:
             h.remove()
     output = out[0] if "output" not in io or io.reference("output").dim() == 4 else torch.stack(out)
     rows = [io.compare("output", output)]
-    expected = {str(k) for k in cfg.get("intermediates", {})} | {k for k in io if k.startswith("inter.")}
+    expected = {str(k) for k in fx.cfg.get("intermediates", {})} | {k for k in io if k.startswith("inter.")}
     for key in sorted(expected):                  # every intermediate the config lists, and every one recorded
         rows.append(io.compare(key, seen.get(key[len("inter."):])))
     return rows
 
 
-# --------------------------------------------------------------------- fixture B: causal sampler
-def _detect_causal(cfg: dict) -> bool:
-    return cfg.get("fixture") == "causal_wan_kv_cached_sampling"
+# --------------------------------------------------------------------- what the sampling formats share
+def calls_row(name: str, ours: list, official: list, same, t_key: str = "timestep") -> tuple:
+    """Structural check of the call sequence: inf when the calls differ in number or ``same(index, ours, theirs)``
+    is false for one; else the largest timestep gap."""
+    if len(ours) != len(official) or not all(same(i, o, t) for i, (o, t) in enumerate(zip(ours, official))):
+        return (name, INF)
+    worst = 0.0
+    for o, t in zip(ours, official):
+        worst = max(worst, abs(float(o["t"]) - float(t[t_key])))
+    return (name, worst)
 
 
-def _schedule_from_steps(steps, shift, warp=True, num_train_timesteps=1000):
-    from ...sampling.scheduler import resolve_schedule
-    return resolve_schedule("custom", steps=steps, shift=shift, warp=warp, num_train_timesteps=num_train_timesteps)
-
-
-def _schedule_from(cfg: dict):
-    s = cfg["sampler"]
-    return _schedule_from_steps(s["denoising_step_list_config"], s["timestep_shift"],
-                                s.get("warp_denoising_step", True),
-                                s.get("scheduler", {}).get("num_train_timesteps", 1000))
-
-
-def _schedule_rows(sched, io: dict, cfg: dict | None = None) -> list:
-    """The step list and the scheduler tables. With ``cfg`` (a config whose ``sampler`` names the step list, and
-    its ``scheduler`` the tables) each one the config implies is expected: missing from the io file, a failing
-    row; without it, the ones recorded."""
+def _schedule_rows(sched, io, cfg: dict) -> list:
+    """The step list and the scheduler tables: each one the config implies (its ``sampler`` names the step list,
+    and its ``scheduler`` the tables) is expected, missing from the io file a failing row; the others, if recorded."""
     pairs = {"scheduler.sigmas": sched.scheduler.sigmas, "scheduler.timesteps": sched.scheduler.timesteps,
              "denoising_step_list": torch.tensor(sched.timesteps, dtype=torch.float32)}
-    expected = set()
-    if cfg is not None:
-        expected = {"denoising_step_list"} | ({"scheduler.sigmas", "scheduler.timesteps"}
-                                              if "scheduler" in cfg.get("sampler", {}) else set())
-    compare = getattr(io, "compare", None)
-    rows = []
-    for key, ours in pairs.items():
-        if key in expected and compare is not None:
-            rows.append(compare(key, ours))
-        elif key in io:
-            rows.append((key, max_abs_diff(ours, io.reference(key) if hasattr(io, "reference") else io[key])))
-    return rows
-
-
-def _call_name(rec: dict) -> str:
-    step = "context" if rec["kind"] == "context" else f"step{rec['step']}"
-    return f"block{rec['chunk']}.{step}"
-
-
-def _calls_row(records: list, cfg: dict, ends: list | None = None) -> tuple:
-    """Structural check of the call sequence: kinds, starts and timesteps in order, and, when ``ends`` (our
-    cache end indices after each call, by cache kind) is given, the recorded ``cache_ends_after_call``.
-    inf on a structural mismatch."""
-    ref = cfg.get("calls")
-    if ref is None:
-        return ("calls", 0.0)
-    if len(ref) != len(records):
-        return ("calls", float("inf"))
-    worst = 0.0
-    for i, (ours, theirs) in enumerate(zip(records, ref)):
-        if ours["kind"] != theirs["kind"] or ours["current_start"] != theirs["current_start"]:
-            return ("calls", float("inf"))
-        if ends is not None:
-            for kind, per_layer in theirs.get("cache_ends_after_call", {}).items():
-                if any(list(e) != ends[i].get(kind) for e in per_layer):
-                    return ("calls", float("inf"))
-        worst = max(worst, abs(ours["t"] - float(theirs["timestep"])))
-    return ("calls", worst)
-
-
-def _kv_rows(kv, io: dict) -> list:
-    """The final cache of every layer, expected when the fixture records any of them."""
-    rows = []
-    if not any(key.startswith("kv_final.") for key in io):
-        return rows
-    for i in range(len(kv.layers)):
-        k, v = kv.ordered(i)
-        for name, ours in (("k", k), ("v", v)):
-            key = f"kv_final.layer{i}.{name}"
-            if key not in io:
-                rows.append(io.compare(key, ours))
-                continue
-            ref = io.reference(key)
-            padded = torch.zeros(ref.shape, dtype=torch.float64)
-            n = min(ours.shape[1], ref.shape[1])
-            padded[:, :n] = ours[:, :n].to("cpu", torch.float64)
-            rows.append((key, max_abs_diff(padded, ref)))
-    return rows
-
-
-def _run_causal(directory: Path, cfg: dict, device) -> list:
-    from ...model.kv_cache import KVCache
-    from ...sampling.sampler import sample_causal
-    model = _load_model(directory, cfg, device)
-    io = _load_io(directory, cfg)
-    s, c = cfg["sampler"], model.config
-    sched = _schedule_from(cfg)
-    noise = io["initial_noise"]
-    b, f, _, h, w = noise.shape
-    frame_tokens = cfg.get("frame_seq_length") or (h // c.patch_size[1]) * (w // c.patch_size[2])
-    kv = KVCache.for_model(model, b, frame_tokens, f, cfg["config"].get("local_attn_size", -1),
-                           cfg["config"].get("sink_size", 0))
-    records = []
-
-    def provide(ci, k, shape, dtype, dev):
-        return io[f"extra_noise.block{ci}.step{k}"].reshape(shape).to(dev, dtype)
-
-    out = sample_causal(model, io["context"].to(device), noise, sched, s["num_frame_per_block"],
-                        noise_provider=provide, refresh_t=float(s.get("context_noise", 0)),
-                        independent_first_frame=bool(s.get("independent_first_frame", False)),
-                        tracer=records.append, kv_cache=kv)
-    rows = _schedule_rows(sched, io, cfg) + [_calls_row(records, cfg)]
-    for key, ours in call_tensors(records, cfg, _call_name, io):
-        rows.append(io.compare(key, ours))
-    rows.append(io.compare("output", out))
-    return rows + _kv_rows(kv, io)
+    expected = {"denoising_step_list"} | ({"scheduler.sigmas", "scheduler.timesteps"}
+                                          if "scheduler" in cfg.get("sampler", {}) else set())
+    return [io.compare(key, ours) if key in expected else (key, max_abs_diff(ours, io.reference(key)))
+            for key, ours in pairs.items() if key in expected or key in io]
 
 
 def call_tensors(records: list, cfg: dict, call_name, io=(), transpose: bool = False) -> list:
@@ -336,25 +117,268 @@ def call_tensors(records: list, cfg: dict, call_name, io=(), transpose: bool = F
     return [(n, ours.get(n)) for n in dict.fromkeys(names)]
 
 
-register_format("wan_t2v_full", _detect_full, _run_full)
-register_format("causal_wan", _detect_causal, _run_causal)
+# --------------------------------------------------------------------- causal Wan and Matrix-Game-2
+class _Recorder:
+    """Matrix-Game-2: forward hooks that keep the intermediates of the calls named in the fixture."""
+
+    def __init__(self, model, wanted: dict):
+        self.wanted = {int(v): k for k, v in wanted.items()}        # call index -> 'callN'
+        self.current, self.saved, self.once, self.calls = {}, {}, {}, 0
+        self.handles = []
+        _keep(model.patch_embedding, self.current, "patch_embedding", self.handles)
+        _keep(model.img_emb, self.once, "img_emb", self.handles)
+        for i, block in enumerate(model.blocks):
+            _keep(block, self.current, f"block{i}", self.handles)
+        for b in model.action_config.blocks:
+            act = model.blocks[b].action_model
+            self.handles.append(act.register_forward_hook(
+                lambda _m, inp, out, b=b: self.current.update({f"block{b}.action_in": inp[0].detach().clone(),
+                                                                f"block{b}.action_out": out.detach().clone()})))
+            for name in ("proj_mouse", "proj_keyboard"):
+                if hasattr(act, name):
+                    _keep(getattr(act, name), self.current, f"block{b}.{name}", self.handles)
+
+    def after_call(self) -> None:
+        tag = self.wanted.get(self.calls)
+        if tag is not None:
+            self.saved[tag] = dict(self.current, **self.once)
+        self.current.clear()
+        self.calls += 1
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
-def _register_optional(name: str, module: str) -> None:
-    """Register a format whose module (exposing detect(cfg) and run(directory, cfg, device)) may be absent."""
-    import importlib
+def cache_ends(kv, actions) -> dict:
+    """[global_end, local_end] of every cache (self-attention; Matrix-Game-2's mouse and keyboard)."""
+    def pair(cache):
+        return [cache.end, min(cache.end, cache.capacity)]
+    out = {"self_attn": pair(kv)}
+    if actions is not None and actions.mouse_cache is not None:
+        out["mouse"] = pair(actions.mouse_cache)
+    if actions is not None and actions.keyboard_cache is not None:
+        out["keyboard"] = pair(actions.keyboard_cache)
+    return out
+
+
+def _check_sampled(fx: Fixture, device) -> list:
+    """Causal Wan and Matrix-Game-2: the scheduler tables, the call sequence (kinds, starts, timesteps and, when
+    recorded, every cache's [global_end, local_end] after each call), ``xt``/``flow``/``x0`` of every call,
+    Matrix-Game-2's intermediates of the recorded calls (patch embedding, img_emb, each block's output, the action
+    modules' input/output and branch contributions), ``output``, and the final caches (oldest entry first)."""
+    from ...model.kv_cache import KVCache
+    mg2, cfg = fx.kind == "matrix_game2", fx.cfg
+    model = fx.model(device)
+    io, c, noise = fx.io, model.config, fx.io["initial_noise"]
+    b, f, (h, w) = noise.shape[0], noise.shape[2 if mg2 else 1], noise.shape[-2:]
+    frame_tokens = cfg.get("frame_seq_length") or (h // c.patch_size[1]) * (w // c.patch_size[2])
+    window, sink = ((int(cfg["config"]["local_attn_size"]), 0) if mg2 else
+                    (cfg["config"].get("local_attn_size", -1), cfg["config"].get("sink_size", 0)))
+    kv = KVCache.for_model(model, b, frame_tokens, f, window, sink)
+    actions = fx.actions(model) if mg2 else None
+    recorder = _Recorder(model, cfg.get("intermediates", {}).get("calls", {})) if mg2 else None
+    records, ends = [], []
+
+    def trace(rec):
+        if recorder is not None:
+            recorder.after_call()
+        records.append(rec)
+        ends.append(cache_ends(kv, actions))
+
     try:
-        mod = importlib.import_module(module, __package__)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.endswith(module.lstrip(".")):
-            return
-        raise
-    register_format(name, mod.detect, mod.run)
+        out = replay(fx, model, tracer=trace, kv_cache=kv, **({"actions": actions} if mg2 else {}))
+    finally:
+        if recorder is not None:
+            recorder.close()
+    rows = _schedule_rows(fx.schedule(), io, cfg)
+    official = cfg.get("calls")
+    rows.append(("calls", 0.0) if official is None else calls_row("calls", records, official, lambda i, o, t: (
+        o["kind"] == t["kind"] and o["current_start"] == t["current_start"] and (not mg2 or all(
+            list(e) == ends[i].get(kind) for kind, per_layer in t.get("cache_ends_after_call", {}).items()
+            for e in per_layer)))))
+    prefix = "chunk" if mg2 else "block"
+    name = lambda rec: f"{prefix}{rec['chunk']}." + ("context" if rec["kind"] == "context" else f"step{rec['step']}")
+    rows += [io.compare(key, ours) for key, ours in call_tensors(records, cfg, name, io, transpose=mg2)]
+    for key in expected_intermediates(cfg, io) if mg2 else ():
+        tag, _, part = key[len("inter."):].partition(".")
+        rows.append(io.compare(key, recorder.saved.get(tag, {}).get(part)))
+    rows.append(io.compare("output", out))
+    return rows + _cache_rows(fx, model, kv, actions)
 
 
-_register_optional("matrix_game2", ".mg2_reference")
-_register_optional("longlive", ".longlive_reference")
-_register_optional("krea_realtime", ".krea_reference")
+def expected_intermediates(cfg: dict, io=()) -> list:
+    """Matrix-Game-2: the intermediates the config implies (for each call ``intermediates.calls`` names: the patch
+    embedding, img_emb, every block's output, and for each action block its input, output and the branch
+    contribution of each enabled branch), then every other one ``io`` records."""
+    c, a = cfg["config"], cfg["config"].get("action_config", {})
+    names = ["patch_embedding", "img_emb"] + [f"block{i}" for i in range(int(c["num_layers"]))]
+    for b in a.get("blocks", ()):
+        names += [f"block{b}.action_in", f"block{b}.action_out"]
+        names += [f"block{b}.proj_mouse"] if a.get("enable_mouse", True) else []
+        names += [f"block{b}.proj_keyboard"] if a.get("enable_keyboard", True) else []
+    keys = [f"inter.{tag}.{n}" for tag in cfg.get("intermediates", {}).get("calls", {}) for n in names]
+    return list(dict.fromkeys(keys + sorted(k for k in io if k.startswith("inter."))))
+
+
+def _cache_rows(fx: Fixture, model, kv, actions) -> list:
+    """The final self-attention caches (Matrix-Game-2: and mouse and keyboard caches), oldest entry first. Every one
+    is expected when the config describes them (Matrix-Game-2: ``final_caches``; causal Wan: when any is recorded,
+    ours zero-padded to the recorded length), else the ones recorded."""
+    io, mg2 = fx.io, actions is not None
+    expected = "final_caches" in fx.cfg if mg2 else any(key.startswith("kv_final.") for key in io)
+    pairs = [(f"kv_final.layer{i}", kv, i) for i in range(len(kv.layers))]
+    for slot, b in enumerate(model.action_config.blocks if mg2 else ()):
+        if actions.mouse_cache is not None:
+            pairs.append((f"mouse_kv_final.layer{b}", actions.mouse_cache, slot))
+        if actions.keyboard_cache is not None:
+            pairs.append((f"keyboard_kv_final.layer{b}", actions.keyboard_cache, slot))
+    rows = []
+    for prefix, cache, layer in pairs:
+        for name, ours in zip(("k", "v"), cache.ordered(layer)):
+            key = f"{prefix}.{name}"
+            if key in io and not mg2:
+                ref = io.reference(key)
+                padded = torch.zeros(ref.shape, dtype=torch.float64)
+                n = min(ours.shape[1], ref.shape[1])
+                padded[:, :n] = ours[:, :n].to("cpu", torch.float64)
+                rows.append((key, max_abs_diff(padded, ref)))
+            elif expected or key in io:
+                rows.append(io.compare(key, ours))
+    return rows
+
+
+# --------------------------------------------------------------------- LongLive v1.0
+def _check_longlive(fx: Fixture, device) -> list:
+    """Each variant (window, sink, prompt switches, with or without the generator LoRA) on both sampler paths, the
+    LoRA variant also on the merged weights file: its warped step list, its call sequence (the re-cache passes left
+    out), the x0 of every step of every chunk (``x0_steps``, expected without the LoRA) and the final latents."""
+    cfg, _ = fx.cfg, fx.io                                          # the io file is read first
+    base = (fx.directory / cfg["base_weights"]).resolve()
+    rows = []
+    if "base_weights_sha256" in cfg:
+        same = hashlib.sha256(base.read_bytes()).hexdigest() == cfg["base_weights_sha256"]
+        rows.append(("base_weights_sha256", 0.0 if same else float("inf")))
+    steps = torch.tensor(fx.schedule().timesteps, dtype=torch.float32)
+    for variant, v in cfg["variants"].items():
+        if "denoising_step_list" in v:
+            rows.append((f"{variant}.denoising_step_list", max_abs_diff(steps, torch.tensor(v["denoising_step_list"]))))
+    plain, lora_model = fx.model(device), None
+    for variant, v in cfg["variants"].items():
+        if v.get("lora"):
+            lora_model = lora_model or fx.model(device, lora=fx.file("lora_file"))
+        for path in PATHS:
+            rows += _longlive_rows(fx, lora_model if v.get("lora") else plain, variant, path, f"{path}.{variant}")
+    merged = fx.file("merged_file")
+    lora_variants = [name for name, v in cfg["variants"].items() if v.get("lora")]
+    if merged.is_file() and lora_variants:
+        model = fx.model(device, weights=merged)
+        for path in PATHS:
+            rows += _longlive_rows(fx, model, lora_variants[0], path, f"{path}.{lora_variants[0]}.merged")
+    return rows
+
+
+def _longlive_rows(fx: Fixture, model, variant: str, path: str, tag: str) -> list:
+    fpb, io, p = int(fx.cfg["frames_per_block"]), fx.io, model.config.patch_size
+    noise = io["initial_noise"]
+    frame_tokens = (noise.shape[-2] // p[1]) * (noise.shape[-1] // p[2])
+    records = []
+    out = replay(fx, model, variant, path=path, tracer=records.append)
+    official = [c for c in fx.cfg["variants"][variant]["calls"]      # the re-cache passes are not traced
+                if not (float(c["t"]) == 0 and int(c["frames"]) > fpb)]
+    rows = [calls_row(f"{tag}.calls", records, official, lambda _i, o, t: (
+        o["current_start"] == int(t["start_frame"]) * frame_tokens and int(t["frames"]) == fpb), "t")]
+    key = f"{variant}.x0_steps"
+    if x0_steps_expected(fx.cfg, variant) and key not in io:
+        rows.append(io.compare(key, None, name=f"{tag}.x0_steps"))
+    elif key in io:
+        ref = io.reference(key)
+        seen = torch.full(ref.shape, float("nan"), dtype=torch.float64)
+        for rec in records:
+            if rec["kind"] == "denoise" and rec["step"] < ref.shape[0]:
+                c = rec["chunk"]
+                seen[rec["step"], :, c * fpb:(c + 1) * fpb] = rec["x0"].detach().to("cpu", torch.float64)
+        made = bool(torch.isfinite(seen).all())
+        rows.append(Row(f"{tag}.x0_steps", max_abs_diff(seen, ref) if made else float("inf"),
+                        None if made else "the run made no x0 for some recorded steps"))
+    rows.append(io.compare(f"{variant}.latents", out, name=f"{tag}.latents"))
+    return rows
+
+
+def x0_steps_expected(cfg: dict, variant: str) -> bool:
+    """Whether the io file must record ``<variant>.x0_steps``: the producer records every step's x0 of each
+    variant run without the LoRA adapter (the adapter run's steps are not traced; its latents are)."""
+    return not cfg["variants"][variant].get("lora")
+
+
+# --------------------------------------------------------------------- Krea Realtime
+def reencoded_blocks(cfg: dict) -> int:
+    """How many blocks re-encode a stand-in first frame (each hands one frame to the encoder)."""
+    from ...sampling.krea import context_frames
+    s = cfg["session"]
+    k, fpb = int(s["kv_cache_num_frames"]), int(s["num_frame_per_block"])
+    return sum(any(i < 0 for i in context_frames(b * fpb, k, fpb, bool(s.get("keep_first_frame", False))))
+               for b in range(int(s["num_blocks"])))
+
+
+def outside_float16_cell(ours: torch.Tensor, ref16: torch.Tensor) -> float:
+    """How far the float32 frame ``ours`` lies outside the float16 rounding cell of the recorded (float16-valued)
+    frame ``ref16``: 0 when ``ours`` rounds to it; a frame that differs from the official one by a few float32
+    ulps may round to the neighbouring float16, which is no disagreement. Cell half-width: half the float16
+    spacing at |ref16| (2^(floor(log2|ref16|) - 10), at least 2^-24)."""
+    ours = ours.detach().to("cpu", torch.float64).reshape(ref16.shape)
+    ref = ref16.detach().to("cpu", torch.float64)
+    mag = ref.abs().clamp_min(2.0 ** -14)
+    half_width = torch.exp2(torch.floor(torch.log2(mag)) - 10).clamp_min(2.0 ** -24) / 2
+    if ref.numel() == 0:
+        return 0.0
+    return float(((ours - ref).abs() - half_width).clamp_min(0).max())
+
+
+def _check_krea(fx: Fixture, device) -> list:
+    """The official session (KV cache rebuilt from a short clean context before every block, prompt changes as
+    Krea's interpolations, the stand-in VAE round trip) on both sampler paths: the step list, the prompt embedding
+    in effect per block, the call sequence (the context recompute passes are the policy's, not traced), the frames
+    handed to the re-encoder, every denoising call's x0 and the output."""
+    from ...sampling.prompts import PromptSchedule
+    io, s = fx.io, fx.cfg["session"]
+    rows = [io.compare("denoising_step_list", torch.tensor(fx.schedule().timesteps, dtype=torch.float32))]
+    contexts = PromptSchedule.parse(fx.prompt_schedule()).contexts(fx.prompts(), int(s["num_blocks"]))
+    rows += [io.compare(f"block{b}.prompt_embeds", ctx) for b, ctx in enumerate(contexts)]
+    model = fx.model(device)
+    for path in PATHS:
+        handed, records = [], []
+        out = replay(fx, model, path=path, handed=handed, tracer=records.append,
+                     fast_options={"cuda_graphs": "off"} if path == "optimized" else None)
+        denoise = [rec for rec in records if rec["kind"] == "denoise"]
+        rows.append(calls_row(f"{path}.calls", denoise, [c for c in fx.cfg["calls"] if not c["context"]],
+                              lambda _i, o, t: o["chunk"] == int(t["block"]) and o["current_start"] == int(
+                                  t["current_start"])))
+        expected = reencoded_blocks(fx.cfg)
+        recorded = [key for key in io if key.startswith("reencode_input.")]
+        counted = len(handed) == expected == len(recorded)
+        rows.append(Row(f"{path}.reencode_count", 0.0 if counted else float("inf"), None if counted else
+                        f"the run re-encoded {len(handed)} frames and the config implies {expected}; {io.path.name} "
+                        f"records {len(recorded)}"))
+        for i in range(max(expected, len(recorded))):
+            key = f"reencode_input.{i}"
+            rows.append(io.compare(key, handed[i] if i < len(handed) else None, outside_float16_cell, f"{path}.{key}"))
+        ours = {(rec["chunk"], rec["step"]): rec["x0"] for rec in denoise}
+        for b in range(int(s["num_blocks"])):
+            for step in range(int(s["num_denoising_steps"])):
+                key = f"block{b}.step{step}.x0"
+                rows.append(io.compare(key, ours.get((b, step)), name=f"{path}.{key}"))
+        rows.append(io.compare("output", out, name=f"{path}.output"))
+    return rows
+
+
+FORMATS = {"wan_t2v_full": _check_full, "causal_wan": _check_sampled, "matrix_game2": _check_sampled,
+           "longlive": _check_longlive, "krea_realtime": _check_krea}     # check(fixture, device) -> rows
+
+
+def check_fixture(fx: Fixture, device="cpu") -> list:
+    """The rows of one fixture: [(tensor name, max_abs_diff)]."""
+    return FORMATS[fx.kind](fx, device)
 
 
 # --------------------------------------------------------------------- entry point
@@ -372,7 +396,7 @@ def survey(directory) -> tuple:
             if is_config:
                 unusable.append((path, f"cannot be read as JSON ({' '.join(str(exc).split())[:160]})"))
             continue
-        name = next((n for n, (detect, _run) in FORMATS.items() if isinstance(cfg, dict) and detect(cfg)), None)
+        name = kind_of(cfg)
         if name is not None:
             recognised.append((name, path, FixtureConfig(cfg, path)))
             continue
@@ -426,7 +450,7 @@ def check_reference(directory, device="cpu", formats=None) -> Rows:
         stem = path.stem.replace("_config", "")
         try:
             with torch.no_grad():
-                got = list(FORMATS[name][1](directory, cfg, device))
+                got = list(check_fixture(Fixture(directory, cfg, name), device))
         except FIXTURE_FAILURES as exc:
             reason = " ".join(str(exc).split())[:400] or type(exc).__name__
             if not isinstance(exc, ValueError):

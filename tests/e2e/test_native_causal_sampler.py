@@ -138,7 +138,7 @@ def test_native_model_reproduces_the_official_causal_output(comfy, latent_format
 
 
 def test_rolling_window_with_sink_matches_the_pack_loader(comfy, latent_format):
-    from wan_accel.app.jobs.reference import _load_model, _schedule_from
+    from wan_accel.app.jobs.replay import Fixture
     from run_helpers import run_causal
     cfg = _fixture_config()
     io = load_file(str(FIXTURE / "causal_io.safetensors"))
@@ -151,25 +151,27 @@ def test_rolling_window_with_sink_matches_the_pack_loader(comfy, latent_format):
                                                               "path": "reference", "cuda_graphs": False}}
     run(comfy, graph(name, "window", sampler=sampler))
     out = model_space(comfy, "window", latent_format)
-    model = _load_model(FIXTURE, cfg, "cpu")
-    want = run_causal(model, io["context"], noise, _schedule_from(cfg), 1, kv_window=3, sink=1, path="reference",
+    fx = Fixture(FIXTURE, cfg)
+    model = fx.model("cpu")
+    want = run_causal(model, io["context"], noise, fx.schedule(), 1, kv_window=3, sink=1, path="reference",
                          noise_provider=lambda ci, k, shape, dt, dev: rec[f"extra_noise.block{ci}.step{k}"].reshape(shape))
     assert (out - want).abs().max() < 1e-5
-    unwindowed = run_causal(model, io["context"], noise, _schedule_from(cfg), 1, path="reference",
+    unwindowed = run_causal(model, io["context"], noise, fx.schedule(), 1, path="reference",
                                noise_provider=lambda ci, k, shape, dt, dev: rec[f"extra_noise.block{ci}.step{k}"].reshape(shape))
     assert (out - unwindowed).abs().max() > 1e-3      # the window and sink were used
 
 
 def _pack_run(state_dict: dict, tmp_path, io: dict, rec: dict | None = None) -> torch.Tensor:
     """The pack's own loader and engine on a state dict (float32), with the fixture's recorded noise."""
-    from wan_accel.app.jobs.reference import _load_model, _schedule_from
+    from wan_accel.app.jobs.replay import Fixture
     from run_helpers import run_causal
     cfg = _fixture_config()
     (tmp_path / "w").mkdir(exist_ok=True)
     save_file(state_dict, str(tmp_path / "w" / cfg["weights_file"]))
-    model = _load_model(tmp_path / "w", cfg, "cpu")
+    fx = Fixture(tmp_path / "w", cfg)
+    model = fx.model("cpu")
     rec = rec or io
-    return run_causal(model, io["context"], io["initial_noise"], _schedule_from(cfg), 3, path="reference",
+    return run_causal(model, io["context"], io["initial_noise"], fx.schedule(), 3, path="reference",
                          noise_provider=lambda ci, k, shape, dt, dev: rec[f"extra_noise.block{ci}.step{k}"].reshape(shape))
 
 
