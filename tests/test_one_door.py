@@ -240,11 +240,14 @@ def test_a_mg2_play_session_is_one_run_prepared_once(door):
 
 
 def test_the_prompt_play_node_goes_through_the_sessions_one_run(door, monkeypatch):
+    from wan_accel.nodes.play_nodes import MatrixGame2PlayStep
     from wan_accel.nodes.prompt_nodes import CausalWanPromptPlaySession, CausalWanPromptPlayStep
     registry = _play_env(monkeypatch)
     sid = CausalWanPromptPlaySession().start(_tiny_handle(), object(), "a cat", width=32, height=32, seed=5,
                                              frames_per_block=3, kv_window=-1, sink=0)["result"][0]
     try:
+        with pytest.raises(ValueError, match="a prompt play session: use CausalWan Prompt Play Step"):
+            MatrixGame2PlayStep().step(sid, "w")        # the other kind's Step node refuses it, making nothing
         for prompt in ("", "a dog"):
             CausalWanPromptPlayStep().step(sid, prompt)
     finally:
