@@ -193,6 +193,12 @@ class Run:
                                          self.state_device)
         return out
 
+    def again(self, inputs: RunInputs) -> torch.Tensor:
+        """``latents()`` of this prepared run over other inputs (a continuation built by hand: a Matrix-Game-2 play
+        chunk), its request built again and nothing prepared again."""
+        self._build(inputs)
+        return self.latents()
+
     def extend(self, num_frames: int, **changes) -> torch.Tensor:
         """The frames after this run's up to ``num_frames`` latent frames in all: ``latents()`` of the same run
         continued from its state, with the ``RunInputs`` fields in ``changes`` (context, prompt_schedule, ...)."""

@@ -117,7 +117,8 @@ def _run(fx, attention: str, path: str, device, linear: str = "exact") -> tuple:
         model = fx.model(device).set_attention_backend(attention)
         if (instead := _substitute(attention, device, model)):
             return None, None, instead
-        out = replay(fx, model, path=path, linear=linear, callback=callback)
+        out = replay(fx, model, path=path, options={"linear": linear} if path == "optimized" else None,
+                     callback=callback)
     return out.float().cpu(), steps, _substitute(attention, device, model)     # a build found unusable meanwhile
 
 

@@ -8,6 +8,17 @@ PRESETS = ["universal", "gta_drive", "templerun"]
 DEFAULT_SCRIPT = "W*20, W+A*8, mouse(0.1,0)*12, idle*4"
 
 
+def linear_spec(linear: str):
+    """(the run spec of a run started by a node, the note to show) for the node's ``linear``: the defaults for
+    exact; fp8 through the one path rule (the optimized path runs it)."""
+    from ..app.prepare import RunSpec
+    from ..sampling.sampler import path_for_linear
+    if linear not in LINEAR_CHOICES:
+        raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
+    path, note = path_for_linear("auto", linear)
+    return RunSpec(path=path, linear=linear), note
+
+
 class GameActions:
     DESCRIPTION = ("Builds the per-video-frame keyboard and mouse actions of a Matrix-Game-2 run from a short "
                    "script such as 'W*20, W+A*8, mouse(0.1,0)*12, idle*4' (ACTION*FRAMES items; keys joined "
@@ -138,7 +149,7 @@ class MatrixGame2Sampler:
     def sample(self, model, start_latent, clip_vision_output=None, actions=None, seed=0, num_frames=0,
                preset="universal", kv_window=0, keep_state=False, continue_from=None, linear="exact"):
         import torch
-        from ..sampling.mg2 import PRESETS as LIB_PRESETS, generate_mg2
+        from ..sampling.mg2 import PRESETS as LIB_PRESETS
         from .comfy_core import progress_and_interrupt
         net = getattr(model, "model", model)
         if not hasattr(net, "action_config"):
@@ -180,20 +191,19 @@ class MatrixGame2Sampler:
                 state["bar"] = state["bar"] or bar_cls(n)
                 state["bar"].update_absolute(ci + 1, n)
 
-        from ..app.prepare import RunSpec, prepared_sampling
-        from ..sampling.sampler import path_for_linear
-        if linear not in LINEAR_CHOICES:
-            raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
-        path, note = path_for_linear("auto", linear)           # the CLI's one rule: fp8 on the optimized path
+        from ..app.jobs.mg2 import generate_mg2
+        from ..app.prepare import prepare_model
+        spec, note = linear_spec(linear)                       # the CLI's one rule: fp8 on the optimized path
         doctor_notes: list = [note] if note else []
-        spec = RunSpec(path=path, linear=linear) if linear != "exact" else None
-        with torch.inference_mode(), prepared_sampling(net, spec, notes=doctor_notes):
+        with torch.inference_mode():
+            setup = prepare_model(net, spec, notes=doctor_notes)   # the doctor's verdicts, said in the node's text
+            run = {"spec": spec, "setup": setup, "callback": on_step, "on_chunk": on_chunk}
             if keep_state or continue_from is not None:
                 latents, kept = _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window,
-                                             continue_from, bool(keep_state), on_step, on_chunk)
+                                             continue_from, bool(keep_state), run)
             else:
                 latents, kept = generate_mg2(net, image, tokens, actions, num_frames, seed, preset,
-                                             window=kv_window or None, callback=on_step, on_chunk=on_chunk), None
+                                             window=kv_window or None, **run), None
         out = to_latent_space(latents)
         result = ({"samples": out}, kept)
         if doctor_notes:        # features that failed their self-check here: say so in the node's text
@@ -201,11 +211,12 @@ class MatrixGame2Sampler:
         return result
 
 
-def _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window, state, keep_state, on_step,
-                 on_chunk):
-    """A Matrix-Game-2 run that keeps its state, or continues one (the actions then drive the new frames only)."""
+def _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window, state, keep_state, run):
+    """A Matrix-Game-2 run that keeps its state, or continues one (the actions then drive the new frames only);
+    run: the keywords of the run (its spec, setup and hooks)."""
+    from ..app.jobs.mg2 import sample_mg2
     from ..sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
-    from ..sampling.mg2_continuation import sample_mg2_continuable
+    from ..sampling.mg2_continuation import mg2_continuation
     settings = resolve_preset(preset, window=kv_window or None)
     mouse, keyboard = actions.tensors(batch=1)
     seq = keyboard if keyboard is not None else mouse
@@ -217,8 +228,8 @@ def _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_windo
         mouse = None if mouse is None else mouse[:, :4 * (cover - done)]
         keyboard = None if keyboard is None else keyboard[:, :4 * (cover - done)]
     total = num_frames or done + (cover - done) // FRAMES_PER_BLOCK * FRAMES_PER_BLOCK
-    return sample_mg2_continuable(net, image, tokens, mouse, keyboard, total, seed, settings, state=state,
-                                  keep_state=keep_state, state_device="cpu", callback=on_step, on_chunk=on_chunk)
+    args, state_after = mg2_continuation(net, image, tokens, mouse, keyboard, total, seed, settings, state, "cpu")
+    return sample_mg2(net, **args, **run), state_after() if keep_state else None
 
 
 class MatrixGame2StartLatent:

@@ -17,7 +17,7 @@ import re
 import time
 
 from .comfy_core import optional
-from .mg2_nodes import PRESETS
+from .mg2_nodes import PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
 EVENT = "wan_accel.play"
@@ -43,34 +43,97 @@ def send_play_event(kind: str, session: str, **payload) -> bool:
     return True
 
 
-def linear_spec(linear: str):
-    """(the run spec of a play session's chunks, the note to show) for the start node's ``linear``: None for exact
-    (the defaults); fp8 through the one path rule (the optimized path runs it)."""
-    from ..app.prepare import RunSpec
-    from ..sampling.sampler import path_for_linear
-    if linear not in LINEAR_CHOICES:
-        raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
-    if linear == "exact":
-        return None, None
-    path, note = path_for_linear("auto", linear)
-    return RunSpec(path=path, linear=linear), note
+class PlaySessionNode:
+    """What the play Session nodes share: a new session every run, registered with its decoder and run spec, the
+    page told it is ready."""
+    FUNCTION = "start"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("session",)
+
+    @classmethod
+    def IS_CHANGED(cls, **_kwargs):
+        return float("nan")         # every run starts a new session (a cached result would name an ended one)
+
+    @staticmethod
+    def _open(session, vae, decoder, linear, idle_timeout_s, unique_id, text, **event) -> dict:
+        """Register ``session`` (its chunks run with ``linear``) and tell the page; ``text(sid)``: the node's text."""
+        session.run_spec, note = linear_spec(linear)
+        session.attached["decoder"] = decoder
+        session.kept["vae"] = vae
+        server = _server()
+        owner = f"{getattr(server, 'client_id', None)}:{unique_id}"
+        sid = _registry().open(session, owner=owner, idle_timeout_s=float(idle_timeout_s))
+        send_play_event("ready", sid, **dict(session.describe(), node=str(unique_id) if unique_id is not None else None,
+                                             fps=FPS, idle_timeout_s=float(idle_timeout_s), **event))
+        return {"ui": {"text": [text(sid) + (f" ({note})" if note else "")], "wan_accel_play": [sid]}, "result": (sid,)}
 
 
-def _is_interrupt(exc: BaseException) -> bool:
-    return type(exc).__name__ in ("InterruptProcessingException", "KeyboardInterrupt")
+class PlayStepNode:
+    """What the play Step nodes share: the session's next chunk (``play.step(*inputs)``) made and decoded in lockstep,
+    its frames sent to the page. A refused input (PlayError) leaves the session going on; any other failure or an
+    interrupt ends it (what was made can still be saved). ``KIND``: the sessions it drives; ``said(entry)``: what
+    the page and the text show of the chunk's log entry (``action`` first)."""
+    FUNCTION = "step"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ()
+    KIND, OTHER = "mg2", ""
+
+    @classmethod
+    def IS_CHANGED(cls, **_kwargs):
+        return float("nan")
+
+    def _step(self, session, chunk, *inputs) -> dict:
+        import torch
+        from ..app.play.registry import PlayError
+        from .comfy_core import progress_and_interrupt
+        from .mg2_nodes import to_latent_space
+        from .stream_nodes import _jpeg_frames
+        registry = _registry()
+        play = registry.get(session)
+        if getattr(play, "kind", "mg2") != self.KIND:
+            raise ValueError(self.OTHER)
+        if chunk >= 0 and chunk != play.chunks:
+            raise ValueError(f"chunk {chunk} was asked for but the session has made {play.chunks}: is another tab "
+                             f"playing it? Reload the panel")
+        _bar, interrupt = progress_and_interrupt()
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():    # the session prepares its model once (the doctor's verdicts)
+                latents = play.step(*inputs, callback=(lambda *_a: interrupt()) if interrupt is not None else None)
+                t1 = time.perf_counter()
+                decoder = play.attached.get("decoder")
+                images = None
+                if decoder is not None:
+                    vae_latents = to_latent_space(latents)
+                    decoder.load(vae_latents.shape)       # other prompts may have unloaded the VAE between chunks
+                    images = decoder.push(vae_latents)
+        except PlayError:
+            raise                                          # a refused input: nothing was made, the session goes on
+        except BaseException as exc:
+            interrupted = type(exc).__name__ in ("InterruptProcessingException", "KeyboardInterrupt")
+            why = "interrupted" if interrupted else f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            registry.end(session, why)
+            send_play_event("ended", session, reason=why, chunks=play.chunks)
+            raise
+        t2 = time.perf_counter()
+        entry = play.log[-1]
+        said = self.said(entry)
+        send_play_event("chunk", session, chunk=entry["chunk"], **said, fps=FPS, latency_s=round(t2 - t0, 4),
+                        decode_s=round(t2 - t1, 4), first_frame=play.frames_shown,
+                        frames=[] if images is None else _jpeg_frames(images[0].cpu()))
+        play.frames_shown += 0 if images is None else images.shape[1]
+        notes = play.setup.notes if play.setup is not None else []
+        return {"ui": {"text": [f"chunk {entry['chunk']}: {said['action']} ({t2 - t0:.2f} s)", *notes]}}
 
 
-class MatrixGame2PlaySession:
+class MatrixGame2PlaySession(PlaySessionNode):
     DESCRIPTION = ("Starts a Matrix-Game-2 play session: open the Wan Accel panel and press Play, then drive the "
                    "video live with the keyboard (W A S D, or the checkpoint's keys) and a mouse drag (camera). "
                    "Each chunk is made by its own short prompt with the keys held while you watched the previous "
                    "one, so other prompts never wait longer than one chunk. Save writes the video, the Game "
                    "Actions script that reproduces it exactly and its latent.")
     CATEGORY = "wan_accel/matrix_game2"
-    FUNCTION = "start"
-    OUTPUT_NODE = True
-    RETURN_TYPES = ("STRING",)
-    RETURN_NAMES = ("session",)
     OUTPUT_TOOLTIPS = ("The play session's id (the panel drives it; Play Step and Play Save take it).",)
 
     @classmethod
@@ -105,10 +168,6 @@ class MatrixGame2PlaySession:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    @classmethod
-    def IS_CHANGED(cls, **_kwargs):
-        return float("nan")         # every run starts a new session (a cached result would name an ended one)
-
     def start(self, model, vae, start_latent, seed=0, preset="universal", clip_vision_output=None, kv_window=0,
               idle_timeout_s=300, state_on="model device", linear="exact", unique_id=None):
         from ..app.play.registry import PlaySession
@@ -128,25 +187,16 @@ class MatrixGame2PlaySession:
             fits = [p for p in PRESETS if len(MODES[LIB_PRESETS[p]["mode"]]["keys"]) == keys_in]
             raise ValueError(f"preset {preset!r} drives {len(MODES[mode]['keys'])} keys but this checkpoint has "
                              f"{keys_in}: use preset {' or '.join(fits) or '(none fits)'}")
-        spec, note = linear_spec(linear)
         image = model_space_start(start_latent)[:1, :, :1]
         tokens = clip_tokens(clip_vision_output, model)[:1]
         decoder = streaming_decode.stream_decoder(vae)          # a clear error now for a VAE that does not stream
         session = PlaySession(net, image.to(net.device), tokens.to(net.device), seed=seed, preset=preset,
                               window=kv_window or None, state_device="cpu" if state_on == "cpu" else None)
-        session.attached["decoder"] = decoder
-        session.kept["vae"] = vae
-        session.run_spec = spec
-        server = _server()
-        owner = f"{getattr(server, 'client_id', None)}:{unique_id}"
-        sid = _registry().open(session, owner=owner, idle_timeout_s=float(idle_timeout_s))
-        info = dict(session.describe(), node=str(unique_id) if unique_id is not None else None, fps=FPS,
-                    idle_timeout_s=float(idle_timeout_s))
-        send_play_event("ready", sid, **info)
         keys = " ".join(k.upper() if len(k) == 1 else k for k in session.keys)
-        text = (f"Play session {sid} ready ({session.mode}: keys {keys}{', drag for the camera' if session.has_mouse else ''}). "
-                f"Open the Wan Accel panel and press Play.{f' ({note})' if note else ''}")
-        return {"ui": {"text": [text], "wan_accel_play": [sid]}, "result": (sid,)}
+        camera = ", drag for the camera" if session.has_mouse else ""
+        return self._open(session, vae, decoder, linear, idle_timeout_s, unique_id, lambda sid: (
+            f"Play session {sid} ready ({session.mode}: keys {keys}{camera}). Open the Wan Accel panel and press "
+            f"Play."))
 
 
 def parse_keys(keys: str) -> list:
@@ -155,14 +205,12 @@ def parse_keys(keys: str) -> list:
     return [] if names == ["idle"] else names
 
 
-class MatrixGame2PlayStep:
+class MatrixGame2PlayStep(PlayStepNode):
     DESCRIPTION = ("Makes the next chunk of a Matrix-Game-2 play session with the given keys and camera motion held "
                    "for the whole chunk, decodes it and shows its frames in the Wan Accel panel. The panel queues "
                    "this node once per chunk; it can also be queued by hand.")
     CATEGORY = "wan_accel/matrix_game2"
-    FUNCTION = "step"
-    OUTPUT_NODE = True
-    RETURN_TYPES = ()
+    OTHER = "this session is a prompt play session: use CausalWan Prompt Play Step"
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -179,56 +227,12 @@ class MatrixGame2PlayStep:
                       "another tab); -1: the next one."}),
         }}
 
-    @classmethod
-    def IS_CHANGED(cls, **_kwargs):
-        return float("nan")
-
     def step(self, session, keys="", mouse_pitch=0.0, mouse_yaw=0.0, chunk=-1):
-        import contextlib
+        return self._step(session, chunk, parse_keys(keys), (float(mouse_pitch), float(mouse_yaw)))
 
-        import torch
-        from ..app.prepare import prepared_sampling
-        from ..app.play.registry import PlayError
-        from .comfy_core import progress_and_interrupt
-        from .mg2_nodes import to_latent_space
-        from .stream_nodes import _jpeg_frames
-        registry = _registry()
-        play = registry.get(session)
-        if chunk >= 0 and chunk != play.chunks:
-            raise ValueError(f"chunk {chunk} was asked for but the session has made {play.chunks}: is another tab "
-                             f"playing it? Reload the panel")
-        names = parse_keys(keys)
-        _bar, interrupt = progress_and_interrupt()
-        notes: list = []
-        gate = (prepared_sampling(play.model, play.run_spec, notes=notes) if play.model is not None
-                else contextlib.nullcontext())
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode(), gate:          # the doctor's verdicts, as the samplers apply them
-                latents = play.step(names, (float(mouse_pitch), float(mouse_yaw)),
-                                    callback=(lambda *_a: interrupt()) if interrupt is not None else None)
-                t1 = time.perf_counter()
-                decoder = play.attached.get("decoder")
-                images = None
-                if decoder is not None:
-                    vae_latents = to_latent_space(latents)
-                    decoder.load(vae_latents.shape)       # other prompts may have unloaded the VAE between chunks
-                    images = decoder.push(vae_latents)
-        except PlayError:
-            raise                                          # a refused action: nothing was made, the session goes on
-        except BaseException as exc:
-            why = "interrupted" if _is_interrupt(exc) else f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-            registry.end(session, why)
-            send_play_event("ended", session, reason=why, chunks=play.chunks)
-            raise
-        t2 = time.perf_counter()
-        frames = 0 if images is None else images.shape[1]
-        entry = play.log[-1]
-        send_play_event("chunk", session, chunk=entry["chunk"], action=entry["action"], fps=FPS,
-                        latency_s=round(t2 - t0, 4), decode_s=round(t2 - t1, 4), first_frame=play.frames_shown,
-                        frames=[] if images is None else _jpeg_frames(images[0].cpu()))
-        play.frames_shown += frames
-        return {"ui": {"text": [f"chunk {entry['chunk']}: {entry['action']} ({t2 - t0:.2f} s)", *notes]}}
+    @staticmethod
+    def said(entry) -> dict:
+        return {"action": entry["action"]}
 
 
 class MatrixGame2PlaySave:

@@ -10,10 +10,9 @@ Accel Prompt Schedule node for the native AR sampler, and the live prompt play s
 """
 from __future__ import annotations
 
-import time
-
 from .model_nodes import (GRAMMAR, LINEAR_CHOICES, LINEAR_TOOLTIP, comfy_krea_reencode,  # noqa: F401
                           comfy_vae_reencode, encode_schedule, parse_schedule, schedule_widget, text_encoder)
+from .play_nodes import PlaySessionNode, PlayStepNode
 
 SCHEDULE_KEY = "wan_accel_prompt_schedule"     # conditioning dict entry read by the native sampler
 
@@ -62,16 +61,12 @@ class WanAccelPromptSchedule:
 
 
 # ---------------------------------------------------------------------------------------------- live prompt play
-class CausalWanPromptPlaySession:
+class CausalWanPromptPlaySession(PlaySessionNode):
     DESCRIPTION = ("Starts a live prompt session for a causal text-to-video model: open the Wan Accel panel, press "
                    "Play, and type a prompt while the video plays; it takes effect at the next chunk (re-caching "
                    "the window, as LongLive does). Each chunk is its own short prompt. Save writes the video, the "
                    "prompt schedule that reproduces it exactly with the same seed and its latent.")
     CATEGORY = "wan_accel/model"
-    FUNCTION = "start"
-    OUTPUT_NODE = True
-    RETURN_TYPES = ("STRING",)
-    RETURN_NAMES = ("session",)
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -113,10 +108,6 @@ class CausalWanPromptPlaySession:
             "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
         }, "hidden": {"unique_id": "UNIQUE_ID"}}
 
-    @classmethod
-    def IS_CHANGED(cls, **_kwargs):
-        return float("nan")
-
     def start(self, model, vae, prompt, width=832, height=480, seed=0, preset="self_forcing", frames_per_block=3,
               kv_window=12, sink=3, recache="switch", clip=None, idle_timeout_s=300, state_on="model device",
               linear="exact", unique_id=None):
@@ -124,9 +115,7 @@ class CausalWanPromptPlaySession:
         from ..app.play.t2v import PromptPlaySession
         from ..app.validate import MAX_SEED, check_geometry, check_int
         from . import streaming_decode
-        from .play_nodes import _registry, _server, linear_spec, send_play_event
         seed = check_int("seed", seed, 0, MAX_SEED)
-        spec, note = linear_spec(linear)
         geo = check_geometry(4 * (int(frames_per_block) - 1) + 1, height, width, frames_per_block, kv_window, sink,
                              names={"frames": "frames_per_block"}, recache=recache)   # window, sink and recache
         net = getattr(model, "model", model)
@@ -146,27 +135,15 @@ class CausalWanPromptPlaySession:
                                         settings={"width": width, "height": height, "preset": preset})
         except PlayError as exc:                        # its message names the input (the prompt, kv_window...)
             raise ValueError(str(exc)) from None
-        session.attached["decoder"] = decoder
-        session.kept["vae"] = vae
-        session.run_spec = spec
-        server = _server()
-        owner = f"{getattr(server, 'client_id', None)}:{unique_id}"
-        sid = _registry().open(session, owner=owner, idle_timeout_s=float(idle_timeout_s))
-        send_play_event("ready", sid, **dict(session.describe(), prompt=prompt, fps=16,
-                                             node=str(unique_id) if unique_id is not None else None,
-                                             idle_timeout_s=float(idle_timeout_s)))
-        text = (f"Prompt play session {sid} ready. Open the Wan Accel panel, press Play and type prompts."
-                f"{f' ({note})' if note else ''}")
-        return {"ui": {"text": [text], "wan_accel_play": [sid]}, "result": (sid,)}
+        return self._open(session, vae, decoder, linear, idle_timeout_s, unique_id, lambda sid: (
+            f"Prompt play session {sid} ready. Open the Wan Accel panel, press Play and type prompts."), prompt=prompt)
 
 
-class CausalWanPromptPlayStep:
+class CausalWanPromptPlayStep(PlayStepNode):
     DESCRIPTION = ("Makes the next chunk of a prompt play session with the given prompt (empty: the prompt in "
                    "effect), decodes it and shows its frames in the Wan Accel panel. The panel queues it per chunk.")
     CATEGORY = "wan_accel/model"
-    FUNCTION = "step"
-    OUTPUT_NODE = True
-    RETURN_TYPES = ()
+    KIND, OTHER = "t2v", "this session is a Matrix-Game-2 play session: use Matrix-Game-2 Play Step"
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -177,54 +154,12 @@ class CausalWanPromptPlayStep:
                       "The chunk this step should make (refused if the session is elsewhere); -1: the next one."}),
         }}
 
-    @classmethod
-    def IS_CHANGED(cls, **_kwargs):
-        return float("nan")
-
     def step(self, session, prompt="", chunk=-1):
-        import torch
-        from ..app.play.registry import PlayError
-        from ..app.prepare import prepared_sampling
-        from .comfy_core import progress_and_interrupt
-        from .mg2_nodes import to_latent_space
-        from .play_nodes import _is_interrupt, _registry, send_play_event
-        from .stream_nodes import _jpeg_frames
-        registry = _registry()
-        play = registry.get(session)
-        if getattr(play, "kind", None) != "t2v":
-            raise ValueError("this session is a Matrix-Game-2 play session: use Matrix-Game-2 Play Step")
-        if chunk >= 0 and chunk != play.chunks:
-            raise ValueError(f"chunk {chunk} was asked for but the session has made {play.chunks}: is another tab "
-                             f"playing it? Reload the panel")
-        _bar, interrupt = progress_and_interrupt()
-        notes: list = []
-        t0 = time.perf_counter()
-        try:
-            # the doctor's verdicts and the start's choices (fp8 linear), as the samplers apply them
-            with torch.inference_mode(), prepared_sampling(play.model, play.run_spec, notes=notes):
-                latents = play.step(prompt, callback=(lambda *_a: interrupt()) if interrupt is not None else None)
-                t1 = time.perf_counter()
-                decoder = play.attached.get("decoder")
-                images = None
-                if decoder is not None:
-                    vae_latents = to_latent_space(latents)
-                    decoder.load(vae_latents.shape)
-                    images = decoder.push(vae_latents)
-        except PlayError:
-            raise
-        except BaseException as exc:
-            why = "interrupted" if _is_interrupt(exc) else f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-            registry.end(session, why)
-            send_play_event("ended", session, reason=why, chunks=play.chunks)
-            raise
-        t2 = time.perf_counter()
-        entry = play.log[-1]
-        send_play_event("chunk", session, chunk=entry["chunk"], action=entry["prompt"], prompt=entry["prompt"],
-                        fps=16, latency_s=round(t2 - t0, 4), decode_s=round(t2 - t1, 4),
-                        first_frame=play.frames_shown,
-                        frames=[] if images is None else _jpeg_frames(images[0].cpu()))
-        play.frames_shown += 0 if images is None else images.shape[1]
-        return {"ui": {"text": [f"chunk {entry['chunk']}: {entry['prompt']} ({t2 - t0:.2f} s)", *notes]}}
+        return self._step(session, chunk, prompt)
+
+    @staticmethod
+    def said(entry) -> dict:
+        return {"action": entry["prompt"], "prompt": entry["prompt"]}
 
 
 NODE_CLASS_MAPPINGS = {

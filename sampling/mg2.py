@@ -1,4 +1,5 @@
-"""Matrix-Game-2 sampling: presets, conditioning and the chunked loop (the base causal sampler + actions).
+"""Matrix-Game-2 sampling: presets, conditioning and the run's layout for the base causal loop with actions
+(``mg2_run``; ``app.jobs.mg2.sample_mg2`` runs it through the one prepare call).
 
 Layouts follow the released pipeline and ComfyUI: latents ``[B, C, F, H, W]`` (channels before frames),
 model space (normalised Wan 2.1 VAE latents). Per chunk of 3 latent frames the model sees the noisy
@@ -89,29 +90,15 @@ def build_cond_concat(image_latent: torch.Tensor, num_frames: int, start: int = 
     return torch.cat([mask, lat], dim=1)
 
 
-def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_context: torch.Tensor,
-               mouse: torch.Tensor | None, keyboard: torch.Tensor | None, schedule, window: int,
-               noise_provider=None, generator: torch.Generator | None = None, callback=None, tracer=None,
-               on_chunk=None, skip_last_refresh: bool = False, kv_cache=None, actions=None,
-               start_frame: int = 0, report: dict | None = None, on_chunk_latents=None) -> torch.Tensor:
-    """Run the Matrix-Game-2 loop; returns x0 latents ``[B, 16, F, H, W]`` (float32, model space).
-
-    noise ``[B, 16, F, H, W]``, or just that shape: each chunk's initial noise ``[B, 3, 16, H, W]`` then
-    comes from noise_provider (step -1) when the chunk starts; cond_concat ``[B, 20, F, H, W]`` (or, continuing,
-    its frames from start_frame on);
-    visual_context ``[B or 1, tokens, clip_dim]``; mouse/keyboard ``[B or 1, video frames, dims]`` (at least
-    ``4*(F-1)`` frames, ``1 + 4*(F-1)`` as released); schedule: a Schedule or preset name; window: the
-    rolling window of every cache in latent frames. start_frame: sample only the chunks from that latent frame on
-    over caches holding the earlier frames (continue a video: ``mg2_continuation``); returns those frames.
-    noise_provider(chunk, step, shape [B, 3, 16, H, W], dtype, device) supplies the re-noising draws
-    (default: ``generator``). callback/tracer/on_chunk as in ``sample_causal`` (tracer tensors are
-    ``[B, 3, C, H, W]``); on_chunk_latents(chunk, num_chunks, x0) as in ``sample_causal``, x0 ``[B, 16, 3, H, W]``
-    (this function's layout). kv_cache / actions: pre-built caches to inspect afterwards. report: a dict that receives
-    what the run did (as ``sample_causal``'s).
-    """
+def mg2_run(model, noise, cond_concat: torch.Tensor, visual_context: torch.Tensor, mouse: torch.Tensor | None,
+            keyboard: torch.Tensor | None, schedule, window: int, noise_provider=None,
+            generator: torch.Generator | None = None, kv_cache=None, actions=None, start_frame: int = 0) -> tuple:
+    """A Matrix-Game-2 run checked and laid out for the causal loop: (the spec's fields: 3-frame chunks, the rolling
+    ``window``, no sink, the schedule; the ``RunInputs``: the visual context, the noise [B, F, 16, H, W] or its
+    shape, y from cond_concat, the action call). Arguments as ``app.jobs.mg2.sample_mg2``, which runs it."""
     from ..model.kv_cache import KVCache
-    from .sampler import causal_request, sample_causal
     from ..model.mg2_model import MatrixGameModel
+    from .request import RunInputs
     if not isinstance(model, MatrixGameModel):
         raise TypeError("sample_mg2 needs a Matrix-Game-2 model (a checkpoint with action modules); "
                         "use the CausalWan Sampler for text-to-video models")
@@ -133,14 +120,20 @@ def sample_mg2(model, noise: torch.Tensor, cond_concat: torch.Tensor, visual_con
     kv = kv_cache if kv_cache is not None else KVCache.for_model(model, b, frame_tokens, f, window, 0)
     call = actions if actions is not None else model.new_action_call(mouse, keyboard, window)
     device = model.device
-    y = cond_concat.transpose(1, 2).to(device)
     base_noise = noise.transpose(1, 2) if isinstance(noise, torch.Tensor) else (b, f) + shape[1:2] + (h, w)
-    out = sample_causal(model, *causal_request(
-        model, visual_context.to(device), base_noise, schedule, FRAMES_PER_BLOCK, generator=generator,
-        noise_provider=noise_provider, kv_window=window, sink=0, skip_last_refresh=skip_last_refresh,
-        callback=callback, tracer=tracer, on_chunk=on_chunk, y=y, kv_cache=kv, model_kwargs={"actions": call},
-        start_frame=start_frame, report=report, on_chunk_latents=channels_first(on_chunk_latents)))
-    return out.transpose(1, 2)
+    fields = {"frames_per_block": FRAMES_PER_BLOCK, "kv_window": window, "sink": 0, "schedule": schedule}
+    return fields, RunInputs(context=visual_context.to(device), noise=base_noise, generator=generator,
+                             noise_provider=noise_provider, y=cond_concat.transpose(1, 2).to(device), kv_cache=kv,
+                             model_kwargs={"actions": call}, start_frame=start_frame)
+
+
+def batch_noise(gens: list, device):
+    """noise_provider drawing batch element i's noise from ``gens[i]``, in chunk order (each chunk's initial noise at
+    step -1, then its re-noising)."""
+    def provide(_ci, _k, shape, dtype, dev):
+        eps = [torch.randn((1,) + tuple(shape[1:]), generator=g, device=device) for g in gens]
+        return torch.cat(eps).to(device=dev, dtype=dtype)
+    return provide
 
 
 def channels_first(hook):
@@ -150,7 +143,7 @@ def channels_first(hook):
     return lambda ci, n, x0: hook(ci, n, x0.transpose(1, 2))
 
 
-def _check_actions(model, mouse, keyboard) -> None:
+def check_actions(model, mouse, keyboard) -> None:
     a = model.action_config
     if a.enable_keyboard and (keyboard is None or keyboard.shape[-1] != a.keyboard_dim_in):
         got = "none" if keyboard is None else keyboard.shape[-1]
@@ -161,53 +154,3 @@ def _check_actions(model, mouse, keyboard) -> None:
         raise ValueError(f"the model has a mouse branch ({a.mouse_dim_in} values per frame) but the actions "
                          f"have {'no mouse' if mouse is None else mouse.shape[-1]}: use mode universal or "
                          f"gta_drive")
-
-
-def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor, actions, num_frames: int = 0,
-                 seed: int = 0, preset: str = "universal", window: int | None = None, steps=None,
-                 callback=None, on_chunk=None, skip_last_refresh: bool = False, report: dict | None = None,
-                 on_chunk_latents=None) -> torch.Tensor:
-    """Seeded end-to-end sampling; returns latents ``[B, 16, F, H, W]`` (float32, model space).
-
-    image_latent: model-space start latent ``[B, 16, 1 or >=F, H, W]``; visual_context: CLIP tokens
-    ``[B or 1, tokens, clip_dim]``; actions: a GameActions or a (mouse, keyboard) pair of tensors
-    ``[B or 1, video frames, dims]``; num_frames: latent frames (0: every whole chunk the actions cover);
-    preset: a preset name (``steps``/``window`` override it) or resolved :class:`MG2Settings`.
-    Batch element i draws its noise from its own generator seeded ``seed + i`` (chunk by chunk), so a batch
-    gives the same latents as separate batch-1 runs with those seeds, and a longer video starts with
-    exactly the frames of a shorter one. report: a dict that receives what the run did. on_chunk_latents: each
-    chunk's latents ``[B, 16, 3, H, W]`` before its refresh pass (``sample_mg2``).
-    """
-    settings = preset if isinstance(preset, MG2Settings) else resolve_preset(preset, steps=steps, window=window)
-    device = model.device
-    if hasattr(actions, "tensors"):
-        frames_avail = actions.latent_frames
-        mouse, keyboard = actions.tensors(batch=1)
-    else:
-        mouse, keyboard = actions
-        seq = keyboard if keyboard is not None else mouse
-        frames_avail = 1 + (seq.shape[1] - 1) // 4
-    _check_actions(model, mouse, keyboard)
-    if num_frames <= 0:
-        num_frames = (frames_avail // FRAMES_PER_BLOCK) * FRAMES_PER_BLOCK
-        if num_frames == 0:
-            raise ValueError(f"the actions cover {frames_avail} latent frame(s); a chunk needs "
-                             f"{FRAMES_PER_BLOCK} (13 video frames)")
-    if num_frames % FRAMES_PER_BLOCK:
-        raise ValueError(f"num_frames ({num_frames} latent frames) must be a multiple of {FRAMES_PER_BLOCK}")
-    if num_frames > frames_avail:
-        raise ValueError(f"{num_frames} latent frames need {1 + 4 * (num_frames - 1)} video frames of actions; "
-                         f"the actions give {1 + 4 * (frames_avail - 1)}")
-    b, _, _, h, w = image_latent.shape
-    cond = build_cond_concat(image_latent.to(device), num_frames)
-    gens = [torch.Generator(device=device).manual_seed((int(seed) + i) % 2 ** 64) for i in range(b)]
-
-    def provide(_ci, _k, shape, dtype, dev):      # chunk order: initial noise (k = -1), then each re-noise
-        eps = [torch.randn((1,) + tuple(shape[1:]), generator=g, device=device) for g in gens]
-        return torch.cat(eps).to(device=dev, dtype=dtype)
-
-    to_dev = lambda t: None if t is None else t.to(device)
-    return sample_mg2(model, (b, model.config.out_dim, num_frames, h, w), cond, visual_context.to(device),
-                      to_dev(mouse), to_dev(keyboard), settings.schedule, settings.window, noise_provider=provide,
-                      callback=callback, on_chunk=on_chunk, skip_last_refresh=skip_last_refresh, report=report,
-                      on_chunk_latents=on_chunk_latents)

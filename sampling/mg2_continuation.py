@@ -1,13 +1,13 @@
 """Continue a Matrix-Game-2 video: the state after a run (self-attention and action caches, the per-batch-element
 noise generators, the actions so far) and a run that goes on from it with the next actions, exactly as one long run
-with all the actions would have gone (``sample_mg2_continuable``)."""
+with all the actions would have gone (``mg2_continuation`` builds it, ``app.jobs.mg2.sample_mg2`` runs it)."""
 from __future__ import annotations
 
 import torch
 
 from ..model.kv_cache import KVCache
 from .continuation import SamplerState, capture, check_state, copy_cache, run_settings
-from .mg2 import FRAMES_PER_BLOCK, MG2Settings, build_cond_concat, resolve_preset, sample_mg2
+from .mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_cond_concat, resolve_preset
 
 VIDEO_PER_LATENT = 4
 
@@ -24,20 +24,19 @@ def _cat(old, new):
                                               new], 1)
 
 
-def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: torch.Tensor, mouse, keyboard,
-                           num_frames: int, seed: int = 0, preset="universal", state: SamplerState | None = None,
-                           keep_state: bool = True, state_device=None, callback=None, on_chunk=None,
-                           in_place: bool = False, on_chunk_latents=None):
-    """Sample Matrix-Game-2 latents ``[B, 16, n, H, W]`` up to ``num_frames`` latent frames in all.
+def mg2_continuation(model, image_latent: torch.Tensor, visual_context: torch.Tensor, mouse, keyboard,
+                     num_frames: int, seed: int = 0, preset="universal", state: SamplerState | None = None,
+                     state_device=None, in_place: bool = False) -> tuple:
+    """A Matrix-Game-2 run of latents ``[B, 16, n, H, W]`` up to ``num_frames`` latent frames in all: (the keyword
+    arguments of ``app.jobs.mg2.sample_mg2`` that sample it, ``state_after()``: the state once it has run).
 
     First run (state None): mouse/keyboard ``[B or 1, 1 + 4*(num_frames-1), dims]`` as for ``generate_mg2``; batch
     element i is seeded ``seed + i``. Continuation: mouse/keyboard are the actions of the new frames only, ``4`` video
-    frames per new latent frame; they are appended to the state's. Returns (new latents, state or None).
+    frames per new latent frame; they are appended to the state's.
 
     in_place: the caller owns ``state`` and will only go on from the state returned (a play session): caches of the
     same layout on the model's device are then written in place instead of copied in and out (one cache in memory
-    instead of three at the end of a chunk); the frames are the same. on_chunk_latents: each new chunk's latents
-    ``[B, 16, 3, H, W]`` before its refresh pass (``mg2.sample_mg2``)."""
+    instead of three at the end of a chunk); the frames are the same."""
     settings_obj = preset if isinstance(preset, MG2Settings) else resolve_preset(preset)
     b, _, _, h, w = image_latent.shape
     c = model.config
@@ -85,20 +84,15 @@ def sample_mg2_continuable(model, image_latent: torch.Tensor, visual_context: to
             g.set_state(saved)
             gens.append(g)
 
-    def provide(_ci, _k, shape, dtype, dev):
-        eps = [torch.randn((1,) + tuple(shape[1:]), generator=g, device=device) for g in gens]
-        return torch.cat(eps).to(device=dev, dtype=dtype)
-
     cond = build_cond_concat(image_latent.to(device), num_frames, start)      # the new frames' part only
-    out = sample_mg2(model, (b, c.out_dim, num_frames, h, w), cond, visual_context.to(device), to_dev(mouse),
-                     to_dev(keyboard), settings_obj.schedule, window, noise_provider=provide, callback=callback,
-                     on_chunk=on_chunk, kv_cache=kv, actions=call, start_frame=start,
-                     on_chunk_latents=on_chunk_latents)
-    if not keep_state:
-        return out, None
-    keep = lambda t: None if t is None else t[:, :need].detach().to(state_device or t.device).clone()
-    actions = {"mouse": keep(mouse), "keyboard": keep(keyboard),
-               "generators": [(str(g.device), g.get_state().clone()) for g in gens],
-               "mouse_cache": call.mouse_cache, "keyboard_cache": call.keyboard_cache}
-    new_state = capture(settings, num_frames, kv, gens[0], actions=actions, device=state_device, copy=not in_place)
-    return out, new_state
+    run = dict(noise=(b, c.out_dim, num_frames, h, w), cond_concat=cond, visual_context=visual_context.to(device),
+               mouse=to_dev(mouse), keyboard=to_dev(keyboard), schedule=settings_obj.schedule, window=window,
+               noise_provider=batch_noise(gens, device), kv_cache=kv, actions=call, start_frame=start)
+
+    def state_after() -> SamplerState:
+        keep = lambda t: None if t is None else t[:, :need].detach().to(state_device or t.device).clone()
+        actions = {"mouse": keep(mouse), "keyboard": keep(keyboard),
+                   "generators": [(str(g.device), g.get_state().clone()) for g in gens],
+                   "mouse_cache": call.mouse_cache, "keyboard_cache": call.keyboard_cache}
+        return capture(settings, num_frames, kv, gens[0], actions=actions, device=state_device, copy=not in_place)
+    return run, state_after

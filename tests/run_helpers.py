@@ -52,3 +52,15 @@ def sample_continuable(model, context, num_frames: int, height: int, width: int,
     run = prepared(model, context, shape, schedule, frames_per_block, seed=seed, state=state, keep_state=keep_state,
                    continuable=True, state_device=state_device, **kw)
     return run.latents(), run.state
+
+
+def sample_mg2_continuable(model, image_latent, visual_context, mouse, keyboard, num_frames: int, seed: int = 0,
+                           preset="universal", state=None, keep_state: bool = True, state_device=None,
+                           in_place: bool = False, **kw):
+    """(new Matrix-Game-2 latents up to ``num_frames`` latent frames in all, the state after them or None): the run
+    ``mg2_continuation`` builds, through ``sample_mg2`` (``kw``: its hooks, spec, setup)."""
+    from wan_accel.app.jobs.mg2 import sample_mg2
+    from wan_accel.sampling.mg2_continuation import mg2_continuation
+    run, state_after = mg2_continuation(model, image_latent, visual_context, mouse, keyboard, num_frames, seed, preset,
+                                        state, state_device, in_place)
+    return sample_mg2(model, **run, **kw), state_after() if keep_state else None

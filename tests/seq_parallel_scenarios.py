@@ -72,7 +72,7 @@ def mg2(sp, heads: int = 4) -> dict:
     from safetensors.torch import load_file
     from wan_accel.app.jobs.replay import Fixture
     from wan_accel.model.kv_cache import KVCache
-    from wan_accel.sampling.mg2 import sample_mg2
+    from wan_accel.app.jobs.mg2 import sample_mg2
     d = FIXTURES / "matrix_game2"
     cfg = json.loads((d / "mg2_config.json").read_text())
     io, fx = load_file(str(d / cfg["io_file"])), Fixture(d, cfg)

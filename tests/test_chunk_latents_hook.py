@@ -81,7 +81,7 @@ def test_a_hook_that_failed_is_called_again_when_the_chunk_is_redone():
 
 def test_matrix_game2_hands_its_chunks_over_in_its_own_layout():
     from wan_accel.model.mg2_model import tiny_mg2_model
-    from wan_accel.sampling.mg2 import generate_mg2
+    from wan_accel.app.jobs.mg2 import generate_mg2
     model = tiny_mg2_model()
     a = model.action_config
     g = torch.Generator().manual_seed(0)

@@ -96,8 +96,8 @@ def test_optimized_path_continues_exactly_too(model, context, window):
 
 def test_matrix_game2_continuation_equals_one_long_run():
     from wan_accel.model.mg2_model import tiny_mg2_model
-    from wan_accel.sampling.mg2 import generate_mg2
-    from wan_accel.sampling.mg2_continuation import sample_mg2_continuable
+    from wan_accel.app.jobs.mg2 import generate_mg2
+    from run_helpers import sample_mg2_continuable
     mg2 = tiny_mg2_model(seed=7)
     g = torch.Generator().manual_seed(4)
     img, ctx = torch.randn(1, 16, 1, 4, 4, generator=g), torch.randn(1, 9, 32, generator=g)

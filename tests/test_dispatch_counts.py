@@ -8,8 +8,9 @@ from wan_accel.model.mg2_model import tiny_mg2_model
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 from wan_accel.profiling.dispatch_counts import Counts, DispatchCounts
 from wan_accel.sampling import runner as runner_mod
-from wan_accel.sampling.mg2 import generate_mg2, resolve_preset
-from wan_accel.sampling.sampler import sampler_path
+from wan_accel.app.jobs.mg2 import generate_mg2
+from wan_accel.sampling.mg2 import resolve_preset
+from wan_accel.app.prepare import RunSpec
 from run_helpers import generate_latents
 from wan_accel.sampling.scheduler import resolve_schedule
 
@@ -100,11 +101,11 @@ def test_matrix_game2_optimized_has_no_host_sync():
     assert settings.window < lf
     counts = {}
     for path in ("optimized", "reference"):
-        with sampler_path(path):
-            generate_mg2(model, image, visual, (mouse, keyboard), num_frames=lf, preset=settings)
-            with DispatchCounts() as c:
-                generate_mg2(model, image, visual, (mouse, keyboard), num_frames=lf, preset=settings,
-                             callback=c.step_callback())
+        spec = RunSpec(path=path, doctor=False)
+        generate_mg2(model, image, visual, (mouse, keyboard), num_frames=lf, preset=settings, spec=spec)
+        with DispatchCounts() as c:
+            generate_mg2(model, image, visual, (mouse, keyboard), num_frames=lf, preset=settings, spec=spec,
+                         callback=c.step_callback())
         counts[path] = c
     assert dict(counts["optimized"].sync_names) == END_OF_RUN, dict(counts["optimized"].sync_names)
     assert isinstance(counts["reference"].syncs, int)

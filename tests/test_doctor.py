@@ -281,33 +281,33 @@ def test_doctor_command_table_json_and_report(tmp_path, capsys):
 
 
 def test_matrix_game2_runs_with_the_verdicts(monkeypatch):
-    """The Matrix-Game-2 loop takes no FastOptions: the prepare step's block (prepared_sampling) routes the
-    verdicts to it."""
-    from wan_accel.app.prepare import prepared_sampling
+    """The Matrix-Game-2 loop takes no FastOptions: the one prepare step (its run's spec, or the setup a face made
+    with prepare_model) routes the verdicts to it."""
+    from wan_accel.app.jobs.mg2 import generate_mg2
+    from wan_accel.app.prepare import RunSpec, Setup, prepare_model
     from wan_accel.model.mg2_model import tiny_mg2_model
-    from wan_accel.sampling.mg2 import generate_mg2
     from wan_accel.sampling.runner import FastOptions
-    from wan_accel.sampling.sampler import sampler_path
     model = tiny_mg2_model()
     cfg, a = model.config, model.action_config
     g = torch.Generator().manual_seed(0)
     image, visual = torch.randn(1, 16, 1, 4, 4, generator=g), torch.randn(1, cfg.clip_tokens, cfg.clip_dim, generator=g)
     mouse = 0.1 * torch.randn(1, 9, a.mouse_dim_in, generator=g) if a.enable_mouse else None
     keyboard = (torch.rand(1, 9, a.keyboard_dim_in, generator=g) > 0.5).float() if a.enable_keyboard else None
+    optimized = RunSpec(path="optimized")
 
-    def run():
-        return generate_mg2(model, image, visual, (mouse, keyboard), num_frames=3, steps=[1000, 500])
-    with sampler_path("optimized", FastOptions(fused_qkv=False)):
-        fallback = run()
+    def run(setup=None):
+        return generate_mg2(model, image, visual, (mouse, keyboard), num_frames=3, steps=[1000, 500], spec=optimized,
+                            setup=setup)
+    fallback = run(Setup("optimized", FastOptions(fused_qkv=False), [], {}))
     _sabotage_fused_qkv(monkeypatch, "wrong")
-    with sampler_path("optimized"):
-        assert not torch.equal(run(), fallback)                 # unchecked, the sabotage shows
-    with prepared_sampling(model) as setup:                  # CPU: 'auto' stays the reference, nothing judged
-        assert setup.options is None and not setup.judged
+    assert not torch.equal(run(Setup("optimized", FastOptions(), [], {})), fallback)   # unchecked, the sabotage shows
+    setup = prepare_model(model, RunSpec())             # CPU: 'auto' stays the reference, nothing judged
+    assert setup.options is None and not setup.switched_off
     notes: list = []
-    with sampler_path("optimized"), prepared_sampling(model, notes=notes) as setup:   # the optimized path (CUDA's)
-        assert torch.equal(run(), fallback) and setup.judged
+    setup = prepare_model(model, optimized, notes=notes)    # the optimized path (CUDA's)
+    assert torch.equal(run(setup), fallback) and "fused_qkv" in setup.switched_off
     assert len(notes) == 1 and "fused_qkv" in notes[0]
+    assert torch.equal(run(), fallback)                 # prepared by the run itself: the same verdicts
 
 
 def test_failed_compile_and_block_swap_are_switched_off_alone(cache_path):

@@ -192,7 +192,8 @@ def test_matrix_game2_fixture_through_the_optimized_path():
 
 def test_matrix_game2_lean_refresh_keeps_every_cache():
     """No tracer: refreshes run lean; output and self/mouse/keyboard caches equal the reference run's."""
-    from wan_accel.sampling.mg2 import sample_mg2
+    from wan_accel.app.jobs.mg2 import sample_mg2
+    from wan_accel.app.prepare import RunSpec
     from wan_accel.model.mg2_model import tiny_mg2_model
     model = tiny_mg2_model()
     g = torch.Generator().manual_seed(5)
@@ -203,9 +204,8 @@ def test_matrix_game2_lean_refresh_keeps_every_cache():
     for path in ("reference", "optimized"):
         kv = KVCache.for_model(model, 1, 4, 9, 6, 0)
         actions = model.new_action_call(mouse, keyboard, 6)
-        with sampler_path(path):
-            out = sample_mg2(model, noise, cond, ctx, mouse, keyboard, "universal", 6, kv_cache=kv, actions=actions,
-                             generator=torch.Generator().manual_seed(3))
+        out = sample_mg2(model, noise, cond, ctx, mouse, keyboard, "universal", 6, kv_cache=kv, actions=actions,
+                         generator=torch.Generator().manual_seed(3), spec=RunSpec(path=path, doctor=False))
         results[path] = (out, kv, actions)
     (ro, rkv, ra), (oo, okv, oa) = results["reference"], results["optimized"]
     assert (ro - oo).abs().max().item() <= 1e-4

@@ -652,14 +652,22 @@ def test_generate_with_linear_fp8_runs_on_the_cpu(tmp_path, capsys):
     assert "linear.fp8" in report["features"]["ran"]
 
 
-def test_matrix_game2_runs_fp8_linear_when_asked(tmp_path, capsys):
-    """generate --model-kind matrix-game2 --linear fp8 runs fp8 (on the optimized path) and says so."""
+def test_matrix_game2_and_the_doctors_gate_keep_the_callers_linear_mode(tmp_path, capsys):
+    """generate --model-kind matrix-game2 --linear fp8 runs fp8 and says so; the Matrix-Game-2 job's one prepare
+    step (the doctor's gate) keeps the caller's linear mode and its reference path."""
+    from wan_accel.app.jobs.mg2 import MG2Options, run_mg2_generate
+    from wan_accel.app.prepare import RunSpec
     from wan_accel.cli import main
     code = main(["generate", "--model-kind", "matrix-game2", "--linear", "fp8", "--device", "cpu", "--frames", "9",
                  "--out", str(tmp_path), "--no-preview", "--json"])
     assert code == 0
     s = json.loads(capsys.readouterr().out)["sampler"]
     assert (s["path"], s["linear"], s["linear_path"]) == ("optimized", "fp8", "emulated") and s["fp8_layers"] > 0
+    for spec, path, linear in ((RunSpec(linear="fp8", cuda_graphs="off"), "optimized", "fp8"),
+                               (RunSpec(path="reference"), "reference", None)):
+        opts = MG2Options(out_dir=str(tmp_path / path), frames=3, device="cpu", preview=False)
+        report = run_mg2_generate(opts, log=lambda *_a: None, spec=spec)["sampler"]
+        assert report["path"] == path and report.get("linear") == linear, report
 
 
 def _bench(capsys, *argv):

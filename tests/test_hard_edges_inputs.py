@@ -391,7 +391,7 @@ def test_chunked_vae_decode_refuses_a_video_that_cannot_be_held(monkeypatch):
 # ----------------------------------------------------------------------------------------------- other weights
 def test_matrix_game2_state_of_other_weights_is_refused():
     from wan_accel.model.mg2_model import tiny_mg2_model
-    from wan_accel.sampling.mg2_continuation import sample_mg2_continuable
+    from run_helpers import sample_mg2_continuable
 
     a, b = tiny_mg2_model(seed=7), tiny_mg2_model(seed=8)                 # same structure, other weights
     g = torch.Generator().manual_seed(4)

@@ -206,7 +206,7 @@ MG2 = [
 
 @pytest.mark.parametrize("case", range(len(MG2)))
 def test_mg2_sampler_matches_independent_float64(case, tmp_path):
-    from wan_accel.sampling.mg2 import sample_mg2
+    from wan_accel.app.jobs.mg2 import sample_mg2
     c, (f, h, wd), window, steps, lc = MG2[case]
     w = _weights(c, 300 + case)
     model = _model(c, w, tmp_path)
@@ -243,10 +243,10 @@ def test_mg2_sampler_matches_independent_float64(case, tmp_path):
             assert _maxdiff(got, ref) <= TOL, (case, ci, k, name, _maxdiff(got, ref))
     assert ref_out.abs().max() > 0.1
     assert _maxdiff(out, ref_out) <= TOL, (case, _maxdiff(out, ref_out))
-    from wan_accel.sampling.sampler import sampler_path
-    with sampler_path("optimized"):
-        fast = sample_mg2(model, noise, cond, vis, mouse, keyboard, sched, window,
-                          noise_provider=lambda ci, k, shape, dtype, dev: eps[(ci, k)].reshape(shape).to(dev, dtype))
+    from wan_accel.app.prepare import RunSpec
+    fast = sample_mg2(model, noise, cond, vis, mouse, keyboard, sched, window,
+                      noise_provider=lambda ci, k, shape, dtype, dev: eps[(ci, k)].reshape(shape).to(dev, dtype),
+                      spec=RunSpec(path="optimized", doctor=False))
     assert _maxdiff(fast, ref_out) <= TOL, (case, "optimized path", _maxdiff(fast, ref_out))
     for i, cache in enumerate(caches):
         k, v = kv.ordered(i)

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from krea_variants import UnpaddedRecompute
 from tolerances import step as dtype_step, within
-from wan_accel.app.play import t2v as play_t2v
 from wan_accel.app.play.t2v import PromptPlaySession
+from wan_accel.app.prepare import Run
 from wan_accel.model.config import WanConfig
 from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.sampling.krea import (KREA_INTERP_STEPS, KreaRecompute, krea_schedule, krea_schedule_entry,
@@ -170,11 +170,12 @@ def test_live_play_types_the_official_prompts_and_makes_the_official_frames(mode
     cfg, io = FIXTURES[case]
     s = cfg["session"]
     k, fpb, (h, w) = s["kv_cache_num_frames"], s["num_frame_per_block"], s["latent_hw"]
-    real = play_t2v.sample_continuable
-    def with_official_noise(*args, state=None, **kwargs):
-        first = 0 if state is None else state.frames // fpb
-        return real(*args, state=state, noise_provider=_provider(io, first), **kwargs)
-    monkeypatch.setattr(play_t2v, "sample_continuable", with_official_noise)
+    real = Run._build
+
+    def with_official_noise(run, inputs):           # the session's run and each chunk it is extended by
+        first = 0 if inputs.state is None else inputs.state.frames // fpb
+        return real(run, inputs.replace(noise_provider=_provider(io, first)))
+    monkeypatch.setattr(Run, "_build", with_official_noise)
     seen = []
     play = PromptPlaySession(model, lambda text: io[f"prompt{int(text[1:])}"], h, w, schedule="krea",
                              frames_per_block=fpb, kv_window=k + fpb, recache="krea", prompt="p0",

@@ -68,7 +68,8 @@ def _write_variant(directory: Path, seed=5, layers=3, blocks=(1, 2), dim=48, hea
     from safetensors.torch import save_file
     from wan_accel.model.config import WanConfig
     from wan_accel.model.kv_cache import KVCache
-    from wan_accel.sampling.mg2 import build_cond_concat, sample_mg2
+    from wan_accel.app.jobs.mg2 import sample_mg2
+    from wan_accel.sampling.mg2 import build_cond_concat
     from wan_accel.model.mg2_model import MatrixGameModel
     from wan_accel.model.tiny import init_tiny_weights
     action = {"blocks": list(blocks), "mouse_dim_in": 2, "keyboard_dim_in": 3, "heads_num": action_heads,

@@ -7,7 +7,8 @@ from kv_reference import ShiftingCache
 
 from wan_accel.sampling.actions_script import parse_action_script
 
-from wan_accel.sampling.mg2 import build_cond_concat, generate_mg2, resolve_preset, sample_mg2
+from wan_accel.app.jobs.mg2 import generate_mg2, sample_mg2
+from wan_accel.sampling.mg2 import build_cond_concat, resolve_preset
 from wan_accel.model.mg2_model import MatrixGameModel, tiny_mg2_model
 
 H = W = 4       # tiny latent: 2x2 = 4 tokens per frame

@@ -283,6 +283,86 @@ def test_every_face_reaches_the_loop_with_the_doctors_verdicts(face, reached, tm
         assert "fused_qkv" in req.options.switched_off, (face, req.options)
 
 
+# ------------------------------------------------------------------------------------ no face around the door
+@pytest.fixture
+def door(monkeypatch):
+    """What was reached, in order: 'prepare', 'prepare_model' and 'loop' (the chunk loop, by either of its names)."""
+    from wan_accel.sampling import loop
+    calls: list = []
+
+    def spy(name, owner, attr):
+        real = getattr(owner, attr)
+        monkeypatch.setattr(owner, attr, lambda *a, **k: calls.append(name) or real(*a, **k))
+    spy("prepare", prepare, "prepare")
+    spy("prepare_model", prepare, "prepare_model")
+    spy("loop", sampler, "run_chunks")
+    spy("loop", loop, "run_chunks")
+    return calls
+
+
+def through_the_door(calls: list, chunks: int = 1, runs: int = 1) -> None:
+    """``runs`` runs (or play sessions), each prepared once (the model, then the run) before the loop of every one
+    of its ``chunks`` chunks: a face around the door, or a session preparing again, fails this."""
+    assert calls == (["prepare_model", "prepare"] + ["loop"] * chunks) * runs, calls
+
+
+def _mg2_play_session(seed=11):
+    from wan_accel.app.play.registry import PlaySession
+    from wan_accel.model.mg2_model import tiny_mg2_model
+    model = tiny_mg2_model(seed=1)
+    g = torch.Generator().manual_seed(seed)
+    return PlaySession(model, torch.randn(1, 16, 1, 4, 4, generator=g),
+                       torch.randn(1, model.config.clip_tokens, model.config.clip_dim, generator=g), seed=seed)
+
+
+def test_the_mg2_job_and_node_go_through_prepare(door, tmp_path):
+    mg2_job(tmp_path)
+    through_the_door(door)
+    door.clear()
+    mg2_node(tmp_path)
+    through_the_door(door)
+
+
+def test_a_t2v_play_session_is_one_run_prepared_once(door):
+    from wan_accel.app.play.t2v import PromptPlaySession
+    from wan_accel.model.tiny import tiny_causal_model, tiny_text_embedding
+    model = tiny_causal_model(seed=3)
+    encode = lambda text: tiny_text_embedding(text, model.config.text_len, model.config.text_dim)  # noqa: E731
+    play = PromptPlaySession(model, encode, 4, 4, prompt="a cat", frames_per_block=3, kv_window=6, sink=3)
+    for prompt in ("", "a dog", ""):
+        play.step(prompt)
+    through_the_door(door, chunks=3)
+
+
+def test_a_mg2_play_session_is_one_run_prepared_once(door):
+    play = _mg2_play_session()
+    for keys in (["w"], [], ["a"]):
+        play.step(keys)
+    through_the_door(door, chunks=3)
+
+
+def test_the_prompt_play_node_goes_through_the_sessions_one_run(door, monkeypatch):
+    from wan_accel.nodes.play_nodes import MatrixGame2PlayStep
+    from wan_accel.nodes.prompt_nodes import CausalWanPromptPlaySession, CausalWanPromptPlayStep
+    registry = _play_env(monkeypatch)
+    sid = CausalWanPromptPlaySession().start(_tiny_handle(), object(), "a cat", width=32, height=32, seed=5,
+                                             frames_per_block=3, kv_window=-1, sink=0)["result"][0]
+    try:
+        with pytest.raises(ValueError, match="a prompt play session: use CausalWan Prompt Play Step"):
+            MatrixGame2PlayStep().step(sid, "w")        # the other kind's Step node refuses it, making nothing
+        for prompt in ("", "a dog"):
+            CausalWanPromptPlayStep().step(sid, prompt)
+    finally:
+        registry.clear()
+    through_the_door(door, chunks=2)
+
+
+def test_bench_play_times_the_sessions_step_through_prepare(door, capsys):
+    from wan_accel.cli import main
+    assert main(["bench", "play", "--chunks", "1", "--warmup", "1", "--json"]) == 0
+    through_the_door(door, chunks=3, runs=2)       # two modes' sessions: 1 warm-up, 1 timed and 1 counted chunk
+
+
 # ------------------------------------------------------------------------------------------- one spec, one video
 SEED, FRAMES, SIZE = 7, 21, 32          # 21 video frames: 6 latent frames, two 3-frame chunks of 4x4 latents
 

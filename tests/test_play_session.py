@@ -7,7 +7,7 @@ from wan_accel.app.play.registry import PlaySession
 from wan_accel.profiling.dispatch_counts import DispatchCounts
 from wan_accel.model.mg2_model import tiny_mg2_model
 from wan_accel.sampling.actions_script import parse_action_script
-from wan_accel.sampling.mg2 import generate_mg2
+from wan_accel.app.jobs.mg2 import generate_mg2
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The Matrix-Game-2 `generate` job: start latent + CLIP tokens + scripted actions -> latents, preview, report.
+"""The Matrix-Game-2 `generate` job: start latent + CLIP tokens + scripted actions -> latents, preview, report; and
+the Matrix-Game-2 runs through the one prepare call (``sample_mg2``, ``generate_mg2``).
 
 Without a checkpoint it runs the built-in tiny action model on random (seeded) conditioning, end to end on
 CPU in seconds; with one, pass the start image latent and CLIP tokens as safetensors files.
@@ -9,6 +10,11 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from ...sampling.mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_cond_concat, channels_first
+from ...sampling.mg2 import check_actions, mg2_run, resolve_preset
+from ...sampling.request import SamplingHooks
+from ..prepare import RunSpec
 
 DEFAULT_SCRIPT = "W*20, W+A*8, mouse(0.1,0)*12, idle*4"
 TINY_LATENT = (16, 16)          # latent height, width of the tiny run (128x128 pixels)
@@ -55,6 +61,77 @@ def load_mg2_handle(checkpoint=None, dtype="bf16", precision="self_forcing", att
     return handle
 
 
+def sample_mg2(model, noise, cond_concat: torch.Tensor, visual_context: torch.Tensor, mouse: torch.Tensor | None,
+               keyboard: torch.Tensor | None, schedule, window: int, noise_provider=None,
+               generator: torch.Generator | None = None, callback=None, tracer=None, on_chunk=None,
+               skip_last_refresh: bool = False, kv_cache=None, actions=None, start_frame: int = 0,
+               report: dict | None = None, on_chunk_latents=None, *, spec: RunSpec | None = None,
+               setup=None) -> torch.Tensor:
+    """The Matrix-Game-2 loop through ``app.prepare.prepare``: x0 latents ``[B, 16, F, H, W]`` (float32, model space).
+
+    noise ``[B, 16, F, H, W]`` or its shape (each chunk's noise then drawn when it starts, from
+    noise_provider(chunk, step, shape [B, 3, 16, H, W], dtype, device), else ``generator``); cond_concat
+    ``[B, 20, F (or F - start_frame), H, W]``; visual_context ``[B or 1, tokens, clip_dim]``; mouse/keyboard
+    ``[B or 1, video frames, dims]`` (``1 + 4*(F-1)`` as released); schedule: a Schedule or preset name; window:
+    every cache's rolling window in latent frames; start_frame: only the chunks from there on, over caches holding
+    the earlier frames (``sampling.mg2_continuation``). The hooks and report as ``SamplingHooks``' (on_chunk_latents
+    in this layout); kv_cache / actions: caches to inspect afterwards. spec: the run's path and options (its loop
+    fields are Matrix-Game-2's); setup: ``prepare_model`` already done (a replay tool, a play session)."""
+    from ..prepare import prepare
+    fields, inputs = mg2_run(model, noise, cond_concat, visual_context, mouse, keyboard, schedule, window,
+                             noise_provider, generator, kv_cache, actions, start_frame)
+    spec = (spec if spec is not None else RunSpec()).replace(skip_last_refresh=skip_last_refresh, **fields)
+    hooks = SamplingHooks(callback=callback, on_chunk=on_chunk, tracer=tracer, report=report,
+                          on_chunk_latents=channels_first(on_chunk_latents))
+    return prepare(model, spec, inputs, hooks, setup=setup).latents().transpose(1, 2)
+
+
+def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor, actions, num_frames: int = 0,
+                 seed: int = 0, preset: str = "universal", window: int | None = None, steps=None,
+                 callback=None, on_chunk=None, skip_last_refresh: bool = False, report: dict | None = None,
+                 on_chunk_latents=None, *, spec: RunSpec | None = None, setup=None) -> torch.Tensor:
+    """Seeded end-to-end sampling; returns latents ``[B, 16, F, H, W]`` (float32, model space).
+
+    image_latent: model-space start latent ``[B, 16, 1 or >=F, H, W]``; visual_context: CLIP tokens
+    ``[B or 1, tokens, clip_dim]``; actions: a GameActions or a (mouse, keyboard) pair of tensors
+    ``[B or 1, video frames, dims]``; num_frames: latent frames (0: every whole chunk the actions cover);
+    preset: a preset name (``steps``/``window`` override it) or resolved :class:`MG2Settings`.
+    Batch element i draws its noise from its own generator seeded ``seed + i`` (chunk by chunk), so a batch
+    gives the same latents as separate batch-1 runs with those seeds, and a longer video starts with
+    exactly the frames of a shorter one. report: a dict that receives what the run did. on_chunk_latents: each
+    chunk's latents ``[B, 16, 3, H, W]`` before its refresh pass; spec / setup as ``sample_mg2``'s.
+    """
+    settings = preset if isinstance(preset, MG2Settings) else resolve_preset(preset, steps=steps, window=window)
+    device = model.device
+    if hasattr(actions, "tensors"):
+        frames_avail = actions.latent_frames
+        mouse, keyboard = actions.tensors(batch=1)
+    else:
+        mouse, keyboard = actions
+        seq = keyboard if keyboard is not None else mouse
+        frames_avail = 1 + (seq.shape[1] - 1) // 4
+    check_actions(model, mouse, keyboard)
+    if num_frames <= 0:
+        num_frames = (frames_avail // FRAMES_PER_BLOCK) * FRAMES_PER_BLOCK
+        if num_frames == 0:
+            raise ValueError(f"the actions cover {frames_avail} latent frame(s); a chunk needs "
+                             f"{FRAMES_PER_BLOCK} (13 video frames)")
+    if num_frames % FRAMES_PER_BLOCK:
+        raise ValueError(f"num_frames ({num_frames} latent frames) must be a multiple of {FRAMES_PER_BLOCK}")
+    if num_frames > frames_avail:
+        raise ValueError(f"{num_frames} latent frames need {1 + 4 * (num_frames - 1)} video frames of actions; "
+                         f"the actions give {1 + 4 * (frames_avail - 1)}")
+    b, _, _, h, w = image_latent.shape
+    cond = build_cond_concat(image_latent.to(device), num_frames)
+    gens = [torch.Generator(device=device).manual_seed((int(seed) + i) % 2 ** 64) for i in range(b)]
+    to_dev = lambda t: None if t is None else t.to(device)
+    return sample_mg2(model, (b, model.config.out_dim, num_frames, h, w), cond, visual_context.to(device),
+                      to_dev(mouse), to_dev(keyboard), settings.schedule, settings.window,
+                      noise_provider=batch_noise(gens, device), callback=callback, on_chunk=on_chunk,
+                      skip_last_refresh=skip_last_refresh, report=report, on_chunk_latents=on_chunk_latents,
+                      spec=spec, setup=setup)
+
+
 def _conditioning(opts: MG2Options, model, device):
     c = model.config
     if opts.conditioning:
@@ -78,15 +155,16 @@ def _conditioning(opts: MG2Options, model, device):
     return image.to(device), ctx.to(device)
 
 
-def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) -> dict:
+def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, spec: RunSpec | None = None
+                     ) -> dict:
     """Run the job; progress(chunk, num_chunks) per chunk. Returns the report dict. parallel: this rank's
-    ``SeqParallel`` to sample sequence-parallel (``app/ranks/parallel.py``); rank 0 writes the files."""
+    ``SeqParallel`` to sample sequence-parallel (``app/ranks/parallel.py``); rank 0 writes the files. spec: the
+    run's path and options (the command line's ``--sampler``, ``--linear``...; default ``RunSpec()``)."""
     from ..ranks.parallel import enable_parallel, parallel_report
     from ...sampling.actions_script import parse_action_script
     from .generate import (ChunkTimer, _jsonable, _peak_memory, _sync, _write_outputs, _write_report, _writes,
                            check_outputs)
-    from ...sampling.mg2 import generate_mg2, resolve_preset
-    from ..prepare import prepared_sampling
+    from ..prepare import prepare_model
     from .handle import default_device
     device = torch.device(opts.device) if opts.device else default_device()
     dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -113,9 +191,9 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None) 
     chunk_seconds = on_chunk.seconds
     t_start = on_chunk.start()
     sampler_report: dict = {}
-    with prepared_sampling(handle.model, notes=notes, log=log):      # the doctor's verdicts, the one prepare step
-        latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings,
-                               on_chunk=on_chunk, skip_last_refresh=opts.skip_last_refresh, report=sampler_report)
+    setup = prepare_model(handle.model, spec or RunSpec(), log=log, notes=notes)   # the doctor's verdicts, logged
+    latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings, on_chunk=on_chunk,
+                           skip_last_refresh=opts.skip_last_refresh, report=sampler_report, spec=spec, setup=setup)
     _sync(device)
     sample_s = time.perf_counter() - t_start
     files = _write_outputs(latents.transpose(1, 2), opts, parallel)

@@ -349,7 +349,7 @@ def _check_krea(fx: Fixture, device) -> list:
     for path in PATHS:
         handed, records = [], []
         out = replay(fx, model, path=path, handed=handed, tracer=records.append,
-                     fast_options={"cuda_graphs": "off"} if path == "optimized" else None)
+                     options={"cuda_graphs": "off"} if path == "optimized" else None)
         denoise = [rec for rec in records if rec["kind"] == "denoise"]
         rows.append(calls_row(f"{path}.calls", denoise, [c for c in fx.cfg["calls"] if not c["context"]],
                               lambda _i, o, t: o["chunk"] == int(t["block"]) and o["current_start"] == int(

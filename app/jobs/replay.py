@@ -280,10 +280,11 @@ def _krea_run(fx: Fixture, _model, _variant, hooks) -> tuple:
 RUNS = {"causal_wan": _causal_run, "matrix_game2": _mg2_run, "longlive": _longlive_run, "krea_realtime": _krea_run}
 
 
-def replay(fx: Fixture, model, variant: str | None = None, *, path: str = "auto", linear: str = "exact",
+def replay(fx: Fixture, model, variant: str | None = None, *, path: str = "auto", options=None,
            **keywords) -> torch.Tensor:
     """The official run of ``fx`` on ``model`` (LongLive: of ``variant``), through the one prepare call with the
-    doctor off and the model kept as it is (path and ``linear`` as given: a replay checks the paths themselves);
+    doctor off and the model kept as it is (``path`` and the optimized path's ``options`` as given: a replay checks
+    the paths themselves);
     the latents in the fixture's layout. ``keywords``: the run's hooks (tracer, callback), ``kv_cache`` (a cache to
     inspect), ``actions`` (Matrix-Game-2: the action call whose caches to inspect) or ``handed`` (Krea: a list that
     receives every frame handed to the stand-in re-encoder)."""
@@ -300,8 +301,8 @@ def replay(fx: Fixture, model, variant: str | None = None, *, path: str = "auto"
     if unknown:
         raise TypeError(f"replay takes no {unknown}")
     spec = RunSpec(schedule=fx.schedule(), frames_per_block=fpb, doctor=False, oom_retry="off", **parts[RunSpec])
-    options = FastOptions(linear=linear) if path == "optimized" else None
     run = prepare(model, spec, RunInputs(context=context, noise=noise, **parts[RunInputs]),
-                  SamplingHooks(**parts[SamplingHooks]), setup=Setup(path, options, [], {}))
+                  SamplingHooks(**parts[SamplingHooks]),
+                  setup=Setup(path, None if options is None else FastOptions.coerce(options), [], {}))
     out = run.latents()
     return out.transpose(1, 2) if fx.kind == "matrix_game2" else out

@@ -1,10 +1,10 @@
 """Matrix-Game-2 play mode: sessions whose next chunk is driven by the actions held while it is made.
 
-``PlaySession.step(keys, mouse)`` continues the video by one 3-latent-frame chunk (``sampling.mg2_continuation``)
-with the given keys and camera motion held for the whole chunk, and records them: ``script`` is the Game Actions
-script of the session, and ``generate_mg2`` with it and the same seed reproduces the session's frames exactly.
-``free`` drops everything heavy (the model, the caches, attached decoders) and keeps what saving needs (the
-latents made so far, the script).
+``PlaySession.step(keys, mouse)`` continues the video by one 3-latent-frame chunk (``sampling.mg2_continuation``: the
+session is one run, prepared once at its first chunk, its next chunks sampled by ``Run.again``) with the given keys
+and camera motion held for the whole chunk, and records them: ``script`` is the Game Actions script of the session,
+and ``generate_mg2`` with it and the same seed reproduces the session's frames exactly. ``free`` drops everything
+heavy (the model, the caches, attached decoders) and keeps what saving needs (the latents made so far, the script).
 
 ``PlayRegistry`` holds the live sessions of a server: one per starting node (starting again replaces it), at most
 ``max_sessions``, each ended once nobody has made a chunk or looked at it (``touch``) for its idle timeout (an
@@ -20,9 +20,10 @@ import time
 import torch
 
 from ...sampling.actions_script import MODES, parse_action_script
-from ...sampling.mg2 import FRAMES_PER_BLOCK, resolve_preset
+from ...sampling.mg2 import FRAMES_PER_BLOCK, mg2_run, resolve_preset
 from ...sampling.continuation import weight_fingerprint
-from ...sampling.mg2_continuation import sample_mg2_continuable
+from ...sampling.mg2_continuation import mg2_continuation
+from ...sampling.request import SamplingHooks
 
 FIRST_CHUNK_FRAMES = 4 * (FRAMES_PER_BLOCK - 1)     # scripted video frames of the first chunk (after the start frame)
 CHUNK_FRAMES = 4 * FRAMES_PER_BLOCK                 # video frames of every later chunk
@@ -37,10 +38,45 @@ class PlayError(ValueError):
 class SessionBase:
     """What every play session shares: its chunks' latents, and ``free`` (drops the heavy attributes named in
     ``HEAVY``, the state and attached decoders; keeps the latents and the script). ``run_spec``: the run spec
-    (``app/prepare.RunSpec``) every chunk is prepared with (the start's choices, e.g. fp8 linear layers); None: the
-    defaults."""
+    (``app/prepare.RunSpec``) the session is prepared with (the start's choices, e.g. fp8 linear layers); None: the
+    defaults. ``setup`` / ``run``: what preparing it did (``_chunk``)."""
     HEAVY: tuple = ("model",)
     run_spec = None
+    setup = None
+
+    def __init__(self):
+        self.state = self.run = None        # the state after the last chunk; the session's one run (``_chunk``)
+        self.log: list[dict] = []           # per chunk: what it was given (the action or prompt, the rows)
+        self.latents: list[torch.Tensor] = []   # model-space latents of each chunk, on the CPU (for saving)
+        self.chunks = 0
+        self.ended: str | None = None       # why the session ended (None while it can go on)
+        self.attached: dict = {}            # front-end objects (a decoder...) released with the session
+        self.kept: dict = {}                # what saving needs after the end (the VAE), dropped when forgotten
+        self.frames_shown = 0               # decoded video frames sent to the page so far
+        self.lock = threading.RLock()
+
+    def _chunk(self, fields: dict, inputs, callback, more, **kwargs) -> torch.Tensor:
+        """The next chunk's latents on the session's one run: at the first chunk the model (``setup``: the doctor's
+        verdicts, the start's choices; its notes say what was switched off) and the run (``run_spec`` with
+        ``fields``, ``inputs``, ``prepare``'s ``kwargs``) are prepared; every next chunk is ``more(run)``."""
+        from ..prepare import RunSpec, prepare, prepare_model
+        if self.run is not None:
+            self.run.hooks = self.run.hooks.replace(callback=callback)
+            return more(self.run)
+        spec = self.run_spec or RunSpec()
+        self.setup = self.setup or prepare_model(self.model, spec)
+        self.run = prepare(self.model, spec.replace(**fields), inputs, SamplingHooks(callback=callback),
+                           setup=self.setup, **kwargs)
+        return self.run.latents()
+
+    def _check_weights(self) -> None:
+        """The session's caches were made with the weights of its last chunk: other values (another checkpoint of
+        the same structure, a patch applied in place) are refused before anything is made; the session goes on
+        once they are restored (``sampling.continuation.weight_fingerprint``, as every continued state)."""
+        if self.state is not None and weight_fingerprint(self.model) != self.state.settings.get("weights"):
+            raise PlayError("the model's weights changed since this session's last chunk (another checkpoint of the "
+                            "same structure, or a patch applied in place); its caches hold the earlier weights: "
+                            "restore them, or start a new play session")
 
     def latent_video(self) -> torch.Tensor:
         """Every chunk's latents so far, [1, C, frames, h, w] (model space, CPU)."""
@@ -69,7 +105,7 @@ class SessionBase:
 
 
 class PlaySession(SessionBase):
-    HEAVY = ("model", "context")
+    HEAVY = ("model", "context", "run")
 
     def __init__(self, model, image_latent: torch.Tensor, visual_context: torch.Tensor, seed: int = 0,
                  preset: str = "universal", window: int | None = None, state_device=None, in_place: bool = True):
@@ -82,16 +118,8 @@ class PlaySession(SessionBase):
         self.preset, self.window = preset, window
         self.mode, self.seed, self.state_device = self.settings.mode, int(seed), state_device
         self.in_place = bool(in_place)      # the session owns its state: caches written in place (False: copies)
-        self.state = None
         self.items: list[str] = []          # one script item per chunk
-        self.log: list[dict] = []           # per chunk: the action and the action tensor rows the model was given
-        self.latents: list[torch.Tensor] = []   # model-space latents of each chunk, on the CPU (for saving)
-        self.chunks = 0
-        self.ended: str | None = None       # why the session ended (None while it can go on)
-        self.attached: dict = {}            # front-end objects (a decoder...) released with the session
-        self.kept: dict = {}                # what saving needs after the end (the VAE), dropped when forgotten
-        self.frames_shown = 0               # decoded video frames sent to the page so far
-        self.lock = threading.RLock()
+        super().__init__()
 
     @property
     def frames(self) -> int:
@@ -136,10 +164,12 @@ class PlaySession(SessionBase):
             if self.chunks:                      # the parser repeats the first action as a start frame: not here
                 mouse_t = None if mouse_t is None else mouse_t[:, 1:]
                 keyboard_t = keyboard_t[:, 1:]
-            out, self.state = sample_mg2_continuable(
-                self.model, self.image, self.context, mouse_t, keyboard_t, self.frames + FRAMES_PER_BLOCK,
-                seed=self.seed, preset=self.settings, state=self.state, state_device=self.state_device,
-                callback=callback, in_place=self.in_place)
+            args, state_after = mg2_continuation(
+                self.model, self.image, self.context, mouse_t, keyboard_t, self.frames + FRAMES_PER_BLOCK, self.seed,
+                self.settings, self.state, self.state_device, self.in_place)
+            fields, inputs = mg2_run(self.model, **args)
+            out = self._chunk(fields, inputs, callback, lambda run: run.again(inputs)).transpose(1, 2)
+            self.state = state_after()
             first = 0 if self.chunks == 0 else 1 + FIRST_CHUNK_FRAMES + CHUNK_FRAMES * (self.chunks - 1)
             given = self.state.actions             # exactly the tensors the model's action modules were given
             rows = lambda t: None if t is None else t[0, first:first + keyboard_t.shape[1]]
@@ -150,17 +180,6 @@ class PlaySession(SessionBase):
             self.latents.append(out.detach().float().cpu())
             self.chunks += 1
             return out
-
-    def _check_weights(self) -> None:
-        """The session's caches were made with the weights of its last chunk: other values (another checkpoint of
-        the same structure, a patch applied in place) are refused before anything is made; the session goes on
-        once they are restored (``sampling.continuation.weight_fingerprint``, as every continued state)."""
-        if self.state is None:
-            return
-        if weight_fingerprint(self.model) != self.state.settings.get("weights"):
-            raise PlayError("the model's weights changed since this session's last chunk (another checkpoint of the "
-                            "same structure, or a patch applied in place); its caches hold the earlier weights: "
-                            "restore them, or start a new play session")
 
     @property
     def script(self) -> str:

@@ -1,18 +1,19 @@
 """Live prompt steering of a causal text-to-video model: sessions whose next chunk follows the prompt typed now.
 
-``PromptPlaySession.step(prompt)`` continues the video by one chunk (``sampling.continuation``) with ``prompt`` in
-effect from that chunk on; an empty prompt keeps the one in effect. A prompt is one line of the prompt schedule's
-grammar (``sampling.prompts``): a text, a weighted mix ``a :0.7 | b :0.3``, an optional ``(blend N)``. Every change
-becomes one schedule entry ``<chunk>: <prompt>``, and each chunk's context is taken from that schedule exactly as a
-one-shot run takes it, so ``schedule_text`` given to ``generate --prompt-schedule`` (or the sampler nodes) with the
-same seed and settings reproduces the session's frames exactly. A prompt switch re-caches the window under the new
-prompt (``recache='switch'``, LongLive) unless the session was started with ``recache='none'``, or with
+``PromptPlaySession.step(prompt)`` continues the video by one chunk with ``prompt`` in effect from that chunk on: the
+session is one run, prepared once at its first chunk (``app.prepare.prepare``, keeping its state) and extended by one
+chunk per step (``Run.extend``); an empty prompt keeps the one in effect. A prompt is one line of the prompt
+schedule's grammar (``sampling.prompts``): a text, a weighted mix ``a :0.7 | b :0.3``, an optional ``(blend N)``.
+Every change becomes one schedule entry ``<chunk>: <prompt>``, and each chunk's context is taken from that schedule
+exactly as a one-shot run takes it, so ``schedule_text`` given to ``generate --prompt-schedule`` (or the sampler
+nodes) with the same seed and settings reproduces the session's frames exactly. A prompt switch re-caches the window
+under the new prompt (``recache='switch'``, LongLive) unless the session was started with ``recache='none'``, or with
 ``recache='krea'`` rebuilds the cache from a short clean context before every chunk (Krea Realtime; the one policy
-object goes on from chunk to chunk, reading the earlier clean frames from the state's history). The mode goes
-through ``sampling.krea.cache_setup``; with 'krea' the session's ``reencode`` (the VAE round trip of the frame that
-stands in for the first frame) is used, or the frame as it is, said once in the log, and a prompt typed without a
-blend eases in as Krea's server does it, ``(blend 4, krea)`` (``CacheSetup.live_line``; ``(blend 0)`` switches at
-once). A prompt equal to the one in effect (as typed) changes nothing.
+object goes on from chunk to chunk, reading the earlier clean frames from the state's history). The mode goes through
+``sampling.krea.cache_setup``; with 'krea' the session's ``reencode`` (the VAE round trip of the frame that stands in
+for the first frame) is used, or the frame as it is, said once in the log, and a prompt typed without a blend eases in
+as Krea's server does it, ``(blend 4, krea)`` (``CacheSetup.live_line``; ``(blend 0)`` switches at once). A prompt
+equal to the one in effect (as typed) changes nothing.
 
 ``log`` records per chunk the prompt in effect and the context rows the model was given (their SHA-256 and first
 values), as Matrix-Game-2 play records the action rows. The session has the interface of ``registry.PlaySession``
@@ -23,15 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 
 import torch
 
 from ...model.dit import check_text_tokens
 from ...model.finite import NonFiniteError, check_conditioning
-from ...sampling.continuation import sample_continuable, weight_fingerprint
 from ...sampling.krea import cache_setup
 from ...sampling.prompts import PromptSchedule
+from ...sampling.request import RunInputs
 from .registry import PlayError, SessionBase
 
 HEAD_VALUES = 8                 # first values of the context's first row kept in the log
@@ -44,7 +44,7 @@ def context_digest(context: torch.Tensor) -> str:
 
 
 class PromptPlaySession(SessionBase):
-    HEAVY = ("model", "encode")
+    HEAVY = ("model", "encode", "run")
 
     kind = "t2v"
 
@@ -71,18 +71,10 @@ class PromptPlaySession(SessionBase):
         self.schedule, self.frames_per_block = schedule, int(frames_per_block)
         self.kv_window, self.sink, self.recache = self.cache.kv_window, int(sink), recache
         self.state_device, self.settings = state_device, dict(settings or {})
-        self.state = None
         self.lines: list[str] = []          # schedule entries "<chunk>: <prompt>", one per change
         self.prompt: str | None = None      # the prompt in effect (as typed)
         self.embeddings: dict = {}          # text -> [1, L, D] embedding (CPU), each text encoded once
-        self.log: list[dict] = []           # per chunk: the prompt and the context rows the model was given
-        self.latents: list[torch.Tensor] = []   # per chunk [1, C, frames, h, w] model space, CPU (for saving)
-        self.chunks = 0
-        self.ended: str | None = None
-        self.attached: dict = {}
-        self.kept: dict = {}
-        self.frames_shown = 0
-        self.lock = threading.RLock()
+        super().__init__()
         self.first_prompt = str(prompt or "")
         if self.first_prompt.strip():
             self._schedule_with(self.first_prompt)      # a bad first prompt is refused before anything is made
@@ -160,23 +152,29 @@ class PromptPlaySession(SessionBase):
                 raise PlayError(f"this play session has ended ({self.ended}): start a new one")
             self._check_weights()
             schedule, lines, text, context, switched = self._prepare(prompt)
-            device = self.model.device
             policy = self.cache.cache_policy
             mark = policy.mark() if hasattr(policy, "mark") else None
+            before = self.state
             try:
-                out, state = sample_continuable(
-                    self.model, context.to(device), (self.chunks + 1) * self.frames_per_block, self.height,
-                    self.width, seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block,
-                    kv_window=self.kv_window, sink=self.sink, state=self.state, state_device=self.state_device,
-                    callback=callback, **self.cache.sampler_kwargs())
+                frames, ctx = (self.chunks + 1) * self.frames_per_block, context.to(self.model.device)
+                out = self._chunk(
+                    dict(seed=self.seed, schedule=self.schedule, frames_per_block=self.frames_per_block,
+                         kv_window=self.kv_window, sink=self.sink, recache=self.cache.recache),
+                    RunInputs(context=ctx, noise=(1, frames, self.model.config.out_dim, self.height, self.width),
+                              cache_policy=policy), callback, lambda run: run.extend(frames, context=ctx),
+                    keep_state=True, state_device=self.state_device)
             except BaseException as exc:
+                if before is None:              # a first chunk that failed: the next step prepares the run again
+                    self.run = None
+                else:                           # the chunk is dropped: the run goes on from the state before it
+                    self.run.state = before
                 if mark is not None:            # an interrupted chunk: the policy goes on from the last chunk made
                     policy.rewind(mark)
-                if isinstance(exc, NonFiniteError):     # the state was copied, not changed: the session goes on
+                if isinstance(exc, NonFiniteError):
                     raise PlayError(f"prompt {text[:80]!r} gave a chunk of NaN values, which was dropped: "
                                     f"{exc}; the session goes on from chunk {self.chunks}") from None
                 raise
-            self.state = state
+            self.state = self.run.state
             self.lines, self.prompt = lines, text
             self.log.append({"chunk": self.chunks, "prompt": text, "switched": switched,
                              "context_sha256": context_digest(context),
@@ -184,11 +182,6 @@ class PromptPlaySession(SessionBase):
             self.latents.append(out.detach().float().cpu().transpose(1, 2))
             self.chunks += 1
             return self.latents[-1]
-
-    def _check_weights(self) -> None:
-        if self.state is not None and weight_fingerprint(self.model) != self.state.settings.get("weights"):
-            raise PlayError("the model's weights changed since this session's last chunk; its caches hold the "
-                            "earlier weights: restore them, or start a new play session")
 
     @property
     def frames(self) -> int:
