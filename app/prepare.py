@@ -10,13 +10,11 @@ compile: the spec's settings (or the model's own), dropped where the doctor judg
 here, none on the reference path; (4) the fast options, with ``switched_off`` naming every feature the doctor switched
 off for this model (its device, dtype and head size). The doctor judges a run whose path resolves to the optimized
 one (on CUDA, what 'auto' means). Then ``prepare`` checks the inputs, picks the out-of-memory guard and builds the
-loop's request (``sampling.sampler.build_request``). The run as data (``RunSpec``) and the prepared run (``Setup``,
-``Run``) are ``app/run.py``'s, below the doctor.
+loop's request (``sampling.sampler.build_request``); ``RunSpec``, ``Setup`` and ``Run`` are ``app/run.py``'s.
 
 Every face goes through here: the CausalWan Sampler node and ``generate``, the native AR sampler, Matrix-Game-2,
 play sessions and prompt steering, the benches, the ranks of a sequence-parallel run and ``profile``; the replay tools
-(check-reference, bench fidelity, bench compile, the self-test) with ``RunSpec(doctor=False)``, the doctor's probes
-with ``run.Run`` (``prepare``'s second half: the doctor cannot import this module, which consults it).
+(check-reference, bench fidelity, bench compile, the self-test, the doctor's probes) with ``RunSpec(doctor=False)``.
 """
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ import torch
 
 from ..sampling.request import RunInputs, SamplingHooks
 from ..sampling.sampler import path_for_linear, resolve_path
-from .run import KEEP, Run, RunSpec, Setup, check_noise  # noqa: F401 - the faces' names too
+from .run import KEEP, Run, RunSpec, Setup  # noqa: F401 - the faces' names too
 
 VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
 

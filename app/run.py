@@ -1,11 +1,8 @@
-"""A run as data and as a prepared run: ``RunSpec`` (what a run asks for), ``Setup`` (what ``app.prepare.prepare_model``
-did to the model) and ``Run``: ``app.prepare.prepare``'s second half, apart from its first (which consults the doctor)
-so that the doctor's own probes make their tiny runs here, the model kept as the probe made it, without an import
-circle."""
+"""``RunSpec``, ``Setup`` and ``Run``: ``app.prepare.prepare``'s second half, apart from its first (which consults the
+doctor) so that the doctor's probes make their tiny runs here (the model kept as the probe made it), circle-free."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +21,7 @@ from .validate import MAX_FRAMES_PER_BLOCK, check_int
 KEEP = "keep"          # RunSpec.swap / compile: the model's own (what it carries now), still judged by the doctor
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RunSpec:
     """What a run asks for. path 'auto' | 'optimized' | 'reference'; cuda_graphs 'auto' | 'off'; fused_kernels,
     fused_qkv, ops, keep_slower, linear: the optimized path's ``FastOptions``; compile: CompileSettings (or their
@@ -134,7 +131,7 @@ def check_spec(spec: RunSpec) -> None:
             raise _spec_error("plan's blocks_to_swap", n, "a whole number >= 0")
 
 
-@dataclass
+@dataclasses.dataclass
 class Setup:
     """What ``prepare_model`` did: the path to run (the spec's, after the run rules), the options of the optimized
     path (None on the reference path), the lines said about the doctor's verdicts and its record (``gate.new_record``:

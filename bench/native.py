@@ -211,9 +211,8 @@ def own_rows(path: Path, lora: Path | None, args, dtype, device, inputs: dict, p
     """(row, final latents [B, C, T, H, W], structure) of the pack's own loader and sampler on the file."""
     import torch
 
-    from ..app.prepare import RunInputs, RunSpec, prepare, prepare_model
+    from ..app.prepare import RunInputs, RunSpec, SamplingHooks, prepare, prepare_model
     from ..model.loader import load_wan_checkpoint
-    from ..sampling.request import SamplingHooks
     from ..sampling.runner import release_buffers
     from ..sampling.scheduler import schedule_from_sigmas
     model = load_wan_checkpoint(str(path), device=device, dtype=dtype, lora=None if lora is None else str(lora),

@@ -189,8 +189,7 @@ def _schedule(kind: str, shape: str | None = None):
 
 
 def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_chunk_latents=None):
-    from ..app.prepare import RunInputs, RunSpec, prepare
-    from ..sampling.request import SamplingHooks
+    from ..app.prepare import RunInputs, RunSpec, SamplingHooks, prepare
     # the one prepare step: the doctor's verdicts, the variant's compile (kept across repeats: same settings are not
     # recompiled; None: eager, models are shared between variants) and fast options
     spec = RunSpec(path=v["path"], compile=v.get("compile"), oom_retry="off", **v.get("options", {}))

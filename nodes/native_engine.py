@@ -63,11 +63,9 @@ NATIVE_NAMES = {"frames": "length", "height": "height", "width": "width",
 
 
 def native_spec(guider, options: dict, x, sigmas, seed, frames_per_block, kv_window, sink, **fields) -> tuple:
-    """(the run's ``RunSpec``, its prompt inputs) from the sampler's inputs, checked before any tensor of the run is
-    made: the model kind, a 64-bit seed, the sigmas, the prompt schedule's cache mode, every ``RunSpec`` field
-    (``fields``: path, oom_retry, linear...) and the memory estimate (``app.validate.check_fits``: KV cache,
-    activations and latents of the incoming latent's size, from ComfyUI's model as the engine will see it).
-    ValueError naming the input."""
+    """(the run's ``RunSpec``, its prompt inputs), every input checked before a tensor of the run is made: the model
+    kind, a 64-bit seed, the sigmas, the prompt schedule's cache mode, the ``RunSpec`` fields (``fields``: path,
+    oom_retry, linear...) and the memory estimate (``app.validate.check_fits``). ValueError naming the input."""
     from ..app.validate import MAX_SEED, check_fits, check_int
     from ..model.borrowed import borrowed_config
     base = guider.inner_model
@@ -265,10 +263,10 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     ``attention``, and ``switched_off``, the doctor's verdicts applied: {feature: why}) are for tools.
     ``attention``: the backend request of model/attention.py ('auto', 'sdpa', 'int8', ...), on both paths.
     ``linear``: 'exact' or 'fp8' (the optimized path's fp8 linear layers, as ``generate --linear``; the reference
-    path refuses it). The one ``prepare`` call does the run's preparation (run rules, path, the doctor's verdicts,
-    compile, fast options, window and start checks, the seeded generator); before it the sampler makes 8 calls:
-    ``native_spec`` (every input checked, before the engine is built), ``engine_for``, ``active_swap`` (Wan Block
-    Swap), ``_qkv_fusion``, ``_memory_manager``, ``native_inputs``, and ``_guard`` / ``_progress`` for its hooks."""
+    path refuses it). The one ``prepare`` call prepares the run (path, verdicts, compile, options, checks, generator);
+    before it the sampler makes 8 calls: ``native_spec`` (every input checked before the engine is built),
+    ``engine_for``, ``active_swap``, ``_qkv_fusion``, ``_memory_manager``, ``native_inputs``, ``_guard``, ``_progress``.
+    """
     extra_args = extra_args or {}
     if x.ndim != 5:
         raise ValueError(f"Wan Accel AR Sampler needs a video latent [B, C, T, H, W]; got shape {tuple(x.shape)}. "

@@ -346,8 +346,7 @@ CHUNK_ULPS = 64     # a whole chunk (every block, two steps) accumulates more ro
 
 def _chunk(model, ctx: ProbeContext, **options):
     """One chunk (3 latent frames, 16x16 latents: 192 tokens) of the optimized path."""
-    from ...sampling.runner import FastOptions
-    from ..run import Run, RunInputs, RunSpec, Setup
+    from ..run import FastOptions, Run, RunInputs, RunSpec, Setup
     cfg = model.config
     context = torch.randn(1, cfg.text_len, cfg.text_dim, generator=torch.Generator().manual_seed(15)).to(ctx.device)
     opts = FastOptions(fused_kernels=False, keep_buffers=True, **{"cuda_graphs": "off", **options})

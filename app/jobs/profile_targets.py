@@ -99,8 +99,7 @@ def sampler_call(model, target: ProfileTarget, inputs: dict):
 
     def run():
         with torch.inference_mode():
-            return prepare(model, spec, RunInputs(context=inputs["context"], noise=inputs["noise"]),
-                           setup=setup).latents()
+            return prepare(model, spec, RunInputs(**inputs), setup=setup).latents()
 
     return run
 

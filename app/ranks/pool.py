@@ -10,7 +10,6 @@ Idle workers wait on their pipe, never in a collective, and exit when this proce
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 import time
@@ -28,15 +27,14 @@ POOL_KEY = "rank_pool"          # in ModelHandle.extra
 
 
 def _plain(value):
-    """A job argument as plain data for the worker: tensors on the CPU (a RunInputs' too), a Schedule as
-    resolve_schedule arguments."""
+    """A job argument as plain data: tensors on the CPU (a RunInputs' too), a Schedule as resolve_schedule arguments."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if hasattr(value, "steps_config") and hasattr(value, "warp"):
         return {"preset": "custom", "steps": list(value.steps_config), "shift": float(value.shift),
                 "warp": bool(value.warp)}
-    if dataclasses.is_dataclass(value) and hasattr(value, "replace"):
-        return value.replace(**{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    if hasattr(value, "__dataclass_fields__") and hasattr(value, "replace"):
+        return value.replace(**{name: _plain(getattr(value, name)) for name in value.__dataclass_fields__})
     return value
 
 
