@@ -172,12 +172,9 @@ class VideoFile:
         """NonFiniteFramesError (the unfinished file discarded) when float frames hold NaN or inf: a NaN cast to a
         byte is a pixel of no value, so such a video is never written (one host sync per batch of frames, which is
         copied to the host anyway)."""
-        import torch
-
-        from .finite_flags import counts, non_finite        # torch's: imported when frames come
+        from .finite_flags import counts, first_bad, non_finite        # torch's: imported when frames come
         if non_finite({"frames": images}):
-            bad = (~torch.isfinite(images)).flatten(1).any(1).nonzero()
-            first = self.frames + (int(bad[0, 0]) if bad.numel() else 0)
+            first = self.frames + first_bad(images)
             self.discard()
             raise NonFiniteFramesError(
                 f"{self.purpose} ({self.path.name}): frame {first} holds values that are not numbers "
