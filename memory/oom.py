@@ -107,20 +107,10 @@ def oom_retry(fn: Callable[[int], object], *, key: str | None, start: int, shrin
     ``on_oom(size)`` runs after each OOM to drop partial state. ``hint`` (str or ``f(size) -> str``) ends the
     NoFitError raised when the smallest size fails. Non-OOM exceptions pass through untouched.
     """
-    learner = _Learner(key=key, start=start, shrink=shrink, cache=cache, minimum=minimum, unit=unit,
-                       on_oom=on_oom, hint=hint, what=what)
-    while True:
-        message = None
-        try:
-            result = fn(learner.size)
-        except BaseException as exc:  # noqa: BLE001 - filtered just below
-            if not is_oom(exc):
-                raise
-            message = _short(exc)
-        if message is None:
-            learner.finish()
-            return result
-        learner.after_oom(message)
+    result: list = []
+    run_chunks(1, lambda _pos, size: result.append(fn(size)) or 1, key=key, start=start, shrink=shrink, cache=cache,
+               minimum=minimum, unit=unit, on_oom=on_oom, hint=hint, what=what)
+    return result[0]
 
 
 def run_chunks(total: int, step: Callable[[int, int], int], *, key: str | None, start: int,
