@@ -280,7 +280,8 @@ class LimitCache:
         except (OSError, ValueError) as exc:
             self._aside_unsaved = pending[-MAX_SET_ASIDE:]
             _warn_once(self.path, "set-aside-write", f"wan_accel limit cache {self.path}: "
-                                                     f"{count_entries(len(found))} could not be used and {'was' if len(found) == 1 else 'were'} set aside, but the side "
+                                                     f"{count_entries(len(found))} could not be used and "
+                                                     f"{'was' if len(found) == 1 else 'were'} set aside, but the side "
                                                      f"file could not be written ({exc}); they are kept in memory")
 
     def set_aside(self) -> list[dict]:
@@ -314,9 +315,9 @@ class LimitCache:
             out.append(problem)
         aside = self.set_aside()
         if aside:
-            out.append(f"{count_entries(len(aside))} of the cache could not be used and {'is' if len(aside) == 1 else 'are'} "
-                       f"set aside in {self.set_aside_path} (read them with `python -m wan_accel cache set-aside`; "
-                       f"delete the file when you no longer need them)")
+            out.append(f"{count_entries(len(aside))} of the cache could not be used and "
+                       f"{'is' if len(aside) == 1 else 'are'} set aside in {self.set_aside_path} (read them with "
+                       f"`python -m wan_accel cache set-aside`; delete the file when you no longer need them)")
         for p in self.quarantined_files():
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.stat().st_mtime)) if p.exists() else "?"
             why = f" ({reasons[p.name]})" if p.name in reasons else ""

@@ -8,10 +8,10 @@
 
 The file fills a temporary beside its target (``owned_files.new_temporary``); ``close()`` hands that temporary to
 the pack's one writer (``owned_files.write_with``: checked again, fsynced, renamed), so the target is either the
-whole video or untouched. Float frames that hold NaN or inf are refused where they are written (``NonFiniteFramesError``, the file
-discarded: the pack's one finite check, ``finite_flags``), never cast to bytes; ``discard()`` (or the object's
-collection) removes the temporary of a run that failed. Users: ``generate --decode`` (``app/jobs/video.py``) and
-Matrix-Game-2 Play Save (``nodes/play_nodes.py``).
+whole video or untouched. Float frames that hold NaN or inf are refused where they are written
+(``NonFiniteFramesError``, the file discarded: the pack's one finite check, ``finite_flags``), never cast to bytes;
+``discard()`` (or the object's collection) removes the temporary of a run that failed. Users: ``generate --decode``
+(``app/jobs/video.py``) and Matrix-Game-2 Play Save (``nodes/play_nodes.py``).
 """
 from __future__ import annotations
 
