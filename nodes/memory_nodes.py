@@ -148,13 +148,8 @@ class WanVRAMPlan:
             weights = weights_from_checkpoint(_resolve_checkpoint(checkpoint))
         else:
             weights = preset_weights(model_source)
-        system = detect_system()
-        from ..memory.plan import reserve_problem
-        problem = reserve_problem(system, int(reserve_gb * GiB), name="reserve_gb")
-        if problem:
-            raise ValueError(problem)
-        plan = make_plan(weights, Workload(width, height, frames, mode=sampling), system,
-                         reserve_bytes=int(reserve_gb * GiB), cache=open_cache(),
+        plan = make_plan(weights, Workload(width, height, frames, mode=sampling), detect_system(),
+                         reserve_bytes=int(reserve_gb * GiB), cache=open_cache(), reserve_name="reserve_gb",
                          vae_kind=None if vae_kind in (None, "", "auto") else vae_kind)
         text = plan.summary()
         return {"ui": {"text": [text]}, "result": (plan, text)}
