@@ -509,7 +509,8 @@ def check_latent(name: str, samples, *, dims: tuple = (5,), channels: int | None
                          f"connect a Wan 2.1 latent")
     if not (latent.dtype.is_floating_point and not latent.dtype.is_complex):
         raise UsageError(f"{name} holds {str(latent.dtype).replace('torch.', '')} values, not a floating latent; {fix}")
-    if not bool(latent.isfinite().all()):
+    from ..cache.finite_flags import bad_flag
+    if bool(bad_flag(latent)):
         raise UsageError(f"{name} holds NaN or infinite values; re-run the node that made it (lower the shift or "
                          f"use fp32/bf16 instead of fp16)")
     return latent

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from .entries import register_shape
+from .entries import finite_number, register_shape
 
 log = logging.getLogger("wan_accel.autotune")
 
@@ -552,18 +552,15 @@ def _merge(old, kernel, key, policy, measured, new_failed, last_working) -> dict
 # ----------------------------------------------------------------------------- the stored shape
 def operator_shape(value: dict) -> None:
     """The fields ``tune`` reads from a stored entry; anything else makes the entry set aside (store.register_shape)."""
-    def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
     timings = value.get("timings", {})
-    if not isinstance(timings, dict) or not all(number(ms) for ms in timings.values()):
+    if not isinstance(timings, dict) or not all(finite_number(ms) for ms in timings.values()):
         raise ValueError("'timings' must map config ids to finite numbers")
     failed = value.get("failed", {})
     if not isinstance(failed, dict) or not all(isinstance(f, dict) and isinstance(f.get("error", {}), dict)
                                                for f in failed.values()):
         raise ValueError("'failed' must map config ids to objects with an 'error' object")
     best = value.get("best")
-    if best is not None and not (isinstance(best, dict) and (best.get("ms") is None or number(best["ms"]))):
+    if best is not None and not (isinstance(best, dict) and (best.get("ms") is None or finite_number(best["ms"]))):
         raise ValueError("'best' must be null or an object whose 'ms' is a finite number")
     for name in ("last_working", "configs"):
         if value.get(name) is not None and not isinstance(value[name], dict):
@@ -592,15 +589,8 @@ def get_autotuner() -> Autotuner:
     with _DEFAULT_LOCK:
         tuner = _DEFAULT.get(marker)
         if tuner is None:
-            try:
-                from .store import LimitCache
-
-                tuner = Autotuner(LimitCache())
-            except Exception as exc:  # noqa: BLE001 - tuning still works, only in memory
-                log.warning("wan_accel: limit cache unavailable (%s); kernel tuning results are kept in memory",
-                            exc)
-                tuner = Autotuner(None)
-            _DEFAULT[marker] = tuner
+            from .open import open_cache
+            tuner = _DEFAULT[marker] = Autotuner(open_cache(None, "kernel tuning results are kept in memory"))
     return tuner
 
 

@@ -158,7 +158,8 @@ def _plain(value):
     return value
 
 
-def _is_number(value) -> bool:
+def finite_number(value) -> bool:
+    """A finite int or float (not a bool): the one test of a stored number."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

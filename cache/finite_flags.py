@@ -9,7 +9,8 @@ checkpoints (``model/convert.py``), the weights and latents of a run and the che
 * ``read_flags(flags)``: their values, one host sync per device;
 * ``non_finite(named)``: the names of the tensors of ``named`` ({name: tensor} or (name, tensor) pairs) that hold
   NaN or inf, in their order (one host sync per device; tensors that are not floating point are finite);
-* ``counts(t)``: '3 NaN, 1 infinite of 4,096' (for a message, once something is wrong).
+* ``counts(t)``: '3 NaN, 1 infinite of 4,096' and ``first_bad(t, dim)``: the first index along ``dim`` that holds
+  one (for a message, once something is wrong).
 """
 from __future__ import annotations
 
@@ -53,4 +54,10 @@ def counts(t: torch.Tensor) -> str:
         f" of {v.numel():,}"
 
 
-__all__ = ["bad_flag", "read_flags", "non_finite", "counts"]
+def first_bad(t: torch.Tensor, dim: int = 0) -> int:
+    """The first index along ``dim`` of ``t`` whose slice holds NaN or inf (0 when none)."""
+    bad = (~torch.isfinite(t.detach().float())).movedim(dim, 0).flatten(1).any(1).nonzero()
+    return int(bad[0, 0]) if bad.numel() else 0
+
+
+__all__ = ["bad_flag", "read_flags", "non_finite", "counts", "first_bad"]

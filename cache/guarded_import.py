@@ -24,7 +24,9 @@ class ImportProblem(ImportError):
                          else f"{module} is not installed ({reason})")
 
 
-def _one_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """``Type: the first line of its message`` of an exception, at most 300 characters (an OOM, an import that
+    failed or called ``sys.exit``)."""
     if isinstance(exc, SystemExit):
         return f"SystemExit: it called sys.exit({exc.code!r}) while being imported"
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
@@ -53,9 +55,9 @@ def guarded_import(module: str, package: str | None = None):
         absent = isinstance(exc, ModuleNotFoundError) and exc.name is not None and \
             (name == exc.name or name.startswith(exc.name + "."))
         if absent:
-            raise ImportProblem(exc.name, False, _one_line(exc)) from None
+            raise ImportProblem(exc.name, False, first_line(exc)) from None
         sys.modules.pop(name, None)          # a half-run module is not left behind as if it had imported
-        raise ImportProblem(_failed_part(name), True, _one_line(exc)) from None
+        raise ImportProblem(_failed_part(name), True, first_line(exc)) from None
 
 
 def _failed_part(name: str) -> str:

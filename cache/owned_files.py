@@ -261,15 +261,16 @@ def remove_stale_temporaries(folder) -> int:
 
 
 def replace_file(path: Path, write: Callable[[str], object], *, durable: bool = True, suffix: str | None = None,
-                 before_rename: Callable[[], object] | None = None) -> Path:
+                 before_rename: Callable[[], object] | None = None, tmp: str | None = None) -> Path:
     """The mechanism under every whole-file write of the pack (this module's writers and the limit cache's own
     file): ``write(tmp_name)`` fills a temporary file in the same folder (named ``.<name>.wan_accel-<pid>-*<suffix>``;
     by default ``.tmp`` plus the target's extension, for libraries that pick a format from it; temporaries that a
     killed process left there are removed first: :func:`remove_stale_temporaries`), which is fsynced (when
     ``durable``), given the target's mode, checked by ``before_rename()`` and moved over ``path``; then the folder
-    is fsynced. A failure leaves the previous file as it was and no temporary file behind."""
+    is fsynced. ``tmp``: a temporary of :func:`new_temporary` already filled (a video written over a long time),
+    used instead of a new one. A failure leaves the previous file as it was and no temporary file behind."""
     p = Path(path)
-    tmp = new_temporary(p, suffix)
+    tmp = new_temporary(p, suffix) if tmp is None else tmp
     try:
         write(tmp)
         fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
@@ -307,7 +308,7 @@ def new_temporary(path, suffix: str | None = None) -> str:
     """A new empty temporary file beside ``path`` (its folder made), named as this writer's own
     (``.<name>.wan_accel-<pid>-*<suffix>``, by default ``.tmp`` plus the target's extension), after removing the
     temporaries a killed process left there. A file filled over a long time (a video written as its frames are
-    decoded) is filled here and handed to :func:`write_with` at the end (``os.replace`` onto its temporary).
+    decoded) is filled here and handed to :func:`write_with` at the end (its ``tmp``).
     The temporary stays locked (:func:`_hold`) until :func:`release`, so a later run knows it is being written."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -319,13 +320,13 @@ def new_temporary(path, suffix: str | None = None) -> str:
 
 
 def write_with(path, write: Callable[[str], object], *, option: str = "", purpose: str = "the output",
-               cache_path=None, allow: tuple = ()) -> Path:
-    """Write ``path`` atomically (:func:`replace_file`) after :func:`check_target`, which runs again just before
-    the rename: ``write(tmp_name)`` fills the temporary file (for libraries that write to a file name:
-    safetensors, PIL, PyAV). A failure leaves the previous file as it was. Returns the path."""
+               cache_path=None, allow: tuple = (), tmp: str | None = None) -> Path:
+    """Write ``path`` atomically (:func:`replace_file`, ``tmp`` as there) after :func:`check_target`, which runs
+    again just before the rename: ``write(tmp_name)`` fills the temporary file (for libraries that write to a file
+    name: safetensors, PIL, PyAV). A failure leaves the previous file as it was. Returns the path."""
     def check():
         return check_target(path, option=option, purpose=purpose, cache_path=cache_path, allow=allow)
-    return replace_file(check(), write, before_rename=check)
+    return replace_file(check(), write, before_rename=check, tmp=tmp)
 
 
 def write_bytes(path, data: bytes, **kw) -> Path:

@@ -7,14 +7,8 @@ at the fields their readers use, so a writer may add fields. The ``operator`` sh
 """
 from __future__ import annotations
 
-import math
-
 from .autotune import operator_shape  # noqa: F401 - importing autotune registers the operator shape
-from .entries import register_shape
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+from .entries import finite_number as _number, register_shape
 
 
 def _field(value: dict, name: str, ok, what: str, required: bool = False) -> None:

@@ -38,7 +38,7 @@ from typing import Callable
 from filelock import FileLock, Timeout
 
 from .entries import (FILE_KIND, MIGRATIONS, NAMESPACE_RE, SCHEMA_VERSION, _SHAPES_GEN,  # noqa: F401 (re-exported)
-                      CacheFormatError, Lenient, _check_json_value, _empty, _is_number, _refuse_constant, _validate,
+                      CacheFormatError, Lenient, _check_json_value, _empty, _refuse_constant, _validate, finite_number,
                       loads_lenient, register_shape, shape_problem)
 from .owned_files import read_regular, replace_file
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
@@ -60,7 +60,8 @@ def _item_id(item: dict) -> str:
                        item.get("reason")], sort_keys=True, default=str)
 
 
-def _count(n: int) -> str:
+def count_entries(n: int) -> str:
+    """'1 entry', '2 entries', '0 entries'."""
     return "1 entry" if n == 1 else f"{n} entries"
 
 
@@ -270,7 +271,7 @@ class LimitCache:
                     items = items[len(items) // 2:]
                 _atomic_write(self.set_aside_path, blob)
                 if _warn_once(self.path, f"set-aside:{len(old) + len(new)}",
-                              f"wan_accel limit cache {self.path}: {_count(len(new))} could not be used and "
+                              f"wan_accel limit cache {self.path}: {count_entries(len(new))} could not be used and "
                               f"{'was' if len(new) == 1 else 'were'} set aside to {self.set_aside_path} "
                               f"({new[0]['reason']}{'; ...' if len(new) > 1 else ''}); every other entry is in "
                               f"use (read them with `python -m wan_accel cache set-aside`)"):
@@ -279,7 +280,8 @@ class LimitCache:
         except (OSError, ValueError) as exc:
             self._aside_unsaved = pending[-MAX_SET_ASIDE:]
             _warn_once(self.path, "set-aside-write", f"wan_accel limit cache {self.path}: "
-                                                     f"{_count(len(found))} could not be used and {'was' if len(found) == 1 else 'were'} set aside, but the side "
+                                                     f"{count_entries(len(found))} could not be used and "
+                                                     f"{'was' if len(found) == 1 else 'were'} set aside, but the side "
                                                      f"file could not be written ({exc}); they are kept in memory")
 
     def set_aside(self) -> list[dict]:
@@ -313,9 +315,9 @@ class LimitCache:
             out.append(problem)
         aside = self.set_aside()
         if aside:
-            out.append(f"{_count(len(aside))} of the cache could not be used and {'is' if len(aside) == 1 else 'are'} "
-                       f"set aside in {self.set_aside_path} (read them with `python -m wan_accel cache set-aside`; "
-                       f"delete the file when you no longer need them)")
+            out.append(f"{count_entries(len(aside))} of the cache could not be used and "
+                       f"{'is' if len(aside) == 1 else 'are'} set aside in {self.set_aside_path} (read them with "
+                       f"`python -m wan_accel cache set-aside`; delete the file when you no longer need them)")
         for p in self.quarantined_files():
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.stat().st_mtime)) if p.exists() else "?"
             why = f" ({reasons[p.name]})" if p.name in reasons else ""
@@ -438,7 +440,7 @@ class LimitCache:
             pid, command, since = int(owner["pid"]), str(owner.get("command", "?"))[:200], owner.get("since")
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return "another process (it did not record itself)"
-        held = f", holding it for {time.time() - since:.0f} s" if _is_number(since) else ""
+        held = f", holding it for {time.time() - since:.0f} s" if finite_number(since) else ""
         host = owner.get("host")
         where = f" on {host}" if isinstance(host, str) and host and host != _HOST else ""
         return f"PID {pid}{where} ({command}){held}"

@@ -6,12 +6,12 @@
   WebP and its bitstream appended at once as one frame (``ANMF`` chunk) of the animation; the container's size is
   set when the file is closed (Pillow's own animated writer needs every frame first).
 
-The file fills a temporary beside its target (``owned_files.new_temporary``); ``close()`` hands it to the pack's
-one writer (``owned_files.write_with``: checked again, fsynced, renamed), so the target is either the whole video or
-untouched. Float frames that hold NaN or inf are refused where they are written (``NonFiniteFramesError``, the file
-discarded: the pack's one finite check, ``finite_flags``), never cast to bytes; ``discard()`` (or the object's
-collection) removes the temporary of a run that failed. Users: ``generate --decode`` (``app/jobs/video.py``) and
-Matrix-Game-2 Play Save (``nodes/play_nodes.py``).
+The file fills a temporary beside its target (``owned_files.new_temporary``); ``close()`` hands that temporary to
+the pack's one writer (``owned_files.write_with``: checked again, fsynced, renamed), so the target is either the
+whole video or untouched. Float frames that hold NaN or inf are refused where they are written
+(``NonFiniteFramesError``, the file discarded: the pack's one finite check, ``finite_flags``), never cast to bytes;
+``discard()`` (or the object's collection) removes the temporary of a run that failed. Users: ``generate --decode``
+(``app/jobs/video.py``) and Matrix-Game-2 Play Save (``nodes/play_nodes.py``).
 """
 from __future__ import annotations
 
@@ -172,12 +172,9 @@ class VideoFile:
         """NonFiniteFramesError (the unfinished file discarded) when float frames hold NaN or inf: a NaN cast to a
         byte is a pixel of no value, so such a video is never written (one host sync per batch of frames, which is
         copied to the host anyway)."""
-        import torch
-
-        from .finite_flags import counts, non_finite        # torch's: imported when frames come
+        from .finite_flags import counts, first_bad, non_finite        # torch's: imported when frames come
         if non_finite({"frames": images}):
-            bad = (~torch.isfinite(images)).flatten(1).any(1).nonzero()
-            first = self.frames + (int(bad[0, 0]) if bad.numel() else 0)
+            first = self.frames + first_bad(images)
             self.discard()
             raise NonFiniteFramesError(
                 f"{self.purpose} ({self.path.name}): frame {first} holds values that are not numbers "
@@ -190,10 +187,7 @@ class VideoFile:
             self.discard()
             raise ValueError(f"{self.path}: no frames were decoded, so no video was written")
         self.encoder.close()
-        try:
-            write_with(self.path, lambda tmp: os.replace(self.tmp, tmp), option=self.option, purpose=self.purpose)
-        finally:
-            release(self.tmp)         # renamed (or removed on failure by the finalizer, which releases it too)
+        write_with(self.path, lambda tmp: None, option=self.option, purpose=self.purpose, tmp=self.tmp)
         self.closed = True
         self._cleanup.detach()
         return self.path

@@ -5,18 +5,12 @@ import sys
 import time
 from pathlib import Path
 
+from ..cache import count_entries
 from .output import print_json, print_table
 
 
 def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "-"
-
-
-def plural(n: int, word: str) -> str:
-    """'1 entry', '2 entries', '0 entries'."""
-    if n == 1:
-        return f"1 {word}"
-    return f"{n} {word[:-1] + 'ies' if word.endswith('y') else word + 's'}"
 
 
 def check_namespace(cache, namespace):
@@ -100,7 +94,7 @@ def _set_aside(args) -> int:
     if not items:
         print(f"no entries set aside (they would be kept in {cache.set_aside_path})")
         return 0
-    print(f"{plural(len(items), 'entry')} set aside in {cache.set_aside_path} (never used; delete the file when "
+    print(f"{count_entries(len(items))} set aside in {cache.set_aside_path} (never used; delete the file when "
           f"you no longer need them):")
     table = [{"namespace": i.get("namespace") or "-", "key": i.get("key") or "-",
               "fingerprint": i.get("fingerprint") or "-", "when": _when(i.get("time") or 0),
@@ -116,33 +110,21 @@ def _path(args) -> int:
     return 0
 
 
-def _clear(args) -> int:
+def _remove(args, prune: bool) -> int:
+    """clear (one namespace or all) and prune-stale: the entries removed, counted."""
     from ..cache import LimitCache
 
     cache = LimitCache()
-    check_namespace(cache, args.namespace)
+    namespace = None if prune else check_namespace(cache, args.namespace)
     _check_writable(cache)
     _print_notices(cache)
-    n = cache.clear(args.namespace)
-    scope = f"namespace '{args.namespace}'" if args.namespace else "every namespace"
+    n = cache.prune_stale() if prune else cache.clear(namespace)
     if args.json:
-        print_json({"removed": n, "namespace": args.namespace})
+        print_json({"removed": n} if prune else {"removed": n, "namespace": namespace})
     else:
-        print(f"removed {plural(n, 'entry')} from {scope}")
-    return 0
-
-
-def _prune(args) -> int:
-    from ..cache import LimitCache
-
-    cache = LimitCache()
-    _check_writable(cache)
-    _print_notices(cache)
-    n = cache.prune_stale()
-    if args.json:
-        print_json({"removed": n})
-    else:
-        print(f"removed {plural(n, 'entry')} measured with other driver/CUDA/torch/triton versions")
+        scope = f"namespace '{namespace}'" if namespace else "every namespace"
+        print(f"removed {count_entries(n)} " + ("measured with other driver/CUDA/torch/triton versions" if prune
+                                                 else f"from {scope}"))
     return 0
 
 
@@ -169,8 +151,8 @@ def register(sub) -> None:
     s = csub.add_parser("clear", help="remove entries (every machine's) from one namespace or all")
     s.add_argument("--namespace", "-n", help="only this namespace")
     s.add_argument("--json", action="store_true", help="print the number of removed entries as JSON")
-    s.set_defaults(func=_clear)
+    s.set_defaults(func=lambda args: _remove(args, prune=False))
 
     s = csub.add_parser("prune-stale", help="remove entries measured with other driver/CUDA/torch/triton versions")
     s.add_argument("--json", action="store_true", help="print the number of removed entries as JSON")
-    s.set_defaults(func=_prune)
+    s.set_defaults(func=lambda args: _remove(args, prune=True))

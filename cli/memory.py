@@ -104,16 +104,13 @@ def _plan(args) -> int:
         workload = Workload(args.width, args.height, args.frames, batch=args.batch, mode=args.mode,
                             frames_per_block=args.frames_per_block)
         system = _system(args)
-        from ..memory.plan import reserve_problem
-        problem = reserve_problem(system, int(args.reserve_gb * GiB), name="--reserve-gb")
-        if problem:
-            raise ValueError(problem)
     except (HeaderError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     cache = None if args.no_learned else open_cache()
     plan = make_plan(weights, workload, system, reserve_bytes=int(args.reserve_gb * GiB), kv_window=args.kv_window,
-                     cache=cache, use_learned=not args.no_learned, vae_kind=None if args.vae == "auto" else args.vae)
+                     cache=cache, use_learned=not args.no_learned, vae_kind=None if args.vae == "auto" else args.vae,
+                     reserve_name="--reserve-gb")
     if args.json:
         print_json(plan.to_dict())
     else:

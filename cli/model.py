@@ -391,9 +391,6 @@ def _add_convert_lora(subparsers) -> None:
 
 
 def _convert_lora(args) -> int:
-    from pathlib import Path
-
-    from ..cache.owned_files import check_target
     from ..model.lora import to_comfy
     released = str(args.src).lower().endswith((".pt", ".pth"))
     src = check_input_file("SRC", args.src, kind="pt" if released else "safetensors")
@@ -401,21 +398,24 @@ def _convert_lora(args) -> int:
     if released:           # LongLive's released lora.pt: read as the convert command does
         from ..model.convert import lora_state_dict
         tensors = lora_state_dict(src)
-    dst = Path(args.dst)
-    if dst.suffix.lower() != ".safetensors":
-        raise UsageError(f"DST {dst} must end in .safetensors")
-    check_output_dir("DST's folder", dst.parent if str(dst.parent) else ".")
-    check_not_input(dst, args.src)
-    check_target(dst, option="DST", purpose="the converted LoRA")
+    dst = check_dst(args.dst, args.src, "the converted LoRA")
     alpha = None if args.alpha is None else check_float("--alpha", args.alpha, 0.0, None, lo_open=True)
     print(f"{to_comfy(args.src, dst, alpha, tensors=tensors)} LoRA layers written to {dst}")
     return 0
 
 
-def check_not_input(dst, src) -> None:
-    """UsageError when the output DST is the input SRC: the same name, another name of it (a link, a hard link, a
-    path through a linked folder) or a link to it; a converter never writes over the file it reads."""
+def check_dst(dst, src, purpose: str):
+    """The output DST as a Path: a .safetensors file in a usable folder that the pack may write (``check_target``:
+    no link, pipe or limit cache file), never the input SRC (the same name or another name of it: a link, a hard
+    link, a path through a linked folder); UsageError / OwnedFileError otherwise."""
     import os
+    from pathlib import Path
+
+    from ..cache.owned_files import check_target
+    dst = Path(dst)
+    if dst.suffix.lower() != ".safetensors":
+        raise UsageError(f"DST {dst} must end in .safetensors")
+    check_output_dir("DST's folder", dst.parent if str(dst.parent) else ".")
     same = os.path.realpath(dst) == os.path.realpath(src)
     try:
         same = same or os.path.samefile(dst, src)
@@ -424,26 +424,19 @@ def check_not_input(dst, src) -> None:
     if same:
         raise UsageError(f"DST {dst} is the input SRC {src} (the same file); the converter never writes over its "
                          f"input: choose another DST, a new .safetensors file")
+    if dst.exists() and not dst.is_file():
+        raise UsageError(f"DST {dst} exists and is not a file; choose another output path")
+    return check_target(dst, option="DST", purpose=purpose)
 
 
 def _convert(args) -> int:
-    from pathlib import Path
-
     from ..model.convert import convert_pt_to_safetensors
     src = check_input_file("SRC", args.src, kind="pt")
     if src.suffix.lower() == ".safetensors":
         check_input_file("SRC", args.src)  # a damaged file gets its own message first
         raise UsageError(f"SRC {src} is already a .safetensors file: load it directly (convert reads .pt/.pth "
                          f"training checkpoints)")
-    dst = Path(args.dst)
-    if dst.suffix.lower() != ".safetensors":
-        raise UsageError(f"DST {dst} must end in .safetensors")
-    check_output_dir("DST's folder", dst.parent if str(dst.parent) else ".")
-    check_not_input(dst, args.src)
-    if dst.exists() and not dst.is_file():
-        raise UsageError(f"DST {dst} exists and is not a file; choose another output path")
-    from ..cache.owned_files import check_target
-    check_target(dst, option="DST", purpose="the converted checkpoint")   # no link, pipe or limit cache file
+    check_dst(args.dst, args.src, "the converted checkpoint")
     if args.num_heads is not None:
         check_int("--num-heads", args.num_heads, 1, 1024)
     summary = convert_pt_to_safetensors(args.src, args.dst, ema=args.ema, num_heads=args.num_heads)

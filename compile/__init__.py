@@ -6,25 +6,12 @@ from .presets import graph_safe_settings, preset_options, render_presets_table, 
 from .settings import CompileSettings, coerce_settings
 
 
-def compile_model(model, settings=None, cache=None):
-    """See compile.apply.compile_model."""
-    from .apply import compile_model as _impl
-
-    return _impl(model, settings, cache)
-
-
-def end_warmup(model) -> bool:
-    """See compile.apply.end_warmup."""
-    from .apply import end_warmup as _impl
-
-    return _impl(model)
-
-
-def uncompile_model(model) -> bool:
-    """See compile.apply.uncompile_model."""
-    from .apply import uncompile_model as _impl
-
-    return _impl(model)
+def __getattr__(name: str):
+    """``compile_model``, ``end_warmup``, ``uncompile_model``: ``compile.apply``'s, imported when first used."""
+    if name in ("compile_model", "end_warmup", "uncompile_model"):
+        from . import apply
+        return getattr(apply, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["CompileSettings", "coerce_settings", "graph_safe_settings", "preset_options", "render_presets_table",

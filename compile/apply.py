@@ -16,6 +16,7 @@ import logging
 import time
 
 from ..cache.autotune import optional_types
+from ..cache.open import open_cache
 from ..model.attachments import COMPILE_ATTR, compile_handle_of, end_compile_warmup
 from . import compat
 from .presets import preset_options, resolve_inductor_options
@@ -198,25 +199,13 @@ def _bound_forward(module, name: str = "forward"):
     return getattr(type(module), name).__get__(module)
 
 
-def _open_cache(cache):
-    if cache is not None:
-        return cache
-    try:
-        from ..cache import LimitCache
-
-        return LimitCache()
-    except Exception as exc:  # noqa: BLE001 - warm start is an optimisation only
-        log.warning("wan_accel: limit cache unavailable (%s); compiling without warm start", exc)
-        return None
-
-
 def _prepare(model, settings, cache) -> CompileHandle:
     s = coerce_settings(settings)
     options, caps = preset_options(s)
     options = resolve_inductor_options(options) if s.backend == "inductor" else {}
     warm = None
     if s.warm_start:
-        cache = _open_cache(cache)
+        cache = open_cache(cache, "compiling without warm start")
         if cache is not None:
             ensure_inductor_cache_dir(cache)
             warm = WarmStart(cache, f"{model_signature(model)}|{s.codegen_hash()}")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .system import gib as _gib
+
 VAE_TIME_RATIO = 4          # Wan 2.1 VAE: t latent frames -> 1 + 4 (t - 1) video frames
 VAE_SPACE_RATIO = 8
 VAE_WEIGHT_BYTES = 127_000_000 * 2      # Wan 2.1 VAE, about 127 M parameters held in 16-bit
@@ -185,10 +187,6 @@ def sampling_need(model: dict, frames: int, height: int, width: int, *, frames_p
             "cross_attn_cache": -(-cross_cache_bytes(layers, text, dim, elem_bytes, batch) // ranks),
             "activations": -(-activation_bytes(query_tokens(w, patch), window * tpf, dim, int(model["ffn_dim"]),
                                                int(model["num_heads"]), elem_bytes, backend, batch, text) // ranks)}
-
-
-def _gib(n: float) -> str:
-    return f"{n / 1024 ** 3:.2f} GiB"
 
 
 def fit_problem(model: dict, frames: int, height: int, width: int, budget: int, where: str, *,

@@ -6,9 +6,9 @@ at ``failed``. The cache scopes every entry by the machine's fingerprint, so key
 from __future__ import annotations
 
 import logging
-import math
 
 from ..cache import open_cache  # noqa: F401  (re-exported)
+from ..cache.entries import finite_number
 
 NAMESPACE = "memory"
 log = logging.getLogger("wan_accel")
@@ -70,8 +70,7 @@ def read_limit(cache, key: str) -> dict | None:
 def learned_size(cache, key: str) -> int | None:
     value = read_limit(cache, key)
     size = value.get("size") if value else None
-    ok = isinstance(size, (int, float)) and not isinstance(size, bool) and math.isfinite(size) and size >= 0
-    return int(size) if ok else None
+    return int(size) if finite_number(size) and size >= 0 else None
 
 
 def record_size(cache, key: str, size: int, *, failed: int | None = None, unit: str = "") -> None:

@@ -16,6 +16,7 @@ import gc
 import logging
 from typing import Callable
 
+from ..cache.guarded_import import first_line
 from ..cache.oom import OOM_MESSAGES, SoftOOM, is_oom  # noqa: F401 - re-exported: one definition
 from .limits import learned_size, record_size
 
@@ -51,11 +52,6 @@ def halve(size: int) -> int | None:
 def shrink_by(step: int) -> Callable[[int], int | None]:
     """A shrink that subtracts ``step`` (e.g. resident blocks)."""
     return lambda size: size - step if size - step >= 0 else None
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 class _Learner:
@@ -107,20 +103,10 @@ def oom_retry(fn: Callable[[int], object], *, key: str | None, start: int, shrin
     ``on_oom(size)`` runs after each OOM to drop partial state. ``hint`` (str or ``f(size) -> str``) ends the
     NoFitError raised when the smallest size fails. Non-OOM exceptions pass through untouched.
     """
-    learner = _Learner(key=key, start=start, shrink=shrink, cache=cache, minimum=minimum, unit=unit,
-                       on_oom=on_oom, hint=hint, what=what)
-    while True:
-        message = None
-        try:
-            result = fn(learner.size)
-        except BaseException as exc:  # noqa: BLE001 - filtered just below
-            if not is_oom(exc):
-                raise
-            message = _short(exc)
-        if message is None:
-            learner.finish()
-            return result
-        learner.after_oom(message)
+    result: list = []
+    run_chunks(1, lambda _pos, size: result.append(fn(size)) or 1, key=key, start=start, shrink=shrink, cache=cache,
+               minimum=minimum, unit=unit, on_oom=on_oom, hint=hint, what=what)
+    return result[0]
 
 
 def run_chunks(total: int, step: Callable[[int, int], int], *, key: str | None, start: int,
@@ -140,7 +126,7 @@ def run_chunks(total: int, step: Callable[[int, int], int], *, key: str | None, 
         except BaseException as exc:  # noqa: BLE001 - filtered just below
             if not is_oom(exc):
                 raise
-            message = _short(exc)
+            message = first_line(exc)
         if message is not None:
             learner.after_oom(message)
             continue

@@ -65,20 +65,10 @@ class _Plan:
         return len(trial) - 1, 0
 
 
-def pinned_footprint(sizes, budget: int | None = None, slab_bytes: int | None = None) -> tuple[int, int]:
-    """(pieces pinned, bytes the allocator takes) when ``sizes`` are pinned in order through a PinnedArena with
-    ``budget``; pieces that do not fit stay pageable. For plans (no allocation)."""
-    sizes = [int(s) for s in sizes]
-    if not sizes:
-        return 0, 0
-    plan = _Plan(slab_size_for(max(sizes), slab_bytes), budget)
-    pinned = sum(1 for s in sizes if plan.place(s) is not None)
-    return pinned, plan.footprint()
-
-
 def plan_pinned(groups, budget: int | None = None, slab_bytes: int | None = None) -> tuple[int, int]:
     """(groups whose every piece is pinned, bytes the allocator takes) for groups of piece sizes (e.g. the tensors
-    of each swapped block) pinned in order through a PinnedArena with ``budget``. For plans (no allocation)."""
+    of each swapped block; one piece a group: the pieces pinned) pinned in order through a PinnedArena with
+    ``budget``; pieces that do not fit stay pageable. For plans (no allocation)."""
     groups = [[int(s) for s in g] for g in groups]
     sizes = [s for g in groups for s in g]
     if not sizes:

@@ -214,11 +214,12 @@ def reserve_problem(system: SystemInfo, reserve_bytes: int, name: str = "reserve
 def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | None = None, *,
               reserve_bytes: int = 0, kv_window: int | None = None, cache=None, use_learned: bool = True,
               vae_kind: str | None = None, vae_overlap: int = DEFAULT_VAE_OVERLAP,
-              alternatives: bool = True) -> MemoryPlan:
+              alternatives: bool = True, reserve_name: str = "reserve") -> MemoryPlan:
     """Plan a generation. ``kv_window``: None = the model's own (its local_attn_size, else global), -1 = global,
     N = N latent frames. ``cache``: a LimitCache whose learned limits override the estimates. ``vae_kind``: the VAE
     whose learned decode limit applies ('wan2.1', 'wan2.2'; None: from the model's latent channels).
-    ``alternatives``: on a GPU, also list the settings that make it fit (``plan_alternatives``)."""
+    ``alternatives``: on a GPU, also list the settings that make it fit (``plan_alternatives``). ValueError naming
+    the input ``reserve_name`` when ``reserve_bytes`` leaves nothing to plan with (``reserve_problem``)."""
     system = system or detect_system()
     reasons, notes, learned = {}, list(workload.notes()), {}
     dtype, elem, reasons["dtype"] = _choose_dtype(weights, system)
@@ -232,7 +233,7 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     text_tokens = weights.text_len + (CLIP_TOKENS if weights.model_type == "i2v" else 0)
     fpb, full_frames = workload.frames_per_block, workload.cache_frames()
 
-    problem = reserve_problem(system, reserve_bytes)
+    problem = reserve_problem(system, reserve_bytes, reserve_name)
     if problem:                          # a negative budget plans nothing sensible (and advised adding RAM)
         raise ValueError(problem)
     if gpu:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.finite_flags import bad_flag as _bad_flag, counts as _counts, read_flags as _read_flags
+from ..cache.finite_flags import bad_flag as _bad_flag, counts as _counts, first_bad, read_flags as _read_flags
 from .quant import is_quantized
 
 ROWS_PER_PASS = 4096         # rows of an fp8 weight dequantized at a time (bounded temporary memory)
@@ -48,7 +48,7 @@ def _what(t: torch.Tensor) -> str:
 def _fp8_reason(layer, dtype) -> str:
     raw = layer.weight.float()
     scale = layer.scale_weight.float()
-    if not bool(torch.isfinite(raw).all()):
+    if bool(_bad_flag(raw)):
         return (f"its fp8 bytes encode NaN or inf ({_counts(raw)}); the file is damaged: download or convert it "
                 f"again")
     big = float(raw.abs().max()) * float(scale.abs().max())
@@ -141,8 +141,7 @@ def output_problem(latents: torch.Tensor, bad: bool | None = None) -> str | None
         return None
     if not (bool(_bad_flag(latents)) if bad is None else bad):
         return None
-    frames = (~torch.isfinite(latents.detach().float())).flatten(2).any(-1).any(0) if latents.dim() >= 3 else None
-    first = int(frames.nonzero()[0, 0]) if frames is not None and bool(frames.any()) else 0
+    first = first_bad(latents, 1) if latents.dim() >= 3 else 0
     return f"{_what(latents)}, from latent frame {first} on"
 
 

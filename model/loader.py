@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..cache.finite_flags import bad_flag, read_flags
 from .checkpoint import (INPUT_SCALES, METADATA_KEY, TORCH_DTYPES, WEIGHT_SCALES, CheckpointError, _list,
                          check_dtypes, check_quant_formats, keeps_fp8, metadata_quant_formats, model_class,
                          open_checkpoint, read_tensor_into)
@@ -82,7 +83,7 @@ def _read_scales(f, ckpt, device) -> dict:
     file's metadata and each layer's ``comfy_quant`` entry) must be fp8. Errors name the tensor in the file."""
     from ..cache.safety import loads_json
     formats = metadata_quant_formats(ckpt.metadata)     # checked when the file was opened (its name in errors)
-    out = {}
+    out, values = {}, []
     for layer, side in (ckpt.quant or {}).items():
         where = f"{ckpt.path.name}: quantization tensor"
         if "comfy_quant" in side:
@@ -112,14 +113,16 @@ def _read_scales(f, ckpt, device) -> dict:
                                       f"value" + (f" or one per output row ([{rows}] or [{rows}, 1])"
                                                   if kind in WEIGHT_SCALES else "") + "; the file is damaged")
             value = f.get_tensor(src).to(device=device, dtype=torch.float32)
-            bad = "non-finite" if not bool(torch.isfinite(value).all()) else \
-                "zero or negative" if not bool((value > 0).all()) else ""
-            if bad:
-                raise CheckpointError(f"{where} {src!r} holds {bad} values; a scale must be finite and positive. "
-                                      f"The file is damaged: download or convert it again")
+            values.append((f"{where} {src!r}", value))
             got.append(value)
         if got != [None, None]:
             out[layer] = tuple(got)
+    read = read_flags([f for _, v in values for f in (bad_flag(v), ~(v > 0).all())])    # one host sync
+    for i, (name, _) in enumerate(values):
+        if read[2 * i] or read[2 * i + 1]:
+            raise CheckpointError(f"{name} holds {'non-finite' if read[2 * i] else 'zero or negative'} values; a "
+                                  f"scale must be finite and positive. The file is damaged: download or convert it "
+                                  f"again")
     check_quant_formats(formats)
     return out
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache.finite_flags import bad_flag, read_flags
 from .checkpoint import CheckpointError, _list, check_path, read_header
 
 LORA_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "model.")
@@ -68,7 +69,7 @@ def parse_lora(name: str, keys, get_tensor) -> dict:
             raise LoraError(f"LoRA file {path.name}: key {key!r} is stored as {str(t.dtype).replace('torch.', '')}; "
                             f"LoRA matrices are read as float32, bfloat16 or float16 (an fp8 or integer LoRA is "
                             f"not merged): use the LoRA as it was released, or save it in one of those dtypes")
-        if not bool(torch.isfinite(t).all()):
+        if bool(bad_flag(t)):
             raise LoraError(f"LoRA file {path.name}: key {key!r} is not a finite tensor (it holds NaN or infinite "
                             f"values); the file is damaged")
         entry = layers.setdefault(_layer_name((m or a).group("layer")), {"keys": []})
@@ -156,10 +157,9 @@ def merge_lora(model: torch.nn.Module, path, strength: float = 1.0, alpha: float
         for target, e, scale in plan:            # checked first, so a bad file changes nothing
             delta = e["up"].to(target.device, torch.float32) @ e["down"].to(target.device, torch.float32)
             target.copy_((target.float() + scale * delta).to(target.dtype))
-            flags.append(~torch.isfinite(target).all())
+            flags.append(bad_flag(target))
     if flags:                                    # one host sync: every merged weight still finite
-        from .finite import _read_flags
-        bad = [i for i, b in enumerate(_read_flags(flags)) if b]
+        bad = [i for i, b in enumerate(read_flags(flags)) if b]
         if bad:
             target, e, scale = plan[bad[0]]
             layer = _layer_name(_KEY.match(e["keys"][0]).group("layer")) if _KEY.match(e["keys"][0]) else e["keys"][0]

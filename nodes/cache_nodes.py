@@ -8,7 +8,7 @@ def render_cache_text(namespace: str = "all", all_machines: bool = False, cache=
     """Readable text of the cache contents (library-side helper so the node stays thin)."""
     import json
 
-    from ..cache import LimitCache
+    from ..cache import LimitCache, count_entries
 
     cache = cache or LimitCache()
     ns = None if namespace == "all" else namespace
@@ -25,7 +25,7 @@ def render_cache_text(namespace: str = "all", all_machines: bool = False, cache=
         if r["namespace"] != current:
             current = r["namespace"]
             count = sum(1 for x in rows if x["namespace"] == current)
-            lines.append(f"\n[{current}] {count} {'entry' if count == 1 else 'entries'}")
+            lines.append(f"\n[{current}] {count_entries(count)}")
         value = json.dumps(r["value"], sort_keys=True)
         if len(value) > 160:
             value = value[:157] + "..."
@@ -62,7 +62,7 @@ class WanAccelLimitCache:
         return float("nan")  # always re-read the cache
 
     def run(self, namespace="all", action="show", confirm_clear=False, all_machines=False):
-        from ..cache import LimitCache
+        from ..cache import LimitCache, count_entries
 
         cache = LimitCache()
         header = ""
@@ -73,7 +73,7 @@ class WanAccelLimitCache:
                 if namespace not in NAMESPACE_CHOICES:
                     raise ValueError(f"namespace {namespace!r} is not one of {', '.join(NAMESPACE_CHOICES)}")
                 n = cache.clear(None if namespace == "all" else namespace)
-                header = f"Cleared {n} {'entry' if n == 1 else 'entries'} from {namespace}.\n"
+                header = f"Cleared {count_entries(n)} from {namespace}.\n"
         text = header + render_cache_text(namespace, all_machines, cache)
         return {"ui": {"text": [text]}, "result": (text,)}
 

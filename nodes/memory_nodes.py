@@ -148,13 +148,8 @@ class WanVRAMPlan:
             weights = weights_from_checkpoint(_resolve_checkpoint(checkpoint))
         else:
             weights = preset_weights(model_source)
-        system = detect_system()
-        from ..memory.plan import reserve_problem
-        problem = reserve_problem(system, int(reserve_gb * GiB), name="reserve_gb")
-        if problem:
-            raise ValueError(problem)
-        plan = make_plan(weights, Workload(width, height, frames, mode=sampling), system,
-                         reserve_bytes=int(reserve_gb * GiB), cache=open_cache(),
+        plan = make_plan(weights, Workload(width, height, frames, mode=sampling), detect_system(),
+                         reserve_bytes=int(reserve_gb * GiB), cache=open_cache(), reserve_name="reserve_gb",
                          vae_kind=None if vae_kind in (None, "", "auto") else vae_kind)
         text = plan.summary()
         return {"ui": {"text": [text]}, "result": (plan, text)}
@@ -333,27 +328,19 @@ def _comfy_free(_size=None) -> None:
         mm.soft_empty_cache()
 
 
-def _vae_kind(vae, channels: int) -> str:
-    from ..memory.limits import vae_kind
-
-    return vae_kind(channels, vae)
-
-
-def _time_ratio(vae):
-    fn = getattr(vae, "temporal_compression_decode", None)
+def _vae_ratio(vae, name: str, default=None):
+    """The VAE's ``temporal_compression_decode()`` / ``spacial_compression_decode()``; ``default`` when it has none,
+    its call fails or it gives no number >= 1."""
+    fn = getattr(vae, name, None)
     try:
         r = fn() if callable(fn) else None
     except Exception:  # noqa: BLE001
         r = None
-    return int(r) if isinstance(r, (int, float)) and r >= 1 else None
+    return int(r) if isinstance(r, (int, float)) and r >= 1 else default
 
 
 def _space_ratio(vae) -> int:
-    space = getattr(vae, "spacial_compression_decode", None)
-    try:
-        return int(space()) if callable(space) else 8
-    except Exception:  # noqa: BLE001
-        return 8
+    return _vae_ratio(vae, "spacial_compression_decode", 8)
 
 
 def _auto_chunk(vae, latent, plan) -> tuple[int, str]:
@@ -405,7 +392,7 @@ class WanChunkedVAEDecode:
 
     def decode(self, samples, vae, chunk_frames=0, overlap=2, plan=None):
         from ..memory.chunked_decode import decode_chunked, min_chunk
-        from ..memory.limits import open_cache, vae_limit_key
+        from ..memory.limits import open_cache, vae_kind, vae_limit_key
         from ..memory.oom import SoftOOM
 
         from ..app.validate import check_latent
@@ -423,14 +410,14 @@ class WanChunkedVAEDecode:
                                  f"VAE Decode with the VAE that made this latent") from None
             return (images.reshape(-1, *images.shape[-3:]) if images.dim() == 5 else images,)
         b, c, t, h, w = latent.shape
-        ratio = _time_ratio(vae)
+        ratio = _vae_ratio(vae, "temporal_compression_decode")
         from ..app.validate import check_decode_fits
         check_decode_fits("samples", latent.shape, ratio or 4, _space_ratio(vae))   # before the first chunk
         if (ratio or 4) > 1:
             overlap = max(1, overlap)
         start, how = (chunk_frames, "widget") if chunk_frames > 0 else _auto_chunk(vae, latent, plan)
         floor = min(min_chunk(overlap, ratio or 4), t)
-        key = vae_limit_key(_vae_kind(vae, c), b, h, w)
+        key = vae_limit_key(vae_kind(c, vae), b, h, w)
         log.info("wan_accel: chunked VAE decode of %d latent frames, chunk %d (%s), overlap %d", t, start, how, overlap)
 
         def decode_fn(chunk):

@@ -127,6 +127,23 @@ def test_corrupt_scale_is_named(tmp_path, bad, says):
     assert key in str(err.value) and says in str(err.value)
 
 
+def test_every_scale_of_a_file_is_checked_in_one_host_sync(tmp_path, monkeypatch):
+    """The scales' finite and positive checks are read together (one sync per device), and the first bad one in
+    the file's order is still the one named."""
+    import wan_accel.model.loader as loader
+    from wan_accel.cache.finite_flags import read_flags
+    reads = []
+    monkeypatch.setattr(loader, "read_flags", lambda flags: reads.append(len(flags)) or read_flags(flags))
+    tensors, _ = _quantize(_float_state(), True)
+    load_wan_checkpoint(_write(tmp_path / "ok.safetensors", tensors))
+    n_scales = sum(k.endswith("scale_weight") for k in tensors)
+    assert reads == [2 * n_scales] and n_scales >= 8
+    tensors["blocks.1.ffn.2.scale_weight"] = torch.tensor(0.0)
+    tensors["blocks.1.ffn.0.scale_weight"] = torch.tensor(float("inf"))
+    with pytest.raises(CheckpointError, match=r"'blocks\.1\.ffn\.0\.scale_weight' holds non-finite"):
+        load_wan_checkpoint(_write(tmp_path / "bad.safetensors", tensors))
+
+
 def test_formats_the_loader_does_not_read_are_refused_with_the_way_to_load_them(tmp_path):
     tensors, _ = _quantize(_float_state(), True, scale_key="weight_scale")
     layers = {"blocks.0.ffn.0": {"format": "nvfp4"}}

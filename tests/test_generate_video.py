@@ -154,6 +154,19 @@ def test_the_animated_webp_is_written_frame_by_frame(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.webp"]                  # no temporary left
 
 
+def test_a_video_is_renamed_once_from_the_temporary_it_was_written_into(tmp_path, monkeypatch):
+    """One temporary per written file: the one the frames went into is the one the writer checks, fsyncs and
+    renames onto the target (no second temporary, no second rename)."""
+    from wan_accel.cache.video_file import open_video_file
+    renames, real = [], os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: renames.append((str(a), str(b))) or real(a, b))
+    video = open_video_file(tmp_path / "v.webp")
+    video.write(torch.rand(2, 4, 4, 3))
+    assert video.close() == tmp_path / "v.webp"
+    assert renames == [(video.tmp, str(tmp_path / "v.webp"))]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.webp"]
+
+
 def test_a_failed_or_empty_video_leaves_nothing(tmp_path):
     from wan_accel.cache.video_file import open_video_file
     video = open_video_file(tmp_path / "v.webp")

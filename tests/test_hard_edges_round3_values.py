@@ -247,6 +247,15 @@ def test_latents_that_overflow_while_sampling_are_not_written(tmp_path):
         generate_latents(tiny_causal_model(seed=3), torch.full((1, 6, TINY_CONFIG.text_dim), 1e37), 3, H, W)
 
 
+def test_the_first_non_finite_frame_is_named_whatever_batch_item_holds_it():
+    from wan_accel.model.finite import output_problem
+    latents = torch.zeros(2, 5, 4, 3, 3)
+    latents[1, 3, 2] = float("nan")
+    latents[1, 4, 0, 0, 0] = float("inf")
+    assert output_problem(latents) == "non-finite values (9 NaN, 1 infinite of 360), from latent frame 3 on"
+    assert output_problem(torch.zeros(2, 5, 4)) is None
+
+
 # ================================================================================ 2. overflow of user numbers
 HUGE_MIXES = ["0: a :1e308 | b :1e308", "0: a :1.7976931348623157e308 | b :1.7e308 | c :1e308",
               "0: a\n1: b :1e308 | c :1e308 (blend 1)", "0: a :1e308 | b"]

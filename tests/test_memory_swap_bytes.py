@@ -137,9 +137,9 @@ def test_per_tensor_pinning_would_overshoot_the_budget():
     sizes = [141_557_760, 52_428_800, 52_428_800]       # a 14B FFN weight and two attention weights (bf16)
     per_tensor = sum(_pow2(s) for s in sizes)
     assert per_tensor >= 1.3 * sum(sizes)
-    n, footprint = pinned.pinned_footprint(sizes)
+    n, footprint = pinned.plan_pinned([[s] for s in sizes])
     assert n == 3 and footprint < per_tensor
-    assert pinned.pinned_footprint(sizes, budget=sum(sizes) + 1)[0] < 3   # what no longer fits stays pageable
+    assert pinned.plan_pinned([[s] for s in sizes], budget=sum(sizes) + 1)[0] < 3   # what no longer fits stays pageable
 
 
 def test_every_swap_path_is_capped_by_the_machine_pin_budget(monkeypatch):
