@@ -162,7 +162,7 @@ def cache_ends(kv, actions) -> dict:
     return out
 
 
-def _check_sampled(fx: Fixture, device) -> list:
+def _check_sampled(fx: Fixture, device, path: str = "auto") -> list:
     """Causal Wan and Matrix-Game-2: the scheduler tables, the call sequence (kinds, starts, timesteps and, when
     recorded, every cache's [global_end, local_end] after each call), ``xt``/``flow``/``x0`` of every call,
     Matrix-Game-2's intermediates of the recorded calls (patch embedding, img_emb, each block's output, the action
@@ -187,7 +187,7 @@ def _check_sampled(fx: Fixture, device) -> list:
         ends.append(cache_ends(kv, actions))
 
     try:
-        out = replay(fx, model, tracer=trace, kv_cache=kv, **({"actions": actions} if mg2 else {}))
+        out = replay(fx, model, path=path, tracer=trace, kv_cache=kv, **({"actions": actions} if mg2 else {}))
     finally:
         if recorder is not None:
             recorder.close()
@@ -376,9 +376,14 @@ FORMATS = {"wan_t2v_full": _check_full, "causal_wan": _check_sampled, "matrix_ga
            "longlive": _check_longlive, "krea_realtime": _check_krea}     # check(fixture, device) -> rows
 
 
-def check_fixture(fx: Fixture, device="cpu") -> list:
-    """The rows of one fixture: [(tensor name, max_abs_diff)]."""
-    return FORMATS[fx.kind](fx, device)
+def check_fixture(fx: Fixture, device="cpu", path: str | None = None) -> list:
+    """The rows of one fixture: [(tensor name, max_abs_diff)]. path: the sampler path of a causal Wan or
+    Matrix-Game-2 replay (default 'auto': the reference path, as its tracer asks; LongLive and Krea run both)."""
+    if path is None:
+        return FORMATS[fx.kind](fx, device)
+    if FORMATS[fx.kind] is not _check_sampled:
+        raise ValueError(f"a {fx.kind} fixture's check chooses its sampler paths itself")
+    return _check_sampled(fx, device, path)
 
 
 # --------------------------------------------------------------------- entry point
