@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _common
+from . import _common, registry
 from .fp8_linear import FP8, FP8_MAX, TENSOR_CORE_U, TINY, quantize_input, row_scales
 
 try:
@@ -314,12 +314,20 @@ def kernel_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 
     return None
 
 
+FAMILY = "attention.fp8"
+KINDS = registry.register(FAMILY, "the opt-in fp8 attention mode", [
+    registry.Candidate(FAMILY, "fa3", "flash", summary="fp8 (FlashAttention 3's e4m3 kernels)",
+                       dtypes=(torch.bfloat16,), needs=("attention", "fa3"),
+                       problem=lambda d, dt, hd: None if hasattr(torch, "float8_e4m3fn") else
+                       f"torch {torch.__version__} has no float8_e4m3fn"),
+    registry.Candidate(FAMILY, "triton", "pack", summary="fp8 (the pack's Triton kernel)", problem=kernel_problem),
+    registry.Candidate(FAMILY, "torch", "torch", summary="fp8 (the pack's torch version)"),
+    registry.Candidate(FAMILY, "fa3-torch", "torch", summary="fp8 (FlashAttention 3's math in torch)", manual=True)])
+
+
 def implementation(device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
-    """('triton' | 'torch', reason in words) for fp8 attention on this device, dtype and head size."""
-    why = kernel_problem(device, dtype, head_dim)
-    if why is None:
-        return "triton", "fp8 (the pack's Triton kernel)"
-    return "torch", f"fp8 (the pack's torch version: {why})"
+    """('triton' | 'torch', reason in words): the pack's own fp8 attention on this device, dtype and head size."""
+    return registry.choice(FAMILY, device, dtype, head_dim, among=("triton", "torch"))
 
 
 def _launcher(q, kv8: Fp8KV, out, tile: int):

@@ -61,7 +61,7 @@ class Timed:
             self.last = name
             self.calls.append(name)
             return real(q, k, v)
-        cand = C.Candidate(att.STORE_OP, name, base.family if name in att.AUTO_CANDIDATES else "flash", run,
+        cand = C.Candidate(att.STORE_OP, name, base.group if name in att.AUTO_CANDIDATES else "flash", run,
                            problem or base.problem, base.summary)
         monkeypatch.setitem(att.AUTO_CANDIDATES, name, cand)
 
@@ -148,7 +148,7 @@ def test_a_second_process_reuses_the_choice_with_zero_timings(tmp_path):
         tuner.timer = lambda fn: (fn(), 1.0 if used[-1] == "torch" else 3.0)[1]    # plain math "faster"
         for name in ("sdpa", "torch"):
             c = att.AUTO_CANDIDATES[name]
-            att.AUTO_CANDIDATES[name] = c.__class__(c.op, c.name, c.family,
+            att.AUTO_CANDIDATES[name] = c.__class__(c.family, c.name, c.group,
                                                     lambda q, k, v, f=c.fn, n=name: (used.append(n), f(q, k, v))[1],
                                                     c.problem, c.summary)
         g = torch.Generator().manual_seed(1)

@@ -45,7 +45,7 @@ def test_every_kitchen_candidate_verifies_in_the_dtypes_it_takes():
         ang = torch.rand(24, 16, device="cuda") * 6.283
         args = (x, w, ang.cos(), ang.sin(), 4, 1e-6)
         for cand, why in C.listing("rmsnorm_rope", "cuda", "kitchen", dtype=dtype):
-            if why is None and cand.family == "kitchen":
+            if why is None and cand.group == "kitchen":
                 C.verify(cand, args)                 # raises CandidateMismatch when its numbers are wrong
 
 

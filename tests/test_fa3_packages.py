@@ -227,7 +227,7 @@ def _store_setup(monkeypatch, times, hub_math=None, xformers_math=None):
     for name in ("fa3_hub", "fa3_xformers", "sdpa", "torch"):
         c = att.AUTO_CANDIDATES[name]
         monkeypatch.setitem(att.AUTO_CANDIDATES, name, C.Candidate(
-            c.op, c.name, c.family, lambda q, k, v, f=c.fn, n=name: (ran.append(n), f(q, k, v))[1], c.problem,
+            c.family, c.name, c.group, lambda q, k, v, f=c.fn, n=name: (ran.append(n), f(q, k, v))[1], c.problem,
             c.summary))
     get_autotuner().timer = lambda fn: (fn(), times[ran[-1]])[1]
     return ran

@@ -95,7 +95,7 @@ def _child() -> None:
     times, ran = {"triton": 1.0, "sdpa": 2.0, "torch": 5.0}, []
     for name in times:
         c = att.AUTO_CANDIDATES[name]
-        att.AUTO_CANDIDATES[name] = C.Candidate(c.op, c.name, c.family,
+        att.AUTO_CANDIDATES[name] = C.Candidate(c.family, c.name, c.group,
                                                 lambda q, k, v, f=c.fn, n=name: (ran.append(n), f(q, k, v))[1],
                                                 (lambda dev, dt, hd: None) if name == "triton" else c.problem,
                                                 c.summary)

@@ -64,7 +64,7 @@ def test_sdpa_kernels_are_candidates_of_their_own_and_override_an_outer_priority
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from wan_accel.model import attention as att
     for name in ("sdpa.cudnn", "sdpa.flash", "sdpa.efficient"):
-        assert name in att.AUTO_CANDIDATES and att.AUTO_CANDIDATES[name].family == "sdpa"
+        assert name in att.AUTO_CANDIDATES and att.AUTO_CANDIDATES[name].group == "sdpa"
         assert att.sdpa_kernel_problem(name, "cpu", torch.float32, 64) == "needs a CUDA device"
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 40, 2, 32, generator=g) for _ in range(3))

@@ -17,6 +17,7 @@ import torch
 
 from ...kernels.fa3_packages import PROBLEMS as FA3_PACKAGE_PROBLEMS
 from ...kernels.flash_attention import kernel_problem as triton_attention_problem
+from ...kernels.registry import parse_ops
 from ...model.attention import explain_backend
 from ...model.blocks import KERNEL_NAMES, epilogue_gelu_runs_on
 from ...sampling.runner import FastOptions, graphs_device, kernels_part
@@ -95,7 +96,8 @@ def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_
     if kernels_part(options, device):
         for name in KERNEL_NAMES:
             judge(f"kernel.{name}")
-    if options.ops == "kitchen" or (options.ops == "auto" and kernels_part(options, device)):
+    mode = parse_ops(options.ops)[0]
+    if mode == "kitchen" or (mode == "auto" and kernels_part(options, device)):
         for name in FEATURES:                # comfy-kitchen's candidates (op.<op>.kitchen.<backend>)
             if name.startswith("op.") and doc.availability(name) is None:
                 judge(name)

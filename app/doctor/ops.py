@@ -1,4 +1,4 @@
-"""Which implementation runs each op (kernels/candidates.py) on this machine, and why.
+"""Which implementation runs each op (kernels/candidates.py, kernels/registry.py) on this machine, and why.
 
 For the doctor's probe shape (device, dtype, head size): every candidate of LayerNorm+modulate, RMSNorm+RoPE and
 exact attention ('auto') with its availability and its verdict, and the one the operator store chooses (the fastest
@@ -7,8 +7,8 @@ verified one; a candidate whose verdict failed is switched off alone).
 from __future__ import annotations
 
 from ...cache.autotune import Autotuner
-from ...kernels import candidates as op_candidates
-from ...model import attention as attn
+from ...kernels import candidates as op_candidates, registry
+from ...model import attention as attn, cached_attention  # noqa: F401 - their op registry families
 from .core import Doctor
 from .probes import _op_args, _qkv, candidate_feature
 
@@ -18,8 +18,8 @@ def switched_off(doctor: Doctor, probe: bool = True) -> tuple:
     off = []
     for op, cands in op_candidates.CANDIDATES.items():
         for name, cand in cands.items():
-            feature = f"kernel.{op}" if cand.family == "pack" else candidate_feature(op, name)
-            if cand.family == "torch" or feature not in doctor.catalogue or doctor.availability(feature):
+            feature = f"kernel.{op}" if cand.group == "pack" else candidate_feature(op, name)
+            if cand.group == "torch" or feature not in doctor.catalogue or doctor.availability(feature):
                 continue
             value = doctor.check(feature) if probe else doctor.stored(feature)
             if value is not None and value.get("status") != "passed":
@@ -57,6 +57,22 @@ def attention_row(doctor: Doctor, probe: bool = True) -> dict:
     listing = {c.name: why or "available" for c, why in attn.auto_listing(ctx.device, ctx.dtype, ctx.head_dim, off)}
     uses, why = attn.choose_auto(q, k, v, tuple(off), tuner=Autotuner(doctor.cache), benchmark=probe)
     return {"op": "attention", "uses": uses, "why": why, "candidates": listing, "shape": _shape((q, k))}
+
+
+def registry_report(device, dtype, head_dim: int) -> dict:
+    """Every op registry family (``kernels/registry.py``) here: its candidates, each chosen, usable or rejected with
+    the reason (``python -m wan_accel doctor --ops``)."""
+    families = [registry.explain(f, device, dtype, head_dim) for f in registry.list_families()]
+    return {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim,
+            "families": families}
+
+
+def registry_text(found: dict) -> str:
+    lines = [f"op registry on {found['device']} ({found['dtype']}, head size {found['head_dim']}):"]
+    for fam in found["families"]:
+        lines.append(f"{fam['family']} ({fam['summary']}): {fam['chosen']}")
+        lines += [f"  {c['status']:<8} {name}: {c['reason']}" for name, c in fam["candidates"].items()]
+    return "\n".join(lines)
 
 
 def _shape(args) -> str:

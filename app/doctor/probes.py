@@ -22,6 +22,7 @@ from ...kernels import kitchen
 from ...kernels import fp8_linear as fp8
 from ...kernels import fa3_fp8, fa3_packages, flash_attention, fp8_attention, int8_attention
 from ...model import attention as attn
+from ...model.attention_approx import fp8_error_bound
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project, epilogue_gelu_runs_on, ffn_epilogue, linear_gelu
 from .vocabulary import Feature, NotAvailable, OutsideProbe, Probe, ProbeContext, register_feature, registered_probe
@@ -148,7 +149,7 @@ class _Fp8Mode:
 
     @staticmethod
     def error_bound(q, k, v, kernel):
-        return attn.fp8_error_bound(q, k, v, kind=kernel)
+        return fp8_error_bound(q, k, v, kind=kernel)
 
 
 _check_fp8_attention = _approximate_checker("fp8", _Fp8Mode)
@@ -538,7 +539,7 @@ def candidate_feature(op: str, name: str) -> str:
 
 for _op, _cands in op_candidates.CANDIDATES.items():
     for _name, _cand in _cands.items():
-        if _cand.family != "kitchen":      # the pack's kernels are 'kernel.<name>'; torch is the reference
+        if _cand.group != "kitchen":      # the pack's kernels are 'kernel.<name>'; torch is the reference
             continue
         _requires, _check = _candidate_checker(_op, _name)
         register_feature(Feature(candidate_feature(_op, _name), f"{_op}: {_cand.summary}", _check,

@@ -1,0 +1,71 @@
+"""The opt-in approximate attention modes (int8, fp8): their error bounds and their speed verdicts.
+
+Which implementation each mode takes is the op registry's walk (families 'attention.int8' and 'attention.fp8',
+registered beside their kernels in ``kernels/int8_attention.py`` and ``kernels/fp8_attention.py``); the call itself
+is ``model/attention.attention``. A mode is opt-in for speed: ``int8_speed`` / ``fp8_attention_speed`` time it
+against exact attention at a run's own largest call (``kernels/registry.speed``: one verdict per GPU and shape).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import fa3_fp8, fp8_attention as fp8, int8_attention as int8, registry
+from .attention import attention, flash_function, fp8_implementation
+
+# the operator store's kernels of the opt-in modes' speed verdicts
+SPEED_KERNELS = {"int8": "speed.attention.int8", "fp8": "speed.attention.fp8", "fa3_fp8": "speed.attention.fa3_fp8"}
+
+
+def fp8_scheme(kind: str) -> str:
+    """'fa3' (e4m3 Q, K and V, one scale per head) or 'smoothed' (the pack's int8 Q . K, e4m3 P . V) of a kind."""
+    return "fa3" if kind in fa3_fp8.KINDS else "smoothed"
+
+
+def fp8_error_bound(q, k, v, key_padding_mask=None, kind: str = "torch", **kw):
+    """The error bound of fp8 attention of implementation ``kind`` (its module's ``error_bound``)."""
+    if fp8_scheme(kind) == "fa3":
+        return fa3_fp8.error_bound(q, k, v, key_padding_mask, kernel=kind, **kw)
+    return fp8.error_bound(q, k, v, key_padding_mask, kernel=kind, **kw)
+
+
+def _mode_speed(mode: str, run_mode, make_extra, lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype,
+                device, exact, tuner) -> tuple[bool | None, str]:
+    """(slower, why) of the opt-in ``mode`` (``run_mode(q, k, *extra)``) against exact attention at ``lq`` queries
+    x ``lk`` keys (``registry.speed``)."""
+    def inputs():
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
+        k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
+        return (q, k) + make_extra(k)
+
+    key = f"{torch.device(device).type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
+    slower, shown = registry.speed(SPEED_KERNELS[mode], key, mode, run_mode,
+                                   lambda q, k, *_: attention(q, k, k, backend=exact), inputs, device, tuner)
+    if slower is None:
+        return None, shown if shown.startswith("speed not judged") else f"not measured ({shown})"
+    return slower, f"at {lq} queries x {lk} keys: {shown}"
+
+
+def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, exact="auto",
+               tuner=None) -> tuple[bool | None, str]:
+    """(slower, why): whether the opt-in int8 mode is slower than exact attention at the run's own largest call
+    (``lq`` queries, ``lk`` keys). None where no speed can be judged (not a GPU)."""
+    return _mode_speed("int8", lambda q, k: int8.int8_attention(q, k, k), lambda k: (), lq, lk, batch, heads,
+                       head_dim, dtype, device, exact, tuner)
+
+
+def fp8_attention_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, exact="auto",
+                        tuner=None) -> tuple[bool | None, str]:
+    """(slower, why) of the opt-in fp8 mode against exact attention at the run's own largest call, like
+    ``int8_speed``; the keys/values quantized beforehand, as the KV cache keeps them. None where no speed can be
+    judged: not a GPU, or a torch version runs here (its numerics, not its speed)."""
+    kind, why = fp8_implementation(device, dtype, head_dim)
+    if kind not in ("triton", "fa3") and torch.device(device).type in registry.SPEED_DEVICES:
+        return None, f"speed not judged: {why}"
+    if kind == "fa3":
+        return _mode_speed("fa3_fp8", lambda q, k, kv: fa3_fp8.attention(flash_function("fa3"), q, kv),
+                           lambda k: (fa3_fp8.quantize_kv(k, k),), lq, lk, batch, heads, head_dim, dtype, device,
+                           exact, tuner)
+    return _mode_speed("fp8", lambda q, k, kv8: fp8.fp8_attention(q, k, k, kv8=kv8),
+                       lambda k: (fp8.quantize_kv(k, k),), lq, lk, batch, heads, head_dim, dtype, device, exact,
+                       tuner)
