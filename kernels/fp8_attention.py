@@ -320,7 +320,8 @@ KINDS = registry.register(FAMILY, "the opt-in fp8 attention mode", [
                        dtypes=(torch.bfloat16,), needs=("attention", "fa3"),
                        problem=lambda d, dt, hd: None if hasattr(torch, "float8_e4m3fn") else
                        f"torch {torch.__version__} has no float8_e4m3fn"),
-    registry.Candidate(FAMILY, "triton", "pack", summary="fp8 (the pack's Triton kernel)", problem=kernel_problem),
+    registry.Candidate(FAMILY, "triton", "pack", summary="fp8 (the pack's Triton kernel)",
+                       problem=lambda d, dt, hd: kernel_problem(d, dt, hd)),
     registry.Candidate(FAMILY, "torch", "torch", summary="fp8 (the pack's torch version)"),
     registry.Candidate(FAMILY, "fa3-torch", "torch", summary="fp8 (FlashAttention 3's math in torch)", manual=True)])
 

@@ -108,8 +108,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 FAMILY = "linear.fp8"
 registry.register(FAMILY, "the opt-in fp8 linear layers' matmul (per layer size: mm_problem)", [
     registry.Candidate(FAMILY, "scaled_mm", "torch", summary="torch._scaled_mm, row-wise scales", devices=("cuda",),
-                       capability=MM_CAPABILITY, problem=lambda d, dt, hd: None if hasattr(torch, "_scaled_mm")
-                       else f"torch {torch.__version__} has no _scaled_mm"),
+                       capability=MM_CAPABILITY),
     registry.Candidate(FAMILY, "emulated", "torch", summary="emulated in float32")])
 
 
@@ -121,6 +120,8 @@ def mm_problem(device, in_features: int, out_features: int) -> str | None:
         return f"scaled_mm {why} (emulated{' in float32' if device.type != 'cuda' else ''})"
     if in_features % MM_MULTIPLE or out_features % MM_MULTIPLE:
         return f"{in_features}x{out_features} is not a multiple of {MM_MULTIPLE} (emulated)"
+    if not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no _scaled_mm (emulated)"
     failed = _STATE["failed"].get((device.index, in_features, out_features))
     if failed:
         return f"torch._scaled_mm failed here ({failed}; emulated)"

@@ -82,7 +82,7 @@ def kitchen_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int =
 FAMILY = "attention.int8"
 registry.register(FAMILY, "the opt-in int8 attention mode", [
     registry.Candidate(FAMILY, "kitchen", "kitchen", summary="int8 (comfy-kitchen int8_attention)",
-                       problem=kitchen_problem),
+                       problem=lambda d, dt, hd: kitchen_problem(d, dt, hd)),
     registry.Candidate(FAMILY, "torch", "torch", summary="int8 (the pack's torch version)")])
 
 

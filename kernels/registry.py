@@ -56,7 +56,8 @@ class Candidate:
         """Why this candidate cannot take a call on ``device`` in ``dtype`` with ``head_dim``, or None."""
         device = torch.device(device)
         if self.devices and device.type not in self.devices:
-            return f"needs a {' or '.join(d.upper() if d == 'cuda' else d for d in self.devices)} device"
+            kinds = " or ".join(d.upper() if d == "cuda" else d for d in self.devices)
+            return f"needs a {kinds} device, not {device.type}"
         if self.dtypes and dtype is not None and dtype not in self.dtypes:
             return f"takes {'/'.join(_dt(d) for d in self.dtypes)}, not {_dt(dtype)}"
         if self.head_dims and head_dim is not None and head_dim not in self.head_dims:
@@ -122,11 +123,15 @@ def override(family_name: str) -> str | None:
     return next((layer[family_name] for layer in reversed(_OVERRIDES) if family_name in layer), None)
 
 
-@contextlib.contextmanager
 def use(overrides: dict | None):
     """``with use({"attention.fp8": "fa3-torch"}):`` every choice of those families takes that candidate (where it
-    runs); None or {} changes nothing. An unknown family or candidate is a ValueError naming the known ones."""
-    layer = {f: candidate(f, c).name for f, c in (overrides or {}).items() if c is not None}
+    runs); None or {} changes nothing. An unknown family or candidate is a ValueError (at once) naming the known
+    ones."""
+    return _using({f: candidate(f, c).name for f, c in (overrides or {}).items() if c is not None})
+
+
+@contextlib.contextmanager
+def _using(layer: dict):
     _OVERRIDES.append(layer)
     try:
         yield layer

@@ -386,7 +386,8 @@ AUTO_CANDIDATES: dict[str, C] = registry.register(STORE_OP, "exact attention (th
     # FA3 with its keys split (num_splits): the store keeps one where it measures it faster at a call's shape
     *(_flash_candidate("fa3", n, f"FlashAttention 3, keys split in {n} (num_splits={n})") for n in FA3_SPLITS),
     # after SDPA: never the availability order's pick, only the store's where it is verified and fastest
-    C(STORE_OP, "triton", "triton", lambda q, k, v: _triton_attention(q, k, v), triton_flash.kernel_problem,
+    C(STORE_OP, "triton", "triton", lambda q, k, v: _triton_attention(q, k, v),
+      lambda d, dt, hd: triton_flash.kernel_problem(d, dt, hd),
       "the pack's Triton flash-attention kernel"),
     C(STORE_OP, "torch", "torch", lambda q, k, v: attention_reference(q, k, v), None,
       "plain softmax math (the reference)")], timed=True)

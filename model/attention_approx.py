@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import fa3_fp8, fp8_attention as fp8, int8_attention as int8, registry
-from .attention import attention, flash_function, fp8_implementation
+from . import attention as att
 
 # the operator store's kernels of the opt-in modes' speed verdicts
 SPEED_KERNELS = {"int8": "speed.attention.int8", "fp8": "speed.attention.fp8", "fa3_fp8": "speed.attention.fa3_fp8"}
@@ -40,7 +40,7 @@ def _mode_speed(mode: str, run_mode, make_extra, lq: int, lk: int, batch: int, h
 
     key = f"{torch.device(device).type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
     slower, shown = registry.speed(SPEED_KERNELS[mode], key, mode, run_mode,
-                                   lambda q, k, *_: attention(q, k, k, backend=exact), inputs, device, tuner)
+                                   lambda q, k, *_: att.attention(q, k, k, backend=exact), inputs, device, tuner)
     if slower is None:
         return None, shown if shown.startswith("speed not judged") else f"not measured ({shown})"
     return slower, f"at {lq} queries x {lk} keys: {shown}"
@@ -59,11 +59,11 @@ def fp8_attention_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int,
     """(slower, why) of the opt-in fp8 mode against exact attention at the run's own largest call, like
     ``int8_speed``; the keys/values quantized beforehand, as the KV cache keeps them. None where no speed can be
     judged: not a GPU, or a torch version runs here (its numerics, not its speed)."""
-    kind, why = fp8_implementation(device, dtype, head_dim)
+    kind, why = att.fp8_implementation(device, dtype, head_dim)
     if kind not in ("triton", "fa3") and torch.device(device).type in registry.SPEED_DEVICES:
         return None, f"speed not judged: {why}"
     if kind == "fa3":
-        return _mode_speed("fa3_fp8", lambda q, k, kv: fa3_fp8.attention(flash_function("fa3"), q, kv),
+        return _mode_speed("fa3_fp8", lambda q, k, kv: fa3_fp8.attention(att.flash_function("fa3"), q, kv),
                            lambda k: (fa3_fp8.quantize_kv(k, k),), lq, lk, batch, heads, head_dim, dtype, device,
                            exact, tuner)
     return _mode_speed("fp8", lambda q, k, kv8: fp8.fp8_attention(q, k, k, kv8=kv8),

@@ -288,13 +288,13 @@ def _fp8_run(monkeypatch, slow: bool, judged: bool = True, **fast):
     """The optimized path with attention fp8 on the tiny model; ``judged``: as on a GPU with the kernel (the
     kernel's stand-in is the torch version, the store's timer a set one)."""
     import speed_timer
-    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.kernels import fp8_attention as fa, registry
     from wan_accel.model import attention as att
     from wan_accel.model.tiny import tiny_causal_model
     from wan_accel.sampling.sampler import generate_latents
     sys.path.insert(0, str(HERE.parent))
     if judged:
-        monkeypatch.setattr(att, "SPEED_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(registry, "SPEED_DEVICES", ("cuda", "cpu"))
         monkeypatch.setattr(fa, "kernel_problem", lambda *a, **kw: None)
         monkeypatch.setattr(fa, "fp8_attention_triton", lambda q, k, v, kv8=None: fa.fp8_attention_torch(
             q, k, v, None, kv8))
