@@ -94,10 +94,10 @@ def check_mode(mode) -> str:
     return mode
 
 
-def mode_problem(mode: str, device) -> str | None:
+def mode_problem(ops: str, device) -> str | None:
     """Why an ops string cannot run on ``device`` (no candidate of its mode's group is available; an override's
     candidate cannot run here), or None."""
-    mode, pairs = registry.parse_ops(mode)
+    mode, pairs = registry.parse_ops(ops)
     reasons = []
     for fam, name in pairs.items():
         why = registry.candidate(fam, name).rejected(device)
@@ -110,7 +110,7 @@ def mode_problem(mode: str, device) -> str | None:
     if not reasons:
         return None
     hint = kitchen.INSTALL_HINT if mode == "kitchen" else "run on a CUDA GPU with triton installed"
-    return f"ops={mode!r} cannot run here ({' | '.join(reasons)}); {hint}, or use ops='auto'"
+    return f"ops={ops!r} cannot run here ({' | '.join(reasons)}); {hint}, or use ops='auto'"
 
 
 def listing(op: str, device, mode: str = "auto", off: tuple = (), dtype=None) -> list[tuple[Candidate, str | None]]:

@@ -25,6 +25,7 @@ from ..cache.autotune import get_autotuner
 
 MODES = ("auto", "pack", "kitchen", "torch")
 SWITCHED_OFF = "switched off: it failed its self-check on this machine (python -m wan_accel doctor)"
+DEFAULT_HEAD_DIM = 128
 SPEED_DEVICES = ("cuda",)          # where a timing says something about speed (a CPU runs torch versions)
 
 
@@ -53,7 +54,8 @@ class Candidate:
     manual: bool = False              # taken only by an override (another numerics: never the walk's pick)
 
     def rejected(self, device, dtype=None, head_dim=None) -> str | None:
-        """Why this candidate cannot take a call on ``device`` in ``dtype`` with ``head_dim``, or None."""
+        """Why this candidate cannot take a call on ``device`` in ``dtype`` with ``head_dim``, or None (the probe
+        judges a call of unknown dtype or head size as Wan's: bf16, head size 128)."""
         device = torch.device(device)
         if self.devices and device.type not in self.devices:
             kinds = " or ".join(d.upper() if d == "cuda" else d for d in self.devices)
@@ -70,7 +72,9 @@ class Candidate:
             why = candidate(*self.needs).rejected(device, dtype, head_dim)
             if why:
                 return f"{'.'.join(self.needs)}: {why}"
-        return self.problem(device, dtype, head_dim) if self.problem is not None else None
+        if self.problem is None:
+            return None
+        return self.problem(device, torch.bfloat16 if dtype is None else dtype, head_dim or DEFAULT_HEAD_DIM)
 
 
 @dataclass(frozen=True)
