@@ -288,42 +288,22 @@ else:
     _KERNEL_NAME = NAME
 
 
-def _capability(device: torch.device) -> tuple:
-    key = ("capability", device.index)
-    if key not in _STATE:
-        _STATE[key] = tuple(torch.cuda.get_device_capability(device))
-    return _STATE[key]
-
-
-def kernel_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str | None:
-    """None when the Triton kernel runs for tensors on this device, dtype and head size; else why not."""
-    device = torch.device(device)
-    if tl is None or _common.triton_module() is None:
-        return "Triton is not installed"
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"the kernel takes fp32/fp16/bf16, not {str(dtype).replace('torch.', '')}"
-    if head_dim not in HEAD_DIMS:
-        return f"the kernel takes head sizes {', '.join(map(str, HEAD_DIMS))}, not {head_dim}"
-    if device.type == "cpu" and _common.interpreter_usable():
-        return None
-    if device.type != "cuda":
-        return "the kernel needs a CUDA GPU"
-    cap = _capability(device)
-    if cap < CAPABILITY:
-        return f"fp8 tensor cores need SM {CAPABILITY[0]}.{CAPABILITY[1]}+, this GPU is SM {cap[0]}.{cap[1]}"
-    return None
-
-
 FAMILY = "attention.fp8"
 KINDS = registry.register(FAMILY, "the opt-in fp8 attention mode", [
     registry.Candidate(FAMILY, "fa3", "flash", summary="fp8 (FlashAttention 3's e4m3 kernels)",
                        dtypes=(torch.bfloat16,), needs=("attention", "fa3"),
                        problem=lambda d, dt, hd: None if hasattr(torch, "float8_e4m3fn") else
                        f"torch {torch.__version__} has no float8_e4m3fn"),
-    registry.Candidate(FAMILY, "triton", "pack", summary="fp8 (the pack's Triton kernel)",
-                       problem=lambda d, dt, hd: kernel_problem(d, dt, hd)),
+    registry.Candidate(FAMILY, "triton", "pack", summary="fp8 (the pack's Triton kernel)", capability=CAPABILITY,
+                       dtypes=(torch.float32, torch.float16, torch.bfloat16), head_dims=HEAD_DIMS,
+                       problem=_common.triton_problem),
     registry.Candidate(FAMILY, "torch", "torch", summary="fp8 (the pack's torch version)"),
     registry.Candidate(FAMILY, "fa3-torch", "torch", summary="fp8 (FlashAttention 3's math in torch)", manual=True)])
+
+
+def kernel_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str | None:
+    """None when the Triton kernel runs for tensors on this device, dtype and head size; else why not."""
+    return KINDS["triton"].rejected(device, dtype, head_dim)
 
 
 def implementation(device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:

@@ -15,7 +15,6 @@ One speed verdict (``speed``): an opt-in mode against its exact path, timed thro
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,7 +32,6 @@ def _dt(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-@functools.lru_cache(maxsize=None)
 def capability(index: int) -> tuple:
     return tuple(torch.cuda.get_device_capability(index))
 

@@ -130,7 +130,7 @@ def test_the_cache_keeps_fa3_codes_with_scales_fixed_at_the_first_write():
 @pytest.fixture
 def hopper(wheel, monkeypatch):
     """test_fa3_fwd's stand-in wheel on a stood-in Hopper 'cuda:0', the pack's fp8 kernel seeing SM 9.0 too."""
-    monkeypatch.setattr(attn.fp8, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(registry, "capability", lambda index: (9, 0))
     return wheel
 
 
