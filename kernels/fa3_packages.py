@@ -32,6 +32,7 @@ import sys
 import torch
 
 from ..cache.guarded_import import ImportProblem, guarded_import
+from . import registry
 
 log = logging.getLogger("wan_accel")
 
@@ -47,7 +48,6 @@ HINTS = {
 }
 _LOADED: dict = {}          # name -> (attention function or None, why not or None): attempted once per process
 _PROBED: dict = {}          # (name, device index, dtype) -> None (runs) or the probe call's error
-_CAPABILITY: dict = {}      # device index -> (major, minor)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -126,13 +126,6 @@ def forget() -> None:
     _PROBED.clear()
 
 
-def _capability(device: torch.device) -> tuple:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
-    return _CAPABILITY[index]
-
-
 def call_problem(dtype: torch.dtype, head_dim: int) -> str | None:
     """Why FlashAttention 3 cannot take a call in ``dtype`` with this head size, on any device; or None."""
     if dtype not in DTYPES:
@@ -178,7 +171,7 @@ def problem(name: str, device, dtype: torch.dtype, head_dim: int) -> str | None:
         return why
     if name == "fa3_hub" and not hub_opted_in():
         return f"not opted in: set {HUB_ENV}=1 to let the kernels package download FlashAttention 3 from the hub"
-    cap = _capability(device)
+    cap = registry.capability(device)
     if cap[0] != 9:
         return f"FlashAttention 3 is built for SM 9.x (Hopper); this GPU is SM {cap[0]}.{cap[1]}"
     fn, why = load(name)

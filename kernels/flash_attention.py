@@ -36,7 +36,7 @@ import sys
 
 import torch
 
-from . import _common
+from . import _common, registry
 from ._tiles import round_bf16
 
 try:
@@ -147,13 +147,6 @@ else:
     _JITTED_INTERPRETED = False
 
 
-def _capability(device: torch.device) -> tuple:
-    key = ("capability", device.index)
-    if key not in _STATE:
-        _STATE[key] = tuple(torch.cuda.get_device_capability(device))
-    return _STATE[key]
-
-
 def _call_problem(dtype: torch.dtype, head_dim: int, masked: bool) -> str | None:
     """Why the kernel cannot take a call in ``dtype`` with this head size (and mask), on any device; or None."""
     if tl is None or _common.triton_module() is None:
@@ -179,7 +172,7 @@ def kernel_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 
         return why
     if device.type != "cuda":
         return "the kernel needs a CUDA GPU"
-    cap = _capability(device)
+    cap = registry.capability(device)
     if cap < CAPABILITY:
         return f"the kernel needs SM {CAPABILITY[0]}.{CAPABILITY[1]}+, this GPU is SM {cap[0]}.{cap[1]}"
     return None
@@ -243,7 +236,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: d
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     launch, key = _launcher(q, k, v, out)
-    hopper = q.is_cuda and _capability(q.device)[0] >= 9
+    hopper = q.is_cuda and registry.capability(q.device)[0] >= 9
     if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, q,
                         smem=lambda cfg: _smem(cfg, q.shape[-1], q.element_size(), hopper)):
         return out

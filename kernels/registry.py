@@ -32,8 +32,10 @@ def _dt(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def capability(index: int) -> tuple:
-    return tuple(torch.cuda.get_device_capability(index))
+def capability(device) -> tuple:
+    """(major, minor) of a CUDA device (a torch.device or its index; no index: the current one)."""
+    index = getattr(device, "index", device)
+    return tuple(torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index))
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class Candidate:
         if self.head_dims and head_dim is not None and head_dim not in self.head_dims:
             return f"takes head sizes {', '.join(map(str, self.head_dims))}, not {head_dim}"
         if self.capability and device.type == "cuda":
-            cap = capability(device.index if device.index is not None else torch.cuda.current_device())
+            cap = capability(device)
             if cap < self.capability:
                 return f"needs SM {self.capability[0]}.{self.capability[1]}+, this GPU is SM {cap[0]}.{cap[1]}"
         if self.needs:

@@ -152,9 +152,7 @@ class BackendUnavailable(ValueError, RuntimeError):
     error, exit 2), and a RuntimeError for callers that catch the run's failures."""
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple:
-    return tuple(torch.cuda.get_device_capability(device_index))
+_capability = registry.capability
 
 
 def capability_supports(name: str, capability: tuple) -> bool:
@@ -235,7 +233,7 @@ def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capabili
     why = fa_dtype_problem(name, dtype)
     if why:
         return why
-    cap = capability or _capability(device.index if device.index is not None else torch.cuda.current_device())
+    cap = capability or _capability(device)
     if not capability_supports(name, cap):
         return f"compute capability {cap[0]}.{cap[1]} not supported"
     if not head_dim_supported(head_dim):

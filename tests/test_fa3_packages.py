@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from wan_accel.cache import LimitCache
 from wan_accel.cache.autotune import get_autotuner, reset_autotuners
-from wan_accel.kernels import candidates as C
+from wan_accel.kernels import candidates as C, registry
 from wan_accel.kernels import fa3_packages as fa3
 from wan_accel.model import attention as att
 
@@ -26,7 +26,7 @@ def _fresh(monkeypatch):
     att.forget_choices()
     reset_autotuners()
     monkeypatch.delenv(fa3.HUB_ENV, raising=False)
-    monkeypatch.setitem(fa3._CAPABILITY, 0, (9, 0))          # 'cuda:0' is a Hopper GPU for the problem checks
+    monkeypatch.setattr(registry, "capability", lambda device: (9, 0))   # 'cuda:0' is a Hopper GPU for the checks
     yield
     fa3.forget()
     att.forget_choices()
@@ -148,13 +148,13 @@ def test_a_probe_call_that_fails_is_the_problem(monkeypatch):
     assert why == "the installed build does not run on SM 9.0 (ValueError: Operator not supported)"
 
 
-def test_call_rules_and_the_gpu_generation():
+def test_call_rules_and_the_gpu_generation(monkeypatch):
     for name in fa3.NAMES:
         assert fa3.problem(name, "cpu", torch.bfloat16, 128) == "needs a CUDA GPU"
         assert fa3.problem(name, CUDA, torch.float32, 128) == "needs fp16/bf16 (got float32)"
         for hd in (260, 100, 0):
             assert fa3.problem(name, CUDA, torch.bfloat16, hd).startswith(f"head size {hd} not supported")
-    fa3._CAPABILITY[0] = (8, 9)
+    monkeypatch.setattr(registry, "capability", lambda device: (8, 9))
     assert "SM 9.x" in fa3.xformers_problem(CUDA, torch.bfloat16, 128)
     assert "SM 8.9" in fa3.xformers_problem(CUDA, torch.bfloat16, 128)
 
