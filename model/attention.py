@@ -9,18 +9,13 @@ Layout everywhere is ``[B, L, heads, head_dim]``. Backends:
   installed build: wheels built without sm_100 / sm_120 code fail with "no kernel image is available", so a tiny
   probe call decides once per device (and a kernel-image error at run time falls back to SDPA for good);
 * ``sdpa``: torch's scaled_dot_product_attention (always available; it picks its own fused kernel);
-* ``int8``: opt-in, never chosen by ``auto``: SageAttention-style int8 Q/K (``kernels/int8_attention.py``):
-  comfy-kitchen's int8 kernel where it runs (CUDA), else the pack's torch version of the same math (anywhere).
-  It changes the numerics within ``kernels.int8_attention.error_bound``;
-* ``fp8``: opt-in, never chosen by ``auto``: keys and values smoothed (one mean subtracted per head), Q and K in
-  int8 and V in e4m3 per (token, head), V's scales folded into an e4m3 P (``kernels/fp8_attention.py``): the pack's Triton kernel on CUDA GPUs with fp8 tensor cores (SM 8.9+), else its
-  torch version of the same math. A call whose keys/values are the leading slots of a KV cache that keeps an fp8
-  copy (``model/kv_cache.py``, made under this mode) reads the copy: keys and values are quantized once, when
-  they enter the cache. It changes the numerics within ``kernels.fp8_attention.error_bound``. Every other
-  backend is exact.
+* ``int8`` / ``fp8``: opt-in, approximate, never chosen by ``auto``: the op registry's families 'attention.int8'
+  (comfy-kitchen's kernel, else the pack's torch version) and 'attention.fp8' (FlashAttention 3's e4m3 kernels,
+  the pack's Triton kernel, its torch version; a KV cache's fp8 copy is read where it keeps one); their bounds
+  and speed verdicts are ``model/attention_approx.py``'s. Every other backend is exact.
 
-``auto`` is the operator store's choice (``kernels/candidates.pick``, op ``attention``): among the exact candidates
-that run here (fa3, fa2, sdpa and ``torch``, plain softmax math, the reference), each verified against the reference
+``auto`` is the operator store's choice (``kernels/candidates.pick``) among the op registry's family 'attention':
+the exact candidates that run here (fa3, fa2, sdpa and ``torch``, plain softmax math, the reference), each verified
 on the call's shapes and timed, the fastest verified one per (heads, head size, dtype, query/key length bucket) and
 GPU fingerprint; a wrong one is failed alone; chosen once per process and shape, never measured inside a CUDA-graph
 capture or a torch.compile trace (there the store's choice, else the availability order fa3 > fa2 > sdpa). On a CPU
@@ -37,11 +32,8 @@ accepts an unresolved request and resolves it per call (cached), which is what t
 FlashAttention's return type differs between releases (a tensor, or a tuple whose first item is the output):
 both are handled.
 
-The opt-in ``fp8`` mode runs FlashAttention 3's e4m3 kernels where they run, else the pack's Triton kernel or its
-torch version: the op registry's family 'attention.fp8' (``kernels/registry.py``; ``fp8_implementation``); its
-bounds and speed verdicts are ``model/attention_approx.py``'s. The exact candidates of 'auto' are the registry's
-family 'attention'. ``kernel_of`` names the exact kernel a call runs (``model/cached_attention.py`` asks it
-whether the cache's write can go inside FA3's kernel).
+``kernel_of`` names the exact kernel a call runs (``model/cached_attention.py`` asks it whether the cache's write
+can go inside FA3's kernel).
 """
 from __future__ import annotations
 
@@ -244,9 +236,10 @@ def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capabili
     return None
 
 
-def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
-                    capability: tuple | None = None) -> tuple[str, str]:
-    """(resolved backend, reason in words) for a request on this device, dtype and head size."""
+def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int, capability: tuple | None = None,
+                    off=frozenset()) -> tuple[str, str]:
+    """(resolved backend, reason in words) for a request on this device, dtype and head size; ``off``: doctor
+    features switched off here ('attention.fa3', ...), skipped."""
     if requested not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
     device = torch.device(device)
@@ -258,7 +251,8 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
     for name in _candidates(requested):
         if name == "sdpa":
             break
-        problem = flash_problem(name, device, dtype, head_dim, capability)
+        problem = SWITCHED_OFF if f"attention.{name}" in off else flash_problem(name, device, dtype, head_dim,
+                                                                                  capability)
         if problem:
             why.append(f"{name}: {problem}")
             continue

@@ -33,12 +33,12 @@ import torch
 from ..kernels import use_triton
 from ..kernels.candidates import check_mode as check_ops_mode
 from ..kernels.candidates import mode_problem as ops_mode_problem
-from ..kernels.registry import parse_ops, use as use_ops
+from ..kernels.registry import SWITCHED_OFF, parse_ops, use as use_ops
 from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, seq_parallel_of,
                                  swapped_blocks)
 from ..model.attention import (APPROXIMATE, auto_request, explain_backend, fp8_implementation, plan_shapes,
                                warm_plans)
-from ..model.attention_approx import fp8_attention_speed, fp8_scheme, int8_speed
+from ..model.attention_approx import attention_speed, fp8_scheme
 from ..model import cached_attention
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fp8_linear import check_mode as check_linear_mode
@@ -145,22 +145,6 @@ def kernels_run_on(device) -> bool:
     return use_triton(torch.empty(0, device=device))
 
 
-SELF_CHECK_OFF = "switched off: it failed its self-check on this machine (python -m wan_accel doctor)"
-
-
-def checked_backend(requested: str, device, dtype, head_dim: int, off: frozenset) -> tuple[str, str]:
-    """``explain_backend``, skipping FlashAttention generations that failed their self-check here."""
-    backend, reason = explain_backend(requested, device, dtype, head_dim)
-    skipped = []
-    while backend != "sdpa" and f"attention.{backend}" in off:
-        skipped.append(backend)
-        nxt = "fa2" if backend == "fa3" and requested in ("auto", "flash_attn") else "sdpa"
-        backend, reason = explain_backend(nxt, device, dtype, head_dim)
-    if skipped:
-        reason += f" ({', '.join(skipped)} {SELF_CHECK_OFF})"
-    return backend, reason
-
-
 def kernels_part(options: FastOptions, device):
     """BlockParts.fused_kernels for a run: True (all), False (none) or the tuple of kernels still trusted."""
     if not (options.fused_kernels and kernels_run_on(device)):
@@ -252,7 +236,7 @@ class FastRunner:
         speed verdict or None)."""
         blocks = self.model.blocks
         if options.linear == "fp8" and "linear.fp8" in options.switched_off:
-            line = f"fp8 linear is {SELF_CHECK_OFF}: this run uses exact linear layers"
+            line = f"fp8 linear is {SWITCHED_OFF}: this run uses exact linear layers"
             log.warning("wan_accel: %s", line)
             self.notes.append(line)
         elif options.linear == "fp8":
@@ -286,7 +270,7 @@ class FastRunner:
         if options.cuda_graphs == "off":
             return "switched off"
         if "cuda_graphs" in options.switched_off:
-            return SELF_CHECK_OFF
+            return SWITCHED_OFF
         if not graphs_device(device):
             return "not a CUDA device"
         if swapped:
@@ -345,8 +329,8 @@ class FastRunner:
         fp8_tokens = largest_call(batch, chunks, frame_tokens) if chunks else 0
         linear, linear_info, verdict = self._linear(options, swapped, fp8_tokens)
         requested = options.attention or getattr(model, "attn_backend", "auto")
-        backend, backend_reason = checked_backend(requested, device, model.compute_dtype, model.config.head_dim,
-                                                  options.switched_off)
+        backend, backend_reason = explain_backend(requested, device, model.compute_dtype, model.config.head_dim,
+                                                  off=options.switched_off)
         attention_part = backend
         if requested == "auto" and graphs_device(device):     # the operator store's choice per call shape
             attention_part = auto_request(options.switched_off)
@@ -581,9 +565,9 @@ class Run:
     def _judge_attention(self, mode: str, shape, batch: int, heads: int, head_dim: int) -> None:
         """int8 / fp8 attention is opt-in for speed: where it is measured slower than exact attention at the run's
         largest call on this GPU, the run says so before its first chunk and stays exact (unless ``keep_slower``)."""
-        speed, name = {"int8": int8_speed, "fp8": fp8_attention_speed}[mode], SPEED_FIELDS[mode]
-        slower, why = speed(shape[0], shape[1], batch, heads, head_dim, self.model.compute_dtype, self.model.device)
-        self.info[name] = {"slower": slower, "why": why}
+        slower, why = attention_speed(mode, shape[0], shape[1], batch, heads, head_dim, self.model.compute_dtype,
+                                      self.model.device)
+        self.info[SPEED_FIELDS[mode]] = {"slower": slower, "why": why}
         if slower:
             self._slower(f"{mode} attention", "exact attention", why, lambda: self._exact_attention(mode))
 

@@ -356,8 +356,8 @@ def test_the_speed_verdict_is_read_before_any_fp8_copy_of_the_cache_is_made(monk
     events = []
     shadow = kv_cache.Fp8Shadow
     monkeypatch.setitem(kv_cache.SHADOWS, "smoothed", lambda *a, **kw: events.append("copy") or shadow(*a, **kw))
-    speed = runner.fp8_attention_speed
-    monkeypatch.setattr(runner, "fp8_attention_speed", lambda *a, **kw: events.append("verdict") or speed(*a, **kw))
+    speed = runner.attention_speed
+    monkeypatch.setattr(runner, "attention_speed", lambda *a, **kw: events.append("verdict") or speed(*a, **kw))
     out, exact, report = _fp8_run(monkeypatch, slow=slow)
     layers = len(report["caches"][0].layers)
     assert report["fp8_attention_speed"]["slower"] is slow

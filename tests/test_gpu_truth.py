@@ -281,7 +281,7 @@ def test_a_stored_speed_verdict_makes_no_tensors(monkeypatch, mode):
 
     def judge():
         if mode == "int8":
-            return approx.int8_speed(64, 96, 1, 2, 16, torch.float32, "cpu")
+            return approx.attention_speed("int8", 64, 96, 1, 2, 16, torch.float32, "cpu")
         return fp8_linear.fp8_speed(32, 64, 128, torch.float32, "cpu")
 
     first = _count_randn(monkeypatch)

@@ -13,18 +13,19 @@ from .core import Doctor
 from .probes import _op_args, _qkv, candidate_feature
 
 
+def _failed(doctor: Doctor, feature: str, probe: bool) -> bool:
+    """Whether ``feature``'s verdict here failed (probed now where ``probe``, else as stored)."""
+    if feature not in doctor.catalogue or doctor.availability(feature):
+        return False
+    value = doctor.check(feature) if probe else doctor.stored(feature)
+    return value is not None and value.get("status") != "passed"
+
+
 def switched_off(doctor: Doctor, probe: bool = True) -> tuple:
     """'op:candidate' names switched off by a failed verdict here (the pack's kernels and comfy-kitchen's)."""
-    off = []
-    for op, cands in op_candidates.CANDIDATES.items():
-        for name, cand in cands.items():
-            feature = f"kernel.{op}" if cand.group == "pack" else candidate_feature(op, name)
-            if cand.group == "torch" or feature not in doctor.catalogue or doctor.availability(feature):
-                continue
-            value = doctor.check(feature) if probe else doctor.stored(feature)
-            if value is not None and value.get("status") != "passed":
-                off.append(f"{op}:{name}")
-    return tuple(off)
+    return tuple(f"{op}:{name}" for op, cands in op_candidates.CANDIDATES.items() for name, cand in cands.items()
+                 if cand.group != "torch" and _failed(doctor, f"kernel.{op}" if cand.group == "pack"
+                                                      else candidate_feature(op, name), probe))
 
 
 def implementations(doctor: Doctor, mode: str = "auto", probe: bool = True) -> list[dict]:
@@ -45,13 +46,7 @@ def implementations(doctor: Doctor, mode: str = "auto", probe: bool = True) -> l
 def attention_row(doctor: Doctor, probe: bool = True) -> dict:
     """Exact attention under 'auto' (model/attention.py) for the probe shape: its candidates and the store's choice;
     a candidate whose verdict failed here (FlashAttention 3 / 2, the pack's Triton kernel) is left out."""
-    off = []
-    for feature in attn.SWITCHABLE:
-        name = feature.split(".", 1)[1]
-        if feature in doctor.catalogue and not doctor.availability(feature):
-            value = doctor.check(feature) if probe else doctor.stored(feature)
-            if value is not None and value.get("status") != "passed":
-                off.append(name)
+    off = [feature.split(".", 1)[1] for feature in attn.SWITCHABLE if _failed(doctor, feature, probe)]
     ctx = doctor.context
     q, k, v = _qkv(ctx)
     listing = {c.name: why or "available" for c, why in attn.auto_listing(ctx.device, ctx.dtype, ctx.head_dim, off)}
