@@ -339,17 +339,6 @@ def _sdpa_backend(name: str):
         return None
 
 
-def sdpa_kernel_problem(name: str, device, dtype, head_dim) -> str | None:
-    """Why SDPA's kernel ``name`` cannot be a candidate here, or None (its own numbers are checked by the store)."""
-    if _sdpa_backend(name) is None:
-        return f"torch {torch.__version__} has no {SDPA_KERNELS[name]} backend"
-    if torch.device(device).type != "cuda":
-        return "needs a CUDA device"
-    if name != "sdpa.efficient" and dtype not in (torch.float16, torch.bfloat16):
-        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
-    return None
-
-
 def _sdpa_with(name: str, q, k, v):
     """SDPA restricted to one kernel (it raises where that kernel cannot take the call: the store records it)."""
     from torch.nn.attention import sdpa_kernel
@@ -371,8 +360,9 @@ AUTO_CANDIDATES: dict[str, C] = registry.register(STORE_OP, "exact attention (th
         lambda d, dt, hd, n=name: fa3_packages.PROBLEMS[n](d, dt, hd), fa3_packages.SUMMARIES[name])
       for name in fa3_packages.NAMES),
     *(C(STORE_OP, name, "sdpa", lambda q, k, v, n=name: _sdpa_with(n, q, k, v),
-        lambda d, dt, hd, n=name: sdpa_kernel_problem(n, d, dt, hd),
-        f"torch SDPA, {SDPA_KERNELS[name].lower().replace('_', ' ')} kernel only") for name in SDPA_KERNELS),
+        lambda d, dt, hd, n=name: None if _sdpa_backend(n) else f"torch {torch.__version__} has no {SDPA_KERNELS[n]}",
+        f"torch SDPA, {SDPA_KERNELS[name].lower().replace('_', ' ')} kernel only", devices=("cuda",),
+        dtypes=() if name == "sdpa.efficient" else (torch.float16, torch.bfloat16)) for name in SDPA_KERNELS),
     C(STORE_OP, "sdpa", "sdpa", lambda q, k, v: _sdpa(q, k, v), None,
       "torch scaled_dot_product_attention (its own pick)"),
     # FA3 with its keys split (num_splits): the store keeps one where it measures it faster at a call's shape

@@ -65,7 +65,7 @@ def test_sdpa_kernels_are_candidates_of_their_own_and_override_an_outer_priority
     from wan_accel.model import attention as att
     for name in ("sdpa.cudnn", "sdpa.flash", "sdpa.efficient"):
         assert name in att.AUTO_CANDIDATES and att.AUTO_CANDIDATES[name].group == "sdpa"
-        assert att.sdpa_kernel_problem(name, "cpu", torch.float32, 64) == "needs a CUDA device"
+        assert att.AUTO_CANDIDATES[name].rejected("cpu", torch.float32, 64) == "needs a CUDA device, not cpu"
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 40, 2, 32, generator=g) for _ in range(3))
 
