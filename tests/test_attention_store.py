@@ -220,5 +220,5 @@ def test_the_doctor_lists_attention(tmp_path):
     assert row["candidates"]["fa3"] == "needs a CUDA device" and row["candidates"]["torch"] == "available"
     assert row["candidates"]["sdpa.cudnn"] == "needs a CUDA device, not cpu"
     assert row["candidates"]["fa3_hub"] == row["candidates"]["fa3_xformers"] == "needs a CUDA GPU"
-    assert row["candidates"]["triton"] == "the kernel takes fp16/bf16, not float32"
+    assert row["candidates"]["triton"] == "takes float16/bfloat16, not float32"
     assert "attention at 1x24x4x16 / 1x24x4x16: sdpa" in doctor_ops.implementation_text(list(rows.values()))

@@ -161,7 +161,7 @@ def test_on_a_cpu_the_store_lists_it_with_the_reason():
     assert "triton" in rows and rows["triton"] == "the kernel needs a CUDA GPU"
     names = list(att.AUTO_CANDIDATES)
     assert names.index("triton") > names.index("sdpa")          # never the availability order's pick
-    assert "fp16/bf16" in fa.kernel_problem("cuda", torch.float32, 128)
+    assert "float16/bfloat16" in fa.kernel_problem("cuda", torch.float32, 128)
     assert "head sizes" in fa.kernel_problem("cuda", torch.bfloat16, 96)
     assert "key padding mask" in fa.kernel_problem("cuda", torch.bfloat16, 128, masked=True)
 
