@@ -155,11 +155,6 @@ def rope1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str) -
     return _impl("apply_rope1", backend)(x, freqs_cis(cos, sin))
 
 
-def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str):
-    """(q, k) rotated together with comfy-kitchen's ``apply_rope`` (one launch for both)."""
-    return _impl("apply_rope", backend)(q, k, freqs_cis(cos, sin))
-
-
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
               eps: float, backend: str) -> torch.Tensor:
     """The pack's ``rmsnorm_rope`` with the rotation from comfy-kitchen: RMSNorm over the full width in float32

@@ -147,15 +147,6 @@ class BackendUnavailable(ValueError, RuntimeError):
 _capability = registry.capability
 
 
-def capability_supports(name: str, capability: tuple) -> bool:
-    """Compute-capability rule of each FlashAttention generation."""
-    if name == "fa3":
-        return capability[0] == 9
-    if name == "fa2":
-        return capability[0] >= 8
-    return True
-
-
 _BUILD: dict = {}          # (name, device index) -> None (ok) or the probe's error
 
 
@@ -204,10 +195,6 @@ def _mark_unusable(name: str, device, error: BaseException) -> None:
                 _MODULES[name], str(error).strip()[:200])
 
 
-def head_dim_supported(head_dim: int) -> bool:
-    return head_dim % 8 == 0 and 0 < head_dim <= 256
-
-
 def _candidates(requested: str) -> tuple:
     return {"auto": ("fa3", "fa2", "sdpa"), "flash_attn": ("fa3", "fa2", "sdpa"),
             "fa3": ("fa3", "sdpa"), "fa2": ("fa2", "sdpa"), "sdpa": ("sdpa",)}[requested]
@@ -226,9 +213,9 @@ def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capabili
     if why:
         return why
     cap = capability or _capability(device)
-    if not capability_supports(name, cap):
+    if cap[0] != 9 if name == "fa3" else cap[0] < 8:      # FA3: Hopper only; FA2: SM 8.0+
         return f"compute capability {cap[0]}.{cap[1]} not supported"
-    if not head_dim_supported(head_dim):
+    if head_dim % 8 or not 0 < head_dim <= 256:
         return f"head size {head_dim} not supported"
     failed = build_supports(name, device, dtype)
     if failed:

@@ -66,23 +66,10 @@ FA_HINTS = {"fa3": "pip install fa3-fwd (PyPI: FlashAttention 3's forward, bf16,
 
 def _fa_checker(name: str):
     def check(ctx: ProbeContext) -> Probe:
-        hint = FA_HINTS[name]
-        if ctx.device.type != "cuda":
-            raise NotAvailable("needs a CUDA GPU", hint)
-        if ctx.dtype not in (torch.float16, torch.bfloat16):
-            raise NotAvailable(f"needs fp16/bf16 weights (probe dtype {ctx.dtype})", "load bf16 or fp16 weights")
-        fn = attn._load(name)
-        if fn is None:
-            raise NotAvailable(f"{attn._MODULES[name]} is not installed", hint)
-        if attn.fa_dtype_problem(name, ctx.dtype):
-            raise NotAvailable(attn.fa_dtype_problem(name, ctx.dtype), "run in bf16 to use it")
-        cap = torch.cuda.get_device_capability(ctx.device)
-        if not attn.capability_supports(name, cap):
-            raise NotAvailable(f"compute capability {cap[0]}.{cap[1]} not supported by {name}",
-                               "use 'sdpa' or the FlashAttention generation for this GPU")
-        if not attn.head_dim_supported(ctx.head_dim):
-            raise NotAvailable(f"head size {ctx.head_dim} not supported")
-        q, k, v = _qkv(ctx)
+        why = attn.flash_problem(name, ctx.device, ctx.dtype, ctx.head_dim)   # the op registry's 'attention.<name>'
+        if why:
+            raise NotAvailable(why, FA_HINTS[name])
+        fn, (q, k, v) = attn.flash_function(name), _qkv(ctx)
 
         def feature():
             out = fn(q, k, v)
