@@ -1,6 +1,5 @@
-"""Every implementation of an op, verified against its torch reference, and the fastest verified one chosen.
-
-Ops (with the signature of their torch reference):
+"""The timed families of the op registry (``kernels/registry.py``): every usable candidate verified against its
+torch reference, and the fastest verified one chosen.
 
 * ``layernorm_modulate(x, shift, scale, eps)``: the pack's Triton kernel (``pack``), comfy-kitchen's ``adaln`` per
   backend (``kitchen.cuda``, ``kitchen.triton``, ``kitchen.eager``) and plain torch (``torch``);
@@ -11,15 +10,9 @@ The choice goes through the operator store (``cache/autotune.py``): kernel ``ops
 dtypes, one "config" ``{"impl": name}`` per candidate, on the cache's GPU fingerprint. Each candidate is checked on
 seeded inputs of the call's shapes against the reference (tolerance from the dtype's resolution) before it is timed
 (with the store's pluggable timer); a candidate whose numbers are wrong is recorded as failed and never used again
-on that fingerprint, alone (the others stay on). A second process with the same store measures nothing.
-
-The verify-then-time choice itself (``pick``) is generic: exact attention (``model/attention.py``) runs its own
-candidates (FlashAttention 3 / 2, SDPA, plain softmax math) through it as op ``attention``, with its own reference,
-store key and tolerance.
-
-Both ops are families of the op registry (``kernels/registry.py``: candidates as data, the walk, the override).
-Modes (``FastOptions.ops``): ``auto`` (every candidate), ``pack`` (the pack's kernel), ``kitchen`` (comfy-kitchen's
-backends), ``torch`` (the reference only); plain torch always stays as the last resort.
+on that fingerprint, alone. A second process with the same store measures nothing. ``pick`` is generic: exact
+attention (``model/attention.py``) runs its candidates through it with its own reference, key and tolerance.
+Modes (``FastOptions.ops``): ``auto``, ``pack``, ``kitchen``, ``torch``; plain torch stays the last resort.
 """
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def backend_problem(backend: str, func: str, device) -> str | None:
         # the registry counts Triton only on a GPU; the pack runs it on a CPU under the Triton interpreter
         mod = _triton_backend_module()
         if not _common.interpreter_usable():
-            return "needs a CUDA GPU (or the Triton interpreter on a CPU: TRITON_INTERPRET=1 before the process starts)"
+            return _common.triton_problem(device)
         if mod is None or not getattr(mod, "_TRITON_AVAILABLE", False) or not hasattr(mod, func):
             return "comfy-kitchen's triton backend does not import here"
         return None

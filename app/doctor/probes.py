@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ...kernels import _common, norm_modulate, qk_norm_rope, residual, residual_layernorm, rms_norm, use_triton
-from ...kernels import candidates as op_candidates
+from ...kernels import _common, norm_modulate, qk_norm_rope, residual, residual_layernorm, rms_norm
+from ...kernels import candidates as op_candidates, registry
 from ...kernels import kitchen
 from ...kernels import fp8_linear as fp8
 from ...kernels import fa3_fp8, fa3_packages, flash_attention, fp8_attention, int8_attention
@@ -78,68 +78,45 @@ def _fa_checker(name: str):
     return check
 
 
-def _triton_attention_requires(ctx: ProbeContext) -> None:
-    why = flash_attention.kernel_problem(ctx.device, ctx.dtype, ctx.head_dim)
-    if why:
-        raise NotAvailable(why, "run on a CUDA GPU (SM 8.0+) with triton installed, bf16/fp16 weights")
-
-
-def _check_triton_attention(ctx: ProbeContext) -> Probe:
-    _triton_attention_requires(ctx)
-    q, k, v = _qkv(ctx)
-    return Probe(lambda: flash_attention.flash_attention(q, k, v), lambda: _softmax_math(q, k, v), ctx.dtype,
-                 judge_speed=False, ulps=ATTENTION_ULPS,
-                 note="checked against math; speed: the operator store times it at the call's shapes")
-
-
-def _fa3_package_requires(name: str):
+def _auto_candidate(name: str, hint: str) -> tuple:
+    """(requires, check) of the doctor's probe of the 'auto' candidate ``name`` (the op registry's family
+    'attention': the pack's Triton kernel, FlashAttention 3 from a prebuilt package) against plain softmax math."""
     def requires(ctx: ProbeContext) -> None:
-        why = fa3_packages.PROBLEMS[name](ctx.device, ctx.dtype, ctx.head_dim)
+        why = attn.AUTO_CANDIDATES[name].rejected(ctx.device, ctx.dtype, ctx.head_dim)
         if why:
-            raise NotAvailable(why, fa3_packages.HINTS[name])
-    return requires
-
-
-def _fa3_package_checker(name: str):
-    """FlashAttention 3 from a prebuilt package (an 'auto' candidate) against plain softmax math."""
-    requires = _fa3_package_requires(name)
+            raise NotAvailable(why, hint)
 
     def check(ctx: ProbeContext) -> Probe:
         requires(ctx)
         q, k, v = _qkv(ctx)
-        return Probe(lambda: fa3_packages.attention(name, q, k, v), lambda: _softmax_math(q, k, v), ctx.dtype,
+        return Probe(lambda: attn.AUTO_CANDIDATES[name].fn(q, k, v), lambda: _softmax_math(q, k, v), ctx.dtype,
                      judge_speed=False, ulps=ATTENTION_ULPS,
                      note="checked against math; speed: the operator store times it at the call's shapes")
-    return check
+    return requires, check
 
 
-def _approximate_checker(mode: str, module):
-    """A probe of the opt-in attention ``mode`` against exact attention (float32 math), judged by its module's
-    ``error_bound`` (per element, derived from its quantization: see that docstring) rather than the dtype's
-    resolution."""
+_TRITON_ATTENTION = _auto_candidate("triton", "run on a CUDA GPU (SM 8.0+) with triton installed, bf16/fp16 weights")
+_FA3_PACKAGES = {name: _auto_candidate(name, fa3_packages.HINTS[name]) for name in fa3_packages.NAMES}
+
+
+def _approximate_checker(mode: str, bound):
+    """A probe of the opt-in attention ``mode`` against exact attention (float32 math), judged by ``bound(q, k, v,
+    kernel)``, its module's ``error_bound`` (per element, derived from its quantization: see that docstring) for
+    the implementation the op registry takes here, rather than the dtype's resolution."""
     def check(ctx: ProbeContext) -> Probe:
         if ctx.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise NotAvailable(f"needs fp32/fp16/bf16 (probe dtype {ctx.dtype})")
         q, k, v = _qkv(ctx)
-        kernel = module.implementation(ctx.device, ctx.dtype, ctx.head_dim)[0]
+        kernel = registry.choice(f"attention.{mode}", ctx.device, ctx.dtype, ctx.head_dim)[0]
         return Probe(lambda: attn.attention(q, k, v, backend=mode), lambda: _softmax_math(q, k, v), ctx.dtype,
-                     bound=lambda: module.error_bound(q, k, v, kernel=kernel),
+                     bound=lambda: bound(q, k, v, kernel),
                      note=f"{mode} ({kernel}) within its stated error bound of exact attention (difference in "
                           f"units of the bound)")
     return check
 
 
-_check_int8 = _approximate_checker("int8", int8_attention)
-class _Fp8Mode:
-    """The fp8 mode's implementation here (FlashAttention 3's e4m3 kernels or the pack's) and that one's bound."""
-    implementation = staticmethod(attn.fp8_implementation)
-
-    @staticmethod
-    def error_bound(q, k, v, kernel):
-        return fp8_error_bound(q, k, v, kind=kernel)
-
-
-_check_fp8_attention = _approximate_checker("fp8", _Fp8Mode)
+_check_int8 = _approximate_checker("int8", lambda q, k, v, kernel: int8_attention.error_bound(q, k, v, kernel=kernel))
+_check_fp8_attention = _approximate_checker("fp8", lambda q, k, v, kernel: fp8_error_bound(q, k, v, kind=kernel))
 
 
 # ----------------------------------------------------------------------------------------------- fp8 linear
@@ -180,12 +157,10 @@ def _check_fp8(ctx: ProbeContext) -> Probe:
 
 # ----------------------------------------------------------------------------------------------- kernels
 def _kernel_ready(ctx: ProbeContext) -> None:
-    if _common.triton_module() is None:
-        raise NotAvailable("triton does not import", "pip install triton (on Windows: the triton-windows build "
-                                                     "matching your torch)")
-    if not use_triton(torch.empty(0, device=ctx.device)):
-        raise NotAvailable("needs a CUDA GPU (or the Triton interpreter on a CPU: TRITON_INTERPRET=1 set before "
-                           "the process starts)", "run on a CUDA GPU")
+    why = _common.triton_problem(ctx.device)        # the op registry's probe of the pack's kernels
+    if why:
+        hint = "pip install triton (on Windows: the triton-windows build matching your torch)"
+        raise NotAvailable(why, hint if _common.triton_module() is None else "run on a CUDA GPU")
 
 
 def _tuned(mod, launch, key, x):
@@ -439,15 +414,15 @@ for _feature in (
     Feature("attention.fa2", "FlashAttention 2", _fa_checker("fa2"), ("flash-attn", "flash_attn"),
             "fa2 (SDPA is used)", sources=_ATTENTION),
     Feature("attention.triton", "the pack's Triton flash-attention kernel (an 'auto' candidate)",
-            _check_triton_attention, ("triton",), "this kernel (the other exact candidates)",
-            requires=_triton_attention_requires,
+            _TRITON_ATTENTION[1], ("triton",), "this kernel (the other exact candidates)",
+            requires=_TRITON_ATTENTION[0],
             sources=lambda: (str(flash_attention._KERNEL_NAME), flash_attention, attn, _qkv, _softmax_math)),
     Feature("attention.fa3_hub", "FlashAttention 3 from the Hugging Face kernel hub (opt-in; an 'auto' candidate)",
-            _fa3_package_checker("fa3_hub"), ("kernels",), "this package (the other exact candidates)",
-            requires=_fa3_package_requires("fa3_hub"), sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
+            _FA3_PACKAGES["fa3_hub"][1], ("kernels",), "this package (the other exact candidates)",
+            requires=_FA3_PACKAGES["fa3_hub"][0], sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
     Feature("attention.fa3_xformers", "FlashAttention 3 through xformers (an 'auto' candidate)",
-            _fa3_package_checker("fa3_xformers"), ("xformers",), "this operator (the other exact candidates)",
-            requires=_fa3_package_requires("fa3_xformers"),
+            _FA3_PACKAGES["fa3_xformers"][1], ("xformers",), "this operator (the other exact candidates)",
+            requires=_FA3_PACKAGES["fa3_xformers"][0],
             sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
     Feature("attention.int8", "int8 attention (opt-in)", _check_int8, ("comfy-kitchen",), "int8 (SDPA is used)",
             sources=lambda: (attn, int8_attention, _qkv, _softmax_math)),
