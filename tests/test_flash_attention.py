@@ -187,6 +187,7 @@ def test_a_failed_doctor_verdict_switches_it_off(monkeypatch):
     from wan_accel.nodes.doctor_nodes import FEATURE_CHOICES
     from wan_accel.sampling.runner import FastOptions
     from wan_accel.kernels import _common
+    from wan_accel.kernels import flash_attention as fa
     assert "attention.triton" in FEATURES and "attention.triton" in FEATURE_CHOICES
     # a CPU without Triton's interpreter, whatever this process's TRITON_INTERPRET says (tests/test_interpret_pass.py
     # runs this file under it): no fused kernel and no candidate of them to judge
@@ -199,7 +200,7 @@ def test_a_failed_doctor_verdict_switches_it_off(monkeypatch):
     model = tiny_causal_model()
     options, _ = gate.gate_options(model, FastOptions(), doctor=Verdicts())
     assert "attention.triton" not in options.switched_off       # a CPU: not a candidate, nothing to judge
-    monkeypatch.setattr(gate, "triton_attention_problem", lambda *a: None)
+    monkeypatch.setattr(fa, "kernel_problem", lambda *a, **kw: None)       # a GPU where the kernel runs
     options, lines = gate.gate_options(model, FastOptions(), doctor=Verdicts())
     assert "attention.triton" in options.switched_off and "attention.triton" in lines[0]
     off = att.auto_request(options.switched_off)
