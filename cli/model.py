@@ -282,10 +282,7 @@ def _check_ops(args) -> None:
                          f"{'it' if len(given) == 1 else 'them'} out")
     if args.ops != "auto":
         from ..sampling.runner import ops_mode_problem
-        try:
-            problem = ops_mode_problem(args.ops, device)
-        except ValueError as exc:
-            problem = str(exc)
+        problem = ops_mode_problem(args.ops, device)      # a malformed ops string: its ValueError, a usage error
         if problem:
             raise UsageError(f"--ops: {problem}")
 

@@ -106,12 +106,8 @@ def interpreter_usable() -> bool:
 
 def use_triton(*tensors) -> bool:
     """Triton for CUDA tensors (triton importable) or, under TRITON_INTERPRET=1, for CPU tensors."""
-    if triton_module() is None:
-        return False
     devices = {t.device.type for t in tensors}
-    if devices == {"cuda"}:
-        return True
-    return devices == {"cpu"} and interpreter_usable()
+    return len(devices) == 1 and triton_problem(devices.pop()) is None
 
 
 def divide(x, divisor: float):

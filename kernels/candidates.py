@@ -81,12 +81,6 @@ def store_kernel(op: str) -> str:
 _STORE_NAMES: dict[str, str] = {}
 
 
-def check_mode(mode) -> str:
-    """``mode`` when it is a valid ops string (``registry.parse_ops``), else ValueError naming the fix."""
-    registry.parse_ops(mode)
-    return mode
-
-
 def mode_problem(ops: str, device) -> str | None:
     """Why an ops string cannot run on ``device`` (no candidate of its mode's group is available; an override's
     candidate cannot run here), or None."""

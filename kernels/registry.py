@@ -1,16 +1,11 @@
 """The op registry: every op family's implementations ("candidates") as data, one walk, one override, one verdict.
 
-A family (``register``) lists its candidates in priority order. Each declares what it needs as data (device types,
-dtypes, minimum CUDA compute capability, head sizes, another family's candidate it runs on) plus an optional probe
-``problem(device, dtype, head_dim) -> why not | None`` for what data cannot say (a package that must import, a build
-that must run). ``walk`` checks them in order: the first usable one, and {candidate: why rejected}. ``explain`` and
-``list_families`` are the doctor's view (``python -m wan_accel doctor --ops``). Families of exact candidates
-(LayerNorm+modulate, RMSNorm+RoPE, exact attention) then verify and time the usable ones through the operator store
-(``kernels/candidates.pick``); a candidate marked ``manual`` (another numerics) is taken only when asked for.
-
-One override: ``use({family: candidate})``, a context manager; a run's ops string (``FastOptions.ops``: ``auto`` |
-``pack`` | ``kitchen`` | ``torch`` and/or ``family=candidate`` pairs, comma-separated) is checked by ``parse_ops``.
-One speed verdict (``speed``): an opt-in mode against its exact path, timed through the operator store.
+A family (``register``) lists its candidates in priority order, each with its needs as data (device types, dtypes,
+minimum compute capability, head sizes, another family's candidate it runs on) and an optional probe
+``problem(device, dtype, head_dim)`` for the rest. ``walk``: the first usable one and why each other is rejected
+(``explain`` / ``list_families``: ``python -m wan_accel doctor --ops``). A ``timed`` family's usable candidates are
+then verified and timed per call shape through the operator store (``kernels/candidates.pick``). One override,
+``use`` (the ops string's ``family=candidate`` pairs, ``parse_ops``); one speed verdict, ``speed``.
 """
 from __future__ import annotations
 

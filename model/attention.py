@@ -205,13 +205,9 @@ def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capabili
     device = torch.device(device)
     if device.type != "cuda":
         return "needs a CUDA device"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
-    if not fa_available(name):
-        return f"{_MODULES[name]} not installed"
     why = fa_dtype_problem(name, dtype)
-    if why:
-        return why
+    if why or not fa_available(name):
+        return why or f"{_MODULES[name]} not installed"
     cap = capability or _capability(device)
     if cap[0] != 9 if name == "fa3" else cap[0] < 8:      # FA3: Hopper only; FA2: SM 8.0+
         return f"compute capability {cap[0]}.{cap[1]} not supported"

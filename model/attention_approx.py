@@ -12,9 +12,6 @@ import torch
 from ..kernels import fa3_fp8, fp8_attention as fp8, int8_attention as int8, registry
 from . import attention as att
 
-# the operator store's kernels of the opt-in modes' speed verdicts
-SPEED_KERNELS = {"int8": "speed.attention.int8", "fp8": "speed.attention.fp8", "fa3_fp8": "speed.attention.fa3_fp8"}
-
 
 def fp8_scheme(kind: str) -> str:
     """'fa3' (e4m3 Q, K and V, one scale per head) or 'smoothed' (the pack's int8 Q . K, e4m3 P . V) of a kind."""
@@ -32,8 +29,8 @@ def attention_speed(mode: str, lq: int, lk: int, batch: int, heads: int, head_di
                     tuner=None) -> tuple[bool | None, str]:
     """(slower, why): whether the opt-in ``mode`` ('int8' | 'fp8') is slower than exact attention at the run's own
     largest call (``lq`` queries, ``lk`` keys), timed through ``registry.speed`` (one verdict per GPU and shape; fp8's
-    keys/values quantized beforehand, as the KV cache keeps them). None where no speed can be judged: not a GPU,
-    or fp8 by a torch version (its numerics, not its speed)."""
+    keys/values quantized beforehand, as the KV cache keeps them; store kernel ``speed.attention.<kind>``). None
+    where no speed can be judged: not a GPU, or fp8 by a torch version (its numerics, not its speed)."""
     kind = mode
     if mode == "fp8":
         kind, why = att.fp8_implementation(device, dtype, head_dim)
@@ -52,7 +49,7 @@ def attention_speed(mode: str, lq: int, lk: int, batch: int, heads: int, head_di
         return (q, k) + extra(k)
 
     key = f"{torch.device(device).type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
-    slower, shown = registry.speed(SPEED_KERNELS[kind], key, kind, run,
+    slower, shown = registry.speed(f"speed.attention.{kind}", key, kind, run,
                                    lambda q, k, *_: att.attention(q, k, k, backend=exact), inputs, device, tuner)
     if slower is None:
         return None, shown if shown.startswith("speed not judged") else f"not measured ({shown})"

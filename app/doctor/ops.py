@@ -29,29 +29,20 @@ def switched_off(doctor: Doctor, probe: bool = True) -> tuple:
 
 
 def implementations(doctor: Doctor, mode: str = "auto", probe: bool = True) -> list[dict]:
-    """One row per op: {'op', 'uses', 'why', 'candidates': {name: why not or 'available'}}."""
-    off = switched_off(doctor, probe)
-    tuner = Autotuner(doctor.cache)
+    """One row per op: {'op', 'uses', 'why', 'candidates': {name: why not or 'available'}}; exact attention under
+    'auto' last (a candidate whose verdict failed here, FlashAttention 3 / 2 or the pack's kernel, left out)."""
+    off, tuner, ctx = switched_off(doctor, probe), Autotuner(doctor.cache), doctor.context
     rows = []
     for op in op_candidates.OPS:
-        args = _op_args(op, doctor.context)
-        listing = {c.name: why or "available"
-                   for c, why in op_candidates.listing(op, doctor.context.device, mode, off, doctor.context.dtype)}
+        args = _op_args(op, ctx)
+        listing = {c.name: why or "available" for c, why in op_candidates.listing(op, ctx.device, mode, off, ctx.dtype)}
         uses, why = op_candidates.choose(op, args, mode, off, tuner=tuner, benchmark=probe)
         rows.append({"op": op, "uses": uses, "why": why, "candidates": listing, "shape": _shape(args)})
-    rows.append(attention_row(doctor, probe))
-    return rows
-
-
-def attention_row(doctor: Doctor, probe: bool = True) -> dict:
-    """Exact attention under 'auto' (model/attention.py) for the probe shape: its candidates and the store's choice;
-    a candidate whose verdict failed here (FlashAttention 3 / 2, the pack's Triton kernel) is left out."""
-    off = [feature.split(".", 1)[1] for feature in attn.SWITCHABLE if _failed(doctor, feature, probe)]
-    ctx = doctor.context
+    off = tuple(feature.split(".", 1)[1] for feature in attn.SWITCHABLE if _failed(doctor, feature, probe))
     q, k, v = _qkv(ctx)
     listing = {c.name: why or "available" for c, why in attn.auto_listing(ctx.device, ctx.dtype, ctx.head_dim, off)}
-    uses, why = attn.choose_auto(q, k, v, tuple(off), tuner=Autotuner(doctor.cache), benchmark=probe)
-    return {"op": "attention", "uses": uses, "why": why, "candidates": listing, "shape": _shape((q, k))}
+    uses, why = attn.choose_auto(q, k, v, off, tuner=tuner, benchmark=probe)
+    return rows + [{"op": "attention", "uses": uses, "why": why, "candidates": listing, "shape": _shape((q, k))}]
 
 
 def registry_report(device, dtype, head_dim: int) -> dict:

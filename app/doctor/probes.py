@@ -78,25 +78,27 @@ def _fa_checker(name: str):
     return check
 
 
-def _auto_candidate(name: str, hint: str) -> tuple:
-    """(requires, check) of the doctor's probe of the 'auto' candidate ``name`` (the op registry's family
-    'attention': the pack's Triton kernel, FlashAttention 3 from a prebuilt package) against plain softmax math."""
+def _candidate_probe(family: str, name: str, hint, inputs, reference, **probe) -> tuple:
+    """(requires, check) of the doctor's probe of the op registry's candidate ``name`` of ``family`` against
+    ``reference`` on ``inputs(ctx)``: NotAvailable with the candidate's reason (and ``hint()``) where it cannot run."""
     def requires(ctx: ProbeContext) -> None:
-        why = attn.AUTO_CANDIDATES[name].rejected(ctx.device, ctx.dtype, ctx.head_dim)
+        why = registry.candidate(family, name).rejected(ctx.device, ctx.dtype, ctx.head_dim)
         if why:
-            raise NotAvailable(why, hint)
+            raise NotAvailable(why, hint())
 
     def check(ctx: ProbeContext) -> Probe:
         requires(ctx)
-        q, k, v = _qkv(ctx)
-        return Probe(lambda: attn.AUTO_CANDIDATES[name].fn(q, k, v), lambda: _softmax_math(q, k, v), ctx.dtype,
-                     judge_speed=False, ulps=ATTENTION_ULPS,
-                     note="checked against math; speed: the operator store times it at the call's shapes")
+        args = inputs(ctx)
+        return Probe(lambda: registry.candidate(family, name).fn(*args), lambda: reference(*args), ctx.dtype,
+                     judge_speed=False, **probe)
     return requires, check
 
 
-_TRITON_ATTENTION = _auto_candidate("triton", "run on a CUDA GPU (SM 8.0+) with triton installed, bf16/fp16 weights")
-_FA3_PACKAGES = {name: _auto_candidate(name, fa3_packages.HINTS[name]) for name in fa3_packages.NAMES}
+_EXACT = dict(ulps=ATTENTION_ULPS, note="checked against math; speed: the operator store times it at the call's shapes")
+_TRITON_HINT = "run on a CUDA GPU (SM 8.0+) with triton installed, bf16/fp16 weights"
+_TRITON_ATTENTION = _candidate_probe("attention", "triton", lambda: _TRITON_HINT, _qkv, _softmax_math, **_EXACT)
+_FA3_PACKAGES = {name: _candidate_probe("attention", name, lambda n=name: fa3_packages.HINTS[n], _qkv, _softmax_math,
+                                        **_EXACT) for name in fa3_packages.NAMES}
 
 
 def _approximate_checker(mode: str, bound):
@@ -474,21 +476,6 @@ def _op_args(op: str, ctx: ProbeContext) -> tuple:
     return x, 1 + _rand(ctx, d, scale=0.1, seed=19), cos, sin, ctx.heads, 1e-6
 
 
-def _candidate_checker(op: str, name: str):
-    def requires(ctx: ProbeContext) -> None:
-        why = op_candidates.CANDIDATES[op][name].problem(ctx.device)
-        if why:
-            raise NotAvailable(why, kitchen.INSTALL_HINT if not kitchen.available() else "run on a CUDA GPU")
-
-    def check(ctx: ProbeContext) -> Probe:
-        requires(ctx)
-        args = _op_args(op, ctx)
-        cand = op_candidates.CANDIDATES[op][name]
-        return Probe(lambda: cand.fn(*args), lambda: op_candidates.REFERENCES[op](*args), ctx.dtype,
-                     judge_speed=False, note="speed: the operator store times every verified implementation")
-    return requires, check
-
-
 def _candidate_sources(op: str) -> Callable[[], tuple]:
     mods = {"layernorm_modulate": norm_modulate, "rmsnorm_rope": qk_norm_rope}
     return lambda: (op_candidates, kitchen, mods[op], _op_args)
@@ -503,7 +490,10 @@ for _op, _cands in op_candidates.CANDIDATES.items():
     for _name, _cand in _cands.items():
         if _cand.group != "kitchen":      # the pack's kernels are 'kernel.<name>'; torch is the reference
             continue
-        _requires, _check = _candidate_checker(_op, _name)
+        _requires, _check = _candidate_probe(
+            _op, _name, lambda: kitchen.INSTALL_HINT if not kitchen.available() else "run on a CUDA GPU",
+            lambda ctx, op=_op: _op_args(op, ctx), op_candidates.REFERENCES[_op],
+            note="speed: the operator store times every verified implementation")
         register_feature(Feature(candidate_feature(_op, _name), f"{_op}: {_cand.summary}", _check,
                                  (kitchen.DISTRIBUTION,), f"{_name} for {_op} (another verified implementation)",
                                  requires=_requires, sources=_candidate_sources(_op)))
