@@ -24,6 +24,7 @@ until ``bench attention`` runs on a GPU.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -126,15 +127,6 @@ def forget() -> None:
     _PROBED.clear()
 
 
-def call_problem(dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why FlashAttention 3 cannot take a call in ``dtype`` with this head size, on any device; or None."""
-    if dtype not in DTYPES:
-        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
-    if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
-        return f"head size {head_dim} not supported (a multiple of 8 up to {MAX_HEAD_DIM})"
-    return None
-
-
 def capturing() -> bool:
     """Whether this thread's current CUDA stream is capturing a graph (no probe call may run then)."""
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
@@ -166,9 +158,10 @@ def problem(name: str, device, dtype: torch.dtype, head_dim: int) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return "needs a CUDA GPU"
-    why = call_problem(dtype, head_dim)
-    if why:
-        return why
+    if dtype not in DTYPES:
+        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
+    if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
+        return f"head size {head_dim} not supported (a multiple of 8 up to {MAX_HEAD_DIM})"
     if name == "fa3_hub" and not hub_opted_in():
         return f"not opted in: set {HUB_ENV}=1 to let the kernels package download FlashAttention 3 from the hub"
     cap = registry.capability(device)
@@ -183,15 +176,7 @@ def problem(name: str, device, dtype: torch.dtype, head_dim: int) -> str | None:
     return None
 
 
-def hub_problem(device, dtype: torch.dtype, head_dim: int) -> str | None:
-    return problem("fa3_hub", device, dtype, head_dim)
-
-
-def xformers_problem(device, dtype: torch.dtype, head_dim: int) -> str | None:
-    return problem("fa3_xformers", device, dtype, head_dim)
-
-
-PROBLEMS = {"fa3_hub": hub_problem, "fa3_xformers": xformers_problem}
+PROBLEMS = {name: functools.partial(problem, name) for name in NAMES}     # the 'auto' candidates' probes
 SUMMARIES = {"fa3_hub": "FlashAttention 3 from the Hugging Face kernel hub (kernels package, opt-in)",
              "fa3_xformers": "FlashAttention 3 through xformers' flash3 operator"}
 

@@ -64,6 +64,8 @@ _FUNCS: dict = {}          # "fa3"/"fa2" -> flash_attn_func or None (import atte
 _FROM: dict = {}           # "fa3"/"fa2" -> the module it was found in
 _NO_FP16: dict = {}        # "fa3"/"fa2" -> True where the loaded build has no fp16 kernels
 _PROBLEMS: dict = {}       # "fa3"/"fa2" -> the ImportProblem of each module that did not give flash_attn_func
+# the FlashAttention generations each request tries, in order, before SDPA
+GENERATIONS = {"auto": ("fa3", "fa2"), "flash_attn": ("fa3", "fa2"), "fa3": ("fa3",), "fa2": ("fa2",), "sdpa": ()}
 FA3_SPLITS = (2, 3)        # key splits (FA3's num_splits) offered to the operator store as candidates of their own
 
 
@@ -144,9 +146,6 @@ class BackendUnavailable(ValueError, RuntimeError):
     error, exit 2), and a RuntimeError for callers that catch the run's failures."""
 
 
-_capability = registry.capability
-
-
 _BUILD: dict = {}          # (name, device index) -> None (ok) or the probe's error
 
 
@@ -195,11 +194,6 @@ def _mark_unusable(name: str, device, error: BaseException) -> None:
                 _MODULES[name], str(error).strip()[:200])
 
 
-def _candidates(requested: str) -> tuple:
-    return {"auto": ("fa3", "fa2", "sdpa"), "flash_attn": ("fa3", "fa2", "sdpa"),
-            "fa3": ("fa3", "sdpa"), "fa2": ("fa2", "sdpa"), "sdpa": ("sdpa",)}[requested]
-
-
 def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capability: tuple | None = None) -> str | None:
     """Why FlashAttention ``name`` ('fa3' | 'fa2') cannot run this call on ``device``, or None when it can."""
     device = torch.device(device)
@@ -208,7 +202,7 @@ def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capabili
     why = fa_dtype_problem(name, dtype)
     if why or not fa_available(name):
         return why or f"{_MODULES[name]} not installed"
-    cap = capability or _capability(device)
+    cap = capability or registry.capability(device)
     if cap[0] != 9 if name == "fa3" else cap[0] < 8:      # FA3: Hopper only; FA2: SM 8.0+
         return f"compute capability {cap[0]}.{cap[1]} not supported"
     if head_dim % 8 or not 0 < head_dim <= 256:
@@ -231,9 +225,7 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int, c
     if requested == "fp8":
         return "fp8", fp8_implementation(device, dtype, head_dim)[1]
     why = []
-    for name in _candidates(requested):
-        if name == "sdpa":
-            break
+    for name in GENERATIONS[requested]:
         problem = SWITCHED_OFF if f"attention.{name}" in off else flash_problem(name, device, dtype, head_dim,
                                                                                   capability)
         if problem:

@@ -32,8 +32,7 @@ import torch
 
 from ..kernels import use_triton
 from ..kernels.candidates import mode_problem as ops_mode_problem
-from ..kernels.registry import SWITCHED_OFF, parse_ops, use as use_ops
-from ..kernels.registry import parse_ops as check_ops_mode       # an ops string checked: ValueError naming the fix
+from ..kernels.registry import SWITCHED_OFF, parse_ops, parse_ops as check_ops_mode, use as use_ops
 from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, seq_parallel_of,
                                  swapped_blocks)
 from ..model.attention import (APPROXIMATE, auto_request, explain_backend, fp8_implementation, plan_shapes,

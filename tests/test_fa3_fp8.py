@@ -174,7 +174,7 @@ def test_the_speed_verdict_times_fa3s_fp8_against_exact(hopper, monkeypatch):
     speed_timer.install(monkeypatch, slow=False)
     slower, why = approx.attention_speed("fp8", 40, 80, 1, 2, 16, torch.bfloat16, "cpu", exact="sdpa")
     assert slower is False and "40 queries x 80 keys" in why
-    assert get_autotuner().entry(f"{"speed.attention.fa3_fp8"}@{TIMING}", "cpu|h2|d16|bfloat16|q40|k80")
+    assert get_autotuner().entry(f"speed.attention.fa3_fp8@{TIMING}", "cpu|h2|d16|bfloat16|q40|k80")
     assert any(c["dtype"] == torch.float8_e4m3fn for c in hopper)
 
 

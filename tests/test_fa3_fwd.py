@@ -81,7 +81,7 @@ def wheel(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)       # import of it fails
     monkeypatch.setitem(sys.modules, "fa3_fwd_interface", mod)
     monkeypatch.setitem(sys.modules, "fa3_fwd_config", config)
-    monkeypatch.setattr(att, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(registry, "capability", lambda device: (9, 0))
     monkeypatch.setattr(att, "build_supports", lambda name, device, dtype=None: None)   # no CUDA for the probe
     yield calls
     _forget()
