@@ -495,7 +495,6 @@ def _no_interpreter(monkeypatch):
 
 def _speed_run(monkeypatch, slow: bool, **fast):
     import speed_timer
-    from wan_accel.model import fp8_linear as fl
     monkeypatch.setattr(registry, "SPEED_DEVICES", ("cuda", "cpu"))    # judge speed here, with the store's own timer
     timed = speed_timer.install(monkeypatch, slow)               # fp8 timed first, then exact (no interpreter)
     model = tiny_causal_model()
