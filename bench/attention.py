@@ -28,6 +28,7 @@ import torch
 
 from ..cache.finite_flags import non_finite
 from ..cache.json_out import to_json
+from ..kernels import registry
 from ..app.validate import UsageError
 
 # shape -> (tokens per latent frame, latent frames, frames per chunk, heads, head size, text tokens)
@@ -108,7 +109,7 @@ def _approximate_call(name: str, k, v):
         return lambda a, b_, c: fp8_attention.fp8_attention(a, b_, c, kv8=kv8)
     if name == "fa3_fp8":          # keys and values quantized once (as a cache would keep them), queries per call
         kv = fa3_fp8.quantize_kv(k, v)
-        return lambda a, b_, c: attn.fa3_fp8_attention(a, kv)
+        return lambda a, b_, c: fa3_fp8.attention(attn.flash_function("fa3"), a, kv)
     return lambda a, b_, c: attn.attention(a, b_, c, backend=name)
 
 
@@ -135,7 +136,7 @@ def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, devi
         tell(f"timing {cand.name}")
         rows.append(_row(cand.name, "exact", cand.fn, q, k, v, ref, timer, ceiling))
     for name in approximate:
-        why = attn.fa3_fp8_problem(device, dtype, head_dim) if name == "fa3_fp8" else None
+        why = registry.candidate("attention.fp8", "fa3").rejected(device, dtype, head_dim) if name == "fa3_fp8" else None
         if why is not None:
             rows.append({"lq": lq, "lk": lk, "candidate": name, "kind": "approximate", "status": "unavailable",
                          "why": why})

@@ -1,4 +1,4 @@
-"""``python -m wan_accel doctor [--json] [--report FILE] [--recheck] [--feature NAME] [--with-compile]``."""
+"""``python -m wan_accel doctor [--json] [--report FILE] [--recheck] [--feature NAME] [--with-compile] [--ops]``."""
 from __future__ import annotations
 
 from ..app.validate import check_device, check_int
@@ -37,9 +37,17 @@ def _run(args) -> int:
     from ..app.doctor.report import REPORT_PURPOSE, doctor_rows, doctor_text, report, write_report
     from ..cache.owned_files import check_target
 
+    if args.ops and (args.report or args.feature or args.recheck):
+        raise UsageError("--ops lists the op registry's choices and probes nothing: leave out --report, --feature "
+                         "and --recheck with it")
     if args.report is not None:  # refused before any probe runs: exit 2, 'error: --report: ...'
         check_target(args.report, option="--report", purpose=REPORT_PURPOSE)
     doctor = _doctor(args)
+    if args.ops:
+        from ..app.doctor.ops import registry_report, registry_text
+        found = registry_report(doctor.context.device, doctor.context.dtype, doctor.context.head_dim)
+        print_json(found) if args.json else print(registry_text(found))
+        return 0
     names = None
     if args.feature:
         unknown = [n for n in args.feature if n not in doctor.catalogue]
@@ -83,4 +91,6 @@ def register(sub) -> None:
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="probe dtype (default: bf16 on CUDA, fp32 on a CPU)")
     p.add_argument("--head-dim", type=int, default=128, help="head size of the probes (Wan: 128)")
+    p.add_argument("--ops", action="store_true", help="every op family of the op registry, its candidates and why each "
+                                                      "is chosen or rejected here (probes nothing)")
     p.set_defaults(func=_run)

@@ -10,9 +10,6 @@ from ..app.validate import (UsageError, check_device, check_fits, check_float, c
                             dtype_arg)
 
 
-OPS_MODES = ("auto", "pack", "kitchen", "torch")      # kernels/candidates.py MODES (not imported here: no torch)
-
-
 def register(subparsers) -> None:
     _add_generate(subparsers)
     _add_convert(subparsers)
@@ -91,10 +88,11 @@ def _add_generate(subparsers) -> None:
                    help="sampling path: auto (optimized on CUDA, reference elsewhere), optimized, reference")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"], help="CUDA graphs (optimized path)")
     p.add_argument("--no-fused-kernels", action="store_true", help="plain torch ops instead of the fused kernels")
-    p.add_argument("--ops", default="auto", choices=list(OPS_MODES),
+    p.add_argument("--ops", default="auto",
                    help="optimized path: which implementation runs LayerNorm+modulate and RMSNorm+RoPE: auto (the "
                         "fastest verified one where the fused kernels run), pack (the pack's Triton kernels), kitchen "
-                        "(comfy-kitchen's backends), torch (plain torch)")
+                        "(comfy-kitchen's backends), torch (plain torch); and/or family=candidate pairs, comma-"
+                        "separated, e.g. attention.fp8=torch,rmsnorm_rope=torch (python -m wan_accel doctor --ops)")
     p.add_argument("--compile", action="store_true", help="regional torch.compile of the blocks (optimized path)")
     p.add_argument("--keep-slower", action="store_true",
                    help="keep --attention int8 / fp8 / --linear fp8 even where it is measured slower than exact at "
@@ -281,8 +279,8 @@ def _check_ops(args) -> None:
                          f"{'it' if len(given) == 1 else 'them'}: add --sampler optimized, or leave "
                          f"{'it' if len(given) == 1 else 'them'} out")
     if args.ops != "auto":
-        from ..kernels.candidates import mode_problem
-        problem = mode_problem(args.ops, device)
+        from ..sampling.runner import ops_mode_problem
+        problem = ops_mode_problem(args.ops, device)      # a malformed ops string: its ValueError, a usage error
         if problem:
             raise UsageError(f"--ops: {problem}")
 

@@ -5,6 +5,7 @@ otherwise; configs are tuned through the operator store (``cache/autotune.py``) 
 active compile preset (``use_kernel_caps``).
 """
 from ._common import DEFAULT_CAPS, current_caps, use_kernel_caps, use_triton
+from . import int8_attention, kv_quant, vae_norm  # noqa: F401 - their op registry families (kernels/registry.py)
 from .residual import gated_residual, gated_residual_reference
 from .norm_modulate import layernorm_modulate, layernorm_modulate_reference
 from .qk_norm_rope import rmsnorm_rope, rmsnorm_rope_reference

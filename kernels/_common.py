@@ -106,12 +106,8 @@ def interpreter_usable() -> bool:
 
 def use_triton(*tensors) -> bool:
     """Triton for CUDA tensors (triton importable) or, under TRITON_INTERPRET=1, for CPU tensors."""
-    if triton_module() is None:
-        return False
     devices = {t.device.type for t in tensors}
-    if devices == {"cuda"}:
-        return True
-    return devices == {"cpu"} and interpreter_usable()
+    return len(devices) == 1 and triton_problem(devices.pop()) is None
 
 
 def divide(x, divisor: float):
@@ -453,3 +449,12 @@ def frame_batch_stride(mod, batch: int, width: int) -> int:
     """Batch stride (in elements) of a contiguous per-frame modulation ``[B or 1, F, D]``: 0 broadcasts one row
     set over the batch."""
     return 0 if mod.shape[0] == 1 and batch > 1 else mod.shape[1] * width
+
+
+def triton_problem(device, dtype=None, head_dim=None) -> str | None:
+    """Why the pack's Triton kernels cannot run on ``device`` (an op registry probe), or None."""
+    if triton_module() is None:
+        return "triton does not import"
+    kind = getattr(device, "type", str(device).split(":")[0])
+    ok = kind == "cuda" or (kind == "cpu" and interpreter_usable())
+    return None if ok else "Triton needs CUDA (or TRITON_INTERPRET=1)"

@@ -1,6 +1,5 @@
-"""Every implementation of an op, verified against its torch reference, and the fastest verified one chosen.
-
-Ops (with the signature of their torch reference):
+"""The timed families of the op registry (``kernels/registry.py``): every usable candidate verified against its
+torch reference, and the fastest verified one chosen.
 
 * ``layernorm_modulate(x, shift, scale, eps)``: the pack's Triton kernel (``pack``), comfy-kitchen's ``adaln`` per
   backend (``kitchen.cuda``, ``kitchen.triton``, ``kitchen.eager``) and plain torch (``torch``);
@@ -11,33 +10,28 @@ The choice goes through the operator store (``cache/autotune.py``): kernel ``ops
 dtypes, one "config" ``{"impl": name}`` per candidate, on the cache's GPU fingerprint. Each candidate is checked on
 seeded inputs of the call's shapes against the reference (tolerance from the dtype's resolution) before it is timed
 (with the store's pluggable timer); a candidate whose numbers are wrong is recorded as failed and never used again
-on that fingerprint, alone (the others stay on). A second process with the same store measures nothing.
-
-The verify-then-time choice itself (``pick``) is generic: exact attention (``model/attention.py``) runs its own
-candidates (FlashAttention 3 / 2, SDPA, plain softmax math) through it as op ``attention``, with its own reference,
-store key and tolerance.
-
-Modes (``FastOptions.ops``): ``auto`` (every candidate), ``pack`` (the pack's kernel), ``kitchen`` (comfy-kitchen's
-backends), ``torch`` (the reference only); plain torch always stays as the last resort.
+on that fingerprint, alone. A second process with the same store measures nothing. ``pick`` is generic: exact
+attention (``model/attention.py``) runs its candidates through it with its own reference, key and tolerance.
+Modes (``FastOptions.ops``): ``auto``, ``pack``, ``kitchen``, ``torch``; plain torch stays the last resort.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..cache import autotune
-from . import _common, flash_attention, kitchen, norm_modulate, qk_norm_rope
+from . import _common, flash_attention, kitchen, norm_modulate, qk_norm_rope, registry
 from .norm_modulate import layernorm_modulate, layernorm_modulate_reference
 from .qk_norm_rope import rmsnorm_rope, rmsnorm_rope_reference
 
 log = logging.getLogger("wan_accel.kernels")
 
 OPS = ("layernorm_modulate", "rmsnorm_rope")
-MODES = ("auto", "pack", "kitchen", "torch")
+MODES = registry.MODES
+Candidate = registry.Candidate
 KERNEL_PREFIX = "ops."
 # How candidates are timed (the operator store's default timer on a GPU: GPU time per call from CUDA-graph
 # replays, cache/autotune.graph_timer). It is part of each op's store name together with the source of the pack's
@@ -51,64 +45,25 @@ class CandidateMismatch(ValueError):
     """A candidate's result differs from the torch reference beyond the dtype's tolerance."""
 
 
-@dataclass(frozen=True)
-class Candidate:
-    op: str
-    name: str                         # 'pack' | 'kitchen.<backend>' | 'torch'
-    family: str                       # 'pack' | 'kitchen' | 'torch'
-    fn: Callable                      # same signature as the op's reference
-    problem: Callable                 # problem(device) -> None when it runs there, else why not
-    summary: str
-    dtype_problem: Callable | None = None   # dtype_problem(dtype) -> None when it takes calls in dtype, else why not
+def _kitchen(op: str, func: str, backend: str, summary: str) -> Candidate:
+    call = (lambda x, shift, scale, eps=1e-6: kitchen.adaln(x, shift, scale, eps, backend)) if func == "adaln" else \
+        (lambda x, w, cos, sin, heads, eps=1e-6: kitchen.norm_rope(x, w, cos, sin, heads, eps, backend))
+    return Candidate(op, f"kitchen.{backend}", "kitchen", call,
+                     lambda d, dt=None, hd=None: kitchen.backend_problem(backend, func, d) or (
+                         kitchen.dtype_problem(backend, func, dt) if dt is not None else None),
+                     f"{summary} ({backend} backend)")
 
 
-def _pack_problem(device) -> str | None:
-    if _common.triton_module() is None:
-        return "triton does not import"
-    if not _common.use_triton(torch.empty(0, device=device)):
-        return "needs a CUDA GPU (or the Triton interpreter on a CPU: TRITON_INTERPRET=1 before the process starts)"
-    return None
-
-
-def _kitchen_lnmod(backend):
-    return lambda x, shift, scale, eps=1e-6: kitchen.adaln(x, shift, scale, eps, backend)
-
-
-def _kitchen_rope(backend):
-    return lambda x, w, cos, sin, heads, eps=1e-6: kitchen.norm_rope(x, w, cos, sin, heads, eps, backend)
-
-
-def _build() -> dict:
-    table = {
-        "layernorm_modulate": [
-            Candidate("layernorm_modulate", "pack", "pack", lambda *a: layernorm_modulate(*a), _pack_problem,
-                      "the pack's fused Triton kernel")],
-        "rmsnorm_rope": [
-            Candidate("rmsnorm_rope", "pack", "pack", lambda *a: rmsnorm_rope(*a), _pack_problem,
-                      "the pack's fused Triton kernel (RMSNorm over the width + RoPE)")],
-    }
-    for backend in kitchen.BACKENDS:
-        table["layernorm_modulate"].append(Candidate(
-            "layernorm_modulate", f"kitchen.{backend}", "kitchen", _kitchen_lnmod(backend),
-            lambda device, b=backend: kitchen.backend_problem(b, "adaln", device),
-            f"comfy-kitchen adaln ({backend} backend)",
-            lambda dtype, b=backend: kitchen.dtype_problem(b, "adaln", dtype)))
-        table["rmsnorm_rope"].append(Candidate(
-            "rmsnorm_rope", f"kitchen.{backend}", "kitchen", _kitchen_rope(backend),
-            lambda device, b=backend: kitchen.backend_problem(b, "apply_rope1", device),
-            f"full-width RMSNorm + comfy-kitchen apply_rope1 ({backend} backend)",
-            lambda dtype, b=backend: kitchen.dtype_problem(b, "apply_rope1", dtype)))
-    table["layernorm_modulate"].append(Candidate(
-        "layernorm_modulate", "torch", "torch", lambda *a: layernorm_modulate_reference(*a), lambda d: None,
-        "plain torch (the reference)"))
-    table["rmsnorm_rope"].append(Candidate(
-        "rmsnorm_rope", "torch", "torch", lambda *a: rmsnorm_rope_reference(*a), lambda d: None,
-        "plain torch (the reference)"))
-    return {op: {c.name: c for c in cands} for op, cands in table.items()}
-
-
-CANDIDATES: dict[str, dict[str, Candidate]] = _build()
 REFERENCES = {"layernorm_modulate": layernorm_modulate_reference, "rmsnorm_rope": rmsnorm_rope_reference}
+CANDIDATES: dict[str, dict[str, Candidate]] = {
+    op: registry.register(op, summary, [
+        Candidate(op, "pack", "pack", pack, _common.triton_problem, f"the pack's fused Triton kernel{detail}"),
+        *(_kitchen(op, func, b, words) for b in kitchen.BACKENDS),
+        Candidate(op, "torch", "torch", REFERENCES[op], None, "plain torch (the reference)")], timed=True)
+    for op, summary, pack, detail, func, words in (
+        ("layernorm_modulate", "LayerNorm + modulate", layernorm_modulate, "", "adaln", "comfy-kitchen adaln"),
+        ("rmsnorm_rope", "RMSNorm + RoPE of q/k", rmsnorm_rope, " (RMSNorm over the width + RoPE)", "apply_rope1",
+         "full-width RMSNorm + comfy-kitchen apply_rope1"))}
 
 
 def store_kernel(op: str) -> str:
@@ -126,44 +81,33 @@ def store_kernel(op: str) -> str:
 _STORE_NAMES: dict[str, str] = {}
 
 
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"ops must be one of {MODES}, got {mode!r}")
-    return mode
-
-
-def mode_problem(mode: str, device) -> str | None:
-    """Why an explicit mode cannot run on ``device`` (no candidate of its family is available), or None."""
-    check_mode(mode)
-    if mode in ("auto", "torch"):
-        return None
+def mode_problem(ops: str, device) -> str | None:
+    """Why an ops string cannot run on ``device`` (no candidate of its mode's group is available; an override's
+    candidate cannot run here), or None."""
+    mode, pairs = registry.parse_ops(ops)
     reasons = []
-    for op in OPS:
-        fam = [c for c in CANDIDATES[op].values() if c.family == mode]
-        found = [c.problem(device) for c in fam]
-        if all(found):
-            reasons.append(f"{op}: " + "; ".join(f"{c.name}: {r}" for c, r in zip(fam, found)))
+    for fam, name in pairs.items():
+        why = registry.candidate(fam, name).rejected(device)
+        if why:
+            reasons.append(f"{fam}={name}: {why}")
+    for op in OPS if mode in ("pack", "kitchen") else ():
+        found = {c.name: c.rejected(device) for c in CANDIDATES[op].values() if c.group == mode}
+        if all(found.values()):
+            reasons.append(f"{op}: " + "; ".join(f"{n}: {r}" for n, r in found.items()))
     if not reasons:
         return None
     hint = kitchen.INSTALL_HINT if mode == "kitchen" else "run on a CUDA GPU with triton installed"
-    return f"ops={mode!r} cannot run here ({' | '.join(reasons)}); {hint}, or use ops='auto'"
+    return f"ops={ops!r} cannot run here ({' | '.join(reasons)}); {hint}, or use ops='auto'"
 
 
 def listing(op: str, device, mode: str = "auto", off: tuple = (), dtype=None) -> list[tuple[Candidate, str | None]]:
     """(candidate, why it is not used or None) for every candidate of ``op`` in this mode on ``device`` (and for
     calls in ``dtype`` where given: a backend is only called with the dtypes it declares)."""
-    out = []
-    for cand in CANDIDATES[op].values():
-        if mode not in ("auto", cand.family) and cand.family != "torch":
-            why = f"not in ops={mode!r}"
-        elif f"{op}:{cand.name}" in off and cand.family != "torch":
-            why = "switched off: it failed its self-check on this machine (python -m wan_accel doctor)"
-        else:
-            why = cand.problem(device)
-            if why is None and dtype is not None and cand.dtype_problem is not None:
-                why = cand.dtype_problem(dtype)
-        out.append((cand, why))
-    return out
+    among = None if mode == "auto" else [n for n, c in CANDIDATES[op].items() if c.group in (mode, "torch")]
+    _, reasons = registry.walk(op, device, dtype, off=[o.split(":", 1)[1] for o in off if o.startswith(op + ":")
+                                                       and not o.endswith(":torch")], among=among)
+    return [(CANDIDATES[op][n], f"not in ops={mode!r}" if why and why.startswith("not among") else why)
+            for n, why in reasons.items()]
 
 
 # ----------------------------------------------------------------------------- shapes and verification
@@ -207,14 +151,14 @@ def verify(cand: Candidate, args: tuple, reference: Callable | None = None, ulps
     """Max difference of ``cand`` against the reference (``REFERENCES[op]`` unless given) on ``args``;
     CandidateMismatch beyond ``ulps`` units of the dtype's resolution."""
     with torch.no_grad():
-        ref = (reference or REFERENCES[cand.op])(*args)
+        ref = (reference or REFERENCES[cand.family])(*args)
         out = cand.fn(*args)
     if tuple(out.shape) != tuple(ref.shape):
-        raise CandidateMismatch(f"{cand.op} {cand.name}: wrong shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+        raise CandidateMismatch(f"{cand.family} {cand.name}: wrong shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
     diff = float((out.float() - ref.float()).abs().nan_to_num(nan=float("inf")).max()) if ref.numel() else 0.0
     tol = tolerance(ref.dtype, float(ref.float().abs().max()) if ref.numel() else 0.0, ulps)
     if not diff <= tol:
-        raise CandidateMismatch(f"{cand.op} {cand.name}: wrong numbers, max difference {diff:.3g} against the torch "
+        raise CandidateMismatch(f"{cand.family} {cand.name}: wrong numbers, max difference {diff:.3g} against the torch "
                                 f"reference exceeds {tol:.3g} ({_common.dtype_name(ref)})")
     return diff
 
@@ -235,10 +179,10 @@ def choose(op: str, args: tuple, mode: str = "auto", off: tuple = (), tuner=None
     first = next(a for a in args if isinstance(a, torch.Tensor))
     rows = listing(op, first.device, mode, off, first.dtype)
     usable = [c for c, why in rows if why is None]
-    if mode in ("pack", "kitchen") and any(c.family == mode for c in usable):
-        usable = [c for c in usable if c.family == mode]       # forced: torch only when none of them is left
-    skipped = [f"{c.name}: {why}" for c, why in rows if why is not None and c.family != "torch"]
-    if [c.family for c in usable] == ["torch"]:
+    if mode in ("pack", "kitchen") and any(c.group == mode for c in usable):
+        usable = [c for c in usable if c.group == mode]       # forced: torch only when none of them is left
+    skipped = [f"{c.name}: {why}" for c, why in rows if why is not None and c.group != "torch"]
+    if [c.group for c in usable] == ["torch"]:
         return "torch", f"plain torch, the only implementation left ({'; '.join(skipped) or 'no other'})"
     best, why = pick(op, usable, skipped, args, tuner=tuner, benchmark=benchmark)
     if best is None:
@@ -365,7 +309,7 @@ def run(op: str, mode: str, off: tuple, *args):
 
 
 def _run_eager(op: str, mode: str, off: tuple, *args):
-    key = (op, mode, off, call_key(op, args))
+    key = (op, mode, off, registry.override(op), call_key(op, args))
     name = _CHOSEN.get(key)
     if name is None:
         measuring = not (_common.is_compiling() or any(_common.capturing(a) for a in args

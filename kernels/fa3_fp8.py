@@ -167,3 +167,15 @@ def error_bound(q, k, v, key_padding_mask: torch.Tensor | None = None, kernel: s
     spread = (torch.matmul(p, vs.square()) - o.square()).clamp_min(0).sqrt()
     bound = z * (var.clamp_min(0).sqrt() + sigma_logit.square() * spread) + deterministic
     return bound.transpose(1, 2)
+
+
+def attention(fn, q, kv: Fa3KV, splits: int = 1) -> torch.Tensor:
+    """FA3's e4m3 forward through ``fn`` (the installed FA3's ``flash_attn_func``): queries quantized here (per call,
+    one scale per batch and head), keys and values given quantized and smoothed (``kv``: a cache's copy, or
+    ``quantize_kv``); the bf16 output plus the values' smoothing vector, in q's dtype."""
+    q8, q_descale = quantize_heads(q)
+    with torch.no_grad():
+        out = fn(q8, kv.k, kv.v, q_descale=q_descale, k_descale=kv.k_descale, v_descale=kv.v_descale,
+                 num_splits=splits)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return (out.to(q.dtype).float() + kv.v_mean[:, None]).to(q.dtype)

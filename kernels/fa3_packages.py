@@ -24,6 +24,7 @@ until ``bench attention`` runs on a GPU.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -32,6 +33,7 @@ import sys
 import torch
 
 from ..cache.guarded_import import ImportProblem, guarded_import
+from . import registry
 
 log = logging.getLogger("wan_accel")
 
@@ -47,7 +49,6 @@ HINTS = {
 }
 _LOADED: dict = {}          # name -> (attention function or None, why not or None): attempted once per process
 _PROBED: dict = {}          # (name, device index, dtype) -> None (runs) or the probe call's error
-_CAPABILITY: dict = {}      # device index -> (major, minor)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -126,22 +127,6 @@ def forget() -> None:
     _PROBED.clear()
 
 
-def _capability(device: torch.device) -> tuple:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
-    return _CAPABILITY[index]
-
-
-def call_problem(dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why FlashAttention 3 cannot take a call in ``dtype`` with this head size, on any device; or None."""
-    if dtype not in DTYPES:
-        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
-    if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
-        return f"head size {head_dim} not supported (a multiple of 8 up to {MAX_HEAD_DIM})"
-    return None
-
-
 def capturing() -> bool:
     """Whether this thread's current CUDA stream is capturing a graph (no probe call may run then)."""
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
@@ -173,12 +158,13 @@ def problem(name: str, device, dtype: torch.dtype, head_dim: int) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return "needs a CUDA GPU"
-    why = call_problem(dtype, head_dim)
-    if why:
-        return why
+    if dtype not in DTYPES:
+        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
+    if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
+        return f"head size {head_dim} not supported (a multiple of 8 up to {MAX_HEAD_DIM})"
     if name == "fa3_hub" and not hub_opted_in():
         return f"not opted in: set {HUB_ENV}=1 to let the kernels package download FlashAttention 3 from the hub"
-    cap = _capability(device)
+    cap = registry.capability(device)
     if cap[0] != 9:
         return f"FlashAttention 3 is built for SM 9.x (Hopper); this GPU is SM {cap[0]}.{cap[1]}"
     fn, why = load(name)
@@ -190,15 +176,7 @@ def problem(name: str, device, dtype: torch.dtype, head_dim: int) -> str | None:
     return None
 
 
-def hub_problem(device, dtype: torch.dtype, head_dim: int) -> str | None:
-    return problem("fa3_hub", device, dtype, head_dim)
-
-
-def xformers_problem(device, dtype: torch.dtype, head_dim: int) -> str | None:
-    return problem("fa3_xformers", device, dtype, head_dim)
-
-
-PROBLEMS = {"fa3_hub": hub_problem, "fa3_xformers": xformers_problem}
+PROBLEMS = {name: functools.partial(problem, name) for name in NAMES}     # the 'auto' candidates' probes
 SUMMARIES = {"fa3_hub": "FlashAttention 3 from the Hugging Face kernel hub (kernels package, opt-in)",
              "fa3_xformers": "FlashAttention 3 through xformers' flash3 operator"}
 

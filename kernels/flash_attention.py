@@ -36,7 +36,7 @@ import sys
 
 import torch
 
-from . import _common
+from . import _common, registry
 from ._tiles import round_bf16
 
 try:
@@ -147,48 +147,33 @@ else:
     _JITTED_INTERPRETED = False
 
 
-def _capability(device: torch.device) -> tuple:
-    key = ("capability", device.index)
-    if key not in _STATE:
-        _STATE[key] = tuple(torch.cuda.get_device_capability(device))
-    return _STATE[key]
-
-
-def _call_problem(dtype: torch.dtype, head_dim: int, masked: bool) -> str | None:
-    """Why the kernel cannot take a call in ``dtype`` with this head size (and mask), on any device; or None."""
+def _installed_problem(device=None, dtype=None, head_dim=None) -> str | None:
     if tl is None or _common.triton_module() is None:
         return "Triton is not installed"
     if _common.interpret_enabled() != _JITTED_INTERPRETED:
         return "TRITON_INTERPRET changed after the pack was imported (set it before the process starts)"
-    if dtype not in DTYPES:
-        return f"the kernel takes fp16/bf16, not {str(dtype).replace('torch.', '')}"
-    if head_dim not in HEAD_DIMS:
-        return f"the kernel takes head sizes {', '.join(map(str, HEAD_DIMS))}, not {head_dim}"
-    if masked:
-        return "the kernel takes no key padding mask (masked calls use SDPA)"
     return None
+
+
+# what the kernel takes on any device, as the op registry's data (its candidate of exact attention is
+# ``model/attention.py``'s 'triton')
+TAKES = registry.Candidate("attention", "triton", "triton", problem=_installed_problem, dtypes=DTYPES,
+                           head_dims=HEAD_DIMS, capability=CAPABILITY)
 
 
 def kernel_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
                    masked: bool = False) -> str | None:
     """None when the kernel is a candidate for calls on this device, dtype and head size; else why not. A CPU is
     never one (the Triton interpreter gives the kernel's numbers, not a speed worth timing)."""
-    device = torch.device(device)
-    why = _call_problem(dtype, head_dim, masked)
-    if why is not None:
-        return why
-    if device.type != "cuda":
-        return "the kernel needs a CUDA GPU"
-    cap = _capability(device)
-    if cap < CAPABILITY:
-        return f"the kernel needs SM {CAPABILITY[0]}.{CAPABILITY[1]}+, this GPU is SM {cap[0]}.{cap[1]}"
-    return None
+    if masked:
+        return "the kernel takes no key padding mask (masked calls use SDPA)"
+    return TAKES.rejected(device, dtype, head_dim) or (None if torch.device(device).type == "cuda" else "the kernel needs a CUDA GPU")
 
 
 def runs_here(q: torch.Tensor) -> bool:
     """True when the kernel itself runs for ``q``'s call: a candidate GPU, or a CPU under the Triton interpreter."""
     if q.device.type == "cpu":
-        return _common.interpreter_usable() and _call_problem(q.dtype, q.shape[-1], False) is None
+        return _common.interpreter_usable() and TAKES.rejected("cpu", q.dtype, q.shape[-1]) is None
     return kernel_problem(q.device, q.dtype, q.shape[-1]) is None
 
 
@@ -243,7 +228,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: d
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     launch, key = _launcher(q, k, v, out)
-    hopper = q.is_cuda and _capability(q.device)[0] >= 9
+    hopper = q.is_cuda and registry.capability(q.device)[0] >= 9
     if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, q,
                         smem=lambda cfg: _smem(cfg, q.shape[-1], q.element_size(), hopper)):
         return out

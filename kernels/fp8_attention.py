@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _common
+from . import _common, registry
 from .fp8_linear import FP8, FP8_MAX, TENSOR_CORE_U, TINY, quantize_input, row_scales
 
 try:
@@ -288,38 +288,27 @@ else:
     _KERNEL_NAME = NAME
 
 
-def _capability(device: torch.device) -> tuple:
-    key = ("capability", device.index)
-    if key not in _STATE:
-        _STATE[key] = tuple(torch.cuda.get_device_capability(device))
-    return _STATE[key]
+FAMILY = "attention.fp8"
+KINDS = registry.register(FAMILY, "the opt-in fp8 attention mode", [
+    registry.Candidate(FAMILY, "fa3", "flash", summary="fp8 (FlashAttention 3's e4m3 kernels)",
+                       dtypes=(torch.bfloat16,), needs=("attention", "fa3"),
+                       problem=lambda d, dt, hd: None if hasattr(torch, "float8_e4m3fn") else
+                       f"torch {torch.__version__} has no float8_e4m3fn"),
+    registry.Candidate(FAMILY, "triton", "pack", summary="fp8 (the pack's Triton kernel)", capability=CAPABILITY,
+                       dtypes=(torch.float32, torch.float16, torch.bfloat16), head_dims=HEAD_DIMS,
+                       problem=_common.triton_problem),
+    registry.Candidate(FAMILY, "torch", "torch", summary="fp8 (the pack's torch version)"),
+    registry.Candidate(FAMILY, "fa3-torch", "torch", summary="fp8 (FlashAttention 3's math in torch)", manual=True)])
 
 
 def kernel_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str | None:
     """None when the Triton kernel runs for tensors on this device, dtype and head size; else why not."""
-    device = torch.device(device)
-    if tl is None or _common.triton_module() is None:
-        return "Triton is not installed"
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"the kernel takes fp32/fp16/bf16, not {str(dtype).replace('torch.', '')}"
-    if head_dim not in HEAD_DIMS:
-        return f"the kernel takes head sizes {', '.join(map(str, HEAD_DIMS))}, not {head_dim}"
-    if device.type == "cpu" and _common.interpreter_usable():
-        return None
-    if device.type != "cuda":
-        return "the kernel needs a CUDA GPU"
-    cap = _capability(device)
-    if cap < CAPABILITY:
-        return f"fp8 tensor cores need SM {CAPABILITY[0]}.{CAPABILITY[1]}+, this GPU is SM {cap[0]}.{cap[1]}"
-    return None
+    return KINDS["triton"].rejected(device, dtype, head_dim)
 
 
 def implementation(device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
-    """('triton' | 'torch', reason in words) for fp8 attention on this device, dtype and head size."""
-    why = kernel_problem(device, dtype, head_dim)
-    if why is None:
-        return "triton", "fp8 (the pack's Triton kernel)"
-    return "torch", f"fp8 (the pack's torch version: {why})"
+    """('triton' | 'torch', reason in words): the pack's own fp8 attention on this device, dtype and head size."""
+    return registry.choice(FAMILY, device, dtype, head_dim, among=("triton", "torch"))
 
 
 def _launcher(q, kv8: Fp8KV, out, tile: int):

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from . import _common, fp8_quant
+from . import _common, fp8_quant, registry
 from ._common import is_compiling
 
 FP8 = torch.float8_e4m3fn
@@ -105,17 +105,19 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scale.reshape(-1).contiguous()
 
 
+FAMILY = "linear.fp8"
+registry.register(FAMILY, "the opt-in fp8 linear layers' matmul (per layer size: mm_problem)", [
+    registry.Candidate(FAMILY, "scaled_mm", "torch", summary="torch._scaled_mm, row-wise scales", devices=("cuda",),
+                       capability=MM_CAPABILITY),
+    registry.Candidate(FAMILY, "emulated", "torch", summary="emulated in float32")])
+
+
 def mm_problem(device, in_features: int, out_features: int) -> str | None:
     """Why the scaled matmul does not run a layer of this size on ``device`` (None: it does)."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return f"no fp8 matmul units on {device.type} (emulated in float32)"
-    key = ("cap", device.index)
-    if key not in _STATE:
-        _STATE[key] = tuple(torch.cuda.get_device_capability(device))
-    cap = _STATE[key]
-    if cap < MM_CAPABILITY:
-        return f"SM {cap[0]}.{cap[1]} has no fp8 tensor cores (SM 8.9+; emulated)"
+    why = registry.walk(FAMILY, device)[1]["scaled_mm"]
+    if why:
+        return f"scaled_mm {why} (emulated{' in float32' if device.type != 'cuda' else ''})"
     if in_features % MM_MULTIPLE or out_features % MM_MULTIPLE:
         return f"{in_features}x{out_features} is not a multiple of {MM_MULTIPLE} (emulated)"
     if not hasattr(torch, "_scaled_mm"):
@@ -129,9 +131,7 @@ def mm_problem(device, in_features: int, out_features: int) -> str | None:
 def path_for(device, in_features: int, out_features: int) -> tuple[str, str]:
     """('scaled_mm' | 'emulated', why) of a layer of this size on ``device``."""
     why = mm_problem(device, in_features, out_features)
-    if why is None:
-        return "scaled_mm", "torch._scaled_mm, row-wise scales"
-    return "emulated", why
+    return ("scaled_mm", "torch._scaled_mm, row-wise scales") if why is None else ("emulated", why)
 
 
 def emulated(x2d: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias=None,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _common
+from . import _common, registry
 
 try:
     import triton.language as tl
@@ -124,6 +124,11 @@ def candidates(k: int) -> tuple[dict, ...]:
 _KERNEL_NAME = _common.kernel_name(NAME, _fp8q_kernel) if tl is not None else NAME
 
 
+FAMILY = "fp8_quant"
+registry.pack_family(FAMILY, "the fp8 linear layers' input quantization (per call: problem)", _common.triton_problem,
+                     capability=CAPABILITY)
+
+
 def problem(x: torch.Tensor) -> str | None:
     """Why the kernel does not take ``x`` (None: it does)."""
     if tl is None or not _common.use_triton(x):
@@ -132,18 +137,14 @@ def problem(x: torch.Tensor) -> str | None:
         return f"x must be 2-D {', '.join(str(d).replace('torch.', '') for d in DTYPES)}"
     if x.numel() == 0:
         return "x is empty"
-    if x.device.type == "cuda":
-        key = ("cap", x.device.index)
-        if key not in _CAPS:
-            _CAPS[key] = tuple(torch.cuda.get_device_capability(x.device))
-        if _CAPS[key] < CAPABILITY:
-            return "no e4m3 conversions before SM 8.9"
+    why = registry.walk(FAMILY, x.device)[1]["pack"]       # e4m3 conversions (SM 8.9+); an override
+    if why:
+        return why
     if _common.needs_autograd(x):
         return "autograd tracks x"
     return None
 
 
-_CAPS: dict = {}
 
 
 def _launcher(x: torch.Tensor, fp8_max: float, tiny: float):

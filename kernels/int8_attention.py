@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from . import _common, kitchen
+from . import _common, kitchen, registry
 from . import candidates as op_candidates
 
 log = logging.getLogger("wan_accel")
@@ -79,12 +79,16 @@ def kitchen_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int =
     return None if _STATE[key] else "comfy-kitchen's int8 kernel is not available on this GPU (needs SM 7.5+)"
 
 
+FAMILY = "attention.int8"
+registry.register(FAMILY, "the opt-in int8 attention mode", [
+    registry.Candidate(FAMILY, "kitchen", "kitchen", summary="int8 (comfy-kitchen int8_attention)",
+                       problem=lambda d, dt, hd: kitchen_problem(d, dt, hd)),
+    registry.Candidate(FAMILY, "torch", "torch", summary="int8 (the pack's torch version)")])
+
+
 def implementation(device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
     """('kitchen' | 'torch', reason in words) for int8 attention on this device, dtype and head size."""
-    why = kitchen_problem(device, dtype, head_dim)
-    if why is None:
-        return "kitchen", "int8 (comfy-kitchen int8_attention)"
-    return "torch", f"int8 (the pack's torch version: {why})"
+    return registry.choice(FAMILY, device, dtype, head_dim)
 
 
 def _check(q, k, v) -> None:

@@ -75,7 +75,7 @@ def backend_problem(backend: str, func: str, device) -> str | None:
         # the registry counts Triton only on a GPU; the pack runs it on a CPU under the Triton interpreter
         mod = _triton_backend_module()
         if not _common.interpreter_usable():
-            return "needs a CUDA GPU (or the Triton interpreter on a CPU: TRITON_INTERPRET=1 before the process starts)"
+            return _common.triton_problem(device)
         if mod is None or not getattr(mod, "_TRITON_AVAILABLE", False) or not hasattr(mod, func):
             return "comfy-kitchen's triton backend does not import here"
         return None
@@ -153,11 +153,6 @@ def freqs_cis(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def rope1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str) -> torch.Tensor:
     """Rotate adjacent pairs of x [B, L, H, hd] by tables [L, hd/2] with comfy-kitchen's ``apply_rope1``."""
     return _impl("apply_rope1", backend)(x, freqs_cis(cos, sin))
-
-
-def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str):
-    """(q, k) rotated together with comfy-kitchen's ``apply_rope`` (one launch for both)."""
-    return _impl("apply_rope", backend)(q, k, freqs_cis(cos, sin))
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _common, fp8_quant
+from . import _common, fp8_quant, registry
 from .fp8_attention import INT8_TINY, LEVELS
 from .fp8_linear import FP8_MAX, TINY
 
@@ -91,7 +91,9 @@ if tl is not None:
 else:
     _KERNEL_NAME = NAME
 
-_CAPS: dict = {}
+FAMILY = "kv_write.fp8"
+registry.pack_family(FAMILY, "the KV cache's fp8 copy, written as keys/values enter it (per call: problem)",
+                     _common.triton_problem, capability=CAPABILITY)
 
 
 def problem(k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -104,12 +106,9 @@ def problem(k: torch.Tensor, v: torch.Tensor) -> str | None:
         return "k and v must be [B, rows, H, D] of one shape"
     if k.numel() == 0:
         return "nothing to write"
-    if k.device.type == "cuda":
-        key = k.device.index
-        if key not in _CAPS:
-            _CAPS[key] = tuple(torch.cuda.get_device_capability(k.device))
-        if _CAPS[key] < CAPABILITY:
-            return "no e4m3 conversions before SM 8.9"
+    why = registry.walk(FAMILY, k.device)[1]["pack"]       # e4m3 conversions (SM 8.9+); an override
+    if why:
+        return why
     if _common.needs_autograd(k, v):
         return "autograd tracks k or v"
     return None

@@ -5,7 +5,7 @@ x, y [B, L, D]; gate [B, F, D] (or [B, D] for F=1; batch 1 broadcasts) with F di
 """
 import torch
 
-from . import _common
+from . import _common, registry
 
 try:
     import triton.language as tl
@@ -111,6 +111,7 @@ def _fake(x, y, gate):
 
 
 _OP = _common.register_op(NAME, _eager, _fake)
+registry.pack_family(NAME, "x + y * gate, the blocks' gated residual (fused_kernels)", _common.triton_problem)
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

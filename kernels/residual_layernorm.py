@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as torch_F
 
-from . import _common
+from . import _common, registry
 from ._tiles import merge_row_stats, round_bf16
 
 try:
@@ -236,6 +236,7 @@ def _fake(x, y, gate, weight, bias, shift, scale, eps):
 
 
 _OP = _common.register_op(NAME, _eager, _fake)
+registry.pack_family(NAME, "gated residual + LayerNorm (+ modulate) (fused_kernels)", _common.triton_problem)
 
 
 def residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None = None,

@@ -9,7 +9,7 @@ name.
 """
 import torch
 
-from . import _common
+from . import _common, registry
 from .qk_norm_rope import _rows_view, _smem      # the same row reads in place and the same tiles
 
 try:
@@ -126,6 +126,7 @@ def _fake(x, weight, eps):
 
 
 _OP = _common.register_op(NAME, _eager, _fake)
+registry.pack_family("rms_norm", "full-width RMSNorm (fused_kernels)", _common.triton_problem)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

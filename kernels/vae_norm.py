@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as torch_F
 
-from . import _common
+from . import _common, registry
 
 try:
     import triton.language as tl
@@ -160,10 +160,13 @@ def _launcher(x: torch.Tensor, gamma: torch.Tensor, silu: bool, out: torch.Tenso
     return launch, key
 
 
+registry.pack_family(NAME, "the VAE's channel RMS norm (+ SiLU)", _common.triton_problem, dtypes=DTYPES)
+
+
 def usable(x: torch.Tensor, gamma: torch.Tensor) -> bool:
     """True when ``norm_silu`` runs the Triton kernel for these inputs (else it runs torch)."""
-    return (tl is not None and x.dtype in DTYPES and x.dim() in (4, 5) and not _common.is_compiling()
-            and _common.use_triton(x, gamma) and not _common.needs_autograd(x, gamma))
+    return (tl is not None and x.dim() in (4, 5) and not _common.is_compiling() and _common.use_triton(x, gamma)
+            and registry.walk(NAME, x.device, x.dtype)[1]["pack"] is None and not _common.needs_autograd(x, gamma))
 
 
 def run_triton(x: torch.Tensor, gamma: torch.Tensor, silu: bool = True, out: torch.Tensor | None = None,

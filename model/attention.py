@@ -9,18 +9,13 @@ Layout everywhere is ``[B, L, heads, head_dim]``. Backends:
   installed build: wheels built without sm_100 / sm_120 code fail with "no kernel image is available", so a tiny
   probe call decides once per device (and a kernel-image error at run time falls back to SDPA for good);
 * ``sdpa``: torch's scaled_dot_product_attention (always available; it picks its own fused kernel);
-* ``int8``: opt-in, never chosen by ``auto``: SageAttention-style int8 Q/K (``kernels/int8_attention.py``):
-  comfy-kitchen's int8 kernel where it runs (CUDA), else the pack's torch version of the same math (anywhere).
-  It changes the numerics within ``kernels.int8_attention.error_bound``;
-* ``fp8``: opt-in, never chosen by ``auto``: keys and values smoothed (one mean subtracted per head), Q and K in
-  int8 and V in e4m3 per (token, head), V's scales folded into an e4m3 P (``kernels/fp8_attention.py``): the pack's Triton kernel on CUDA GPUs with fp8 tensor cores (SM 8.9+), else its
-  torch version of the same math. A call whose keys/values are the leading slots of a KV cache that keeps an fp8
-  copy (``model/kv_cache.py``, made under this mode) reads the copy: keys and values are quantized once, when
-  they enter the cache. It changes the numerics within ``kernels.fp8_attention.error_bound``. Every other
-  backend is exact.
+* ``int8`` / ``fp8``: opt-in, approximate, never chosen by ``auto``: the op registry's families 'attention.int8'
+  (comfy-kitchen's kernel, else the pack's torch version) and 'attention.fp8' (FlashAttention 3's e4m3 kernels,
+  the pack's Triton kernel, its torch version; a KV cache's fp8 copy is read where it keeps one); their bounds
+  and speed verdicts are ``model/attention_approx.py``'s. Every other backend is exact.
 
-``auto`` is the operator store's choice (``kernels/candidates.py``, op ``attention``): among the exact candidates
-that run here (fa3, fa2, sdpa and ``torch``, plain softmax math, the reference), each verified against the reference
+``auto`` is the operator store's choice (``kernels/candidates.pick``) among the op registry's family 'attention':
+the exact candidates that run here (fa3, fa2, sdpa and ``torch``, plain softmax math, the reference), each verified
 on the call's shapes and timed, the fastest verified one per (heads, head size, dtype, query/key length bucket) and
 GPU fingerprint; a wrong one is failed alone; chosen once per process and shape, never measured inside a CUDA-graph
 capture or a torch.compile trace (there the store's choice, else the availability order fa3 > fa2 > sdpa). On a CPU
@@ -37,11 +32,8 @@ accepts an unresolved request and resolves it per call (cached), which is what t
 FlashAttention's return type differs between releases (a tensor, or a tuple whose first item is the output):
 both are handled.
 
-The opt-in ``fp8`` mode runs FlashAttention 3's e4m3 kernels where they run (``fp8_implementation``: a Hopper GPU
-with FA3, a bf16 run; ``kernels/fa3_fp8.py``), else the pack's Triton kernel or its torch version
-(``kernels/fp8_attention.py``); the two schemes quantize differently and each states its own bound
-(``fp8_error_bound``). ``kernel_of`` names the exact kernel a call runs (``model/cached_attention.py`` asks it
-whether the cache's write can go inside FA3's kernel).
+``kernel_of`` names the exact kernel a call runs (``model/cached_attention.py`` asks it whether the cache's write
+can go inside FA3's kernel).
 """
 from __future__ import annotations
 
@@ -54,7 +46,8 @@ import torch.nn.functional as F
 from ..kernels import _common, fa3_fp8, fp8_attention as fp8, int8_attention as int8
 from ..cache.guarded_import import ImportProblem, try_import
 from ..kernels import fa3_packages, flash_attention as triton_flash
-from ..kernels import candidates as op_candidates
+from ..kernels import candidates as op_candidates, registry
+from ..kernels.registry import SWITCHED_OFF, Candidate as C
 from .kv_cache import fp8_copy
 
 log = logging.getLogger("wan_accel")
@@ -71,6 +64,8 @@ _FUNCS: dict = {}          # "fa3"/"fa2" -> flash_attn_func or None (import atte
 _FROM: dict = {}           # "fa3"/"fa2" -> the module it was found in
 _NO_FP16: dict = {}        # "fa3"/"fa2" -> True where the loaded build has no fp16 kernels
 _PROBLEMS: dict = {}       # "fa3"/"fa2" -> the ImportProblem of each module that did not give flash_attn_func
+# the FlashAttention generations each request tries, in order, before SDPA
+GENERATIONS = {"auto": ("fa3", "fa2"), "flash_attn": ("fa3", "fa2"), "fa3": ("fa3",), "fa2": ("fa2",), "sdpa": ()}
 FA3_SPLITS = (2, 3)        # key splits (FA3's num_splits) offered to the operator store as candidates of their own
 
 
@@ -151,20 +146,6 @@ class BackendUnavailable(ValueError, RuntimeError):
     error, exit 2), and a RuntimeError for callers that catch the run's failures."""
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple:
-    return tuple(torch.cuda.get_device_capability(device_index))
-
-
-def capability_supports(name: str, capability: tuple) -> bool:
-    """Compute-capability rule of each FlashAttention generation."""
-    if name == "fa3":
-        return capability[0] == 9
-    if name == "fa2":
-        return capability[0] >= 8
-    return True
-
-
 _BUILD: dict = {}          # (name, device index) -> None (ok) or the probe's error
 
 
@@ -213,31 +194,18 @@ def _mark_unusable(name: str, device, error: BaseException) -> None:
                 _MODULES[name], str(error).strip()[:200])
 
 
-def head_dim_supported(head_dim: int) -> bool:
-    return head_dim % 8 == 0 and 0 < head_dim <= 256
-
-
-def _candidates(requested: str) -> tuple:
-    return {"auto": ("fa3", "fa2", "sdpa"), "flash_attn": ("fa3", "fa2", "sdpa"),
-            "fa3": ("fa3", "sdpa"), "fa2": ("fa2", "sdpa"), "sdpa": ("sdpa",)}[requested]
-
-
 def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capability: tuple | None = None) -> str | None:
     """Why FlashAttention ``name`` ('fa3' | 'fa2') cannot run this call on ``device``, or None when it can."""
     device = torch.device(device)
     if device.type != "cuda":
         return "needs a CUDA device"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
-    if not fa_available(name):
-        return f"{_MODULES[name]} not installed"
     why = fa_dtype_problem(name, dtype)
-    if why:
-        return why
-    cap = capability or _capability(device.index if device.index is not None else torch.cuda.current_device())
-    if not capability_supports(name, cap):
+    if why or not fa_available(name):
+        return why or f"{_MODULES[name]} not installed"
+    cap = capability or registry.capability(device)
+    if cap[0] != 9 if name == "fa3" else cap[0] < 8:      # FA3: Hopper only; FA2: SM 8.0+
         return f"compute capability {cap[0]}.{cap[1]} not supported"
-    if not head_dim_supported(head_dim):
+    if head_dim % 8 or not 0 < head_dim <= 256:
         return f"head size {head_dim} not supported"
     failed = build_supports(name, device, dtype)
     if failed:
@@ -245,9 +213,10 @@ def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capabili
     return None
 
 
-def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
-                    capability: tuple | None = None) -> tuple[str, str]:
-    """(resolved backend, reason in words) for a request on this device, dtype and head size."""
+def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int, capability: tuple | None = None,
+                    off=frozenset()) -> tuple[str, str]:
+    """(resolved backend, reason in words) for a request on this device, dtype and head size; ``off``: doctor
+    features switched off here ('attention.fa3', ...), skipped."""
     if requested not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
     device = torch.device(device)
@@ -256,10 +225,9 @@ def explain_backend(requested: str, device, dtype: torch.dtype, head_dim: int,
     if requested == "fp8":
         return "fp8", fp8_implementation(device, dtype, head_dim)[1]
     why = []
-    for name in _candidates(requested):
-        if name == "sdpa":
-            break
-        problem = flash_problem(name, device, dtype, head_dim, capability)
+    for name in GENERATIONS[requested]:
+        problem = SWITCHED_OFF if f"attention.{name}" in off else flash_problem(name, device, dtype, head_dim,
+                                                                                  capability)
         if problem:
             why.append(f"{name}: {problem}")
             continue
@@ -277,14 +245,20 @@ def resolve_backend(requested: str, device, dtype: torch.dtype, head_dim: int) -
     return explain_backend(requested, device, dtype, head_dim)[0]
 
 
+def flash_function(name: str):
+    """``flash_attn_func`` of the installed FlashAttention ``name``; RuntimeError where it does not import."""
+    fn = _FUNCS.get(name) or _load(name)
+    if fn is None:
+        raise RuntimeError(f"attention backend {name!r} needs {_MODULES[name]}, which does not import")
+    return fn
+
+
 def _flash(name: str, q, k, v, splits: int = 1):
     """FlashAttention ``name`` on [B, L, H, D] q/k/v (non-causal, no window, scale 1/sqrt(D)); ``splits`` > 1
     splits the keys into that many parts combined by their log-sum-exp inside the kernel (FA3's num_splits: more
     tiles than multiprocessors when the query tiles alone leave the last wave part-empty). Runs without autograd
     (FA3's autograd wrapper would keep q, k, v alive for a backward that never comes)."""
-    fn = _FUNCS.get(name) or _load(name)
-    if fn is None:
-        raise RuntimeError(f"attention backend {name!r} needs {_MODULES[name]}, which does not import")
+    fn = flash_function(name)
     if _BUILD.get((name, q.device.index)):
         return _sdpa(q, k, v)       # this build has no kernels for this GPU (found at run time)
     try:
@@ -299,30 +273,6 @@ def _flash(name: str, q, k, v, splits: int = 1):
         _mark_unusable(name, q.device, exc)
         return _sdpa(q, k, v)
     return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def fa3_fp8_problem(device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why FA3's fp8 kernels cannot take a call here (no FA3, not Hopper, not a bf16 run), or None."""
-    if dtype != torch.bfloat16:
-        return f"needs a bf16 run (its output is bf16; got {str(dtype).replace('torch.', '')})"
-    if not hasattr(torch, "float8_e4m3fn"):
-        return f"torch {torch.__version__} has no float8_e4m3fn"
-    return flash_problem("fa3", device, dtype, head_dim)
-
-
-def fa3_fp8_attention(q, kv, splits: int = 1):
-    """FA3's e4m3 forward (``kernels/fa3_fp8.py``): queries quantized here (per call, one scale per batch and head),
-    keys and values given quantized and smoothed (``kv``: a cache's copy, or ``fa3_fp8.quantize_kv``); the bf16
-    output plus the values' smoothing vector, in q's dtype."""
-    fn = _FUNCS.get("fa3") or _load("fa3")
-    if fn is None:
-        raise RuntimeError(f"fp8 through FlashAttention 3 needs {_MODULES['fa3']}, which does not import")
-    q8, q_descale = fa3_fp8.quantize_heads(q)
-    with torch.no_grad():
-        out = fn(q8, kv.k, kv.v, q_descale=q_descale, k_descale=kv.k_descale, v_descale=kv.v_descale,
-                 num_splits=splits)
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    return (out.to(q.dtype).float() + kv.v_mean[:, None]).to(q.dtype)
 
 
 def _sdpa(q, k, v, mask=None):
@@ -349,10 +299,6 @@ def attention_reference(q, k, v):
     return out
 
 
-def _no_problem(device, dtype, head_dim):
-    return None
-
-
 # SDPA's own fused kernels, each a candidate of its own: SDPA alone picks by a fixed priority (and inside ComfyUI an
 # outer ``sdpa_kernel`` priority puts flash first), while cuDNN ran the official loop's shape in 3.0 ms against
 # flash's 5.3 ms on an H200. Each runs inside ``sdpa_kernel([its backend])``, so no outer priority overrides it.
@@ -368,17 +314,6 @@ def _sdpa_backend(name: str):
         return None
 
 
-def sdpa_kernel_problem(name: str, device, dtype, head_dim) -> str | None:
-    """Why SDPA's kernel ``name`` cannot be a candidate here, or None (its own numbers are checked by the store)."""
-    if _sdpa_backend(name) is None:
-        return f"torch {torch.__version__} has no {SDPA_KERNELS[name]} backend"
-    if torch.device(device).type != "cuda":
-        return "needs a CUDA device"
-    if name != "sdpa.efficient" and dtype not in (torch.float16, torch.bfloat16):
-        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
-    return None
-
-
 def _sdpa_with(name: str, q, k, v):
     """SDPA restricted to one kernel (it raises where that kernel cannot take the call: the store records it)."""
     from torch.nn.attention import sdpa_kernel
@@ -386,37 +321,33 @@ def _sdpa_with(name: str, q, k, v):
         return _sdpa(q, k, v)
 
 
-AUTO_CANDIDATES: dict[str, op_candidates.Candidate] = {
-    "fa3": op_candidates.Candidate(STORE_OP, "fa3", "flash", lambda q, k, v: _flash("fa3", q, k, v),
-                                   lambda d, dt, hd: flash_problem("fa3", d, dt, hd), "FlashAttention 3"),
-    "fa2": op_candidates.Candidate(STORE_OP, "fa2", "flash", lambda q, k, v: _flash("fa2", q, k, v),
-                                   lambda d, dt, hd: flash_problem("fa2", d, dt, hd), "FlashAttention 2"),
+def _flash_candidate(name: str, splits: int, summary: str) -> C:
+    return C(STORE_OP, name if splits == 1 else f"{name}.split{splits}", "flash",
+             lambda q, k, v: _flash(name, q, k, v, splits=splits), lambda d, dt, hd: flash_problem(name, d, dt, hd),
+             summary)
+
+
+# in availability order: without a stored choice (nothing measured yet and no measuring allowed) the first usable
+AUTO_CANDIDATES: dict[str, C] = registry.register(STORE_OP, "exact attention (the 'auto' backend)", [
+    _flash_candidate("fa3", 1, "FlashAttention 3"), _flash_candidate("fa2", 1, "FlashAttention 2"),
     # FlashAttention 3 from prebuilt packages (kernels/fa3_packages.py): the kernel hub (opt-in), xformers' operator
-    **{name: op_candidates.Candidate(STORE_OP, name, "flash",
-                                     lambda q, k, v, n=name: fa3_packages.attention(n, q, k, v),
-                                     lambda d, dt, hd, n=name: fa3_packages.PROBLEMS[n](d, dt, hd),
-                                     fa3_packages.SUMMARIES[name])
-       for name in fa3_packages.NAMES},
-    **{name: op_candidates.Candidate(STORE_OP, name, "sdpa", lambda q, k, v, n=name: _sdpa_with(n, q, k, v),
-                                     lambda d, dt, hd, n=name: sdpa_kernel_problem(n, d, dt, hd),
-                                     f"torch SDPA, {SDPA_KERNELS[name].lower().replace('_', ' ')} kernel only")
-       for name in SDPA_KERNELS},
-    "sdpa": op_candidates.Candidate(STORE_OP, "sdpa", "sdpa", lambda q, k, v: _sdpa(q, k, v), _no_problem,
-                                    "torch scaled_dot_product_attention (its own pick)"),
+    *(C(STORE_OP, name, "flash", lambda q, k, v, n=name: fa3_packages.attention(n, q, k, v),
+        lambda d, dt, hd, n=name: fa3_packages.PROBLEMS[n](d, dt, hd), fa3_packages.SUMMARIES[name])
+      for name in fa3_packages.NAMES),
+    *(C(STORE_OP, name, "sdpa", lambda q, k, v, n=name: _sdpa_with(n, q, k, v),
+        lambda d, dt, hd, n=name: None if _sdpa_backend(n) else f"torch {torch.__version__} has no {SDPA_KERNELS[n]}",
+        f"torch SDPA, {SDPA_KERNELS[name].lower().replace('_', ' ')} kernel only", devices=("cuda",),
+        dtypes=() if name == "sdpa.efficient" else (torch.float16, torch.bfloat16)) for name in SDPA_KERNELS),
+    C(STORE_OP, "sdpa", "sdpa", lambda q, k, v: _sdpa(q, k, v), None,
+      "torch scaled_dot_product_attention (its own pick)"),
     # FA3 with its keys split (num_splits): the store keeps one where it measures it faster at a call's shape
-    **{f"fa3.split{n}": op_candidates.Candidate(STORE_OP, f"fa3.split{n}", "flash",
-                                                lambda q, k, v, n=n: _flash("fa3", q, k, v, splits=n),
-                                                lambda d, dt, hd: flash_problem("fa3", d, dt, hd),
-                                                f"FlashAttention 3, keys split in {n} (num_splits={n})")
-       for n in FA3_SPLITS},
+    *(_flash_candidate("fa3", n, f"FlashAttention 3, keys split in {n} (num_splits={n})") for n in FA3_SPLITS),
     # after SDPA: never the availability order's pick, only the store's where it is verified and fastest
-    "triton": op_candidates.Candidate(STORE_OP, "triton", "triton",
-                                      lambda q, k, v: _triton_attention(q, k, v),
-                                      lambda d, dt, hd: triton_flash.kernel_problem(d, dt, hd),
-                                      "the pack's Triton flash-attention kernel"),
-    "torch": op_candidates.Candidate(STORE_OP, "torch", "torch", lambda q, k, v: attention_reference(q, k, v),
-                                     _no_problem, "plain softmax math (the reference)"),
-}   # in availability order: without a stored choice (nothing measured yet and no measuring allowed) the first usable
+    C(STORE_OP, "triton", "triton", lambda q, k, v: _triton_attention(q, k, v),
+      lambda d, dt, hd: triton_flash.kernel_problem(d, dt, hd),
+      "the pack's Triton flash-attention kernel"),
+    C(STORE_OP, "torch", "torch", lambda q, k, v: attention_reference(q, k, v), None,
+      "plain softmax math (the reference)")], timed=True)
 
 
 SWITCHABLE = ("attention.fa3", "attention.fa2", "attention.triton",   # doctor features that are 'auto' candidates
@@ -448,15 +379,9 @@ def store_key(q, k) -> str:
 
 def auto_listing(device, dtype, head_dim: int, off: tuple = ()) -> list:
     """(candidate, why it is not used or None) for every exact candidate of 'auto' on this device/dtype/head size."""
-    rows = []
-    for cand in AUTO_CANDIDATES.values():
-        why = (SWITCHED_OFF if feature_of(cand.name) in off else None) or cand.problem(torch.device(device), dtype,
-                                                                                      head_dim)
-        rows.append((cand, why))
-    return rows
-
-
-SWITCHED_OFF = "switched off: it failed its self-check on this machine (python -m wan_accel doctor)"
+    _, reasons = registry.walk(STORE_OP, device, dtype, head_dim, off=[n for n in AUTO_CANDIDATES
+                                                                       if feature_of(n) in off])
+    return [(AUTO_CANDIDATES[n], why) for n, why in reasons.items()]
 
 
 def choose_auto(q, k, v, off: tuple = (), tuner=None, benchmark: bool = True) -> tuple[str, str]:
@@ -474,7 +399,7 @@ def choose_auto(q, k, v, off: tuple = (), tuner=None, benchmark: bool = True) ->
     best, why = op_candidates.pick(STORE_OP, usable, skipped, (q, k, v), key=store_key(q, k),
                                    reference=attention_reference, ulps=STORE_ULPS, tuner=tuner, benchmark=benchmark)
     if best is None:
-        best = next(c.name for c in usable if c.family != "torch" and c.name not in SDPA_KERNELS)
+        best = next(c.name for c in usable if c.group != "torch" and c.name not in SDPA_KERNELS)
         why = f"{best} by availability ({why})"
     return best, why
 
@@ -500,9 +425,15 @@ def _choose_once(q, k, v, key: tuple, measuring: bool) -> str:
     return name
 
 
+def _off(request) -> tuple:
+    """The candidates a request switches off, and the registry's override of 'auto' (part of each memo's key)."""
+    forced = registry.override(STORE_OP)
+    return (request[1:] if isinstance(request, tuple) else ()) + ((f"={forced}",) if forced else ())
+
+
 def auto_name(q, k, v, request) -> str:
     """The exact candidate an 'auto' request runs for this call (the store's choice, made once per shape bucket)."""
-    off = request[1:] if isinstance(request, tuple) else ()
+    off = _off(request)
     key = (off, q.device, q.dtype, q.shape[2], q.shape[3], length_bucket(q.shape[1]), length_bucket(k.shape[1]))
     name = _AUTO.get(key)
     if name is None:
@@ -560,7 +491,7 @@ def warm_plans(shapes, batch: int, heads: int, head_dim: int, dtype, device, req
     of those shapes, so no chunk of the run pays for measuring; [(key bucket, chosen)]."""
     if not (request == "auto" or isinstance(request, tuple)) or _common.is_compiling():
         return []
-    off = request[1:] if isinstance(request, tuple) else ()
+    off = _off(request)
     where = _device_key(device)
     gen = torch.Generator().manual_seed(0)
     out = []
@@ -576,109 +507,17 @@ def warm_plans(shapes, batch: int, heads: int, head_dim: int, dtype, device, req
     return out
 
 
-# the operator store's kernels of the opt-in modes' speed verdicts
-SPEED_KERNELS = {"int8": "speed.attention.int8", "fp8": "speed.attention.fp8", "fa3_fp8": "speed.attention.fa3_fp8"}
-SPEED_KERNEL = SPEED_KERNELS["int8"]      # of the opt-in modes' speed verdicts
-SPEED_DEVICES = ("cuda",)                 # where a timing says something about speed (a CPU runs the torch version)
-
-
-def _mode_speed(mode: str, run_mode, make_extra, lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype,
-                device, exact, tuner) -> tuple[bool | None, str]:
-    """(slower, why) of the opt-in ``mode`` (``run_mode(q, k, *extra)``) against exact attention at ``lq`` queries
-    x ``lk`` keys, timed through the operator store (one verdict per GPU and shape)."""
-    from ..cache.autotune import get_autotuner
-    device = torch.device(device)
-    if device.type not in SPEED_DEVICES or _common.is_compiling():
-        return None, f"speed not judged on {device.type}"
-    tuner = tuner or get_autotuner()
-
-    def inputs():
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(batch, lq, heads, head_dim, generator=gen).to(device, dtype)
-        k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
-        return (q, k) + make_extra(k)
-
-    key = f"{device.type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|q{lq}|k{lk}"
-    slower, shown = tuner.slower_than_exact(SPEED_KERNELS[mode], key, mode, run_mode,
-                                            lambda q, k, *_: attention(q, k, k, backend=exact), make=inputs)
-    if slower is None:
-        return None, f"not measured ({shown})"
-    return slower, f"at {lq} queries x {lk} keys: {shown}"
-
-
-def int8_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, exact="auto",
-               tuner=None) -> tuple[bool | None, str]:
-    """(slower, why): whether the opt-in int8 mode is slower than exact attention at the run's own largest call
-    (``lq`` queries, ``lk`` keys), timed through the operator store (its pluggable timer; one verdict per GPU and
-    shape, a second process times nothing). None where no speed can be judged (not a GPU)."""
-    return _mode_speed("int8", lambda q, k: int8.int8_attention(q, k, k), lambda k: (), lq, lk, batch, heads,
-                       head_dim, dtype, device, exact, tuner)
-
-
-FP8_KINDS = ("fa3", "fa3-torch", "triton", "torch")   # FA3's e4m3 kernels (and their math in torch); the pack's
-FP8_FORCED: dict = {"kind": None}    # fp8_numerics(): the fp8 implementation every call takes, whatever runs here
-
-
-class fp8_numerics:
-    """``with fp8_numerics('fa3-torch'):`` every fp8 attention call (and a KV cache's fp8 copy made meanwhile) takes
-    that implementation: FA3's math on a machine without FA3 (``bench fidelity --fp8-numerics fa3``, tests)."""
-
-    def __init__(self, kind: str | None):
-        if kind is not None and kind not in FP8_KINDS:
-            raise ValueError(f"fp8 numerics must be one of {', '.join(FP8_KINDS)}, got {kind!r}")
-        self.kind, self.before = kind, None
-
-    def __enter__(self):
-        self.before, FP8_FORCED["kind"] = FP8_FORCED["kind"], self.kind
-        return self
-
-    def __exit__(self, *exc):
-        FP8_FORCED["kind"] = self.before
-
-
-
-
 def fp8_implementation(device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
-    """(kind, why in words) of the opt-in fp8 attention mode here: FA3's e4m3 kernels where they run (a Hopper GPU
-    with FA3 installed, a bf16 run), else the pack's Triton kernel (SM 8.9+), else the pack's torch version (its
-    numerics, not its speed); ``fp8_numerics`` overrides it."""
-    forced = FP8_FORCED["kind"]
-    if forced is not None:
-        return forced, f"fp8 ({forced}: chosen for this run)"
-    why = fa3_fp8_problem(device, dtype, head_dim)
-    if why is None:
-        return "fa3", f"fp8 (FlashAttention 3's e4m3 kernels, {loaded_from('fa3')})"
-    kind, words = fp8.implementation(device, dtype, head_dim)
-    return kind, f"{words}; FlashAttention 3's fp8 kernels: {why}"
+    """(kind, why in words) of the opt-in fp8 mode here: the op registry's walk of 'attention.fp8' (FA3's e4m3
+    kernels, the pack's Triton kernel, its torch version); ``fp8_numerics`` overrides it."""
+    kind, why = registry.choice(fp8.FAMILY, device, dtype, head_dim)
+    return kind, (f"{why}, {loaded_from('fa3')}" if kind == "fa3" else why)
 
 
-def fp8_scheme(kind: str) -> str:
-    """'fa3' (e4m3 Q, K and V, one scale per head) or 'smoothed' (the pack's int8 Q . K, e4m3 P . V) of a kind."""
-    return "fa3" if kind in fa3_fp8.KINDS else "smoothed"
-
-
-def fp8_error_bound(q, k, v, key_padding_mask=None, kind: str = "torch", **kw):
-    """The error bound of fp8 attention of implementation ``kind`` (its module's ``error_bound``)."""
-    if fp8_scheme(kind) == "fa3":
-        return fa3_fp8.error_bound(q, k, v, key_padding_mask, kernel=kind, **kw)
-    return fp8.error_bound(q, k, v, key_padding_mask, kernel=kind, **kw)
-
-
-def fp8_attention_speed(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, exact="auto",
-              tuner=None) -> tuple[bool | None, str]:
-    """(slower, why) of the opt-in fp8 mode against exact attention at the run's own largest call, like
-    ``int8_speed``; the keys/values quantized beforehand, as the KV cache keeps them. None where no speed can be
-    judged: not a GPU, or a torch version runs here (its numerics, not its speed)."""
-    kind, why = fp8_implementation(device, dtype, head_dim)
-    if kind not in ("triton", "fa3") and torch.device(device).type in SPEED_DEVICES:
-        return None, f"speed not judged: {why}"
-    if kind == "fa3":
-        return _mode_speed("fa3_fp8", lambda q, k, kv: fa3_fp8_attention(q, kv),
-                           lambda k: (fa3_fp8.quantize_kv(k, k),), lq, lk, batch, heads, head_dim, dtype, device,
-                           exact, tuner)
-    return _mode_speed("fp8", lambda q, k, kv8: fp8.fp8_attention(q, k, k, kv8=kv8),
-                       lambda k: (fp8.quantize_kv(k, k),), lq, lk, batch, heads, head_dim, dtype, device, exact,
-                       tuner)
+def fp8_numerics(kind: str | None):
+    """``with fp8_numerics('fa3-torch'):`` every fp8 attention call (and a KV cache's fp8 copy made meanwhile) takes
+    that implementation: the registry's override of 'attention.fp8' (``bench fidelity --fp8-numerics``, tests)."""
+    return registry.use({fp8.FAMILY: kind})
 
 
 def _fp8_attention(q, k, v, key_padding_mask):
@@ -686,10 +525,10 @@ def _fp8_attention(q, k, v, key_padding_mask):
     k, v where it keeps one in that implementation's form (eagerly under compile)."""
     kind = fp8_implementation(q.device, q.dtype, q.shape[-1])[0]
     copy = fp8_copy(k, v)
-    if fp8_scheme(kind) == "fa3":
+    if kind in fa3_fp8.KINDS:
         kv = copy if isinstance(copy, fa3_fp8.Fa3KV) else None
         if kind == "fa3" and key_padding_mask is None:
-            return fa3_fp8_attention(q, kv if kv is not None else fa3_fp8.quantize_kv(k, v))
+            return fa3_fp8.attention(flash_function("fa3"), q, kv if kv is not None else fa3_fp8.quantize_kv(k, v))
         return fa3_fp8.fa3_fp8_torch(q, k, v, key_padding_mask, kv=kv)
     return fp8.fp8_attention(q, k, v, key_padding_mask, kv8=copy if isinstance(copy, fp8.Fp8KV) else None)
 

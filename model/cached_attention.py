@@ -31,7 +31,7 @@ import sys
 import torch
 
 from ..kernels import _common
-from ..kernels import candidates as op_candidates
+from ..kernels import candidates as op_candidates, registry
 from . import attention as att
 from .kv_cache import WRITE_COUNTERS, write_kv, writes_fp8
 
@@ -39,7 +39,6 @@ log = logging.getLogger("wan_accel")
 
 SPEED_KERNEL = "speed.attention.fa3_kvcache"     # the operator store's kernel of the fused-or-separate verdict
 SPLITS = {"fa3": 1, **{f"fa3.split{n}": n for n in att.FA3_SPLITS}}   # FA3 kernels -> the num_splits they pass
-SPEED_DEVICES = ("cuda",)                        # where a timing says something about speed
 _FN: dict = {}            # "fa3" -> flash_attn_with_kvcache of the module FA3 was found in, or None
 _VERDICT: dict = {}       # (device, dtype, heads, head size, batch, length buckets, splits) -> fused is faster
 
@@ -59,10 +58,20 @@ def forget() -> None:
     _VERDICT.clear()
 
 
+FAMILY = "attention.kv_append"
+registry.register(FAMILY, "self-attention's KV-cache append (per call: fused_problem, then the speed verdict)", [
+    registry.Candidate(FAMILY, "fa3", "flash", summary="appended inside FA3's flash_attn_with_kvcache",
+                       devices=("cuda",), needs=("attention", "fa3"), problem=lambda d, dt, hd: None
+                       if kvcache_fn() is not None else f"{att._FROM.get('fa3', 'FA3')} has no flash_attn_with_kvcache"),
+    registry.Candidate(FAMILY, "separate", "torch", summary="kv_cache.write_kv, then attention")])
+
+
 def fused_problem(kernel: str | None, q, k, k_cache, span, read_len: int, seqlens) -> str | None:
     """Why this call cannot append its keys/values inside FA3's kernel, or None when it can."""
     if kernel not in SPLITS:
         return f"the call's attention kernel is {kernel or 'not FlashAttention 3'}"
+    if registry.override(FAMILY) == "separate":
+        return f"the override {FAMILY}=separate"
     if _common.is_compiling():
         return "inside a torch.compile trace"
     if kvcache_fn() is None:
@@ -113,11 +122,6 @@ def fused_speed(batch: int, lq: int, lk: int, heads: int, head_dim: int, dtype, 
     key = (device, dtype, heads, head_dim, batch, att.length_bucket(lq), att.length_bucket(lk), splits)
     if key in _VERDICT:
         return _VERDICT[key]
-    if device.type not in SPEED_DEVICES or _common.is_compiling() or (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return None
-    from ..cache.autotune import get_autotuner
-    tuner = tuner or get_autotuner()
     start = lk - lq
     span = slice(start, lk)
 
@@ -148,7 +152,7 @@ def fused_speed(batch: int, lq: int, lk: int, heads: int, head_dim: int, dtype, 
 
     store_key = (f"{device.type}|h{heads}|d{head_dim}|{str(dtype).replace('torch.', '')}|b{batch}"
                  f"|q{att.length_bucket(lq)}|k{att.length_bucket(lk)}|s{splits}")
-    slower, shown = tuner.slower_than_exact(SPEED_KERNEL, store_key, "fused", run_fused, run_separate, make=inputs)
+    slower, shown = registry.speed(SPEED_KERNEL, store_key, "fused", run_fused, run_separate, inputs, device, tuner)
     if slower is None:
         return None
     _VERDICT[key] = not slower

@@ -22,15 +22,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..kernels import _common
-from ..kernels import fp8_linear as fp8
+from ..kernels import fp8_linear as fp8, registry
 from .blocks import FP8_SCALE, FP8_WEIGHT, QKV_FP8_BIAS, QKV_FP8_SCALE, QKV_FP8_WEIGHT, WanBlock
 from .borrowed import qkv_fusion_blocker
 from .quant import is_fp8, is_quantized
 
 LINEAR_MODES = ("exact", "fp8")
 SPEED_KERNEL = "speed.linear.fp8"       # the operator store's kernel for the opt-in fp8 mode's speed verdict
-SPEED_DEVICES = ("cuda",)               # where a timing says something about speed (a CPU runs the emulation)
 _SOURCE = "_fp8_source"                 # module __dict__ key: what each fp8 copy was made from
 
 
@@ -219,11 +217,7 @@ def fp8_speed(tokens: int, dim: int, ffn_dim: int, dtype, device, tuner=None
     its second), each timed through the operator store (its pluggable timer; once per GPU and shape). ``slower``
     is True where every group is slower (the mode runs exact), ``faster`` the groups that run fp8. None, None where
     no speed is judged (a CPU, where fp8 is emulated)."""
-    from ..cache.autotune import get_autotuner
     device = torch.device(device)
-    if device.type not in SPEED_DEVICES or _common.is_compiling():
-        return None, f"speed not judged on {device.type} (fp8 is emulated there)", None
-    tuner = tuner or get_autotuner()
     name = str(dtype).replace("torch.", "")
     faster, shown, unknown = [], [], []
     for group, (n, k) in group_shapes(dim, ffn_dim).items():
@@ -239,7 +233,7 @@ def fp8_speed(tokens: int, dim: int, ffn_dim: int, dtype, device, tuner=None
             return torch.nn.functional.linear(x, w)
 
         key = f"{device.type}|m{tokens}|n{n}|k{k}|{name}"
-        slower, words = tuner.slower_than_exact(SPEED_KERNEL, key, "fp8", fp8_call, exact_call, make=work)
+        slower, words = registry.speed(SPEED_KERNEL, key, "fp8", fp8_call, exact_call, work, device, tuner)
         shown.append(f"{group} {words}")
         if slower is None:
             unknown.append(group)

@@ -26,12 +26,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels import kitchen
+from ..kernels import fp8_linear, kitchen, registry
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 SCALE_PARAMS = ("scale_weight", "scale_input")
 FP8_PATHS = ("kitchen", "torch", "dequantize")     # fastest first
-FP8_MM_CAPABILITY = (8, 9)                          # fp8 tensor cores: Ada, Hopper and later
 _FOUND: dict = {}                                   # looked up once: comfy-kitchen's scaled matmul
 
 
@@ -105,14 +104,9 @@ def kitchen_scaled_mm():
 
 
 def fp8_mm_device_problem(device) -> str | None:
-    """Why fp8 tensor-core matmuls do not run on ``device`` (None: they do)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"no fp8 matmul units on {device.type} (the weight is dequantized)"
-    cap = torch.cuda.get_device_capability(device)
-    if tuple(cap) < FP8_MM_CAPABILITY:
-        return f"SM {cap[0]}.{cap[1]} has no fp8 tensor cores (SM 8.9+)"
-    return None
+    """Why fp8 tensor-core matmuls do not run on ``device`` (None: they do): the op registry's 'linear.fp8'."""
+    why = registry.walk(fp8_linear.FAMILY, device)[1]["scaled_mm"]
+    return f"fp8 matmuls {why} (the weight is dequantized)" if why else None
 
 
 def fp8_matmul_path(layer: "FP8Linear", x: torch.Tensor) -> tuple[str, str]:

@@ -31,12 +31,13 @@ import time
 import torch
 
 from ..kernels import use_triton
-from ..kernels.candidates import check_mode as check_ops_mode
 from ..kernels.candidates import mode_problem as ops_mode_problem
+from ..kernels.registry import SWITCHED_OFF, parse_ops, parse_ops as check_ops_mode, use as use_ops
 from ..model.attachments import (RUNNER_ATTR, compiled_mode, end_compile_warmup, model_signature, seq_parallel_of,
                                  swapped_blocks)
-from ..model.attention import (APPROXIMATE, auto_request, explain_backend, fp8_attention_speed, fp8_implementation,
-                               fp8_scheme, int8_speed, plan_shapes, warm_plans)
+from ..model.attention import (APPROXIMATE, auto_request, explain_backend, fp8_implementation, plan_shapes,
+                               warm_plans)
+from ..model.attention_approx import attention_speed, fp8_scheme
 from ..model import cached_attention
 from ..model.blocks import KERNEL_NAMES, BlockParts, LayerCall, cross_kv
 from ..model.fp8_linear import check_mode as check_linear_mode
@@ -80,7 +81,8 @@ class FastOptions:
     ops:               which implementation runs LayerNorm+modulate and RMSNorm+RoPE (kernels/candidates.py):
                        'auto' (where the fused kernels run: the operator store's fastest verified one among the
                        pack's kernel, comfy-kitchen's backends and torch; elsewhere plain torch ops as before) |
-                       'pack' | 'kitchen' (comfy-kitchen, an optional extra) | 'torch'.
+                       'pack' | 'kitchen' (comfy-kitchen, an optional extra) | 'torch'; and/or 'family=candidate'
+                       pairs of the op registry (kernels/registry.py; ``doctor --ops`` lists them), comma-separated.
     keep_slower:       keep an opt-in approximate mode (int8 attention, fp8 linear) even where it was measured slower
                        than the exact one at the run's own shape on this GPU (otherwise the run says so and stays
                        exact).
@@ -142,41 +144,26 @@ def kernels_run_on(device) -> bool:
     return use_triton(torch.empty(0, device=device))
 
 
-SELF_CHECK_OFF = "switched off: it failed its self-check on this machine (python -m wan_accel doctor)"
-
-
-def checked_backend(requested: str, device, dtype, head_dim: int, off: frozenset) -> tuple[str, str]:
-    """``explain_backend``, skipping FlashAttention generations that failed their self-check here."""
-    backend, reason = explain_backend(requested, device, dtype, head_dim)
-    skipped = []
-    while backend != "sdpa" and f"attention.{backend}" in off:
-        skipped.append(backend)
-        nxt = "fa2" if backend == "fa3" and requested in ("auto", "flash_attn") else "sdpa"
-        backend, reason = explain_backend(nxt, device, dtype, head_dim)
-    if skipped:
-        reason += f" ({', '.join(skipped)} {SELF_CHECK_OFF})"
-    return backend, reason
-
-
 def kernels_part(options: FastOptions, device):
     """BlockParts.fused_kernels for a run: True (all), False (none) or the tuple of kernels still trusted."""
     if not (options.fused_kernels and kernels_run_on(device)):
         return False
-    kept = tuple(k for k in KERNEL_NAMES if f"kernel.{k}" not in options.switched_off)
+    torch_ops = [f for f, cand in parse_ops(options.ops)[1].items() if cand == "torch"]      # the ops overrides
+    kept = tuple(k for k in KERNEL_NAMES if f"kernel.{k}" not in options.switched_off and k not in torch_ops)
     return True if len(kept) == len(KERNEL_NAMES) else (kept or False)
 
 
 def ops_part(options: FastOptions, device, kernels) -> tuple:
     """BlockParts.ops for a run: () where 'auto' leaves it to ``kernels`` (the fused kernels do not run here or
     are turned off), else (mode, *switched off 'op:candidate'): the pack's kernels the doctor switched off and
-    the candidates named 'op.<op>.<candidate>' in ``switched_off``. An explicit mode that cannot run here is a
-    ValueError naming the fix."""
-    mode = options.ops
-    if mode == "auto" and not kernels:
-        return ()
-    problem = ops_mode_problem(mode, device)
+    the candidates named 'op.<op>.<candidate>' in ``switched_off``. An explicit mode (or a family=candidate
+    override) that cannot run here is a ValueError naming the fix."""
+    problem = ops_mode_problem(options.ops, device)
     if problem:
         raise ValueError(problem)
+    mode = parse_ops(options.ops)[0]
+    if mode == "auto" and not kernels:
+        return ()
     off = [f"{k}:pack" for k in ("layernorm_modulate", "rmsnorm_rope") if f"kernel.{k}" in options.switched_off]
     off += sorted(n[len("op."):].replace(".", ":", 1) for n in options.switched_off if n.startswith("op."))
     return (mode, *off)
@@ -248,7 +235,7 @@ class FastRunner:
         speed verdict or None)."""
         blocks = self.model.blocks
         if options.linear == "fp8" and "linear.fp8" in options.switched_off:
-            line = f"fp8 linear is {SELF_CHECK_OFF}: this run uses exact linear layers"
+            line = f"fp8 linear is {SWITCHED_OFF}: this run uses exact linear layers"
             log.warning("wan_accel: %s", line)
             self.notes.append(line)
         elif options.linear == "fp8":
@@ -282,7 +269,7 @@ class FastRunner:
         if options.cuda_graphs == "off":
             return "switched off"
         if "cuda_graphs" in options.switched_off:
-            return SELF_CHECK_OFF
+            return SWITCHED_OFF
         if not graphs_device(device):
             return "not a CUDA device"
         if swapped:
@@ -320,8 +307,12 @@ class FastRunner:
                                    max_graphs=options.max_graphs)
         sess.graphs.identity = identity
 
-    def start(self, options: FastOptions, *, batch: int, num_frames: int, grid_hw, kv_window: int, sink: int,
-              kv_cache=None, actions=None, cache=None, chunks=None) -> "Run":
+    def start(self, options: FastOptions, **kw) -> "Run":
+        with use_ops(parse_ops(options.ops)[1]):          # the ops string's family=candidate overrides
+            return self._start(options, **kw)
+
+    def _start(self, options: FastOptions, *, batch: int, num_frames: int, grid_hw, kv_window: int, sink: int,
+               kv_cache=None, actions=None, cache=None, chunks=None) -> "Run":
         """Prepare a run over ``num_frames`` latent frames of a ``grid_hw`` token grid (after patching).
         ``chunks``: the run's (first frame, frames) per chunk, so the fp8 speed verdict is read before any fp8
         copy is made (without them the run judges it in ``warm``, after the copies)."""
@@ -337,8 +328,8 @@ class FastRunner:
         fp8_tokens = largest_call(batch, chunks, frame_tokens) if chunks else 0
         linear, linear_info, verdict = self._linear(options, swapped, fp8_tokens)
         requested = options.attention or getattr(model, "attn_backend", "auto")
-        backend, backend_reason = checked_backend(requested, device, model.compute_dtype, model.config.head_dim,
-                                                  options.switched_off)
+        backend, backend_reason = explain_backend(requested, device, model.compute_dtype, model.config.head_dim,
+                                                  off=options.switched_off)
         attention_part = backend
         if requested == "auto" and graphs_device(device):     # the operator store's choice per call shape
             attention_part = auto_request(options.switched_off)
@@ -502,6 +493,10 @@ class Run:
 
     def forward(self, kind: str, xt, t: float, start_frame: int, step, y=None, want_output: bool = True):
         """Flow [B, F, C, H, W] for latent chunk xt at timestep t (None when want_output is False)."""
+        with use_ops(parse_ops(self.options.ops)[1]):     # the ops string's family=candidate overrides
+            return self._forward_call(kind, xt, t, start_frame, step, y, want_output)
+
+    def _forward_call(self, kind: str, xt, t: float, start_frame: int, step, y, want_output: bool):
         model = self.model
         e, e0 = self.emb[t]
         h, w = xt.shape[-2] // model.config.patch_size[1], xt.shape[-1] // model.config.patch_size[2]
@@ -535,6 +530,10 @@ class Run:
         self.sess.calls.clear()
 
     def warm(self, req) -> None:
+        with use_ops(parse_ops(self.options.ops)[1]):
+            self._warm(req)
+
+    def _warm(self, req) -> None:
         """Before the first chunk: the operator store's attention choice for every (query, key) length the run
         will meet, and where that is FlashAttention 3 whether the cache's write goes inside its kernel, so no timed
         chunk pays for measuring (the choices and the time go into the report); the speed
@@ -565,9 +564,9 @@ class Run:
     def _judge_attention(self, mode: str, shape, batch: int, heads: int, head_dim: int) -> None:
         """int8 / fp8 attention is opt-in for speed: where it is measured slower than exact attention at the run's
         largest call on this GPU, the run says so before its first chunk and stays exact (unless ``keep_slower``)."""
-        speed, name = {"int8": int8_speed, "fp8": fp8_attention_speed}[mode], SPEED_FIELDS[mode]
-        slower, why = speed(shape[0], shape[1], batch, heads, head_dim, self.model.compute_dtype, self.model.device)
-        self.info[name] = {"slower": slower, "why": why}
+        slower, why = attention_speed(mode, shape[0], shape[1], batch, heads, head_dim, self.model.compute_dtype,
+                                      self.model.device)
+        self.info[SPEED_FIELDS[mode]] = {"slower": slower, "why": why}
         if slower:
             self._slower(f"{mode} attention", "exact attention", why, lambda: self._exact_attention(mode))
 

@@ -61,7 +61,7 @@ class Timed:
             self.last = name
             self.calls.append(name)
             return real(q, k, v)
-        cand = C.Candidate(att.STORE_OP, name, base.family if name in att.AUTO_CANDIDATES else "flash", run,
+        cand = C.Candidate(att.STORE_OP, name, base.group if name in att.AUTO_CANDIDATES else "flash", run,
                            problem or base.problem, base.summary)
         monkeypatch.setitem(att.AUTO_CANDIDATES, name, cand)
 
@@ -148,7 +148,7 @@ def test_a_second_process_reuses_the_choice_with_zero_timings(tmp_path):
         tuner.timer = lambda fn: (fn(), 1.0 if used[-1] == "torch" else 3.0)[1]    # plain math "faster"
         for name in ("sdpa", "torch"):
             c = att.AUTO_CANDIDATES[name]
-            att.AUTO_CANDIDATES[name] = c.__class__(c.op, c.name, c.family,
+            att.AUTO_CANDIDATES[name] = c.__class__(c.family, c.name, c.group,
                                                     lambda q, k, v, f=c.fn, n=name: (used.append(n), f(q, k, v))[1],
                                                     c.problem, c.summary)
         g = torch.Generator().manual_seed(1)
@@ -218,7 +218,7 @@ def test_the_doctor_lists_attention(tmp_path):
                                                                  "sdpa.efficient", "triton", "fa3.split2",
                                                                  "fa3.split3"}
     assert row["candidates"]["fa3"] == "needs a CUDA device" and row["candidates"]["torch"] == "available"
-    assert row["candidates"]["sdpa.cudnn"] == "needs a CUDA device"
+    assert row["candidates"]["sdpa.cudnn"] == "needs a CUDA device, not cpu"
     assert row["candidates"]["fa3_hub"] == row["candidates"]["fa3_xformers"] == "needs a CUDA GPU"
-    assert row["candidates"]["triton"] == "the kernel takes fp16/bf16, not float32"
+    assert row["candidates"]["triton"] == "takes float16/bfloat16, not float32"
     assert "attention at 1x24x4x16 / 1x24x4x16: sdpa" in doctor_ops.implementation_text(list(rows.values()))

@@ -36,9 +36,9 @@ def test_rows_on_this_machine():
 
 def test_a_wrong_candidate_is_caught_and_a_raising_one_is_a_row(monkeypatch):
     wrong = attn.op_candidates.Candidate(attn.STORE_OP, "sdpa", "sdpa", lambda q, k, v: attn._sdpa(q, k, v) * 1.01,
-                                         attn._no_problem, "off by 1 %")
+                                         None, "off by 1 %")
     monkeypatch.setitem(attn.AUTO_CANDIDATES, "sdpa", wrong)
-    boom = attn.op_candidates.Candidate(attn.STORE_OP, "fa2", "flash", lambda q, k, v: 1 / 0, attn._no_problem, "x")
+    boom = attn.op_candidates.Candidate(attn.STORE_OP, "fa2", "flash", lambda q, k, v: 1 / 0, None, "x")
     monkeypatch.setitem(attn.AUTO_CANDIDATES, "fa2", boom)
     by = {r["candidate"]: r for r in bench.measure(16, 24, 1, 2, 16, torch.float32, torch.device("cpu"))}
     assert by["sdpa"]["within"] is False
@@ -51,7 +51,7 @@ def test_a_non_finite_output_is_a_failed_row_never_a_figure(monkeypatch, bad):
         out = attn._sdpa(q, k, v).clone()
         out[0, 0, 0, 0] = bad
         return out
-    cand = attn.op_candidates.Candidate(attn.STORE_OP, "sdpa", "sdpa", poisoned, attn._no_problem, "one bad value")
+    cand = attn.op_candidates.Candidate(attn.STORE_OP, "sdpa", "sdpa", poisoned, None, "one bad value")
     monkeypatch.setitem(attn.AUTO_CANDIDATES, "sdpa", cand)
     by = {r["candidate"]: r for r in bench.measure(16, 24, 1, 2, 16, torch.float32, torch.device("cpu"))}
     assert by["sdpa"]["status"] == "failed" and "non-finite" in by["sdpa"]["why"]

@@ -203,8 +203,9 @@ def test_slower_fused_qkv_is_switched_off_by_the_pluggable_timer():
 def test_runner_skips_switched_off_attention_and_kernels(monkeypatch):
     from wan_accel.model.blocks import KERNEL_NAMES, uses_kernel
     from wan_accel.sampling import runner
-    from wan_accel.sampling.runner import FastOptions, checked_backend, kernels_part
-    assert checked_backend("sdpa", "cpu", torch.float32, 16, frozenset({"attention.fa3"}))[0] == "sdpa"
+    from wan_accel.model.attention import explain_backend
+    from wan_accel.sampling.runner import FastOptions, kernels_part
+    assert explain_backend("sdpa", "cpu", torch.float32, 16, off=frozenset({"attention.fa3"}))[0] == "sdpa"
     opts = FastOptions(switched_off={"kernel.rmsnorm_rope"})
     assert isinstance(opts.switched_off, frozenset)
     kept = tuple(k for k in KERNEL_NAMES if k != "rmsnorm_rope")

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from wan_accel.kernels import fa3_fp8 as F
+from wan_accel.kernels import registry
 from wan_accel.model import attention as attn
+from wan_accel.model import attention_approx as approx
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
@@ -128,7 +130,7 @@ def test_the_cache_keeps_fa3_codes_with_scales_fixed_at_the_first_write():
 @pytest.fixture
 def hopper(wheel, monkeypatch):
     """test_fa3_fwd's stand-in wheel on a stood-in Hopper 'cuda:0', the pack's fp8 kernel seeing SM 9.0 too."""
-    monkeypatch.setattr(attn.fp8, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(registry, "capability", lambda index: (9, 0))
     return wheel
 
 
@@ -137,14 +139,14 @@ def test_the_fp8_mode_takes_fa3_where_it_runs_and_says_so(hopper):
     assert kind == "fa3" and "FlashAttention 3" in why and "fa3_fwd_interface" in why
     assert attn.explain_backend("fp8", "cuda:0", torch.bfloat16, 128)[1] == why
     kind, why = attn.fp8_implementation("cuda:0", torch.float16, 128)       # FA3's fp8 output is bf16
-    assert kind in ("triton", "torch") and "needs a bf16 run" in why
+    assert kind in ("triton", "torch") and "takes bfloat16, not float16" in why
     here = attn.fp8.implementation("cpu", torch.bfloat16, 128)[0]     # the pack's (torch; triton interpreted)
     assert attn.fp8_implementation("cpu", torch.bfloat16, 128)[0] == here
-    assert attn.fp8_scheme("fa3") == attn.fp8_scheme("fa3-torch") == "fa3"
-    assert attn.fp8_scheme("triton") == attn.fp8_scheme("torch") == "smoothed"
+    assert approx.fp8_scheme("fa3") == approx.fp8_scheme("fa3-torch") == "fa3"
+    assert approx.fp8_scheme("triton") == approx.fp8_scheme("torch") == "smoothed"
     with attn.fp8_numerics("fa3-torch"):
         assert attn.fp8_implementation("cpu", torch.bfloat16, 128)[0] == "fa3-torch"
-    with pytest.raises(ValueError, match="fp8 numerics must be one of"):
+    with pytest.raises(ValueError, match="has no candidate 'fa4'; its candidates: fa3, triton, torch, fa3-torch"):
         attn.fp8_numerics("fa4")
 
 
@@ -156,7 +158,7 @@ def test_a_call_in_the_fp8_mode_goes_to_fa3s_fp8_kernels(hopper, monkeypatch):
     out = attn.attention(q, k, v, backend="fp8")
     assert hopper and hopper[-1]["dtype"] == torch.float8_e4m3fn
     err = _err(out, q, k, v)
-    assert bool((err <= attn.fp8_error_bound(q, k, v, kind="fa3")).all())
+    assert bool((err <= approx.fp8_error_bound(q, k, v, kind="fa3")).all())
     mask = torch.ones(2, 90, dtype=torch.bool)
     mask[:, 80:] = False
     n = len(hopper)
@@ -167,12 +169,12 @@ def test_a_call_in_the_fp8_mode_goes_to_fa3s_fp8_kernels(hopper, monkeypatch):
 def test_the_speed_verdict_times_fa3s_fp8_against_exact(hopper, monkeypatch):
     import speed_timer
     from wan_accel.cache.autotune import TIMING, get_autotuner
-    monkeypatch.setattr(attn, "SPEED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(registry, "SPEED_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(attn, "fp8_implementation", lambda *a: ("fa3", "FA3 stood in"))
     speed_timer.install(monkeypatch, slow=False)
-    slower, why = attn.fp8_attention_speed(40, 80, 1, 2, 16, torch.bfloat16, "cpu", exact="sdpa")
+    slower, why = approx.attention_speed("fp8", 40, 80, 1, 2, 16, torch.bfloat16, "cpu", exact="sdpa")
     assert slower is False and "40 queries x 80 keys" in why
-    assert get_autotuner().entry(f"{attn.SPEED_KERNELS['fa3_fp8']}@{TIMING}", "cpu|h2|d16|bfloat16|q40|k80")
+    assert get_autotuner().entry(f"speed.attention.fa3_fp8@{TIMING}", "cpu|h2|d16|bfloat16|q40|k80")
     assert any(c["dtype"] == torch.float8_e4m3fn for c in hopper)
 
 
@@ -206,7 +208,7 @@ def test_a_run_reads_the_fa3_copy_and_every_call_is_within_the_bound(monkeypatch
     assert seen["copies"] and seen["copies"] < seen["calls"]     # self-attention reads the cache's copy; cross
     assert 0 < seen["worst"] <= 1                                  # attention quantizes the prompt per call
     assert not torch.equal(out, exact) and float((out - exact).abs().max()) < 0.2
-    assert kv_cache.Fa3Shadow.scheme == attn.fp8_scheme(report["fp8_attention_kind"])   # the copy the run made
+    assert kv_cache.Fa3Shadow.scheme == approx.fp8_scheme(report["fp8_attention_kind"])   # the copy the run made
 
 
 def test_bench_fidelity_states_fa3s_whole_video_effect():

@@ -12,7 +12,7 @@ import torch
 
 from wan_accel.cache.autotune import reset_autotuners
 from wan_accel.kernels import candidates as C
-from wan_accel.kernels import fa3_fp8
+from wan_accel.kernels import fa3_fp8, registry
 from wan_accel.model import attention as att
 
 CUDA = "cuda:0"
@@ -81,7 +81,7 @@ def wheel(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)       # import of it fails
     monkeypatch.setitem(sys.modules, "fa3_fwd_interface", mod)
     monkeypatch.setitem(sys.modules, "fa3_fwd_config", config)
-    monkeypatch.setattr(att, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(registry, "capability", lambda device: (9, 0))
     monkeypatch.setattr(att, "build_supports", lambda name, device, dtype=None: None)   # no CUDA for the probe
     yield calls
     _forget()
@@ -189,15 +189,17 @@ def test_quantized_heads_round_within_e4m3s_step():
 def test_fp8_through_fa3_gets_codes_and_descales_and_stays_within_its_bound(wheel):
     q, k, v = _qkv()
     kv = fa3_fp8.quantize_kv(k, v)
-    out = att.fa3_fp8_attention(q, kv)
+    out = fa3_fp8.attention(att.flash_function("fa3"), q, kv)
     assert out.dtype == torch.bfloat16 and wheel[-1]["dtype"] == torch.float8_e4m3fn
     ref = att.attention_reference(q.double(), k.double(), v.double())
     err = (out.double() - ref).abs()
     bound = fa3_fp8.error_bound(q, k, v, kernel="fa3", kv=kv)
     assert float(err.max()) > 0 and bool((err <= bound).all()), float((err / bound).max())
-    wrong = att.fa3_fp8_attention(q, kv._replace(k_descale=kv.k_descale * 2))   # keys' descale off by 2
+    fn = att.flash_function("fa3")
+    wrong = fa3_fp8.attention(fn, q, kv._replace(k_descale=kv.k_descale * 2))   # keys' descale off by 2
     assert not bool(((wrong.double() - ref).abs() <= bound).all())
-    no_mean = att.fa3_fp8_attention(q, kv._replace(v_mean=kv.v_mean * 0))      # the values' vector not added back
+    no_mean = fa3_fp8.attention(fn, q, kv._replace(v_mean=kv.v_mean * 0))      # the values' vector not added back
     assert not bool(((no_mean.double() - ref).abs() <= bound).all())
-    assert att.fa3_fp8_problem(CUDA, torch.float16, 128).startswith("needs a bf16 run")
-    assert att.fa3_fp8_problem(CUDA, torch.bfloat16, 128) is None
+    cand = registry.candidate("attention.fp8", "fa3")              # the fp8 mode's FA3 candidate
+    assert cand.rejected(CUDA, torch.float16, 128) == "takes bfloat16, not float16"
+    assert cand.rejected(CUDA, torch.bfloat16, 128) is None

@@ -13,7 +13,7 @@ import torch
 import speed_timer
 from test_fa3_fwd import _forget as forget_fa3
 from wan_accel.cache.autotune import get_autotuner
-from wan_accel.kernels import candidates as C
+from wan_accel.kernels import candidates as C, registry
 from wan_accel.model import attention as att
 from wan_accel.model import cached_attention as ca
 from wan_accel.model.kv_cache import KVCache
@@ -75,7 +75,7 @@ def _install(monkeypatch, mod, kernel="fa3.split2", faster=True):
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
     monkeypatch.setitem(sys.modules, "fa3_fwd_interface", mod)
     monkeypatch.setattr(att, "kernel_of", lambda q, k, v, backend: kernel)
-    monkeypatch.setattr(ca, "SPEED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(registry, "SPEED_DEVICES", ("cuda", "cpu"))
     return speed_timer.install(monkeypatch, slow=not faster)
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from wan_accel.cache import LimitCache
 from wan_accel.cache.autotune import get_autotuner, reset_autotuners
-from wan_accel.kernels import candidates as C
+from wan_accel.kernels import candidates as C, registry
 from wan_accel.kernels import fa3_packages as fa3
 from wan_accel.model import attention as att
 
@@ -26,7 +26,7 @@ def _fresh(monkeypatch):
     att.forget_choices()
     reset_autotuners()
     monkeypatch.delenv(fa3.HUB_ENV, raising=False)
-    monkeypatch.setitem(fa3._CAPABILITY, 0, (9, 0))          # 'cuda:0' is a Hopper GPU for the problem checks
+    monkeypatch.setattr(registry, "capability", lambda device: (9, 0))   # 'cuda:0' is a Hopper GPU for the checks
     yield
     fa3.forget()
     att.forget_choices()
@@ -93,11 +93,11 @@ def _fake_xformers(monkeypatch, available=True, math=None):
 
 def test_without_the_opt_in_the_hub_is_never_loaded_and_its_problem_says_how(monkeypatch):
     calls = _fake_hub(monkeypatch)
-    why = fa3.hub_problem(CUDA, torch.bfloat16, 128)
+    why = fa3.problem("fa3_hub", CUDA, torch.bfloat16, 128)
     assert "not opted in" in why and f"{fa3.HUB_ENV}=1" in why
     assert att.AUTO_CANDIDATES["fa3_hub"].problem(torch.device(CUDA), torch.bfloat16, 128) == why
     monkeypatch.setenv(fa3.HUB_ENV, "yes")                  # only "1" opts in
-    assert "not opted in" in fa3.hub_problem(CUDA, torch.bfloat16, 128)
+    assert "not opted in" in fa3.problem("fa3_hub", CUDA, torch.bfloat16, 128)
     assert calls == []
 
 
@@ -106,8 +106,8 @@ def test_with_the_opt_in_the_hub_adapter_gives_the_reference(monkeypatch, return
     calls = _fake_hub(monkeypatch, returns=returns)
     monkeypatch.setenv(fa3.HUB_ENV, "1")
     monkeypatch.setattr(fa3, "_probe", lambda *a: None)     # no CUDA here for the tiny probe call
-    assert fa3.hub_problem(CUDA, torch.bfloat16, 128) is None
-    assert fa3.hub_problem(CUDA, torch.float16, 64) is None
+    assert fa3.problem("fa3_hub", CUDA, torch.bfloat16, 128) is None
+    assert fa3.problem("fa3_hub", CUDA, torch.float16, 64) is None
     assert calls == [fa3.HUB_REPO]                          # loaded once per process
     q, k, v = _qkv()
     out = att.AUTO_CANDIDATES["fa3_hub"].fn(q, k, v)
@@ -118,7 +118,7 @@ def test_with_the_opt_in_the_hub_adapter_gives_the_reference(monkeypatch, return
 def test_the_xformers_adapter_asks_for_fa3_and_gives_the_reference(monkeypatch):
     ops, fwop = _fake_xformers(monkeypatch)
     monkeypatch.setattr(fa3, "_probe", lambda *a: None)
-    assert fa3.xformers_problem(CUDA, torch.float16, 128) is None
+    assert fa3.problem("fa3_xformers", CUDA, torch.float16, 128) is None
     q, k, v = _qkv(torch.float16)
     out = att.AUTO_CANDIDATES["fa3_xformers"].fn(q, k, v)
     assert ops == [fwop] and out.dtype == torch.float16
@@ -130,11 +130,11 @@ def test_a_failing_load_becomes_the_problem_never_an_exception(monkeypatch):
     calls = _fake_hub(monkeypatch, fail=OSError("the hub could not be reached"))
     monkeypatch.setenv(fa3.HUB_ENV, "1")
     for _ in range(2):
-        why = fa3.hub_problem(CUDA, torch.bfloat16, 128)
+        why = fa3.problem("fa3_hub", CUDA, torch.bfloat16, 128)
         assert why.startswith("did not load (OSError: the hub could not be reached)"), why
     assert calls == [fa3.HUB_REPO]                          # attempted once per process
     _fake_xformers(monkeypatch, available=False)
-    assert "built without its FlashAttention 3 operator" in fa3.xformers_problem(CUDA, torch.bfloat16, 128)
+    assert "built without its FlashAttention 3 operator" in fa3.problem("fa3_xformers", CUDA, torch.bfloat16, 128)
     with pytest.raises(RuntimeError, match="fa3_hub is not available: OSError"):
         fa3.attention("fa3_hub", *_qkv())
 
@@ -144,19 +144,19 @@ def test_a_probe_call_that_fails_is_the_problem(monkeypatch):
         raise ValueError("Operator not supported")
     _fake_xformers(monkeypatch, math=unsupported)
     monkeypatch.setattr(fa3, "_probe_input", lambda device, dtype: torch.zeros(1, 1, 1, 64, dtype=dtype))
-    why = fa3.xformers_problem(CUDA, torch.bfloat16, 128)
+    why = fa3.problem("fa3_xformers", CUDA, torch.bfloat16, 128)
     assert why == "the installed build does not run on SM 9.0 (ValueError: Operator not supported)"
 
 
-def test_call_rules_and_the_gpu_generation():
+def test_call_rules_and_the_gpu_generation(monkeypatch):
     for name in fa3.NAMES:
         assert fa3.problem(name, "cpu", torch.bfloat16, 128) == "needs a CUDA GPU"
         assert fa3.problem(name, CUDA, torch.float32, 128) == "needs fp16/bf16 (got float32)"
         for hd in (260, 100, 0):
             assert fa3.problem(name, CUDA, torch.bfloat16, hd).startswith(f"head size {hd} not supported")
-    fa3._CAPABILITY[0] = (8, 9)
-    assert "SM 9.x" in fa3.xformers_problem(CUDA, torch.bfloat16, 128)
-    assert "SM 8.9" in fa3.xformers_problem(CUDA, torch.bfloat16, 128)
+    monkeypatch.setattr(registry, "capability", lambda device: (8, 9))
+    assert "SM 9.x" in fa3.problem("fa3_xformers", CUDA, torch.bfloat16, 128)
+    assert "SM 8.9" in fa3.problem("fa3_xformers", CUDA, torch.bfloat16, 128)
 
 
 def test_on_a_cpu_the_listing_says_they_need_a_gpu_and_loads_nothing(monkeypatch):
@@ -227,7 +227,7 @@ def _store_setup(monkeypatch, times, hub_math=None, xformers_math=None):
     for name in ("fa3_hub", "fa3_xformers", "sdpa", "torch"):
         c = att.AUTO_CANDIDATES[name]
         monkeypatch.setitem(att.AUTO_CANDIDATES, name, C.Candidate(
-            c.op, c.name, c.family, lambda q, k, v, f=c.fn, n=name: (ran.append(n), f(q, k, v))[1], c.problem,
+            c.family, c.name, c.group, lambda q, k, v, f=c.fn, n=name: (ran.append(n), f(q, k, v))[1], c.problem,
             c.summary))
     get_autotuner().timer = lambda fn: (fn(), times[ran[-1]])[1]
     return ran
@@ -267,10 +267,10 @@ def test_no_probe_call_runs_inside_a_cuda_graph_capture(monkeypatch):
     _fake_xformers(monkeypatch, math=counted)
     monkeypatch.setattr(fa3, "_probe_input", lambda device, dtype: torch.zeros(1, 1, 1, 64, dtype=dtype))
     monkeypatch.setattr(fa3, "capturing", lambda: True)
-    assert "capture" in fa3.xformers_problem(CUDA, torch.bfloat16, 128) and calls == []
+    assert "capture" in fa3.problem("fa3_xformers", CUDA, torch.bfloat16, 128) and calls == []
     monkeypatch.setitem(att._FUNCS, "fa3", counted)
     assert "capture" in att.build_supports("fa3", CUDA) and calls == []
     monkeypatch.setattr(fa3, "capturing", lambda: False)
-    assert fa3.xformers_problem(CUDA, torch.bfloat16, 128) is None and len(calls) == 1
+    assert fa3.problem("fa3_xformers", CUDA, torch.bfloat16, 128) is None and len(calls) == 1
     monkeypatch.setattr(fa3, "capturing", lambda: True)      # probed once: a capture now reuses that verdict
-    assert fa3.xformers_problem(CUDA, torch.bfloat16, 128) is None and len(calls) == 1
+    assert fa3.problem("fa3_xformers", CUDA, torch.bfloat16, 128) is None and len(calls) == 1

@@ -95,7 +95,7 @@ def _child() -> None:
     times, ran = {"triton": 1.0, "sdpa": 2.0, "torch": 5.0}, []
     for name in times:
         c = att.AUTO_CANDIDATES[name]
-        att.AUTO_CANDIDATES[name] = C.Candidate(c.op, c.name, c.family,
+        att.AUTO_CANDIDATES[name] = C.Candidate(c.family, c.name, c.group,
                                                 lambda q, k, v, f=c.fn, n=name: (ran.append(n), f(q, k, v))[1],
                                                 (lambda dev, dt, hd: None) if name == "triton" else c.problem,
                                                 c.summary)
@@ -161,7 +161,7 @@ def test_on_a_cpu_the_store_lists_it_with_the_reason():
     assert "triton" in rows and rows["triton"] == "the kernel needs a CUDA GPU"
     names = list(att.AUTO_CANDIDATES)
     assert names.index("triton") > names.index("sdpa")          # never the availability order's pick
-    assert "fp16/bf16" in fa.kernel_problem("cuda", torch.float32, 128)
+    assert "float16/bfloat16" in fa.kernel_problem("cuda", torch.float32, 128)
     assert "head sizes" in fa.kernel_problem("cuda", torch.bfloat16, 96)
     assert "key padding mask" in fa.kernel_problem("cuda", torch.bfloat16, 128, masked=True)
 
@@ -187,6 +187,7 @@ def test_a_failed_doctor_verdict_switches_it_off(monkeypatch):
     from wan_accel.nodes.doctor_nodes import FEATURE_CHOICES
     from wan_accel.sampling.runner import FastOptions
     from wan_accel.kernels import _common
+    from wan_accel.kernels import flash_attention as fa
     assert "attention.triton" in FEATURES and "attention.triton" in FEATURE_CHOICES
     # a CPU without Triton's interpreter, whatever this process's TRITON_INTERPRET says (tests/test_interpret_pass.py
     # runs this file under it): no fused kernel and no candidate of them to judge
@@ -199,7 +200,7 @@ def test_a_failed_doctor_verdict_switches_it_off(monkeypatch):
     model = tiny_causal_model()
     options, _ = gate.gate_options(model, FastOptions(), doctor=Verdicts())
     assert "attention.triton" not in options.switched_off       # a CPU: not a candidate, nothing to judge
-    monkeypatch.setattr(gate, "triton_attention_problem", lambda *a: None)
+    monkeypatch.setattr(fa, "kernel_problem", lambda *a, **kw: None)       # a GPU where the kernel runs
     options, lines = gate.gate_options(model, FastOptions(), doctor=Verdicts())
     assert "attention.triton" in options.switched_off and "attention.triton" in lines[0]
     off = att.auto_request(options.switched_off)

@@ -8,6 +8,7 @@ TRITON_INTERPRET must be set before triton is first imported, so the kernel runs
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -288,14 +289,14 @@ def _fp8_run(monkeypatch, slow: bool, judged: bool = True, **fast):
     """The optimized path with attention fp8 on the tiny model; ``judged``: as on a GPU with the kernel (the
     kernel's stand-in is the torch version, the store's timer a set one)."""
     import speed_timer
-    from wan_accel.kernels import fp8_attention as fa
+    from wan_accel.kernels import fp8_attention as fa, registry
     from wan_accel.model import attention as att
     from wan_accel.model.tiny import tiny_causal_model
     from run_helpers import generate_latents
     sys.path.insert(0, str(HERE.parent))
     if judged:
-        monkeypatch.setattr(att, "SPEED_DEVICES", ("cuda", "cpu"))
-        monkeypatch.setattr(fa, "kernel_problem", lambda *a, **kw: None)
+        monkeypatch.setattr(registry, "SPEED_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setitem(fa.KINDS, "triton", dataclasses.replace(fa.KINDS["triton"], problem=None))
         monkeypatch.setattr(fa, "fp8_attention_triton", lambda q, k, v, kv8=None: fa.fp8_attention_torch(
             q, k, v, None, kv8))
         speed_timer.install(monkeypatch, slow)
@@ -355,8 +356,8 @@ def test_the_speed_verdict_is_read_before_any_fp8_copy_of_the_cache_is_made(monk
     events = []
     shadow = kv_cache.Fp8Shadow
     monkeypatch.setitem(kv_cache.SHADOWS, "smoothed", lambda *a, **kw: events.append("copy") or shadow(*a, **kw))
-    speed = runner.fp8_attention_speed
-    monkeypatch.setattr(runner, "fp8_attention_speed", lambda *a, **kw: events.append("verdict") or speed(*a, **kw))
+    speed = runner.attention_speed
+    monkeypatch.setattr(runner, "attention_speed", lambda *a, **kw: events.append("verdict") or speed(*a, **kw))
     out, exact, report = _fp8_run(monkeypatch, slow=slow)
     layers = len(report["caches"][0].layers)
     assert report["fp8_attention_speed"]["slower"] is slow

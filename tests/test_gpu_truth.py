@@ -64,8 +64,8 @@ def test_sdpa_kernels_are_candidates_of_their_own_and_override_an_outer_priority
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from wan_accel.model import attention as att
     for name in ("sdpa.cudnn", "sdpa.flash", "sdpa.efficient"):
-        assert name in att.AUTO_CANDIDATES and att.AUTO_CANDIDATES[name].family == "sdpa"
-        assert att.sdpa_kernel_problem(name, "cpu", torch.float32, 64) == "needs a CUDA device"
+        assert name in att.AUTO_CANDIDATES and att.AUTO_CANDIDATES[name].group == "sdpa"
+        assert att.AUTO_CANDIDATES[name].rejected("cpu", torch.float32, 64) == "needs a CUDA device, not cpu"
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 40, 2, 32, generator=g) for _ in range(3))
 
@@ -117,10 +117,10 @@ def test_attention_plans_are_made_before_the_first_chunk(monkeypatch):
 # ----------------------------------------------------------------------------- int8: a speed verdict at the run's shape
 def _int8_run(monkeypatch, slow: bool, **fast):
     import speed_timer
-    from wan_accel.model import attention as att
+    from wan_accel.kernels import registry
     from wan_accel.model.tiny import tiny_causal_model
     from run_helpers import generate_latents
-    monkeypatch.setattr(att, "SPEED_DEVICES", ("cuda", "cpu"))   # judge speed here, with the store's own timer
+    monkeypatch.setattr(registry, "SPEED_DEVICES", ("cuda", "cpu"))   # judge speed here, with the store's timer
     speed_timer.install(monkeypatch, slow)                       # int8 timed first, then exact
     model = tiny_causal_model()
     ctx = torch.randn(1, 4, model.config.text_dim, generator=torch.Generator().manual_seed(0))
@@ -273,15 +273,15 @@ def test_plan_shapes_keep_the_largest_call_of_each_bucket():
 def test_a_stored_speed_verdict_makes_no_tensors(monkeypatch, mode):
     """The first verdict times both paths on inputs it makes; the next run reads the stored verdict and makes none."""
     import speed_timer
-    from wan_accel.model import attention as att
+    from wan_accel.kernels import registry
+    from wan_accel.model import attention_approx as approx
     from wan_accel.model import fp8_linear
-    module = att if mode == "int8" else fp8_linear
-    monkeypatch.setattr(module, "SPEED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(registry, "SPEED_DEVICES", ("cuda", "cpu"))
     speed_timer.install(monkeypatch, slow=True)
 
     def judge():
         if mode == "int8":
-            return att.int8_speed(64, 96, 1, 2, 16, torch.float32, "cpu")
+            return approx.attention_speed("int8", 64, 96, 1, 2, 16, torch.float32, "cpu")
         return fp8_linear.fp8_speed(32, 64, 128, torch.float32, "cpu")
 
     first = _count_randn(monkeypatch)

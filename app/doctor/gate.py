@@ -15,9 +15,9 @@ import logging
 
 import torch
 
-from ...kernels.fa3_packages import PROBLEMS as FA3_PACKAGE_PROBLEMS
-from ...kernels.flash_attention import kernel_problem as triton_attention_problem
-from ...model.attention import explain_backend
+from ...kernels.fa3_packages import NAMES as FA3_PACKAGES
+from ...kernels.registry import parse_ops
+from ...model.attention import AUTO_CANDIDATES, explain_backend
 from ...model.blocks import KERNEL_NAMES, epilogue_gelu_runs_on
 from ...sampling.runner import FastOptions, graphs_device, kernels_part
 from .core import FEATURES, Doctor, doctor_for
@@ -87,15 +87,14 @@ def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_
             break
         nxt = "fa2" if backend == "fa3" and requested in ("auto", "flash_attn") else "sdpa"
         backend = explain_backend(nxt, device, model.compute_dtype, model.config.head_dim)[0]
-    if requested == "auto" and triton_attention_problem(device, model.compute_dtype, model.config.head_dim) is None:
-        judge("attention.triton")        # one of the operator store's exact candidates
-    for name, problem in FA3_PACKAGE_PROBLEMS.items():     # FlashAttention 3 from prebuilt packages: candidates too
-        if requested == "auto" and problem(device, model.compute_dtype, model.config.head_dim) is None:
+    for name in ("triton", *FA3_PACKAGES) if requested == "auto" else ():    # more exact candidates of 'auto'
+        if AUTO_CANDIDATES[name].rejected(device, model.compute_dtype, model.config.head_dim) is None:
             judge(f"attention.{name}")
     if kernels_part(options, device):
         for name in KERNEL_NAMES:
             judge(f"kernel.{name}")
-    if options.ops == "kitchen" or (options.ops == "auto" and kernels_part(options, device)):
+    mode = parse_ops(options.ops)[0]
+    if mode == "kitchen" or (mode == "auto" and kernels_part(options, device)):
         for name in FEATURES:                # comfy-kitchen's candidates (op.<op>.kitchen.<backend>)
             if name.startswith("op.") and doc.availability(name) is None:
                 judge(name)

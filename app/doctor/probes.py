@@ -16,12 +16,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ...kernels import _common, norm_modulate, qk_norm_rope, residual, residual_layernorm, rms_norm, use_triton
-from ...kernels import candidates as op_candidates
+from ...kernels import _common, norm_modulate, qk_norm_rope, residual, residual_layernorm, rms_norm
+from ...kernels import candidates as op_candidates, registry
 from ...kernels import kitchen
 from ...kernels import fp8_linear as fp8
 from ...kernels import fa3_fp8, fa3_packages, flash_attention, fp8_attention, int8_attention
 from ...model import attention as attn
+from ...model.attention_approx import fp8_error_bound
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project, epilogue_gelu_runs_on, ffn_epilogue, linear_gelu
 from .vocabulary import Feature, NotAvailable, OutsideProbe, Probe, ProbeContext, register_feature, registered_probe
@@ -65,23 +66,10 @@ FA_HINTS = {"fa3": "pip install fa3-fwd (PyPI: FlashAttention 3's forward, bf16,
 
 def _fa_checker(name: str):
     def check(ctx: ProbeContext) -> Probe:
-        hint = FA_HINTS[name]
-        if ctx.device.type != "cuda":
-            raise NotAvailable("needs a CUDA GPU", hint)
-        if ctx.dtype not in (torch.float16, torch.bfloat16):
-            raise NotAvailable(f"needs fp16/bf16 weights (probe dtype {ctx.dtype})", "load bf16 or fp16 weights")
-        fn = attn._load(name)
-        if fn is None:
-            raise NotAvailable(f"{attn._MODULES[name]} is not installed", hint)
-        if attn.fa_dtype_problem(name, ctx.dtype):
-            raise NotAvailable(attn.fa_dtype_problem(name, ctx.dtype), "run in bf16 to use it")
-        cap = torch.cuda.get_device_capability(ctx.device)
-        if not attn.capability_supports(name, cap):
-            raise NotAvailable(f"compute capability {cap[0]}.{cap[1]} not supported by {name}",
-                               "use 'sdpa' or the FlashAttention generation for this GPU")
-        if not attn.head_dim_supported(ctx.head_dim):
-            raise NotAvailable(f"head size {ctx.head_dim} not supported")
-        q, k, v = _qkv(ctx)
+        why = attn.flash_problem(name, ctx.device, ctx.dtype, ctx.head_dim)   # the op registry's 'attention.<name>'
+        if why:
+            raise NotAvailable(why, FA_HINTS[name])
+        fn, (q, k, v) = attn.flash_function(name), _qkv(ctx)
 
         def feature():
             out = fn(q, k, v)
@@ -90,68 +78,47 @@ def _fa_checker(name: str):
     return check
 
 
-def _triton_attention_requires(ctx: ProbeContext) -> None:
-    why = flash_attention.kernel_problem(ctx.device, ctx.dtype, ctx.head_dim)
-    if why:
-        raise NotAvailable(why, "run on a CUDA GPU (SM 8.0+) with triton installed, bf16/fp16 weights")
-
-
-def _check_triton_attention(ctx: ProbeContext) -> Probe:
-    _triton_attention_requires(ctx)
-    q, k, v = _qkv(ctx)
-    return Probe(lambda: flash_attention.flash_attention(q, k, v), lambda: _softmax_math(q, k, v), ctx.dtype,
-                 judge_speed=False, ulps=ATTENTION_ULPS,
-                 note="checked against math; speed: the operator store times it at the call's shapes")
-
-
-def _fa3_package_requires(name: str):
+def _candidate_probe(family: str, name: str, hint, inputs, reference, **probe) -> tuple:
+    """(requires, check) of the doctor's probe of the op registry's candidate ``name`` of ``family`` against
+    ``reference`` on ``inputs(ctx)``: NotAvailable with the candidate's reason (and ``hint()``) where it cannot run."""
     def requires(ctx: ProbeContext) -> None:
-        why = fa3_packages.PROBLEMS[name](ctx.device, ctx.dtype, ctx.head_dim)
+        why = registry.candidate(family, name).rejected(ctx.device, ctx.dtype, ctx.head_dim)
         if why:
-            raise NotAvailable(why, fa3_packages.HINTS[name])
-    return requires
-
-
-def _fa3_package_checker(name: str):
-    """FlashAttention 3 from a prebuilt package (an 'auto' candidate) against plain softmax math."""
-    requires = _fa3_package_requires(name)
+            raise NotAvailable(why, hint())
 
     def check(ctx: ProbeContext) -> Probe:
         requires(ctx)
-        q, k, v = _qkv(ctx)
-        return Probe(lambda: fa3_packages.attention(name, q, k, v), lambda: _softmax_math(q, k, v), ctx.dtype,
-                     judge_speed=False, ulps=ATTENTION_ULPS,
-                     note="checked against math; speed: the operator store times it at the call's shapes")
-    return check
+        args = inputs(ctx)
+        return Probe(lambda: registry.candidate(family, name).fn(*args), lambda: reference(*args), ctx.dtype,
+                     judge_speed=False, **probe)
+    return requires, check
 
 
-def _approximate_checker(mode: str, module):
-    """A probe of the opt-in attention ``mode`` against exact attention (float32 math), judged by its module's
-    ``error_bound`` (per element, derived from its quantization: see that docstring) rather than the dtype's
-    resolution."""
+_EXACT = dict(ulps=ATTENTION_ULPS, note="checked against math; speed: the operator store times it at the call's shapes")
+_TRITON_HINT = "run on a CUDA GPU (SM 8.0+) with triton installed, bf16/fp16 weights"
+_TRITON_ATTENTION = _candidate_probe("attention", "triton", lambda: _TRITON_HINT, _qkv, _softmax_math, **_EXACT)
+_FA3_PACKAGES = {name: _candidate_probe("attention", name, lambda n=name: fa3_packages.HINTS[n], _qkv, _softmax_math,
+                                        **_EXACT) for name in fa3_packages.NAMES}
+
+
+def _approximate_checker(mode: str, bound):
+    """A probe of the opt-in attention ``mode`` against exact attention (float32 math), judged by ``bound(q, k, v,
+    kernel)``, its module's ``error_bound`` (per element, derived from its quantization: see that docstring) for
+    the implementation the op registry takes here, rather than the dtype's resolution."""
     def check(ctx: ProbeContext) -> Probe:
         if ctx.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise NotAvailable(f"needs fp32/fp16/bf16 (probe dtype {ctx.dtype})")
         q, k, v = _qkv(ctx)
-        kernel = module.implementation(ctx.device, ctx.dtype, ctx.head_dim)[0]
+        kernel = registry.choice(f"attention.{mode}", ctx.device, ctx.dtype, ctx.head_dim)[0]
         return Probe(lambda: attn.attention(q, k, v, backend=mode), lambda: _softmax_math(q, k, v), ctx.dtype,
-                     bound=lambda: module.error_bound(q, k, v, kernel=kernel),
+                     bound=lambda: bound(q, k, v, kernel),
                      note=f"{mode} ({kernel}) within its stated error bound of exact attention (difference in "
                           f"units of the bound)")
     return check
 
 
-_check_int8 = _approximate_checker("int8", int8_attention)
-class _Fp8Mode:
-    """The fp8 mode's implementation here (FlashAttention 3's e4m3 kernels or the pack's) and that one's bound."""
-    implementation = staticmethod(attn.fp8_implementation)
-
-    @staticmethod
-    def error_bound(q, k, v, kernel):
-        return attn.fp8_error_bound(q, k, v, kind=kernel)
-
-
-_check_fp8_attention = _approximate_checker("fp8", _Fp8Mode)
+_check_int8 = _approximate_checker("int8", lambda q, k, v, kernel: int8_attention.error_bound(q, k, v, kernel=kernel))
+_check_fp8_attention = _approximate_checker("fp8", lambda q, k, v, kernel: fp8_error_bound(q, k, v, kind=kernel))
 
 
 # ----------------------------------------------------------------------------------------------- fp8 linear
@@ -192,12 +159,10 @@ def _check_fp8(ctx: ProbeContext) -> Probe:
 
 # ----------------------------------------------------------------------------------------------- kernels
 def _kernel_ready(ctx: ProbeContext) -> None:
-    if _common.triton_module() is None:
-        raise NotAvailable("triton does not import", "pip install triton (on Windows: the triton-windows build "
-                                                     "matching your torch)")
-    if not use_triton(torch.empty(0, device=ctx.device)):
-        raise NotAvailable("needs a CUDA GPU (or the Triton interpreter on a CPU: TRITON_INTERPRET=1 set before "
-                           "the process starts)", "run on a CUDA GPU")
+    why = _common.triton_problem(ctx.device)        # the op registry's probe of the pack's kernels
+    if why:
+        hint = "pip install triton (on Windows: the triton-windows build matching your torch)"
+        raise NotAvailable(why, hint if _common.triton_module() is None else "run on a CUDA GPU")
 
 
 def _tuned(mod, launch, key, x):
@@ -451,15 +416,15 @@ for _feature in (
     Feature("attention.fa2", "FlashAttention 2", _fa_checker("fa2"), ("flash-attn", "flash_attn"),
             "fa2 (SDPA is used)", sources=_ATTENTION),
     Feature("attention.triton", "the pack's Triton flash-attention kernel (an 'auto' candidate)",
-            _check_triton_attention, ("triton",), "this kernel (the other exact candidates)",
-            requires=_triton_attention_requires,
+            _TRITON_ATTENTION[1], ("triton",), "this kernel (the other exact candidates)",
+            requires=_TRITON_ATTENTION[0],
             sources=lambda: (str(flash_attention._KERNEL_NAME), flash_attention, attn, _qkv, _softmax_math)),
     Feature("attention.fa3_hub", "FlashAttention 3 from the Hugging Face kernel hub (opt-in; an 'auto' candidate)",
-            _fa3_package_checker("fa3_hub"), ("kernels",), "this package (the other exact candidates)",
-            requires=_fa3_package_requires("fa3_hub"), sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
+            _FA3_PACKAGES["fa3_hub"][1], ("kernels",), "this package (the other exact candidates)",
+            requires=_FA3_PACKAGES["fa3_hub"][0], sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
     Feature("attention.fa3_xformers", "FlashAttention 3 through xformers (an 'auto' candidate)",
-            _fa3_package_checker("fa3_xformers"), ("xformers",), "this operator (the other exact candidates)",
-            requires=_fa3_package_requires("fa3_xformers"),
+            _FA3_PACKAGES["fa3_xformers"][1], ("xformers",), "this operator (the other exact candidates)",
+            requires=_FA3_PACKAGES["fa3_xformers"][0],
             sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
     Feature("attention.int8", "int8 attention (opt-in)", _check_int8, ("comfy-kitchen",), "int8 (SDPA is used)",
             sources=lambda: (attn, int8_attention, _qkv, _softmax_math)),
@@ -511,21 +476,6 @@ def _op_args(op: str, ctx: ProbeContext) -> tuple:
     return x, 1 + _rand(ctx, d, scale=0.1, seed=19), cos, sin, ctx.heads, 1e-6
 
 
-def _candidate_checker(op: str, name: str):
-    def requires(ctx: ProbeContext) -> None:
-        why = op_candidates.CANDIDATES[op][name].problem(ctx.device)
-        if why:
-            raise NotAvailable(why, kitchen.INSTALL_HINT if not kitchen.available() else "run on a CUDA GPU")
-
-    def check(ctx: ProbeContext) -> Probe:
-        requires(ctx)
-        args = _op_args(op, ctx)
-        cand = op_candidates.CANDIDATES[op][name]
-        return Probe(lambda: cand.fn(*args), lambda: op_candidates.REFERENCES[op](*args), ctx.dtype,
-                     judge_speed=False, note="speed: the operator store times every verified implementation")
-    return requires, check
-
-
 def _candidate_sources(op: str) -> Callable[[], tuple]:
     mods = {"layernorm_modulate": norm_modulate, "rmsnorm_rope": qk_norm_rope}
     return lambda: (op_candidates, kitchen, mods[op], _op_args)
@@ -538,9 +488,12 @@ def candidate_feature(op: str, name: str) -> str:
 
 for _op, _cands in op_candidates.CANDIDATES.items():
     for _name, _cand in _cands.items():
-        if _cand.family != "kitchen":      # the pack's kernels are 'kernel.<name>'; torch is the reference
+        if _cand.group != "kitchen":      # the pack's kernels are 'kernel.<name>'; torch is the reference
             continue
-        _requires, _check = _candidate_checker(_op, _name)
+        _requires, _check = _candidate_probe(
+            _op, _name, lambda: kitchen.INSTALL_HINT if not kitchen.available() else "run on a CUDA GPU",
+            lambda ctx, op=_op: _op_args(op, ctx), op_candidates.REFERENCES[_op],
+            note="speed: the operator store times every verified implementation")
         register_feature(Feature(candidate_feature(_op, _name), f"{_op}: {_cand.summary}", _check,
                                  (kitchen.DISTRIBUTION,), f"{_name} for {_op} (another verified implementation)",
                                  requires=_requires, sources=_candidate_sources(_op)))
