@@ -181,7 +181,7 @@ def _doctor(doctor):
     import torch
 
     from .app.doctor.core import doctor_for
-    from .nodes import native_probe  # noqa: F401 - registers the native MODEL path's probe with the doctor
+    from .nodes.comfy import native_probe  # noqa: F401 - registers the native MODEL path's probe with the doctor
 
     return doctor_for("cuda" if torch.cuda.is_available() else "cpu", None)
 

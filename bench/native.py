@@ -28,7 +28,7 @@ core's output. One untimed run of each sampler under ``profiling.dispatch_counts
 of one steady-state denoising step) and ``syncs_per_video``; where the native path is slower than the own path,
 ``why_slower`` lists them side by side with the op kinds the native step dispatches more of.
 
-The ComfyUI side (imports of ``comfy``, the nodes) lives in ``nodes/native_bench.py``, registered here by the
+The ComfyUI side (imports of ``comfy``, the nodes) lives in ``nodes/comfy/native_bench.py``, registered here by the
 command line (``app/`` imports neither ComfyUI nor the nodes).
 """
 from __future__ import annotations
@@ -60,11 +60,11 @@ SHAPES = {
     "1.3b": ("WAN_1_3B", 21, 60, 104, 512),       # 480x832, 81 frames; dim 1536, 30 layers, 12 heads, ffn 8960
 }
 
-_COMFY_SIDE = []                # the registered ComfyUI side (nodes/native_bench.py)
+_COMFY_SIDE = []                # the registered ComfyUI side (nodes/comfy/native_bench.py)
 
 
 def register_comfy_side(side) -> None:
-    """Called by nodes/native_bench.py at import: the object that loads and samples with ComfyUI."""
+    """Called by nodes/comfy/native_bench.py at import: the object that loads and samples with ComfyUI."""
     _COMFY_SIDE[:] = [side]
 
 

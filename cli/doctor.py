@@ -16,7 +16,7 @@ def _doctor(args):
     import torch
 
     from ..app.doctor.core import doctor_for, default_context
-    from ..nodes import native_probe  # noqa: F401 - the native MODEL path's probe (real where ComfyUI imports)
+    from ..nodes.comfy import native_probe  # noqa: F401 - the native MODEL path's probe (real where ComfyUI imports)
 
     head_dim = check_int("--head-dim", args.head_dim, 2, MAX_HEAD_DIM, hint=" (an even head size; Wan: 128)")
     if head_dim % 2:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 def _run(args) -> int:
     from ..nodes import IMPORT_ERRORS, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
-    from ..nodes.reference import render_node_reference
+    from ..nodes.comfy.reference import render_node_reference
 
     if args.markdown:
         print(render_node_reference())

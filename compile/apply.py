@@ -6,7 +6,7 @@ inside a small scope (kernel tile caps, recompile limit where torch has no per-c
 warm-up). Identical blocks share one code object, so Dynamo compiles one graph for all of them.
 
 ``compile_regions(model, settings, cache)`` + ``swapped_in(root, regions)`` do the same for a shared model that
-must not change outside one call (ComfyUI's own Wan models: ``nodes/comfy_compile.py`` swaps the compiled blocks
+must not change outside one call (ComfyUI's own Wan models: ``nodes/comfy/comfy_compile.py`` swaps the compiled blocks
 in only while ComfyUI's ``apply_model`` runs). This module is plain torch: no ComfyUI vocabulary.
 """
 from __future__ import annotations

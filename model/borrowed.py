@@ -8,7 +8,7 @@ modules (the same objects: no second copy of a weight, and whatever the source's
 a stored float8 weight or apply a patch, still happens). The ``modulation`` tables, plain parameters in the
 source, are read through a cast to the run's dtype and device at each use, as the source does.
 
-Nothing here knows where the source comes from; ``nodes/native_engine.py`` feeds it ComfyUI's model.
+Nothing here knows where the source comes from; ``nodes/comfy/native_engine.py`` feeds it ComfyUI's model.
 """
 from __future__ import annotations
 

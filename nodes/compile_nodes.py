@@ -82,7 +82,7 @@ class ApplyCompileNativeWan:
         }
 
     def apply(self, model, compile_settings=None):
-        from .comfy_compile import compile_for_comfy
+        from .comfy.comfy_compile import compile_for_comfy
 
         try:
             return (compile_for_comfy(model, compile_settings),)

@@ -44,7 +44,7 @@ class WanAccelDoctor:
 
         from ..app.doctor.core import doctor_for
         from ..app.doctor.report import doctor_rows, doctor_text
-        from . import native_probe  # noqa: F401 - registers the native MODEL path's probe (torch: not at import)
+        from .comfy import native_probe  # noqa: F401 - registers the native MODEL path's probe (torch: not at import)
         if feature not in FEATURE_CHOICES:
             raise ValueError(f"feature must be one of {FEATURE_CHOICES}, got {feature!r}")
         if dtype not in DTYPE_CHOICES:

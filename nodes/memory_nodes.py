@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from .comfy_core import add_outer_sample_guard, optional, wrapper_types
+from .comfy.comfy_core import add_outer_sample_guard, optional, wrapper_types
 
 log = logging.getLogger("wan_accel")
 CATEGORY = "wan_accel/memory"
@@ -35,7 +35,7 @@ def _diffusion_model_files() -> list | None:
 def _resolve_checkpoint(name: str) -> str:
     if not name or name == "none":
         raise ValueError("model_source is 'checkpoint' but no checkpoint is selected")
-    from .comfy_files import model_file
+    from .comfy.comfy_files import model_file
     return model_file("diffusion_models", name, input_name="checkpoint")   # never outside ComfyUI's folders
 
 
@@ -433,7 +433,7 @@ class WanChunkedVAEDecode:
                 raise SoftOOM(f"the VAE fell back to tiled decoding at {chunk.shape[2]} latent frames")
             return out
 
-        from .comfy_core import progress_and_interrupt
+        from .comfy.comfy_core import progress_and_interrupt
 
         bar_cls, interrupt = progress_and_interrupt()
         pbar = bar_cls(t) if bar_cls is not None else None

@@ -150,7 +150,7 @@ class MatrixGame2Sampler:
                preset="universal", kv_window=0, keep_state=False, continue_from=None, linear="exact"):
         import torch
         from ..sampling.mg2 import PRESETS as LIB_PRESETS
-        from .comfy_core import progress_and_interrupt
+        from .comfy.comfy_core import progress_and_interrupt
         net = getattr(model, "model", model)
         if not hasattr(net, "action_config"):
             raise ValueError("this model has no action modules: load a Matrix-Game-2 checkpoint (or use the "

@@ -23,7 +23,7 @@ def loadable_checkpoints(names) -> tuple[list, list]:
 
 
 def _checkpoint_input():
-    from .comfy_core import optional
+    from .comfy.comfy_core import optional
     folder_paths = optional("folder_paths")
     if folder_paths is not None:
         names, refused = loadable_checkpoints(folder_paths.get_filename_list("diffusion_models"))
@@ -56,7 +56,7 @@ def _lora_input():
     """The loader's lora widget: ComfyUI's loras folder (safetensors files), or a path outside ComfyUI."""
     tooltip = ("A LoRA merged into the weights at load: LongLive's (peft names) or one in ComfyUI's layout, from "
                "models/loras. (none): no LoRA.")
-    from .comfy_core import optional
+    from .comfy.comfy_core import optional
     folder_paths = optional("folder_paths")
     if folder_paths is not None:
         names, _refused = loadable_checkpoints(folder_paths.get_filename_list("loras"))
@@ -69,19 +69,19 @@ def _resolve_lora(name) -> str | None:
     text = "" if name is None else str(name).strip()
     if text in ("", NO_LORA):
         return None
-    from .comfy_files import model_file
+    from .comfy.comfy_files import model_file
     return model_file("loras", text, input_name="lora")
 
 
 def _resolve_checkpoint(name: str) -> str:
     if name in ("", TINY_NAME, TINY_MG2_NAME):
         return name or TINY_NAME
-    from .comfy_files import model_file
+    from .comfy.comfy_files import model_file
     return model_file("diffusion_models", name, input_name="checkpoint")   # never outside ComfyUI's folders
 
 
 def _torch_device():
-    from .comfy_core import optional
+    from .comfy.comfy_core import optional
     mm = optional("comfy.model_management")
     return None if mm is None else mm.get_torch_device()
 
@@ -265,7 +265,7 @@ def comfy_krea_reencode(vae):
 
     from ..app.jobs.preview import from_vae_latents, to_vae_latents
     from ..sampling.krea import StreamReencode
-    from . import streaming_decode
+    from .comfy import streaming_decode
     streaming_decode.refuse_tiny_for_reencode(vae)
     try:
         decoder = streaming_decode.KreaStreamDecoder(vae)
@@ -325,7 +325,7 @@ class _ComfyProgress:
     """Per-step progress bar, latent preview and interrupt check (no-ops outside ComfyUI)."""
 
     def __init__(self):
-        from .comfy_core import progress_and_interrupt
+        from .comfy.comfy_core import progress_and_interrupt
 
         self.bar = None
         self.bar_cls, self.interrupt = progress_and_interrupt()

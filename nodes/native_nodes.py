@@ -3,7 +3,7 @@ drop-in for core's SamplerARVideo), the released causal schedules as SIGMAS, and
 re-noising draws, text) to replay an official output."""
 from __future__ import annotations
 
-from .comfy_core import core
+from .comfy.comfy_core import core
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP    # torch-free: the sampler nodes' one linear widget
 
 # the sampling modules import torch: they load when a node's inputs are listed or it runs, not at import
@@ -52,7 +52,7 @@ class WanAccelARSampler:
         from ..model.attention import BACKENDS
         from ..app.validate import check_window
         from ..sampling.sampler import PATHS, path_for_linear
-        from .native_engine import sample_wan_accel
+        from .comfy.native_engine import sample_wan_accel
         if path not in PATHS:
             raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
         if attention not in BACKENDS:
@@ -128,8 +128,8 @@ class WanRecordedRun:
     def load(self, model, file="causal_io.safetensors"):
         import torch
         from safetensors.torch import load_file
-        from .comfy_files import input_file
-        from .native_engine import RECORDED_NOISE_KEY
+        from .comfy.comfy_files import input_file
+        from .comfy.native_engine import RECORDED_NOISE_KEY
         path = input_file(file, input_name="file")   # only inside ComfyUI's input folder: no '..', no absolute path
         io = load_file(str(path))
         missing = [k for k in ("initial_noise", "context") if k not in io]

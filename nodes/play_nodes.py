@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import time
 
-from .comfy_core import optional
+from .comfy.comfy_core import optional
 from .mg2_nodes import PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
@@ -86,7 +86,7 @@ class PlayStepNode:
     def _step(self, session, chunk, *inputs) -> dict:
         import torch
         from ..app.play.registry import PlayError
-        from .comfy_core import progress_and_interrupt
+        from .comfy.comfy_core import progress_and_interrupt
         from .mg2_nodes import to_latent_space
         from .stream_nodes import _jpeg_frames
         registry = _registry()
@@ -172,7 +172,7 @@ class MatrixGame2PlaySession(PlaySessionNode):
               idle_timeout_s=300, state_on="model device", linear="exact", unique_id=None):
         from ..app.play.registry import PlaySession
         from ..sampling.mg2 import PRESETS as LIB_PRESETS
-        from . import streaming_decode
+        from .comfy import streaming_decode
         from .mg2_nodes import clip_tokens, model_space_start
         net = getattr(model, "model", model)
         if not hasattr(net, "action_config"):
@@ -265,13 +265,13 @@ class MatrixGame2PlaySave:
         import torch
         from safetensors.torch import save_file
         from ..cache.owned_files import check_target, write_text, write_with
-        from . import streaming_decode
+        from .comfy import streaming_decode
         from .mg2_nodes import to_latent_space
         play = _registry().get(session)
         with play.lock:
             latents = play.latent_video()
             script_text, seed = play.script_file(), play.seed
-        from .comfy_files import save_path
+        from .comfy.comfy_files import save_path
         try:
             full, name, counter, subfolder = save_path(filename_prefix, input_name="filename_prefix")
         except ImportError:

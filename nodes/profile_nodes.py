@@ -12,7 +12,7 @@ CATEGORY = "wan_accel/profile"
 
 def _out_dir(subfolder: str):
     from ..profiling import default_out_dir
-    from .comfy_files import check_name_text
+    from .comfy.comfy_files import check_name_text
 
     base = default_out_dir().parent  # ComfyUI's output folder, or the working directory outside ComfyUI
     sub = check_name_text((subfolder or "").strip().strip("/\\"), input_name="output_subfolder")
@@ -108,7 +108,7 @@ class WanAccelProfileNative:
         request = ProfileRequest(runs=model_calls, out_dir=_out_dir(output_subfolder), name="wan_native",
                                  record_shapes=record_shapes, settings={"source": "Wan Profile (native MODEL)"},
                                  device=getattr(patcher, "load_device", None))
-        from .comfy_core import wrapper_types
+        from .comfy.comfy_core import wrapper_types
         kinds = wrapper_types()
         apply_model_key, cleanup_key = kinds["apply_model"], kinds["on_cleanup"]
 

@@ -114,7 +114,7 @@ class CausalWanPromptPlaySession(PlaySessionNode):
         from ..app.play.registry import PlayError
         from ..app.play.t2v import PromptPlaySession
         from ..app.validate import MAX_SEED, check_geometry, check_int
-        from . import streaming_decode
+        from .comfy import streaming_decode
         seed = check_int("seed", seed, 0, MAX_SEED)
         geo = check_geometry(4 * (int(frames_per_block) - 1) + 1, height, width, frames_per_block, kv_window, sink,
                              names={"frames": "frames_per_block"}, recache=recache)   # window, sink and recache

@@ -12,7 +12,7 @@ import base64
 import io
 import time
 
-from .comfy_core import optional
+from .comfy.comfy_core import optional
 from .model_nodes import CausalWanSampler, _ComfyProgress
 
 EVENT = "wan_accel.frames"
@@ -121,7 +121,7 @@ class CausalWanSamplerDecode(CausalWanSampler):
         import inspect
 
         import torch
-        from . import streaming_decode
+        from .comfy import streaming_decode
         decoder = streaming_decode.stream_decoder(vae)      # a clear error now for a VAE that does not stream
         self._krea_vae = vae                     # recache krea: its first-frame re-encode goes through this VAE
         given = inspect.signature(CausalWanSampler.sample).bind(self, model, *args, **kwargs).arguments

@@ -1,4 +1,4 @@
-"""The one door to ComfyUI (nodes/comfy_core.py) against stand-ins shaped as cores newer than 0.33 (tests/
+"""The one door to ComfyUI (nodes/comfy/comfy_core.py) against stand-ins shaped as cores newer than 0.33 (tests/
 comfy_newer.py): the pack's loop, block swap and compiled regions run outside the Comfy Compiler's memory graph;
 the engine samples core 0.40's Wan modules (attention containers, the linear_input_act FFN) as it samples plain
 ones; a missing name or a too-old dependency is said in words."""
@@ -19,12 +19,12 @@ from test_native_sampler import _native
 from torch import nn
 from wan_accel.model.borrowed import borrow_wan_model
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
-from wan_accel.nodes import comfy_core
-from wan_accel.nodes.native_engine import sample_wan_accel
+from wan_accel.nodes.comfy import comfy_core
+from wan_accel.nodes.comfy.native_engine import sample_wan_accel
 from run_helpers import generate_latents
 from wan_accel.sampling.scheduler import resolve_schedule
 
-NODES = Path(comfy_core.__file__).parent
+NODES = Path(comfy_core.__file__).parents[1]          # nodes/, ComfyUI's side in nodes/comfy/
 COMFY_ROOTS = {"comfy", "comfy_extras", "comfy_api", "comfy_execution", "folder_paths", "server", "comfyui_version",
                "latent_preview", "node_helpers", "execution"}
 CTX = torch.randn(1, 5, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(4))
@@ -57,13 +57,13 @@ def test_only_comfy_core_imports_comfyui_and_every_name_used_is_declared():
                and not {"tests", "tools", "build"} & set(p.relative_to(package).parts)
                and not any(part.startswith(".") for part in p.relative_to(package).parts)]   # .venv and the like
     direct = {str(p.relative_to(package)): _comfy_imports(p) for p in sources}
-    assert not {k: v for k, v in direct.items() if v}, "ComfyUI imported outside nodes/comfy_core.py"
+    assert not {k: v for k, v in direct.items() if v}, "ComfyUI imported outside nodes/comfy/comfy_core.py"
     kitchen_imports = [str(p.relative_to(package)) for p in sources
                        if re.search(r"import_module\(\s*f?[\"']comfy_(kitchen|aimdo)|^\s*(from|import) comfy_(kitchen|aimdo)",
                                     p.read_text(), re.MULTILINE)]
     assert kitchen_imports == ["kernels/kitchen.py"], kitchen_imports      # comfy-kitchen found in one place too
     used = set()
-    for p in NODES.glob("*.py"):
+    for p in NODES.rglob("*.py"):
         used |= set(re.findall(r"""\b(?:core|optional)\(\s*f?["']([\w.]+)["']""", p.read_text()))
     assert used and used <= set(comfy_core.NAMES), sorted(used - set(comfy_core.NAMES))
 
@@ -200,7 +200,7 @@ def test_block_swap_on_core_model_steps_out_at_outer_sample(monkeypatch):
 
 def test_apply_compile_on_core_model_steps_out_at_outer_sample(monkeypatch):
     from wan_accel.compile import apply as compile_apply
-    from wan_accel.nodes.comfy_compile import compile_for_comfy
+    from wan_accel.nodes.comfy.comfy_compile import compile_for_comfy
     newer = comfy_newer.install(monkeypatch)
     ended = []
     handle = SimpleNamespace(end_warmup=lambda: ended.append(True), settings=None)

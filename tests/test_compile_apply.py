@@ -7,7 +7,7 @@ import torch
 import wan_accel.compile.compat as compat
 from wan_accel.compile import CompileSettings, compile_model, end_warmup, uncompile_model
 from wan_accel.compile.apply import compile_handle
-from wan_accel.nodes.comfy_compile import compile_for_comfy
+from wan_accel.nodes.comfy.comfy_compile import compile_for_comfy
 from wan_accel.bench.compile import tiny_workload
 from wan_accel.kernels import current_caps
 

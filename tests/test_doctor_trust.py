@@ -234,15 +234,15 @@ def _doctor_text_from(where: str, capsys) -> str:
 def test_each_doctor_registers_the_native_probe_which_needs_comfyui_here(where, cache_path, monkeypatch, capsys):
     # the probe imports torch, so it registers where a doctor is made (never when the pack is imported): start
     # from a process where it never was imported
-    import wan_accel.nodes as nodes_pkg
+    import wan_accel.nodes.comfy as nodes_pkg
     for name in [m for m in sys.modules if m == "comfy" or m.startswith("comfy.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "comfy", None)                     # "import comfy" fails, as without ComfyUI
-    monkeypatch.delitem(sys.modules, "wan_accel.nodes.native_probe", raising=False)
+    monkeypatch.delitem(sys.modules, "wan_accel.nodes.comfy.native_probe", raising=False)
     monkeypatch.delattr(nodes_pkg, "native_probe", raising=False)
     monkeypatch.setattr(vocab, "PROBES", {})
     text = _doctor_text_from(where, capsys)
-    native_probe = sys.modules["wan_accel.nodes.native_probe"]
+    native_probe = sys.modules["wan_accel.nodes.comfy.native_probe"]
     assert vocab.registered_probe("native_model").check is native_probe.check
     assert "needs ComfyUI (ComfyUI does not import here" in text, text
 
@@ -287,7 +287,8 @@ def _stand_in_comfy(monkeypatch):
 
 
 def test_native_probe_runs_the_ar_sampler_on_a_native_model_against_the_engine(cache_path, monkeypatch):
-    from wan_accel.nodes import doctor_nodes, native_probe
+    from wan_accel.nodes import doctor_nodes
+    from wan_accel.nodes.comfy import native_probe
     native_probe.register()                    # whatever an earlier test left in the registry
     _stand_in_comfy(monkeypatch)
     text = doctor_nodes.WanAccelDoctor().run(feature="native_model", dtype="fp32")["result"][0]
@@ -392,7 +393,7 @@ def test_native_probe_starts_comfyuis_model_management_on_the_cpu_outside_a_serv
     (pkg / "model_management.py").write_text(
         "from .cli_args import args\nif not args.cpu:\n    raise RuntimeError('Found no NVIDIA driver')\n")
     (pkg / "sd.py").write_text("def load_diffusion_model_state_dict(sd, **kwargs):\n    return None\n")
-    code = ("import torch\nfrom wan_accel.nodes import native_probe\n"
+    code = ("import torch\nfrom wan_accel.nodes.comfy import native_probe\n"
             "torch.cuda.is_available = lambda: False\n"
             "sd, mm = native_probe._comfy()\nprint('cpu', mm.args.cpu)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))

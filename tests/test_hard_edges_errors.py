@@ -235,7 +235,7 @@ def test_a_latent_of_the_wrong_family_names_the_channels():
 @pytest.mark.parametrize("name, reason", [("a\x00b", "control character"), ("sub/x\ny", "control character"),
                                           ("x" * 300, "longer than 255 bytes"), ("\ud800", "cannot be written")])
 def test_file_name_inputs_refuse_what_no_file_system_takes(tmp_path, name, reason):
-    from wan_accel.nodes.comfy_files import resolve_inside
+    from wan_accel.nodes.comfy.comfy_files import resolve_inside
     from wan_accel.nodes.profile_nodes import _out_dir
 
     with pytest.raises(ValueError, match=f"^output_subfolder .*{reason}"):

@@ -333,7 +333,7 @@ def _native_base(seed=2):
 
 
 def test_native_ar_sampler_refuses_before_building_the_engine(monkeypatch):
-    import wan_accel.nodes.native_engine as engine
+    import wan_accel.nodes.comfy.native_engine as engine
     from wan_accel.model.borrowed import borrowed_config
     from wan_accel.sampling.scheduler import resolve_schedule
 
@@ -457,7 +457,7 @@ def _mg2_node(widget, value):
 
 
 def _native_node(widget, value):
-    from wan_accel.nodes.native_engine import sample_wan_accel
+    from wan_accel.nodes.comfy.native_engine import sample_wan_accel
     from wan_accel.nodes.native_nodes import causal_sigmas
 
     model_k, _ = _native_base()

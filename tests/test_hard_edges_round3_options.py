@@ -425,7 +425,7 @@ def test_model_loader_lora_widget_does_not_follow_a_link_out_of_models_loras(tmp
 
 # ---------------------------------------------------------------------------- 9. names and figures
 def test_play_session_node_names_the_input_at_fault(monkeypatch):
-    from wan_accel.nodes import streaming_decode
+    from wan_accel.nodes.comfy import streaming_decode
     from wan_accel.nodes.prompt_nodes import CausalWanPromptPlaySession
     monkeypatch.setattr(streaming_decode, "WanStreamDecoder", lambda vae: None)
     handle = _tiny_handle()

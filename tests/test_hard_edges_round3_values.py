@@ -312,7 +312,7 @@ def test_only_what_cannot_be_represented_is_refused(text, words, tmp_path, handl
 # ================================================================================ 3. a live session survives
 @pytest.fixture()
 def env(monkeypatch):
-    from wan_accel.nodes import streaming_decode
+    from wan_accel.nodes.comfy import streaming_decode
     registry = PlayRegistry(reaper=False)
     monkeypatch.setattr(play_registry, "REGISTRY", registry)
     monkeypatch.setattr(streaming_decode, "WanStreamDecoder", lambda vae: None)      # ComfyUI's decoder: not here

@@ -241,7 +241,7 @@ def test_krea_schedule_entry_is_exact_for_an_interrupted_change():
 
 @pytest.fixture()
 def env(monkeypatch):
-    from wan_accel.nodes import streaming_decode
+    from wan_accel.nodes.comfy import streaming_decode
     registry = PlayRegistry(reaper=False)
     monkeypatch.setattr(play_registry, "REGISTRY", registry)
     monkeypatch.setattr(streaming_decode, "WanStreamDecoder", lambda vae: None)

@@ -119,7 +119,7 @@ def test_bad_krea_window_is_refused_in_one_message(model):
 def test_the_play_session_node_offers_krea_and_re_encodes_through_its_vae(monkeypatch):
     from wan_accel.app.jobs.handle import load_model_handle
     from wan_accel.app.play.registry import REGISTRY
-    from wan_accel.nodes import streaming_decode
+    from wan_accel.nodes.comfy import streaming_decode
     from wan_accel.nodes.prompt_nodes import CausalWanPromptPlaySession
     from tests.test_krea_wire import FakeVAE
     monkeypatch.setattr(streaming_decode, "WanStreamDecoder", lambda vae: None)      # ComfyUI's decoder: not here

@@ -188,7 +188,7 @@ def test_the_nodes_re_encode_through_the_vaes_stream_decoder(monkeypatch):
     walk falls back to decoding the latent frame on its own."""
     from wan_accel.app.jobs.preview import to_vae_latents
     from wan_accel.model.tiny import tiny_causal_model
-    from wan_accel.nodes import streaming_decode
+    from wan_accel.nodes.comfy import streaming_decode
     from wan_accel.nodes.model_nodes import comfy_krea_reencode, krea_cache
     from tests.test_krea_wire import FakeVAE
 

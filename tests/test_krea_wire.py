@@ -156,7 +156,7 @@ def test_sampler_decode_node_re_encodes_through_its_vae(handle, monkeypatch):
 
 def test_native_schedule_node_carries_krea_to_the_sampler():
     from wan_accel.model.tiny import tiny_text_embedding
-    from wan_accel.nodes.native_engine import positive_schedule, schedule_cache
+    from wan_accel.nodes.comfy.native_engine import positive_schedule, schedule_cache
     from wan_accel.nodes.prompt_nodes import WanAccelPromptSchedule
 
     class Clip:

@@ -1,4 +1,4 @@
-"""The native MODEL path (nodes/native_engine.py over model/borrowed.py) as lean as the pack's own optimized path:
+"""The native MODEL path (nodes/comfy/native_engine.py over model/borrowed.py) as lean as the pack's own optimized path:
 one host read per video, one q/k/v GEMM over the owner's own weights when they are plain (off, with a reason,
 when its layers cast or patch them), the pack's out-of-memory retry, and a shorter last block as core accepts.
 ComfyUI is stood in for by the guider/BaseModel stand-ins of test_native_sampler.py."""
@@ -17,7 +17,7 @@ from wan_accel.memory.block_swap import active_swap
 from wan_accel.model.fused_qkv import QKV_WEIGHT
 from wan_accel.model.kv_cache import CrossAttnCache, KVCache
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
-from wan_accel.nodes.native_engine import RECORDED_NOISE_KEY, sample_wan_accel
+from wan_accel.nodes.comfy.native_engine import RECORDED_NOISE_KEY, sample_wan_accel
 from wan_accel.profiling.dispatch_counts import DispatchCounts
 from run_helpers import run_causal
 from wan_accel.sampling.scheduler import FlowMatchScheduler, resolve_schedule, schedule_from_sigmas
@@ -81,7 +81,7 @@ def test_plain_weights_fuse_qkv_as_views_without_a_second_copy():
 
     def during(ci, k, *_):
         sa = model.blocks[0].self_attn
-        from wan_accel.nodes.native_engine import _ENGINES
+        from wan_accel.nodes.comfy.native_engine import _ENGINES
         buf = _ENGINES[model].blocks[0].self_attn._buffers.get(QKV_WEIGHT)
         seen.append(buf is not None and {t.untyped_storage().data_ptr() for t in (sa.q.weight, sa.k.weight,
                                                                                    sa.v.weight, buf)}
@@ -98,7 +98,7 @@ def test_plain_weights_fuse_qkv_as_views_without_a_second_copy():
                          .reshape(shape))
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     # after the run the engine holds no buffer of its own; the next run finds the views again (nothing copied)
-    from wan_accel.nodes.native_engine import _ENGINES
+    from wan_accel.nodes.comfy.native_engine import _ENGINES
     assert _ENGINES[model].blocks[0].self_attn._buffers.get(QKV_WEIGHT) is None
     ptr = model.blocks[0].self_attn.q.weight.data_ptr()
     torch.testing.assert_close(_run(model, ctx, noise, rec), out, rtol=0, atol=0)

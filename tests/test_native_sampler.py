@@ -1,4 +1,4 @@
-"""The sampler function that runs the engine on ComfyUI's own MODEL (nodes/native_engine.py), with stand-ins for
+"""The sampler function that runs the engine on ComfyUI's own MODEL (nodes/comfy/native_engine.py), with stand-ins for
 ComfyUI's guider and BaseModel (no ComfyUI needed), and the engine's start-latent prefix."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from wan_accel.model.kv_cache import CrossAttnCache, KVCache
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
-from wan_accel.nodes.native_engine import RECORDED_NOISE_KEY, sample_wan_accel
+from wan_accel.nodes.comfy.native_engine import RECORDED_NOISE_KEY, sample_wan_accel
 from run_helpers import run_causal
 from wan_accel.sampling.scheduler import FlowMatchScheduler, resolve_schedule, schedule_from_sigmas
 
@@ -161,7 +161,7 @@ def test_start_image_of_ar_video_i2v_is_honoured():
 
 def test_apply_compile_native_settings_compile_the_engine_blocks():
     from wan_accel.compile.apply import compile_handle
-    from wan_accel.nodes.comfy_compile import COMFY_KEY
+    from wan_accel.nodes.comfy.comfy_compile import COMFY_KEY
     model = tiny_causal_model(seed=2)
     ctx = torch.randn(1, 5, TINY_CONFIG.text_dim, generator=torch.Generator().manual_seed(4))
     x = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(5))
@@ -174,7 +174,7 @@ def test_apply_compile_native_settings_compile_the_engine_blocks():
     apply_model_wrapper.handle = SimpleNamespace(settings={"backend": "eager", "scope": "blocks"})
     model_k.inner_model.model_patcher = SimpleNamespace(wrappers={"apply_model": {COMFY_KEY: [apply_model_wrapper]}})
     out = sample_wan_accel(model_k, x, sigmas, extra_args={"seed": 1}, path="optimized")
-    from wan_accel.nodes.native_engine import _ENGINES
+    from wan_accel.nodes.comfy.native_engine import _ENGINES
     engine = _ENGINES[model]
     handle = compile_handle(engine)
     assert handle is not None and handle.settings.backend == "eager" and handle.calls > 0

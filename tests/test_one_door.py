@@ -102,7 +102,7 @@ def _context(seed=4):
 # ----------------------------------------------------------------------------------------------------- the faces
 def native_sampler(_tmp):
     from wan_accel.model.tiny import tiny_causal_model
-    from wan_accel.nodes.native_engine import sample_wan_accel
+    from wan_accel.nodes.comfy.native_engine import sample_wan_accel
     from wan_accel.sampling.scheduler import resolve_schedule
     model_k, _ = _native(tiny_causal_model(seed=2), _context())
     x = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(5))
@@ -156,7 +156,8 @@ def mg2_job(tmp):
 def _play_env(monkeypatch):
     from wan_accel.app.play import registry as play_registry
     from wan_accel.app.play.registry import PlayRegistry
-    from wan_accel.nodes import play_nodes, streaming_decode
+    from wan_accel.nodes import play_nodes
+    from wan_accel.nodes.comfy import streaming_decode
     registry = PlayRegistry(reaper=False)
     monkeypatch.setattr(play_registry, "REGISTRY", registry)
     monkeypatch.setattr(streaming_decode, "WanStreamDecoder", lambda vae: None)     # ComfyUI's decoder: not here
@@ -385,7 +386,7 @@ def test_one_spec_gives_the_same_video_through_every_face(path, tmp_path):
 
     from wan_accel.app.jobs.generate import GenerateOptions, run_generate
     from wan_accel.nodes.model_nodes import CausalWanSampler
-    from wan_accel.nodes.native_engine import RECORDED_NOISE_KEY, sample_wan_accel
+    from wan_accel.nodes.comfy.native_engine import RECORDED_NOISE_KEY, sample_wan_accel
     from wan_accel.sampling.scheduler import resolve_schedule
     from wan_accel.vae.latents import to_vae_latents
     handle, ctx = _tiny_handle(), _context()

@@ -140,7 +140,7 @@ def test_readme_commands_and_ci_agree():
 
 def test_readme_generated_sections_are_current():
     from wan_accel.compile import render_presets_table
-    from wan_accel.nodes.reference import render_node_reference
+    from wan_accel.nodes.comfy.reference import render_node_reference
 
     readme = (REPO / "README.md").read_text()
     nodes = (REPO / "docs" / "nodes.md").read_text()

@@ -18,7 +18,8 @@ import wan_accel.app.play.registry as play_mod
 import wan_accel.server_routes as sr
 from fake_decoder import FakeDecoder
 from wan_accel.app.play.registry import PlayError, PlayRegistry, PlaySession
-from wan_accel.nodes import play_nodes, streaming_decode
+from wan_accel.nodes import play_nodes
+from wan_accel.nodes.comfy import streaming_decode
 from wan_accel.nodes.mg2_nodes import GameActions, MatrixGame2Sampler, to_latent_space
 from wan_accel.nodes.model_nodes import TINY_MG2_NAME, CausalWanModelLoader
 
@@ -132,7 +133,7 @@ def test_an_interrupted_chunk_ends_the_session_and_frees_its_memory(handle, env,
 
     def interrupt():
         raise InterruptProcessingException()
-    monkeypatch.setattr("wan_accel.nodes.comfy_core.progress_and_interrupt", lambda: (None, interrupt))
+    monkeypatch.setattr("wan_accel.nodes.comfy.comfy_core.progress_and_interrupt", lambda: (None, interrupt))
     with pytest.raises(InterruptProcessingException):
         step.step(sid, "a")
     assert play.ended == "interrupted" and play.state is None and play.model is None and play.chunks == 1
@@ -141,7 +142,7 @@ def test_an_interrupted_chunk_ends_the_session_and_frees_its_memory(handle, env,
     assert kv() is None and model() is not None                 # its caches are gone; the loaded model is not its own
     with pytest.raises(PlayError, match="has ended \\(interrupted\\)"):
         play.step({"w"})
-    monkeypatch.setattr("wan_accel.nodes.comfy_core.progress_and_interrupt", lambda: (None, None))
+    monkeypatch.setattr("wan_accel.nodes.comfy.comfy_core.progress_and_interrupt", lambda: (None, None))
     saved = play_nodes.MatrixGame2PlaySave().save(sid, "wan_accel/play", "webp")     # what was made can be saved
     latent = load_file(str(env.out / "wan_accel" / saved["ui"]["wan_accel_play_saved"][0]["latent"]))
     assert latent["latent_tensor"].shape[2] == 3

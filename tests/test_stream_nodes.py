@@ -4,7 +4,7 @@ the decoder's frames in order. The decode adapter itself is checked against Comf
 import pytest
 import torch
 
-from wan_accel.nodes import streaming_decode
+from wan_accel.nodes.comfy import streaming_decode
 from wan_accel.nodes.model_nodes import CausalWanModelLoader
 from wan_accel.nodes.stream_nodes import CausalWanSamplerDecode, _DecodeInLockstep
 from fake_decoder import FakeDecoder

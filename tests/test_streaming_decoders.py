@@ -10,7 +10,7 @@ import torch
 
 from comfy_vaes import StandInVAE, StandInTAEHV, tiny_vae, wan_vae
 from test_play_mode import env  # noqa: F401 (the play sessions' registry, events and output folder)
-from wan_accel.nodes import streaming_decode
+from wan_accel.nodes.comfy import streaming_decode
 from wan_accel.vae import taehv, wan21
 from wan_accel.vae.frames import DecoderFrames, FrameStream
 from wan_accel.vae.weights import init_random

@@ -182,7 +182,7 @@ def test_text_encoder_uses_the_clip_and_checks_its_width(handle):
 
 
 def test_native_schedule_node_reaches_the_sampler_arguments():
-    from wan_accel.nodes.native_engine import positive_schedule
+    from wan_accel.nodes.comfy.native_engine import positive_schedule
     from wan_accel.nodes.prompt_nodes import SCHEDULE_KEY, WanAccelPromptSchedule
     clip = FakeClip(8)
     (cond,) = WanAccelPromptSchedule().encode(clip, "0: a cat\n2: a dog", recache="none")

@@ -15,7 +15,7 @@ A ``FrameStream`` decodes one video of Wan 2.1 latents chunk after chunk, whatev
 Concatenated over a video, the frames are those of one decode of the whole latent (up to the rounding of the
 decoder's dtype). Adapters: ``DecoderFrames`` here, over the pack's own decoders (``vae/wan21.py``,
 ``vae/taehv.py``); ComfyUI's Wan 2.1 VAE and ComfyUI's tiny video decoders (``taew2_1``, ``lighttaew2_1``) in
-``nodes/streaming_decode.py``, which picks the adapter for a graph's VAE (``stream_decoder``).
+``nodes/comfy/streaming_decode.py``, which picks the adapter for a graph's VAE (``stream_decoder``).
 """
 from __future__ import annotations
 

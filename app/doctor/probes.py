@@ -364,7 +364,7 @@ NATIVE_HINT = ("run the Wan Doctor node inside ComfyUI (or this command with Com
 
 
 def _native_probe() -> OutsideProbe:
-    """The native MODEL path's probe: registered by the nodes package (``nodes/native_probe.py``), which may import
+    """The native MODEL path's probe: registered by the nodes package (``nodes/comfy/native_probe.py``), which may import
     ComfyUI; until it is, the feature needs ComfyUI."""
     probe = registered_probe("native_model")
     if probe is None:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file  # noqa: E402
 from wan_accel.model.checkpoint import core_causal_metadata  # noqa: E402
 from wan_accel.model.config import WanConfig  # noqa: E402
 from wan_accel.model.kv_cache import CrossAttnCache, KVCache  # noqa: E402
-from wan_accel.nodes.native_engine import engine_for  # noqa: E402
+from wan_accel.nodes.comfy.native_engine import engine_for  # noqa: E402
 
 
 def main(fixture: Path) -> None:

@@ -26,7 +26,7 @@ from comfy_extras.nodes_custom_sampler import Guider_Basic  # noqa: E402
 
 from wan_accel.model.checkpoint import core_causal_metadata, expected_shapes  # noqa: E402
 from wan_accel.model.config import WanConfig  # noqa: E402
-from wan_accel.nodes.native_engine import engine_for, sample_wan_accel  # noqa: E402
+from wan_accel.nodes.comfy.native_engine import engine_for, sample_wan_accel  # noqa: E402
 from wan_accel.nodes.native_nodes import causal_sigmas  # noqa: E402
 from wan_accel.sampling.continuation import weight_fingerprint  # noqa: E402
 

@@ -11,7 +11,7 @@
     python streaming_decode_check.py memory-whole N [S] -> the same for ComfyUI's whole VAE.decode (for contrast)
 
 A random-weight Wan 2.1 VAE is built from ComfyUI's own class (comfy.ldm.wan.vae.WanVAE) at a small width and loaded
-through ``comfy.sd.VAE`` like a real file; float32 on the CPU. The adapters (nodes/streaming_decode.py) are imported
+through ``comfy.sd.VAE`` like a real file; float32 on the CPU. The adapters (nodes/comfy/streaming_decode.py) are imported
 from this checkout as ``wan_accel`` (``load_pack``), so the pack need not be installed in ComfyUI's environment.
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ from vae_decoders_check import load_pack  # noqa: E402
 
 
 def adapter():
-    """nodes/streaming_decode.py of this checkout (it imports the pack's vae/ floor, so through the package)."""
+    """nodes/comfy/streaming_decode.py of this checkout (it imports the pack's vae/ floor, so through the package)."""
     load_pack()
-    return importlib.import_module("wan_accel.nodes.streaming_decode")
+    return importlib.import_module("wan_accel.nodes.comfy.streaming_decode")
 
 
 def small_vae(dim: int = 8, seed: int = 0):

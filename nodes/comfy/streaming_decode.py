@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..vae.frames import DecoderFrames, FrameStream, check_latents
+from ...vae.frames import DecoderFrames, FrameStream, check_latents
 from .comfy_core import core, optional
 
 TINY_MARK = "decoder.22.bias"           # ComfyUI's VAE loader reads a state dict with it as a TAEHV-class decoder
@@ -52,7 +52,7 @@ def _tiny_model(vae):
 
 def is_tiny_decoder(vae) -> bool:
     """Whether ``vae`` is a tiny video decoder: ComfyUI's (taew2_1, lighttaew2_1, ...) or the pack's own."""
-    from ..vae.taehv import TinyVideoDecoder
+    from ...vae.taehv import TinyVideoDecoder
     return _tiny_model(vae) is not None or isinstance(vae, TinyVideoDecoder)
 
 
@@ -68,7 +68,7 @@ def stream_decoder(vae) -> FrameStream:
     """The streaming decoder of a graph's VAE: ComfyUI's tiny video decoder -> ``ComfyTinyStream``; a pack decoder
     (``vae.stream.StreamingDecoder``) -> ``DecoderFrames``; anything else -> ``WanStreamDecoder`` (ComfyUI's Wan 2.1
     VAE; another VAE is refused there with a message naming what streams)."""
-    from ..vae.stream import StreamingDecoder
+    from ...vae.stream import StreamingDecoder
     if isinstance(vae, StreamingDecoder):
         return DecoderFrames(vae)
     if _tiny_model(vae) is not None:
@@ -83,8 +83,8 @@ class ComfyTinyStream(DecoderFrames):
     gives all the frames of its latent frames (nothing is held back); the images go to the VAE's output device."""
 
     def __init__(self, vae):
-        from ..vae.taehv import TinyVideoDecoder
-        from ..vae.weights import DecoderWeightsError
+        from ...vae.taehv import TinyVideoDecoder
+        from ...vae.weights import DecoderWeightsError
         model = _tiny_model(vae)
         if model is None:
             raise ValueError(f"not a tiny video decoder; streaming decode takes {ACCEPTED}")

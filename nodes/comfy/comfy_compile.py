@@ -20,7 +20,7 @@ def _comfy_wrapper_types() -> tuple[str, str]:
 
 def compile_for_comfy(patcher, settings=None, cache=None):
     """A clone of a ComfyUI ModelPatcher whose diffusion model runs compiled, per block or whole."""
-    from ..compile.apply import compile_regions, swapped_in
+    from ...compile.apply import compile_regions, swapped_in
 
     model = patcher.clone()
     diffusion_model = model.get_model_object("diffusion_model")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..app.doctor.vocabulary import NotAvailable, Probe, ProbeContext, register_probe
+from ...app.doctor.vocabulary import NotAvailable, Probe, ProbeContext, register_probe
 from . import native_engine
 from .comfy_core import CoreMissing, core, in_comfyui, start_core
 
@@ -40,8 +40,8 @@ def requires(ctx: ProbeContext) -> None:
 
 
 def _tiny(ctx: ProbeContext, device, dtype):
-    from ..model.config import WanConfig
-    from ..model.tiny import TINY_CONFIG, tiny_causal_model
+    from ...model.config import WanConfig
+    from ...model.tiny import TINY_CONFIG, tiny_causal_model
     dim = ctx.heads * ctx.head_dim
     cfg = WanConfig.from_dict(dict(TINY_CONFIG.to_dict(), dim=dim, ffn_dim=2 * dim, num_heads=ctx.heads,
                                    text_dim=64))
@@ -50,11 +50,11 @@ def _tiny(ctx: ProbeContext, device, dtype):
 
 def check(ctx: ProbeContext) -> Probe:
     """The probe: the AR Sampler on ComfyUI's MODEL against the pack's engine on the same weights."""
-    from ..model.checkpoint import core_causal_metadata
-    from ..app.prepare import RunInputs, RunSpec, Setup, prepare
-    from ..sampling.runner import FastOptions
-    from ..sampling.scheduler import resolve_schedule
-    from .native_nodes import WanAccelARSampler
+    from ...model.checkpoint import core_causal_metadata
+    from ...app.prepare import RunInputs, RunSpec, Setup, prepare
+    from ...sampling.runner import FastOptions
+    from ...sampling.scheduler import resolve_schedule
+    from ..native_nodes import WanAccelARSampler
     load, mm = _comfy()
     ours = _tiny(ctx, ctx.device, ctx.dtype)
     weights = {k: v.detach().to("cpu").clone() for k, v in ours.state_dict().items()}
@@ -92,8 +92,8 @@ def check(ctx: ProbeContext) -> Probe:
 
 
 def sources() -> tuple:
-    from ..model import borrowed
-    from . import native_nodes
+    from ...model import borrowed
+    from .. import native_nodes
     return (native_engine, native_nodes, borrowed, _tiny)
 
 

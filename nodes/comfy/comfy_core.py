@@ -22,8 +22,8 @@ import logging
 import sys
 import threading
 
-from ..app.doctor.versions import NOT_FOUND, comfyui_version, dependency_fix
-from ..cache.guarded_import import ImportProblem, guarded_import
+from ...app.doctor.versions import NOT_FOUND, comfyui_version, dependency_fix
+from ...cache.guarded_import import ImportProblem, guarded_import
 
 log = logging.getLogger("wan_accel")
 

@@ -7,8 +7,8 @@ import functools
 
 import torch
 
-from ..app.doctor.versions import NOT_FOUND, stack
-from ..bench.native import _structure, register_comfy_side
+from ...app.doctor.versions import NOT_FOUND, stack
+from ...bench.native import _structure, register_comfy_side
 from .comfy_core import CoreMissing, core, optional, start_core
 
 
@@ -65,7 +65,7 @@ class ComfySide:
 
     def native_sampler(self, frames_per_block: int, path: str):
         """The Wan Accel AR Sampler node's SAMPLER (its defaults: global cache, CUDA graphs)."""
-        from .native_nodes import WanAccelARSampler
+        from ..native_nodes import WanAccelARSampler
         return WanAccelARSampler().get_sampler(frames_per_block=int(frames_per_block), path=path)[0]
 
     def guider(self, patcher, context):
@@ -107,7 +107,7 @@ class ComfySide:
     def structure(self, guider, samplers: dict, inputs: dict) -> dict:
         """ops_per_step (one steady-state step: the last block's last step) and syncs_per_video of each sampler,
         from one untimed run under the dispatch counter (the sampler function alone, not the guider around it)."""
-        from ..profiling.dispatch_counts import DispatchCounts
+        from ...profiling.dispatch_counts import DispatchCounts
         out = {}
         for key, sampler in samplers.items():
             counts, marks = DispatchCounts(), []

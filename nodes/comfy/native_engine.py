@@ -23,13 +23,13 @@ import weakref
 
 import torch
 
-from ..memory.block_swap import active_swap, ensure_block_swap
-from ..memory.offload import COMFY_FULL, PACK, memory_manager
-from ..memory.sampling_guard import oom_guard
-from ..model.borrowed import borrow_wan_model
-from ..app.prepare import RunInputs, RunSpec, prepare
-from ..sampling.request import SamplingHooks
-from ..sampling.scheduler import schedule_from_sigmas
+from ...memory.block_swap import active_swap, ensure_block_swap
+from ...memory.offload import COMFY_FULL, PACK, memory_manager
+from ...memory.sampling_guard import oom_guard
+from ...model.borrowed import borrow_wan_model
+from ...app.prepare import RunInputs, RunSpec, prepare
+from ...sampling.request import SamplingHooks
+from ...sampling.scheduler import schedule_from_sigmas
 from .comfy_core import outside_memory_graph, progress_and_interrupt
 
 log = logging.getLogger("wan_accel")
@@ -66,8 +66,8 @@ def native_spec(guider, options: dict, x, sigmas, seed, frames_per_block, kv_win
     """(the run's ``RunSpec``, its prompt inputs), every input checked before a tensor of the run is made: the model
     kind, a 64-bit seed, the sigmas, the prompt schedule's cache mode, the ``RunSpec`` fields (``fields``: path,
     oom_retry, linear...) and the memory estimate (``app.validate.check_fits``). ValueError naming the input."""
-    from ..app.validate import MAX_SEED, check_fits, check_int
-    from ..model.borrowed import borrowed_config
+    from ...app.validate import MAX_SEED, check_fits, check_int
+    from ...model.borrowed import borrowed_config
     base = guider.inner_model
     check_native_model(base)
     seed = check_int("noise_seed", seed, 0, MAX_SEED)
@@ -144,7 +144,7 @@ def positive_context(guider) -> torch.Tensor:
 def positive_schedule(guider) -> dict:
     """The prompt-switch arguments of ``sample_causal`` when the guider's positive conditioning comes from Wan Accel
     Prompt Schedule ({} otherwise): the schedule, its texts' embeddings and the re-cache mode."""
-    from .prompt_nodes import SCHEDULE_KEY
+    from ..prompt_nodes import SCHEDULE_KEY
     for cond in (getattr(guider, "conds", None) or {}).get("positive") or []:
         found = cond.get(SCHEDULE_KEY) if isinstance(cond, dict) else None
         if found is not None:
@@ -156,7 +156,7 @@ def positive_schedule(guider) -> dict:
 def schedule_cache(prompts: dict, frames_per_block: int, kv_window: int, sink: int = 0) -> tuple:
     """(the sampler's prompt arguments, its kv_window) once the schedule's cache mode is mapped
     (``model_nodes.krea_cache``: recache krea becomes Krea's recompute policy and its window)."""
-    from .model_nodes import krea_cache
+    from ..model_nodes import krea_cache
     prompts = dict(prompts)
     vae = prompts.pop("vae", None)
     if not prompts:

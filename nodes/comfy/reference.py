@@ -19,7 +19,7 @@ def _describe_input(name: str, decl) -> str:
 
 def render_node_reference() -> str:
     """Markdown: one section per node with its description, inputs (with tooltips) and outputs."""
-    from . import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from .. import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
     by_category: dict[str, list[str]] = {}
     for key in sorted(NODE_CLASS_MAPPINGS, key=lambda k: (NODE_CLASS_MAPPINGS[k].CATEGORY, k)):
