@@ -1,6 +1,8 @@
 """Node "Wan Doctor": every accelerated feature's verdict on this machine (the ``doctor`` command's table)."""
 from __future__ import annotations
 
+from .comfy import Node
+
 FEATURE_CHOICES = ["all", "attention.sdpa", "attention.fa3", "attention.fa2", "attention.triton",
                    "attention.fa3_hub", "attention.fa3_xformers", "attention.int8", "attention.fp8", "linear.fp8",
                    "kernel.layernorm_modulate", "kernel.rmsnorm_rope", "kernel.gated_residual", "kernel.rms_norm",
@@ -11,7 +13,7 @@ FEATURE_CHOICES = ["all", "attention.sdpa", "attention.fa3", "attention.fa2", "a
 DTYPE_CHOICES = ["auto", "bf16", "fp16", "fp32"]
 
 
-class WanAccelDoctor:
+class WanAccelDoctor(Node):
     DESCRIPTION = ("Checks each accelerated path of the pack (attention backends, fused Triton kernels, fused "
                    "q/k/v, CUDA graphs, compiled blocks, block swap, the native MODEL path) against its plain "
                    "fallback on this GPU, once, and shows the verdicts: a feature that failed or was slower is "
@@ -22,18 +24,16 @@ class WanAccelDoctor:
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("report",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "feature": (FEATURE_CHOICES, {"default": "all", "tooltip": "Which feature to show (or re-check)."}),
-            "recheck": ("BOOLEAN", {"default": False, "tooltip": "Probe again even where a verdict is recorded "
-                                                                 "(after a driver, torch or library update the "
-                                                                 "check runs again by itself)."}),
-            "dtype": (DTYPE_CHOICES, {"default": "auto", "tooltip": "dtype of the probes: auto is bf16 on a GPU, "
-                                                                    "fp32 on a CPU; use your model's dtype."}),
-            "with_compile": ("BOOLEAN", {"default": False, "tooltip": "Also probe torch.compile on a CPU (tens of "
-                                                                      "seconds); on a GPU it is always probed."}),
-        }}
+    INPUTS = {"required": {
+        "feature": (FEATURE_CHOICES, {"default": "all", "tooltip": "Which feature to show (or re-check)."}),
+        "recheck": ("BOOLEAN", {"default": False, "tooltip": "Probe again even where a verdict is recorded "
+                                                             "(after a driver, torch or library update the "
+                                                             "check runs again by itself)."}),
+        "dtype": (DTYPE_CHOICES, {"default": "auto", "tooltip": "dtype of the probes: auto is bf16 on a GPU, "
+                                                                "fp32 on a CPU; use your model's dtype."}),
+        "with_compile": ("BOOLEAN", {"default": False, "tooltip": "Also probe torch.compile on a CPU (tens of "
+                                                                  "seconds); on a GPU it is always probed."}),
+    }}
 
     @classmethod
     def IS_CHANGED(cls, **kwargs):
