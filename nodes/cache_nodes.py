@@ -1,7 +1,7 @@
 """Node "Limit Cache": shows (and on explicit confirmation clears) the pack's limit cache."""
 from __future__ import annotations
 
-from .comfy import Node
+from .comfy import FreshNode
 
 NAMESPACE_CHOICES = ["all", "operator", "compile", "memory", "sampler", "doctor"]
 
@@ -35,7 +35,7 @@ def render_cache_text(namespace: str = "all", all_machines: bool = False, cache=
     return "\n".join(lines)
 
 
-class WanAccelLimitCache(Node):
+class WanAccelLimitCache(FreshNode):   # always re-read the cache
     DESCRIPTION = ("Shows the limit cache shared by every wan_accel feature: best kernel configs, compile "
                    "artifacts, learned memory limits, sampler capabilities. Clearing needs the confirm switch.")
     CATEGORY = "wan_accel"
@@ -56,10 +56,6 @@ class WanAccelLimitCache(Node):
                                      "tooltip": "Also list entries measured on other GPUs or other "
                                                 "torch/triton versions (never applied here)."}),
     }}
-
-    @classmethod
-    def IS_CHANGED(cls, **kwargs):
-        return float("nan")  # always re-read the cache
 
     def run(self, namespace="all", action="show", confirm_clear=False, all_machines=False):
         from ..cache import LimitCache, count_entries

@@ -1,7 +1,7 @@
 """ComfyUI nodes of Matrix-Game-2: Game Actions (script -> per-frame actions) and Matrix-Game-2 Sampler."""
 from __future__ import annotations
 
-from .comfy import Node
+from .comfy import Node, check_choice
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
 MODES = ["universal", "gta_drive", "templerun"]
@@ -14,8 +14,7 @@ def linear_spec(linear: str):
     exact; fp8 through the one path rule (the optimized path runs it)."""
     from ..app.prepare import RunSpec
     from ..sampling.sampler import path_for_linear
-    if linear not in LINEAR_CHOICES:
-        raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
+    check_choice("linear", linear, LINEAR_CHOICES)
     path, note = path_for_linear("auto", linear)
     return RunSpec(path=path, linear=linear), note
 

@@ -1,7 +1,7 @@
 """ComfyUI nodes of the model area: CausalWan Model Loader and CausalWan Sampler (thin adapters over wan/)."""
 from __future__ import annotations
 
-from .comfy import Node
+from .comfy import Node, check_choice
 
 TINY_NAME = "(built-in tiny model)"   # same string as app.jobs.handle.TINY_NAME (kept here: no heavy import)
 TINY_MG2_NAME = "(built-in tiny Matrix-Game-2 model)"   # app.jobs.handle.TINY_MG2_NAME
@@ -88,7 +88,7 @@ def _torch_device():
     return None if mm is None else mm.get_torch_device()
 
 
-class CausalWanModelLoader(Node):
+class CausalWanModelLoader:
     DESCRIPTION = ("Loads a causal Wan 2.1 DiT (Self-Forcing / CausVid) from safetensors, with the config inferred "
                    "from the weights. The built-in tiny model needs no download (random weights, for testing).")
     CATEGORY = "wan_accel/model"
@@ -96,36 +96,38 @@ class CausalWanModelLoader(Node):
     RETURN_TYPES = ("CAUSALWAN_MODEL",)
     RETURN_NAMES = ("model",)
 
-    INPUTS = {
-        "required": {
-            "checkpoint": _checkpoint_input(),
-            "dtype": (["auto", "bf16", "fp16", "fp32"], {"default": "auto", "tooltip":
-                      "Weight / matmul dtype. auto: bf16 on GPUs with bf16 tensor cores (SM 8.0+), fp16 on "
-                      "older GPUs (SM 7.5: bf16 would be emulated), fp32 on the CPU. bf16 is what causal "
-                      "checkpoints run in; fp32 for parity checks."}),
-            "precision": (["self_forcing", "wan21", "float32"], {"default": "self_forcing", "tooltip":
-                          "self_forcing: whole model in dtype (as Self-Forcing runs). wan21: time embedding, "
-                          "modulation, residual stream and head in float32. float32: everything float32."}),
-            "attention": (["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8", "fp8"], {"default": "auto",
-                          "tooltip":
-                          "auto: exact attention; FlashAttention 3 (Hopper) / 2 (compute capability 8.0+) "
-                          "where installed and supported, else torch SDPA; on CUDA the optimized sampler keeps "
-                          "the fastest one verified on this GPU per shape (operator store). fa3 / fa2 / sdpa "
-                          "force one (SDPA where the forced one cannot run). int8 (opt-in): SageAttention-"
-                          "style int8 Q/K (comfy-kitchen's kernel on CUDA), close to exact but not equal "
-                          "(docs/sampler.md: Fidelity). fp8 (opt-in): keys and values smoothed, Q/K in int8, V and P in "
-                          "fp8, K/V quantized once as they enter the KV cache (the pack's kernel on GPUs of SM "
-                          "8.9+), within a stated error of exact; kept only where measured faster than exact "
-                          "(docs/sampler.md: Fidelity)."}),
-        },
-        "optional": {
-            "compile_settings": ("WANACCEL_COMPILE", {"tooltip": "Compile settings, stored for the sampler."}),
-            "plan": ("WANACCEL_PLAN", {"tooltip": "VRAM plan, stored for the sampler."}),
-            "lora": _lora_input(),
-            "lora_strength": ("FLOAT", {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01, "tooltip":
-                              "Scale of the LoRA's update (1.0: as trained; 0: none)."}),
-        },
-    }
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "checkpoint": _checkpoint_input(),
+                "dtype": (["auto", "bf16", "fp16", "fp32"], {"default": "auto", "tooltip":
+                          "Weight / matmul dtype. auto: bf16 on GPUs with bf16 tensor cores (SM 8.0+), fp16 on "
+                          "older GPUs (SM 7.5: bf16 would be emulated), fp32 on the CPU. bf16 is what causal "
+                          "checkpoints run in; fp32 for parity checks."}),
+                "precision": (["self_forcing", "wan21", "float32"], {"default": "self_forcing", "tooltip":
+                              "self_forcing: whole model in dtype (as Self-Forcing runs). wan21: time embedding, "
+                              "modulation, residual stream and head in float32. float32: everything float32."}),
+                "attention": (["auto", "sdpa", "flash_attn", "fa3", "fa2", "int8", "fp8"], {"default": "auto",
+                              "tooltip":
+                              "auto: exact attention; FlashAttention 3 (Hopper) / 2 (compute capability 8.0+) "
+                              "where installed and supported, else torch SDPA; on CUDA the optimized sampler keeps "
+                              "the fastest one verified on this GPU per shape (operator store). fa3 / fa2 / sdpa "
+                              "force one (SDPA where the forced one cannot run). int8 (opt-in): SageAttention-"
+                              "style int8 Q/K (comfy-kitchen's kernel on CUDA), close to exact but not equal "
+                              "(docs/sampler.md: Fidelity). fp8 (opt-in): keys and values smoothed, Q/K in int8, V and P in "
+                              "fp8, K/V quantized once as they enter the KV cache (the pack's kernel on GPUs of SM "
+                              "8.9+), within a stated error of exact; kept only where measured faster than exact "
+                              "(docs/sampler.md: Fidelity)."}),
+            },
+            "optional": {
+                "compile_settings": ("WANACCEL_COMPILE", {"tooltip": "Compile settings, stored for the sampler."}),
+                "plan": ("WANACCEL_PLAN", {"tooltip": "VRAM plan, stored for the sampler."}),
+                "lora": _lora_input(),
+                "lora_strength": ("FLOAT", {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01, "tooltip":
+                                  "Scale of the LoRA's update (1.0: as trained; 0: none)."}),
+            },
+        }
 
     def load(self, checkpoint, dtype="bf16", precision="self_forcing", attention="auto",
              compile_settings=None, plan=None, lora=NO_LORA, lora_strength=1.0):
@@ -309,8 +311,7 @@ def _check_ops(ops, path: str, model) -> str:
     cannot run where the model is (before anything is sampled)."""
     from ..kernels.candidates import MODES, mode_problem
     from ..sampling.sampler import resolve_path
-    if ops not in MODES:
-        raise ValueError(f"ops must be one of {list(MODES)}, got {ops!r}")
+    check_choice("ops", ops, MODES)
     device = model.model.device
     if ops != "auto" and resolve_path(path, device, model=model.model) == "reference":
         raise ValueError(f"ops {ops!r} picks the optimized sampler's implementation, but the reference sampler runs "
@@ -444,8 +445,7 @@ class CausalWanSampler(Node):
         prompts = _schedule_kwargs(model, prompt_schedule, cache.recache, clip, num_frames, frames_per_block)
         if cache.cache_policy is not None:
             prompts.update(cache.sampler_kwargs())
-        if sampler not in SAMPLER_CHOICES:
-            raise ValueError(f"sampler must be one of {list(SAMPLER_CHOICES)}, got {sampler!r}")
+        check_choice("sampler", sampler, SAMPLER_CHOICES)
         path, graphs, fused = SAMPLER_CHOICES[sampler]
         doctor_notes: list = []
         spec = RunSpec.for_handle(model, path=path, cuda_graphs=graphs, fused_kernels=fused,

@@ -3,7 +3,7 @@ drop-in for core's SamplerARVideo), the released causal schedules as SIGMAS, and
 re-noising draws, text) to replay an official output."""
 from __future__ import annotations
 
-from .comfy import Node
+from .comfy import Node, check_choice
 from .comfy.comfy_core import core
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP    # torch-free: the sampler nodes' one linear widget
 
@@ -54,12 +54,9 @@ class WanAccelARSampler:
         from ..app.validate import check_window
         from ..sampling.sampler import PATHS, path_for_linear
         from .comfy.native_engine import sample_wan_accel
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
-        if attention not in BACKENDS:
-            raise ValueError(f"attention must be one of {list(BACKENDS)}, got {attention!r}")
-        if linear not in LINEAR_CHOICES:
-            raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
+        check_choice("path", path, PATHS)
+        check_choice("attention", attention, BACKENDS)
+        check_choice("linear", linear, LINEAR_CHOICES)
         path_for_linear(path, linear, names=("path", "linear"))     # the CLI's one rule, in the node's words
         check_window(frames_per_block, kv_window, sink)     # the one window check: kv_window 0 is refused here
         options = {"frames_per_block": int(frames_per_block), "kv_window": int(kv_window), "sink": int(sink),

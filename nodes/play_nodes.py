@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import time
 
-from .comfy import Node
+from .comfy import FreshNode
 from .comfy.comfy_core import optional
 from .mg2_nodes import PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
@@ -44,17 +44,13 @@ def send_play_event(kind: str, session: str, **payload) -> bool:
     return True
 
 
-class PlaySessionNode(Node):
+class PlaySessionNode(FreshNode):   # every run starts a new session (a cached result would name an ended one)
     """What the play Session nodes share: a new session every run, registered with its decoder and run spec, the
     page told it is ready."""
     FUNCTION = "start"
     OUTPUT_NODE = True
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("session",)
-
-    @classmethod
-    def IS_CHANGED(cls, **_kwargs):
-        return float("nan")         # every run starts a new session (a cached result would name an ended one)
 
     @staticmethod
     def _open(session, vae, decoder, linear, idle_timeout_s, unique_id, text, **event) -> dict:
@@ -70,7 +66,7 @@ class PlaySessionNode(Node):
         return {"ui": {"text": [text(sid) + (f" ({note})" if note else "")], "wan_accel_play": [sid]}, "result": (sid,)}
 
 
-class PlayStepNode(Node):
+class PlayStepNode(FreshNode):
     """What the play Step nodes share: the session's next chunk (``play.step(*inputs)``) made and decoded in lockstep,
     its frames sent to the page. A refused input (PlayError) leaves the session going on; any other failure or an
     interrupt ends it (what was made can still be saved). ``KIND``: the sessions it drives; ``said(entry)``: what
@@ -79,10 +75,6 @@ class PlayStepNode(Node):
     OUTPUT_NODE = True
     RETURN_TYPES = ()
     KIND, OTHER = "mg2", ""
-
-    @classmethod
-    def IS_CHANGED(cls, **_kwargs):
-        return float("nan")
 
     def _step(self, session, chunk, *inputs) -> dict:
         import torch
@@ -234,7 +226,7 @@ class MatrixGame2PlayStep(PlayStepNode):
         return {"action": entry["action"]}
 
 
-class MatrixGame2PlaySave(Node):
+class MatrixGame2PlaySave(FreshNode):
     DESCRIPTION = ("Saves a Matrix-Game-2 play session to the output folder: the video (mp4, or animated WEBP), the "
                    "Game Actions script that reproduces it exactly with the session's seed, and its LATENT "
                    "(.latent, as Save Latent writes it). Works after the session ended, too. A CausalWan Prompt Play "
@@ -253,10 +245,6 @@ class MatrixGame2PlaySave(Node):
                          "mp4 (H.264, written frame by frame) or animated WEBP (mp4 needs PyAV, which ComfyUI "
                          "installs; WEBP is used when it is missing)."}),
     }}
-
-    @classmethod
-    def IS_CHANGED(cls, **_kwargs):
-        return float("nan")
 
     def save(self, session, filename_prefix="wan_accel/play", video_format="mp4"):
         import torch

@@ -6,8 +6,6 @@ latest report of either. Traces go to ComfyUI's output folder (``wan_accel_profi
 """
 from __future__ import annotations
 
-from .comfy import Node
-
 WRAPPER_KEY = "wan_accel_profile"
 CATEGORY = "wan_accel/profile"
 
@@ -40,27 +38,33 @@ _COMMON_INPUTS = {
 }
 
 
-class WanAccelProfile(Node):
+class _ProfileNode:
+    """What both profile nodes share: a fresh request per queued prompt while enabled (a finished request would
+    profile nothing)."""
+    CATEGORY = CATEGORY
+    FUNCTION = "apply"
+    RETURN_NAMES = ("model",)
+
+    @classmethod
+    def IS_CHANGED(cls, enabled=True, **kwargs):
+        return float("nan") if enabled else "off"
+
+
+class WanAccelProfile(_ProfileNode):
     DESCRIPTION = ("Profiles the next run(s) of the wan_accel sampler on this model: a torch.profiler trace "
                    "(Perfetto/Chrome), compile time per phase, graph breaks and recompiles with reasons, GPU idle "
                    "time between kernels (launch-bound detection), top kernels and peak memory. Connect a "
                    "'Wan Profile Report' node to see the report.")
-    CATEGORY = CATEGORY
-    FUNCTION = "apply"
     RETURN_TYPES = ("CAUSALWAN_MODEL",)
-    RETURN_NAMES = ("model",)
-
-    INPUTS = {"required": {
-        "model": ("CAUSALWAN_MODEL", {"tooltip": "The causal Wan model whose next sampler run(s) to profile."}),
-        "runs": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "How many sampler runs to profile; "
-                                                                       "each gets its own trace and report."}),
-        **_COMMON_INPUTS,
-    }}
 
     @classmethod
-    def IS_CHANGED(cls, enabled=True, **kwargs):
-        # A fresh request per queued prompt while enabled (a finished request would profile nothing).
-        return float("nan") if enabled else "off"
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("CAUSALWAN_MODEL", {"tooltip": "The causal Wan model whose next sampler run(s) to profile."}),
+            "runs": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "How many sampler runs to profile; "
+                                                                           "each gets its own trace and report."}),
+            **_COMMON_INPUTS,
+        }}
 
     def apply(self, model, runs=1, enabled=True, output_subfolder="wan_accel_profiles", record_shapes=False):
         from ..profiling.session import ProfileRequest, attach_profile_request
@@ -72,26 +76,21 @@ class WanAccelProfile(Node):
         return (attach_profile_request(model, request),)
 
 
-class WanAccelProfileNative(Node):
+class WanAccelProfileNative(_ProfileNode):
     DESCRIPTION = ("Profiles the next N calls of a ComfyUI MODEL (any sampler) into one torch.profiler trace: "
                    "compile time, graph breaks, recompiles, GPU idle time, top kernels and peak memory. Connect "
                    "'Wan Profile Report' (model input) to see the report.")
-    CATEGORY = CATEGORY
-    FUNCTION = "apply"
     RETURN_TYPES = ("MODEL",)
-    RETURN_NAMES = ("model",)
-
-    INPUTS = {"required": {
-        "model": ("MODEL", {"tooltip": "The ComfyUI model to profile (it is cloned; the input stays as is)."}),
-        "model_calls": ("INT", {"default": 4, "min": 1, "max": 1000,
-                                "tooltip": "How many model calls (one per step and cond batch) go into "
-                                           "the trace; the trace also closes when sampling ends."}),
-        **_COMMON_INPUTS,
-    }}
 
     @classmethod
-    def IS_CHANGED(cls, enabled=True, **kwargs):
-        return float("nan") if enabled else "off"
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The ComfyUI model to profile (it is cloned; the input stays as is)."}),
+            "model_calls": ("INT", {"default": 4, "min": 1, "max": 1000,
+                                    "tooltip": "How many model calls (one per step and cond batch) go into "
+                                               "the trace; the trace also closes when sampling ends."}),
+            **_COMMON_INPUTS,
+        }}
 
     def apply(self, model, model_calls=4, enabled=True, output_subfolder="wan_accel_profiles",
               record_shapes=False):
@@ -147,7 +146,7 @@ def _native_request(patcher):
     return req
 
 
-class WanAccelProfileReport(Node):
+class WanAccelProfileReport:
     DESCRIPTION = ("Shows the latest profile report of a model prepared by 'Wan Profile' (causal_model) or "
                    "'Wan Profile (native MODEL)' (model). Connect the sampler's output to 'after' so this node "
                    "runs once sampling is done.")
@@ -157,12 +156,14 @@ class WanAccelProfileReport(Node):
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("report",)
 
-    INPUTS = {"required": {}, "optional": {
-        "causal_model": ("CAUSALWAN_MODEL", {"tooltip": "Output of 'Wan Profile'."}),
-        "model": ("MODEL", {"tooltip": "Output of 'Wan Profile (native MODEL)'."}),
-        "after": ("*", {"tooltip": "Anything produced by the profiled sampler (e.g. its LATENT): makes this "
-                                   "node run after sampling."}),
-    }}
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}, "optional": {
+            "causal_model": ("CAUSALWAN_MODEL", {"tooltip": "Output of 'Wan Profile'."}),
+            "model": ("MODEL", {"tooltip": "Output of 'Wan Profile (native MODEL)'."}),
+            "after": ("*", {"tooltip": "Anything produced by the profiled sampler (e.g. its LATENT): makes this "
+                                       "node run after sampling."}),
+        }}
 
     @classmethod
     def IS_CHANGED(cls, **kwargs):
