@@ -311,6 +311,17 @@ async def _read_body(request) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------- aiohttp face
+ROUTES = (   # (path, plain function, POST with a JSON body rather than GET), in the order _make_handlers answers
+    (ROUTE_LIMITS, limits_payload, False),
+    (ROUTE_CLEAR, clear_limits, True),
+    (ROUTE_DOCTOR, doctor_payload, False),
+    (ROUTE_RECHECK, recheck_feature, True),
+    (ROUTE_PLAY, play_sessions, False),
+    (ROUTE_PLAY_TOUCH, play_touch, True),
+    (ROUTE_PLAY_END, play_end, True),
+)
+
+
 def _make_handlers(web):
     import asyncio
 
@@ -331,14 +342,7 @@ def _make_handlers(web):
                 return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
         return handler
 
-    get_limits = _answer(ROUTE_LIMITS, limits_payload, with_body=False)
-    post_clear = _answer(ROUTE_CLEAR, clear_limits, with_body=True)
-    get_doctor = _answer(ROUTE_DOCTOR, doctor_payload, with_body=False)
-    post_recheck = _answer(ROUTE_RECHECK, recheck_feature, with_body=True)
-    get_play = _answer(ROUTE_PLAY, play_sessions, with_body=False)
-    post_touch = _answer(ROUTE_PLAY_TOUCH, play_touch, with_body=True)
-    post_end = _answer(ROUTE_PLAY_END, play_end, with_body=True)
-    return get_limits, post_clear, get_doctor, post_recheck, get_play, post_touch, post_end
+    return tuple(_answer(route, fn, with_body) for route, fn, with_body in ROUTES)
 
 
 def register_routes(prompt_server=None) -> bool:
@@ -360,14 +364,8 @@ def register_routes(prompt_server=None) -> bool:
     try:
         from aiohttp import web
 
-        get_limits, post_clear, get_doctor, post_recheck, get_play, post_touch, post_end = _make_handlers(web)
-        routes.get(ROUTE_LIMITS)(get_limits)
-        routes.post(ROUTE_CLEAR)(post_clear)
-        routes.get(ROUTE_DOCTOR)(get_doctor)
-        routes.post(ROUTE_RECHECK)(post_recheck)
-        routes.get(ROUTE_PLAY)(get_play)
-        routes.post(ROUTE_PLAY_TOUCH)(post_touch)
-        routes.post(ROUTE_PLAY_END)(post_end)
+        for (route, _fn, with_body), handler in zip(ROUTES, _make_handlers(web)):
+            (routes.post if with_body else routes.get)(route)(handler)
     except Exception as exc:  # noqa: BLE001 - the panel is optional; the nodes must still load
         log.warning("wan_accel: could not add the web panel routes: %r", exc)
         return False

@@ -19,13 +19,9 @@ IMPORT_ERRORS: dict[str, str] = {}
 for _name in AREA_MODULES:
     try:
         _mod = importlib.import_module(f".{_name}", __name__)
-    except ModuleNotFoundError as _exc:
-        if _exc.name == f"{__name__}.{_name}":
-            continue  # area not present in this build
-        IMPORT_ERRORS[_name] = repr(_exc)
-        log.warning("wan_accel: node module %s failed to import: %r", _name, _exc)
-        continue
     except Exception as _exc:  # noqa: BLE001 - one broken area must not break the pack
+        if isinstance(_exc, ModuleNotFoundError) and _exc.name == f"{__name__}.{_name}":
+            continue  # area not present in this build
         IMPORT_ERRORS[_name] = repr(_exc)
         log.warning("wan_accel: node module %s failed to import: %r", _name, _exc)
         continue

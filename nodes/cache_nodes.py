@@ -1,6 +1,8 @@
 """Node "Limit Cache": shows (and on explicit confirmation clears) the pack's limit cache."""
 from __future__ import annotations
 
+from .comfy import FreshNode
+
 NAMESPACE_CHOICES = ["all", "operator", "compile", "memory", "sampler", "doctor"]
 
 
@@ -33,7 +35,7 @@ def render_cache_text(namespace: str = "all", all_machines: bool = False, cache=
     return "\n".join(lines)
 
 
-class WanAccelLimitCache:
+class WanAccelLimitCache(FreshNode):   # always re-read the cache
     DESCRIPTION = ("Shows the limit cache shared by every wan_accel feature: best kernel configs, compile "
                    "artifacts, learned memory limits, sampler capabilities. Clearing needs the confirm switch.")
     CATEGORY = "wan_accel"
@@ -42,24 +44,18 @@ class WanAccelLimitCache:
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("report",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "namespace": (NAMESPACE_CHOICES, {"default": "all",
-                                              "tooltip": "Which part of the cache to show (or clear)."}),
-            "action": (["show", "clear"], {"default": "show",
-                                          "tooltip": "show lists entries; clear removes the chosen namespace "
-                                                     "(only when confirm_clear is on)."}),
-            "confirm_clear": ("BOOLEAN", {"default": False,
-                                          "tooltip": "Safety switch: clearing happens only when this is on."}),
-            "all_machines": ("BOOLEAN", {"default": False,
-                                         "tooltip": "Also list entries measured on other GPUs or other "
-                                                    "torch/triton versions (never applied here)."}),
-        }}
-
-    @classmethod
-    def IS_CHANGED(cls, **kwargs):
-        return float("nan")  # always re-read the cache
+    INPUTS = {"required": {
+        "namespace": (NAMESPACE_CHOICES, {"default": "all",
+                                          "tooltip": "Which part of the cache to show (or clear)."}),
+        "action": (["show", "clear"], {"default": "show",
+                                      "tooltip": "show lists entries; clear removes the chosen namespace "
+                                                 "(only when confirm_clear is on)."}),
+        "confirm_clear": ("BOOLEAN", {"default": False,
+                                      "tooltip": "Safety switch: clearing happens only when this is on."}),
+        "all_machines": ("BOOLEAN", {"default": False,
+                                     "tooltip": "Also list entries measured on other GPUs or other "
+                                                "torch/triton versions (never applied here)."}),
+    }}
 
     def run(self, namespace="all", action="show", confirm_clear=False, all_machines=False):
         from ..cache import LimitCache, count_entries

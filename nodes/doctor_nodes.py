@@ -1,6 +1,8 @@
 """Node "Wan Doctor": every accelerated feature's verdict on this machine (the ``doctor`` command's table)."""
 from __future__ import annotations
 
+from .comfy import FreshNode, check_choice
+
 FEATURE_CHOICES = ["all", "attention.sdpa", "attention.fa3", "attention.fa2", "attention.triton",
                    "attention.fa3_hub", "attention.fa3_xformers", "attention.int8", "attention.fp8", "linear.fp8",
                    "kernel.layernorm_modulate", "kernel.rmsnorm_rope", "kernel.gated_residual", "kernel.rms_norm",
@@ -11,7 +13,7 @@ FEATURE_CHOICES = ["all", "attention.sdpa", "attention.fa3", "attention.fa2", "a
 DTYPE_CHOICES = ["auto", "bf16", "fp16", "fp32"]
 
 
-class WanAccelDoctor:
+class WanAccelDoctor(FreshNode):   # always read the current verdicts
     DESCRIPTION = ("Checks each accelerated path of the pack (attention backends, fused Triton kernels, fused "
                    "q/k/v, CUDA graphs, compiled blocks, block swap, the native MODEL path) against its plain "
                    "fallback on this GPU, once, and shows the verdicts: a feature that failed or was slower is "
@@ -22,22 +24,16 @@ class WanAccelDoctor:
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("report",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "feature": (FEATURE_CHOICES, {"default": "all", "tooltip": "Which feature to show (or re-check)."}),
-            "recheck": ("BOOLEAN", {"default": False, "tooltip": "Probe again even where a verdict is recorded "
-                                                                 "(after a driver, torch or library update the "
-                                                                 "check runs again by itself)."}),
-            "dtype": (DTYPE_CHOICES, {"default": "auto", "tooltip": "dtype of the probes: auto is bf16 on a GPU, "
-                                                                    "fp32 on a CPU; use your model's dtype."}),
-            "with_compile": ("BOOLEAN", {"default": False, "tooltip": "Also probe torch.compile on a CPU (tens of "
-                                                                      "seconds); on a GPU it is always probed."}),
-        }}
-
-    @classmethod
-    def IS_CHANGED(cls, **kwargs):
-        return float("nan")  # always read the current verdicts
+    INPUTS = {"required": {
+        "feature": (FEATURE_CHOICES, {"default": "all", "tooltip": "Which feature to show (or re-check)."}),
+        "recheck": ("BOOLEAN", {"default": False, "tooltip": "Probe again even where a verdict is recorded "
+                                                             "(after a driver, torch or library update the "
+                                                             "check runs again by itself)."}),
+        "dtype": (DTYPE_CHOICES, {"default": "auto", "tooltip": "dtype of the probes: auto is bf16 on a GPU, "
+                                                                "fp32 on a CPU; use your model's dtype."}),
+        "with_compile": ("BOOLEAN", {"default": False, "tooltip": "Also probe torch.compile on a CPU (tens of "
+                                                                  "seconds); on a GPU it is always probed."}),
+    }}
 
     def run(self, feature="all", recheck=False, dtype="auto", with_compile=False):
         import torch
@@ -45,10 +41,8 @@ class WanAccelDoctor:
         from ..app.doctor.core import doctor_for
         from ..app.doctor.report import doctor_rows, doctor_text
         from .comfy import native_probe  # noqa: F401 - registers the native MODEL path's probe (torch: not at import)
-        if feature not in FEATURE_CHOICES:
-            raise ValueError(f"feature must be one of {FEATURE_CHOICES}, got {feature!r}")
-        if dtype not in DTYPE_CHOICES:
-            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+        check_choice("feature", feature, FEATURE_CHOICES)
+        check_choice("dtype", dtype, DTYPE_CHOICES)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dt = None if dtype == "auto" else {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
         doctor = doctor_for(device, dt, with_compile=bool(with_compile))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from .comfy import Node
 from .comfy.comfy_core import add_outer_sample_guard, optional, wrapper_types
 
 log = logging.getLogger("wan_accel")
@@ -366,7 +367,7 @@ def _auto_chunk(vae, latent, plan) -> tuple[int, str]:
     return 1, "estimated from memory"
 
 
-class WanChunkedVAEDecode:
+class WanChunkedVAEDecode(Node):
     DESCRIPTION = ("Decodes a video latent in temporal chunks with overlap and a linear cross-fade, so long videos "
                    "decode within VRAM. On out-of-memory the chunk is halved and redone; the size that worked is "
                    "remembered for this GPU and resolution, so the next run starts there.")
@@ -375,20 +376,18 @@ class WanChunkedVAEDecode:
     RETURN_TYPES = ("IMAGE",)
     RETURN_NAMES = ("images",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "samples": ("LATENT", {"tooltip": "The video latent to decode."}),
-            "vae": ("VAE", {"tooltip": "The Wan VAE."}),
-            "chunk_frames": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 1,
-                                     "tooltip": "Latent frames per chunk. 0 = auto (plan, else learned limit, else "
-                                                "estimate). A number is an upper bound, lowered on out-of-memory."}),
-            "overlap": ("INT", {"default": 2, "min": 0, "max": 16, "step": 1,
-                                "tooltip": "Latent frames shared by neighbouring chunks; their video frames are "
-                                           "cross-faded. At least 1 for Wan (4x temporal compression)."}),
-        }, "optional": {
-            "plan": ("WANACCEL_PLAN", {"tooltip": "A Wan VRAM Plan; supplies the chunk size when chunk_frames is 0."}),
-        }}
+    INPUTS = {"required": {
+        "samples": ("LATENT", {"tooltip": "The video latent to decode."}),
+        "vae": ("VAE", {"tooltip": "The Wan VAE."}),
+        "chunk_frames": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 1,
+                                 "tooltip": "Latent frames per chunk. 0 = auto (plan, else learned limit, else "
+                                            "estimate). A number is an upper bound, lowered on out-of-memory."}),
+        "overlap": ("INT", {"default": 2, "min": 0, "max": 16, "step": 1,
+                            "tooltip": "Latent frames shared by neighbouring chunks; their video frames are "
+                                       "cross-faded. At least 1 for Wan (4x temporal compression)."}),
+    }, "optional": {
+        "plan": ("WANACCEL_PLAN", {"tooltip": "A Wan VRAM Plan; supplies the chunk size when chunk_frames is 0."}),
+    }}
 
     def decode(self, samples, vae, chunk_frames=0, overlap=2, plan=None):
         from ..memory.chunked_decode import decode_chunked, min_chunk

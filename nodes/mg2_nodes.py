@@ -1,6 +1,7 @@
 """ComfyUI nodes of Matrix-Game-2: Game Actions (script -> per-frame actions) and Matrix-Game-2 Sampler."""
 from __future__ import annotations
 
+from .comfy import Node, check_choice
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
 MODES = ["universal", "gta_drive", "templerun"]
@@ -13,13 +14,12 @@ def linear_spec(linear: str):
     exact; fp8 through the one path rule (the optimized path runs it)."""
     from ..app.prepare import RunSpec
     from ..sampling.sampler import path_for_linear
-    if linear not in LINEAR_CHOICES:
-        raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
+    check_choice("linear", linear, LINEAR_CHOICES)
     path, note = path_for_linear("auto", linear)
     return RunSpec(path=path, linear=linear), note
 
 
-class GameActions:
+class GameActions(Node):
     DESCRIPTION = ("Builds the per-video-frame keyboard and mouse actions of a Matrix-Game-2 run from a short "
                    "script such as 'W*20, W+A*8, mouse(0.1,0)*12, idle*4' (ACTION*FRAMES items; keys joined "
                    "with '+'; mouse(pitch,yaw); idle). Counts are video frames after the start frame and must "
@@ -29,17 +29,15 @@ class GameActions:
     RETURN_TYPES = ("GAME_ACTIONS", "INT", "INT", "STRING")
     RETURN_NAMES = ("actions", "video_frames", "latent_frames", "summary")
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "script": ("STRING", {"default": DEFAULT_SCRIPT, "multiline": True, "tooltip":
-                       "Comma- or line-separated ACTION*FRAMES items. universal keys W S A D (forward back left "
-                       "right), gta_drive W S, templerun nomove jump slide turnleft turnright leftside "
-                       "rightside; mouse(pitch,yaw) or look_up/down/left/right (0.1); idle; '#' comments."}),
-            "mode": (MODES, {"default": "universal", "tooltip":
-                     "Action layout of the checkpoint: universal (4 keys + mouse), gta_drive (2 keys + mouse), "
-                     "templerun (7 keys, no mouse)."}),
-        }}
+    INPUTS = {"required": {
+        "script": ("STRING", {"default": DEFAULT_SCRIPT, "multiline": True, "tooltip":
+                   "Comma- or line-separated ACTION*FRAMES items. universal keys W S A D (forward back left "
+                   "right), gta_drive W S, templerun nomove jump slide turnleft turnright leftside "
+                   "rightside; mouse(pitch,yaw) or look_up/down/left/right (0.1); idle; '#' comments."}),
+        "mode": (MODES, {"default": "universal", "tooltip":
+                 "Action layout of the checkpoint: universal (4 keys + mouse), gta_drive (2 keys + mouse), "
+                 "templerun (7 keys, no mouse)."}),
+    }}
 
     def build(self, script, mode="universal"):
         from ..sampling.actions_script import ActionScriptError, parse_action_script
@@ -100,7 +98,7 @@ def to_latent_space(latents):
     return to_vae_latents(latents.float().cpu().transpose(1, 2))
 
 
-class MatrixGame2Sampler:
+class MatrixGame2Sampler(Node):
     DESCRIPTION = ("Interactive Matrix-Game-2 video: samples latents chunk by chunk (3 latent frames each) from "
                    "the start image latent, its CLIP vision tokens and the Game Actions, with rolling self, "
                    "mouse and keyboard caches, exactly as the released pipeline. Outputs a Wan 2.1 LATENT and, "
@@ -113,38 +111,36 @@ class MatrixGame2Sampler:
                        "Where the video stopped (caches, noise generators, the actions so far), kept in RAM: connect "
                        "it to continue_from of a later Matrix-Game-2 Sampler. Empty unless keep_state is on.")
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": ("CAUSALWAN_MODEL", {"tooltip": "A Matrix-Game-2 checkpoint from CausalWan Model Loader."}),
-                "start_latent": ("LATENT", {"tooltip":
-                                 "VAE Encode (Wan 2.1 VAE) of the start image, [B, 16, 1, h, w]; or of the start "
-                                 "image followed by 4*(F-1) gray frames (exact to the released pipeline)."}),
-                "actions": ("GAME_ACTIONS", {"tooltip": "From Game Actions; its mode must match the checkpoint."}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
-                         "Seed of the initial and per-step noise (batch element i uses seed + i)."}),
-                "num_frames": ("INT", {"default": 0, "min": 0, "max": 1020, "step": 3, "tooltip":
-                               "Latent frames to generate (multiple of 3; video frames = 4*(n-1)+1). 0: every "
-                               "whole 3-frame chunk the actions cover."}),
-                "preset": (PRESETS, {"default": "universal", "tooltip":
-                           "Released settings: universal and gta_drive 3 steps [1000,666,333]; templerun 4 steps "
-                           "[1000,750,500,250]; all shift 5. Rolling window 6 latent frames (gta_drive 4)."}),
-            },
-            "optional": {
-                "clip_vision_output": CLIP_INPUT,
-                "kv_window": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip":
-                              "Override the rolling cache window in latent frames (0: the preset's; >= 3)."}),
-                "keep_state": ("BOOLEAN", {"default": False, "tooltip":
-                               "Output the sampler state (caches, noise generators, actions so far; kept in RAM) so "
-                               "a later prompt can continue this video with new actions."}),
-                "continue_from": ("CAUSALWAN_STATE", {"tooltip":
-                                  "A state from an earlier Matrix-Game-2 Sampler with keep_state on: the actions then "
-                                  "drive the new frames only (4 video frames per latent frame), num_frames is the "
-                                  "total to reach (0: every whole chunk the actions cover) and seed is not used."}),
-                "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
-            },
-        }
+    INPUTS = {
+        "required": {
+            "model": ("CAUSALWAN_MODEL", {"tooltip": "A Matrix-Game-2 checkpoint from CausalWan Model Loader."}),
+            "start_latent": ("LATENT", {"tooltip":
+                             "VAE Encode (Wan 2.1 VAE) of the start image, [B, 16, 1, h, w]; or of the start "
+                             "image followed by 4*(F-1) gray frames (exact to the released pipeline)."}),
+            "actions": ("GAME_ACTIONS", {"tooltip": "From Game Actions; its mode must match the checkpoint."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
+                     "Seed of the initial and per-step noise (batch element i uses seed + i)."}),
+            "num_frames": ("INT", {"default": 0, "min": 0, "max": 1020, "step": 3, "tooltip":
+                           "Latent frames to generate (multiple of 3; video frames = 4*(n-1)+1). 0: every "
+                           "whole 3-frame chunk the actions cover."}),
+            "preset": (PRESETS, {"default": "universal", "tooltip":
+                       "Released settings: universal and gta_drive 3 steps [1000,666,333]; templerun 4 steps "
+                       "[1000,750,500,250]; all shift 5. Rolling window 6 latent frames (gta_drive 4)."}),
+        },
+        "optional": {
+            "clip_vision_output": CLIP_INPUT,
+            "kv_window": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip":
+                          "Override the rolling cache window in latent frames (0: the preset's; >= 3)."}),
+            "keep_state": ("BOOLEAN", {"default": False, "tooltip":
+                           "Output the sampler state (caches, noise generators, actions so far; kept in RAM) so "
+                           "a later prompt can continue this video with new actions."}),
+            "continue_from": ("CAUSALWAN_STATE", {"tooltip":
+                              "A state from an earlier Matrix-Game-2 Sampler with keep_state on: the actions then "
+                              "drive the new frames only (4 video frames per latent frame), num_frames is the "
+                              "total to reach (0: every whole chunk the actions cover) and seed is not used."}),
+            "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
+        },
+    }
 
     def sample(self, model, start_latent, clip_vision_output=None, actions=None, seed=0, num_frames=0,
                preset="universal", kv_window=0, keep_state=False, continue_from=None, linear="exact"):
@@ -232,7 +228,7 @@ def _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_windo
     return sample_mg2(net, **args, **run), state_after() if keep_state else None
 
 
-class MatrixGame2StartLatent:
+class MatrixGame2StartLatent(Node):
     DESCRIPTION = ("Builds the Matrix-Game-2 conditioning latent exactly as the released pipeline does: the start "
                    "image followed by 4*(F-1) blank (mid-gray) frames, encoded by the Wan 2.1 VAE into F latent "
                    "frames. Feed it to the Matrix-Game-2 Sampler's start_latent; connect Game Actions' "
@@ -242,16 +238,14 @@ class MatrixGame2StartLatent:
     RETURN_TYPES = ("LATENT",)
     RETURN_NAMES = ("start_latent",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE."}),
-            "start_image": ("IMAGE", {"tooltip": "The start frame at the model's resolution (640x352 for the "
-                                                 "released models); one image per batch element."}),
-            "latent_frames": ("INT", {"default": 15, "min": 1, "max": 1020, "tooltip":
-                                      "Latent frames the sampler will generate (connect Game Actions' "
-                                      "latent_frames, or match the sampler's num_frames)."}),
-        }}
+    INPUTS = {"required": {
+        "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE."}),
+        "start_image": ("IMAGE", {"tooltip": "The start frame at the model's resolution (640x352 for the "
+                                             "released models); one image per batch element."}),
+        "latent_frames": ("INT", {"default": 15, "min": 1, "max": 1020, "tooltip":
+                                  "Latent frames the sampler will generate (connect Game Actions' "
+                                  "latent_frames, or match the sampler's num_frames)."}),
+    }}
 
     def encode(self, vae, start_image, latent_frames=15):
         from ..sampling.mg2 import start_video

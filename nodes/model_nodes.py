@@ -1,6 +1,8 @@
 """ComfyUI nodes of the model area: CausalWan Model Loader and CausalWan Sampler (thin adapters over wan/)."""
 from __future__ import annotations
 
+from .comfy import Node, check_choice
+
 TINY_NAME = "(built-in tiny model)"   # same string as app.jobs.handle.TINY_NAME (kept here: no heavy import)
 TINY_MG2_NAME = "(built-in tiny Matrix-Game-2 model)"   # app.jobs.handle.TINY_MG2_NAME
 PRESETS = ["self_forcing", "causvid", "custom"]
@@ -309,8 +311,7 @@ def _check_ops(ops, path: str, model) -> str:
     cannot run where the model is (before anything is sampled)."""
     from ..kernels.candidates import MODES, mode_problem
     from ..sampling.sampler import resolve_path
-    if ops not in MODES:
-        raise ValueError(f"ops must be one of {list(MODES)}, got {ops!r}")
+    check_choice("ops", ops, MODES)
     device = model.model.device
     if ops != "auto" and resolve_path(path, device, model=model.model) == "reference":
         raise ValueError(f"ops {ops!r} picks the optimized sampler's implementation, but the reference sampler runs "
@@ -352,7 +353,7 @@ class _ComfyProgress:
             return None
 
 
-class CausalWanSampler:
+class CausalWanSampler(Node):
     DESCRIPTION = ("Chunk-autoregressive few-step sampling of a causal Wan model with a KV cache "
                    "(Self-Forcing / CausVid). Outputs a Wan 2.1 LATENT for the Wan VAE decoder and, with "
                    "keep_state on, the sampler state a later prompt continues the video from (continue_from).")
@@ -364,59 +365,57 @@ class CausalWanSampler:
                        "Where the video stopped (KV caches, frame position, noise generator), kept in RAM: connect "
                        "it to continue_from of a later sampler. Empty unless keep_state is on.")
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": ("CAUSALWAN_MODEL", {"tooltip": "From CausalWan Model Loader."}),
-                "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16,
-                                  "tooltip": "Video width in pixels (multiple of 16)."}),
-                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16,
-                                   "tooltip": "Video height in pixels (multiple of 16)."}),
-                "num_frames": ("INT", {"default": 81, "min": 1, "max": 4093, "step": 4, "tooltip":
-                               "Video frames (4k+1); latent frames (n-1)/4+1 must be whole blocks."}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF,
-                                 "tooltip": "Seed of the initial and per-step noise."}),
-                "preset": (PRESETS, {"default": "self_forcing", "tooltip":
-                           "self_forcing: 4 warped steps, shift 5. causvid: [1000,757,522], shift 8. "
-                           "custom: custom_steps and shift below."}),
-                "frames_per_block": ("INT", {"default": 3, "min": 1, "max": 64,
-                                             "tooltip": "Latent frames per chunk (3 for released models)."}),
-                "kv_window": ("INT", {"default": -1, "min": -1, "max": 1024, "tooltip":
-                              "Rolling KV cache window in latent frames; -1 keeps every frame (global)."}),
-                "sink": ("INT", {"default": 0, "min": 0, "max": 1024,
-                                 "tooltip": "First latent frames always kept in a rolling window."}),
-            },
-            "optional": {
-                "positive": ("CONDITIONING", {"tooltip": "umt5-xxl text conditioning; leave empty for the tiny model."}),
-                "custom_steps": ("STRING", {"default": "1000,750,500,250",
-                                            "tooltip": "Step list used by preset 'custom' (warped)."}),
-                "shift": ("FLOAT", {"default": 5.0, "min": 0.1, "max": 100.0, "step": 0.1,
-                                    "tooltip": "Timestep shift used by preset 'custom'."}),
-                "skip_last_refresh": ("BOOLEAN", {"default": False, "tooltip":
-                                      "Skip the last chunk's cache-refresh pass (its result is unused). The "
-                                      "optimized sampler always skips it."}),
-                "sampler": (list(SAMPLER_CHOICES), {"default": "auto", "tooltip":
-                            "auto: the optimized sampler on CUDA, the reference one elsewhere. optimized: static "
-                            "buffers, fused kernels, CUDA graphs, the loader's compile settings (same results "
-                            "within rounding). The 'no CUDA graphs' / 'no fused kernels' variants switch one part "
-                            "off for debugging. reference: the plain loop."}),
-                "keep_state": ("BOOLEAN", {"default": False, "tooltip":
-                               "Output the sampler state (the KV caches: about the size of the model's cache for "
-                               "the whole window, kept in RAM) so a later prompt can continue this video. Needs "
-                               "skip_last_refresh off."}),
-                "prompt_schedule": schedule_widget(),
-                "recache": (["switch", "none", "krea"], {"default": "switch", "tooltip": RECACHE_TOOLTIP}),
-                "clip": ("CLIP", {"tooltip": "The text encoder (umt5-xxl) that encodes prompt_schedule's prompts; "
-                                  "not needed by the built-in tiny model."}),
-                "ops": (["auto", "pack", "kitchen", "torch"], {"default": "auto", "tooltip": OPS_TOOLTIP}),
-                "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
-                "continue_from": ("CAUSALWAN_STATE", {"tooltip":
-                                  "A state from an earlier sampler with keep_state on: go on from where it stopped, "
-                                  "exactly as one long run. num_frames is then the total length to reach, seed is "
-                                  "not used (the noise goes on), the other settings must match the earlier run."}),
-            },
-        }
+    INPUTS = {
+        "required": {
+            "model": ("CAUSALWAN_MODEL", {"tooltip": "From CausalWan Model Loader."}),
+            "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16,
+                              "tooltip": "Video width in pixels (multiple of 16)."}),
+            "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16,
+                               "tooltip": "Video height in pixels (multiple of 16)."}),
+            "num_frames": ("INT", {"default": 81, "min": 1, "max": 4093, "step": 4, "tooltip":
+                           "Video frames (4k+1); latent frames (n-1)/4+1 must be whole blocks."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF,
+                             "tooltip": "Seed of the initial and per-step noise."}),
+            "preset": (PRESETS, {"default": "self_forcing", "tooltip":
+                       "self_forcing: 4 warped steps, shift 5. causvid: [1000,757,522], shift 8. "
+                       "custom: custom_steps and shift below."}),
+            "frames_per_block": ("INT", {"default": 3, "min": 1, "max": 64,
+                                         "tooltip": "Latent frames per chunk (3 for released models)."}),
+            "kv_window": ("INT", {"default": -1, "min": -1, "max": 1024, "tooltip":
+                          "Rolling KV cache window in latent frames; -1 keeps every frame (global)."}),
+            "sink": ("INT", {"default": 0, "min": 0, "max": 1024,
+                             "tooltip": "First latent frames always kept in a rolling window."}),
+        },
+        "optional": {
+            "positive": ("CONDITIONING", {"tooltip": "umt5-xxl text conditioning; leave empty for the tiny model."}),
+            "custom_steps": ("STRING", {"default": "1000,750,500,250",
+                                        "tooltip": "Step list used by preset 'custom' (warped)."}),
+            "shift": ("FLOAT", {"default": 5.0, "min": 0.1, "max": 100.0, "step": 0.1,
+                                "tooltip": "Timestep shift used by preset 'custom'."}),
+            "skip_last_refresh": ("BOOLEAN", {"default": False, "tooltip":
+                                  "Skip the last chunk's cache-refresh pass (its result is unused). The "
+                                  "optimized sampler always skips it."}),
+            "sampler": (list(SAMPLER_CHOICES), {"default": "auto", "tooltip":
+                        "auto: the optimized sampler on CUDA, the reference one elsewhere. optimized: static "
+                        "buffers, fused kernels, CUDA graphs, the loader's compile settings (same results "
+                        "within rounding). The 'no CUDA graphs' / 'no fused kernels' variants switch one part "
+                        "off for debugging. reference: the plain loop."}),
+            "keep_state": ("BOOLEAN", {"default": False, "tooltip":
+                           "Output the sampler state (the KV caches: about the size of the model's cache for "
+                           "the whole window, kept in RAM) so a later prompt can continue this video. Needs "
+                           "skip_last_refresh off."}),
+            "prompt_schedule": schedule_widget(),
+            "recache": (["switch", "none", "krea"], {"default": "switch", "tooltip": RECACHE_TOOLTIP}),
+            "clip": ("CLIP", {"tooltip": "The text encoder (umt5-xxl) that encodes prompt_schedule's prompts; "
+                              "not needed by the built-in tiny model."}),
+            "ops": (["auto", "pack", "kitchen", "torch"], {"default": "auto", "tooltip": OPS_TOOLTIP}),
+            "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
+            "continue_from": ("CAUSALWAN_STATE", {"tooltip":
+                              "A state from an earlier sampler with keep_state on: go on from where it stopped, "
+                              "exactly as one long run. num_frames is then the total length to reach, seed is "
+                              "not used (the noise goes on), the other settings must match the earlier run."}),
+        },
+    }
 
     def sample(self, model, width, height, num_frames, seed, preset, frames_per_block, kv_window, sink,
                positive=None, custom_steps="1000,750,500,250", shift=5.0, skip_last_refresh=False,
@@ -446,8 +445,7 @@ class CausalWanSampler:
         prompts = _schedule_kwargs(model, prompt_schedule, cache.recache, clip, num_frames, frames_per_block)
         if cache.cache_policy is not None:
             prompts.update(cache.sampler_kwargs())
-        if sampler not in SAMPLER_CHOICES:
-            raise ValueError(f"sampler must be one of {list(SAMPLER_CHOICES)}, got {sampler!r}")
+        check_choice("sampler", sampler, SAMPLER_CHOICES)
         path, graphs, fused = SAMPLER_CHOICES[sampler]
         doctor_notes: list = []
         spec = RunSpec.for_handle(model, path=path, cuda_graphs=graphs, fused_kernels=fused,

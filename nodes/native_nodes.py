@@ -3,6 +3,7 @@ drop-in for core's SamplerARVideo), the released causal schedules as SIGMAS, and
 re-noising draws, text) to replay an official output."""
 from __future__ import annotations
 
+from .comfy import Node, check_choice
 from .comfy.comfy_core import core
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP    # torch-free: the sampler nodes' one linear widget
 
@@ -53,12 +54,9 @@ class WanAccelARSampler:
         from ..app.validate import check_window
         from ..sampling.sampler import PATHS, path_for_linear
         from .comfy.native_engine import sample_wan_accel
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
-        if attention not in BACKENDS:
-            raise ValueError(f"attention must be one of {list(BACKENDS)}, got {attention!r}")
-        if linear not in LINEAR_CHOICES:
-            raise ValueError(f"linear must be one of {LINEAR_CHOICES}, got {linear!r}")
+        check_choice("path", path, PATHS)
+        check_choice("attention", attention, BACKENDS)
+        check_choice("linear", linear, LINEAR_CHOICES)
         path_for_linear(path, linear, names=("path", "linear"))     # the CLI's one rule, in the node's words
         check_window(frames_per_block, kv_window, sink)     # the one window check: kv_window 0 is refused here
         options = {"frames_per_block": int(frames_per_block), "kv_window": int(kv_window), "sink": int(sink),
@@ -107,7 +105,7 @@ class WanCausalSigmas:
         return (causal_sigmas(preset, steps, shift, warp),)
 
 
-class WanRecordedRun:
+class WanRecordedRun(Node):
     DESCRIPTION = ("Replay a recorded causal run (e.g. an official implementation's output, saved as safetensors in "
                    "ComfyUI's input folder with initial_noise [B, F, C, H, W], context [B, L, C] and "
                    "extra_noise.block{b}.step{k}): gives its noise, its text conditioning, an empty latent of its "
@@ -117,13 +115,11 @@ class WanRecordedRun:
     RETURN_TYPES = ("MODEL", "NOISE", "CONDITIONING", "LATENT")
     RETURN_NAMES = ("model", "noise", "conditioning", "latent")
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL", {"tooltip": "The causal Wan MODEL to sample (from Load Diffusion Model)."}),
-            "file": ("STRING", {"default": "causal_io.safetensors", "tooltip":
-                     "A .safetensors file in ComfyUI's input folder holding the recorded tensors."}),
-        }}
+    INPUTS = {"required": {
+        "model": ("MODEL", {"tooltip": "The causal Wan MODEL to sample (from Load Diffusion Model)."}),
+        "file": ("STRING", {"default": "causal_io.safetensors", "tooltip":
+                 "A .safetensors file in ComfyUI's input folder holding the recorded tensors."}),
+    }}
 
     def load(self, model, file="causal_io.safetensors"):
         import torch
@@ -159,7 +155,7 @@ class _RecordedNoise:
         return self.noise.clone()
 
 
-class WanTinyNativeModel:
+class WanTinyNativeModel(Node):
     DESCRIPTION = ("The built-in tiny random causal model as ComfyUI's own MODEL (loaded by core as WAN21_CausalAR, "
                    "as Load Diffusion Model would load a converted file) with a random prompt embedding of its "
                    "width: runs a native causal workflow with no model files, in seconds on a CPU. Noise-like "
@@ -169,12 +165,10 @@ class WanTinyNativeModel:
     RETURN_TYPES = ("MODEL", "CONDITIONING")
     RETURN_NAMES = ("model", "conditioning")
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31 - 1, "tooltip":
-                     "Seed of the tiny model's random weights and of its random prompt embedding."}),
-        }}
+    INPUTS = {"required": {
+        "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31 - 1, "tooltip":
+                 "Seed of the tiny model's random weights and of its random prompt embedding."}),
+    }}
 
     def load(self, seed=0):
         import torch

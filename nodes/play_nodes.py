@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import time
 
+from .comfy import FreshNode
 from .comfy.comfy_core import optional
 from .mg2_nodes import PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
@@ -43,17 +44,13 @@ def send_play_event(kind: str, session: str, **payload) -> bool:
     return True
 
 
-class PlaySessionNode:
+class PlaySessionNode(FreshNode):   # every run starts a new session (a cached result would name an ended one)
     """What the play Session nodes share: a new session every run, registered with its decoder and run spec, the
     page told it is ready."""
     FUNCTION = "start"
     OUTPUT_NODE = True
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("session",)
-
-    @classmethod
-    def IS_CHANGED(cls, **_kwargs):
-        return float("nan")         # every run starts a new session (a cached result would name an ended one)
 
     @staticmethod
     def _open(session, vae, decoder, linear, idle_timeout_s, unique_id, text, **event) -> dict:
@@ -69,7 +66,7 @@ class PlaySessionNode:
         return {"ui": {"text": [text(sid) + (f" ({note})" if note else "")], "wan_accel_play": [sid]}, "result": (sid,)}
 
 
-class PlayStepNode:
+class PlayStepNode(FreshNode):
     """What the play Step nodes share: the session's next chunk (``play.step(*inputs)``) made and decoded in lockstep,
     its frames sent to the page. A refused input (PlayError) leaves the session going on; any other failure or an
     interrupt ends it (what was made can still be saved). ``KIND``: the sessions it drives; ``said(entry)``: what
@@ -78,10 +75,6 @@ class PlayStepNode:
     OUTPUT_NODE = True
     RETURN_TYPES = ()
     KIND, OTHER = "mg2", ""
-
-    @classmethod
-    def IS_CHANGED(cls, **_kwargs):
-        return float("nan")
 
     def _step(self, session, chunk, *inputs) -> dict:
         import torch
@@ -212,20 +205,18 @@ class MatrixGame2PlayStep(PlayStepNode):
     CATEGORY = "wan_accel/matrix_game2"
     OTHER = "this session is a prompt play session: use CausalWan Prompt Play Step"
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "session": ("STRING", {"default": "", "tooltip": "The id from Matrix-Game-2 Play Session."}),
-            "keys": ("STRING", {"default": "", "tooltip":
-                     "Keys held during the chunk, joined with '+' (e.g. 'w+a'); empty for none."}),
-            "mouse_pitch": ("FLOAT", {"default": 0.0, "min": -1.0, "max": 1.0, "step": 0.01, "tooltip":
-                            "Camera pitch per frame (the released demos use 0.1)."}),
-            "mouse_yaw": ("FLOAT", {"default": 0.0, "min": -1.0, "max": 1.0, "step": 0.01, "tooltip":
-                          "Camera yaw per frame (the released demos use 0.1)."}),
-            "chunk": ("INT", {"default": -1, "min": -1, "max": 1_000_000, "tooltip":
-                      "The chunk this step should make (refused if the session is elsewhere, e.g. driven from "
-                      "another tab); -1: the next one."}),
-        }}
+    INPUTS = {"required": {
+        "session": ("STRING", {"default": "", "tooltip": "The id from Matrix-Game-2 Play Session."}),
+        "keys": ("STRING", {"default": "", "tooltip":
+                 "Keys held during the chunk, joined with '+' (e.g. 'w+a'); empty for none."}),
+        "mouse_pitch": ("FLOAT", {"default": 0.0, "min": -1.0, "max": 1.0, "step": 0.01, "tooltip":
+                        "Camera pitch per frame (the released demos use 0.1)."}),
+        "mouse_yaw": ("FLOAT", {"default": 0.0, "min": -1.0, "max": 1.0, "step": 0.01, "tooltip":
+                      "Camera yaw per frame (the released demos use 0.1)."}),
+        "chunk": ("INT", {"default": -1, "min": -1, "max": 1_000_000, "tooltip":
+                  "The chunk this step should make (refused if the session is elsewhere, e.g. driven from "
+                  "another tab); -1: the next one."}),
+    }}
 
     def step(self, session, keys="", mouse_pitch=0.0, mouse_yaw=0.0, chunk=-1):
         return self._step(session, chunk, parse_keys(keys), (float(mouse_pitch), float(mouse_yaw)))
@@ -235,7 +226,7 @@ class MatrixGame2PlayStep(PlayStepNode):
         return {"action": entry["action"]}
 
 
-class MatrixGame2PlaySave:
+class MatrixGame2PlaySave(FreshNode):
     DESCRIPTION = ("Saves a Matrix-Game-2 play session to the output folder: the video (mp4, or animated WEBP), the "
                    "Game Actions script that reproduces it exactly with the session's seed, and its LATENT "
                    "(.latent, as Save Latent writes it). Works after the session ended, too. A CausalWan Prompt Play "
@@ -246,20 +237,14 @@ class MatrixGame2PlaySave:
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("script",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "session": ("STRING", {"default": "", "tooltip": "The id from Matrix-Game-2 Play Session."}),
-            "filename_prefix": ("STRING", {"default": "wan_accel/play", "tooltip":
-                                "Output file prefix (a sub-folder of the output folder may be given)."}),
-            "video_format": (["mp4", "webp"], {"default": "mp4", "tooltip":
-                             "mp4 (H.264, written frame by frame) or animated WEBP (mp4 needs PyAV, which ComfyUI "
-                             "installs; WEBP is used when it is missing)."}),
-        }}
-
-    @classmethod
-    def IS_CHANGED(cls, **_kwargs):
-        return float("nan")
+    INPUTS = {"required": {
+        "session": ("STRING", {"default": "", "tooltip": "The id from Matrix-Game-2 Play Session."}),
+        "filename_prefix": ("STRING", {"default": "wan_accel/play", "tooltip":
+                            "Output file prefix (a sub-folder of the output folder may be given)."}),
+        "video_format": (["mp4", "webp"], {"default": "mp4", "tooltip":
+                         "mp4 (H.264, written frame by frame) or animated WEBP (mp4 needs PyAV, which ComfyUI "
+                         "installs; WEBP is used when it is missing)."}),
+    }}
 
     def save(self, session, filename_prefix="wan_accel/play", video_format="mp4"):
         import torch

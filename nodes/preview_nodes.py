@@ -1,8 +1,10 @@
 """Node "Wan Latent Preview": a Wan latent as preview images, without a VAE (the linear latent->RGB projection)."""
 from __future__ import annotations
 
+from .comfy import Node
 
-class WanAccelLatentPreview:
+
+class WanAccelLatentPreview(Node):
     DESCRIPTION = ("Turns a Wan 2.1 LATENT into preview IMAGE frames with the standard linear latent-to-RGB "
                    "projection: no VAE and no model files needed. Colours are approximate; use a VAE Decode "
                    "for the real video.")
@@ -11,13 +13,11 @@ class WanAccelLatentPreview:
     RETURN_TYPES = ("IMAGE",)
     RETURN_NAMES = ("images",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "samples": ("LATENT", {"tooltip": "A Wan 2.1 latent [B, 16, T, H/8, W/8], e.g. from CausalWan Sampler."}),
-            "upscale": ("INT", {"default": 8, "min": 1, "max": 16, "step": 1,
-                                "tooltip": "Nearest-neighbour enlargement of each latent pixel (8 = video size)."}),
-        }}
+    INPUTS = {"required": {
+        "samples": ("LATENT", {"tooltip": "A Wan 2.1 latent [B, 16, T, H/8, W/8], e.g. from CausalWan Sampler."}),
+        "upscale": ("INT", {"default": 8, "min": 1, "max": 16, "step": 1,
+                            "tooltip": "Nearest-neighbour enlargement of each latent pixel (8 = video size)."}),
+    }}
 
     def preview(self, samples, upscale=8):
         import torch

@@ -38,15 +38,24 @@ _COMMON_INPUTS = {
 }
 
 
-class WanAccelProfile:
+class _ProfileNode:
+    """What both profile nodes share: a fresh request per queued prompt while enabled (a finished request would
+    profile nothing)."""
+    CATEGORY = CATEGORY
+    FUNCTION = "apply"
+    RETURN_NAMES = ("model",)
+
+    @classmethod
+    def IS_CHANGED(cls, enabled=True, **kwargs):
+        return float("nan") if enabled else "off"
+
+
+class WanAccelProfile(_ProfileNode):
     DESCRIPTION = ("Profiles the next run(s) of the wan_accel sampler on this model: a torch.profiler trace "
                    "(Perfetto/Chrome), compile time per phase, graph breaks and recompiles with reasons, GPU idle "
                    "time between kernels (launch-bound detection), top kernels and peak memory. Connect a "
                    "'Wan Profile Report' node to see the report.")
-    CATEGORY = CATEGORY
-    FUNCTION = "apply"
     RETURN_TYPES = ("CAUSALWAN_MODEL",)
-    RETURN_NAMES = ("model",)
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -56,11 +65,6 @@ class WanAccelProfile:
                                                                            "each gets its own trace and report."}),
             **_COMMON_INPUTS,
         }}
-
-    @classmethod
-    def IS_CHANGED(cls, enabled=True, **kwargs):
-        # A fresh request per queued prompt while enabled (a finished request would profile nothing).
-        return float("nan") if enabled else "off"
 
     def apply(self, model, runs=1, enabled=True, output_subfolder="wan_accel_profiles", record_shapes=False):
         from ..profiling.session import ProfileRequest, attach_profile_request
@@ -72,14 +76,11 @@ class WanAccelProfile:
         return (attach_profile_request(model, request),)
 
 
-class WanAccelProfileNative:
+class WanAccelProfileNative(_ProfileNode):
     DESCRIPTION = ("Profiles the next N calls of a ComfyUI MODEL (any sampler) into one torch.profiler trace: "
                    "compile time, graph breaks, recompiles, GPU idle time, top kernels and peak memory. Connect "
                    "'Wan Profile Report' (model input) to see the report.")
-    CATEGORY = CATEGORY
-    FUNCTION = "apply"
     RETURN_TYPES = ("MODEL",)
-    RETURN_NAMES = ("model",)
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -90,10 +91,6 @@ class WanAccelProfileNative:
                                                "the trace; the trace also closes when sampling ends."}),
             **_COMMON_INPUTS,
         }}
-
-    @classmethod
-    def IS_CHANGED(cls, enabled=True, **kwargs):
-        return float("nan") if enabled else "off"
 
     def apply(self, model, model_calls=4, enabled=True, output_subfolder="wan_accel_profiles",
               record_shapes=False):

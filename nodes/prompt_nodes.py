@@ -10,6 +10,7 @@ Accel Prompt Schedule node for the native AR sampler, and the live prompt play s
 """
 from __future__ import annotations
 
+from .comfy import Node
 from .model_nodes import (GRAMMAR, LINEAR_CHOICES, LINEAR_TOOLTIP, comfy_krea_reencode,  # noqa: F401
                           comfy_vae_reencode, encode_schedule, parse_schedule, schedule_widget, text_encoder)
 from .play_nodes import PlaySessionNode, PlayStepNode
@@ -17,7 +18,7 @@ from .play_nodes import PlaySessionNode, PlayStepNode
 SCHEDULE_KEY = "wan_accel_prompt_schedule"     # conditioning dict entry read by the native sampler
 
 
-class WanAccelPromptSchedule:
+class WanAccelPromptSchedule(Node):
     DESCRIPTION = ("A prompt schedule for the Wan Accel AR Sampler: encodes each prompt of the schedule with the "
                    "graph's text encoder and outputs a CONDITIONING (the first chunk's prompt, with the schedule "
                    "attached) for the guider's positive input. The sampler switches the prompt at the chunks named, "
@@ -27,21 +28,19 @@ class WanAccelPromptSchedule:
     RETURN_TYPES = ("CONDITIONING",)
     RETURN_NAMES = ("positive",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "clip": ("CLIP", {"tooltip": "The graph's text encoder (umt5-xxl for Wan, from Load CLIP)."}),
-            "prompt_schedule": ("STRING", {"default": "0: a cat walks in the garden\n3: the cat starts to run",
-                                           "multiline": True, "tooltip": "Prompt schedule. " + GRAMMAR}),
-            "recache": (["switch", "none", "krea"], {"default": "switch", "tooltip":
-                        "switch: at a prompt switch re-cache the frames in the window under the new prompt "
-                        "(LongLive). none: only the cross-attention cache changes. krea: before every chunk the "
-                        "sampler rebuilds the KV cache from a context of K = kv_window - frames_per_block frames "
-                        "(Krea Realtime; kv_window -1: K = 3), the first one re-encoded with vae if connected."}),
-        }, "optional": {
-            "vae": ("VAE", {"tooltip": "recache krea: the Wan VAE that re-encodes the frame standing in for the "
-                                       "first frame (without it the frame is used as it is)."}),
-        }}
+    INPUTS = {"required": {
+        "clip": ("CLIP", {"tooltip": "The graph's text encoder (umt5-xxl for Wan, from Load CLIP)."}),
+        "prompt_schedule": ("STRING", {"default": "0: a cat walks in the garden\n3: the cat starts to run",
+                                       "multiline": True, "tooltip": "Prompt schedule. " + GRAMMAR}),
+        "recache": (["switch", "none", "krea"], {"default": "switch", "tooltip":
+                    "switch: at a prompt switch re-cache the frames in the window under the new prompt "
+                    "(LongLive). none: only the cross-attention cache changes. krea: before every chunk the "
+                    "sampler rebuilds the KV cache from a context of K = kv_window - frames_per_block frames "
+                    "(Krea Realtime; kv_window -1: K = 3), the first one re-encoded with vae if connected."}),
+    }, "optional": {
+        "vae": ("VAE", {"tooltip": "recache krea: the Wan VAE that re-encodes the frame standing in for the "
+                                   "first frame (without it the frame is used as it is)."}),
+    }}
 
     def encode(self, clip, prompt_schedule, recache="switch", vae=None):
         from ..sampling.krea import CACHE_MODES
@@ -68,45 +67,43 @@ class CausalWanPromptPlaySession(PlaySessionNode):
                    "prompt schedule that reproduces it exactly with the same seed and its latent.")
     CATEGORY = "wan_accel/model"
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("CAUSALWAN_MODEL", {"tooltip": "A causal text-to-video model from CausalWan Model Loader."}),
-            "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE, or a tiny decoder (taew2_1 / lighttaew2_1: faster; not "
-                                       "with recache krea, whose re-encode needs the Wan 2.1 VAE): each chunk is "
-                                       "decoded as it is made."}),
-            "prompt": ("STRING", {"default": "a cat walks in the garden", "tooltip":
-                       "The first chunk's prompt (one schedule prompt: a text, or a mix 'a :0.7 | b :0.3')."}),
-            "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16,
-                              "tooltip": "Video width in pixels (multiple of 16)."}),
-            "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16,
-                               "tooltip": "Video height in pixels (multiple of 16)."}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
-                     "Seed of the noise; the saved schedule with this seed reproduces the session."}),
-            "preset": (["self_forcing", "causvid"], {"default": "self_forcing", "tooltip":
-                       "The sampling schedule: self_forcing (4 warped steps, shift 5; LongLive uses it) or causvid."}),
-            "frames_per_block": ("INT", {"default": 3, "min": 1, "max": 64, "tooltip":
-                                 "Latent frames per chunk (3 for the released models): a typed prompt takes effect "
-                                 "at the next chunk."}),
-            "kv_window": ("INT", {"default": 12, "min": -1, "max": 1024, "tooltip":
-                          "Rolling KV window in latent frames (LongLive: 12); -1 keeps every frame (memory grows "
-                          "with the session)."}),
-            "sink": ("INT", {"default": 3, "min": 0, "max": 1024, "tooltip": "Sink frames kept in the window."}),
-            "recache": (["switch", "none", "krea"], {"default": "switch", "tooltip":
-                        "switch: a new prompt re-caches the window under it (LongLive). none: only the "
-                        "cross-attention cache changes. krea: the cache is rebuilt before every chunk from the "
-                        "first frame and the newest ones (Krea Realtime; kv_window -1: K = 3), the stand-in first "
-                        "frame re-encoded with vae; a typed prompt eases in over 4 chunks as Krea's server does it "
-                        "('<prompt> (blend 0)' switches at once)."}),
-        }, "optional": {
-            "clip": ("CLIP", {"tooltip": "The graph's text encoder (umt5-xxl); not needed by the built-in tiny model."}),
-            "idle_timeout_s": ("INT", {"default": 300, "min": 10, "max": 86400, "tooltip":
-                               "End the session (freeing its memory) after this many seconds with no chunk made and "
-                               "no panel watching it."}),
-            "state_on": (["model device", "cpu"], {"default": "model device", "tooltip":
-                         "Where the session's caches wait between chunks: the model's device, or the CPU."}),
-            "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
-        }, "hidden": {"unique_id": "UNIQUE_ID"}}
+    INPUTS = {"required": {
+        "model": ("CAUSALWAN_MODEL", {"tooltip": "A causal text-to-video model from CausalWan Model Loader."}),
+        "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE, or a tiny decoder (taew2_1 / lighttaew2_1: faster; not "
+                                   "with recache krea, whose re-encode needs the Wan 2.1 VAE): each chunk is "
+                                   "decoded as it is made."}),
+        "prompt": ("STRING", {"default": "a cat walks in the garden", "tooltip":
+                   "The first chunk's prompt (one schedule prompt: a text, or a mix 'a :0.7 | b :0.3')."}),
+        "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16,
+                          "tooltip": "Video width in pixels (multiple of 16)."}),
+        "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16,
+                           "tooltip": "Video height in pixels (multiple of 16)."}),
+        "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
+                 "Seed of the noise; the saved schedule with this seed reproduces the session."}),
+        "preset": (["self_forcing", "causvid"], {"default": "self_forcing", "tooltip":
+                   "The sampling schedule: self_forcing (4 warped steps, shift 5; LongLive uses it) or causvid."}),
+        "frames_per_block": ("INT", {"default": 3, "min": 1, "max": 64, "tooltip":
+                             "Latent frames per chunk (3 for the released models): a typed prompt takes effect "
+                             "at the next chunk."}),
+        "kv_window": ("INT", {"default": 12, "min": -1, "max": 1024, "tooltip":
+                      "Rolling KV window in latent frames (LongLive: 12); -1 keeps every frame (memory grows "
+                      "with the session)."}),
+        "sink": ("INT", {"default": 3, "min": 0, "max": 1024, "tooltip": "Sink frames kept in the window."}),
+        "recache": (["switch", "none", "krea"], {"default": "switch", "tooltip":
+                    "switch: a new prompt re-caches the window under it (LongLive). none: only the "
+                    "cross-attention cache changes. krea: the cache is rebuilt before every chunk from the "
+                    "first frame and the newest ones (Krea Realtime; kv_window -1: K = 3), the stand-in first "
+                    "frame re-encoded with vae; a typed prompt eases in over 4 chunks as Krea's server does it "
+                    "('<prompt> (blend 0)' switches at once)."}),
+    }, "optional": {
+        "clip": ("CLIP", {"tooltip": "The graph's text encoder (umt5-xxl); not needed by the built-in tiny model."}),
+        "idle_timeout_s": ("INT", {"default": 300, "min": 10, "max": 86400, "tooltip":
+                           "End the session (freeing its memory) after this many seconds with no chunk made and "
+                           "no panel watching it."}),
+        "state_on": (["model device", "cpu"], {"default": "model device", "tooltip":
+                     "Where the session's caches wait between chunks: the model's device, or the CPU."}),
+        "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
+    }, "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def start(self, model, vae, prompt, width=832, height=480, seed=0, preset="self_forcing", frames_per_block=3,
               kv_window=12, sink=3, recache="switch", clip=None, idle_timeout_s=300, state_on="model device",
@@ -145,14 +142,12 @@ class CausalWanPromptPlayStep(PlayStepNode):
     CATEGORY = "wan_accel/model"
     KIND, OTHER = "t2v", "this session is a Matrix-Game-2 play session: use Matrix-Game-2 Play Step"
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "session": ("STRING", {"default": "", "tooltip": "The id from CausalWan Prompt Play Session."}),
-            "prompt": ("STRING", {"default": "", "tooltip": "The prompt from this chunk on; empty: keep the current."}),
-            "chunk": ("INT", {"default": -1, "min": -1, "max": 1_000_000, "tooltip":
-                      "The chunk this step should make (refused if the session is elsewhere); -1: the next one."}),
-        }}
+    INPUTS = {"required": {
+        "session": ("STRING", {"default": "", "tooltip": "The id from CausalWan Prompt Play Session."}),
+        "prompt": ("STRING", {"default": "", "tooltip": "The prompt from this chunk on; empty: keep the current."}),
+        "chunk": ("INT", {"default": -1, "min": -1, "max": 1_000_000, "tooltip":
+                  "The chunk this step should make (refused if the session is elsewhere); -1: the next one."}),
+    }}
 
     def step(self, session, prompt="", chunk=-1):
         return self._step(session, chunk, prompt)

@@ -11,7 +11,7 @@ from wan_accel.nodes.model_nodes import (NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_
 def test_module_import_is_light():
     src = open(model_nodes.__file__).read().split('"""', 2)[2]
     top_level = [ln for ln in src.splitlines() if ln.startswith(("import ", "from "))]
-    assert top_level == ["from __future__ import annotations"]
+    assert top_level == ["from __future__ import annotations", "from .comfy import Node, check_choice"]   # Node: stdlib only
 
 
 def test_mappings_and_input_metadata():

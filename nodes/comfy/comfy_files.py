@@ -34,18 +34,24 @@ def check_name_text(text: str, *, input_name: str) -> str:
     return text
 
 
+def check_relative(text: str, *, input_name: str, fix: str, absolute_fix: str = "") -> str:
+    """``text`` as a name inside a folder (:func:`check_name_text`, not absolute, no ``..``); errors end with fix."""
+    check_name_text(text, input_name=input_name)
+    if os.path.isabs(text) or ntpath.isabs(text) or ntpath.splitdrive(text)[0] or text.startswith("~"):
+        raise ValueError(f"{input_name} {text!r} is an absolute path; {fix}{absolute_fix}")
+    if ".." in text.replace("\\", "/").split("/"):
+        raise ValueError(f"{input_name} {text!r} climbs out with '..'; {fix}")
+    return text
+
+
 def resolve_inside(folder, name, *, input_name: str, folder_label: str, suffixes: tuple = (".safetensors",)) -> Path:
     """The real path of the file ``name`` inside ``folder``; ValueError when it is not a plain name of a regular
     file there (absolute, ``..``, a link leading out, missing, a folder, another suffix)."""
     text = "" if name is None else str(name).strip()
     if not text:
         raise ValueError(f"{input_name} is empty: give the name of a file in {folder_label}")
-    check_name_text(text, input_name=input_name)
-    if os.path.isabs(text) or ntpath.isabs(text) or ntpath.splitdrive(text)[0] or text.startswith("~"):
-        raise ValueError(f"{input_name} {text!r} is an absolute path; give a file name inside {folder_label} "
-                         f"(put the file there)")
-    if ".." in text.replace("\\", "/").split("/"):
-        raise ValueError(f"{input_name} {text!r} climbs out with '..'; give a file name inside {folder_label}")
+    check_relative(text, input_name=input_name, fix=f"give a file name inside {folder_label}",
+                   absolute_fix=" (put the file there)")
     if suffixes and not text.lower().endswith(suffixes):
         raise ValueError(f"{input_name} {text!r} must be a {' or '.join(suffixes)} file in {folder_label}")
     base = os.path.realpath(str(folder))
@@ -73,11 +79,7 @@ def model_file(folder_kind: str, name, *, input_name: str) -> str:
         return name
     text = "" if name is None else str(name).strip()
     label = f"models/{folder_kind}"
-    check_name_text(text, input_name=input_name)
-    if os.path.isabs(text) or ntpath.isabs(text) or ntpath.splitdrive(text)[0] or text.startswith("~"):
-        raise ValueError(f"{input_name} {text!r} is an absolute path; choose a file of {label}")
-    if ".." in text.replace("\\", "/").split("/"):
-        raise ValueError(f"{input_name} {text!r} climbs out with '..'; choose a file of {label}")
+    check_relative(text, input_name=input_name, fix=f"choose a file of {label}")
     full = folder_paths.get_full_path(folder_kind, text) if text else None
     if not full:
         raise ValueError(f"{input_name}: no file {text!r} in {label}; put the file there (or pick one in the list)")
@@ -99,13 +101,10 @@ def save_path(prefix, *, input_name: str = "filename_prefix"):
     character or an over-long name is refused with a ValueError naming the input, before ComfyUI's own check
     (a bare Exception) or the OS (an error naming no input) would meet it."""
     folder_paths = core("folder_paths")
-    text = check_name_text("" if prefix is None else str(prefix).strip(), input_name=input_name)
+    text = check_relative("" if prefix is None else str(prefix).strip(), input_name=input_name,
+                          fix="give a name inside ComfyUI's output folder")
     if not text:
         raise ValueError(f"{input_name} is empty: give a name such as wan_accel/play")
-    if os.path.isabs(text) or ntpath.isabs(text) or ntpath.splitdrive(text)[0] or text.startswith("~"):
-        raise ValueError(f"{input_name} {text!r} is an absolute path; give a name inside ComfyUI's output folder")
-    if ".." in text.replace("\\", "/").split("/"):
-        raise ValueError(f"{input_name} {text!r} climbs out with '..'; give a name inside ComfyUI's output folder")
     out_dir = folder_paths.get_output_directory()
     try:
         full, name, counter, subfolder, _ = folder_paths.get_save_image_path(text, out_dir)
