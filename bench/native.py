@@ -41,6 +41,7 @@ import traceback
 from pathlib import Path
 
 from ..cache.json_out import to_json
+from . import print_columns
 
 SKIP_LINE = ("ComfyUI is not importable here: run it with ComfyUI's Python from the ComfyUI folder, or set "
              "COMFYUI_DIR")
@@ -464,11 +465,7 @@ def print_table(result: dict) -> None:
             table.append([var["weights"], key, r.get("seconds_per_video", "error"),
                           r.get("first_chunk_s"), r.get("peak_memory_mb"),
                           f"{ratio}x" if ratio else None, None if par is None else f"{par:.2e}"])
-    widths = [max(len(c), *(len(str("n/a" if t[i] is None else t[i])) for t in table)) if table else len(c)
-              for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for t in table:
-        print("  ".join(str("n/a" if s is None else s).ljust(w) for s, w in zip(t, widths)))
+    print_columns(cols, table)
     for var in result["variants"]:
         if var.get("why_slower"):
             print(f"{var['weights']}: native slower than own: {to_json(var['why_slower'], indent=None)}")

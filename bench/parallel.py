@@ -25,7 +25,7 @@ import torch
 
 from ..cache.json_out import to_json
 from ..cache.fingerprint import cpu_name
-from . import sampler as bs
+from . import print_columns, sampler as bs
 from ..app.validate import UsageError
 from ..app.ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
 
@@ -198,9 +198,5 @@ def run(args) -> int:
           f"{geometry[0]} frames {geometry[2]}x{geometry[1]}, {opts['variant']} path")
     cols = ["world_size", "device", "threads", "dtype", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "parity_max_abs",
             "kv_bytes_per_rank", "comm_bytes_per_chunk", "collectives_per_chunk"]
-    table = [[f"{r[c]:.2e}" if c == "parity_max_abs" else str(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for t in table:
-        print("  ".join(s.ljust(w) for s, w in zip(t, widths)))
+    print_columns(cols, [[f"{r[c]:.2e}" if c == "parity_max_abs" else str(r[c]) for c in cols] for r in rows])
     return 0
