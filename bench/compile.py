@@ -251,11 +251,3 @@ def run(args) -> int:
     if warms[-1]["loaded_artifacts"]:
         print(f"warm loaded compile artifacts: {warms[-1]['loaded_artifacts']}")
     return 0
-
-
-if __name__ == "__main__":
-    import argparse
-
-    _p = argparse.ArgumentParser(description=__doc__)
-    add_arguments(_p)
-    raise SystemExit(run(_p.parse_args()))

@@ -551,11 +551,3 @@ def run(args) -> int:
     _print_vae(vae)
     _print_fp8(fp8_rows)
     return 0
-
-
-if __name__ == "__main__":
-    import argparse
-
-    _p = argparse.ArgumentParser(description=__doc__)
-    add_arguments(_p)
-    raise SystemExit(run(_p.parse_args()))
