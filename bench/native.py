@@ -146,21 +146,11 @@ def parse_weights(text: str) -> list:
 
 
 # ----------------------------------------------------------------------------- timing
-def _sync(device) -> None:
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _peak_mb(device):
-    import torch
-    return round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1) if device.type == "cuda" else None
-
-
 def timed(run, device, steps: int) -> tuple:
     """(output, seconds, first chunk seconds, peak MiB) of ``run(on_step)``; ``on_step()`` is called once per
     denoising step and marks the first chunk at its last step (a device sync there)."""
     import torch
+    from ..app.jobs.generate import _sync
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     calls, marks = [0], []
@@ -175,7 +165,8 @@ def timed(run, device, steps: int) -> tuple:
     out = run(on_step)
     _sync(device)
     total = time.perf_counter() - t0
-    return out, total, (marks[0] - t0) if marks else None, _peak_mb(device)
+    peak = round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1) if device.type == "cuda" else None
+    return out, total, (marks[0] - t0) if marks else None, peak
 
 
 def summarize(times: list, firsts: list, peaks: list) -> dict:

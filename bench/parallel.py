@@ -27,6 +27,7 @@ from ..cache.json_out import to_json
 from ..cache.fingerprint import cpu_name
 from . import print_columns, sampler as bs
 from ..app.validate import UsageError
+from ..app.jobs.generate import _sync
 from ..app.ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
 
 
@@ -38,13 +39,7 @@ def model_heads(args) -> int:
     if getattr(args, "checkpoint", None):
         from ..memory.weights import weights_from_checkpoint
         return int(weights_from_checkpoint(args.checkpoint).num_heads)
-    kind, shape = getattr(args, "model_kind", "wan"), getattr(args, "shape", None) or "tiny"
-    if kind == "matrix-game2":
-        from ..model.mg2_model import tiny_mg2_config
-        return int((tiny_mg2_config() if shape == "tiny" else bs.mg2_config_1_3b()).num_heads)
-    from ..model.config import WAN_1_3B
-    from ..model.tiny import TINY_CONFIG
-    return int((TINY_CONFIG if shape == "tiny" else WAN_1_3B).num_heads)
+    return int(bs._random_config(getattr(args, "model_kind", "wan"), getattr(args, "shape", None) or "tiny").num_heads)
 
 
 # bench sampler's options the sequence-parallel comparison does not use, with their defaults: given with
@@ -142,11 +137,6 @@ def _rank_run(sp, opts: dict) -> dict:
     if sp is None or sp.rank == 0:
         res["latents"] = out.float().cpu()
     return res
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run(args) -> int:
