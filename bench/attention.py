@@ -28,6 +28,7 @@ import torch
 
 from ..cache.finite_flags import non_finite
 from ..cache.json_out import to_json
+from . import print_columns
 from ..kernels import registry
 from ..app.validate import UsageError
 
@@ -201,12 +202,8 @@ def run(args) -> int:
           f"{head_dim}, {result['dtype']}" + (f"; bf16 matmul ceiling {ceiling} TFLOP/s" if ceiling else ""))
     cols = ["lq", "lk", "candidate", "kind", "status", "ms", "tflops", "of_ceiling", "vs_fastest_exact", "max_abs",
             "within", "store"]
-    table = [[_cell(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for t, r in zip(table, rows):
-        line = "  ".join(s.ljust(w) for s, w in zip(t, widths))
-        print(line + (f"  ({r['why']})" if r.get("why") else ""))
+    print_columns(cols, [[_cell(r.get(c)) for c in cols] for r in rows],
+                  [f"  ({r['why']})" if r.get("why") else "" for r in rows])
     if top is not None and device.type == "cuda":
         print(f"largest call {largest[0]} x {largest[1]}: fastest exact {top['candidate']} at {top['tflops']} "
               f"TFLOP/s (goal {GOAL_TFLOPS:g})")

@@ -41,11 +41,8 @@ def check_standin_dim(dim: int) -> int:
 
 
 def tiny_workload(device: str = "cpu", blocks: int = 2, dim: int = 32, tokens: int = 16, seed: int = 0):
-    """(model, run) for the benchmark: ``run(model)`` performs one forward.
-
-    A stand-in of repeated transformer-like blocks (per-frame modulated LayerNorm, attention, MLP, gated
-    residuals through the pack's kernels). Swap the body for ``wan.tiny`` once the tiny Wan model is used here.
-    """
+    """(model, run) of the stand-in: ``run(model)`` performs one forward of repeated transformer-like blocks
+    (per-frame modulated LayerNorm, attention, MLP, gated residuals through the pack's kernels)."""
     import torch
 
     from ..kernels import gated_residual, layernorm_modulate
@@ -118,13 +115,6 @@ def wan_workload(device: str = "cpu", seed: int = 0, frames: int = 6):
     return model, run
 
 
-def workload(name: str, device: str = "cpu", blocks: int = 2, dim: int = 32):
-    """The benchmark's model: "wan" (the tiny causal Wan model, when present) or "standin"."""
-    if name == "wan":
-        return wan_workload(device)
-    return tiny_workload(device, blocks, dim)
-
-
 # ----------------------------------------------------------------------------- one process
 def _child() -> None:
     """Run inside a fresh process: compile, time the first call, print one JSON result line."""
@@ -138,7 +128,8 @@ def _child() -> None:
     from ..compile.settings import CompileSettings
 
     cache = LimitCache(Path(cfg["cache_dir"]) / "limits.json")
-    model, run = workload(cfg.get("model", "standin"), cfg["device"], cfg["blocks"], cfg["dim"])
+    model, run = (wan_workload(cfg["device"]) if cfg.get("model") == "wan"
+                  else tiny_workload(cfg["device"], cfg["blocks"], cfg["dim"]))
     settings = CompileSettings.from_dict(cfg.get("settings") or {})
     t0 = time.perf_counter()
     compile_model(model, settings, cache)
@@ -251,11 +242,3 @@ def run(args) -> int:
     if warms[-1]["loaded_artifacts"]:
         print(f"warm loaded compile artifacts: {warms[-1]['loaded_artifacts']}")
     return 0
-
-
-if __name__ == "__main__":
-    import argparse
-
-    _p = argparse.ArgumentParser(description=__doc__)
-    add_arguments(_p)
-    raise SystemExit(run(_p.parse_args()))

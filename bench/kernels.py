@@ -492,14 +492,12 @@ def _print_candidates(rows: list[dict]) -> None:
 def run(args) -> int:
     import torch
 
-    from ..kernels._common import triton_module
-
     from ..app.progress import Progress
+    from ..kernels._common import interpret_enabled, triton_module
     progress = Progress("bench kernels")
     if not torch.cuda.is_available() or triton_module() is None:
         progress("no CUDA GPU with triton: the interpreter sanity pass (a process of its own)")
         rows = sanity_pass()
-        from ..kernels._common import interpret_enabled
         interpreted = interpret_enabled()          # Triton's kernels interpreted here too: small shapes
         progress("the candidates of every fused op on the CPU" + (" (interpreted: small shapes)" if interpreted else ""))
         cands = candidate_rows("cpu", "float32", args.frames, INTERPRETED_CANDIDATE_SHAPES if interpreted else None)
@@ -535,8 +533,7 @@ def run(args) -> int:
         fp8_linear_rows(args.dtype)
     if args.json:
         print(to_json({"gpu": torch.cuda.get_device_name(), "rows": rows, "candidates": cands, "vae": vae,
-                          "fp8": fp8_rows},
-                         indent=2))
+                       "fp8": fp8_rows}, indent=2))
         return 0
     print(f"bench kernels on {torch.cuda.get_device_name()} ({args.dtype}, F={args.frames})")
     head = f"{'kernel':<20}{'shape':<12}{'torch ms':>10}{'triton ms':>11}{'x':>7}{'tune cold s':>13}" \
@@ -551,11 +548,3 @@ def run(args) -> int:
     _print_vae(vae)
     _print_fp8(fp8_rows)
     return 0
-
-
-if __name__ == "__main__":
-    import argparse
-
-    _p = argparse.ArgumentParser(description=__doc__)
-    add_arguments(_p)
-    raise SystemExit(run(_p.parse_args()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from ..cache.json_out import print_json
+from . import print_columns
 
 SHAPES = {"1.3b": (1536, 8960, 12, 30), "14b": (5120, 13824, 40, 40)}
 
@@ -114,23 +115,11 @@ def _cpu_pass(args) -> int:
     return 0 if ok else 1
 
 
-def _print_json(obj) -> None:
-    print_json(obj, sort_keys=True)
-
-
-def _format_rows(rows, cols) -> str:
-    """A plain aligned text table of ``rows`` (dicts) over ``cols``."""
-    body = [[str(r.get(c, "")) for c in cols] for r in rows]
-    widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(b) for b in body])
-
-
 def _emit(args, rows, cols, extra) -> None:
     if args.json:
-        _print_json(dict(extra, rows=rows))
+        print_json(dict(extra, rows=rows), sort_keys=True)
     else:
-        print(_format_rows(rows, cols))
+        print_columns(cols, [[str(r.get(c, "")) for c in cols] for r in rows], rule=True)
 
 
 def _time_forward(stack, inputs, repeats, warmup):
@@ -200,8 +189,8 @@ def run(args, vae_decode=None) -> int:
             swap.remove()
     vrows = _vae_rows(args, vae_decode) if vae_decode is not None else []
     if args.json:
-        _print_json({"device": torch.cuda.get_device_name(), "model": args.model, "tokens": tokens,
-                    "keys": cached_tokens + tokens, "rows": rows, "vae_decode": vrows})
+        print_json({"device": torch.cuda.get_device_name(), "model": args.model, "tokens": tokens,
+                    "keys": cached_tokens + tokens, "rows": rows, "vae_decode": vrows}, sort_keys=True)
         return 0
     print(f"bench offload: {args.model} block shape (dim {dim}, ffn {ffn}, {n} blocks), {tokens} query tokens, "
           f"{cached_tokens + tokens} keys, bf16, {torch.cuda.get_device_name()}")

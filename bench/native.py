@@ -41,6 +41,7 @@ import traceback
 from pathlib import Path
 
 from ..cache.json_out import to_json
+from . import print_columns
 
 SKIP_LINE = ("ComfyUI is not importable here: run it with ComfyUI's Python from the ComfyUI folder, or set "
              "COMFYUI_DIR")
@@ -145,21 +146,11 @@ def parse_weights(text: str) -> list:
 
 
 # ----------------------------------------------------------------------------- timing
-def _sync(device) -> None:
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _peak_mb(device):
-    import torch
-    return round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1) if device.type == "cuda" else None
-
-
 def timed(run, device, steps: int) -> tuple:
     """(output, seconds, first chunk seconds, peak MiB) of ``run(on_step)``; ``on_step()`` is called once per
     denoising step and marks the first chunk at its last step (a device sync there)."""
     import torch
+    from ..app.jobs.generate import _sync
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     calls, marks = [0], []
@@ -174,7 +165,8 @@ def timed(run, device, steps: int) -> tuple:
     out = run(on_step)
     _sync(device)
     total = time.perf_counter() - t0
-    return out, total, (marks[0] - t0) if marks else None, _peak_mb(device)
+    peak = round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1) if device.type == "cuda" else None
+    return out, total, (marks[0] - t0) if marks else None, peak
 
 
 def summarize(times: list, firsts: list, peaks: list) -> dict:
@@ -464,11 +456,7 @@ def print_table(result: dict) -> None:
             table.append([var["weights"], key, r.get("seconds_per_video", "error"),
                           r.get("first_chunk_s"), r.get("peak_memory_mb"),
                           f"{ratio}x" if ratio else None, None if par is None else f"{par:.2e}"])
-    widths = [max(len(c), *(len(str("n/a" if t[i] is None else t[i])) for t in table)) if table else len(c)
-              for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for t in table:
-        print("  ".join(str("n/a" if s is None else s).ljust(w) for s, w in zip(t, widths)))
+    print_columns(cols, table)
     for var in result["variants"]:
         if var.get("why_slower"):
             print(f"{var['weights']}: native slower than own: {to_json(var['why_slower'], indent=None)}")

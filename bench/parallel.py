@@ -25,8 +25,9 @@ import torch
 
 from ..cache.json_out import to_json
 from ..cache.fingerprint import cpu_name
-from . import sampler as bs
+from . import print_columns, sampler as bs
 from ..app.validate import UsageError
+from ..app.jobs.generate import _sync
 from ..app.ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
 
 
@@ -38,13 +39,7 @@ def model_heads(args) -> int:
     if getattr(args, "checkpoint", None):
         from ..memory.weights import weights_from_checkpoint
         return int(weights_from_checkpoint(args.checkpoint).num_heads)
-    kind, shape = getattr(args, "model_kind", "wan"), getattr(args, "shape", None) or "tiny"
-    if kind == "matrix-game2":
-        from ..model.mg2_model import tiny_mg2_config
-        return int((tiny_mg2_config() if shape == "tiny" else bs.mg2_config_1_3b()).num_heads)
-    from ..model.config import WAN_1_3B
-    from ..model.tiny import TINY_CONFIG
-    return int((TINY_CONFIG if shape == "tiny" else WAN_1_3B).num_heads)
+    return int(bs._random_config(getattr(args, "model_kind", "wan"), getattr(args, "shape", None) or "tiny").num_heads)
 
 
 # bench sampler's options the sequence-parallel comparison does not use, with their defaults: given with
@@ -144,11 +139,6 @@ def _rank_run(sp, opts: dict) -> dict:
     return res
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run(args) -> int:
     from ..app.jobs.handle import default_device
     world = int(args.world_size)
@@ -198,9 +188,5 @@ def run(args) -> int:
           f"{geometry[0]} frames {geometry[2]}x{geometry[1]}, {opts['variant']} path")
     cols = ["world_size", "device", "threads", "dtype", "first_s", "steady_s", "chunk_ms_mean", "video_fps", "parity_max_abs",
             "kv_bytes_per_rank", "comm_bytes_per_chunk", "collectives_per_chunk"]
-    table = [[f"{r[c]:.2e}" if c == "parity_max_abs" else str(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for t in table:
-        print("  ".join(s.ljust(w) for s, w in zip(t, widths)))
+    print_columns(cols, [[f"{r[c]:.2e}" if c == "parity_max_abs" else str(r[c]) for c in cols] for r in rows])
     return 0

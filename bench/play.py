@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from ..app.jobs.generate import _sync
 from ..cache.json_out import to_json
 from .options import PLAY_SIZES as SIZES, play as add_arguments  # noqa: E402,F401  (defined without torch)
 
@@ -38,11 +39,6 @@ def _model(args, device, dtype):
     config = WanConfig(model_type="i2v", in_dim=36, local_attn_size=6,
                        extra={"action_config": {"blocks": list(range(30))}})
     return tiny_mg2_model(seed=0, device=device, dtype=torch_dtype, config=config)
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _run_mode(model, image, tokens, keys, in_place: bool, warmup: int, chunks: int, device, progress=None) -> dict:
@@ -100,7 +96,8 @@ def run(args, out=print) -> int:
                          f"run on a CUDA device")
     dtype = (args.dtype or "bf16") if device.type == "cuda" else "fp32"
     from ..app.progress import Progress
-    Progress("bench play")(f"loading {args.checkpoint}" if args.checkpoint else f"building the {args.model} model")
+    progress = Progress("bench play")
+    progress(f"loading {args.checkpoint}" if args.checkpoint else f"building the {args.model} model")
     model = _model(args, device, dtype)
     c = model.config
     gen = torch.Generator().manual_seed(0)
@@ -110,8 +107,6 @@ def run(args, out=print) -> int:
         "gta_drive" if model.action_config.keyboard_dim_in == 2 else "universal")
     names = MODES[mode]["keys"]
     keys = [{names[0]}, {names[0], names[-1]}, set(), {names[-1]}]
-    from ..app.progress import Progress
-    progress = Progress("bench play")
     rows = [_run_mode(model, image, tokens, keys, flag, args.warmup, args.chunks, device,
                       lambda text, flag=flag: progress(f"caches {'in place' if flag else 'copied'}: {text}"))
             for flag in (True, False)]

@@ -55,6 +55,7 @@ import time
 import torch
 
 from ..cache.json_out import to_json
+from . import print_columns
 from ..cache.fingerprint import cpu_name
 from ..app.validate import UsageError
 from .decode import ChunkDecoder, build_bench_decoder, check_decode_args, decode_columns, decoder_peak_mb
@@ -547,11 +548,7 @@ def run(args) -> int:
                 for r in rows]
     shown = [dict(r, parity_max_abs=_sci(r["parity_max_abs"]), parity_mean_abs=_sci(r["parity_mean_abs"]),
                   kv_kb_per_chunk=round(max(r["kv_bytes_per_chunk"]) / 1024, 1)) for r in rows]
-    table = [[str("n/a" if r[c] is None else r[c]) for c in cols] for r in shown]
-    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for t in table:
-        print("  ".join(s.ljust(w) for s, w in zip(t, widths)))
+    print_columns(cols, [[r[c] for c in cols] for r in shown])
     return 0
 
 

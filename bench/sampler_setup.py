@@ -156,11 +156,15 @@ def weights_table(config, weights: str = "bf16"):
     return fp8_weights(table) if weights == "fp8" else table
 
 
-def make_run_plan(config, weights: str, frames: int, height: int, width: int, system=None, kv_window=None):
-    """The VRAM plan of one bench run (learned limits left out: a bench measures the estimate's decisions)."""
+def make_run_plan(config, weights: str, frames: int, height: int, width: int, system=None, kv_window=None,
+                  checkpoint=None):
+    """The VRAM plan of one bench run, of ``config``'s weights or a ``checkpoint`` file's (learned limits left out: a
+    bench measures the estimate's decisions)."""
     from ..memory.estimate import Workload
     from ..memory.plan import make_plan
-    return make_plan(weights_table(config, weights), Workload(width, height, frames,
+    from ..memory.weights import weights_from_checkpoint
+    table = weights_from_checkpoint(checkpoint) if checkpoint else weights_table(config, weights)
+    return make_plan(table, Workload(width, height, frames,
                                                               frames_per_block=FRAMES_PER_BLOCK),
                      system, kv_window=kv_window, use_learned=False)
 
@@ -242,15 +246,8 @@ def prepare_memory(args, device: torch.device, kind: str, shape: str, frames: in
         return out
     from ..memory.system import detect_system
     own, _sink = shape_window(shape)
-    if args.checkpoint:
-        from ..memory.estimate import Workload
-        from ..memory.plan import make_plan
-        from ..memory.weights import weights_from_checkpoint
-        plan = make_plan(weights_from_checkpoint(args.checkpoint), Workload(width, height, frames), detect_system(device),
-                         use_learned=False)
-    else:
-        plan = make_run_plan(shape_config(kind, shape), weights, frames, height, width, detect_system(device),
-                             kv_window=own if own > 0 else None)
+    plan = make_run_plan(shape_config(kind, shape), weights, frames, height, width, detect_system(device),
+                         kv_window=own if own > 0 else None, checkpoint=args.checkpoint)
     out["memory"]["plan"] = plan_report(plan, cap)
     if not plan.fits:
         out["refused"] = (f"the VRAM plan finds nothing that fits {shape} ({weights} weights) at {width}x{height}, "

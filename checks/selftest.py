@@ -198,20 +198,16 @@ def _tests_problem(ctx: Context) -> str | None:
     return None if (PACKAGE_ROOT / "tests").is_dir() else "the tests ship with a source checkout, not a wheel"
 
 
-def _decode_argv(decoder: str):
-    """``bench sampler`` of the optimized path with every chunk decoded as it is made (no parity run: the
-    sampler stage checks parity; this one is for video FPS with decode and the first decoded frame)."""
+def _bench_sampler(*options: str):
+    """The argv of ``bench sampler`` with ``options``: one timed run with ``--quick``, else two at the 1.3B shape."""
     def argv(ctx: Context) -> list:
-        return ["bench", "sampler", "--variants", "optimized", "--decode", decoder, "--no-parity", "--repeat",
-                "1" if ctx.quick else "2", "--json"] + ([] if ctx.quick else ["--shape", "1.3b"])
+        return (["bench", "sampler", *options, "--repeat", "1" if ctx.quick else "2", "--json"]
+                + ([] if ctx.quick else ["--shape", "1.3b"]))
     return argv
 
 
-def _sampler_argv(ctx: Context) -> list:
-    variants = ("reference-same-dtype,optimized,optimized-no-graphs,optimized-compiled,optimized-int8,optimized-fp8,"
-                "optimized-fp8att,optimized-fp8att-fp8")
-    argv = ["bench", "sampler", "--variants", variants, "--repeat", "1" if ctx.quick else "2", "--json"]
-    return argv + ([] if ctx.quick else ["--shape", "1.3b"])
+_sampler_argv = _bench_sampler("--variants", "reference-same-dtype,optimized,optimized-no-graphs,optimized-compiled,"
+                               "optimized-int8,optimized-fp8,optimized-fp8att,optimized-fp8att-fp8")
 
 
 def _native_argv(ctx: Context) -> list:
@@ -235,8 +231,11 @@ STAGES: list = [
     Stage("bench sampler", _sampler_argv, 300, gpu=True, judge=judge_bench_sampler),
     Stage("bench attention", lambda ctx: ["bench", "attention", "--calls", "all", "--json"]
           + (["--shape", "tiny"] if ctx.quick else []), 120, gpu=True),
-    Stage("bench decode wan", _decode_argv("wan"), 180, gpu=True),
-    Stage("bench decode tiny", _decode_argv("tiny"), 150, gpu=True),
+    # the optimized path, every chunk decoded as it is made: video FPS with decode (parity is the sampler stage's)
+    Stage("bench decode wan", _bench_sampler("--variants", "optimized", "--decode", "wan", "--no-parity"), 180,
+          gpu=True),
+    Stage("bench decode tiny", _bench_sampler("--variants", "optimized", "--decode", "tiny", "--no-parity"), 150,
+          gpu=True),
     Stage("bench kernels", lambda ctx: ["bench", "kernels", "--json"], 120, gpu=True),
     Stage("block swap", lambda ctx: ["bench", "offload", "--json"] + (["--blocks", "4"] if ctx.quick else []),
           150, gpu=True),

@@ -24,7 +24,7 @@ BENCHES = {
                "own path (needs ComfyUI)"),
 }
 # bench name -> modules imported first: they register what app/ may not import itself (ComfyUI, the nodes)
-SIDES = {"native": ("..nodes.native_bench",)}
+SIDES = {"native": ("..nodes.comfy.native_bench",)}
 
 
 def _one_dtype_vocabulary(parser) -> bool:
