@@ -1,11 +1,12 @@
-"""Small Triton functions the pack's kernels share (decorated with ``triton.jit`` when this module is imported, so
-the process's ``TRITON_INTERPRET`` must be set before, as for every Triton import)."""
+"""Small Triton functions the pack's kernels share, and their ``triton``/``tl`` (None without triton). The functions
+are decorated with ``triton.jit`` when this module is imported, so the process's ``TRITON_INTERPRET`` must be set
+before, as for every Triton import."""
 try:
     import triton
     import triton.language as tl
 except Exception:  # noqa: BLE001 - no triton: the kernels that call these never run
     triton = tl = None
-round_bf16 = merge_row_stats = None
+round_bf16 = merge_row_stats = rms_row = inv_rms = None
 
 if tl is not None:
     @triton.jit
@@ -26,3 +27,25 @@ if tl is not None:
         total = tl.maximum(count + n_b, 1.0)
         delta = c_mean - mean
         return (mean + delta * (n_b / total), m2 + c_m2 + delta * delta * (count * n_b / total), count + n_b)
+
+    @triton.jit
+    def rms_row(x_rows, w_ptr, row_ok, D, eps, RBLOCK: tl.constexpr):
+        """One pass over whole rows (RBLOCK >= D): (x / rms(x) * weight in float32, the tile's mask)."""
+        cols0 = tl.arange(0, RBLOCK)
+        cmask = cols0 < D
+        mask = row_ok[:, None] & cmask[None, :]
+        v = tl.load(x_rows + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+        w = tl.load(w_ptr + cols0, mask=cmask, other=0.0).to(tl.float32)
+        return v * inv[:, None] * w[None, :], mask
+
+    @triton.jit
+    def inv_rms(x_rows, row_ok, D, eps, YBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+        """1 / rms of each row over the full width (float32), read in RBLOCK steps."""
+        acc = tl.zeros([YBLOCK], dtype=tl.float32)
+        for start in range(0, D, RBLOCK):
+            cols = start + tl.arange(0, RBLOCK)
+            mask = row_ok[:, None] & (cols < D)[None, :]
+            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(v * v, axis=1)
+        return 1.0 / tl.sqrt(acc / D + eps)

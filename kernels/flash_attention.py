@@ -37,13 +37,7 @@ import sys
 import torch
 
 from . import _common, registry
-from ._tiles import round_bf16
-
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - no triton: the store never lists this kernel
-    triton = tl = None
+from ._tiles import round_bf16, tl, triton
 
 log = logging.getLogger("wan_accel")
 

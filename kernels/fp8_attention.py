@@ -56,12 +56,8 @@ from typing import NamedTuple
 import torch
 
 from . import _common, registry
+from ._tiles import round_bf16, tl
 from .fp8_linear import FP8, FP8_MAX, TENSOR_CORE_U, TINY, quantize_input, row_scales
-
-try:
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - no triton: only the torch version exists
-    tl = None
 
 log = logging.getLogger("wan_accel")
 
@@ -278,8 +274,7 @@ if tl is not None:
         mv = tl.load(MV + b * mv_sb + h * mv_sh + offs_d)
         out = acc / l_i[:, None] + mv[None, :]
         if ROUND_BF16:  # interpreter only: the GPU's round-to-nearest-even bf16 conversion
-            u = out.to(tl.uint32, bitcast=True)
-            out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+            out = round_bf16(out)
         tl.store(O + b * o_sb + h * o_sh + offs_m.to(tl.int64)[:, None] * o_sm + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=m_ok[:, None])
 

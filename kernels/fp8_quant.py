@@ -23,11 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import _common, registry
-
-try:
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - no triton: only the torch path exists
-    tl = None
+from ._tiles import tl  # None without triton: only the torch path exists
 
 NAME = "fp8_quantize_rows"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -143,8 +139,6 @@ def problem(x: torch.Tensor) -> str | None:
     if _common.needs_autograd(x):
         return "autograd tracks x"
     return None
-
-
 
 
 def _launcher(x: torch.Tensor, fp8_max: float, tiny: float):

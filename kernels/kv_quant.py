@@ -26,11 +26,7 @@ import torch
 from . import _common, fp8_quant, registry
 from .fp8_attention import INT8_TINY, LEVELS
 from .fp8_linear import FP8_MAX, TINY
-
-try:
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - no triton: only the torch path exists
-    tl = None
+from ._tiles import tl  # None without triton: only the torch path exists
 
 NAME = "fp8_kv_write"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -8,12 +8,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common
-from ._tiles import merge_row_stats
-
-try:
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - no triton: only the torch path exists
-    tl = None
+from ._tiles import merge_row_stats, round_bf16, tl
 
 NAME = "layernorm_modulate"
 
@@ -78,8 +73,7 @@ if tl is not None:
             sc = tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             y = dev * rstd[:, None] * (1.0 + sc) + sh
             if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-                u = y.to(tl.uint32, bitcast=True)
-                y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                y = round_bf16(y)
             tl.store(o_rows + cols0[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             # pass 1: mean and M2 per row, merging per-chunk statistics (Chan et al.): stable in float32
@@ -102,8 +96,7 @@ if tl is not None:
                 sc = tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 y = (v - mean[:, None]) * rstd[:, None] * (1.0 + sc) + sh
                 if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-                    u = y.to(tl.uint32, bitcast=True)
-                    y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                    y = round_bf16(y)
                 tl.store(o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -137,8 +130,7 @@ def _launcher(x, shift, scale, eps):
 
 
 def run_triton(x, shift, scale, eps=1e-6, config: dict | None = None) -> torch.Tensor:
-    """The Triton path with an explicit config (tests) or tuned through the operator store (config=None).
-    Falls back to the torch reference when every config fails."""
+    """The Triton path, explicit config (tests) or tuned (None); the torch reference where every config fails."""
     shift, scale = _check(x, shift, scale)
     launch, key, out = _launcher(x, shift, scale, eps)
     if _common.launched(_KERNEL_NAME, key, candidates(x.shape[2]), launch, config, x, smem=_smem):
@@ -162,9 +154,7 @@ _OP = _common.register_op(NAME, _eager, _fake)
 def layernorm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """LN_noaffine(x) * (1 + scale) + shift with per-frame shift/scale [B, F, D]; float32 inside, x's dtype out.
 
-    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch (always torch when autograd
-    needs to track the inputs). Inside torch.compile the call is one opaque op
-    (``torch.ops.wan_accel.layernorm_modulate``).
+    Triton or torch as the package doc says; ``torch.ops.wan_accel.layernorm_modulate`` inside torch.compile.
     """
     if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, shift, scale):
         return _OP(x, shift, scale, float(eps))

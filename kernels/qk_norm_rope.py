@@ -7,11 +7,7 @@ rotated as the complex number x[2j] + i x[2j+1] times cos + i sin. Returns [B, L
 import torch
 
 from . import _common
-
-try:
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - no triton: only the torch path exists
-    tl = None
+from ._tiles import inv_rms, rms_row, round_bf16, tl
 
 NAME = "rmsnorm_rope"
 
@@ -68,12 +64,7 @@ if tl is not None:
         pairs0 = tl.arange(0, RBLOCK // 2)
         n_pairs = D // 2
         if ROW:  # one pass: the whole row (RBLOCK >= D) read once and contiguously, written from the registers
-            cmask = cols0 < D
-            mask = row_ok[:, None] & cmask[None, :]
-            v = tl.load(x_rows + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
-            w = tl.load(w_ptr + cols0, mask=cmask, other=0.0).to(tl.float32)
-            a = v * inv[:, None] * w[None, :]
+            a, mask = rms_row(x_rows, w_ptr, row_ok, D, eps, RBLOCK)
             ae, ao = tl.split(tl.reshape(a, [YBLOCK, RBLOCK // 2, 2]))    # channels 2j and 2j+1
             pmask = row_ok[:, None] & (pairs0 < n_pairs)[None, :]
             ang = tok[:, None] * half_hd + (pairs0 % half_hd)[None, :]
@@ -81,18 +72,10 @@ if tl is not None:
             s = tl.load(sin_ptr + ang, mask=pmask, other=0.0).to(tl.float32)
             y = tl.reshape(tl.join(ae * c - ao * s, ae * s + ao * c), [YBLOCK, RBLOCK])
             if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-                u = y.to(tl.uint32, bitcast=True)
-                y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                y = round_bf16(y)
             tl.store(o_rows + cols0[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            # pass 1: mean of squares over the full width, float32
-            acc = tl.zeros([YBLOCK], dtype=tl.float32)
-            for start in range(0, D, RBLOCK):
-                cols = start + cols0
-                mask = row_ok[:, None] & (cols < D)[None, :]
-                v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                acc += tl.sum(v * v, axis=1)
-            inv = 1.0 / tl.sqrt(acc / D + eps)
+            inv = inv_rms(x_rows, row_ok, D, eps, YBLOCK, RBLOCK)     # pass 1: mean of squares, float32
             # pass 2: scale, weight, rotate pairs (2j, 2j+1) by the token's angle of pair j within its head
             for start in range(0, n_pairs, RBLOCK // 2):
                 pairs = start + pairs0
@@ -111,10 +94,8 @@ if tl is not None:
                 oe = ae * c - ao * s
                 oo = ae * s + ao * c
                 if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-                    ue = oe.to(tl.uint32, bitcast=True)
-                    oe = ((ue + 0x7FFF + ((ue >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
-                    uo = oo.to(tl.uint32, bitcast=True)
-                    oo = ((uo + 0x7FFF + ((uo >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                    oe = round_bf16(oe)
+                    oo = round_bf16(oo)
                 tl.store(o_rows + even[None, :], oe.to(out_ptr.dtype.element_ty), mask=mask)
                 tl.store(o_rows + even[None, :] + 1, oo.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -158,8 +139,7 @@ def _launcher(x, weight, cos, sin, num_heads, eps):
 
 
 def run_triton(x, weight, cos, sin, num_heads, eps=1e-6, config: dict | None = None) -> torch.Tensor:
-    """The Triton path with an explicit config (tests) or tuned through the operator store (config=None).
-    Falls back to the torch reference when every config fails."""
+    """The Triton path, explicit config (tests) or tuned (None); the torch reference where every config fails."""
     _check(x, weight, cos, sin, num_heads)
     launch, key, out = _launcher(x, weight, cos, sin, num_heads, eps)
     if _common.launched(_KERNEL_NAME, key, candidates(x.shape[2]), launch, config, x, smem=_smem):
@@ -187,9 +167,7 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
                  eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm(x) over D (float32) * weight, then RoPE on adjacent pairs; [B, L, D] -> [B, L, H, hd], x's dtype.
 
-    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch (always torch when autograd
-    needs to track the inputs). Inside torch.compile the call is one opaque op
-    (``torch.ops.wan_accel.rmsnorm_rope``).
+    Triton or torch as the package doc says; ``torch.ops.wan_accel.rmsnorm_rope`` inside torch.compile.
     """
     if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, weight, cos, sin):
         return _OP(x, weight, cos, sin, int(num_heads), float(eps))

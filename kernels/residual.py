@@ -6,11 +6,7 @@ x, y [B, L, D]; gate [B, F, D] (or [B, D] for F=1; batch 1 broadcasts) with F di
 import torch
 
 from . import _common, registry
-
-try:
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - no triton: only the torch path exists
-    tl = None
+from ._tiles import round_bf16, tl
 
 NAME = "gated_residual"
 
@@ -58,8 +54,7 @@ if tl is not None:
         gv = tl.load(g_ptr + g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         o = xv + yv * gv
         if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-            u = o.to(tl.uint32, bitcast=True)
-            o = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+            o = round_bf16(o)
         tl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -91,8 +86,7 @@ def _launcher(x, y, gate):
 
 
 def run_triton(x, y, gate, config: dict | None = None) -> torch.Tensor:
-    """The Triton path with an explicit config (tests) or tuned through the operator store (config=None).
-    Falls back to the torch reference when every config fails."""
+    """The Triton path, explicit config (tests) or tuned (None); the torch reference where every config fails."""
     gate = _check(x, y, gate)
     launch, key, out = _launcher(x, y, gate)
     if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, x, smem=_smem):
@@ -117,9 +111,7 @@ registry.pack_family(NAME, "x + y * gate, the blocks' gated residual (fused_kern
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x + y * gate with a per-frame gate [B, F, D]; float32 math, x's dtype out.
 
-    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch (always torch when autograd
-    needs to track the inputs). Inside torch.compile the call is one opaque op
-    (``torch.ops.wan_accel.gated_residual``).
+    Triton or torch as the package doc says; ``torch.ops.wan_accel.gated_residual`` inside torch.compile.
     """
     if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, y, gate):
         return _OP(x, y, gate)

@@ -22,13 +22,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common, registry
-from ._tiles import merge_row_stats, round_bf16
-
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - no triton: only the torch path exists
-    triton = tl = None
+from ._tiles import merge_row_stats, round_bf16, tl, triton
 
 NAME = "residual_norm"
 CANDIDATES = _common.ROW_CANDIDATES
@@ -212,8 +206,7 @@ def _launcher(x, y, gate, weight, bias, shift, scale, eps):
 
 def run_triton(x, y, gate=None, weight=None, bias=None, shift=None, scale=None, eps: float = 1e-6,
                config: dict | None = None):
-    """The Triton path with an explicit config (tests) or tuned through the operator store (config=None); the
-    torch reference where every config fails."""
+    """The Triton path, explicit config (tests) or tuned (None); the torch reference where every config fails."""
     gate, shift, scale = _check(x, y, gate, weight, bias, shift, scale)
     launch, key, x_new, h = _launcher(x, y, gate, weight, bias, shift, scale, eps)
     if _common.launched(_KERNEL_NAME, key, candidates(x.shape[2]), launch, config, x, smem=_smem):
@@ -245,9 +238,7 @@ def residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None = 
                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y * gate, LN(that) [* weight + bias] [* (1 + scale) + shift]), both in x's dtype (module doc).
 
-    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch (always torch when autograd
-    needs to track the inputs). Inside torch.compile the call is one opaque op
-    (``torch.ops.wan_accel.residual_norm``).
+    Triton or torch as the package doc says; ``torch.ops.wan_accel.residual_norm`` inside torch.compile.
     """
     given = [t for t in (x, y, gate, weight, bias, shift, scale) if t is not None]
     if _OP is not None and _common.is_compiling() and not _common.needs_autograd(*given):

@@ -11,11 +11,7 @@ import torch
 
 from . import _common, registry
 from .qk_norm_rope import _rows_view, _smem      # the same row reads in place and the same tiles
-
-try:
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - no triton: only the torch path exists
-    tl = None
+from ._tiles import inv_rms, rms_row, round_bf16, tl
 
 NAME = "rmsnorm"
 
@@ -51,25 +47,12 @@ if tl is not None:
         o_rows = out_ptr + rows64[:, None] * D
         cols0 = tl.arange(0, RBLOCK)
         if ROW:  # one pass: the whole row (RBLOCK >= D) read once, its mean of squares, output from the registers
-            cmask = cols0 < D
-            mask = row_ok[:, None] & cmask[None, :]
-            v = tl.load(x_rows + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
-            w = tl.load(w_ptr + cols0, mask=cmask, other=0.0).to(tl.float32)
-            y = v * inv[:, None] * w[None, :]
+            y, mask = rms_row(x_rows, w_ptr, row_ok, D, eps, RBLOCK)
             if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-                u = y.to(tl.uint32, bitcast=True)
-                y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                y = round_bf16(y)
             tl.store(o_rows + cols0[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            # pass 1: mean of squares over the full width, float32
-            acc = tl.zeros([YBLOCK], dtype=tl.float32)
-            for start in range(0, D, RBLOCK):
-                cols = start + cols0
-                mask = row_ok[:, None] & (cols < D)[None, :]
-                v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                acc += tl.sum(v * v, axis=1)
-            inv = 1.0 / tl.sqrt(acc / D + eps)
+            inv = inv_rms(x_rows, row_ok, D, eps, YBLOCK, RBLOCK)     # pass 1: mean of squares, float32
             # pass 2: scale and weight, one rounding on the store
             for start in range(0, D, RBLOCK):
                 cols = start + cols0
@@ -79,8 +62,7 @@ if tl is not None:
                 w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
                 y = v * inv[:, None] * w[None, :]
                 if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-                    u = y.to(tl.uint32, bitcast=True)
-                    y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                    y = round_bf16(y)
                 tl.store(o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -106,8 +88,7 @@ def _launcher(x, weight, eps):
 
 
 def run_triton(x, weight, eps=1e-6, config: dict | None = None) -> torch.Tensor:
-    """The Triton path with an explicit config (tests) or tuned through the operator store (config=None).
-    Falls back to the torch reference when every config fails."""
+    """The Triton path, explicit config (tests) or tuned (None); the torch reference where every config fails."""
     _check(x, weight)
     launch, key, out = _launcher(x, weight, eps)
     if _common.launched(_KERNEL_NAME, key, candidates(x.shape[2]), launch, config, x, smem=_smem):
@@ -132,8 +113,7 @@ registry.pack_family("rms_norm", "full-width RMSNorm (fused_kernels)", _common.t
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm(x) over D (float32) * weight; [B, L, D] -> [B, L, D] in x's dtype.
 
-    Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), else torch (always torch when autograd
-    needs to track the inputs). Inside torch.compile the call is one opaque op (``torch.ops.wan_accel.rmsnorm``).
+    Triton or torch as the package doc says; ``torch.ops.wan_accel.rmsnorm`` inside torch.compile.
     """
     if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, weight):
         return _OP(x, weight, float(eps))

@@ -23,11 +23,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common, registry
-
-try:
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - no triton: only the torch path exists
-    tl = None
+from ._tiles import round_bf16, tl
 
 NAME = "vae_norm_silu"
 EPS = 1e-12                      # F.normalize's default: the norm is clamped at this
@@ -124,8 +120,7 @@ if tl is not None:
             if SILU:
                 y = y / (1.0 + tl.exp(-y))
             if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-                bits = y.to(tl.uint32, bitcast=True)
-                y = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+                y = round_bf16(y)
             tl.store(o_base + chans.to(tl.int64)[:, None] * out_cstride + pos[None, :],
                      y.to(out_ptr.dtype.element_ty), mask=ok)
 

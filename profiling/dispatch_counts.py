@@ -64,10 +64,6 @@ class Counts:
                       _diff(self.sync_names, other.sync_names), _diff(self.op_names, other.op_names),
                       self.alloc_bytes - other.alloc_bytes)
 
-    def as_dict(self) -> dict:
-        return {"ops": self.ops, "syncs": self.syncs, "kv_write_bytes": self.kv_write_bytes,
-                "alloc_bytes": self.alloc_bytes, "sync_names": dict(self.sync_names)}
-
 
 def _diff(a: tuple, b: tuple) -> tuple:
     c = Counter(dict(a))

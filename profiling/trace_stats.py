@@ -116,11 +116,6 @@ def top_kernels(events: list[dict], limit: int = 10) -> list[dict]:
     return rows[:limit]
 
 
-def event_names(events: list[dict]) -> set[str]:
-    """All names in a trace (handy for checks and tests)."""
-    return {str(e.get("name")) for e in events if "name" in e}
-
-
 # Kernel classes of the per-call breakdown, by kernel name (CUDA libraries and Triton name their kernels this way;
 # a name matching none of the patterns is memory-bound/elementwise work: norms, RoPE, modulation, copies, casts).
 KERNEL_CLASSES = ("attention", "gemm", "memory-bound", "memcpy/memset")
