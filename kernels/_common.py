@@ -160,10 +160,12 @@ def jit(fn: Callable):
 
 
 def kernel_name(name: str, fn: Callable) -> str:
-    """Stable name for the operator store: the kernel's name plus a hash of its source, so an edited kernel
-    never reuses timings or failures recorded for an older version."""
+    """Stable name for the operator store: the kernel's name plus a hash of its source and of the shared device
+    functions every kernel may call (``_tiles``), so an edited kernel never reuses timings or failures recorded
+    for an older version."""
+    from . import _tiles
     try:
-        src = inspect.getsource(fn)
+        src = inspect.getsource(fn) + inspect.getsource(_tiles)
     except (OSError, TypeError):
         src = name
     return f"{name}@{hashlib.sha256(src.encode()).hexdigest()[:8]}"
