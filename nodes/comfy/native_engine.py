@@ -26,6 +26,7 @@ import torch
 from ...memory.block_swap import active_swap, ensure_block_swap
 from ...memory.offload import COMFY_FULL, PACK, memory_manager
 from ...memory.sampling_guard import oom_guard
+from ...model.attention import explain_backend
 from ...model.borrowed import borrow_wan_model
 from ...app.prepare import RunInputs, RunSpec, prepare
 from ...sampling.request import SamplingHooks
@@ -264,8 +265,9 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
     ``attention``: the backend request of model/attention.py ('auto', 'sdpa', 'int8', ...), on both paths.
     ``linear``: 'exact' or 'fp8' (the optimized path's fp8 linear layers, as ``generate --linear``; the reference
     path refuses it). The one ``prepare`` call prepares the run (path, verdicts, compile, options, checks, generator);
-    before it the sampler makes 8 calls: ``native_spec`` (every input checked before the engine is built),
-    ``engine_for``, ``active_swap``, ``_qkv_fusion``, ``_memory_manager``, ``native_inputs``, ``_guard``, ``_progress``.
+    before it the sampler makes 9 calls: ``native_spec`` (every input checked before the engine is built),
+    ``engine_for``, ``explain_backend`` (an approximate attention mode said in the console, on either path),
+    ``active_swap``, ``_qkv_fusion``, ``_memory_manager``, ``native_inputs``, ``_guard``, ``_progress``.
     """
     extra_args = extra_args or {}
     if x.ndim != 5:
@@ -277,6 +279,9 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
                                 kv_window, sink, path=path, oom_retry=oom_retry, linear=linear)
     dm = guider.inner_model.diffusion_model
     engine = engine_for(guider.inner_model, x.device).set_attention_backend(attention)   # the reference path too
+    used, why = explain_backend(attention, x.device, engine.compute_dtype, engine.config.head_dim)
+    if used in ("int8", "fp8"):             # an approximate mode, on either path: said once in the console
+        log.info("wan_accel: native sampler: attention %s", why)
     swap_before = active_swap(dm)           # Wan Block Swap streams weights between calls
     fused_off = _qkv_fusion(engine, swap_before is not None)
     manager = _memory_manager(guider)
@@ -294,6 +299,7 @@ def sample_wan_accel(model, x, sigmas, extra_args=None, callback=None, disable=N
         if swap_before is None and active_swap(dm) is not None:
             ensure_block_swap(dm, None)     # a retry's swap: ComfyUI's model is not left patched
     run["fused_qkv_off"] = fused_off
+    run.setdefault("attention", used)       # the optimized path's runner names it first
     if run["switched_off"]:                 # the report names the verdicts applied; the console says them once
         log.info("wan_accel: native sampler: the doctor switched off %s", ", ".join(sorted(run["switched_off"])))
     return out.movedim(1, 2).to(dtype=x.dtype, device=x.device)

@@ -166,7 +166,8 @@ def check() -> dict:
 
     # 4. a sampled run (the pack's tiny model, the node's krea cache setup with this VAE): every frame the policy
     # re-encoded is Krea's procedure on the run's own clean latents (decoded block by block with Krea's walk)
-    sampler = importlib.import_module("wan_accel.sampling.sampler")
+    prepare = importlib.import_module("wan_accel.app.prepare")
+    request = importlib.import_module("wan_accel.sampling.request")
     tiny = importlib.import_module("wan_accel.model.tiny")
     net = tiny.tiny_causal_model(seed=3)
     vae.encode.seen = []
@@ -181,9 +182,10 @@ def check() -> dict:
     run_blocks = 5
     noise = torch.randn(1, run_blocks * fpb, 16, 2, 2, generator=torch.Generator().manual_seed(4))
     text = tiny.tiny_text_embedding("a cat", net.config.text_len, net.config.text_dim)
-    out = sampler.sample_causal(net, text, noise, krea.krea_schedule(4), fpb, kv_window=setup.kv_window,
-                                generator=torch.Generator().manual_seed(5), path="reference",
-                                **setup.sampler_kwargs())
+    spec = prepare.RunSpec(schedule=krea.krea_schedule(4), frames_per_block=fpb, kv_window=setup.kv_window,
+                           path="reference", recache=setup.recache, doctor=False)
+    out = prepare.prepare(net, spec, request.RunInputs(context=text, noise=noise, cache_policy=setup.cache_policy,
+                                                       generator=torch.Generator().manual_seed(5))).latents()
     walk = mod.KreaStreamDecoder(vae)
     pixels = [walk.push(preview.to_vae_latents(out[:, b * fpb:(b + 1) * fpb])) for b in range(run_blocks)]
     result["run_reencoded_frames"] = [int(f) for f, _ in made]
