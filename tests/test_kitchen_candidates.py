@@ -41,7 +41,8 @@ def _child(code: str, env_extra: dict, timeout: float = 600) -> dict:
     import wan_accel
     env = dict(os.environ, **env_extra)
     parent = str(Path(wan_accel.__path__[0]).parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (parent, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (parent, str(Path(__file__).parent), env.get("PYTHONPATH", ""))
+                                        if p)             # the tests' run_helpers too
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                           timeout=timeout)
     for line in proc.stdout.splitlines():
