@@ -109,7 +109,12 @@ def test_recache_rewrites_the_window_and_keeps_a_rolled_sink(model, emb, switch_
     old = before.seen[switch_chunk][3]
     assert end == switch_chunk * FPB * FRAME_TOKENS
     sink_slots, used = slice(0, sink * FRAME_TOKENS), slice(sink * FRAME_TOKENS, min(end, kv.capacity))
-    for (k_new, v_new), (k_old, _) in zip(new, old):
+    # the first block's keys come before any cross-attention: the prompt does not reach them, so its re-cache
+    # rewrites them with what they held (equal up to the order its matmuls summed in, which varies between CPUs)
+    (k_first, _), (k_first_old, _) = new[0], old[0]
+    torch.testing.assert_close(k_first[:, :min(end, kv.capacity)], k_first_old[:, :min(end, kv.capacity)], rtol=0,
+                               atol=64 * EPS * k_first_old.abs().max().item())
+    for (k_new, v_new), (k_old, _) in zip(new[1:], old[1:]):
         assert torch.equal(k_new[:, sink_slots], k_old[:, sink_slots]) != sink_rewritten
         assert not torch.equal(k_new[:, used], k_old[:, used])               # the window's frames re-cached
     # chunks before the switch saw the same cache as the run without it
