@@ -1,8 +1,8 @@
 """Graph-break analysis with ``torch._dynamo.explain``, always in a separate process.
 
 ``explain`` calls ``torch._dynamo.reset()``, which throws away every compiled model of the process it runs in;
-so it never runs here. ``explain_in_subprocess`` starts a fresh interpreter on ``explain_worker.py`` and reads
-back the graph breaks with their reasons.
+so it never runs here. ``explain_in_subprocess`` starts a fresh interpreter on ``explain_worker.run`` (through
+``child_argv``) and reads back the graph breaks with their reasons.
 """
 from __future__ import annotations
 
@@ -10,13 +10,10 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from .child import PACKAGE_ROOT, last_error, pack_name, worker_message
-
-WORKER = Path(__file__).with_name("explain_worker.py")
+from .child import child_argv, last_error, pack_name, worker_message
 
 
 class ExplainError(RuntimeError):
@@ -54,11 +51,6 @@ class ExplainResult:
         return "\n".join(lines)
 
 
-def _pack_search_path() -> Path:
-    """The sys.path entry from which ``pack_name()`` imports."""
-    return PACKAGE_ROOT.parents[pack_name().count(".")]
-
-
 def package_target(relative: str) -> str:
     """A target inside this pack, under whatever name the pack was imported:
     ``package_target("app.jobs.profile_targets:explain_model")``."""
@@ -70,18 +62,15 @@ def explain_in_subprocess(target: str, *, kwargs: dict | None = None, sys_path=N
     """Run ``torch._dynamo.explain`` on ``target`` ('package.module:factory', see explain_worker.py) in a new
     process; returns its graph breaks with reasons. Raises ExplainError when the target fails or times out.
 
-    ``sys_path`` entries are prepended in the subprocess; the folder that holds this pack is always added, so
+    ``sys_path`` entries are prepended in the subprocess; the pack is loaded under this process's name for it, so
     targets inside the pack import (see ``package_target``).
     """
     if ":" not in str(target):
         raise ExplainTargetError(f"target must look like 'package.module:factory', got {target!r}")
-    paths = [str(p) for p in (sys_path or [])] + [str(_pack_search_path())]
     with tempfile.TemporaryDirectory(prefix="wan_accel_explain_") as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [python or sys.executable, str(WORKER), "--target", target, "--out", str(out),
-               "--kwargs", json.dumps(kwargs or {})]
-        for p in paths:
-            cmd += ["--sys-path", p]
+        cmd = child_argv("profiling.explain_worker:run", target, out, json.dumps(kwargs or {}), *(sys_path or []))
+        cmd[0] = python or cmd[0]
         child_env = dict(os.environ if env is None else env)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env)
