@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .output import format_table, print_json
+from ..app.jobs import profile_targets as targets
 from ..app.validate import (TORCH_NAMES, UsageError, check_device, check_geometry, check_input_file,
                        check_int, check_output_dir, check_schedule_args, dtype_arg)
 
@@ -24,10 +25,10 @@ def register(sub) -> None:
                        description="Runs the causal sampler under torch.profiler on the built-in tiny model or a "
                                    "checkpoint; writes a Perfetto/Chrome trace and prints a report.")
     p.add_argument("--checkpoint", help="Wan/causal Wan .safetensors checkpoint (default: the built-in tiny model)")
-    p.add_argument("--shape", choices=("tiny", "1.3b"), default="tiny",
+    p.add_argument("--shape", choices=targets.SHAPES, default="tiny",
                    help="without --checkpoint: the built-in tiny model (default) or random weights of Wan 2.1 "
                         "1.3B's architecture (81 frames at 480x832 by default)")
-    p.add_argument("--sampler", choices=("auto", "optimized", "reference"), default="auto",
+    p.add_argument("--sampler", choices=targets.SAMPLER_PATHS, default="auto",
                    help="sampler path: auto (optimized on CUDA, reference elsewhere; default), optimized, reference")
     p.add_argument("--compile", default="none", metavar="MODE",
                    help="regional compile before profiling: none, default, reduce-overhead, max-autotune, "
@@ -155,7 +156,6 @@ def check_profile_combinations(args) -> None:
 
 def run_profile(args) -> int:
     from ..profiling import ExplainError, ExplainTargetError, explain_in_subprocess, package_target, profile_run
-    from ..app.jobs import profile_targets as targets
     from ..profiling import history
 
     if args.checkpoint and args.shape != "tiny":

@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .child import child_argv, last_error, pack_name, worker_message
+from .child import child_argv, last_error, one_line, pack_name, worker_message
 
 
 class ExplainError(RuntimeError):
@@ -42,8 +42,7 @@ class ExplainResult:
         lines = [f"explain {self.target}: {self.graph_count} graph(s), {self.graph_break_count} graph break(s), "
                  f"{self.op_count} op(s)" + (f" (ops per graph: {self.ops_per_graph})" if self.ops_per_graph else "")]
         for i, br in enumerate(self.break_reasons, 1):
-            reason = " ".join(str(br.get("reason", "")).split())
-            lines.append(f"  {i}. {reason}")
+            lines.append(f"  {i}. {one_line(str(br.get('reason', '')))}")
             if br.get("location"):
                 lines.append(f"     at {br['location']}")
         if not self.break_reasons:
