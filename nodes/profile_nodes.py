@@ -108,15 +108,12 @@ class WanAccelProfileNative(_ProfileNode):
         kinds = wrapper_types()
         apply_model_key, cleanup_key = kinds["apply_model"], kinds["on_cleanup"]
 
-        def profile_apply_model(executor, *args, **kwargs):
-            return request.step(executor, *args, **kwargs)
-
         def close_window(*_args, **_kwargs):
             request.finish()
 
         if hasattr(patcher, "remove_wrappers_with_key"):
             patcher.remove_wrappers_with_key(apply_model_key, WRAPPER_KEY)
-        patcher.add_wrapper_with_key(apply_model_key, WRAPPER_KEY, profile_apply_model)
+        patcher.add_wrapper_with_key(apply_model_key, WRAPPER_KEY, request.step)     # step(executor, *args, **kwargs)
         if hasattr(patcher, "add_callback_with_key"):
             if hasattr(patcher, "remove_callbacks_with_key"):
                 patcher.remove_callbacks_with_key(cleanup_key, WRAPPER_KEY)

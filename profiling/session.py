@@ -224,6 +224,5 @@ def maybe_profile(handle, fn: Callable, *args, **kwargs) -> Any:
     if req is None or req.remaining <= 0:
         return fn(*args, **kwargs)
     if req.device is None:  # sync and read peak memory on the model's device
-        dev = handle.get("device") if isinstance(handle, dict) else getattr(handle, "device", None)
-        req.device = dev
+        req.device = handle.get("device") if isinstance(handle, dict) else getattr(handle, "device", None)
     return req.run(fn, *args, **kwargs)
