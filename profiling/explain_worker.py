@@ -17,9 +17,7 @@ import sys
 import traceback
 
 
-def _load(target: str):
-    if ":" not in target:
-        raise ValueError(f"target must look like 'package.module:factory', got {target!r}")
+def _load(target: str):       # 'package.module:factory': explain_in_subprocess checked the colon already
     mod_name, attr = target.split(":", 1)
     obj = importlib.import_module(mod_name)
     for part in attr.split("."):
