@@ -106,7 +106,7 @@ def _without_profiler_chatter():
         os.close(saved)
 
 
-def _with_progress(fn, warmup: int, runs: int, compile_mode: str, quiet: bool):
+def _with_progress(fn, warmup: int, runs: int, compile_mode: str):
     """``fn`` announcing each warm-up and profiled run on stderr (the first warm-up compiles: it can be long)."""
     state = {"n": 0}
     total = warmup + runs
@@ -117,11 +117,10 @@ def _with_progress(fn, warmup: int, runs: int, compile_mode: str, quiet: bool):
         phase = f"warm-up {i + 1}/{warmup}" if i < warmup else f"profiled run {i - warmup + 1}/{runs}"
         if i == 0 and compile_mode != "none":
             phase += f" (compiling the blocks with '{compile_mode}'; the first run can take a minute)"
-        if not quiet:
-            print(f"profile: {phase} ...", file=sys.stderr, flush=True)
+        print(f"profile: {phase} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         out = fn()
-        if not quiet and (i == 0 or i == total - 1):
+        if i == 0 or i == total - 1:
             print(f"profile: {phase.split(' (')[0]} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
                   flush=True)
         return out
@@ -204,8 +203,7 @@ def run_profile(args) -> int:
     model = targets.load_model(target)
     targets.apply_compile(model, args.compile)
     inputs = targets.make_inputs(model, target)
-    fn = _with_progress(targets.sampler_call(model, target, inputs), args.warmup, args.runs, args.compile,
-                        quiet=False)
+    fn = _with_progress(targets.sampler_call(model, target, inputs), args.warmup, args.runs, args.compile)
     label = Path(args.checkpoint).stem if args.checkpoint else args.shape
     calls, class_flops = targets.work_per_run(model, target)
     with _without_profiler_chatter():
