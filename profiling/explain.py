@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -56,8 +55,8 @@ def package_target(relative: str) -> str:
     return f"{pack_name()}.{relative}"
 
 
-def explain_in_subprocess(target: str, *, kwargs: dict | None = None, sys_path=None, timeout: float = 600.0,
-                          python: str | None = None, env: dict | None = None) -> ExplainResult:
+def explain_in_subprocess(target: str, *, kwargs: dict | None = None, sys_path=None,
+                          timeout: float = 600.0) -> ExplainResult:
     """Run ``torch._dynamo.explain`` on ``target`` ('package.module:factory', see explain_worker.py) in a new
     process; returns its graph breaks with reasons. Raises ExplainError when the target fails or times out.
 
@@ -69,10 +68,8 @@ def explain_in_subprocess(target: str, *, kwargs: dict | None = None, sys_path=N
     with tempfile.TemporaryDirectory(prefix="wan_accel_explain_") as tmp:
         out = Path(tmp) / "result.json"
         cmd = child_argv("profiling.explain_worker:run", target, out, json.dumps(kwargs or {}), *(sys_path or []))
-        cmd[0] = python or cmd[0]
-        child_env = dict(os.environ if env is None else env)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise ExplainError(f"explain of {target} did not finish within {timeout:.0f} s") from exc
         tail = ((proc.stdout or "") + (proc.stderr or ""))[-3000:]
