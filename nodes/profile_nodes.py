@@ -132,8 +132,6 @@ def _store_request(patcher, request) -> None:
 
 
 def _native_request(patcher):
-    if patcher is None:
-        return None
     getter = getattr(patcher, "get_attachment", None)
     req = getter(WRAPPER_KEY) if getter is not None else None
     if req is None:
