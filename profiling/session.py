@@ -176,8 +176,6 @@ class ProfileRequest:
 def get_profile_request(handle) -> ProfileRequest | None:
     """The ProfileRequest attached to a model handle, or None. Looked up as the dict key / attribute
     ``profile``, then in the handle's ``extra`` dict (which survives ``dataclasses.replace``)."""
-    if handle is None:
-        return None
     if isinstance(handle, dict):
         req = handle.get(PROFILE_ATTR)
     else:
