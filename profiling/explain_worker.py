@@ -29,9 +29,7 @@ def _unpack(spec):
     if isinstance(spec, dict):
         return spec["fn"], tuple(spec.get("args", ())), dict(spec.get("kwargs", {}))
     if isinstance(spec, (tuple, list)) and len(spec) in (2, 3):
-        fn, args = spec[0], tuple(spec[1])
-        kwargs = dict(spec[2]) if len(spec) == 3 else {}
-        return fn, args, kwargs
+        return spec[0], tuple(spec[1]), (dict(spec[2]) if len(spec) == 3 else {})
     raise TypeError("the target factory must return (fn, args), (fn, args, kwargs) or {'fn', 'args', 'kwargs'}")
 
 
