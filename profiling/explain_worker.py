@@ -4,7 +4,7 @@ Started through ``child_argv`` so it works whatever name the pack was imported u
 
     child_argv("profiling.explain_worker:run", "pkg.module:factory", "result.json", KWARGS_JSON, *SYS_PATH_DIRS)
 
-The target is a factory (called with the ``--kwargs`` JSON as keyword arguments) returning ``(fn, args)``,
+The target is a factory (called with the kwargs JSON as keyword arguments) returning ``(fn, args)``,
 ``(fn, args, kwargs)`` or a dict with keys fn/args/kwargs (and optionally ``inference_mode: True``);
 ``fn(*args, **kwargs)`` is what gets explained. explain resets dynamo, which is
 harmless here: this process holds nothing else. Imports nothing else from the pack by itself.
