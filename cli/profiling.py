@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .output import format_table, print_json
+from ..app.jobs import profile_targets as targets
 from ..app.validate import (TORCH_NAMES, UsageError, check_device, check_geometry, check_input_file,
                        check_int, check_output_dir, check_schedule_args, dtype_arg)
 
@@ -24,10 +25,10 @@ def register(sub) -> None:
                        description="Runs the causal sampler under torch.profiler on the built-in tiny model or a "
                                    "checkpoint; writes a Perfetto/Chrome trace and prints a report.")
     p.add_argument("--checkpoint", help="Wan/causal Wan .safetensors checkpoint (default: the built-in tiny model)")
-    p.add_argument("--shape", choices=("tiny", "1.3b"), default="tiny",
+    p.add_argument("--shape", choices=targets.SHAPES, default="tiny",
                    help="without --checkpoint: the built-in tiny model (default) or random weights of Wan 2.1 "
                         "1.3B's architecture (81 frames at 480x832 by default)")
-    p.add_argument("--sampler", choices=("auto", "optimized", "reference"), default="auto",
+    p.add_argument("--sampler", choices=targets.SAMPLER_PATHS, default="auto",
                    help="sampler path: auto (optimized on CUDA, reference elsewhere; default), optimized, reference")
     p.add_argument("--compile", default="none", metavar="MODE",
                    help="regional compile before profiling: none, default, reduce-overhead, max-autotune, "
@@ -105,7 +106,7 @@ def _without_profiler_chatter():
         os.close(saved)
 
 
-def _with_progress(fn, warmup: int, runs: int, compile_mode: str, quiet: bool):
+def _with_progress(fn, warmup: int, runs: int, compile_mode: str):
     """``fn`` announcing each warm-up and profiled run on stderr (the first warm-up compiles: it can be long)."""
     state = {"n": 0}
     total = warmup + runs
@@ -116,11 +117,10 @@ def _with_progress(fn, warmup: int, runs: int, compile_mode: str, quiet: bool):
         phase = f"warm-up {i + 1}/{warmup}" if i < warmup else f"profiled run {i - warmup + 1}/{runs}"
         if i == 0 and compile_mode != "none":
             phase += f" (compiling the blocks with '{compile_mode}'; the first run can take a minute)"
-        if not quiet:
-            print(f"profile: {phase} ...", file=sys.stderr, flush=True)
+        print(f"profile: {phase} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         out = fn()
-        if not quiet and (i == 0 or i == total - 1):
+        if i == 0 or i == total - 1:
             print(f"profile: {phase.split(' (')[0]} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
                   flush=True)
         return out
@@ -155,7 +155,6 @@ def check_profile_combinations(args) -> None:
 
 def run_profile(args) -> int:
     from ..profiling import ExplainError, ExplainTargetError, explain_in_subprocess, package_target, profile_run
-    from ..app.jobs import profile_targets as targets
     from ..profiling import history
 
     if args.checkpoint and args.shape != "tiny":
@@ -204,8 +203,7 @@ def run_profile(args) -> int:
     model = targets.load_model(target)
     targets.apply_compile(model, args.compile)
     inputs = targets.make_inputs(model, target)
-    fn = _with_progress(targets.sampler_call(model, target, inputs), args.warmup, args.runs, args.compile,
-                        quiet=False)
+    fn = _with_progress(targets.sampler_call(model, target, inputs), args.warmup, args.runs, args.compile)
     label = Path(args.checkpoint).stem if args.checkpoint else args.shape
     calls, class_flops = targets.work_per_run(model, target)
     with _without_profiler_chatter():

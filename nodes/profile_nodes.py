@@ -44,6 +44,11 @@ class _ProfileNode:
     CATEGORY = CATEGORY
     FUNCTION = "apply"
     RETURN_NAMES = ("model",)
+    INPUTS: dict = {}       # the node's model input and how many runs or calls to profile; then _COMMON_INPUTS
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {**cls.INPUTS, **_COMMON_INPUTS}}
 
     @classmethod
     def IS_CHANGED(cls, enabled=True, **kwargs):
@@ -57,14 +62,11 @@ class WanAccelProfile(_ProfileNode):
                    "'Wan Profile Report' node to see the report.")
     RETURN_TYPES = ("CAUSALWAN_MODEL",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("CAUSALWAN_MODEL", {"tooltip": "The causal Wan model whose next sampler run(s) to profile."}),
-            "runs": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "How many sampler runs to profile; "
-                                                                           "each gets its own trace and report."}),
-            **_COMMON_INPUTS,
-        }}
+    INPUTS = {
+        "model": ("CAUSALWAN_MODEL", {"tooltip": "The causal Wan model whose next sampler run(s) to profile."}),
+        "runs": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "How many sampler runs to profile; "
+                                                                       "each gets its own trace and report."}),
+    }
 
     def apply(self, model, runs=1, enabled=True, output_subfolder="wan_accel_profiles", record_shapes=False):
         from ..profiling.session import ProfileRequest, attach_profile_request
@@ -82,15 +84,12 @@ class WanAccelProfileNative(_ProfileNode):
                    "'Wan Profile Report' (model input) to see the report.")
     RETURN_TYPES = ("MODEL",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL", {"tooltip": "The ComfyUI model to profile (it is cloned; the input stays as is)."}),
-            "model_calls": ("INT", {"default": 4, "min": 1, "max": 1000,
-                                    "tooltip": "How many model calls (one per step and cond batch) go into "
-                                               "the trace; the trace also closes when sampling ends."}),
-            **_COMMON_INPUTS,
-        }}
+    INPUTS = {
+        "model": ("MODEL", {"tooltip": "The ComfyUI model to profile (it is cloned; the input stays as is)."}),
+        "model_calls": ("INT", {"default": 4, "min": 1, "max": 1000,
+                                "tooltip": "How many model calls (one per step and cond batch) go into "
+                                           "the trace; the trace also closes when sampling ends."}),
+    }
 
     def apply(self, model, model_calls=4, enabled=True, output_subfolder="wan_accel_profiles",
               record_shapes=False):
@@ -109,15 +108,12 @@ class WanAccelProfileNative(_ProfileNode):
         kinds = wrapper_types()
         apply_model_key, cleanup_key = kinds["apply_model"], kinds["on_cleanup"]
 
-        def profile_apply_model(executor, *args, **kwargs):
-            return request.step(executor, *args, **kwargs)
-
         def close_window(*_args, **_kwargs):
             request.finish()
 
         if hasattr(patcher, "remove_wrappers_with_key"):
             patcher.remove_wrappers_with_key(apply_model_key, WRAPPER_KEY)
-        patcher.add_wrapper_with_key(apply_model_key, WRAPPER_KEY, profile_apply_model)
+        patcher.add_wrapper_with_key(apply_model_key, WRAPPER_KEY, request.step)     # step(executor, *args, **kwargs)
         if hasattr(patcher, "add_callback_with_key"):
             if hasattr(patcher, "remove_callbacks_with_key"):
                 patcher.remove_callbacks_with_key(cleanup_key, WRAPPER_KEY)
@@ -136,8 +132,6 @@ def _store_request(patcher, request) -> None:
 
 
 def _native_request(patcher):
-    if patcher is None:
-        return None
     getter = getattr(patcher, "get_attachment", None)
     req = getter(WRAPPER_KEY) if getter is not None else None
     if req is None:

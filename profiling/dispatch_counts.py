@@ -99,11 +99,7 @@ def _is_sync(packet: str, args, kwargs) -> bool:
     return False
 
 
-class _Dispatch(TorchDispatchMode):
-    def __init__(self, owner: "DispatchCounts"):
-        super().__init__()
-        self.owner = owner
-
+class _Dispatch(TorchDispatchMode):       # both modes count into their ``owner``, set by DispatchCounts
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         o = self.owner
@@ -122,10 +118,6 @@ class _Dispatch(TorchDispatchMode):
 
 
 class _Function(TorchFunctionMode):
-    def __init__(self, owner: "DispatchCounts"):
-        super().__init__()
-        self.owner = owner
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
@@ -160,8 +152,9 @@ class DispatchCounts:
     def __enter__(self) -> "DispatchCounts":
         if self._modes is not None:
             raise RuntimeError("DispatchCounts is already active")
-        self._modes = (_Function(self), _Dispatch(self))
+        self._modes = (_Function(), _Dispatch())
         for m in self._modes:
+            m.owner = self
             m.__enter__()
         WRITE_COUNTERS.append(self._kv_written)
         return self

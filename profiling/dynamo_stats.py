@@ -79,7 +79,7 @@ class _WarningCapture(logging.Handler):
 
 
 class DynamoWindow:
-    """``start()`` before the work, ``stop()`` after; ``result()`` is the difference as plain data."""
+    """``start()`` before the work, ``stop()`` after: it returns the difference as plain data."""
 
     def __init__(self):
         self._utils = _dynamo_utils()
@@ -89,7 +89,6 @@ class DynamoWindow:
         self._metric_ids: set[int] = set()
         self._capture = _WarningCapture()
         self._logger = logging.getLogger("torch._dynamo")
-        self._result: dict | None = None
 
     def start(self) -> "DynamoWindow":
         if self._utils is not None:
@@ -102,13 +101,6 @@ class DynamoWindow:
 
     def stop(self) -> dict:
         self._logger.removeHandler(self._capture)
-        self._result = self._diff()
-        return self._result
-
-    def result(self) -> dict:
-        return self._result if self._result is not None else self._diff()
-
-    def _diff(self) -> dict:
         out = {"available": self._utils is not None, "compile_phases_s": {}, "compile_total_s": 0.0,
                "frames_compiled": 0, "graph_break_count": 0, "graph_breaks": [], "recompile_count": 0,
                "recompiles": [], "warnings": list(self._capture.messages)}

@@ -1,22 +1,18 @@
 """Graph-break analysis with ``torch._dynamo.explain``, always in a separate process.
 
 ``explain`` calls ``torch._dynamo.reset()``, which throws away every compiled model of the process it runs in;
-so it never runs here. ``explain_in_subprocess`` starts a fresh interpreter on ``explain_worker.py`` and reads
-back the graph breaks with their reasons.
+so it never runs here. ``explain_in_subprocess`` starts a fresh interpreter on ``explain_worker.run`` (through
+``child_argv``) and reads back the graph breaks with their reasons.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from .child import PACKAGE_ROOT, last_error, pack_name, worker_message
-
-WORKER = Path(__file__).with_name("explain_worker.py")
+from .child import child_argv, last_error, one_line, pack_name, worker_message
 
 
 class ExplainError(RuntimeError):
@@ -45,18 +41,12 @@ class ExplainResult:
         lines = [f"explain {self.target}: {self.graph_count} graph(s), {self.graph_break_count} graph break(s), "
                  f"{self.op_count} op(s)" + (f" (ops per graph: {self.ops_per_graph})" if self.ops_per_graph else "")]
         for i, br in enumerate(self.break_reasons, 1):
-            reason = " ".join(str(br.get("reason", "")).split())
-            lines.append(f"  {i}. {reason}")
+            lines.append(f"  {i}. {one_line(str(br.get('reason', '')))}")
             if br.get("location"):
                 lines.append(f"     at {br['location']}")
         if not self.break_reasons:
             lines.append("  no graph breaks: the target compiles into one graph.")
         return "\n".join(lines)
-
-
-def _pack_search_path() -> Path:
-    """The sys.path entry from which ``pack_name()`` imports."""
-    return PACKAGE_ROOT.parents[pack_name().count(".")]
 
 
 def package_target(relative: str) -> str:
@@ -65,26 +55,21 @@ def package_target(relative: str) -> str:
     return f"{pack_name()}.{relative}"
 
 
-def explain_in_subprocess(target: str, *, kwargs: dict | None = None, sys_path=None, timeout: float = 600.0,
-                          python: str | None = None, env: dict | None = None) -> ExplainResult:
+def explain_in_subprocess(target: str, *, kwargs: dict | None = None, sys_path=None,
+                          timeout: float = 600.0) -> ExplainResult:
     """Run ``torch._dynamo.explain`` on ``target`` ('package.module:factory', see explain_worker.py) in a new
     process; returns its graph breaks with reasons. Raises ExplainError when the target fails or times out.
 
-    ``sys_path`` entries are prepended in the subprocess; the folder that holds this pack is always added, so
+    ``sys_path`` entries are prepended in the subprocess; the pack is loaded under this process's name for it, so
     targets inside the pack import (see ``package_target``).
     """
     if ":" not in str(target):
         raise ExplainTargetError(f"target must look like 'package.module:factory', got {target!r}")
-    paths = [str(p) for p in (sys_path or [])] + [str(_pack_search_path())]
     with tempfile.TemporaryDirectory(prefix="wan_accel_explain_") as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [python or sys.executable, str(WORKER), "--target", target, "--out", str(out),
-               "--kwargs", json.dumps(kwargs or {})]
-        for p in paths:
-            cmd += ["--sys-path", p]
-        child_env = dict(os.environ if env is None else env)
+        cmd = child_argv("profiling.explain_worker:run", target, out, json.dumps(kwargs or {}), *(sys_path or []))
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise ExplainError(f"explain of {target} did not finish within {timeout:.0f} s") from exc
         tail = ((proc.stdout or "") + (proc.stderr or ""))[-3000:]

@@ -1,26 +1,23 @@
-"""Standalone worker: runs ``torch._dynamo.explain`` on a target in a fresh process and writes JSON.
+"""Worker: runs ``torch._dynamo.explain`` on a target in a fresh process and writes JSON.
 
-Run by file path (not ``-m``) so it works whatever name the pack was imported under::
+Started through ``child_argv`` so it works whatever name the pack was imported under::
 
-    python explain_worker.py --target pkg.module:factory --out result.json [--kwargs JSON] [--sys-path DIR]...
+    child_argv("profiling.explain_worker:run", "pkg.module:factory", "result.json", KWARGS_JSON, *SYS_PATH_DIRS)
 
-The target is a factory (called with the ``--kwargs`` JSON as keyword arguments) returning ``(fn, args)``,
+The target is a factory (called with the kwargs JSON as keyword arguments) returning ``(fn, args)``,
 ``(fn, args, kwargs)`` or a dict with keys fn/args/kwargs (and optionally ``inference_mode: True``);
 ``fn(*args, **kwargs)`` is what gets explained. explain resets dynamo, which is
-harmless here: this process holds nothing else. Imports nothing from the pack by itself.
+harmless here: this process holds nothing else. Imports nothing else from the pack by itself.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import sys
 import traceback
 
 
-def _load(target: str):
-    if ":" not in target:
-        raise ValueError(f"target must look like 'package.module:factory', got {target!r}")
+def _load(target: str):       # 'package.module:factory': explain_in_subprocess checked the colon already
     mod_name, attr = target.split(":", 1)
     obj = importlib.import_module(mod_name)
     for part in attr.split("."):
@@ -32,9 +29,7 @@ def _unpack(spec):
     if isinstance(spec, dict):
         return spec["fn"], tuple(spec.get("args", ())), dict(spec.get("kwargs", {}))
     if isinstance(spec, (tuple, list)) and len(spec) in (2, 3):
-        fn, args = spec[0], tuple(spec[1])
-        kwargs = dict(spec[2]) if len(spec) == 3 else {}
-        return fn, args, kwargs
+        return spec[0], tuple(spec[1]), (dict(spec[2]) if len(spec) == 3 else {})
     raise TypeError("the target factory must return (fn, args), (fn, args, kwargs) or {'fn', 'args', 'kwargs'}")
 
 
@@ -71,28 +66,16 @@ def explain_target(target: str, kwargs: dict) -> dict:
             "ops_per_graph": [len(g) for g in ops], "break_reasons": breaks}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--target", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--kwargs", default="{}")
-    p.add_argument("--sys-path", action="append", default=[])
-    a = p.parse_args(argv)
-    for entry in reversed(a.sys_path):
+def run(target: str, out: str, kwargs: str = "{}", *sys_path: str) -> None:
+    """Explain ``target`` with the ``kwargs`` JSON, ``sys_path`` folders first, and write the result to ``out``."""
+    for entry in reversed(sys_path):
         sys.path.insert(0, entry)
     try:
-        result = explain_target(a.target, json.loads(a.kwargs))
-        code = 0
+        result = explain_target(target, json.loads(kwargs))
     except BaseException as exc:  # noqa: BLE001 - report any failure to the parent as data
         loading = isinstance(exc, TargetNotLoaded)
-        result = {"ok": False, "target": a.target, "stage": "load" if loading else "run",
+        result = {"ok": False, "target": target, "stage": "load" if loading else "run",
                   "error": str(exc) if loading else f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-4000:]}
-        code = 1
-    with open(a.out, "w", encoding="utf-8") as fh:
+    with open(out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
-    return code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

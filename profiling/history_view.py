@@ -90,12 +90,10 @@ def plot_history(records: list[dict], out_path) -> Path:
         xs = [i for i, r in enumerate(records, 1) if str(r.get("kind", "?")) == kind]
         speed = [_num((records[i - 1].get("timings") or {}).get(key)) for i in xs]
         mem = [_gib(records[i - 1].get("peak_memory_bytes")) for i in xs]
-        pts = [(x, y) for x, y in zip(xs, speed) if y is not None]
-        if pts:
-            ax1.plot(*zip(*pts), marker="o", linestyle="-", label=kind)
-        pts = [(x, y) for x, y in zip(xs, mem) if y is not None]
-        if pts:
-            ax2.plot(*zip(*pts), marker="s", linestyle="-", label=kind)
+        for ax, ys, marker in ((ax1, speed, "o"), (ax2, mem, "s")):
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, linestyle="-", label=kind)
     ax1.set_ylabel(ylabel)
     ax1.set_title("wan_accel metrics history")
     ax2.set_ylabel("peak memory (GiB)")

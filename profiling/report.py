@@ -14,7 +14,6 @@ def fmt_bytes(n) -> str:
         if abs(n) < 1024.0 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024.0
-    return f"{n:.2f} TiB"
 
 
 def fmt_seconds(s) -> str:

@@ -6,6 +6,7 @@ wrapper profiling the next N model calls into one trace).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,18 +40,13 @@ def resolve_device(device=None):
 def profiler_busy() -> bool:
     """True when a torch profiler is already recording in this process (profilers cannot nest)."""
     try:
+        import torch
         import torch.autograd.profiler as ap
 
-        return bool(ap._is_profiler_enabled) or bool(torch_profiler_enabled())
+        enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+        return bool(ap._is_profiler_enabled) or (enabled is not None and bool(enabled()))
     except Exception:  # noqa: BLE001
         return False
-
-
-def torch_profiler_enabled() -> bool:
-    import torch
-
-    fn = getattr(torch._C._autograd, "_profiler_enabled", None)
-    return bool(fn()) if fn is not None else False
 
 
 def _safe_name(name: str) -> str:
@@ -136,14 +132,24 @@ class ProfileSession:
         self._began = True
         return self
 
+    def _timed(self, times: list, scope, fn: Callable, args, kwargs):
+        """``fn(*args, **kwargs)`` synchronised inside ``scope``, its seconds appended to ``times``; if it raises,
+        everything is stopped before the exception propagates."""
+        try:
+            t0 = time.perf_counter()
+            with scope:
+                out = fn(*args, **kwargs)
+                self._sync()
+            times.append(time.perf_counter() - t0)
+        except BaseException:
+            self.abort()
+            raise
+        return out
+
     def warmup(self, fn: Callable, *args, **kwargs):
         """Run ``fn`` outside the profiler (compile happens here) but inside the compile-statistics window."""
         self.begin()
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        self._sync()
-        self.warmup_times.append(time.perf_counter() - t0)
-        return out
+        return self._timed(self.warmup_times, contextlib.nullcontext(), fn, args, kwargs)
 
     def run(self, fn: Callable, *args, **kwargs):
         """Run ``fn`` once under the profiler, inside an annotation named ``<trace_name>/run<i>``."""
@@ -154,18 +160,9 @@ class ProfileSession:
             self._prof = torch.profiler.profile(activities=self._activities(), record_shapes=self.record_shapes,
                                                 with_stack=self.with_stack)
             self._prof.start()
-        i = len(self.run_times)
-        try:
-            t0 = time.perf_counter()
-            with torch.profiler.record_function(self.run_label(i)):
-                out = fn(*args, **kwargs)
-                self._sync()
-            self.run_times.append(time.perf_counter() - t0)
-        except BaseException:
-            self.abort()
-            raise
-        self.last_result = out
-        return out
+        label = torch.profiler.record_function(self.run_label(len(self.run_times)))
+        self.last_result = self._timed(self.run_times, label, fn, args, kwargs)
+        return self.last_result
 
     def run_label(self, i: int) -> str:
         return f"{self.trace_name}/run{i}"
@@ -195,18 +192,18 @@ class ProfileSession:
             events = self._load_events(trace_path)
         compile_stats = self._window.stop()
         self._finished = True
+        labels = [self.run_label(i) for i in range(len(self.run_times))]
         report = ProfileReport(
             name=self.trace_name, device=str(self.device), runs=len(self.run_times), warmup=len(self.warmup_times),
             run_times_s=[round(t, 6) for t in self.run_times],
             warmup_times_s=[round(t, 6) for t in self.warmup_times],
             trace_path=str(trace_path) if trace_path else None, compile=compile_stats,
-            gpu=gpu_idle_stats(events, [self.run_label(i) for i in range(len(self.run_times))]) if events else None,
+            gpu=gpu_idle_stats(events, labels) if events else None,
             top_ops=self._top_ops(), top_kernels=top_kernels(events, self.top) if events else [],
             peak_memory=self._peak_memory(), torch_version=torch.__version__)
         if report.gpu is not None:
-            report.kernel_classes = kernel_breakdown(
-                events, [self.run_label(i) for i in range(len(self.run_times))], model_calls=self.model_calls,
-                flops=self.class_flops, runs=len(self.run_times), idle=report.gpu)
+            report.kernel_classes = kernel_breakdown(events, labels, model_calls=self.model_calls,
+                                                     flops=self.class_flops, runs=len(self.run_times), idle=report.gpu)
         if self._prof is None:
             report.notes.append("no profiled run: nothing was traced.")
         report.result = self.last_result
@@ -275,15 +272,11 @@ def profile_run(fn: Callable[[], Any], *, runs: int = 1, out_dir, trace_name: st
     with _LOCK:
         session = ProfileSession(out_dir=out_dir, trace_name=trace_name, device=device,
                                  record_shapes=record_shapes, with_stack=with_stack, top=top,
-                                 model_calls=model_calls, class_flops=class_flops).begin()
-        try:
-            for _ in range(int(warmup)):
-                session.warmup(fn)
-            for _ in range(int(runs)):
-                session.run(fn)
-        except BaseException:
-            session.abort()
-            raise
+                                 model_calls=model_calls, class_flops=class_flops)
+        for _ in range(int(warmup)):
+            session.warmup(fn)      # a warm-up or run that raises stops the window before it propagates
+        for _ in range(int(runs)):
+            session.run(fn)
         return session.finish()
 
 

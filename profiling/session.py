@@ -87,24 +87,22 @@ class ProfileRequest:
                     "Run the sampler first (connect its output to the report node's 'after' input so the "
                     "report runs after it).")
 
-    def _out_dir(self):
-        from .runner import default_out_dir
-
-        return self.out_dir if self.out_dir is not None else default_out_dir()
-
     def _new_session(self):
-        from .runner import ProfileSession
+        from .runner import ProfileSession, default_out_dir
 
-        return ProfileSession(out_dir=self._out_dir(), trace_name=self.name, device=self.device,
+        out_dir = self.out_dir if self.out_dir is not None else default_out_dir()
+        return ProfileSession(out_dir=out_dir, trace_name=self.name, device=self.device,
                               record_shapes=self.record_shapes, with_stack=self.with_stack)
+
+    def _skip(self, msg: str) -> None:
+        log.warning("wan_accel profile: %s", msg)
+        self.skipped.append(msg)
 
     def _busy(self) -> bool:
         from .runner import profiler_busy
 
         if profiler_busy():
-            msg = "skipped a run: another profiler was already recording (profilers cannot nest)."
-            log.warning("wan_accel profile: %s", msg)
-            self.skipped.append(msg)
+            self._skip("skipped a run: another profiler was already recording (profilers cannot nest).")
             return True
         return False
 
@@ -115,9 +113,7 @@ class ProfileRequest:
             report = session.finish()
         except Exception as exc:  # noqa: BLE001
             session.abort()
-            msg = f"profiling finished the run but could not write its report: {exc}"
-            log.warning("wan_accel profile: %s", msg)
-            self.skipped.append(msg)
+            self._skip(f"profiling finished the run but could not write its report: {exc}")
             return None
         report.result = None  # do not keep outputs (latents) alive through the report
         self._keep(report)
@@ -146,14 +142,6 @@ class ProfileRequest:
             out = session.run(fn, *args, **kwargs)  # stops the profiler and re-raises if fn raises
             self._finish_session(session)
             return out
-
-    def wrap(self, fn: Callable) -> Callable:
-        """``fn`` wrapped so that each call goes through ``run``."""
-        def profiled(*args, **kwargs):
-            return self.run(fn, *args, **kwargs)
-
-        profiled.__wrapped__ = fn  # type: ignore[attr-defined]
-        return profiled
 
     # ---------------------------------------------------------------- window form
     def step(self, fn: Callable, *args, **kwargs) -> Any:
@@ -188,8 +176,6 @@ class ProfileRequest:
 def get_profile_request(handle) -> ProfileRequest | None:
     """The ProfileRequest attached to a model handle, or None. Looked up as the dict key / attribute
     ``profile``, then in the handle's ``extra`` dict (which survives ``dataclasses.replace``)."""
-    if handle is None:
-        return None
     if isinstance(handle, dict):
         req = handle.get(PROFILE_ATTR)
     else:
@@ -236,6 +222,5 @@ def maybe_profile(handle, fn: Callable, *args, **kwargs) -> Any:
     if req is None or req.remaining <= 0:
         return fn(*args, **kwargs)
     if req.device is None:  # sync and read peak memory on the model's device
-        dev = handle.get("device") if isinstance(handle, dict) else getattr(handle, "device", None)
-        req.device = dev
+        req.device = handle.get("device") if isinstance(handle, dict) else getattr(handle, "device", None)
     return req.run(fn, *args, **kwargs)

@@ -36,6 +36,14 @@ def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, f
     return [(s, e) for s, e in merged]
 
 
+def _run_windows(events: list[dict], window_names) -> list[tuple[float, float]]:
+    """Union of the spans of the annotations named in ``window_names`` (the per-run annotations)."""
+    names = set(window_names or ())
+    return merge_intervals([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                            if names and e.get("name") in names and e.get("cat") == "user_annotation"
+                            and "ts" in e and "dur" in e])
+
+
 def _clip(intervals, windows):
     out = []
     for s, e in intervals:
@@ -57,12 +65,7 @@ def gpu_idle_stats(events: list[dict], window_names=None) -> dict | None:
     if not gpu:
         return None
     kernels = [e for e in gpu if e.get("cat") == "kernel"]
-    windows = []
-    if window_names:
-        names = set(window_names)
-        windows = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-                   for e in events if e.get("name") in names and "ts" in e and "dur" in e
-                   and e.get("cat") == "user_annotation"]
+    windows = _run_windows(events, window_names)
     if not windows:
         timed = [e for e in events if "ts" in e and e.get("ph", "X") == "X"]
         start = min(float(e["ts"]) for e in timed)
@@ -146,10 +149,7 @@ def kernel_breakdown(events: list[dict], window_names=None, *, model_calls: int 
     idle = idle if idle is not None else gpu_idle_stats(events, window_names)
     if idle is None:
         return None
-    names = set(window_names or ())
-    windows = merge_intervals([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
-                               if names and e.get("name") in names and e.get("cat") == "user_annotation"
-                               and "ts" in e and "dur" in e])
+    windows = _run_windows(events, window_names)
     per: dict[str, list] = {c: [0.0, 0] for c in KERNEL_CLASSES}
     for e in complete_events(events, GPU_CATEGORIES):
         span = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]))]

@@ -90,7 +90,7 @@ def test_profiler_marker_lines_are_dropped(capfd):
 def test_profile_compile_announces_itself(capsys):
     from wan_accel.cli.profiling import _with_progress
 
-    fn = _with_progress(lambda: 1, warmup=1, runs=1, compile_mode="default", quiet=False)
+    fn = _with_progress(lambda: 1, warmup=1, runs=1, compile_mode="default")
     fn(), fn()
     err = capsys.readouterr().err
     assert "warm-up 1/1 (compiling the blocks with 'default'" in err and "done in" in err

@@ -160,7 +160,7 @@ def _capture_first_call(model, target: ProfileTarget, scope: str):
             seen.update(fn=block, args=args, kwargs=kwargs)
             raise _Captured
 
-        handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+        restore = block.register_forward_pre_hook(hook, with_kwargs=True).remove
     elif scope == "model":
         original = model.forward_chunk
 
@@ -169,7 +169,7 @@ def _capture_first_call(model, target: ProfileTarget, scope: str):
             raise _Captured
 
         model.forward_chunk = capture
-        handle = None
+        restore = lambda: delattr(model, "forward_chunk")  # noqa: E731 - back to the class method
     else:
         raise ValueError(f"scope must be 'block' or 'model', got {scope!r}")
     try:
@@ -177,10 +177,7 @@ def _capture_first_call(model, target: ProfileTarget, scope: str):
     except _Captured:
         pass
     finally:
-        if handle is not None:
-            handle.remove()
-        else:
-            del model.forward_chunk  # back to the class method
+        restore()
     if not seen:
         raise RuntimeError(f"the sampler never called the model's {scope}; nothing to explain")
     return seen["fn"], tuple(seen["args"]), dict(seen["kwargs"])
