@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from .comfy import Node
+from .comfy import Node, node_mappings
 from .comfy.comfy_core import add_outer_sample_guard, optional, wrapper_types
 
 log = logging.getLogger("wan_accel")
@@ -451,15 +451,9 @@ class WanChunkedVAEDecode(Node):
         return (frames.reshape(-1, *frames.shape[-3:]),)
 
 
-NODE_CLASS_MAPPINGS = {
-    "WanAccelVRAMPlan": WanVRAMPlan,
-    "WanAccelBlockSwap": WanBlockSwap,
-    "WanAccelCausalBlockSwap": CausalWanBlockSwap,
-    "WanAccelChunkedVAEDecode": WanChunkedVAEDecode,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "WanAccelVRAMPlan": "Wan VRAM Plan",
-    "WanAccelBlockSwap": "Wan Block Swap",
-    "WanAccelCausalBlockSwap": "CausalWan Block Swap",
-    "WanAccelChunkedVAEDecode": "Wan Chunked VAE Decode",
-}
+NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
+    "WanAccelVRAMPlan": (WanVRAMPlan, "Wan VRAM Plan"),
+    "WanAccelBlockSwap": (WanBlockSwap, "Wan Block Swap"),
+    "WanAccelCausalBlockSwap": (CausalWanBlockSwap, "CausalWan Block Swap"),
+    "WanAccelChunkedVAEDecode": (WanChunkedVAEDecode, "Wan Chunked VAE Decode"),
+})

@@ -1,7 +1,7 @@
 """ComfyUI nodes of Matrix-Game-2: Game Actions (script -> per-frame actions) and Matrix-Game-2 Sampler."""
 from __future__ import annotations
 
-from .comfy import Node, check_choice
+from .comfy import Node, check_choice, node_mappings
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
 MODES = ["universal", "gta_drive", "templerun"]
@@ -256,13 +256,8 @@ class MatrixGame2StartLatent(Node):
         return ({"samples": torch.cat([lat if lat.dim() == 5 else lat[None] for lat in latents], dim=0)},)
 
 
-NODE_CLASS_MAPPINGS = {
-    "MatrixGame2Actions": GameActions,
-    "MatrixGame2StartLatent": MatrixGame2StartLatent,
-    "MatrixGame2Sampler": MatrixGame2Sampler,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "MatrixGame2Actions": "Game Actions",
-    "MatrixGame2StartLatent": "Matrix-Game-2 Start Latent",
-    "MatrixGame2Sampler": "Matrix-Game-2 Sampler",
-}
+NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
+    "MatrixGame2Actions": (GameActions, "Game Actions"),
+    "MatrixGame2StartLatent": (MatrixGame2StartLatent, "Matrix-Game-2 Start Latent"),
+    "MatrixGame2Sampler": (MatrixGame2Sampler, "Matrix-Game-2 Sampler"),
+})

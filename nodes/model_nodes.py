@@ -1,7 +1,7 @@
 """ComfyUI nodes of the model area: CausalWan Model Loader and CausalWan Sampler (thin adapters over wan/)."""
 from __future__ import annotations
 
-from .comfy import Node, check_choice
+from .comfy import Node, check_choice, node_mappings
 
 TINY_NAME = "(built-in tiny model)"   # same string as app.jobs.handle.TINY_NAME (kept here: no heavy import)
 TINY_MG2_NAME = "(built-in tiny Matrix-Game-2 model)"   # app.jobs.handle.TINY_MG2_NAME
@@ -492,11 +492,7 @@ class CausalWanSampler(Node):
         return None
 
 
-NODE_CLASS_MAPPINGS = {
-    "CausalWanModelLoader": CausalWanModelLoader,
-    "CausalWanSampler": CausalWanSampler,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "CausalWanModelLoader": "CausalWan Model Loader",
-    "CausalWanSampler": "CausalWan Sampler",
-}
+NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
+    "CausalWanModelLoader": (CausalWanModelLoader, "CausalWan Model Loader"),
+    "CausalWanSampler": (CausalWanSampler, "CausalWan Sampler"),
+})
