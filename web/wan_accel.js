@@ -262,6 +262,16 @@ function floatingPanel() {
 }
 
 // ------------------------------------------------------------------------------------------------ node helpers
+// obj[name] (a node's or a widget's hook) runs as before, then fn(this, ...its arguments); its answer is kept.
+function after(obj, name, fn) {
+  const previous = obj[name];
+  obj[name] = function (...args) {
+    const r = previous?.apply(this, args);
+    fn(this, ...args);
+    return r;
+  };
+}
+
 function isPackNode(nodeData) {
   return typeof nodeData?.category === "string" && nodeData.category.startsWith(CATEGORY_PREFIX);
 }
@@ -312,12 +322,7 @@ function syncBadges(node) {
 function watchBadgeInputs(node) {
   for (const w of node.widgets || []) {
     if (w.name !== "tiling_preset" && w.name !== "lock_global_ops" || w._wanAccelWatched) continue;
-    const callback = w.callback;
-    w.callback = function () {
-      const r = callback?.apply(this, arguments);
-      syncBadges(node);
-      return r;
-    };
+    after(w, "callback", () => syncBadges(node));
     w._wanAccelWatched = true;
   }
   syncBadges(node);
@@ -375,29 +380,13 @@ app.registerExtension({
     if (!isPackNode(nodeData)) return;
     const inputs = { ...(nodeData.input?.required || {}), ...(nodeData.input?.optional || {}) };
     if ("tiling_preset" in inputs || "lock_global_ops" in inputs) {
-      const onNodeCreated = nodeType.prototype.onNodeCreated;
-      nodeType.prototype.onNodeCreated = function () {
-        const r = onNodeCreated?.apply(this, arguments);
-        watchBadgeInputs(this);
-        return r;
-      };
+      after(nodeType.prototype, "onNodeCreated", watchBadgeInputs);
       for (const hook of ["onConfigure", "onAdded"]) {   // a loaded workflow's values; a node put on a graph
-        const previous = nodeType.prototype[hook];
-        nodeType.prototype[hook] = function () {
-          const r = previous?.apply(this, arguments);
-          syncBadges(this);
-          return r;
-        };
+        after(nodeType.prototype, hook, syncBadges);
       }
     }
-    {   // output nodes, and any pack node that reports something (e.g. a feature switched off by the doctor); the
-        // api's "executed" event (below) does the same where a frontend does not call onExecuted
-      const onExecuted = nodeType.prototype.onExecuted;
-      nodeType.prototype.onExecuted = function (message) {
-        const r = onExecuted?.apply(this, arguments);
-        showText(this, message);
-        return r;
-      };
-    }
+    // output nodes, and any pack node that reports something (e.g. a feature switched off by the doctor); the
+    // api's "executed" event (below) does the same where a frontend does not call onExecuted
+    after(nodeType.prototype, "onExecuted", showText);
   },
 });
