@@ -10,7 +10,7 @@
 //  * A read-only text box on the pack's output nodes that return {"ui": {"text": [...]}} (from the api's
 //    "executed" event and onExecuted, whichever the frontend sends).
 // Only the public modules scripts/app.js and scripts/api.js are imported; el and toast are shared with the
-// pack's other scripts.
+// pack's other scripts (with the panel's STYLE).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -97,7 +97,7 @@ function fmtValue(value) {
 }
 
 // ------------------------------------------------------------------------------------------------ panel
-const STYLE = {
+export const STYLE = {
   root: { padding: "8px", fontSize: "12px", lineHeight: "1.4", color: "var(--fg-color, #ddd)",
           overflowY: "auto", height: "100%", boxSizing: "border-box" },
   head: { display: "flex", justifyContent: "space-between", alignItems: "center", marginBottom: "6px" },
