@@ -432,16 +432,13 @@ class WanChunkedVAEDecode(Node):
                 raise SoftOOM(f"the VAE fell back to tiled decoding at {chunk.shape[2]} latent frames")
             return out
 
-        from .comfy.comfy_core import progress_and_interrupt
+        from .comfy.comfy_core import ComfyProgress
 
-        bar_cls, interrupt = progress_and_interrupt()
-        pbar = bar_cls(t) if bar_cls is not None else None
+        progress = ComfyProgress()
 
         def between(done, total):
-            if interrupt is not None:
-                interrupt()
-            if pbar is not None:
-                pbar.update_absolute(done, total)
+            progress.check()
+            progress.update(done, total)
 
         hint = (f"Lower the resolution ({w * 8}x{h * 8}), close other programs using VRAM, or use ComfyUI's "
                 "'VAE Decode (Tiled)' node with smaller tiles.")
