@@ -69,10 +69,13 @@ class SessionBase:
                            setup=self.setup, **kwargs)
         return self.run.latents()
 
-    def _check_weights(self) -> None:
-        """The session's caches were made with the weights of its last chunk: other values (another checkpoint of
-        the same structure, a patch applied in place) are refused before anything is made; the session goes on
-        once they are restored (``sampling.continuation.weight_fingerprint``, as every continued state)."""
+    def _check_going_on(self) -> None:
+        """An ended session is refused. The session's caches were made with the weights of its last chunk: other
+        values (another checkpoint of the same structure, a patch applied in place) are refused before anything is
+        made; the session goes on once they are restored (``sampling.continuation.weight_fingerprint``, as every
+        continued state)."""
+        if self.ended:
+            raise PlayError(f"this play session has ended ({self.ended}): start a new one")
         if self.state is not None and weight_fingerprint(self.model) != self.state.settings.get("weights"):
             raise PlayError("the model's weights changed since this session's last chunk (another checkpoint of the "
                             "same structure, or a patch applied in place); its caches hold the earlier weights: "
@@ -99,9 +102,6 @@ class SessionBase:
                     except Exception:  # noqa: BLE001 - freeing must not fail halfway
                         pass
             self.attached.clear()
-
-    def close(self, reason: str = "ended") -> None:
-        self.free(reason)
 
 
 class PlaySession(SessionBase):
@@ -154,9 +154,7 @@ class PlaySession(SessionBase):
     def step(self, keys=(), mouse=(0.0, 0.0), callback=None) -> torch.Tensor:
         """Generate the next chunk with ``keys`` and ``mouse`` held; returns its latents [1, 16, 3, h, w]."""
         with self.lock:
-            if self.ended:
-                raise PlayError(f"this play session has ended ({self.ended}): start a new one")
-            self._check_weights()
+            self._check_going_on()
             term = self.action_term(keys, mouse)
             count = FIRST_CHUNK_FRAMES if self.chunks == 0 else CHUNK_FRAMES
             acts = parse_action_script(f"{term}*{count}", self.mode)

@@ -148,9 +148,7 @@ class PromptPlaySession(SessionBase):
         """Make the next chunk with ``prompt`` in effect (empty: the prompt in effect now); returns its latents
         [1, C, frames_per_block, h, w] (model space)."""
         with self.lock:
-            if self.ended:
-                raise PlayError(f"this play session has ended ({self.ended}): start a new one")
-            self._check_weights()
+            self._check_going_on()
             schedule, lines, text, context, switched = self._prepare(prompt)
             policy = self.cache.cache_policy
             mark = policy.mark() if hasattr(policy, "mark") else None
