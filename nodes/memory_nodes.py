@@ -49,23 +49,31 @@ def _causal_module(handle):
     raise TypeError(f"CAUSALWAN_MODEL of type {type(handle).__name__} has no model with 'blocks'")
 
 
-def _swap_inputs(first: tuple) -> dict:
-    return {"required": {
-        first[0]: first[1],
-        "blocks_to_swap": ("INT", {"default": -1, "min": -1, "max": 128, "step": 1,
-                                   "tooltip": "How many of the last transformer blocks live in host RAM and are "
-                                              "streamed to the GPU when used. -1 takes the number from the plan "
-                                              "input; 0 turns swapping off."}),
-        "prefetch_blocks": ("INT", {"default": 1, "min": 0, "max": 8, "step": 1,
-                                    "tooltip": "Swapped blocks copied ahead on a side CUDA stream while the "
-                                               "current block computes. 1 is enough unless copies are slower "
-                                               "than compute; each costs one block of VRAM."}),
-        "offload_embeddings": ("BOOLEAN", {"default": False,
-                                           "tooltip": "Also keep the text/image embedding layers in host RAM "
-                                                      "(copied in when used)."}),
-    }, "optional": {
-        "plan": ("WANACCEL_PLAN", {"tooltip": "A Wan VRAM Plan; used when blocks_to_swap is -1."}),
-    }}
+class _BlockSwapNode:
+    """What the two block swap nodes share: their category, function and widgets after the model (``MODEL_INPUT``:
+    its name and declaration)."""
+    CATEGORY = CATEGORY
+    FUNCTION = "apply"
+    MODEL_INPUT: tuple = ()
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            cls.MODEL_INPUT[0]: cls.MODEL_INPUT[1],
+            "blocks_to_swap": ("INT", {"default": -1, "min": -1, "max": 128, "step": 1,
+                                       "tooltip": "How many of the last transformer blocks live in host RAM and are "
+                                                  "streamed to the GPU when used. -1 takes the number from the plan "
+                                                  "input; 0 turns swapping off."}),
+            "prefetch_blocks": ("INT", {"default": 1, "min": 0, "max": 8, "step": 1,
+                                        "tooltip": "Swapped blocks copied ahead on a side CUDA stream while the "
+                                                   "current block computes. 1 is enough unless copies are slower "
+                                                   "than compute; each costs one block of VRAM."}),
+            "offload_embeddings": ("BOOLEAN", {"default": False,
+                                               "tooltip": "Also keep the text/image embedding layers in host RAM "
+                                                          "(copied in when used)."}),
+        }, "optional": {
+            "plan": ("WANACCEL_PLAN", {"tooltip": "A Wan VRAM Plan; used when blocks_to_swap is -1."}),
+        }}
 
 
 def _resolve_settings(blocks_to_swap: int, prefetch: int, offload_embeddings: bool, plan, n_blocks: int):
@@ -238,18 +246,13 @@ class _ComfySwapPatch:
         return executor(*args, **kwargs)
 
 
-class WanBlockSwap:
+class WanBlockSwap(_BlockSwapNode):
     DESCRIPTION = ("Block swap for ComfyUI's native Wan MODEL: the last N transformer blocks stay in pinned host RAM "
                    "and are copied to the GPU just before they run (prefetched on a side stream), then dropped, "
                    "never copied back. Outputs are unchanged. Patches a clone; the shared model is untouched.")
-    CATEGORY = CATEGORY
-    FUNCTION = "apply"
     RETURN_TYPES = ("MODEL",)
     RETURN_NAMES = ("model",)
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return _swap_inputs(("model", ("MODEL", {"tooltip": "A Wan diffusion model (diffusion_model.blocks)."})))
+    MODEL_INPUT = ("model", ("MODEL", {"tooltip": "A Wan diffusion model (diffusion_model.blocks)."}))
 
     def apply(self, model, blocks_to_swap=-1, prefetch_blocks=1, offload_embeddings=False, plan=None):
         dm = model.get_model_object("diffusion_model")
@@ -276,18 +279,13 @@ class WanBlockSwap:
         return (m,)
 
 
-class CausalWanBlockSwap:
+class CausalWanBlockSwap(_BlockSwapNode):
     DESCRIPTION = ("Block swap for a causal Wan model: the last N blocks live in pinned host RAM and stream to the "
                    "GPU when used (prefetched on a side stream). Outputs are unchanged. The sampler applies the "
                    "setting carried by the model handle at the start of every run.")
-    CATEGORY = CATEGORY
-    FUNCTION = "apply"
     RETURN_TYPES = ("CAUSALWAN_MODEL",)
     RETURN_NAMES = ("causal_model",)
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return _swap_inputs(("causal_model", ("CAUSALWAN_MODEL", {"tooltip": "A loaded causal Wan model."})))
+    MODEL_INPUT = ("causal_model", ("CAUSALWAN_MODEL", {"tooltip": "A loaded causal Wan model."}))
 
     def apply(self, causal_model, blocks_to_swap=-1, prefetch_blocks=1, offload_embeddings=False, plan=None):
         import torch
