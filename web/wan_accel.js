@@ -132,11 +132,6 @@ export async function callJson(path, body) {
   return data;
 }
 
-const fetchLimits = () => callJson("/wan_accel/limits");
-const clearNamespace = (name) => callJson("/wan_accel/limits/clear", { namespace: name });
-const fetchDoctor = () => callJson("/wan_accel/doctor");
-const recheckFeature = (name) => callJson("/wan_accel/doctor/recheck", { feature: name });
-
 const VERDICT_COLOR = { passed: "#4caf50", failed: "#e53935", slower: "#fb8c00" };
 
 function renderDoctor(data, refresh) {
@@ -150,7 +145,7 @@ function renderDoctor(data, refresh) {
         recheck.disabled = true;
         recheck.textContent = "checking…";
         try {
-          const res = await recheckFeature(f.feature);
+          const res = await callJson("/wan_accel/doctor/recheck", { feature: f.feature });
           const row = res.features.find((x) => x.feature === f.feature);
           toast(row?.status === "passed" ? "success" : "warn", "Doctor", `${f.feature}: ${row?.verified ?? "?"}`);
         } catch (e) {
@@ -184,7 +179,7 @@ function renderNamespace(ns, refresh) {
         "They are measured again the next time they are needed.");
       if (!ok) return;
       try {
-        const res = await clearNamespace(ns.name);
+        const res = await callJson("/wan_accel/limits/clear", { namespace: ns.name });
         toast("success", "Limit cache", `Cleared ${plural(res.cleared, "entry", "entries")} from ${res.namespace}.`);
       } catch (e) {
         toast("error", "Limit cache", String(e.message || e));
@@ -221,7 +216,7 @@ function mountPanel(container) {
       el("div", { style: { opacity: "0.6" } }, "loading…"));
     let data;
     try {
-      data = await fetchLimits();
+      data = await callJson("/wan_accel/limits");
     } catch (e) {
       root.lastChild.textContent = `Could not read the limit cache: ${e.message || e}`;
       return;
@@ -236,7 +231,7 @@ function mountPanel(container) {
       ...renderSetAside(data.set_aside),
       ...data.namespaces.map((ns) => renderNamespace(ns, refresh)));
     try {
-      root.append(renderDoctor(await fetchDoctor(), refresh));
+      root.append(renderDoctor(await callJson("/wan_accel/doctor"), refresh));
     } catch (e) {
       root.append(el("div", { style: { opacity: "0.6" } }, `Could not read the doctor's verdicts: ${e.message || e}`));
     }
