@@ -338,10 +338,6 @@ def _vae_ratio(vae, name: str, default=None):
     return int(r) if isinstance(r, (int, float)) and r >= 1 else default
 
 
-def _space_ratio(vae) -> int:
-    return _vae_ratio(vae, "spacial_compression_decode", 8)
-
-
 def _auto_chunk(vae, latent, plan) -> tuple[int, str]:
     from ..memory.estimate import vae_decode_bytes
     from ..memory.system import detect_system
@@ -355,7 +351,7 @@ def _auto_chunk(vae, latent, plan) -> tuple[int, str]:
                  wl.get("width"), wl.get("height"), w * 8, h * 8)
     system = detect_system(getattr(vae, "device", None))
     elem = getattr(getattr(vae, "vae_dtype", None), "itemsize", 2)
-    space = _space_ratio(vae)
+    space = _vae_ratio(vae, "spacial_compression_decode", 8)
     # ComfyUI unloads other models to make room for the VAE, so count most of the card, not only what is free now
     avail = max(system.free_vram, int(0.8 * system.total_vram)) if system.has_gpu else system.host_ram_available
     budget = avail - 512 * 1024 ** 2
@@ -409,7 +405,8 @@ class WanChunkedVAEDecode(Node):
         b, c, t, h, w = latent.shape
         ratio = _vae_ratio(vae, "temporal_compression_decode")
         from ..app.validate import check_decode_fits
-        check_decode_fits("samples", latent.shape, ratio or 4, _space_ratio(vae))   # before the first chunk
+        check_decode_fits("samples", latent.shape, ratio or 4,
+                          _vae_ratio(vae, "spacial_compression_decode", 8))     # before the first chunk
         if (ratio or 4) > 1:
             overlap = max(1, overlap)
         start, how = (chunk_frames, "widget") if chunk_frames > 0 else _auto_chunk(vae, latent, plan)
