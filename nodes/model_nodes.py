@@ -448,15 +448,12 @@ class CausalWanSampler(Node):
         hooks = SamplingHooks(callback=_ComfyProgress(), on_chunk_latents=self._chunk_latents(), report=report)
         pool = getattr(model, "extra", {}).get("rank_pool")       # CausalWan Sequence Parallel: several GPUs
         kept = keep_state or continue_from is not None or bool(prompts)
-        if pool is not None and kept:
-            if cache.cache_policy is not None:
-                raise ValueError("recache krea does not run on several GPUs yet: remove the CausalWan Sequence "
-                                 "Parallel node (or set its world_size to 1), or choose recache switch")
-            if prompts:
-                raise ValueError("prompt_schedule does not run on several GPUs yet: remove the CausalWan Sequence "
-                                 "Parallel node (or set its world_size to 1), or clear prompt_schedule")
-            raise ValueError("keep_state / continue_from do not run on several GPUs yet: remove the CausalWan "
-                             "Sequence Parallel node (or set its world_size to 1) to keep or continue a video")
+        if pool is not None and kept:       # what needs the state refused on several GPUs, with its own way out
+            what, fix = (("recache krea does", ", or choose recache switch") if cache.cache_policy is not None
+                         else ("prompt_schedule does", ", or clear prompt_schedule") if prompts
+                         else ("keep_state / continue_from do", " to keep or continue a video"))
+            raise ValueError(f"{what} not run on several GPUs yet: remove the CausalWan Sequence Parallel node (or "
+                             f"set its world_size to 1){fix}")
 
         def sampled(*args, **kw):       # the video, and the state it ends in (kept on the CPU between prompts)
             if pool is not None:
