@@ -41,6 +41,7 @@ class SessionBase:
     (``app/prepare.RunSpec``) the session is prepared with (the start's choices, e.g. fp8 linear layers); None: the
     defaults. ``setup`` / ``run``: what preparing it did (``_chunk``)."""
     HEAVY: tuple = ("model",)
+    frames_per_block = FRAMES_PER_BLOCK      # latent frames per chunk
     run_spec = None
     setup = None
 
@@ -54,6 +55,11 @@ class SessionBase:
         self.kept: dict = {}                # what saving needs after the end (the VAE), dropped when forgotten
         self.frames_shown = 0               # decoded video frames sent to the page so far
         self.lock = threading.RLock()
+
+    @property
+    def frames(self) -> int:
+        """Latent frames made so far."""
+        return self.chunks * self.frames_per_block
 
     def _chunk(self, fields: dict, inputs, callback, more, **kwargs) -> torch.Tensor:
         """The next chunk's latents on the session's one run: at the first chunk the model (``setup``: the doctor's
@@ -120,10 +126,6 @@ class PlaySession(SessionBase):
         self.in_place = bool(in_place)      # the session owns its state: caches written in place (False: copies)
         self.items: list[str] = []          # one script item per chunk
         super().__init__()
-
-    @property
-    def frames(self) -> int:
-        return self.chunks * FRAMES_PER_BLOCK
 
     @property
     def keys(self) -> tuple:

@@ -182,10 +182,6 @@ class PromptPlaySession(SessionBase):
             return self.latents[-1]
 
     @property
-    def frames(self) -> int:
-        return self.chunks * self.frames_per_block
-
-    @property
     def schedule_text(self) -> str:
         """The prompt schedule (canonical text) that reproduces the session with its seed."""
         return PromptSchedule.parse("\n".join(self.lines)).to_text() if self.lines else ""
