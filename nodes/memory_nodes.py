@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from .comfy import Node
+from .comfy import Node, node_mappings
 from .comfy.comfy_core import add_outer_sample_guard, optional, wrapper_types
 
 log = logging.getLogger("wan_accel")
@@ -49,23 +49,31 @@ def _causal_module(handle):
     raise TypeError(f"CAUSALWAN_MODEL of type {type(handle).__name__} has no model with 'blocks'")
 
 
-def _swap_inputs(first: tuple) -> dict:
-    return {"required": {
-        first[0]: first[1],
-        "blocks_to_swap": ("INT", {"default": -1, "min": -1, "max": 128, "step": 1,
-                                   "tooltip": "How many of the last transformer blocks live in host RAM and are "
-                                              "streamed to the GPU when used. -1 takes the number from the plan "
-                                              "input; 0 turns swapping off."}),
-        "prefetch_blocks": ("INT", {"default": 1, "min": 0, "max": 8, "step": 1,
-                                    "tooltip": "Swapped blocks copied ahead on a side CUDA stream while the "
-                                               "current block computes. 1 is enough unless copies are slower "
-                                               "than compute; each costs one block of VRAM."}),
-        "offload_embeddings": ("BOOLEAN", {"default": False,
-                                           "tooltip": "Also keep the text/image embedding layers in host RAM "
-                                                      "(copied in when used)."}),
-    }, "optional": {
-        "plan": ("WANACCEL_PLAN", {"tooltip": "A Wan VRAM Plan; used when blocks_to_swap is -1."}),
-    }}
+class _BlockSwapNode:
+    """What the two block swap nodes share: their category, function and widgets after the model (``MODEL_INPUT``:
+    its name and declaration)."""
+    CATEGORY = CATEGORY
+    FUNCTION = "apply"
+    MODEL_INPUT: tuple = ()
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            cls.MODEL_INPUT[0]: cls.MODEL_INPUT[1],
+            "blocks_to_swap": ("INT", {"default": -1, "min": -1, "max": 128, "step": 1,
+                                       "tooltip": "How many of the last transformer blocks live in host RAM and are "
+                                                  "streamed to the GPU when used. -1 takes the number from the plan "
+                                                  "input; 0 turns swapping off."}),
+            "prefetch_blocks": ("INT", {"default": 1, "min": 0, "max": 8, "step": 1,
+                                        "tooltip": "Swapped blocks copied ahead on a side CUDA stream while the "
+                                                   "current block computes. 1 is enough unless copies are slower "
+                                                   "than compute; each costs one block of VRAM."}),
+            "offload_embeddings": ("BOOLEAN", {"default": False,
+                                               "tooltip": "Also keep the text/image embedding layers in host RAM "
+                                                          "(copied in when used)."}),
+        }, "optional": {
+            "plan": ("WANACCEL_PLAN", {"tooltip": "A Wan VRAM Plan; used when blocks_to_swap is -1."}),
+        }}
 
 
 def _resolve_settings(blocks_to_swap: int, prefetch: int, offload_embeddings: bool, plan, n_blocks: int):
@@ -238,18 +246,13 @@ class _ComfySwapPatch:
         return executor(*args, **kwargs)
 
 
-class WanBlockSwap:
+class WanBlockSwap(_BlockSwapNode):
     DESCRIPTION = ("Block swap for ComfyUI's native Wan MODEL: the last N transformer blocks stay in pinned host RAM "
                    "and are copied to the GPU just before they run (prefetched on a side stream), then dropped, "
                    "never copied back. Outputs are unchanged. Patches a clone; the shared model is untouched.")
-    CATEGORY = CATEGORY
-    FUNCTION = "apply"
     RETURN_TYPES = ("MODEL",)
     RETURN_NAMES = ("model",)
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return _swap_inputs(("model", ("MODEL", {"tooltip": "A Wan diffusion model (diffusion_model.blocks)."})))
+    MODEL_INPUT = ("model", ("MODEL", {"tooltip": "A Wan diffusion model (diffusion_model.blocks)."}))
 
     def apply(self, model, blocks_to_swap=-1, prefetch_blocks=1, offload_embeddings=False, plan=None):
         dm = model.get_model_object("diffusion_model")
@@ -276,18 +279,13 @@ class WanBlockSwap:
         return (m,)
 
 
-class CausalWanBlockSwap:
+class CausalWanBlockSwap(_BlockSwapNode):
     DESCRIPTION = ("Block swap for a causal Wan model: the last N blocks live in pinned host RAM and stream to the "
                    "GPU when used (prefetched on a side stream). Outputs are unchanged. The sampler applies the "
                    "setting carried by the model handle at the start of every run.")
-    CATEGORY = CATEGORY
-    FUNCTION = "apply"
     RETURN_TYPES = ("CAUSALWAN_MODEL",)
     RETURN_NAMES = ("causal_model",)
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return _swap_inputs(("causal_model", ("CAUSALWAN_MODEL", {"tooltip": "A loaded causal Wan model."})))
+    MODEL_INPUT = ("causal_model", ("CAUSALWAN_MODEL", {"tooltip": "A loaded causal Wan model."}))
 
     def apply(self, causal_model, blocks_to_swap=-1, prefetch_blocks=1, offload_embeddings=False, plan=None):
         import torch
@@ -340,10 +338,6 @@ def _vae_ratio(vae, name: str, default=None):
     return int(r) if isinstance(r, (int, float)) and r >= 1 else default
 
 
-def _space_ratio(vae) -> int:
-    return _vae_ratio(vae, "spacial_compression_decode", 8)
-
-
 def _auto_chunk(vae, latent, plan) -> tuple[int, str]:
     from ..memory.estimate import vae_decode_bytes
     from ..memory.system import detect_system
@@ -357,7 +351,7 @@ def _auto_chunk(vae, latent, plan) -> tuple[int, str]:
                  wl.get("width"), wl.get("height"), w * 8, h * 8)
     system = detect_system(getattr(vae, "device", None))
     elem = getattr(getattr(vae, "vae_dtype", None), "itemsize", 2)
-    space = _space_ratio(vae)
+    space = _vae_ratio(vae, "spacial_compression_decode", 8)
     # ComfyUI unloads other models to make room for the VAE, so count most of the card, not only what is free now
     avail = max(system.free_vram, int(0.8 * system.total_vram)) if system.has_gpu else system.host_ram_available
     budget = avail - 512 * 1024 ** 2
@@ -411,7 +405,8 @@ class WanChunkedVAEDecode(Node):
         b, c, t, h, w = latent.shape
         ratio = _vae_ratio(vae, "temporal_compression_decode")
         from ..app.validate import check_decode_fits
-        check_decode_fits("samples", latent.shape, ratio or 4, _space_ratio(vae))   # before the first chunk
+        check_decode_fits("samples", latent.shape, ratio or 4,
+                          _vae_ratio(vae, "spacial_compression_decode", 8))     # before the first chunk
         if (ratio or 4) > 1:
             overlap = max(1, overlap)
         start, how = (chunk_frames, "widget") if chunk_frames > 0 else _auto_chunk(vae, latent, plan)
@@ -432,16 +427,13 @@ class WanChunkedVAEDecode(Node):
                 raise SoftOOM(f"the VAE fell back to tiled decoding at {chunk.shape[2]} latent frames")
             return out
 
-        from .comfy.comfy_core import progress_and_interrupt
+        from .comfy.comfy_core import ComfyProgress
 
-        bar_cls, interrupt = progress_and_interrupt()
-        pbar = bar_cls(t) if bar_cls is not None else None
+        progress = ComfyProgress()
 
         def between(done, total):
-            if interrupt is not None:
-                interrupt()
-            if pbar is not None:
-                pbar.update_absolute(done, total)
+            progress.check()
+            progress.update(done, total)
 
         hint = (f"Lower the resolution ({w * 8}x{h * 8}), close other programs using VRAM, or use ComfyUI's "
                 "'VAE Decode (Tiled)' node with smaller tiles.")
@@ -451,15 +443,9 @@ class WanChunkedVAEDecode(Node):
         return (frames.reshape(-1, *frames.shape[-3:]),)
 
 
-NODE_CLASS_MAPPINGS = {
-    "WanAccelVRAMPlan": WanVRAMPlan,
-    "WanAccelBlockSwap": WanBlockSwap,
-    "WanAccelCausalBlockSwap": CausalWanBlockSwap,
-    "WanAccelChunkedVAEDecode": WanChunkedVAEDecode,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "WanAccelVRAMPlan": "Wan VRAM Plan",
-    "WanAccelBlockSwap": "Wan Block Swap",
-    "WanAccelCausalBlockSwap": "CausalWan Block Swap",
-    "WanAccelChunkedVAEDecode": "Wan Chunked VAE Decode",
-}
+NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
+    "WanAccelVRAMPlan": (WanVRAMPlan, "Wan VRAM Plan"),
+    "WanAccelBlockSwap": (WanBlockSwap, "Wan Block Swap"),
+    "WanAccelCausalBlockSwap": (CausalWanBlockSwap, "CausalWan Block Swap"),
+    "WanAccelChunkedVAEDecode": (WanChunkedVAEDecode, "Wan Chunked VAE Decode"),
+})

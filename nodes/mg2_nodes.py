@@ -1,7 +1,7 @@
 """ComfyUI nodes of Matrix-Game-2: Game Actions (script -> per-frame actions) and Matrix-Game-2 Sampler."""
 from __future__ import annotations
 
-from .comfy import Node, check_choice
+from .comfy import Node, check_choice, node_mappings
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
 MODES = ["universal", "gta_drive", "templerun"]
@@ -146,7 +146,7 @@ class MatrixGame2Sampler(Node):
                preset="universal", kv_window=0, keep_state=False, continue_from=None, linear="exact"):
         import torch
         from ..sampling.mg2 import PRESETS as LIB_PRESETS
-        from .comfy.comfy_core import progress_and_interrupt
+        from .comfy.comfy_core import ComfyProgress
         net = getattr(model, "model", model)
         if not hasattr(net, "action_config"):
             raise ValueError("this model has no action modules: load a Matrix-Game-2 checkpoint (or use the "
@@ -175,25 +175,15 @@ class MatrixGame2Sampler(Node):
                    dtype=str(net.compute_dtype), kv_window=window,
                    names={"frames": "num_frames (video frames)", "kv_window": "kv_window"})
         tokens = clip_tokens(clip_vision_output, model)
-        bar_cls, interrupt = progress_and_interrupt()
-        state = {"bar": None}
-
-        def on_step(_ci, _k, _nc, _ns, _x0):
-            if interrupt is not None:
-                interrupt()
-
-        def on_chunk(ci, n):
-            if bar_cls is not None:
-                state["bar"] = state["bar"] or bar_cls(n)
-                state["bar"].update_absolute(ci + 1, n)
-
+        progress = ComfyProgress()                     # interrupt checked per step, the bar moved per chunk
         from ..app.jobs.mg2 import generate_mg2
         from ..app.prepare import prepare_model
         spec, note = linear_spec(linear)                       # the CLI's one rule: fp8 on the optimized path
         doctor_notes: list = [note] if note else []
         with torch.inference_mode():
             setup = prepare_model(net, spec, notes=doctor_notes)   # the doctor's verdicts, said in the node's text
-            run = {"spec": spec, "setup": setup, "callback": on_step, "on_chunk": on_chunk}
+            run = {"spec": spec, "setup": setup, "callback": progress.check,
+                   "on_chunk": lambda ci, n: progress.update(ci + 1, n)}
             if keep_state or continue_from is not None:
                 latents, kept = _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window,
                                              continue_from, bool(keep_state), run)
@@ -256,13 +246,8 @@ class MatrixGame2StartLatent(Node):
         return ({"samples": torch.cat([lat if lat.dim() == 5 else lat[None] for lat in latents], dim=0)},)
 
 
-NODE_CLASS_MAPPINGS = {
-    "MatrixGame2Actions": GameActions,
-    "MatrixGame2StartLatent": MatrixGame2StartLatent,
-    "MatrixGame2Sampler": MatrixGame2Sampler,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "MatrixGame2Actions": "Game Actions",
-    "MatrixGame2StartLatent": "Matrix-Game-2 Start Latent",
-    "MatrixGame2Sampler": "Matrix-Game-2 Sampler",
-}
+NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
+    "MatrixGame2Actions": (GameActions, "Game Actions"),
+    "MatrixGame2StartLatent": (MatrixGame2StartLatent, "Matrix-Game-2 Start Latent"),
+    "MatrixGame2Sampler": (MatrixGame2Sampler, "Matrix-Game-2 Sampler"),
+})

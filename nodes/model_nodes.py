@@ -1,7 +1,8 @@
 """ComfyUI nodes of the model area: CausalWan Model Loader and CausalWan Sampler (thin adapters over wan/)."""
 from __future__ import annotations
 
-from .comfy import Node, check_choice
+from .comfy import Node, check_choice, node_mappings
+from .comfy.comfy_core import ComfyProgress
 
 TINY_NAME = "(built-in tiny model)"   # same string as app.jobs.handle.TINY_NAME (kept here: no heavy import)
 TINY_MG2_NAME = "(built-in tiny Matrix-Game-2 model)"   # app.jobs.handle.TINY_MG2_NAME
@@ -322,24 +323,13 @@ def _check_ops(ops, path: str, model) -> str:
     return ops
 
 
-class _ComfyProgress:
+class _ComfyProgress(ComfyProgress):
     """Per-step progress bar, latent preview and interrupt check (no-ops outside ComfyUI)."""
 
-    def __init__(self):
-        from .comfy.comfy_core import progress_and_interrupt
-
-        self.bar = None
-        self.bar_cls, self.interrupt = progress_and_interrupt()
-
     def __call__(self, ci, k, num_chunks, num_steps, x0):
-        if self.interrupt is not None:
-            self.interrupt()
-        if self.bar_cls is None:
-            return
-        total = num_chunks * num_steps
-        if self.bar is None:
-            self.bar = self.bar_cls(total)
-        self.bar.update_absolute(ci * num_steps + k + 1, total, self._preview(x0))
+        self.check()
+        if self.bar_cls is not None:
+            self.update(ci * num_steps + k + 1, num_chunks * num_steps, self._preview(x0))
 
     @staticmethod
     def _preview(x0):
@@ -455,18 +445,15 @@ class CausalWanSampler(Node):
                                   recache=prompts.pop("recache", "switch"))
         setup = prepare_model(model.model, spec, notes=doctor_notes)    # the doctor's verdicts, swap, compile
         report: dict = {}
-        hooks = SamplingHooks(callback=self._progress(), on_chunk_latents=self._chunk_latents(), report=report)
+        hooks = SamplingHooks(callback=_ComfyProgress(), on_chunk_latents=self._chunk_latents(), report=report)
         pool = getattr(model, "extra", {}).get("rank_pool")       # CausalWan Sequence Parallel: several GPUs
         kept = keep_state or continue_from is not None or bool(prompts)
-        if pool is not None and kept:
-            if cache.cache_policy is not None:
-                raise ValueError("recache krea does not run on several GPUs yet: remove the CausalWan Sequence "
-                                 "Parallel node (or set its world_size to 1), or choose recache switch")
-            if prompts:
-                raise ValueError("prompt_schedule does not run on several GPUs yet: remove the CausalWan Sequence "
-                                 "Parallel node (or set its world_size to 1), or clear prompt_schedule")
-            raise ValueError("keep_state / continue_from do not run on several GPUs yet: remove the CausalWan "
-                             "Sequence Parallel node (or set its world_size to 1) to keep or continue a video")
+        if pool is not None and kept:       # what needs the state refused on several GPUs, with its own way out
+            what, fix = (("recache krea does", ", or choose recache switch") if cache.cache_policy is not None
+                         else ("prompt_schedule does", ", or clear prompt_schedule") if prompts
+                         else ("keep_state / continue_from do", " to keep or continue a video"))
+            raise ValueError(f"{what} not run on several GPUs yet: remove the CausalWan Sequence Parallel node (or "
+                             f"set its world_size to 1){fix}")
 
         def sampled(*args, **kw):       # the video, and the state it ends in (kept on the CPU between prompts)
             if pool is not None:
@@ -482,21 +469,13 @@ class CausalWanSampler(Node):
             return {"ui": {"text": ["\n".join(doctor_notes)]}, "result": result}
         return result
 
-    def _progress(self):
-        """The per-step callback (progress bar, preview, interrupt)."""
-        return _ComfyProgress()
-
     def _chunk_latents(self):
         """The sampler's ``on_chunk_latents`` (each chunk's frames before its refresh pass): none here; the
         sampler+decode node decodes there."""
         return None
 
 
-NODE_CLASS_MAPPINGS = {
-    "CausalWanModelLoader": CausalWanModelLoader,
-    "CausalWanSampler": CausalWanSampler,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "CausalWanModelLoader": "CausalWan Model Loader",
-    "CausalWanSampler": "CausalWan Sampler",
-}
+NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
+    "CausalWanModelLoader": (CausalWanModelLoader, "CausalWan Model Loader"),
+    "CausalWanSampler": (CausalWanSampler, "CausalWan Sampler"),
+})

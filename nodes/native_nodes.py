@@ -3,7 +3,7 @@ drop-in for core's SamplerARVideo), the released causal schedules as SIGMAS, and
 re-noising draws, text) to replay an official output."""
 from __future__ import annotations
 
-from .comfy import Node, check_choice
+from .comfy import Node, check_choice, node_mappings
 from .comfy.comfy_core import core
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP    # torch-free: the sampler nodes' one linear widget
 
@@ -185,15 +185,9 @@ class WanTinyNativeModel(Node):
         return (patcher, [[context, {}]])
 
 
-NODE_CLASS_MAPPINGS = {
-    "WanTinyNativeModel": WanTinyNativeModel,
-    "WanAccelARSampler": WanAccelARSampler,
-    "WanCausalSigmas": WanCausalSigmas,
-    "WanRecordedRun": WanRecordedRun,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "WanTinyNativeModel": "Wan Tiny Model (native MODEL)",
-    "WanAccelARSampler": "Wan Accel AR Sampler (native MODEL)",
-    "WanCausalSigmas": "Wan Causal Sigmas",
-    "WanRecordedRun": "Wan Recorded Run",
-}
+NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
+    "WanTinyNativeModel": (WanTinyNativeModel, "Wan Tiny Model (native MODEL)"),
+    "WanAccelARSampler": (WanAccelARSampler, "Wan Accel AR Sampler (native MODEL)"),
+    "WanCausalSigmas": (WanCausalSigmas, "Wan Causal Sigmas"),
+    "WanRecordedRun": (WanRecordedRun, "Wan Recorded Run"),
+})

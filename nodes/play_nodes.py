@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import time
 
-from .comfy import FreshNode
+from .comfy import FreshNode, node_mappings
 from .comfy.comfy_core import optional
 from .mg2_nodes import PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
@@ -312,13 +312,8 @@ def play_chunks(latents, size: int = 3):
     return [latents[:, :, i:i + size] for i in range(0, latents.shape[2], size)]
 
 
-NODE_CLASS_MAPPINGS = {
-    "MatrixGame2PlaySession": MatrixGame2PlaySession,
-    "MatrixGame2PlayStep": MatrixGame2PlayStep,
-    "MatrixGame2PlaySave": MatrixGame2PlaySave,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "MatrixGame2PlaySession": "Matrix-Game-2 Play Session",
-    "MatrixGame2PlayStep": "Matrix-Game-2 Play Step",
-    "MatrixGame2PlaySave": "Matrix-Game-2 Play Save",
-}
+NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
+    "MatrixGame2PlaySession": (MatrixGame2PlaySession, "Matrix-Game-2 Play Session"),
+    "MatrixGame2PlayStep": (MatrixGame2PlayStep, "Matrix-Game-2 Play Step"),
+    "MatrixGame2PlaySave": (MatrixGame2PlaySave, "Matrix-Game-2 Play Save"),
+})

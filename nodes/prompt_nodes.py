@@ -10,7 +10,7 @@ Accel Prompt Schedule node for the native AR sampler, and the live prompt play s
 """
 from __future__ import annotations
 
-from .comfy import Node
+from .comfy import Node, node_mappings
 from .model_nodes import (GRAMMAR, LINEAR_CHOICES, LINEAR_TOOLTIP, comfy_krea_reencode,  # noqa: F401
                           comfy_vae_reencode, encode_schedule, parse_schedule, schedule_widget, text_encoder)
 from .play_nodes import PlaySessionNode, PlayStepNode
@@ -157,13 +157,8 @@ class CausalWanPromptPlayStep(PlayStepNode):
         return {"action": entry["prompt"], "prompt": entry["prompt"]}
 
 
-NODE_CLASS_MAPPINGS = {
-    "WanAccelPromptSchedule": WanAccelPromptSchedule,
-    "CausalWanPromptPlaySession": CausalWanPromptPlaySession,
-    "CausalWanPromptPlayStep": CausalWanPromptPlayStep,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "WanAccelPromptSchedule": "Wan Accel Prompt Schedule",
-    "CausalWanPromptPlaySession": "CausalWan Prompt Play Session",
-    "CausalWanPromptPlayStep": "CausalWan Prompt Play Step",
-}
+NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
+    "WanAccelPromptSchedule": (WanAccelPromptSchedule, "Wan Accel Prompt Schedule"),
+    "CausalWanPromptPlaySession": (CausalWanPromptPlaySession, "CausalWan Prompt Play Session"),
+    "CausalWanPromptPlayStep": (CausalWanPromptPlayStep, "CausalWan Prompt Play Step"),
+})

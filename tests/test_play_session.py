@@ -32,7 +32,7 @@ def test_held_keys_drive_their_chunk_and_the_script_reproduces_the_session(input
     other = PlaySession(model, img, ctx, seed=5)
     other.step({"w"})
     assert not torch.equal(other.step({"s"}), chunks[1])                 # other keys, other frames
-    play.close()
+    play.free()
     assert play.state is None
 
 

@@ -10,7 +10,7 @@
 //  * A read-only text box on the pack's output nodes that return {"ui": {"text": [...]}} (from the api's
 //    "executed" event and onExecuted, whichever the frontend sends).
 // Only the public modules scripts/app.js and scripts/api.js are imported; el and toast are shared with the
-// pack's other scripts.
+// pack's other scripts (with the panel's STYLE).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -97,7 +97,7 @@ function fmtValue(value) {
 }
 
 // ------------------------------------------------------------------------------------------------ panel
-const STYLE = {
+export const STYLE = {
   root: { padding: "8px", fontSize: "12px", lineHeight: "1.4", color: "var(--fg-color, #ddd)",
           overflowY: "auto", height: "100%", boxSizing: "border-box" },
   head: { display: "flex", justifyContent: "space-between", alignItems: "center", marginBottom: "6px" },
@@ -132,11 +132,6 @@ export async function callJson(path, body) {
   return data;
 }
 
-const fetchLimits = () => callJson("/wan_accel/limits");
-const clearNamespace = (name) => callJson("/wan_accel/limits/clear", { namespace: name });
-const fetchDoctor = () => callJson("/wan_accel/doctor");
-const recheckFeature = (name) => callJson("/wan_accel/doctor/recheck", { feature: name });
-
 const VERDICT_COLOR = { passed: "#4caf50", failed: "#e53935", slower: "#fb8c00" };
 
 function renderDoctor(data, refresh) {
@@ -150,7 +145,7 @@ function renderDoctor(data, refresh) {
         recheck.disabled = true;
         recheck.textContent = "checking…";
         try {
-          const res = await recheckFeature(f.feature);
+          const res = await callJson("/wan_accel/doctor/recheck", { feature: f.feature });
           const row = res.features.find((x) => x.feature === f.feature);
           toast(row?.status === "passed" ? "success" : "warn", "Doctor", `${f.feature}: ${row?.verified ?? "?"}`);
         } catch (e) {
@@ -184,7 +179,7 @@ function renderNamespace(ns, refresh) {
         "They are measured again the next time they are needed.");
       if (!ok) return;
       try {
-        const res = await clearNamespace(ns.name);
+        const res = await callJson("/wan_accel/limits/clear", { namespace: ns.name });
         toast("success", "Limit cache", `Cleared ${plural(res.cleared, "entry", "entries")} from ${res.namespace}.`);
       } catch (e) {
         toast("error", "Limit cache", String(e.message || e));
@@ -221,7 +216,7 @@ function mountPanel(container) {
       el("div", { style: { opacity: "0.6" } }, "loading…"));
     let data;
     try {
-      data = await fetchLimits();
+      data = await callJson("/wan_accel/limits");
     } catch (e) {
       root.lastChild.textContent = `Could not read the limit cache: ${e.message || e}`;
       return;
@@ -236,7 +231,7 @@ function mountPanel(container) {
       ...renderSetAside(data.set_aside),
       ...data.namespaces.map((ns) => renderNamespace(ns, refresh)));
     try {
-      root.append(renderDoctor(await fetchDoctor(), refresh));
+      root.append(renderDoctor(await callJson("/wan_accel/doctor"), refresh));
     } catch (e) {
       root.append(el("div", { style: { opacity: "0.6" } }, `Could not read the doctor's verdicts: ${e.message || e}`));
     }
@@ -262,6 +257,16 @@ function floatingPanel() {
 }
 
 // ------------------------------------------------------------------------------------------------ node helpers
+// obj[name] (a node's or a widget's hook) runs as before, then fn(this, ...its arguments); its answer is kept.
+function after(obj, name, fn) {
+  const previous = obj[name];
+  obj[name] = function (...args) {
+    const r = previous?.apply(this, args);
+    fn(this, ...args);
+    return r;
+  };
+}
+
 function isPackNode(nodeData) {
   return typeof nodeData?.category === "string" && nodeData.category.startsWith(CATEGORY_PREFIX);
 }
@@ -312,12 +317,7 @@ function syncBadges(node) {
 function watchBadgeInputs(node) {
   for (const w of node.widgets || []) {
     if (w.name !== "tiling_preset" && w.name !== "lock_global_ops" || w._wanAccelWatched) continue;
-    const callback = w.callback;
-    w.callback = function () {
-      const r = callback?.apply(this, arguments);
-      syncBadges(node);
-      return r;
-    };
+    after(w, "callback", () => syncBadges(node));
     w._wanAccelWatched = true;
   }
   syncBadges(node);
@@ -375,29 +375,13 @@ app.registerExtension({
     if (!isPackNode(nodeData)) return;
     const inputs = { ...(nodeData.input?.required || {}), ...(nodeData.input?.optional || {}) };
     if ("tiling_preset" in inputs || "lock_global_ops" in inputs) {
-      const onNodeCreated = nodeType.prototype.onNodeCreated;
-      nodeType.prototype.onNodeCreated = function () {
-        const r = onNodeCreated?.apply(this, arguments);
-        watchBadgeInputs(this);
-        return r;
-      };
+      after(nodeType.prototype, "onNodeCreated", watchBadgeInputs);
       for (const hook of ["onConfigure", "onAdded"]) {   // a loaded workflow's values; a node put on a graph
-        const previous = nodeType.prototype[hook];
-        nodeType.prototype[hook] = function () {
-          const r = previous?.apply(this, arguments);
-          syncBadges(this);
-          return r;
-        };
+        after(nodeType.prototype, hook, syncBadges);
       }
     }
-    {   // output nodes, and any pack node that reports something (e.g. a feature switched off by the doctor); the
-        // api's "executed" event (below) does the same where a frontend does not call onExecuted
-      const onExecuted = nodeType.prototype.onExecuted;
-      nodeType.prototype.onExecuted = function (message) {
-        const r = onExecuted?.apply(this, arguments);
-        showText(this, message);
-        return r;
-      };
-    }
+    // output nodes, and any pack node that reports something (e.g. a feature switched off by the doctor); the
+    // api's "executed" event (below) does the same where a frontend does not call onExecuted
+    after(nodeType.prototype, "onExecuted", showText);
   },
 });

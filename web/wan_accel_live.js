@@ -6,18 +6,17 @@
 // end-to-end check.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { el } from "./wan_accel.js";
 
 const EVENT = "wan_accel.frames";
 const LIVE_WIDGET = "wan_accel_live";
 const log = (window.__wanAccelLive = window.__wanAccelLive || { events: [], ends: [] });
 
 function makePlayer(box, imgHeight) {
-  const img = document.createElement("img");
-  Object.assign(img.style, { width: "100%", height: imgHeight, objectFit: "contain", display: "block",
-                             background: "#000" });
-  const caption = document.createElement("div");
-  Object.assign(caption.style, { font: "11px monospace", color: "var(--input-text, #ddd)", height: "18px",
-                                 whiteSpace: "nowrap", overflow: "hidden" });
+  const img = el("img", { style: { width: "100%", height: imgHeight, objectFit: "contain", display: "block",
+                                   background: "#000" } });
+  const caption = el("div", { style: { font: "11px monospace", color: "var(--input-text, #ddd)", height: "18px",
+                                       whiteSpace: "nowrap", overflow: "hidden" } });
   box.append(img, caption);
   return { img, caption, frames: [], shown: 0, fps: 16, timer: null, info: "" };
 }
@@ -25,9 +24,7 @@ function makePlayer(box, imgHeight) {
 function livePlayer(node) {
   let widget = node.widgets?.find((w) => w.name === LIVE_WIDGET);
   if (widget) return widget._player;
-  const box = document.createElement("div");
-  box.className = "wan-accel-live";
-  Object.assign(box.style, { width: "100%", height: "100%", boxSizing: "border-box" });
+  const box = el("div", { class: "wan-accel-live", style: { width: "100%", height: "100%", boxSizing: "border-box" } });
   const player = makePlayer(box, "calc(100% - 18px)");
   widget = node.addDOMWidget(LIVE_WIDGET, "wan_accel_live", box, { serialize: false, hideOnZoom: false,
                                                                    getMinHeight: () => 220 });
@@ -44,12 +41,9 @@ function panelPlayer() {
   const host = panel.parentElement;
   let box = host.querySelector(".wan-accel-panel-live");
   if (!box) {
-    box = document.createElement("div");
-    box.className = "wan-accel-panel-live";
-    Object.assign(box.style, { padding: "8px", borderBottom: "1px solid var(--border-color, #444)" });
-    const title = document.createElement("b");
-    title.textContent = "Live frames";
-    box.append(title);
+    box = el("div", { class: "wan-accel-panel-live",
+                      style: { padding: "8px", borderBottom: "1px solid var(--border-color, #444)" } },
+             el("b", {}, "Live frames"));
     box._player = makePlayer(box, "200px");
     host.prepend(box);
   }

@@ -15,7 +15,7 @@
 // end-to-end check.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { callJson, el, toast as toastFor } from "./wan_accel.js";
+import { STYLE, callJson, el, toast as toastFor } from "./wan_accel.js";
 
 const EVENT = "wan_accel.play";
 const SESSION_NODES = ["MatrixGame2PlaySession", "CausalWanPromptPlaySession"];
@@ -34,9 +34,7 @@ const log = (window.__wanAccelPlay = window.__wanAccelPlay || { sent: [], chunks
 const S = { session: null, info: null, playing: false, waiting: null, held: new Set(), tapped: new Set(),
             drag: [0, 0], dragging: null, frames: [], shown: 0, timer: null, view: null, beat: null };
 
-const BUTTON = { cursor: "pointer", fontSize: "11px", padding: "2px 8px", borderRadius: "4px", marginRight: "4px",
-                 border: "1px solid var(--border-color, #555)", background: "var(--comfy-input-bg, #222)",
-                 color: "var(--fg-color, #ddd)" };
+const BUTTON = { ...STYLE.button, marginRight: "4px" };
 
 const toast = (severity, summary, detail) => toastFor(severity, summary, detail, 5000);
 

@@ -41,6 +41,7 @@ class SessionBase:
     (``app/prepare.RunSpec``) the session is prepared with (the start's choices, e.g. fp8 linear layers); None: the
     defaults. ``setup`` / ``run``: what preparing it did (``_chunk``)."""
     HEAVY: tuple = ("model",)
+    frames_per_block = FRAMES_PER_BLOCK      # latent frames per chunk
     run_spec = None
     setup = None
 
@@ -54,6 +55,11 @@ class SessionBase:
         self.kept: dict = {}                # what saving needs after the end (the VAE), dropped when forgotten
         self.frames_shown = 0               # decoded video frames sent to the page so far
         self.lock = threading.RLock()
+
+    @property
+    def frames(self) -> int:
+        """Latent frames made so far."""
+        return self.chunks * self.frames_per_block
 
     def _chunk(self, fields: dict, inputs, callback, more, **kwargs) -> torch.Tensor:
         """The next chunk's latents on the session's one run: at the first chunk the model (``setup``: the doctor's
@@ -69,10 +75,13 @@ class SessionBase:
                            setup=self.setup, **kwargs)
         return self.run.latents()
 
-    def _check_weights(self) -> None:
-        """The session's caches were made with the weights of its last chunk: other values (another checkpoint of
-        the same structure, a patch applied in place) are refused before anything is made; the session goes on
-        once they are restored (``sampling.continuation.weight_fingerprint``, as every continued state)."""
+    def _check_going_on(self) -> None:
+        """An ended session is refused. The session's caches were made with the weights of its last chunk: other
+        values (another checkpoint of the same structure, a patch applied in place) are refused before anything is
+        made; the session goes on once they are restored (``sampling.continuation.weight_fingerprint``, as every
+        continued state)."""
+        if self.ended:
+            raise PlayError(f"this play session has ended ({self.ended}): start a new one")
         if self.state is not None and weight_fingerprint(self.model) != self.state.settings.get("weights"):
             raise PlayError("the model's weights changed since this session's last chunk (another checkpoint of the "
                             "same structure, or a patch applied in place); its caches hold the earlier weights: "
@@ -100,9 +109,6 @@ class SessionBase:
                         pass
             self.attached.clear()
 
-    def close(self, reason: str = "ended") -> None:
-        self.free(reason)
-
 
 class PlaySession(SessionBase):
     HEAVY = ("model", "context", "run")
@@ -120,10 +126,6 @@ class PlaySession(SessionBase):
         self.in_place = bool(in_place)      # the session owns its state: caches written in place (False: copies)
         self.items: list[str] = []          # one script item per chunk
         super().__init__()
-
-    @property
-    def frames(self) -> int:
-        return self.chunks * FRAMES_PER_BLOCK
 
     @property
     def keys(self) -> tuple:
@@ -154,9 +156,7 @@ class PlaySession(SessionBase):
     def step(self, keys=(), mouse=(0.0, 0.0), callback=None) -> torch.Tensor:
         """Generate the next chunk with ``keys`` and ``mouse`` held; returns its latents [1, 16, 3, h, w]."""
         with self.lock:
-            if self.ended:
-                raise PlayError(f"this play session has ended ({self.ended}): start a new one")
-            self._check_weights()
+            self._check_going_on()
             term = self.action_term(keys, mouse)
             count = FIRST_CHUNK_FRAMES if self.chunks == 0 else CHUNK_FRAMES
             acts = parse_action_script(f"{term}*{count}", self.mode)

@@ -148,9 +148,7 @@ class PromptPlaySession(SessionBase):
         """Make the next chunk with ``prompt`` in effect (empty: the prompt in effect now); returns its latents
         [1, C, frames_per_block, h, w] (model space)."""
         with self.lock:
-            if self.ended:
-                raise PlayError(f"this play session has ended ({self.ended}): start a new one")
-            self._check_weights()
+            self._check_going_on()
             schedule, lines, text, context, switched = self._prepare(prompt)
             policy = self.cache.cache_policy
             mark = policy.mark() if hasattr(policy, "mark") else None
@@ -182,10 +180,6 @@ class PromptPlaySession(SessionBase):
             self.latents.append(out.detach().float().cpu().transpose(1, 2))
             self.chunks += 1
             return self.latents[-1]
-
-    @property
-    def frames(self) -> int:
-        return self.chunks * self.frames_per_block
 
     @property
     def schedule_text(self) -> str:

@@ -26,3 +26,8 @@ def check_choice(name: str, value, choices):
     """A combo widget's value checked: ValueError naming the input and its choices when it is not one of them."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def node_mappings(nodes: dict) -> tuple[dict, dict]:
+    """An area's (NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS) from its nodes named once: {key: (class, name)}."""
+    return {k: cls for k, (cls, _) in nodes.items()}, {k: name for k, (_, name) in nodes.items()}

@@ -13,11 +13,6 @@ from .comfy_core import outside_memory_graph, wrapper_types
 COMFY_KEY = "wan_accel.compile"
 
 
-def _comfy_wrapper_types() -> tuple[str, str]:
-    kinds = wrapper_types()
-    return kinds["apply_model"], kinds["outer_sample"]
-
-
 def compile_for_comfy(patcher, settings=None, cache=None):
     """A clone of a ComfyUI ModelPatcher whose diffusion model runs compiled, per block or whole."""
     from ...compile.apply import compile_regions, swapped_in
@@ -25,7 +20,7 @@ def compile_for_comfy(patcher, settings=None, cache=None):
     model = patcher.clone()
     diffusion_model = model.get_model_object("diffusion_model")
     handle, regions = compile_regions(diffusion_model, settings, cache, prefix="diffusion_model")
-    apply_type, outer_type = _comfy_wrapper_types()
+    kinds = wrapper_types()
 
     def apply_model_wrapper(executor, *args, **kwargs):
         with swapped_in(executor.class_obj, regions):
@@ -37,7 +32,8 @@ def compile_for_comfy(patcher, settings=None, cache=None):
         handle.end_warmup()
         return out
 
-    for wrapper_type, fn in ((apply_type, apply_model_wrapper), (outer_type, outer_sample_wrapper)):
+    for wrapper_type, fn in ((kinds["apply_model"], apply_model_wrapper),
+                             (kinds["outer_sample"], outer_sample_wrapper)):
         fn.handle = handle  # reachable for reports; functions survive ComfyUI's deepcopy of model options as is
         remove = getattr(model, "remove_wrappers_with_key", None)
         if remove is not None:

@@ -157,6 +157,25 @@ def progress_and_interrupt():
     return optional("comfy.utils.ProgressBar"), getattr(mm, "throw_exception_if_processing_interrupted", None)
 
 
+class ComfyProgress:
+    """A node's progress bar (made at its first update, with that update's total) and interrupt check, each a no-op
+    outside ComfyUI."""
+
+    def __init__(self):
+        self.bar = None
+        self.bar_cls, self.interrupt = progress_and_interrupt()
+
+    def check(self, *_args) -> None:
+        """Stop here when the prompt was interrupted (any arguments: those of a step callback)."""
+        if self.interrupt is not None:
+            self.interrupt()
+
+    def update(self, done: int, total: int, preview=None) -> None:
+        if self.bar_cls is not None:
+            self.bar = self.bar or self.bar_cls(total)
+            self.bar.update_absolute(done, total, preview)
+
+
 # the wrapper and callback kinds the pack registers: (ComfyUI's attribute, its value in every core so far)
 _KINDS = {"outer_sample": ("WrappersMP", "OUTER_SAMPLE", "outer_sample"),
           "apply_model": ("WrappersMP", "APPLY_MODEL", "apply_model"),

@@ -31,7 +31,7 @@ from ...model.borrowed import borrow_wan_model
 from ...app.prepare import RunInputs, RunSpec, prepare
 from ...sampling.request import SamplingHooks
 from ...sampling.scheduler import schedule_from_sigmas
-from .comfy_core import outside_memory_graph, progress_and_interrupt
+from .comfy_core import outside_memory_graph, progress_and_interrupt, wrapper_types
 
 log = logging.getLogger("wan_accel")
 
@@ -169,8 +169,8 @@ def schedule_cache(prompts: dict, frames_per_block: int, kv_window: int, sink: i
 def native_compile_settings(guider, transformer_options: dict):
     """The compile settings Apply Compile (native Wan) put on this MODEL (its APPLY_MODEL wrapper carries its
     handle), or None. The engine compiles its own blocks with them: it calls the layers, not ComfyUI's blocks."""
-    from .comfy_compile import COMFY_KEY, _comfy_wrapper_types
-    apply_type = _comfy_wrapper_types()[0]
+    from .comfy_compile import COMFY_KEY
+    apply_type = wrapper_types()["apply_model"]
     sources = [getattr(getattr(guider, "model_patcher", None), "wrappers", None) or {},
                transformer_options.get("wrappers", {}) or {}]
     for wrappers in sources:
