@@ -195,8 +195,10 @@ class _ScopedForward:
         return self.handle.call(self.compiled, args, kwargs, self.eager)
 
 
-def _bound_forward(module, name: str = "forward"):
-    return getattr(type(module), name).__get__(module)
+def _scoped_forward(handle: CompileHandle, module, name: str = "forward", contiguous_input: bool = False):
+    """The compiled ``name`` method of ``module`` in the handle's scope (the plain method where compiling fails)."""
+    bound = getattr(type(module), name).__get__(module)
+    return _ScopedForward(handle.compile_fn(bound), handle, contiguous_input, eager=bound)
 
 
 def _prepare(model, settings, cache) -> CompileHandle:
@@ -241,14 +243,12 @@ def compile_model(model, settings: CompileSettings | dict | None = None, cache=N
     handle = _prepare(model, settings, cache)
     if handle.settings.scope == "blocks":
         for block in _blocks_of(model):
-            bound = _bound_forward(block)
-            block.forward = _ScopedForward(handle.compile_fn(bound), handle, eager=bound)
+            block.forward = _scoped_forward(handle, block)
             handle.targets.append((block, "forward"))
     else:
         for name in WHOLE_METHODS:
             if callable(getattr(type(model), name, None)):
-                bound = _bound_forward(model, name)
-                setattr(model, name, _ScopedForward(handle.compile_fn(bound), handle, eager=bound))
+                setattr(model, name, _scoped_forward(handle, model, name))
                 handle.targets.append((model, name))
     model.__dict__[HANDLE_ATTR] = handle
     log.info("wan_accel: prepared %d compiled region(s) (%s, %s) in %.2f s", len(handle.targets),
@@ -334,9 +334,7 @@ def _region_class():
 
 
 def _make_scoped_module(original, handle: CompileHandle, contiguous_input: bool = False):
-    bound = _bound_forward(original)
-    scoped = _ScopedForward(handle.compile_fn(bound), handle, contiguous_input, eager=bound)
-    return _region_class()(original, scoped)
+    return _region_class()(original, _scoped_forward(handle, original, contiguous_input=contiguous_input))
 
 
 def compile_regions(model, settings: CompileSettings | dict | None = None, cache=None, *, prefix: str = ""):

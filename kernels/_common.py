@@ -110,6 +110,13 @@ def use_triton(*tensors) -> bool:
     return len(devices) == 1 and triton_problem(devices.pop()) is None
 
 
+def check_qkv(q, k, v, what: str) -> None:
+    """q [B, Lq, H, D] and k, v [B, Lk, H, D] of one batch and head layout; else ValueError naming ``what``."""
+    if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"{what} takes q [B, Lq, H, D] and k, v [B, Lk, H, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+
+
 def divide(x, divisor: float):
     """``x / divisor`` correctly rounded on every device, as a kernel's ``div_rn`` computes it: CUDA torch divides by
     a Python number by multiplying with its rounded reciprocal (one bit off for some values), so there the divisor

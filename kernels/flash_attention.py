@@ -172,9 +172,7 @@ def runs_here(q: torch.Tensor) -> bool:
 
 
 def _check(q, k, v) -> None:
-    if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"flash attention takes q [B, Lq, H, D] and k, v [B, Lk, H, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    _common.check_qkv(q, k, v, "flash attention")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"flash attention takes q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 

@@ -139,9 +139,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor | None = 
 def check_call(q, k, v, kv8=None) -> None:
     """q [B, Lq, H, D] and k, v [B, Lk, H, D] of one batch and head layout; their quantized copy ``kv8`` (either
     scheme's: fields k and v) of the same shapes."""
-    if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"fp8 attention takes q [B, Lq, H, D] and k, v [B, Lk, H, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    _common.check_qkv(q, k, v, "fp8 attention")
     if kv8 is not None and (kv8.k.shape != k.shape or kv8.v.shape != v.shape):
         raise ValueError(f"fp8 attention: the quantized keys/values {tuple(kv8.k.shape)} do not match k, v "
                          f"{tuple(k.shape)}")

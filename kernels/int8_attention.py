@@ -44,11 +44,6 @@ TILE_ELEMENTS = 1 << 26  # most float32 logits one step of the torch version hol
 _STATE: dict = {}
 
 
-def _kitchen():
-    """comfy_kitchen, or None when it is not installed or does not import (kernels/kitchen.py detects it once)."""
-    return kitchen.module()
-
-
 # comfy-kitchen's int8 entry points: candidate -> the functions it calls
 KITCHEN_CALLS = {"kitchen": ("int8_attention",),
                  "kitchen.prequantized": ("prequantize_int8_attention", "int8_attention_from_prequantized")}
@@ -59,7 +54,7 @@ def kitchen_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int =
                     call: str = "kitchen") -> str | None:
     """None when comfy-kitchen's int8 kernel (through ``call``, a key of KITCHEN_CALLS) runs for these tensors;
     else why not (in words)."""
-    ck = _kitchen()
+    ck = kitchen.module()
     needs = KITCHEN_CALLS[call]
     if ck is None or not all(hasattr(ck, name) for name in needs):
         return f"comfy-kitchen (with {' and '.join(needs)}) is not installed"
@@ -92,9 +87,7 @@ def implementation(device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]
 
 
 def _check(q, k, v) -> None:
-    if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"int8 attention takes q [B, Lq, H, D] and k, v [B, Lk, H, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    _common.check_qkv(q, k, v, "int8 attention")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"int8 attention takes head sizes up to {MAX_HEAD_DIM}; got {q.shape[-1]}")
 
@@ -148,13 +141,13 @@ def int8_attention_torch(q, k, v, key_padding_mask: torch.Tensor | None = None) 
 
 
 def _kitchen_one_call(q, k, v) -> torch.Tensor:
-    out = _kitchen().int8_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                    scale=q.shape[-1] ** -0.5)
+    out = kitchen.module().int8_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          scale=q.shape[-1] ** -0.5)
     return out.transpose(1, 2).to(q.dtype)
 
 
 def _kitchen_prequantized(q, k, v) -> torch.Tensor:
-    ck = _kitchen()
+    ck = kitchen.module()
     packed = ck.prequantize_int8_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            scale=q.shape[-1] ** -0.5)
     return ck.int8_attention_from_prequantized(packed).transpose(1, 2).to(q.dtype)

@@ -61,10 +61,6 @@ def submodule(name: str):
         return None
 
 
-def _triton_backend_module():
-    return submodule("backends.triton")
-
-
 def backend_problem(backend: str, func: str, device) -> str | None:
     """None when comfy-kitchen's ``backend`` runs ``func`` ('adaln', 'apply_rope1') on ``device``; else why not."""
     ck = module()
@@ -73,7 +69,7 @@ def backend_problem(backend: str, func: str, device) -> str | None:
     device = torch.device(device)
     if backend == "triton" and device.type == "cpu":
         # the registry counts Triton only on a GPU; the pack runs it on a CPU under the Triton interpreter
-        mod = _triton_backend_module()
+        mod = submodule("backends.triton")
         if not _common.interpreter_usable():
             return _common.triton_problem(device)
         if mod is None or not getattr(mod, "_TRITON_AVAILABLE", False) or not hasattr(mod, func):
@@ -123,7 +119,7 @@ def dtype_problem(backend: str, func: str, dtype: torch.dtype) -> str | None:
 
 def _impl(func: str, backend: str):
     if backend == "triton":
-        mod = _triton_backend_module()
+        mod = submodule("backends.triton")
         if mod is not None and hasattr(mod, func):
             return getattr(mod, func)
     return module().registry.get_implementation(func, backend=backend)

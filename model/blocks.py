@@ -173,11 +173,12 @@ def _gated(x, y, m, i: int, fused: bool):
     return gated_add(x, y, m[:, :, i:i + 1])
 
 
-def fused_residual_norm(parts: BlockParts) -> bool:
-    """Whether a residual update and the LayerNorm after it run as one kernel (``kernels/residual_layernorm.py``): where
-    the fused kernels run and the doctor trusts this one (``kernel.residual_norm``), in an ops mode that lets the
-    pack's kernels run."""
-    if not uses_kernel(parts.fused_kernels, "residual_norm"):
+def pack_kernel_runs(parts: BlockParts, kernel: str) -> bool:
+    """Whether the pack's kernel ``kernel`` runs: 'residual_norm', a residual update and the LayerNorm after it as
+    one kernel (``kernels/residual_layernorm.py``), or 'rms_norm', the cross-attention's query RMSNorm
+    (``kernels/rms_norm.py``). Where the fused kernels run and the doctor trusts it (``kernel.residual_norm``,
+    ``kernel.rms_norm``), in an ops mode that lets the pack's kernels run; plain torch elsewhere."""
+    if not uses_kernel(parts.fused_kernels, kernel):     # off, or switched off by the doctor (kernel.<name>)
         return False
     return not parts.ops or parts.ops[0] in ("auto", "pack")
 
@@ -187,7 +188,7 @@ def _gated_norm3(block, x, y, m, parts: BlockParts):
     norm = block.norm3
     # only the pack's own LayerNorm, whose forward is known (another implementation's module, a borrowed block's,
     # may cast or patch its weights as it runs): any other norm3 is called as it is
-    if fused_residual_norm(parts) and type(norm) is LayerNorm:
+    if pack_kernel_runs(parts, "residual_norm") and type(norm) is LayerNorm:
         w = None if norm.weight is None else norm.weight.to(x.dtype)       # in x's dtype, as LayerNorm.forward
         b = None if norm.bias is None else norm.bias.to(x.dtype)
         return residual_norm(x, y, m[:, :, 2], w, b, eps=norm.eps)
@@ -203,14 +204,6 @@ def _norm_rope(norm, x, rope, heads: int, fused: bool, ops: tuple = ()):
         return rmsnorm_rope(x, norm.weight, cos, sin, heads, norm.eps)
     return apply_rope(norm(x).unflatten(2, (heads, -1)), cos, sin)
 
-
-def fused_q_norm(parts: BlockParts) -> bool:
-    """Whether the cross-attention's query RMSNorm runs the pack's kernel (``kernels/rms_norm.py``): where the fused
-    kernels run and the doctor trusts this one (``kernel.rms_norm``), in an ops mode that lets the pack's kernels
-    run; plain torch elsewhere."""
-    if not uses_kernel(parts.fused_kernels, "rms_norm"):     # off, or switched off by the doctor (kernel.rms_norm)
-        return False
-    return not parts.ops or parts.ops[0] in ("auto", "pack")
 
 
 def _project(sa, h, fused_qkv: bool, parts: int, linear: str = "exact"):
@@ -336,9 +329,11 @@ class WanBlock(nn.Module):
         m = self.modulation.unsqueeze(1) + e0                                    # [B, G, 6, dim]
         y = self.self_attn(_modulated(self.norm1, x, m, 0, fused, call.parts.ops).to(cd), rope, call)
         x, h = _gated_norm3(self, x, y, m, call.parts)
-        y = self.cross_attn(h.to(cd), call.cross, call.parts.attention, call.parts.linear, fused_q_norm(call.parts))
+        y = self.cross_attn(h.to(cd), call.cross, call.parts.attention, call.parts.linear,
+                            pack_kernel_runs(call.parts, "rms_norm"))
         acting = actions is not None and getattr(self, "action_model", None) is not None
-        if fused_residual_norm(call.parts) and not acting and torch.promote_types(x.dtype, y.dtype) == x.dtype:
+        if pack_kernel_runs(call.parts, "residual_norm") and not acting and \
+                torch.promote_types(x.dtype, y.dtype) == x.dtype:
             x, h = residual_norm(x, y, shift=m[:, :, 3], scale=m[:, :, 4], eps=self.norm2.eps)
         else:
             x = x + y

@@ -114,26 +114,23 @@ class BorrowedBlock(WanBlock):
 
     modulation = _CastModulation()
 
-    def _source_hooks(self):
+    def _hooked(self, x, run, *args):
+        """``run(*args)`` between the source block's forward pre-hooks and forward hooks (called with x, the
+        forward hooks also with what ``run`` returns)."""
         src = self.__dict__["modulation_owner"]
-        return src, list(src._forward_pre_hooks.values()), list(src._forward_hooks.values())
-
-    def forward(self, x, e0, rope, call, actions=None):
-        src, pre, post = self._source_hooks()
+        pre, post = list(src._forward_pre_hooks.values()), list(src._forward_hooks.values())
         for hook in pre:
             hook(src, (x,))
-        out = super().forward(x, e0, rope, call, actions)
+        out = run(*args)
         for hook in post:
             hook(src, (x,), out)
         return out
 
+    def forward(self, x, e0, rope, call, actions=None):
+        return self._hooked(x, super().forward, x, e0, rope, call, actions)
+
     def kv_only(self, x, e0, rope, call) -> None:
-        src, pre, post = self._source_hooks()
-        for hook in pre:
-            hook(src, (x,))
-        super().kv_only(x, e0, rope, call)
-        for hook in post:
-            hook(src, (x,), None)
+        self._hooked(x, super().kv_only, x, e0, rope, call)
 
     def __init__(self, source: nn.Module, num_heads: int, dtype: torch.dtype):
         nn.Module.__init__(self)

@@ -112,8 +112,9 @@ _DIFFUSERS_RULES = [(re.compile(p), r) for p, r in _DIFFUSERS_RULES]
 _DIFFUSERS_MARKERS = ("condition_embedder.", ".attn1.", ".attn2.", "proj_out.", "scale_shift_table")
 
 
-def strip_prefix(name: str) -> str:
-    for p in PREFIXES:
+def strip_prefix(name: str, prefixes: tuple = PREFIXES) -> str:
+    """``name`` without the first of ``prefixes`` it starts with."""
+    for p in prefixes:
         if name.startswith(p):
             return name[len(p):]
     return name

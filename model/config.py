@@ -37,11 +37,6 @@ class WanConfig:
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
-    @property
-    def patch_volume(self) -> int:
-        pt, ph, pw = self.patch_size
-        return pt * ph * pw
-
     def validate(self) -> None:
         if self.model_type not in ("t2v", "i2v"):
             raise ValueError(f"model_type must be 't2v' or 'i2v', got {self.model_type!r}")

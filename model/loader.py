@@ -94,11 +94,7 @@ def _read_scales(f, ckpt, device) -> dict:
                 raise CheckpointError(f"{where} {src!r} is not the JSON of a layer format; the file is damaged") \
                     from None
             formats[layer] = conf.get("format") if isinstance(conf, dict) else None
-        weight = ckpt.tensors.get(f"{layer}.weight")
-        if weight is None:
-            name = ckpt.names[f"{layer}.{next(iter(side))}"]
-            raise CheckpointError(f"{where} {name!r} belongs to no layer weight of the model (no "
-                                  f"'{layer}.weight'); the file is damaged or mixes two models")
+        weight = ckpt.tensors[f"{layer}.weight"]       # there: checked when the file was opened (check_quant_side)
         got = []
         for kinds in (WEIGHT_SCALES, INPUT_SCALES):
             kind = next((k for k in kinds if k in side), None)

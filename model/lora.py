@@ -15,29 +15,24 @@ from __future__ import annotations
 
 import math
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ..cache.finite_flags import bad_flag, read_flags
-from .checkpoint import CheckpointError, _list, check_path, read_header
+from .checkpoint import CheckpointError, _list, check_path, read_header, strip_prefix
 
 LORA_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "model.")
 _KEY = re.compile(r"^(?P<layer>.+?)\.(?P<part>lora_A|lora_B|lora_down|lora_up)(?:\.default)?(?:\.weight)?$")
 _ALPHA = re.compile(r"^(?P<layer>.+?)\.alpha$")
 _DOWN = {"lora_A": "down", "lora_down": "down", "lora_B": "up", "lora_up": "up"}
 LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_layer_name = partial(strip_prefix, prefixes=LORA_PREFIXES)     # a key's layer, without its wrapper prefix
 
 
 class LoraError(CheckpointError):
     """A LoRA file that cannot be merged into the model; the message names the key and the fix."""
-
-
-def _layer_name(raw: str) -> str:
-    for p in LORA_PREFIXES:
-        if raw.startswith(p):
-            return raw[len(p):]
-    return raw
 
 
 def read_lora(path) -> dict:

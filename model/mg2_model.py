@@ -20,23 +20,12 @@ from .config import WanConfig
 from .layers import ImageProjection
 from .dit import EmbeddedText, WanModel
 
-ACTION_KEY = ".action_model."
-
 
 def action_config_of(config: WanConfig) -> ActionConfig | None:
     raw = config.extra.get("action_config")
     if raw is None:
         return None
     return raw if isinstance(raw, ActionConfig) else ActionConfig.from_dict(raw)
-
-
-def is_mg2_config(config) -> bool:
-    return isinstance(config, WanConfig) and config.extra.get("action_config") is not None
-
-
-def is_mg2_checkpoint(names) -> bool:
-    """True when the (prefix-stripped) key names contain Matrix-Game-2 action modules."""
-    return any(ACTION_KEY in n for n in names)
 
 
 class MatrixGameModel(WanModel):

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..kernels.fp8_linear import quantize_tensor
 from .checkpoint import keeps_fp8, model_class
+from .loader import _set_param
 from .quant import FP8Linear, install_fp8_linears, is_quantized
 from .tiny import draw_weights
 
@@ -32,12 +33,6 @@ def fp8_weight_names(model: nn.Module) -> list:
     return [n for n, p in model.named_parameters()
             if p.dim() == 2 and keeps_fp8(n, "F8_E4M3", tuple(p.shape)) and
             isinstance(model.get_submodule(n[:-len(".weight")]), nn.Linear)]
-
-
-def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner) if owner else model
-    module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
 def _block_index(name: str) -> int | None:

@@ -89,25 +89,23 @@ class SeqParallel:
                 f"{self.timeout_s:g} s: another rank stopped (see its error) or hangs ({str(exc)[:200]})") from exc
         self.stats["collectives"] += 1
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, what: str) -> None:
+    def _run(self, what: str, collective, *args) -> None:
+        """Start ``collective(*args)`` on the group (async) and wait for it."""
         try:
-            work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.group,
-                                          async_op=True)
+            work = collective(*args, group=self.group, async_op=True)
         except Exception as exc:  # noqa: BLE001
             raise ParallelError(f"sequence-parallel rank {self.rank} of {self.world}: {what} could not start: "
                                 f"{str(exc)[:200]}") from exc
         self._wait(work, what)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, what: str) -> None:
+        self._run(what, dist.all_to_all_single, out, inp, list(out_splits), list(in_splits))
         own = in_splits[self.rank]
         self.stats["bytes_sent"] += (inp.numel() - own) * inp.element_size()
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
-        try:
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # name before 2.13
-            work = gather(out, inp, group=self.group, async_op=True)
-        except Exception as exc:  # noqa: BLE001
-            raise ParallelError(f"sequence-parallel rank {self.rank} of {self.world}: {what} could not start: "
-                                f"{str(exc)[:200]}") from exc
-        self._wait(work, what)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # name before 2.13
+        self._run(what, gather, out, inp)
         self.stats["bytes_sent"] += (self.world - 1) * inp.numel() * inp.element_size()
 
     def barrier(self, what: str = "barrier") -> None:

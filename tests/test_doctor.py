@@ -222,7 +222,11 @@ def test_runner_skips_switched_off_attention_and_kernels(monkeypatch):
     assert uses_kernel(kept, "gated_residual") and not uses_kernel(kept, "rmsnorm_rope")
     assert uses_kernel(True, "rmsnorm_rope") and not uses_kernel(False, "rmsnorm_rope")
     # the cross-attention's query norm kernel answers to its own verdict (kernel.rms_norm), in every ops mode
-    from wan_accel.model.blocks import BlockParts, fused_q_norm
+    from wan_accel.model.blocks import BlockParts, pack_kernel_runs
+
+    def fused_q_norm(parts):
+        return pack_kernel_runs(parts, "rms_norm")
+
     without = tuple(k for k in KERNEL_NAMES if k != "rms_norm")
     assert fused_q_norm(BlockParts(fused_kernels=True)) and not fused_q_norm(BlockParts(fused_kernels=without))
     assert fused_q_norm(BlockParts(fused_kernels=True, ops=("auto",)))
