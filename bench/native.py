@@ -220,12 +220,10 @@ def own_rows(path: Path, lora: Path | None, args, dtype, device, inputs: dict, p
         cb = callback or (lambda ci, k, nc, ns, x0: on_step())
         with torch.no_grad():
             return prepare(model, spec, run_inputs, SamplingHooks(callback=cb), setup=setup).latents()
-    times, firsts, peaks, out = [], [], [], None
-    structure = None
+    runs, structure = [], None
     for rep in range(1 + args.repeat):
-        out, dt, first, peak = timed(run, device, steps)
-        if rep:
-            times.append(dt), firsts.append(first), peaks.append(peak)
+        out, *figures = timed(run, device, steps)
+        runs += [figures] if rep else []
     if profile:
         from ..profiling.dispatch_counts import DispatchCounts
         counts = DispatchCounts()
@@ -234,7 +232,7 @@ def own_rows(path: Path, lora: Path | None, args, dtype, device, inputs: dict, p
         structure = _structure(counts, counts.steady_step())
     release_buffers(model)
     del model
-    return summarize(times, firsts, peaks), out.movedim(1, 2).float().cpu(), structure
+    return summarize(*zip(*runs)), out.movedim(1, 2).float().cpu(), structure
 
 
 def _structure(counts, step) -> dict:
@@ -304,17 +302,15 @@ def run_variant(name: str, side, args, config, device, workdir: Path, base_weigh
         samplers = {"core": side.core_sampler(FRAMES_PER_BLOCK),
                     "native": side.native_sampler(FRAMES_PER_BLOCK, args.path)}
         guider = side.guider(model, inputs["context"])
-        times = {k: ([], [], []) for k in samplers}
+        runs = {k: [] for k in samplers}
         for rep in range(1 + args.repeat):           # alternately: the first round warms both up
             for key, sampler in samplers.items():
                 def run(on_step, sampler=sampler):
                     return side.sample(guider, sampler, inputs, on_step)
-                outs[key], dt, first, peak = timed(run, device, steps)
-                if rep:
-                    for lst, v in zip(times[key], (dt, first, peak)):
-                        lst.append(v)
-        for key, (t, f, p) in times.items():
-            rows[key] = summarize(t, f, p)
+                outs[key], *figures = timed(run, device, steps)
+                runs[key] += [figures] if rep else []
+        for key, figures in runs.items():
+            rows[key] = summarize(*zip(*figures))
         recorded = core_noise(inputs["seed"], tuple(inputs["noise"].shape), steps, device)
         fed = side.sample(guider, samplers["native"], inputs, None, recorded=recorded)
         result["parity"]["native_vs_core_max_abs"] = _max_abs(fed, outs["core"])
