@@ -30,7 +30,7 @@ from ..cache.finite_flags import non_finite
 from ..cache.json_out import to_json
 from . import bench_timer, print_columns
 from ..kernels import registry
-from ..app.validate import UsageError
+from ..app.validate import UsageError, check_int
 
 # shape -> (tokens per latent frame, latent frames, frames per chunk, heads, head size, text tokens)
 from .options import APPROXIMATE, ATTENTION_SHAPES as SHAPES  # noqa: E402,F401  (defined without torch)
@@ -64,9 +64,8 @@ def _check(args) -> None:
         raise UsageError(f"--calls {args.calls} picks a run's calls, and --lq/--lk time one call of their own size "
                          f"instead: give --calls, or --lq and --lk, not both")
     for name in ("lq", "lk", "batch"):
-        value = getattr(args, name)
-        if value is not None and not 1 <= value <= 1 << 20:
-            raise UsageError(f"--{name} must be between 1 and {1 << 20}, got {value}")
+        if getattr(args, name) is not None:
+            check_int("--" + name, getattr(args, name), 1, 1 << 20)
 
 
 def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
