@@ -10,3 +10,10 @@ def print_columns(cols, table, tails=None, rule=False) -> None:
     for i, vals in enumerate(lines):
         text = "  ".join(v.ljust(w) for v, w in zip(vals, widths))
         print(text.rstrip() if rule else text + (tails[i - 1] if tails and i else ""))
+
+
+def bench_timer(device, cpu_repeats: int):
+    """The operator store's own timer on a GPU (GPU time per call from CUDA-graph replays), so a table ranks
+    implementations as the store does; wall time over ``cpu_repeats`` calls on a CPU."""
+    from ..cache.autotune import cpu_timer, default_timer
+    return default_timer if str(device).startswith("cuda") else (lambda fn: cpu_timer(fn, repeats=cpu_repeats))

@@ -28,9 +28,9 @@ import torch
 
 from ..cache.finite_flags import non_finite
 from ..cache.json_out import to_json
-from . import print_columns
+from . import bench_timer, print_columns
 from ..kernels import registry
-from ..app.validate import UsageError
+from ..app.validate import UsageError, check_int
 
 # shape -> (tokens per latent frame, latent frames, frames per chunk, heads, head size, text tokens)
 from .options import APPROXIMATE, ATTENTION_SHAPES as SHAPES  # noqa: E402,F401  (defined without torch)
@@ -64,16 +64,8 @@ def _check(args) -> None:
         raise UsageError(f"--calls {args.calls} picks a run's calls, and --lq/--lk time one call of their own size "
                          f"instead: give --calls, or --lq and --lk, not both")
     for name in ("lq", "lk", "batch"):
-        value = getattr(args, name)
-        if value is not None and not 1 <= value <= 1 << 20:
-            raise UsageError(f"--{name} must be between 1 and {1 << 20}, got {value}")
-
-
-def _timer(device: torch.device):
-    """The operator store's own timer on a GPU (GPU time per call from CUDA-graph replays), so the table ranks the
-    candidates as the store does; wall time on a CPU."""
-    from ..cache.autotune import cpu_timer, default_timer
-    return default_timer if device.type == "cuda" else (lambda fn: cpu_timer(fn, repeats=1))
+        if getattr(args, name) is not None:
+            check_int("--" + name, getattr(args, name), 1, 1 << 20)
 
 
 def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
@@ -125,7 +117,7 @@ def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, devi
     k = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
     v = torch.randn(batch, lk, heads, head_dim, generator=gen).to(device, dtype)
     ref = attn.attention_reference(q.float(), k.float(), v.float())
-    timer = _timer(device)
+    timer = bench_timer(device, 1)      # the store's own timer on a GPU: the table ranks candidates as it does
     rows = []
     for cand, why in attn.auto_listing(device, dtype, head_dim):
         if cand.name == "torch":        # the reference itself
@@ -210,9 +202,7 @@ def run(args) -> int:
     return 0
 
 
-def _cell(value) -> str:
-    if value is None:
-        return "n/a"
+def _cell(value):
     if isinstance(value, float):
         return f"{value:.3g}" if (value and (abs(value) < 1e-2 or math.isinf(value))) else f"{value:g}"
-    return str(value)
+    return value

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..cache.json_out import to_json
 from ..profiling.child import child_argv, last_error, worker_message
+from . import bench_timer
 
 # (label, B, L, D, heads): a causal chunk of 3 latent frames at 480x832 for Wan 1.3B and 14B
 GPU_SHAPES = (("1.3B chunk", 1, 4680, 1536, 12), ("14B chunk", 1, 4680, 5120, 40))
@@ -95,6 +96,20 @@ def _errors(out, ref) -> tuple[float, float]:
     return float(diff.max()), float(diff.mean())
 
 
+def _do_bench(fn) -> float:
+    """Milliseconds of ``fn`` on the GPU: ``triton.testing.do_bench`` with one setting for every row."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=50)
+
+
+def _fused_vs_torch(row: dict, torch_fn, fused_fn, moved: int) -> None:
+    """The GPU columns of a fused fp8 pass against its torch ops: both times, the ratio and the kernel's rate over the
+    ``moved`` bytes."""
+    t_ref, t_tri = _do_bench(torch_fn), _do_bench(fused_fn)
+    row.update(torch_ms=t_ref, triton_ms=t_tri, speedup=t_ref / t_tri, triton_gb_s=moved / t_tri / 1e6)
+
+
 # ----------------------------------------------------------------------------- fp8 linear rows
 # the input quantize of ``--linear fp8`` at a 1.3B chunk (4680 tokens): a block's input width and the FFN's hidden
 # width; on a CPU (interpreter) a small shape of each kind, for bit equality only
@@ -138,12 +153,8 @@ def fp8_quant_rows(device: str, dtype_name: str, shapes=None) -> list[dict]:
         equal = torch.equal(out[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(out[1], ref[1])
         row.update(max_err=float(codes_off.max()), mean_err=float(codes_off.mean()), bit_equal=equal, ok=equal)
         if device == "cuda":
-            from triton.testing import do_bench
-
-            t_ref = do_bench(lambda: fp8.quantize_rows(x), warmup=10, rep=50)
-            t_tri = do_bench(lambda: fp8_quant.run_triton(x, fp8.FP8_MAX, fp8.TINY), warmup=10, rep=50)
-            moved = m * k * (x.element_size() + 1) + m * 4
-            row.update(torch_ms=t_ref, triton_ms=t_tri, speedup=t_ref / t_tri, triton_gb_s=moved / t_tri / 1e6)
+            _fused_vs_torch(row, lambda: fp8.quantize_rows(x), lambda: fp8_quant.run_triton(x, fp8.FP8_MAX, fp8.TINY),
+                            m * k * (x.element_size() + 1) + m * 4)
         rows.append(row)
     return rows
 
@@ -182,12 +193,8 @@ def fp8_kv_write_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
         (fused.k, ref.k), (fused.k_scale, ref.k_scale), (fused.v, ref.v), (fused.v_scale, ref.v_scale)))
     row.update(bit_equal=equal, ok=equal)
     if device == "cuda":
-        from triton.testing import do_bench
-
-        t_ref = do_bench(lambda: ref.put_torch(index, k, v), warmup=10, rep=50)
-        t_tri = do_bench(run_fused, warmup=10, rep=50)
-        moved = 2 * k.numel() * (k.element_size() + 1) + 2 * b * rows * h * 4
-        row.update(torch_ms=t_ref, triton_ms=t_tri, speedup=t_ref / t_tri, triton_gb_s=moved / t_tri / 1e6)
+        _fused_vs_torch(row, lambda: ref.put_torch(index, k, v), run_fused,
+                        2 * k.numel() * (k.element_size() + 1) + 2 * b * rows * h * 4)
     return [row]
 
 
@@ -197,7 +204,6 @@ def fp8_linear_rows(dtype_name: str, tokens: int = FP8_TOKENS) -> list[dict]:
     and for the block; [] where the scaled matmul does not run (the reason in one row)."""
     import torch
     import torch.nn.functional as F
-    from triton.testing import do_bench
 
     from ..kernels import fp8_linear as fp8
 
@@ -212,10 +218,9 @@ def fp8_linear_rows(dtype_name: str, tokens: int = FP8_TOKENS) -> list[dict]:
         w = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", dtype)
         wq, ws = fp8.quantize_weight(w)
         fp8.scaled_mm(x, wq, ws)                        # tunes the fused quantize before it is timed
-        times = {"exact_ms": do_bench(lambda: F.linear(x, w), warmup=10, rep=50),
-                 "fp8_torch_quant_ms": do_bench(lambda: fp8.scaled_mm(x, wq, ws, None, fp8.quantize_rows(x)),
-                                                warmup=10, rep=50),
-                 "fp8_fused_ms": do_bench(lambda: fp8.scaled_mm(x, wq, ws), warmup=10, rep=50)}
+        times = {"exact_ms": _do_bench(lambda: F.linear(x, w)),
+                 "fp8_torch_quant_ms": _do_bench(lambda: fp8.scaled_mm(x, wq, ws, None, fp8.quantize_rows(x))),
+                 "fp8_fused_ms": _do_bench(lambda: fp8.scaled_mm(x, wq, ws))}
         for key, ms in times.items():
             total[key] += ms
         rows.append({"kernel": "fp8_linear", "shape": label, "dims": [tokens, n, k], "dtype": dtype_name, **times,
@@ -335,12 +340,11 @@ def vae_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
     there, and without Triton the fused side is the same torch math written in place, no concatenation)."""
     import torch
 
-    from ..cache.autotune import cpu_timer, default_timer
     from ..kernels.candidates import tolerance
 
     label, c, t, h, w = shape or (VAE_GPU_SHAPE if device == "cuda" else VAE_CPU_SHAPE)
     dtype = getattr(torch, dtype_name)
-    timer = default_timer if device == "cuda" else (lambda fn: cpu_timer(fn, repeats=5))
+    timer = bench_timer(device, 5)
     with torch.no_grad():
         norm, x, history = _vae_inputs(c, t, h, w, dtype, device)
         fused = _vae_fused(norm, x, history)            # the first call tunes the kernel's tile (if it runs)
@@ -393,11 +397,24 @@ def _restore(var, value):
         os.environ[var] = value
 
 
-def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
+def _tuned_call(fn, args) -> tuple:
+    """(output, seconds, the tuner's benchmarks) of one synchronized call of ``fn`` on a new autotuner."""
     import torch
-    from triton.testing import do_bench
 
     from ..cache.autotune import get_autotuner, reset_autotuners
+
+    reset_autotuners()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn(*args)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0, get_autotuner().stats["benchmarks"]
+
+
+def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
+    import torch
+
+    from ..cache.autotune import reset_autotuners
 
     dtype = getattr(torch, dtype_name)
     rows = []
@@ -408,29 +425,19 @@ def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
             for label, b, l, d, heads in GPU_SHAPES:
                 for name, fn, ref in _kernels():
                     args = _inputs(name, b, l, d, heads, frames, dtype, "cuda")
-                    reset_autotuners()  # cold: empty store
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    out = fn(*args)
-                    torch.cuda.synchronize()
-                    cold_s = time.perf_counter() - t0
-                    cold_bench = get_autotuner().stats["benchmarks"]
-                    reset_autotuners()  # warm: a new tuner on the same store, as in a new process
-                    t0 = time.perf_counter()
-                    fn(*args)
-                    torch.cuda.synchronize()
-                    warm_s = time.perf_counter() - t0
-                    warm_bench = get_autotuner().stats["benchmarks"]
+                    out, cold_s, cold_bench = _tuned_call(fn, args)    # cold: empty store
+                    # warm: a new tuner on the same store, as in a new process
+                    _out, warm_s, warm_bench = _tuned_call(fn, args)
                     mx, mean = _errors(out, ref(*args))
-                    t_ref = do_bench(lambda: ref(*args), warmup=10, rep=50)
-                    t_tri = do_bench(lambda: fn(*args), warmup=10, rep=50)
+                    t_ref = _do_bench(lambda: ref(*args))
+                    t_tri = _do_bench(lambda: fn(*args))
                     rows.append({"kernel": name, "shape": label, "dims": [b, l, d], "dtype": dtype_name,
                                  "torch_ms": t_ref, "triton_ms": t_tri, "speedup": t_ref / t_tri,
                                  "tune_cold_s": cold_s, "tune_warm_s": warm_s, "benchmarks_cold": cold_bench,
                                  "benchmarks_warm": warm_bench, "max_err": mx, "mean_err": mean})
                     apart = _unfused(name)
                     if apart is not None:      # the fused kernel against the steps it replaces (the pack's own)
-                        t_apart = do_bench(lambda: apart(*args), warmup=10, rep=50)
+                        t_apart = _do_bench(lambda: apart(*args))
                         rows[-1].update(unfused_ms=t_apart, fused_vs_unfused=t_apart / t_tri)
         finally:
             _restore("WAN_ACCEL_CACHE", old_cache)
@@ -452,11 +459,10 @@ def candidate_rows(device: str, dtype_name: str, frames: int, shapes=None) -> li
     cannot run here."""
     import torch
 
-    from ..cache.autotune import cpu_timer, default_timer
     from ..kernels import candidates as op_candidates
 
     dtype = getattr(torch, dtype_name)
-    timer = default_timer if device == "cuda" else (lambda fn: cpu_timer(fn, repeats=5))
+    timer = bench_timer(device, 5)
     rows = []
     for label, b, l, d, heads in shapes or (GPU_SHAPES if device == "cuda" else CPU_CANDIDATE_SHAPES):
         l -= l % frames

@@ -29,7 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def _block_class():
+def _stack(n, dim, ffn, heads, device, dtype):
+    """A stack of ``n`` Wan-shaped blocks built on ``device`` in ``dtype`` (seed 0)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -67,20 +68,11 @@ def _block_class():
             y = self.norm2(x) * (1 + m[4]) + m[3]
             return x + self.ffn(y) * m[5]
 
-    return BenchBlock
-
-
-def _stack(n, dim, ffn, heads, device, dtype):
-    import torch
-    from torch import nn
-
-    block = _block_class()
-
     class Stack(nn.Module):
         def __init__(self):
             super().__init__()
             with torch.device(device):   # built block by block on the device: no full fp32 copy anywhere
-                self.blocks = nn.ModuleList(block(dim, ffn, heads).to(dtype) for _ in range(n))
+                self.blocks = nn.ModuleList(BenchBlock(dim, ffn, heads).to(dtype) for _ in range(n))
 
         def forward(self, x, ctx, cached):
             for b in self.blocks:

@@ -118,10 +118,7 @@ def comfy_side(args, device):
 
 def skipped(why: str, args) -> int:
     result = {"bench": "native", "skipped": True, "reason": SKIP_LINE, "detail": why}
-    if getattr(args, "json", False):
-        print(SKIP_LINE, file=sys.stderr)
-    else:
-        print(SKIP_LINE)
+    print(SKIP_LINE, file=sys.stderr if getattr(args, "json", False) else sys.stdout)    # JSON alone on stdout
     print(to_json(result, indent=None))
     return 0
 
@@ -220,12 +217,10 @@ def own_rows(path: Path, lora: Path | None, args, dtype, device, inputs: dict, p
         cb = callback or (lambda ci, k, nc, ns, x0: on_step())
         with torch.no_grad():
             return prepare(model, spec, run_inputs, SamplingHooks(callback=cb), setup=setup).latents()
-    times, firsts, peaks, out = [], [], [], None
-    structure = None
+    runs, structure = [], None
     for rep in range(1 + args.repeat):
-        out, dt, first, peak = timed(run, device, steps)
-        if rep:
-            times.append(dt), firsts.append(first), peaks.append(peak)
+        out, *figures = timed(run, device, steps)
+        runs += [figures] if rep else []
     if profile:
         from ..profiling.dispatch_counts import DispatchCounts
         counts = DispatchCounts()
@@ -234,7 +229,7 @@ def own_rows(path: Path, lora: Path | None, args, dtype, device, inputs: dict, p
         structure = _structure(counts, counts.steady_step())
     release_buffers(model)
     del model
-    return summarize(times, firsts, peaks), out.movedim(1, 2).float().cpu(), structure
+    return summarize(*zip(*runs)), out.movedim(1, 2).float().cpu(), structure
 
 
 def _structure(counts, step) -> dict:
@@ -304,17 +299,15 @@ def run_variant(name: str, side, args, config, device, workdir: Path, base_weigh
         samplers = {"core": side.core_sampler(FRAMES_PER_BLOCK),
                     "native": side.native_sampler(FRAMES_PER_BLOCK, args.path)}
         guider = side.guider(model, inputs["context"])
-        times = {k: ([], [], []) for k in samplers}
+        runs = {k: [] for k in samplers}
         for rep in range(1 + args.repeat):           # alternately: the first round warms both up
             for key, sampler in samplers.items():
                 def run(on_step, sampler=sampler):
                     return side.sample(guider, sampler, inputs, on_step)
-                outs[key], dt, first, peak = timed(run, device, steps)
-                if rep:
-                    for lst, v in zip(times[key], (dt, first, peak)):
-                        lst.append(v)
-        for key, (t, f, p) in times.items():
-            rows[key] = summarize(t, f, p)
+                outs[key], *figures = timed(run, device, steps)
+                runs[key] += [figures] if rep else []
+        for key, figures in runs.items():
+            rows[key] = summarize(*zip(*figures))
         recorded = core_noise(inputs["seed"], tuple(inputs["noise"].shape), steps, device)
         fed = side.sample(guider, samplers["native"], inputs, None, recorded=recorded)
         result["parity"]["native_vs_core_max_abs"] = _max_abs(fed, outs["core"])
@@ -399,9 +392,7 @@ def run(args) -> int:
     args.lora_strength = 1.0 if args.lora_strength is None else args.lora_strength
     check_int("--lora-rank", args.lora_rank, 1, 4096)
     check_float("--lora-strength", args.lora_strength, -100.0, 100.0)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: CUDA is not available here")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))   # checked: cli/bench.py
     side, why = comfy_side(args, device)
     if side is None:
         return skipped(why, args)

@@ -29,6 +29,7 @@ from . import print_columns, sampler as bs
 from ..app.validate import UsageError
 from ..app.jobs.generate import _sync
 from ..app.ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
+from .sampler_setup import run_geometry, shape_config
 
 
 from .options import parallel as add_arguments  # noqa: E402,F401  (defined without torch)
@@ -39,7 +40,7 @@ def model_heads(args) -> int:
     if getattr(args, "checkpoint", None):
         from ..memory.weights import weights_from_checkpoint
         return int(weights_from_checkpoint(args.checkpoint).num_heads)
-    return int(bs._random_config(getattr(args, "model_kind", "wan"), getattr(args, "shape", None) or "tiny").num_heads)
+    return int(shape_config(getattr(args, "model_kind", "wan"), getattr(args, "shape", None) or "tiny").num_heads)
 
 
 # bench sampler's options the sequence-parallel comparison does not use, with their defaults: given with
@@ -102,7 +103,7 @@ def _rank_run(sp, opts: dict) -> dict:
     model = bs._base_model(args, opts["kind"], opts["shape"]).set_precision(precision, dtype).to(device)
     model.set_attention_backend(v["attention"])
     enable_parallel(model, sp)
-    inp = dict(bs._inputs(model, opts["kind"], *opts["geometry"], args.seed), schedule=bs._schedule(opts["kind"]))
+    inp = bs._inputs(model, opts["kind"], opts["shape"], *opts["geometry"], args.seed)
     times, chunks = [], []
     for _ in range(1 + max(1, args.repeat)):
         marks = []
@@ -147,8 +148,7 @@ def run(args) -> int:
         return bs.run(args)
     device = torch.device(args.device) if args.device else default_device()
     kind, shape = args.model_kind, args.shape or "tiny"
-    d = {"wan": (81, 480, 832), "matrix-game2": (57, 352, 640)}[kind] if args.checkpoint else bs.SHAPES[kind][shape]
-    geometry = (args.frames or d[0], args.height or d[1], args.width or d[2])
+    geometry = run_geometry(args, kind, shape)
     run_dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     opts = dict(vars(args), kind=kind, shape=shape, geometry=geometry, run_dtype=run_dtype,
                 variant=_variant(args, device))

@@ -78,19 +78,16 @@ def _mb(n) -> str:
 
 
 def run(args, out=print) -> int:
-    from ..app.validate import UsageError, check_int, check_pixels
+    from ..app.validate import UsageError, check_int
     from ..sampling.actions_script import MODES
 
-    # --device was checked with every bench's values (cli/bench.py: validate.check_device)
+    # --device, --warmup and a given --width / --height were checked with every bench's values (cli/bench.py)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if (args.model == "released" and not args.checkpoint) and device.type != "cuda":
         raise UsageError("--model released builds the 1.3B shape: it needs a CUDA GPU (a chunk takes minutes on a "
                          "CPU); use --model tiny here")
     check_int("--chunks", args.chunks, 1, 10000)
-    check_int("--warmup", args.warmup, 0, 10000)
     width, height = args.width or SIZES[args.model][0], args.height or SIZES[args.model][1]
-    check_pixels("--width", width)
-    check_pixels("--height", height)
     if args.dtype not in (None, "fp32") and device.type != "cuda":     # it would be ignored: a CPU runs float32
         raise UsageError(f"--dtype {args.dtype}: bench play runs float32 on a {device.type}; leave out --dtype, or "
                          f"run on a CUDA device")

@@ -59,32 +59,14 @@ from . import print_columns
 from ..cache.fingerprint import cpu_name
 from ..app.validate import UsageError
 from .decode import ChunkDecoder, build_bench_decoder, check_decode_args, decode_columns, decoder_peak_mb
+from .sampler_setup import run_geometry, shape_config, shape_schedule, shape_window
 
 # the variants, shapes and options are defined without torch (bench sampler --help answers at once)
 from .options import (ATTENTION_TWINS, FP8, FP8ATT, INT8, OPS, OPS_MODES, TWINS, VARIANTS,  # noqa: E402,F401
-                      SAMPLER_SHAPES as SHAPES, sampler as add_arguments)
+                      sampler as add_arguments)
 
 
 # ----------------------------------------------------------------------------- models and inputs
-def mg2_config_1_3b():
-    from ..model.config import WAN_1_3B
-    action = {"blocks": list(range(15)), "mouse_dim_in": 2, "keyboard_dim_in": 4, "heads_num": 16,
-              "mouse_hidden_dim": 1024, "keyboard_hidden_dim": 1024, "hidden_size": 128, "img_hidden_size": 1536,
-              "vae_time_compression_ratio": 4, "windows_size": 3, "rope_theta": 256,
-              "mouse_qk_dim_list": [8, 28, 28]}
-    return WAN_1_3B.replace(model_type="i2v", in_dim=36, clip_dim=1280, clip_tokens=257, local_attn_size=6,
-                            extra={"action_config": action})
-
-
-def _random_config(kind: str, shape: str):
-    """The config of a random-weight shape."""
-    if kind == "matrix-game2":
-        from ..model.mg2_model import tiny_mg2_config
-        return tiny_mg2_config() if shape == "tiny" else mg2_config_1_3b()
-    from .sampler_setup import shape_config
-    return shape_config(kind, shape)
-
-
 def _check_host_fit(args, device, kind: str, shape: str, frames: int, height: int, width: int) -> None:
     """Off CUDA, before the model is built: the run's estimate (its float32 weights, latents, KV cache and
     activations: ``validate.check_fits``) against the available RAM, which ``WAN_ACCEL_MEMORY_LIMIT_GB`` caps; a
@@ -98,11 +80,10 @@ def _check_host_fit(args, device, kind: str, shape: str, frames: int, height: in
         config, weight_bytes = weights.sampling_config(), weights.bytes_at(4)
     else:
         from ..model.checkpoint import model_class
-        cfg = _random_config(kind, shape)
+        cfg = shape_config(kind, shape)
         with torch.device("meta"):
             weight_bytes = 4 * sum(p.numel() for p in model_class(cfg)(cfg).parameters())
         config = cfg.to_dict()
-    from .sampler_setup import shape_window
     check_fits(config, frames, height, width, device=device, dtype="fp32", kv_window=shape_window(shape)[0],
                weight_bytes=weight_bytes, names={"frames": "--frames", "height": "--height", "width": "--width"},
                window_option=False)
@@ -118,7 +99,7 @@ def _base_model(args, kind: str, shape: str):
         from ..model.loader import load_wan_checkpoint
         return load_wan_checkpoint(args.checkpoint, device="cpu", dtype=torch.float32, precision="float32")
     from ..model.checkpoint import model_class
-    cfg = _random_config(kind, shape)
+    cfg = shape_config(kind, shape)
     model = init_tiny_weights(model_class(cfg)(cfg), args.seed).eval().requires_grad_(False)
     if getattr(args, "weights", "bf16") == "fp8":       # block linears stored as e4m3, one scale per tensor
         from ..model.random_weights import to_fp8_weights
@@ -163,30 +144,28 @@ class _Models:
         return self.model
 
 
-def _inputs(model, kind: str, frames: int, height: int, width: int, seed: int) -> dict:
+def _inputs(model, kind: str, shape: str, frames: int, height: int, width: int, seed: int,
+            sampler_kwargs=None) -> dict:
+    """The seeded inputs of one run, with the shape's schedule (host-side tables, resolved once: the Matrix-Game-2
+    preset, or the shape's) and ``sampler_kwargs`` (its window / Krea recompute: ``_Models.sampler_kwargs``)."""
     from ..app.prepare import latent_frames, latent_size
     gen = torch.Generator().manual_seed(seed + 1)
     cfg = model.config
     lf = latent_frames(frames)
     lh, lw = latent_size(height, width, cfg.patch_size[1:])
+    out = {"latent_frames": lf, "lh": lh, "lw": lw, "schedule": shape_schedule(kind, shape or "tiny")}
+    if sampler_kwargs is not None:
+        out["sampler_kwargs"] = sampler_kwargs
     if kind == "matrix-game2":
         a = model.action_config
         video = 1 + 4 * (lf - 1)
-        return {"latent_frames": lf, "lh": lh, "lw": lw,
+        return {**out,
                 "image": torch.randn(1, 16, 1, lh, lw, generator=gen),
                 "context": torch.randn(1, cfg.clip_tokens, cfg.clip_dim, generator=gen),
                 "mouse": 0.1 * torch.randn(1, video, a.mouse_dim_in, generator=gen) if a.enable_mouse else None,
                 "keyboard": (torch.rand(1, video, a.keyboard_dim_in, generator=gen) > 0.5).float()
                 if a.enable_keyboard else None}
-    return {"latent_frames": lf, "lh": lh, "lw": lw,
-            "context": torch.randn(1, min(cfg.text_len, 16), cfg.text_dim, generator=gen)}
-
-
-def _schedule(kind: str, shape: str | None = None):
-    """The run's schedule, resolved once (host-side tables): the Matrix-Game-2 preset, or the shape's (sampler_setup:
-    'self_forcing'; Krea's and LongLive's for those shapes)."""
-    from .sampler_setup import shape_schedule
-    return shape_schedule(kind, shape or "tiny")
+    return {**out, "context": torch.randn(1, min(cfg.text_len, 16), cfg.text_dim, generator=gen)}
 
 
 def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_chunk_latents=None):
@@ -266,8 +245,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     tell(f"{name}: preparing the model ({str(dtype).replace('torch.', '')}, {precision}, attention "
          f"{v['attention']})")
     model = models.get(dtype, precision, v["attention"])
-    inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind, args.shape),
-               sampler_kwargs=models.sampler_kwargs)
+    inp = _inputs(model, kind, args.shape, frames, height, width, args.seed, models.sampler_kwargs)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, chunks, ran, totals, decodes, denoised = [], [], {}, [], [], []
@@ -347,14 +325,17 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
             **structure}, output
 
 
-def _parity(rows: list, outputs: list, reference) -> None:
-    """parity_max_abs / parity_mean_abs of every row's latents against the reference latents (None without)."""
+def _differences(rows: list, outputs: list, reference) -> None:
+    """parity_max_abs / parity_mean_abs of every row's latents against the reference latents (None without), and
+    vs_exact_max_abs / vs_exact_mean_abs of every int8, fp8 attention or fp8 linear row against its exact twin's
+    latents (when it ran)."""
+    by_name = {r["variant"]: o for r, o in zip(rows, outputs)}
     for r, out in zip(rows, outputs):
-        if reference is None:
-            r["parity_max_abs"] = r["parity_mean_abs"] = None
-            continue
-        diff = (out - reference).abs()
-        r["parity_max_abs"], r["parity_mean_abs"] = float(diff.max()), float(diff.mean())
+        r["parity_max_abs"] = r["parity_mean_abs"] = None
+        for key, other in (("parity", reference), ("vs_exact", by_name.get(exact_twin(r["variant"])))):
+            if other is not None:
+                diff = (out - other).abs()
+                r[f"{key}_max_abs"], r[f"{key}_mean_abs"] = float(diff.max()), float(diff.mean())
 
 
 def _variant_names(args, run_dtype: str) -> list:
@@ -389,16 +370,6 @@ def _check_ops_variants(names: list, device) -> None:
         problem = mode_problem(variant_ops(name), device) if VARIANTS[name]["path"] == "optimized" else None
         if problem:
             raise UsageError(f"--variants {name}: {problem}; leave {name} out")
-
-
-def _vs_exact(rows: list, outputs: list) -> None:
-    """vs_exact_max_abs / vs_exact_mean_abs of every int8, fp8 attention or fp8 linear row against its exact twin's latents (when it ran)."""
-    by_name = {r["variant"]: o for r, o in zip(rows, outputs)}
-    for r, out in zip(rows, outputs):
-        exact = by_name.get(exact_twin(r["variant"]))
-        if exact is not None:
-            diff = (out - exact).abs()
-            r["vs_exact_max_abs"], r["vs_exact_mean_abs"] = float(diff.max()), float(diff.mean())
 
 
 def _history(result: dict) -> None:
@@ -440,11 +411,7 @@ def run(args) -> int:
     check_decode_args(args)
     from . import sampler_setup as setup
     setup.check_options(args, device, names, VARIANTS)      # shape, --weights, --memory-cap-gb: before any work
-    if args.checkpoint:
-        d = {"wan": (81, 480, 832), "matrix-game2": (57, 352, 640)}[kind]
-    else:
-        d = SHAPES[kind][shape]
-    frames, height, width = args.frames or d[0], args.height or d[1], args.width or d[2]
+    frames, height, width = run_geometry(args, kind, shape)
     peak, peak_src = fl.peak_tflops(device, args.peak_tflops)
     from ..app.progress import Progress
     from ..app.jobs.handle import parse_dtype
@@ -497,18 +464,15 @@ def run(args) -> int:
         progress("one untimed float32 reference run for the parity columns (--no-parity skips it)")
         v = VARIANTS["reference"]
         model = models.get(torch.float32, v["precision"], v["attention"])
-        inp = dict(_inputs(model, kind, frames, height, width, args.seed), schedule=_schedule(kind, args.shape),
-                   sampler_kwargs=models.sampler_kwargs)
+        inp = _inputs(model, kind, args.shape, frames, height, width, args.seed, models.sampler_kwargs)
         reference = _sample(model, kind, inp, v, args.seed, None).float().cpu()
-    _parity(rows, outputs, reference)
-    _vs_exact(rows, outputs)
+    _differences(rows, outputs, reference)
     models.drop()
-    for r in rows:
-        r["first_chunk_ms"] = r["chunk_ms"][0] if r.get("chunk_ms") else None
     base = rows[0]["steady_s"] if rows else None
     same = {r["dtype"]: r["steady_s"] for r in rows if r["path"] == "reference"
             and r["attention"] not in ATTENTION_TWINS}
     for r in rows:
+        r["first_chunk_ms"] = r["chunk_ms"][0] if r.get("chunk_ms") else None
         r["speedup_vs_first"] = round(base / r["steady_s"], 3) if r["steady_s"] else None
         ref = same.get(r["dtype"])
         r["speedup_vs_reference_same_dtype"] = round(ref / r["steady_s"], 3) if ref and r["steady_s"] else None
@@ -544,10 +508,8 @@ def run(args) -> int:
         cols += ["linear_ran", "linear_path"]
     if any("vs_exact_max_abs" in r for r in rows):
         cols.append("vs_exact_max_abs")
-        rows = [dict(r, vs_exact_max_abs=f"{r['vs_exact_max_abs']:.2e}" if "vs_exact_max_abs" in r else None)
-                for r in rows]
     shown = [dict(r, parity_max_abs=_sci(r["parity_max_abs"]), parity_mean_abs=_sci(r["parity_mean_abs"]),
-                  kv_kb_per_chunk=round(max(r["kv_bytes_per_chunk"]) / 1024, 1)) for r in rows]
+                  vs_exact_max_abs=_sci(r.get("vs_exact_max_abs")), kv_kb_per_chunk=round(max(r["kv_bytes_per_chunk"]) / 1024, 1)) for r in rows]
     print_columns(cols, [[r[c] for c in cols] for r in shown])
     return 0
 

@@ -33,11 +33,19 @@ FRAMES_PER_BLOCK = 3
 
 
 def shape_config(kind: str, shape: str):
-    """The WanConfig of a random-weight wan shape (matrix-game2's: bench/sampler.py)."""
+    """The WanConfig of a random-weight shape of the model kind (wan or matrix-game2)."""
     from ..model.config import KREA_14B, WAN_1_3B, WAN_14B
     from ..model.tiny import TINY_CONFIG
-    if kind != "wan":
-        raise ValueError(f"shape_config: the {kind} shapes are built by the sampler bench itself")
+    if kind == "matrix-game2":
+        from ..model.mg2_model import tiny_mg2_config
+        if shape == "tiny":
+            return tiny_mg2_config()
+        action = {"blocks": list(range(15)), "mouse_dim_in": 2, "keyboard_dim_in": 4, "heads_num": 16,
+                  "mouse_hidden_dim": 1024, "keyboard_hidden_dim": 1024, "hidden_size": 128, "img_hidden_size": 1536,
+                  "vae_time_compression_ratio": 4, "windows_size": 3, "rope_theta": 256,
+                  "mouse_qk_dim_list": [8, 28, 28]}
+        return WAN_1_3B.replace(model_type="i2v", in_dim=36, clip_dim=1280, clip_tokens=257, local_attn_size=6,
+                                extra={"action_config": action})
     from ..sampling.scheduler import PRESET_CHUNKING
     longlive = PRESET_CHUNKING["longlive"]
     return {"tiny": TINY_CONFIG, "1.3b": WAN_1_3B, "14b": WAN_14B, "krea": KREA_14B,
@@ -49,6 +57,16 @@ def shape_window(shape: str) -> tuple:
     from ..sampling.scheduler import PRESET_CHUNKING
     c = PRESET_CHUNKING.get(SHAPE_PRESETS.get(shape, ""), {})
     return int(c.get("kv_window", -1)), int(c.get("sink", 0))
+
+
+def run_geometry(args, kind: str, shape: str) -> tuple:
+    """(video frames, height, width) of a run: the options given, else the shape's (a checkpoint: its kind's 1.3B
+    video)."""
+    if args.checkpoint:
+        d = {"wan": (81, 480, 832), "matrix-game2": (57, 352, 640)}[kind]
+    else:
+        d = SAMPLER_SHAPES[kind][shape]
+    return args.frames or d[0], args.height or d[1], args.width or d[2]
 
 
 def shape_schedule(kind: str, shape: str):

@@ -99,10 +99,8 @@ def _options(module: str):
     imports torch (its --help and usage errors answer before torch loads), else the module's own add_arguments."""
     from ..bench.options import ARGUMENTS
 
-    adder = ARGUMENTS.get(module.rpartition(".")[2])
-    if adder is not None:
-        return adder
-    return importlib.import_module(importlib.util.resolve_name(module, __package__)).add_arguments
+    return (ARGUMENTS.get(module.rpartition(".")[2])
+            or importlib.import_module(importlib.util.resolve_name(module, __package__)).add_arguments)
 
 
 def _run(args) -> int:

@@ -83,5 +83,5 @@ def test_on_a_gpu_the_table_times_as_the_operator_store_does():
     call cannot be captured), so its fastest is the store's choice; a CPU times wall clock."""
     from wan_accel.bench import attention as bench
     from wan_accel.cache import autotune
-    assert bench._timer(torch.device("cuda")) is autotune.default_timer
-    assert bench._timer(torch.device("cpu")) is not autotune.default_timer
+    assert bench.bench_timer(torch.device("cuda"), 1) is autotune.default_timer
+    assert bench.bench_timer(torch.device("cpu"), 1) is not autotune.default_timer
