@@ -50,13 +50,13 @@ def _exact_rows(data: dict) -> Callable[[dict], bool]:
 
 
 def _best(data: dict, names, key: str, ran: Callable[[dict], bool] = lambda r: True):
+    """(the lowest ``key`` of the rows ``names`` that ``ran``, '<variant> <key>'), or None."""
     found = [(r[key], n) for n, r in _rows(data).items() if n in names and r.get(key) is not None and ran(r)]
-    return min(found) if found else None
+    return (min(found)[0], f"{min(found)[1]} {key}") if found else None
 
 
 def exact_video(data: dict):
-    best = _best(data, EXACT_VARIANTS, "steady_s", _exact_rows(data))
-    return best and (best[0], f"{best[1]} steady_s")
+    return _best(data, EXACT_VARIANTS, "steady_s", _exact_rows(data))
 
 
 def fp8_video(data: dict):
@@ -64,8 +64,7 @@ def fp8_video(data: dict):
     exact is not an fp8 figure."""
     def ran_fp8(r):
         return r.get("linear_ran") == "fp8" or str(r.get("attention_ran", "")).startswith("fp8")
-    best = _best(data, [n for n in _rows(data) if n.startswith("optimized")], "steady_s", ran_fp8)
-    return best and (best[0], f"{best[1]} steady_s")
+    return _best(data, [n for n in _rows(data) if n.startswith("optimized")], "steady_s", ran_fp8)
 
 
 def _optimized(data: dict):
@@ -121,20 +120,18 @@ def _native_seconds(data: dict):
     return {k: r.get("seconds_per_video") for k, r in rows.items() if isinstance(r, dict)}
 
 
-def native_over_own(data: dict):
-    """Seconds per video of the Wan Accel AR Sampler on ComfyUI's MODEL over the pack's own path on the same file."""
-    s = _native_seconds(data) or {}
-    if not s.get("native") or not s.get("own"):
-        return None
-    return round(s["native"] / s["own"], 3), f"{NATIVE_WEIGHTS}: native {s['native']} s / own {s['own']} s per video"
+def _native_ratio(over: str, under: str):
+    """The reader of seconds per video of the sampler ``over`` over the sampler ``under`` (bench native's rows)."""
+    def read(data: dict):
+        s = _native_seconds(data) or {}
+        if not s.get(over) or not s.get(under):
+            return None
+        return round(s[over] / s[under], 3), f"{NATIVE_WEIGHTS}: {over} {s[over]} s / {under} {s[under]} s per video"
+    return read
 
 
-def native_vs_core(data: dict):
-    """Seconds per video of core's SamplerARVideo over the Wan Accel AR Sampler's, on the same MODEL."""
-    s = _native_seconds(data) or {}
-    if not s.get("native") or not s.get("core"):
-        return None
-    return round(s["core"] / s["native"], 3), f"{NATIVE_WEIGHTS}: core {s['core']} s / native {s['native']} s per video"
+native_over_own = _native_ratio("native", "own")     # the Wan Accel AR Sampler on ComfyUI's MODEL over the pack's
+native_vs_core = _native_ratio("core", "native")     # own path on the same file; core's SamplerARVideo over it
 
 
 GOALS = (

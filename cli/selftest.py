@@ -1,6 +1,7 @@
 """``python -m wan_accel selftest [--json] [--out DIR] [--require-gpu] [--quick] [--only STAGE] [--goals]``."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ..cache.json_out import to_json
@@ -58,11 +59,6 @@ def register(sub) -> None:
     p.add_argument("--only", action="append", metavar="STAGE", help="run only this stage (repeatable)")
     p.add_argument("--goals", action="store_true", help="run only the stages the speed goals are read from (bench "
                    "sampler, bench attention, bench decode wan / tiny, bench native; with --only: those too)")
-    p.add_argument("--stage", choices=["fp8"], help=argparse_suppress())
-    p.add_argument("--device", help=argparse_suppress())
+    p.add_argument("--stage", choices=["fp8"], help=argparse.SUPPRESS)
+    p.add_argument("--device", help=argparse.SUPPRESS)
     p.set_defaults(func=_run)
-
-
-def argparse_suppress():
-    import argparse
-    return argparse.SUPPRESS

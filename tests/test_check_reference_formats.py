@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from wan_accel.app.jobs.reference import FORMATS, TOLERANCE, discover
+from wan_accel.app.jobs.reference import FORMATS, TOLERANCE, survey
 from wan_accel.cli import main as cli_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -63,8 +63,8 @@ def _keep_variants(folder: Path, *names) -> dict:
 
 def test_both_folders_are_recognised():
     assert {"longlive", "krea_realtime"} <= set(FORMATS)
-    assert [name for name, _, _ in discover(LONGLIVE)] == ["longlive"]
-    found = [(name, path.name) for name, path, _ in discover(KREA)]      # every Krea case of the folder runs
+    assert [name for name, _, _ in survey(LONGLIVE)[0]] == ["longlive"]
+    found = [(name, path.name) for name, path, _ in survey(KREA)[0]]      # every Krea case of the folder runs
     assert found == [("krea_realtime", "krea_config.json"), ("krea_realtime", "krea_interrupted_config.json"),
                      ("krea_realtime", "krea_partial_block_config.json")]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from wan_accel.app.jobs import reference
-from wan_accel.app.jobs.reference import check_fixture, check_reference, discover
+from wan_accel.app.jobs.reference import check_fixture, check_reference, survey
 from wan_accel.app.jobs.replay import MG2_FIXTURE, Fixture
 
 FIX = Path(__file__).parent / "fixtures" / "matrix_game2"
@@ -40,7 +40,7 @@ def test_every_recorded_output_is_compared(rows):
 
 
 def test_check_reference_recognises_the_format():
-    names = [name for name, _path, _cfg in discover(FIX)]
+    names = [name for name, _path, _cfg in survey(FIX)[0]]
     assert names == ["matrix_game2"]
     worst = max(d for _n, d in check_reference(FIX, formats=["matrix_game2"]))
     assert worst <= TOL

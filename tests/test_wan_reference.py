@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from wan_accel.cli.model import main as cli_main
 from wan_accel.model.config import WanConfig
 from wan_accel.model.loader import save_wan_checkpoint
-from wan_accel.app.jobs.reference import FORMATS, check_reference, discover, format_table
+from wan_accel.app.jobs.reference import FORMATS, check_reference, survey, format_table
 from run_helpers import run_causal
 from wan_accel.sampling.scheduler import resolve_schedule
 from wan_accel.model.tiny import init_tiny_weights
@@ -47,7 +47,7 @@ def test_unknown_directory_is_a_clear_error(tmp_path):
 
 def test_formats_are_pluggable():
     assert {"wan_t2v_full", "causal_wan"} <= set(FORMATS)
-    kinds = {name for name, _, _ in discover(FIXTURES)}
+    kinds = {name for name, _, _ in survey(FIXTURES)[0]}
     assert kinds == {"wan_t2v_full", "causal_wan"}
 
 

@@ -165,12 +165,14 @@ def _kernel_ready(ctx: ProbeContext) -> None:
         raise NotAvailable(why, hint if _common.triton_module() is None else "run on a CUDA GPU")
 
 
-def _tuned(mod, launch, key, x):
+def _tuned(mod, x, launch, key, *out) -> tuple:
+    """``out``, what ``mod._launcher`` returned beside ``launch`` and ``key``, once ``launch`` ran tuned."""
     # the row kernels' candidates depend on the width (one-pass tiles up to a bound); the others' are fixed
     cands = mod.candidates(x.shape[-1]) if hasattr(mod, "candidates") else mod.CANDIDATES
     if not _common.tuned_launch(mod._KERNEL_NAME, key, cands, launch, smem=mod._smem,
                                 benchmark=not _common.capturing(x)):
         raise RuntimeError(f"every Triton config of {mod.NAME} failed on this machine (see the operator store)")
+    return out
 
 
 def _check_lnmod(ctx: ProbeContext) -> Probe:
@@ -181,9 +183,7 @@ def _check_lnmod(ctx: ProbeContext) -> Probe:
 
     def feature():
         sh, sc = norm_modulate._check(x, shift, scale)
-        launch, key, out = norm_modulate._launcher(x, sh, sc, 1e-6)
-        _tuned(norm_modulate, launch, key, x)
-        return out
+        return _tuned(norm_modulate, x, *norm_modulate._launcher(x, sh, sc, 1e-6))[0]
     return Probe(feature, lambda: norm_modulate.layernorm_modulate_reference(x, shift, scale, 1e-6), ctx.dtype)
 
 
@@ -196,9 +196,7 @@ def _check_rmsrope(ctx: ProbeContext) -> Probe:
 
     def feature():
         qk_norm_rope._check(x, w, cos, sin, ctx.heads)
-        launch, key, out = qk_norm_rope._launcher(x, w, cos, sin, ctx.heads, 1e-6)
-        _tuned(qk_norm_rope, launch, key, x)
-        return out
+        return _tuned(qk_norm_rope, x, *qk_norm_rope._launcher(x, w, cos, sin, ctx.heads, 1e-6))[0]
     return Probe(feature, lambda: qk_norm_rope.rmsnorm_rope_reference(x, w, cos, sin, ctx.heads, 1e-6), ctx.dtype)
 
 
@@ -209,9 +207,7 @@ def _check_rmsnorm(ctx: ProbeContext) -> Probe:
 
     def feature():
         rms_norm._check(x, w)
-        launch, key, out = rms_norm._launcher(x, w, 1e-6)
-        _tuned(rms_norm, launch, key, x)
-        return out
+        return _tuned(rms_norm, x, *rms_norm._launcher(x, w, 1e-6))[0]
     return Probe(feature, lambda: rms_norm.rmsnorm_reference(x, w, 1e-6), ctx.dtype)
 
 
@@ -223,9 +219,7 @@ def _check_gres(ctx: ProbeContext) -> Probe:
 
     def feature():
         g = residual._check(x, y, gate)
-        launch, key, out = residual._launcher(x, y, g)
-        _tuned(residual, launch, key, x)
-        return out
+        return _tuned(residual, x, *residual._launcher(x, y, g))[0]
     return Probe(feature, lambda: residual.gated_residual_reference(x, y, gate), ctx.dtype)
 
 
@@ -243,9 +237,7 @@ def _check_resnorm(ctx: ProbeContext) -> Probe:
         for kw in uses:
             w, b = kw.get("weight"), kw.get("bias")
             g, sh, sc = residual_layernorm._check(x, y, kw.get("gate"), w, b, kw.get("shift"), kw.get("scale"))
-            launch, key, x_new, h = residual_layernorm._launcher(x, y, g, w, b, sh, sc, 1e-6)
-            _tuned(residual_layernorm, launch, key, x)
-            outs += [x_new, h]
+            outs += _tuned(residual_layernorm, x, *residual_layernorm._launcher(x, y, g, w, b, sh, sc, 1e-6))
         return torch.cat(outs, dim=1)
     return Probe(feature, lambda: torch.cat([t for kw in uses for t in residual_layernorm.residual_norm_reference(
         x, y, **kw, eps=1e-6)], dim=1), ctx.dtype)
@@ -325,11 +317,18 @@ def _needs_graphs(ctx: ProbeContext) -> None:
         raise NotAvailable("CUDA graphs need a CUDA GPU", "run on a CUDA GPU")
 
 
+def _chunk_probe(ctx: ProbeContext, change=lambda model: None, options=None, **probe) -> Probe:
+    """One chunk on a probe model that ``change(model)`` gave the feature (and with ``options``) against the same
+    chunk on an unchanged one."""
+    feature, fallback = _probe_model(ctx), _probe_model(ctx)
+    change(feature)
+    return Probe(lambda: _chunk(feature, ctx, **(options or {})), lambda: _chunk(fallback, ctx), ctx.dtype,
+                 ulps=CHUNK_ULPS, **probe)
+
+
 def _check_graphs(ctx: ProbeContext) -> Probe:
     _needs_graphs(ctx)
-    graphed, eager = _probe_model(ctx), _probe_model(ctx)
-    return Probe(lambda: _chunk(graphed, ctx, cuda_graphs="auto"), lambda: _chunk(eager, ctx), ctx.dtype,
-                 ulps=CHUNK_ULPS)
+    return _chunk_probe(ctx, options={"cuda_graphs": "auto"})
 
 
 def _needs_compile(ctx: ProbeContext) -> None:
@@ -342,21 +341,16 @@ def _check_compile(ctx: ProbeContext) -> Probe:
     _needs_compile(ctx)
     from ...compile.apply import compile_model
     from ...compile.settings import CompileSettings
-    compiled, eager = _probe_model(ctx), _probe_model(ctx)
-    compile_model(compiled, CompileSettings(backend=ctx.compile_backend or "inductor", scope="blocks",
-                                            warm_start=False))
-    return Probe(lambda: _chunk(compiled, ctx), lambda: _chunk(eager, ctx), ctx.dtype, judge_speed=False,
-                 ulps=CHUNK_ULPS,
-                 note="speed not judged: a probe this small does not show what compiling gains")
+    settings = CompileSettings(backend=ctx.compile_backend or "inductor", scope="blocks", warm_start=False)
+    return _chunk_probe(ctx, lambda model: compile_model(model, settings), judge_speed=False,
+                        note="speed not judged: a probe this small does not show what compiling gains")
 
 
 def _check_swap(ctx: ProbeContext) -> Probe:
     from ...memory.block_swap import apply_block_swap, SwapSettings
-    swapped, resident = _probe_model(ctx), _probe_model(ctx)
-    apply_block_swap(swapped, SwapSettings(blocks_to_swap=1, prefetch=1), device=ctx.device)
-    return Probe(lambda: _chunk(swapped, ctx), lambda: _chunk(resident, ctx), ctx.dtype, judge_speed=False,
-                 ulps=CHUNK_ULPS,
-                 note="feature time minus fallback time is the transfer time of one swapped block per call")
+    return _chunk_probe(ctx, lambda model: apply_block_swap(model, SwapSettings(blocks_to_swap=1, prefetch=1),
+                                                            device=ctx.device), judge_speed=False,
+                        note="feature time minus fallback time is the transfer time of one swapped block per call")
 
 
 NATIVE_HINT = ("run the Wan Doctor node inside ComfyUI (or this command with ComfyUI's Python, ComfyUI's folder "
@@ -389,7 +383,7 @@ def _native_sources() -> tuple:
     return (probe.check, probe.requires or "") + tuple(probe.sources() if probe.sources else ())
 
 
-_CHUNK_CODE = (_probe_model, _chunk)
+_CHUNK_CODE = (_probe_model, _chunk, _chunk_probe)
 
 
 def _chunk_sources(*modules) -> Callable[[], tuple]:

@@ -167,15 +167,9 @@ def _check_sampled(fx: Fixture, device, path: str = "auto") -> list:
     recorded, every cache's [global_end, local_end] after each call), ``xt``/``flow``/``x0`` of every call,
     Matrix-Game-2's intermediates of the recorded calls (patch embedding, img_emb, each block's output, the action
     modules' input/output and branch contributions), ``output``, and the final caches (oldest entry first)."""
-    from ...model.kv_cache import KVCache
     mg2, cfg = fx.kind == "matrix_game2", fx.cfg
     model = fx.model(device)
-    io, c, noise = fx.io, model.config, fx.io["initial_noise"]
-    b, f, (h, w) = noise.shape[0], noise.shape[2 if mg2 else 1], noise.shape[-2:]
-    frame_tokens = cfg.get("frame_seq_length") or (h // c.patch_size[1]) * (w // c.patch_size[2])
-    window, sink = ((int(cfg["config"]["local_attn_size"]), 0) if mg2 else
-                    (cfg["config"].get("local_attn_size", -1), cfg["config"].get("sink_size", 0)))
-    kv = KVCache.for_model(model, b, frame_tokens, f, window, sink)
+    io, kv = fx.io, fx.kv_cache(model)
     actions = fx.actions(model) if mg2 else None
     recorder = _Recorder(model, cfg.get("intermediates", {}).get("calls", {})) if mg2 else None
     records, ends = [], []
@@ -423,11 +417,6 @@ def _why_no_format(cfg) -> str:
         return ("no 'fixture' key (the key that names the fixture's kind); this fixture config is incomplete: copy "
                 "it again from the fixture's source (or produce it again)")
     return "not a fixture config of a known format"
-
-
-def discover(directory) -> list:
-    """[(format name, config path, config dict)] for every recognised fixture config in ``directory``."""
-    return survey(directory)[0]
 
 
 FIXTURE_FAILURES = (ValueError, OSError, RuntimeError, KeyError, IndexError, TypeError)

@@ -203,6 +203,17 @@ class Fixture:
                                 warp=s.get("warp_denoising_step", True),
                                 num_train_timesteps=s.get("scheduler", {}).get("num_train_timesteps", 1000))
 
+    def kv_cache(self, model):
+        """Causal Wan and Matrix-Game-2: a KV cache of the run's size (its window and sink from the config, none for
+        Matrix-Game-2; ``frame_seq_length`` tokens per frame, else the latent size's), as the run makes it."""
+        from ...model.kv_cache import KVCache
+        mg2, c, noise, p = self.kind == "matrix_game2", self.cfg["config"], self.io["initial_noise"], model.config
+        b, f, (h, w) = noise.shape[0], noise.shape[2 if mg2 else 1], noise.shape[-2:]
+        frame_tokens = self.cfg.get("frame_seq_length") or (h // p.patch_size[1]) * (w // p.patch_size[2])
+        window, sink = ((int(c["local_attn_size"]), 0) if mg2 else
+                        (c.get("local_attn_size", -1), c.get("sink_size", 0)))
+        return KVCache.for_model(model, b, frame_tokens, f, window, sink)
+
     def actions(self, model):
         """Matrix-Game-2: the action call of the recorded mouse and keyboard sequences (its caches to inspect)."""
         io, window = self.io, int(self.cfg["config"]["local_attn_size"])
@@ -238,14 +249,12 @@ def _causal_run(fx: Fixture, model, _variant, _hooks) -> tuple:
 
 
 def _mg2_run(fx: Fixture, model, _variant, hooks) -> tuple:
-    from ...model.kv_cache import KVCache
     from ...sampling.mg2 import FRAMES_PER_BLOCK
     io, window, device = fx.io, int(fx.cfg["config"]["local_attn_size"]), model.device
-    noise, p = io["initial_noise"].to(device), model.config.patch_size
-    b, _, f, h, w = noise.shape
+    noise = io["initial_noise"].to(device)
     actions, kv = hooks.pop("actions", None), hooks.pop("kv_cache", None)      # as sample_mg2 makes them
     actions = actions if actions is not None else fx.actions(model)
-    kv = kv if kv is not None else KVCache.for_model(model, b, (h // p[1]) * (w // p[2]), f, window, 0)
+    kv = kv if kv is not None else fx.kv_cache(model)
     return io["visual_context"].to(device), noise.transpose(1, 2), FRAMES_PER_BLOCK, dict(
         noise_provider=io.noise(lambda ci, k: f"extra_noise.chunk{ci}.step{k}"), kv_window=window, sink=0,
         y=io["cond_concat"].transpose(1, 2).to(device), kv_cache=kv, model_kwargs={"actions": actions})
