@@ -534,12 +534,3 @@ def check_schedule_args(preset: str, steps=None, shift=None, warp=None, *, names
         name = n["shift"] if shift is not None and "shift" in str(exc) else n["steps"]
         raise UsageError(f"{name}: {exc}") from None
 
-
-def check_sigma_list(name: str, sigmas) -> list:
-    """A sigma list (ComfyUI SIGMAS or a Python list): finite, decreasing within (0, 1], ending in 0."""
-    from ..sampling.scheduler import ScheduleError, check_sigmas
-
-    try:
-        return check_sigmas(sigmas, name)
-    except ScheduleError as exc:
-        raise UsageError(str(exc)) from None

@@ -1,4 +1,4 @@
-"""Video files written as their frames are decoded: ``open_video_file(path, fps)``, its format by the path's suffix.
+"""Video files written as their frames are decoded: ``VideoFile(path, fps)``, its format by the path's suffix.
 
 * ``.mp4``: H.264 (yuv420p) through PyAV, the library ComfyUI itself writes video with (each frame encoded and
   muxed as it comes; an odd width or height loses its last pixel row / column, as yuv420p needs even sizes);
@@ -205,6 +205,3 @@ class VideoFile:
                 pass
         self._cleanup()
 
-
-def open_video_file(path, fps: int = FPS, *, option: str = "", purpose: str = "the video") -> VideoFile:
-    return VideoFile(path, fps, option=option, purpose=purpose)

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from ..cache import count_entries
-from .output import print_json, print_table
+from .output import format_table, print_json
 
 
 def _when(t: float) -> str:
@@ -75,7 +75,7 @@ def _show(args) -> int:
     print("entries: " + ", ".join(f"{ns} {n}" for ns, n in sorted(counts.items())))
     table = [dict(r, updated=_when(r["updated"])) for r in rows]
     cols = ["namespace", "key", "hits", "updated", "value"] + (["fingerprint"] if args.all else [])
-    print_table(table, cols)
+    print(format_table(table, cols))
     return 0
 
 
@@ -99,7 +99,7 @@ def _set_aside(args) -> int:
     table = [{"namespace": i.get("namespace") or "-", "key": i.get("key") or "-",
               "fingerprint": i.get("fingerprint") or "-", "when": _when(i.get("time") or 0),
               "reason": i.get("reason"), "entry": i.get("entry")} for i in items]
-    print_table(table, ["namespace", "key", "fingerprint", "when", "reason", "entry"])
+    print(format_table(table, ["namespace", "key", "fingerprint", "when", "reason", "entry"]))
     return 0
 
 
