@@ -55,9 +55,13 @@ MAX_SET_ASIDE = 1000      # the side file keeps the newest items
 SET_ASIDE_BYTES = 32 << 20   # ... within this size (written so; a larger file is not read, only reported)
 KNOWN_NAMESPACES = ("operator", "compile", "memory", "sampler", "doctor")
 
-def _item_id(item: dict) -> str:
-    return json.dumps([item.get("namespace"), item.get("fingerprint"), item.get("key"), item.get("entry"),
-                       item.get("reason")], sort_keys=True, default=str)
+def _unseen(old: list[dict], more: list[dict]) -> list[dict]:
+    """The set-aside items of ``more`` that are not in ``old`` (nor repeated), in their order."""
+    def ident(item: dict) -> str:
+        return json.dumps([item.get("namespace"), item.get("fingerprint"), item.get("key"), item.get("entry"),
+                           item.get("reason")], sort_keys=True, default=str)
+    seen = {ident(i) for i in old}
+    return [i for i in more if ident(i) not in seen and not seen.add(ident(i))]
 
 
 def count_entries(n: int) -> str:
@@ -259,8 +263,7 @@ class LimitCache:
             old = self._read_set_aside()
             if old is None:
                 raise CacheUnavailableError(f"{self.set_aside_path} exists but is not a set-aside file of the cache")
-            seen = {_item_id(i) for i in old}
-            new = [i for i in pending if _item_id(i) not in seen and not seen.add(_item_id(i))]
+            new = _unseen(old, pending)
             if new:
                 items = (old + new)[-MAX_SET_ASIDE:]
                 while True:                  # within the size the reader reads: the oldest items go first
@@ -290,12 +293,7 @@ class LimitCache:
         ``reason`` and ``time``. They are never used; the user may read them and delete the side file."""
         self._snapshot()
         items = list(self._read_set_aside() or [])
-        seen = {_item_id(i) for i in items}
-        for item in self._aside_unsaved + self._aside_now:
-            if _item_id(item) not in seen:
-                seen.add(_item_id(item))
-                items.append(item)
-        return items
+        return items + _unseen(items, self._aside_unsaved + self._aside_now)
 
     def notices(self) -> list[str]:
         """What the user should know about the cache file itself: a damaged file moved aside (by this or an
