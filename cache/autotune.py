@@ -127,8 +127,6 @@ def cuda_timer(fn: Callable[[], object]) -> float:
 
         return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
     except TypeError:  # older do_bench without return_mode
-        from triton.testing import do_bench
-
         return float(do_bench(fn, warmup=5, rep=25))
     except ImportError:
         pass

@@ -44,7 +44,7 @@ from .owned_files import read_regular, replace_file
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
 from .paths import default_cache_path
 from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, file_kind,
-                     quarantine_refusal, warn_once)
+                     quarantine_refusal, warn_once, write_problem)
 
 DEFAULT_MAX_ENTRIES = 4096  # per namespace, over all fingerprints
 LOCK_TIMEOUT_S = 120.0
@@ -298,8 +298,6 @@ class LimitCache:
     def notices(self) -> list[str]:
         """What the user should know about the cache file itself: a damaged file moved aside (by this or an
         earlier process), a file refused, a cache that could not be written. Empty when all is well."""
-        from .safety import write_problem
-
         self._snapshot()
         out = []
         if self._refused:

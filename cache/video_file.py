@@ -75,14 +75,13 @@ class _AnimatedWebp:
     def add(self, frame) -> None:
         from PIL import Image
         img = Image.fromarray(frame, "RGB")
+        w, h = img.size
         if self.size is None:
             self.size = img.size
-            w, h = img.size
             self.fh.write(b"RIFF\0\0\0\0WEBP" + _chunk(b"VP8X", bytes([0x02, 0, 0, 0]) + _u24(w - 1) + _u24(h - 1))
                           + _chunk(b"ANIM", struct.pack("<IH", 0xFF000000, 0)))
         buf = io.BytesIO()
         img.save(buf, format="WEBP", quality=WEBP_QUALITY)
-        w, h = img.size
         head = _u24(0) + _u24(0) + _u24(w - 1) + _u24(h - 1) + _u24(self.duration) + bytes([0x02])
         self.fh.write(_chunk(b"ANMF", head + frame_bitstream(buf.getvalue())))
 
