@@ -90,10 +90,6 @@ _LIVE: "weakref.WeakSet[LimitCache]" = weakref.WeakSet()
 _HOST = socket.gethostname()
 
 
-def _warn_once(path, what: str, message: str) -> bool:
-    return warn_once(path, what, message, stacklevel=4)
-
-
 class LimitCache:
     """JSON-backed, cross-process-safe store of measured limits, scoped by the machine's fingerprint.
 
@@ -172,8 +168,8 @@ class LimitCache:
         if refusal is not None:
             hint = "" if "WAN_ACCEL_CACHE" in refusal else "; set WAN_ACCEL_CACHE to a folder of your own"
             self._refused = f"{self.path} is not a usable limit cache ({reason}) and was left untouched: {refusal}{hint}"
-            _warn_once(self.path, "refused", f"wan_accel limit cache: {self._refused}. Using an empty cache in "
-                                             f"memory.")
+            warn_once(self.path, "refused", f"wan_accel limit cache: {self._refused}. Using an empty cache in "
+                                            f"memory.")
             return
         stamp = time.strftime("%Y%m%d-%H%M%S")
         target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
@@ -273,19 +269,19 @@ class LimitCache:
                         break
                     items = items[len(items) // 2:]
                 _atomic_write(self.set_aside_path, blob)
-                if _warn_once(self.path, f"set-aside:{len(old) + len(new)}",
-                              f"wan_accel limit cache {self.path}: {count_entries(len(new))} could not be used and "
-                              f"{'was' if len(new) == 1 else 'were'} set aside to {self.set_aside_path} "
-                              f"({new[0]['reason']}{'; ...' if len(new) > 1 else ''}); every other entry is in "
-                              f"use (read them with `python -m wan_accel cache set-aside`)"):
+                if warn_once(self.path, f"set-aside:{len(old) + len(new)}",
+                             f"wan_accel limit cache {self.path}: {count_entries(len(new))} could not be used and "
+                             f"{'was' if len(new) == 1 else 'were'} set aside to {self.set_aside_path} "
+                             f"({new[0]['reason']}{'; ...' if len(new) > 1 else ''}); every other entry is in "
+                             f"use (read them with `python -m wan_accel cache set-aside`)"):
                     self.set_aside_announced = True
             self._aside_unsaved = []
         except (OSError, ValueError) as exc:
             self._aside_unsaved = pending[-MAX_SET_ASIDE:]
-            _warn_once(self.path, "set-aside-write", f"wan_accel limit cache {self.path}: "
-                                                     f"{count_entries(len(found))} could not be used and "
-                                                     f"{'was' if len(found) == 1 else 'were'} set aside, but the side "
-                                                     f"file could not be written ({exc}); they are kept in memory")
+            warn_once(self.path, "set-aside-write", f"wan_accel limit cache {self.path}: "
+                                                    f"{count_entries(len(found))} could not be used and "
+                                                    f"{'was' if len(found) == 1 else 'were'} set aside, but the side "
+                                                    f"file could not be written ({exc}); they are kept in memory")
 
     def set_aside(self) -> list[dict]:
         """Entries set aside from the cache (this file's and earlier ones'), oldest first: each item has
@@ -331,8 +327,8 @@ class LimitCache:
             self._quarantine(str(exc))
             data = _empty()
         except OSError as exc:
-            _warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
-                                          f"({describe_os_error(exc)}); using an empty cache")
+            warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
+                                         f"({describe_os_error(exc)}); using an empty cache")
             data = _empty()
         self._data, self._stamp = data, self._stat_stamp()
         return data
@@ -375,8 +371,8 @@ class LimitCache:
             except CacheFormatError as exc:
                 return self._recover(str(exc), stamp)
             except OSError as exc:
-                _warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
-                                              f"({describe_os_error(exc)}); using an empty cache")
+                warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
+                                             f"({describe_os_error(exc)}); using an empty cache")
                 self._data, self._stamp = _empty(), stamp
                 return self._data
             self._data, self._stamp = data, stamp
@@ -563,8 +559,8 @@ class LimitCache:
             self._write_error = str(error)
             if strict:
                 raise error
-            _warn_once(self.path, "write", f"wan_accel: {error}. Continuing without saving to the cache (results "
-                                           f"are kept in memory for this run).")
+            warn_once(self.path, "write", f"wan_accel: {error}. Continuing without saving to the cache (results "
+                                          f"are kept in memory for this run).")
             if applied is not None:
                 data, result = applied
             else:
