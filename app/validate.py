@@ -12,6 +12,7 @@ import stat
 import sys
 from pathlib import Path
 
+from ..cache.safety import file_kind, system_folder
 
 
 class UsageError(ValueError):
@@ -315,14 +316,14 @@ def read_user_file(name: str, value, *, what: str = "a text file", limit: int = 
     except (OSError, ValueError, RuntimeError):        # a NUL byte, ~user that does not exist
         raise UsageError(f"{name} {shown(text)} cannot name a file; give the path of {what}") from None
     where = f"{name} {shown(str(path))}" + (f" (a link to {shown(os.path.realpath(path))})" if link else "")
-    try:
-        before = os.stat(path)                          # a pipe, device or socket is refused before it is opened:
-        if not stat.S_ISREG(before.st_mode):            # opening some devices acts (a tty, a tape) or can stall
-            from ..cache.safety import file_kind
 
-            kind = file_kind(before.st_mode)
+    def need_regular(mode: int) -> None:
+        if not stat.S_ISREG(mode):
+            kind = file_kind(mode)
             fix = "a file in it" if kind == "a folder" else "a regular file (save the text to a file first)"
             raise UsageError(f"{where} is {kind}, not a file; give the path of {what}: {fix}")
+    try:       # a pipe, device or socket is refused before it is opened: opening some devices acts (a tty, a tape)
+        need_regular(os.stat(path).st_mode)             # or can stall
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise UsageError(f"{where}: no such file; check the path (give the path of {what})") from None
@@ -332,12 +333,7 @@ def read_user_file(name: str, value, *, what: str = "a text file", limit: int = 
         raise UsageError(f"{where} cannot be opened ({exc.strerror or exc}); give the path of {what}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            from ..cache.safety import file_kind
-
-            kind = file_kind(st.st_mode)
-            fix = "a file in it" if kind == "a folder" else "a regular file (save the text to a file first)"
-            raise UsageError(f"{where} is {kind}, not a file; give the path of {what}: {fix}")
+        need_regular(st.st_mode)
         if st.st_size > limit:
             raise UsageError(f"{where} is {st.st_size} bytes, more than the {limit} bytes {what} can be; check the "
                              f"path")
@@ -363,8 +359,6 @@ def user_text(name: str, data: bytes, path) -> str:
 
 def check_output_dir(name: str, value) -> Path:
     """A folder to write into (created when absent): not a file, not a device, not a system folder."""
-    from ..cache.safety import system_folder
-
     if value is None or str(value).strip() == "":
         raise UsageError(f"{name} is empty: give an output folder")
     path = Path(str(value)).expanduser()
@@ -534,12 +528,3 @@ def check_schedule_args(preset: str, steps=None, shift=None, warp=None, *, names
         name = n["shift"] if shift is not None and "shift" in str(exc) else n["steps"]
         raise UsageError(f"{name}: {exc}") from None
 
-
-def check_sigma_list(name: str, sigmas) -> list:
-    """A sigma list (ComfyUI SIGMAS or a Python list): finite, decreasing within (0, 1], ending in 0."""
-    from ..sampling.scheduler import ScheduleError, check_sigmas
-
-    try:
-        return check_sigmas(sigmas, name)
-    except ScheduleError as exc:
-        raise UsageError(str(exc)) from None

@@ -127,23 +127,23 @@ def cuda_timer(fn: Callable[[], object]) -> float:
 
         return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
     except TypeError:  # older do_bench without return_mode
-        from triton.testing import do_bench
-
         return float(do_bench(fn, warmup=5, rep=25))
     except ImportError:
         pass
     import torch
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
-    times = []
-    for _ in range(10):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median([_event_ms(torch.cuda, fn) for _ in range(10)])
+
+
+def _event_ms(cuda, fn: Callable[[], object]) -> float:
+    """GPU time in ms between CUDA events recorded around one ``fn()`` on the current stream."""
+    start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 TIMING = "graph-replay"   # how default_timer measures on a GPU; part of the store names of choices between paths
@@ -173,12 +173,7 @@ def graph_timer(fn: Callable[[], object], calls: int | None = None, replays: int
     try:
         with cuda.stream(side):                  # one call outside the capture (lazy init, workspaces), one timed
             fn()
-            start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-        end.synchronize()
-        eager_ms = start.elapsed_time(end)       # an upper bound: the host's time may be in it
+            eager_ms = _event_ms(cuda, fn)       # an upper bound: the host's time may be in it
         if calls is None:
             calls = max(1, min(GRAPH_CALLS, int(GRAPH_BUDGET_MS / max(eager_ms, 1e-3))))
         cuda.current_stream().wait_stream(side)
@@ -194,14 +189,8 @@ def graph_timer(fn: Callable[[], object], calls: int | None = None, replays: int
         return None
     try:
         graph.replay()
-        times = []
-        for _ in range(max(1, replays if eager_ms * calls < SLOW_REPLAY_MS else 2)):
-            start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / max(1, calls))
+        times = [_event_ms(cuda, graph.replay) / max(1, calls)
+                 for _ in range(max(1, replays if eager_ms * calls < SLOW_REPLAY_MS else 2))]
         return float(statistics.median(times))
     finally:
         del graph
@@ -458,12 +447,8 @@ class Autotuner:
                 # wall time (a CPU, Triton's interpreter: nothing is compiled, so the first launch is a launch like
                 # any other and is the timing); on a GPU the timer measures further calls
                 ms = (time.perf_counter() - t0) * 1e3 if wall else float(self.timer(lambda cfg=cfg: run(cfg)))
-            except errors as exc:
-                new_failed[cid] = {"config": cfg, "error": describe_error(exc)}
-                self.stats["failures"] += 1
-                continue
             except Exception as exc:  # noqa: BLE001 - any failing config is skipped, the run goes on
-                if _is_transient(exc):
+                if not isinstance(exc, errors) and _is_transient(exc):
                     log.warning("wan_accel autotune %s [%s]: config %s hit a transient error (%s); skipped",
                                 kernel, key, cid, exc)
                     self._transient = True

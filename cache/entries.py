@@ -14,10 +14,9 @@ import re
 import time
 from typing import Callable
 
-from .safety import loads_json
+from .safety import FILE_KIND, loads_json
 
 SCHEMA_VERSION = 1
-FILE_KIND = "wan_accel.limit_cache"
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 # Migrations from older schema versions: version -> function(old_data) -> data of version + 1.

@@ -194,12 +194,9 @@ def check_writable_place(path) -> None:
             continue
         except OSError as exc:
             raise CacheUnavailableError(f"{what} {p} cannot be inspected ({exc.strerror or exc})")
-        if stat.S_ISLNK(st.st_mode):
-            raise CacheUnavailableError(f"{what} {p} is a symbolic link; the limit cache writes only its own "
-                                        f"regular files")
         if not stat.S_ISREG(st.st_mode):
-            raise CacheUnavailableError(f"{what} {p} is {file_kind(st.st_mode)}; the limit cache writes only its "
-                                        f"own regular files")
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else file_kind(st.st_mode)
+            raise CacheUnavailableError(f"{what} {p} is {kind}; the limit cache writes only its own regular files")
 
 
 def describe_os_error(exc: OSError) -> str:

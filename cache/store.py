@@ -44,7 +44,7 @@ from .owned_files import read_regular, replace_file
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
 from .paths import default_cache_path
 from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, file_kind,
-                     quarantine_refusal, warn_once)
+                     quarantine_refusal, warn_once, write_problem)
 
 DEFAULT_MAX_ENTRIES = 4096  # per namespace, over all fingerprints
 LOCK_TIMEOUT_S = 120.0
@@ -55,9 +55,13 @@ MAX_SET_ASIDE = 1000      # the side file keeps the newest items
 SET_ASIDE_BYTES = 32 << 20   # ... within this size (written so; a larger file is not read, only reported)
 KNOWN_NAMESPACES = ("operator", "compile", "memory", "sampler", "doctor")
 
-def _item_id(item: dict) -> str:
-    return json.dumps([item.get("namespace"), item.get("fingerprint"), item.get("key"), item.get("entry"),
-                       item.get("reason")], sort_keys=True, default=str)
+def _unseen(old: list[dict], more: list[dict]) -> list[dict]:
+    """The set-aside items of ``more`` that are not in ``old`` (nor repeated), in their order."""
+    def ident(item: dict) -> str:
+        return json.dumps([item.get("namespace"), item.get("fingerprint"), item.get("key"), item.get("entry"),
+                           item.get("reason")], sort_keys=True, default=str)
+    seen = {ident(i) for i in old}
+    return [i for i in more if ident(i) not in seen and not seen.add(ident(i))]
 
 
 def count_entries(n: int) -> str:
@@ -84,10 +88,6 @@ def _atomic_write(path: Path, blob: bytes, durable: bool = True) -> None:
 
 _LIVE: "weakref.WeakSet[LimitCache]" = weakref.WeakSet()
 _HOST = socket.gethostname()
-
-
-def _warn_once(path, what: str, message: str) -> bool:
-    return warn_once(path, what, message, stacklevel=4)
 
 
 class LimitCache:
@@ -168,8 +168,8 @@ class LimitCache:
         if refusal is not None:
             hint = "" if "WAN_ACCEL_CACHE" in refusal else "; set WAN_ACCEL_CACHE to a folder of your own"
             self._refused = f"{self.path} is not a usable limit cache ({reason}) and was left untouched: {refusal}{hint}"
-            _warn_once(self.path, "refused", f"wan_accel limit cache: {self._refused}. Using an empty cache in "
-                                             f"memory.")
+            warn_once(self.path, "refused", f"wan_accel limit cache: {self._refused}. Using an empty cache in "
+                                            f"memory.")
             return
         stamp = time.strftime("%Y%m%d-%H%M%S")
         target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
@@ -259,8 +259,7 @@ class LimitCache:
             old = self._read_set_aside()
             if old is None:
                 raise CacheUnavailableError(f"{self.set_aside_path} exists but is not a set-aside file of the cache")
-            seen = {_item_id(i) for i in old}
-            new = [i for i in pending if _item_id(i) not in seen and not seen.add(_item_id(i))]
+            new = _unseen(old, pending)
             if new:
                 items = (old + new)[-MAX_SET_ASIDE:]
                 while True:                  # within the size the reader reads: the oldest items go first
@@ -270,19 +269,19 @@ class LimitCache:
                         break
                     items = items[len(items) // 2:]
                 _atomic_write(self.set_aside_path, blob)
-                if _warn_once(self.path, f"set-aside:{len(old) + len(new)}",
-                              f"wan_accel limit cache {self.path}: {count_entries(len(new))} could not be used and "
-                              f"{'was' if len(new) == 1 else 'were'} set aside to {self.set_aside_path} "
-                              f"({new[0]['reason']}{'; ...' if len(new) > 1 else ''}); every other entry is in "
-                              f"use (read them with `python -m wan_accel cache set-aside`)"):
+                if warn_once(self.path, f"set-aside:{len(old) + len(new)}",
+                             f"wan_accel limit cache {self.path}: {count_entries(len(new))} could not be used and "
+                             f"{'was' if len(new) == 1 else 'were'} set aside to {self.set_aside_path} "
+                             f"({new[0]['reason']}{'; ...' if len(new) > 1 else ''}); every other entry is in "
+                             f"use (read them with `python -m wan_accel cache set-aside`)"):
                     self.set_aside_announced = True
             self._aside_unsaved = []
         except (OSError, ValueError) as exc:
             self._aside_unsaved = pending[-MAX_SET_ASIDE:]
-            _warn_once(self.path, "set-aside-write", f"wan_accel limit cache {self.path}: "
-                                                     f"{count_entries(len(found))} could not be used and "
-                                                     f"{'was' if len(found) == 1 else 'were'} set aside, but the side "
-                                                     f"file could not be written ({exc}); they are kept in memory")
+            warn_once(self.path, "set-aside-write", f"wan_accel limit cache {self.path}: "
+                                                    f"{count_entries(len(found))} could not be used and "
+                                                    f"{'was' if len(found) == 1 else 'were'} set aside, but the side "
+                                                    f"file could not be written ({exc}); they are kept in memory")
 
     def set_aside(self) -> list[dict]:
         """Entries set aside from the cache (this file's and earlier ones'), oldest first: each item has
@@ -290,18 +289,11 @@ class LimitCache:
         ``reason`` and ``time``. They are never used; the user may read them and delete the side file."""
         self._snapshot()
         items = list(self._read_set_aside() or [])
-        seen = {_item_id(i) for i in items}
-        for item in self._aside_unsaved + self._aside_now:
-            if _item_id(item) not in seen:
-                seen.add(_item_id(item))
-                items.append(item)
-        return items
+        return items + _unseen(items, self._aside_unsaved + self._aside_now)
 
     def notices(self) -> list[str]:
         """What the user should know about the cache file itself: a damaged file moved aside (by this or an
         earlier process), a file refused, a cache that could not be written. Empty when all is well."""
-        from .safety import write_problem
-
         self._snapshot()
         out = []
         if self._refused:
@@ -335,8 +327,8 @@ class LimitCache:
             self._quarantine(str(exc))
             data = _empty()
         except OSError as exc:
-            _warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
-                                          f"({describe_os_error(exc)}); using an empty cache")
+            warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
+                                         f"({describe_os_error(exc)}); using an empty cache")
             data = _empty()
         self._data, self._stamp = data, self._stat_stamp()
         return data
@@ -379,8 +371,8 @@ class LimitCache:
             except CacheFormatError as exc:
                 return self._recover(str(exc), stamp)
             except OSError as exc:
-                _warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
-                                              f"({describe_os_error(exc)}); using an empty cache")
+                warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
+                                             f"({describe_os_error(exc)}); using an empty cache")
                 self._data, self._stamp = _empty(), stamp
                 return self._data
             self._data, self._stamp = data, stamp
@@ -567,8 +559,8 @@ class LimitCache:
             self._write_error = str(error)
             if strict:
                 raise error
-            _warn_once(self.path, "write", f"wan_accel: {error}. Continuing without saving to the cache (results "
-                                           f"are kept in memory for this run).")
+            warn_once(self.path, "write", f"wan_accel: {error}. Continuing without saving to the cache (results "
+                                          f"are kept in memory for this run).")
             if applied is not None:
                 data, result = applied
             else:

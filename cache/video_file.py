@@ -1,4 +1,4 @@
-"""Video files written as their frames are decoded: ``open_video_file(path, fps)``, its format by the path's suffix.
+"""Video files written as their frames are decoded: ``VideoFile(path, fps)``, its format by the path's suffix.
 
 * ``.mp4``: H.264 (yuv420p) through PyAV, the library ComfyUI itself writes video with (each frame encoded and
   muxed as it comes; an odd width or height loses its last pixel row / column, as yuv420p needs even sizes);
@@ -75,14 +75,13 @@ class _AnimatedWebp:
     def add(self, frame) -> None:
         from PIL import Image
         img = Image.fromarray(frame, "RGB")
+        w, h = img.size
         if self.size is None:
             self.size = img.size
-            w, h = img.size
             self.fh.write(b"RIFF\0\0\0\0WEBP" + _chunk(b"VP8X", bytes([0x02, 0, 0, 0]) + _u24(w - 1) + _u24(h - 1))
                           + _chunk(b"ANIM", struct.pack("<IH", 0xFF000000, 0)))
         buf = io.BytesIO()
         img.save(buf, format="WEBP", quality=WEBP_QUALITY)
-        w, h = img.size
         head = _u24(0) + _u24(0) + _u24(w - 1) + _u24(h - 1) + _u24(self.duration) + bytes([0x02])
         self.fh.write(_chunk(b"ANMF", head + frame_bitstream(buf.getvalue())))
 
@@ -205,6 +204,3 @@ class VideoFile:
                 pass
         self._cleanup()
 
-
-def open_video_file(path, fps: int = FPS, *, option: str = "", purpose: str = "the video") -> VideoFile:
-    return VideoFile(path, fps, option=option, purpose=purpose)

@@ -5,8 +5,10 @@ import sys
 import time
 from pathlib import Path
 
-from ..cache import count_entries
-from .output import print_json, print_table
+from ..cache import KNOWN_NAMESPACES, LimitCache, count_entries, default_cache_path
+from ..cache.safety import CacheUnavailableError, write_problem
+from .errors import UsageError
+from .output import format_table, print_json
 
 
 def _when(t: float) -> str:
@@ -15,9 +17,6 @@ def _when(t: float) -> str:
 
 def check_namespace(cache, namespace):
     """A namespace the pack uses or the file holds; else UsageError listing them."""
-    from ..cache import KNOWN_NAMESPACES
-    from .errors import UsageError
-
     if namespace is None:
         return None
     present = {r["namespace"] for r in cache.entries(None, all_fingerprints=True)}
@@ -31,8 +30,6 @@ def check_namespace(cache, namespace):
 def _check_writable(cache) -> None:
     """clear and prune-stale write the file: a cache that cannot be written is their one error (not a warning
     first and the same words as the error after)."""
-    from ..cache.safety import CacheUnavailableError, write_problem
-
     problem = write_problem(cache.path)
     if problem:
         raise CacheUnavailableError(problem)
@@ -50,8 +47,6 @@ def _print_notices(cache) -> list[str]:
 
 
 def _show(args) -> int:
-    from ..cache import LimitCache
-
     cache = LimitCache()
     check_namespace(cache, args.namespace)
     rows = cache.entries(args.namespace, all_fingerprints=args.all)
@@ -75,18 +70,15 @@ def _show(args) -> int:
     print("entries: " + ", ".join(f"{ns} {n}" for ns, n in sorted(counts.items())))
     table = [dict(r, updated=_when(r["updated"])) for r in rows]
     cols = ["namespace", "key", "hits", "updated", "value"] + (["fingerprint"] if args.all else [])
-    print_table(table, cols)
+    print(format_table(table, cols))
     return 0
 
 
 def _set_aside(args) -> int:
-    from ..cache import LimitCache
-
     cache = LimitCache()
     items = cache.set_aside()
     problem = cache.set_aside_problem()
     if problem:                 # a damaged or over-large side file is not "no entries"
-        from .errors import UsageError
         raise UsageError(problem)
     if args.json:
         print_json({"path": str(cache.set_aside_path), "count": len(items), "items": items})
@@ -99,21 +91,17 @@ def _set_aside(args) -> int:
     table = [{"namespace": i.get("namespace") or "-", "key": i.get("key") or "-",
               "fingerprint": i.get("fingerprint") or "-", "when": _when(i.get("time") or 0),
               "reason": i.get("reason"), "entry": i.get("entry")} for i in items]
-    print_table(table, ["namespace", "key", "fingerprint", "when", "reason", "entry"])
+    print(format_table(table, ["namespace", "key", "fingerprint", "when", "reason", "entry"]))
     return 0
 
 
 def _path(args) -> int:
-    from ..cache import default_cache_path
-
     print(default_cache_path())
     return 0
 
 
 def _remove(args, prune: bool) -> int:
     """clear (one namespace or all) and prune-stale: the entries removed, counted."""
-    from ..cache import LimitCache
-
     cache = LimitCache()
     namespace = None if prune else check_namespace(cache, args.namespace)
     _check_writable(cache)

@@ -1,13 +1,10 @@
 """``python -m wan_accel doctor [--json] [--report FILE] [--recheck] [--feature NAME] [--with-compile] [--ops]``."""
 from __future__ import annotations
 
-from ..app.validate import check_device, check_int
+from ..app.validate import TORCH_NAMES, check_device, check_int
 from ..profiling.child import one_line
 from .errors import UsageError
 from .output import print_json
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 
 MAX_HEAD_DIM = 512      # the largest head the attention kernels are probed with
 
@@ -26,7 +23,7 @@ def _doctor(args):
         raise UsageError(f"--with-compile adds the torch.compile probe on a CPU, and {device} always probes it: "
                          f"leave --with-compile out, or add --device cpu")
     try:
-        dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+        dtype = getattr(torch, TORCH_NAMES[args.dtype]) if args.dtype else None
         ctx = default_context(device, dtype, args.head_dim, with_compile=args.with_compile)
     except Exception as exc:  # noqa: BLE001 - e.g. "Torch not compiled with CUDA enabled": say what to do
         raise UsageError(f"--device {device}: cannot probe on it ({one_line(exc)}); use --device cpu or cuda[:N]")
@@ -89,7 +86,7 @@ def register(sub) -> None:
     p.add_argument("--with-compile", action="store_true",
                    help="also probe torch.compile on a CPU (tens of seconds; always probed on a GPU)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="probe dtype (default: bf16 on CUDA, fp32 on a CPU)")
+    p.add_argument("--dtype", choices=sorted(TORCH_NAMES), help="probe dtype (default: bf16 on CUDA, fp32 on a CPU)")
     p.add_argument("--head-dim", type=int, default=128, help="head size of the probes (Wan: 128)")
     p.add_argument("--ops", action="store_true", help="every op family of the op registry, its candidates and why each "
                                                       "is chosen or rejected here (probes nothing)")

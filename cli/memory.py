@@ -1,8 +1,10 @@
 """``python -m wan_accel plan``: the VRAM plan for a checkpoint or a model preset (works without a GPU)."""
 from __future__ import annotations
 
+import re
 import sys
 
+from ..app.validate import UsageError, check_float, check_geometry, check_input_file, check_int, check_window
 from .output import print_json
 
 PRESETS = ("1.3b", "14b", "14b-i2v", "krea-14b")
@@ -37,9 +39,6 @@ def register(sub) -> None:
 
 def parse_capability(text) -> tuple[int, int]:
     """'8.9' -> (8, 9): MAJOR.MINOR, major 3..20, minor 0..9 (CUDA compute capabilities)."""
-    import re
-
-    from ..app.validate import UsageError
     m = re.fullmatch(r"\s*(\d{1,2})\.(\d)\s*", str(text))
     if not m or not 3 <= int(m.group(1)) <= 20:
         raise UsageError(f"--capability must be a compute capability MAJOR.MINOR such as 8.9, 8.6 or 9.0, got "
@@ -74,8 +73,6 @@ def _plan(args) -> int:
     from ..memory.plan import make_plan
     from ..memory.system import GiB
     from ..memory.weights import HeaderError, preset_weights, weights_from_checkpoint
-
-    from ..app.validate import UsageError, check_float, check_geometry, check_input_file, check_int, check_window
 
     try:
         if args.checkpoint is not None:

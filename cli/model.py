@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from ..cache.json_out import to_json
+from ..cache.owned_files import check_target
 from ..app.validate import (UsageError, check_device, check_fits, check_float, check_geometry, check_input_file,
                             check_int, check_output_dir, check_schedule_args, check_steps, check_text,
                             dtype_arg)
@@ -334,10 +337,9 @@ def _check_mg2_schedule(args) -> None:
 def _generate(args) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     check_generate_args(args)
-    from ..app.ranks.parallel import check_rank_env
+    from ..app.ranks.parallel import check_rank_env, group_from_env, stop_group
     check_rank_env((_model_size(args)[0] or {}).get("num_heads"), device=args.device)    # torchrun's variables
     # under torchrun (WORLD_SIZE > 1): one rank of a sequence-parallel run, one GPU (or CPU process) each
-    from ..app.ranks.parallel import group_from_env, stop_group
     parallel, device = group_from_env(args.device)
     if parallel is not None:
         args.device = str(device)
@@ -406,10 +408,6 @@ def check_dst(dst, src, purpose: str):
     """The output DST as a Path: a .safetensors file in a usable folder that the pack may write (``check_target``:
     no link, pipe or limit cache file), never the input SRC (the same name or another name of it: a link, a hard
     link, a path through a linked folder); UsageError / OwnedFileError otherwise."""
-    import os
-    from pathlib import Path
-
-    from ..cache.owned_files import check_target
     dst = Path(dst)
     if dst.suffix.lower() != ".safetensors":
         raise UsageError(f"DST {dst} must end in .safetensors")
@@ -461,8 +459,6 @@ def _add_check(subparsers) -> None:
 
 
 def _check(args) -> int:
-    from pathlib import Path
-
     from ..app.jobs.reference import check_reference, format_table, row_ok, verdict
     folder = Path(args.dir).expanduser()
     if not folder.is_dir():

@@ -26,6 +26,3 @@ def format_table(rows: list[dict], columns: list[str], headers: list[str] | None
     out = [line(headers), line(["-" * w for w in widths])] + [line(b) for b in body]
     return "\n".join(out)
 
-
-def print_table(rows: list[dict], columns: list[str], headers: list[str] | None = None, **kw) -> None:
-    print(format_table(rows, columns, headers, **kw))

@@ -261,7 +261,7 @@ class MatrixGame2PlaySave(FreshNode):
             full, name, counter, subfolder = save_path(filename_prefix, input_name="filename_prefix")
         except ImportError:
             raise ValueError("Play Save writes into ComfyUI's output folder: run it inside ComfyUI") from None
-        from ..cache.video_file import open_video_file, video_format_for
+        from ..cache.video_file import VideoFile, video_format_for
         fmt = video_format_for(video_format)                 # mp4 needs PyAV; animated WEBP without it
         base = f"{name}_{counter:05}_"
         from pathlib import Path
@@ -274,8 +274,8 @@ class MatrixGame2PlaySave(FreshNode):
         written = 0
         if vae is not None:
             decoder = streaming_decode.stream_decoder(vae)
-            video = open_video_file(folder / files["video"], FPS, option="filename_prefix",
-                                    purpose="the saved play video")
+            video = VideoFile(folder / files["video"], FPS, option="filename_prefix",
+                              purpose="the saved play video")
             try:
                 with torch.inference_mode():
                     for part in play_chunks(latents):       # each chunk written as it is decoded

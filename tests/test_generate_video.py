@@ -136,10 +136,10 @@ def test_each_chunk_is_written_as_it_is_decoded(tmp_path):
 # ------------------------------------------------------------------------------------------------ the writer
 def test_the_animated_webp_is_written_frame_by_frame(tmp_path):
     from PIL import Image
-    from wan_accel.cache.video_file import open_video_file
+    from wan_accel.cache.video_file import VideoFile
     ramp = (torch.arange(7)[:, None] + torch.arange(9)[None]).float() / 40           # odd sizes are fine
     frames = torch.stack([(ramp + 0.12 * i)[..., None] * torch.tensor([1.0, 0.8, 0.6]) for i in range(5)])
-    video = open_video_file(tmp_path / "v.webp", 16)
+    video = VideoFile(tmp_path / "v.webp", 16)
     video.write(frames[:2])
     video.write((frames[2:] * 255).round().to(torch.uint8))
     assert video.close() == tmp_path / "v.webp" and video.frames == 5
@@ -157,10 +157,10 @@ def test_the_animated_webp_is_written_frame_by_frame(tmp_path):
 def test_a_video_is_renamed_once_from_the_temporary_it_was_written_into(tmp_path, monkeypatch):
     """One temporary per written file: the one the frames went into is the one the writer checks, fsyncs and
     renames onto the target (no second temporary, no second rename)."""
-    from wan_accel.cache.video_file import open_video_file
+    from wan_accel.cache.video_file import VideoFile
     renames, real = [], os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: renames.append((str(a), str(b))) or real(a, b))
-    video = open_video_file(tmp_path / "v.webp")
+    video = VideoFile(tmp_path / "v.webp")
     video.write(torch.rand(2, 4, 4, 3))
     assert video.close() == tmp_path / "v.webp"
     assert renames == [(video.tmp, str(tmp_path / "v.webp"))]
@@ -168,19 +168,19 @@ def test_a_video_is_renamed_once_from_the_temporary_it_was_written_into(tmp_path
 
 
 def test_a_failed_or_empty_video_leaves_nothing(tmp_path):
-    from wan_accel.cache.video_file import open_video_file
-    video = open_video_file(tmp_path / "v.webp")
+    from wan_accel.cache.video_file import VideoFile
+    video = VideoFile(tmp_path / "v.webp")
     video.write(torch.zeros(1, 4, 4, 3))
     with pytest.raises(ValueError, match="frames of"):
         video.write(torch.zeros(1, 4, 6, 3))
     video.discard()
-    empty = open_video_file(tmp_path / "e.webp")
+    empty = VideoFile(tmp_path / "e.webp")
     with pytest.raises(ValueError, match="no frames"):
         empty.close()
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "folder.webp").mkdir()
     with pytest.raises(ValueError, match="folder"):
-        open_video_file(tmp_path / "folder.webp")
+        VideoFile(tmp_path / "folder.webp")
 
 
 def test_mp4_falls_back_to_webp_without_pyav(monkeypatch):

@@ -171,13 +171,12 @@ def test_tiny_shift_is_refused_at_every_entry(tmp_path):
 @pytest.mark.parametrize("sigmas", [[1, float("nan"), 0], [float("inf"), 0], [1.0, 0.5, float("nan")],
                                     [1.0, -0.5, 0], [2.0, 0]])
 def test_sigma_lists_are_finite_and_in_range(sigmas):
-    from wan_accel.app.validate import UsageError, check_sigma_list
-    from wan_accel.sampling.scheduler import schedule_from_sigmas
+    from wan_accel.sampling.scheduler import ScheduleError, check_sigmas, schedule_from_sigmas
 
     with pytest.raises(ValueError):
         schedule_from_sigmas(sigmas)
-    with pytest.raises(UsageError):
-        check_sigma_list("sigmas", sigmas)
+    with pytest.raises(ScheduleError):
+        check_sigmas(sigmas, "sigmas")
     assert schedule_from_sigmas([1.0, 0.5, 0.0]).timesteps == [1000.0, 500.0]
 
 

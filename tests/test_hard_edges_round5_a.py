@@ -108,8 +108,8 @@ def test_generate_never_writes_a_video_of_nan_frames(tmp_path):
 
 
 def test_a_video_file_refuses_non_finite_frames_whoever_writes_it(tmp_path):
-    from wan_accel.cache.video_file import NonFiniteFramesError, open_video_file
-    video = open_video_file(tmp_path / "v.webp", purpose="the saved play video")
+    from wan_accel.cache.video_file import NonFiniteFramesError, VideoFile
+    video = VideoFile(tmp_path / "v.webp", purpose="the saved play video")
     frames = torch.rand(3, 16, 16, 3)
     video.write(frames)
     frames[1, 2, 3, 0] = float("inf")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ...cache.video_file import FPS, VideoFile, open_video_file, video_format_for
+from ...cache.video_file import FPS, VideoFile, video_format_for
 
 DECODES = ("wan", "tiny", "none")
 VAE_FILES = {"wan": "a Wan 2.1 VAE file (wan_2.1_vae.safetensors)", "tiny": "a taew2_1 file (taew2_1.safetensors)"}
@@ -94,5 +94,5 @@ def open_generate_video(decode: str | None, vae: str | None, checkpoint, out_dir
     if vae is None:
         log(f"decode {kind}: the decoder's seeded random weights (no --vae file): the video shows the pipeline, "
             f"not a picture")
-    return GenerateVideo(DecoderFrames(decoder), open_video_file(path, FPS, option=option,
-                                                                 purpose="the decoded video"), weights)
+    return GenerateVideo(DecoderFrames(decoder), VideoFile(path, FPS, option=option,
+                                                           purpose="the decoded video"), weights)
