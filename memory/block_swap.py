@@ -20,6 +20,7 @@ from torch import nn
 
 from ..model.attachments import SWAP_ATTR
 from .pinned import PinnedArena
+from .system import PlainFields
 
 log = logging.getLogger("wan_accel")
 ATTR = SWAP_ATTR                          # model/attachments.py reads it
@@ -27,19 +28,11 @@ EMBEDDING_NAMES = ("text_embedding", "img_emb")
 
 
 @dataclass
-class SwapSettings:
+class SwapSettings(PlainFields):
     blocks_to_swap: int = 0
     prefetch: int = 1
     offload_embeddings: bool = False
     pin_memory: bool | None = None        # None: pin when CUDA is available
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SwapSettings":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass
