@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from ..model.kv_cache import CrossAttnCache, KVCache
-from .recache import PromptSwitcher, text_batch
+from .recache import PromptSwitcher
 from .request import SamplingHooks, SamplingInputs, SamplingRequest
 from .scheduler import FlowMatchScheduler
 
-__all__ = ["EagerExecutor", "run_chunks", "text_batch"]
+__all__ = ["EagerExecutor", "run_chunks"]
 
 
 class _Rewrite:

@@ -6,14 +6,12 @@ both through the app floor's one prepare step (``app/prepare.py``: ``prepare(mod
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..cache import open_cache
 from ..model.finite import check_output, context_flags
 from ..model.rope import check_positions
-from .loop import EagerExecutor, run_chunks, text_batch
+from .loop import EagerExecutor, run_chunks
 from .prompts import PromptSchedule
 from .recache import RECACHE_MODES
 from .request import RunInputs, SamplingHooks, SamplingInputs, SamplingRequest

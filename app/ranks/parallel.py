@@ -137,9 +137,14 @@ def group_from_env(device=None, timeout_s: float | None = None) -> tuple[SeqPara
     return start_group(rank, world, "env://", device, timeout_s), device
 
 
-def stop_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def stop_group(quiet: bool = False) -> None:
+    """Leave the group, if any; ``quiet``: an error leaving it (a broken group) is ignored."""
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the group may already be broken
+        if not quiet:
+            raise
 
 
 def enable_parallel(model, sp: SeqParallel | None) -> None:
@@ -182,10 +187,7 @@ def _worker(rank: int, world: int, init_method: str, timeout_s: float, fn, args,
         kind = "parallel" if isinstance(exc, ParallelError) else "error"
         results.put((rank, kind, one_line(exc if kind == "error" else str(exc)), traceback.format_exc()))
     finally:
-        try:
-            stop_group()
-        except Exception:  # noqa: BLE001 - the group may already be broken
-            pass
+        stop_group(quiet=True)
 
 
 def run_ranks(fn, world: int, args: tuple = (), timeout_s: float = 60.0, devices=None,
