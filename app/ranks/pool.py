@@ -45,7 +45,6 @@ def _plain(value):
 def _channel():
     """(reader of stdin, writer to the real stdout) as message connections; fd 1 then points at stderr."""
     from multiprocessing.connection import Connection
-    import os
     out = os.dup(1)
     os.dup2(2, 1)
     return Connection(0, writable=False), Connection(out, readable=False)
