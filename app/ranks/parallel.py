@@ -85,9 +85,8 @@ def check_rank_env(heads: int | None = None, device=None, env=None) -> tuple[int
         raise UsageError(f"WORLD_SIZE {world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                          f"not: start the ranks with torchrun --nproc-per-node {world} (it sets RANK, LOCAL_RANK, "
                          f"MASTER_ADDR and MASTER_PORT), or unset WORLD_SIZE for one process")
-    rank = check_int("RANK", str(env["RANK"]).strip(), 0, world - 1, hint=f" (WORLD_SIZE is {world})")
-    local = check_int("LOCAL_RANK", str(env.get("LOCAL_RANK", "0")).strip(), 0, world - 1,
-                      hint=f" (WORLD_SIZE is {world})")
+    rank, local = (check_int(v, str(env.get(v, "0")).strip(), 0, world - 1, hint=f" (WORLD_SIZE is {world})")
+                   for v in ("RANK", "LOCAL_RANK"))            # RANK is set: checked above
     if "MASTER_PORT" in needed:
         check_int("MASTER_PORT", str(env["MASTER_PORT"]).strip(), 1, 65535)
     return world, rank, local
