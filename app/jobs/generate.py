@@ -278,7 +278,6 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     sampler_report: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
     t_start = timer.start()
     hooks = SamplingHooks(callback=on_step, on_chunk=on_chunk, report=sampler_report, on_chunk_latents=video)
     latents = maybe_profile(handle, sample_video, model, spec, RunInputs(context=context, **prompts), width, height,
