@@ -13,7 +13,7 @@ from ..memory.sampling_guard import OOM_RETRY_MODES
 from ..model.finite import check_conditioning
 from ..sampling.continuation import continued, state_after
 from ..sampling.recache import RECACHE_MODES
-from ..sampling.request import RunInputs, SamplingHooks
+from ..sampling.request import Replaceable, RunInputs, SamplingHooks
 from ..sampling.runner import CUDA_GRAPH_MODES, FastOptions, check_linear_mode, check_ops_mode
 from ..sampling.sampler import PATHS, build_request, sample_causal
 from .validate import MAX_FRAMES_PER_BLOCK, check_int
@@ -22,7 +22,7 @@ KEEP = "keep"          # RunSpec.swap / compile: the model's own (what it carrie
 
 
 @dataclasses.dataclass(frozen=True)
-class RunSpec:
+class RunSpec(Replaceable):
     """What a run asks for. path 'auto' | 'optimized' | 'reference'; cuda_graphs 'auto' | 'off'; fused_kernels,
     fused_qkv, ops, keep_slower, linear: the optimized path's ``FastOptions``; compile: CompileSettings (or their
     dict) of the blocks, None (eager) or KEEP (the model's own: a handle without compile settings keeps the model
@@ -67,9 +67,6 @@ class RunSpec:
         fields.setdefault("plan", getattr(handle, "plan", None))
         fields.setdefault("compile", getattr(handle, "compile_settings", None) or KEEP)
         return cls(**fields)
-
-    def replace(self, **changes) -> "RunSpec":
-        return dataclasses.replace(self, **changes)
 
     def fast_options(self) -> FastOptions:
         return FastOptions(cuda_graphs=self.cuda_graphs, fused_kernels=bool(self.fused_kernels),

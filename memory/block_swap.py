@@ -20,6 +20,7 @@ from torch import nn
 
 from ..model.attachments import SWAP_ATTR
 from .pinned import PinnedArena
+from .system import PlainFields
 
 log = logging.getLogger("wan_accel")
 ATTR = SWAP_ATTR                          # model/attachments.py reads it
@@ -27,19 +28,11 @@ EMBEDDING_NAMES = ("text_embedding", "img_emb")
 
 
 @dataclass
-class SwapSettings:
+class SwapSettings(PlainFields):
     blocks_to_swap: int = 0
     prefetch: int = 1
     offload_embeddings: bool = False
     pin_memory: bool | None = None        # None: pin when CUDA is available
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SwapSettings":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass
@@ -324,10 +317,12 @@ class BlockSwap:
         self.stats.copies += 1
         self.stats.bytes_copied += unit.nbytes
 
-    def _drop(self, unit: _Unit) -> None:
+    def _drop(self, unit: _Unit, back: dict | None = None) -> None:
+        """Point the unit's tensors at their host copies, or at their segment's copy in ``back`` {id(segment): t}."""
         for slot in unit.slots:
             if slot.owned():
-                slot.point_to(slot.host)
+                seg = None if back is None else back.get(id(slot.seg))
+                slot.point_to(slot.host if seg is None else slot.view_of(seg))
         unit.pending, unit.state = None, "host"
 
     def _before(self, key) -> None:
@@ -363,13 +358,8 @@ class BlockSwap:
             h.remove()
         self._handles.clear()
         for unit in self.units.values():
-            back = {id(seg): seg.host.to(seg.orig_device) for seg in unit.segments
-                    if restore and seg.orig_device.type != "cpu"}      # one copy per segment: views stay views
-            for slot in unit.slots:
-                if slot.owned():
-                    seg = back.get(id(slot.seg))
-                    slot.point_to(slot.host if seg is None else slot.view_of(seg))
-            unit.pending, unit.state = None, "host"
+            self._drop(unit, {id(seg): seg.host.to(seg.orig_device) for seg in unit.segments
+                              if restore and seg.orig_device.type != "cpu"})   # one copy per segment: views stay views
         self.units.clear()
         if getattr(self.blocks, ATTR, None) is self:
             delattr(self.blocks, ATTR)

@@ -90,13 +90,9 @@ def attended_tokens(w: Workload, window_frames: int, patch_size=(1, 2, 2)) -> in
 
 
 def kv_cache_bytes(layers: int, tokens: int, dim: int, elem_bytes: int, batch: int = 1) -> int:
-    """Self-attention KV cache: layers x (k, v) x tokens x dim."""
+    """A KV cache: layers x (k, v) x tokens x dim. The self-attention cache (its frames' tokens), and the
+    cross-attention K/V computed once per prompt (its text tokens)."""
     return layers * 2 * tokens * dim * elem_bytes * batch
-
-
-def cross_cache_bytes(layers: int, text_tokens: int, dim: int, elem_bytes: int, batch: int = 1) -> int:
-    """Cross-attention K/V computed once per prompt."""
-    return layers * 2 * text_tokens * dim * elem_bytes * batch
 
 
 def activation_bytes(q_tokens: int, k_tokens: int, dim: int, ffn_dim: int, heads: int, elem_bytes: int,
@@ -184,7 +180,7 @@ def sampling_need(model: dict, frames: int, height: int, width: int, *, frames_p
     ranks = max(1, int(world))
     return {"weights": int(weight_bytes), "latents": latents,
             "kv_cache": -(-kv_cache_bytes(layers, window * tpf, dim, elem_bytes, batch) // ranks),
-            "cross_attn_cache": -(-cross_cache_bytes(layers, text, dim, elem_bytes, batch) // ranks),
+            "cross_attn_cache": -(-kv_cache_bytes(layers, text, dim, elem_bytes, batch) // ranks),
             "activations": -(-activation_bytes(query_tokens(w, patch), window * tpf, dim, int(model["ffn_dim"]),
                                                int(model["num_heads"]), elem_bytes, backend, batch, text) // ranks)}
 

@@ -50,19 +50,14 @@ class _Plan:
     def place(self, nbytes: int):
         """(slab index, offset) for a piece of ``nbytes``, or None when it would break the budget."""
         need = _aligned(nbytes)
-        for i, u in enumerate(self.used):
-            if u + need <= self.slab:
-                trial = list(self.used)
-                trial[i] += need
-                if self.budget is None or self.footprint(trial) <= self.budget:
-                    self.used = trial
-                    return i, u
-                return None
-        trial = self.used + [need]
+        # the first slab with room, else a new one (a slab with room that would break the budget: None)
+        i = next((i for i, u in enumerate(self.used) if u + need <= self.slab), len(self.used))
+        trial = self.used + [0] if i == len(self.used) else list(self.used)
+        offset, trial[i] = trial[i], trial[i] + need
         if self.budget is not None and self.footprint(trial) > self.budget:
             return None
         self.used = trial
-        return len(trial) - 1, 0
+        return i, offset
 
 
 def plan_pinned(groups, budget: int | None = None, slab_bytes: int | None = None) -> tuple[int, int]:

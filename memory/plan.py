@@ -4,15 +4,14 @@ namespace ``memory``) override them.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from ..cache.json_out import to_json
-from .estimate import (Workload, activation_bytes, attended_tokens, block_compute_ms, cross_cache_bytes,
-                       kv_cache_bytes, query_tokens, transfer_ms, vae_decode_bytes, video_frames_for)
+from .estimate import (Workload, activation_bytes, attended_tokens, block_compute_ms, kv_cache_bytes,
+                       query_tokens, transfer_ms, vae_decode_bytes, video_frames_for)
 from .limits import dit_limit_key, learned_size, vae_kind as vae_kind_of, vae_limit_key
 from .pinned import plan_pinned
-from .system import HOST_RAM_HEADROOM, SystemInfo, detect_system, gib
+from .system import HOST_RAM_HEADROOM, PlainFields, SystemInfo, detect_system, gib
 from .weights import ModelWeights, TensorInfo, keeps_fp8, weights_from_tensors
 
 MiB = 1024 ** 2
@@ -22,7 +21,7 @@ CLIP_TOKENS = 257
 
 
 @dataclass
-class MemoryPlan:
+class MemoryPlan(PlainFields):
     fits: bool
     device: str
     dtype: str                      # weights and compute: 'bfloat16' | 'float16' | 'float32'
@@ -51,16 +50,8 @@ class MemoryPlan:
     def blocks_resident(self) -> int:
         return self.blocks_total - self.blocks_to_swap
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
     def to_json(self, **kw) -> str:
         return to_json(self.to_dict(), **{"sort_keys": True, "indent": None, **kw})
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "MemoryPlan":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
     def swap_settings(self):
         """The block-swap settings of this plan (memory.block_swap.SwapSettings)."""
@@ -191,6 +182,14 @@ def _choose_backend(system: SystemInfo) -> tuple[str, str]:
                          "(memory linear in tokens)")
 
 
+def _headroom(system: SystemInfo) -> tuple[int, int]:
+    """(the memory a plan counts: the GPU's free VRAM, or the host's available RAM without a GPU; the headroom kept
+    of it)."""
+    if system.has_gpu:
+        return system.free_vram, max(512 * MiB, int(0.04 * system.total_vram))
+    return system.host_ram_available, HOST_RAM_HEADROOM
+
+
 def reserve_problem(system: SystemInfo, reserve_bytes: int, name: str = "reserve") -> str | None:
     """Why ``reserve_bytes`` left unused leaves nothing to plan with (a negative or zero budget), naming the input
     ``name``; None when some memory is left. The memory counted is the GPU's free VRAM, or the host's available RAM
@@ -199,11 +198,9 @@ def reserve_problem(system: SystemInfo, reserve_bytes: int, name: str = "reserve
         return f"{name} must be 0 or more, got {reserve_bytes / GiB:g} GiB"
     if not reserve_bytes:           # nothing reserved: a machine short of memory is the plan's to say
         return None
-    gpu = system.has_gpu
-    have = system.free_vram if gpu else system.host_ram_available
-    margin = max(512 * MiB, int(0.04 * system.total_vram)) if gpu else HOST_RAM_HEADROOM
+    have, margin = _headroom(system)
     if reserve_bytes + margin >= have:
-        what = "free VRAM" if gpu else "available RAM"
+        what = "free VRAM" if system.has_gpu else "available RAM"
         most = max(0.0, (have - margin) / GiB)
         return (f"{name} {reserve_bytes / GiB:g} GiB leaves nothing to plan with: the {what} is {gib(have)}, of which "
                 f"{gib(margin)} is kept as headroom; use {name} below {most:.2f}" + (" (0 for none)" if most else
@@ -236,12 +233,8 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     problem = reserve_problem(system, reserve_bytes, reserve_name)
     if problem:                          # a negative budget plans nothing sensible (and advised adding RAM)
         raise ValueError(problem)
-    if gpu:
-        margin = max(512 * MiB, int(0.04 * system.total_vram))
-        budget = system.free_vram - reserve_bytes - margin
-    else:
-        margin = HOST_RAM_HEADROOM
-        budget = system.host_ram_available - reserve_bytes - margin
+    have, margin = _headroom(system)
+    budget = have - reserve_bytes - margin
 
     def frames_of(window: int) -> int:
         return full_frames if window < 0 else min(window, full_frames)
@@ -252,7 +245,7 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
             "weights_resident": sum(blocks[:L - n_swap]) + other - (emb if off_emb else 0),
             "swap_buffers": (min(n_swap, 2) * max_block if n_swap else 0) + (emb if off_emb else 0),
             "kv_cache": kv_cache_bytes(L, frames_of(window) * tpf, weights.dim, elem, B) if causal else 0,
-            "cross_attn_cache": cross_cache_bytes(L, text_tokens, weights.dim, elem, B) if causal else 0,
+            "cross_attn_cache": kv_cache_bytes(L, text_tokens, weights.dim, elem, B) if causal else 0,
             "activations": activation_bytes(lq, lk, weights.dim, weights.ffn_dim, weights.num_heads, elem,
                                             "math" if backend == "math" else "flash", B, text_tokens),
         }
@@ -377,12 +370,11 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
                 return c
         return None
 
-    dit_resident = need["weights_resident"]
-    vbudget = budget if not gpu else system.free_vram - reserve_bytes - margin - dit_resident
+    vbudget = budget - (need["weights_resident"] if gpu else 0)
     chunk = best_chunk(vbudget)
     where = "beside the resident DiT weights"
     if chunk is None and gpu:
-        vbudget = system.free_vram - reserve_bytes - margin
+        vbudget = budget
         chunk, where = best_chunk(vbudget), "once the DiT weights are unloaded (ComfyUI does this when memory is short)"
     if chunk is None:
         chunk = floor

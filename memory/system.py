@@ -21,13 +21,25 @@ def gib(n_bytes: float) -> str:
     return f"{n_bytes / GiB:.2f} GiB"
 
 
+class PlainFields:
+    """``to_dict`` / ``from_dict`` of a plain-data dataclass; ``from_dict`` leaves out keys it has no field for."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
 def pinned_budget_for(total: int, available: int) -> int:
     """How many bytes may be pinned: half the RAM, and never eat into the last few GiB of available RAM."""
     return int(max(0, min(total * PINNED_SHARE, available - HOST_RAM_HEADROOM)))
 
 
 @dataclass
-class SystemInfo:
+class SystemInfo(PlainFields):
     device: str = "cpu"                 # 'cuda' or 'cpu'
     gpu_name: str = "none"
     total_vram: int = 0                 # bytes
@@ -65,14 +77,9 @@ class SystemInfo:
                 f"pinned budget {gib(self.pinned_budget)}")
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = super().to_dict()
         d["capability"] = list(self.capability) if self.capability is not None else None
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SystemInfo":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
     @classmethod
     def simulated_gpu(cls, vram_gb: float, *, ram_gb: float | None = None, capability=(8, 9),

@@ -81,13 +81,8 @@ class ModelWeights:
 
     def block_tensor_bytes_at(self, index: int, elem_bytes: int | None) -> list[int]:
         """Bytes of each tensor of block ``index`` with float tensors held at ``elem_bytes`` (None: as stored)."""
-        out = []
-        for name, t in self.tensors.items():
-            m = BLOCK_RE.match(name)
-            if m is not None and int(m.group(1)) == index:
-                out.append(t.numel * elem_bytes if (elem_bytes and t.is_float and not held_as_stored(name, t))
-                           else t.nbytes)
-        return out
+        return [self._at([t], elem_bytes) for name, t in self.tensors.items()
+                if (m := BLOCK_RE.match(name)) is not None and int(m.group(1)) == index]
 
     def _other(self, prefixes=None):
         return [t for n, t in self.tensors.items() if not BLOCK_RE.match(n)
@@ -96,7 +91,7 @@ class ModelWeights:
     @property
     def embedding_bytes(self) -> int:
         """Bytes of the text / image embeddings (what ``offload_embeddings`` moves to the host)."""
-        return sum(t.nbytes for t in self._other(EMBEDDING_PREFIXES))
+        return self.embedding_bytes_at(None)
 
     @property
     def storage_dtype(self) -> str:
@@ -108,7 +103,8 @@ class ModelWeights:
         return max(by, key=by.get) if by else "F32"
 
     def _at(self, tensors, elem_bytes) -> int:
-        return sum(t.numel * elem_bytes if t.is_float and not held_as_stored(t.name, t) else t.nbytes
+        """Bytes of ``tensors`` with float tensors held at ``elem_bytes`` per element (None: as stored)."""
+        return sum(t.numel * elem_bytes if elem_bytes and t.is_float and not held_as_stored(t.name, t) else t.nbytes
                    for t in tensors)
 
     def block_bytes_at(self, elem_bytes: int | None) -> list[int]:
@@ -118,10 +114,10 @@ class ModelWeights:
         return [n * elem_bytes + o for n, o in zip(self.block_float_numel, self.block_other_bytes)]
 
     def other_bytes_at(self, elem_bytes: int | None) -> int:
-        return self.other_bytes if elem_bytes is None else self._at(self._other(), elem_bytes)
+        return self._at(self._other(), elem_bytes)
 
     def embedding_bytes_at(self, elem_bytes: int | None) -> int:
-        return self.embedding_bytes if elem_bytes is None else self._at(self._other(EMBEDDING_PREFIXES), elem_bytes)
+        return self._at(self._other(EMBEDDING_PREFIXES), elem_bytes)
 
     def sampling_config(self) -> dict:
         """The config a run's memory estimate reads (``validate.check_fits``): the file's config with the sizes

@@ -78,10 +78,6 @@ class GameActions:
     def keyboard_dim(self) -> int:
         return len(MODES[self.mode]["keys"])
 
-    @property
-    def mouse_dim(self) -> int:
-        return 2 if self.mouse is not None else 0
-
     def summary(self) -> str:
         chunks, rest = divmod(self.latent_frames, 3)
         extra = f" + {rest} latent frame(s) beyond the last full chunk" if rest else ""

@@ -172,13 +172,9 @@ def capture(settings: dict, frames: int, kv: KVCache, generator: torch.Generator
             device=None, copy: bool = True, last_context=None, history=None) -> SamplerState:
     """The state after ``frames`` latent frames: a copy (the caller's buffers may be reused), or with ``copy``
     False the caller's caches themselves (an owner that goes on from it in place, and only once)."""
-    if not copy:
-        return SamplerState(dict(settings), int(frames), kv, (str(generator.device), generator.get_state().clone()),
-                            dict(actions) if actions is not None else None, last_context=last_context,
-                            history=history)
-    return SamplerState(dict(settings), int(frames), copy_cache(kv, device=device),
-                        (str(generator.device), generator.get_state().clone()), _actions_to(actions, device),
-                        last_context=_to(last_context, device), history=_to(history, device))
+    state = SamplerState(dict(settings), int(frames), kv, (str(generator.device), generator.get_state().clone()),
+                         dict(actions) if actions is not None else None, last_context=last_context, history=history)
+    return state.to(device) if copy else state
 
 
 def window_history(kv_window: int, earlier, new: torch.Tensor) -> torch.Tensor:
@@ -200,8 +196,9 @@ def last_chunk_context(spec, inputs: RunInputs, num_frames: int):
     return inputs.context
 
 
-def restore_generator(state: SamplerState, device) -> torch.Generator:
-    want, saved = state.generator
+def restore_generator(generator: tuple, device) -> torch.Generator:
+    """A noise generator on ``device`` from a state's (device, state) pair (``SamplerState.generator``)."""
+    want, saved = generator
     if torch.device(want).type != torch.device(device).type:
         raise ValueError(f"the state's noise generator ran on {want}; continue on the same device type "
                          f"(this model is on {device})")
@@ -240,7 +237,7 @@ def continued(model, spec, inputs: RunInputs, keep_state: bool) -> tuple:
         gen = inputs.generator or torch.Generator(device=model.device).manual_seed(int(spec.seed))
     else:
         copy_cache(state.kv, kv)
-        gen = restore_generator(state, model.device)
+        gen = restore_generator(state.generator, model.device)
         if inputs.previous_context is None:                 # a new prompt here is a switch
             changes["previous_context"] = state.last_context
         if inputs.history is None and state.history is not None:

@@ -308,6 +308,9 @@ class CacheSetup:
                 f"'{text} (blend 0)' to switch at once; or wait until chunk {running.chunk + running.blend}")
 
 
+INPUT_NAMES = {k: k for k in ("recache", "kv_window", "frames_per_block", "sink", "preset")}   # messages' defaults
+
+
 def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int = 0, preset=None,
                      names: dict | None = None) -> str | None:
     """Why the official code of the model a setting names would behave differently from the pack (a message naming
@@ -323,8 +326,7 @@ def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int
     (Krea Realtime with a context of K frames that is not a whole number of blocks is reproduced: the last, partial
     block attends the zero padding keys of Krea's padded block mask, ``padding_keys``.)
     """
-    n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink",
-         "preset": "preset", **(names or {})}
+    n = {**INPUT_NAMES, **(names or {})}
     fpb, window, sink = int(frames_per_block), int(kv_window), int(sink or 0)
     preset = preset if isinstance(preset, str) else getattr(preset, "name", None)     # a name or a Schedule
     if preset == "longlive" and sink > fpb:
@@ -370,8 +372,7 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
     reproduce (``official_problem``): ``preset`` (a schedule preset name or a Schedule; other values are ignored)
     'longlive' with a sink larger than one chunk. ``sink``: the run's sink frames, refused with 'krea' (it
     keeps none): ``validate.check_window``."""
-    n = {"recache": "recache", "kv_window": "kv_window", "frames_per_block": "frames_per_block", "sink": "sink",
-         "preset": "preset", **(names or {})}
+    n = {**INPUT_NAMES, **(names or {})}
     if mode not in CACHE_MODES:
         raise ValueError(f"{n['recache']} must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
     if isinstance(kv_window, bool) or int(kv_window) != kv_window or isinstance(frames_per_block, bool) \

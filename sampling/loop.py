@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from ..model.kv_cache import CrossAttnCache, KVCache
-from .recache import PromptSwitcher, text_batch
+from .recache import PromptSwitcher
 from .request import SamplingHooks, SamplingInputs, SamplingRequest
 from .scheduler import FlowMatchScheduler
 
-__all__ = ["EagerExecutor", "run_chunks", "text_batch"]
+__all__ = ["EagerExecutor", "run_chunks"]
 
 
 class _Rewrite:
@@ -55,8 +55,7 @@ class EagerExecutor:
     def begin_chunk(self, start_frame: int, frames: int):
         return None                 # forward_chunk plans its own cache writes
 
-    def begin_recache(self, start_frame: int, frames: int):
-        return None                 # forward("recache") plans a rewrite of the cached frames
+    begin_recache = begin_chunk     # forward("recache") plans a rewrite of the cached frames
 
     def set_text(self, embedded) -> None:
         """Condition the next calls on ``embedded`` (an EmbeddedText): the cross-attention cache is dropped."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..model.kv_cache import KVCache
-from .continuation import SamplerState, capture, check_state, copy_cache, run_settings
+from .continuation import SamplerState, capture, check_state, copy_cache, restore_generator, run_settings
 from .mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_cond_concat, resolve_preset
 
 VIDEO_PER_LATENT = 4
@@ -69,20 +69,16 @@ def mg2_continuation(model, image_latent: torch.Tensor, visual_context: torch.Te
     call = model.new_action_call(to_dev(mouse), to_dev(keyboard), window)
     if state is None:
         gens = [torch.Generator(device=device).manual_seed((int(seed) + i) % 2 ** 64) for i in range(b)]
-    elif reuse:
-        call.adopt_caches(state.actions["mouse_cache"], state.actions["keyboard_cache"], b, frame_tokens)
     else:
-        copy_cache(state.kv, kv)
-        call._alloc(b, frame_tokens, device, call.dtype or model.compute_dtype)
-        for name in ("mouse_cache", "keyboard_cache"):
-            if getattr(call, name) is not None:
-                copy_cache(state.actions[name], getattr(call, name))
-    if state is not None:
-        gens = []
-        for dev, saved in state.actions["generators"]:
-            g = torch.Generator(device=device)
-            g.set_state(saved)
-            gens.append(g)
+        gens = [restore_generator(saved, device) for saved in state.actions["generators"]]
+        if reuse:
+            call.adopt_caches(state.actions["mouse_cache"], state.actions["keyboard_cache"], b, frame_tokens)
+        else:
+            copy_cache(state.kv, kv)
+            call._alloc(b, frame_tokens, device, call.dtype or model.compute_dtype)
+            for name in ("mouse_cache", "keyboard_cache"):
+                if getattr(call, name) is not None:
+                    copy_cache(state.actions[name], getattr(call, name))
 
     cond = build_cond_concat(image_latent.to(device), num_frames, start)      # the new frames' part only
     run = dict(noise=(b, c.out_dim, num_frames, h, w), cond_concat=cond, visual_context=visual_context.to(device),

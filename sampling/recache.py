@@ -133,13 +133,9 @@ class PromptSwitcher:
     """Follows the run's per-chunk contexts: embeds each new one once, switches the executor to it, re-caches."""
 
     def __init__(self, model, executor, req: SamplingRequest, inputs: SamplingInputs, out: torch.Tensor, base: int):
-        if inputs.recache not in RECACHE_MODES:
-            raise ValueError(f"recache must be one of {RECACHE_MODES}, got {inputs.recache!r}")
+        # recache mode and one context per chunk: checked where the inputs are made (sampler.build_request)
         self.model, self.executor, self.req, self.inputs, self.out, self.base = model, executor, req, inputs, out, base
-        contexts = inputs.chunk_contexts
-        if contexts is not None and len(contexts) != len(req.chunks):
-            raise ValueError(f"{len(contexts)} chunk contexts for {len(req.chunks)} chunks; give one per chunk")
-        self.contexts = contexts
+        self.contexts = inputs.chunk_contexts
         self.raw = self.context_of(0)
         self.text = model.embed_text(text_batch(self.raw, req.batch))
         self.switches: list = []

@@ -17,8 +17,15 @@ import torch
 from .scheduler import Schedule
 
 
+class Replaceable:
+    """``replace(**changes)`` of a dataclass: a copy with those fields changed."""
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
 @dataclass(frozen=True)
-class SamplingRequest:
+class SamplingRequest(Replaceable):
     """What to sample. shape (B, F, C, H, W) of the latents; chunks [(first_frame, frames), ...]; grid_hw the token
     grid of a frame after patching; path 'reference' | 'optimized' (resolved); options the optimized path's
     FastOptions (None on the reference path); latent_dtype the dtype of the loop's latent state (xt, x0)."""
@@ -53,12 +60,9 @@ class SamplingRequest:
         """Whether the chunk's clean output is written back to the cache (every chunk but a skipped last one)."""
         return not (self.skip_last_refresh and chunk_index == len(self.chunks) - 1)
 
-    def replace(self, **changes) -> "SamplingRequest":
-        return dataclasses.replace(self, **changes)
-
 
 @dataclass(frozen=True)
-class SamplingHooks:
+class SamplingHooks(Replaceable):
     """Observers and policies of a run (all optional).
 
     callback(chunk_index, step_index, num_chunks, num_steps, x0_chunk) after every step (may raise to stop: interrupt);
@@ -80,9 +84,6 @@ class SamplingHooks:
     chunk_guard: Callable | None = None
     on_chunk_latents: Callable | None = None
     report: dict | None = None
-
-    def replace(self, **changes) -> "SamplingHooks":
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass
@@ -115,7 +116,7 @@ class SamplingInputs:
 
 
 @dataclass(frozen=True)
-class RunInputs:
+class RunInputs(Replaceable):
     """What a run samples from, typed (``app.prepare.prepare`` takes it beside the run's spec).
 
     context [B or 1, L, text_dim] (or an EmbeddedText); or prompt_schedule (a ``prompts.PromptSchedule`` or its text,
@@ -147,6 +148,3 @@ class RunInputs:
     previous_context: Any = None
     history: torch.Tensor | None = None
     cache_policy: Any = None
-
-    def replace(self, **changes) -> "RunInputs":
-        return dataclasses.replace(self, **changes)

@@ -22,7 +22,6 @@ compiled, swapped or offloaded by its owner before sampling, never from here.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -48,6 +47,7 @@ from ..model.fused_qkv import drop_fused_qkv, ensure_fused_qkv
 from ..model.kv_cache import KVCache
 from ..cache.warmup import spent
 from .cuda_graphs import CudaGraphBackend, GraphManager, recorded_failure
+from .request import Replaceable
 
 log = logging.getLogger("wan_accel")
 _SAID: set = set()      # speed verdict lines already shown in this process
@@ -56,7 +56,7 @@ LATENT_DTYPES = ("float32", "stream")
 
 
 @dataclass(frozen=True)
-class FastOptions:
+class FastOptions(Replaceable):
     """Switches of the optimized path (all on by default; each keeps the results within rounding).
 
     attention:         None: the model's own setting (the loader's); else auto | sdpa | flash_attn | fa3 | fa2.
@@ -118,9 +118,6 @@ class FastOptions:
         if self.latent_dtype == "stream":
             return model.stream_dtype
         return torch.promote_types(model.stream_dtype, torch.float32)
-
-    def replace(self, **changes) -> "FastOptions":
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def coerce(cls, value) -> "FastOptions":

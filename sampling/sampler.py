@@ -6,16 +6,13 @@ both through the app floor's one prepare step (``app/prepare.py``: ``prepare(mod
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..cache import open_cache
 from ..model.finite import check_output, context_flags
 from ..model.rope import check_positions
-from .loop import EagerExecutor, run_chunks, text_batch
+from .loop import EagerExecutor, run_chunks
 from .prompts import PromptSchedule
-from .recache import RECACHE_MODES
 from .request import RunInputs, SamplingHooks, SamplingInputs, SamplingRequest
 from .runner import FastOptions, get_runner
 from .scheduler import Schedule, resolve_schedule
@@ -125,22 +122,18 @@ def build_request(model, spec, inputs: RunInputs, path: str = "auto", options=No
                   ) -> tuple[SamplingRequest, SamplingInputs]:
     """A run's spec and inputs checked once: (the frozen request, the run's tensors) for ``sample_causal``.
 
-    spec: the loop's settings (``app.prepare.RunSpec``: schedule, frames_per_block, kv_window, sink,
+    spec: the loop's settings (``app.prepare.RunSpec``, checked: schedule, frames_per_block, kv_window, sink,
     skip_last_refresh, refresh_t, independent_first_frame, partial_last_block, recache, seed); inputs: ``RunInputs``
     (its ``state`` already turned into a cache, generator and start frame: ``continuation.continued``); path:
     'reference' (``loop.EagerExecutor``: one ``forward_chunk`` per call), 'optimized' (``runner.Run``: static
     buffers, fused parts, CUDA graphs; same results within rounding) or 'auto' (``resolve_path``); options: the
     optimized path's FastOptions (or dict); tracer: the hooks' tracer (it makes 'auto' the reference path)."""
-    if spec.recache not in RECACHE_MODES:
-        raise ValueError(f"recache must be one of {RECACHE_MODES}, got {spec.recache!r}")
     if inputs.prompt_schedule is not None and inputs.chunk_contexts is not None:
         raise ValueError("give a prompt schedule or chunk contexts, not both")
     fpb, start_frame = spec.frames_per_block, int(inputs.start_frame)
     noise, prefix, y, kv_cache = inputs.noise, inputs.prefix, inputs.y, inputs.kv_cache
     sched = as_schedule(spec.schedule)
-    shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)
-    if len(shape) != 5:
-        raise ValueError(f"noise must be [B, F, C, H, W] (or that shape), got {shape}")
+    shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)  # run.check_noise
     b, num_frames, _, h, w = shape
     first = 0
     if prefix is not None:

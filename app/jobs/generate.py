@@ -278,7 +278,6 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     sampler_report: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
     t_start = timer.start()
     hooks = SamplingHooks(callback=on_step, on_chunk=on_chunk, report=sampler_report, on_chunk_latents=video)
     latents = maybe_profile(handle, sample_video, model, spec, RunInputs(context=context, **prompts), width, height,
@@ -369,20 +368,15 @@ def _write_outputs(latents, opts, parallel=None) -> dict:
             "seed": str(opts.seed), "preset": opts.preset}
     tensors = {"latents": lat, "vae_latents": to_vae_latents(lat)}
     write_with(out / "latents.safetensors", lambda tmp: save_file(tensors, tmp, metadata=meta),
-               option=_option(opts), purpose="the latents")
+               option=opts.out_option, purpose="the latents")
     files = {"latents": str(out / "latents.safetensors")}
     if opts.preview:
         files["preview"] = str(save_animation(latents_to_rgb(lat)[0], out / "preview.webp",
-                                                               option=_option(opts)))
+                                                               option=opts.out_option))
     return files
 
 
 OUT_OPTION = "out_dir"      # how the output folder is named in messages (the command line says --out)
-
-
-def _option(opts) -> str:
-    """The output folder's name as the caller typed it (``--out`` on the command line), else ``out_dir``."""
-    return getattr(opts, "out_option", OUT_OPTION)
 OUTPUT_FILES = ("latents.safetensors", "preview.webp", "preview.gif", "report.json")
 
 
@@ -400,6 +394,6 @@ def _write_report(report: dict, opts, parallel=None) -> bool:
     if not _writes(parallel):
         return False
     path = Path(opts.out_dir) / "report.json"
-    write_text(path, to_json(report), option=_option(opts), purpose="the run's report")
+    write_text(path, to_json(report), option=opts.out_option, purpose="the run's report")
     report["files"]["report"] = str(path)
     return True

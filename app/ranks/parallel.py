@@ -85,9 +85,8 @@ def check_rank_env(heads: int | None = None, device=None, env=None) -> tuple[int
         raise UsageError(f"WORLD_SIZE {world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                          f"not: start the ranks with torchrun --nproc-per-node {world} (it sets RANK, LOCAL_RANK, "
                          f"MASTER_ADDR and MASTER_PORT), or unset WORLD_SIZE for one process")
-    rank = check_int("RANK", str(env["RANK"]).strip(), 0, world - 1, hint=f" (WORLD_SIZE is {world})")
-    local = check_int("LOCAL_RANK", str(env.get("LOCAL_RANK", "0")).strip(), 0, world - 1,
-                      hint=f" (WORLD_SIZE is {world})")
+    rank, local = (check_int(v, str(env.get(v, "0")).strip(), 0, world - 1, hint=f" (WORLD_SIZE is {world})")
+                   for v in ("RANK", "LOCAL_RANK"))            # RANK is set: checked above
     if "MASTER_PORT" in needed:
         check_int("MASTER_PORT", str(env["MASTER_PORT"]).strip(), 1, 65535)
     return world, rank, local
@@ -137,9 +136,14 @@ def group_from_env(device=None, timeout_s: float | None = None) -> tuple[SeqPara
     return start_group(rank, world, "env://", device, timeout_s), device
 
 
-def stop_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def stop_group(quiet: bool = False) -> None:
+    """Leave the group, if any; ``quiet``: an error leaving it (a broken group) is ignored."""
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the group may already be broken
+        if not quiet:
+            raise
 
 
 def enable_parallel(model, sp: SeqParallel | None) -> None:
@@ -182,10 +186,7 @@ def _worker(rank: int, world: int, init_method: str, timeout_s: float, fn, args,
         kind = "parallel" if isinstance(exc, ParallelError) else "error"
         results.put((rank, kind, one_line(exc if kind == "error" else str(exc)), traceback.format_exc()))
     finally:
-        try:
-            stop_group()
-        except Exception:  # noqa: BLE001 - the group may already be broken
-            pass
+        stop_group(quiet=True)
 
 
 def run_ranks(fn, world: int, args: tuple = (), timeout_s: float = 60.0, devices=None,

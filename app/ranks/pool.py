@@ -45,7 +45,6 @@ def _plain(value):
 def _channel():
     """(reader of stdin, writer to the real stdout) as message connections; fd 1 then points at stderr."""
     from multiprocessing.connection import Connection
-    import os
     out = os.dup(1)
     os.dup2(2, 1)
     return Connection(0, writable=False), Connection(out, readable=False)
@@ -88,10 +87,7 @@ def serve(*argv: str) -> None:
             except BaseException as exc:  # noqa: BLE001
                 outbox.send(("error", one_line(exc), traceback.format_exc()))
     finally:
-        try:
-            stop_group()
-        except Exception:  # noqa: BLE001
-            pass
+        stop_group(quiet=True)
 
 
 class RankPool:
@@ -219,10 +215,7 @@ class RankPool:
                 conn.close()
         self.procs, self.conns = [], []
         if self.sp is not None or model is not None:
-            try:
-                stop_group()
-            except Exception:  # noqa: BLE001 - a broken group
-                pass
+            stop_group(quiet=True)      # a broken group
         self.sp = None
         if model is not None:
             enable(model, None)
