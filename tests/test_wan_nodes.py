@@ -1,5 +1,8 @@
 """Model nodes called as plain Python (outside ComfyUI)."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -11,7 +14,12 @@ from wan_accel.nodes.model_nodes import (NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_
 def test_module_import_is_light():
     src = open(model_nodes.__file__).read().split('"""', 2)[2]
     top_level = [ln for ln in src.splitlines() if ln.startswith(("import ", "from "))]
-    assert top_level == ["from __future__ import annotations", "from .comfy import Node, check_choice"]   # Node: stdlib only
+    assert top_level == ["from __future__ import annotations", "from .comfy import Node, check_choice, node_mappings",
+                         "from .comfy.comfy_core import ComfyProgress"]
+    # Node and ComfyProgress bring no torch: ComfyUI lists the nodes before anything loads a model
+    code = "import sys, wan_accel.nodes.model_nodes; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_mappings_and_input_metadata():
