@@ -509,7 +509,8 @@ def run(args) -> int:
     if any("vs_exact_max_abs" in r for r in rows):
         cols.append("vs_exact_max_abs")
     shown = [dict(r, parity_max_abs=_sci(r["parity_max_abs"]), parity_mean_abs=_sci(r["parity_mean_abs"]),
-                  vs_exact_max_abs=_sci(r.get("vs_exact_max_abs")), kv_kb_per_chunk=round(max(r["kv_bytes_per_chunk"]) / 1024, 1)) for r in rows]
+                  vs_exact_max_abs=_sci(r.get("vs_exact_max_abs")),
+                  kv_kb_per_chunk=round(max(r["kv_bytes_per_chunk"]) / 1024, 1)) for r in rows]
     print_columns(cols, [[r[c] for c in cols] for r in shown])
     return 0
 
