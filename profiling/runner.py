@@ -159,7 +159,11 @@ class ProfileSession:
         if self._prof is None:
             self._prof = torch.profiler.profile(activities=self._activities(), record_shapes=self.record_shapes,
                                                 with_stack=self.with_stack)
-            self._prof.start()
+            try:
+                self._prof.start()
+            except BaseException:       # the profiler itself would not start: stop the window as a failed run does
+                self.abort()
+                raise
         label = torch.profiler.record_function(self.run_label(len(self.run_times)))
         self.last_result = self._timed(self.run_times, label, fn, args, kwargs)
         return self.last_result

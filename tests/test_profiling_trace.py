@@ -77,6 +77,21 @@ def test_a_failing_run_leaves_no_profiler_running(tmp_path):
     assert ok.runs == 1
 
 
+def test_a_profiler_that_will_not_start_stops_the_window(tmp_path, monkeypatch):
+    """The failure is the profiler's own (another tool holds it, say): the compile-statistics window is closed as
+    for a failing run, so dynamo's logger keeps no handler of the session's."""
+    import logging
+
+    def refuse(self):
+        raise RuntimeError("planted: profiler already running")
+
+    monkeypatch.setattr(torch.profiler.profile, "start", refuse)
+    before = list(logging.getLogger("torch._dynamo").handlers)
+    with pytest.raises(RuntimeError, match="planted"):
+        profile_run(lambda: torch.zeros(2), out_dir=tmp_path, trace_name="refused", device="cpu")
+    assert logging.getLogger("torch._dynamo").handlers == before
+
+
 def test_runs_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="runs must be >= 1"):
         profile_run(lambda: None, runs=0, out_dir=tmp_path, device="cpu")
