@@ -205,7 +205,6 @@ def _norm_rope(norm, x, rope, heads: int, fused: bool, ops: tuple = ()):
     return apply_rope(norm(x).unflatten(2, (heads, -1)), cos, sin)
 
 
-
 def _project(sa, h, fused_qkv: bool, parts: int, linear: str = "exact"):
     """The last ``parts`` of (q, k, v) for input h: one GEMM over the fused weight when available (under
     ``linear`` 'fp8': over the fp8 copy of the three weights, one GEMM when fused, else one per part)."""
@@ -332,8 +331,8 @@ class WanBlock(nn.Module):
         y = self.cross_attn(h.to(cd), call.cross, call.parts.attention, call.parts.linear,
                             pack_kernel_runs(call.parts, "rms_norm"))
         acting = actions is not None and getattr(self, "action_model", None) is not None
-        if pack_kernel_runs(call.parts, "residual_norm") and not acting and \
-                torch.promote_types(x.dtype, y.dtype) == x.dtype:
+        if (pack_kernel_runs(call.parts, "residual_norm") and not acting
+                and torch.promote_types(x.dtype, y.dtype) == x.dtype):
             x, h = residual_norm(x, y, shift=m[:, :, 3], scale=m[:, :, 4], eps=self.norm2.eps)
         else:
             x = x + y
