@@ -27,7 +27,7 @@ from ..cache.json_out import to_json
 from ..cache.fingerprint import cpu_name
 from . import print_columns, sampler as bs
 from ..app.validate import UsageError
-from ..app.jobs.generate import _sync
+from ..app.jobs.generate import ChunkTimer, _sync
 from ..app.ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
 from .sampler_setup import run_geometry, shape_config
 
@@ -106,22 +106,16 @@ def _rank_run(sp, opts: dict) -> dict:
     inp = bs._inputs(model, opts["kind"], opts["shape"], *opts["geometry"], args.seed)
     times, chunks = [], []
     for _ in range(1 + max(1, args.repeat)):
-        marks = []
         if sp is not None:
             sp.barrier("the barrier before a timed run")
             sp.reset_stats()
-        _sync(device)
-        t0 = time.perf_counter()
-
-        def on_chunk(_ci, _n):
-            _sync(device)
-            marks.append(time.perf_counter())
-
+        timer = ChunkTimer(device, lambda _text: None)      # each chunk from the previous one's end
+        t0 = timer.start()
         with torch.no_grad():
-            out = bs._sample(model, opts["kind"], inp, v, args.seed, on_chunk)
+            out = bs._sample(model, opts["kind"], inp, v, args.seed, timer)
         _sync(device)
         times.append(time.perf_counter() - t0)
-        chunks.append([b - a for a, b in zip([t0] + marks[:-1], marks)])
+        chunks.append(timer.seconds)
     n = len(chunks[-1])
     lat = (inp["latent_frames"], 16, inp["lh"], inp["lw"])
     mine, whole = kv_bytes(model, (1,) + lat, model.config.local_attn_size if opts["kind"] == "matrix-game2" else -1)

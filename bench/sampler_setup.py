@@ -62,10 +62,7 @@ def shape_window(shape: str) -> tuple:
 def run_geometry(args, kind: str, shape: str) -> tuple:
     """(video frames, height, width) of a run: the options given, else the shape's (a checkpoint: its kind's 1.3B
     video)."""
-    if args.checkpoint:
-        d = {"wan": (81, 480, 832), "matrix-game2": (57, 352, 640)}[kind]
-    else:
-        d = SAMPLER_SHAPES[kind][shape]
+    d = SAMPLER_SHAPES[kind]["1.3b" if args.checkpoint else shape]
     return args.frames or d[0], args.height or d[1], args.width or d[2]
 
 
