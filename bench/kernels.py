@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 from ..cache.json_out import to_json
 from ..profiling.child import child_argv, last_error, worker_message
@@ -390,13 +391,6 @@ def _print_vae(rows: list[dict]) -> None:
               f"  max_err {r['max_err']:.1e}{'' if r['ok'] else '  MISMATCH'}")
 
 
-def _restore(var, value):
-    if value is None:
-        os.environ.pop(var, None)
-    else:
-        os.environ[var] = value
-
-
 def _tuned_call(fn, args) -> tuple:
     """(output, seconds, the tuner's benchmarks) of one synchronized call of ``fn`` on a new autotuner."""
     import torch
@@ -418,9 +412,8 @@ def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
 
     dtype = getattr(torch, dtype_name)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="wan_accel_bench_kernels_") as tmp:
-        old_cache = os.environ.get("WAN_ACCEL_CACHE")
-        os.environ["WAN_ACCEL_CACHE"] = str(Path(tmp) / "limits.json")
+    with (tempfile.TemporaryDirectory(prefix="wan_accel_bench_kernels_") as tmp,     # the store put back on the way out
+          mock.patch.dict(os.environ, {"WAN_ACCEL_CACHE": str(Path(tmp) / "limits.json")})):
         try:
             for label, b, l, d, heads in GPU_SHAPES:
                 for name, fn, ref in _kernels():
@@ -440,7 +433,6 @@ def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
                         t_apart = _do_bench(lambda: apart(*args))
                         rows[-1].update(unfused_ms=t_apart, fused_vs_unfused=t_apart / t_tri)
         finally:
-            _restore("WAN_ACCEL_CACHE", old_cache)
             reset_autotuners()
     return rows
 
