@@ -187,11 +187,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    device = args.device
-    if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    from ..app.jobs.handle import default_device
+    device = args.device or str(default_device())
     settings = {"tiling_preset": args.preset}
     model = args.model
     if model is None:
