@@ -119,17 +119,18 @@ def measure(lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, devi
     ref = attn.attention_reference(q.float(), k.float(), v.float())
     timer = bench_timer(device, 1)      # the store's own timer on a GPU: the table ranks candidates as it does
     rows = []
-    todo = [(cand.name, "exact", lambda cand=cand: cand.fn, why)      # "torch" is the reference itself
+    todo = [(cand.name, "exact", cand.fn, why)        # "torch" is the reference itself
             for cand, why in attn.auto_listing(device, dtype, head_dim) if cand.name != "torch"]
     fa3 = registry.candidate("attention.fp8", "fa3")
-    todo += [(name, "approximate", lambda name=name: _approximate_call(name, k, v),
-              fa3.rejected(device, dtype, head_dim) if name == "fa3_fp8" else None) for name in approximate]
-    for name, kind, call, why in todo:
+    todo += [(name, "approximate", None, fa3.rejected(device, dtype, head_dim) if name == "fa3_fp8" else None)
+             for name in approximate]       # their call made when it is timed (fp8 quantizes the keys first)
+    for name, kind, fn, why in todo:
         if why is not None:
             rows.append({"lq": lq, "lk": lk, "candidate": name, "kind": kind, "status": "unavailable", "why": why})
             continue
         tell(f"timing {name}" + (" (approximate)" if kind == "approximate" else ""))
-        rows.append(_row(name, kind, call(), q, k, v, ref, timer, ceiling))
+        call = fn if kind == "exact" else _approximate_call(name, k, v)
+        rows.append(_row(name, kind, call, q, k, v, ref, timer, ceiling))
     try:
         store, why = attn.choose_auto(q, k, v, benchmark=False)
     except Exception as exc:  # noqa: BLE001 - the store's view is a bonus column
