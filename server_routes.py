@@ -281,13 +281,8 @@ def decode_json_body(raw: bytes):
 
 def _finite(value):
     """``value`` with non-finite floats as None, so an answer is always valid JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+    from .cache.json_out import non_finite_as, walk_json
+    return walk_json(value, lambda v: non_finite_as(v, lambda _v: None))
 
 
 def strict_answer(value):

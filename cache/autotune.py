@@ -133,10 +133,10 @@ def cuda_timer(fn: Callable[[], object]) -> float:
     import torch
 
     fn()
-    return statistics.median([_event_ms(torch.cuda, fn) for _ in range(10)])
+    return statistics.median([event_ms(torch.cuda, fn) for _ in range(10)])
 
 
-def _event_ms(cuda, fn: Callable[[], object]) -> float:
+def event_ms(cuda, fn: Callable[[], object]) -> float:
     """GPU time in ms between CUDA events recorded around one ``fn()`` on the current stream."""
     start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
     start.record()
@@ -173,7 +173,7 @@ def graph_timer(fn: Callable[[], object], calls: int | None = None, replays: int
     try:
         with cuda.stream(side):                  # one call outside the capture (lazy init, workspaces), one timed
             fn()
-            eager_ms = _event_ms(cuda, fn)       # an upper bound: the host's time may be in it
+            eager_ms = event_ms(cuda, fn)       # an upper bound: the host's time may be in it
         if calls is None:
             calls = max(1, min(GRAPH_CALLS, int(GRAPH_BUDGET_MS / max(eager_ms, 1e-3))))
         cuda.current_stream().wait_stream(side)
@@ -189,7 +189,7 @@ def graph_timer(fn: Callable[[], object], calls: int | None = None, replays: int
         return None
     try:
         graph.replay()
-        times = [_event_ms(cuda, graph.replay) / max(1, calls)
+        times = [event_ms(cuda, graph.replay) / max(1, calls)
                  for _ in range(max(1, replays if eager_ms * calls < SLOW_REPLAY_MS else 2))]
         return float(statistics.median(times))
     finally:

@@ -14,6 +14,7 @@ import re
 import time
 from typing import Callable
 
+from .json_out import non_finite_as, walk_json
 from .safety import FILE_KIND, loads_json
 
 SCHEMA_VERSION = 1
@@ -146,15 +147,7 @@ def _unusable_in(value, where: str = "") -> str | None:
 
 def _plain(value):
     """``value`` with unusable numbers written as their text, so it can be stored as strict JSON."""
-    if isinstance(value, _Unusable):
-        return value.text
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+    return walk_json(value, lambda v: v.text if isinstance(v, _Unusable) else non_finite_as(v, repr), str)
 
 
 def finite_number(value) -> bool:

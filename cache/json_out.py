@@ -10,7 +10,8 @@ string instead, ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (what Python's ``fl
 * ``to_json(obj, indent=2, sort_keys=False, default=str)``: the text;
 * ``print_json(obj, file=None, **kw)``: the text and a newline on stdout (or ``file``);
 * ``finite_json(obj)``: ``obj`` with its non-finite numbers encoded (dicts, lists and tuples walked; no copy of
-  anything else).
+  anything else); ``walk_json(obj, leaf, key=None)``: the walk under it, for the other cleaners (the metrics
+  history writes null, the limit cache's set-aside items the number's text).
 """
 from __future__ import annotations
 
@@ -25,15 +26,24 @@ def _encode(x: float) -> str:
     return NON_FINITE[repr(float(x)).lower()]
 
 
+def walk_json(obj, leaf, key=None):
+    """``obj`` with its dicts, lists and tuples copied (tuples as lists, dict keys through ``key`` when given) and
+    every other value in them replaced by ``leaf(value)``: the one walk of the pack's JSON cleaners."""
+    if isinstance(obj, dict):
+        return {k if key is None else key(k): walk_json(v, leaf, key) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [walk_json(v, leaf, key) for v in obj]
+    return leaf(obj)
+
+
+def non_finite_as(value, replacement):
+    """``replacement(value)`` for a float that is not finite, else ``value`` itself (a leaf of :func:`walk_json`)."""
+    return replacement(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def finite_json(obj):
     """``obj`` with every float that is not finite written as its string (see the module doc)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else _encode(obj)
-    if isinstance(obj, dict):
-        return {k: finite_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_json(v) for v in obj]
-    return obj
+    return walk_json(obj, lambda v: non_finite_as(v, _encode))
 
 
 def to_json(obj, *, indent: int | None = 2, sort_keys: bool = False, default=str, separators=None) -> str:
@@ -49,4 +59,4 @@ def print_json(obj, file=None, **kw) -> None:
     (file or sys.stdout).write(to_json(obj, **kw) + "\n")
 
 
-__all__ = ["finite_json", "to_json", "print_json"]
+__all__ = ["finite_json", "walk_json", "non_finite_as", "to_json", "print_json"]

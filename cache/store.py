@@ -317,20 +317,24 @@ class LimitCache:
                        f"empty; delete {p} when you no longer need it")
         return out
 
-    def _load_locked(self) -> dict:
-        """Fresh read while holding the file lock; damaged files are quarantined."""
+    def _load(self, stamp=None) -> dict:
+        """Read the file and keep it as the current data. ``stamp``: the file's stamp seen before reading, by a
+        reader without the lock (a damaged file goes to :meth:`_recover`); None: a fresh read while holding the
+        file lock (damaged files are quarantined, the stamp is taken after)."""
         try:
             data = self._parse_file()
         except FileNotFoundError:
             data = _empty()
         except CacheFormatError as exc:
+            if stamp is not None:
+                return self._recover(str(exc), stamp)
             self._quarantine(str(exc))
             data = _empty()
         except OSError as exc:
             warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
                                          f"({describe_os_error(exc)}); using an empty cache")
             data = _empty()
-        self._data, self._stamp = data, self._stat_stamp()
+        self._data, self._stamp = data, self._stat_stamp() if stamp is None else stamp
         return data
 
     def _recover(self, reason: str, stamp) -> dict:
@@ -344,7 +348,7 @@ class LimitCache:
         if refusal is None:
             try:
                 with self._locked():
-                    return self._load_locked()
+                    return self._load()
             except Timeout:
                 return _empty()
             except OSError as exc:
@@ -364,19 +368,7 @@ class LimitCache:
             if stamp is None:
                 self._data, self._stamp = _empty(), None
                 return self._data
-            try:
-                data = self._parse_file()
-            except FileNotFoundError:
-                data = _empty()
-            except CacheFormatError as exc:
-                return self._recover(str(exc), stamp)
-            except OSError as exc:
-                warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
-                                             f"({describe_os_error(exc)}); using an empty cache")
-                self._data, self._stamp = _empty(), stamp
-                return self._data
-            self._data, self._stamp = data, stamp
-            return data
+            return self._load(stamp)
 
     def get(self, namespace: str, key: str) -> dict | None:
         """The value stored for ``key`` on this fingerprint, or None. Counts a hit."""
@@ -535,7 +527,7 @@ class LimitCache:
                 self.path.parent.mkdir(parents=True, exist_ok=True)  # the lock file lives there too
                 with self._locked():
                     self._remove_orphaned_temps()
-                    data = self._load_locked()
+                    data = self._load()
                     if self._refused:
                         raise CacheUnavailableError(self._refused)
                     self._merge_unsaved(data)

@@ -10,6 +10,8 @@ from __future__ import annotations
 def measure_ceilings(device, *, size: int = 8192, copy_mib: int = 1024, repeat: int = 10) -> dict | None:
     import torch
 
+    from ..cache.autotune import event_ms
+
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -21,13 +23,7 @@ def measure_ceilings(device, *, size: int = 8192, copy_mib: int = 1024, repeat: 
     def rate(fn) -> float:
         fn()
         torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeat):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000.0 / repeat
+        return event_ms(torch.cuda, lambda: [fn() for _ in range(repeat)]) / 1000.0 / repeat
 
     mm_s = rate(lambda: torch.mm(a, b))
     copy_s = rate(lambda: dst.copy_(src))

@@ -18,11 +18,11 @@ Record fields (all optional except ``kind``; ``timestamp`` and ``fingerprint`` a
 from __future__ import annotations
 
 import json
-import math
 import time
 import warnings
 from pathlib import Path
 
+from ..cache.json_out import non_finite_as, walk_json
 from ..cache.owned_files import loads_json, read_regular
 
 KINDS = ("generate", "bench", "profile")
@@ -44,14 +44,8 @@ def history_path(path=None) -> Path:
 
 
 def _clean(value):
-    """JSON-safe copy: NaN/inf become None (they are not valid JSON)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
+    """JSON-safe copy: NaN/inf become None (they are not valid JSON), keys strings."""
+    return walk_json(value, lambda v: non_finite_as(v, lambda _v: None), str)
 
 
 def make_record(kind: str, *, settings: dict | None = None, timings: dict | None = None,
