@@ -264,8 +264,8 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     if n is None and gpu and emb:
         off_emb = True
         n = min_swap(window, off_emb)
+    min_window = max(2 * fpb, weights.sink_size + fpb)      # the smallest window: two chunks, or the sink and one
     if n is None and causal:
-        min_window = max(2 * fpb, weights.sink_size + fpb)
         w = frames_of(requested) - fpb
         while w >= min_window:
             n = min_swap(w, off_emb)
@@ -275,8 +275,7 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
             w -= fpb
     fits = n is not None
     if not fits:
-        window = max(2 * fpb, weights.sink_size + fpb) if causal else -1
-        window = min(window, full_frames) if causal else -1
+        window = min(min_window, full_frames) if causal else -1
         n = L if gpu else 0
     if window >= full_frames:
         window = -1     # the window holds the whole video: that is a global cache

@@ -389,8 +389,6 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
     if problem:
         raise ValueError(problem)
     k = KREA_CONTEXT_FRAMES if window < 0 else window - fpb
-    if reencode is not None and not callable(reencode):
-        raise ValueError("reencode must be a callable latents -> latents (or None for no VAE round trip)")
     policy = KreaRecompute(k, fpb, reencode=reencode)
     return CacheSetup(mode, "none", policy, policy.window_frames,
                       None if reencode is not None else IDENTITY_REENCODE_NOTE)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..model.kv_cache import CrossAttnCache, KVCache
-from .recache import PromptSwitcher
+from .recache import PromptSwitcher, conditioning
 from .request import SamplingHooks, SamplingInputs, SamplingRequest
 from .scheduler import FlowMatchScheduler
 
@@ -150,10 +150,7 @@ def _chunk(executor, req: SamplingRequest, inputs: SamplingInputs, hooks: Sampli
     at = f0 if pos is None else pos                # the model's frame position (a cache policy may cap it)
     start = at * req.frame_tokens
     step = executor.begin_chunk(at, n)             # one write plan for every call of the chunk
-    y = None
-    if inputs.y is not None:                        # all frames, or (continuing) the frames from the first chunk on
-        off = req.shape[1] - inputs.y.shape[1]
-        y = inputs.y[:, f0 - off:f0 - off + n].to(device)
+    y = conditioning(req, inputs, f0, f0 + n, device)
     dtype = req.latent_dtype
     if inputs.noise is not None:
         xt = inputs.noise[:, f0:f0 + n].to(device, dtype)

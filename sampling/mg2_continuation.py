@@ -50,12 +50,11 @@ def mg2_continuation(model, image_latent: torch.Tensor, visual_context: torch.Te
     if num_frames <= start or num_frames % FRAMES_PER_BLOCK:
         raise ValueError(f"num_frames must be a multiple of {FRAMES_PER_BLOCK} latent frames above the {start} made "
                          f"so far, got {num_frames}")
-    need = _video_frames(num_frames)
+    need, had = _video_frames(num_frames), _video_frames(start) if start else 0
     for name, seq in (("mouse", mouse), ("keyboard", keyboard)):
         if seq is not None and seq.shape[1] < need:
-            have = seq.shape[1] - (_video_frames(start) if start else 0)
             raise ValueError(f"{num_frames} latent frames need {need} video frames of {name} actions in all; "
-                             f"give {need - (_video_frames(start) if start else 0)} for the new frames (got {have})")
+                             f"give {need - had} for the new frames (got {seq.shape[1] - had})")
     device = model.device
     frame_tokens = (h // c.patch_size[1]) * (w // c.patch_size[2])
     window = settings_obj.window

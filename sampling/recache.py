@@ -81,16 +81,18 @@ class ChunkState:
             parts.append(self.out[:, max(start, self.base) - self.base:end - self.base])
         return parts[0] if len(parts) == 1 else torch.cat([p.to(self.out.device) for p in parts], dim=1)
 
-    def conditioning(self, start: int, end: int):
-        """The i2v conditioning y of frames [start, end), or None."""
-        y = self.inputs.y
-        if y is None:
-            return None
-        off = self.req.num_frames - y.shape[1]
-        if start < off:
-            raise ValueError(f"re-caching frames from {start} needs their conditioning latents (y); give y for all "
-                             f"{self.req.num_frames} frames")
-        return y[:, start - off:end - off]
+
+def conditioning(req: SamplingRequest, inputs: SamplingInputs, start: int, end: int, device):
+    """The i2v conditioning y of frames [start, end) on ``device``, or None. ``inputs.y`` covers every frame, or (a
+    continued run) the frames from its first chunk on."""
+    y = inputs.y
+    if y is None:
+        return None
+    off = req.num_frames - y.shape[1]
+    if start < off:
+        raise ValueError(f"re-caching frames from {start} needs their conditioning latents (y); give y for all "
+                         f"{req.num_frames} frames")
+    return y[:, start - off:end - off].to(device)
 
 
 def recache_range(req: SamplingRequest, first_frame: int) -> tuple:
@@ -110,11 +112,10 @@ def recache_window(state: ChunkState) -> int:
     if end <= start:
         return 0
     clean = state.clean(start, end).to(req.latent_dtype)
-    y = state.conditioning(start, end)
+    y = conditioning(req, state.inputs, start, end, clean.device)
     ex.set_text(state.text)                      # cross cache dropped before the pass
     step = ex.begin_recache(start, end - start)
-    ex.forward("recache", clean, float(req.refresh_t), start, step, y=None if y is None else y.to(clean.device),
-               want_output=False)
+    ex.forward("recache", clean, float(req.refresh_t), start, step, y=y, want_output=False)
     ex.set_text(state.text)                      # ... and after it
     return end - start
 
