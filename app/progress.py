@@ -2,9 +2,11 @@
 timed, and the seconds since the command started. stdout keeps the command's result (its table or JSON) as it is,
 so ``--json > out.json`` still gives one JSON document while the terminal shows the progress.
 
-``WAN_ACCEL_QUIET=1`` silences these lines (errors and warnings are still printed)."""
+``WAN_ACCEL_QUIET=1`` silences these lines (errors and warnings are still printed). ``format_table``: the aligned
+text table of every command and of the doctor."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -27,3 +29,19 @@ class Progress:
         if not self.enabled or quiet():
             return
         print(f"{self.command} [{time.perf_counter() - self.t0:6.1f} s]: {what}", file=sys.stderr, flush=True)
+
+
+def format_table(rows: list[dict], columns: list[str], headers: list[str] | None = None,
+                 max_width: int = 60) -> str:
+    """Render rows (dicts) as a plain aligned text table; long cells are shortened with '...'."""
+    headers = headers or columns
+
+    def cell(v) -> str:
+        s = v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str) if isinstance(v, (dict, list)) else str(v)
+        return s if len(s) <= max_width else s[: max_width - 3] + "..."
+
+    body = [[cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(headers)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+    out = [line(headers), line(["-" * w for w in widths])] + [line(b) for b in body]
+    return "\n".join(out)

@@ -6,6 +6,7 @@ command line and ``num_frames`` in a node.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import stat
@@ -382,20 +383,13 @@ def check_output_dir(name: str, value) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------- argparse
-def _whole_number(text):
+def _number(text, kind=float):
+    """argparse ``type=`` of an int (``kind`` int) or finite float option."""
     import argparse
     try:
-        return int(str(text).strip())
+        value = kind(str(text).strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-
-
-def _number(text):
-    import argparse
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a {'whole ' if kind is int else ''}number, got {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
@@ -406,10 +400,8 @@ def friendly_numbers(parser) -> None:
     own message for 'abc' is 'invalid int value'); floats also refuse nan and inf."""
     import argparse
     for action in parser._actions:
-        if action.type is int:
-            action.type = _whole_number
-        elif action.type is float:
-            action.type = _number
+        if action.type in (int, float):
+            action.type = functools.partial(_number, kind=action.type)
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 friendly_numbers(sub)

@@ -1,7 +1,6 @@
 """CLI of the model area: generate, convert, check-reference."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -482,10 +481,6 @@ def _check(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Stand-alone entry (the package CLI registers these subcommands itself)."""
-    parser = argparse.ArgumentParser(prog="wan_accel")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    from .errors import clean_warnings, run_guarded
-    with clean_warnings():
-        return run_guarded(args.func, args)
+    """These subcommands run through the package's one command line (``cli.main``)."""
+    from . import main as package_main
+    return package_main(argv)

@@ -197,12 +197,6 @@ class Doctor:
             return exc.reason, exc.hint
         return None, ""
 
-    def _build(self, name: str) -> Probe:
-        feature = self.catalogue.get(name)
-        if feature is None:
-            raise NotAvailable(f"not available in this build (no feature '{name}')")
-        return feature.check(self.context)
-
     def check(self, name: str, recheck: bool = False) -> dict | None:
         """The verdict of ``name`` on this machine, probing once when none is recorded (or ``recheck``).
 
@@ -211,15 +205,16 @@ class Doctor:
             value = self.stored(name)
             if value is not None:
                 return value
-        if probing_forbidden():
+        feature = self.catalogue.get(name)
+        if probing_forbidden() or feature is None:
             return None
         try:
-            probe = self._build(name)
+            probe = feature.check(self.context)
         except NotAvailable:
             return None
         from ...cache.warmup import spent
         with spent("doctor"):
-            value = self._run(self.catalogue[name], probe)
+            value = self._run(feature, probe)
         self._record(self.key(name), value)
         return value
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from ...cache.owned_files import write_json
+from ..progress import format_table
 from .core import Doctor, library_version
 from .ops import implementation_text, implementations
 from .versions import STACK, known_breaks, stack_text, versions
@@ -80,15 +81,9 @@ def machine_line(doctor: Doctor) -> str:
 
 
 def format_rows(rows: list[dict], max_width: int = 70) -> str:
-    def cell(row, col) -> str:
-        v = row.get(col, "")
-        s = ("yes" if v else "no") if isinstance(v, bool) else str(v)
-        return s if len(s) <= max_width else s[:max_width - 3] + "..."
-
-    body = [[cell(r, c) for c in COLUMNS] for r in rows]
-    widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(HEADERS)]
-    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(HEADERS), line(["-" * w for w in widths])] + [line(b) for b in body])
+    def cell(v):
+        return ("yes" if v else "no") if isinstance(v, bool) else v
+    return format_table([{c: cell(r.get(c, "")) for c in COLUMNS} for r in rows], COLUMNS, HEADERS, max_width)
 
 
 def doctor_text(doctor: Doctor, rows: list[dict]) -> str:
