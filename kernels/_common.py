@@ -318,6 +318,40 @@ def device_guard(t):
     return torch.cuda.device(t.device)
 
 
+def run_kernel(fn: Callable, grid: tuple, t, *args, **meta) -> None:
+    """One launch of kernel ``fn`` (``jit`` for the current mode) on ``grid`` with ``args`` and ``meta`` (constexprs,
+    warps, stages), ``t``'s GPU the current device (``device_guard``)."""
+    with device_guard(t):
+        jit(fn)[grid](*args, **meta)
+
+
+def run_rows(fn: Callable, cfg: dict, rows: int, width: int, t, *args, **meta) -> None:
+    """One launch of row kernel ``fn`` over ``rows`` rows of ``width`` channels with ``cfg``: a program per YBLOCK
+    rows, the tile constexprs of ``row_tile`` and cfg's warps (``run_kernel``)."""
+    run_kernel(fn, (cdiv(rows, cfg["YBLOCK"]),), t, *args, **row_tile(cfg, width), **meta, num_warps=cfg["num_warps"])
+
+
+def fused(run: Callable, reference: Callable, *args):
+    """``run(*args)``, a kernel's Triton path, where Triton takes the call's tensors and autograd does not track
+    them; else ``reference(*args)``, its torch definition."""
+    import torch
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if use_triton(*tensors) and not needs_autograd(*tensors):
+        return run(*args)
+    return reference(*args)
+
+
+def call_op(op, eager: Callable, *args):
+    """A fused kernel's public call: its custom op ``op`` (``register_op``) inside torch.compile where autograd does
+    not track the tensors, else ``eager(*args)``."""
+    import torch
+
+    if op is not None and is_compiling() and not needs_autograd(*[a for a in args if isinstance(a, torch.Tensor)]):
+        return op(*args)
+    return eager(*args)
+
+
 # ----------------------------------------------------------------------------- tuned launch
 def capturing(t) -> bool:
     """True while a CUDA graph is being captured on the current stream (no benchmarking possible then)."""

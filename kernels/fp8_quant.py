@@ -152,12 +152,9 @@ def _launcher(x: torch.Tensor, fp8_max: float, tiny: float):
     x_in = x.view(torch.int16) if bits else x
 
     def launch(cfg: dict):
-        kernel = _common.jit(_fp8q_kernel)
-        grid = (_common.cdiv(m, cfg["YBLOCK"]),)
-        with _common.device_guard(x):
-            kernel[grid](x_in, codes, scale, m, k, x.stride(0), float(tiny), YBLOCK=cfg["YBLOCK"],
-                         KBLOCK=cfg["KBLOCK"], ONE_PASS=cfg["KBLOCK"] >= k, FP8_MAX=float(fp8_max),
-                         ROUND_FP8=rnd, BF16_BITS=bits, num_warps=cfg["num_warps"])
+        _common.run_kernel(_fp8q_kernel, (_common.cdiv(m, cfg["YBLOCK"]),), x, x_in, codes, scale, m, k, x.stride(0),
+                           float(tiny), YBLOCK=cfg["YBLOCK"], KBLOCK=cfg["KBLOCK"], ONE_PASS=cfg["KBLOCK"] >= k,
+                           FP8_MAX=float(fp8_max), ROUND_FP8=rnd, BF16_BITS=bits, num_warps=cfg["num_warps"])
 
     key = f"K={k}|rows={_common.rows_bucket(m)}|{_common.dtype_name(x)}|max={fp8_max:g}"
     return launch, key, codes, scale

@@ -74,11 +74,9 @@ def _launcher(x, y, gate):
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):
-        kernel = _common.jit(_gres_kernel)
         grid = (_common.cdiv(rows, cfg["YBLOCK"]), _common.cdiv(d, cfg["XBLOCK"]))
-        with _common.device_guard(x2):
-            kernel[grid](x2, y2, g, out, rows, d, l, l // f, bstride,
-                         YBLOCK=cfg["YBLOCK"], XBLOCK=cfg["XBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+        _common.run_kernel(_gres_kernel, grid, x2, x2, y2, g, out, rows, d, l, l // f, bstride,
+                           YBLOCK=cfg["YBLOCK"], XBLOCK=cfg["XBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
 
     key = (f"D={d}|rows={_common.rows_bucket(rows)}|F={'1' if f == 1 else 'n'}|{_common.dtype_name(x)}|"
            f"y={_common.dtype_name(y)}|g={_common.dtype_name(g)}")
@@ -95,9 +93,7 @@ def run_triton(x, y, gate, config: dict | None = None) -> torch.Tensor:
 
 
 def _eager(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    if tl is not None and _common.use_triton(x, y, gate) and not _common.needs_autograd(x, y, gate):
-        return run_triton(x, y, gate)
-    return gated_residual_reference(x, y, gate)
+    return _common.fused(run_triton, gated_residual_reference, x, y, gate)
 
 
 def _fake(x, y, gate):
@@ -113,6 +109,4 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torc
 
     Triton or torch as the package doc says; ``torch.ops.wan_accel.gated_residual`` inside torch.compile.
     """
-    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, y, gate):
-        return _OP(x, y, gate)
-    return _eager(x, y, gate)
+    return _common.call_op(_OP, _eager, x, y, gate)

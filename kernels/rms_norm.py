@@ -17,7 +17,6 @@ NAME = "rmsnorm"
 
 # YBLOCK rows per program, RBLOCK channels per step (looped tiles, any width), and for rows up to
 # _common.ROW_WIDTH_LIMIT the one-pass tiles (ROW: the whole row in registers). Capped by the compile preset.
-CANDIDATES = _common.ROW_CANDIDATES
 candidates = _common.row_candidates
 
 
@@ -77,11 +76,7 @@ def _launcher(x, weight, eps):
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):
-        kernel = _common.jit(_rms_kernel)
-        grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
-        with _common.device_guard(x2):
-            kernel[grid](x2, w, out, rows, d, float(eps), x2.stride(1), **_common.row_tile(cfg, d),
-                         ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+        _common.run_rows(_rms_kernel, cfg, rows, d, x2, x2, w, out, rows, d, float(eps), x2.stride(1), ROUND_BF16=rnd)
 
     key = f"D={d}|rows={_common.rows_bucket(rows)}|{_common.dtype_name(x)}|w={_common.dtype_name(w)}"
     return launch, key, out
@@ -97,9 +92,7 @@ def run_triton(x, weight, eps=1e-6, config: dict | None = None) -> torch.Tensor:
 
 
 def _eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if tl is not None and _common.use_triton(x, weight) and not _common.needs_autograd(x, weight):
-        return run_triton(x, weight, eps)
-    return rmsnorm_reference(x, weight, eps)
+    return _common.fused(run_triton, rmsnorm_reference, x, weight, eps)
 
 
 def _fake(x, weight, eps):
@@ -115,6 +108,4 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
 
     Triton or torch as the package doc says; ``torch.ops.wan_accel.rmsnorm`` inside torch.compile.
     """
-    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, weight):
-        return _OP(x, weight, float(eps))
-    return _eager(x, weight, eps)
+    return _common.call_op(_OP, _eager, x, weight, float(eps))
