@@ -304,7 +304,8 @@ def capped_configs(candidates: tuple, caps: dict) -> tuple[dict, ...]:
 
 
 def dtype_name(t) -> str:
-    return str(t.dtype).replace("torch.", "")
+    """The dtype of tensor ``t`` (or the dtype ``t``) without its module: 'bfloat16'."""
+    return str(getattr(t, "dtype", t)).replace("torch.", "")
 
 
 # ----------------------------------------------------------------------------- device
