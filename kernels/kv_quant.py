@@ -97,7 +97,7 @@ def problem(k: torch.Tensor, v: torch.Tensor) -> str | None:
     if tl is None or not _common.use_triton(k, v):
         return "no Triton for this device"
     if k.dtype not in DTYPES or v.dtype != k.dtype:
-        return f"k and v must share one of {', '.join(str(d).replace('torch.', '') for d in DTYPES)}"
+        return f"k and v must share one of {', '.join(_common.dtype_name(d) for d in DTYPES)}"
     if k.dim() != 4 or k.shape != v.shape:
         return "k and v must be [B, rows, H, D] of one shape"
     if k.numel() == 0:

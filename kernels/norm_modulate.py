@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common
-from ._tiles import merge_row_stats, round_bf16, tl
+from ._tiles import merge_row_stats, round_bf16, tile_rows, tl
 
 NAME = "layernorm_modulate"
 
@@ -52,10 +52,7 @@ def layernorm_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: to
 if tl is not None:
     def _lnmod_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, n_rows, D, L, tokens_per_frame, mod_bstride, eps,
                       YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr, ROUND_BF16: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         x_rows = x_ptr + rows64[:, None] * D
         o_rows = out_ptr + rows64[:, None] * D
         frame = (rows64 % L) // tokens_per_frame      # the row's frame of shift/scale

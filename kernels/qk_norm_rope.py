@@ -7,7 +7,7 @@ rotated as the complex number x[2j] + i x[2j+1] times cos + i sin. Returns [B, L
 import torch
 
 from . import _common
-from ._tiles import inv_rms, rms_row, round_bf16, tl
+from ._tiles import inv_rms, rms_row, round_bf16, tile_rows, tl
 
 NAME = "rmsnorm_rope"
 
@@ -52,10 +52,7 @@ def rmsnorm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Ten
 if tl is not None:
     def _rmsrope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, L, half_hd, eps, x_row_stride,
                         YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr, ROUND_BF16: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         x_rows = x_ptr + rows64[:, None] * x_row_stride   # rows of a q/k view of the fused q/k/v output
         o_rows = out_ptr + rows64[:, None] * D
         tok = rows64 % L

@@ -6,7 +6,7 @@ x, y [B, L, D]; gate [B, F, D] (or [B, D] for F=1; batch 1 broadcasts) with F di
 import torch
 
 from . import _common, registry
-from ._tiles import round_bf16, tl
+from ._tiles import round_bf16, tile_rows, tl
 
 NAME = "gated_residual"
 
@@ -43,10 +43,9 @@ def gated_residual_reference(x: torch.Tensor, y: torch.Tensor, gate: torch.Tenso
 if tl is not None:
     def _gres_kernel(x_ptr, y_ptr, g_ptr, out_ptr, n_rows, D, L, tokens_per_frame, g_bstride,
                      YBLOCK: tl.constexpr, XBLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
-        rows = tl.program_id(0) * YBLOCK + tl.arange(0, YBLOCK)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         cols = tl.program_id(1) * XBLOCK + tl.arange(0, XBLOCK)
-        rows64 = rows.to(tl.int64)
-        mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+        mask = row_ok[:, None] & (cols < D)[None, :]
         offs = rows64[:, None] * D + cols[None, :]
         g_rows = (rows64 // L) * g_bstride + ((rows64 % L) // tokens_per_frame) * D
         xv = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common, registry
-from ._tiles import merge_row_stats, round_bf16, tl, triton
+from ._tiles import merge_row_stats, round_bf16, tile_rows, tl, triton
 
 NAME = "residual_norm"
 candidates = _common.row_candidates
@@ -115,10 +115,7 @@ if tl is not None:
                         GATE: tl.constexpr, AFFINE: tl.constexpr, BIAS: tl.constexpr, MODULATE: tl.constexpr,
                         YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr,
                         ROUND_BF16: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         frame_rows = (rows64 // L) * mod_bstride + ((rows64 % L) // tokens_per_frame) * D
         cols0 = tl.arange(0, RBLOCK)
         out_ty = xo_ptr.dtype.element_ty

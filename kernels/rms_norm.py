@@ -11,7 +11,7 @@ import torch
 
 from . import _common, registry
 from .qk_norm_rope import _rows_view, _smem      # the same row reads in place and the same tiles
-from ._tiles import inv_rms, rms_row, round_bf16, tl
+from ._tiles import inv_rms, rms_row, round_bf16, tile_rows, tl
 
 NAME = "rmsnorm"
 
@@ -38,10 +38,7 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) 
 if tl is not None:
     def _rms_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, eps, x_row_stride,
                     YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr, ROUND_BF16: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         x_rows = x_ptr + rows64[:, None] * x_row_stride
         o_rows = out_ptr + rows64[:, None] * D
         cols0 = tl.arange(0, RBLOCK)
