@@ -404,14 +404,18 @@ def tuned_launch(kernel: str, key: str, candidates: tuple, launch: Callable[[dic
 
 
 # ----------------------------------------------------------------------------- custom ops
-def register_op(name: str, impl: Callable, fake: Callable):
+def register_op(name: str, impl: Callable, fake: Callable | None = None):
     """Expose ``impl`` as ``torch.ops.wan_accel.<name>`` so torch.compile treats the kernel as one opaque op
-    (no graph break, no tracing into the autotuner). Returns the op, or None where unsupported."""
+    (no graph break, no tracing into the autotuner); ``fake`` gives its outputs' shapes (None: one contiguous tensor
+    like the first argument). Returns the op, or None where unsupported."""
     import torch
 
     import functools
 
     qualname = f"wan_accel::{name}"
+
+    def like_first(x, *args):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @functools.wraps(impl)
     def laid_out(*args, **kwargs):      # the real output in the layout the fake declares: contiguous, whatever the
@@ -425,7 +429,7 @@ def register_op(name: str, impl: Callable, fake: Callable):
     try:                                # the schema from ``impl`` itself (its annotations, in its module)
         schema = torch.library.infer_schema(impl, mutates_args=())
         op = torch.library.custom_op(qualname, laid_out, mutates_args=(), schema=schema)
-        op.register_fake(fake)
+        op.register_fake(fake or like_first)
         return op
     except Exception:  # noqa: BLE001 - already registered (module imported twice) or old torch
         try:

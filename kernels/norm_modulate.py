@@ -135,11 +135,7 @@ def _eager(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
     return _common.fused(run_triton, layernorm_modulate_reference, x, shift, scale, eps)
 
 
-def _fake(x, shift, scale, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-_OP = _common.register_op(NAME, _eager, _fake)
+_OP = _common.register_op(NAME, _eager)
 
 
 def layernorm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

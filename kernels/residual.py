@@ -95,11 +95,7 @@ def _eager(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor
     return _common.fused(run_triton, gated_residual_reference, x, y, gate)
 
 
-def _fake(x, y, gate):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-_OP = _common.register_op(NAME, _eager, _fake)
+_OP = _common.register_op(NAME, _eager)
 registry.pack_family(NAME, "x + y * gate, the blocks' gated residual (fused_kernels)", _common.triton_problem)
 
 

@@ -92,11 +92,7 @@ def _eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _common.fused(run_triton, rmsnorm_reference, x, weight, eps)
 
 
-def _fake(x, weight, eps):
-    return x.new_empty(x.shape)
-
-
-_OP = _common.register_op(NAME, _eager, _fake)
+_OP = _common.register_op(NAME, _eager)
 registry.pack_family("rms_norm", "full-width RMSNorm (fused_kernels)", _common.triton_problem)
 
 
