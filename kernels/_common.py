@@ -304,7 +304,8 @@ def capped_configs(candidates: tuple, caps: dict) -> tuple[dict, ...]:
 
 
 def dtype_name(t) -> str:
-    return str(t.dtype).replace("torch.", "")
+    """The dtype of tensor ``t`` (or the dtype ``t``) without its module: 'bfloat16'."""
+    return str(getattr(t, "dtype", t)).replace("torch.", "")
 
 
 # ----------------------------------------------------------------------------- device
@@ -316,6 +317,40 @@ def device_guard(t):
     import torch
 
     return torch.cuda.device(t.device)
+
+
+def run_kernel(fn: Callable, grid: tuple, t, *args, **meta) -> None:
+    """One launch of kernel ``fn`` (``jit`` for the current mode) on ``grid`` with ``args`` and ``meta`` (constexprs,
+    warps, stages), ``t``'s GPU the current device (``device_guard``)."""
+    with device_guard(t):
+        jit(fn)[grid](*args, **meta)
+
+
+def run_rows(fn: Callable, cfg: dict, rows: int, width: int, t, *args, **meta) -> None:
+    """One launch of row kernel ``fn`` over ``rows`` rows of ``width`` channels with ``cfg``: a program per YBLOCK
+    rows, the tile constexprs of ``row_tile`` and cfg's warps (``run_kernel``)."""
+    run_kernel(fn, (cdiv(rows, cfg["YBLOCK"]),), t, *args, **row_tile(cfg, width), **meta, num_warps=cfg["num_warps"])
+
+
+def fused(run: Callable, reference: Callable, *args):
+    """``run(*args)``, a kernel's Triton path, where Triton takes the call's tensors and autograd does not track
+    them; else ``reference(*args)``, its torch definition."""
+    import torch
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if use_triton(*tensors) and not needs_autograd(*tensors):
+        return run(*args)
+    return reference(*args)
+
+
+def call_op(op, eager: Callable, *args):
+    """A fused kernel's public call: its custom op ``op`` (``register_op``) inside torch.compile where autograd does
+    not track the tensors, else ``eager(*args)``."""
+    import torch
+
+    if op is not None and is_compiling() and not needs_autograd(*[a for a in args if isinstance(a, torch.Tensor)]):
+        return op(*args)
+    return eager(*args)
 
 
 # ----------------------------------------------------------------------------- tuned launch
@@ -369,14 +404,18 @@ def tuned_launch(kernel: str, key: str, candidates: tuple, launch: Callable[[dic
 
 
 # ----------------------------------------------------------------------------- custom ops
-def register_op(name: str, impl: Callable, fake: Callable):
+def register_op(name: str, impl: Callable, fake: Callable | None = None):
     """Expose ``impl`` as ``torch.ops.wan_accel.<name>`` so torch.compile treats the kernel as one opaque op
-    (no graph break, no tracing into the autotuner). Returns the op, or None where unsupported."""
+    (no graph break, no tracing into the autotuner); ``fake`` gives its outputs' shapes (None: one contiguous tensor
+    like the first argument). Returns the op, or None where unsupported."""
     import torch
 
     import functools
 
     qualname = f"wan_accel::{name}"
+
+    def like_first(x, *args):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @functools.wraps(impl)
     def laid_out(*args, **kwargs):      # the real output in the layout the fake declares: contiguous, whatever the
@@ -390,7 +429,7 @@ def register_op(name: str, impl: Callable, fake: Callable):
     try:                                # the schema from ``impl`` itself (its annotations, in its module)
         schema = torch.library.infer_schema(impl, mutates_args=())
         op = torch.library.custom_op(qualname, laid_out, mutates_args=(), schema=schema)
-        op.register_fake(fake)
+        op.register_fake(fake or like_first)
         return op
     except Exception:  # noqa: BLE001 - already registered (module imported twice) or old torch
         try:

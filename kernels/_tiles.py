@@ -6,7 +6,7 @@ try:
     import triton.language as tl
 except Exception:  # noqa: BLE001 - no triton: the kernels that call these never run
     triton = tl = None
-round_bf16 = merge_row_stats = rms_row = inv_rms = None
+round_bf16 = merge_row_stats = rms_row = inv_rms = tile_rows = None
 
 if tl is not None:
     @triton.jit
@@ -15,6 +15,13 @@ if tl is not None:
         float32."""
         u = x.to(tl.uint32, bitcast=True)
         return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def tile_rows(n_rows, YBLOCK: tl.constexpr):
+        """The YBLOCK rows of this program (axis 0 of the grid: one tile of rows each) as int64, and which of them
+        exist (< n_rows)."""
+        rows = tl.program_id(0) * YBLOCK + tl.arange(0, YBLOCK)
+        return rows.to(tl.int64), rows < n_rows
 
     @triton.jit
     def merge_row_stats(mean, m2, count, v, mask):

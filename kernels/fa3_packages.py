@@ -34,6 +34,7 @@ import torch
 
 from ..cache.guarded_import import ImportProblem, guarded_import
 from . import registry
+from ._common import dtype_name
 
 log = logging.getLogger("wan_accel")
 
@@ -159,7 +160,7 @@ def problem(name: str, device, dtype: torch.dtype, head_dim: int) -> str | None:
     if device.type != "cuda":
         return "needs a CUDA GPU"
     if dtype not in DTYPES:
-        return f"needs fp16/bf16 (got {str(dtype).replace('torch.', '')})"
+        return f"needs fp16/bf16 (got {dtype_name(dtype)})"
     if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
         return f"head size {head_dim} not supported (a multiple of 8 up to {MAX_HEAD_DIM})"
     if name == "fa3_hub" and not hub_opted_in():

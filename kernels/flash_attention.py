@@ -189,14 +189,12 @@ def _launcher(q, k, v, out):
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):
-        kernel = _common.jit(_flash_attn_kernel)
-        grid = (_common.cdiv(lq, cfg["BLOCK_M"]), b * h)
-        with _common.device_guard(q):
-            kernel[grid](q, k, v, out, lq, lk, h, qk_scale,
-                         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                         HEAD=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EMULATE_BF16=rnd,
-                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _common.run_kernel(_flash_attn_kernel, (_common.cdiv(lq, cfg["BLOCK_M"]), b * h), q,
+                           q, k, v, out, lq, lk, h, qk_scale,
+                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                           HEAD=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EMULATE_BF16=rnd,
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     key = f"D={d}|q={_common.rows_bucket(lq)}|k={_common.rows_bucket(lk)}|h={h}|{_common.dtype_name(out)}"
     return launch, key

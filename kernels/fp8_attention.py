@@ -312,19 +312,17 @@ def _launcher(q, kv8: Fp8KV, out, tile: int):
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):
-        kernel = _common.jit(_fp8_attn_kernel)
-        grid = (_common.cdiv(lq, cfg["BLOCK_M"]), b * h)
-        with _common.device_guard(q):
-            kernel[grid](q, kv8.k, kv8.k_scale, kv8.v, kv8.v_scale, kv8.v_mean, out, lq, lk, h, qk_scale,
-                         q.stride(0), q.stride(1), q.stride(2),
-                         kv8.k.stride(0), kv8.k.stride(1), kv8.k.stride(2),
-                         kv8.k_scale.stride(0), kv8.k_scale.stride(1), kv8.k_scale.stride(2),
-                         kv8.v.stride(0), kv8.v.stride(1), kv8.v.stride(2), kv8.v.stride(3),
-                         kv8.v_scale.stride(0), kv8.v_scale.stride(1), kv8.v_scale.stride(2),
-                         kv8.v_mean.stride(0), kv8.v_mean.stride(1),
-                         out.stride(0), out.stride(1), out.stride(2),
-                         HEAD=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=tile, EMULATE_RTNE=emulate, ROUND_BF16=rnd,
-                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _common.run_kernel(_fp8_attn_kernel, (_common.cdiv(lq, cfg["BLOCK_M"]), b * h), q,
+                           q, kv8.k, kv8.k_scale, kv8.v, kv8.v_scale, kv8.v_mean, out, lq, lk, h, qk_scale,
+                           q.stride(0), q.stride(1), q.stride(2),
+                           kv8.k.stride(0), kv8.k.stride(1), kv8.k.stride(2),
+                           kv8.k_scale.stride(0), kv8.k_scale.stride(1), kv8.k_scale.stride(2),
+                           kv8.v.stride(0), kv8.v.stride(1), kv8.v.stride(2), kv8.v.stride(3),
+                           kv8.v_scale.stride(0), kv8.v_scale.stride(1), kv8.v_scale.stride(2),
+                           kv8.v_mean.stride(0), kv8.v_mean.stride(1),
+                           out.stride(0), out.stride(1), out.stride(2),
+                           HEAD=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=tile, EMULATE_RTNE=emulate, ROUND_BF16=rnd,
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     key = f"D={d}|q={_common.rows_bucket(lq)}|k={_common.rows_bucket(lk)}|h={h}|{_common.dtype_name(out)}"
     return launch, key

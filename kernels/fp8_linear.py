@@ -77,10 +77,7 @@ def quantize_input(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     torch.compile it is one opaque op (``torch.ops.wan_accel.fp8_quantize_rows``)."""
     if FP8 != fp8_quant.CODES or fp8_quant.problem(x2d) is not None:
         return quantize_rows(x2d)
-    if _QUANT_OP is not None and is_compiling():
-        codes, scale = _QUANT_OP(x2d)
-        return codes, scale
-    return _quantize_eager(x2d)
+    return _common.call_op(_QUANT_OP, _quantize_eager, x2d)
 
 
 def _quantize_eager(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import _common, registry
-from ._tiles import tl  # None without triton: only the torch path exists
+from ._tiles import tile_rows, tl  # None without triton: only the torch path exists
 
 NAME = "fp8_quantize_rows"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,9 +56,7 @@ if tl is not None:
     def _fp8q_kernel(x_ptr, q_ptr, s_ptr, n_rows, K, x_row_stride, tiny, YBLOCK: tl.constexpr,
                      KBLOCK: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr,
                      BF16_BITS: tl.constexpr):
-        rows = tl.program_id(0) * YBLOCK + tl.arange(0, YBLOCK)
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         x_rows = x_ptr + rows64[:, None] * x_row_stride
         q_rows = q_ptr + rows64[:, None] * K
         cols0 = tl.arange(0, KBLOCK)
@@ -130,7 +128,7 @@ def problem(x: torch.Tensor) -> str | None:
     if tl is None or not _common.use_triton(x):
         return "no Triton for this device"
     if x.dim() != 2 or x.dtype not in DTYPES:
-        return f"x must be 2-D {', '.join(str(d).replace('torch.', '') for d in DTYPES)}"
+        return f"x must be 2-D {', '.join(_common.dtype_name(d) for d in DTYPES)}"
     if x.numel() == 0:
         return "x is empty"
     why = registry.walk(FAMILY, x.device)[1]["pack"]       # e4m3 conversions (SM 8.9+); an override
@@ -152,12 +150,9 @@ def _launcher(x: torch.Tensor, fp8_max: float, tiny: float):
     x_in = x.view(torch.int16) if bits else x
 
     def launch(cfg: dict):
-        kernel = _common.jit(_fp8q_kernel)
-        grid = (_common.cdiv(m, cfg["YBLOCK"]),)
-        with _common.device_guard(x):
-            kernel[grid](x_in, codes, scale, m, k, x.stride(0), float(tiny), YBLOCK=cfg["YBLOCK"],
-                         KBLOCK=cfg["KBLOCK"], ONE_PASS=cfg["KBLOCK"] >= k, FP8_MAX=float(fp8_max),
-                         ROUND_FP8=rnd, BF16_BITS=bits, num_warps=cfg["num_warps"])
+        _common.run_kernel(_fp8q_kernel, (_common.cdiv(m, cfg["YBLOCK"]),), x, x_in, codes, scale, m, k, x.stride(0),
+                           float(tiny), YBLOCK=cfg["YBLOCK"], KBLOCK=cfg["KBLOCK"], ONE_PASS=cfg["KBLOCK"] >= k,
+                           FP8_MAX=float(fp8_max), ROUND_FP8=rnd, BF16_BITS=bits, num_warps=cfg["num_warps"])
 
     key = f"K={k}|rows={_common.rows_bucket(m)}|{_common.dtype_name(x)}|max={fp8_max:g}"
     return launch, key, codes, scale

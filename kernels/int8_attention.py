@@ -31,6 +31,7 @@ import torch
 
 from . import _common, kitchen, registry
 from . import candidates as op_candidates
+from .fp8_attention import unit_roundoff
 
 log = logging.getLogger("wan_accel")
 
@@ -62,7 +63,7 @@ def kitchen_problem(device, dtype: torch.dtype = torch.bfloat16, head_dim: int =
     if device.type != "cuda":
         return "comfy-kitchen's int8 kernel needs a CUDA GPU (it has no eager implementation)"
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"comfy-kitchen's int8 kernel takes fp32/fp16/bf16, not {str(dtype).replace('torch.', '')}"
+        return f"comfy-kitchen's int8 kernel takes fp32/fp16/bf16, not {_common.dtype_name(dtype)}"
     if not 0 < head_dim <= 256:
         return f"comfy-kitchen's int8 kernel takes head sizes up to 256, not {head_dim}"
     key = ("available", device.index)
@@ -158,7 +159,7 @@ _CALLS: dict = {}            # store key -> the entry point chosen with measurin
 
 
 def _store_key(q, k) -> str:
-    return (f"{q.device.type}|h{q.shape[2]}|d{q.shape[3]}|{str(q.dtype).replace('torch.', '')}"
+    return (f"{q.device.type}|h{q.shape[2]}|d{q.shape[3]}|{_common.dtype_name(q)}"
             f"|q{q.shape[1]}|k{k.shape[1]}")
 
 
@@ -207,11 +208,6 @@ def int8_attention(q, k, v, key_padding_mask: torch.Tensor | None = None) -> tor
         log.warning("wan_accel: int8 attention runs the pack's torch version here (%s): int8 numerics, no speed-up",
                     kitchen_problem(q.device, q.dtype, q.shape[-1]))
     return int8_attention_torch(q, k, v, key_padding_mask)
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """Half the spacing of ``dtype`` at 1 (2**-8 bf16, 2**-11 fp16, 2**-24 fp32)."""
-    return float(torch.finfo(dtype).eps) / 2
 
 
 def error_bound(q, k, v, key_padding_mask: torch.Tensor | None = None, kernel: str = "torch",

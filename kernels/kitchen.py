@@ -113,8 +113,8 @@ def dtype_problem(backend: str, func: str, dtype: torch.dtype) -> str | None:
     ``dtype``), or None."""
     if compute_dtype(backend, func, torch.float32, dtype) is not None:
         return None
-    names = ", ".join(sorted(_common.dtype_name(torch.empty(0, dtype=d)) for d in accepted_dtypes(backend, func)))
-    return f"comfy-kitchen's {backend} {func} takes {names}, the call is {_common.dtype_name(torch.empty(0, dtype=dtype))}"
+    names = ", ".join(sorted(_common.dtype_name(d) for d in accepted_dtypes(backend, func)))
+    return f"comfy-kitchen's {backend} {func} takes {names}, the call is {_common.dtype_name(dtype)}"
 
 
 def _impl(func: str, backend: str):

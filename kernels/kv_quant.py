@@ -97,7 +97,7 @@ def problem(k: torch.Tensor, v: torch.Tensor) -> str | None:
     if tl is None or not _common.use_triton(k, v):
         return "no Triton for this device"
     if k.dtype not in DTYPES or v.dtype != k.dtype:
-        return f"k and v must share one of {', '.join(str(d).replace('torch.', '') for d in DTYPES)}"
+        return f"k and v must share one of {', '.join(_common.dtype_name(d) for d in DTYPES)}"
     if k.dim() != 4 or k.shape != v.shape:
         return "k and v must be [B, rows, H, D] of one shape"
     if k.numel() == 0:
@@ -118,15 +118,13 @@ def _launcher(k, v, k_mean, v_mean, index, k8, sk, v8, sv):
     head = _common.next_pow2(d)
 
     def launch(cfg: dict):
-        kernel = _common.jit(_kv_quant_kernel)
-        grid = (_common.cdiv(rows, cfg["BLOCK_R"]), b * h)
-        with _common.device_guard(k):
-            kernel[grid](k_in, v_in, k_mean, v_mean, index, k8, sk, v8, sv, rows, h, d,
-                         *k.stride(), *v.stride(), k_mean.stride(0), k_mean.stride(1), v_mean.stride(0),
-                         v_mean.stride(1), k8.stride(0), k8.stride(1), k8.stride(2), *sk.stride(),
-                         v8.stride(0), v8.stride(1), v8.stride(2), *sv.stride(), INT8_TINY, TINY,
-                         HEAD=head, BLOCK_R=cfg["BLOCK_R"], LEVELS=float(LEVELS), FP8_MAX=float(FP8_MAX),
-                         ROUND_INT=ROUND_INT, ROUND_FP8=interp, BF16_BITS=bits, num_warps=cfg["num_warps"])
+        _common.run_kernel(_kv_quant_kernel, (_common.cdiv(rows, cfg["BLOCK_R"]), b * h), k,
+                           k_in, v_in, k_mean, v_mean, index, k8, sk, v8, sv, rows, h, d,
+                           *k.stride(), *v.stride(), k_mean.stride(0), k_mean.stride(1), v_mean.stride(0),
+                           v_mean.stride(1), k8.stride(0), k8.stride(1), k8.stride(2), *sk.stride(),
+                           v8.stride(0), v8.stride(1), v8.stride(2), *sv.stride(), INT8_TINY, TINY,
+                           HEAD=head, BLOCK_R=cfg["BLOCK_R"], LEVELS=float(LEVELS), FP8_MAX=float(FP8_MAX),
+                           ROUND_INT=ROUND_INT, ROUND_FP8=interp, BF16_BITS=bits, num_warps=cfg["num_warps"])
 
     key = f"D={d}|rows={_common.rows_bucket(rows)}|h={h}|{_common.dtype_name(k)}"
     return launch, key

@@ -8,13 +8,12 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common
-from ._tiles import merge_row_stats, round_bf16, tl
+from ._tiles import merge_row_stats, round_bf16, tile_rows, tl
 
 NAME = "layernorm_modulate"
 
 # Candidate tiles: YBLOCK rows per program, RBLOCK columns per step (looped, any width) and, for rows up to
 # _common.ROW_WIDTH_LIMIT, one-pass tiles (ROW: the whole row in registers). Capped by the compile preset.
-CANDIDATES = _common.ROW_CANDIDATES
 candidates = _common.row_candidates
 
 
@@ -53,10 +52,7 @@ def layernorm_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: to
 if tl is not None:
     def _lnmod_kernel(x_ptr, shift_ptr, scale_ptr, out_ptr, n_rows, D, L, tokens_per_frame, mod_bstride, eps,
                       YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr, ROUND_BF16: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         x_rows = x_ptr + rows64[:, None] * D
         o_rows = out_ptr + rows64[:, None] * D
         frame = (rows64 % L) // tokens_per_frame      # the row's frame of shift/scale
@@ -118,11 +114,8 @@ def _launcher(x, shift, scale, eps):
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):
-        kernel = _common.jit(_lnmod_kernel)
-        grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
-        with _common.device_guard(x2):
-            kernel[grid](x2, sh, sc, out, rows, d, l, l // f, bstride, float(eps), **_common.row_tile(cfg, d),
-                         ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+        _common.run_rows(_lnmod_kernel, cfg, rows, d, x2, x2, sh, sc, out, rows, d, l, l // f, bstride, float(eps),
+                         ROUND_BF16=rnd)
 
     key = (f"D={d}|rows={_common.rows_bucket(rows)}|F={'1' if f == 1 else 'n'}|"
            f"{_common.dtype_name(x)}|{_common.dtype_name(sh)}")
@@ -139,16 +132,10 @@ def run_triton(x, shift, scale, eps=1e-6, config: dict | None = None) -> torch.T
 
 
 def _eager(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    if tl is not None and _common.use_triton(x, shift, scale) and not _common.needs_autograd(x, shift, scale):
-        return run_triton(x, shift, scale, eps)
-    return layernorm_modulate_reference(x, shift, scale, eps)
+    return _common.fused(run_triton, layernorm_modulate_reference, x, shift, scale, eps)
 
 
-def _fake(x, shift, scale, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-_OP = _common.register_op(NAME, _eager, _fake)
+_OP = _common.register_op(NAME, _eager)
 
 
 def layernorm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -156,6 +143,4 @@ def layernorm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
 
     Triton or torch as the package doc says; ``torch.ops.wan_accel.layernorm_modulate`` inside torch.compile.
     """
-    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, shift, scale):
-        return _OP(x, shift, scale, float(eps))
-    return _eager(x, shift, scale, eps)
+    return _common.call_op(_OP, _eager, x, shift, scale, float(eps))

@@ -7,13 +7,12 @@ rotated as the complex number x[2j] + i x[2j+1] times cos + i sin. Returns [B, L
 import torch
 
 from . import _common
-from ._tiles import inv_rms, rms_row, round_bf16, tl
+from ._tiles import inv_rms, rms_row, round_bf16, tile_rows, tl
 
 NAME = "rmsnorm_rope"
 
 # YBLOCK rows per program, RBLOCK channels per step (RBLOCK/2 rotation pairs): looped tiles for any width and, for
 # rows up to _common.ROW_WIDTH_LIMIT, one-pass tiles (ROW: the whole row in registers). Capped by the compile preset.
-CANDIDATES = _common.ROW_CANDIDATES
 candidates = _common.row_candidates
 
 
@@ -53,10 +52,7 @@ def rmsnorm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Ten
 if tl is not None:
     def _rmsrope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, L, half_hd, eps, x_row_stride,
                         YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr, ROUND_BF16: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         x_rows = x_ptr + rows64[:, None] * x_row_stride   # rows of a q/k view of the fused q/k/v output
         o_rows = out_ptr + rows64[:, None] * D
         tok = rows64 % L
@@ -127,11 +123,8 @@ def _launcher(x, weight, cos, sin, num_heads, eps):
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):
-        kernel = _common.jit(_rmsrope_kernel)
-        grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
-        with _common.device_guard(x2):
-            kernel[grid](x2, w, c, s, out, rows, d, l, hd // 2, float(eps), x2.stride(1), **_common.row_tile(cfg, d),
-                         ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+        _common.run_rows(_rmsrope_kernel, cfg, rows, d, x2, x2, w, c, s, out, rows, d, l, hd // 2, float(eps),
+                         x2.stride(1), ROUND_BF16=rnd)
 
     key = (f"D={d}|hd={hd}|rows={_common.rows_bucket(rows)}|{_common.dtype_name(x)}|"
            f"w={_common.dtype_name(w)}|rope={_common.dtype_name(c)}")
@@ -149,10 +142,7 @@ def run_triton(x, weight, cos, sin, num_heads, eps=1e-6, config: dict | None = N
 
 def _eager(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
            eps: float) -> torch.Tensor:
-    tensors = (x, weight, cos, sin)
-    if tl is not None and _common.use_triton(*tensors) and not _common.needs_autograd(*tensors):
-        return run_triton(x, weight, cos, sin, num_heads, eps)
-    return rmsnorm_rope_reference(x, weight, cos, sin, num_heads, eps)
+    return _common.fused(run_triton, rmsnorm_rope_reference, x, weight, cos, sin, num_heads, eps)
 
 
 def _fake(x, weight, cos, sin, num_heads, eps):
@@ -169,6 +159,4 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
 
     Triton or torch as the package doc says; ``torch.ops.wan_accel.rmsnorm_rope`` inside torch.compile.
     """
-    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, weight, cos, sin):
-        return _OP(x, weight, cos, sin, int(num_heads), float(eps))
-    return _eager(x, weight, cos, sin, num_heads, eps)
+    return _common.call_op(_OP, _eager, x, weight, cos, sin, int(num_heads), float(eps))

@@ -16,15 +16,12 @@ from typing import Callable
 import torch
 
 from ..cache.autotune import get_autotuner
+from ._common import dtype_name
 
 MODES = ("auto", "pack", "kitchen", "torch")
 SWITCHED_OFF = "switched off: it failed its self-check on this machine (python -m wan_accel doctor)"
 DEFAULT_HEAD_DIM = 128
 SPEED_DEVICES = ("cuda",)          # where a timing says something about speed (a CPU runs torch versions)
-
-
-def _dt(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def capability(device) -> tuple:
@@ -56,7 +53,7 @@ class Candidate:
             kinds = " or ".join(d.upper() if d == "cuda" else d for d in self.devices)
             return f"needs a {kinds} device, not {device.type}"
         if self.dtypes and dtype is not None and dtype not in self.dtypes:
-            return f"takes {'/'.join(_dt(d) for d in self.dtypes)}, not {_dt(dtype)}"
+            return f"takes {'/'.join(dtype_name(d) for d in self.dtypes)}, not {dtype_name(dtype)}"
         if self.head_dims and head_dim is not None and head_dim not in self.head_dims:
             return f"takes head sizes {', '.join(map(str, self.head_dims))}, not {head_dim}"
         if self.capability and device.type == "cuda":

@@ -6,7 +6,7 @@ x, y [B, L, D]; gate [B, F, D] (or [B, D] for F=1; batch 1 broadcasts) with F di
 import torch
 
 from . import _common, registry
-from ._tiles import round_bf16, tl
+from ._tiles import round_bf16, tile_rows, tl
 
 NAME = "gated_residual"
 
@@ -43,10 +43,9 @@ def gated_residual_reference(x: torch.Tensor, y: torch.Tensor, gate: torch.Tenso
 if tl is not None:
     def _gres_kernel(x_ptr, y_ptr, g_ptr, out_ptr, n_rows, D, L, tokens_per_frame, g_bstride,
                      YBLOCK: tl.constexpr, XBLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
-        rows = tl.program_id(0) * YBLOCK + tl.arange(0, YBLOCK)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         cols = tl.program_id(1) * XBLOCK + tl.arange(0, XBLOCK)
-        rows64 = rows.to(tl.int64)
-        mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+        mask = row_ok[:, None] & (cols < D)[None, :]
         offs = rows64[:, None] * D + cols[None, :]
         g_rows = (rows64 // L) * g_bstride + ((rows64 % L) // tokens_per_frame) * D
         xv = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -74,11 +73,9 @@ def _launcher(x, y, gate):
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):
-        kernel = _common.jit(_gres_kernel)
         grid = (_common.cdiv(rows, cfg["YBLOCK"]), _common.cdiv(d, cfg["XBLOCK"]))
-        with _common.device_guard(x2):
-            kernel[grid](x2, y2, g, out, rows, d, l, l // f, bstride,
-                         YBLOCK=cfg["YBLOCK"], XBLOCK=cfg["XBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+        _common.run_kernel(_gres_kernel, grid, x2, x2, y2, g, out, rows, d, l, l // f, bstride,
+                           YBLOCK=cfg["YBLOCK"], XBLOCK=cfg["XBLOCK"], ROUND_BF16=rnd, num_warps=cfg["num_warps"])
 
     key = (f"D={d}|rows={_common.rows_bucket(rows)}|F={'1' if f == 1 else 'n'}|{_common.dtype_name(x)}|"
            f"y={_common.dtype_name(y)}|g={_common.dtype_name(g)}")
@@ -95,16 +92,10 @@ def run_triton(x, y, gate, config: dict | None = None) -> torch.Tensor:
 
 
 def _eager(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    if tl is not None and _common.use_triton(x, y, gate) and not _common.needs_autograd(x, y, gate):
-        return run_triton(x, y, gate)
-    return gated_residual_reference(x, y, gate)
+    return _common.fused(run_triton, gated_residual_reference, x, y, gate)
 
 
-def _fake(x, y, gate):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-_OP = _common.register_op(NAME, _eager, _fake)
+_OP = _common.register_op(NAME, _eager)
 registry.pack_family(NAME, "x + y * gate, the blocks' gated residual (fused_kernels)", _common.triton_problem)
 
 
@@ -113,6 +104,4 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torc
 
     Triton or torch as the package doc says; ``torch.ops.wan_accel.gated_residual`` inside torch.compile.
     """
-    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, y, gate):
-        return _OP(x, y, gate)
-    return _eager(x, y, gate)
+    return _common.call_op(_OP, _eager, x, y, gate)

@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common, registry
-from ._tiles import merge_row_stats, round_bf16, tl, triton
+from ._tiles import merge_row_stats, round_bf16, tile_rows, tl, triton
 
 NAME = "residual_norm"
-CANDIDATES = _common.ROW_CANDIDATES
 candidates = _common.row_candidates
 
 
@@ -116,10 +115,7 @@ if tl is not None:
                         GATE: tl.constexpr, AFFINE: tl.constexpr, BIAS: tl.constexpr, MODULATE: tl.constexpr,
                         YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr,
                         ROUND_BF16: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         frame_rows = (rows64 // L) * mod_bstride + ((rows64 % L) // tokens_per_frame) * D
         cols0 = tl.arange(0, RBLOCK)
         out_ty = xo_ptr.dtype.element_ty
@@ -189,14 +185,11 @@ def _launcher(x, y, gate, weight, bias, shift, scale, eps):
     dummy = x2                       # a pointer for the absent operands (their loads are compiled out)
 
     def launch(cfg: dict):
-        kernel = _common.jit(_resnorm_kernel)
-        grid = (_common.cdiv(b * l, cfg["YBLOCK"]),)
-        with _common.device_guard(x2):
-            kernel[grid](x2, y2, dummy if g is None else g, dummy if w is None else w, dummy if bi is None else bi,
-                         dummy if sh is None else sh, dummy if sc is None else sc, x_new, h,
-                         b * l, d, l, l // f, bstride, float(eps),
+        _common.run_rows(_resnorm_kernel, cfg, b * l, d, x2, x2, y2, dummy if g is None else g,
+                         dummy if w is None else w, dummy if bi is None else bi, dummy if sh is None else sh,
+                         dummy if sc is None else sc, x_new, h, b * l, d, l, l // f, bstride, float(eps),
                          GATE=g is not None, AFFINE=w is not None, BIAS=bi is not None, MODULATE=sh is not None,
-                         **_common.row_tile(cfg, d), ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+                         ROUND_BF16=rnd)
 
     parts = "".join(c for c, t in zip("gwbm", (g, w, bi, sh)) if t is not None) or "-"
     key = (f"D={d}|rows={_common.rows_bucket(b * l)}|F={'1' if f == 1 else 'n'}|{parts}|{_common.dtype_name(x)}|"
@@ -217,10 +210,7 @@ def run_triton(x, y, gate=None, weight=None, bias=None, shift=None, scale=None, 
 def _eager(x: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tensor], weight: Optional[torch.Tensor],
            bias: Optional[torch.Tensor], shift: Optional[torch.Tensor], scale: Optional[torch.Tensor],
            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    given = [t for t in (x, y, gate, weight, bias, shift, scale) if t is not None]
-    if tl is not None and _common.use_triton(*given) and not _common.needs_autograd(*given):
-        return run_triton(x, y, gate, weight, bias, shift, scale, eps)
-    return residual_norm_reference(x, y, gate, weight, bias, shift, scale, eps)
+    return _common.fused(run_triton, residual_norm_reference, x, y, gate, weight, bias, shift, scale, eps)
 
 
 def _fake(x, y, gate, weight, bias, shift, scale, eps):
@@ -240,7 +230,4 @@ def residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None = 
 
     Triton or torch as the package doc says; ``torch.ops.wan_accel.residual_norm`` inside torch.compile.
     """
-    given = [t for t in (x, y, gate, weight, bias, shift, scale) if t is not None]
-    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(*given):
-        return _OP(x, y, gate, weight, bias, shift, scale, float(eps))
-    return _eager(x, y, gate, weight, bias, shift, scale, eps)
+    return _common.call_op(_OP, _eager, x, y, gate, weight, bias, shift, scale, float(eps))

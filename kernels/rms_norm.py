@@ -11,13 +11,12 @@ import torch
 
 from . import _common, registry
 from .qk_norm_rope import _rows_view, _smem      # the same row reads in place and the same tiles
-from ._tiles import inv_rms, rms_row, round_bf16, tl
+from ._tiles import inv_rms, rms_row, round_bf16, tile_rows, tl
 
 NAME = "rmsnorm"
 
 # YBLOCK rows per program, RBLOCK channels per step (looped tiles, any width), and for rows up to
 # _common.ROW_WIDTH_LIMIT the one-pass tiles (ROW: the whole row in registers). Capped by the compile preset.
-CANDIDATES = _common.ROW_CANDIDATES
 candidates = _common.row_candidates
 
 
@@ -39,10 +38,7 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) 
 if tl is not None:
     def _rms_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, eps, x_row_stride,
                     YBLOCK: tl.constexpr, RBLOCK: tl.constexpr, ROW: tl.constexpr, ROUND_BF16: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * YBLOCK + tl.arange(0, YBLOCK)
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows64, row_ok = tile_rows(n_rows, YBLOCK)
         x_rows = x_ptr + rows64[:, None] * x_row_stride
         o_rows = out_ptr + rows64[:, None] * D
         cols0 = tl.arange(0, RBLOCK)
@@ -77,11 +73,7 @@ def _launcher(x, weight, eps):
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):
-        kernel = _common.jit(_rms_kernel)
-        grid = (_common.cdiv(rows, cfg["YBLOCK"]),)
-        with _common.device_guard(x2):
-            kernel[grid](x2, w, out, rows, d, float(eps), x2.stride(1), **_common.row_tile(cfg, d),
-                         ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+        _common.run_rows(_rms_kernel, cfg, rows, d, x2, x2, w, out, rows, d, float(eps), x2.stride(1), ROUND_BF16=rnd)
 
     key = f"D={d}|rows={_common.rows_bucket(rows)}|{_common.dtype_name(x)}|w={_common.dtype_name(w)}"
     return launch, key, out
@@ -97,16 +89,10 @@ def run_triton(x, weight, eps=1e-6, config: dict | None = None) -> torch.Tensor:
 
 
 def _eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if tl is not None and _common.use_triton(x, weight) and not _common.needs_autograd(x, weight):
-        return run_triton(x, weight, eps)
-    return rmsnorm_reference(x, weight, eps)
+    return _common.fused(run_triton, rmsnorm_reference, x, weight, eps)
 
 
-def _fake(x, weight, eps):
-    return x.new_empty(x.shape)
-
-
-_OP = _common.register_op(NAME, _eager, _fake)
+_OP = _common.register_op(NAME, _eager)
 registry.pack_family("rms_norm", "full-width RMSNorm (fused_kernels)", _common.triton_problem)
 
 
@@ -115,6 +101,4 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
 
     Triton or torch as the package doc says; ``torch.ops.wan_accel.rmsnorm`` inside torch.compile.
     """
-    if _OP is not None and _common.is_compiling() and not _common.needs_autograd(x, weight):
-        return _OP(x, weight, float(eps))
-    return _eager(x, weight, eps)
+    return _common.call_op(_OP, _eager, x, weight, float(eps))

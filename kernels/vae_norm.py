@@ -143,12 +143,9 @@ def _launcher(x: torch.Tensor, gamma: torch.Tensor, silu: bool, out: torch.Tenso
     def launch(cfg: dict):
         whole = cfg["CBLOCK"] == 0
         cblock = _common.next_pow2(c) if whole else cfg["CBLOCK"]
-        kernel = _common.jit(_norm_silu_kernel)
-        grid = (_common.cdiv(s, cfg["PBLOCK"]), frames, b)
-        with _common.device_guard(x):
-            kernel[grid](x, g, out, c, s, *_strides(x), *_strides(out), math.sqrt(c), EPS,
-                         PBLOCK=cfg["PBLOCK"], CBLOCK=cblock, WHOLE=whole, SILU=bool(silu), ROUND_BF16=rnd,
-                         num_warps=cfg["num_warps"])
+        _common.run_kernel(_norm_silu_kernel, (_common.cdiv(s, cfg["PBLOCK"]), frames, b), x, x, g, out, c, s,
+                           *_strides(x), *_strides(out), math.sqrt(c), EPS, PBLOCK=cfg["PBLOCK"], CBLOCK=cblock,
+                           WHOLE=whole, SILU=bool(silu), ROUND_BF16=rnd, num_warps=cfg["num_warps"])
 
     key = (f"C={c}|HW={_common.rows_bucket(s)}|frames={_common.rows_bucket(b * frames)}|silu={int(bool(silu))}|"
            f"{_common.dtype_name(x)}")
