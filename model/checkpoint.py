@@ -34,7 +34,7 @@ log = logging.getLogger("wan_accel")
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 METADATA_KEY = "wan_accel.config"
-COMFY_METADATA_KEY = "config"
+COMFY_METADATA_KEY = "config"       # ComfyUI's: {"transformer": {...}} merged over its detection
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl")
 REAL_HEAD_DIM = 128                 # the head size of every released Wan model
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -91,16 +91,12 @@ _DIFFUSERS_RULES = [
     (r"scale_shift_table", r"head.modulation"),
     (r"proj_out\.(.+)", r"head.head.\1"),
     (_B + r"scale_shift_table", r"blocks.\1.modulation"),
-    (_B + r"attn1\.to_q\.(.+)", r"blocks.\1.self_attn.q.\2"),
-    (_B + r"attn1\.to_k\.(.+)", r"blocks.\1.self_attn.k.\2"),
-    (_B + r"attn1\.to_v\.(.+)", r"blocks.\1.self_attn.v.\2"),
-    (_B + r"attn1\.to_out\.0\.(.+)", r"blocks.\1.self_attn.o.\2"),
-    (_B + r"attn1\.norm_([qk])\.(.+)", r"blocks.\1.self_attn.norm_\2.\3"),
-    (_B + r"attn2\.to_q\.(.+)", r"blocks.\1.cross_attn.q.\2"),
-    (_B + r"attn2\.to_k\.(.+)", r"blocks.\1.cross_attn.k.\2"),
-    (_B + r"attn2\.to_v\.(.+)", r"blocks.\1.cross_attn.v.\2"),
-    (_B + r"attn2\.to_out\.0\.(.+)", r"blocks.\1.cross_attn.o.\2"),
-    (_B + r"attn2\.norm_([qk])\.(.+)", r"blocks.\1.cross_attn.norm_\2.\3"),
+    # attn1 / attn2: the self- / cross-attention's q, k, v, o and q/k norms
+    *((_B + rf"{attn}\.{part}\.(.+)", rf"blocks.\1.{owner}.{layer}.\2")
+      for attn, owner in (("attn1", "self_attn"), ("attn2", "cross_attn"))
+      for part, layer in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), (r"to_out\.0", "o"))),
+    *((_B + rf"{attn}\.norm_([qk])\.(.+)", rf"blocks.\1.{owner}.norm_\2.\3")
+      for attn, owner in (("attn1", "self_attn"), ("attn2", "cross_attn"))),
     (_B + r"attn2\.add_k_proj\.(.+)", r"blocks.\1.cross_attn.k_img.\2"),
     (_B + r"attn2\.add_v_proj\.(.+)", r"blocks.\1.cross_attn.v_img.\2"),
     (_B + r"attn2\.norm_added_k\.(.+)", r"blocks.\1.cross_attn.norm_k_img.\2"),
@@ -269,11 +265,6 @@ def metadata_config(meta: dict) -> dict | None:
     return merged or None
 
 
-def is_causal(meta: dict) -> bool:
-    """True when the metadata marks the file as a causal (autoregressive) Wan, in ComfyUI's convention."""
-    return bool((metadata_config(meta) or {}).get("causal_ar"))
-
-
 # --------------------------------------------------------------------- config inference
 # Rank and layout of the tensors the config is read from.
 _INFER_SHAPES = {"patch_embedding.weight": "[dim, in_dim, pt, ph, pw]", "head.head.weight": "[out_dim * patch, dim]",
@@ -343,7 +334,6 @@ def infer_config(shapes: dict, num_heads: int | None = None, overrides: dict | N
         raise CheckpointError(f"inferred config is invalid: {exc}") from exc
 
 
-CORE_CONFIG_KEY = "config"          # ComfyUI's metadata entry: {"transformer": {...}} merged over its detection
 _CORE_DEFAULTS = {"text_len": 512, "freq_dim": 256, "text_dim": 4096, "eps": 1e-6}   # what core assumes for Wan 2.1
 
 
@@ -361,7 +351,7 @@ def core_causal_metadata(config: WanConfig) -> dict:
     for key, core_default in _CORE_DEFAULTS.items():
         if getattr(config, key) != core_default:
             transformer[key] = getattr(config, key)
-    return {CORE_CONFIG_KEY: json.dumps({"transformer": transformer})}
+    return {COMFY_METADATA_KEY: json.dumps({"transformer": transformer})}
 
 
 def model_class(config: WanConfig):
@@ -377,8 +367,6 @@ def infer_any_config(shapes: dict, num_heads: int | None = None, overrides: dict
     """infer_config, or the Matrix-Game-2 inference when the keys hold action modules."""
     if any(MG2_KEY_MARK in n for n in shapes):
         from .mg2_model import infer_mg2_config
-        pe = shapes.get("patch_embedding.weight")
-        num_heads = num_heads or (overrides or {}).get("num_heads") or (default_num_heads(pe[0]) if pe else None)
         try:
             return infer_mg2_config(shapes, num_heads=num_heads, overrides=overrides)
         except (KeyError, ValueError) as exc:
@@ -551,7 +539,8 @@ class Checkpoint:
 
     @property
     def causal(self) -> bool:
-        return is_causal(self.metadata)
+        """True when the metadata marks the file as a causal (autoregressive) Wan, in ComfyUI's convention."""
+        return bool((metadata_config(self.metadata) or {}).get("causal_ar"))
 
     def sizing_config(self) -> dict:
         """The config the planner sizes with: the inferred one, else what the shapes and metadata show."""
