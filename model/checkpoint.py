@@ -559,14 +559,14 @@ def open_checkpoint(path, config=None, num_heads: int | None = None, *, strict: 
     names = canonical_names(raw)
     tensors, quant = split_quant({n: raw[src] for n, src in names.items()})
     check_quant_side(path, tensors, names, quant, meta)     # every reader of the file: named errors, no IndexError
+    shapes = {n: t.shape for n, t in tensors.items()}
     try:
         if config is None:
-            config = infer_any_config({n: t.shape for n, t in tensors.items()}, num_heads=num_heads,
-                                      overrides=metadata_config(meta))
+            config = infer_any_config(shapes, num_heads=num_heads, overrides=metadata_config(meta))
         elif isinstance(config, dict):
             config = WanConfig.from_dict(config)
         if strict:
-            validate_keys(expected_shapes(config), {n: t.shape for n, t in tensors.items()}, path.name)
+            validate_keys(expected_shapes(config), shapes, path.name)
     except CheckpointError as exc:
         if strict:
             raise
