@@ -294,12 +294,16 @@ def _block_indices(shapes) -> set:
 
 
 OVERRIDABLE = ("text_len", "eps", "window_size", "local_attn_size", "sink_size", "clip_tokens")
+MG2_OVERRIDABLE = ("eps", "local_attn_size", "sink_size", "clip_tokens")
 
 
 def infer_config(shapes: dict, num_heads: int | None = None, overrides: dict | None = None) -> WanConfig:
     """WanConfig from {official key name: shape}. num_heads comes from (in order) the argument,
-    ``overrides`` (e.g. checkpoint metadata), or dim / 128 (the head size of every released Wan model)."""
+    ``overrides`` (e.g. checkpoint metadata), or dim / 128 (the head size of every released Wan model).
+    Matrix-Game-2 (keys of action modules): no text branch (the image tokens are the context), a rolling window of 6
+    latent frames unless overridden, and the ``action_config`` the action modules' shapes give (``mg2_model.py``)."""
     overrides = dict(overrides or {})
+    mg2 = any(MG2_KEY_MARK in n for n in shapes)
     pe = _shape(shapes, "patch_embedding.weight")
     dim, in_dim, patch = pe[0], pe[1], tuple(pe[2:5])
     layers = _block_indices(shapes)
@@ -314,20 +318,30 @@ def infer_config(shapes: dict, num_heads: int | None = None, overrides: dict | N
         raise CheckpointError(
             f"cannot infer num_heads for dim={dim} (real Wan models use head_dim {REAL_HEAD_DIM}); pass "
             f"num_heads explicitly or store the config in the safetensors metadata key '{METADATA_KEY}'")
-    i2v = "img_emb.proj.1.weight" in shapes or "blocks.0.cross_attn.k_img.weight" in shapes
+    i2v = mg2 or "img_emb.proj.1.weight" in shapes or "blocks.0.cross_attn.k_img.weight" in shapes
     cfg = dict(
         model_type="i2v" if i2v else "t2v", patch_size=patch, in_dim=in_dim, dim=dim,
         ffn_dim=_shape(shapes, "blocks.0.ffn.0.weight")[0],
         freq_dim=_shape(shapes, "time_embedding.0.weight")[1],
-        text_dim=_shape(shapes, "text_embedding.0.weight")[1],
         out_dim=head_out // vol, num_heads=int(heads), num_layers=len(layers),
         qk_norm="blocks.0.self_attn.norm_q.weight" in shapes,
         cross_attn_norm="blocks.0.norm3.weight" in shapes)
-    if "img_emb.proj.1.weight" in shapes:
+    if mg2:
+        cfg.update(local_attn_size=6, sink_size=0)
+    else:
+        cfg["text_dim"] = _shape(shapes, "text_embedding.0.weight")[1]
+    if mg2 or "img_emb.proj.1.weight" in shapes:
         cfg["clip_dim"] = _shape(shapes, "img_emb.proj.1.weight")[1]
-    for key in OVERRIDABLE:
+    for key in MG2_OVERRIDABLE if mg2 else OVERRIDABLE:
         if key in overrides:
             cfg[key] = overrides[key]
+    if mg2:
+        from .mg2_model import infer_action_config
+        try:
+            action = infer_action_config(shapes, dim)
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"cannot infer the Matrix-Game-2 config: {exc}") from exc
+        cfg["extra"] = {"action_config": {**action, **(overrides.get("action_config") or {})}}
     try:
         return WanConfig(**cfg)
     except ValueError as exc:
@@ -361,17 +375,6 @@ def model_class(config: WanConfig):
         return MatrixGameModel
     from .dit import WanModel
     return WanModel
-
-
-def infer_any_config(shapes: dict, num_heads: int | None = None, overrides: dict | None = None) -> WanConfig:
-    """infer_config, or the Matrix-Game-2 inference when the keys hold action modules."""
-    if any(MG2_KEY_MARK in n for n in shapes):
-        from .mg2_model import infer_mg2_config
-        try:
-            return infer_mg2_config(shapes, num_heads=num_heads, overrides=overrides)
-        except (KeyError, ValueError) as exc:
-            raise CheckpointError(f"cannot infer the Matrix-Game-2 config: {exc}") from exc
-    return infer_config(shapes, num_heads=num_heads, overrides=overrides)
 
 
 def config_dict(config: WanConfig) -> dict:
@@ -562,7 +565,7 @@ def open_checkpoint(path, config=None, num_heads: int | None = None, *, strict: 
     shapes = {n: t.shape for n, t in tensors.items()}
     try:
         if config is None:
-            config = infer_any_config(shapes, num_heads=num_heads, overrides=metadata_config(meta))
+            config = infer_config(shapes, num_heads=num_heads, overrides=metadata_config(meta))
         elif isinstance(config, dict):
             config = WanConfig.from_dict(config)
         if strict:
