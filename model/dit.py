@@ -273,12 +273,12 @@ class WanModel(nn.Module):
         calls = []
         for i, block in enumerate(self.blocks):
             ckv = crossattn_cache.layers[i] if crossattn_cache is not None else None
-            if ckv is not None and ckv.ready:
+            if ckv is not None and ckv.tensors is not None:
                 cross = ckv.tensors
             else:
                 cross = block.cross_attn.context_kv(text, image)
                 if ckv is not None:
-                    ckv.store(cross)
+                    ckv.tensors = cross
             if step is None:
                 calls.append(LayerCall(cross, parts, seq=seq))
             else:

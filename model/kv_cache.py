@@ -443,14 +443,7 @@ class CrossKV:
     __slots__ = ("tensors",)
 
     def __init__(self):
-        self.tensors = None
-
-    @property
-    def ready(self) -> bool:
-        return self.tensors is not None
-
-    def store(self, tensors: dict) -> None:
-        self.tensors = tensors
+        self.tensors = None     # (k, v) or (k, v, k_img, v_img) of the prompt; None: not computed yet
 
 
 class CrossAttnCache:
