@@ -12,13 +12,13 @@ Action q/k use a weightless RMSNorm (eps 1e-6) and a temporal RoPE over the firs
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from .attention import attention
+from .config import DictConfig
 
 ACTION_HEAD_DIM = 64        # fixed by the official action RoPE table
 ACTION_NORM_EPS = 1e-6
@@ -26,7 +26,7 @@ MOUSE_MLP_LN_EPS = 1e-5
 
 
 @dataclass
-class ActionConfig:
+class ActionConfig(DictConfig):
     """The ``action_config`` of a Matrix-Game-2 checkpoint (released names)."""
     blocks: tuple = ()
     mouse_dim_in: int = 2
@@ -78,19 +78,6 @@ class ActionConfig:
     @property
     def rope_frame_dims(self) -> int:
         return self.mouse_qk_dim_list[0]
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("extra")
-        for k in ("blocks", "mouse_qk_dim_list", "rope_dim_list", "patch_size"):
-            d[k] = list(d[k])
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ActionConfig":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        return cls(**{k: v for k, v in d.items() if k in names},
-                   extra={k: v for k, v in d.items() if k not in names})
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -187,7 +174,7 @@ class ActionModule(nn.Module):
             qkv = self.t_qkv(self.mouse_mlp(u))                                              # [B, T, S, 3Hm]
             qkv = qkv.permute(0, 2, 1, 3).reshape(b * s, t, 3, h, hd)                        # rows = (batch, pos)
             q, k = self._qk(qkv[:, :, 0], qkv[:, :, 1], tab, tab)
-            kc, vc = call.mouse_kv(self.cache_slot).update(k, qkv[:, :, 2], call.mouse_step)
+            kc, vc = call.mouse_cache.layers[self.cache_slot].update(k, qkv[:, :, 2], call.mouse_step)
             out = attention(q, kc, vc, backend=self.attn_backend)                            # [B*S, T, h, hd]
             out = out.reshape(b, s, t, h * hd).permute(0, 2, 1, 3).reshape(b, l, h * hd)
             x = x + self.proj_mouse(out).to(x.dtype)
@@ -198,7 +185,7 @@ class ActionModule(nn.Module):
             q = self.mouse_attn_q(x.to(cd)).view(b, l, h, hd)
             q_tab = tuple(z.repeat_interleave(s, dim=0) for z in tab)                        # per token
             q, k = self._qk(q, kv[:, :, 0], q_tab, tab)
-            kc, vc = call.keyboard_kv(self.cache_slot).update(k, kv[:, :, 1], call.keyboard_step)
+            kc, vc = call.keyboard_cache.layers[self.cache_slot].update(k, kv[:, :, 1], call.keyboard_step)
             out = attention(q, kc, vc, backend=self.attn_backend).reshape(b, l, h * hd)
             x = x + self.proj_keyboard(out).to(x.dtype)
         return x
@@ -216,12 +203,10 @@ class ActionCall:
     def __init__(self, cfg: ActionConfig, mouse, keyboard, window: int, dtype=None):
         if window < 1:
             raise ValueError(f"the action cache window must be at least 1 latent frame, got {window}")
-        if cfg.enable_mouse and mouse is None:
-            raise ValueError("this model has a mouse branch: pass mouse actions [B, video frames, "
-                             f"{cfg.mouse_dim_in}]")
-        if cfg.enable_keyboard and keyboard is None:
-            raise ValueError("this model has a keyboard branch: pass keyboard actions [B, video frames, "
-                             f"{cfg.keyboard_dim_in}]")
+        for name, on, given, dims in (("mouse", cfg.enable_mouse, mouse, cfg.mouse_dim_in),
+                                      ("keyboard", cfg.enable_keyboard, keyboard, cfg.keyboard_dim_in)):
+            if on and given is None:
+                raise ValueError(f"this model has a {name} branch: pass {name} actions [B, video frames, {dims}]")
         self.cfg, self.window, self.dtype = cfg, int(window), dtype
         self.mouse = mouse if cfg.enable_mouse else None
         self.keyboard = keyboard if cfg.enable_keyboard else None
@@ -274,9 +259,3 @@ class ActionCall:
             self.mouse_step = self.mouse_cache.plan(start_frame, num_frames)
         if self.keyboard_cache is not None:
             self.keyboard_step = self.keyboard_cache.plan(start_frame, num_frames)
-
-    def mouse_kv(self, slot: int):
-        return self.mouse_cache.layers[slot]
-
-    def keyboard_kv(self, slot: int):
-        return self.keyboard_cache.layers[slot]

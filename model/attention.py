@@ -442,10 +442,6 @@ def auto_name(q, k, v, request) -> str:
     return name
 
 
-def _auto(q, k, v, request):
-    return AUTO_CANDIDATES[auto_name(q, k, v, request)].fn(q, k, v)
-
-
 def kernel_of(q, k, v, backend) -> str | None:
     """The exact kernel an ``attention(q, k, v, backend=backend)`` call without a key mask runs: a candidate name
     of 'auto' ('fa3', 'fa3.split2', 'sdpa.cudnn', ...), 'fa3' / 'fa2' for an explicit request that resolves to it,
@@ -551,7 +547,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if key_padding_mask is not None:
         return _sdpa(q, k, v, key_padding_mask[:, None, None, :])
     if backend == "auto" or isinstance(backend, tuple):
-        return _auto(q, k, v, backend)
+        return AUTO_CANDIDATES[auto_name(q, k, v, backend)].fn(q, k, v)
     if backend == "sdpa" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return _sdpa(q, k, v)
     if backend not in RESOLVED:

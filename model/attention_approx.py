@@ -20,9 +20,8 @@ def fp8_scheme(kind: str) -> str:
 
 def fp8_error_bound(q, k, v, key_padding_mask=None, kind: str = "torch", **kw):
     """The error bound of fp8 attention of implementation ``kind`` (its module's ``error_bound``)."""
-    if fp8_scheme(kind) == "fa3":
-        return fa3_fp8.error_bound(q, k, v, key_padding_mask, kernel=kind, **kw)
-    return fp8.error_bound(q, k, v, key_padding_mask, kernel=kind, **kw)
+    module = fa3_fp8 if fp8_scheme(kind) == "fa3" else fp8
+    return module.error_bound(q, k, v, key_padding_mask, kernel=kind, **kw)
 
 
 def attention_speed(mode: str, lq: int, lk: int, batch: int, heads: int, head_dim: int, dtype, device, exact="auto",

@@ -208,11 +208,11 @@ def _norm_rope(norm, x, rope, heads: int, fused: bool, ops: tuple = ()):
 def _project(sa, h, fused_qkv: bool, parts: int, linear: str = "exact"):
     """The last ``parts`` of (q, k, v) for input h: one GEMM over the fused weight when available (under
     ``linear`` 'fp8': over the fp8 copy of the three weights, one GEMM when fused, else one per part)."""
+    d = h.shape[-1]
+    start = (3 - parts) * d
     if linear == "fp8":
         wq = sa._buffers.get(QKV_FP8_WEIGHT)
         if wq is not None:
-            d = h.shape[-1]
-            start = (3 - parts) * d
             scale, bias = sa._buffers[QKV_FP8_SCALE], sa._buffers.get(QKV_FP8_BIAS)
             spans = [(start, 3 * d)] if fused_qkv else [(i * d, (i + 1) * d) for i in range(3 - parts, 3)]
             hq = quantize_input(h.reshape(-1, d)) if len(spans) > 1 else None       # h quantized once
@@ -224,14 +224,14 @@ def _project(sa, h, fused_qkv: bool, parts: int, linear: str = "exact"):
             return tuple(run_linear(m, h, linear, hq) for m in layers)
     w = getattr(sa, QKV_WEIGHT, None) if fused_qkv else None
     if w is not None:
-        d = h.shape[-1]
         b = getattr(sa, QKV_BIAS, None)
-        start = (3 - parts) * d
         return F.linear(h, w[start:], None if b is None else b[start:]).split(d, dim=-1)
     return tuple(m(h) for m in (sa.q, sa.k, sa.v)[3 - parts:])
 
 
-class WanSelfAttention(nn.Module):
+class _Attention(nn.Module):
+    """The layers both attentions have: q, k, v, o and the q/k RMSNorms (identities without ``qk_norm``)."""
+
     def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float):
         super().__init__()
         self.num_heads = num_heads
@@ -239,6 +239,8 @@ class WanSelfAttention(nn.Module):
         self.norm_q = _qk_norm(dim, eps, qk_norm)
         self.norm_k = _qk_norm(dim, eps, qk_norm)
 
+
+class WanSelfAttention(_Attention):
     def keys_values(self, h, rope, call: LayerCall, with_query: bool):
         """(q, k, v) or (k, v) of the modulated input h, RoPE applied, [B, L, H, hd] each."""
         p = call.parts
@@ -263,15 +265,11 @@ class WanSelfAttention(nn.Module):
         return run_linear(self.o, out.flatten(2), call.parts.linear)
 
 
-class WanCrossAttention(nn.Module):
+class WanCrossAttention(_Attention):
     """Text cross-attention; with ``image=True`` also the i2v image branch (k_img, v_img, norm_k_img)."""
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float, image: bool = False):
-        super().__init__()
-        self.num_heads = num_heads
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.norm_q = _qk_norm(dim, eps, qk_norm)
-        self.norm_k = _qk_norm(dim, eps, qk_norm)
+        super().__init__(dim, num_heads, qk_norm, eps)
         self.has_image = image
         if image:
             self.k_img = nn.Linear(dim, dim)

@@ -34,7 +34,7 @@ log = logging.getLogger("wan_accel")
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 METADATA_KEY = "wan_accel.config"
-COMFY_METADATA_KEY = "config"
+COMFY_METADATA_KEY = "config"       # ComfyUI's: {"transformer": {...}} merged over its detection
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl")
 REAL_HEAD_DIM = 128                 # the head size of every released Wan model
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -91,16 +91,12 @@ _DIFFUSERS_RULES = [
     (r"scale_shift_table", r"head.modulation"),
     (r"proj_out\.(.+)", r"head.head.\1"),
     (_B + r"scale_shift_table", r"blocks.\1.modulation"),
-    (_B + r"attn1\.to_q\.(.+)", r"blocks.\1.self_attn.q.\2"),
-    (_B + r"attn1\.to_k\.(.+)", r"blocks.\1.self_attn.k.\2"),
-    (_B + r"attn1\.to_v\.(.+)", r"blocks.\1.self_attn.v.\2"),
-    (_B + r"attn1\.to_out\.0\.(.+)", r"blocks.\1.self_attn.o.\2"),
-    (_B + r"attn1\.norm_([qk])\.(.+)", r"blocks.\1.self_attn.norm_\2.\3"),
-    (_B + r"attn2\.to_q\.(.+)", r"blocks.\1.cross_attn.q.\2"),
-    (_B + r"attn2\.to_k\.(.+)", r"blocks.\1.cross_attn.k.\2"),
-    (_B + r"attn2\.to_v\.(.+)", r"blocks.\1.cross_attn.v.\2"),
-    (_B + r"attn2\.to_out\.0\.(.+)", r"blocks.\1.cross_attn.o.\2"),
-    (_B + r"attn2\.norm_([qk])\.(.+)", r"blocks.\1.cross_attn.norm_\2.\3"),
+    # attn1 / attn2: the self- / cross-attention's q, k, v, o and q/k norms
+    *((_B + rf"{attn}\.{part}\.(.+)", rf"blocks.\1.{owner}.{layer}.\2")
+      for attn, owner in (("attn1", "self_attn"), ("attn2", "cross_attn"))
+      for part, layer in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), (r"to_out\.0", "o"))),
+    *((_B + rf"{attn}\.norm_([qk])\.(.+)", rf"blocks.\1.{owner}.norm_\2.\3")
+      for attn, owner in (("attn1", "self_attn"), ("attn2", "cross_attn"))),
     (_B + r"attn2\.add_k_proj\.(.+)", r"blocks.\1.cross_attn.k_img.\2"),
     (_B + r"attn2\.add_v_proj\.(.+)", r"blocks.\1.cross_attn.v_img.\2"),
     (_B + r"attn2\.norm_added_k\.(.+)", r"blocks.\1.cross_attn.norm_k_img.\2"),
@@ -269,11 +265,6 @@ def metadata_config(meta: dict) -> dict | None:
     return merged or None
 
 
-def is_causal(meta: dict) -> bool:
-    """True when the metadata marks the file as a causal (autoregressive) Wan, in ComfyUI's convention."""
-    return bool((metadata_config(meta) or {}).get("causal_ar"))
-
-
 # --------------------------------------------------------------------- config inference
 # Rank and layout of the tensors the config is read from.
 _INFER_SHAPES = {"patch_embedding.weight": "[dim, in_dim, pt, ph, pw]", "head.head.weight": "[out_dim * patch, dim]",
@@ -303,12 +294,16 @@ def _block_indices(shapes) -> set:
 
 
 OVERRIDABLE = ("text_len", "eps", "window_size", "local_attn_size", "sink_size", "clip_tokens")
+MG2_OVERRIDABLE = ("eps", "local_attn_size", "sink_size", "clip_tokens")
 
 
 def infer_config(shapes: dict, num_heads: int | None = None, overrides: dict | None = None) -> WanConfig:
     """WanConfig from {official key name: shape}. num_heads comes from (in order) the argument,
-    ``overrides`` (e.g. checkpoint metadata), or dim / 128 (the head size of every released Wan model)."""
+    ``overrides`` (e.g. checkpoint metadata), or dim / 128 (the head size of every released Wan model).
+    Matrix-Game-2 (keys of action modules): no text branch (the image tokens are the context), a rolling window of 6
+    latent frames unless overridden, and the ``action_config`` the action modules' shapes give (``mg2_model.py``)."""
     overrides = dict(overrides or {})
+    mg2 = any(MG2_KEY_MARK in n for n in shapes)
     pe = _shape(shapes, "patch_embedding.weight")
     dim, in_dim, patch = pe[0], pe[1], tuple(pe[2:5])
     layers = _block_indices(shapes)
@@ -323,27 +318,36 @@ def infer_config(shapes: dict, num_heads: int | None = None, overrides: dict | N
         raise CheckpointError(
             f"cannot infer num_heads for dim={dim} (real Wan models use head_dim {REAL_HEAD_DIM}); pass "
             f"num_heads explicitly or store the config in the safetensors metadata key '{METADATA_KEY}'")
-    i2v = "img_emb.proj.1.weight" in shapes or "blocks.0.cross_attn.k_img.weight" in shapes
+    i2v = mg2 or "img_emb.proj.1.weight" in shapes or "blocks.0.cross_attn.k_img.weight" in shapes
     cfg = dict(
         model_type="i2v" if i2v else "t2v", patch_size=patch, in_dim=in_dim, dim=dim,
         ffn_dim=_shape(shapes, "blocks.0.ffn.0.weight")[0],
         freq_dim=_shape(shapes, "time_embedding.0.weight")[1],
-        text_dim=_shape(shapes, "text_embedding.0.weight")[1],
         out_dim=head_out // vol, num_heads=int(heads), num_layers=len(layers),
         qk_norm="blocks.0.self_attn.norm_q.weight" in shapes,
         cross_attn_norm="blocks.0.norm3.weight" in shapes)
-    if "img_emb.proj.1.weight" in shapes:
+    if mg2:
+        cfg.update(local_attn_size=6, sink_size=0)
+    else:
+        cfg["text_dim"] = _shape(shapes, "text_embedding.0.weight")[1]
+    if mg2 or "img_emb.proj.1.weight" in shapes:
         cfg["clip_dim"] = _shape(shapes, "img_emb.proj.1.weight")[1]
-    for key in OVERRIDABLE:
+    for key in MG2_OVERRIDABLE if mg2 else OVERRIDABLE:
         if key in overrides:
             cfg[key] = overrides[key]
+    if mg2:
+        from .mg2_model import infer_action_config
+        try:
+            action = infer_action_config(shapes, dim)
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"cannot infer the Matrix-Game-2 config: {exc}") from exc
+        cfg["extra"] = {"action_config": {**action, **(overrides.get("action_config") or {})}}
     try:
         return WanConfig(**cfg)
     except ValueError as exc:
         raise CheckpointError(f"inferred config is invalid: {exc}") from exc
 
 
-CORE_CONFIG_KEY = "config"          # ComfyUI's metadata entry: {"transformer": {...}} merged over its detection
 _CORE_DEFAULTS = {"text_len": 512, "freq_dim": 256, "text_dim": 4096, "eps": 1e-6}   # what core assumes for Wan 2.1
 
 
@@ -361,7 +365,7 @@ def core_causal_metadata(config: WanConfig) -> dict:
     for key, core_default in _CORE_DEFAULTS.items():
         if getattr(config, key) != core_default:
             transformer[key] = getattr(config, key)
-    return {CORE_CONFIG_KEY: json.dumps({"transformer": transformer})}
+    return {COMFY_METADATA_KEY: json.dumps({"transformer": transformer})}
 
 
 def model_class(config: WanConfig):
@@ -371,19 +375,6 @@ def model_class(config: WanConfig):
         return MatrixGameModel
     from .dit import WanModel
     return WanModel
-
-
-def infer_any_config(shapes: dict, num_heads: int | None = None, overrides: dict | None = None) -> WanConfig:
-    """infer_config, or the Matrix-Game-2 inference when the keys hold action modules."""
-    if any(MG2_KEY_MARK in n for n in shapes):
-        from .mg2_model import infer_mg2_config
-        pe = shapes.get("patch_embedding.weight")
-        num_heads = num_heads or (overrides or {}).get("num_heads") or (default_num_heads(pe[0]) if pe else None)
-        try:
-            return infer_mg2_config(shapes, num_heads=num_heads, overrides=overrides)
-        except (KeyError, ValueError) as exc:
-            raise CheckpointError(f"cannot infer the Matrix-Game-2 config: {exc}") from exc
-    return infer_config(shapes, num_heads=num_heads, overrides=overrides)
 
 
 def config_dict(config: WanConfig) -> dict:
@@ -551,7 +542,8 @@ class Checkpoint:
 
     @property
     def causal(self) -> bool:
-        return is_causal(self.metadata)
+        """True when the metadata marks the file as a causal (autoregressive) Wan, in ComfyUI's convention."""
+        return bool((metadata_config(self.metadata) or {}).get("causal_ar"))
 
     def sizing_config(self) -> dict:
         """The config the planner sizes with: the inferred one, else what the shapes and metadata show."""
@@ -570,14 +562,14 @@ def open_checkpoint(path, config=None, num_heads: int | None = None, *, strict: 
     names = canonical_names(raw)
     tensors, quant = split_quant({n: raw[src] for n, src in names.items()})
     check_quant_side(path, tensors, names, quant, meta)     # every reader of the file: named errors, no IndexError
+    shapes = {n: t.shape for n, t in tensors.items()}
     try:
         if config is None:
-            config = infer_any_config({n: t.shape for n, t in tensors.items()}, num_heads=num_heads,
-                                      overrides=metadata_config(meta))
+            config = infer_config(shapes, num_heads=num_heads, overrides=metadata_config(meta))
         elif isinstance(config, dict):
             config = WanConfig.from_dict(config)
         if strict:
-            validate_keys(expected_shapes(config), {n: t.shape for n, t in tensors.items()}, path.name)
+            validate_keys(expected_shapes(config), shapes, path.name)
     except CheckpointError as exc:
         if strict:
             raise

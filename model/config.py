@@ -5,8 +5,26 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+class DictConfig:
+    """A dataclass config that is written as a plain dict (its tuples as lists, ``extra`` left out) and read from
+    one; the dataclass has an ``extra`` field for the keys it does not know."""
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """Build from a dict; unknown keys are kept in ``extra`` (not an error)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        extra = {k: v for k, v in d.items() if k not in names}
+        return cls(**known, extra=extra)
+
+
 @dataclass
-class WanConfig:
+class WanConfig(DictConfig):
     model_type: str = "t2v"                 # 't2v' or 'i2v'
     patch_size: tuple = (1, 2, 2)           # (pt, ph, pw)
     text_len: int = 512
@@ -48,21 +66,6 @@ class WanConfig:
             raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs)")
         if self.freq_dim % 2:
             raise ValueError(f"freq_dim {self.freq_dim} must be even")
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("extra")
-        d["patch_size"] = list(self.patch_size)
-        d["window_size"] = list(self.window_size)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "WanConfig":
-        """Build from a dict; unknown keys are kept in ``extra`` (not an error)."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in d.items() if k in names}
-        extra = {k: v for k, v in d.items() if k not in names}
-        return cls(**known, extra=extra)
 
     def replace(self, **changes) -> "WanConfig":
         return dataclasses.replace(self, **changes)

@@ -203,8 +203,7 @@ class WanModel(nn.Module):
         return torch.stack([positions < n for n in lens])      # host ints: no host->device copy
 
     def _rope_full(self, grids, seq_len, device):
-        tdtype = torch.float64 if self.stream_dtype == torch.float64 else torch.float32
-        tables = [self.rope.get(self.config.head_dim, g, 0, device, tdtype, seq_len) for g in grids]
+        tables = [self.rope.get(self.config.head_dim, g, 0, device, self.rope_dtype(), seq_len) for g in grids]
         if all(g == grids[0] for g in grids):
             return tables[0]
         return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
@@ -274,12 +273,12 @@ class WanModel(nn.Module):
         calls = []
         for i, block in enumerate(self.blocks):
             ckv = crossattn_cache.layers[i] if crossattn_cache is not None else None
-            if ckv is not None and ckv.ready:
+            if ckv is not None and ckv.tensors is not None:
                 cross = ckv.tensors
             else:
                 cross = block.cross_attn.context_kv(text, image)
                 if ckv is not None:
-                    ckv.store(cross)
+                    ckv.tensors = cross
             if step is None:
                 calls.append(LayerCall(cross, parts, seq=seq))
             else:

@@ -72,13 +72,10 @@ def ensure_fused_qkv(sa) -> bool:
             if b is not None:
                 sa.register_buffer(QKV_BIAS, b, persistent=False)
             return True
-        w = torch.cat([t.data for t in ws])
-        for m, part in zip(lin, w.chunk(3)):
-            m.weight.data = part
-        sa.register_buffer(QKV_WEIGHT, w, persistent=False)
-        if bs[0] is not None:
-            b = torch.cat([t.data for t in bs])
-            for m, part in zip(lin, b.chunk(3)):
-                m.bias.data = part
-            sa.register_buffer(QKV_BIAS, b, persistent=False)
+        for name, params in ((QKV_WEIGHT, ws), (QKV_BIAS, bs)):        # one copy of the weights (and biases)
+            if params[0] is not None:
+                whole = torch.cat([t.data for t in params])
+                for p, part in zip(params, whole.chunk(3)):
+                    p.data = part
+                sa.register_buffer(name, whole, persistent=False)
     return True

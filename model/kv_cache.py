@@ -375,19 +375,16 @@ class KVCache:
         end = start + num_tokens
         if start > self.end:
             raise ValueError(f"KV cache gap: call starts at token {start} but only {self.end} tokens are cached")
-        if not self.rolling:
-            if end > self.capacity:
-                raise ValueError(f"KV cache holds {self.capacity} tokens but the call reaches token {end}; "
-                                 f"use a rolling window (kv_window) for longer videos")
-            self.end = end
-            return self._step(((start, end, 0, num_tokens),), end)
-        if num_tokens > self.ring:
+        if not self.rolling and end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} tokens but the call reaches token {end}; "
+                             f"use a rolling window (kv_window) for longer videos")
+        if self.rolling and num_tokens > self.ring:
             raise ValueError(f"a chunk of {num_tokens} tokens does not fit the rolling window of "
                              f"{self.ring} non-sink tokens; raise kv_window or lower sink")
-        if start != self.end and end != self.end:
+        if self.rolling and start != self.end and end != self.end:
             raise ValueError("a rolling KV cache only appends the next chunk or recomputes the newest one "
                              f"(cached up to token {self.end}, call covers [{start}, {end}))")
-        self.end = max(self.end, end)
+        self.end = max(self.end, end) if self.rolling else end
         return self._step(self._segments(start, end), min(self.end, self.capacity))
 
     def rewrite(self, start: int, num_tokens: int) -> CacheStep:
@@ -398,9 +395,7 @@ class KVCache:
         if start < 0 or num_tokens <= 0 or end != self.end:
             raise ValueError(f"a rewrite covers cached tokens up to the newest one (cached up to token {self.end}, "
                              f"call covers [{start}, {end}))")
-        if not self.rolling:
-            return self._step(((start, end, 0, num_tokens),), end)
-        if end > self.capacity and start < end - self.ring:
+        if end > self.capacity and start < end - self.ring:     # (never in a global cache: it holds every token)
             raise ValueError(f"tokens [{start}, {end - self.ring}) left the rolling window; rewrite at most the "
                              f"newest {self.ring} non-sink tokens")
         return self._step(self._segments(start, end), min(self.end, self.capacity))
@@ -417,6 +412,9 @@ class KVCache:
         return CacheStep(writes, read_len, *made)
 
     def _segments(self, g0: int, g1: int) -> tuple:
+        """The writes of global tokens [g0, g1): one range in a global cache, the ring's ranges in a rolling one."""
+        if not self.rolling:
+            return ((g0, g1, 0, g1 - g0),)
         segs, g, s, r = [], g0, self.sink_tokens, self.ring
         while g < g1:
             if g < s:
@@ -445,14 +443,7 @@ class CrossKV:
     __slots__ = ("tensors",)
 
     def __init__(self):
-        self.tensors = None
-
-    @property
-    def ready(self) -> bool:
-        return self.tensors is not None
-
-    def store(self, tensors: dict) -> None:
-        self.tensors = tensors
+        self.tensors = None     # (k, v) or (k, v, k_img, v_img) of the prompt; None: not computed yet
 
 
 class CrossAttnCache:

@@ -36,13 +36,6 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
-def resolve_checkpoint(path, config=None, num_heads=None):
-    """The checkpoint (header, names, settled config) of a safetensors file, validated against the model."""
-    ckpt = open_checkpoint(path, config, num_heads)
-    check_dtypes({n: t.dtype for n, t in ckpt.tensors.items()})
-    return ckpt
-
-
 def _load_fused_qkv(model, f, path, ckpt, names: dict, device, targets: dict, skip=frozenset()) -> set:
     """Load every self-attention's q/k/v (weight, and bias) into one [3*dim, ...] buffer per block; the three
     parameters become views of it. Returns the names loaded. ``skip``: attention modules left unfused (their
@@ -77,13 +70,14 @@ def _scale_shape(scale: torch.Tensor) -> tuple:
     return () if scale.numel() == 1 else (scale.numel(), 1)
 
 
-def _read_scales(f, ckpt, device) -> dict:
-    """{layer: (weight scale, input scale or None)} as float32 on ``device``, each checked: a floating tensor of one
-    value (or one per output row of the weight), finite and positive. The layers' quantization formats (the
+def _read_scales(f, ckpt, device) -> tuple[dict, dict]:
+    """({layer: (weight scale, input scale or None)} as float32 on ``device``, {weight name: the scale in the file it
+    is multiplied by}: what a non-finite weight most likely comes from). Each scale is checked: a floating tensor of
+    one value (or one per output row of the weight), finite and positive. The layers' quantization formats (the
     file's metadata and each layer's ``comfy_quant`` entry) must be fp8. Errors name the tensor in the file."""
     from ..cache.safety import loads_json
     formats = metadata_quant_formats(ckpt.metadata)     # checked when the file was opened (its name in errors)
-    out, values = {}, []
+    out, values, hints = {}, [], {}
     for layer, side in (ckpt.quant or {}).items():
         where = f"{ckpt.path.name}: quantization tensor"
         if "comfy_quant" in side:
@@ -102,6 +96,9 @@ def _read_scales(f, ckpt, device) -> dict:
                 got.append(None)
                 continue
             src, info = ckpt.names[f"{layer}.{kind}"], side[kind]
+            if kind in WEIGHT_SCALES:
+                hints[f"{layer}.weight"] = (f"multiplied by its scale {src!r}: a scale too large for the weight, or "
+                                            f"bytes that encode NaN/inf")
             rows = weight.shape[0] if kind in WEIGHT_SCALES else 1
             if info.dtype not in ("F32", "F16", "BF16", "F64") or \
                     not (math.prod(info.shape) == 1 or tuple(info.shape) in ((rows,), (rows, 1))):
@@ -120,18 +117,7 @@ def _read_scales(f, ckpt, device) -> dict:
                                   f"scale must be finite and positive. The file is damaged: download or convert it "
                                   f"again")
     check_quant_formats(formats)
-    return out
-
-
-def _scale_hints(ckpt) -> dict:
-    """{weight name: the scale in the file it was multiplied by}: what a non-finite weight most likely comes from."""
-    hints = {}
-    for layer, side in (ckpt.quant or {}).items():
-        kind = next((k for k in WEIGHT_SCALES if k in side), None)
-        if kind is not None:
-            hints[f"{layer}.weight"] = (f"multiplied by its scale {ckpt.names[f'{layer}.{kind}']!r}: a scale too "
-                                        f"large for the weight, or bytes that encode NaN/inf")
-    return hints
+    return out, hints
 
 
 def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None, config=None,
@@ -142,7 +128,8 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     from safetensors import safe_open
     precision = precision or ("float32" if dtype == torch.float32 else "self_forcing")
     lora_layers = None if lora is None else read_lora(lora)     # a bad LoRA file fails before the checkpoint is read
-    ckpt = resolve_checkpoint(path, config, num_heads)          # the header is read once
+    ckpt = open_checkpoint(path, config, num_heads)             # the header is read once, validated against the model
+    check_dtypes({n: t.dtype for n, t in ckpt.tensors.items()})
     config, names = ckpt.config, ckpt.names
     with torch.device("meta"):
         model = model_class(config)(config)
@@ -154,7 +141,7 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     if lora_layers is not None:             # a LoRA that does not fit fails before any weight is read
         check_lora(model, lora_layers, Path(lora).name, lora_strength)
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        scales = _read_scales(f, ckpt, device)
+        scales, hints = _read_scales(f, ckpt, device)
         skip = {n.rpartition(".")[0] for n in quantized}
         fused = _load_fused_qkv(model, f, path, ckpt, names, device, targets, skip)
         for name, info in ckpt.tensors.items():
@@ -176,7 +163,7 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise CheckpointError(f"parameters left unloaded: {_list(left)}")
-    check_weights(model, Path(path).name, _scale_hints(ckpt))      # loaded and dequantized: every value finite
+    check_weights(model, Path(path).name, hints)      # loaded and dequantized: every value finite
     if lora is not None:
         merge_lora(model, lora, lora_strength, layers=lora_layers)     # checks the layers it changed
     model.set_precision(precision, dtype).set_attention_backend(attention)

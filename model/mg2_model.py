@@ -10,7 +10,6 @@ It is the causal Wan model with three changes:
 """
 from __future__ import annotations
 
-import math
 import re
 
 import torch
@@ -122,30 +121,6 @@ def infer_action_config(shapes: dict, dim: int) -> dict:
         raise ValueError(f"action window of {window} video frames is not a multiple of {ratio}")
     cfg["windows_size"] = window // ratio
     return cfg
-
-
-def infer_mg2_config(shapes: dict, num_heads: int | None = None, overrides: dict | None = None) -> WanConfig:
-    """WanConfig (with ``extra['action_config']``) of a Matrix-Game-2 checkpoint from its key shapes."""
-    overrides = dict(overrides or {})
-    pe = shapes["patch_embedding.weight"]
-    dim, in_dim, patch = pe[0], pe[1], tuple(pe[2:5])
-    layers = {int(m.group(1)) for n in shapes for m in [re.match(r"blocks\.(\d+)\.", n)] if m}
-    heads = num_heads or overrides.pop("num_heads", None) or (dim // 128 if dim % 128 == 0 else None)
-    if heads is None:
-        raise ValueError(f"cannot infer num_heads for dim={dim}: pass num_heads explicitly")
-    vol = math.prod(patch)
-    cfg = dict(model_type="i2v", patch_size=patch, in_dim=in_dim, dim=dim,
-               ffn_dim=shapes["blocks.0.ffn.0.weight"][0], freq_dim=shapes["time_embedding.0.weight"][1],
-               out_dim=shapes["head.head.weight"][0] // vol, num_heads=int(heads), num_layers=len(layers),
-               qk_norm="blocks.0.self_attn.norm_q.weight" in shapes,
-               cross_attn_norm="blocks.0.norm3.weight" in shapes,
-               clip_dim=shapes["img_emb.proj.1.weight"][1], local_attn_size=6, sink_size=0)
-    for key in ("eps", "local_attn_size", "sink_size", "clip_tokens"):
-        if key in overrides:
-            cfg[key] = overrides[key]
-    action = infer_action_config(shapes, dim)
-    action.update(overrides.get("action_config") or {})
-    return WanConfig(**cfg, extra={"action_config": action})
 
 
 # --------------------------------------------------------------------------- built-in tiny model

@@ -49,12 +49,6 @@ class FP8Linear(nn.Linear):
         self.scale_weight = nn.Parameter(torch.ones((), device=device), requires_grad=False)
         self.register_parameter("scale_input", None)
 
-    @classmethod
-    def like(cls, layer: nn.Linear, dtype) -> "FP8Linear":
-        """An FP8Linear of ``layer``'s size on its device (weights still to be loaded)."""
-        return cls(layer.in_features, layer.out_features, bias=layer.bias is not None, device=layer.weight.device,
-                   dtype=dtype)
-
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
         return (self.weight.float() * self.scale_weight.float()).to(dtype)
 
@@ -154,6 +148,8 @@ def install_fp8_linears(model: nn.Module, weights: dict) -> set:
         layer = model.get_submodule(owner)
         if not isinstance(layer, nn.Linear) or is_quantized(layer):
             continue
-        setattr(model.get_submodule(parent) if parent else model, leaf, FP8Linear.like(layer, dtype))
+        fp8 = FP8Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                        device=layer.weight.device, dtype=dtype)        # its weights still to be loaded
+        setattr(model.get_submodule(parent) if parent else model, leaf, fp8)
         done.add(owner)
     return done

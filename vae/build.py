@@ -28,9 +28,8 @@ def build_decoder(kind: str, path=None, reduced: bool = False, seed: int = 0) ->
     cls, released, narrow = DECODERS[kind]
     if path is not None:
         header = read_header(path)
-        other = next((k for k, mark in MARKS.items() if k != kind and mark in header and MARKS[kind] not in header),
-                     None)
-        if other is not None:
+        other = decoder_kind(header)
+        if other not in (None, kind):
             raise DecoderWeightsError(f"{path} holds the weights of the '{other}' decoder, not of '{kind}': decode "
                                       f"it with '{other}' or give a '{kind}' file")
         return cls.from_file(path, header).eval().requires_grad_(False)

@@ -23,8 +23,9 @@ class StreamingDecoder(nn.Module):
     kind = ""                       # the --decode name
     dims = 2                        # 3: the decoder's convolutions are 3D (its working tensors [B, C, T, H, W])
 
-    def __init__(self):
+    def __init__(self, config=None):
         super().__init__()
+        self.config = config
         self.memory_format = torch.contiguous_format
 
     def decode_raw(self, z: torch.Tensor, state: dict) -> torch.Tensor:

@@ -89,8 +89,7 @@ class TinyVideoDecoder(StreamingDecoder):
     dims = 2
 
     def __init__(self, cfg: TinyDecoderConfig = TAEW2_1):
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         w = cfg.widths
         layers: list = [SoftClamp(), _conv(cfg.latent_channels, w[0]), nn.ReLU(inplace=True)]
         for i in range(3):

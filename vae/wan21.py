@@ -244,8 +244,7 @@ class WanVAEDecoder(StreamingDecoder):
     dims = 3
 
     def __init__(self, cfg: WanVAEConfig = WAN21_VAE):
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         self.conv2 = CausalConv3d(cfg.z_dim, cfg.z_dim, 1)
         self.decoder = Decoder3d(cfg)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..cache.finite_flags import non_finite
+from ..model.checkpoint import _list
 
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 SHOWN = 4               # keys named per problem in a message
@@ -20,12 +21,6 @@ SHOWN = 4               # keys named per problem in a message
 
 class DecoderWeightsError(ValueError):
     """A decoder weights file that cannot be loaded; the message says which keys are wrong and what to use."""
-
-
-def _names(keys, limit: int = SHOWN) -> str:
-    keys = sorted(keys)
-    more = f", ... {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more
 
 
 def read_header(path) -> dict:
@@ -55,7 +50,7 @@ def check_keys(module: torch.nn.Module, header: dict, path, what: str, unused_pr
     shapes = [f"{k} {list(header[k][0])} (expected {list(wanted[k])})" for k in wanted
               if k in header and header[k][0] != wanted[k]]
     dtypes = [f"{k} {header[k][1]}" for k in wanted if k in header and header[k][1] not in FLOAT_DTYPES]
-    problems = [f"{len(v)} {label}: {_names(v)}" for label, v in
+    problems = [f"{len(v)} {label}: {_list(v, SHOWN)}" for label, v in
                 (("missing", missing), ("unexpected", unexpected), ("with another shape", shapes),
                  ("not floating point", dtypes)) if v]
     if problems:
