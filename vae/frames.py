@@ -25,13 +25,12 @@ from torch import nn
 from .latents import LATENT_CHANNELS
 from .stream import StreamingDecoder
 
-NOT_CONTINUED = "this decoder's walk is not continued across runs"
-
 
 class FrameStream:
     """The interface (see the module doc); subclasses define ``push`` and what their decoder needs."""
 
     kind = ""                       # what decodes: 'comfy-wan', 'comfy-tiny', 'wan', 'tiny'
+    NOT_CONTINUED = "this decoder's walk is not continued across runs"      # why snapshot/restore are refused
 
     def __init__(self):
         self.frames_in = 0          # latent frames received
@@ -47,10 +46,10 @@ class FrameStream:
         return None
 
     def snapshot(self) -> dict:
-        raise ValueError(NOT_CONTINUED)
+        raise ValueError(self.NOT_CONTINUED)
 
     def restore(self, snap: dict) -> None:
-        raise ValueError(NOT_CONTINUED)
+        raise ValueError(self.NOT_CONTINUED)
 
     def release(self) -> None:
         """Forget the walk (its caches); the stream is not used again after this."""

@@ -151,22 +151,20 @@ class WanStreamDecoder(FrameStream):
         self.frames_out += images.shape[1]
         return images
 
-    def _input(self, latent: torch.Tensor):
-        """A chunk's latents checked and through ``conv2`` (None for no frames); the VAE is loaded on the first."""
+    @torch.no_grad()
+    def push(self, latent: torch.Tensor):
         check_latents(latent, self.model.z_dim)
         if latent.shape[2] == 0:
             return None
         if not self.loaded:                         # load once: nothing else is loaded between chunks
             self.load(latent.shape)
-        return self.model.conv2(latent.to(device=self.vae.device, dtype=self.vae.vae_dtype))
-
-    @torch.no_grad()
-    def push(self, latent: torch.Tensor):
-        x = self._input(latent)
-        if x is None:
-            return None
+        x = self.model.conv2(latent.to(device=self.vae.device, dtype=self.vae.vae_dtype))
         first = self.frames_in == 0
         self.frames_in += latent.shape[2]
+        return self._images(self._walk(x, first))
+
+    def _walk(self, x: torch.Tensor, first: bool) -> list:
+        """The decoder outputs of a chunk's ``conv2`` output ``x`` (``first``: the video's first chunk)."""
         if self.held is not None:
             x, self.held = torch.cat([self.held, x], 2), None
         parts = []
@@ -178,7 +176,7 @@ class WanStreamDecoder(FrameStream):
             x = x[:, :, 2:]
         if x.shape[2]:
             self.held = x                           # its pair may be in the next chunk
-        return self._images(parts)
+        return parts
 
     @torch.no_grad()
     def finish(self):
@@ -281,21 +279,12 @@ class KreaStreamDecoder(WanStreamDecoder):
                 x = layer(x)
         return x
 
-    @torch.no_grad()
-    def push(self, latent: torch.Tensor):
-        x = self._input(latent)
-        if x is None:
-            return None
-        self.frames_in += x.shape[2]
+    def _walk(self, x: torch.Tensor, first: bool) -> list:
         d = self.model.decoder
-        return self._images([self._layers([d.conv1, *d.middle, *d.upsamples, *d.head], x[:, :, i:i + 1])
-                             for i in range(x.shape[2])])
+        return [self._layers([d.conv1, *d.middle, *d.upsamples, *d.head], x[:, :, i:i + 1])
+                for i in range(x.shape[2])]
 
-    def snapshot(self) -> dict:
-        raise ValueError(self.NOT_CONTINUED)
-
-    def restore(self, snap: dict) -> None:
-        raise ValueError(self.NOT_CONTINUED)
+    snapshot, restore = FrameStream.snapshot, FrameStream.restore       # refused, with NOT_CONTINUED above
 
     def release(self) -> None:
         super().release()
