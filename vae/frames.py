@@ -110,7 +110,7 @@ class DecoderFrames(FrameStream):
         state = {key(k): v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                  for k, v in self.stream.state.items()}
         return {"vae": self._signature(), "state": state, "held": None, "frames_in": self.frames_in,
-                "frames_out": self.frames_out, "stream": (self.stream.latent_frames, self.stream.frames)}
+                "frames_out": self.frames_out}
 
     def restore(self, snap: dict) -> None:
         if not isinstance(snap, dict) or snap.get("vae") != self._signature():
@@ -126,7 +126,6 @@ class DecoderFrames(FrameStream):
         self.stream.state = {key(k): v.to(device=dev, dtype=dtype) if isinstance(v, torch.Tensor) else v
                              for k, v in snap["state"].items()}
         self.frames_in, self.frames_out = int(snap["frames_in"]), int(snap["frames_out"])
-        self.stream.latent_frames, self.stream.frames = snap["stream"]
 
     def _signature(self) -> tuple:
         first = next(self.decoder.parameters())

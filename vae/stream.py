@@ -87,8 +87,6 @@ class DecodeStream:
             raise ValueError(f"decode step must be at least 1 latent frame, got {step}")
         self.decoder, self.step = decoder, step
         self.state: dict = {}
-        self.latent_frames = 0          # latent frames pushed
-        self.frames = 0                 # pixel frames returned
 
     @torch.no_grad()
     def push(self, latents: torch.Tensor) -> torch.Tensor:
@@ -109,7 +107,4 @@ class DecodeStream:
         n = z.shape[2]
         step = self.step or n
         parts = [dec.decode_raw(z[:, :, s:s + step], self.state) for s in range(0, n, step)]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
-        self.latent_frames += n
-        self.frames += out.shape[2]
-        return out
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
