@@ -12,12 +12,11 @@ Nothing here knows where the source comes from; ``nodes/comfy/native_engine.py``
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
 from .blocks import WanBlock, WanCrossAttention, WanSelfAttention
+from .checkpoint import infer_config
 from .config import WanConfig
 from .dit import WanModel
 from .fused_qkv import drop_fused_qkv
@@ -65,35 +64,24 @@ def qkv_fusion_blocker(layer, dtype: torch.dtype, device=None) -> str | None:
     return None
 
 
-def _is_identity(m) -> bool:
-    return m is None or isinstance(m, nn.Identity)
-
-
 def borrowed_config(source: nn.Module, num_heads: int | None = None, text_len: int | None = None,
                     eps: float | None = None) -> WanConfig:
-    """The WanConfig of a source module tree, read from its layer shapes (heads/text_len/eps from the source's
-    attributes when not given). Raises a clear error when a part the engine needs is missing."""
+    """The WanConfig of a source module tree, read from its layer shapes as a checkpoint's are
+    (``checkpoint.infer_config``; heads/text_len/eps from the source's attributes when not given). Raises a clear
+    error when a part the engine needs is missing."""
     missing = [n for n in ("patch_embedding", "text_embedding", "time_embedding", "time_projection", "blocks",
                            "head") if getattr(source, n, None) is None]
     if missing or len(source.blocks) == 0:
         raise ValueError(f"{type(source).__name__} is not a Wan 2.1 DiT: it has no {missing or ['blocks']}")
-    pe = source.patch_embedding.weight
-    patch = tuple(int(p) for p in getattr(source.patch_embedding, "kernel_size", pe.shape[2:]))
     b0 = source.blocks[0]
     heads = num_heads or getattr(source, "num_heads", None) or getattr(b0.self_attn, "num_heads", None)
     if not heads:
         raise ValueError("the source model does not say its number of attention heads")
-    return WanConfig(
-        model_type="i2v" if getattr(source, "img_emb", None) is not None else "t2v",
-        patch_size=patch, in_dim=int(pe.shape[1]), dim=int(pe.shape[0]),
-        text_len=int(text_len or getattr(source, "text_len", None)
-                     or getattr(getattr(source, "config", None), "text_len", 512)),
-        ffn_dim=int(b0.ffn[0].weight.shape[0]), freq_dim=int(source.time_embedding[0].weight.shape[1]),
-        text_dim=int(source.text_embedding[0].weight.shape[1]),
-        out_dim=int(source.head.head.weight.shape[0]) // math.prod(patch), num_heads=int(heads),
-        num_layers=len(source.blocks), qk_norm=not _is_identity(getattr(b0.self_attn, "norm_q", None)),
-        cross_attn_norm=not _is_identity(getattr(b0, "norm3", None)),
-        eps=float(eps if eps is not None else getattr(b0.norm1, "eps", 1e-6)))
+    text_len = text_len or getattr(source, "text_len", None) or getattr(getattr(source, "config", None),
+                                                                        "text_len", 512)
+    eps = eps if eps is not None else getattr(b0.norm1, "eps", 1e-6)
+    shapes = {name: tuple(p.shape) for name, p in source.named_parameters()}
+    return infer_config(shapes, int(heads), {"text_len": int(text_len), "eps": float(eps)})
 
 
 class _CastModulation:

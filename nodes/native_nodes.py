@@ -172,17 +172,24 @@ class WanTinyNativeModel(Node):
 
     def load(self, seed=0):
         import torch
-        from ..model.checkpoint import core_causal_metadata
         from ..model.tiny import TINY_CONFIG, tiny_causal_model
-        sd = tiny_causal_model(seed=int(seed)).state_dict()
-        load = core("comfy.sd.load_diffusion_model_state_dict")
-        patcher = load(sd, metadata=core_causal_metadata(TINY_CONFIG))
-        if patcher is None:
-            raise ValueError("this ComfyUI did not recognise the tiny causal Wan model; it needs ComfyUI 0.33 or "
-                             "newer (WAN21_CausalAR)")
+        patcher = core_causal_model(tiny_causal_model(seed=int(seed)))
         g = torch.Generator().manual_seed((int(seed) + 1) % 2 ** 64)
         context = torch.randn(1, TINY_CONFIG.text_len, TINY_CONFIG.text_dim, generator=g)
         return (patcher, [[context, {}]])
+
+
+def core_causal_model(model, **model_options):
+    """ComfyUI's own MODEL of the pack's tiny causal ``model``: its weights loaded by core (as WAN21_CausalAR, as
+    Load Diffusion Model would load a converted file), with ``model_options`` (e.g. dtype)."""
+    from ..model.checkpoint import core_causal_metadata
+    load = core("comfy.sd.load_diffusion_model_state_dict")
+    weights = {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+    patcher = load(weights, model_options=model_options, metadata=core_causal_metadata(model.config))
+    if patcher is None:
+        raise ValueError("this ComfyUI did not recognise the tiny causal Wan model; it needs ComfyUI 0.33 or "
+                         "newer (WAN21_CausalAR)")
+    return patcher
 
 
 NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({

@@ -353,8 +353,8 @@ def _check_swap(ctx: ProbeContext) -> Probe:
                         note="feature time minus fallback time is the transfer time of one swapped block per call")
 
 
-NATIVE_HINT = ("run the Wan Doctor node inside ComfyUI (or this command with ComfyUI's Python, ComfyUI's folder "
-               "importable)")
+NATIVE_HINT = ("run the Wan Doctor node inside ComfyUI (or `python -m wan_accel doctor` with ComfyUI's Python, "
+               "ComfyUI's folder importable)")
 
 
 def _native_probe() -> OutsideProbe:

@@ -16,11 +16,6 @@ from ...app.doctor.vocabulary import NotAvailable, Probe, ProbeContext, register
 from . import native_engine
 from .comfy_core import CoreMissing, core, in_comfyui, start_core
 
-NATIVE_ULPS = 64          # a whole chunk (every block, two steps) accumulates more rounding than one op
-SCHEDULE = {"preset": "custom", "steps": [1000, 500], "shift": 5.0}
-HINT = ("run the Wan Doctor node inside ComfyUI (or `python -m wan_accel doctor` with ComfyUI's Python, ComfyUI's "
-        "folder importable)")
-
 
 def _comfy():
     """ComfyUI's loader and model management, or NotAvailable('needs ComfyUI')."""
@@ -30,8 +25,9 @@ def _comfy():
         mm = start_core("cuda" if torch.cuda.is_available() else "cpu")
         load = core("comfy.sd.load_diffusion_model_state_dict")
     except CoreMissing as exc:
+        from ...app.doctor.probes import NATIVE_HINT
         why = "ComfyUI does not import here" if not in_comfyui() else str(exc)
-        raise NotAvailable(f"needs ComfyUI ({why})", HINT) from None
+        raise NotAvailable(f"needs ComfyUI ({why})", NATIVE_HINT) from None
     return load, mm
 
 
@@ -39,29 +35,16 @@ def requires(ctx: ProbeContext) -> None:
     _comfy()
 
 
-def _tiny(ctx: ProbeContext, device, dtype):
-    from ...model.config import WanConfig
-    from ...model.tiny import TINY_CONFIG, tiny_causal_model
-    dim = ctx.heads * ctx.head_dim
-    cfg = WanConfig.from_dict(dict(TINY_CONFIG.to_dict(), dim=dim, ffn_dim=2 * dim, num_heads=ctx.heads,
-                                   text_dim=64))
-    return tiny_causal_model(0, device, dtype, config=cfg)
-
-
 def check(ctx: ProbeContext) -> Probe:
     """The probe: the AR Sampler on ComfyUI's MODEL against the pack's engine on the same weights."""
-    from ...model.checkpoint import core_causal_metadata
+    from ...app.doctor.probes import CHUNK_SCHEDULE, CHUNK_ULPS, _probe_model
     from ...app.prepare import RunInputs, RunSpec, Setup, prepare
     from ...sampling.runner import FastOptions
     from ...sampling.scheduler import resolve_schedule
-    from ..native_nodes import WanAccelARSampler
-    load, mm = _comfy()
-    ours = _tiny(ctx, ctx.device, ctx.dtype)
-    weights = {k: v.detach().to("cpu").clone() for k, v in ours.state_dict().items()}
-    patcher = load(weights, model_options={"dtype": ctx.dtype},
-                                                 metadata=core_causal_metadata(ours.config))
-    if patcher is None:
-        raise RuntimeError("ComfyUI did not recognise the tiny causal Wan model")
+    from ..native_nodes import WanAccelARSampler, core_causal_model
+    _load, mm = _comfy()
+    ours = _probe_model(ctx)
+    patcher = core_causal_model(ours, dtype=ctx.dtype)
     mm.load_models_gpu([patcher])
     base = patcher.model
     device = torch.device(getattr(patcher, "load_device", ctx.device))
@@ -70,7 +53,7 @@ def check(ctx: ProbeContext) -> Probe:
     gen = torch.Generator().manual_seed(16)
     context = torch.randn(1, cfg.text_len, cfg.text_dim, generator=gen).to(device, ctx.dtype)
     noise = torch.randn(1, 3, cfg.in_dim, 16, 16, generator=gen).to(device)            # [B, F, C, H, W]
-    schedule = resolve_schedule(**SCHEDULE)
+    schedule = resolve_schedule(**CHUNK_SCHEDULE)
     sigmas = torch.tensor(schedule.sigmas(), dtype=torch.float32)
     sampler = WanAccelARSampler().get_sampler(frames_per_block=3, path="auto", cuda_graphs=False)[0]
     guider = SimpleNamespace(inner_model=base, cfg=1.0, model_patcher=patcher,
@@ -87,14 +70,15 @@ def check(ctx: ProbeContext) -> Probe:
         inputs = RunInputs(context=context, noise=noise.to(ctx.dtype).float())
         return prepare(ours, RunSpec(schedule=schedule, seed=7, doctor=False, oom_retry="off"), inputs,
                        setup=Setup("auto", FastOptions(fused_qkv=False, cuda_graphs="off"), [], {})).latents()
-    return Probe(feature, fallback, ctx.dtype, judge_speed=False, ulps=NATIVE_ULPS,
+    return Probe(feature, fallback, ctx.dtype, judge_speed=False, ulps=CHUNK_ULPS,
                  note="speed not judged: the same engine runs on both sides")
 
 
 def sources() -> tuple:
+    from ...app.doctor.probes import _probe_model
     from ...model import borrowed
     from .. import native_nodes
-    return (native_engine, native_nodes, borrowed, _tiny)
+    return (native_engine, native_nodes, borrowed, _probe_model)
 
 
 def register() -> None:
