@@ -278,7 +278,7 @@ class MatrixGame2PlaySave(FreshNode):
                               purpose="the saved play video")
             try:
                 with torch.inference_mode():
-                    for part in play_chunks(latents):       # each chunk written as it is decoded
+                    for part in latents.split(3, dim=2):    # each chunk (3 latent frames) written as decoded
                         lat = to_latent_space(part)
                         decoder.load(lat.shape)
                         images = decoder.push(lat)
@@ -305,11 +305,6 @@ class MatrixGame2PlaySave(FreshNode):
         ui = {"text": [f"saved {', '.join(files.values())} ({written} frames) in output/{subfolder}"],
               "wan_accel_play_saved": [{"subfolder": subfolder, **files}]}
         return {"ui": ui, "result": (play.script,)}
-
-
-def play_chunks(latents, size: int = 3):
-    """The session's latents cut back into its chunks (3 latent frames each), in order."""
-    return [latents[:, :, i:i + size] for i in range(0, latents.shape[2], size)]
 
 
 NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
