@@ -31,14 +31,11 @@ def _model(args, device, dtype):
     from ..model.config import WanConfig
     from ..model.mg2_model import tiny_mg2_model
 
-    if args.checkpoint:
+    if args.checkpoint or args.model == "tiny":        # no checkpoint: the generate job's tiny model
         return load_mg2_handle(args.checkpoint, dtype, "self_forcing", "auto", device).model
-    torch_dtype = parse_dtype(dtype)
-    if args.model == "tiny":
-        return tiny_mg2_model(seed=0, device=device, dtype=torch_dtype)
     config = WanConfig(model_type="i2v", in_dim=36, local_attn_size=6,
                        extra={"action_config": {"blocks": list(range(30))}})
-    return tiny_mg2_model(seed=0, device=device, dtype=torch_dtype, config=config)
+    return tiny_mg2_model(seed=0, device=device, dtype=parse_dtype(dtype), config=config)
 
 
 def _run_mode(model, image, tokens, keys, in_place: bool, warmup: int, chunks: int, device, progress=None) -> dict:

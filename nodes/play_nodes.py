@@ -18,7 +18,7 @@ import time
 
 from .comfy import FreshNode, node_mappings
 from .comfy.comfy_core import optional
-from .mg2_nodes import PRESETS, linear_spec
+from .mg2_nodes import CLIP_INPUT, PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
 EVENT = "wan_accel.play"
@@ -129,37 +129,34 @@ class MatrixGame2PlaySession(PlaySessionNode):
     CATEGORY = "wan_accel/matrix_game2"
     OUTPUT_TOOLTIPS = ("The play session's id (the panel drives it; Play Step and Play Save take it).",)
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        from .mg2_nodes import CLIP_INPUT
-        return {
-            "required": {
-                "model": ("CAUSALWAN_MODEL", {"tooltip": "A Matrix-Game-2 checkpoint from CausalWan Model Loader "
-                                                         "(or its built-in tiny Matrix-Game-2 model)."}),
-                "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE, or a tiny decoder (taew2_1 / lighttaew2_1: faster): "
-                                           "each chunk is decoded as it is made and shown live."}),
-                "start_latent": ("LATENT", {"tooltip": "The start image's latent (VAE Encode, or Matrix-Game-2 Start "
-                                                       "Latent); its first latent frame starts the video."}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
-                         "Seed of the noise; the saved script with this seed reproduces the session."}),
-                "preset": (PRESETS, {"default": "universal", "tooltip":
-                           "The checkpoint's released settings and action layout: universal (W A S D + camera), "
-                           "gta_drive (W S + camera), templerun (7 keys, no camera)."}),
-            },
-            "optional": {
-                "clip_vision_output": CLIP_INPUT,
-                "kv_window": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip":
-                              "Rolling cache window in latent frames (0: the preset's; at least 3)."}),
-                "idle_timeout_s": ("INT", {"default": 300, "min": 10, "max": 86400, "tooltip":
-                                   "End the session (freeing its memory) after this many seconds with no chunk made "
-                                   "and no panel watching it (a closed browser tab)."}),
-                "state_on": (STATE_PLACES, {"default": "model device", "tooltip":
-                             "Where the session's caches wait between chunks: the model's device (fastest), or "
-                             "the CPU (frees GPU memory for other prompts between chunks)."}),
-                "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
+    INPUTS = {
+        "required": {
+            "model": ("CAUSALWAN_MODEL", {"tooltip": "A Matrix-Game-2 checkpoint from CausalWan Model Loader "
+                                                     "(or its built-in tiny Matrix-Game-2 model)."}),
+            "vae": ("VAE", {"tooltip": "The Wan 2.1 VAE, or a tiny decoder (taew2_1 / lighttaew2_1: faster): "
+                                       "each chunk is decoded as it is made and shown live."}),
+            "start_latent": ("LATENT", {"tooltip": "The start image's latent (VAE Encode, or Matrix-Game-2 Start "
+                                                   "Latent); its first latent frame starts the video."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "tooltip":
+                     "Seed of the noise; the saved script with this seed reproduces the session."}),
+            "preset": (PRESETS, {"default": "universal", "tooltip":
+                       "The checkpoint's released settings and action layout: universal (W A S D + camera), "
+                       "gta_drive (W S + camera), templerun (7 keys, no camera)."}),
+        },
+        "optional": {
+            "clip_vision_output": CLIP_INPUT,
+            "kv_window": ("INT", {"default": 0, "min": 0, "max": 1024, "tooltip":
+                          "Rolling cache window in latent frames (0: the preset's; at least 3)."}),
+            "idle_timeout_s": ("INT", {"default": 300, "min": 10, "max": 86400, "tooltip":
+                               "End the session (freeing its memory) after this many seconds with no chunk made "
+                               "and no panel watching it (a closed browser tab)."}),
+            "state_on": (STATE_PLACES, {"default": "model device", "tooltip":
+                         "Where the session's caches wait between chunks: the model's device (fastest), or "
+                         "the CPU (frees GPU memory for other prompts between chunks)."}),
+            "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
+        },
+        "hidden": {"unique_id": "UNIQUE_ID"},
+    }
 
     def start(self, model, vae, start_latent, seed=0, preset="universal", clip_vision_output=None, kv_window=0,
               idle_timeout_s=300, state_on="model device", linear="exact", unique_id=None):
@@ -278,7 +275,7 @@ class MatrixGame2PlaySave(FreshNode):
                               purpose="the saved play video")
             try:
                 with torch.inference_mode():
-                    for part in play_chunks(latents):       # each chunk written as it is decoded
+                    for part in latents.split(3, dim=2):    # each chunk (3 latent frames) written as decoded
                         lat = to_latent_space(part)
                         decoder.load(lat.shape)
                         images = decoder.push(lat)
@@ -305,11 +302,6 @@ class MatrixGame2PlaySave(FreshNode):
         ui = {"text": [f"saved {', '.join(files.values())} ({written} frames) in output/{subfolder}"],
               "wan_accel_play_saved": [{"subfolder": subfolder, **files}]}
         return {"ui": ui, "result": (play.script,)}
-
-
-def play_chunks(latents, size: int = 3):
-    """The session's latents cut back into its chunks (3 latent frames each), in order."""
-    return [latents[:, :, i:i + size] for i in range(0, latents.shape[2], size)]
 
 
 NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({

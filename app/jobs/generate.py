@@ -118,30 +118,42 @@ def schedule_embeddings(schedule, handle, text_embeds) -> dict:
 
 
 @dataclass
-class GenerateOptions:
+class JobOptions:
+    """The options both generate jobs take (text-to-video: ``GenerateOptions``; Matrix-Game-2: ``mg2.MG2Options``)."""
     out_dir: str = "wan_accel_out"
     checkpoint: str | None = None        # .safetensors; None = built-in tiny model
-    text_embeds: str | None = None       # .safetensors with the prompt's umt5 embedding
-    frames: int | None = None            # video frames (4k+1)
-    height: int | None = None
-    width: int | None = None
     seed: int = 0
-    preset: str = "self_forcing"
-    steps: str | None = None             # custom step list, e.g. "1000,750,500,250"
-    shift: float | None = None
-    warp: bool | None = None
+    steps: str | None = None             # step list override, e.g. "1000,750,500,250"
+    shift: float | None = None           # timestep shift override
     device: str | None = None            # default: cuda if available else cpu
     dtype: str | None = None             # bf16 / fp16 / fp32; default fp32 on cpu, bf16 on cuda
     precision: str = "self_forcing"
     attention: str = "auto"
+    skip_last_refresh: bool = False
+    num_heads: int | None = None         # for checkpoints whose dim is not a multiple of 128
+    preview: bool = True
+    out_option: str = "out_dir"          # how out_dir is named in messages (the command line: --out)
+
+    def device_dtype(self) -> tuple:
+        """(the run's torch device, its dtype name), each default filled in."""
+        from .handle import default_device
+        device = torch.device(self.device) if self.device else default_device()
+        return device, self.dtype or ("bf16" if device.type == "cuda" else "fp32")
+
+
+@dataclass
+class GenerateOptions(JobOptions):
+    text_embeds: str | None = None       # .safetensors with the prompt's umt5 embedding
+    frames: int | None = None            # video frames (4k+1)
+    height: int | None = None
+    width: int | None = None
+    preset: str = "self_forcing"
+    warp: bool | None = None
     frames_per_block: int = 3
     kv_window: int = -1
     sink: int = 0
-    skip_last_refresh: bool = False
-    num_heads: int | None = None
     lora: str | None = None              # a LoRA .safetensors merged into the weights at load (model/lora.py)
     lora_strength: float = 1.0
-    preview: bool = True
     sampler: str = "auto"                # auto (optimized on CUDA) | optimized | reference
     cuda_graphs: str = "auto"            # auto | off (optimized path)
     fused_kernels: bool = True           # optimized path
@@ -153,7 +165,6 @@ class GenerateOptions:
     linear: str = "exact"                # exact | fp8 (opt-in, approximate; optimized path: 'auto' becomes 'optimized')
     decode: str | None = None            # wan | tiny | none: a video decoded as the chunks are made (app/jobs/video.py);
     vae: str | None = None               # None: the vae file's decoder, else none. vae: that decoder's .safetensors
-    out_option: str = "out_dir"          # how out_dir is named in messages (the command line: --out)
 
 
 def _peak_memory(device: torch.device) -> dict:
@@ -193,9 +204,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _resolve(opts: GenerateOptions):
-    from .handle import default_device
-    device = torch.device(opts.device) if opts.device else default_device()
-    dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    device, dtype = opts.device_dtype()
     defaults = MODEL_DEFAULTS if opts.checkpoint else TINY_DEFAULTS
     pick = lambda value, key: defaults[key] if value is None else value  # noqa: E731 - 0 is an error, not "default"
     frames, height, width = pick(opts.frames, "frames"), pick(opts.height, "height"), pick(opts.width, "width")
@@ -257,7 +266,6 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
         log(cache.note)
         notes.append(cache.note)
     timer = ChunkTimer(device, log)
-    chunk_seconds, on_chunk = timer.seconds, timer
 
     def on_step(ci, k, nc, ns, _x0):
         if progress is not None:
@@ -279,7 +287,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_start = timer.start()
-    hooks = SamplingHooks(callback=on_step, on_chunk=on_chunk, report=sampler_report, on_chunk_latents=video)
+    hooks = SamplingHooks(callback=on_step, on_chunk=timer, report=sampler_report, on_chunk_latents=video)
     latents = maybe_profile(handle, sample_video, model, spec, RunInputs(context=context, **prompts), width, height,
                             frames, setup=setup, hooks=hooks)
     _sync(device)
@@ -308,14 +316,14 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
         "settings": asdict(opts) | {"frames": frames, "height": height, "width": width},
         "schedule": {"preset": schedule.name, "timesteps": schedule.timesteps, "shift": schedule.shift},
         "latent_shape": list(latents.shape), "load_seconds": load_s, "sample_seconds": sample_s,
-        "chunk_seconds": chunk_seconds, "peak_memory": _peak_memory(device), "files": files, "notes": notes,
+        "chunk_seconds": timer.seconds, "peak_memory": _peak_memory(device), "files": files, "notes": notes,
         "torch": torch.__version__, "sampler": _jsonable(sampler_report), "features": features,
     }
     if video is not None:
         report["video"] = video.report()
     if parallel is not None:
         report["parallel"] = parallel_report(model, parallel, latents.shape, opts.kv_window, opts.sink,
-                                             len(chunk_seconds))
+                                             len(timer.seconds))
     if _write_report(report, opts, parallel):
         _append_history(report, frames)
     return report

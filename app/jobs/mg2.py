@@ -15,31 +15,19 @@ from ...sampling.mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_co
 from ...sampling.mg2 import check_actions, mg2_run, resolve_preset
 from ...sampling.request import SamplingHooks
 from ..prepare import RunSpec
+from .generate import JobOptions
 
 DEFAULT_SCRIPT = "W*20, W+A*8, mouse(0.1,0)*12, idle*4"
 TINY_LATENT = (16, 16)          # latent height, width of the tiny run (128x128 pixels)
 
 
 @dataclass
-class MG2Options:
-    out_dir: str = "wan_accel_out"
-    checkpoint: str | None = None        # .safetensors MG2 checkpoint; None = built-in tiny model
+class MG2Options(JobOptions):            # checkpoint: a Matrix-Game-2 one; steps: warped, e.g. "1000,666,333"
     conditioning: str | None = None      # .safetensors with 'image_latent' [1,16,1|F,H,W] and 'visual_context'
     actions: str = DEFAULT_SCRIPT        # action script (see docs/matrix_game2.md)
     preset: str = "universal"
     frames: int = 0                      # latent frames; 0 = every whole chunk the actions cover
     window: int | None = None            # rolling window override (latent frames)
-    steps: str | None = None             # step list override, e.g. "1000,666,333" (warped)
-    shift: float | None = None           # timestep shift override
-    num_heads: int | None = None         # for checkpoints whose dim is not a multiple of 128
-    seed: int = 0
-    device: str | None = None
-    dtype: str | None = None
-    precision: str = "self_forcing"
-    attention: str = "auto"
-    skip_last_refresh: bool = False
-    preview: bool = True
-    out_option: str = "out_dir"          # how out_dir is named in messages (the command line: --out)
 
 
 def load_mg2_handle(checkpoint=None, dtype="bf16", precision="self_forcing", attention="auto", device=None,
@@ -165,9 +153,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, 
     from .generate import (ChunkTimer, _jsonable, _peak_memory, _sync, _write_outputs, _write_report, _writes,
                            check_outputs)
     from ..prepare import prepare_model
-    from .handle import default_device
-    device = torch.device(opts.device) if opts.device else default_device()
-    dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    device, dtype = opts.device_dtype()
     from ...sampling.scheduler import parse_steps
     steps = parse_steps(opts.steps) if opts.steps else None
     settings = resolve_preset(opts.preset, steps=steps, shift=opts.shift, window=opts.window)
@@ -187,12 +173,11 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, 
     elif not opts.conditioning:
         raise ValueError("a real checkpoint needs --conditioning FILE (image_latent + visual_context)")
     image, ctx = _conditioning(opts, handle.model, device)
-    on_chunk = ChunkTimer(device, log, progress)
-    chunk_seconds = on_chunk.seconds
-    t_start = on_chunk.start()
+    timer = ChunkTimer(device, log, progress)
+    t_start = timer.start()
     sampler_report: dict = {}
     setup = prepare_model(handle.model, spec or RunSpec(), log=log, notes=notes)   # the doctor's verdicts, logged
-    latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings, on_chunk=on_chunk,
+    latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings, on_chunk=timer,
                            skip_last_refresh=opts.skip_last_refresh, report=sampler_report, spec=spec, setup=setup)
     _sync(device)
     sample_s = time.perf_counter() - t_start
@@ -205,12 +190,12 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, 
         "schedule": {"preset": settings.preset, "timesteps": settings.schedule.timesteps,
                      "shift": settings.schedule.shift, "window": settings.window},
         "latent_shape": list(latents.shape), "latent_layout": "[B, C, F, H, W] model space",
-        "load_seconds": load_s, "sample_seconds": sample_s, "chunk_seconds": chunk_seconds,
+        "load_seconds": load_s, "sample_seconds": sample_s, "chunk_seconds": timer.seconds,
         "peak_memory": _peak_memory(device), "files": files, "notes": notes, "torch": torch.__version__,
         "sampler": _jsonable(sampler_report),
     }
     if parallel is not None:
         report["parallel"] = parallel_report(handle.model, parallel, latents.transpose(1, 2).shape, settings.window,
-                                             0, len(chunk_seconds))
+                                             0, len(timer.seconds))
     _write_report(report, opts, parallel)
     return report
