@@ -5,9 +5,6 @@ folder under the name this process imported it by (``wan_accel`` when installed,
 ``custom_nodes`` folder of any name), then calls ``module.function(*args)`` with the given string arguments. It
 needs no PYTHONPATH and works whatever the folder is called.
 
-``run_for_json(child_argv("bench.compile:_child"), mark=..., what=...)`` runs such a child to its end and reads
-back the JSON it printed after ``mark``.
-
 ``worker_message(summary, details)``: a worker's failure is one line (which worker, the exception type and
 message); its traceback is added only when ``WAN_ACCEL_DEBUG=1`` is set.
 """

@@ -1,9 +1,8 @@
 """Worker: runs ``torch._dynamo.explain`` on a target in a fresh process and prints its JSON after RESULT_MARK.
 
-Started through ``run_for_json`` (``child_argv``) so it works whatever name the pack was imported under::
+Started through ``child_argv`` so it works whatever name the pack was imported under::
 
-    run_for_json(child_argv("profiling.explain_worker:run", "pkg.module:factory", KWARGS_JSON, *SYS_PATH_DIRS),
-                 mark=RESULT_MARK, what=...)
+    child_argv("profiling.explain_worker:run", "pkg.module:factory", KWARGS_JSON, *SYS_PATH_DIRS)
 
 The target is a factory (called with the kwargs JSON as keyword arguments) returning ``(fn, args)``,
 ``(fn, args, kwargs)`` or a dict with keys fn/args/kwargs (and optionally ``inference_mode: True``);
