@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from ..cache.json_out import to_json
-from ..profiling.child import child_argv, last_error, worker_message
+from ..profiling.child import child_argv, run_for_json
 
 CHILD_MARK = "WAN_ACCEL_BENCH_RESULT "
 
@@ -161,13 +160,8 @@ def run_child(cache_dir: str | os.PathLike, device: str = "cpu", blocks: int = 2
     env["TMPDIR"] = env["TEMP"] = env["TMP"] = str(tmp)
     env["WAN_ACCEL_BENCH_CHILD"] = json.dumps({"cache_dir": str(cache_dir), "device": device, "blocks": blocks,
                                                "dim": dim, "settings": settings or {}, "model": model})
-    proc = subprocess.run(child_argv("bench.compile:_child"), env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith(CHILD_MARK):
-            return json.loads(line[len(CHILD_MARK):])
-    raise RuntimeError(worker_message(f"compile benchmark child failed (exit {proc.returncode}): "
-                                      f"{last_error(proc.stderr)}", proc.stderr[-4000:]))
+    return run_for_json(child_argv("bench.compile:_child"), mark=CHILD_MARK, what="compile benchmark child failed",
+                        env=env, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- CLI

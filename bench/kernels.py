@@ -16,7 +16,7 @@ from pathlib import Path
 from unittest import mock
 
 from ..cache.json_out import to_json
-from ..profiling.child import child_argv, last_error, worker_message
+from ..profiling.child import child_argv, run_for_json
 from . import bench_timer
 
 # (label, B, L, D, heads): a causal chunk of 3 latent frames at 480x832 for Wan 1.3B and 14B
@@ -282,20 +282,15 @@ def _sanity_child() -> None:
 def sanity_pass() -> list[dict]:
     """Every kernel under the Triton interpreter on tiny shapes vs its reference, in a fresh process
     (the interpreter must be enabled before triton is imported)."""
-    import subprocess
-
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
     with tempfile.TemporaryDirectory(prefix="wan_accel_bench_kernels_") as tmp:
         env["WAN_ACCEL_CACHE"] = str(Path(tmp) / "limits.json")
-        proc = subprocess.run(child_argv("bench.kernels:_sanity_child"), env=env, capture_output=True,
-                              text=True, timeout=600)
-    for line in proc.stdout.splitlines():
-        if line.startswith(SANITY_MARK):
-            return json.loads(line[len(SANITY_MARK):])
-    return [{"kernel": "all", "ok": False,
-             "error": worker_message(f"sanity child failed (exit {proc.returncode}): {last_error(proc.stderr)}",
-                                     proc.stderr[-2000:])}]
+        try:
+            return run_for_json(child_argv("bench.kernels:_sanity_child"), mark=SANITY_MARK,
+                                what="sanity child failed", env=env)
+        except RuntimeError as exc:
+            return [{"kernel": "all", "ok": False, "error": str(exc)}]
 
 
 # the Wan 2.1 VAE decoder's RMS norm + SiLU before a causal convolution: (label, channels, frames, height, width)

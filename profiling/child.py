@@ -10,7 +10,9 @@ message); its traceback is added only when ``WAN_ACCEL_DEBUG=1`` is set.
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,6 +44,19 @@ def child_argv(target: str, *args) -> list:
     if not sep or not module or not function:
         raise ValueError(f"target must look like 'module.path:function', got {target!r}")
     return [sys.executable, "-c", BOOT, str(PACKAGE_ROOT), pack_name(), target, *(str(a) for a in args)]
+
+
+def run_for_json(argv: list, *, mark: str, what: str, error: type = RuntimeError, env=None, timeout: float = 600.0):
+    """The JSON that the child ``argv`` (``child_argv``; its output captured) printed after ``mark`` on a line of its
+    stdout. ``error`` where it printed none: ``what``, its exit code and its last error line (the end of its output
+    only with ``WAN_ACCEL_DEBUG=1``); TimeoutExpired after ``timeout`` seconds (the child killed)."""
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        _, found, data = line.partition(mark)
+        if found:
+            return json.loads(data)
+    tail = ((proc.stdout or "") + (proc.stderr or ""))[-4000:]
+    raise error(worker_message(f"{what} (exit code {proc.returncode}): {last_error(proc.stderr)}", tail))
 
 
 DEBUG_TRUE = ("1", "true", "yes", "on", "y", "t")

@@ -2,17 +2,16 @@
 
 ``explain`` calls ``torch._dynamo.reset()``, which throws away every compiled model of the process it runs in;
 so it never runs here. ``explain_in_subprocess`` starts a fresh interpreter on ``explain_worker.run`` (through
-``child_argv``) and reads back the graph breaks with their reasons.
+``run_for_json``) and reads back the graph breaks with their reasons.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import subprocess
-import tempfile
-from pathlib import Path
 
-from .child import child_argv, last_error, one_line, pack_name, worker_message
+from .child import child_argv, one_line, pack_name, run_for_json, worker_message
+from .explain_worker import RESULT_MARK
 
 
 class ExplainError(RuntimeError):
@@ -65,18 +64,12 @@ def explain_in_subprocess(target: str, *, kwargs: dict | None = None, sys_path=N
     """
     if ":" not in str(target):
         raise ExplainTargetError(f"target must look like 'package.module:factory', got {target!r}")
-    with tempfile.TemporaryDirectory(prefix="wan_accel_explain_") as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = child_argv("profiling.explain_worker:run", target, out, json.dumps(kwargs or {}), *(sys_path or []))
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise ExplainError(f"explain of {target} did not finish within {timeout:.0f} s") from exc
-        tail = ((proc.stdout or "") + (proc.stderr or ""))[-3000:]
-        if not out.exists():
-            raise ExplainError(worker_message(f"explain worker of {target} crashed (exit code {proc.returncode}): "
-                                              f"{last_error(proc.stderr)}", tail))
-        data = json.loads(out.read_text(encoding="utf-8"))
+    try:
+        data = run_for_json(child_argv("profiling.explain_worker:run", target, json.dumps(kwargs or {}),
+                                       *(sys_path or [])), mark=RESULT_MARK, what=f"explain worker of {target} crashed",
+                            error=ExplainError, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise ExplainError(f"explain of {target} did not finish within {timeout:.0f} s") from exc
     if not data.get("ok") and data.get("stage") == "load":
         raise ExplainTargetError(worker_message(f"{target} cannot be loaded ({data.get('error')})",
                                                 data.get("traceback")))

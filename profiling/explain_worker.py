@@ -1,8 +1,8 @@
-"""Worker: runs ``torch._dynamo.explain`` on a target in a fresh process and writes JSON.
+"""Worker: runs ``torch._dynamo.explain`` on a target in a fresh process and prints its JSON after RESULT_MARK.
 
 Started through ``child_argv`` so it works whatever name the pack was imported under::
 
-    child_argv("profiling.explain_worker:run", "pkg.module:factory", "result.json", KWARGS_JSON, *SYS_PATH_DIRS)
+    child_argv("profiling.explain_worker:run", "pkg.module:factory", KWARGS_JSON, *SYS_PATH_DIRS)
 
 The target is a factory (called with the kwargs JSON as keyword arguments) returning ``(fn, args)``,
 ``(fn, args, kwargs)`` or a dict with keys fn/args/kwargs (and optionally ``inference_mode: True``);
@@ -15,6 +15,8 @@ import importlib
 import json
 import sys
 import traceback
+
+RESULT_MARK = "WAN_ACCEL_EXPLAIN_RESULT "
 
 
 def _load(target: str):       # 'package.module:factory': explain_in_subprocess checked the colon already
@@ -66,8 +68,9 @@ def explain_target(target: str, kwargs: dict) -> dict:
             "ops_per_graph": [len(g) for g in ops], "break_reasons": breaks}
 
 
-def run(target: str, out: str, kwargs: str = "{}", *sys_path: str) -> None:
-    """Explain ``target`` with the ``kwargs`` JSON, ``sys_path`` folders first, and write the result to ``out``."""
+def run(target: str, kwargs: str = "{}", *sys_path: str) -> None:
+    """Explain ``target`` with the ``kwargs`` JSON, ``sys_path`` folders first, and print the result after
+    RESULT_MARK (on a line of its own, whatever the target printed)."""
     for entry in reversed(sys_path):
         sys.path.insert(0, entry)
     try:
@@ -77,5 +80,4 @@ def run(target: str, out: str, kwargs: str = "{}", *sys_path: str) -> None:
         result = {"ok": False, "target": target, "stage": "load" if loading else "run",
                   "error": str(exc) if loading else f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-4000:]}
-    with open(out, "w", encoding="utf-8") as fh:
-        json.dump(result, fh)
+    print("\n" + RESULT_MARK + json.dumps(result), flush=True)

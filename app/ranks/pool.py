@@ -21,6 +21,7 @@ import torch
 
 from ...model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, check_heads, enable
 from ...profiling.child import child_argv, one_line, worker_message
+from ..validate import DTYPE_ALIASES
 from .parallel import _loopback, start_group, stop_group
 
 POOL_KEY = "rank_pool"          # in ModelHandle.extra
@@ -119,8 +120,7 @@ class RankPool:
         old = handle.extra.get(POOL_KEY)
         if old is not None:
             old.close(handle.model)
-        spec = {"source": handle.source, "dtype": str(handle.dtype).replace("torch.", "").replace("bfloat16", "bf16")
-                .replace("float16", "fp16").replace("float32", "fp32"), "precision": handle.precision,
+        spec = {"source": handle.source, "dtype": DTYPE_ALIASES[str(handle.dtype)], "precision": handle.precision,
                 "attention": handle.attention, "num_heads": handle.model.config.num_heads,
                 "lora": getattr(handle, "lora", None), "lora_strength": getattr(handle, "lora_strength", 1.0)}
         pool = cls(world, spec, devices, timeout_s)
