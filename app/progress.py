@@ -37,7 +37,10 @@ def format_table(rows: list[dict], columns: list[str], headers: list[str] | None
     headers = headers or columns
 
     def cell(v) -> str:
-        s = v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str) if isinstance(v, (dict, list)) else str(v)
+        if isinstance(v, (dict, list)):
+            s = json.dumps(v, sort_keys=True, default=str)
+        else:
+            s = v if isinstance(v, str) else str(v)
         return s if len(s) <= max_width else s[: max_width - 3] + "..."
 
     body = [[cell(r.get(c, "")) for c in columns] for r in rows]
