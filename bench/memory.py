@@ -1,14 +1,10 @@
 """``python -m wan_accel bench offload``: DiT forward time and peak VRAM with 0, half and all-but-one blocks
-swapped, side by side, for a Wan-shaped block stack (random weights, realistic token count); optionally the
-VAE decode peak against the chunk length when the caller passes a decode function (``run(args, vae_decode=fn)``,
-``fn(latent [1, 16, T, H/8, W/8])``; e.g. a ComfyUI VAE's ``decode`` from a session that has one). This module
-imports neither ComfyUI nor the command-line layer.
+swapped, side by side, for a Wan-shaped block stack (random weights, realistic token count). This module imports
+neither ComfyUI nor the command-line layer.
 
 Without a GPU it says so and runs a tiny functional pass on the CPU (outputs identical with and without swap).
 """
 from __future__ import annotations
-
-import time
 
 from ..cache.json_out import print_json
 from . import print_columns
@@ -134,26 +130,7 @@ def _time_forward(stack, inputs, repeats, warmup):
     return times[len(times) // 2], torch.cuda.max_memory_allocated()
 
 
-def _vae_rows(args, decode):
-    """Decode peak for growing chunk lengths with the caller's ``decode(latent)``."""
-    import torch
-
-    h, w = args.height // 8, args.width // 8
-    rows = []
-    for t in (1, 2, 3, 5, 9, 13, 21):
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        decode(torch.randn(1, 16, t, h, w))
-        torch.cuda.synchronize()
-        rows.append({"latent_frames": t, "video_frames": 1 + 4 * (t - 1), "seconds": round(time.perf_counter() - t0, 3),
-                     "peak_gib": round(torch.cuda.max_memory_allocated() / 1024 ** 3, 3)})
-    return rows
-
-
-def run(args, vae_decode=None) -> int:
-    """The benchmark; ``vae_decode(latent)`` (optional) adds the VAE decode peak against the chunk length."""
+def run(args) -> int:
     import torch
 
     from ..memory.block_swap import SwapSettings, apply_block_swap
@@ -179,16 +156,12 @@ def run(args, vae_decode=None) -> int:
                      "pinned_gib": round(swap.stats.pinned_bytes / 1024 ** 3, 3) if swap else 0.0})
         if swap is not None:
             swap.remove()
-    vrows = _vae_rows(args, vae_decode) if vae_decode is not None else []
     if args.json:
         print_json({"device": torch.cuda.get_device_name(), "model": args.model, "tokens": tokens,
-                    "keys": cached_tokens + tokens, "rows": rows, "vae_decode": vrows}, sort_keys=True)
+                    "keys": cached_tokens + tokens, "rows": rows}, sort_keys=True)
         return 0
     print(f"bench offload: {args.model} block shape (dim {dim}, ffn {ffn}, {n} blocks), {tokens} query tokens, "
           f"{cached_tokens + tokens} keys, bf16, {torch.cuda.get_device_name()}")
     _emit(args, rows, ["blocks_swapped", "blocks_resident", "forward_ms", "ratio_to_resident", "peak_vram_gib",
                        "pinned_gib"], {})
-    if vrows:
-        print("VAE decode peak against chunk length:")
-        _emit(args, vrows, ["latent_frames", "video_frames", "seconds", "peak_gib"], {})
     return 0
