@@ -43,7 +43,7 @@ def _one_dtype_vocabulary(parser) -> bool:
 
 
 # bench options that must be positive numbers: (attribute, exclusive low, high)
-POSITIVE_NUMBERS = (("peak_tflops", 0.0, 1e6), ("timeout", 0.0, 86400.0))
+POSITIVE_NUMBERS = (("peak_tflops", 0.0, 1e6), ("timeout", 0.0, 86400.0), ("memory_cap_gb", 0.0, 1e6))
 # bench options naming a folder the bench writes into (bench native --workdir)
 OUTPUT_FOLDERS = ("workdir",)
 

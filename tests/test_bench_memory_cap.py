@@ -164,7 +164,7 @@ def test_tiny_bench_runs_with_fp8_stored_weights(capsys):
 # ----------------------------------------------------------------------------- option checks
 @pytest.mark.parametrize("argv,words", [
     (["--memory-cap-gb", "8", "--device", "cpu"], ["--memory-cap-gb", "CUDA", "cpu"]),
-    (["--memory-cap-gb", "0", "--device", "cpu"], ["--memory-cap-gb", "positive"]),
+    (["--memory-cap-gb", "0", "--device", "cpu"], ["--memory-cap-gb", "greater than 0"]),
     (["--shape", "14b", "--device", "cpu"], ["--shape 14b", "CUDA"]),
     (["--shape", "krea", "--weights", "fp8", "--device", "cpu"], ["--shape krea", "CUDA"]),
     (["--model-kind", "matrix-game2", "--weights", "fp8", "--device", "cpu"], ["--weights fp8", "matrix-game2"]),
