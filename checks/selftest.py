@@ -445,27 +445,13 @@ FILES = (("selftest.json", "the self-test's JSON"), ("selftest.md", "the self-te
 
 def check_outputs(out) -> Path:
     """``--out`` as a folder the self-test can write selftest.json, selftest.md and stages/ into, checked before any
-    stage runs; else UsageError naming the path and the fix (a link or a folder where one of the files goes, a file
-    where the folder goes)."""
-    import stat
-
+    stage runs; else UsageError (OwnedFileError for the files) naming the path and the fix (a link or a folder where
+    one of the files goes, a file where the folder goes)."""
     from ..app.validate import UsageError, check_output_dir
     from ..cache.owned_files import check_target
-    from ..cache.safety import file_kind
     out = check_output_dir("--out", out)
-    for name, purpose in FILES:
-        path = out / name
-        try:
-            st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            st = None
-        if st is not None and stat.S_ISLNK(st.st_mode):
-            raise UsageError(f"--out {out}: {path} is a symbolic link; the self-test writes {name} only as a regular "
-                             f"file, never through a link: remove the link or choose another --out")
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"--out {out}: {path} is {file_kind(st.st_mode)} where the self-test writes {name}: "
-                             f"remove it or choose another --out")
-        check_target(path, option="--out", purpose=purpose)       # a system folder, the limit cache's own files
+    for name, purpose in FILES:     # a link or no regular file there, a system folder, the limit cache's own files
+        check_target(out / name, option=f"--out {out}", purpose=purpose)
     stages = out / "stages"
     if os.path.lexists(stages) and (os.path.islink(stages) or not os.path.isdir(stages)):
         raise UsageError(f"--out {out}: {stages} is not a folder; the self-test keeps each stage's output in "

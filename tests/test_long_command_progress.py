@@ -46,7 +46,7 @@ def test_a_link_at_selftest_json_is_refused_up_front(tmp_path, no_stage_runs):
     (tmp_path / "elsewhere.json").write_text("keep me")
     (out / "selftest.json").symlink_to(tmp_path / "elsewhere.json")
     line = refused(run_cli_in(tmp_path, "selftest", "--out", "st"), "selftest.json", "symbolic link",
-                   "remove the link or choose another --out")
+                   "remove the link or choose another file")
     assert "--out st: st/selftest.json is a symbolic link" in line      # the path as it was given
     assert (tmp_path / "elsewhere.json").read_text() == "keep me"
 
@@ -54,7 +54,7 @@ def test_a_link_at_selftest_json_is_refused_up_front(tmp_path, no_stage_runs):
 def test_a_folder_at_selftest_md_is_refused_up_front(tmp_path, no_stage_runs):
     (tmp_path / "st" / "selftest.md").mkdir(parents=True)
     line = refused(run_cli_in(tmp_path, "selftest", "--out", "st"), "selftest.md", "is a folder",
-                   "remove it or choose another --out")
+                   "choose another file")
     assert "st/selftest.md is a folder" in line
 
 
