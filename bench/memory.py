@@ -99,15 +99,12 @@ def _cpu_pass(args) -> int:
             rows.append({"blocks_swapped": n, "identical": bool(torch.equal(out, ref)), "copies": swap.stats.copies})
             swap.remove()
     ok = all(r["identical"] for r in rows)
-    _emit(args, rows, ["blocks_swapped", "identical", "copies"], {"device": "cpu", "functional_pass": ok})
-    return 0 if ok else 1
-
-
-def _emit(args, rows, cols, extra) -> None:
     if args.json:
-        print_json(dict(extra, rows=rows), sort_keys=True)
+        print_json({"device": "cpu", "functional_pass": ok, "rows": rows}, sort_keys=True)
     else:
-        print_columns(cols, [[str(r.get(c, "")) for c in cols] for r in rows], rule=True)
+        cols = ["blocks_swapped", "identical", "copies"]
+        print_columns(cols, [[r[c] for c in cols] for r in rows], rule=True)
+    return 0 if ok else 1
 
 
 def _time_forward(stack, inputs, repeats, warmup):
@@ -162,6 +159,6 @@ def run(args) -> int:
         return 0
     print(f"bench offload: {args.model} block shape (dim {dim}, ffn {ffn}, {n} blocks), {tokens} query tokens, "
           f"{cached_tokens + tokens} keys, bf16, {torch.cuda.get_device_name()}")
-    _emit(args, rows, ["blocks_swapped", "blocks_resident", "forward_ms", "ratio_to_resident", "peak_vram_gib",
-                       "pinned_gib"], {})
+    cols = ["blocks_swapped", "blocks_resident", "forward_ms", "ratio_to_resident", "peak_vram_gib", "pinned_gib"]
+    print_columns(cols, [[r[c] for c in cols] for r in rows], rule=True)
     return 0

@@ -74,7 +74,7 @@ def _mb(n) -> str:
     return "n/a" if n is None else f"{n / 2 ** 20:.1f} MB"
 
 
-def run(args, out=print) -> int:
+def run(args) -> int:
     from ..app.validate import UsageError, check_int
     from ..sampling.actions_script import MODES
 
@@ -114,15 +114,15 @@ def run(args, out=print) -> int:
                "new_bytes_ratio": ratio(inplace["new_bytes_per_chunk"], copies["new_bytes_per_chunk"]),
                "peak_ratio": ratio(inplace["peak_bytes_per_chunk"], copies["peak_bytes_per_chunk"])}
     if args.json:
-        out(to_json(summary))
+        print(to_json(summary))
         return 0
-    out(f"Matrix-Game-2 play chunks: {summary['model']}, {width}x{height}, {summary['device']}, {summary['dtype']}, "
-        f"{args.chunks} timed chunks after {args.warmup}")
-    out(f"{'mode':<10}{'chunk ms':>10}{'new per chunk':>16}{'peak per chunk':>16}")
+    print(f"Matrix-Game-2 play chunks: {summary['model']}, {width}x{height}, {summary['device']}, {summary['dtype']}, "
+          f"{args.chunks} timed chunks after {args.warmup}")
+    print(f"{'mode':<10}{'chunk ms':>10}{'new per chunk':>16}{'peak per chunk':>16}")
     for r in rows:
-        out(f"{r['mode']:<10}{r['chunk_ms']:>10.2f}{_mb(r['new_bytes_per_chunk']):>16}"
-            f"{_mb(r['peak_bytes_per_chunk']):>16}")
+        print(f"{r['mode']:<10}{r['chunk_ms']:>10.2f}{_mb(r['new_bytes_per_chunk']):>16}"
+              f"{_mb(r['peak_bytes_per_chunk']):>16}")
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}x"
-    out(f"copies / in place: time {fmt(summary['time_ratio'])}, new bytes {fmt(summary['new_bytes_ratio'])}, "
-        f"peak {fmt(summary['peak_ratio'])}; same frames: {'yes' if same else 'NO'}")
+    print(f"copies / in place: time {fmt(summary['time_ratio'])}, new bytes {fmt(summary['new_bytes_ratio'])}, "
+          f"peak {fmt(summary['peak_ratio'])}; same frames: {'yes' if same else 'NO'}")
     return 0 if same else 1
