@@ -28,8 +28,6 @@ import torch
 from ..app.jobs.generate import _sync
 from ..cache.finite_flags import bad_flag, read_flags
 
-from .options import DECODES  # noqa: E402,F401  (bench sampler --decode; defined without torch)
-
 
 def check_decode_args(args) -> None:
     """--vae needs a decoder to load it into (bad --decode values are refused by the parser's choices)."""

@@ -62,8 +62,7 @@ from .decode import ChunkDecoder, build_bench_decoder, check_decode_args, decode
 from .sampler_setup import run_geometry, shape_config, shape_schedule, shape_window
 
 # the variants, shapes and options are defined without torch (bench sampler --help answers at once)
-from .options import (ATTENTION_TWINS, FP8, FP8ATT, INT8, OPS, OPS_MODES, TWINS, VARIANTS,  # noqa: E402,F401
-                      sampler as add_arguments)
+from .options import ATTENTION_TWINS, FP8, TWINS, VARIANTS, sampler as add_arguments  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- models and inputs
