@@ -126,7 +126,7 @@ FP8_LAYERS = (("q/k/v", 4608, 1536), ("o", 1536, 1536), ("cross q", 1536, 1536),
 FP8_TOKENS = 4680
 
 
-def fp8_quant_rows(device: str, dtype_name: str, shapes=None) -> list[dict]:
+def fp8_quant_rows(device: str, dtype_name: str) -> list[dict]:
     """The fused fp8 quantize (``kernels/fp8_quant.py``) against the torch ops of ``quantize_rows``: bit equality
     of codes and scales everywhere, times only on a GPU (bytes moved by the kernel: the input once, the codes,
     the scales)."""
@@ -137,7 +137,7 @@ def fp8_quant_rows(device: str, dtype_name: str, shapes=None) -> list[dict]:
 
     dtype = getattr(torch, dtype_name)
     rows = []
-    for label, m, k in shapes or (FP8_QUANT_SHAPES if device == "cuda" else CPU_FP8_QUANT_SHAPES):
+    for label, m, k in FP8_QUANT_SHAPES if device == "cuda" else CPU_FP8_QUANT_SHAPES:
         row = {"kernel": "fp8_quantize", "shape": label, "dims": [m, k], "dtype": dtype_name}
         g = torch.Generator().manual_seed(k)
         x = (torch.randn(m, k, generator=g) * 4).to(device=device, dtype=dtype)
@@ -160,7 +160,7 @@ def fp8_quant_rows(device: str, dtype_name: str, shapes=None) -> list[dict]:
     return rows
 
 
-def fp8_kv_write_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
+def fp8_kv_write_rows(device: str, dtype_name: str) -> list[dict]:
     """The fused KV-cache write of the fp8 attention mode (``kernels/kv_quant.py``) against its torch ops
     (``Fp8Shadow.put_torch``): bit equality of the whole cache copy everywhere, times only on a GPU (bytes moved by
     the kernel: k and v once, their codes, steps and scales)."""
@@ -169,7 +169,7 @@ def fp8_kv_write_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
     from ..kernels import kv_quant
     from ..model.kv_cache import Fp8Shadow
 
-    label, b, rows, h, d, cap = shape or (KV_WRITE_SHAPE if device == "cuda" else CPU_KV_WRITE_SHAPE)
+    label, b, rows, h, d, cap = KV_WRITE_SHAPE if device == "cuda" else CPU_KV_WRITE_SHAPE
     dtype = getattr(torch, dtype_name)
     row = {"kernel": "fp8_kv_write", "shape": label, "dims": [b, rows, h, d, cap], "dtype": dtype_name}
     g = torch.Generator().manual_seed(rows)
@@ -199,7 +199,7 @@ def fp8_kv_write_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
     return [row]
 
 
-def fp8_linear_rows(dtype_name: str, tokens: int = FP8_TOKENS) -> list[dict]:
+def fp8_linear_rows(dtype_name: str) -> list[dict]:
     """A 1.3B block's linear layers on a CUDA GPU with fp8 tensor cores: ``F.linear`` in the run's dtype, the fp8
     linear with the torch quantize (``quantize_rows`` + ``torch._scaled_mm``) and with the fused one, per layer
     and for the block; [] where the scaled matmul does not run (the reason in one row)."""
@@ -215,7 +215,7 @@ def fp8_linear_rows(dtype_name: str, tokens: int = FP8_TOKENS) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     rows, total = [], {"exact_ms": 0.0, "fp8_torch_quant_ms": 0.0, "fp8_fused_ms": 0.0}
     for label, n, k in FP8_LAYERS:
-        x = torch.randn(tokens, k, generator=g).to("cuda", dtype)
+        x = torch.randn(FP8_TOKENS, k, generator=g).to("cuda", dtype)
         w = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", dtype)
         wq, ws = fp8.quantize_weight(w)
         fp8.scaled_mm(x, wq, ws)                        # tunes the fused quantize before it is timed
@@ -224,10 +224,10 @@ def fp8_linear_rows(dtype_name: str, tokens: int = FP8_TOKENS) -> list[dict]:
                  "fp8_fused_ms": _do_bench(lambda: fp8.scaled_mm(x, wq, ws))}
         for key, ms in times.items():
             total[key] += ms
-        rows.append({"kernel": "fp8_linear", "shape": label, "dims": [tokens, n, k], "dtype": dtype_name, **times,
+        rows.append({"kernel": "fp8_linear", "shape": label, "dims": [FP8_TOKENS, n, k], "dtype": dtype_name, **times,
                      "speedup": times["exact_ms"] / times["fp8_fused_ms"]})
         del x, w, wq, ws
-    rows.append({"kernel": "fp8_linear", "shape": "1.3B block", "dims": [tokens], "dtype": dtype_name, **total,
+    rows.append({"kernel": "fp8_linear", "shape": "1.3B block", "dims": [FP8_TOKENS], "dtype": dtype_name, **total,
                  "speedup": total["exact_ms"] / total["fp8_fused_ms"]})
     return rows
 
