@@ -539,11 +539,6 @@ class Checkpoint:
         except CheckpointError:
             return {}
 
-    @property
-    def causal(self) -> bool:
-        """True when the metadata marks the file as a causal (autoregressive) Wan, in ComfyUI's convention."""
-        return bool((metadata_config(self.metadata) or {}).get("causal_ar"))
-
     def sizing_config(self) -> dict:
         """The config the planner sizes with: the inferred one, else what the shapes and metadata show."""
         if self.config is not None:
