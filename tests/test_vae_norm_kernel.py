@@ -321,7 +321,7 @@ def test_the_decoder_with_the_kernel_gives_the_frames_of_the_layers_on_the_gpu(t
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     fused = build_decoder("wan", reduced=True, seed=3).prepare("cuda", torch.float32)
-    plain = build_decoder("wan", reduced=True, seed=3).prepare("cuda", torch.float32).fuse(False)
+    plain = _unfused(build_decoder("wan", reduced=True, seed=3).prepare("cuda", torch.float32))
     x = torch.randn(1, 5, 16, 4, 6, generator=torch.Generator().manual_seed(1))
     assert fused.decoder.head[0].kernel_runs(torch.zeros(1, 4, 1, 2, 2, device="cuda"))
     for sizes, a, b in _streamed(fused, plain, x):
