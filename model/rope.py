@@ -87,10 +87,6 @@ class RopeCache:
         table = self._tables[key] = (tabs[0], tabs[1])
         return table
 
-    def clear(self) -> None:
-        self._tables.clear()
-        self._axes.clear()
-
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent channel pairs of x [B, L, H, D] by tables [L, D/2] (or per sample [B, L, D/2]);
