@@ -13,8 +13,7 @@ Metadata conventions read (later ones win):
 - ``config``: ComfyUI's. JSON whose ``"transformer"`` object is merged over the detected config by ComfyUI
   (``{"transformer": {"causal_ar": true, "num_heads": ...}}`` makes ComfyUI load the file as causal Wan). A flat
   JSON object (no ``"transformer"``) is read as the config itself.
-- ``wan_accel.config`` (``METADATA_KEY``): ours, the full ``WanConfig.to_dict()``; written by ``convert`` and
-  ``save_wan_checkpoint``.
+- ``wan_accel.config`` (``METADATA_KEY``): ours, the full ``WanConfig.to_dict()``; written by ``convert``.
 """
 from __future__ import annotations
 
@@ -539,11 +538,6 @@ class Checkpoint:
             return metadata_config(self.metadata) or {}
         except CheckpointError:
             return {}
-
-    @property
-    def causal(self) -> bool:
-        """True when the metadata marks the file as a causal (autoregressive) Wan, in ComfyUI's convention."""
-        return bool((metadata_config(self.metadata) or {}).get("causal_ar"))
 
     def sizing_config(self) -> dict:
         """The config the planner sizes with: the inferred one, else what the shapes and metadata show."""

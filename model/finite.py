@@ -111,7 +111,7 @@ def check_conditioning(t, what: str, fix: str = "encode the prompt again, or use
 
 def context_flags(contexts) -> list:
     """(tensor, on-device 'not finite' flag) of each conditioning tensor (shared ones once); no host sync: the flags
-    are read later together with others (``check_output(pending=...)``) or by ``check_contexts``."""
+    are read later together with others (``check_output(pending=...)``)."""
     seen, flags = set(), []
     for t in contexts:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in seen:
@@ -125,13 +125,6 @@ def _conditioning_error(flags: list, bad: list, what: str) -> None:
         if b:
             check_conditioning(t, what, "the text encoder's output (or the embeddings given) is broken: encode "
                                         "the prompt again, or use another text encoder")
-
-
-def check_contexts(contexts, what: str = "the text conditioning") -> None:
-    """``check_conditioning`` for several tensors (shared ones once) with one host sync."""
-    flags = context_flags(contexts)
-    if flags:
-        _conditioning_error(flags, _read_flags([f for _, f in flags]), what)
 
 
 def output_problem(latents: torch.Tensor, bad: bool | None = None) -> str | None:
@@ -206,5 +199,5 @@ def check_output(latents: torch.Tensor, what: str = "the sampled latents", dtype
                          f"{'; or '.join(likely)}. Nothing was kept of this run")
 
 
-__all__ = ["NonFiniteError", "check_weights", "check_conditioning", "check_contexts", "context_flags", "check_output",
+__all__ = ["NonFiniteError", "check_weights", "check_conditioning", "context_flags", "check_output",
            "output_problem", "largest_weight"]

@@ -9,7 +9,6 @@ opened here: convert them once with ``python -m wan_accel convert`` (``convert.p
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..cache.finite_flags import bad_flag, read_flags
-from .checkpoint import (INPUT_SCALES, METADATA_KEY, TORCH_DTYPES, WEIGHT_SCALES, CheckpointError, _list,
+from .checkpoint import (INPUT_SCALES, TORCH_DTYPES, WEIGHT_SCALES, CheckpointError, _list,
                          check_dtypes, check_quant_formats, keeps_fp8, metadata_quant_formats, model_class,
                          open_checkpoint, read_tensor_into)
 from .dit import WanModel
@@ -169,12 +168,3 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     model.set_precision(precision, dtype).set_attention_backend(attention)
     return model.eval().requires_grad_(False)
 
-
-def save_wan_checkpoint(model: WanModel, path, extra_metadata: dict | None = None) -> Path:
-    """Write a model's state dict as safetensors with its config in the metadata."""
-    from safetensors.torch import save_file
-    meta = {METADATA_KEY: json.dumps(model.config.to_dict())}
-    meta.update(extra_metadata or {})
-    tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
-    from ..cache.owned_files import write_with
-    return write_with(path, lambda tmp: save_file(tensors, tmp, metadata=meta), purpose="the checkpoint")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..cache.finite_flags import bad_flag, read_flags
-from .checkpoint import CheckpointError, _list, check_path, read_header, strip_prefix
+from .checkpoint import CheckpointError, check_path, read_header, strip_prefix
 
 LORA_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "model.")
 _KEY = re.compile(r"^(?P<layer>.+?)\.(?P<part>lora_A|lora_B|lora_down|lora_up)(?:\.default)?(?:\.weight)?$")
@@ -192,10 +192,4 @@ def to_comfy(src, dst, alpha: float | None = None, tensors: dict | None = None) 
     return len(layers)
 
 
-def describe(path) -> str:
-    layers = read_lora(path)
-    ranks = sorted({e["down"].shape[0] for e in layers.values()})
-    return f"{len(layers)} layers, rank {', '.join(map(str, ranks))}: {_list(sorted(layers), 4)}"
-
-
-__all__ = ["LoraError", "read_lora", "parse_lora", "merge_lora", "check_lora", "check_strength", "to_comfy", "describe", "LORA_PREFIXES"]
+__all__ = ["LoraError", "read_lora", "parse_lora", "merge_lora", "check_lora", "check_strength", "to_comfy", "LORA_PREFIXES"]

@@ -147,8 +147,5 @@ def tiny_mg2_config(mode: str = "universal") -> WanConfig:
 def tiny_mg2_model(seed: int = 0, device="cpu", dtype=torch.float32, precision=None,
                    config: WanConfig | None = None, mode: str = "universal") -> MatrixGameModel:
     """Deterministic tiny Matrix-Game-2 model (random weights: for smoke runs, tests and demos)."""
-    from .tiny import init_tiny_weights
-    model = init_tiny_weights(MatrixGameModel(config or tiny_mg2_config(mode)), seed)
-    precision = precision or ("float32" if dtype == torch.float32 else "self_forcing")
-    model.set_precision(precision, dtype)
-    return model.to(device).eval().requires_grad_(False)
+    from .tiny import tiny_causal_model
+    return tiny_causal_model(seed, device, dtype, precision, config or tiny_mg2_config(mode))

@@ -33,21 +33,6 @@ def check_positions(start_frame: int, frames: int, height: int, width: int) -> N
             f"frames (at most {MAX_POSITIONS} in total) or a smaller resolution.")
 
 
-def build_angles(head_dim: int, frames: int, height: int, width: int, start_frame: int = 0) -> torch.Tensor:
-    """Angles [frames*height*width, head_dim/2] (float64, CPU) in row-major (f, h, w) token order."""
-    check_positions(start_frame, frames, height, width)
-    nf, nh, nw = axis_pairs(head_dim)
-    af = _axis_angles(torch.arange(start_frame, start_frame + frames, dtype=torch.float64), nf)
-    ah = _axis_angles(torch.arange(height, dtype=torch.float64), nh)
-    aw = _axis_angles(torch.arange(width, dtype=torch.float64), nw)
-    grid = torch.cat([
-        af[:, None, None, :].expand(frames, height, width, nf),
-        ah[None, :, None, :].expand(frames, height, width, nh),
-        aw[None, None, :, :].expand(frames, height, width, nw),
-    ], dim=-1)
-    return grid.reshape(frames * height * width, head_dim // 2)
-
-
 class RopeCache:
     """The one RoPE provider: (cos, sin) tables [L, head_dim/2] for a token grid starting at a latent frame.
 
@@ -101,10 +86,6 @@ class RopeCache:
             self._tables.clear()
         table = self._tables[key] = (tabs[0], tabs[1])
         return table
-
-    def clear(self) -> None:
-        self._tables.clear()
-        self._axes.clear()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,7 @@ def test_comfyui_metadata_config_is_read_by_loader_and_planner(tmp_path, nested_
     save_file(sd, str(path), metadata={"config": json.dumps({"transformer": transformer})})
     loaded, _ = _assert_plan_matches_loader(path)
     assert (loaded.num_heads, loaded.local_attn_size, loaded.sink_size) == (config.num_heads, 6, 1)
-    assert open_checkpoint(path).causal
+    assert open_checkpoint(path).stated_config["causal_ar"] is True
 
 
 def test_our_metadata_key_wins_over_comfyui(tmp_path):

@@ -214,7 +214,7 @@ def _lora(path, rank=2, alpha=None, dtype=torch.float32, layers=("blocks.0.ffn.0
 
 
 def _tiny_checkpoint(path):
-    from wan_accel.model.loader import save_wan_checkpoint
+    from checkpoint_files import save_wan_checkpoint
     from wan_accel.model.tiny import tiny_causal_model
     save_wan_checkpoint(tiny_causal_model(seed=3), path)
     return path

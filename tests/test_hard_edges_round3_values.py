@@ -17,7 +17,7 @@ from wan_accel.app.play.registry import PlayError, PlayRegistry
 from wan_accel.app.play.t2v import PromptPlaySession
 from wan_accel.model.checkpoint import METADATA_KEY, keeps_fp8
 from wan_accel.model.finite import NonFiniteError
-from wan_accel.model.loader import save_wan_checkpoint
+from checkpoint_files import save_wan_checkpoint
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model, tiny_text_embedding
 from wan_accel.sampling import prompts as P
 from wan_accel.sampling.prompts import PromptSchedule

@@ -18,7 +18,8 @@ from wan_accel.memory.plan import make_plan
 from wan_accel.memory.sampling_guard import oom_guard
 from wan_accel.memory.system import SystemInfo
 from wan_accel.memory.weights import weights_from_checkpoint
-from wan_accel.model.loader import load_wan_checkpoint, save_wan_checkpoint
+from checkpoint_files import save_wan_checkpoint
+from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 from run_helpers import generate_latents
 

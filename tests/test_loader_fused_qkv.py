@@ -4,7 +4,8 @@ import torch
 from safetensors.torch import load_file
 
 from wan_accel.model.fused_qkv import QKV_WEIGHT, ensure_fused_qkv, fused_qkv_intact
-from wan_accel.model.loader import load_wan_checkpoint, save_wan_checkpoint
+from checkpoint_files import save_wan_checkpoint
+from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.model.tiny import tiny_causal_model
 
 

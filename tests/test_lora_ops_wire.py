@@ -169,7 +169,7 @@ def test_a_lora_that_does_not_fit_fails_before_any_weight_is_read(monkeypatch, t
 
 
 def test_loader_node_lora_widget(tmp_path):
-    from wan_accel.model.loader import save_wan_checkpoint
+    from checkpoint_files import save_wan_checkpoint
     from wan_accel.nodes.model_nodes import NO_LORA, CausalWanModelLoader
     ckpt = save_wan_checkpoint(load_model_handle(str(CKPT), "fp32", device="cpu", num_heads=4).model,
                                tmp_path / "causal.safetensors")           # its config in the metadata

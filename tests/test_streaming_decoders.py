@@ -117,7 +117,7 @@ def test_a_vae_that_does_not_stream_is_refused_with_what_does():
 def test_a_pack_stream_continues_from_its_snapshot(kind, at):
     decoder = _pack(kind)
     z = _latents(6, seed=4)
-    whole = DecoderFrames(decoder).decode(z)
+    whole = DecoderFrames(decoder).push(z)
     first = DecoderFrames(decoder)
     head = first.push(z[:, :, :at])
     walk = first.snapshot()

@@ -11,7 +11,8 @@ from wan_accel.model.config import WAN_1_3B, WAN_14B, WAN_14B_I2V, WanConfig
 from wan_accel.model.convert import convert_pt_to_safetensors
 from wan_accel.model.checkpoint import (CheckpointError, canonical_names, diffusers_to_official, expected_shapes,
                                       infer_config)
-from wan_accel.model.loader import load_wan_checkpoint, save_wan_checkpoint
+from checkpoint_files import save_wan_checkpoint
+from wan_accel.model.loader import load_wan_checkpoint
 from wan_accel.model.tiny import TINY_CONFIG, tiny_causal_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "wan_reference"

@@ -6,7 +6,7 @@ from wan_accel.model.attention import attention, check_backend, flash_attn_avail
 from wan_accel.model.config import WanConfig
 from wan_accel.model.kv_cache import CrossAttnCache, KVCache
 from wan_accel.model.dit import WanModel
-from wan_accel.model.rope import MAX_POSITIONS, apply_rope, build_angles
+from wan_accel.model.rope import MAX_POSITIONS, RopeCache, apply_rope
 from wan_accel.model.tiny import init_tiny_weights, tiny_causal_model
 
 CFG = WanConfig(dim=48, ffn_dim=96, num_heads=2, num_layers=2, text_dim=32, text_len=8, freq_dim=16)
@@ -66,14 +66,16 @@ def test_per_frame_timesteps_modulate_their_own_frames():
 
 def test_rope_angles_follow_the_axis_split():
     hd = 16                                        # 8 pairs: 4 frame, 2 height, 2 width
-    ang = build_angles(hd, 2, 3, 4, start_frame=5).reshape(2, 3, 4, 8)
-    assert torch.allclose(ang[1, 0, 0, :4], 6 / 10000 ** (torch.arange(4, dtype=torch.float64) / 4))
-    assert torch.allclose(ang[0, 2, 0, 4:6], 2 / 10000 ** (torch.arange(2, dtype=torch.float64) / 2))
-    assert torch.allclose(ang[0, 0, 3, 6:], 3 / 10000 ** (torch.arange(2, dtype=torch.float64) / 2))
+    cos, sin = RopeCache().get(hd, (2, 3, 4), 5, "cpu", torch.float64)
+    grid = torch.complex(cos, sin).reshape(2, 3, 4, 8)
+    for got, angle in ((grid[1, 0, 0, :4], 6 / 10000 ** (torch.arange(4, dtype=torch.float64) / 4)),
+                       (grid[0, 2, 0, 4:6], 2 / 10000 ** (torch.arange(2, dtype=torch.float64) / 2)),
+                       (grid[0, 0, 3, 6:], 3 / 10000 ** (torch.arange(2, dtype=torch.float64) / 2))):
+        assert torch.allclose(got, torch.polar(torch.ones_like(angle), angle))
     x = torch.randn(1, 24, 1, hd)
-    out = apply_rope(x, torch.cos(ang.reshape(24, 8)).float(), torch.sin(ang.reshape(24, 8)).float())
+    out = apply_rope(x, cos.float(), sin.float())
     ref = torch.view_as_real(torch.view_as_complex(x.double().reshape(1, 24, 1, 8, 2))
-                             * torch.polar(torch.ones_like(ang.reshape(24, 8)), ang.reshape(24, 8))[None, :, None])
+                             * torch.complex(cos, sin)[None, :, None])
     torch.testing.assert_close(out, ref.reshape(1, 24, 1, hd).float(), rtol=0, atol=1e-6)
 
 
@@ -94,7 +96,7 @@ def test_rope_tables_are_cached_per_start_frame():
 
 def test_rope_position_limit_is_a_clear_error():
     with pytest.raises(ValueError, match="rotary table has 1024 positions"):
-        build_angles(16, 3, 2, 2, start_frame=MAX_POSITIONS - 2)
+        RopeCache().get(16, (3, 2, 2), MAX_POSITIONS - 2, "cpu")
 
 
 @torch.no_grad()

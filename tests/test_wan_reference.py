@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from wan_accel.cli.model import main as cli_main
 from wan_accel.model.config import WanConfig
-from wan_accel.model.loader import save_wan_checkpoint
+from checkpoint_files import save_wan_checkpoint
 from wan_accel.app.jobs.reference import FORMATS, check_reference, survey, format_table
 from run_helpers import run_causal
 from wan_accel.sampling.scheduler import resolve_schedule

@@ -54,13 +54,6 @@ class FrameStream:
     def release(self) -> None:
         """Forget the walk (its caches); the stream is not used again after this."""
 
-    def decode(self, latent: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
-        """A whole video [B, 16, F, h, w] pushed in chunks of ``chunk`` latent frames (None: at once) and finished:
-        its images [B, 1 + 4 (F - 1), 8h, 8w, 3]."""
-        step = chunk or latent.shape[2]
-        parts = [self.push(latent[:, :, f:f + step]) for f in range(0, latent.shape[2], step)] + [self.finish()]
-        return torch.cat([p for p in parts if p is not None], 1)
-
 
 def check_latents(latent: torch.Tensor, channels: int = LATENT_CHANNELS) -> None:
     if not isinstance(latent, torch.Tensor) or latent.dim() != 5 or latent.shape[1] != channels:

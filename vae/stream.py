@@ -18,7 +18,7 @@ TIME_STRIDE, SPACE_STRIDE = 4, 8
 
 
 class StreamingDecoder(nn.Module):
-    """Base of the decoders: device, dtype and memory format (``prepare``), streams and whole-video decodes."""
+    """Base of the decoders: device, dtype and memory format (``prepare``), and their streams."""
 
     kind = ""                       # the --decode name
     dims = 2                        # 3: the decoder's convolutions are 3D (its working tensors [B, C, T, H, W])
@@ -69,11 +69,6 @@ class StreamingDecoder(nn.Module):
 
     def stream(self, step: int | None = None) -> "DecodeStream":
         return DecodeStream(self, step)
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """The whole video at once: model-space latents [B, F, 16, h, w] -> images [B, 3, 1 + 4 (F - 1), 8h, 8w]."""
-        return self.to_images(self.stream().push(latents))
 
 
 class DecodeStream:

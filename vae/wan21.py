@@ -95,7 +95,7 @@ def _channels_last(x: torch.Tensor) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """x / ||x|| over channels * sqrt(channels) * gamma. ``fused`` (the default; ``WanVAEDecoder.fuse`` sets it):
+    """x / ||x|| over channels * sqrt(channels) * gamma. ``fused`` (the default; tests turn it off):
     the decoder runs the norm with the SiLU after it in one pass (``kernels/vae_norm.py``: float32 inside, where
     Triton runs) written straight into the next convolution's input buffer; off: the modules one by one."""
 
@@ -250,14 +250,6 @@ class WanVAEDecoder(StreamingDecoder):
 
     def decode_raw(self, z: torch.Tensor, state: dict) -> torch.Tensor:
         return self.decoder(self.conv2(self.layout(z)), state)
-
-    def fuse(self, on: bool = True) -> "WanVAEDecoder":
-        """Every RMS norm fused with its SiLU and the next convolution's history (the default), or (``on=False``)
-        the layers one by one as the modules define them; the frames are the same within rounding."""
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.fused = bool(on)
-        return self
 
     def to_images(self, raw: torch.Tensor) -> torch.Tensor:
         return ((raw.float() + 1.0) / 2.0).clamp(0.0, 1.0)
