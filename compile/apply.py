@@ -82,7 +82,7 @@ class CompileHandle:
         """Run a compiled region inside this model's scope. A compile that fails (Dynamo or Inductor cannot
         handle something in the region) is not the user's error: the region and every other one of this handle
         run ``eager`` from then on, with one line saying why (``failed`` in the report)."""
-        from ..kernels._common import is_compiling, use_kernel_caps
+        from ..kernels._common import is_compiling
 
         if is_compiling():
             return fn(*args, **kwargs)
