@@ -149,12 +149,6 @@ class CompileHandle:
             setattr(dc, name, value)
             self._global_limit_set = None
 
-    def report(self) -> dict:
-        return {"settings": self.settings.to_dict(), "inductor_options": dict(self.inductor_options),
-                "kernel_caps": dict(self.kernel_caps), "regions": len(self.targets), "calls": self.calls,
-                "graphs_compiled": self.compiles, "warm": self.warm, "loaded_artifacts": self.loaded_artifacts,
-                "artifact_saves": self.warm_start.saves if self.warm_start else 0, "failed": self.failed}
-
 
 def compile_errors() -> tuple:
     """The exception types of a failed compile (Dynamo cannot trace, a backend or Inductor fails), not of the
