@@ -25,7 +25,6 @@ from .warm_start import WarmStart, ensure_inductor_cache_dir, model_signature
 
 log = logging.getLogger("wan_accel.compile")
 
-HANDLE_ATTR = COMPILE_ATTR
 WHOLE_METHODS = ("forward", "forward_full", "forward_chunk")
 
 
@@ -82,7 +81,7 @@ class CompileHandle:
         """Run a compiled region inside this model's scope. A compile that fails (Dynamo or Inductor cannot
         handle something in the region) is not the user's error: the region and every other one of this handle
         run ``eager`` from then on, with one line saying why (``failed`` in the report)."""
-        from ..kernels._common import is_compiling, use_kernel_caps
+        from ..kernels._common import is_compiling
 
         if is_compiling():
             return fn(*args, **kwargs)
@@ -148,12 +147,6 @@ class CompileHandle:
             name, value = self._global_limit_set
             setattr(dc, name, value)
             self._global_limit_set = None
-
-    def report(self) -> dict:
-        return {"settings": self.settings.to_dict(), "inductor_options": dict(self.inductor_options),
-                "kernel_caps": dict(self.kernel_caps), "regions": len(self.targets), "calls": self.calls,
-                "graphs_compiled": self.compiles, "warm": self.warm, "loaded_artifacts": self.loaded_artifacts,
-                "artifact_saves": self.warm_start.saves if self.warm_start else 0, "failed": self.failed}
 
 
 def compile_errors() -> tuple:
@@ -237,7 +230,7 @@ def compile_model(model, settings: CompileSettings | dict | None = None, cache=N
     first call; call ``end_warmup(model)`` once the first full run is done to switch the stance.
     Re-compiling an already compiled model first restores it.
     """
-    if getattr(model, HANDLE_ATTR, None) is not None:
+    if getattr(model, COMPILE_ATTR, None) is not None:
         uncompile_model(model)
     t0 = time.perf_counter()
     handle = _prepare(model, settings, cache)
@@ -250,7 +243,7 @@ def compile_model(model, settings: CompileSettings | dict | None = None, cache=N
             if callable(getattr(type(model), name, None)):
                 setattr(model, name, _scoped_forward(handle, model, name))
                 handle.targets.append((model, name))
-    model.__dict__[HANDLE_ATTR] = handle
+    model.__dict__[COMPILE_ATTR] = handle
     log.info("wan_accel: prepared %d compiled region(s) (%s, %s) in %.2f s", len(handle.targets),
              handle.settings.scope, handle.settings.backend, time.perf_counter() - t0)
     return model
@@ -262,7 +255,7 @@ end_warmup = end_compile_warmup        # mark warm-up of a compiled model as don
 
 def uncompile_model(model) -> bool:
     """Undo compile_model: remove the instance forwards and restore any global limit it set."""
-    handle = model.__dict__.pop(HANDLE_ATTR, None)
+    handle = model.__dict__.pop(COMPILE_ATTR, None)
     if handle is None:
         return False
     for module, name in handle.targets:

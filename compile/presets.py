@@ -124,12 +124,6 @@ def resolve_inductor_options(options: dict) -> dict:
 GRAPH_SAFE_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
-def uses_inductor_cudagraphs(settings) -> bool:
-    """Whether these settings would let torch.compile capture CUDA graphs itself."""
-    s = coerce_settings(settings)
-    return s.backend == "cudagraphs" or (s.backend == "inductor" and s.mode in GRAPH_SAFE_MODES)
-
-
 def graph_safe_settings(settings) -> tuple[CompileSettings | None, str]:
     """(settings to compile with, note) so that the pack's own CUDA graphs stay in charge of graph capture.
 
@@ -150,11 +144,11 @@ def graph_safe_settings(settings) -> tuple[CompileSettings | None, str]:
 
 def graphs_summary(settings) -> str:
     """Who captures CUDA graphs in the optimized sampler for these settings (the presets table's last column)."""
-    s = coerce_settings(settings)
-    if s.backend == "cudagraphs":
+    safe, note = graph_safe_settings(settings)
+    if safe is None:
         return "the sampler's own, of the eager blocks (no torch.compile)"
-    if s.backend == "inductor" and s.mode in GRAPH_SAFE_MODES:
-        return f"the sampler's own; compiled as `{GRAPH_SAFE_MODES[s.mode]}`"
+    if note:
+        return f"the sampler's own; compiled as `{safe.mode}`"
     return "the sampler's own"
 
 

@@ -79,7 +79,6 @@ class WarmStart:
         digest = hashlib.sha256(key.encode()).hexdigest()[:24]
         self.path = Path(cache.directory) / ARTIFACT_DIR / f"{digest}.bin"
         self.saves = 0
-        self.last_info: dict = {}
 
     def load(self) -> dict:
         """Load the saved artifacts once per process; returns {kind: count} ({} when nothing was loaded)."""
@@ -145,5 +144,4 @@ class WarmStart:
             log.warning("wan_accel: could not write compile artifacts to %s (%s)", self.path, exc)
             return {}
         self.saves += 1
-        self.last_info = counts
         return counts

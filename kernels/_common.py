@@ -117,6 +117,34 @@ def check_qkv(q, k, v, what: str) -> None:
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
 
 
+def per_frame(op: str, x, **tensors) -> tuple:
+    """``tensors`` (a row kernel's per-frame gate / shift / scale; None where absent) as [B or 1, F, D] for x
+    [B, L, D]: a [B, D] one is F=1, batch 1 broadcasts, F divides L, all of one shape; else ValueError naming
+    ``op`` and what is wrong."""
+    b, l, d = x.shape
+    out, frames = [], None
+    for name, t in tensors.items():
+        t = t.unsqueeze(1) if t is not None and t.dim() == 2 else t
+        out.append(t)
+        if t is None:
+            continue
+        if t.dim() != 3 or t.shape[-1] != d or t.shape[0] not in (1, b):
+            raise ValueError(f"{op}: {name} must be [B, F, D] = [{b}, F, {d}] (batch 1 broadcasts), "
+                             f"got {tuple(t.shape)}")
+        if frames is not None and tuple(t.shape) != frames:
+            names = " and ".join(", ".join(tensors).rsplit(", ", 1))
+            raise ValueError(f"{op}: {names} must have one shape, got {tuple(t.shape)} and {frames}")
+        frames = tuple(t.shape)
+        if t.shape[1] < 1 or l % t.shape[1]:
+            raise ValueError(f"{op}: the frame count F={t.shape[1]} of {name} must divide L={l}")
+    return tuple(out)
+
+
+def unit_last(t):
+    """``t`` when its last dimension is contiguous (the pack's views are), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def divide(x, divisor: float):
     """``x / divisor`` correctly rounded on every device, as a kernel's ``div_rn`` computes it: CUDA torch divides by
     a Python number by multiplying with its rounded reciprocal (one bit off for some values), so there the divisor

@@ -167,11 +167,6 @@ def verify(cand: Candidate, args: tuple, reference: Callable | None = None, ulps
 _CHOSEN: dict[tuple, str] = {}
 
 
-def forget() -> None:
-    """Drop this process's memo of choices (the next call reads the store again, as a new process would)."""
-    _CHOSEN.clear()
-
-
 def choose(op: str, args: tuple, mode: str = "auto", off: tuple = (), tuner=None,
            benchmark: bool = True) -> tuple[str, str]:
     """(candidate name, why) for a call of ``op`` with ``args``: the fastest verified candidate recorded in the

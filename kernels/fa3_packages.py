@@ -122,12 +122,6 @@ def load(name: str) -> tuple:
     return _LOADED[name]
 
 
-def forget() -> None:
-    """Drop what this process loaded and probed (tests; a new process starts empty anyway)."""
-    _LOADED.clear()
-    _PROBED.clear()
-
-
 def capturing() -> bool:
     """Whether this thread's current CUDA stream is capturing a graph (no probe call may run then)."""
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

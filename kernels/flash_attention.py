@@ -177,11 +177,6 @@ def _check(q, k, v) -> None:
         raise ValueError(f"flash attention takes q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    """``t`` when its head dimension is contiguous (the pack's views are), else a contiguous copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _launcher(q, k, v, out):
     b, lq, h, d = q.shape
     lk = k.shape[1]
@@ -215,7 +210,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: d
         return q.new_zeros(q.shape)
     if not runs_here(q) or _common.needs_autograd(q, k, v):      # the kernel has no backward
         return _sdpa(q, k, v)
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    q, k, v = _common.unit_last(q), _common.unit_last(k), _common.unit_last(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     launch, key = _launcher(q, k, v, out)
     hopper = q.is_cuda and registry.capability(q.device)[0] >= 9

@@ -146,7 +146,8 @@ def check_call(q, k, v, kv8=None) -> None:
 
 
 def tile_maxima(v_scale: torch.Tensor, tile: int = TILE) -> torch.Tensor:
-    """m_T of every key: the largest V scale of its tile of ``tile`` keys (tiles from key 0), v_scale [..., L]."""
+    """m_T of every key: the largest V scale of its tile of ``tile`` keys (tiles from key 0), v_scale [..., L]
+    (any values >= 0: int8 attention's block maxima too)."""
     n = v_scale.shape[-1]
     pad = (-n) % tile
     padded = torch.nn.functional.pad(v_scale, (0, pad))
@@ -334,12 +335,9 @@ def fp8_attention_triton(q, k, v, kv8: Fp8KV | None = None, config: dict | None 
     (config None); the torch version where every config fails. No key padding mask."""
     check_call(q, k, v, kv8)
     kv8 = kv8 if kv8 is not None else quantize_kv(k, v)
-    if kv8.k.stride(-1) != 1:
-        kv8 = kv8._replace(k=kv8.k.contiguous())
-    if kv8.v_mean.stride(-1) != 1:
-        kv8 = kv8._replace(v_mean=kv8.v_mean.contiguous())
+    kv8 = kv8._replace(k=_common.unit_last(kv8.k), v_mean=_common.unit_last(kv8.v_mean))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    launch, key = _launcher(q if q.stride(-1) == 1 else q.contiguous(), kv8, out, tile)
+    launch, key = _launcher(_common.unit_last(q), kv8, out, tile)
     if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, q):
         return out
     return fp8_attention_torch(q, k, v, None, kv8, tile)

@@ -31,7 +31,7 @@ import torch
 
 from . import _common, kitchen, registry
 from . import candidates as op_candidates
-from .fp8_attention import unit_roundoff
+from .fp8_attention import tile_maxima, unit_roundoff
 
 log = logging.getLogger("wan_accel")
 
@@ -96,12 +96,9 @@ def _check(q, k, v) -> None:
 def block_steps(x: torch.Tensor, block: int) -> torch.Tensor:
     """The int8 step of every token of x [B, H, L, D]: max|x| over its block of ``block`` tokens / 127,
     as [B, H, L, 1] float32 (a block of zeros gets step 1, so its codes are 0)."""
-    b, h, n, d = x.shape
-    pad = (-n) % block
-    xp = torch.nn.functional.pad(x.float().abs(), (0, 0, 0, pad))
-    amax = xp.unflatten(2, (-1, block)).amax(dim=(3, 4))                     # [B, H, blocks]
+    amax = tile_maxima(x.float().abs().amax(-1), block)                       # [B, H, L]
     step = torch.where(amax > 0, amax / LEVELS, torch.ones_like(amax))
-    return step.repeat_interleave(block, dim=2)[:, :, :n, None]
+    return step[..., None]
 
 
 def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

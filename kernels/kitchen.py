@@ -18,6 +18,7 @@ import importlib.util
 import torch
 
 from . import _common
+from .qk_norm_rope import rmsnorm_float
 
 DISTRIBUTION = "comfy-kitchen"
 BACKENDS = ("cuda", "triton", "eager")      # the ones the pack offers as candidates, fastest first
@@ -130,8 +131,7 @@ def adaln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
     (or [B, D]); token l uses frame ``l // (L // F)``. Result in x's dtype (each backend is called with a dtype
     its constraints accept)."""
     b, l, d = x.shape
-    shift = shift.unsqueeze(1) if shift.dim() == 2 else shift
-    scale = scale.unsqueeze(1) if scale.dim() == 2 else scale
+    shift, scale = _common.per_frame("adaln", x, shift=shift, scale=scale)
     f = shift.shape[1]
     xf = x.reshape(b, f, l // f, d)
     out = _impl("adaln", backend)(x=xf, scale=scale.to(x.dtype).unsqueeze(2), shift=shift.to(x.dtype).unsqueeze(2),
@@ -156,8 +156,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
     """The pack's ``rmsnorm_rope`` with the rotation from comfy-kitchen: RMSNorm over the full width in float32
     (Wan's q/k norm), times weight, then ``apply_rope1`` on [B, L, H, hd] in float32; x's dtype out."""
     b, l, d = x.shape
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    y = rmsnorm_float(x, weight, eps)
     dt = compute_dtype(backend, "apply_rope1", torch.float32, x.dtype)
     if dt is None:
         raise ValueError(dtype_problem(backend, "apply_rope1", x.dtype))

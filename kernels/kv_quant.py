@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _common, fp8_quant, registry
+from . import _common, registry
 from .fp8_attention import INT8_TINY, LEVELS
 from .fp8_linear import FP8_MAX, TINY
 from ._tiles import tl  # None without triton: only the torch path exists

@@ -17,25 +17,10 @@ NAME = "layernorm_modulate"
 candidates = _common.row_candidates
 
 
-def _as_frames(t: torch.Tensor) -> torch.Tensor:
-    return t.unsqueeze(1) if t.dim() == 2 else t
-
-
 def _check(x, shift, scale):
     if x.dim() != 3:
         raise ValueError(f"layernorm_modulate: x must be [B, L, D], got shape {tuple(x.shape)}")
-    b, l, d = x.shape
-    shift, scale = _as_frames(shift), _as_frames(scale)
-    if shift.shape != scale.shape:
-        raise ValueError(f"layernorm_modulate: shift {tuple(shift.shape)} and scale {tuple(scale.shape)} "
-                         f"must have the same shape [B, F, D]")
-    if shift.dim() != 3 or shift.shape[-1] != d or shift.shape[0] not in (1, b):
-        raise ValueError(f"layernorm_modulate: shift/scale must be [B, F, D] = [{b}, F, {d}] "
-                         f"(batch 1 broadcasts), got {tuple(shift.shape)}")
-    f = shift.shape[1]
-    if f < 1 or l % f:
-        raise ValueError(f"layernorm_modulate: the frame count F={f} of shift/scale must divide L={l}")
-    return shift, scale
+    return _common.per_frame("layernorm_modulate", x, shift=shift, scale=scale)
 
 
 def layernorm_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,

@@ -34,14 +34,18 @@ def _check(x, weight, cos, sin, num_heads):
     return hd
 
 
+def rmsnorm_float(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x over its last dimension times weight, in float32 (the torch definitions' common first step)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+
+
 def rmsnorm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            num_heads: int, eps: float = 1e-6) -> torch.Tensor:
     """The torch definition the kernel must match."""
     hd = _check(x, weight, cos, sin, num_heads)
     b, l, d = x.shape
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
-    y = y.view(b, l, num_heads, hd // 2, 2)
+    y = rmsnorm_float(x, weight, eps).view(b, l, num_heads, hd // 2, 2)
     c = cos.float()[None, :, None, :]
     s = sin.float()[None, :, None, :]
     re, im = y[..., 0], y[..., 1]

@@ -20,15 +20,7 @@ def _check(x, y, gate):
     if x.dim() != 3 or y.shape != x.shape:
         raise ValueError(f"gated_residual: x and y must both be [B, L, D], got {tuple(x.shape)} and "
                          f"{tuple(y.shape)}")
-    b, l, d = x.shape
-    gate = gate.unsqueeze(1) if gate.dim() == 2 else gate
-    if gate.dim() != 3 or gate.shape[-1] != d or gate.shape[0] not in (1, b):
-        raise ValueError(f"gated_residual: gate must be [B, F, D] = [{b}, F, {d}] (batch 1 broadcasts), "
-                         f"got {tuple(gate.shape)}")
-    f = gate.shape[1]
-    if f < 1 or l % f:
-        raise ValueError(f"gated_residual: the frame count F={f} of gate must divide L={l}")
-    return gate
+    return _common.per_frame("gated_residual", x, gate=gate)[0]
 
 
 def gated_residual_reference(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -28,15 +28,11 @@ NAME = "residual_norm"
 candidates = _common.row_candidates
 
 
-def _frames(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return t.unsqueeze(1) if t is not None and t.dim() == 2 else t
-
-
 def _check(x, y, gate, weight, bias, shift, scale):
     """The per-frame tensors as [B or 1, F, D] (gate, shift, scale); ValueError saying what is wrong."""
     if x.dim() != 3 or y.shape != x.shape:
         raise ValueError(f"residual_norm: x and y must both be [B, L, D], got {tuple(x.shape)} and {tuple(y.shape)}")
-    b, l, d = x.shape
+    d = x.shape[2]
     if (shift is None) != (scale is None):
         raise ValueError("residual_norm: shift and scale go together (modulation), give both or neither")
     if bias is not None and weight is None:
@@ -44,21 +40,7 @@ def _check(x, y, gate, weight, bias, shift, scale):
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != (d,):
             raise ValueError(f"residual_norm: {name} must be [{d}], got {tuple(t.shape)}")
-    gate, shift, scale = _frames(gate), _frames(shift), _frames(scale)
-    frames = None
-    for name, t in (("gate", gate), ("shift", shift), ("scale", scale)):
-        if t is None:
-            continue
-        if t.dim() != 3 or t.shape[-1] != d or t.shape[0] not in (1, b):
-            raise ValueError(f"residual_norm: {name} must be [B, F, D] = [{b}, F, {d}] (batch 1 broadcasts), "
-                             f"got {tuple(t.shape)}")
-        if frames is not None and tuple(t.shape) != frames:
-            raise ValueError(f"residual_norm: gate, shift and scale must have one shape, got {tuple(t.shape)} "
-                             f"and {frames}")
-        frames = tuple(t.shape)
-        if t.shape[1] < 1 or l % t.shape[1]:
-            raise ValueError(f"residual_norm: the frame count F={t.shape[1]} of {name} must divide L={l}")
-    return gate, shift, scale
+    return _common.per_frame("residual_norm", x, gate=gate, shift=shift, scale=scale)
 
 
 def _per_token(t: torch.Tensor, l: int) -> torch.Tensor:

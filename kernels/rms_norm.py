@@ -10,7 +10,7 @@ name.
 import torch
 
 from . import _common, registry
-from .qk_norm_rope import _rows_view, _smem      # the same row reads in place and the same tiles
+from .qk_norm_rope import _rows_view, _smem, rmsnorm_float      # the same row reads in place and the same tiles
 from ._tiles import inv_rms, rms_row, round_bf16, tile_rows, tl
 
 NAME = "rmsnorm"
@@ -31,8 +31,7 @@ def _check(x, weight):
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """The torch definition the kernel must match (float32 math, one rounding to x's dtype)."""
     _check(x, weight)
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return rmsnorm_float(x, weight, eps).to(x.dtype)
 
 
 if tl is not None:

@@ -47,9 +47,9 @@ def dlpack_kitchen(monkeypatch):
             if c.group == "kitchen":
                 monkeypatch.setitem(C.CANDIDATES[op], name, dataclasses.replace(c, fn=counted(op, fn),
                                                                                 problem=lambda *a: None))
-    C.forget()
+    C._CHOSEN.clear()
     yield calls
-    C.forget()
+    C._CHOSEN.clear()
 
 
 def _run(model, ctx, **fast):
@@ -109,7 +109,6 @@ def test_a_compile_that_fails_falls_back_to_eager_blocks_with_one_line(dlpack_ki
             out2 = _run(model, ctx)
         handle = compile_handle(model)
         assert handle.failed and "dlpack" in handle.failed.lower()
-        assert handle.report()["failed"] == handle.failed
     finally:
         uncompile_model(model)
         torch._dynamo.reset()

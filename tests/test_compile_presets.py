@@ -120,13 +120,13 @@ def test_kernel_default_caps_are_the_conservative_preset():
 
 def test_graph_safe_settings_keep_the_pack_graphs_in_charge():
     from wan_accel.compile import graph_safe_settings
-    from wan_accel.compile.presets import STATIC_MODE_OPTIONS, uses_inductor_cudagraphs
+    from wan_accel.compile.presets import GRAPH_SAFE_MODES, STATIC_MODE_OPTIONS
 
     for mode in ("reduce-overhead", "max-autotune"):
         s = CompileSettings(mode=mode, tiling_preset="EXTREME-PLUS")
-        assert uses_inductor_cudagraphs(s)
+        assert mode in GRAPH_SAFE_MODES
         safe, note = graph_safe_settings(s)
-        assert not uses_inductor_cudagraphs(safe) and note and mode in note
+        assert safe.mode not in GRAPH_SAFE_MODES and note and mode in note
         assert safe.tiling_preset == "EXTREME-PLUS" and safe.backend == "inductor"
         opts, _ = preset_options(safe, mode_table=STATIC_MODE_OPTIONS)
         assert not opts.get("triton.cudagraphs")

@@ -60,7 +60,8 @@ print("WARM_RESULT " + json.dumps({
     "close": bool(torch.allclose(out, expected, atol=1e-5)),
     "dynamo_unchanged": dc.get_config_copy() == dyn,
     "inductor_unchanged": ic.save_config_portable() == ind,
-    "counters": compat.cache_counters(), "report": h.report(),
+    "counters": compat.cache_counters(), "report": {"inductor_options": h.inductor_options, "loaded_artifacts": h.loaded_artifacts,
+               "artifact_saves": h.warm_start.saves if h.warm_start else 0},
     "artifacts": [e["key"] for e in cache.entries("compile")],
 }), flush=True)
 """

@@ -22,13 +22,15 @@ CUDA = "cuda:0"
 
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
-    fa3.forget()
+    fa3._LOADED.clear()
+    fa3._PROBED.clear()
     att.forget_choices()
     reset_autotuners()
     monkeypatch.delenv(fa3.HUB_ENV, raising=False)
     monkeypatch.setattr(registry, "capability", lambda device: (9, 0))   # 'cuda:0' is a Hopper GPU for the checks
     yield
-    fa3.forget()
+    fa3._LOADED.clear()
+    fa3._PROBED.clear()
     att.forget_choices()
     reset_autotuners()
 

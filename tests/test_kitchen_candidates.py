@@ -165,7 +165,7 @@ def spy_kitchen(monkeypatch) -> dict:
             calls[_name] += 1
             return _real(*a, **kw)
         monkeypatch.setattr(kitchen, name, spy)
-    C.forget()
+    C._CHOSEN.clear()
     return calls
 
 

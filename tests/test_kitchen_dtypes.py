@@ -29,9 +29,9 @@ def half_only_rope(monkeypatch):
 
     monkeypatch.setattr(kitchen, "accepted_dtypes", accepted)
     monkeypatch.setattr(kitchen, "rope1", rope1)
-    C.forget()
+    C._CHOSEN.clear()
     yield seen
-    C.forget()
+    C._CHOSEN.clear()
 
 
 def _rope_args(dtype):
