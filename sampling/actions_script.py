@@ -205,26 +205,6 @@ def parse_action_script(script: str, mode: str = "universal") -> GameActions:
     return GameActions(mode=mode, keyboard=keyboard, mouse=mouse if spec["mouse"] else None, script=script)
 
 
-def actions_from_tensors(mode: str, keyboard, mouse=None) -> GameActions:
-    """Wrap explicit per-video-frame tensors/lists (``[Nv, K]``, ``[Nv, 2]``) as :class:`GameActions`."""
-    if mode not in MODES:
-        raise ActionScriptError(f"unknown action mode {mode!r}; choose one of {', '.join(MODES)}")
-    kb = keyboard.tolist() if hasattr(keyboard, "tolist") else [list(r) for r in keyboard]
-    ms = None if mouse is None else (mouse.tolist() if hasattr(mouse, "tolist") else [list(r) for r in mouse])
-    acts = GameActions(mode=mode, keyboard=kb, mouse=ms)
-    if not 1 <= acts.video_frames <= MAX_VIDEO_FRAMES:
-        raise ActionScriptError(f"{acts.video_frames} video frames of actions: need 1 to {MAX_VIDEO_FRAMES}")
-    if (acts.video_frames - 1) % VIDEO_FRAMES_PER_LATENT:
-        raise ActionScriptError(f"{acts.video_frames} video frames of actions: need 1 + 4*k")
-    if any(len(r) != acts.keyboard_dim for r in kb):
-        raise ActionScriptError(f"keyboard rows must have {acts.keyboard_dim} values for mode {mode!r}")
-    if MODES[mode]["mouse"] != (ms is not None) or (ms is not None and len(ms) != len(kb)):
-        raise ActionScriptError(f"mode {mode!r} {'needs' if MODES[mode]['mouse'] else 'has no'} mouse rows "
-                                "(one per video frame)")
-    check_action_values(acts)
-    return acts
-
-
 def check_action_values(acts: GameActions) -> GameActions:
     """Every keyboard value finite in [0, 1] and every mouse value finite in [-MAX_MOUSE, MAX_MOUSE]."""
     for j, row in enumerate(acts.keyboard):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -185,19 +185,30 @@ def _parse_prompt(body: str, where: str) -> tuple:
 @dataclass(frozen=True)
 class PromptSchedule:
     entries: tuple
+    lines: tuple = field(default=(), compare=False, repr=False)    # each entry's line in the parsed text, if any
+
+    def _where(self, i: int) -> str:
+        """How an error names entry ``i``: its line of the parsed text, or its place among the entries."""
+        if self.lines:
+            return f"prompt schedule line {self.lines[i]}"
+        return f"entry {i + 1} (chunk {self.entries[i].chunk})"
 
     def __post_init__(self):
         entries = tuple(self.entries)
         object.__setattr__(self, "entries", entries)
-        if not entries or entries[0].chunk != 0:
+        if not entries:
             raise ValueError("a prompt schedule needs an entry for chunk 0 (e.g. '0: a cat walks in the garden')")
+        if entries[0].chunk != 0:
+            raise ValueError(f"{self._where(0)}: the first entry must be for chunk 0 (it is for chunk "
+                             f"{entries[0].chunk}); start with '0: <prompt>'")
         for i, e in enumerate(entries):
-            where = f"entry {i + 1} (chunk {e.chunk})"
+            where = self._where(i)
             if not isinstance(e.chunk, int) or e.chunk < 0:
                 raise ValueError(f"{where}: the chunk must be an integer >= 0")
             if i and e.chunk <= entries[i - 1].chunk:
-                raise ValueError(f"{where}: chunks must strictly increase (the previous entry is chunk "
-                                 f"{entries[i - 1].chunk}); order the lines by chunk, one line per chunk")
+                raise ValueError(f"{where}: chunk {e.chunk} does not come after chunk {entries[i - 1].chunk} "
+                                 f"({self._where(i - 1)}); chunks must strictly increase: order the lines by chunk, "
+                                 f"one line per chunk")
             if e.chunk >= MAX_CHUNKS:
                 raise ValueError(f"{where}: the chunk must be below {MAX_CHUNKS} (a video has at most {MAX_CHUNKS} "
                                  f"chunks)")
@@ -268,24 +279,10 @@ class PromptSchedule:
             entries.append((no, Entry(chunk, _parse_prompt(body, where), blend, mode)))
         if not entries:
             raise ValueError(f"the prompt schedule has no entries; write one line per switch, e.g. {EXAMPLE!r}")
-        for i, (no, e) in enumerate(entries):
-            if i == 0 and e.chunk != 0:
-                raise ValueError(f"prompt schedule line {no}: the first entry must be for chunk 0 (it is for chunk "
-                                 f"{e.chunk}); start with '0: <prompt>'")
-            if i and e.chunk <= entries[i - 1][1].chunk:
-                raise ValueError(f"prompt schedule line {no}: chunk {e.chunk} does not come after chunk "
-                                 f"{entries[i - 1][1].chunk} (line {entries[i - 1][0]}); chunks must strictly increase")
-            if e.chunk == 0 and e.blend:
-                raise ValueError(f"prompt schedule line {no}: chunk 0 has no earlier prompt to blend from; remove "
-                                 f"its (blend ...)")
-        return cls(tuple(e for _, e in entries))
+        return cls(tuple(e for _, e in entries), tuple(no for no, _ in entries))
 
     def to_text(self) -> str:
         return "\n".join(e.line() for e in self.entries) + "\n"
-
-    @classmethod
-    def single(cls, text: str) -> "PromptSchedule":
-        return cls((Entry(0, ((_check_text(text, "prompt"), 1.0),)),))
 
     @classmethod
     def coerce(cls, value) -> "PromptSchedule":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from wan_accel.sampling.actions_script import ActionScriptError, actions_from_tensors, parse_action_script
+from wan_accel.sampling.actions_script import ActionScriptError, parse_action_script
 
 
 def test_issue_example_frames_and_values():
@@ -64,14 +64,3 @@ def test_invalid_scripts_raise_clear_errors(script, mode, match):
 def test_error_names_the_item():
     with pytest.raises(ActionScriptError, match=r"item 2 \('x\*4'\)"):
         parse_action_script("W*4, X*4")
-
-
-def test_actions_from_tensors_validates_shapes():
-    ok = actions_from_tensors("universal", [[0, 0, 0, 0]] * 5, [[0, 0]] * 5)
-    assert ok.latent_frames == 2
-    with pytest.raises(ActionScriptError, match="1 \\+ 4\\*k"):
-        actions_from_tensors("universal", [[0, 0, 0, 0]] * 4, [[0, 0]] * 4)
-    with pytest.raises(ActionScriptError, match="4 values"):
-        actions_from_tensors("universal", [[0, 0, 0]] * 5, [[0, 0]] * 5)
-    with pytest.raises(ActionScriptError, match="mouse"):
-        actions_from_tensors("universal", [[0, 0, 0, 0]] * 5, None)
