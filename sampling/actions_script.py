@@ -62,7 +62,7 @@ class ActionScriptError(ValueError):
 class GameActions:
     """Per-video-frame actions; ``keyboard[j]`` / ``mouse[j]`` are the inputs of video frame j."""
     mode: str
-    keyboard: list          # [Nv][keyboard_dim] floats (0/1)
+    keyboard: list          # [Nv][keys of the mode] floats (0/1)
     mouse: list | None      # [Nv][2] floats, or None when the mode has no mouse input
     script: str = ""
 
@@ -73,10 +73,6 @@ class GameActions:
     @property
     def latent_frames(self) -> int:
         return 1 + (self.video_frames - 1) // VIDEO_FRAMES_PER_LATENT
-
-    @property
-    def keyboard_dim(self) -> int:
-        return len(MODES[self.mode]["keys"])
 
     def summary(self) -> str:
         chunks, rest = divmod(self.latent_frames, 3)

@@ -35,7 +35,7 @@ def test_tensors_batch_and_prefix():
 
 def test_templerun_and_gta_modes():
     t = parse_action_script("jump*4, turnleft+leftside*4", mode="templerun")
-    assert t.mouse is None and t.keyboard_dim == 7
+    assert t.mouse is None and all(len(row) == 7 for row in t.keyboard)
     assert t.keyboard[5] == [0, 0, 0, 1, 0, 1, 0]
     g = parse_action_script("W+look_right*4", mode="gta_drive")
     assert g.keyboard[1] == [1, 0] and g.mouse[1] == [0.0, 0.1]
