@@ -108,7 +108,8 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
     if num_frames > frames_avail:
         raise ValueError(f"{num_frames} latent frames need {1 + 4 * (num_frames - 1)} video frames of actions; "
                          f"the actions give {1 + 4 * (frames_avail - 1)}")
-    run, _ = mg2_continuation(model, image_latent, visual_context, mouse, keyboard, num_frames, seed, settings)
+    run, _ = mg2_continuation(model, image_latent, visual_context, mouse, keyboard, num_frames, seed, settings,
+                              keep_state=False)
     return sample_mg2(model, **run, callback=callback, on_chunk=on_chunk, skip_last_refresh=skip_last_refresh,
                       report=report, on_chunk_latents=on_chunk_latents, spec=spec, setup=setup)
 
