@@ -204,14 +204,14 @@ class PromptSchedule:
         for i, e in enumerate(entries):
             where = self._where(i)
             if not isinstance(e.chunk, int) or e.chunk < 0:
-                raise ValueError(f"{where}: the chunk must be an integer >= 0")
+                raise ValueError(f"{where}: the chunk {e.chunk!r} must be >= 0, a whole number")
             if i and e.chunk <= entries[i - 1].chunk:
                 raise ValueError(f"{where}: chunk {e.chunk} does not come after chunk {entries[i - 1].chunk} "
                                  f"({self._where(i - 1)}); chunks must strictly increase: order the lines by chunk, "
                                  f"one line per chunk")
             if e.chunk >= MAX_CHUNKS:
-                raise ValueError(f"{where}: the chunk must be below {MAX_CHUNKS} (a video has at most {MAX_CHUNKS} "
-                                 f"chunks)")
+                raise ValueError(f"{where}: chunk {e.chunk} is past the longest video ({MAX_CHUNKS} chunks, "
+                                 f"0..{MAX_CHUNKS - 1}); use a chunk of the video")
             if not e.parts:
                 raise ValueError(f"{where}: no prompt text")
             if len(e.parts) > MAX_MIX_PARTS:
@@ -226,9 +226,10 @@ class PromptSchedule:
                                  f"{max(x for _, x in e.parts)!r} for its share to be a number (it rounds to 0); "
                                  f"give weights within a factor of 1e300 of each other")
             if e.mode not in BLEND_MODES:
-                raise ValueError(f"{where}: blend mode {e.mode!r} is not one of {BLEND_MODES}")
+                raise ValueError(f"{where}: blend mode {e.mode!r} is not one of {BLEND_MODES}; write "
+                                 f"'(blend {e.blend}, slerp)' or '(blend {e.blend})'")
             if not isinstance(e.blend, int) or e.blend < 0:
-                raise ValueError(f"{where}: the blend length must be an integer >= 0 chunks")
+                raise ValueError(f"{where}: the blend length {e.blend!r} must be >= 0 chunks, a whole number")
             if e.chunk == 0 and e.blend:
                 raise ValueError(f"{where}: chunk 0 has no earlier prompt to blend from; remove its (blend ...)")
             if e.mode == "krea" and e.blend < 2:
@@ -259,22 +260,11 @@ class PromptSchedule:
                 raise ValueError(f"{where}: {line[:60]!r} is not '<chunk>: <prompt>'; write e.g. "
                                  f"'0: a cat walks in the garden'")
             chunk = _number(m.group(1), "the chunk", where, int)
-            if chunk < 0:
-                raise ValueError(f"{where}: the chunk {chunk} must be >= 0")
-            if chunk >= MAX_CHUNKS:
-                raise ValueError(f"{where}: chunk {m.group(1)[:12]}{'...' if len(m.group(1)) > 12 else ''} is past "
-                                 f"the longest video ({MAX_CHUNKS} chunks, 0..{MAX_CHUNKS - 1}); use a chunk of "
-                                 f"the video")
             body, blend, mode = m.group(2), 0, "linear"
             b = _BLEND.search(body)
             if b is not None:
                 blend = _number(b.group(1), "the blend length", where, int)
-                if blend < 0:
-                    raise ValueError(f"{where}: the blend length {blend} must be >= 0 chunks")
                 mode = (b.group(2) if b.group(2) is not None else "linear").lower()
-                if mode not in BLEND_MODES:
-                    raise ValueError(f"{where}: blend mode {b.group(2)!r} is not one of {BLEND_MODES}; write "
-                                     f"'(blend {blend}, slerp)' or '(blend {blend})'")
                 body = body[:b.start()]
             entries.append((no, Entry(chunk, _parse_prompt(body, where), blend, mode)))
         if not entries:
