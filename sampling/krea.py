@@ -319,7 +319,7 @@ def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int
     block attends the zero padding keys of Krea's padded block mask, ``padding_keys``.)
     """
     n = {**INPUT_NAMES, **(names or {})}
-    fpb, window, sink = int(frames_per_block), int(kv_window), int(sink or 0)
+    fpb, sink = int(frames_per_block), int(sink or 0)
     preset = preset if isinstance(preset, str) else getattr(preset, "name", None)     # a name or a Schedule
     if preset == "longlive" and sink > fpb:
         return (f"{n['sink']} {sink} with {n['preset']} longlive: LongLive's official attention always takes the "
@@ -332,7 +332,7 @@ def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int
     return None
 
 
-KREA_MIN_CONTEXT = 2
+KREA_MIN_CONTEXT = 2                # recache krea: K = kv_window - frames_per_block latent frames, at least 2
 
 
 def krea_window_problem(fpb: int, window: int, sink: int, n: dict) -> str | None:
