@@ -6,14 +6,13 @@ from __future__ import annotations
 import torch
 
 from ..model.kv_cache import KVCache
+from .actions_script import VIDEO_FRAMES_PER_LATENT
 from .continuation import SamplerState, capture, check_state, copy_cache, restore_generator, run_settings
 from .mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_cond_concat, resolve_preset
 
-VIDEO_PER_LATENT = 4
-
 
 def _video_frames(latent_frames: int) -> int:
-    return 1 + VIDEO_PER_LATENT * (latent_frames - 1)
+    return 1 + VIDEO_FRAMES_PER_LATENT * (latent_frames - 1)
 
 
 def _cat(old, new):
