@@ -23,8 +23,7 @@ import torch
 from ..sampling.request import RunInputs, SamplingHooks
 from ..sampling.sampler import path_for_linear, resolve_path
 from .run import KEEP, Run, RunSpec, Setup  # noqa: F401 - the faces' names too
-
-VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
+from .validate import VAE_SPACE_STRIDE, VAE_TIME_STRIDE
 
 
 def prepare_model(model, spec: RunSpec, *, log=None, notes: list | None = None, record: dict | None = None) -> Setup:

@@ -154,7 +154,6 @@ def check_geometry(frames, height, width, frames_per_block=3, kv_window=-1, sink
             "latent_width": width // VAE_SPACE_STRIDE, "frames": frames, "height": height, "width": width}
 
 
-KREA_MIN_CONTEXT = 2               # recache krea: K = kv_window - frames_per_block latent frames, at least 2
 CACHE_MODES = ("switch", "none", "krea")    # sampling/krea.py CACHE_MODES (not imported here: no torch)
 
 

@@ -62,7 +62,7 @@ class ActionScriptError(ValueError):
 class GameActions:
     """Per-video-frame actions; ``keyboard[j]`` / ``mouse[j]`` are the inputs of video frame j."""
     mode: str
-    keyboard: list          # [Nv][keyboard_dim] floats (0/1)
+    keyboard: list          # [Nv][keys of the mode] floats (0/1)
     mouse: list | None      # [Nv][2] floats, or None when the mode has no mouse input
     script: str = ""
 
@@ -73,10 +73,6 @@ class GameActions:
     @property
     def latent_frames(self) -> int:
         return 1 + (self.video_frames - 1) // VIDEO_FRAMES_PER_LATENT
-
-    @property
-    def keyboard_dim(self) -> int:
-        return len(MODES[self.mode]["keys"])
 
     def summary(self) -> str:
         chunks, rest = divmod(self.latent_frames, 3)
@@ -203,26 +199,6 @@ def parse_action_script(script: str, mode: str = "universal") -> GameActions:
     keyboard.insert(0, list(keyboard[0]))
     mouse.insert(0, list(mouse[0]))
     return GameActions(mode=mode, keyboard=keyboard, mouse=mouse if spec["mouse"] else None, script=script)
-
-
-def actions_from_tensors(mode: str, keyboard, mouse=None) -> GameActions:
-    """Wrap explicit per-video-frame tensors/lists (``[Nv, K]``, ``[Nv, 2]``) as :class:`GameActions`."""
-    if mode not in MODES:
-        raise ActionScriptError(f"unknown action mode {mode!r}; choose one of {', '.join(MODES)}")
-    kb = keyboard.tolist() if hasattr(keyboard, "tolist") else [list(r) for r in keyboard]
-    ms = None if mouse is None else (mouse.tolist() if hasattr(mouse, "tolist") else [list(r) for r in mouse])
-    acts = GameActions(mode=mode, keyboard=kb, mouse=ms)
-    if not 1 <= acts.video_frames <= MAX_VIDEO_FRAMES:
-        raise ActionScriptError(f"{acts.video_frames} video frames of actions: need 1 to {MAX_VIDEO_FRAMES}")
-    if (acts.video_frames - 1) % VIDEO_FRAMES_PER_LATENT:
-        raise ActionScriptError(f"{acts.video_frames} video frames of actions: need 1 + 4*k")
-    if any(len(r) != acts.keyboard_dim for r in kb):
-        raise ActionScriptError(f"keyboard rows must have {acts.keyboard_dim} values for mode {mode!r}")
-    if MODES[mode]["mouse"] != (ms is not None) or (ms is not None and len(ms) != len(kb)):
-        raise ActionScriptError(f"mode {mode!r} {'needs' if MODES[mode]['mouse'] else 'has no'} mouse rows "
-                                "(one per video frame)")
-    check_action_values(acts)
-    return acts
 
 
 def check_action_values(acts: GameActions) -> GameActions:

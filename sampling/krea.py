@@ -91,14 +91,6 @@ def krea_schedule_line(block: int, prompt: str, interp_steps: int) -> str:
     return f"{chunk}: {prompt} (blend {blend})"
 
 
-def interpolated_contexts(old: torch.Tensor, new: torch.Tensor, steps: int) -> list:
-    """Krea's per-block prompt embeddings of one change: ``torch.lerp(old, new, linspace(0, 1, steps))``."""
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
-    w = torch.linspace(0, 1, steps=steps).view(-1, 1, 1).to(old)
-    return list(torch.lerp(old, new, w).chunk(steps, dim=0))
-
-
 def padding_keys(frames: int, frame_tokens: int, frames_per_block: int) -> int:
     """The zero keys the last block of a context of ``frames`` frames attends in Krea's recompute: the context is
     padded with zero queries/keys/values to a multiple of 128 tokens, and the block mask lets a block's queries
@@ -327,7 +319,7 @@ def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int
     block attends the zero padding keys of Krea's padded block mask, ``padding_keys``.)
     """
     n = {**INPUT_NAMES, **(names or {})}
-    fpb, window, sink = int(frames_per_block), int(kv_window), int(sink or 0)
+    fpb, sink = int(frames_per_block), int(sink or 0)
     preset = preset if isinstance(preset, str) else getattr(preset, "name", None)     # a name or a Schedule
     if preset == "longlive" and sink > fpb:
         return (f"{n['sink']} {sink} with {n['preset']} longlive: LongLive's official attention always takes the "
@@ -340,7 +332,7 @@ def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int
     return None
 
 
-KREA_MIN_CONTEXT = 2
+KREA_MIN_CONTEXT = 2                # recache krea: K = kv_window - frames_per_block latent frames, at least 2
 
 
 def krea_window_problem(fpb: int, window: int, sink: int, n: dict) -> str | None:
@@ -462,4 +454,4 @@ def vae_reencode(decode: Callable, encode: Callable) -> Callable:
     return reencode
 
 
-__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "KREA_INTERP_STEPS", "cache_setup", "official_problem", "krea_schedule_line", "padding_keys", "StreamReencode", "vae_reencode", "KreaRecompute", "context_frames", "interpolated_contexts", "krea_schedule", "krea_schedule_entry"]
+__all__ = ["CACHE_MODES", "CacheSetup", "KREA_CONTEXT_FRAMES", "KREA_INTERP_STEPS", "cache_setup", "official_problem", "krea_schedule_line", "padding_keys", "StreamReencode", "vae_reencode", "KreaRecompute", "context_frames", "krea_schedule", "krea_schedule_entry"]

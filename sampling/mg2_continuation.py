@@ -6,14 +6,13 @@ from __future__ import annotations
 import torch
 
 from ..model.kv_cache import KVCache
+from .actions_script import VIDEO_FRAMES_PER_LATENT
 from .continuation import SamplerState, capture, check_state, copy_cache, restore_generator, run_settings
 from .mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_cond_concat, resolve_preset
 
-VIDEO_PER_LATENT = 4
-
 
 def _video_frames(latent_frames: int) -> int:
-    return 1 + VIDEO_PER_LATENT * (latent_frames - 1)
+    return 1 + VIDEO_FRAMES_PER_LATENT * (latent_frames - 1)
 
 
 def _cat(old, new):
@@ -26,7 +25,7 @@ def _cat(old, new):
 
 def mg2_continuation(model, image_latent: torch.Tensor, visual_context: torch.Tensor, mouse, keyboard,
                      num_frames: int, seed: int = 0, preset="universal", state: SamplerState | None = None,
-                     state_device=None, in_place: bool = False) -> tuple:
+                     state_device=None, in_place: bool = False, keep_state: bool = True) -> tuple:
     """A Matrix-Game-2 run of latents ``[B, 16, n, H, W]`` up to ``num_frames`` latent frames in all: (the keyword
     arguments of ``app.jobs.mg2.sample_mg2`` that sample it, ``state_after()``: the state once it has run).
 
@@ -36,12 +35,15 @@ def mg2_continuation(model, image_latent: torch.Tensor, visual_context: torch.Te
 
     in_place: the caller owns ``state`` and will only go on from the state returned (a play session): caches of the
     same layout on the model's device are then written in place instead of copied in and out (one cache in memory
-    instead of three at the end of a chunk); the frames are the same."""
+    instead of three at the end of a chunk); the frames are the same. keep_state False (a first run that is not
+    continued: ``generate_mg2``): no state is kept, and the weights are not fingerprinted (a host read)."""
     settings_obj = preset if isinstance(preset, MG2Settings) else resolve_preset(preset)
     b, _, _, h, w = image_latent.shape
     c = model.config
-    settings = run_settings(model, b, h, w, settings_obj.schedule, FRAMES_PER_BLOCK, settings_obj.window, 0,
-                            mode=settings_obj.mode)
+    settings = None
+    if keep_state or state is not None:
+        settings = run_settings(model, b, h, w, settings_obj.schedule, FRAMES_PER_BLOCK, settings_obj.window, 0,
+                                mode=settings_obj.mode)
     start = 0
     if state is not None:
         check_state(state, settings)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -185,22 +185,33 @@ def _parse_prompt(body: str, where: str) -> tuple:
 @dataclass(frozen=True)
 class PromptSchedule:
     entries: tuple
+    lines: tuple = field(default=(), compare=False, repr=False)    # each entry's line in the parsed text, if any
+
+    def _where(self, i: int) -> str:
+        """How an error names entry ``i``: its line of the parsed text, or its place among the entries."""
+        if self.lines:
+            return f"prompt schedule line {self.lines[i]}"
+        return f"entry {i + 1} (chunk {self.entries[i].chunk})"
 
     def __post_init__(self):
         entries = tuple(self.entries)
         object.__setattr__(self, "entries", entries)
-        if not entries or entries[0].chunk != 0:
+        if not entries:
             raise ValueError("a prompt schedule needs an entry for chunk 0 (e.g. '0: a cat walks in the garden')")
+        if entries[0].chunk != 0:
+            raise ValueError(f"{self._where(0)}: the first entry must be for chunk 0 (it is for chunk "
+                             f"{entries[0].chunk}); start with '0: <prompt>'")
         for i, e in enumerate(entries):
-            where = f"entry {i + 1} (chunk {e.chunk})"
+            where = self._where(i)
             if not isinstance(e.chunk, int) or e.chunk < 0:
-                raise ValueError(f"{where}: the chunk must be an integer >= 0")
+                raise ValueError(f"{where}: the chunk {e.chunk!r} must be >= 0, a whole number")
             if i and e.chunk <= entries[i - 1].chunk:
-                raise ValueError(f"{where}: chunks must strictly increase (the previous entry is chunk "
-                                 f"{entries[i - 1].chunk}); order the lines by chunk, one line per chunk")
+                raise ValueError(f"{where}: chunk {e.chunk} does not come after chunk {entries[i - 1].chunk} "
+                                 f"({self._where(i - 1)}); chunks must strictly increase: order the lines by chunk, "
+                                 f"one line per chunk")
             if e.chunk >= MAX_CHUNKS:
-                raise ValueError(f"{where}: the chunk must be below {MAX_CHUNKS} (a video has at most {MAX_CHUNKS} "
-                                 f"chunks)")
+                raise ValueError(f"{where}: chunk {e.chunk} is past the longest video ({MAX_CHUNKS} chunks, "
+                                 f"0..{MAX_CHUNKS - 1}); use a chunk of the video")
             if not e.parts:
                 raise ValueError(f"{where}: no prompt text")
             if len(e.parts) > MAX_MIX_PARTS:
@@ -215,9 +226,10 @@ class PromptSchedule:
                                  f"{max(x for _, x in e.parts)!r} for its share to be a number (it rounds to 0); "
                                  f"give weights within a factor of 1e300 of each other")
             if e.mode not in BLEND_MODES:
-                raise ValueError(f"{where}: blend mode {e.mode!r} is not one of {BLEND_MODES}")
+                raise ValueError(f"{where}: blend mode {e.mode!r} is not one of {BLEND_MODES}; write "
+                                 f"'(blend {e.blend}, slerp)' or '(blend {e.blend})'")
             if not isinstance(e.blend, int) or e.blend < 0:
-                raise ValueError(f"{where}: the blend length must be an integer >= 0 chunks")
+                raise ValueError(f"{where}: the blend length {e.blend!r} must be >= 0 chunks, a whole number")
             if e.chunk == 0 and e.blend:
                 raise ValueError(f"{where}: chunk 0 has no earlier prompt to blend from; remove its (blend ...)")
             if e.mode == "krea" and e.blend < 2:
@@ -248,44 +260,19 @@ class PromptSchedule:
                 raise ValueError(f"{where}: {line[:60]!r} is not '<chunk>: <prompt>'; write e.g. "
                                  f"'0: a cat walks in the garden'")
             chunk = _number(m.group(1), "the chunk", where, int)
-            if chunk < 0:
-                raise ValueError(f"{where}: the chunk {chunk} must be >= 0")
-            if chunk >= MAX_CHUNKS:
-                raise ValueError(f"{where}: chunk {m.group(1)[:12]}{'...' if len(m.group(1)) > 12 else ''} is past "
-                                 f"the longest video ({MAX_CHUNKS} chunks, 0..{MAX_CHUNKS - 1}); use a chunk of "
-                                 f"the video")
             body, blend, mode = m.group(2), 0, "linear"
             b = _BLEND.search(body)
             if b is not None:
                 blend = _number(b.group(1), "the blend length", where, int)
-                if blend < 0:
-                    raise ValueError(f"{where}: the blend length {blend} must be >= 0 chunks")
                 mode = (b.group(2) if b.group(2) is not None else "linear").lower()
-                if mode not in BLEND_MODES:
-                    raise ValueError(f"{where}: blend mode {b.group(2)!r} is not one of {BLEND_MODES}; write "
-                                     f"'(blend {blend}, slerp)' or '(blend {blend})'")
                 body = body[:b.start()]
             entries.append((no, Entry(chunk, _parse_prompt(body, where), blend, mode)))
         if not entries:
             raise ValueError(f"the prompt schedule has no entries; write one line per switch, e.g. {EXAMPLE!r}")
-        for i, (no, e) in enumerate(entries):
-            if i == 0 and e.chunk != 0:
-                raise ValueError(f"prompt schedule line {no}: the first entry must be for chunk 0 (it is for chunk "
-                                 f"{e.chunk}); start with '0: <prompt>'")
-            if i and e.chunk <= entries[i - 1][1].chunk:
-                raise ValueError(f"prompt schedule line {no}: chunk {e.chunk} does not come after chunk "
-                                 f"{entries[i - 1][1].chunk} (line {entries[i - 1][0]}); chunks must strictly increase")
-            if e.chunk == 0 and e.blend:
-                raise ValueError(f"prompt schedule line {no}: chunk 0 has no earlier prompt to blend from; remove "
-                                 f"its (blend ...)")
-        return cls(tuple(e for _, e in entries))
+        return cls(tuple(e for _, e in entries), tuple(no for no, _ in entries))
 
     def to_text(self) -> str:
         return "\n".join(e.line() for e in self.entries) + "\n"
-
-    @classmethod
-    def single(cls, text: str) -> "PromptSchedule":
-        return cls((Entry(0, ((_check_text(text, "prompt"), 1.0),)),))
 
     @classmethod
     def coerce(cls, value) -> "PromptSchedule":

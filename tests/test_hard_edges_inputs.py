@@ -105,14 +105,14 @@ def test_action_script_text_length_is_bounded():
 
 
 def test_explicit_action_values_are_bounded():
-    from wan_accel.sampling.actions_script import ActionScriptError, actions_from_tensors
+    from wan_accel.sampling.actions_script import ActionScriptError, GameActions, check_action_values
 
     kb = [[1.0, 0.0, 0.0, 0.0]] * 5
     with pytest.raises(ActionScriptError, match="mouse value"):
-        actions_from_tensors("universal", kb, [[0.0, 0.0]] * 4 + [[1e308, 0.0]])
+        check_action_values(GameActions("universal", kb, [[0.0, 0.0]] * 4 + [[1e308, 0.0]]))
     with pytest.raises(ActionScriptError, match="mouse value"):
-        actions_from_tensors("universal", kb, [[0.0, math.inf]] * 5)
-    assert actions_from_tensors("universal", kb, [[0.1, -0.1]] * 5).video_frames == 5
+        check_action_values(GameActions("universal", kb, [[0.0, math.inf]] * 5))
+    assert check_action_values(GameActions("universal", kb, [[0.1, -0.1]] * 5)).video_frames == 5
 
 
 def test_cli_actions_bound(tmp_path):

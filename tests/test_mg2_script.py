@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from wan_accel.sampling.actions_script import ActionScriptError, actions_from_tensors, parse_action_script
+from wan_accel.sampling.actions_script import ActionScriptError, parse_action_script
 
 
 def test_issue_example_frames_and_values():
@@ -35,7 +35,7 @@ def test_tensors_batch_and_prefix():
 
 def test_templerun_and_gta_modes():
     t = parse_action_script("jump*4, turnleft+leftside*4", mode="templerun")
-    assert t.mouse is None and t.keyboard_dim == 7
+    assert t.mouse is None and all(len(row) == 7 for row in t.keyboard)
     assert t.keyboard[5] == [0, 0, 0, 1, 0, 1, 0]
     g = parse_action_script("W+look_right*4", mode="gta_drive")
     assert g.keyboard[1] == [1, 0] and g.mouse[1] == [0.0, 0.1]
@@ -64,14 +64,3 @@ def test_invalid_scripts_raise_clear_errors(script, mode, match):
 def test_error_names_the_item():
     with pytest.raises(ActionScriptError, match=r"item 2 \('x\*4'\)"):
         parse_action_script("W*4, X*4")
-
-
-def test_actions_from_tensors_validates_shapes():
-    ok = actions_from_tensors("universal", [[0, 0, 0, 0]] * 5, [[0, 0]] * 5)
-    assert ok.latent_frames == 2
-    with pytest.raises(ActionScriptError, match="1 \\+ 4\\*k"):
-        actions_from_tensors("universal", [[0, 0, 0, 0]] * 4, [[0, 0]] * 4)
-    with pytest.raises(ActionScriptError, match="4 values"):
-        actions_from_tensors("universal", [[0, 0, 0]] * 5, [[0, 0]] * 5)
-    with pytest.raises(ActionScriptError, match="mouse"):
-        actions_from_tensors("universal", [[0, 0, 0, 0]] * 5, None)

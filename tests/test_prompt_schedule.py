@@ -39,7 +39,7 @@ def test_to_text_round_trips_and_is_canonical():
     assert "#" not in text and "\n\n" not in text
     odd = PromptSchedule.parse("0: a :0.1 | b :0.2 | c :3e-5\n1: x (blend 4, SLERP)")
     assert PromptSchedule.parse(odd.to_text()) == odd
-    assert PromptSchedule.single("one prompt").to_text() == "0: one prompt\n"
+    assert PromptSchedule.parse("0: one prompt").to_text() == "0: one prompt\n"
 
 
 @pytest.mark.parametrize("text, line, words", [
@@ -91,7 +91,7 @@ def test_constructed_schedules_are_checked_too():
     with pytest.raises(ValueError, match="finite number > 0"):
         PromptSchedule((Entry(0, (("a", math.inf),)),))
     with pytest.raises(ValueError, match="line break"):
-        PromptSchedule.single("two\nlines")
+        PromptSchedule((Entry(0, (("two\nlines", 1.0),)),))
 
 
 def _emb(*texts, length=5, dim=8, dtype=torch.float32):

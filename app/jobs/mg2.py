@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ...sampling.mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_cond_concat, channels_first
-from ...sampling.mg2 import check_actions, mg2_run, resolve_preset
+from ...sampling.mg2 import FRAMES_PER_BLOCK, MG2Settings, channels_first, check_actions, mg2_run, resolve_preset
+from ...sampling.mg2_continuation import mg2_continuation
 from ...sampling.request import SamplingHooks
 from ..prepare import RunSpec
 from .generate import JobOptions
@@ -90,7 +90,6 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
     chunk's latents ``[B, 16, 3, H, W]`` before its refresh pass; spec / setup as ``sample_mg2``'s.
     """
     settings = preset if isinstance(preset, MG2Settings) else resolve_preset(preset, steps=steps, window=window)
-    device = model.device
     if hasattr(actions, "tensors"):
         frames_avail = actions.latent_frames
         mouse, keyboard = actions.tensors(batch=1)
@@ -109,15 +108,10 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
     if num_frames > frames_avail:
         raise ValueError(f"{num_frames} latent frames need {1 + 4 * (num_frames - 1)} video frames of actions; "
                          f"the actions give {1 + 4 * (frames_avail - 1)}")
-    b, _, _, h, w = image_latent.shape
-    cond = build_cond_concat(image_latent.to(device), num_frames)
-    gens = [torch.Generator(device=device).manual_seed((int(seed) + i) % 2 ** 64) for i in range(b)]
-    to_dev = lambda t: None if t is None else t.to(device)
-    return sample_mg2(model, (b, model.config.out_dim, num_frames, h, w), cond, visual_context.to(device),
-                      to_dev(mouse), to_dev(keyboard), settings.schedule, settings.window,
-                      noise_provider=batch_noise(gens, device), callback=callback, on_chunk=on_chunk,
-                      skip_last_refresh=skip_last_refresh, report=report, on_chunk_latents=on_chunk_latents,
-                      spec=spec, setup=setup)
+    run, _ = mg2_continuation(model, image_latent, visual_context, mouse, keyboard, num_frames, seed, settings,
+                              keep_state=False)
+    return sample_mg2(model, **run, callback=callback, on_chunk=on_chunk, skip_last_refresh=skip_last_refresh,
+                      report=report, on_chunk_latents=on_chunk_latents, spec=spec, setup=setup)
 
 
 def _conditioning(opts: MG2Options, model, device):
