@@ -10,6 +10,6 @@ Importing this package is cheap (no torch); import the submodules you need:
 - ``limits``          keys and readers of learned limits
 - ``oom``             is_oom(), free_memory(), oom_retry(), run_chunks()
 - ``block_swap``      BlockSwap, apply_block_swap(), ensure_block_swap(), run_with_swap_fallback()
-- ``chunked_decode``  decode_chunked(), chunk_schedule()
+- ``chunked_decode``  decode_chunked(), min_chunk()
 - ``bench``           ``python -m wan_accel bench offload``
 """

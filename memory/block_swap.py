@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,7 +37,6 @@ class SwapSettings(PlainFields):
 
 @dataclass
 class SwapStats:
-    swapped_blocks: list = field(default_factory=list)
     swapped_bytes: int = 0            # bytes held on the host for the swapped units (each storage once)
     pinned_bytes: int = 0             # page-locked bytes as the host allocator takes them (power-of-two slabs)
     copies: int = 0                   # unit materialisations (host -> device)
@@ -225,7 +224,6 @@ class BlockSwap:
         except BaseException:
             self.remove(restore=True)
             raise
-        self.stats.swapped_blocks = list(range(self.first_swapped, n))
         setattr(blocks, ATTR, self)
 
     # ------------------------------------------------------------------ setup
@@ -367,10 +365,6 @@ class BlockSwap:
     def is_intact(self) -> bool:
         """Every swapped tensor is still the object this swap manages (nobody replaced a parameter)."""
         return all(slot.owned() for unit in self.units.values() for slot in unit.slots)
-
-    @property
-    def active(self) -> bool:
-        return bool(self._handles)
 
     def describe(self) -> str:
         gib = 1024 ** 3

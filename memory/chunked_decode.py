@@ -19,19 +19,6 @@ import torch
 from .oom import run_chunks
 
 
-def chunk_schedule(latent_frames: int, chunk: int, overlap: int) -> list[tuple[int, int]]:
-    """The ``(start, end)`` latent ranges decoded for a fixed chunk size."""
-    if chunk <= overlap and chunk < latent_frames:
-        raise ValueError(f"chunk ({chunk}) must be larger than overlap ({overlap})")
-    out, s = [], 0
-    while True:
-        e = min(s + chunk, latent_frames)
-        out.append((s, e))
-        if e >= latent_frames:
-            return out
-        s = e - overlap
-
-
 def min_chunk(overlap: int, time_ratio: int) -> int:
     """Smallest useful chunk: it must advance past the overlap; with r > 1 an overlap of 1 is needed so that no
     video frame is missing between chunks."""

@@ -49,11 +49,6 @@ def halve(size: int) -> int | None:
     return size // 2 if size > 1 else None
 
 
-def shrink_by(step: int) -> Callable[[int], int | None]:
-    """A shrink that subtracts ``step`` (e.g. resident blocks)."""
-    return lambda size: size - step if size - step >= 0 else None
-
-
 class _Learner:
     def __init__(self, *, key, start, shrink, cache, minimum, unit, on_oom, hint, what):
         self.key, self.shrink, self.cache, self.minimum = key, shrink or halve, cache, int(minimum)

@@ -10,12 +10,10 @@ from ..cache.json_out import to_json
 from .estimate import (Workload, activation_bytes, attended_tokens, block_compute_ms, kv_cache_bytes,
                        query_tokens, transfer_ms, vae_decode_bytes, video_frames_for)
 from .limits import dit_limit_key, learned_size, vae_kind as vae_kind_of, vae_limit_key
-from .pinned import plan_pinned
-from .system import HOST_RAM_HEADROOM, PlainFields, SystemInfo, detect_system, gib
+from .pinned import MiB, plan_pinned
+from .system import HOST_RAM_HEADROOM, GiB, PlainFields, SystemInfo, detect_system, gib
 from .weights import ModelWeights, TensorInfo, keeps_fp8, weights_from_tensors
 
-MiB = 1024 ** 2
-GiB = 1024 ** 3
 DEFAULT_VAE_OVERLAP = 2
 CLIP_TOKENS = 257
 

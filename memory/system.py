@@ -94,11 +94,6 @@ class SystemInfo(PlainFields):
                    bf16=cap >= (8, 0), fp8=cap >= (8, 9), host_ram_total=total_ram, host_ram_available=avail_ram,
                    pinned_budget=pinned_budget_for(total_ram, avail_ram), simulated=True, vram_cap=capped_to)
 
-    @classmethod
-    def cpu_only(cls, *, ram_gb: float | None = None) -> "SystemInfo":
-        total_ram, avail_ram = (int(ram_gb * GiB),) * 2 if ram_gb is not None else host_memory()
-        return cls(host_ram_total=total_ram, host_ram_available=avail_ram, pinned_budget=0)
-
 
 MEMORY_LIMIT_ENV = "WAN_ACCEL_MEMORY_LIMIT_GB"
 

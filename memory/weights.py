@@ -10,13 +10,11 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..model.checkpoint import (DTYPE_BITS, FLOAT_DTYPES, HeaderError, TensorInfo, canonical_names,  # noqa: F401
-                                keeps_fp8, open_checkpoint, partial_config, quant_side)
+from ..model.checkpoint import (DTYPE_BITS, HeaderError, TensorInfo, canonical_names, keeps_fp8, open_checkpoint,
+                                partial_config, quant_side)
 
 BLOCK_RE = re.compile(r"^(?:blocks|transformer_blocks)\.(\d+)\.")
 EMBEDDING_PREFIXES = ("text_embedding.", "img_emb.")
-# dtype names accepted by plans, with their byte width
-COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 def held_as_stored(name: str, t: TensorInfo) -> bool:

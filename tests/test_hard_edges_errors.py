@@ -94,7 +94,7 @@ def test_a_rank_pool_worker_that_raises_is_one_line_naming_the_rank(monkeypatch,
     with pytest.raises(ParallelError) as info:
         pool.start(None)                        # rank 1 raises while loading its model
     first, _, rest = str(info.value).partition("\n")
-    assert "worker rank 1 failed: ValueError: dtype must be one of" in first and "no-such-dtype" in first, first
+    assert "failed on rank 1 of 2: ValueError: dtype must be one of" in first and "no-such-dtype" in first, first
     assert ("Traceback" in rest and "handle.py" in rest) == bool(debug), rest
     assert not pool.procs and not pool.running           # the worker was stopped, nothing left behind
 

@@ -9,7 +9,8 @@ leaves them behind, and the failure shows only when that command or child proces
   is the pack's own name), relative names resolved against the calling module's package;
 * calls of the pack's own functions that hand a parameter to ``import_module`` (``_register_optional``,
   ``_chunk_sources``, ...): their literal arguments;
-* ``package_target("module:attr")`` and ``child_argv("module:function")``: the module, and that it has the attr;
+* ``package_target("module:attr")``, ``child_argv("module:function")`` and ``RankWorkers.spawn("module:function",
+  ...)``: the module, and that it has the attr;
 * the code of ``python -c CODE`` command lines (``import X`` / ``from X import``);
 * module-level tables of relative module names (``"..bench.sampler"``: cli/bench.py's BENCHES and ROUTES).
 """
@@ -164,7 +165,7 @@ def named_modules() -> list:
                     base = name
                 for text in _texts(node.args[0], loops, consts):
                     found.append((f"{rel}:{node.lineno}", _resolve(text, base), None))
-            elif callee in ("package_target", "child_argv"):
+            elif callee in ("package_target", "child_argv", "spawn"):
                 for text in _texts(node.args[0], loops, consts):
                     mod, _, attr = text.partition(":")
                     found.append((f"{rel}:{node.lineno}", f"{PACK}.{mod}", attr or None))
@@ -188,7 +189,7 @@ def test_the_scan_sees_every_kind_of_module_string():
             "cli/profiling.py"} <= where
     assert {f"{PACK}.cli.bench", f"{PACK}.bench.sampler", f"{PACK}.bench.parallel",
             f"{PACK}.nodes.model_nodes", f"{PACK}.sampling.cuda_graphs",
-            f"{PACK}.bench.compile", f"{PACK}.app.ranks.pool", "importlib"} <= modules
+            f"{PACK}.bench.compile", f"{PACK}.app.ranks.pool", f"{PACK}.app.ranks.parallel", "importlib"} <= modules
 
 
 # optional packages the pack looks for at run time (never dependencies): named, they need not be installed here;

@@ -118,7 +118,7 @@ def test_ensure_is_idempotent_and_validates(model):
     a = ensure_block_swap(model, s, device="cpu")
     assert ensure_block_swap(model, SwapSettings(2, 1), device="cpu") is a
     b = ensure_block_swap(model, SwapSettings(4, 1), device="cpu")
-    assert b is not a and not a.active and b.active and active_swap(model) is b
+    assert b is not a and not a._handles and b._handles and active_swap(model) is b
     with pytest.raises(RuntimeError, match="already have a block swap"):
         BlockSwap(model.blocks, blocks_to_swap=1, device="cpu")
     assert ensure_block_swap(model, None) is None and active_swap(model) is None

@@ -11,7 +11,7 @@ import torch
 
 from wan_accel.cache import LimitCache
 from wan_accel.memory.limits import NAMESPACE
-from wan_accel.memory.oom import NoFitError, SoftOOM, free_memory, is_oom, oom_retry, run_chunks, shrink_by
+from wan_accel.memory.oom import NoFitError, SoftOOM, free_memory, is_oom, oom_retry, run_chunks
 
 KEY = "test/op/480p"
 
@@ -82,7 +82,7 @@ def test_nothing_fits_raises_a_clear_error_and_learns_nothing(tmp_path):
     assert info.value.__cause__ is None and info.value.__context__ is None   # no frames kept alive
     assert cache.get(NAMESPACE, KEY) is None
     with pytest.raises(NoFitError, match="at size 2"):
-        oom_retry(_oom_above(0, []), key=None, start=6, minimum=2, shrink=shrink_by(4))
+        oom_retry(_oom_above(0, []), key=None, start=6, minimum=2, shrink=lambda size: size - 4 if size >= 4 else None)
 
 
 def test_only_out_of_memory_errors_are_retried():

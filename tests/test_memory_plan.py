@@ -19,6 +19,10 @@ from wan_accel.memory.system import GiB, SystemInfo, detect_system
 from wan_accel.memory.weights import preset_weights
 
 
+def cpu_only(ram):
+    return SystemInfo(host_ram_total=ram * GiB, host_ram_available=ram * GiB, pinned_budget=0)
+
+
 def gpu(vram, cap=(8, 9), ram=64):
     return SystemInfo.simulated_gpu(vram, ram_gb=ram, capability=cap)
 
@@ -37,7 +41,7 @@ CASES = [
      dict(fits=False, swap=40, fits_reason="lower the resolution")),
     ("t4-sm75", gpu(16, (7, 5)), "1.3b", (832, 480, 81),
      dict(fits=True, dtype="float16", backend="efficient", dtype_reason="no bf16")),
-    ("cpu-only", SystemInfo.cpu_only(ram_gb=32), "1.3b", (832, 480, 81),
+    ("cpu-only", cpu_only(32), "1.3b", (832, 480, 81),
      dict(fits=True, swap=0, dtype="float32", backend="cpu", device="cpu", reason="no CUDA device")),
     ("h100-14b-720p", gpu(80, (9, 0)), "14b", (1280, 720, 81),
      dict(fits=True, swap=(1, 39), kv=-1)),
@@ -185,4 +189,4 @@ def test_auto_dtype_is_fp16_without_bf16_tensor_cores():
     name, why = auto_dtype(SystemInfo.simulated_gpu(16, ram_gb=32, capability=(7, 5)))
     assert name == "fp16" and "7.5" in why
     assert auto_dtype(SystemInfo.simulated_gpu(16, ram_gb=32, capability=(8, 6)))[0] == "bf16"
-    assert auto_dtype(SystemInfo.cpu_only(ram_gb=8))[0] == "fp32"
+    assert auto_dtype(cpu_only(8))[0] == "fp32"

@@ -215,7 +215,7 @@ def rank_pool(_tmp, monkeypatch):
     handle = _tiny_handle()
     pool = RankPool(2, {}, ["cpu", "cpu"])
     monkeypatch.setattr(pool, "start", lambda model: None)
-    monkeypatch.setattr(pool, "_collect", lambda *a: None)
+    monkeypatch.setattr(pool, "collect", lambda *a, **k: None)
     handle.extra["rank_pool"] = pool
     CausalWanSampler().sample(handle, 32, 32, 9, 1, "self_forcing", 3, -1, 0)
 

@@ -8,7 +8,8 @@ Two ways in:
 * ``run_ranks(fn, world, ...)``: this process starts ``world`` worker processes on this machine (loopback only, a
   file store in a temporary folder, no port to pick), each runs ``fn(sp, *args)``; it returns their results by rank
   or raises one ``ParallelError`` that names the rank that failed first, within a deadline, and leaves no worker
-  behind (the tests and the ComfyUI face use it).
+  behind (the tests and ``bench sampler --world-size`` use it). Its workers, and those of the ComfyUI face's pool
+  (``pool.py``), are started, watched and stopped by ``RankWorkers``.
 
 Every collective of the group has a timeout (``SeqParallel.timeout_s``), also the group's own set-up.
 """
@@ -17,10 +18,12 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import queue as queue_mod
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
@@ -28,7 +31,7 @@ import torch.distributed as dist
 
 from ...model.kv_cache import KVCache
 from ...model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, SeqParallel, enable
-from ...profiling.child import one_line, worker_message
+from ...profiling.child import child_argv, one_line, worker_message
 
 ENV_TIMEOUT = "WAN_ACCEL_PARALLEL_TIMEOUT"
 MAX_WORLD = 64          # ranks one run may start or join, whatever the machine
@@ -174,17 +177,129 @@ def parallel_report(model, sp: SeqParallel, shape, kv_window: int, sink: int, ch
             "comm_bytes_per_chunk": sp.stats["bytes_sent"] // max(1, chunks)}
 
 
-# ---------------------------------------------------------------------------------------------- local workers
-def _worker(rank: int, world: int, init_method: str, timeout_s: float, fn, args, results, devices) -> None:
+# ---------------------------------------------------------------------------------------------- worker processes
+# A worker rank is a fresh interpreter (not a multiprocessing child: a host such as ComfyUI loads this package under a
+# path-like module name and runs its own main module, neither of which a spawned child can re-import). It loads the
+# package from its folder (profiling/child.py), reads its messages from its stdin and answers on its stdout (the
+# process's own prints are sent to stderr): (kind, value, traceback), kind "error" or "parallel" when it failed.
+def worker_setup(argv) -> tuple:
+    """(rank, world, init method, collective timeout, device, inbox, outbox) of a worker started by
+    ``RankWorkers.spawn``: its arguments and its message connections (fd 1 then points at stderr)."""
+    out = os.dup(1)
+    os.dup2(2, 1)
     _loopback()
+    return (int(argv[0]), int(argv[1]), argv[2], float(argv[3]), argv[4], Connection(0, writable=False),
+            Connection(out, readable=False))
+
+
+def failure(exc: BaseException) -> tuple:
+    """A worker's answer for an exception: a broken group ("parallel") or its own error."""
+    kind = "parallel" if isinstance(exc, ParallelError) else "error"
+    return kind, one_line(exc if kind == "error" else str(exc)), traceback.format_exc()
+
+
+class RankWorkers:
+    """Worker processes for some ranks of a group: started, watched and stopped one way, and their failures
+    reported as one ``ParallelError`` that names the rank."""
+
+    def __init__(self):
+        self.procs: list = []
+        self.conns: list = []           # (to the worker, from the worker)
+        self.ranks: list = []
+        self._tmp = None
+
+    def spawn(self, target: str, ranks, world: int, timeout_s: float, devices, *args) -> str:
+        """Start ``target`` ('module:function' of this pack) for each of ``ranks`` with (rank, world, the group's
+        file store, timeout_s, its device, *args) as arguments; returns the store (a temporary folder's file)."""
+        self.world = world
+        self._tmp = tempfile.TemporaryDirectory(prefix="wan_accel_ranks_")
+        init = Path(self._tmp.name, "store").as_uri()
+        for rank in ranks:
+            p = subprocess.Popen(child_argv(target, rank, world, init, timeout_s, devices[rank], *args),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self.procs.append(p)
+            self.ranks.append(rank)
+            self.conns.append((Connection(os.dup(p.stdin.fileno()), readable=False),
+                               Connection(os.dup(p.stdout.fileno()), writable=False)))
+            p.stdin.close()
+            p.stdout.close()
+        return init
+
+    def send(self, message) -> None:
+        for out, _inbox in self.conns:
+            out.send(message)
+
+    def collect(self, want: str, timeout_s: float, wait_all: bool = True) -> list:
+        """The workers' answers ``want`` within ``timeout_s``: their values by rank. A worker that answers otherwise
+        or dies (``wait_all`` False: the first one), or that does not answer in time, gives one ParallelError."""
+        got: dict = {}
+        details: dict = {}                          # rank -> a failed rank's traceback
+        pending = {conn: (rank, p) for rank, p, (_out, conn) in zip(self.ranks, self.procs, self.conns)}
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            for conn in wait(list(pending), timeout=0.1):
+                rank, p = pending.pop(conn)
+                try:
+                    kind, value, details[rank] = conn.recv()
+                except EOFError:                    # it closed its end: it exited without answering
+                    kind, value = "died", f"rank {rank} died (exit code {p.wait(5)})"
+                got[rank] = (kind, value)
+            if not wait_all and any(kind != want for kind, _ in got.values()):
+                break
+        late = sorted(rank for rank, _p in pending.values()) if time.monotonic() >= deadline else []
+        # the first cause: a rank that raised or died, then one that hangs, before the peers that only saw the group
+        # break
+        failed = [r for r in self.ranks if got.get(r, (want,))[0] not in (want, "parallel")]
+        if not failed and late:
+            raise ParallelError(f"sequence-parallel ranks {late} did not finish within {timeout_s:g} s; "
+                                f"they were stopped")
+        failed += [r for r in self.ranks if got.get(r, (want,))[0] != want]
+        if not failed:
+            return [got[r][1] for r in self.ranks]
+        kind, value = got[failed[0]]
+        exc = ParallelError(worker_message(f"sequence-parallel run failed on rank {failed[0]} of {self.world}: "
+                                           f"{value}" if kind != "died" else f"sequence-parallel run failed: {value}",
+                                           details.get(failed[0])))
+        exc.outcomes = got              # rank -> (kind, result or message), for callers that report all
+        raise exc
+
+    def stop(self, leave_group: bool = False) -> None:
+        """Stop the workers (idempotent): the stop message, then those still running after 2 s (busy in a
+        collective of a broken group) are killed; ``leave_group``: this process then leaves its group too."""
+        for out, _inbox in self.conns:
+            try:
+                out.send(None)
+            except Exception:  # noqa: BLE001 - the worker may be gone
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=2)
+            except Exception:  # noqa: BLE001
+                p.kill()
+                p.wait(5)
+        for pair in self.conns:
+            for conn in pair:
+                conn.close()
+        self.procs, self.conns, self.ranks = [], [], []
+        if leave_group:
+            stop_group(quiet=True)      # a broken group
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def _rank(*argv: str) -> None:
+    """A rank of ``run_ranks``: join the group, run the function it is sent and answer its result."""
+    rank, world, init, timeout_s, device, inbox, outbox = worker_setup(argv)
     torch.set_num_threads(1)
     try:
-        device = devices[rank] if devices else "cpu"
-        sp = start_group(rank, world, init_method, device, timeout_s)
-        results.put((rank, "ok", pickle.dumps(fn(sp, *args)), ""))  # by value: the worker exits right after
+        path, job = inbox.recv()
+        sys.path[:0] = [p for p in path if p not in sys.path]       # where the function's module is found
+        fn, args = pickle.loads(job)
+        sp = start_group(rank, world, init, device, timeout_s)
+        outbox.send(("ok", pickle.dumps(fn(sp, *args)), ""))         # by value: the worker exits right after
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        kind = "parallel" if isinstance(exc, ParallelError) else "error"
-        results.put((rank, kind, one_line(exc if kind == "error" else str(exc)), traceback.format_exc()))
+        outbox.send(failure(exc))
     finally:
         stop_group(quiet=True)
 
@@ -194,55 +309,13 @@ def run_ranks(fn, world: int, args: tuple = (), timeout_s: float = 60.0, devices
     """Run ``fn(sp, *args)`` on ``world`` new local processes (``fn`` must be importable: a module-level function);
     returns its results by rank. Raises ``ParallelError`` when a rank raises or dies (naming it; the other ranks
     stop within ``collective_timeout_s``) or when the whole run passes ``timeout_s``. No worker outlives the call."""
-    import torch.multiprocessing as mp
     if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
         raise ValueError(f"world must be 1 to {MAX_WORLD} ranks, got {world!r}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     collective = float(collective_timeout_s or min(timeout_s, DEFAULT_TIMEOUT_S))
-    with tempfile.TemporaryDirectory(prefix="wan_accel_ranks_") as tmp:
-        init = Path(tmp, "store").as_uri()
-        procs = [ctx.Process(target=_worker, args=(r, world, init, collective, fn, args, results, devices),
-                             daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        got: dict = {}
-        details: dict = {}                          # rank -> a failed rank's traceback
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(got) < world and time.monotonic() < deadline:
-                try:
-                    rank, kind, value, details[rank] = results.get(timeout=0.2)
-                    got[rank] = (kind, value)
-                except queue_mod.Empty:
-                    pass
-                for r, p in enumerate(procs):      # a rank that died without reporting
-                    if r not in got and p.exitcode is not None and results.empty():
-                        got[r] = ("died", f"rank {r} died (exit code {p.exitcode})")
-        finally:
-            for p in procs:
-                p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-            results.close()
-    return _results(got, world, timeout_s, details)
-
-
-def _results(got: dict, world: int, timeout_s: float, details: dict | None = None) -> list:
-    missing = [r for r in range(world) if r not in got]
-    if missing:
-        raise ParallelError(f"sequence-parallel ranks {missing} did not finish within {timeout_s:g} s; "
-                            f"they were stopped")
-    # the first cause: a rank that raised or died, before the peers that only saw the group break
-    for kinds in (("error", "died"), ("parallel",)):
-        for r in range(world):
-            kind, value = got[r]
-            if kind in kinds:
-                exc = ParallelError(worker_message(f"sequence-parallel run failed on rank {r} of {world}: {value}"
-                                                   if kind != "died" else f"sequence-parallel run failed: {value}",
-                                                   (details or {}).get(r)))
-                exc.outcomes = dict(got)        # rank -> (kind, result or message), for callers that report all
-                raise exc
-    return [pickle.loads(got[r][1]) for r in range(world)]
+    workers = RankWorkers()
+    try:
+        workers.spawn("app.ranks.parallel:_rank", range(world), world, collective, devices or ["cpu"] * world)
+        workers.send((list(sys.path), pickle.dumps((fn, tuple(args)))))
+        return [pickle.loads(value) for value in workers.collect("ok", timeout_s)]
+    finally:
+        workers.stop()

@@ -10,19 +10,13 @@ Idle workers wait on their pipe, never in a collective, and exit when this proce
 """
 from __future__ import annotations
 
-import os
-import tempfile
-import time
-import traceback
 import weakref
-from pathlib import Path
 
 import torch
 
-from ...model.seq_parallel import DEFAULT_TIMEOUT_S, ParallelError, check_heads, enable
-from ...profiling.child import child_argv, one_line, worker_message
+from ...model.seq_parallel import DEFAULT_TIMEOUT_S, check_heads, enable
 from ..validate import DTYPE_ALIASES
-from .parallel import _loopback, start_group, stop_group
+from .parallel import RankWorkers, _loopback, failure, start_group, stop_group, worker_setup
 
 POOL_KEY = "rank_pool"          # in ModelHandle.extra
 
@@ -39,25 +33,12 @@ def _plain(value):
     return value
 
 
-# The worker is a fresh interpreter (not a multiprocessing child: a host such as ComfyUI loads this package under a
-# path-like module name and runs its own main module, neither of which a spawned child can re-import). It loads the
-# package from its folder (profiling/child.py), then serves jobs from its stdin; replies go to its stdout (the
-# process's own prints are sent to stderr). Jobs are plain data (no classes of this package).
-def _channel():
-    """(reader of stdin, writer to the real stdout) as message connections; fd 1 then points at stderr."""
-    from multiprocessing.connection import Connection
-    out = os.dup(1)
-    os.dup2(2, 1)
-    return Connection(0, writable=False), Connection(out, readable=False)
-
-
 def serve(*argv: str) -> None:
-    """A worker rank: load the model, join the group, then run jobs until its stdin closes."""
+    """A worker rank (``parallel.RankWorkers``): load the model, join the group, then run jobs until its stdin
+    closes."""
     import json
-    rank, world, init, timeout_s, device = int(argv[0]), int(argv[1]), argv[2], float(argv[3]), argv[4]
+    rank, world, init, timeout_s, device, inbox, outbox = worker_setup(argv)
     spec = json.loads(argv[5])
-    inbox, outbox = _channel()
-    _loopback()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
         from ..jobs.handle import load_model_handle
@@ -65,12 +46,12 @@ def serve(*argv: str) -> None:
         handle = load_model_handle(spec["source"], spec["dtype"], spec["precision"], spec["attention"], device,
                                    num_heads=spec.get("num_heads"), lora=spec.get("lora"),
                                    lora_strength=spec.get("lora_strength", 1.0))
-        outbox.send(("loaded", rank))
+        outbox.send(("loaded", rank, ""))
         sp = start_group(rank, world, init, device, timeout_s)
         enable(handle.model, sp)
-        outbox.send(("ready", rank))
+        outbox.send(("ready", rank, ""))
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0
-        outbox.send(("error", one_line(exc), traceback.format_exc()))
+        outbox.send(failure(exc))
         return
     try:
         while True:
@@ -84,24 +65,22 @@ def serve(*argv: str) -> None:
                 spec = RunSpec.for_handle(handle, **job["spec"])      # this rank's own swap and compile
                 with torch.no_grad():
                     sample_video(handle.model, spec, *job["args"], **job["kwargs"])
-                outbox.send(("done", rank))
+                outbox.send(("done", rank, ""))
             except BaseException as exc:  # noqa: BLE001
-                outbox.send(("error", one_line(exc), traceback.format_exc()))
+                outbox.send(failure(exc))
     finally:
         stop_group(quiet=True)
 
 
-class RankPool:
+class RankPool(RankWorkers):
     """Ranks 1..world-1 of a sequence-parallel group whose rank 0 is this process (see the module doc)."""
 
     def __init__(self, world: int, spec: dict, devices: list, timeout_s: float = DEFAULT_TIMEOUT_S,
                  load_timeout_s: float = 900.0):
+        super().__init__()
         self.world, self.spec, self.devices = int(world), dict(spec), list(devices)
         self.timeout_s, self.load_timeout_s = float(timeout_s), float(load_timeout_s)
-        self.procs: list = []
-        self.conns: list = []
         self.sp = None
-        self._tmp = None
 
     @classmethod
     def attach(cls, handle, world: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "RankPool":
@@ -136,43 +115,18 @@ class RankPool:
         if self.running:
             return
         import json
-        import subprocess
-        from multiprocessing.connection import Connection
-        self._tmp = tempfile.TemporaryDirectory(prefix="wan_accel_pool_")
-        init = Path(self._tmp.name, "store").as_uri()
         try:
-            for rank in range(1, self.world):
-                p = subprocess.Popen(child_argv("app.ranks.pool:serve", rank, self.world, init, self.timeout_s,
-                                                self.devices[rank], json.dumps(self.spec)),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-                self.procs.append(p)
-                self.conns.append((Connection(os.dup(p.stdin.fileno()), readable=False),
-                                   Connection(os.dup(p.stdout.fileno()), writable=False)))
-                p.stdin.close()
-                p.stdout.close()
-            self._collect("loaded", self.load_timeout_s)     # notices a worker that dies while loading
+            init = self.spawn("app.ranks.pool:serve", range(1, self.world), self.world, self.timeout_s, self.devices,
+                              json.dumps(self.spec))
+            self.collect("loaded", self.load_timeout_s, wait_all=False)     # notices a worker that dies loading
             _loopback()
             sp = start_group(0, self.world, init, self.devices[0], self.timeout_s)
-            self._collect("ready", self.timeout_s)
+            self.collect("ready", self.timeout_s, wait_all=False)
             enable(model, sp)
             self.sp = sp
         except BaseException:
             self.close(model)
             raise
-
-    def _collect(self, want: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for rank, (p, (_out, conn)) in enumerate(zip(self.procs, self.conns), start=1):
-            while not conn.poll(0.1):
-                if p.poll() is not None:
-                    raise ParallelError(f"sequence-parallel worker rank {rank} died (exit code {p.returncode})")
-                if time.monotonic() > deadline:
-                    raise ParallelError(f"sequence-parallel worker rank {rank} did not answer within "
-                                        f"{timeout_s:g} s")
-            kind, value, *details = conn.recv()
-            if kind != want:
-                raise ParallelError(worker_message(f"sequence-parallel worker rank {rank} failed: {value}",
-                                                   *details[:1]))
 
     def sample(self, model, spec, *args, setup=None, hooks=None, **kwargs):
         """``prepare.sample_video(model, spec, *args, ...)`` on every rank (each prepares its own model from the
@@ -184,41 +138,17 @@ class RankPool:
         job = {"args": tuple(_plain(a) for a in args), "kwargs": {k: _plain(v) for k, v in kwargs.items()},
                "spec": {k: _plain(v) for k, v in spec.plain().items()}}
         try:
-            for out, _inbox in self.conns:
-                out.send(job)
+            self.send(job)
             latents = sample_video(model, spec, *args, setup=setup, hooks=hooks, **kwargs)
-            self._collect("done", self.timeout_s)
+            self.collect("done", self.timeout_s, wait_all=False)
             return latents
         except BaseException:
             self.close(model)
             raise
 
-    def alive(self) -> list:
-        """Whether each worker process is still running."""
-        return [p.poll() is None for p in self.procs]
-
     def close(self, model=None) -> None:
         """Stop the workers and leave the group (idempotent); the model samples on one GPU again."""
-        for out, _inbox in self.conns:
-            try:
-                out.send(None)
-            except Exception:  # noqa: BLE001 - the worker may be gone
-                pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=2)
-            except Exception:  # noqa: BLE001 - busy in a collective of a broken group: stop it
-                p.kill()
-                p.wait(5)
-        for pair in self.conns:
-            for conn in pair:
-                conn.close()
-        self.procs, self.conns = [], []
-        if self.sp is not None or model is not None:
-            stop_group(quiet=True)      # a broken group
+        self.stop(leave_group=self.sp is not None or model is not None)
         self.sp = None
         if model is not None:
             enable(model, None)
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
