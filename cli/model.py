@@ -478,9 +478,3 @@ def _check(args) -> int:
     else:
         print(format_table(rows, args.tol))
     return 0 if result["pass"] else 1
-
-
-def main(argv=None) -> int:
-    """These subcommands run through the package's one command line (``cli.main``)."""
-    from . import main as package_main
-    return package_main(argv)
