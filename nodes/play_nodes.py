@@ -20,9 +20,9 @@ from .comfy import FreshNode, node_mappings
 from .comfy.comfy_core import optional
 from .mg2_nodes import CLIP_INPUT, PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
+from .stream_nodes import FPS, _jpeg_frames    # the frames a chunk sends: as the streaming sampler's
 
 EVENT = "wan_accel.play"
-FPS = 16
 STATE_PLACES = ["model device", "cpu"]
 
 
@@ -81,7 +81,6 @@ class PlayStepNode(FreshNode):
         from ..app.play.registry import PlayError
         from .comfy.comfy_core import progress_and_interrupt
         from .mg2_nodes import to_latent_space
-        from .stream_nodes import _jpeg_frames
         registry = _registry()
         play = registry.get(session)
         if getattr(play, "kind", "mg2") != self.KIND:
