@@ -273,19 +273,15 @@ def decode_json_body(raw: bytes):
         raise RequestError(f"body is not valid JSON ({exc})") from None
 
 
-def _finite(value):
-    """``value`` with non-finite floats as None, so an answer is always valid JSON."""
-    from .cache.json_out import non_finite_as, walk_json
-    return walk_json(value, lambda v: non_finite_as(v, lambda _v: None))
-
-
 def strict_answer(value):
-    """A route's answer as strict JSON can carry it: a NaN or an infinity becomes null."""
+    """A route's answer as strict JSON can carry it: a NaN or an infinity becomes null (None), so an answer is
+    always valid JSON."""
+    from .cache.json_out import non_finite_as, walk_json
     try:
         json.dumps(value, allow_nan=False, default=str)
         return value
     except ValueError:
-        return _finite(value)
+        return walk_json(value, lambda v: non_finite_as(v, lambda _v: None))
 
 
 async def _read_body(request) -> bytes:
