@@ -129,38 +129,35 @@ def set_aside_payload(cache) -> dict:
     return {"path": path, "count": len(items), "items": shown}
 
 
-def parse_clear_body(body) -> str | None:
-    """Validate a decoded ``POST /wan_accel/limits/clear`` body; the namespace to clear (None = all).
-
-    Accepts exactly ``{"namespace": "all"}`` or ``{"namespace": "<name>"}`` with a valid namespace name;
-    anything else raises :class:`RequestError`.
-    """
+def _string_field(body, field: str, example: str) -> str:
+    """The one field ``field`` (a string) of a decoded POST body; RequestError naming what is wrong and showing
+    ``example`` (a body the route accepts) for anything else: not an object, another field, a missing field, a
+    value that is not a string."""
     if not isinstance(body, dict):
-        raise RequestError('body must be a JSON object like {"namespace": "operator"} or {"namespace": "all"}')
-    extra = sorted(set(body) - {"namespace"})
+        raise RequestError(f"body must be a JSON object like {example}")
+    extra = sorted(set(body) - {field})
     if extra:
-        raise RequestError(f"unexpected field(s) {extra}: only 'namespace' is accepted")
-    if "namespace" not in body:
-        raise RequestError("missing field 'namespace' (a namespace name or \"all\")")
-    ns = body["namespace"]
-    if not isinstance(ns, str):
-        raise RequestError(f"'namespace' must be a string, got {type(ns).__name__}")
-    if ns == "all":
-        return None
-    if not _NAMESPACE_RE.match(ns):
-        raise RequestError(f"'namespace' {ns[:80]!r} is not a namespace name (1-64 letters, digits, '_', '.', '-')")
-    return ns
+        raise RequestError(f"unexpected field(s) {extra}: only '{field}' is accepted (a body like {example})")
+    if field not in body:
+        raise RequestError(f"missing field '{field}': send a JSON object like {example}")
+    if not isinstance(body[field], str):
+        raise RequestError(f"'{field}' must be a string, got {type(body[field]).__name__}")
+    return body[field]
 
 
 def clear_limits(body, cache=None) -> dict:
     """What ``POST /wan_accel/limits/clear`` answers: ``{"cleared": n, "namespace": name}``.
 
-    A namespace that is neither one of the pack's namespaces nor present in the cache is refused, so a typo
+    Accepts exactly ``{"namespace": "all"}`` or ``{"namespace": "<name>"}`` with a valid namespace name. A
+    namespace that is neither one of the pack's namespaces nor present in the cache is refused, so a typo
     is reported instead of silently clearing nothing.
     """
     from .cache import KNOWN_NAMESPACES
 
-    ns = parse_clear_body(body)
+    ns = _string_field(body, "namespace", '{"namespace": "operator"} or {"namespace": "all"}')
+    if not _NAMESPACE_RE.match(ns):             # ("all" is one of its names)
+        raise RequestError(f"'namespace' {ns[:80]!r} is not a namespace name (1-64 letters, digits, '_', '.', '-')")
+    ns = None if ns == "all" else ns
     cache = _open_cache(cache)
     if ns is not None and ns not in KNOWN_NAMESPACES:
         present = {row["namespace"] for row in cache.entries(None, all_fingerprints=True)}
@@ -211,10 +208,8 @@ def recheck_feature(body, doctor=None) -> dict:
     """What ``POST /wan_accel/doctor/recheck`` answers: the rows after probing ``{"feature": name | "all"}`` again."""
     from .app.doctor.report import doctor_rows
 
-    if not isinstance(body, dict) or set(body) != {"feature"} or not isinstance(body["feature"], str):
-        raise RequestError('body must be a JSON object like {"feature": "fused_qkv"} or {"feature": "all"}')
+    name = _string_field(body, "feature", '{"feature": "fused_qkv"} or {"feature": "all"}')
     doctor = _doctor(doctor)
-    name = body["feature"]
     if name != "all" and name not in doctor.catalogue:
         raise RequestError(f"unknown feature {name[:80]!r}; known: {sorted(doctor.catalogue)} or 'all'")
     doctor_rows(doctor, None if name == "all" else [name], recheck=True)
@@ -231,12 +226,11 @@ def play_sessions(registry=None) -> dict:
 def _play_session(body, registry):
     from .app.play.registry import REGISTRY, PlayError
 
-    if not isinstance(body, dict) or set(body) != {"session"} or not isinstance(body["session"], str):
-        raise RequestError('body must be a JSON object like {"session": "<id from the Play Session node>"}')
-    if not _SESSION_RE.match(body["session"]):
-        raise RequestError(f"{body['session'][:80]!r} is not a play session id")
+    session = _string_field(body, "session", '{"session": "<id from the Play Session node>"}')
+    if not _SESSION_RE.match(session):
+        raise RequestError(f"{session[:80]!r} is not a play session id")
     try:
-        return (registry or REGISTRY).get(body["session"])
+        return (registry or REGISTRY).get(session)
     except PlayError as exc:
         raise RequestError(str(exc)) from None
 
@@ -279,19 +273,15 @@ def decode_json_body(raw: bytes):
         raise RequestError(f"body is not valid JSON ({exc})") from None
 
 
-def _finite(value):
-    """``value`` with non-finite floats as None, so an answer is always valid JSON."""
-    from .cache.json_out import non_finite_as, walk_json
-    return walk_json(value, lambda v: non_finite_as(v, lambda _v: None))
-
-
 def strict_answer(value):
-    """A route's answer as strict JSON can carry it: a NaN or an infinity becomes null."""
+    """A route's answer as strict JSON can carry it: a NaN or an infinity becomes null (None), so an answer is
+    always valid JSON."""
+    from .cache.json_out import non_finite_as, walk_json
     try:
         json.dumps(value, allow_nan=False, default=str)
         return value
     except ValueError:
-        return _finite(value)
+        return walk_json(value, lambda v: non_finite_as(v, lambda _v: None))
 
 
 async def _read_body(request) -> bytes:

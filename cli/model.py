@@ -107,33 +107,28 @@ def _add_generate(subparsers) -> None:
     p.set_defaults(func=_generate)
 
 
+def _job_options(cls, args, **renamed):
+    """``cls`` (a generate job's options) from the parsed arguments: each field from the option of its name, or from
+    ``renamed`` (an option spelled otherwise, a value converted); a field left None keeps its default."""
+    import dataclasses
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in dict(given, **renamed).items() if v is not None})
+
+
 def _run_job(args, log, parallel=None):
+    shared = dict(out_dir=args.out, preview=not args.no_preview, out_option="--out")
     if args.model_kind == "matrix-game2":
         from ..app.jobs.mg2 import MG2Options, run_mg2_generate
         from ..app.prepare import RunSpec, latent_frames
-        fields = dict(out_dir=args.out, checkpoint=args.checkpoint, conditioning=args.conditioning,
-                      preset=args.preset, window=args.window, seed=args.seed, device=args.device, dtype=args.dtype,
-                      precision=args.precision, attention=args.attention, actions=args.actions,
-                      frames=latent_frames(args.frames) if args.frames is not None else None, steps=args.steps,
-                      shift=args.shift, num_heads=args.num_heads,
-                      skip_last_refresh=args.skip_last_refresh, preview=not args.no_preview, out_option="--out")
+        options = _job_options(MG2Options, args, frames=latent_frames(args.frames) if args.frames is not None
+                               else None, **shared)
         spec = RunSpec(path=args.sampler, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
                        ops=args.ops, linear=args.linear, keep_slower=args.keep_slower)  # run rules: in prepare
-        return run_mg2_generate(MG2Options(**{k: v for k, v in fields.items() if v is not None}), log=log,
-                                parallel=parallel, spec=spec)
+        return run_mg2_generate(options, log=log, parallel=parallel, spec=spec)
     from ..app.jobs.generate import GenerateOptions, run_generate
-    opts = GenerateOptions(
-        out_dir=args.out, checkpoint=args.checkpoint, text_embeds=args.text_embeds, frames=args.frames,
-        height=args.height, width=args.width, seed=args.seed, preset=args.preset or "self_forcing",
-        steps=args.steps, shift=args.shift, warp=False if args.no_warp else None, device=args.device,
-        dtype=args.dtype, precision=args.precision, attention=args.attention,
-        frames_per_block=args.frames_per_block, kv_window=args.kv_window, sink=args.sink,
-        skip_last_refresh=args.skip_last_refresh, num_heads=args.num_heads, preview=not args.no_preview,
-        sampler=args.sampler, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
-        ops=args.ops, lora=args.lora, lora_strength=1.0 if args.lora_strength is None else args.lora_strength,
-        compile=args.compile, prompt_schedule=getattr(args, "prompt_schedule_text", None),
-        recache=args.recache or "switch", keep_slower=args.keep_slower, linear=args.linear,
-        decode=args.decode, vae=args.vae, out_option="--out")
+    opts = _job_options(GenerateOptions, args, preset=args.preset or "self_forcing",
+                        warp=False if args.no_warp else None, fused_kernels=not args.no_fused_kernels,
+                        prompt_schedule=getattr(args, "prompt_schedule_text", None), **shared)
     return run_generate(opts, log=log, parallel=parallel)
 
 
@@ -478,9 +473,3 @@ def _check(args) -> int:
     else:
         print(format_table(rows, args.tol))
     return 0 if result["pass"] else 1
-
-
-def main(argv=None) -> int:
-    """These subcommands run through the package's one command line (``cli.main``)."""
-    from . import main as package_main
-    return package_main(argv)

@@ -20,9 +20,9 @@ from .comfy import FreshNode, node_mappings
 from .comfy.comfy_core import optional
 from .mg2_nodes import CLIP_INPUT, PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
+from .stream_nodes import FPS, _jpeg_frames, send_to_page    # a chunk's frames: as the streaming sampler's
 
 EVENT = "wan_accel.play"
-FPS = 16
 STATE_PLACES = ["model device", "cpu"]
 
 
@@ -37,11 +37,7 @@ def _server():
 
 def send_play_event(kind: str, session: str, **payload) -> bool:
     """Send a play event to the page that queued the running prompt (no-op outside a ComfyUI server)."""
-    server = _server()
-    if server is None:
-        return False
-    server.send_sync(EVENT, {"kind": kind, "session": session, **payload}, getattr(server, "client_id", None))
-    return True
+    return send_to_page(EVENT, {"kind": kind, "session": session, **payload})
 
 
 class PlaySessionNode(FreshNode):   # every run starts a new session (a cached result would name an ended one)
@@ -81,7 +77,6 @@ class PlayStepNode(FreshNode):
         from ..app.play.registry import PlayError
         from .comfy.comfy_core import progress_and_interrupt
         from .mg2_nodes import to_latent_space
-        from .stream_nodes import _jpeg_frames
         registry = _registry()
         play = registry.get(session)
         if getattr(play, "kind", "mg2") != self.KIND:

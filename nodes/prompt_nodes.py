@@ -11,9 +11,9 @@ Accel Prompt Schedule node for the native AR sampler, and the live prompt play s
 from __future__ import annotations
 
 from .comfy import Node, node_mappings
-from .model_nodes import (GRAMMAR, LINEAR_CHOICES, LINEAR_TOOLTIP, comfy_krea_reencode,  # noqa: F401
-                          comfy_vae_reencode, encode_schedule, parse_schedule, schedule_widget, text_encoder)
-from .play_nodes import PlaySessionNode, PlayStepNode
+from .model_nodes import (GRAMMAR, LINEAR_CHOICES, LINEAR_TOOLTIP, comfy_krea_reencode, encode_schedule,
+                          parse_schedule, text_encoder)
+from .play_nodes import STATE_PLACES, PlaySessionNode, PlayStepNode
 
 SCHEDULE_KEY = "wan_accel_prompt_schedule"     # conditioning dict entry read by the native sampler
 
@@ -100,7 +100,7 @@ class CausalWanPromptPlaySession(PlaySessionNode):
         "idle_timeout_s": ("INT", {"default": 300, "min": 10, "max": 86400, "tooltip":
                            "End the session (freeing its memory) after this many seconds with no chunk made and "
                            "no panel watching it."}),
-        "state_on": (["model device", "cpu"], {"default": "model device", "tooltip":
+        "state_on": (STATE_PLACES, {"default": "model device", "tooltip":
                      "Where the session's caches wait between chunks: the model's device, or the CPU."}),
         "linear": (LINEAR_CHOICES, {"default": "exact", "tooltip": LINEAR_TOOLTIP}),
     }, "hidden": {"unique_id": "UNIQUE_ID"}}

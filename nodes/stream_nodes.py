@@ -35,15 +35,13 @@ def _jpeg_frames(images, side: int = PREVIEW_SIDE) -> list:
     return out
 
 
-def send_frames(node_id, chunk: int, num_chunks: int, images, latency_s: float, first_frame: int) -> bool:
-    """Send a chunk's frames to the browser (no-op outside a ComfyUI server); True when sent."""
+def send_to_page(event: str, payload: dict) -> bool:
+    """Send ``event`` (a chunk's frames, a play session's news) to the page that queued the running prompt (no-op
+    outside a ComfyUI server); True when sent."""
     server = getattr(optional("server.PromptServer"), "instance", None)
     if server is None:
         return False
-    server.send_sync(EVENT, {"node": str(node_id) if node_id is not None else None, "chunk": chunk,
-                             "chunks": num_chunks, "first_frame": first_frame, "fps": FPS,
-                             "latency_s": round(latency_s, 4), "frames": _jpeg_frames(images)},
-                     getattr(server, "client_id", None))
+    server.send_sync(event, payload, getattr(server, "client_id", None))
     return True
 
 
@@ -91,7 +89,9 @@ class _DecodeInLockstep(_ComfyProgress):
         if self.first_frames_s is None:
             self.first_frames_s = now - self.t0
         if self.live:
-            send_frames(self.node_id, ci, num_chunks, images, self.chunk_s[-1] if self.chunk_s else 0.0, self.frames)
+            send_to_page(EVENT, {"node": str(self.node_id) if self.node_id is not None else None, "chunk": ci,
+                                 "chunks": num_chunks, "first_frame": self.frames, "fps": FPS,
+                                 "latency_s": round(self.chunk_s[-1], 4), "frames": _jpeg_frames(images)})
         self.frames += images.shape[0]
         self.parts.append(images)
 

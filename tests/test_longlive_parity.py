@@ -234,7 +234,7 @@ def test_blend_transition_is_the_hand_computed_mix(base_model):
 def test_cli_convert_lora_for_comfyui(tmp_path, capsys):
     """ComfyUI maps diffusion_model.<layer> keys on a WAN model (LongLive's peft names load nothing there): the
     converted file holds the same matrices under those names, with the alpha, and merges to the same weights."""
-    from wan_accel.cli.model import main as cli_main
+    from wan_accel.cli import main as cli_main
     out = tmp_path / "longlive_comfy.safetensors"
     assert cli_main(["convert-lora", str(LORA), str(out)]) == 0
     sd, src = load_file(str(out)), load_file(str(LORA))
@@ -251,7 +251,7 @@ def test_cli_convert_lora_reads_the_released_pt(tmp_path, capsys):
     """LongLive releases its LoRA as lora.pt (the peft state dict under 'generator_lora'): convert-lora reads it
     with weights_only=True and writes the same file as from the safetensors copy; a .pt without LoRA tensors is
     refused with the reason."""
-    from wan_accel.cli.model import main as cli_main
+    from wan_accel.cli import main as cli_main
     src = load_file(str(LORA))
     torch.save({"generator_lora": src}, str(tmp_path / "lora.pt"))
     assert cli_main(["convert-lora", str(tmp_path / "lora.pt"), str(tmp_path / "from_pt.safetensors")]) == 0

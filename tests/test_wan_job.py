@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from wan_accel.cli.model import main as cli_main
+from wan_accel.cli import main as cli_main
 from wan_accel.app.jobs.generate import GenerateOptions, run_generate
 from wan_accel.app.prepare import latent_frames, latent_size
 from wan_accel.app.jobs.preview import latents_to_rgb, to_vae_latents

@@ -202,7 +202,7 @@ def test_convert_refuses_unsafe_pickle(tmp_path):
 
 
 def test_convert_cli_reports_missing_ema(tmp_path, capsys):
-    from wan_accel.cli.model import main
+    from wan_accel.cli import main
     src = tmp_path / "g.pt"
     torch.save({"generator": {f"model.{k}": v for k, v in _fixture_tensors().items()}}, str(src))
     assert main(["convert", str(src), str(tmp_path / "o.safetensors"), "--ema"]) == 2

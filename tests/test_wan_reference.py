@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from wan_accel.cli.model import main as cli_main
+from wan_accel.cli import main as cli_main
 from wan_accel.model.config import WanConfig
 from checkpoint_files import save_wan_checkpoint
 from wan_accel.app.jobs.reference import FORMATS, check_reference, survey, format_table
