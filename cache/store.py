@@ -94,7 +94,7 @@ class LimitCache:
     """JSON-backed, cross-process-safe store of measured limits, scoped by the machine's fingerprint.
 
     ``get`` sees only entries measured on the current fingerprint (GPU, driver, CUDA, torch, triton).
-    ``put``/``update``/``delete``/``clear`` are durable when they return.
+    ``put``/``update``/``clear`` are durable when they return.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, max_entries: int = DEFAULT_MAX_ENTRIES,
@@ -403,10 +403,6 @@ class LimitCache:
                     })
         return rows
 
-    def fingerprints(self) -> dict[str, dict]:
-        """Every fingerprint that has entries in the file, by id."""
-        return copy.deepcopy(self._snapshot()["fingerprints"])
-
     # ---------------------------------------------------------------- the cross-process lock
     @property
     def lock_owner_path(self) -> Path:
@@ -418,9 +414,7 @@ class LimitCache:
         """'PID 123 (python -m wan_accel bench ...), holding it for 5 s' from the owner file, or a phrase saying
         the holder is unknown."""
         try:
-            if not stat.S_ISREG(os.lstat(self.lock_owner_path).st_mode):
-                raise OSError("not a regular file")
-            owner = json.loads(self.lock_owner_path.read_text("utf-8"), parse_constant=_refuse_constant)
+            owner = json.loads(read_regular(self.lock_owner_path).decode("utf-8"), parse_constant=_refuse_constant)
             pid, command, since = int(owner["pid"]), str(owner.get("command", "?"))[:200], owner.get("since")
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return "another process (it did not record itself)"
@@ -618,10 +612,7 @@ class LimitCache:
     def put(self, namespace: str, key: str, value: dict) -> None:
         """Store ``value`` under ``key`` for this fingerprint; durable on return."""
         key = self._check_names(namespace, key)
-        if not isinstance(value, dict):
-            raise TypeError(f"limit cache values must be dicts, got {type(value).__name__}")
-        _check_json_value(value, f"{namespace}/{key}")
-        self._mutate(lambda data: self._store(data, namespace, key, value))
+        self._mutate(lambda data: self._store(data, namespace, key, value))   # _store checks the value
 
     def update(self, namespace: str, key: str, fn: Callable[[dict | None], dict | None]) -> dict | None:
         """Read-modify-write under the cross-process lock: ``fn(old or None) -> new`` (None deletes)."""
@@ -634,16 +625,6 @@ class LimitCache:
             return self._store(data, namespace, key, new)
 
         return self._mutate(change)
-
-    def delete(self, namespace: str, key: str) -> bool:
-        """Remove ``key`` for this fingerprint; True when something was removed."""
-        key = self._check_names(namespace, key)
-        fid = self.fingerprint_id
-
-        def change(data):
-            return data["namespaces"].get(namespace, {}).get(fid, {}).pop(key, None) is not None
-
-        return bool(self._mutate(change))
 
     def clear(self, namespace: str | None = None) -> int:
         """Remove every entry (of every fingerprint) in ``namespace``, or everything; returns the count."""
