@@ -176,8 +176,14 @@ def _hold(tmp: str, fd: int) -> None:
     _HELD[tmp] = fd
 
 
-def release(tmp: str) -> None:
-    """The temporary ``tmp`` was renamed or removed: its lock is let go."""
+def release(tmp: str, remove: bool = False) -> None:
+    """The temporary ``tmp`` was renamed (or, with ``remove``, is removed now: a write that failed or was given
+    up): its lock is let go."""
+    if remove:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
     fd = _HELD.pop(str(tmp), None)
     if fd is not None:
         os.close(fd)
@@ -283,10 +289,7 @@ def replace_file(path: Path, write: Callable[[str], object], *, durable: bool = 
             before_rename()
         os.replace(tmp, p)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        release(tmp, remove=True)
         raise
     finally:
         release(tmp)
