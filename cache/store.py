@@ -43,7 +43,7 @@ from .entries import (FILE_KIND, MIGRATIONS, NAMESPACE_RE, SCHEMA_VERSION, _SHAP
 from .owned_files import read_regular, replace_file
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
 from .paths import default_cache_path
-from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, file_kind,
+from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, file_kind, loads_json,
                      quarantine_refusal, warn_once, write_problem)
 
 DEFAULT_MAX_ENTRIES = 4096  # per namespace, over all fingerprints
@@ -153,10 +153,8 @@ class LimitCache:
         try:
             hooks = Lenient()
             data = loads_lenient(raw.decode("utf-8-sig"), hooks)   # a BOM an editor added is not damage
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:   # nested too deeply is one (safety.loads_json)
             raise CacheFormatError(f"not valid JSON ({exc})") from None
-        except RecursionError:
-            raise CacheFormatError("not a limit cache (nested too deeply)") from None
         data, aside = _validate(data, finite=not hooks.unusable)
         self._aside_now = aside
         if aside:
@@ -224,10 +222,9 @@ class LimitCache:
             raw = read_regular(p, SET_ASIDE_BYTES + 1)
             if len(raw) > SET_ASIDE_BYTES:
                 return self._aside_refused(f"it is larger than {SET_ASIDE_BYTES >> 20} MiB; it was not read")
-            data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-            why = "nested too deeply" if isinstance(exc, RecursionError) else \
-                getattr(exc, "strerror", None) or str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            data = loads_json(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        except (OSError, UnicodeDecodeError, ValueError) as exc:    # nested too deeply: a ValueError of loads_json
+            why = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
             return self._aside_refused(f"it is damaged ({why})")
         items = data.get("items") if isinstance(data, dict) and data.get("kind") == SET_ASIDE_KIND else None
         if not isinstance(items, list):
