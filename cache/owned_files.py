@@ -325,10 +325,7 @@ def write_with(path, write: Callable[[str], object], *, option: str = "", purpos
 
 def write_bytes(path, data: bytes, **kw) -> Path:
     """Write ``data`` to ``path`` atomically (see :func:`write_with`; keywords as :func:`check_target`)."""
-    def fill(tmp: str) -> None:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-    return write_with(path, fill, **kw)
+    return write_with(path, lambda tmp: Path(tmp).write_bytes(data), **kw)
 
 
 def write_text(path, text: str, encoding: str = "utf-8", **kw) -> Path:

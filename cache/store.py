@@ -79,11 +79,7 @@ def _atomic_write(path: Path, blob: bytes, durable: bool = True) -> None:
         st = None
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise CacheUnavailableError(f"{path} is not a regular file; the limit cache writes only its own files")
-
-    def fill(tmp: str) -> None:
-        with open(tmp, "wb") as fh:
-            fh.write(blob)
-    replace_file(path, fill, durable=durable, suffix=".tmp")
+    replace_file(path, lambda tmp: Path(tmp).write_bytes(blob), durable=durable, suffix=".tmp")
 
 
 _LIVE: "weakref.WeakSet[LimitCache]" = weakref.WeakSet()
