@@ -303,17 +303,6 @@ class Autotuner:
             self._memo.clear()
             self._fast.clear()
 
-    def lock(self, kernel: str, key: str, locked: bool = True) -> dict | None:
-        """Freeze (or unfreeze) an entry: a locked entry is never re-benchmarked nor replaced."""
-        def change(old):
-            new = dict(old or _new_entry(kernel, key, "default"))
-            new["locked"] = bool(locked)
-            new["timestamp"] = time.time()
-            return new
-
-        self.forget()
-        return self._update(kernel, key, change)
-
     def record_failure(self, kernel: str, key: str, config: dict, exc: BaseException) -> None:
         """Remember that ``config`` failed (e.g. at a later real launch); it is never used again here."""
         if _is_transient(exc):

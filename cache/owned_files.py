@@ -176,8 +176,14 @@ def _hold(tmp: str, fd: int) -> None:
     _HELD[tmp] = fd
 
 
-def release(tmp: str) -> None:
-    """The temporary ``tmp`` was renamed or removed: its lock is let go."""
+def release(tmp: str, remove: bool = False) -> None:
+    """The temporary ``tmp`` was renamed (or, with ``remove``, is removed now: a write that failed or was given
+    up): its lock is let go."""
+    if remove:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
     fd = _HELD.pop(str(tmp), None)
     if fd is not None:
         os.close(fd)
@@ -212,17 +218,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_temporaries(folder) -> list:
-    """Temporary files of this writer left in ``folder`` by a process that was killed while writing: regular files
-    of this user named ``.<name>.wan_accel-<pid>-<random>.tmp...`` whose lock no process holds (every writer locks
-    its temporary while it exists: :func:`new_temporary`) and whose pid is gone, or that nothing wrote for a
-    minute; where locks cannot be asked, those whose process is gone and that nothing wrote for a minute; and any
-    a day old. Nothing else matches: a user's file is never among them."""
-    found, now = [], time.time()
+def remove_stale_temporaries(folder) -> None:
+    """Remove the temporary files of this writer left in ``folder`` by a process that was killed while writing
+    (each write does, before making its own). Those are regular files of this user named
+    ``.<name>.wan_accel-<pid>-<random>.tmp...`` whose lock no process holds (every writer locks its temporary while
+    it exists: :func:`new_temporary`) and whose pid is gone, or that nothing wrote for a minute; where locks cannot
+    be asked, those whose process is gone and that nothing wrote for a minute; and any a day old. Nothing else
+    matches: a user's file is never among them."""
+    now = time.time()
     try:
         entries = list(os.scandir(folder))
     except OSError:
-        return found
+        return
     for entry in entries:
         m = _TMP_NAME.match(entry.name)
         if m is None or int(m.group(1)) == os.getpid():
@@ -235,29 +242,19 @@ def stale_temporaries(folder) -> list:
             continue
         age = now - st.st_mtime
         if age > STALE_TMP_SECONDS:
-            found.append(Path(entry.path))
-            continue
-        alive = _writer_alive(entry.path) if age > LOCK_GRACE_SECONDS else True
-        gone = not _pid_alive(int(m.group(1)))
-        if alive is None:
-            stale = gone and age > QUIET_TMP_SECONDS
-        else:                        # unlocked: its writer ended; a live pid is another process that took its number
-            stale = not alive and (gone or age > QUIET_TMP_SECONDS)
+            stale = True
+        else:
+            alive = _writer_alive(entry.path) if age > LOCK_GRACE_SECONDS else True
+            gone = not _pid_alive(int(m.group(1)))
+            if alive is None:
+                stale = gone and age > QUIET_TMP_SECONDS
+            else:                    # unlocked: its writer ended; a live pid is another process that took its number
+                stale = not alive and (gone or age > QUIET_TMP_SECONDS)
         if stale:
-            found.append(Path(entry.path))
-    return found
-
-
-def remove_stale_temporaries(folder) -> int:
-    """Remove :func:`stale_temporaries` of ``folder`` (each write does, before making its own); returns how many."""
-    n = 0
-    for p in stale_temporaries(folder):
-        try:
-            os.unlink(p)
-            n += 1
-        except OSError:
-            pass
-    return n
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
 
 
 def replace_file(path: Path, write: Callable[[str], object], *, durable: bool = True, suffix: str | None = None,
@@ -292,10 +289,7 @@ def replace_file(path: Path, write: Callable[[str], object], *, durable: bool = 
             before_rename()
         os.replace(tmp, p)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        release(tmp, remove=True)
         raise
     finally:
         release(tmp)
@@ -331,10 +325,7 @@ def write_with(path, write: Callable[[str], object], *, option: str = "", purpos
 
 def write_bytes(path, data: bytes, **kw) -> Path:
     """Write ``data`` to ``path`` atomically (see :func:`write_with`; keywords as :func:`check_target`)."""
-    def fill(tmp: str) -> None:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-    return write_with(path, fill, **kw)
+    return write_with(path, lambda tmp: Path(tmp).write_bytes(data), **kw)
 
 
 def write_text(path, text: str, encoding: str = "utf-8", **kw) -> Path:
@@ -386,7 +377,7 @@ def append_line(path, line, *, option: str = "", purpose: str = "the line", cach
     p.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(p, os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o666)
-    except OSError as exc:
+    except OSError:
         if _NOFOLLOW and os.path.islink(p):
             raise OwnedFileError(f"{_prefix(option, p)} is a symbolic link; {purpose} is appended only to a "
                                  f"regular file: remove the link") from None

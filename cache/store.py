@@ -43,7 +43,7 @@ from .entries import (FILE_KIND, MIGRATIONS, NAMESPACE_RE, SCHEMA_VERSION, _SHAP
 from .owned_files import read_regular, replace_file
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
 from .paths import default_cache_path
-from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, file_kind,
+from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, file_kind, loads_json,
                      quarantine_refusal, warn_once, write_problem)
 
 DEFAULT_MAX_ENTRIES = 4096  # per namespace, over all fingerprints
@@ -79,11 +79,7 @@ def _atomic_write(path: Path, blob: bytes, durable: bool = True) -> None:
         st = None
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise CacheUnavailableError(f"{path} is not a regular file; the limit cache writes only its own files")
-
-    def fill(tmp: str) -> None:
-        with open(tmp, "wb") as fh:
-            fh.write(blob)
-    replace_file(path, fill, durable=durable, suffix=".tmp")
+    replace_file(path, lambda tmp: Path(tmp).write_bytes(blob), durable=durable, suffix=".tmp")
 
 
 _LIVE: "weakref.WeakSet[LimitCache]" = weakref.WeakSet()
@@ -94,7 +90,7 @@ class LimitCache:
     """JSON-backed, cross-process-safe store of measured limits, scoped by the machine's fingerprint.
 
     ``get`` sees only entries measured on the current fingerprint (GPU, driver, CUDA, torch, triton).
-    ``put``/``update``/``delete``/``clear`` are durable when they return.
+    ``put``/``update``/``clear`` are durable when they return.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, max_entries: int = DEFAULT_MAX_ENTRIES,
@@ -153,10 +149,8 @@ class LimitCache:
         try:
             hooks = Lenient()
             data = loads_lenient(raw.decode("utf-8-sig"), hooks)   # a BOM an editor added is not damage
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:   # nested too deeply is one (safety.loads_json)
             raise CacheFormatError(f"not valid JSON ({exc})") from None
-        except RecursionError:
-            raise CacheFormatError("not a limit cache (nested too deeply)") from None
         data, aside = _validate(data, finite=not hooks.unusable)
         self._aside_now = aside
         if aside:
@@ -224,10 +218,9 @@ class LimitCache:
             raw = read_regular(p, SET_ASIDE_BYTES + 1)
             if len(raw) > SET_ASIDE_BYTES:
                 return self._aside_refused(f"it is larger than {SET_ASIDE_BYTES >> 20} MiB; it was not read")
-            data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-            why = "nested too deeply" if isinstance(exc, RecursionError) else \
-                getattr(exc, "strerror", None) or str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            data = loads_json(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        except (OSError, UnicodeDecodeError, ValueError) as exc:    # nested too deeply: a ValueError of loads_json
+            why = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
             return self._aside_refused(f"it is damaged ({why})")
         items = data.get("items") if isinstance(data, dict) and data.get("kind") == SET_ASIDE_KIND else None
         if not isinstance(items, list):
@@ -403,10 +396,6 @@ class LimitCache:
                     })
         return rows
 
-    def fingerprints(self) -> dict[str, dict]:
-        """Every fingerprint that has entries in the file, by id."""
-        return copy.deepcopy(self._snapshot()["fingerprints"])
-
     # ---------------------------------------------------------------- the cross-process lock
     @property
     def lock_owner_path(self) -> Path:
@@ -418,9 +407,7 @@ class LimitCache:
         """'PID 123 (python -m wan_accel bench ...), holding it for 5 s' from the owner file, or a phrase saying
         the holder is unknown."""
         try:
-            if not stat.S_ISREG(os.lstat(self.lock_owner_path).st_mode):
-                raise OSError("not a regular file")
-            owner = json.loads(self.lock_owner_path.read_text("utf-8"), parse_constant=_refuse_constant)
+            owner = json.loads(read_regular(self.lock_owner_path).decode("utf-8"), parse_constant=_refuse_constant)
             pid, command, since = int(owner["pid"]), str(owner.get("command", "?"))[:200], owner.get("since")
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return "another process (it did not record itself)"
@@ -618,10 +605,7 @@ class LimitCache:
     def put(self, namespace: str, key: str, value: dict) -> None:
         """Store ``value`` under ``key`` for this fingerprint; durable on return."""
         key = self._check_names(namespace, key)
-        if not isinstance(value, dict):
-            raise TypeError(f"limit cache values must be dicts, got {type(value).__name__}")
-        _check_json_value(value, f"{namespace}/{key}")
-        self._mutate(lambda data: self._store(data, namespace, key, value))
+        self._mutate(lambda data: self._store(data, namespace, key, value))   # _store checks the value
 
     def update(self, namespace: str, key: str, fn: Callable[[dict | None], dict | None]) -> dict | None:
         """Read-modify-write under the cross-process lock: ``fn(old or None) -> new`` (None deletes)."""
@@ -634,16 +618,6 @@ class LimitCache:
             return self._store(data, namespace, key, new)
 
         return self._mutate(change)
-
-    def delete(self, namespace: str, key: str) -> bool:
-        """Remove ``key`` for this fingerprint; True when something was removed."""
-        key = self._check_names(namespace, key)
-        fid = self.fingerprint_id
-
-        def change(data):
-            return data["namespaces"].get(namespace, {}).get(fid, {}).pop(key, None) is not None
-
-        return bool(self._mutate(change))
 
     def clear(self, namespace: str | None = None) -> int:
         """Remove every entry (of every fingerprint) in ``namespace``, or everything; returns the count."""

@@ -16,7 +16,6 @@ whole video or untouched. Float frames that hold NaN or inf are refused where th
 from __future__ import annotations
 
 import io
-import os
 import struct
 import weakref
 from pathlib import Path
@@ -122,14 +121,6 @@ class NonFiniteFramesError(ValueError):
     """Frames given to a video hold NaN or inf; the message names the video, the frame and the likely cause."""
 
 
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-    release(path)
-
-
 class VideoFile:
     """A video written frame by frame (see the module doc): ``write(images)`` each batch of frames [T, H, W, 3]
     (float 0..1 or uint8, every frame the size of the first), ``close()`` once (returns the path), ``discard()``
@@ -142,7 +133,7 @@ class VideoFile:
         check_target(self.path, option=option, purpose=purpose)
         self.fmt = self.path.suffix.lower()[1:]
         self.tmp = new_temporary(self.path)
-        self._cleanup = weakref.finalize(self, _remove, self.tmp)
+        self._cleanup = weakref.finalize(self, release, self.tmp, True)   # removes the unfinished file
         try:
             self.encoder = (_Mp4 if self.fmt == "mp4" else _AnimatedWebp)(self.tmp, fps)
         except BaseException:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .output import format_table, print_json
+from ..profiling.history import KINDS as HISTORY_KINDS
 from ..app.jobs import profile_targets as targets
 from ..app.validate import (TORCH_NAMES, UsageError, check_device, check_geometry, check_input_file,
                        check_int, check_output_dir, check_schedule_args, dtype_arg)
@@ -64,7 +65,7 @@ def register(sub) -> None:
                                    "and optionally plots speed and peak memory over runs.")
     r.add_argument("--json", action="store_true", help="print the records as JSON")
     r.add_argument("--plot", metavar="OUT.png", help="write a PNG plot of speed and peak memory (needs matplotlib)")
-    r.add_argument("--kind", choices=("generate", "bench", "profile"), help="only records of this kind")
+    r.add_argument("--kind", choices=HISTORY_KINDS, help="only records of this kind")
     r.add_argument("--last", type=int, help="only the last N records")
     r.add_argument("--history", metavar="FILE", help="history file (default: history.jsonl beside the limit cache)")
     r.add_argument("--plain", action="store_true", help="plain text table even on a terminal with rich installed")

@@ -58,11 +58,6 @@ class ProfileReport:
         d["hints"] = self.hints()
         return d
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "ProfileReport":
-        names = {f.name for f in dataclasses.fields(cls)} - {"result"}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
     @property
     def mean_run_s(self) -> float | None:
         return sum(self.run_times_s) / len(self.run_times_s) if self.run_times_s else None
@@ -110,7 +105,7 @@ class ProfileReport:
         runs = ", ".join(fmt_seconds(t) for t in self.run_times_s)
         L.append(f"  run time      : {fmt_seconds(self.mean_run_s)} mean" + (f"  [{runs}]" if runs else ""))
         if self.warmup_times_s:
-            L.append(f"  warm-up       : " + ", ".join(fmt_seconds(t) for t in self.warmup_times_s))
+            L.append("  warm-up       : " + ", ".join(fmt_seconds(t) for t in self.warmup_times_s))
         c = self.compile or {}
         if not c.get("available", True):
             L.append("  compile       : N/A (torch._dynamo unavailable)")

@@ -165,7 +165,8 @@ def test_locked_entry_is_never_rebenchmarked(tmp_path):
     toy = Toy()
     tuner = _tuner(tmp_path / "l.json", toy)
     tuner.tune(KERNEL, KEY, CONFIGS[:2], toy.run)
-    tuner.lock(KERNEL, KEY)
+    # an entry locked by hand in the file
+    LimitCache(tmp_path / "l.json").update("operator", f"{KERNEL}|{KEY}", lambda old: dict(old, locked=True))
     toy2 = Toy()
     best = _tuner(tmp_path / "l.json", toy2).tune(KERNEL, KEY, CONFIGS, toy2.run, force=True)
     assert toy2.launched == [] and best == {"BLOCK": 16, "num_warps": 4}

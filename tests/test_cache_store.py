@@ -31,8 +31,8 @@ def test_round_trip_and_api(cache_path):
     assert c.update("sampler", "n", lambda old: {"n": old["n"] + 1}) == {"n": 2}
     assert {(r["namespace"], r["key"]) for r in c.entries()} == {("operator", "k"), ("sampler", "n")}
     assert [r["key"] for r in c.entries("sampler")] == ["n"]
-    assert c.delete("sampler", "n") is True and c.delete("sampler", "n") is False
-    assert c.update("operator", "k", lambda old: None) is None  # update returning None deletes
+    assert c.update("sampler", "n", lambda old: None) is None  # update returning None deletes
+    assert c.update("operator", "k", lambda old: None) is None
     assert c.entries() == []
     on_disk = json.loads(cache_path.read_text())
     assert on_disk["kind"] == FILE_KIND and on_disk["schema"] == SCHEMA_VERSION

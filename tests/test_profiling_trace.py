@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from wan_accel.profiling import ProfileReport, profile_run, profiler_busy
+from wan_accel.profiling import profile_run, profiler_busy
 from wan_accel.profiling.trace_stats import gpu_idle_stats, merge_intervals, top_kernels
 
 
@@ -39,7 +39,7 @@ def test_trace_is_valid_json_with_the_profiled_ops(tmp_path):
     assert all(not r["name"].startswith("tiny run/") for r in report.top_ops)  # annotations are not ops
 
 
-def test_report_on_cpu_says_na_for_gpu_idle_and_round_trips_as_json(tmp_path):
+def test_report_on_cpu_says_na_for_gpu_idle_and_is_json(tmp_path):
     model, x = TwoLayer(), torch.randn(4, 16)
     report = profile_run(lambda: model(x), out_dir=tmp_path, trace_name="cpu", device="cpu")
     assert report.gpu is None
@@ -48,8 +48,7 @@ def test_report_on_cpu_says_na_for_gpu_idle_and_round_trips_as_json(tmp_path):
     assert "GPU idle      : N/A" in text and report.trace_path in text
     data = json.loads(json.dumps(report.to_dict()))
     assert "result" not in data
-    again = ProfileReport.from_dict(data)
-    assert again.run_times_s == report.run_times_s and again.trace_path == report.trace_path
+    assert data["run_times_s"] == report.run_times_s and data["trace_path"] == report.trace_path
 
 
 def test_warmup_runs_are_not_traced(tmp_path):
