@@ -148,4 +148,4 @@ def tiny_mg2_model(seed: int = 0, device="cpu", dtype=torch.float32, precision=N
                    config: WanConfig | None = None, mode: str = "universal") -> MatrixGameModel:
     """Deterministic tiny Matrix-Game-2 model (random weights: for smoke runs, tests and demos)."""
     from .tiny import tiny_causal_model
-    return tiny_causal_model(seed, device, dtype, precision, config or tiny_mg2_config(mode))
+    return tiny_causal_model(seed, device, dtype, precision, config or tiny_mg2_config(mode), MatrixGameModel)

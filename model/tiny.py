@@ -10,7 +10,6 @@ import math
 
 import torch
 
-from .checkpoint import model_class
 from .config import WanConfig
 from .dit import WanModel
 
@@ -62,10 +61,10 @@ def shape_values(name: str, w: torch.Tensor) -> torch.Tensor:
 
 
 def tiny_causal_model(seed: int = 0, device="cpu", dtype=torch.float32, precision=None,
-                      config: WanConfig | None = None) -> WanModel:
-    """Build the tiny model (``model_class`` of the config); precision: 'float32' for float32, else 'self_forcing'."""
-    config = config or TINY_CONFIG
-    model = init_tiny_weights(model_class(config)(config), seed)
+                      config: WanConfig | None = None, model_class=WanModel) -> WanModel:
+    """Build the tiny model (a ``model_class``, the Wan DiT or a subclass); precision: 'float32' for float32, else
+    'self_forcing'."""
+    model = init_tiny_weights(model_class(config or TINY_CONFIG), seed)
     precision = precision or ("float32" if dtype == torch.float32 else "self_forcing")
     model.set_precision(precision, dtype)
     return model.to(device).eval().requires_grad_(False)
