@@ -35,7 +35,7 @@ def _decoded(latents_file: Path, decoder) -> torch.Tensor:
     """The video frames [T, H, W, 3] 0..1 of one decode of the saved latents."""
     from safetensors.torch import load_file
     from wan_accel.vae.frames import DecoderFrames
-    return DecoderFrames(decoder).decode(load_file(str(latents_file))["vae_latents"])[0]
+    return DecoderFrames(decoder).push(load_file(str(latents_file))["vae_latents"])[0]
 
 
 def _close(video: list, want: torch.Tensor) -> float:
