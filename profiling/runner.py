@@ -64,13 +64,19 @@ def unique_trace_path(out_dir, trace_name: str) -> Path:
     return path
 
 
-def _peak_rss_bytes() -> int | None:
+def peak_memory_bytes(device) -> tuple[int | None, int | None]:
+    """This process's peak memory so far in bytes, (used, reserved): CUDA's max allocated and max reserved on a CUDA
+    device, else the host's peak RSS and None (used is None too where there is no ``resource`` module: Windows)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.max_memory_reserved(device))
     try:
         import resource
     except ImportError:  # Windows
-        return None
+        return None, None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss) if sys.platform == "darwin" else int(rss) * 1024
+    return (int(rss) if sys.platform == "darwin" else int(rss) * 1024), None
 
 
 class ProfileSession:
@@ -250,12 +256,9 @@ class ProfileSession:
         return rows[: self.top]
 
     def _peak_memory(self) -> dict:
-        if self.is_cuda:
-            import torch
-
-            return {"kind": "cuda max allocated", "bytes": int(torch.cuda.max_memory_allocated(self.device)),
-                    "reserved_bytes": int(torch.cuda.max_memory_reserved(self.device))}
-        return {"kind": "cpu peak RSS of the process", "bytes": _peak_rss_bytes(), "reserved_bytes": None}
+        used, reserved = peak_memory_bytes(self.device)
+        kind = "cuda max allocated" if self.is_cuda else "cpu peak RSS of the process"
+        return {"kind": kind, "bytes": used, "reserved_bytes": reserved}
 
 
 def profile_run(fn: Callable[[], Any], *, runs: int = 1, out_dir, trace_name: str = "profile", device=None,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import resource
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -14,6 +12,7 @@ import torch
 
 from ...cache.json_out import to_json
 from ...cache.owned_files import check_target, write_text, write_with
+from ...profiling.runner import peak_memory_bytes
 from ...sampling.request import SamplingHooks
 from ...sampling.sampler import path_for_linear
 from ..prepare import RunInputs, RunSpec, prepare_model, sample_video
@@ -168,11 +167,10 @@ class GenerateOptions(JobOptions):
 
 
 def _peak_memory(device: torch.device) -> dict:
+    used, reserved = peak_memory_bytes(device)
     if device.type == "cuda":
-        return {"cuda_max_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20,
-                "cuda_max_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"host_max_rss_mb": rss / (2**20 if sys.platform == "darwin" else 2**10)}
+        return {"cuda_max_allocated_mb": used / 2**20, "cuda_max_reserved_mb": reserved / 2**20}
+    return {"host_max_rss_mb": None if used is None else used / 2**20}
 
 
 class ChunkTimer:
