@@ -33,19 +33,26 @@ from .options import fidelity as add_arguments  # noqa: E402,F401  (defined with
 
 
 def _fixture(directory: Path):
-    """(kind, config dict) of a fixture folder: 'wan' (causal_config.json) or 'matrix-game2' (mg2_config.json)."""
-    for kind, name in CONFIG_FILES.items():
-        if (directory / name).is_file():
-            return kind, _read_config(directory / name)
+    """(kind, config path, config) of a fixture folder: its causal Wan ('wan') or Matrix-Game-2 ('matrix-game2')
+    config, found and read as check-reference finds and reads it (``app/jobs/reference.survey``)."""
+    from ..app.jobs.reference import survey
+    recognised, unusable, _notes = survey(directory)
+    for fmt, path, cfg in recognised:
+        if fmt in MODEL_KINDS:
+            return MODEL_KINDS[fmt], path, cfg
+    if unusable:
+        path, why = unusable[0]
+        raise UsageError(f"--fixture {directory}: {path.name} is not a usable fixture config ({why}); record the "
+                         f"fixture again")
     raise UsageError(f"--fixture {directory}: no causal_config.json or mg2_config.json there; give a folder of "
                      f"a recorded causal fixture (tests/fixtures/wan_reference or tests/fixtures/matrix_game2)")
 
 
-CONFIG_FILES = {"wan": "causal_config.json", "matrix-game2": "mg2_config.json"}
+MODEL_KINDS = {"causal_wan": "wan", "matrix_game2": "matrix-game2"}    # fixture format -> the rows' model_kind
 RUNS_HELD = 2                   # the exact run's model and the other one's may both be alive at once
 
 
-def check_fixture_fits(directory: Path, kind: str, cfg: dict, device) -> None:
+def check_fixture_fits(path: Path, cfg: dict, device) -> None:
     """Refuse a fixture whose config describes a model that cannot fit before anything is built: its float32
     weights (``memory.weights.config_parameters``, arithmetic on the config's sizes) for the two runs against the
     device's memory, naming the config file and its largest size field. A config whose sizes are not numbers is
@@ -64,28 +71,10 @@ def check_fixture_fits(directory: Path, kind: str, cfg: dict, device) -> None:
     budget, where = device_memory(device)
     if need > budget:
         field = largest_size_field(model)
-        raise UsageError(f"--fixture {directory}: {CONFIG_FILES[kind]} describes a model of about {gib(need)} of "
+        raise UsageError(f"--fixture {path.parent}: {path.name} describes a model of about {gib(need)} of "
                          f"float32 weights for its two runs (config.{field} is {model.get(field)}), but {where}; "
-                         f"nothing was built: check config.{field} in {CONFIG_FILES[kind]}, or record the fixture "
+                         f"nothing was built: check config.{field} in {path.name}, or record the fixture "
                          f"again")
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"it holds {name}, which is not a number a fixture records")
-
-
-def _read_config(path: Path) -> dict:
-    """A fixture's config: a JSON object of finite numbers (NaN / Infinity refused), read without blocking."""
-    from ..cache.owned_files import loads_json, read_regular
-    try:
-        cfg = loads_json(read_regular(path, 1 << 20).decode("utf-8"), parse_constant=_refuse_constant)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--fixture {path.parent}: {path.name} is not a usable fixture config "
-                         f"({getattr(exc, 'strerror', None) or str(exc).splitlines()[0][:160]}); record the fixture "
-                         f"again") from None
-    if not isinstance(cfg, dict):
-        raise UsageError(f"--fixture {path.parent}: {path.name} is not a JSON object; record the fixture again")
-    return cfg
 
 
 def _substitute(attention: str, device, model) -> str | None:
@@ -139,9 +128,9 @@ def measure(directory, attention: str = "int8", device="cpu", linear: str = "exa
     tensor compared); ``progress(text)`` is told of each run as it starts."""
     from ..app.jobs.replay import Fixture
     directory = Path(directory)
-    kind, cfg = _fixture(directory)
-    check_fixture_fits(directory, kind, cfg, device)
-    fx = Fixture(directory, cfg, {"wan": "causal_wan", "matrix-game2": "matrix_game2"}[kind])
+    kind, cfg_path, cfg = _fixture(directory)
+    check_fixture_fits(cfg_path, cfg, device)
+    fx = Fixture(directory, cfg)
     tell = progress or (lambda _text: None)
     rows = []
     for path in paths_for(linear):

@@ -381,16 +381,21 @@ def check_fixture(fx: Fixture, device="cpu", path: str | None = None) -> list:
 
 
 # --------------------------------------------------------------------- entry point
+def _refuse_constant(name: str):
+    raise ValueError(f"it holds {name}, which is not a number a fixture records")
+
+
 def survey(directory) -> tuple:
     """(recognised, unusable, notes) of the JSON files in ``directory``: recognised [(format name, config path,
     config)] with each config a ``FixtureConfig``; unusable [(config path, why)] for every ``*_config.json`` that
-    cannot be read or is no format's (a fixture config the check cannot use is said, never skipped); notes for
+    cannot be read (NaN / Infinity in it refused) or is no format's (a fixture config the check cannot use is said, never skipped); notes for
     other JSON files that name a fixture kind the check does not run."""
     recognised, unusable, notes = [], [], []
     for path in sorted(Path(directory).glob("*.json")):
         is_config = path.name.endswith("_config.json")
         try:
-            cfg = loads_json(read_regular(path).decode("utf-8"))   # a pipe named *.json never blocks
+            cfg = loads_json(read_regular(path).decode("utf-8"),   # a pipe named *.json never blocks
+                             parse_constant=_refuse_constant)
         except (OSError, ValueError) as exc:
             if is_config:
                 unusable.append((path, f"cannot be read as JSON ({' '.join(str(exc).split())[:160]})"))
