@@ -9,8 +9,8 @@
 //    pills in a DOM widget (the classic canvas and Nodes 2.0 both show it), kept in step with the two widgets.
 //  * A read-only text box on the pack's output nodes that return {"ui": {"text": [...]}} (from the api's
 //    "executed" event and onExecuted, whichever the frontend sends).
-// Only the public modules scripts/app.js and scripts/api.js are imported; el and toast are shared with the
-// pack's other scripts (with the panel's STYLE).
+// Only the public modules scripts/app.js and scripts/api.js are imported; el, toast and the frame player are shared
+// with the pack's other scripts (with the panel's STYLE).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -64,6 +64,28 @@ export function toast(severity, summary, detail, life = 4000) {
   const t = app.extensionManager?.toast;
   if (t?.add) t.add({ severity, summary, detail, life });
   else console[severity === "error" ? "error" : "log"](`[wan_accel] ${summary}: ${detail}`);
+}
+
+// The frame player of the live frames and of play mode: { img, frames (base64 JPEG), shown, fps, timer, onFrame };
+// the frames play into img at fps (onFrame after each); caught up, it waits for feedFrames to bring a chunk's more.
+export function playFrames(player) {
+  if (player.timer || !player.img) return;
+  player.timer = setInterval(() => {
+    if (player.shown >= player.frames.length) {    // caught up: wait for the next chunk
+      clearInterval(player.timer);
+      player.timer = null;
+      return;
+    }
+    player.img.src = "data:image/jpeg;base64," + player.frames[player.shown];
+    player.shown += 1;
+    player.onFrame?.();
+  }, 1000 / player.fps);
+}
+
+export function feedFrames(player, d) {
+  player.fps = d.fps || 16;
+  player.frames.push(...(d.frames || []));
+  playFrames(player);
 }
 
 async function confirmDialog(title, message) {

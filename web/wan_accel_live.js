@@ -6,7 +6,7 @@
 // end-to-end check.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { el } from "./wan_accel.js";
+import { el, feedFrames } from "./wan_accel.js";
 
 const EVENT = "wan_accel.frames";
 const LIVE_WIDGET = "wan_accel_live";
@@ -18,7 +18,9 @@ function makePlayer(box, imgHeight) {
   const caption = el("div", { style: { font: "11px monospace", color: "var(--input-text, #ddd)", height: "18px",
                                        whiteSpace: "nowrap", overflow: "hidden" } });
   box.append(img, caption);
-  return { img, caption, frames: [], shown: 0, fps: 16, timer: null, info: "" };
+  const player = { img, frames: [], shown: 0, fps: 16, timer: null, info: "" };
+  player.onFrame = () => { caption.textContent = `frame ${player.shown}/${player.frames.length} · ${player.info}`; };
+  return player;
 }
 
 function livePlayer(node) {
@@ -50,26 +52,10 @@ function panelPlayer() {
   return box._player;
 }
 
-function play(player) {
-  if (player.timer) return;
-  player.timer = setInterval(() => {
-    if (player.shown >= player.frames.length) {    // caught up: wait for the next chunk
-      clearInterval(player.timer);
-      player.timer = null;
-      return;
-    }
-    player.img.src = "data:image/jpeg;base64," + player.frames[player.shown];
-    player.shown += 1;
-    player.caption.textContent = `frame ${player.shown}/${player.frames.length} · ${player.info}`;
-  }, 1000 / player.fps);
-}
-
 function feed(player, d) {
   if (d.chunk === 0 || d.first_frame === 0) { player.frames = []; player.shown = 0; }
-  player.fps = d.fps || 16;
-  player.frames.push(...(d.frames || []));
   player.info = `node ${d.node} · chunk ${d.chunk + 1}/${d.chunks} · ${Math.round((d.latency_s || 0) * 1000)} ms`;
-  play(player);
+  feedFrames(player, d);
 }
 
 api.addEventListener(EVENT, (ev) => {

@@ -15,7 +15,7 @@
 // end-to-end check.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { STYLE, callJson, el, toast as toastFor } from "./wan_accel.js";
+import { STYLE, callJson, el, feedFrames, playFrames, toast as toastFor } from "./wan_accel.js";
 
 const EVENT = "wan_accel.play";
 const SESSION_NODES = ["MatrixGame2PlaySession", "CausalWanPromptPlaySession"];
@@ -31,8 +31,10 @@ const CAMERA_KEYS = { arrowup: [LOOK, 0], arrowdown: [-LOOK, 0], arrowleft: [0, 
 
 const log = (window.__wanAccelPlay = window.__wanAccelPlay || { sent: [], chunks: [], saved: [], ended: [],
                                                                  ready: [], errors: [] });
+// S is play mode's frame player too (img, frames, shown, fps, timer, onFrame: see playFrames in wan_accel.js).
 const S = { session: null, info: null, playing: false, waiting: null, held: new Set(), tapped: new Set(),
-            drag: [0, 0], dragging: null, frames: [], shown: 0, timer: null, view: null, beat: null };
+            drag: [0, 0], dragging: null, frames: [], shown: 0, fps: 16, timer: null, view: null, beat: null,
+            onFrame: () => { log.shown = S.shown; } };
 
 const BUTTON = { ...STYLE.button, marginRight: "4px" };
 
@@ -136,7 +138,7 @@ async function steps() {
 function untilPlayedOut(leadMs) {
   return new Promise((resolve) => {
     const check = () => {
-      const leftMs = (S.frames.length - S.shown) * (1000 / (S.fps || 16));
+      const leftMs = (S.frames.length - S.shown) * (1000 / S.fps);
       if (!S.playing || leftMs <= leadMs) resolve();
       else setTimeout(check, 20);
     };
@@ -166,10 +168,8 @@ api.addEventListener(EVENT, (ev) => {
                       latency_s: d.latency_s, decode_s: d.decode_s });
     S.info.chunks = d.chunk + 1;
     came.chunks.set(d.chunk, { kind: "chunk" });
-    S.frames.push(...(d.frames || []));
+    feedFrames(S, d);
     log.frames = S.frames.length;
-    S.fps = d.fps || 16;
-    playFrames();
     setStatus(`chunk ${d.chunk + 1} · ${d.action} · ${Math.round(d.latency_s * 1000)} ms ` +
               `(decode ${Math.round((d.decode_s / Math.max(d.latency_s, 1e-9)) * 100)}%)`);
     if (S.waiting && S.waiting.chunk === d.chunk) settle({ kind: "chunk" });
@@ -199,16 +199,6 @@ for (const name of ["execution_error", "execution_interrupted"]) {
 }
 
 // ------------------------------------------------------------------------------------------------ view
-function playFrames() {
-  if (S.timer || !S.img) return;
-  S.timer = setInterval(() => {
-    if (S.shown >= S.frames.length) { clearInterval(S.timer); S.timer = null; return; }
-    S.img.src = "data:image/jpeg;base64," + S.frames[S.shown];
-    S.shown += 1;
-    log.shown = S.shown;
-  }, 1000 / (S.fps || 16));
-}
-
 function setStatus(text) {
   if (S.statusEl) S.statusEl.textContent = text;
 }
@@ -353,7 +343,7 @@ function render() {
     el("div", { style: { margin: "4px 0" } }, ...Object.values(S.buttons)), S.statusEl, S.savedEl);
   renderKeys();
   renderButtons();
-  if (S.frames.length) { S.shown = Math.max(0, S.frames.length - 1); playFrames(); }
+  if (S.frames.length) { S.shown = Math.max(0, S.frames.length - 1); playFrames(S); }
   setStatus(S.session ? (S.info?.ended ? `session ended (${S.info.ended})`
                                        : `ready: ${S.info?.chunks || 0} chunks made; press Play`) : "no session");
 }
