@@ -388,8 +388,8 @@ def _refuse_constant(name: str):
 def survey(directory) -> tuple:
     """(recognised, unusable, notes) of the JSON files in ``directory``: recognised [(format name, config path,
     config)] with each config a ``FixtureConfig``; unusable [(config path, why)] for every ``*_config.json`` that
-    cannot be read (NaN / Infinity in it refused) or is no format's (a fixture config the check cannot use is said, never skipped); notes for
-    other JSON files that name a fixture kind the check does not run."""
+    cannot be read (NaN / Infinity in it refused) or is no format's (a fixture config the check cannot use is said,
+    never skipped); notes for other JSON files that name a fixture kind the check does not run."""
     recognised, unusable, notes = [], [], []
     for path in sorted(Path(directory).glob("*.json")):
         is_config = path.name.endswith("_config.json")
