@@ -26,6 +26,7 @@ log = logging.getLogger("wan_accel.profiling")
 
 # Traces larger than this are written but not re-read for the idle/kernel statistics.
 MAX_TRACE_BYTES_TO_ANALYSE = 768 * 1024 * 1024
+TOP = 15        # rows of the top ops and top kernels tables
 _LOCK = threading.Lock()
 
 
@@ -88,15 +89,12 @@ class ProfileSession:
     """
 
     def __init__(self, *, out_dir, trace_name: str = "profile", device=None, record_shapes: bool = False,
-                 with_stack: bool = False, top: int = 15, model_calls: int | None = None,
-                 class_flops: dict | None = None):
+                 model_calls: int | None = None, class_flops: dict | None = None):
         self.model_calls, self.class_flops = model_calls, class_flops   # for the per-class breakdown
         self.out_dir = Path(out_dir).expanduser()
         self.trace_name = str(trace_name)
         self.device = resolve_device(device)
         self.record_shapes = record_shapes
-        self.with_stack = with_stack
-        self.top = top
         self._window = DynamoWindow()
         self._prof = None
         self._began = False
@@ -163,8 +161,7 @@ class ProfileSession:
 
         self.begin()
         if self._prof is None:
-            self._prof = torch.profiler.profile(activities=self._activities(), record_shapes=self.record_shapes,
-                                                with_stack=self.with_stack)
+            self._prof = torch.profiler.profile(activities=self._activities(), record_shapes=self.record_shapes)
             try:
                 self._prof.start()
             except BaseException:       # the profiler itself would not start: stop the window as a failed run does
@@ -209,7 +206,7 @@ class ProfileSession:
             warmup_times_s=[round(t, 6) for t in self.warmup_times],
             trace_path=str(trace_path) if trace_path else None, compile=compile_stats,
             gpu=gpu_idle_stats(events, labels) if events else None,
-            top_ops=self._top_ops(), top_kernels=top_kernels(events, self.top) if events else [],
+            top_ops=self._top_ops(), top_kernels=top_kernels(events, TOP) if events else [],
             peak_memory=self._peak_memory(), torch_version=torch.__version__)
         if report.gpu is not None:
             report.kernel_classes = kernel_breakdown(events, labels, model_calls=self.model_calls,
@@ -253,7 +250,7 @@ class ProfileSession:
                          "cpu_total_us": round(float(e.cpu_time_total), 3)})
         key = "self_device_us" if self.is_cuda and any(r["self_device_us"] for r in rows) else "self_cpu_us"
         rows.sort(key=lambda r: r[key], reverse=True)
-        return rows[: self.top]
+        return rows[:TOP]
 
     def _peak_memory(self) -> dict:
         used, reserved = peak_memory_bytes(self.device)
@@ -262,8 +259,8 @@ class ProfileSession:
 
 
 def profile_run(fn: Callable[[], Any], *, runs: int = 1, out_dir, trace_name: str = "profile", device=None,
-                warmup: int = 0, record_shapes: bool = False, with_stack: bool = False,
-                top: int = 15, model_calls: int | None = None, class_flops: dict | None = None) -> ProfileReport:
+                warmup: int = 0, record_shapes: bool = False, model_calls: int | None = None,
+                class_flops: dict | None = None) -> ProfileReport:
     """Call ``fn()`` ``warmup`` times unprofiled, then ``runs`` times under torch.profiler.
 
     Writes a Chrome/Perfetto JSON trace into ``out_dir`` and returns a ProfileReport (its ``result`` is the last
@@ -278,8 +275,7 @@ def profile_run(fn: Callable[[], Any], *, runs: int = 1, out_dir, trace_name: st
                            "another (profilers cannot nest)")
     with _LOCK:
         session = ProfileSession(out_dir=out_dir, trace_name=trace_name, device=device,
-                                 record_shapes=record_shapes, with_stack=with_stack, top=top,
-                                 model_calls=model_calls, class_flops=class_flops)
+                                 record_shapes=record_shapes, model_calls=model_calls, class_flops=class_flops)
         for _ in range(int(warmup)):
             session.warmup(fn)      # a warm-up or run that raises stops the window before it propagates
         for _ in range(int(runs)):

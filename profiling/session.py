@@ -34,14 +34,13 @@ class ProfileRequest:
     """
 
     def __init__(self, runs: int = 1, out_dir=None, *, name: str = "wan_sampler", record_shapes: bool = False,
-                 with_stack: bool = False, history: bool = True, settings: dict | None = None, device=None):
+                 history: bool = True, settings: dict | None = None, device=None):
         if int(runs) < 1:
             raise ValueError(f"runs must be >= 1, got {runs}")
         self.runs = int(runs)
         self.out_dir = out_dir
         self.name = str(name)
         self.record_shapes = bool(record_shapes)
-        self.with_stack = bool(with_stack)
         self.history = bool(history)
         self.settings = dict(settings or {})
         self.device = device
@@ -92,7 +91,7 @@ class ProfileRequest:
 
         out_dir = self.out_dir if self.out_dir is not None else default_out_dir()
         return ProfileSession(out_dir=out_dir, trace_name=self.name, device=self.device,
-                              record_shapes=self.record_shapes, with_stack=self.with_stack)
+                              record_shapes=self.record_shapes)
 
     def _skip(self, msg: str) -> None:
         log.warning("wan_accel profile: %s", msg)
