@@ -15,7 +15,8 @@ FINGERPRINT_FIELDS = ("device", "gpu", "capability", "total_memory", "driver", "
 SOFTWARE_FIELDS = ("driver", "cuda", "torch", "triton")
 
 
-def _package_version(name: str) -> str:
+def package_version(name: str) -> str:
+    """The installed version of the distribution ``name`` (from its metadata), or 'none' where it is absent."""
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -51,7 +52,7 @@ def _compute(device_index: int | None) -> tuple:
 
     base = {
         "torch": torch.__version__,
-        "triton": _package_version("triton"),
+        "triton": package_version("triton"),
     }
     if device_index is not None and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device_index)

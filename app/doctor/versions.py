@@ -11,8 +11,9 @@ import importlib.util
 import platform
 import re
 import sys
-from importlib import metadata
 from pathlib import Path
+
+from ...cache.fingerprint import package_version as _dist
 
 LIBRARIES = ("torch", "triton", "flash-attn", "flash_attn_3", "comfy-kitchen", "safetensors", "numpy")
 STACK = ("comfyui", "comfyui-frontend-package", "comfy-kitchen", "comfy-aimdo", "torch", "triton")
@@ -22,13 +23,6 @@ AIMDO_FIX = ("install the comfy-aimdo that ComfyUI's requirements.txt names (0.5
              "Compiler): `python -m pip install -r requirements.txt` in ComfyUI's folder")
 KITCHEN_FIX = ("install the comfy-kitchen that ComfyUI's requirements.txt names (0.2.34 or newer for ComfyUI 0.36 "
                "and later): `python -m pip install -r requirements.txt` in ComfyUI's folder")
-
-
-def _dist(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return NOT_FOUND
 
 
 def _version_file() -> Path | None:
