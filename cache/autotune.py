@@ -525,7 +525,7 @@ def _merge(old, kernel, key, policy, measured, new_failed, last_working) -> dict
 
 # ----------------------------------------------------------------------------- the stored shape
 def operator_shape(value: dict) -> None:
-    """The fields ``tune`` reads from a stored entry; anything else makes the entry set aside (store.register_shape)."""
+    """The fields ``tune`` reads from a stored entry; anything else makes the entry set aside (register_shape)."""
     timings = value.get("timings", {})
     if not isinstance(timings, dict) or not all(finite_number(ms) for ms in timings.values()):
         raise ValueError("'timings' must map config ids to finite numbers")

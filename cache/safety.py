@@ -199,7 +199,7 @@ def check_writable_place(path) -> None:
             raise CacheUnavailableError(f"{what} {p} is {kind}; the limit cache writes only its own regular files")
 
 
-def describe_os_error(exc: OSError) -> str:
-    """'permission denied' style text of an OSError (without the repeated path)."""
-    text = exc.strerror or str(exc)
+def describe_os_error(exc: OSError | ValueError) -> str:
+    """'permission denied' style text of an OSError (without the repeated path), or a refusal's message."""
+    text = getattr(exc, "strerror", None) or str(exc)
     return text[:1].lower() + text[1:] if text else type(exc).__name__

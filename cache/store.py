@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import json
 import os
 import socket
@@ -37,10 +36,9 @@ from typing import Callable
 
 from filelock import FileLock, Timeout
 
-from .entries import (FILE_KIND, MIGRATIONS, NAMESPACE_RE, SCHEMA_VERSION, _SHAPES_GEN,  # noqa: F401 (re-exported)
-                      CacheFormatError, Lenient, _check_json_value, _empty, _refuse_constant, _validate, finite_number,
-                      loads_lenient, register_shape, shape_problem)
-from .owned_files import read_regular, replace_file
+from .entries import (NAMESPACE_RE, _SHAPES_GEN, CacheFormatError, Lenient, _check_json_value, _empty, _refuse_constant,
+                      _validate, finite_number, loads_lenient, shape_problem)
+from .owned_files import OwnedFileError, read_regular, replace_file
 from .fingerprint import SOFTWARE_FIELDS, fingerprint as _fingerprint, fingerprint_id as _fingerprint_id
 from .paths import default_cache_path
 from .safety import (CacheUnavailableError, check_writable_place, describe_os_error, file_kind, loads_json,
@@ -140,12 +138,9 @@ class LimitCache:
         return (st.st_ino, st.st_mtime_ns, st.st_size, _SHAPES_GEN[0])  # a newly registered shape re-reads
 
     def _parse_file(self) -> dict:
-        """Parse the file; raise CacheFormatError on any damage, FileNotFoundError when absent, OSError when it is
-        not a regular file (a device, a pipe or a folder is never read: a pipe would block)."""
-        st = os.stat(self.path)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file (a device, a pipe or a folder)", str(self.path))
-        raw = self.path.read_bytes()
+        """Parse the file; raise CacheFormatError on any damage, FileNotFoundError when absent, OwnedFileError when
+        it is not a regular file (a device, a pipe or a folder is never read: a pipe would block)."""
+        raw = read_regular(self.path)
         try:
             hooks = Lenient()
             data = loads_lenient(raw.decode("utf-8-sig"), hooks)   # a BOM an editor added is not damage
@@ -323,7 +318,7 @@ class LimitCache:
                 return self._recover(str(exc), stamp)
             self._quarantine(str(exc))
             data = _empty()
-        except OSError as exc:
+        except (OSError, OwnedFileError) as exc:
             warn_once(self.path, "read", f"wan_accel limit cache {self.path} cannot be read "
                                          f"({describe_os_error(exc)}); using an empty cache")
             data = _empty()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from wan_accel.cache import LimitCache, default_cache_path, fingerprint, fingerprint_id
-from wan_accel.cache.store import FILE_KIND, SCHEMA_VERSION
+from wan_accel.cache.entries import FILE_KIND, SCHEMA_VERSION
 
 FP_A = {"device": "cuda", "gpu": "GPU A", "capability": "9.0", "total_memory": 80, "driver": "1.0",
         "cuda": "12.4", "torch": "2.13.0", "triton": "3.9.0"}
