@@ -49,13 +49,10 @@ def _clean(value):
 
 
 def make_record(kind: str, *, settings: dict | None = None, timings: dict | None = None,
-                peak_memory_bytes: int | None = None, cache_hits=None, label: str = "",
-                fingerprint: str | None = None, **extra) -> dict:
-    """Build a record with the standard fields (see the module docstring)."""
+                peak_memory_bytes: int | None = None, cache_hits=None, label: str = "", **extra) -> dict:
+    """Build a record with the standard fields (see the module docstring); ``extra``: more fields."""
     rec = {"kind": kind, "label": label, "settings": dict(settings or {}), "timings": dict(timings or {}),
            "peak_memory_bytes": peak_memory_bytes, "cache_hits": cache_hits}
-    if fingerprint is not None:
-        rec["fingerprint"] = fingerprint
     rec.update(extra)
     return rec
 

@@ -5,6 +5,8 @@ import dataclasses
 import time
 from typing import Any
 
+from .history import make_record
+
 
 def fmt_bytes(n) -> str:
     if n is None:
@@ -64,18 +66,13 @@ class ProfileReport:
 
     def history_record(self, settings: dict | None = None) -> dict:
         """A record for ``profiling.history.append`` (kind 'profile')."""
-        return {
-            "kind": "profile",
-            "label": self.name,
-            "settings": dict(settings or {}),
-            "timings": {"total_s": self.mean_run_s, "runs_s": list(self.run_times_s),
-                        "compile_s": self.compile.get("compile_total_s")},
-            "peak_memory_bytes": self.peak_memory.get("bytes"),
-            "graph_breaks": self.compile.get("graph_break_count", 0),
-            "recompiles": self.compile.get("recompile_count", 0),
-            "gpu_idle_fraction": (self.gpu or {}).get("idle_fraction"),
-            "trace": self.trace_path,
-        }
+        return make_record("profile", label=self.name, settings=settings,
+                           timings={"total_s": self.mean_run_s, "runs_s": list(self.run_times_s),
+                                    "compile_s": self.compile.get("compile_total_s")},
+                           peak_memory_bytes=self.peak_memory.get("bytes"),
+                           graph_breaks=self.compile.get("graph_break_count", 0),
+                           recompiles=self.compile.get("recompile_count", 0),
+                           gpu_idle_fraction=(self.gpu or {}).get("idle_fraction"), trace=self.trace_path)
 
     # ------------------------------------------------------------------ advice
     def hints(self) -> list[str]:
