@@ -10,15 +10,17 @@ FILE_NAME = "limits.json"
 APP_NAME = "wan_accel"
 
 
-def _comfy_user_directory() -> Path | None:
-    # Only when running inside ComfyUI: its ``folder_paths`` module is already imported then.
+def comfy_folder(getter: str) -> Path | None:
+    """The folder ComfyUI's ``folder_paths.<getter>()`` names (``get_user_directory``, ``get_output_directory``),
+    only when running inside ComfyUI: its ``folder_paths`` module is already imported then (never imported
+    here). None outside ComfyUI or when the getter fails: the caller falls back to its own folder."""
     fp = sys.modules.get("folder_paths")
-    getter = getattr(fp, "get_user_directory", None) if fp is not None else None
-    if getter is None:
+    get = getattr(fp, getter, None) if fp is not None else None
+    if get is None:
         return None
     try:
-        return Path(getter())
-    except Exception:  # noqa: BLE001 - fall back to the platform folder
+        return Path(get())
+    except Exception:  # noqa: BLE001 - the caller's own folder instead
         return None
 
 
@@ -41,7 +43,7 @@ def default_cache_path() -> Path:
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
         return cache_path_from_env(env)
-    comfy = _comfy_user_directory()
+    comfy = comfy_folder("get_user_directory")
     if comfy is not None:
         return comfy / APP_NAME / FILE_NAME
     try:

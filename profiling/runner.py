@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..cache.owned_files import write_with
+from ..cache.paths import comfy_folder
 from .dynamo_stats import DynamoWindow
 from .report import ProfileReport
 from .trace_stats import gpu_idle_stats, kernel_breakdown, top_kernels
@@ -286,13 +287,7 @@ def profile_run(fn: Callable[[], Any], *, runs: int = 1, out_dir, trace_name: st
 def default_out_dir() -> Path:
     """ComfyUI's output folder (``<output>/wan_accel_profiles``) inside ComfyUI, else ``./wan_accel_profiles``.
 
-    ComfyUI is detected by its ``folder_paths`` module being loaded already; it is never imported here.
+    ComfyUI is detected by its ``folder_paths`` module being loaded already (``cache.paths.comfy_folder``).
     """
-    fp = sys.modules.get("folder_paths")
-    getter = getattr(fp, "get_output_directory", None) if fp is not None else None
-    if getter is not None:
-        try:
-            return Path(getter()) / "wan_accel_profiles"
-        except Exception:  # noqa: BLE001 - fall back to the working directory
-            pass
-    return Path(os.getcwd()) / "wan_accel_profiles"
+    output = comfy_folder("get_output_directory")
+    return (output if output is not None else Path(os.getcwd())) / "wan_accel_profiles"
