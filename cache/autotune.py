@@ -366,8 +366,7 @@ class Autotuner:
             return result
 
     def slower_than_exact(self, kernel: str, key: str, mode: str, run_mode: Callable[..., object],
-                          run_exact: Callable[..., object], make: Callable[[], tuple] | None = None
-                          ) -> tuple[bool | None, str]:
+                          run_exact: Callable[..., object], make: Callable[[], tuple]) -> tuple[bool | None, str]:
         """(slower, the two timings in words) of an opt-in approximate ``mode`` against the exact path, tuned as the
         configs {'impl': mode} and {'impl': 'exact'} of ``kernel@TIMING`` at ``key`` (one verdict per fingerprint and key:
         a second process times nothing). slower is None when nothing could be measured. ``make()`` gives the
@@ -376,8 +375,6 @@ class Autotuner:
         made: list = []
 
         def call(fn):
-            if make is None:
-                return fn()
             if not made:
                 made.append(make())
             return fn(*made[0])
