@@ -105,11 +105,10 @@ class Lenient:
             return self.mark(text)
 
 
-def loads_lenient(text: str, hooks: Lenient | None = None):
+def loads_lenient(text: str, hooks: Lenient):
     """json.loads that reads NaN, Infinity, -Infinity, a number beyond float range (1e999) and an integer too
     long to read as :class:`_Unusable` markers, so the entries holding them can be found and set aside one by
     one; ``hooks.unusable`` counts them."""
-    hooks = hooks or Lenient()
     try:
         return loads_json(text, parse_constant=hooks.mark, parse_float=hooks.parse_float)
     except json.JSONDecodeError:
@@ -118,15 +117,6 @@ def loads_lenient(text: str, hooks: Lenient | None = None):
         hooks.unusable = 0
         return loads_json(text, parse_constant=hooks.mark, parse_float=hooks.parse_float,
                           parse_int=hooks.parse_int)
-
-
-def _all_finite(data) -> bool:
-    """True when ``data`` holds no unusable number (checked at C speed; the slow search runs only otherwise)."""
-    try:
-        json.dumps(data, allow_nan=False, check_circular=False)
-    except (ValueError, TypeError, RecursionError):
-        return False
-    return True
 
 
 def _unusable_in(value, where: str = "") -> str | None:
@@ -196,9 +186,10 @@ def _set_aside_item(namespace, fid, key, raw, reason: str) -> dict:
             "time": time.time()}
 
 
-def _validate(data, finite: bool | None = None) -> tuple[dict, list[dict]]:
+def _validate(data, finite: bool) -> tuple[dict, list[dict]]:
     """Schema-current data and the items set aside from it; CacheFormatError when the file as a whole is not a
-    limit cache (not an object, wrong kind or schema, 'fingerprints'/'namespaces' not objects).
+    limit cache (not an object, wrong kind or schema, 'fingerprints'/'namespaces' not objects). ``finite``: the
+    lenient parse found no unusable number (``Lenient.unusable``), so no entry is searched for one.
 
     Damage below that level costs only the damaged part: an entry with wrong types or an unusable number, a
     fingerprint record that is not an object, a namespace or fingerprint group that is not an object is removed
@@ -222,7 +213,6 @@ def _validate(data, finite: bool | None = None) -> tuple[dict, list[dict]]:
     if not isinstance(fps, dict) or not isinstance(spaces, dict):
         raise CacheFormatError("'fingerprints' and 'namespaces' must be objects")
     aside: list[dict] = []
-    finite = _all_finite(data) if finite is None else finite
     for name in [k for k in data if k not in ("kind", "schema", "fingerprints", "namespaces")]:
         bad = None if finite else _unusable_in(data[name])
         if bad:

@@ -365,12 +365,11 @@ def _last_byte(fd: int, size: int) -> bytes:
     return os.read(fd, 1)
 
 
-def append_line(path, line, *, option: str = "", purpose: str = "the line", cache_path=None,
-                allow: tuple = ()) -> Path:
+def append_line(path, line, *, option: str = "", purpose: str = "the line", allow: tuple = ()) -> Path:
     """Append one line (str or bytes; a newline is added when missing) as ONE write on an ``O_APPEND``
     descriptor opened without following a link, to a regular file with no other names. A last line left torn
     by a crash is ended first, so the new line stands alone. Returns the path."""
-    p = check_target(path, option=option, purpose=purpose, cache_path=cache_path, allow=allow)
+    p = check_target(path, option=option, purpose=purpose, allow=allow)
     data = line.encode("utf-8") if isinstance(line, str) else bytes(line)
     if not data.endswith(b"\n"):
         data += b"\n"
