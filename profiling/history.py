@@ -103,8 +103,7 @@ def append(record: dict, path=None) -> dict:
 
     lock = Path(str(p) + ".lock")
     try:
-        check_target(p, purpose="the metrics history", allow=(FILE_NAME,))
-        check_target(lock, purpose="the metrics history's lock", allow=(FILE_NAME + ".lock",))
+        check_target(lock, purpose="the metrics history's lock", allow=(FILE_NAME + ".lock",))   # the file: append_line
         p.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock), timeout=LOCK_TIMEOUT_S):
             append_line(p, data, purpose="the metrics history", allow=(FILE_NAME,))
