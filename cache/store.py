@@ -193,45 +193,41 @@ class LimitCache:
         """The side file that keeps entries set aside from the cache (``limits.json.set-aside.json``)."""
         return Path(str(self.path) + SET_ASIDE_SUFFIX)
 
-    def _read_set_aside(self) -> list[dict] | None:
-        """The items in the side file ([] when absent); None when it exists but cannot be read as one (why:
-        ``set_aside_problem()``). At most ``SET_ASIDE_BYTES`` are ever read."""
-        self._aside_problem = None
+    def _read_set_aside(self) -> tuple[list[dict] | None, str | None]:
+        """(the items in the side file ([] when absent), None), or (None, why) when it exists but cannot be read as
+        one. At most ``SET_ASIDE_BYTES`` are ever read."""
         p = self.set_aside_path
         try:
             st = os.lstat(p)
         except (FileNotFoundError, NotADirectoryError):
-            return []
+            return [], None
         except OSError as exc:
-            return self._aside_refused(f"it cannot be inspected ({exc.strerror or exc})")
+            return None, f"it cannot be inspected ({exc.strerror or exc})"
         if not stat.S_ISREG(st.st_mode):
-            return self._aside_refused(f"it is {file_kind(st.st_mode)}, not a file")
+            return None, f"it is {file_kind(st.st_mode)}, not a file"
         if st.st_size > SET_ASIDE_BYTES:
-            return self._aside_refused(f"it is {st.st_size} bytes, larger than any set-aside file the pack writes "
-                                       f"({SET_ASIDE_BYTES >> 20} MiB); it was not read")
+            return None, (f"it is {st.st_size} bytes, larger than any set-aside file the pack writes "
+                          f"({SET_ASIDE_BYTES >> 20} MiB); it was not read")
         try:
             raw = read_regular(p, SET_ASIDE_BYTES + 1)
             if len(raw) > SET_ASIDE_BYTES:
-                return self._aside_refused(f"it is larger than {SET_ASIDE_BYTES >> 20} MiB; it was not read")
+                return None, f"it is larger than {SET_ASIDE_BYTES >> 20} MiB; it was not read"
             data = loads_json(raw.decode("utf-8"), parse_constant=_refuse_constant)
         except (OSError, UnicodeDecodeError, ValueError) as exc:    # nested too deeply: a ValueError of loads_json
             why = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
-            return self._aside_refused(f"it is damaged ({why})")
+            return None, f"it is damaged ({why})"
         items = data.get("items") if isinstance(data, dict) and data.get("kind") == SET_ASIDE_KIND else None
         if not isinstance(items, list):
-            return self._aside_refused("it is not a set-aside file of the cache (no 'kind' and 'items' of one)")
-        return [i for i in items if isinstance(i, dict)]
-
-    def _aside_refused(self, why: str) -> None:
-        self._aside_problem = why
-        return None
+            return None, "it is not a set-aside file of the cache (no 'kind' and 'items' of one)"
+        return [i for i in items if isinstance(i, dict)], None
 
     def set_aside_problem(self) -> str | None:
         """Why the set-aside file cannot be read (damaged, too large, not a file), with what to do; None when it
         reads (or is absent)."""
-        if self._read_set_aside() is not None:
+        why = self._read_set_aside()[1]
+        if why is None:
             return None
-        return (f"the set-aside file {self.set_aside_path} cannot be read: {self._aside_problem}. It only keeps "
+        return (f"the set-aside file {self.set_aside_path} cannot be read: {why}. It only keeps "
                 f"entries set aside for you to read (never used); move it away or delete it when you no longer "
                 f"need it, and new ones are kept in a new file")
 
@@ -244,7 +240,7 @@ class LimitCache:
             refusal = quarantine_refusal(self.path)
             if refusal is not None:
                 raise CacheUnavailableError(f"the cache file is not the pack's own ({refusal})")
-            old = self._read_set_aside()
+            old = self._read_set_aside()[0]
             if old is None:
                 raise CacheUnavailableError(f"{self.set_aside_path} exists but is not a set-aside file of the cache")
             new = _unseen(old, pending)
@@ -276,7 +272,7 @@ class LimitCache:
         ``namespace``, ``fingerprint``, ``key``, ``entry`` (the raw entry; unusable numbers as their text),
         ``reason`` and ``time``. They are never used; the user may read them and delete the side file."""
         self._snapshot()
-        items = list(self._read_set_aside() or [])
+        items = self._read_set_aside()[0] or []
         return items + _unseen(items, self._aside_unsaved + self._aside_now)
 
     def notices(self) -> list[str]:
