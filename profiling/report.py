@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from .history import make_record
+from .trace_stats import IDLE_REMARK_FRACTION, breakdown_table
 
 
 def fmt_bytes(n) -> str:
@@ -90,7 +91,7 @@ class ProfileReport:
                 out.append("dynamo hit its recompile limit: the function now runs uncompiled (slow); "
                            "see the warning above.")
                 break
-        if self.gpu and self.gpu.get("idle_fraction", 0) >= 0.30:
+        if self.gpu and self.gpu.get("idle_fraction", 0) >= IDLE_REMARK_FRACTION:
             out.append(self.gpu.get("verdict", ""))
         return [h for h in out if h]
 
@@ -137,7 +138,6 @@ class ProfileReport:
                 L.append(f"    {r['self_cpu_us'] / 1000:11.3f} {r['self_device_us'] / 1000:11.3f} "
                          f"{r['count']:6d}  {_one_line(r['name'], 90)}")
         if self.kernel_classes:
-            from .trace_stats import breakdown_table
             L.append("  GPU time by kernel class (per profiled run):")
             L.extend("    " + line for line in breakdown_table(self.kernel_classes, self.ceilings).splitlines())
         if self.top_kernels:
