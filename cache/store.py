@@ -101,9 +101,9 @@ class LimitCache:
         self._data: dict | None = None
         self._stamp = None
         self._pending_hits: dict[tuple[str, str, str], list] = {}
-        self._refused: str | None = None
+        self._refused: str | None = None        # why the file on disk may not be replaced (not the cache's own)
         self._write_error: str | None = None    # why the last write could not reach the disk
-        self._unsaved: dict | None = None       # this process's view while writes fail (kept in memory)        # why the file on disk may not be replaced (not the cache's own)
+        self._unsaved: dict | None = None       # this process's view while writes fail (kept in memory)
         self.quarantined: list[dict] = []       # files this instance moved aside: path, moved_to, reason, time
         self._aside_now: list[dict] = []        # entries of the file last read that were set aside
         self._aside_unsaved: list[dict] = []    # set-aside items the side file could not take
