@@ -87,11 +87,9 @@ def _default_device_index() -> int | None:
 
 
 def fingerprint(device=None) -> dict:
-    """The fingerprint of ``device`` (a CUDA index, ``torch.device``, or None for the current device / CPU)."""
+    """The fingerprint of ``device`` (a ``torch.device`` or its name, or None for the current device / CPU)."""
     if device is None:
         index = _default_device_index()
-    elif isinstance(device, int):
-        index = device
     else:
         dev = str(device)
         if dev.startswith("cpu"):
