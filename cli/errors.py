@@ -12,11 +12,9 @@ import errno
 import sys
 import warnings
 
-DEBUG_ENV = "WAN_ACCEL_DEBUG"
+from ..profiling.child import DEBUG_ENV, debug
+
 USAGE_EXIT, RUN_EXIT = 2, 1
-
-
-from ..app.validate import UsageError  # noqa: E402,F401  (re-exported: the command line's usage errors)
 
 
 def _safetensors_error_types() -> tuple:
@@ -75,7 +73,6 @@ def run_guarded(func, args) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - this is the one place that turns errors into messages
-        from ..profiling.child import debug
         if debug():                                     # only 1/true/yes/on: WAN_ACCEL_DEBUG=false keeps it quiet
             raise
         message, code = describe(exc)

@@ -5,7 +5,7 @@ import re
 import sys
 
 from ..app.validate import UsageError, check_float, check_geometry, check_input_file, check_int, check_window
-from .output import print_json
+from ..cache.json_out import print_json
 
 PRESETS = ("1.3b", "14b", "14b-i2v", "krea-14b")
 
@@ -109,7 +109,7 @@ def _plan(args) -> int:
                      cache=cache, use_learned=not args.no_learned, vae_kind=None if args.vae == "auto" else args.vae,
                      reserve_name="--reserve-gb")
     if args.json:
-        print_json(plan.to_dict())
+        print_json(plan.to_dict(), sort_keys=True)
     else:
         print(plan.summary())
     return 0
