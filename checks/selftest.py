@@ -579,24 +579,17 @@ def fp8_stage(device: str, out: Path) -> dict:
     the scaled matmul) against the same weights dequantized, on this device: relative RMS error of the video."""
     import torch
     from safetensors.torch import save_file
-    from ..model.checkpoint import METADATA_KEY, keeps_fp8
+    from ..model.checkpoint import METADATA_KEY
     from ..model.loader import load_wan_checkpoint
     from ..model.quant import FP8Linear, fp8_matmul_path
+    from ..model.random_checkpoint import fp8_scaled
     from ..model.tiny import TINY_CONFIG, tiny_causal_model
     from ..app.prepare import RunInputs, RunSpec, prepare
 
-    e4m3 = torch.float8_e4m3fn
     state = {n: t.detach().clone().contiguous() for n, t in tiny_causal_model(seed=3).state_dict().items()}
-    fp8, deq = {}, {}
-    for name, t in state.items():
-        if not keeps_fp8(name, "F8_E4M3", t.shape):
-            fp8[name] = deq[name] = t
-            continue
-        scale = t.abs().max() / torch.finfo(e4m3).max
-        q = (t / scale).to(e4m3)
-        fp8[name], deq[name] = q, q.float() * scale
-        fp8[f"{name[:-len('.weight')]}.scale_weight"] = scale.reshape(())
-    fp8["scaled_fp8"] = torch.empty(0, dtype=e4m3)
+    fp8, _meta = fp8_scaled(state, legacy=True)     # the block linears in e4m3, ComfyUI's legacy scale_weight layout
+    scales = {n: fp8.get(n[:-len(".weight")] + ".scale_weight") for n in state}
+    deq = {n: t if scales[n] is None else fp8[n].float() * scales[n] for n, t in state.items()}
     out.mkdir(parents=True, exist_ok=True)
     meta = {METADATA_KEY: json.dumps(TINY_CONFIG.to_dict())}
     save_file(fp8, str(out / "fp8.safetensors"), metadata=meta)
