@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import sys
 import warnings
+from contextlib import contextmanager
 
 from ..profiling.child import DEBUG_ENV, debug
 
@@ -85,17 +86,15 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
     print(f"warning: {_one_line(str(message))}", file=file or sys.stderr)
 
 
-class clean_warnings:
-    """Context manager: warnings printed by :func:`show_warning` while a command runs."""
-
-    def __enter__(self):
-        self._saved = warnings.showwarning
-        warnings.showwarning = show_warning
-        return self
-
-    def __exit__(self, *exc):
-        warnings.showwarning = self._saved
-        return False
+@contextmanager
+def clean_warnings():
+    """Warnings printed by :func:`show_warning` while a command runs."""
+    saved = warnings.showwarning
+    warnings.showwarning = show_warning
+    try:
+        yield
+    finally:
+        warnings.showwarning = saved
 
 
 def announce_cache_problem(command: str) -> None:
