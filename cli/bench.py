@@ -27,8 +27,6 @@ SIDES = {"native": ("..nodes.comfy.native_bench",)}
 
 # bench options that must be positive numbers: (attribute, exclusive low, high)
 POSITIVE_NUMBERS = (("peak_tflops", 0.0, 1e6), ("timeout", 0.0, 86400.0), ("memory_cap_gb", 0.0, 1e6))
-# bench options naming a folder the bench writes into (bench native --workdir)
-OUTPUT_FOLDERS = ("workdir",)
 
 
 def check_bench_args(what: str, ns) -> None:
@@ -39,9 +37,8 @@ def check_bench_args(what: str, ns) -> None:
     for name, convert in (("checkpoint", "convert"), ("vae", None)):   # weights files: readable safetensors, first
         if getattr(ns, name, None) is not None:        # '' too: an empty path is refused, never taken as "none"
             check_input_file("--" + name, getattr(ns, name), convert=convert)
-    for name in OUTPUT_FOLDERS:         # folders a bench writes: checked before anything runs (a file there, ...)
-        if getattr(ns, name, None) is not None:
-            check_output_dir("--" + name, getattr(ns, name))
+    if getattr(ns, "workdir", None) is not None:     # the folder bench native writes: checked before anything runs
+        check_output_dir("--workdir", ns.workdir)
     if getattr(ns, "device", None) is not None:          # one check of --device for every bench
         ns.device = check_device("--device", ns.device)
     for name, lo, hi in POSITIVE_NUMBERS:        # rates and times: a figure made from 0 or a negative one is wrong
