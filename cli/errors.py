@@ -18,14 +18,6 @@ from ..profiling.child import DEBUG_ENV, debug
 USAGE_EXIT, RUN_EXIT = 2, 1
 
 
-def _safetensors_error_types() -> tuple:
-    try:
-        from safetensors import SafetensorError
-        return (SafetensorError,)
-    except ImportError:  # older safetensors: the error is only reachable through its module
-        return ()
-
-
 def _one_line(text: str) -> str:
     lines = [ln.rstrip() for ln in str(text).strip().splitlines() if ln.strip()]
     return "\n  ".join(lines) if lines else ""
@@ -40,6 +32,8 @@ _PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP)
 
 def describe(exc: BaseException) -> tuple[str, int]:
     """(message, exit code) of an exception raised by a command."""
+    from safetensors import SafetensorError
+
     from ..cache.safety import CacheUnavailableError
 
     if isinstance(exc, CacheUnavailableError):
@@ -51,7 +45,7 @@ def describe(exc: BaseException) -> tuple[str, int]:
         return f"a file or value is not valid text ({exc})", USAGE_EXIT
     if isinstance(exc, ValueError):
         return _one_line(str(exc)), USAGE_EXIT
-    if isinstance(exc, _safetensors_error_types()):
+    if isinstance(exc, SafetensorError):
         return f"not a readable safetensors file ({_one_line(str(exc))})", USAGE_EXIT
     if isinstance(exc, TimeoutError):
         return _one_line(str(exc)), RUN_EXIT
