@@ -18,6 +18,7 @@ from unittest import mock
 from ..cache.json_out import to_json
 from ..profiling.child import child_argv, run_for_json
 from . import bench_timer
+from .options import dtype_option
 
 # (label, B, L, D, heads): a causal chunk of 3 latent frames at 480x832 for Wan 1.3B and 14B
 GPU_SHAPES = (("1.3B chunk", 1, 4680, 1536, 12), ("14B chunk", 1, 4680, 5120, 40))
@@ -25,9 +26,8 @@ GPU_SHAPES = (("1.3B chunk", 1, 4680, 1536, 12), ("14B chunk", 1, 4680, 5120, 40
 
 def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                        help="dtype of the timed kernels on a CUDA GPU (default bf16; without one, the sanity "
-                        "pass runs float32)")
+    dtype_option(parser, "dtype of the timed kernels on a CUDA GPU (default bf16; without one, the sanity pass runs "
+                 "float32)", default="bf16")
     parser.add_argument("--frames", type=int, default=3, help="frames per chunk (per-frame modulation F)")
 
 
@@ -486,6 +486,7 @@ def run(args) -> int:
     import torch
 
     from ..app.progress import Progress
+    from ..app.validate import TORCH_NAMES
     from ..kernels._common import interpret_enabled, triton_module
     progress = Progress("bench kernels")
     if not torch.cuda.is_available() or triton_module() is None:
@@ -515,6 +516,7 @@ def run(args) -> int:
             _print_candidates(cands)
             _print_vae(vae)
         return 0 if ok else 1
+    args.dtype = TORCH_NAMES[args.dtype]        # the torch spelling from here on: the rows name it so
     progress(f"timing the fused kernels against torch, autotune cold and warm ({args.dtype})")
     rows = gpu_rows(args.dtype, args.frames)
     progress("timing the candidates of every fused op")

@@ -7,6 +7,15 @@ builds the parser from here and imports the bench module only to run it). Each b
 """
 from __future__ import annotations
 
+from ..app.validate import dtype_arg
+
+
+def dtype_option(parser, help: str, default: str | None = None) -> None:
+    """``--dtype`` as every bench takes it: bf16/fp16/fp32 (the nodes' spelling; bfloat16/float16/float32 with a
+    note)."""
+    parser.add_argument("--dtype", type=dtype_arg("--dtype"), metavar="{bf16,fp16,fp32}", default=default, help=help)
+
+
 # ----------------------------------------------------------------------------- bench sampler
 # variant name -> how it runs (bench/sampler.py)
 VARIANTS = {
@@ -66,7 +75,7 @@ def sampler(parser) -> None:
     parser.add_argument("--height", type=int, help="pixels (default: the shape's)")
     parser.add_argument("--width", type=int, help="pixels (default: the shape's)")
     parser.add_argument("--device", help="cuda / cpu (default: cuda if available)")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="run dtype (default bf16 on cuda, fp32 on cpu)")
+    dtype_option(parser, "run dtype (default bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per variant after one warm-up")
     parser.add_argument("--variants", help="comma list of: " + ", ".join(VARIANTS) +
                         " (default: reference, optimized; plus reference-same-dtype when the run dtype is not fp32)")
@@ -117,7 +126,7 @@ def attention(parser) -> None:
     parser.add_argument("--lk", type=int, help="key length of that call (with --lq)")
     parser.add_argument("--batch", type=int, default=1, help="batch (default 1)")
     parser.add_argument("--device", help="cuda / cpu (default: cuda if available)")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default bf16 on CUDA, fp32 on a CPU")
+    dtype_option(parser, "default bf16 on CUDA, fp32 on a CPU")
     parser.add_argument("--approximate", default="int8,fp8,fa3_fp8", help="comma list of opt-in approximate modes to time too "
                         f"({', '.join(APPROXIMATE)}), or 'none'")
     parser.add_argument("--no-ceiling", action="store_true", help="skip measuring the GPU's matmul ceiling")
@@ -139,8 +148,7 @@ def play(parser) -> None:
     parser.add_argument("--height", type=int, default=None, help="video height in pixels (tiny 64, released 352)")
     parser.add_argument("--chunks", type=int, default=6, help="timed chunks per mode (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed chunks first (3 fill the 6-frame window)")
-    parser.add_argument("--dtype", default=None, help="weights and math on CUDA (default bf16; a CPU runs fp32 "
-                        "and refuses another --dtype)")
+    dtype_option(parser, "weights and math on CUDA (default bf16; a CPU runs fp32 and refuses another --dtype)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

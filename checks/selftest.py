@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -47,7 +48,6 @@ from . import goals
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = PACKAGE_ROOT / "tests" / "fixtures"
 NEEDS_GPU = "needs a CUDA GPU"
-STATUSES = ("passed", "failed", NEEDS_GPU, "skipped")
 SLOWER_MARGIN = 1.05       # int8 / fp8 kept although its steady time is more than 5 % above exact's: a failure
 OUTPUT = "_output"         # a stage row's parsed JSON output while the goal table is made
 NATIVE_WEIGHTS = "bf16,fp8_scaled,bf16+lora"    # bench native's variants: plain, ComfyUI's scaled fp8, a LoRA
@@ -502,30 +502,27 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-class stop_on_signals:
-    """Context manager: SIGTERM and SIGHUP raise :class:`Stopped` in the main thread while the self-test runs, so
-    the running stage's process group is stopped and the work folder removed on the way out (the signals' own
-    handlers come back afterwards; outside the main thread nothing is changed)."""
+def _stopped(signum, frame):
+    raise Stopped(signum)
 
-    def __enter__(self):
-        import signal
-        import threading
-        self.saved = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-                if sig is not None:
-                    self.saved[sig] = signal.signal(sig, self._raise)
-        return self
 
-    @staticmethod
-    def _raise(signum, frame):
-        raise Stopped(signum)
-
-    def __exit__(self, *exc):
-        import signal
-        for sig, handler in self.saved.items():
+@contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGHUP raise :class:`Stopped` in the main thread while the self-test runs, so the running stage's
+    process group is stopped and the work folder removed on the way out (the signals' own handlers come back
+    afterwards; outside the main thread nothing is changed)."""
+    import signal
+    import threading
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None:
+                saved[sig] = signal.signal(sig, _stopped)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
             signal.signal(sig, handler)
-        return False
 
 
 def _clear_previous(out: Path) -> None:
@@ -579,24 +576,17 @@ def fp8_stage(device: str, out: Path) -> dict:
     the scaled matmul) against the same weights dequantized, on this device: relative RMS error of the video."""
     import torch
     from safetensors.torch import save_file
-    from ..model.checkpoint import METADATA_KEY, keeps_fp8
+    from ..model.checkpoint import METADATA_KEY
     from ..model.loader import load_wan_checkpoint
     from ..model.quant import FP8Linear, fp8_matmul_path
+    from ..model.random_checkpoint import fp8_scaled
     from ..model.tiny import TINY_CONFIG, tiny_causal_model
     from ..app.prepare import RunInputs, RunSpec, prepare
 
-    e4m3 = torch.float8_e4m3fn
     state = {n: t.detach().clone().contiguous() for n, t in tiny_causal_model(seed=3).state_dict().items()}
-    fp8, deq = {}, {}
-    for name, t in state.items():
-        if not keeps_fp8(name, "F8_E4M3", t.shape):
-            fp8[name] = deq[name] = t
-            continue
-        scale = t.abs().max() / torch.finfo(e4m3).max
-        q = (t / scale).to(e4m3)
-        fp8[name], deq[name] = q, q.float() * scale
-        fp8[f"{name[:-len('.weight')]}.scale_weight"] = scale.reshape(())
-    fp8["scaled_fp8"] = torch.empty(0, dtype=e4m3)
+    fp8, _meta = fp8_scaled(state, legacy=True)     # the block linears in e4m3, ComfyUI's legacy scale_weight layout
+    scales = {n: fp8.get(n[:-len(".weight")] + ".scale_weight") for n in state}
+    deq = {n: t if scales[n] is None else fp8[n].float() * scales[n] for n, t in state.items()}
     out.mkdir(parents=True, exist_ok=True)
     meta = {METADATA_KEY: json.dumps(TINY_CONFIG.to_dict())}
     save_file(fp8, str(out / "fp8.safetensors"), metadata=meta)

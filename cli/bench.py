@@ -9,8 +9,6 @@ import argparse
 import importlib
 import importlib.util
 
-from ..app.validate import TORCH_NAMES
-
 # bench name -> module (relative to the package) providing add_arguments(parser) and run(args) -> int
 BENCHES = {
     "sampler": ("..bench.sampler", "reference vs optimized causal sampler"),
@@ -27,25 +25,8 @@ BENCHES = {
 SIDES = {"native": ("..nodes.comfy.native_bench",)}
 
 
-def _one_dtype_vocabulary(parser) -> bool:
-    """Every bench takes --dtype as bf16/fp16/fp32 (the nodes' spelling; bfloat16/float16/float32 with a note).
-    True when the bench itself wants the torch spelling (it gets that after parsing)."""
-    from ..app.validate import dtype_arg, normalize_dtype
-
-    wants_torch = False
-    for action in parser._actions:
-        if "--dtype" in action.option_strings:
-            wants_torch = any(c in TORCH_NAMES.values() for c in (action.choices or ()))
-            action.choices, action.type, action.metavar = None, dtype_arg("--dtype"), "{bf16,fp16,fp32}"
-            if isinstance(action.default, str):
-                action.default = normalize_dtype("--dtype", action.default, quiet=True)
-    return wants_torch
-
-
 # bench options that must be positive numbers: (attribute, exclusive low, high)
 POSITIVE_NUMBERS = (("peak_tflops", 0.0, 1e6), ("timeout", 0.0, 86400.0), ("memory_cap_gb", 0.0, 1e6))
-# bench options naming a folder the bench writes into (bench native --workdir)
-OUTPUT_FOLDERS = ("workdir",)
 
 
 def check_bench_args(what: str, ns) -> None:
@@ -56,9 +37,8 @@ def check_bench_args(what: str, ns) -> None:
     for name, convert in (("checkpoint", "convert"), ("vae", None)):   # weights files: readable safetensors, first
         if getattr(ns, name, None) is not None:        # '' too: an empty path is refused, never taken as "none"
             check_input_file("--" + name, getattr(ns, name), convert=convert)
-    for name in OUTPUT_FOLDERS:         # folders a bench writes: checked before anything runs (a file there, ...)
-        if getattr(ns, name, None) is not None:
-            check_output_dir("--" + name, getattr(ns, name))
+    if getattr(ns, "workdir", None) is not None:     # the folder bench native writes: checked before anything runs
+        check_output_dir("--workdir", ns.workdir)
     if getattr(ns, "device", None) is not None:          # one check of --device for every bench
         ns.device = check_device("--device", ns.device)
     for name, lo, hi in POSITIVE_NUMBERS:        # rates and times: a figure made from 0 or a negative one is wrong
@@ -107,12 +87,9 @@ def _run(args) -> int:
     module, help_text = _route(args.what, args.bench_args)
     parser = argparse.ArgumentParser(prog=f"python -m wan_accel bench {args.what}", description=help_text)
     _options(module)(parser)
-    wants_torch = _one_dtype_vocabulary(parser)
     from ..app.validate import friendly_numbers
     friendly_numbers(parser)
     ns = parser.parse_args(args.bench_args)
-    if wants_torch and getattr(ns, "dtype", None):
-        ns.dtype = TORCH_NAMES[ns.dtype]
     check_bench_args(args.what, ns)
     for side in SIDES.get(args.what, ()):
         importlib.import_module(importlib.util.resolve_name(side, __package__))

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from ..cache import KNOWN_NAMESPACES, LimitCache, count_entries, default_cache_path
 from ..cache.safety import CacheUnavailableError, write_problem
-from .errors import UsageError
-from .output import format_table, print_json
+from ..app.validate import UsageError
+from ..app.progress import format_table
+from ..cache.json_out import print_json
 
 
 def _when(t: float) -> str:
@@ -54,7 +55,7 @@ def _show(args) -> int:
     if args.json:
         print_json({"path": str(cache.path), "fingerprint": cache.fingerprint,
                     "fingerprint_id": cache.fingerprint_id, "entries": rows, "notices": notes,
-                    "set_aside": {"path": str(cache.set_aside_path), "items": cache.set_aside()}})
+                    "set_aside": {"path": str(cache.set_aside_path), "items": cache.set_aside()}}, sort_keys=True)
         return 0
     fp = cache.fingerprint
     print(f"limit cache: {cache.path}")
@@ -81,7 +82,7 @@ def _set_aside(args) -> int:
     if problem:                 # a damaged or over-large side file is not "no entries"
         raise UsageError(problem)
     if args.json:
-        print_json({"path": str(cache.set_aside_path), "count": len(items), "items": items})
+        print_json({"path": str(cache.set_aside_path), "count": len(items), "items": items}, sort_keys=True)
         return 0
     if not items:
         print(f"no entries set aside (they would be kept in {cache.set_aside_path})")
@@ -108,7 +109,7 @@ def _remove(args, prune: bool) -> int:
     _print_notices(cache)
     n = cache.prune_stale() if prune else cache.clear(namespace)
     if args.json:
-        print_json({"removed": n} if prune else {"removed": n, "namespace": namespace})
+        print_json({"removed": n} if prune else {"removed": n, "namespace": namespace}, sort_keys=True)
     else:
         scope = f"namespace '{namespace}'" if namespace else "every namespace"
         print(f"removed {count_entries(n)} " + ("measured with other driver/CUDA/torch/triton versions" if prune

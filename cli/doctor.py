@@ -1,10 +1,9 @@
 """``python -m wan_accel doctor [--json] [--report FILE] [--recheck] [--feature NAME] [--with-compile] [--ops]``."""
 from __future__ import annotations
 
-from ..app.validate import TORCH_NAMES, check_device, check_int
+from ..app.validate import TORCH_NAMES, UsageError, check_device, check_int
 from ..profiling.child import one_line
-from .errors import UsageError
-from .output import print_json
+from ..cache.json_out import print_json
 
 MAX_HEAD_DIM = 512      # the largest head the attention kernels are probed with
 
@@ -43,7 +42,7 @@ def _run(args) -> int:
     if args.ops:
         from ..app.doctor.ops import registry_report, registry_text
         found = registry_report(doctor.context.device, doctor.context.dtype, doctor.context.head_dim)
-        print_json(found) if args.json else print(registry_text(found))
+        print_json(found, sort_keys=True) if args.json else print(registry_text(found))
         return 0
     names = None
     if args.feature:
@@ -63,7 +62,7 @@ def _run(args) -> int:
             raise UsageError(f"--report {args.report}: cannot be written ({exc.strerror or exc}); choose a "
                              f"writable file") from None
     if args.json:
-        print_json(report(doctor, rows))
+        print_json(report(doctor, rows), sort_keys=True)
     else:
         print(doctor_text(doctor, rows))
         if args.report:

@@ -11,20 +11,11 @@ from __future__ import annotations
 import errno
 import sys
 import warnings
+from contextlib import contextmanager
 
-DEBUG_ENV = "WAN_ACCEL_DEBUG"
+from ..profiling.child import DEBUG_ENV, debug
+
 USAGE_EXIT, RUN_EXIT = 2, 1
-
-
-from ..app.validate import UsageError  # noqa: E402,F401  (re-exported: the command line's usage errors)
-
-
-def _safetensors_error_types() -> tuple:
-    try:
-        from safetensors import SafetensorError
-        return (SafetensorError,)
-    except ImportError:  # older safetensors: the error is only reachable through its module
-        return ()
 
 
 def _one_line(text: str) -> str:
@@ -41,6 +32,8 @@ _PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP)
 
 def describe(exc: BaseException) -> tuple[str, int]:
     """(message, exit code) of an exception raised by a command."""
+    from safetensors import SafetensorError
+
     from ..cache.safety import CacheUnavailableError
 
     if isinstance(exc, CacheUnavailableError):
@@ -52,7 +45,7 @@ def describe(exc: BaseException) -> tuple[str, int]:
         return f"a file or value is not valid text ({exc})", USAGE_EXIT
     if isinstance(exc, ValueError):
         return _one_line(str(exc)), USAGE_EXIT
-    if isinstance(exc, _safetensors_error_types()):
+    if isinstance(exc, SafetensorError):
         return f"not a readable safetensors file ({_one_line(str(exc))})", USAGE_EXIT
     if isinstance(exc, TimeoutError):
         return _one_line(str(exc)), RUN_EXIT
@@ -75,7 +68,6 @@ def run_guarded(func, args) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - this is the one place that turns errors into messages
-        from ..profiling.child import debug
         if debug():                                     # only 1/true/yes/on: WAN_ACCEL_DEBUG=false keeps it quiet
             raise
         message, code = describe(exc)
@@ -88,17 +80,15 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
     print(f"warning: {_one_line(str(message))}", file=file or sys.stderr)
 
 
-class clean_warnings:
-    """Context manager: warnings printed by :func:`show_warning` while a command runs."""
-
-    def __enter__(self):
-        self._saved = warnings.showwarning
-        warnings.showwarning = show_warning
-        return self
-
-    def __exit__(self, *exc):
-        warnings.showwarning = self._saved
-        return False
+@contextmanager
+def clean_warnings():
+    """Warnings printed by :func:`show_warning` while a command runs."""
+    saved = warnings.showwarning
+    warnings.showwarning = show_warning
+    try:
+        yield
+    finally:
+        warnings.showwarning = saved
 
 
 def announce_cache_problem(command: str) -> None:

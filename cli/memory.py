@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import re
-import sys
 
 from ..app.validate import UsageError, check_float, check_geometry, check_input_file, check_int, check_window
-from .output import print_json
+from ..cache.json_out import print_json
 
 PRESETS = ("1.3b", "14b", "14b-i2v", "krea-14b")
 
@@ -72,44 +71,40 @@ def _plan(args) -> int:
     from ..memory.limits import open_cache
     from ..memory.plan import make_plan
     from ..memory.system import GiB
-    from ..memory.weights import HeaderError, preset_weights, weights_from_checkpoint
+    from ..memory.weights import preset_weights, weights_from_checkpoint
 
-    try:
-        if args.checkpoint is not None:
-            check_input_file("--checkpoint", args.checkpoint)
-        check_geometry(args.frames, args.height, args.width, args.frames_per_block if args.mode == "causal" else 1,
-                       names={"frames": "--frames", "height": "--height", "width": "--width",
-                              "frames_per_block": "--frames-per-block"})
-        check_int("--batch", args.batch, 1, 64)
-        if args.kv_window is not None and args.mode == "full":      # one sequence, no KV cache: it would be ignored
-            raise UsageError(f"--kv-window {args.kv_window} sizes the causal KV cache, and --mode full keeps none: "
-                             f"leave --kv-window out, or use --mode causal")
-        if args.capability is not None:
-            parse_capability(args.capability)      # a bad value is named first
-            if args.vram_gb is None:               # this machine's GPU is planned for: it would be ignored
-                raise UsageError(f"--capability {args.capability} describes the --vram-gb GPU, and without --vram-gb "
-                                 f"this machine is planned for: add --vram-gb N, or leave --capability out")
-        if args.kv_window is not None and args.mode == "causal":   # the run's own window check (Krea's too)
-            check_window(args.frames_per_block, args.kv_window, 0, "krea" if _is_krea(args) else "switch",
-                         names={"frames_per_block": "--frames-per-block", "kv_window": "--kv-window",
-                                "recache": "Krea's --recache"})
-        for name, value, lo in (("--vram-gb", args.vram_gb, 0.0), ("--ram-gb", args.ram_gb, 0.0)):
-            if value is not None:
-                check_float(name, value, lo, 100000.0, lo_open=True)
-        check_float("--reserve-gb", args.reserve_gb, 0.0, 100000.0)
-        weights = weights_from_checkpoint(args.checkpoint) if args.checkpoint else preset_weights(args.model)
-        workload = Workload(args.width, args.height, args.frames, batch=args.batch, mode=args.mode,
-                            frames_per_block=args.frames_per_block)
-        system = _system(args)
-    except (HeaderError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.checkpoint is not None:
+        check_input_file("--checkpoint", args.checkpoint)
+    check_geometry(args.frames, args.height, args.width, args.frames_per_block if args.mode == "causal" else 1,
+                   names={"frames": "--frames", "height": "--height", "width": "--width",
+                          "frames_per_block": "--frames-per-block"})
+    check_int("--batch", args.batch, 1, 64)
+    if args.kv_window is not None and args.mode == "full":      # one sequence, no KV cache: it would be ignored
+        raise UsageError(f"--kv-window {args.kv_window} sizes the causal KV cache, and --mode full keeps none: "
+                         f"leave --kv-window out, or use --mode causal")
+    if args.capability is not None:
+        parse_capability(args.capability)      # a bad value is named first
+        if args.vram_gb is None:               # this machine's GPU is planned for: it would be ignored
+            raise UsageError(f"--capability {args.capability} describes the --vram-gb GPU, and without --vram-gb "
+                             f"this machine is planned for: add --vram-gb N, or leave --capability out")
+    if args.kv_window is not None and args.mode == "causal":   # the run's own window check (Krea's too)
+        check_window(args.frames_per_block, args.kv_window, 0, "krea" if _is_krea(args) else "switch",
+                     names={"frames_per_block": "--frames-per-block", "kv_window": "--kv-window",
+                            "recache": "Krea's --recache"})
+    for name, value, lo in (("--vram-gb", args.vram_gb, 0.0), ("--ram-gb", args.ram_gb, 0.0)):
+        if value is not None:
+            check_float(name, value, lo, 100000.0, lo_open=True)
+    check_float("--reserve-gb", args.reserve_gb, 0.0, 100000.0)
+    weights = weights_from_checkpoint(args.checkpoint) if args.checkpoint else preset_weights(args.model)
+    workload = Workload(args.width, args.height, args.frames, batch=args.batch, mode=args.mode,
+                        frames_per_block=args.frames_per_block)
+    system = _system(args)
     cache = None if args.no_learned else open_cache()
     plan = make_plan(weights, workload, system, reserve_bytes=int(args.reserve_gb * GiB), kv_window=args.kv_window,
                      cache=cache, use_learned=not args.no_learned, vae_kind=None if args.vae == "auto" else args.vae,
                      reserve_name="--reserve-gb")
     if args.json:
-        print_json(plan.to_dict())
+        print_json(plan.to_dict(), sort_keys=True)
     else:
         print(plan.summary())
     return 0

@@ -8,7 +8,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .output import format_table, print_json
+from ..app.progress import format_table
+from ..cache.json_out import print_json
 from ..profiling.history import KINDS as HISTORY_KINDS
 from ..app.jobs import profile_targets as targets
 from ..app.validate import (TORCH_NAMES, UsageError, check_device, check_geometry, check_input_file,
@@ -198,7 +199,7 @@ def run_profile(args) -> int:
             print(explained.to_text())
         if args.explain_only:
             if args.json:
-                print_json(result)
+                print_json(result, sort_keys=True)
             return 0
 
     model = targets.load_model(target)
@@ -224,7 +225,7 @@ def run_profile(args) -> int:
             print(f"warning: could not append to the metrics history: {exc}", file=sys.stderr)
     result["profile"] = report.to_dict()
     if args.json:
-        print_json(result)
+        print_json(result, sort_keys=True)
     else:
         if "explain" in result:
             print()
@@ -264,7 +265,7 @@ def run_report(args) -> int:
     path = history.history_path(args.history)
     records = history.read(path, kind=args.kind, last=args.last)
     if args.json:
-        print_json(records)
+        print_json(records, sort_keys=True)
     elif not records:
         if not args.plot:   # with --plot, the plot's own error says the history is empty: one message
             print(f"no runs recorded yet in {path} (generate, bench and profile runs add lines)")
