@@ -410,12 +410,6 @@ _AUTO: dict[tuple, str] = {}          # (off, device, dtype, heads, head size, b
 _AUTO_UNMEASURED: dict[tuple, str] = {}   # the same, chosen while measuring was not allowed (capture, compile)
 
 
-def forget_choices() -> None:
-    """Drop this process's memo of 'auto' choices (the next call reads the store again, as a new process would)."""
-    _AUTO.clear()
-    _AUTO_UNMEASURED.clear()
-
-
 @_no_compile
 def _choose_once(q, k, v, key: tuple, measuring: bool) -> str:
     name, why = choose_auto(q, k, v, key[0], benchmark=measuring)

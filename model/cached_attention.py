@@ -52,12 +52,6 @@ def kvcache_fn():
     return _FN["fa3"]
 
 
-def forget() -> None:
-    """Drop this process's memo (the next call reads the store again, as a new process would)."""
-    _FN.clear()
-    _VERDICT.clear()
-
-
 FAMILY = "attention.kv_append"
 registry.register(FAMILY, "self-attention's KV-cache append (per call: fused_problem, then the speed verdict)", [
     registry.Candidate(FAMILY, "fa3", "flash", summary="appended inside FA3's flash_attn_with_kvcache",

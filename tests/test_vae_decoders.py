@@ -128,7 +128,7 @@ def test_frame_counts(kind, decoders):
         out = _decode(dec, _latents(t, t))
         assert out.shape == (1, 3, 1 + 4 * (t - 1), 16, 24) and 0.0 <= out.min() and out.max() <= 1.0
     _, counts = _push_all(dec, _latents(6, 0), [1, 3, 2])
-    assert counts == [1, 12, 8] == [dec.frames_out(1, True), dec.frames_out(3, False), dec.frames_out(2, False)]
+    assert counts == [1, 12, 8]
 
 
 @pytest.mark.parametrize("kind", KINDS)

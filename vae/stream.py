@@ -14,8 +14,6 @@ from torch import nn
 
 from .latents import LATENT_CHANNELS, to_vae_latents
 
-TIME_STRIDE, SPACE_STRIDE = 4, 8
-
 
 class StreamingDecoder(nn.Module):
     """Base of the decoders: device, dtype and memory format (``prepare``), and their streams."""
@@ -34,11 +32,6 @@ class StreamingDecoder(nn.Module):
     def to_images(self, raw: torch.Tensor) -> torch.Tensor:
         """Raw decoder output [B, 3, T, H, W] -> images in 0..1, same layout."""
         raise NotImplementedError
-
-    @staticmethod
-    def frames_out(latent_frames: int, first: bool) -> int:
-        """Pixel frames that ``latent_frames`` more latent frames complete (the first chunk of a video: ``first``)."""
-        return max(0, TIME_STRIDE * latent_frames - (TIME_STRIDE - 1 if first and latent_frames else 0))
 
     @property
     def device(self) -> torch.device:
