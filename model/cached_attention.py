@@ -33,7 +33,7 @@ import torch
 from ..kernels import _common
 from ..kernels import candidates as op_candidates, registry
 from . import attention as att
-from .kv_cache import WRITE_COUNTERS, write_kv, writes_fp8
+from .kv_cache import count_written, write_kv, writes_fp8
 
 log = logging.getLogger("wan_accel")
 
@@ -89,10 +89,7 @@ def fused_attention(q, k, v, k_cache, v_cache, seqlens, splits: int = 1):
     fn = kvcache_fn()
     with torch.no_grad():
         out = fn(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, num_splits=splits)
-    if WRITE_COUNTERS and not torch.compiler.is_compiling():
-        written = (k.numel() + v.numel()) * k_cache.element_size()
-        for count in WRITE_COUNTERS:
-            count(written)
+    count_written(k_cache, k, v)
     return out[0] if isinstance(out, (tuple, list)) else out
 
 

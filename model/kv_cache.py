@@ -102,6 +102,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, 
         v_cache.index_copy_(1, index, v.to(v_cache.dtype))
     if _FP8["made"]:
         _write_fp8(k_cache, v_cache, index, k, v)
+    count_written(k_cache, k, v)
+
+
+def count_written(k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Tell ``WRITE_COUNTERS`` the bytes of a KV write of k, v into ``k_cache``'s dtype (outside compiled code)."""
     if WRITE_COUNTERS and not torch.compiler.is_compiling():
         written = (k.numel() + v.numel()) * k_cache.element_size()
         for count in WRITE_COUNTERS:
