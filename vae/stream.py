@@ -19,12 +19,10 @@ class StreamingDecoder(nn.Module):
     """Base of the decoders: device, dtype and memory format (``prepare``), and their streams."""
 
     kind = ""                       # the --decode name
-    dims = 2                        # 3: the decoder's convolutions are 3D (its working tensors [B, C, T, H, W])
 
     def __init__(self, config=None):
         super().__init__()
         self.config = config
-        self.memory_format = torch.contiguous_format
 
     def decode_raw(self, z: torch.Tensor, state: dict) -> torch.Tensor:
         raise NotImplementedError
@@ -41,24 +39,11 @@ class StreamingDecoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    def prepare(self, device, dtype: torch.dtype, channels_last: bool = False) -> "StreamingDecoder":
-        """Move to ``device`` in ``dtype``; ``channels_last`` keeps convolution weights and working tensors
-        channels-last (the values are the same up to summation order; measured slower than the default layout for
-        both decoders on an H200 in bf16, so nothing turns it on by default)."""
+    def prepare(self, device, dtype: torch.dtype) -> "StreamingDecoder":
+        """Move to ``device`` in ``dtype``, in the default (contiguous) memory layout: channels-last was measured
+        slower for both decoders on an H200 in bf16 (docs/benchmarks.md)."""
         self.to(device=device, dtype=dtype)
-        formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-        self.memory_format = formats[self.dims + 2] if channels_last else torch.contiguous_format
-        for m in self.modules():
-            if isinstance(m, (nn.Conv2d, nn.Conv3d)):
-                fmt = formats[m.weight.dim()] if channels_last else torch.contiguous_format
-                m.weight.data = m.weight.data.contiguous(memory_format=fmt)
         return self.eval().requires_grad_(False)
-
-    def layout(self, x: torch.Tensor) -> torch.Tensor:
-        """A working tensor of the decoder's own rank in its memory format (a no-op for the default format)."""
-        if self.memory_format is not torch.contiguous_format and x.dim() == self.dims + 2:
-            return x.contiguous(memory_format=self.memory_format)
-        return x
 
     def stream(self, step: int | None = None) -> "DecodeStream":
         return DecodeStream(self, step)
