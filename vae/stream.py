@@ -45,20 +45,16 @@ class StreamingDecoder(nn.Module):
         self.to(device=device, dtype=dtype)
         return self.eval().requires_grad_(False)
 
-    def stream(self, step: int | None = None) -> "DecodeStream":
-        return DecodeStream(self, step)
+    def stream(self) -> "DecodeStream":
+        return DecodeStream(self)
 
 
 class DecodeStream:
     """One video decoded chunk by chunk: ``push`` each chunk of model-space latents as the sampler makes it and get
-    the pixel frames it completes (raw decoder output; ``decoder.to_images`` gives 0..1). ``step`` latent frames
-    per decoder call at most (None: the whole chunk in one call) bounds the decoder's working memory; the frames
-    are the same."""
+    the pixel frames it completes (raw decoder output; ``decoder.to_images`` gives 0..1)."""
 
-    def __init__(self, decoder: StreamingDecoder, step: int | None = None):
-        if step is not None and step < 1:
-            raise ValueError(f"decode step must be at least 1 latent frame, got {step}")
-        self.decoder, self.step = decoder, step
+    def __init__(self, decoder: StreamingDecoder):
+        self.decoder = decoder
         self.state: dict = {}
 
     @torch.no_grad()
@@ -76,8 +72,4 @@ class DecodeStream:
             raise ValueError(f"expected Wan 2.1 latents [B, {LATENT_CHANNELS}, frames >= 1, H, W], got "
                              f"{tuple(z.shape)}")
         dec = self.decoder
-        z = z.to(device=dec.device, dtype=dec.dtype)
-        n = z.shape[2]
-        step = self.step or n
-        parts = [dec.decode_raw(z[:, :, s:s + step], self.state) for s in range(0, n, step)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+        return dec.decode_raw(z.to(device=dec.device, dtype=dec.dtype), self.state)
