@@ -287,7 +287,7 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, batch: int, frame_tokens: int, num_frames: int, kv_window: int = -1,
-                  sink: int = 0, device=None, dtype=None) -> "KVCache":
+                  sink: int = 0, device=None) -> "KVCache":
         """Global cache for ``num_frames`` latent frames (kv_window <= 0 or >= num_frames), else a rolling
         window of ``kv_window`` frames whose first ``sink`` frames are kept. Under sequence parallelism
         (``model/seq_parallel.py``) a rank's cache holds its share of the heads only."""
@@ -298,7 +298,7 @@ class KVCache:
         frames = kv_window if rolling else num_frames
         return cls(c.num_layers, batch, frames * frame_tokens, heads, c.head_dim,
                    device=device if device is not None else model.device,
-                   dtype=dtype if dtype is not None else model.compute_dtype,
+                   dtype=model.compute_dtype,
                    rolling=rolling, sink_tokens=sink * frame_tokens)
 
     def use_fp8(self, on: bool, scheme: str = "smoothed") -> None:
