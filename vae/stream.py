@@ -60,16 +60,14 @@ class DecodeStream:
     @torch.no_grad()
     def push(self, latents: torch.Tensor) -> torch.Tensor:
         """Model-space latents [B, n, 16, h, w] (the sampler's layout) -> raw frames [B, 3, frames, 8h, 8w]."""
-        if latents.dim() != 5 or latents.shape[2] != LATENT_CHANNELS:
-            raise ValueError(f"expected the sampler's latents [B, frames, {LATENT_CHANNELS}, H, W], got "
+        if latents.dim() != 5 or latents.shape[2] != LATENT_CHANNELS or latents.shape[1] == 0:
+            raise ValueError(f"expected the sampler's latents [B, frames >= 1, {LATENT_CHANNELS}, H, W], got "
                              f"{tuple(latents.shape)}")
         return self.push_raw(to_vae_latents(latents))
 
     @torch.no_grad()
     def push_raw(self, z: torch.Tensor) -> torch.Tensor:
-        """Raw VAE latents [B, 16, n, h, w] (a ComfyUI LATENT's layout) -> raw frames [B, 3, frames, 8h, 8w]."""
-        if z.dim() != 5 or z.shape[1] != LATENT_CHANNELS or z.shape[2] == 0:
-            raise ValueError(f"expected Wan 2.1 latents [B, {LATENT_CHANNELS}, frames >= 1, H, W], got "
-                             f"{tuple(z.shape)}")
+        """Raw VAE latents [B, 16, n >= 1, h, w] (a ComfyUI LATENT's layout, checked by the caller: ``push``,
+        ``frames.DecoderFrames``) -> raw frames [B, 3, frames, 8h, 8w]."""
         dec = self.decoder
         return dec.decode_raw(z.to(device=dec.device, dtype=dec.dtype), self.state)
