@@ -146,10 +146,6 @@ class Fp8Shadow:
                 torch.zeros((b, h, d, cap), dtype=FP8, device=dev),
                 torch.full((b, cap, h), TINY_SCALE, device=dev))
 
-    def forget_means(self) -> None:
-        """The cache was emptied: the next write fixes the smoothing vectors anew (on the device)."""
-        self.fixed.fill_(False)
-
     def fix_means(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Where not fixed yet, the means of k, v [B, rows, H, D] become the smoothing vectors (device ops only)."""
         self.k_mean.copy_(torch.where(self.fixed, self.k_mean, token_mean(k)))
@@ -343,7 +339,7 @@ class KVCache:
         """Empty the cache (its next write starts at token 0; under the fp8 mode it fixes new smoothing vectors)."""
         self.end = 0
         for shadow in self._shadows():
-            shadow.forget_means()
+            shadow.fixed.fill_(False)       # the next write fixes the smoothing vectors anew (on the device)
 
     def _shadows(self) -> list:
         """The layers' fp8 copies being written (the fp8 attention mode)."""
