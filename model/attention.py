@@ -116,15 +116,11 @@ def fa_available(name: str) -> bool:
     return _load(name) is not None
 
 
-def flash_attn_available() -> bool:
-    return fa_available("fa3") or fa_available("fa2")
-
-
 def check_backend(backend: str) -> str:
     """Validate a backend request; raise a clear error when a FlashAttention package it needs is missing."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "flash_attn" and not flash_attn_available():
+    if backend == "flash_attn" and not (fa_available("fa3") or fa_available("fa2")):
         raise BackendUnavailable("attention backend 'flash_attn' was requested but the flash-attn package "
                            "is not installed; install flash-attn or choose 'auto' / 'sdpa'.")
     if backend in _MODULES and not fa_available(backend):
@@ -408,12 +404,6 @@ _no_compile = getattr(getattr(torch, "compiler", None), "disable", lambda fn: fn
 _triton_attention = _no_compile(triton_flash.flash_attention)   # its tile choice (the store) is no graph's business
 _AUTO: dict[tuple, str] = {}          # (off, device, dtype, heads, head size, buckets) -> measured choice
 _AUTO_UNMEASURED: dict[tuple, str] = {}   # the same, chosen while measuring was not allowed (capture, compile)
-
-
-def forget_choices() -> None:
-    """Drop this process's memo of 'auto' choices (the next call reads the store again, as a new process would)."""
-    _AUTO.clear()
-    _AUTO_UNMEASURED.clear()
 
 
 @_no_compile

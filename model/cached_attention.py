@@ -33,7 +33,7 @@ import torch
 from ..kernels import _common
 from ..kernels import candidates as op_candidates, registry
 from . import attention as att
-from .kv_cache import WRITE_COUNTERS, write_kv, writes_fp8
+from .kv_cache import count_written, write_kv, writes_fp8
 
 log = logging.getLogger("wan_accel")
 
@@ -50,12 +50,6 @@ def kvcache_fn():
         module = sys.modules.get(att._FROM.get("fa3", "")) if att._load("fa3") is not None else None
         _FN["fa3"] = getattr(module, "flash_attn_with_kvcache", None)
     return _FN["fa3"]
-
-
-def forget() -> None:
-    """Drop this process's memo (the next call reads the store again, as a new process would)."""
-    _FN.clear()
-    _VERDICT.clear()
 
 
 FAMILY = "attention.kv_append"
@@ -95,10 +89,7 @@ def fused_attention(q, k, v, k_cache, v_cache, seqlens, splits: int = 1):
     fn = kvcache_fn()
     with torch.no_grad():
         out = fn(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, num_splits=splits)
-    if WRITE_COUNTERS and not torch.compiler.is_compiling():
-        written = (k.numel() + v.numel()) * k_cache.element_size()
-        for count in WRITE_COUNTERS:
-            count(written)
+    count_written(k_cache, k, v)
     return out[0] if isinstance(out, (tuple, list)) else out
 
 

@@ -102,6 +102,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, 
         v_cache.index_copy_(1, index, v.to(v_cache.dtype))
     if _FP8["made"]:
         _write_fp8(k_cache, v_cache, index, k, v)
+    count_written(k_cache, k, v)
+
+
+def count_written(k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Tell ``WRITE_COUNTERS`` the bytes of a KV write of k, v into ``k_cache``'s dtype (outside compiled code)."""
     if WRITE_COUNTERS and not torch.compiler.is_compiling():
         written = (k.numel() + v.numel()) * k_cache.element_size()
         for count in WRITE_COUNTERS:
@@ -140,10 +145,6 @@ class Fp8Shadow:
                 torch.full((b, cap, h), INT8_TINY / LEVELS, device=dev),
                 torch.zeros((b, h, d, cap), dtype=FP8, device=dev),
                 torch.full((b, cap, h), TINY_SCALE, device=dev))
-
-    def forget_means(self) -> None:
-        """The cache was emptied: the next write fixes the smoothing vectors anew (on the device)."""
-        self.fixed.fill_(False)
 
     def fix_means(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Where not fixed yet, the means of k, v [B, rows, H, D] become the smoothing vectors (device ops only)."""
@@ -282,7 +283,7 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, batch: int, frame_tokens: int, num_frames: int, kv_window: int = -1,
-                  sink: int = 0, device=None, dtype=None) -> "KVCache":
+                  sink: int = 0, device=None) -> "KVCache":
         """Global cache for ``num_frames`` latent frames (kv_window <= 0 or >= num_frames), else a rolling
         window of ``kv_window`` frames whose first ``sink`` frames are kept. Under sequence parallelism
         (``model/seq_parallel.py``) a rank's cache holds its share of the heads only."""
@@ -293,7 +294,7 @@ class KVCache:
         frames = kv_window if rolling else num_frames
         return cls(c.num_layers, batch, frames * frame_tokens, heads, c.head_dim,
                    device=device if device is not None else model.device,
-                   dtype=dtype if dtype is not None else model.compute_dtype,
+                   dtype=model.compute_dtype,
                    rolling=rolling, sink_tokens=sink * frame_tokens)
 
     def use_fp8(self, on: bool, scheme: str = "smoothed") -> None:
@@ -338,7 +339,7 @@ class KVCache:
         """Empty the cache (its next write starts at token 0; under the fp8 mode it fixes new smoothing vectors)."""
         self.end = 0
         for shadow in self._shadows():
-            shadow.forget_means()
+            shadow.fixed.fill_(False)       # the next write fixes the smoothing vectors anew (on the device)
 
     def _shadows(self) -> list:
         """The layers' fp8 copies being written (the fp8 attention mode)."""

@@ -111,14 +111,11 @@ def check_strength(strength) -> float:
     return value
 
 
-def check_lora(model: torch.nn.Module, layers: dict, name: str, strength: float = 1.0,
-               alpha: float | None = None) -> list:
+def check_lora(model: torch.nn.Module, layers: dict, name: str, strength: float = 1.0) -> list:
     """[(parameter, layer entry, scale)] merging ``layers`` (``read_lora``) into ``model``; LoraError naming the
     key and the fix when one does not fit. Only names, shapes and dtypes are read, so a model still on the meta
     device (before its weights are loaded) is checked too."""
     strength = check_strength(strength)
-    if alpha is not None and not (math.isfinite(float(alpha)) and float(alpha) > 0):
-        raise LoraError(f"LoRA alpha must be a finite number > 0, got {alpha}")
     params = dict(model.named_parameters())
     plan = []
     for layer, e in layers.items():
@@ -134,19 +131,18 @@ def check_lora(model: torch.nn.Module, layers: dict, name: str, strength: float 
             raise LoraError(f"LoRA file {name}: {layer + '.weight'!r} is stored as {target.dtype}; a LoRA is merged "
                             f"into float32/bfloat16/float16 weights only: load the checkpoint without fp8")
         rank = e["down"].shape[0]
-        a = e["alpha"] if e["alpha"] is not None else (float(alpha) if alpha is not None else float(rank))
+        a = e["alpha"] if e["alpha"] is not None else float(rank)
         plan.append((target, e, strength * a / rank))
     return plan
 
 
-def merge_lora(model: torch.nn.Module, path, strength: float = 1.0, alpha: float | None = None,
-               layers: dict | None = None) -> int:
-    """Merge the LoRA file into the model's Linear weights; returns the number of layers changed. alpha: the
-    adapter's alpha when the file has none (default: the rank, as LongLive v1.0 configures it). layers: the file
-    already read (``read_lora(path)``), so it is not read twice."""
-    check_strength(strength)
+def merge_lora(model: torch.nn.Module, path, strength: float = 1.0, layers: dict | None = None) -> int:
+    """Merge the LoRA file into the model's Linear weights; returns the number of layers changed. A file without
+    an alpha takes alpha = rank, as LongLive v1.0 configures it. layers: the file already read
+    (``read_lora(path)``), so it is not read twice."""
+    strength = check_strength(strength)
     layers = read_lora(path) if layers is None else layers
-    plan = check_lora(model, layers, Path(path).name, strength, alpha)
+    plan = check_lora(model, layers, Path(path).name, strength)
     flags = []
     with torch.no_grad():
         for target, e, scale in plan:            # checked first, so a bad file changes nothing

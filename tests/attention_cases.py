@@ -49,3 +49,11 @@ def loader_runs(module, torch_fn: str, mode: str, path: str, monkeypatch) -> tup
                                        schedule="self_forcing", report=reports[m], path=path)
         assert bool(calls) == (m == mode)
     return outs, reports
+
+
+def forget_choices() -> None:
+    """Drop this process's memo of 'auto' attention choices (the next call reads the store again, as a new process
+    would)."""
+    from wan_accel.model import attention as att
+    att._AUTO.clear()
+    att._AUTO_UNMEASURED.clear()

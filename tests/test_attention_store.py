@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import attention_cases as cases
 from wan_accel.app.doctor import ops as doctor_ops
 from wan_accel.app.doctor.core import doctor_for
 from wan_accel.cache import LimitCache
@@ -28,10 +29,10 @@ LAYOUTS = ((4, 16, 24, 48), (12, 128, 30, 90))
 
 @pytest.fixture(autouse=True)
 def _fresh_choices():
-    att.forget_choices()
+    cases.forget_choices()
     reset_autotuners()
     yield
-    att.forget_choices()
+    cases.forget_choices()
     reset_autotuners()
 
 
@@ -119,7 +120,7 @@ def test_a_wrong_candidate_is_failed_alone_and_never_used(monkeypatch):
     assert entry["best"]["config"] == {"impl": "sdpa"} and "impl=torch" in entry["timings"]
     assert timer.calls[-1] == "sdpa"
     torch.testing.assert_close(out, _math64(q, k, v))
-    att.forget_choices()
+    cases.forget_choices()
     timer.calls.clear()
     att.attention(q, k, v)                                 # a fresh choice from the store: fa2 never runs again
     assert timer.calls == ["sdpa"]
@@ -195,7 +196,7 @@ def test_no_measuring_while_compiling_store_or_availability_order(monkeypatch):
     monkeypatch.setattr(_common, "is_compiling", lambda: False)
     att.attention(q, k, v)                                 # measured now: plain math is the fastest here
     assert timer.calls[-1] == "torch"
-    att.forget_choices()
+    cases.forget_choices()
     monkeypatch.setattr(_common, "is_compiling", lambda: True)
     timer.calls.clear()
     att.attention(q, k, v)                                 # compiling again: the store's choice, nothing timed

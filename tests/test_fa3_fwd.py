@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+import attention_cases as cases
 from wan_accel.cache.autotune import reset_autotuners
 from wan_accel.kernels import candidates as C
 from wan_accel.kernels import fa3_fp8, registry
@@ -68,7 +69,7 @@ def _forget():
     att._NO_FP16.clear()
     att._BUILD.clear()
     att.resolve_backend.cache_clear()
-    att.forget_choices()
+    cases.forget_choices()
     reset_autotuners()
 
 

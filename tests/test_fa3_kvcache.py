@@ -65,7 +65,8 @@ def _stand_in(calls: list, shift: int = 0):
 
 def _forget():
     forget_fa3()
-    ca.forget()
+    ca._FN.clear()
+    ca._VERDICT.clear()
 
 
 def _install(monkeypatch, mod, kernel="fa3.split2", faster=True):

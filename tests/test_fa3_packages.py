@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import attention_cases as cases
 from wan_accel.cache import LimitCache
 from wan_accel.cache.autotune import get_autotuner, reset_autotuners
 from wan_accel.kernels import candidates as C, registry
@@ -24,14 +25,14 @@ CUDA = "cuda:0"
 def _fresh(monkeypatch):
     fa3._LOADED.clear()
     fa3._PROBED.clear()
-    att.forget_choices()
+    cases.forget_choices()
     reset_autotuners()
     monkeypatch.delenv(fa3.HUB_ENV, raising=False)
     monkeypatch.setattr(registry, "capability", lambda device: (9, 0))   # 'cuda:0' is a Hopper GPU for the checks
     yield
     fa3._LOADED.clear()
     fa3._PROBED.clear()
-    att.forget_choices()
+    cases.forget_choices()
     reset_autotuners()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attention_cases as cases
 from wan_accel.app.doctor import core as doc
 from wan_accel.app.doctor.core import Doctor, Feature, Probe, default_context
 from wan_accel.app.doctor.report import doctor_rows
@@ -96,7 +97,7 @@ def test_attention_plans_are_made_before_the_first_chunk(monkeypatch):
     """With every plan warmed, no call of the run measures (the store's timer is never called again)."""
     from wan_accel.cache.autotune import get_autotuner
     from wan_accel.model import attention as att
-    att.forget_choices()
+    cases.forget_choices()
     tuner = get_autotuner()
     timed = []
     monkeypatch.setattr(tuner, "timer", lambda fn, *a, **kw: (timed.append(1), fn(), 0.001)[2])
@@ -111,7 +112,7 @@ def test_attention_plans_are_made_before_the_first_chunk(monkeypatch):
         kv = torch.randn(1, k_len, 2, 16, generator=g)
         att.attention(q, kv, kv, backend="auto")
     assert timed == []
-    att.forget_choices()
+    cases.forget_choices()
 
 
 # ----------------------------------------------------------------------------- int8: a speed verdict at the run's shape

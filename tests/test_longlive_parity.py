@@ -136,30 +136,30 @@ def test_merged_file_matches_longlive_and_the_load_time_merge():
 
 
 def test_lora_merge_by_hand(tmp_path):
-    """W + strength * alpha / rank * B @ A on exactly the named layers, with the file's alpha or the given one."""
+    """W + strength * alpha / rank * B @ A on exactly the named layers, with the file's alpha or the rank."""
     lora = read_lora(LORA)
     layer = "blocks.1.cross_attn.k"
     a, b = lora[layer]["down"], lora[layer]["up"]
     rank = a.shape[0]
     base = dict(_model().named_parameters())
-    for strength, alpha in ((1.0, None), (0.5, 2.0 * rank)):
+    for strength in (1.0, 0.5):
         model = _model()
-        n = merge_lora(model, LORA, strength=strength, alpha=alpha)
+        n = merge_lora(model, LORA, strength=strength)
         assert n == len(lora) == CFG["lora"]["keys"] // 2
         got = dict(model.named_parameters())
-        scale = strength * (rank if alpha is None else alpha) / rank
+        scale = strength
         want = base[f"{layer}.weight"] + scale * (b @ a)
         assert (got[f"{layer}.weight"] - want).abs().max() <= 4 * torch.finfo(torch.float32).eps * \
             float(want.abs().max())
         assert torch.equal(got["blocks.1.cross_attn.k.bias"], base["blocks.1.cross_attn.k.bias"])
         assert torch.equal(got["head.head.weight"], base["head.head.weight"])
-    # a file-side alpha beats the argument (ComfyUI layout, written by to_comfy)
+    # a file-side alpha beats the rank (ComfyUI layout, written by to_comfy)
     comfy = tmp_path / "comfy.safetensors"
     to_comfy(LORA, comfy, alpha=3.0 * rank)
     sd = load_file(str(comfy))
     assert all(k.startswith("diffusion_model.") for k in sd)
     model = _model()
-    merge_lora(model, comfy, alpha=rank)
+    merge_lora(model, comfy)
     want = base[f"{layer}.weight"] + 3.0 * (b @ a)
     assert (dict(model.named_parameters())[f"{layer}.weight"] - want).abs().max() <= \
         4 * torch.finfo(torch.float32).eps * float(want.abs().max())

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from wan_accel.model.attention import attention, check_backend, flash_attn_available
+from wan_accel.model.attention import attention, check_backend, fa_available
 from wan_accel.model.config import WanConfig
 from wan_accel.model.kv_cache import CrossAttnCache, KVCache
 from wan_accel.model.dit import WanModel
@@ -142,7 +142,7 @@ def test_attention_mask_and_backend_checks():
     assert check_backend("sdpa") == "sdpa"
     with pytest.raises(ValueError, match="attention backend"):
         check_backend("xformers")
-    if not flash_attn_available():
+    if not (fa_available("fa3") or fa_available("fa2")):
         with pytest.raises(RuntimeError, match="flash-attn package is not installed"):
             check_backend("flash_attn")
 

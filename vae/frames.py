@@ -64,16 +64,16 @@ def check_latents(latent: torch.Tensor, channels: int = LATENT_CHANNELS) -> None
 class DecoderFrames(FrameStream):
     """A pack decoder (``vae.stream.StreamingDecoder``: the Wan 2.1 VAE's decoder or the tiny decoder) as a
     ``FrameStream``. Both are causal and carry their state between chunks, so nothing is held back: every push
-    returns all the frames its latent frames complete. ``step`` bounds the latent frames per decoder call (its
-    working memory); ``output_device`` is where the images go (None: the decoder's device); ``latent_in`` is applied
-    to each chunk's latents first (a ComfyUI tiny decoder's own latent scaling)."""
+    returns all the frames its latent frames complete. ``output_device`` is where the images go (None: the
+    decoder's device); ``latent_in`` is applied to each chunk's latents first (a ComfyUI tiny decoder's own latent
+    scaling)."""
 
-    def __init__(self, decoder: StreamingDecoder, step: int | None = None, output_device=None, latent_in=None):
+    def __init__(self, decoder: StreamingDecoder, output_device=None, latent_in=None):
         super().__init__()
-        self.decoder, self.step = decoder, step
+        self.decoder = decoder
         self.kind = decoder.kind
         self.output_device, self.latent_in = output_device, latent_in
-        self.stream = decoder.stream(step)
+        self.stream = decoder.stream()
 
     @torch.no_grad()
     def push(self, latent: torch.Tensor):

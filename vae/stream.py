@@ -14,19 +14,15 @@ from torch import nn
 
 from .latents import LATENT_CHANNELS, to_vae_latents
 
-TIME_STRIDE, SPACE_STRIDE = 4, 8
-
 
 class StreamingDecoder(nn.Module):
     """Base of the decoders: device, dtype and memory format (``prepare``), and their streams."""
 
     kind = ""                       # the --decode name
-    dims = 2                        # 3: the decoder's convolutions are 3D (its working tensors [B, C, T, H, W])
 
     def __init__(self, config=None):
         super().__init__()
         self.config = config
-        self.memory_format = torch.contiguous_format
 
     def decode_raw(self, z: torch.Tensor, state: dict) -> torch.Tensor:
         raise NotImplementedError
@@ -34,11 +30,6 @@ class StreamingDecoder(nn.Module):
     def to_images(self, raw: torch.Tensor) -> torch.Tensor:
         """Raw decoder output [B, 3, T, H, W] -> images in 0..1, same layout."""
         raise NotImplementedError
-
-    @staticmethod
-    def frames_out(latent_frames: int, first: bool) -> int:
-        """Pixel frames that ``latent_frames`` more latent frames complete (the first chunk of a video: ``first``)."""
-        return max(0, TIME_STRIDE * latent_frames - (TIME_STRIDE - 1 if first and latent_frames else 0))
 
     @property
     def device(self) -> torch.device:
@@ -48,58 +39,35 @@ class StreamingDecoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    def prepare(self, device, dtype: torch.dtype, channels_last: bool = False) -> "StreamingDecoder":
-        """Move to ``device`` in ``dtype``; ``channels_last`` keeps convolution weights and working tensors
-        channels-last (the values are the same up to summation order; measured slower than the default layout for
-        both decoders on an H200 in bf16, so nothing turns it on by default)."""
+    def prepare(self, device, dtype: torch.dtype) -> "StreamingDecoder":
+        """Move to ``device`` in ``dtype``, in the default (contiguous) memory layout: channels-last was measured
+        slower for both decoders on an H200 in bf16 (docs/benchmarks.md)."""
         self.to(device=device, dtype=dtype)
-        formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-        self.memory_format = formats[self.dims + 2] if channels_last else torch.contiguous_format
-        for m in self.modules():
-            if isinstance(m, (nn.Conv2d, nn.Conv3d)):
-                fmt = formats[m.weight.dim()] if channels_last else torch.contiguous_format
-                m.weight.data = m.weight.data.contiguous(memory_format=fmt)
         return self.eval().requires_grad_(False)
 
-    def layout(self, x: torch.Tensor) -> torch.Tensor:
-        """A working tensor of the decoder's own rank in its memory format (a no-op for the default format)."""
-        if self.memory_format is not torch.contiguous_format and x.dim() == self.dims + 2:
-            return x.contiguous(memory_format=self.memory_format)
-        return x
-
-    def stream(self, step: int | None = None) -> "DecodeStream":
-        return DecodeStream(self, step)
+    def stream(self) -> "DecodeStream":
+        return DecodeStream(self)
 
 
 class DecodeStream:
     """One video decoded chunk by chunk: ``push`` each chunk of model-space latents as the sampler makes it and get
-    the pixel frames it completes (raw decoder output; ``decoder.to_images`` gives 0..1). ``step`` latent frames
-    per decoder call at most (None: the whole chunk in one call) bounds the decoder's working memory; the frames
-    are the same."""
+    the pixel frames it completes (raw decoder output; ``decoder.to_images`` gives 0..1)."""
 
-    def __init__(self, decoder: StreamingDecoder, step: int | None = None):
-        if step is not None and step < 1:
-            raise ValueError(f"decode step must be at least 1 latent frame, got {step}")
-        self.decoder, self.step = decoder, step
+    def __init__(self, decoder: StreamingDecoder):
+        self.decoder = decoder
         self.state: dict = {}
 
     @torch.no_grad()
     def push(self, latents: torch.Tensor) -> torch.Tensor:
         """Model-space latents [B, n, 16, h, w] (the sampler's layout) -> raw frames [B, 3, frames, 8h, 8w]."""
-        if latents.dim() != 5 or latents.shape[2] != LATENT_CHANNELS:
-            raise ValueError(f"expected the sampler's latents [B, frames, {LATENT_CHANNELS}, H, W], got "
+        if latents.dim() != 5 or latents.shape[2] != LATENT_CHANNELS or latents.shape[1] == 0:
+            raise ValueError(f"expected the sampler's latents [B, frames >= 1, {LATENT_CHANNELS}, H, W], got "
                              f"{tuple(latents.shape)}")
         return self.push_raw(to_vae_latents(latents))
 
     @torch.no_grad()
     def push_raw(self, z: torch.Tensor) -> torch.Tensor:
-        """Raw VAE latents [B, 16, n, h, w] (a ComfyUI LATENT's layout) -> raw frames [B, 3, frames, 8h, 8w]."""
-        if z.dim() != 5 or z.shape[1] != LATENT_CHANNELS or z.shape[2] == 0:
-            raise ValueError(f"expected Wan 2.1 latents [B, {LATENT_CHANNELS}, frames >= 1, H, W], got "
-                             f"{tuple(z.shape)}")
+        """Raw VAE latents [B, 16, n >= 1, h, w] (a ComfyUI LATENT's layout, checked by the caller: ``push``,
+        ``frames.DecoderFrames``) -> raw frames [B, 3, frames, 8h, 8w]."""
         dec = self.decoder
-        z = z.to(device=dec.device, dtype=dec.dtype)
-        n = z.shape[2]
-        step = self.step or n
-        parts = [dec.decode_raw(z[:, :, s:s + step], self.state) for s in range(0, n, step)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+        return dec.decode_raw(z.to(device=dec.device, dtype=dec.dtype), self.state)

@@ -86,7 +86,6 @@ class TinyVideoDecoder(StreamingDecoder):
     """The TAEHV-class decoder of Wan 2.1 latents (``taew2_1`` layout), streaming (see the module doc)."""
 
     kind = "tiny"
-    dims = 2
 
     def __init__(self, cfg: TinyDecoderConfig = TAEW2_1):
         super().__init__(cfg)
@@ -102,7 +101,7 @@ class TinyVideoDecoder(StreamingDecoder):
 
     def decode_raw(self, z: torch.Tensor, state: dict) -> torch.Tensor:
         b, c, t, h, w = z.shape
-        x = self.layout(z.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w))
+        x = z.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
         for layer in self.decoder:
             if isinstance(layer, MemoryBlock):
                 frames = x.reshape(b, t, *x.shape[1:])
@@ -111,7 +110,7 @@ class TinyVideoDecoder(StreamingDecoder):
                     before = torch.zeros_like(frames[:, :1])
                 previous = torch.cat([before, frames[:, :-1]], 1).reshape(x.shape)
                 state[layer] = frames[:, -1:].clone()
-                x = layer(x, self.layout(previous))
+                x = layer(x, previous)
             else:
                 x = layer(x)
                 if isinstance(layer, TimeGrowth):

@@ -73,9 +73,7 @@ class CausalConv3d(nn.Conv3d):
     def input_buffer(self, x: torch.Tensor, state: dict | None) -> torch.Tensor:
         """This layer's input [B, C, history + T, H, W] for the T frames of ``x``: the history (the stream's, or
         zeros) already in front, the T frames after it left for the caller to write (``run_buffer`` runs it)."""
-        fmt = torch.channels_last_3d if _channels_last(x) else torch.contiguous_format
-        buf = torch.empty(x.shape[:2] + (self.history + x.shape[2],) + x.shape[3:], dtype=x.dtype, device=x.device,
-                          memory_format=fmt)
+        buf = torch.empty(x.shape[:2] + (self.history + x.shape[2],) + x.shape[3:], dtype=x.dtype, device=x.device)
         before = None if state is None else state.get(self)
         if before is None:
             buf[:, :, :self.history].zero_()
@@ -88,10 +86,6 @@ class CausalConv3d(nn.Conv3d):
         if self.history and state is not None:
             state[self] = buf[:, :, -self.history:].clone()
         return super().forward(buf)
-
-
-def _channels_last(x: torch.Tensor) -> bool:
-    return x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
 
 
 class RMSNorm(nn.Module):
@@ -241,7 +235,6 @@ class WanVAEDecoder(StreamingDecoder):
     """The Wan 2.1 VAE's decoder half (``conv2`` + ``decoder``), streaming (see the module doc)."""
 
     kind = "wan"
-    dims = 3
 
     def __init__(self, cfg: WanVAEConfig = WAN21_VAE):
         super().__init__(cfg)
@@ -249,7 +242,7 @@ class WanVAEDecoder(StreamingDecoder):
         self.decoder = Decoder3d(cfg)
 
     def decode_raw(self, z: torch.Tensor, state: dict) -> torch.Tensor:
-        return self.decoder(self.conv2(self.layout(z)), state)
+        return self.decoder(self.conv2(z), state)
 
     def to_images(self, raw: torch.Tensor) -> torch.Tensor:
         return ((raw.float() + 1.0) / 2.0).clamp(0.0, 1.0)

@@ -58,20 +58,16 @@ def check_keys(module: torch.nn.Module, header: dict, path, what: str, unused_pr
 
 
 @torch.no_grad()
-def load_file(module, path, what: str, unused_prefixes: tuple = (), hint: str = "",
-              header: dict | None = None) -> torch.nn.Module:
-    """Copy the weights of ``path`` into ``module`` by key name after checking the whole file (see module doc), then
-    check every weight finite. ``module`` may be a function that builds it: the header is then checked against a
-    copy built on the meta device first, so a small file that only claims a wide decoder is refused from its header
-    before anything is allocated."""
+def load_file(build, path, what: str, unused_prefixes: tuple, hint: str, header: dict) -> torch.nn.Module:
+    """The decoder ``build()`` makes, with the weights of ``path`` (its ``header``: ``read_header``) copied in by key
+    name after checking the whole file (see module doc), then every weight checked finite. The header is checked
+    against a copy built on the meta device, so a small file that only claims a wide decoder is refused from its
+    header before anything is allocated."""
     from safetensors import safe_open
     path = Path(path)
-    header = read_header(path) if header is None else header
-    if not isinstance(module, torch.nn.Module):
-        with torch.device("meta"):
-            check_keys(module(), header, path, what, unused_prefixes, hint)     # shapes only: nothing allocated
-        module = module()
-    check_keys(module, header, path, what, unused_prefixes, hint)
+    with torch.device("meta"):
+        check_keys(build(), header, path, what, unused_prefixes, hint)     # shapes only: nothing allocated
+    module = build()
     with safe_open(str(path), framework="pt", device="cpu") as f:
         _copy_in(module, f.get_tensor)
     check_finite(module, path, hint)
