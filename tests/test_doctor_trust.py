@@ -243,7 +243,7 @@ def test_each_doctor_registers_the_native_probe_which_needs_comfyui_here(where, 
     monkeypatch.setattr(vocab, "PROBES", {})
     text = _doctor_text_from(where, capsys)
     native_probe = sys.modules["wan_accel.nodes.comfy.native_probe"]
-    assert vocab.registered_probe("native_model").check is native_probe.check
+    assert vocab.PROBES["native_model"].check is native_probe.check
     assert "needs ComfyUI (ComfyUI does not import here" in text, text
 
 
