@@ -437,7 +437,7 @@ def check_reference(directory, device="cpu") -> Rows:
         stem = path.stem.replace("_config", "")
         try:
             with torch.no_grad():
-                got = list(FORMATS[name](Fixture(directory, cfg, name), device))
+                got = list(FORMATS[name](Fixture(directory, cfg), device))
         except FIXTURE_FAILURES as exc:
             reason = " ".join(str(exc).split())[:400] or type(exc).__name__
             if not isinstance(exc, ValueError):
