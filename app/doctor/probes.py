@@ -25,7 +25,8 @@ from ...model import attention as attn
 from ...model.attention_approx import fp8_error_bound
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project, epilogue_gelu_runs_on, ffn_epilogue, linear_gelu
-from .vocabulary import PROBES, Feature, NotAvailable, OutsideProbe, Probe, ProbeContext, register_feature
+from . import vocabulary
+from .vocabulary import Feature, NotAvailable, OutsideProbe, Probe, ProbeContext, register_feature
 
 
 def _rand(ctx: ProbeContext, *shape, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -355,7 +356,7 @@ NATIVE_HINT = ("run the Wan Doctor node inside ComfyUI (or `python -m wan_accel 
 def _native_probe() -> OutsideProbe:
     """The native MODEL path's probe: registered by the nodes package (``nodes/comfy/native_probe.py``), which may import
     ComfyUI; until it is, the feature needs ComfyUI."""
-    probe = PROBES.get("native_model")
+    probe = vocabulary.PROBES.get("native_model")
     if probe is None:
         raise NotAvailable("needs ComfyUI (the native MODEL path runs on ComfyUI's own Wan model; its probe is "
                            "registered when the pack's nodes load)", NATIVE_HINT)
@@ -372,7 +373,7 @@ def _needs_native(ctx: ProbeContext) -> None:
 
 
 def _native_sources() -> tuple:
-    probe = PROBES.get("native_model")
+    probe = vocabulary.PROBES.get("native_model")
     if probe is None:
         return ()
     return (probe.check, probe.requires or "") + tuple(probe.sources() if probe.sources else ())
