@@ -183,12 +183,8 @@ class Doctor:
             _UNSAVED.pop(self._unsaved_key(key), None)
 
     # ------------------------------------------------------------------ checking
-    def availability(self, name: str) -> str | None:
-        """None when ``name`` can run here, else the reason it cannot (cheap: no probe is run)."""
-        return self.unavailable(name)[0]
-
     def unavailable(self, name: str) -> tuple[str | None, str]:
-        """(reason the feature cannot run here or None, what would turn it on or '')."""
+        """(reason the feature cannot run here or None, what would turn it on or ''; cheap: no probe is run)."""
         feature = self.catalogue.get(name)
         try:
             if feature is None:
