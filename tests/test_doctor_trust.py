@@ -213,7 +213,7 @@ def test_native_model_needs_comfyui_until_its_probe_is_registered(cache_path, mo
         seen.append(ctx)
         return Probe(lambda: _x() * 3, lambda: _x() * 2, torch.float32, judge_speed=False)
     vocab.register_probe("native_model", fake, sources=lambda: (fake,))
-    assert d.availability("native_model") is None
+    assert d.unavailable("native_model")[0] is None
     verdict = d.check("native_model")
     assert seen and verdict["status"] == "failed" and "wrong numbers" in verdict["error"]
 
@@ -243,7 +243,7 @@ def test_each_doctor_registers_the_native_probe_which_needs_comfyui_here(where, 
     monkeypatch.setattr(vocab, "PROBES", {})
     text = _doctor_text_from(where, capsys)
     native_probe = sys.modules["wan_accel.nodes.comfy.native_probe"]
-    assert vocab.registered_probe("native_model").check is native_probe.check
+    assert vocab.PROBES["native_model"].check is native_probe.check
     assert "needs ComfyUI (ComfyUI does not import here" in text, text
 
 

@@ -211,8 +211,8 @@ def test_the_doctor_checks_the_package_against_softmax_math(monkeypatch, tmp_pat
     from wan_accel.app.doctor.core import doctor_for
     _fake_xformers(monkeypatch, math=_transposed if wrong else None)
     doc = doctor_for("cpu", torch.bfloat16, 16, cache=LimitCache(tmp_path / "limits.json"), heads=4, tokens=24)
-    assert doc.availability("attention.fa3_xformers") == "needs a CUDA GPU"
-    assert doc.availability("attention.fa3_hub") == "needs a CUDA GPU"
+    assert doc.unavailable("attention.fa3_xformers")[0] == "needs a CUDA GPU"
+    assert doc.unavailable("attention.fa3_hub")[0] == "needs a CUDA GPU"
     monkeypatch.setitem(fa3.PROBLEMS, "fa3_xformers", lambda *a: None)
     value = doc.check("attention.fa3_xformers")
     assert value["status"] == ("failed" if wrong else "passed"), value

@@ -181,13 +181,13 @@ def test_i2v_image_branch_and_independent_first_frame():
 
 
 def test_matrix_game2_fixture_through_the_optimized_path(monkeypatch):
-    from wan_accel.app.jobs.reference import check_fixture
+    from wan_accel.app.jobs.reference import FORMATS
     from wan_accel.sampling import sampler
     started = []
     real = sampler.get_runner
     monkeypatch.setattr(sampler, "get_runner", lambda model: started.append(1) or real(model))
     cfg = json.loads((MG2 / "mg2_config.json").read_text())
-    rows = check_fixture(Fixture(MG2, cfg), path="optimized")
+    rows = FORMATS["matrix_game2"](Fixture(MG2, cfg), "cpu", "optimized")
     assert started, "the optimized path's runner never started"
     worst = max(rows, key=lambda r: r[1])
     assert worst[1] <= 1e-4, worst

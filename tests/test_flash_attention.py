@@ -220,7 +220,7 @@ def test_the_doctor_says_why_it_is_not_available_on_a_cpu(tmp_path):
     from wan_accel.app.doctor.core import doctor_for
     from wan_accel.cache import LimitCache
     doc = doctor_for("cpu", torch.bfloat16, 128, cache=LimitCache(tmp_path / "limits.json"), heads=2, tokens=32)
-    assert doc.availability("attention.triton") == "the kernel needs a CUDA GPU"
+    assert doc.unavailable("attention.triton")[0] == "the kernel needs a CUDA GPU"
 
 
 # ----------------------------------------------------------------------------- compiled for the GPUs it is meant for

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from wan_accel.app.jobs import reference
-from wan_accel.app.jobs.reference import check_fixture, check_reference, survey
+from wan_accel.app.jobs.reference import FORMATS, check_reference, survey
 from wan_accel.app.jobs.replay import MG2_FIXTURE, Fixture
 
 FIX = Path(__file__).parent / "fixtures" / "matrix_game2"
@@ -18,7 +18,7 @@ INPUTS = ("initial_noise", "cond_concat", "visual_context", "mouse_cond", "keybo
 @pytest.fixture(scope="module")
 def rows():
     cfg = json.loads((FIX / "mg2_config.json").read_text())
-    return cfg, dict(check_fixture(Fixture(FIX, cfg)))
+    return cfg, dict(FORMATS["matrix_game2"](Fixture(FIX, cfg), "cpu"))
 
 
 def test_every_recorded_tensor_within_tolerance(rows):
@@ -42,7 +42,7 @@ def test_every_recorded_output_is_compared(rows):
 def test_check_reference_recognises_the_format():
     names = [name for name, _path, _cfg in survey(FIX)[0]]
     assert names == ["matrix_game2"]
-    worst = max(d for _n, d in check_reference(FIX, formats=["matrix_game2"]))
+    worst = max(d for _n, d in check_reference(FIX))
     assert worst <= TOL
 
 
@@ -54,7 +54,7 @@ def test_a_wrong_window_is_caught(tmp_path, rows):
         shutil.copy(FIX / name, tmp_path / name)
     cfg = json.loads(json.dumps(cfg))
     cfg["config"]["local_attn_size"] = 9
-    got = dict(check_fixture(Fixture(tmp_path, cfg)))
+    got = dict(FORMATS["matrix_game2"](Fixture(tmp_path, cfg), "cpu"))
     assert got["output"] > 1e-2 and got["calls"] == float("inf")
 
 

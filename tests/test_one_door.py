@@ -30,8 +30,8 @@ class _Verdicts:
     def why_off(self, name):
         return WHY if name == "fused_qkv" else None
 
-    def availability(self, name):
-        return None
+    def unavailable(self, name):
+        return None, ""
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ the real call (head size, dtype, layout), compared in the real dtype with a tole
 timed. The verdict (passed / failed / slower) is stored in the limit cache under the ``doctor`` namespace, keyed by
 the feature and dtype on the cache's machine fingerprint (GPU, capability, driver, CUDA, torch, Triton); the
 feature's own library version (e.g. flash-attn), the probe's version, the pack's version and a digest of the code
-the probe exercised (``verdict.code_digest``; a kernel's operator-store source hash) are stored with it, and a
+the probe exercised (``kernels._common.code_digest``; a kernel's operator-store source hash) are stored with it, and a
 verdict for another version or other code is probed again: an update that changes a kernel re-checks it without
 ``--recheck``. A verdict of the wrong shape (``verdict.verdict_problem``) is ignored and probed again. A failed or slower feature is switched off for this machine (``gate_options``)
 with one clear line; everything else stays on. A damaged or unwritable cache never stops a run: the verdict is
@@ -23,8 +23,9 @@ from typing import Callable
 
 import torch
 
+from ...kernels._common import code_digest
 from . import probes as doctor_probes  # noqa: F401 - registers the pack's features
-from .verdict import NAMESPACE, STATUSES, code_digest, pack_version, verdict_problem
+from .verdict import NAMESPACE, pack_version, verdict_problem
 from .vocabulary import FEATURES, Feature, NotAvailable, Probe, ProbeContext, register_feature
 
 __all__ = ["Doctor", "Feature", "NotAvailable", "Probe", "ProbeContext", "register_feature", "FEATURES",
@@ -182,12 +183,8 @@ class Doctor:
             _UNSAVED.pop(self._unsaved_key(key), None)
 
     # ------------------------------------------------------------------ checking
-    def availability(self, name: str) -> str | None:
-        """None when ``name`` can run here, else the reason it cannot (cheap: no probe is run)."""
-        return self.unavailable(name)[0]
-
     def unavailable(self, name: str) -> tuple[str | None, str]:
-        """(reason the feature cannot run here or None, what would turn it on or '')."""
+        """(reason the feature cannot run here or None, what would turn it on or ''; cheap: no probe is run)."""
         feature = self.catalogue.get(name)
         try:
             if feature is None:

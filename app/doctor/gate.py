@@ -96,7 +96,7 @@ def gate_options(model, options: FastOptions, doctor: Doctor | None = None, log_
     mode = parse_ops(options.ops)[0]
     if mode == "kitchen" or (mode == "auto" and kernels_part(options, device)):
         for name in FEATURES:                # comfy-kitchen's candidates (op.<op>.kitchen.<backend>)
-            if name.startswith("op.") and doc.availability(name) is None:
+            if name.startswith("op.") and doc.unavailable(name)[0] is None:
                 judge(name)
     if options.linear == "fp8":
         judge("linear.fp8")

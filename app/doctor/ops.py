@@ -15,7 +15,7 @@ from .probes import _op_args, _qkv, candidate_feature
 
 def _failed(doctor: Doctor, feature: str, probe: bool) -> bool:
     """Whether ``feature``'s verdict here failed (probed now where ``probe``, else as stored)."""
-    if feature not in doctor.catalogue or doctor.availability(feature):
+    if feature not in doctor.catalogue or doctor.unavailable(feature)[0]:
         return False
     value = doctor.check(feature) if probe else doctor.stored(feature)
     return value is not None and value.get("status") != "passed"

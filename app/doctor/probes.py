@@ -25,7 +25,8 @@ from ...model import attention as attn
 from ...model.attention_approx import fp8_error_bound
 from ...model import fused_qkv as fq
 from ...model.blocks import WanSelfAttention, _project, epilogue_gelu_runs_on, ffn_epilogue, linear_gelu
-from .vocabulary import Feature, NotAvailable, OutsideProbe, Probe, ProbeContext, register_feature, registered_probe
+from . import vocabulary
+from .vocabulary import Feature, NotAvailable, OutsideProbe, Probe, ProbeContext, register_feature
 
 
 def _rand(ctx: ProbeContext, *shape, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -46,15 +47,9 @@ def _qkv(ctx: ProbeContext):
 ATTENTION_ULPS = 16     # two reductions (over the head size, then over a few hundred keys) in another order
 
 
-def _softmax_math(q, k, v):
-    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
-    w = torch.softmax(qf @ kf.transpose(-1, -2) / qf.shape[-1] ** 0.5, dim=-1)
-    return (w @ vf).transpose(1, 2).to(q.dtype)
-
-
 def _check_sdpa(ctx: ProbeContext) -> Probe:
     q, k, v = _qkv(ctx)
-    return Probe(lambda: attn.attention(q, k, v, backend="sdpa"), lambda: _softmax_math(q, k, v), ctx.dtype,
+    return Probe(lambda: attn.attention(q, k, v, backend="sdpa"), lambda: attn.attention_reference(q, k, v), ctx.dtype,
                  judge_speed=False, ulps=ATTENTION_ULPS,
                  note="SDPA is the fallback of every attention backend; checked against math")
 
@@ -96,9 +91,10 @@ def _candidate_probe(family: str, name: str, hint, inputs, reference, **probe) -
 
 _EXACT = dict(ulps=ATTENTION_ULPS, note="checked against math; speed: the operator store times it at the call's shapes")
 _TRITON_HINT = "run on a CUDA GPU (SM 8.0+) with triton installed, bf16/fp16 weights"
-_TRITON_ATTENTION = _candidate_probe("attention", "triton", lambda: _TRITON_HINT, _qkv, _softmax_math, **_EXACT)
-_FA3_PACKAGES = {name: _candidate_probe("attention", name, lambda n=name: fa3_packages.HINTS[n], _qkv, _softmax_math,
-                                        **_EXACT) for name in fa3_packages.NAMES}
+_TRITON_ATTENTION = _candidate_probe("attention", "triton", lambda: _TRITON_HINT, _qkv, attn.attention_reference,
+                                     **_EXACT)
+_FA3_PACKAGES = {name: _candidate_probe("attention", name, lambda n=name: fa3_packages.HINTS[n], _qkv,
+                                        attn.attention_reference, **_EXACT) for name in fa3_packages.NAMES}
 
 
 def _approximate_checker(mode: str, bound):
@@ -110,8 +106,8 @@ def _approximate_checker(mode: str, bound):
             raise NotAvailable(f"needs fp32/fp16/bf16 (probe dtype {ctx.dtype})")
         q, k, v = _qkv(ctx)
         kernel = registry.choice(f"attention.{mode}", ctx.device, ctx.dtype, ctx.head_dim)[0]
-        return Probe(lambda: attn.attention(q, k, v, backend=mode), lambda: _softmax_math(q, k, v), ctx.dtype,
-                     bound=lambda: bound(q, k, v, kernel),
+        return Probe(lambda: attn.attention(q, k, v, backend=mode), lambda: attn.attention_reference(q, k, v),
+                     ctx.dtype, bound=lambda: bound(q, k, v, kernel),
                      note=f"{mode} ({kernel}) within its stated error bound of exact attention (difference in "
                           f"units of the bound)")
     return check
@@ -360,7 +356,7 @@ NATIVE_HINT = ("run the Wan Doctor node inside ComfyUI (or `python -m wan_accel 
 def _native_probe() -> OutsideProbe:
     """The native MODEL path's probe: registered by the nodes package (``nodes/comfy/native_probe.py``), which may import
     ComfyUI; until it is, the feature needs ComfyUI."""
-    probe = registered_probe("native_model")
+    probe = vocabulary.PROBES.get("native_model")
     if probe is None:
         raise NotAvailable("needs ComfyUI (the native MODEL path runs on ComfyUI's own Wan model; its probe is "
                            "registered when the pack's nodes load)", NATIVE_HINT)
@@ -377,7 +373,7 @@ def _needs_native(ctx: ProbeContext) -> None:
 
 
 def _native_sources() -> tuple:
-    probe = registered_probe("native_model")
+    probe = vocabulary.PROBES.get("native_model")
     if probe is None:
         return ()
     return (probe.check, probe.requires or "") + tuple(probe.sources() if probe.sources else ())
@@ -401,7 +397,7 @@ def _kernel_sources(mod) -> Callable[[], tuple]:
     return lambda: (str(getattr(mod, "_KERNEL_NAME", mod.NAME)), mod, _common)
 
 
-_ATTENTION = lambda: (attn, _qkv, _softmax_math)   # noqa: E731
+_ATTENTION = lambda: (attn, _qkv, attn.attention_reference)   # noqa: E731
 for _feature in (
     Feature("attention.sdpa", "torch scaled_dot_product_attention", _check_sdpa, switches_off="nothing (fallback)",
             sources=_ATTENTION),
@@ -412,19 +408,19 @@ for _feature in (
     Feature("attention.triton", "the pack's Triton flash-attention kernel (an 'auto' candidate)",
             _TRITON_ATTENTION[1], ("triton",), "this kernel (the other exact candidates)",
             requires=_TRITON_ATTENTION[0],
-            sources=lambda: (str(flash_attention._KERNEL_NAME), flash_attention, attn, _qkv, _softmax_math)),
+            sources=lambda: (str(flash_attention._KERNEL_NAME), flash_attention, attn, _qkv, attn.attention_reference)),
     Feature("attention.fa3_hub", "FlashAttention 3 from the Hugging Face kernel hub (opt-in; an 'auto' candidate)",
             _FA3_PACKAGES["fa3_hub"][1], ("kernels",), "this package (the other exact candidates)",
-            requires=_FA3_PACKAGES["fa3_hub"][0], sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
+            requires=_FA3_PACKAGES["fa3_hub"][0], sources=lambda: (fa3_packages, attn, _qkv, attn.attention_reference)),
     Feature("attention.fa3_xformers", "FlashAttention 3 through xformers (an 'auto' candidate)",
             _FA3_PACKAGES["fa3_xformers"][1], ("xformers",), "this operator (the other exact candidates)",
             requires=_FA3_PACKAGES["fa3_xformers"][0],
-            sources=lambda: (fa3_packages, attn, _qkv, _softmax_math)),
+            sources=lambda: (fa3_packages, attn, _qkv, attn.attention_reference)),
     Feature("attention.int8", "int8 attention (opt-in)", _check_int8, ("comfy-kitchen",), "int8 (SDPA is used)",
-            sources=lambda: (attn, int8_attention, _qkv, _softmax_math)),
+            sources=lambda: (attn, int8_attention, _qkv, attn.attention_reference)),
     Feature("attention.fp8", "fp8 attention (opt-in)", _check_fp8_attention,
             ("triton", "flash_attn_3", "flash-attn-3", "fa3-fwd"), "fp8 (SDPA is used)",
-            sources=lambda: (attn, fp8_attention, fa3_fp8, _qkv, _softmax_math)),
+            sources=lambda: (attn, fp8_attention, fa3_fp8, _qkv, attn.attention_reference)),
     Feature("linear.fp8", "fp8 linear layers (opt-in)", _check_fp8, switches_off="fp8 linear (exact linear layers)",
             sources=lambda: (fp8, _fp8_inputs)),
     Feature("kernel.layernorm_modulate", "fused LayerNorm + modulate (Triton)", _check_lnmod, ("triton",),

@@ -86,7 +86,3 @@ def register_probe(name: str, check: Callable[[ProbeContext], Probe], requires=N
     probe = OutsideProbe(check, requires, sources)
     PROBES[name] = probe
     return probe
-
-
-def registered_probe(name: str) -> OutsideProbe | None:
-    return PROBES.get(name)

@@ -166,7 +166,8 @@ def _check_sampled(fx: Fixture, device, path: str = "auto") -> list:
     """Causal Wan and Matrix-Game-2: the scheduler tables, the call sequence (kinds, starts, timesteps and, when
     recorded, every cache's [global_end, local_end] after each call), ``xt``/``flow``/``x0`` of every call,
     Matrix-Game-2's intermediates of the recorded calls (patch embedding, img_emb, each block's output, the action
-    modules' input/output and branch contributions), ``output``, and the final caches (oldest entry first)."""
+    modules' input/output and branch contributions), ``output``, and the final caches (oldest entry first). path:
+    the replay's sampler path (default 'auto': the reference path, as its tracer asks)."""
     mg2, cfg = fx.kind == "matrix_game2", fx.cfg
     model = fx.model(device)
     io, kv = fx.io, fx.kv_cache(model)
@@ -370,16 +371,6 @@ FORMATS = {"wan_t2v_full": _check_full, "causal_wan": _check_sampled, "matrix_ga
            "longlive": _check_longlive, "krea_realtime": _check_krea}     # check(fixture, device) -> rows
 
 
-def check_fixture(fx: Fixture, device="cpu", path: str | None = None) -> list:
-    """The rows of one fixture: [(tensor name, max_abs_diff)]. path: the sampler path of a causal Wan or
-    Matrix-Game-2 replay (default 'auto': the reference path, as its tracer asks; LongLive and Krea run both)."""
-    if path is None:
-        return FORMATS[fx.kind](fx, device)
-    if FORMATS[fx.kind] is not _check_sampled:
-        raise ValueError(f"a {fx.kind} fixture's check chooses its sampler paths itself")
-    return _check_sampled(fx, device, path)
-
-
 # --------------------------------------------------------------------- entry point
 def _refuse_constant(name: str):
     raise ValueError(f"it holds {name}, which is not a number a fixture records")
@@ -427,7 +418,7 @@ def _why_no_format(cfg) -> str:
 FIXTURE_FAILURES = (ValueError, OSError, RuntimeError, KeyError, IndexError, TypeError)
 
 
-def check_reference(directory, device="cpu", formats=None) -> Rows:
+def check_reference(directory, device="cpu") -> Rows:
     """Run every recognised fixture in ``directory``; returns [(name, max_abs_diff)] where name is
     '<config stem>/<tensor>' (``Row``s; ``notes`` lists JSON files that were not checked). A fixture config that
     cannot be used (unreadable, of no known format, naming a missing or damaged file or key, a run that fails on
@@ -435,9 +426,6 @@ def check_reference(directory, device="cpu", formats=None) -> Rows:
     fixture is recognised (naming the configs that could not be used)."""
     directory = Path(directory)
     fixtures, unusable, notes = survey(directory)
-    if formats:
-        fixtures = [fx for fx in fixtures if fx[0] in formats]
-        unusable = []
     if not fixtures:
         said = "; ".join(f"{path.name}: {why}" for path, why in unusable[:3])
         raise FileNotFoundError(f"no recognised fixture config (*.json) in {directory}; known formats: "
@@ -449,7 +437,7 @@ def check_reference(directory, device="cpu", formats=None) -> Rows:
         stem = path.stem.replace("_config", "")
         try:
             with torch.no_grad():
-                got = list(check_fixture(Fixture(directory, cfg, name), device))
+                got = list(FORMATS[name](Fixture(directory, cfg), device))
         except FIXTURE_FAILURES as exc:
             reason = " ".join(str(exc).split())[:400] or type(exc).__name__
             if not isinstance(exc, ValueError):

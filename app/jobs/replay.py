@@ -160,10 +160,10 @@ def load_recorded(path) -> Recorded:
 
 class Fixture:
     """One fixture: its folder, config (a dict; a ``FixtureConfig`` names what is missing), format (``kind``, from
-    the config unless given), recorded tensors (``io``, read when first used), model and step list."""
+    the config), recorded tensors (``io``, read when first used), model and step list."""
 
-    def __init__(self, directory, cfg: dict, kind: str | None = None):
-        self.directory, self.cfg, self.kind = Path(directory), cfg, kind or kind_of(cfg)
+    def __init__(self, directory, cfg: dict):
+        self.directory, self.cfg, self.kind = Path(directory), cfg, kind_of(cfg)
 
     def file(self, key: str) -> Path:
         """The file the config names under ``key`` (LongLive: the producer's names when the config has none)."""
