@@ -1,7 +1,7 @@
 """ComfyUI nodes of Matrix-Game-2: Game Actions (script -> per-frame actions) and Matrix-Game-2 Sampler."""
 from __future__ import annotations
 
-from .comfy import Node, check_choice, node_mappings
+from .comfy import Node, check_choice, node_mappings, with_notes
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
 MODES = ["universal", "gta_drive", "templerun"]
@@ -190,11 +190,7 @@ class MatrixGame2Sampler(Node):
             else:
                 latents, kept = generate_mg2(net, image, tokens, actions, num_frames, seed, preset,
                                              window=kv_window or None, **run), None
-        out = to_latent_space(latents)
-        result = ({"samples": out}, kept)
-        if doctor_notes:        # features that failed their self-check here: say so in the node's text
-            return {"ui": {"text": ["\n".join(doctor_notes)]}, "result": result}
-        return result
+        return with_notes(({"samples": to_latent_space(latents)}, kept), doctor_notes)
 
 
 def _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window, state, keep_state, run):
