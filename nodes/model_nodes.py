@@ -342,11 +342,8 @@ class _ComfyProgress(ComfyProgress):
     @staticmethod
     def _preview(x0):
         try:
-            from PIL import Image
-            from ..app.jobs.preview import latents_to_rgb
-            frame = latents_to_rgb(x0[:1, -1:])[0, 0]
-            h, w, _ = frame.shape
-            return ("JPEG", Image.frombytes("RGB", (w, h), frame.contiguous().numpy().tobytes()), 512)
+            from ..app.jobs.preview import _to_image, latents_to_rgb
+            return ("JPEG", _to_image(latents_to_rgb(x0[:1, -1:])[0, 0]), 512)
         except Exception:
             return None
 
