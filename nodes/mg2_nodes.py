@@ -1,7 +1,7 @@
 """ComfyUI nodes of Matrix-Game-2: Game Actions (script -> per-frame actions) and Matrix-Game-2 Sampler."""
 from __future__ import annotations
 
-from .comfy import Node, check_choice, node_mappings
+from .comfy import Node, node_mappings, with_notes
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 
 MODES = ["universal", "gta_drive", "templerun"]
@@ -11,10 +11,9 @@ DEFAULT_SCRIPT = "W*20, W+A*8, mouse(0.1,0)*12, idle*4"
 
 def linear_spec(linear: str):
     """(the run spec of a run started by a node, the note to show) for the node's ``linear``: the defaults for
-    exact; fp8 through the one path rule (the optimized path runs it)."""
+    exact; fp8 through the one path rule (the optimized path runs it); another value is refused by ``RunSpec``."""
     from ..app.prepare import RunSpec
     from ..sampling.sampler import path_for_linear
-    check_choice("linear", linear, LINEAR_CHOICES)
     path, note = path_for_linear("auto", linear)
     return RunSpec(path=path, linear=linear), note
 
@@ -190,11 +189,7 @@ class MatrixGame2Sampler(Node):
             else:
                 latents, kept = generate_mg2(net, image, tokens, actions, num_frames, seed, preset,
                                              window=kv_window or None, **run), None
-        out = to_latent_space(latents)
-        result = ({"samples": out}, kept)
-        if doctor_notes:        # features that failed their self-check here: say so in the node's text
-            return {"ui": {"text": ["\n".join(doctor_notes)]}, "result": result}
-        return result
+        return with_notes(({"samples": to_latent_space(latents)}, kept), doctor_notes)
 
 
 def _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window, state, keep_state, run):

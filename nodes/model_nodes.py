@@ -1,7 +1,7 @@
 """ComfyUI nodes of the model area: CausalWan Model Loader and CausalWan Sampler (thin adapters over wan/)."""
 from __future__ import annotations
 
-from .comfy import Node, check_choice, node_mappings
+from .comfy import Node, check_choice, node_mappings, with_notes
 from .comfy.comfy_core import ComfyProgress
 
 TINY_NAME = "(built-in tiny model)"   # same string as app.jobs.handle.TINY_NAME (kept here: no heavy import)
@@ -174,11 +174,6 @@ GRAMMAR = ("One entry per line, '<chunk>: <prompt>' ('#' comments and blank line
            "9: a red fox :0.7 | snow falls :0.3 (blend 3, slerp)")
 
 
-def schedule_widget(empty_means: str = "the one prompt (positive) for every chunk") -> tuple:
-    return ("STRING", {"default": "", "multiline": True, "tooltip":
-                       f"Prompt schedule: the prompt changes at the chunks named. {GRAMMAR}\nEmpty: {empty_means}."})
-
-
 def text_encoder(clip, model):
     """text -> [1, L, text_dim] float32 context. ``model``: a WanModel (its config) or a model handle (``.model``).
     The built-in tiny model: its stand-in encoder; any other: ComfyUI's CLIP, or a clear error without one."""
@@ -198,8 +193,9 @@ def text_encoder(clip, model):
                      "to the clip input (the built-in tiny model needs none)")
 
 
-def parse_schedule(text: str, num_chunks: int | None = None, input_name: str = "prompt_schedule"):
-    """The schedule of a widget's text (None when empty); its errors name the input, the line and the fix."""
+def parse_schedule(text: str, num_chunks: int | None = None):
+    """The schedule of a prompt_schedule widget's text (None when empty); its errors name the input, the line and
+    the fix."""
     if not str(text or "").strip():
         return None
     from ..sampling.prompts import PromptSchedule
@@ -208,7 +204,7 @@ def parse_schedule(text: str, num_chunks: int | None = None, input_name: str = "
         if num_chunks is not None:
             schedule.validate(int(num_chunks))
     except ValueError as exc:
-        raise ValueError(f"{input_name}: {exc}") from None
+        raise ValueError(f"prompt_schedule: {exc}") from None
     return schedule
 
 
@@ -286,7 +282,7 @@ def comfy_krea_reencode(vae):
     return StreamReencode(push, encode)
 
 
-def krea_cache(recache, frames_per_block, kv_window, vae=None, names=None, sink=0, preset=None):
+def krea_cache(recache, frames_per_block, kv_window, vae=None, sink=0, preset=None):
     """``sampling.krea.cache_setup`` for a node's recache widget, with the graph's VAE for the first-frame
     re-encode when there is one (else the identity, said once in the console log); ``sink`` and ``preset`` for
     its refusal of settings the official code runs differently."""
@@ -295,10 +291,22 @@ def krea_cache(recache, frames_per_block, kv_window, vae=None, names=None, sink=
     from ..sampling.krea import cache_setup
     setup = cache_setup(recache, frames_per_block, kv_window,
                         None if vae is None or recache != "krea" else comfy_krea_reencode(vae),
-                        names=names, sink=sink, preset=preset)
+                        sink=sink, preset=preset)
     if setup.note:
         logging.getLogger("wan_accel").warning(setup.note)
     return setup
+
+
+def widget_schedule(preset: str, steps, shift, warp: bool = True, names: dict | None = None):
+    """The Schedule of a node's preset widget (its step list, shift and warp are read for 'custom' only), checked
+    first (``app.validate.check_schedule_args``: an error naming the widget; ``names``: widget names)."""
+    from ..app.validate import check_schedule_args
+    from ..sampling.scheduler import resolve_schedule
+    if preset != "custom":
+        check_schedule_args(preset)
+        return resolve_schedule(preset)
+    check_schedule_args(preset, steps, shift, warp, names=names)
+    return resolve_schedule("custom", steps, shift, warp)
 
 
 RECACHE_TOOLTIP = ("At a prompt switch of prompt_schedule: switch re-caches the frames in the KV window under the new "
@@ -334,11 +342,8 @@ class _ComfyProgress(ComfyProgress):
     @staticmethod
     def _preview(x0):
         try:
-            from PIL import Image
-            from ..app.jobs.preview import latents_to_rgb
-            frame = latents_to_rgb(x0[:1, -1:])[0, 0]
-            h, w, _ = frame.shape
-            return ("JPEG", Image.frombytes("RGB", (w, h), frame.contiguous().numpy().tobytes()), 512)
+            from ..app.jobs.preview import _to_image, latents_to_rgb
+            return ("JPEG", _to_image(latents_to_rgb(x0[:1, -1:])[0, 0]), 512)
         except Exception:
             return None
 
@@ -394,7 +399,9 @@ class CausalWanSampler(Node):
                            "Output the sampler state (the KV caches: about the size of the model's cache for "
                            "the whole window, kept in RAM) so a later prompt can continue this video. Needs "
                            "skip_last_refresh off."}),
-            "prompt_schedule": schedule_widget(),
+            "prompt_schedule": ("STRING", {"default": "", "multiline": True, "tooltip":
+                                "Prompt schedule: the prompt changes at the chunks named. " + GRAMMAR
+                                + "\nEmpty: the one prompt (positive) for every chunk."}),
             "recache": (["switch", "none", "krea"], {"default": "switch", "tooltip": RECACHE_TOOLTIP}),
             "clip": ("CLIP", {"tooltip": "The text encoder (umt5-xxl) that encodes prompt_schedule's prompts; "
                               "not needed by the built-in tiny model."}),
@@ -415,13 +422,9 @@ class CausalWanSampler(Node):
         from ..app.prepare import RunInputs, RunSpec, prepare_model, prepare_video
         from ..sampling.request import SamplingHooks
         from ..app.jobs.preview import to_vae_latents
-        from ..app.validate import MAX_SEED, check_fits, check_geometry, check_int, check_schedule_args
-        from ..sampling.scheduler import resolve_schedule
+        from ..app.validate import MAX_SEED, check_fits, check_geometry, check_int
         seed = check_int("seed", seed, 0, MAX_SEED)
-        if preset == "custom":
-            check_schedule_args("custom", custom_steps, shift, True, names={"steps": "custom_steps"})
-        schedule = (resolve_schedule("custom", custom_steps, shift, True) if preset == "custom"
-                    else resolve_schedule(preset))
+        schedule = widget_schedule(preset, custom_steps, shift, names={"steps": "custom_steps"})
         cfg = model.config
         names = {"frames": "num_frames", "kv_window": "kv_window", "width": "width", "height": "height"}
         check_geometry(num_frames, height, width, frames_per_block, kv_window, sink, names=names, recache=recache)
@@ -464,10 +467,7 @@ class CausalWanSampler(Node):
         latents, state = maybe_profile(model, sampled, model.model, spec, inputs, width, height, num_frames,
                                        setup=setup, hooks=hooks)
         self.last_report = report
-        result = ({"samples": to_vae_latents(latents).cpu()}, state)
-        if doctor_notes:        # features that failed their self-check here: say so in the node's text
-            return {"ui": {"text": ["\n".join(doctor_notes)]}, "result": result}
-        return result
+        return with_notes(({"samples": to_vae_latents(latents).cpu()}, state), doctor_notes)
 
     def _chunk_latents(self):
         """The sampler's ``on_chunk_latents`` (each chunk's frames before its refresh pass): none here; the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .comfy import Node, check_choice, node_mappings
 from .comfy.comfy_core import core
-from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP    # torch-free: the sampler nodes' one linear widget
+from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP, widget_schedule    # torch-free: the sampler nodes' widgets
 
 # the sampling modules import torch: they load when a node's inputs are listed or it runs, not at import
 
@@ -68,14 +68,7 @@ def causal_sigmas(preset: str, steps: str = "1000,750,500,250", shift: float = 5
     """The step list of a released causal schedule (or a custom one) as a float32 SIGMAS tensor ending in 0."""
     import torch
 
-    from ..app.validate import check_schedule_args
-    from ..sampling.scheduler import resolve_schedule
-    if preset == "custom":
-        check_schedule_args(preset, steps, shift, warp)
-    else:
-        check_schedule_args(preset)
-    sched = resolve_schedule("custom", steps, shift, warp) if preset == "custom" else resolve_schedule(preset)
-    return torch.tensor(sched.sigmas(), dtype=torch.float32)
+    return torch.tensor(widget_schedule(preset, steps, shift, warp).sigmas(), dtype=torch.float32)
 
 
 class WanCausalSigmas:

@@ -17,10 +17,9 @@ import re
 import time
 
 from .comfy import FreshNode, node_mappings
-from .comfy.comfy_core import optional
 from .mg2_nodes import CLIP_INPUT, PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
-from .stream_nodes import FPS, _jpeg_frames, send_to_page    # a chunk's frames: as the streaming sampler's
+from .stream_nodes import FPS, _jpeg_frames, page_server, send_to_page    # a chunk's frames: as the streaming sampler's
 
 EVENT = "wan_accel.play"
 STATE_PLACES = ["model device", "cpu"]
@@ -29,10 +28,6 @@ STATE_PLACES = ["model device", "cpu"]
 def _registry():
     from ..app.play.registry import REGISTRY
     return REGISTRY
-
-
-def _server():
-    return getattr(optional("server.PromptServer"), "instance", None)
 
 
 def send_play_event(kind: str, session: str, **payload) -> bool:
@@ -54,7 +49,7 @@ class PlaySessionNode(FreshNode):   # every run starts a new session (a cached r
         session.run_spec, note = linear_spec(linear)
         session.attached["decoder"] = decoder
         session.kept["vae"] = vae
-        server = _server()
+        server = page_server()
         owner = f"{getattr(server, 'client_id', None)}:{unique_id}"
         sid = _registry().open(session, owner=owner, idle_timeout_s=float(idle_timeout_s))
         send_play_event("ready", sid, **dict(session.describe(), node=str(unique_id) if unique_id is not None else None,
@@ -75,7 +70,7 @@ class PlayStepNode(FreshNode):
     def _step(self, session, chunk, *inputs) -> dict:
         import torch
         from ..app.play.registry import PlayError
-        from .comfy.comfy_core import progress_and_interrupt
+        from .comfy.comfy_core import ComfyProgress
         from .mg2_nodes import to_latent_space
         registry = _registry()
         play = registry.get(session)
@@ -84,11 +79,10 @@ class PlayStepNode(FreshNode):
         if chunk >= 0 and chunk != play.chunks:
             raise ValueError(f"chunk {chunk} was asked for but the session has made {play.chunks}: is another tab "
                              f"playing it? Reload the panel")
-        _bar, interrupt = progress_and_interrupt()
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():    # the session prepares its model once (the doctor's verdicts)
-                latents = play.step(*inputs, callback=(lambda *_a: interrupt()) if interrupt is not None else None)
+                latents = play.step(*inputs, callback=ComfyProgress().check)
                 t1 = time.perf_counter()
                 decoder = play.attached.get("decoder")
                 images = None

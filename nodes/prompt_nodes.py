@@ -2,7 +2,7 @@
 Accel Prompt Schedule node for the native AR sampler, and the live prompt play session of the pack's panel.
 
 * The prompt_schedule widget of the causal sampler nodes and the text encoder of its prompts live in
-  ``model_nodes`` (``schedule_widget``, ``text_encoder``: the graph's CLIP, or the built-in tiny model's stand-in).
+  ``model_nodes`` (``parse_schedule``, ``text_encoder``: the graph's CLIP, or the built-in tiny model's stand-in).
 * **Wan Accel Prompt Schedule**: CONDITIONING for the Wan Accel AR Sampler's guider that carries a schedule: the
   first chunk's context as the ordinary conditioning, the schedule and its texts' embeddings alongside.
 * **CausalWan Prompt Play Session / Step**: a play session (``app.play.t2v``) whose next chunk follows the prompt
@@ -10,7 +10,7 @@ Accel Prompt Schedule node for the native AR sampler, and the live prompt play s
 """
 from __future__ import annotations
 
-from .comfy import Node, node_mappings
+from .comfy import Node, check_choice, node_mappings
 from .model_nodes import (GRAMMAR, LINEAR_CHOICES, LINEAR_TOOLTIP, comfy_krea_reencode, encode_schedule,
                           parse_schedule, text_encoder)
 from .play_nodes import STATE_PLACES, PlaySessionNode, PlayStepNode
@@ -47,8 +47,7 @@ class WanAccelPromptSchedule(Node):
         schedule = parse_schedule(prompt_schedule)
         if schedule is None:
             raise ValueError("prompt_schedule is empty: give at least '0: <prompt>'")
-        if recache not in CACHE_MODES:
-            raise ValueError(f"recache must be one of {', '.join(CACHE_MODES)}, got {recache!r}")
+        check_choice("recache", recache, CACHE_MODES)
         def encode_one(text):
             cond = clip.encode_from_tokens(clip.tokenize(text))
             return cond[0] if isinstance(cond, (tuple, list)) else cond

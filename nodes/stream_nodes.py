@@ -20,25 +20,30 @@ FPS = 16                         # Wan 2.1 video frame rate
 PREVIEW_SIDE = 320               # longest side of the frames sent to the page
 
 
-def _jpeg_frames(images, side: int = PREVIEW_SIDE) -> list:
-    """images [frames, H, W, 3] 0..1 -> base64 JPEGs no larger than ``side`` pixels."""
+def _jpeg_frames(images) -> list:
+    """images [frames, H, W, 3] 0..1 -> base64 JPEGs no larger than PREVIEW_SIDE pixels."""
     from PIL import Image
     out = []
     arr = (images.clamp(0, 1) * 255).round().to("cpu").byte().numpy()
     for frame in arr:
         img = Image.fromarray(frame)
-        if max(img.size) > side:
-            img.thumbnail((side, side))
+        if max(img.size) > PREVIEW_SIDE:
+            img.thumbnail((PREVIEW_SIDE, PREVIEW_SIDE))
         buf = io.BytesIO()
         img.save(buf, format="JPEG", quality=80)
         out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
     return out
 
 
+def page_server():
+    """ComfyUI's running server (``PromptServer.instance``), or None outside a ComfyUI server."""
+    return getattr(optional("server.PromptServer"), "instance", None)
+
+
 def send_to_page(event: str, payload: dict) -> bool:
     """Send ``event`` (a chunk's frames, a play session's news) to the page that queued the running prompt (no-op
     outside a ComfyUI server); True when sent."""
-    server = getattr(optional("server.PromptServer"), "instance", None)
+    server = page_server()
     if server is None:
         return False
     server.send_sync(event, payload, getattr(server, "client_id", None))

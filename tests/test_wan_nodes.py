@@ -14,7 +14,8 @@ from wan_accel.nodes.model_nodes import (NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_
 def test_module_import_is_light():
     src = open(model_nodes.__file__).read().split('"""', 2)[2]
     top_level = [ln for ln in src.splitlines() if ln.startswith(("import ", "from "))]
-    assert top_level == ["from __future__ import annotations", "from .comfy import Node, check_choice, node_mappings",
+    assert top_level == ["from __future__ import annotations",
+                         "from .comfy import Node, check_choice, node_mappings, with_notes",
                          "from .comfy.comfy_core import ComfyProgress"]
     # Node and ComfyProgress bring no torch: ComfyUI lists the nodes before anything loads a model
     code = "import sys, wan_accel.nodes.model_nodes; print('torch' in sys.modules)"

@@ -28,6 +28,11 @@ def check_choice(name: str, value, choices):
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+def with_notes(result: tuple, notes: list):
+    """A node's ``result``, with ``notes`` (features that failed their self-check here) said in the node's text."""
+    return {"ui": {"text": ["\n".join(notes)]}, "result": result} if notes else result
+
+
 def node_mappings(nodes: dict) -> tuple[dict, dict]:
     """An area's (NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS) from its nodes named once: {key: (class, name)}."""
     return {k: cls for k, (cls, _) in nodes.items()}, {k: name for k, (_, name) in nodes.items()}

@@ -50,14 +50,14 @@ def _tiny_model(vae):
     return None
 
 
-def refuse_tiny_for_reencode(vae, what: str = "recache krea") -> None:
+def refuse_tiny_for_reencode(vae) -> None:
     """ValueError when ``vae`` is a tiny video decoder, ComfyUI's (taew2_1, lighttaew2_1, ...) or the pack's own:
     Krea's first-frame re-encode needs the full VAE's encoder."""
     from ...vae.taehv import TinyVideoDecoder
     if _tiny_model(vae) is not None or isinstance(vae, TinyVideoDecoder):
-        raise ValueError(f"{what} re-encodes a decoded frame with the VAE's encoder, and this VAE is a tiny decoder "
-                         f"(taew2_1 / lighttaew2_1), whose frames differ from the Wan 2.1 VAE's: connect the Wan 2.1 "
-                         f"VAE (wan_2.1_vae.safetensors) here, or use recache switch / none")
+        raise ValueError("recache krea re-encodes a decoded frame with the VAE's encoder, and this VAE is a tiny decoder "
+                         "(taew2_1 / lighttaew2_1), whose frames differ from the Wan 2.1 VAE's: connect the Wan 2.1 "
+                         "VAE (wan_2.1_vae.safetensors) here, or use recache switch / none")
 
 
 def stream_decoder(vae) -> FrameStream:
