@@ -88,12 +88,12 @@ def as_schedule(schedule) -> Schedule:
                     f"got {type(schedule).__name__}")
 
 
-def sample_causal(model, request: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks | None = None,
-                  cache=None) -> torch.Tensor:
+def sample_causal(model, request: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks | None = None
+                  ) -> torch.Tensor:
     """The chunk loop over a checked run: latents [B, F, C, H, W] (the loop's latent dtype; a continued run: its new
     frames only). request / inputs come from ``build_request`` (through ``app.prepare.prepare``); hooks: the run's
-    observers and policies (its ``report`` dict receives what the run did). cache: the LimitCache of the optimized
-    path (recorded graph failures); None: the default one."""
+    observers and policies (its ``report`` dict receives what the run did). The optimized path reads recorded graph
+    failures from the default LimitCache."""
     if not isinstance(request, SamplingRequest) or not isinstance(inputs, SamplingInputs):
         raise TypeError(f"sample_causal(model, request, inputs, hooks) takes a SamplingRequest and its SamplingInputs "
                         f"(made by app.prepare.prepare), got {type(request).__name__} and {type(inputs).__name__}")
@@ -107,7 +107,7 @@ def sample_causal(model, request: SamplingRequest, inputs: SamplingInputs, hooks
         executor = get_runner(model).start(req.options, batch=req.batch, num_frames=req.num_frames,
                                            grid_hw=req.grid_hw, kv_window=req.kv_window, sink=req.sink,
                                            kv_cache=inputs.kv_cache, actions=inputs.model_kwargs.get("actions"),
-                                           cache=open_cache(cache), chunks=req.chunks)
+                                           cache=open_cache(), chunks=req.chunks)
     else:
         executor = EagerExecutor(model, req, inputs)
     out, info = run_chunks(model, executor, req, inputs, hooks)

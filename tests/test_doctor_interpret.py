@@ -53,7 +53,8 @@ def _child() -> None:
     d2 = doctor_for("cpu", torch.float32, 16, **small)
     d2.check("kernel.layernorm_modulate", recheck=True)
     gated, lines = gate_options(model, base, doctor=d2)
-    parts = get_runner(model).start(gated, batch=1, num_frames=3, grid_hw=(4, 4), kv_window=-1, sink=0).parts
+    parts = get_runner(model).start(gated, batch=1, num_frames=3, grid_hw=(4, 4), kv_window=-1, sink=0,
+                                    chunks=[(0, 3)]).parts
     checked = run(gated)
     norm_modulate._launcher = real
     fallback = run(base.replace(switched_off=frozenset({"kernel.layernorm_modulate"})))
