@@ -5,9 +5,9 @@ estimates: a limit learned on the machine (the ``memory`` namespace of the limit
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from .system import gib as _gib
+from .system import PlainFields, gib as _gib
 
 VAE_TIME_RATIO = 4          # Wan 2.1 VAE: t latent frames -> 1 + 4 (t - 1) video frames
 VAE_SPACE_RATIO = 8
@@ -24,7 +24,7 @@ def video_frames_for(latent_frames: int, time_ratio: int = VAE_TIME_RATIO) -> in
 
 
 @dataclass
-class Workload:
+class Workload(PlainFields):
     """What is generated: video size and how the DiT is run."""
     width: int
     height: int
@@ -71,9 +71,6 @@ class Workload:
             out.append(f"{self.width}x{self.height} is not a multiple of 16; the latent is cropped to "
                        f"{self.latent_w // 2 * 16}x{self.latent_h // 2 * 16}")
         return out
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def query_tokens(w: Workload, patch_size=(1, 2, 2)) -> int:
