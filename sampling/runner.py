@@ -298,15 +298,17 @@ class FastRunner:
                                    max_graphs=options.max_graphs)
         sess.graphs.identity = identity
 
-    def start(self, options: FastOptions, **kw) -> "Run":
-        with use_ops(parse_ops(options.ops)[1]):          # the ops string's family=candidate overrides
-            return self._start(options, **kw)
+    def start(self, req, inputs, cache) -> "Run":
+        with use_ops(parse_ops(req.options.ops)[1]):      # the ops string's family=candidate overrides
+            return self._start(req, inputs, cache)
 
-    def _start(self, options: FastOptions, *, batch: int, num_frames: int, grid_hw, kv_window: int, sink: int,
-               chunks, kv_cache=None, actions=None, cache=None) -> "Run":
-        """Prepare a run over ``num_frames`` latent frames of a ``grid_hw`` token grid (after patching).
-        ``chunks``: the run's (first frame, frames) per chunk, so the speed verdicts of fp8 linear layers and fp8
-        attention are read before any fp8 copy is made."""
+    def _start(self, req, inputs, cache) -> "Run":
+        """Prepare the run of ``req`` (a ``SamplingRequest`` on the optimized path: its FastOptions, geometry and
+        chunks, so the speed verdicts of fp8 linear layers and fp8 attention are read before any fp8 copy is made)
+        over ``inputs``' KV cache (None: the session's) and action call; ``cache``: the LimitCache of recorded
+        graph capture failures."""
+        options, batch, num_frames, kv_window, sink = req.options, req.batch, req.num_frames, req.kv_window, req.sink
+        kv_cache, actions = inputs.kv_cache, inputs.model_kwargs.get("actions")
         model = self.model
         self.notes = []
         device = model.device
@@ -315,8 +317,8 @@ class FastRunner:
         compile_mode = compiled_mode(model)
         swapped = swapped_blocks(model)
         fused = self._fuse(options, swapped)
-        frame_tokens = grid_hw[0] * grid_hw[1]
-        linear, linear_info, verdict = self._linear(options, swapped, largest_call(batch, chunks, frame_tokens))
+        frame_tokens = req.frame_tokens
+        linear, linear_info, verdict = self._linear(options, swapped, largest_call(batch, req.chunks, frame_tokens))
         requested = options.attention or getattr(model, "attn_backend", "auto")
         backend, backend_reason = explain_backend(requested, device, model.compute_dtype, model.config.head_dim,
                                                   off=options.switched_off)
@@ -327,7 +329,7 @@ class FastRunner:
         rolling = 0 < kv_window < num_frames
         layout = (kv_window, sink) if rolling else (num_frames, 0)
         sp = seq_parallel_of(model)
-        key = (batch, rolling) + layout + (tuple(grid_hw), str(device), model.compute_dtype, model.rope_dtype(),
+        key = (batch, rolling) + layout + (tuple(req.grid_hw), str(device), model.compute_dtype, model.rope_dtype(),
                                            None if sp is None else (sp.rank, sp.world))
         sess = self._session(key, lambda: KVCache.for_model(model, batch, frame_tokens, num_frames, kv_window, sink),
                              kv_cache)
@@ -351,7 +353,7 @@ class FastRunner:
         if attention_part == "fp8" and sp is None:
             # fp8 attention's speed verdict before the cache's fp8 copy exists: a run judged slower (and not
             # kept) never allocates it
-            largest = max(plan_shapes(frame_tokens, chunks, kv_window, num_frames), key=lambda s: s[0] * s[1])
+            largest = max(plan_shapes(frame_tokens, req.chunks, kv_window, num_frames), key=lambda s: s[0] * s[1])
             _b, _cap, heads, head_dim = sess.kv.layers[0].k.shape
             run._judge_attention("fp8", largest, batch, int(heads), int(head_dim))
         fp8_cache = run.parts.attention == "fp8"

@@ -104,10 +104,7 @@ def sample_causal(model, request: SamplingRequest, inputs: RunInputs, hooks: Sam
     if report is not None:
         report["path"] = req.path
     if req.path == "optimized":
-        executor = get_runner(model).start(req.options, batch=req.batch, num_frames=req.num_frames,
-                                           grid_hw=req.grid_hw, kv_window=req.kv_window, sink=req.sink,
-                                           kv_cache=inputs.kv_cache, actions=inputs.model_kwargs.get("actions"),
-                                           cache=open_cache(), chunks=req.chunks)
+        executor = get_runner(model).start(req, inputs, open_cache())
     else:
         executor = EagerExecutor(model, req, inputs)
     out, info = run_chunks(model, executor, req, inputs, hooks)
