@@ -5,9 +5,9 @@ estimates: a limit learned on the machine (the ``memory`` namespace of the limit
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from .system import gib as _gib
+from .system import PlainFields, gib as _gib
 
 VAE_TIME_RATIO = 4          # Wan 2.1 VAE: t latent frames -> 1 + 4 (t - 1) video frames
 VAE_SPACE_RATIO = 8
@@ -24,7 +24,7 @@ def video_frames_for(latent_frames: int, time_ratio: int = VAE_TIME_RATIO) -> in
 
 
 @dataclass
-class Workload:
+class Workload(PlainFields):
     """What is generated: video size and how the DiT is run."""
     width: int
     height: int
@@ -72,9 +72,6 @@ class Workload:
                        f"{self.latent_w // 2 * 16}x{self.latent_h // 2 * 16}")
         return out
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def query_tokens(w: Workload, patch_size=(1, 2, 2)) -> int:
     """Tokens in one DiT forward (per batch item)."""
@@ -95,21 +92,17 @@ def kv_cache_bytes(layers: int, tokens: int, dim: int, elem_bytes: int, batch: i
     return layers * 2 * tokens * dim * elem_bytes * batch
 
 
-def activation_bytes(q_tokens: int, k_tokens: int, dim: int, ffn_dim: int, heads: int, elem_bytes: int,
-                     backend: str = "flash", batch: int = 1, text_tokens: int = 512) -> int:
+def activation_bytes(q_tokens: int, dim: int, ffn_dim: int, heads: int, elem_bytes: int, batch: int = 1) -> int:
     """Peak activations of one block forward.
 
     Attention phase: residual, normed input, q, k, v, rotated q/k, output and projection (~10 x dim per token)
     plus q/k RMSNorm in float32. FFN phase: residual, modulated input, hidden and GELU output (2 x ffn_dim),
-    output. Attention scratch: flash/efficient keep per-row statistics only; the math path materialises the
-    float32 score matrix and its softmax.
+    output. Attention scratch: flash/efficient attention keeps per-row statistics only (the attended keys add
+    nothing).
     """
     per_token = max(10 * dim, 4 * dim + 2 * ffn_dim) * elem_bytes + 2 * dim * 4
     total = q_tokens * per_token
-    if backend == "math":
-        total += heads * q_tokens * max(k_tokens, text_tokens) * (4 + elem_bytes)
-    else:
-        total += heads * q_tokens * 4 * 2
+    total += heads * q_tokens * 4 * 2
     return total * batch
 
 
@@ -158,7 +151,7 @@ def block_compute_ms(block_params: int, q_tokens: int, k_tokens: int, dim: int, 
 # ---------------------------------------------------------------------- does a sampling run fit?
 def sampling_need(model: dict, frames: int, height: int, width: int, *, frames_per_block: int = 3,
                   kv_window: int = -1, batch: int = 1, elem_bytes: int = 4, weight_bytes: int = 0,
-                  backend: str = "flash", world: int = 1) -> dict:
+                  world: int = 1) -> dict:
     """Bytes a causal sampling run allocates on its device, by part, before the first tensor is made.
 
     ``model``: a config dict (``dim``, ``ffn_dim``, ``num_heads``, ``num_layers``, ``patch_size``, ``out_dim``,
@@ -181,8 +174,8 @@ def sampling_need(model: dict, frames: int, height: int, width: int, *, frames_p
     return {"weights": int(weight_bytes), "latents": latents,
             "kv_cache": -(-kv_cache_bytes(layers, window * tpf, dim, elem_bytes, batch) // ranks),
             "cross_attn_cache": -(-kv_cache_bytes(layers, text, dim, elem_bytes, batch) // ranks),
-            "activations": -(-activation_bytes(query_tokens(w, patch), window * tpf, dim, int(model["ffn_dim"]),
-                                               int(model["num_heads"]), elem_bytes, backend, batch, text) // ranks)}
+            "activations": -(-activation_bytes(query_tokens(w, patch), dim, int(model["ffn_dim"]),
+                                               int(model["num_heads"]), elem_bytes, batch) // ranks)}
 
 
 def fit_problem(model: dict, frames: int, height: int, width: int, budget: int, where: str, *,

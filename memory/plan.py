@@ -238,14 +238,12 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
         return full_frames if window < 0 else min(window, full_frames)
 
     def needs(n_swap: int, window: int, off_emb: bool) -> dict:
-        lk = attended_tokens(workload, frames_of(window), patch)
         return {
             "weights_resident": sum(blocks[:L - n_swap]) + other - (emb if off_emb else 0),
             "swap_buffers": (min(n_swap, 2) * max_block if n_swap else 0) + (emb if off_emb else 0),
             "kv_cache": kv_cache_bytes(L, frames_of(window) * tpf, weights.dim, elem, B) if causal else 0,
             "cross_attn_cache": kv_cache_bytes(L, text_tokens, weights.dim, elem, B) if causal else 0,
-            "activations": activation_bytes(lq, lk, weights.dim, weights.ffn_dim, weights.num_heads, elem,
-                                            "math" if backend == "math" else "flash", B, text_tokens),
+            "activations": activation_bytes(lq, weights.dim, weights.ffn_dim, weights.num_heads, elem, B),
         }
 
     def min_swap(window: int, off_emb: bool) -> int | None:

@@ -50,7 +50,6 @@ from .scheduler import resolve_schedule
 
 KREA_CONTEXT_FRAMES = 3          # Krea's default kv_cache_num_frames (release_server.py GenerationParams)
 KREA_INTERP_STEPS = 4            # blocks Krea's server interpolates a prompt sent without interp_steps over
-KREA_FRAMES_PER_BLOCK = 3
 CACHE_MODES = RECACHE_MODES + ("krea",)
 IDENTITY_REENCODE_NOTE = ("recache krea: no VAE at hand, so the frame standing in for the first frame is used as it "
                           "is (no decode/encode round trip as Krea's server does); frames after the first "
@@ -303,8 +302,7 @@ class CacheSetup:
 INPUT_NAMES = {k: k for k in ("recache", "kv_window", "frames_per_block", "sink", "preset")}   # messages' defaults
 
 
-def official_problem(mode: str, frames_per_block: int, kv_window: int, sink: int = 0, preset=None,
-                     names: dict | None = None) -> str | None:
+def official_problem(frames_per_block: int, sink: int = 0, preset=None, names: dict | None = None) -> str | None:
     """Why the official code of the model a setting names would behave differently from the pack (a message naming
     the official behaviour and the setting that avoids it), or None. One setting the official code accepts is not
     reproduced:
@@ -372,7 +370,7 @@ def cache_setup(mode: str, frames_per_block: int, kv_window: int = -1, reencode:
         raise ValueError(f"{n['kv_window']} and {n['frames_per_block']} must be whole numbers of latent frames, got "
                          f"{kv_window!r} and {frames_per_block!r}")
     fpb, window = int(frames_per_block), int(kv_window)
-    problem = official_problem(mode, fpb, window, sink, preset, n)
+    problem = official_problem(fpb, sink, preset, n)
     if problem:
         raise ValueError(problem)
     if mode != "krea":

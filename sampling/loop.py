@@ -21,7 +21,7 @@ import torch
 
 from ..model.kv_cache import CrossAttnCache, KVCache
 from .recache import PromptSwitcher, conditioning
-from .request import SamplingHooks, SamplingInputs, SamplingRequest
+from .request import RunInputs, SamplingHooks, SamplingRequest
 from .scheduler import FlowMatchScheduler
 
 __all__ = ["EagerExecutor", "run_chunks"]
@@ -41,7 +41,7 @@ class _Rewrite:
 class EagerExecutor:
     """The reference executor: one ``model.forward_chunk`` per call over a plain KV cache."""
 
-    def __init__(self, model, req: SamplingRequest, inputs: SamplingInputs):
+    def __init__(self, model, req: SamplingRequest, inputs: RunInputs):
         self.model, self.req = model, req
         self.kv = inputs.kv_cache if inputs.kv_cache is not None else KVCache.for_model(
             model, req.batch, req.frame_tokens, req.num_frames, req.kv_window, req.sink)
@@ -79,7 +79,7 @@ class EagerExecutor:
         return {"path": "reference"}
 
 
-def run_chunks(model, executor, req: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks
+def run_chunks(model, executor, req: SamplingRequest, inputs: RunInputs, hooks: SamplingHooks
                ) -> tuple[torch.Tensor, dict]:
     """Sample every chunk of ``req`` through ``executor``; returns (latents [B, F, C, H, W] float32 from the first
     chunk's frame on: all F, or a continued run's new frames, report)."""
@@ -143,7 +143,7 @@ def _prefix(executor, req: SamplingRequest, prefix: torch.Tensor, out: torch.Ten
     out[:, :n] = prefix.float()
 
 
-def _chunk(executor, req: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks, ci: int, f0: int, n: int,
+def _chunk(executor, req: SamplingRequest, inputs: RunInputs, hooks: SamplingHooks, ci: int, f0: int, n: int,
            device, pos: int | None = None, ready=None):
     sched, tracer, callback = req.schedule, hooks.tracer, hooks.callback
     steps = sched.timesteps

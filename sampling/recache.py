@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .request import SamplingInputs, SamplingRequest
+from .request import RunInputs, SamplingRequest
 
 RECACHE_MODES = ("switch", "none")
 
@@ -53,7 +53,7 @@ class ChunkState:
     ``base`` on); text: the embedded context in effect; switched: whether the context changed at this chunk."""
     executor: Any
     req: SamplingRequest
-    inputs: SamplingInputs
+    inputs: RunInputs
     chunk_index: int
     first_frame: int
     frames: int
@@ -82,7 +82,7 @@ class ChunkState:
         return parts[0] if len(parts) == 1 else torch.cat([p.to(self.out.device) for p in parts], dim=1)
 
 
-def conditioning(req: SamplingRequest, inputs: SamplingInputs, start: int, end: int, device):
+def conditioning(req: SamplingRequest, inputs: RunInputs, start: int, end: int, device):
     """The i2v conditioning y of frames [start, end) on ``device``, or None. ``inputs.y`` covers every frame, or (a
     continued run) the frames from its first chunk on."""
     y = inputs.y
@@ -133,7 +133,7 @@ def same_context(a, b) -> bool:
 class PromptSwitcher:
     """Follows the run's per-chunk contexts: embeds each new one once, switches the executor to it, re-caches."""
 
-    def __init__(self, model, executor, req: SamplingRequest, inputs: SamplingInputs, out: torch.Tensor, base: int):
+    def __init__(self, model, executor, req: SamplingRequest, inputs: RunInputs, out: torch.Tensor, base: int):
         # recache mode and one context per chunk: checked where the inputs are made (sampler.build_request)
         self.model, self.executor, self.req, self.inputs, self.out, self.base = model, executor, req, inputs, out, base
         self.contexts = inputs.chunk_contexts
@@ -158,18 +158,13 @@ class PromptSwitcher:
         state = ChunkState(self.executor, self.req, self.inputs, ci, f0, n, self.out, self.base, self.text, switched)
         if switched:
             self.executor.set_text(self.text)
-            rewritten = recache_window(state) if self.inputs.recache == "switch" else 0
+            rewritten = recache_window(state) if self.req.recache == "switch" else 0
             self.switches.append({"chunk": ci, "frame": f0, "recached_frames": rewritten})
         policy = self.inputs.cache_policy
         if policy is not None:
             pos = policy.before_chunk(state)
             state.position = None if pos is None else int(pos)
         return state
-
-    @property
-    def last_context(self):
-        """The raw context in effect after the run (what a continuation compares its first context with)."""
-        return self.raw
 
 
 __all__ = ["ChunkState", "text_batch", "PromptSwitcher", "recache_window", "recache_range", "same_context", "RECACHE_MODES"]

@@ -3,7 +3,7 @@ out-of-memory policy).
 
 A face describes a run as a spec (``app.prepare.RunSpec``) and its ``RunInputs``; the app floor's one prepare step
 (``app/prepare.py``) hands them to ``sampler.build_request``, which checks them once into a frozen
-``SamplingRequest`` and the run's ``SamplingInputs``; the chunk loop, the executors and the policies read those
+``SamplingRequest`` and the run's checked ``RunInputs``; the chunk loop, the executors and the policies read those
 instead of having parameters threaded through them.
 """
 from __future__ import annotations
@@ -28,7 +28,9 @@ class Replaceable:
 class SamplingRequest(Replaceable):
     """What to sample. shape (B, F, C, H, W) of the latents; chunks [(first_frame, frames), ...]; grid_hw the token
     grid of a frame after patching; path 'reference' | 'optimized' (resolved); options the optimized path's
-    FastOptions (None on the reference path); latent_dtype the dtype of the loop's latent state (xt, x0)."""
+    FastOptions (None on the reference path); latent_dtype the dtype of the loop's latent state (xt, x0); recache
+    'switch' (LongLive: re-cache the window's self-attention KV under the new prompt at every switch, ``recache.py``)
+    or 'none' (only the cross-attention cache follows the prompt)."""
     shape: tuple
     schedule: Schedule
     chunks: tuple
@@ -40,6 +42,7 @@ class SamplingRequest(Replaceable):
     path: str = "reference"
     options: Any = None
     latent_dtype: torch.dtype = torch.float32
+    recache: str = "switch"
 
     @property
     def batch(self) -> int:
@@ -86,35 +89,6 @@ class SamplingHooks(Replaceable):
     report: dict | None = None
 
 
-@dataclass
-class SamplingInputs:
-    """The run's tensors: context [B or 1, L, text_dim] (or an EmbeddedText); noise [B, F, C, H, W] or None (drawn
-    per chunk from noise_provider); y / clip_fea conditioning; model_kwargs extra forward arguments (``actions``);
-    kv_cache a caller-made KVCache; prefix clean first frames [B, P, C, H, W] put in the cache before the first chunk;
-    generator the seeded generator the noise comes from (rewound on retries).
-
-    Prompt switching (``recache.py``): chunk_contexts the raw context of every chunk of the run (None: ``context`` for
-    all); recache 'switch' (LongLive: re-cache the window's self-attention KV under the new prompt at every switch)
-    or 'none' (only the cross-attention cache follows the prompt); cache_policy an object whose
-    ``before_chunk(state)`` runs before every chunk; previous_context the raw context in effect before the first
-    chunk (a continued run: its state's), history the clean latents [B, H, C, H, W] float32 of the H frames just
-    before the run's first chunk (what a re-cache at the first chunk reads)."""
-    context: Any
-    noise: torch.Tensor | None
-    noise_provider: Callable
-    generator: torch.Generator | None = None
-    clip_fea: torch.Tensor | None = None
-    y: torch.Tensor | None = None
-    model_kwargs: dict = dataclasses.field(default_factory=dict)
-    kv_cache: Any = None
-    prefix: torch.Tensor | None = None
-    chunk_contexts: list | None = None
-    cache_policy: Any = None
-    recache: str = "switch"
-    previous_context: Any = None
-    history: torch.Tensor | None = None
-
-
 @dataclass(frozen=True)
 class RunInputs(Replaceable):
     """What a run samples from, typed (``app.prepare.prepare`` takes it beside the run's spec).
@@ -129,8 +103,14 @@ class RunInputs(Replaceable):
     and clip_fea: image conditioning. model_kwargs: extra forward arguments (``actions`` for Matrix-Game-2).
     kv_cache: a caller-made KVCache. state: a ``continuation.SamplerState`` to go on from (its frames are not sampled
     again; the cache, generator, context in effect and history come from it). start_frame / previous_context /
-    history: a continuation given by hand (``mg2_continuation``). cache_policy: ``before_chunk(state)`` before every
-    chunk (Krea's re-cache)."""
+    history: a continuation given by hand (``mg2_continuation``); previous_context the raw context in effect before
+    the first chunk (a different first one is a prompt switch), history the clean latents [B, H, C, H, W] float32
+    of the H frames just before the run's first chunk (what a re-cache at the first chunk reads). cache_policy:
+    ``before_chunk(state)`` before every chunk (Krea's re-cache).
+
+    ``sampler.build_request`` returns the copy the chunk loop reads: noise a tensor or None (then drawn per chunk
+    from noise_provider), noise_provider and generator set, model_kwargs a dict, chunk_contexts the raw context of
+    every chunk of the run (a prompt schedule resolved; None: ``context`` for all) and context the first one's."""
     context: Any = None
     noise: Any = None
     generator: torch.Generator | None = None

@@ -217,19 +217,12 @@ class FastRunner:
                 drop_fused_qkv(sa)
         return fused
 
-    def _fp8_verdict(self, options: FastOptions, tokens: int) -> tuple | None:
-        """(slower, why, faster groups) of fp8 against exact linear layers at the run's largest call (``fp8_speed``:
-        the operator store's verdicts per layer group, measured once per GPU and shape; stored ones make no tensor),
-        judged before any fp8 copy is made; None where the run's chunks are not known here."""
-        if not tokens:
-            return None
-        cfg = self.model.config
-        return fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype, self.model.device)
-
-    def _linear(self, options: FastOptions, swapped: set, tokens: int = 0) -> tuple[str, dict, tuple | None]:
+    def _linear(self, options: FastOptions, swapped: set, tokens: int) -> tuple[str, dict, tuple | None]:
         """The run's linear mode, with the model's fp8 copies made (fp8) or freed (exact; also where fp8 is judged
         slower at ``tokens`` before any copy is made, and not kept: no copy is made); (mode, report fields, the
-        speed verdict or None)."""
+        speed verdict or None). The verdict, (slower, why, faster groups) of fp8 against exact linear layers at the
+        run's largest call (``fp8_speed``: the operator store's verdicts per layer group, measured once per GPU and
+        shape; stored ones make no tensor), is read before any fp8 copy is made."""
         blocks = self.model.blocks
         if options.linear == "fp8" and "linear.fp8" in options.switched_off:
             line = f"fp8 linear is {SWITCHED_OFF}: this run uses exact linear layers"
@@ -239,13 +232,14 @@ class FastRunner:
             for i, block in enumerate(blocks):     # every block checked before any copy is made
                 if i not in swapped:
                     check_fp8_block(block, prefix=f"blocks.{i}.")
-            verdict = self._fp8_verdict(options, tokens)
-            if verdict is not None and verdict[0] and not options.keep_slower:
+            cfg = self.model.config
+            verdict = fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype, self.model.device)
+            if verdict[0] and not options.keep_slower:
                 for block in blocks:
                     drop_fp8(block)
                 return "exact", {}, verdict
             done = kept = 0
-            groups = None if verdict is None or options.keep_slower else verdict[2]   # fp8 only where faster
+            groups = None if options.keep_slower else verdict[2]   # fp8 only where faster
             for i, block in enumerate(blocks):
                 if i in swapped:            # its weights stream per call: a second copy would stream too
                     drop_fp8(block)
@@ -304,15 +298,17 @@ class FastRunner:
                                    max_graphs=options.max_graphs)
         sess.graphs.identity = identity
 
-    def start(self, options: FastOptions, **kw) -> "Run":
-        with use_ops(parse_ops(options.ops)[1]):          # the ops string's family=candidate overrides
-            return self._start(options, **kw)
+    def start(self, req, inputs, cache) -> "Run":
+        with use_ops(parse_ops(req.options.ops)[1]):      # the ops string's family=candidate overrides
+            return self._start(req, inputs, cache)
 
-    def _start(self, options: FastOptions, *, batch: int, num_frames: int, grid_hw, kv_window: int, sink: int,
-               kv_cache=None, actions=None, cache=None, chunks=None) -> "Run":
-        """Prepare a run over ``num_frames`` latent frames of a ``grid_hw`` token grid (after patching).
-        ``chunks``: the run's (first frame, frames) per chunk, so the fp8 speed verdict is read before any fp8
-        copy is made (without them the run judges it in ``warm``, after the copies)."""
+    def _start(self, req, inputs, cache) -> "Run":
+        """Prepare the run of ``req`` (a ``SamplingRequest`` on the optimized path: its FastOptions, geometry and
+        chunks, so the speed verdicts of fp8 linear layers and fp8 attention are read before any fp8 copy is made)
+        over ``inputs``' KV cache (None: the session's) and action call; ``cache``: the LimitCache of recorded
+        graph capture failures."""
+        options, batch, num_frames, kv_window, sink = req.options, req.batch, req.num_frames, req.kv_window, req.sink
+        kv_cache, actions = inputs.kv_cache, inputs.model_kwargs.get("actions")
         model = self.model
         self.notes = []
         device = model.device
@@ -321,9 +317,8 @@ class FastRunner:
         compile_mode = compiled_mode(model)
         swapped = swapped_blocks(model)
         fused = self._fuse(options, swapped)
-        frame_tokens = grid_hw[0] * grid_hw[1]
-        fp8_tokens = largest_call(batch, chunks, frame_tokens) if chunks else 0
-        linear, linear_info, verdict = self._linear(options, swapped, fp8_tokens)
+        frame_tokens = req.frame_tokens
+        linear, linear_info, verdict = self._linear(options, swapped, largest_call(batch, req.chunks, frame_tokens))
         requested = options.attention or getattr(model, "attn_backend", "auto")
         backend, backend_reason = explain_backend(requested, device, model.compute_dtype, model.config.head_dim,
                                                   off=options.switched_off)
@@ -334,7 +329,7 @@ class FastRunner:
         rolling = 0 < kv_window < num_frames
         layout = (kv_window, sink) if rolling else (num_frames, 0)
         sp = seq_parallel_of(model)
-        key = (batch, rolling) + layout + (tuple(grid_hw), str(device), model.compute_dtype, model.rope_dtype(),
+        key = (batch, rolling) + layout + (tuple(req.grid_hw), str(device), model.compute_dtype, model.rope_dtype(),
                                            None if sp is None else (sp.rank, sp.world))
         sess = self._session(key, lambda: KVCache.for_model(model, batch, frame_tokens, num_frames, kv_window, sink),
                              kv_cache)
@@ -355,20 +350,20 @@ class FastRunner:
             "compile": compile_mode, "cuda_graphs": graph_reason is None,
             "cuda_graphs_reason": graph_reason or "on", "swapped_blocks": len(swapped), "linear": linear,
             **linear_info, "notes": self.notes})
-        if attention_part == "fp8" and chunks and sp is None:
+        if attention_part == "fp8" and sp is None:
             # fp8 attention's speed verdict before the cache's fp8 copy exists: a run judged slower (and not
-            # kept) never allocates it; without the chunks the run judges it in ``warm``
-            largest = max(plan_shapes(frame_tokens, chunks, kv_window, num_frames), key=lambda s: s[0] * s[1])
+            # kept) never allocates it
+            largest = max(plan_shapes(frame_tokens, req.chunks, kv_window, num_frames), key=lambda s: s[0] * s[1])
             _b, _cap, heads, head_dim = sess.kv.layers[0].k.shape
             run._judge_attention("fp8", largest, batch, int(heads), int(head_dim))
-        run.fp8_cache = run.parts.attention == "fp8"
+        fp8_cache = run.parts.attention == "fp8"
         scheme = "smoothed"
-        if run.fp8_cache:                   # the copy in the form this machine's fp8 implementation reads
+        if fp8_cache:                       # the copy in the form this machine's fp8 implementation reads
             kind = fp8_implementation(device, model.compute_dtype, model.config.head_dim)[0]
             scheme, run.info["fp8_attention_kind"] = fp8_scheme(kind), kind
-        sess.kv.use_fp8(run.fp8_cache, scheme)      # fp8 attention: K/V quantized once, as they enter the cache
+        sess.kv.use_fp8(fp8_cache, scheme)      # fp8 attention: K/V quantized once, as they enter the cache
         if verdict is not None and (linear == "fp8" or verdict[0]):
-            run._judge_fp8(fp8_tokens, verdict)
+            run._judge_fp8(verdict)
         return run
 
     def _weights_id(self) -> tuple:
@@ -392,8 +387,7 @@ class Run:
         self.parts, self.actions, self.frame_tokens, self.info = parts, actions, frame_tokens, info
         self.emb: dict = {}
         self.cross: list = []
-        self.image = self.text = None
-        self.fp8_cache = False      # whether this run's start switched the cache's fp8 copy on
+        self.image = None
 
     @property
     def kv(self) -> KVCache:
@@ -407,7 +401,6 @@ class Run:
     # ------------------------------------------------------------------ per-run inputs
     def set_prompt(self, text, image=None) -> None:
         """Cross-attention K/V of every block for this prompt, into the session's static buffers."""
-        self.text = text
         memo: dict = {}             # the prompt quantized once for every block's fp8 k/v
         fresh = [cross_kv(block, text, image, self.parts.linear, memo) for block in self.model.blocks]
         old = self.sess.cross
@@ -534,9 +527,7 @@ class Run:
         """Before the first chunk: the operator store's attention choice for every (query, key) length the run
         will meet, and where that is FlashAttention 3 whether the cache's write goes inside its kernel, so no timed
         chunk pays for measuring (the choices and the time go into the report); the speed
-        verdicts of the opt-in approximate modes (int8 attention, fp8 linear) at the run's shapes."""
-        if self.parts.linear == "fp8" and "fp8_speed" not in self.info:      # not judged at start
-            self._judge_fp8(largest_call(req.batch, req.chunks, self.frame_tokens))
+        verdict of int8 attention at the run's shapes (fp8 attention and fp8 linear are judged at start)."""
         if seq_parallel_of(self.model) is not None or not self.cross:
             return
         t0 = time.perf_counter()
@@ -571,43 +562,20 @@ class Run:
         self.parts = self.parts._replace(attention=auto_request(self.options.switched_off)
                                          if graphs_device(self.model.device) else "sdpa")
         self.kv.use_fp8(False)
-        if self.fp8_cache:              # judged in ``warm``, before the first chunk: nothing ran with the copies
-            self.kv.drop_new_fp8()      # made at start (judged at start: none was made)
-            self.fp8_cache = False
         self.info["attention"] = f"exact ({mode} measured slower)"
 
-    def _judge_fp8(self, tokens: int, verdict: tuple | None = None) -> None:
+    def _judge_fp8(self, verdict: tuple) -> None:
         """fp8 linear is opt-in for speed: where a block's linear layers are measured slower in fp8 than exact at the
         run's largest call on this GPU, the run says so before its first chunk and stays exact (unless
         ``keep_slower``); where only some layer groups are slower, those run exact. ``verdict``: (slower, why,
-        faster groups) already judged at start."""
-        cfg = self.model.config
-        slower, why, faster = verdict or fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype,
-                                                   self.model.device)
+        faster groups) judged at start, before any fp8 copy was made (``FastRunner._linear`` made the copies of the
+        faster groups only, or none)."""
+        slower, why, faster = verdict
         self.info["fp8_speed"] = {"slower": slower, "why": why,
                                   "faster_groups": None if faster is None else sorted(faster)}
         if slower:
-            self._slower("fp8 linear", "exact linear layers", why, self._exact_linear)
-        elif faster is not None and not self.options.keep_slower and self.parts.linear == "fp8":
-            self._exact_groups(set(FP8_GROUPS) - set(faster))
-
-    def _exact_groups(self, groups: set) -> None:
-        """The layers of these speed groups run exact from here on (judged before the first chunk): their fp8
-        copies are freed, and the prompt's cross-attention keys/values computed again where theirs were fp8."""
-        freed = sum(drop_fp8(block, groups) for block in self.model.blocks)
-        self.info["fp8_groups"] = [g for g in FP8_GROUPS if g not in groups]
-        if freed and "square" in groups and self.text is not None:
-            self.set_prompt(self.text, self.image)
-
-    def _exact_linear(self) -> None:
-        """Exact linear layers from here on: the fp8 copies are freed and the prompt's cross-attention keys/values
-        (computed in fp8 by ``prepare``) are computed again."""
-        self.parts = self.parts._replace(linear="exact")
-        for block in self.model.blocks:
-            drop_fp8(block)
-        if self.text is not None:
-            self.set_prompt(self.text, self.image)
-        self.info.update(linear="exact (fp8 measured slower)", linear_path=None)
+            self._slower("fp8 linear", "exact linear layers", why,
+                         lambda: self.info.update(linear="exact (fp8 measured slower)", linear_path=None))
 
     def _slower(self, mode: str, exact: str, why: str, use_exact) -> None:
         """One line for an opt-in mode measured slower than ``exact``: kept (``keep_slower``) or replaced by it."""

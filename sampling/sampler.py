@@ -13,7 +13,7 @@ from ..model.finite import check_output, context_flags
 from ..model.rope import check_positions
 from .loop import EagerExecutor, run_chunks
 from .prompts import PromptSchedule
-from .request import RunInputs, SamplingHooks, SamplingInputs, SamplingRequest
+from .request import RunInputs, SamplingHooks, SamplingRequest
 from .runner import FastOptions, get_runner
 from .scheduler import Schedule, resolve_schedule
 
@@ -88,14 +88,14 @@ def as_schedule(schedule) -> Schedule:
                     f"got {type(schedule).__name__}")
 
 
-def sample_causal(model, request: SamplingRequest, inputs: SamplingInputs, hooks: SamplingHooks | None = None,
-                  cache=None) -> torch.Tensor:
+def sample_causal(model, request: SamplingRequest, inputs: RunInputs, hooks: SamplingHooks | None = None
+                  ) -> torch.Tensor:
     """The chunk loop over a checked run: latents [B, F, C, H, W] (the loop's latent dtype; a continued run: its new
     frames only). request / inputs come from ``build_request`` (through ``app.prepare.prepare``); hooks: the run's
-    observers and policies (its ``report`` dict receives what the run did). cache: the LimitCache of the optimized
-    path (recorded graph failures); None: the default one."""
-    if not isinstance(request, SamplingRequest) or not isinstance(inputs, SamplingInputs):
-        raise TypeError(f"sample_causal(model, request, inputs, hooks) takes a SamplingRequest and its SamplingInputs "
+    observers and policies (its ``report`` dict receives what the run did). The optimized path reads recorded graph
+    failures from the default LimitCache."""
+    if not isinstance(request, SamplingRequest) or not isinstance(inputs, RunInputs):
+        raise TypeError(f"sample_causal(model, request, inputs, hooks) takes a SamplingRequest and its RunInputs "
                         f"(made by app.prepare.prepare), got {type(request).__name__} and {type(inputs).__name__}")
     hooks = hooks if hooks is not None else SamplingHooks()
     req, report = request, hooks.report
@@ -104,10 +104,7 @@ def sample_causal(model, request: SamplingRequest, inputs: SamplingInputs, hooks
     if report is not None:
         report["path"] = req.path
     if req.path == "optimized":
-        executor = get_runner(model).start(req.options, batch=req.batch, num_frames=req.num_frames,
-                                           grid_hw=req.grid_hw, kv_window=req.kv_window, sink=req.sink,
-                                           kv_cache=inputs.kv_cache, actions=inputs.model_kwargs.get("actions"),
-                                           cache=open_cache(cache), chunks=req.chunks)
+        executor = get_runner(model).start(req, inputs, open_cache())
     else:
         executor = EagerExecutor(model, req, inputs)
     out, info = run_chunks(model, executor, req, inputs, hooks)
@@ -119,8 +116,8 @@ def sample_causal(model, request: SamplingRequest, inputs: SamplingInputs, hooks
 
 
 def build_request(model, spec, inputs: RunInputs, path: str = "auto", options=None, tracer=None
-                  ) -> tuple[SamplingRequest, SamplingInputs]:
-    """A run's spec and inputs checked once: (the frozen request, the run's tensors) for ``sample_causal``.
+                  ) -> tuple[SamplingRequest, RunInputs]:
+    """A run's spec and inputs checked once: (the frozen request, the inputs the loop reads) for ``sample_causal``.
 
     spec: the loop's settings (``app.prepare.RunSpec``, checked: schedule, frames_per_block, kv_window, sink,
     skip_last_refresh, refresh_t, independent_first_frame, partial_last_block, recache, seed); inputs: ``RunInputs``
@@ -165,7 +162,7 @@ def build_request(model, spec, inputs: RunInputs, path: str = "auto", options=No
     check_positions(0, num_frames, h // ph, w // pw)
     check_window(num_frames, fpb, spec.kv_window, spec.sink)
     from .krea import official_problem      # the rule every face meets: LongLive's sink, whatever the preset's form
-    problem = official_problem("switch", fpb, spec.kv_window, spec.sink, sched, {"preset": "schedule"})
+    problem = official_problem(fpb, spec.sink, sched, {"preset": "schedule"})
     if problem:
         raise ValueError(problem)
     generator, noise_provider = inputs.generator, inputs.noise_provider
@@ -187,7 +184,7 @@ def build_request(model, spec, inputs: RunInputs, path: str = "auto", options=No
             path_for_linear("reference", FastOptions.coerce(options).linear, names=("path", "linear"))
         options, skip_last, latent_dtype = None, bool(spec.skip_last_refresh), model.stream_dtype
     req = SamplingRequest(shape, sched, tuple(plan), (h // ph, w // pw), int(spec.kv_window), int(spec.sink),
-                          float(spec.refresh_t), skip_last, chosen, options, latent_dtype)
+                          float(spec.refresh_t), skip_last, chosen, options, latent_dtype, spec.recache)
     context, chunk_contexts, previous_context = inputs.context, inputs.chunk_contexts, inputs.previous_context
     if inputs.prompt_schedule is not None:
         chunk_contexts, prev = schedule_contexts(inputs.prompt_schedule, inputs.prompt_embeddings, req, fpb,
@@ -198,10 +195,10 @@ def build_request(model, spec, inputs: RunInputs, path: str = "auto", options=No
             raise ValueError(f"{len(chunk_contexts)} chunk contexts for the {len(req.chunks)} chunks of this run; "
                              f"give one per chunk")
         context = chunk_contexts[0]
-    return req, SamplingInputs(context, noise if isinstance(noise, torch.Tensor) else None, noise_provider, generator,
-                               inputs.clip_fea, y, extra, kv_cache, prefix,
-                               None if chunk_contexts is None else list(chunk_contexts), inputs.cache_policy,
-                               spec.recache, previous_context, inputs.history)
+    return req, inputs.replace(context=context, noise=noise if isinstance(noise, torch.Tensor) else None,
+                               noise_provider=noise_provider, generator=generator, model_kwargs=extra,
+                               chunk_contexts=None if chunk_contexts is None else list(chunk_contexts),
+                               previous_context=previous_context)
 
 
 def schedule_contexts(schedule, embeddings, req: SamplingRequest, frames_per_block: int, start_frame: int = 0,

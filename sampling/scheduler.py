@@ -79,10 +79,6 @@ class Schedule:
     renoise: list = field(default_factory=list)         # (1 - sigma, sigma) of t_k, float32 argmin
     scheduler: FlowMatchScheduler | None = None
 
-    @property
-    def num_steps(self) -> int:
-        return len(self.timesteps)
-
     def x0_sigma_at(self, t: float) -> float:
         if self.scheduler is None:                      # a schedule given as sigmas: sigma = t / N
             return float(t) / NUM_TRAIN_TIMESTEPS

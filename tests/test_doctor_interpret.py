@@ -23,6 +23,7 @@ def _child() -> None:
     from wan_accel.app.doctor.gate import gate_options
     from wan_accel.kernels import norm_modulate
     from wan_accel.model.tiny import tiny_causal_model
+    from wan_accel.sampling.request import RunInputs, SamplingRequest
     from wan_accel.sampling.runner import FastOptions, get_runner
     from run_helpers import generate_latents
 
@@ -53,7 +54,9 @@ def _child() -> None:
     d2 = doctor_for("cpu", torch.float32, 16, **small)
     d2.check("kernel.layernorm_modulate", recheck=True)
     gated, lines = gate_options(model, base, doctor=d2)
-    parts = get_runner(model).start(gated, batch=1, num_frames=3, grid_hw=(4, 4), kv_window=-1, sink=0).parts
+    req = SamplingRequest((1, 3, model.config.out_dim, 8, 8), None, ((0, 3),), (4, 4), path="optimized",
+                          options=gated)
+    parts = get_runner(model).start(req, RunInputs(model_kwargs={}), None).parts
     checked = run(gated)
     norm_modulate._launcher = real
     fallback = run(base.replace(switched_off=frozenset({"kernel.layernorm_modulate"})))

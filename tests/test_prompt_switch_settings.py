@@ -45,7 +45,7 @@ LONGLIVE_MSG = r"(--)?sink 6 with (--)?preset longlive: LongLive's official atte
 
 # ------------------------------------------------------------------------------------------------ refusals
 def test_the_one_check_names_the_official_behaviour_and_the_way_out():
-    msg = official_problem("switch", 3, 15, sink=6, preset="longlive")
+    msg = official_problem(3, sink=6, preset="longlive")
     assert "written or not" in msg and "never writes inside the sink slots" in msg
     assert "Use sink at most 3" in msg and "leave out preset longlive" in msg
     # what the official code runs as the pack does is accepted
@@ -56,7 +56,7 @@ def test_the_one_check_names_the_official_behaviour_and_the_way_out():
                                             ("krea", 1, 6, 0, None), ("switch", 2, 8, 5, "self_forcing"),
                                             ("krea", 3, 8, 0, "krea"), ("krea", 3, 7, 0, None),
                                             ("krea", 2, -1, 0, None)]:
-        assert official_problem(mode, fpb, window, sink, preset) is None, (mode, fpb, window, sink, preset)
+        assert official_problem(fpb, sink, preset) is None, (mode, fpb, window, sink, preset)
         cache_setup(mode, fpb, window, sink=sink, preset=preset)
     with pytest.raises(ValueError, match=LONGLIVE_MSG):
         cache_setup("none", 3, 15, sink=6, preset="longlive")
