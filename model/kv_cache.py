@@ -279,7 +279,6 @@ class KVCache:
         self._index: dict = {}   # writes -> device index tensor (kept: graphs captured on it read its memory;
         # bounded: a global cache has one pattern per chunk position, a rolling one repeats them)
         self._pad = 0       # zero keys/values the next plan attends past its last token (pad_next)
-        self._fp8_new: list = []   # layers whose fp8 copy the last use_fp8(True) made (drop_new_fp8)
 
     @classmethod
     def for_model(cls, model, batch: int, frame_tokens: int, num_frames: int, kv_window: int = -1,
@@ -302,8 +301,6 @@ class KVCache:
         ``scheme`` ('smoothed': the pack's kernels; 'fa3': FlashAttention 3's), or stop writing it. Switched on, the
         copy is made where missing (or kept in the other form) and the cache's contents are quantized anew (a cache
         filled another way, e.g. copied from an earlier run, is covered)."""
-        if on:
-            self._fp8_new = []
         for layer in self.layers:
             shadow = getattr(layer.k, _FP8_ATTR, None)
             if not on:
@@ -313,23 +310,12 @@ class KVCache:
             if shadow is None or shadow.scheme != scheme:
                 shadow = SHADOWS[scheme](layer.k, layer.v)
                 setattr(layer.k, _FP8_ATTR, shadow)
-                self._fp8_new.append(layer)
             shadow.enabled = True
             valid = min(self.end, self.capacity)
             if valid:              # the tokens it holds fix the smoothing vectors where nothing written has yet
                 shadow.fix_means(layer.k[:, :valid], layer.v[:, :valid])
                 shadow.write(self._step(((0, self.capacity, 0, self.capacity),), 0).index, layer.k, layer.v,
                              fix=False)
-
-    def drop_new_fp8(self) -> int:
-        """Free the fp8 copies the last ``use_fp8(True)`` made (the run chose exact attention before anything ran
-        with them: a copy of every layer is about a third of the cache's memory); copies made earlier stay, as a
-        captured graph may read them. Returns how many were freed."""
-        new, self._fp8_new = self._fp8_new, []
-        for layer in new:
-            if getattr(layer.k, _FP8_ATTR, None) is not None:
-                delattr(layer.k, _FP8_ATTR)
-        return len(new)
 
     @property
     def ring(self) -> int:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from ..kernels.fp8_linear import quantize_tensor
 from .checkpoint import keeps_fp8, model_class
 from .loader import _set_param
-from .quant import FP8Linear, install_fp8_linears, is_quantized
+from .quant import install_fp8_linears, is_quantized
 from .tiny import draw_weights
 
 WEIGHT_KINDS = ("bf16", "fp8")      # 'bf16': the run's dtype (bf16 on a GPU); 'fp8': block linears in e4m3
