@@ -17,11 +17,11 @@ import time
 
 from ..cache.autotune import optional_types
 from ..cache.open import open_cache
-from ..model.attachments import COMPILE_ATTR, compile_handle_of, end_compile_warmup
+from ..model.attachments import COMPILE_ATTR, compile_handle_of, end_compile_warmup, model_signature
 from . import compat
 from .presets import preset_options, resolve_inductor_options
 from .settings import CompileSettings, coerce_settings
-from .warm_start import WarmStart, ensure_inductor_cache_dir, model_signature
+from .warm_start import WarmStart, ensure_inductor_cache_dir
 
 log = logging.getLogger("wan_accel.compile")
 
@@ -110,8 +110,10 @@ class CompileHandle:
         before = compat.graph_count() if track else None
         with contextlib.ExitStack() as stack:
             stack.enter_context(use_kernel_caps(self.kernel_caps))
-            if self._scoped_limit:
-                stack.enter_context(compat.dynamo_config_patch(**self._scoped_limit))
+            if self._scoped_limit:              # Dynamo's config patched for this call only (restored on exit)
+                import torch._dynamo.config as dc
+
+                stack.enter_context(dc.patch(**self._scoped_limit))
             if self.warm:
                 stack.enter_context(compat.stance(self._stance))
             out = fn(*args, **kwargs)

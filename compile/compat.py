@@ -28,26 +28,13 @@ def dynamo_limit_name() -> str | None:
     return None
 
 
-def has_set_stance() -> bool:
-    import torch
-
-    return hasattr(getattr(torch, "compiler", None), "set_stance")
-
-
 def stance(name: str):
     """Context manager setting Dynamo's stance for the enclosed calls (no-op where unsupported)."""
     import torch
 
-    if name == "default" or not has_set_stance():
+    if name == "default" or not hasattr(getattr(torch, "compiler", None), "set_stance"):
         return contextlib.nullcontext()
     return torch.compiler.set_stance(name)
-
-
-def dynamo_config_patch(**values):
-    """Scoped Dynamo config change (restored on exit)."""
-    import torch._dynamo.config as dc
-
-    return dc.patch(**values)
 
 
 def has_mega_cache() -> bool:

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 from ..cache.owned_files import replace_file
-from ..model.attachments import model_signature  # noqa: F401  (re-exported: the warm-start key)
 from . import compat
 
 log = logging.getLogger("wan_accel.compile")
