@@ -15,6 +15,8 @@ import contextlib
 import logging
 import time
 
+import torch
+
 from ..cache.autotune import optional_types
 from ..cache.open import open_cache
 from ..model.attachments import COMPILE_ATTR, compile_handle_of, end_compile_warmup, model_signature
@@ -72,8 +74,6 @@ class CompileHandle:
             setattr(dc, name, self.settings.recompile_limit)
 
     def compile_fn(self, fn):
-        import torch
-
         return torch.compile(fn, **self.compile_kwargs())
 
     # ------------------------------------------------------------------ calls
@@ -214,8 +214,6 @@ def _prepare(model, settings, cache) -> CompileHandle:
 
 
 def _blocks_of(model):
-    import torch
-
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
         raise ValueError(f"compile scope 'blocks' needs model.blocks to be a non-empty nn.ModuleList; "
@@ -301,35 +299,20 @@ def call_with_module_hooks(module, fn, args, kwargs):
     return out
 
 
-_REGION_CLASS: list = []
+class CompiledRegion(torch.nn.Module):
+    """Stands in for a block while a caller's forward runs: holds the original block as ``_orig_mod`` and runs its
+    compiled forward in the handle's scope.
 
+    The original's forward hooks fire around the compiled call (they sit on the original, which is no longer
+    called): a block swap installed before or after compiling keeps streaming the weights."""
 
-def _region_class():
-    """nn.Module standing in for a block while a caller's forward runs (defined on first use: torch is lazy
-    here)."""
-    if not _REGION_CLASS:
-        import torch
+    def __init__(self, original, handle: CompileHandle, contiguous_input: bool = False):
+        super().__init__()
+        self._orig_mod = original
+        self.__dict__["_scoped"] = _scoped_forward(handle, original, contiguous_input=contiguous_input)
 
-        class CompiledRegion(torch.nn.Module):
-            """Holds the original block as ``_orig_mod`` and runs its compiled forward in the handle's scope.
-
-            The original's forward hooks fire around the compiled call (they sit on the original, which is no
-            longer called): a block swap installed before or after compiling keeps streaming the weights."""
-
-            def __init__(self, original, scoped):
-                super().__init__()
-                self._orig_mod = original
-                self.__dict__["_scoped"] = scoped
-
-            def forward(self, *args, **kwargs):
-                return call_with_module_hooks(self._orig_mod, self.__dict__["_scoped"], args, kwargs)
-
-        _REGION_CLASS.append(CompiledRegion)
-    return _REGION_CLASS[0]
-
-
-def _make_scoped_module(original, handle: CompileHandle, contiguous_input: bool = False):
-    return _region_class()(original, _scoped_forward(handle, original, contiguous_input=contiguous_input))
+    def forward(self, *args, **kwargs):
+        return call_with_module_hooks(self._orig_mod, self.__dict__["_scoped"], args, kwargs)
 
 
 def compile_regions(model, settings: CompileSettings | dict | None = None, cache=None, *, prefix: str = ""):
@@ -342,10 +325,10 @@ def compile_regions(model, settings: CompileSettings | dict | None = None, cache
     dot = f"{prefix}." if prefix else ""
     if handle.settings.scope == "blocks":
         blocks = _blocks_of(model)
-        regions = {f"{dot}blocks.{i}": (blocks[i], _make_scoped_module(blocks[i], handle, True))
+        regions = {f"{dot}blocks.{i}": (blocks[i], CompiledRegion(blocks[i], handle, True))
                    for i in range(len(blocks))}
     else:
-        regions = {prefix: (model, _make_scoped_module(model, handle))}
+        regions = {prefix: (model, CompiledRegion(model, handle))}
     handle.targets = [(r, "forward") for _, r in regions.values()]
     return handle, regions
 
