@@ -17,6 +17,8 @@ import stat
 import time
 from pathlib import Path
 
+import torch
+
 from ..cache.owned_files import replace_file
 from . import compat
 
@@ -99,8 +101,6 @@ class WarmStart:
                 os.close(fd)
         except OSError:
             return {}
-        import torch
-
         try:
             info = torch.compiler.load_cache_artifacts(blob)
         except Exception as exc:  # noqa: BLE001 - a stale or foreign artifact only costs a cold compile
@@ -114,8 +114,6 @@ class WarmStart:
         """Write this process's compile artifacts beside the limit cache and index them; {} if none."""
         if not compat.has_mega_cache():
             return {}
-        import torch
-
         try:
             result = torch.compiler.save_cache_artifacts()
         except Exception as exc:  # noqa: BLE001 - saving is an optimisation only
