@@ -50,14 +50,15 @@ class CompileHandle:
         self.failed: str | None = None      # why compiling failed: every region runs eagerly from then on
 
     # ------------------------------------------------------------------ torch.compile kwargs
-    def compile_kwargs(self) -> dict:
+    def compile_fn(self, fn):
+        """``torch.compile(fn)`` with this handle's settings and options."""
         s = self.settings
         kw: dict = {"backend": s.backend, "fullgraph": s.fullgraph, "dynamic": s.dynamic_arg}
         if s.backend == "inductor" and self.inductor_options:
             kw["options"] = dict(self.inductor_options)  # torch.compile pops keys from it: give a copy
         if compat.per_call_recompile_limit():
             kw["recompile_limit"] = s.recompile_limit
-        return kw
+        return torch.compile(fn, **kw)
 
     def _setup_recompile_limit(self) -> None:
         if compat.per_call_recompile_limit():
@@ -72,9 +73,6 @@ class CompileHandle:
 
             self._global_limit_set = (name, getattr(dc, name))
             setattr(dc, name, self.settings.recompile_limit)
-
-    def compile_fn(self, fn):
-        return torch.compile(fn, **self.compile_kwargs())
 
     # ------------------------------------------------------------------ calls
     def call(self, fn, args, kwargs, eager=None):
@@ -126,7 +124,8 @@ class CompileHandle:
                 new = after - before
             if new > 0:
                 self.compiles += new
-                self.save_artifacts()
+                if self.warm_start is not None:
+                    self.warm_start.save()
         return out
 
     # ------------------------------------------------------------------ lifecycle
@@ -136,11 +135,6 @@ class CompileHandle:
             self.warm = True
             log.info("wan_accel: compile warm-up ended after %d call(s), %d graph(s); stance now %s",
                      self.calls, self.compiles, self._stance)
-
-    def save_artifacts(self) -> dict:
-        if self.warm_start is None:
-            return {}
-        return self.warm_start.save()
 
     def restore_globals(self) -> None:
         if self._global_limit_set is not None:
