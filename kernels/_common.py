@@ -373,9 +373,10 @@ def call_op(op, eager: Callable, *args):
 
 
 # ----------------------------------------------------------------------------- tuned launch
-def capturing(t) -> bool:
-    """True while a CUDA graph is being captured on the current stream (no benchmarking possible then)."""
-    if t.device.type != "cuda":
+def capturing(t=None) -> bool:
+    """True while a CUDA graph is being captured on the current stream (no benchmarking possible then); False for
+    ``t`` not on a GPU, or where this process has no CUDA."""
+    if (t is not None and t.device.type != "cuda") or not torch.cuda.is_available():
         return False
     try:
         return bool(torch.cuda.is_current_stream_capturing())
