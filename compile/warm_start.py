@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..cache.owned_files import replace_file
+from ..cache.safety import CacheUnavailableError, warn_once
 from . import compat
 
 log = logging.getLogger("wan_accel.compile")
@@ -54,15 +55,11 @@ def ensure_inductor_cache_dir(cache) -> tuple[str, bool]:
         return current, False
     target = Path(cache.directory) / INDUCTOR_DIR
     try:
-        from ..cache.safety import CacheUnavailableError
-
         problem = getattr(cache, "writable_problem", None)
         if problem:
             raise CacheUnavailableError(problem)
         target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # an unwritable cache folder: Inductor keeps its own default folder
-        from ..cache.safety import warn_once
-
         warn_once(cache.path, "write", f"wan_accel: cannot keep Inductor's caches in {target} "
                                        f"({exc.strerror or exc}); compiling with Inductor's default cache folder "
                                        f"(no warm start across restarts)")
@@ -124,8 +121,6 @@ class WarmStart:
         blob, info = result
         counts = compat.cache_info_counts(info)
         try:
-            from ..cache.safety import CacheUnavailableError
-
             problem = getattr(self.cache, "writable_problem", None)
             if problem:
                 raise CacheUnavailableError(problem)
