@@ -15,13 +15,15 @@ import contextlib
 import logging
 import time
 
+import torch
+
 from ..cache.autotune import optional_types
 from ..cache.open import open_cache
-from ..model.attachments import COMPILE_ATTR, compile_handle_of, end_compile_warmup
+from ..model.attachments import COMPILE_ATTR, compile_handle_of, end_compile_warmup, model_signature
 from . import compat
 from .presets import preset_options, resolve_inductor_options
 from .settings import CompileSettings, coerce_settings
-from .warm_start import WarmStart, ensure_inductor_cache_dir, model_signature
+from .warm_start import WarmStart, ensure_inductor_cache_dir
 
 log = logging.getLogger("wan_accel.compile")
 
@@ -48,14 +50,15 @@ class CompileHandle:
         self.failed: str | None = None      # why compiling failed: every region runs eagerly from then on
 
     # ------------------------------------------------------------------ torch.compile kwargs
-    def compile_kwargs(self) -> dict:
+    def compile_fn(self, fn):
+        """``torch.compile(fn)`` with this handle's settings and options."""
         s = self.settings
         kw: dict = {"backend": s.backend, "fullgraph": s.fullgraph, "dynamic": s.dynamic_arg}
         if s.backend == "inductor" and self.inductor_options:
             kw["options"] = dict(self.inductor_options)  # torch.compile pops keys from it: give a copy
         if compat.per_call_recompile_limit():
             kw["recompile_limit"] = s.recompile_limit
-        return kw
+        return torch.compile(fn, **kw)
 
     def _setup_recompile_limit(self) -> None:
         if compat.per_call_recompile_limit():
@@ -70,11 +73,6 @@ class CompileHandle:
 
             self._global_limit_set = (name, getattr(dc, name))
             setattr(dc, name, self.settings.recompile_limit)
-
-    def compile_fn(self, fn):
-        import torch
-
-        return torch.compile(fn, **self.compile_kwargs())
 
     # ------------------------------------------------------------------ calls
     def call(self, fn, args, kwargs, eager=None):
@@ -110,8 +108,10 @@ class CompileHandle:
         before = compat.graph_count() if track else None
         with contextlib.ExitStack() as stack:
             stack.enter_context(use_kernel_caps(self.kernel_caps))
-            if self._scoped_limit:
-                stack.enter_context(compat.dynamo_config_patch(**self._scoped_limit))
+            if self._scoped_limit:              # Dynamo's config patched for this call only (restored on exit)
+                import torch._dynamo.config as dc
+
+                stack.enter_context(dc.patch(**self._scoped_limit))
             if self.warm:
                 stack.enter_context(compat.stance(self._stance))
             out = fn(*args, **kwargs)
@@ -124,7 +124,8 @@ class CompileHandle:
                 new = after - before
             if new > 0:
                 self.compiles += new
-                self.save_artifacts()
+                if self.warm_start is not None:
+                    self.warm_start.save()
         return out
 
     # ------------------------------------------------------------------ lifecycle
@@ -134,11 +135,6 @@ class CompileHandle:
             self.warm = True
             log.info("wan_accel: compile warm-up ended after %d call(s), %d graph(s); stance now %s",
                      self.calls, self.compiles, self._stance)
-
-    def save_artifacts(self) -> dict:
-        if self.warm_start is None:
-            return {}
-        return self.warm_start.save()
 
     def restore_globals(self) -> None:
         if self._global_limit_set is not None:
@@ -212,8 +208,6 @@ def _prepare(model, settings, cache) -> CompileHandle:
 
 
 def _blocks_of(model):
-    import torch
-
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
         raise ValueError(f"compile scope 'blocks' needs model.blocks to be a non-empty nn.ModuleList; "
@@ -299,35 +293,20 @@ def call_with_module_hooks(module, fn, args, kwargs):
     return out
 
 
-_REGION_CLASS: list = []
+class CompiledRegion(torch.nn.Module):
+    """Stands in for a block while a caller's forward runs: holds the original block as ``_orig_mod`` and runs its
+    compiled forward in the handle's scope.
 
+    The original's forward hooks fire around the compiled call (they sit on the original, which is no longer
+    called): a block swap installed before or after compiling keeps streaming the weights."""
 
-def _region_class():
-    """nn.Module standing in for a block while a caller's forward runs (defined on first use: torch is lazy
-    here)."""
-    if not _REGION_CLASS:
-        import torch
+    def __init__(self, original, handle: CompileHandle, contiguous_input: bool = False):
+        super().__init__()
+        self._orig_mod = original
+        self.__dict__["_scoped"] = _scoped_forward(handle, original, contiguous_input=contiguous_input)
 
-        class CompiledRegion(torch.nn.Module):
-            """Holds the original block as ``_orig_mod`` and runs its compiled forward in the handle's scope.
-
-            The original's forward hooks fire around the compiled call (they sit on the original, which is no
-            longer called): a block swap installed before or after compiling keeps streaming the weights."""
-
-            def __init__(self, original, scoped):
-                super().__init__()
-                self._orig_mod = original
-                self.__dict__["_scoped"] = scoped
-
-            def forward(self, *args, **kwargs):
-                return call_with_module_hooks(self._orig_mod, self.__dict__["_scoped"], args, kwargs)
-
-        _REGION_CLASS.append(CompiledRegion)
-    return _REGION_CLASS[0]
-
-
-def _make_scoped_module(original, handle: CompileHandle, contiguous_input: bool = False):
-    return _region_class()(original, _scoped_forward(handle, original, contiguous_input=contiguous_input))
+    def forward(self, *args, **kwargs):
+        return call_with_module_hooks(self._orig_mod, self.__dict__["_scoped"], args, kwargs)
 
 
 def compile_regions(model, settings: CompileSettings | dict | None = None, cache=None, *, prefix: str = ""):
@@ -340,10 +319,10 @@ def compile_regions(model, settings: CompileSettings | dict | None = None, cache
     dot = f"{prefix}." if prefix else ""
     if handle.settings.scope == "blocks":
         blocks = _blocks_of(model)
-        regions = {f"{dot}blocks.{i}": (blocks[i], _make_scoped_module(blocks[i], handle, True))
+        regions = {f"{dot}blocks.{i}": (blocks[i], CompiledRegion(blocks[i], handle, True))
                    for i in range(len(blocks))}
     else:
-        regions = {prefix: (model, _make_scoped_module(model, handle))}
+        regions = {prefix: (model, CompiledRegion(model, handle))}
     handle.targets = [(r, "forward") for _, r in regions.values()]
     return handle, regions
 

@@ -5,12 +5,12 @@ import contextlib
 import inspect
 from functools import lru_cache
 
+import torch
+
 
 @lru_cache(maxsize=None)
 def per_call_recompile_limit() -> bool:
     """torch.compile(recompile_limit=...) exists (scoped to one compiled region, no global change)."""
-    import torch
-
     try:
         return "recompile_limit" in inspect.signature(torch.compile).parameters
     except (TypeError, ValueError):
@@ -28,31 +28,14 @@ def dynamo_limit_name() -> str | None:
     return None
 
 
-def has_set_stance() -> bool:
-    import torch
-
-    return hasattr(getattr(torch, "compiler", None), "set_stance")
-
-
 def stance(name: str):
     """Context manager setting Dynamo's stance for the enclosed calls (no-op where unsupported)."""
-    import torch
-
-    if name == "default" or not has_set_stance():
+    if name == "default" or not hasattr(getattr(torch, "compiler", None), "set_stance"):
         return contextlib.nullcontext()
     return torch.compiler.set_stance(name)
 
 
-def dynamo_config_patch(**values):
-    """Scoped Dynamo config change (restored on exit)."""
-    import torch._dynamo.config as dc
-
-    return dc.patch(**values)
-
-
 def has_mega_cache() -> bool:
-    import torch
-
     c = getattr(torch, "compiler", None)
     return hasattr(c, "save_cache_artifacts") and hasattr(c, "load_cache_artifacts")
 

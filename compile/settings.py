@@ -72,9 +72,6 @@ class CompileSettings:
                              f"got {self.recompile_limit!r}")
 
     # ------------------------------------------------------------------ conversions
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, data: dict | None) -> "CompileSettings":
         """Build from a dict (e.g. a node's widget values); unknown keys raise a clear error."""

@@ -17,8 +17,10 @@ import stat
 import time
 from pathlib import Path
 
+import torch
+
 from ..cache.owned_files import replace_file
-from ..model.attachments import model_signature  # noqa: F401  (re-exported: the warm-start key)
+from ..cache.safety import CacheUnavailableError, warn_once
 from . import compat
 
 log = logging.getLogger("wan_accel.compile")
@@ -53,15 +55,11 @@ def ensure_inductor_cache_dir(cache) -> tuple[str, bool]:
         return current, False
     target = Path(cache.directory) / INDUCTOR_DIR
     try:
-        from ..cache.safety import CacheUnavailableError
-
         problem = getattr(cache, "writable_problem", None)
         if problem:
             raise CacheUnavailableError(problem)
         target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # an unwritable cache folder: Inductor keeps its own default folder
-        from ..cache.safety import warn_once
-
         warn_once(cache.path, "write", f"wan_accel: cannot keep Inductor's caches in {target} "
                                        f"({exc.strerror or exc}); compiling with Inductor's default cache folder "
                                        f"(no warm start across restarts)")
@@ -100,8 +98,6 @@ class WarmStart:
                 os.close(fd)
         except OSError:
             return {}
-        import torch
-
         try:
             info = torch.compiler.load_cache_artifacts(blob)
         except Exception as exc:  # noqa: BLE001 - a stale or foreign artifact only costs a cold compile
@@ -115,8 +111,6 @@ class WarmStart:
         """Write this process's compile artifacts beside the limit cache and index them; {} if none."""
         if not compat.has_mega_cache():
             return {}
-        import torch
-
         try:
             result = torch.compiler.save_cache_artifacts()
         except Exception as exc:  # noqa: BLE001 - saving is an optimisation only
@@ -127,8 +121,6 @@ class WarmStart:
         blob, info = result
         counts = compat.cache_info_counts(info)
         try:
-            from ..cache.safety import CacheUnavailableError
-
             problem = getattr(self.cache, "writable_problem", None)
             if problem:
                 raise CacheUnavailableError(problem)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 import inspect
 import logging
@@ -17,6 +18,8 @@ import os
 import sys
 import types
 from typing import Callable
+
+import torch
 
 log = logging.getLogger("wan_accel.kernels")
 
@@ -153,14 +156,10 @@ def divide(x, divisor: float):
 
 
 def needs_autograd(*tensors) -> bool:
-    import torch
-
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def is_compiling() -> bool:
-    import torch
-
     fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if fn is None:
         return False
@@ -176,8 +175,6 @@ def round_bf16(out) -> bool:
     Compiled Triton converts with RTNE; the interpreter truncates. Kernels take this as a constexpr flag so
     interpreter results match the GPU's; on GPU the flag is False and costs nothing.
     """
-    import torch
-
     return out.dtype == torch.bfloat16 and interpret_enabled()
 
 
@@ -342,8 +339,6 @@ def device_guard(t):
     model on ``cuda:1`` while device 0 is current would otherwise run on (and read the memory of) the wrong GPU."""
     if t.device.type != "cuda":
         return contextlib.nullcontext()
-    import torch
-
     return torch.cuda.device(t.device)
 
 
@@ -363,8 +358,6 @@ def run_rows(fn: Callable, cfg: dict, rows: int, width: int, t, *args, **meta) -
 def fused(run: Callable, reference: Callable, *args):
     """``run(*args)``, a kernel's Triton path, where Triton takes the call's tensors and autograd does not track
     them; else ``reference(*args)``, its torch definition."""
-    import torch
-
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if use_triton(*tensors) and not needs_autograd(*tensors):
         return run(*args)
@@ -374,20 +367,17 @@ def fused(run: Callable, reference: Callable, *args):
 def call_op(op, eager: Callable, *args):
     """A fused kernel's public call: its custom op ``op`` (``register_op``) inside torch.compile where autograd does
     not track the tensors, else ``eager(*args)``."""
-    import torch
-
     if op is not None and is_compiling() and not needs_autograd(*[a for a in args if isinstance(a, torch.Tensor)]):
         return op(*args)
     return eager(*args)
 
 
 # ----------------------------------------------------------------------------- tuned launch
-def capturing(t) -> bool:
-    """True while a CUDA graph is being captured on the current stream (no benchmarking possible then)."""
-    if t.device.type != "cuda":
+def capturing(t=None) -> bool:
+    """True while a CUDA graph is being captured on the current stream (no benchmarking possible then); False for
+    ``t`` not on a GPU, or where this process has no CUDA."""
+    if (t is not None and t.device.type != "cuda") or not torch.cuda.is_available():
         return False
-    import torch
-
     try:
         return bool(torch.cuda.is_current_stream_capturing())
     except Exception:  # noqa: BLE001
@@ -436,10 +426,6 @@ def register_op(name: str, impl: Callable, fake: Callable | None = None):
     """Expose ``impl`` as ``torch.ops.wan_accel.<name>`` so torch.compile treats the kernel as one opaque op
     (no graph break, no tracing into the autotuner); ``fake`` gives its outputs' shapes (None: one contiguous tensor
     like the first argument). Returns the op, or None where unsupported."""
-    import torch
-
-    import functools
-
     qualname = f"wan_accel::{name}"
 
     def like_first(x, *args):

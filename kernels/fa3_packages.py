@@ -34,7 +34,7 @@ import torch
 
 from ..cache.guarded_import import ImportProblem, guarded_import
 from . import registry
-from ._common import dtype_name
+from ._common import capturing, dtype_name
 
 log = logging.getLogger("wan_accel")
 
@@ -122,11 +122,6 @@ def load(name: str) -> tuple:
     return _LOADED[name]
 
 
-def capturing() -> bool:
-    """Whether this thread's current CUDA stream is capturing a graph (no probe call may run then)."""
-    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def _probe_input(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, 1, 1, 64, dtype=dtype, device=device)
 
@@ -134,7 +129,7 @@ def _probe_input(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def _probe(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
     """None when one tiny call of ``name`` runs on ``device`` (cached per device and dtype), else its error."""
     key = (name, device.index, dtype)
-    if key not in _PROBED and capturing():
+    if key not in _PROBED and capturing():       # no probe call may run then
         return "not probed inside a CUDA-graph capture (a call there would break it); the run's plans probe it first"
     if key not in _PROBED:
         error = None

@@ -37,7 +37,7 @@ import sys
 import torch
 
 from . import _common, registry
-from ._tiles import round_bf16, tl, triton
+from ._tiles import head_rows, round_bf16, tl, triton
 
 log = logging.getLogger("wan_accel")
 
@@ -106,15 +106,9 @@ if tl is not None:
                            q_sb, q_sm, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, o_sb, o_sm, o_sh,
                            HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            EMULATE_BF16: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        b, h, m64, m_ok = head_rows(Lq, H, BLOCK_M)
         offs_d = tl.arange(0, HEAD)
         offs_t = tl.arange(0, BLOCK_N)
-        m_ok = offs_m < Lq
-        m64 = offs_m.to(tl.int64)
         q = tl.load(Q + b * q_sb + h * q_sh + m64[:, None] * q_sm + offs_d[None, :], mask=m_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)

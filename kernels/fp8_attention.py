@@ -56,7 +56,7 @@ from typing import NamedTuple
 import torch
 
 from . import _common, registry
-from ._tiles import round_bf16, tl
+from ._tiles import head_rows, round_bf16, tl
 from .fp8_linear import FP8, FP8_MAX, TENSOR_CORE_U, TINY, quantize_input, row_scales
 
 log = logging.getLogger("wan_accel")
@@ -221,15 +221,10 @@ if tl is not None:
                          o_sb, o_sm, o_sh,
                          HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          EMULATE_RTNE: tl.constexpr, ROUND_BF16: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        b, h, m64, m_ok = head_rows(Lq, H, BLOCK_M)
         offs_d = tl.arange(0, HEAD)
         offs_t = tl.arange(0, BLOCK_N)
-        m_ok = offs_m < Lq
-        qf = tl.load(Q + b * q_sb + h * q_sh + offs_m.to(tl.int64)[:, None] * q_sm + offs_d[None, :],
+        qf = tl.load(Q + b * q_sb + h * q_sh + m64[:, None] * q_sm + offs_d[None, :],
                      mask=m_ok[:, None], other=0.0).to(tl.float32)
         # the queries to int8 per row (int8_tokens: IEEE divisions, round half to even; written inline)
         sq = tl.math.div_rn(tl.maximum(tl.max(tl.abs(qf), 1), 127.0 * 1.1754943508222875e-38), 127.0)
@@ -274,8 +269,8 @@ if tl is not None:
         out = acc / l_i[:, None] + mv[None, :]
         if ROUND_BF16:  # interpreter only: the GPU's round-to-nearest-even bf16 conversion
             out = round_bf16(out)
-        tl.store(O + b * o_sb + h * o_sh + offs_m.to(tl.int64)[:, None] * o_sm + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(O + b * o_sb + h * o_sh + m64[:, None] * o_sm + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=m_ok[:, None])
 
     _KERNEL_NAME = _common.kernel_name(NAME, _fp8_attn_kernel)
 else:

@@ -26,7 +26,7 @@ import torch
 from . import _common, registry
 from .fp8_attention import INT8_TINY, LEVELS
 from .fp8_linear import FP8_MAX, TINY
-from ._tiles import tl  # None without triton: only the torch path exists
+from ._tiles import head_rows, tl  # None without triton: only the torch path exists
 
 NAME = "fp8_kv_write"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -53,15 +53,10 @@ if tl is not None:
                          k_tiny, v_tiny, HEAD: tl.constexpr, BLOCK_R: tl.constexpr, LEVELS: tl.constexpr,
                          FP8_MAX: tl.constexpr, ROUND_INT: tl.constexpr, ROUND_FP8: tl.constexpr,
                          BF16_BITS: tl.constexpr):
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        b, h, r64, r_ok = head_rows(rows, H, BLOCK_R)
         d = tl.arange(0, HEAD)
-        r_ok = r < rows
         d_ok = d < D
         ok = r_ok[:, None] & d_ok[None, :]
-        r64 = r.to(tl.int64)
         d64 = d.to(tl.int64)
         slot = tl.load(IDX + r64, mask=r_ok, other=0)
         # keys: int8 codes and steps (int8_tokens of k - mk)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common
-from ._tiles import merge_row_stats, round_bf16, tile_rows, tl
+from ._tiles import merge_row_stats, normalised, row_moments, tile_rows, tl
 
 NAME = "layernorm_modulate"
 
@@ -44,17 +44,12 @@ if tl is not None:
         mod_rows = (rows64 // L) * mod_bstride + frame * D
         cols0 = tl.arange(0, RBLOCK)
         if ROW:  # one pass: the whole row (RBLOCK >= D) read once; mean, then squared deviations from it (float32)
-            mask = row_ok[:, None] & (cols0 < D)[None, :]
+            col_ok = cols0 < D
+            mask = row_ok[:, None] & col_ok[None, :]
             v = tl.load(x_rows + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
-            mean = tl.sum(v, axis=1) / D
-            dev = tl.where(mask, v - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(dev * dev, axis=1) / D + eps)
-            offs = mod_rows[:, None] + cols0[None, :]
-            sh = tl.load(shift_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            sc = tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            y = dev * rstd[:, None] * (1.0 + sc) + sh
-            if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-                y = round_bf16(y)
+            mean, rstd = row_moments(v, mask, D, eps)
+            y = normalised(v, mean, rstd, x_ptr, x_ptr, shift_ptr, scale_ptr, cols0, col_ok,
+                           mod_rows[:, None] + cols0[None, :], mask, False, False, True, ROUND_BF16)
             tl.store(o_rows + cols0[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             # pass 1: mean and M2 per row, merging per-chunk statistics (Chan et al.): stable in float32
@@ -70,14 +65,11 @@ if tl is not None:
             # pass 2: normalise, modulate with the row's frame, store
             for start in range(0, D, RBLOCK):
                 cols = start + cols0
-                mask = row_ok[:, None] & (cols < D)[None, :]
+                col_ok = cols < D
+                mask = row_ok[:, None] & col_ok[None, :]
                 v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                offs = mod_rows[:, None] + cols[None, :]
-                sh = tl.load(shift_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                sc = tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                y = (v - mean[:, None]) * rstd[:, None] * (1.0 + sc) + sh
-                if ROUND_BF16:  # interpreter only: emulate the GPU's round-to-nearest-even bf16 conversion
-                    y = round_bf16(y)
+                y = normalised(v, mean, rstd, x_ptr, x_ptr, shift_ptr, scale_ptr, cols, col_ok,
+                               mod_rows[:, None] + cols[None, :], mask, False, False, True, ROUND_BF16)
                 tl.store(o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from . import _common, registry
-from ._tiles import merge_row_stats, round_bf16, tile_rows, tl, triton
+from ._tiles import merge_row_stats, normalised, round_bf16, row_moments, tile_rows, tl, triton
 
 NAME = "residual_norm"
 candidates = _common.row_candidates
@@ -77,21 +77,6 @@ if tl is not None:
             s = round_bf16(s)
         return s
 
-    @triton.jit
-    def _normalised(v, mean, rstd, w_ptr, b_ptr, sh_ptr, sc_ptr, cols, col_ok, mod_offs, mask,
-                    AFFINE: tl.constexpr, BIAS: tl.constexpr, MODULATE: tl.constexpr, ROUND_BF16: tl.constexpr):
-        h = (v - mean[:, None]) * rstd[:, None]
-        if AFFINE:
-            h = h * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            if BIAS:
-                h = h + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if MODULATE:
-            sc = tl.load(sc_ptr + mod_offs, mask=mask, other=0.0).to(tl.float32)
-            h = h * (1.0 + sc) + tl.load(sh_ptr + mod_offs, mask=mask, other=0.0).to(tl.float32)
-        if ROUND_BF16:
-            h = round_bf16(h)
-        return h
-
     def _resnorm_kernel(x_ptr, y_ptr, g_ptr, w_ptr, b_ptr, sh_ptr, sc_ptr, xo_ptr, ho_ptr,
                         n_rows, D, L, tokens_per_frame, mod_bstride, eps,
                         GATE: tl.constexpr, AFFINE: tl.constexpr, BIAS: tl.constexpr, MODULATE: tl.constexpr,
@@ -109,11 +94,9 @@ if tl is not None:
             xr = _updated(x_ptr, y_ptr, g_ptr, offs, mod_offs, mask, GATE, ROUND_BF16).to(out_ty)
             tl.store(xo_ptr + offs, xr, mask=mask)
             v = xr.to(tl.float32)
-            mean = tl.sum(v, axis=1) / D
-            dev = tl.where(mask, v - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(dev * dev, axis=1) / D + eps)
-            h = _normalised(v, mean, rstd, w_ptr, b_ptr, sh_ptr, sc_ptr, cols0, col_ok, mod_offs, mask,
-                            AFFINE, BIAS, MODULATE, ROUND_BF16)
+            mean, rstd = row_moments(v, mask, D, eps)
+            h = normalised(v, mean, rstd, w_ptr, b_ptr, sh_ptr, sc_ptr, cols0, col_ok, mod_offs, mask,
+                           AFFINE, BIAS, MODULATE, ROUND_BF16)
             tl.store(ho_ptr + offs, h.to(ho_ptr.dtype.element_ty), mask=mask)
         else:
             # pass 1: x_new stored; its mean and M2 per row, merging per-step statistics (Chan et al.)
@@ -137,8 +120,8 @@ if tl is not None:
                 offs = rows64[:, None] * D + cols[None, :]
                 mod_offs = frame_rows[:, None] + cols[None, :]
                 v = _updated(x_ptr, y_ptr, g_ptr, offs, mod_offs, mask, GATE, ROUND_BF16).to(out_ty).to(tl.float32)
-                h = _normalised(v, mean, rstd, w_ptr, b_ptr, sh_ptr, sc_ptr, cols, col_ok, mod_offs, mask,
-                                AFFINE, BIAS, MODULATE, ROUND_BF16)
+                h = normalised(v, mean, rstd, w_ptr, b_ptr, sh_ptr, sc_ptr, cols, col_ok, mod_offs, mask,
+                               AFFINE, BIAS, MODULATE, ROUND_BF16)
                 tl.store(ho_ptr + offs, h.to(ho_ptr.dtype.element_ty), mask=mask)
 
 

@@ -1,6 +1,7 @@
 """The compile nodes: cheap import, complete widgets, clear errors, a patched copy of a native model."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -34,14 +35,14 @@ def test_every_widget_has_a_tooltip_and_matches_the_settings():
             for name, (_, opts) in section.items():
                 assert opts.get("tooltip"), f"{cls.__name__}.{name} has no tooltip"
     widgets = compile_nodes.WanCompileSettings.INPUT_TYPES()["required"]
-    assert set(widgets) == set(CompileSettings().to_dict())
+    assert set(widgets) == set(dataclasses.asdict(CompileSettings()))
     defaults = {k: opts["default"] for k, (_, opts) in widgets.items()}
     assert CompileSettings.from_dict(defaults) == CompileSettings()
 
 
 def test_settings_node_builds_settings_and_reports_bad_values():
     node = compile_nodes.WanCompileSettings()
-    values = dict(CompileSettings().to_dict(), tiling_preset="EXTREME-PLUS", scope="whole")
+    values = dict(dataclasses.asdict(CompileSettings()), tiling_preset="EXTREME-PLUS", scope="whole")
     (settings,) = node.build(**values)
     assert isinstance(settings, CompileSettings) and settings.tiling_preset == "EXTREME-PLUS"
     with pytest.raises(Exception, match="Wan Compile Settings: compile setting mode"):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from wan_accel.cache import LimitCache
-from wan_accel.compile.warm_start import model_signature
+from wan_accel.model.attachments import model_signature
 from wan_accel.model import attention as att
 from wan_accel.sampling import runner as fast_runner
 from wan_accel.model.fused_qkv import QKV_WEIGHT, ensure_fused_qkv, fused_qkv_intact
