@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Callable
 
 import torch
 
+from ...cache.fingerprint import package_version
 from ...kernels._common import code_digest
 from . import probes as doctor_probes  # noqa: F401 - registers the pack's features
 from .verdict import NAMESPACE, pack_version, verdict_problem
@@ -41,10 +41,9 @@ _UNSAVED: dict = {}     # (cache path, fingerprint id, key) -> verdicts the cach
 
 def library_version(feature: Feature) -> str:
     for dist in feature.library:
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
+        version = package_version(dist)
+        if version != "none":
+            return f"{dist} {version}"
     return "none"
 
 
