@@ -12,11 +12,11 @@ import base64
 import io
 import time
 
+from ..cache.video_file import FPS
 from .comfy.comfy_core import optional
 from .model_nodes import CausalWanSampler, _ComfyProgress
 
 EVENT = "wan_accel.frames"
-FPS = 16                         # Wan 2.1 video frame rate
 PREVIEW_SIDE = 320               # longest side of the frames sent to the page
 
 
