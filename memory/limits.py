@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-from ..cache import open_cache  # noqa: F401  (re-exported)
 from ..cache.entries import finite_number
 
 NAMESPACE = "memory"
