@@ -385,9 +385,9 @@ class WanChunkedVAEDecode(Node):
 
     def decode(self, samples, vae, chunk_frames=0, overlap=2, plan=None):
         from ..cache import open_cache
+        from ..cache.oom import SoftOOM
         from ..memory.chunked_decode import decode_chunked, min_chunk
         from ..memory.limits import vae_kind, vae_limit_key
-        from ..memory.oom import SoftOOM
 
         from ..app.validate import check_latent
 
