@@ -1,8 +1,6 @@
 """ComfyUI nodes of the compile area. Nothing heavy is imported at module level."""
 from __future__ import annotations
 
-from .comfy import node_mappings
-
 CATEGORY = "wan_accel/compile"
 
 _BACKENDS = ["inductor", "cudagraphs", "eager"]
@@ -92,7 +90,11 @@ class ApplyCompileNativeWan:
             raise ValueError(f"Apply Compile (native Wan): {exc}") from exc
 
 
-NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
-    "WanAccelCompileSettings": (WanCompileSettings, "Wan Compile Settings"),
-    "WanAccelApplyCompileNative": (ApplyCompileNativeWan, "Apply Compile (native Wan)"),
-})
+NODE_CLASS_MAPPINGS = {
+    "WanAccelCompileSettings": WanCompileSettings,
+    "WanAccelApplyCompileNative": ApplyCompileNativeWan,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "WanAccelCompileSettings": "Wan Compile Settings",
+    "WanAccelApplyCompileNative": "Apply Compile (native Wan)",
+}

@@ -6,8 +6,6 @@ latest report of either. Traces go to ComfyUI's output folder (``wan_accel_profi
 """
 from __future__ import annotations
 
-from .comfy import node_mappings
-
 WRAPPER_KEY = "wan_accel_profile"
 CATEGORY = "wan_accel/profile"
 
@@ -189,8 +187,13 @@ class WanAccelProfileReport:
         return {"ui": {"text": [text]}, "result": (text,)}
 
 
-NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({
-    "WanAccelProfile": (WanAccelProfile, "Wan Profile"),
-    "WanAccelProfileNative": (WanAccelProfileNative, "Wan Profile (native MODEL)"),
-    "WanAccelProfileReport": (WanAccelProfileReport, "Wan Profile Report"),
-})
+NODE_CLASS_MAPPINGS = {
+    "WanAccelProfile": WanAccelProfile,
+    "WanAccelProfileNative": WanAccelProfileNative,
+    "WanAccelProfileReport": WanAccelProfileReport,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "WanAccelProfile": "Wan Profile",
+    "WanAccelProfileNative": "Wan Profile (native MODEL)",
+    "WanAccelProfileReport": "Wan Profile Report",
+}
