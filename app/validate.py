@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..cache.safety import file_kind, system_folder
+from ..sampling.actions_script import MAX_VIDEO_FRAMES
 
 
 class UsageError(ValueError):
@@ -22,7 +23,6 @@ class UsageError(ValueError):
 
 VAE_TIME_STRIDE, VAE_SPACE_STRIDE = 4, 8
 PIXEL_MULTIPLE = 16                 # 8x VAE downsampling x 2x2 patches (every Wan 2.1 model)
-MAX_VIDEO_FRAMES = 4093             # as the sampler node's widget
 MIN_PIXELS, MAX_PIXELS = 16, 4096   # as the sampler node's widgets
 MAX_FRAMES_PER_BLOCK = 64
 MAX_KV_WINDOW = 1024

@@ -182,7 +182,7 @@ def make_run_plan(config, weights: str, frames: int, height: int, width: int, sy
 
 def plan_report(plan, cap_gb) -> dict:
     """The plan's decisions and reasons as the bench JSON gives them."""
-    gib = 1024 ** 3
+    from ..memory.system import GiB as gib
     return {"memory_cap_gb": cap_gb, "card": plan.system.get("gpu_name"),
             "total_gb": round(plan.system.get("total_vram", 0) / gib, 2),
             "fits": plan.fits, "dtype": plan.dtype, "blocks_to_swap": plan.blocks_to_swap,
@@ -249,20 +249,20 @@ def prepare_memory(args, device: torch.device, kind: str, shape: str, frames: in
     out = {"memory": {"memory_cap_gb": cap, "weights": weights, "plan": None}, "swap": None, "kv_window": None,
            "refused": None}
     if cap is not None:
-        from ..memory.system import apply_vram_cap
+        from ..memory.system import GiB, apply_vram_cap
         applied = apply_vram_cap(cap, device)
-        out["memory"].update(cap_bytes=applied["cap_bytes"], card_total_gb=round(applied["total_bytes"] / 1024 ** 3, 2),
+        out["memory"].update(cap_bytes=applied["cap_bytes"], card_total_gb=round(applied["total_bytes"] / GiB, 2),
                              memory_fraction=round(applied["fraction"], 5))
     if device.type != "cuda" or kind != "wan":
         return out
-    from ..memory.system import detect_system
+    from ..memory.system import GiB, detect_system
     own, _sink = shape_window(shape)
     plan = make_run_plan(shape_config(kind, shape), weights, frames, height, width, detect_system(device),
                          kv_window=own if own > 0 else None, checkpoint=args.checkpoint)
     out["memory"]["plan"] = plan_report(plan, cap)
     if not plan.fits:
         out["refused"] = (f"the VRAM plan finds nothing that fits {shape} ({weights} weights) at {width}x{height}, "
-                          f"{frames} frames on this {plan.system.get('total_vram', 0) / 1024 ** 3:.1f} GiB card: "
+                          f"{frames} frames on this {plan.system.get('total_vram', 0) / GiB:.1f} GiB card: "
                           f"{plan.reasons.get('fits', '')}")
         return out
     if plan.blocks_to_swap or plan.offload_embeddings:

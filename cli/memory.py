@@ -67,8 +67,8 @@ def _is_krea(args) -> bool:
 
 
 def _plan(args) -> int:
+    from ..cache import open_cache
     from ..memory.estimate import Workload
-    from ..memory.limits import open_cache
     from ..memory.plan import make_plan
     from ..memory.system import GiB
     from ..memory.weights import preset_weights, weights_from_checkpoint

@@ -276,8 +276,8 @@ def _check_ops(args) -> None:
                          f"{'it' if len(given) == 1 else 'them'}: add --sampler optimized, or leave "
                          f"{'it' if len(given) == 1 else 'them'} out")
     if args.ops != "auto":
-        from ..sampling.runner import ops_mode_problem
-        problem = ops_mode_problem(args.ops, device)      # a malformed ops string: its ValueError, a usage error
+        from ..kernels.candidates import mode_problem
+        problem = mode_problem(args.ops, device)      # a malformed ops string: its ValueError, a usage error
         if problem:
             raise UsageError(f"--ops: {problem}")
 

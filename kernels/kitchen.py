@@ -17,6 +17,7 @@ import importlib.util
 
 import torch
 
+from ..cache.fingerprint import package_version
 from . import _common
 from .qk_norm_rope import rmsnorm_float
 
@@ -45,11 +46,7 @@ def available() -> bool:
 
 
 def version() -> str:
-    try:
-        from importlib import metadata
-        return metadata.version(DISTRIBUTION)
-    except Exception:  # noqa: BLE001 - not installed
-        return "none"
+    return package_version(DISTRIBUTION)
 
 
 def submodule(name: str):

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..model.attachments import SWAP_ATTR
 from .pinned import PinnedArena
-from .system import PlainFields
+from .system import GiB, PlainFields
 
 log = logging.getLogger("wan_accel")
 ATTR = SWAP_ATTR                          # model/attachments.py reads it
@@ -367,9 +367,8 @@ class BlockSwap:
         return all(slot.owned() for unit in self.units.values() for slot in unit.slots)
 
     def describe(self) -> str:
-        gib = 1024 ** 3
         return (f"block swap: {self.blocks_to_swap}/{self.n_blocks} blocks on the host "
-                f"({self.stats.swapped_bytes / gib:.2f} GiB, {self.stats.pinned_bytes / gib:.2f} GiB pinned), "
+                f"({self.stats.swapped_bytes / GiB:.2f} GiB, {self.stats.pinned_bytes / GiB:.2f} GiB pinned), "
                 f"prefetch {self.prefetch}, device {self.device}")
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 
-from ..cache import open_cache  # noqa: F401  (re-exported)
 from ..cache.entries import finite_number
+from ..kernels._common import dtype_name
 
 NAMESPACE = "memory"
 log = logging.getLogger("wan_accel")
@@ -20,13 +20,6 @@ def model_identity(config) -> str:
     ``ModelWeights.config`` read from the checkpoint header)."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     return f"wan-{get('model_type', 't2v')}-d{int(get('dim', 0))}-f{int(get('ffn_dim', 0))}-l{int(get('num_layers', 0))}"
-
-
-def dtype_name(dtype) -> str:
-    """'bfloat16' for torch.bfloat16, 'bfloat16', 'bf16' or 'BF16'."""
-    name = str(dtype).replace("torch.", "").lower()
-    return {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16", "fp32": "float32",
-            "f32": "float32", "float": "float32"}.get(name, name)
 
 
 def dit_limit_key(config, compute_dtype, width: int, height: int, frames: int, mode: str = "causal",

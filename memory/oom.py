@@ -17,7 +17,7 @@ import logging
 from typing import Callable
 
 from ..cache.guarded_import import first_line
-from ..cache.oom import OOM_MESSAGES, SoftOOM, is_oom  # noqa: F401 - re-exported: one definition
+from ..cache.oom import is_oom
 from .limits import learned_size, record_size
 
 log = logging.getLogger("wan_accel")

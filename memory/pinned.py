@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..kernels._common import next_pow2
+
 MiB = 1024 ** 2
 ALIGN = 512                 # byte alignment of every slice (enough for any dtype and for DMA)
 MIN_SLAB = 64 * MiB
-
-
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 def allocator_bytes(nbytes: int) -> int:

@@ -11,9 +11,10 @@ import logging
 
 import torch
 
+from ..cache import open_cache
 from .block_swap import active_swap, run_with_swap_fallback
 from .estimate import Workload
-from .limits import dit_limit_key, open_cache
+from .limits import dit_limit_key
 from .oom import NoFitError
 from .plan import make_plan
 from .system import detect_system

@@ -107,8 +107,8 @@ def chunk_schedule(geo: Geometry):
 
 
 def run_flops(cfg, geo: Geometry, steps: int, *, optimized: bool, skip_last_refresh: bool,
-              lean_refresh: bool = True, attention: bool = True) -> dict:
-    """FLOPs of a whole sampling run as executed by the reference or the optimized path."""
+              attention: bool = True) -> dict:
+    """FLOPs of a whole sampling run as executed by the reference or the optimized path (its refreshes lean)."""
     chunks = chunk_schedule(geo)
     total = prompt_flops(cfg, geo.batch)
     distinct_t = steps + 1
@@ -119,7 +119,7 @@ def run_flops(cfg, geo: Geometry, steps: int, *, optimized: bool, skip_last_refr
         kw = dict(batch=geo.batch, time_rows=rows, in_channels=geo.in_channels, attention=attention)
         total += steps * forward_flops(cfg, lq, lk, **kw)
         if not (skip_last_refresh and i == len(chunks) - 1):
-            total += forward_flops(cfg, lq, lk, head=False, lean_last=optimized and lean_refresh, **kw)
+            total += forward_flops(cfg, lq, lk, head=False, lean_last=optimized, **kw)
     return {"flops": int(total), "forwards": len(chunks) * (steps + 1) - (1 if skip_last_refresh else 0)}
 
 

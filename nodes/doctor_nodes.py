@@ -40,11 +40,12 @@ class WanAccelDoctor(FreshNode):   # always read the current verdicts
 
         from ..app.doctor.core import doctor_for
         from ..app.doctor.report import doctor_rows, doctor_text
+        from ..app.jobs.handle import parse_dtype
         from .comfy import native_probe  # noqa: F401 - registers the native MODEL path's probe (torch: not at import)
         check_choice("feature", feature, FEATURE_CHOICES)
         check_choice("dtype", dtype, DTYPE_CHOICES)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        dt = None if dtype == "auto" else {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        dt = None if dtype == "auto" else parse_dtype(dtype)
         doctor = doctor_for(device, dt, with_compile=bool(with_compile))
         rows = doctor_rows(doctor, None if feature == "all" else [feature], recheck=bool(recheck))
         text = doctor_text(doctor, rows)

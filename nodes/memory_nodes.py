@@ -141,8 +141,8 @@ class WanVRAMPlan:
 
     def plan(self, model_source="1.3b", checkpoint="", width=832, height=480, frames=81, reserve_gb=1.0,
              sampling="causal", causal_model=None, vae_kind="auto"):
+        from ..cache import open_cache
         from ..memory.estimate import Workload
-        from ..memory.limits import open_cache
         from ..memory.plan import make_plan
         from ..memory.system import GiB, detect_system
         from ..memory.weights import preset_weights, weights_from_checkpoint, weights_from_module
@@ -384,9 +384,10 @@ class WanChunkedVAEDecode(Node):
     }}
 
     def decode(self, samples, vae, chunk_frames=0, overlap=2, plan=None):
+        from ..cache import open_cache
+        from ..cache.oom import SoftOOM
         from ..memory.chunked_decode import decode_chunked, min_chunk
-        from ..memory.limits import open_cache, vae_kind, vae_limit_key
-        from ..memory.oom import SoftOOM
+        from ..memory.limits import vae_kind, vae_limit_key
 
         from ..app.validate import check_latent
 

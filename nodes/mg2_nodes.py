@@ -87,13 +87,13 @@ def model_space_start(start_latent):
         raw = raw[:, :, None]
     if raw.dim() != 5 or raw.shape[1] != 16:
         raise ValueError(f"start_latent must be a Wan 2.1 LATENT [B, 16, frames, h, w], got {tuple(raw.shape)}")
-    from ..app.jobs.preview import from_vae_latents
+    from ..vae.latents import from_vae_latents
     return from_vae_latents(raw.float().cpu()).transpose(1, 2)
 
 
 def to_latent_space(latents):
     """Model-space latents -> a Wan 2.1 LATENT's samples (VAE space, float32, CPU)."""
-    from ..app.jobs.preview import to_vae_latents
+    from ..vae.latents import to_vae_latents
     return to_vae_latents(latents.float().cpu().transpose(1, 2))
 
 

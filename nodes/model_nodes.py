@@ -237,7 +237,7 @@ def comfy_vae_reencode(vae):
     frame decoded, its last pixel frame encoded again, per video of the batch."""
     import torch
 
-    from ..app.jobs.preview import from_vae_latents, to_vae_latents
+    from ..vae.latents import from_vae_latents, to_vae_latents
     from ..sampling.krea import vae_reencode
 
     def decode(z):
@@ -262,7 +262,7 @@ def comfy_krea_reencode(vae):
     on its own); a tiny decoder (taew2_1 / lighttaew2_1) is refused: the re-encode needs the full VAE."""
     import torch
 
-    from ..app.jobs.preview import from_vae_latents, to_vae_latents
+    from ..vae.latents import from_vae_latents, to_vae_latents
     from ..sampling.krea import StreamReencode
     from .comfy import streaming_decode
     streaming_decode.refuse_tiny_for_reencode(vae)
@@ -421,7 +421,7 @@ class CausalWanSampler(Node):
         from ..profiling.session import maybe_profile
         from ..app.prepare import RunInputs, RunSpec, prepare_model, prepare_video
         from ..sampling.request import SamplingHooks
-        from ..app.jobs.preview import to_vae_latents
+        from ..vae.latents import to_vae_latents
         from ..app.validate import MAX_SEED, check_fits, check_geometry, check_int
         seed = check_int("seed", seed, 0, MAX_SEED)
         schedule = widget_schedule(preset, custom_steps, shift, names={"steps": "custom_steps"})

@@ -16,10 +16,11 @@ from __future__ import annotations
 import re
 import time
 
+from ..cache.video_file import FPS
 from .comfy import FreshNode, node_mappings
 from .mg2_nodes import CLIP_INPUT, PRESETS, linear_spec
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
-from .stream_nodes import FPS, _jpeg_frames, page_server, send_to_page    # a chunk's frames: as the streaming sampler's
+from .stream_nodes import _jpeg_frames, page_server, send_to_page    # a chunk's frames: as the streaming sampler's
 
 EVENT = "wan_accel.play"
 STATE_PLACES = ["model device", "cpu"]

@@ -22,7 +22,8 @@ class WanAccelLatentPreview(Node):
     def preview(self, samples, upscale=8):
         import torch
 
-        from ..app.jobs.preview import from_vae_latents, latents_to_rgb
+        from ..app.jobs.preview import latents_to_rgb
+        from ..vae.latents import from_vae_latents
 
         from ..app.validate import check_latent
 

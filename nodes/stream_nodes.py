@@ -12,11 +12,11 @@ import base64
 import io
 import time
 
+from ..cache.video_file import FPS
 from .comfy.comfy_core import optional
 from .model_nodes import CausalWanSampler, _ComfyProgress
 
 EVENT = "wan_accel.frames"
-FPS = 16                         # Wan 2.1 video frame rate
 PREVIEW_SIDE = 320               # longest side of the frames sent to the page
 
 
@@ -69,7 +69,7 @@ class _DecodeInLockstep(_ComfyProgress):
     def chunk_latents(self, ci, num_chunks, x0):
         """The chunk's final latents (once per chunk, even when an out-of-memory retry redoes it): decode, send."""
         import torch
-        from ..app.jobs.preview import to_vae_latents
+        from ..vae.latents import to_vae_latents
         t = time.perf_counter()
         parts = [self.decoder.push(to_vae_latents(x0.float()))]
         if ci == num_chunks - 1:                            # the last chunk also ends the decode walk

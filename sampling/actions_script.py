@@ -35,7 +35,7 @@ from dataclasses import dataclass
 VIDEO_FRAMES_PER_LATENT = 4
 LOOK_VALUE = 0.1
 MAX_MOUSE = 1.0                 # camera pitch/yaw per frame: the released demos use 0.1
-MAX_VIDEO_FRAMES = 4093         # the longest video of every sampler (as app/validate.py)
+MAX_VIDEO_FRAMES = 4093         # the longest video of every sampler (as the sampler node's widget)
 MAX_SCRIPT_FRAMES = MAX_VIDEO_FRAMES - 1    # scripted frames after the start frame
 MAX_SCRIPT_CHARS = 65536
 

@@ -8,7 +8,7 @@ from wan_accel.memory import oom as memory_oom
 
 
 def test_memory_oom_re_exports_the_one_definition():
-    assert memory_oom.is_oom is oom.is_oom and memory_oom.SoftOOM is oom.SoftOOM
+    assert memory_oom.is_oom is oom.is_oom
 
 
 def test_is_oom_covers_allocator_messages_and_types():

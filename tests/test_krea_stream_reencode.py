@@ -186,7 +186,7 @@ def test_the_nodes_re_encode_through_the_vaes_stream_decoder(monkeypatch):
     """A node's recache krea with a Wan VAE: the policy's own stream decoder gets every clean frame once, in order
     (VAE space), and the VAE encodes pixel frame 4 (f0 - K) of that stream; a VAE the streaming decoder cannot
     walk falls back to decoding the latent frame on its own."""
-    from wan_accel.app.jobs.preview import to_vae_latents
+    from wan_accel.vae.latents import to_vae_latents
     from wan_accel.model.tiny import tiny_causal_model
     from wan_accel.nodes.comfy import streaming_decode
     from wan_accel.nodes.model_nodes import comfy_krea_reencode, krea_cache

@@ -86,7 +86,7 @@ NODE_ARGS = dict(width=32, height=32, num_frames=4 * 11 + 1, seed=4, preset="sel
 
 
 def test_sampler_node_recache_krea_equals_the_engine_run(handle):
-    from wan_accel.app.jobs.preview import to_vae_latents
+    from wan_accel.vae.latents import to_vae_latents
     from wan_accel.model.tiny import tiny_text_embedding
     from wan_accel.nodes.model_nodes import CausalWanSampler
     latent, _ = CausalWanSampler().sample(handle, recache="krea", **NODE_ARGS)
@@ -126,7 +126,7 @@ class FakeVAE:
 
 
 def test_vae_round_trip_takes_the_last_pixel_frame():
-    from wan_accel.app.jobs.preview import from_vae_latents, to_vae_latents
+    from wan_accel.vae.latents import from_vae_latents, to_vae_latents
     from wan_accel.nodes.model_nodes import comfy_vae_reencode
     vae = FakeVAE()
     z = torch.randn(2, 1, 16, 4, 4)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from wan_accel.cache import LimitCache
+from wan_accel.cache.oom import SoftOOM
 from wan_accel.memory.limits import NAMESPACE
-from wan_accel.memory.oom import NoFitError, SoftOOM, free_memory, is_oom, oom_retry, run_chunks
+from wan_accel.memory.oom import NoFitError, free_memory, is_oom, oom_retry, run_chunks
 
 KEY = "test/op/480p"
 

@@ -2,7 +2,8 @@
 import torch
 
 from wan_accel.nodes.preview_nodes import WanAccelLatentPreview
-from wan_accel.app.jobs.preview import from_vae_latents, latents_to_rgb, to_vae_latents
+from wan_accel.app.jobs.preview import latents_to_rgb
+from wan_accel.vae.latents import from_vae_latents, to_vae_latents
 
 
 def test_vae_latent_round_trip():

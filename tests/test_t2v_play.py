@@ -144,7 +144,7 @@ def handle():
 
 
 def test_sampler_node_prompt_schedule_equals_the_engine_run(handle):
-    from wan_accel.app.jobs.preview import to_vae_latents
+    from wan_accel.vae.latents import to_vae_latents
     from wan_accel.nodes.model_nodes import CausalWanSampler
     text = "0: a cat\n1: a dog (blend 1)"
     node = CausalWanSampler()

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from wan_accel.cli import main as cli_main
 from wan_accel.app.jobs.generate import GenerateOptions, run_generate
 from wan_accel.app.prepare import latent_frames, latent_size
-from wan_accel.app.jobs.preview import latents_to_rgb, to_vae_latents
+from wan_accel.app.jobs.preview import latents_to_rgb
+from wan_accel.vae.latents import to_vae_latents
 
 
 def test_generate_tiny_end_to_end(tmp_path):

@@ -18,12 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Callable
 
 import torch
 
+from ...cache.fingerprint import package_version
 from ...kernels._common import code_digest
+from ...kernels.candidates import tolerance
 from . import probes as doctor_probes  # noqa: F401 - registers the pack's features
 from .verdict import NAMESPACE, pack_version, verdict_problem
 from .vocabulary import FEATURES, Feature, NotAvailable, Probe, ProbeContext, register_feature
@@ -33,7 +34,6 @@ __all__ = ["Doctor", "Feature", "NotAvailable", "Probe", "ProbeContext", "regist
 log = logging.getLogger("wan_accel")
 
 PROBE_VERSION = 2           # 2: speed is never judged at the probe's own shape (verdicts of 1 are probed again)
-TOLERANCE_ULPS = 8           # tolerance = ulps * eps(dtype) * max(1, |fallback|max); Probe.ulps overrides
 SLOWER_MARGIN = 1.10         # "slower" when the feature takes more than 110 % of the fallback's time
 SLOWER_MIN_S = 20e-6         # ... and at least this much longer (below it, timings are noise)
 _UNSAVED: dict = {}     # (cache path, fingerprint id, key) -> verdicts the cache could not store (this process)
@@ -41,10 +41,9 @@ _UNSAVED: dict = {}     # (cache path, fingerprint id, key) -> verdicts the cach
 
 def library_version(feature: Feature) -> str:
     for dist in feature.library:
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
+        version = package_version(dist)
+        if version != "none":
+            return f"{dist} {version}"
     return "none"
 
 
@@ -58,11 +57,6 @@ def verdict_identity(feature: Feature) -> dict:
     """What a verdict holds for: the feature's library, the probe, the pack's version and the code's digest."""
     return {"library": library_version(feature), "probe": PROBE_VERSION, "pack": pack_version(),
             "source": feature_source(feature)}
-
-
-def tolerance(dtype: torch.dtype, magnitude: float, ulps: int = TOLERANCE_ULPS) -> float:
-    """The largest difference accepted in ``dtype``: ``ulps`` units of its resolution at this magnitude."""
-    return ulps * torch.finfo(dtype).eps * max(1.0, float(magnitude))
 
 
 def _sync(device) -> None:

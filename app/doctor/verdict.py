@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 import re
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 
 from ...cache import register_shape
+from ...cache.fingerprint import package_version
 
 NAMESPACE = "doctor"
 DIST_NAME = "comfyui-wan-accel"
@@ -47,13 +47,8 @@ def _pyproject_version(path: Path) -> str | None:
 def pack_version() -> str:
     """The pack's version, read once: the pyproject.toml beside the package (the code that runs), else the
     installed distribution's metadata, else 'unknown'."""
-    version = _pyproject_version(_PACKAGE_ROOT / "pyproject.toml")
-    if version:
-        return version
-    try:
-        return metadata.version(DIST_NAME)
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    version = _pyproject_version(_PACKAGE_ROOT / "pyproject.toml") or package_version(DIST_NAME)
+    return "unknown" if version == "none" else version
 
 
 # ----------------------------------------------------------------------------------------------- shape

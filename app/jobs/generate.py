@@ -367,7 +367,8 @@ def _write_outputs(latents, opts, parallel=None) -> dict:
         return {}
     from safetensors.torch import save_file
 
-    from .preview import latents_to_rgb, save_animation, to_vae_latents
+    from ...vae.latents import to_vae_latents
+    from .preview import latents_to_rgb, save_animation
     out = Path(opts.out_dir)
     lat = latents.detach().float().cpu().contiguous()
     meta = {"layout.latents": "[B, F, C, H, W] model space", "layout.vae_latents": "[B, C, F, H, W] VAE space",

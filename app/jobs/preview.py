@@ -10,8 +10,6 @@ from pathlib import Path
 import torch
 
 from ...cache.owned_files import write_with
-from ...vae.latents import (WAN21_LATENT_MEAN, WAN21_LATENT_STD, from_vae_latents,  # noqa: F401 (re-exported)
-                            to_vae_latents)
 
 WAN21_RGB_FACTORS = [
     [-0.1299, -0.1692, 0.2932], [0.0671, 0.0406, 0.0442], [0.3568, 0.2548, 0.1747],

@@ -116,7 +116,7 @@ def check() -> dict:
     load_pack()
     krea = importlib.import_module("wan_accel.sampling.krea")
     model_nodes = importlib.import_module("wan_accel.nodes.model_nodes")
-    preview = importlib.import_module("wan_accel.app.jobs.preview")
+    vae_latents = importlib.import_module("wan_accel.vae.latents")
     from safetensors.torch import load_file
     cfg = json.loads((FIX / "krea_stream_vae.json").read_text())
     io = load_file(str(FIX / cfg["io_file"]))
@@ -130,11 +130,11 @@ def check() -> dict:
     # 1. the streaming decode: Krea's walk over ComfyUI's layers against the official stream, and ComfyUI's own walk
     mod = adapter()
     ours, comfy = mod.KreaStreamDecoder(vae), mod.WanStreamDecoder(vae)
-    got = [ours.push(preview.to_vae_latents(latents[:, b * fpb:(b + 1) * fpb])) for b in range(blocks)]
+    got = [ours.push(vae_latents.to_vae_latents(latents[:, b * fpb:(b + 1) * fpb])) for b in range(blocks)]
     want = as_images(torch.cat(official, 1))
     result["krea_stream_vs_official"] = max_abs(torch.cat(got, 1), want)
     result["krea_stream_frames_per_block"] = [int(g.shape[1]) for g in got]
-    theirs = [comfy.push(preview.to_vae_latents(latents[:, b * fpb:(b + 1) * fpb])) for b in range(blocks)]
+    theirs = [comfy.push(vae_latents.to_vae_latents(latents[:, b * fpb:(b + 1) * fpb])) for b in range(blocks)]
     theirs = torch.cat([t for t in theirs + [comfy.finish()] if t is not None], 1)
     result["comfy_stream_vs_official_latent_frames_0_2"] = max_abs(theirs[:, :9], want[:, :9])
     result["comfy_stream_vs_official_from_latent_frame_3"] = max_abs(theirs[:, 9:], want[:, 9:])
@@ -187,7 +187,7 @@ def check() -> dict:
     out = prepare.prepare(net, spec, request.RunInputs(context=text, noise=noise, cache_policy=setup.cache_policy,
                                                        generator=torch.Generator().manual_seed(5))).latents()
     walk = mod.KreaStreamDecoder(vae)
-    pixels = [walk.push(preview.to_vae_latents(out[:, b * fpb:(b + 1) * fpb])) for b in range(run_blocks)]
+    pixels = [walk.push(vae_latents.to_vae_latents(out[:, b * fpb:(b + 1) * fpb])) for b in range(run_blocks)]
     result["run_reencoded_frames"] = [int(f) for f, _ in made]
     errs = []
     for frame, latent in made:
