@@ -338,20 +338,21 @@ def write_json(path, obj, *, indent: int | None = 2, sort_keys: bool = True, def
     return write_text(path, to_json(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n", **kw)
 
 
-def read_regular(path, limit: int | None = None) -> bytes:
+def read_regular(path, limit: int | None = None, refuse: Callable[[os.stat_result], object] | None = None) -> bytes:
     """The bytes of ``path`` when it is a regular file (at most ``limit``); opened without blocking, so a pipe or
     a device put where the pack keeps a file can never hang a read. FileNotFoundError when absent; OSError
-    :class:`OwnedFileError` (a ValueError: the user's to fix) when it is not a regular file."""
-    mode = os.stat(path).st_mode                    # refused before it is opened: opening a device can act or stall
-    if not stat.S_ISREG(mode):
-        raise OwnedFileError(f"{path} is {file_kind(mode)}; the pack reads only a regular file there: remove "
-                             f"it (the pack makes the file again)")
+    :class:`OwnedFileError` (a ValueError: the user's to fix) when it is not a regular file. ``refuse(st)``: the
+    caller's own check instead (raising for a file not to read), given the file's stat before it is opened and the
+    opened descriptor's after."""
+    def not_regular(st: os.stat_result) -> None:
+        if not stat.S_ISREG(st.st_mode):
+            raise OwnedFileError(f"{path} is {file_kind(st.st_mode)}; the pack reads only a regular file there: "
+                                 f"remove it (the pack makes the file again)")
+    refuse = refuse or not_regular
+    refuse(os.stat(path))                           # refused before it is opened: opening a device can act or stall
     fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise OwnedFileError(f"{path} is {file_kind(mode)}; the pack reads only a regular file there: remove "
-                                 f"it (the pack makes the file again)")
+        refuse(os.fstat(fd))
         with os.fdopen(os.dup(fd), "rb") as fh:
             return fh.read() if limit is None else fh.read(limit)
     finally:
