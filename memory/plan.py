@@ -14,7 +14,7 @@ from .pinned import MiB, plan_pinned
 from .system import HOST_RAM_HEADROOM, GiB, PlainFields, SystemInfo, detect_system, gib
 from .weights import ModelWeights, TensorInfo, keeps_fp8, weights_from_tensors
 
-DEFAULT_VAE_OVERLAP = 2
+VAE_OVERLAP = 2                 # latent frames shared by two VAE decode chunks
 CLIP_TOKENS = 257
 
 
@@ -208,8 +208,7 @@ def reserve_problem(system: SystemInfo, reserve_bytes: int, name: str = "reserve
 
 def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | None = None, *,
               reserve_bytes: int = 0, kv_window: int | None = None, cache=None, use_learned: bool = True,
-              vae_kind: str | None = None, vae_overlap: int = DEFAULT_VAE_OVERLAP,
-              alternatives: bool = True, reserve_name: str = "reserve") -> MemoryPlan:
+              vae_kind: str | None = None, alternatives: bool = True, reserve_name: str = "reserve") -> MemoryPlan:
     """Plan a generation. ``kv_window``: None = the model's own (its local_attn_size, else global), -1 = global,
     N = N latent frames. ``cache``: a LimitCache whose learned limits override the estimates. ``vae_kind``: the VAE
     whose learned decode limit applies ('wan2.1', 'wan2.2'; None: from the model's latent channels).
@@ -357,7 +356,7 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     # VAE decode chunk
     t_lat, lat_h, lat_w = workload.latent_frames, workload.latent_h, workload.latent_w
     v_elem = 2 if gpu else 4
-    floor = max(1, min(t_lat, vae_overlap + 1)) if t_lat > 1 else 1
+    floor = max(1, min(t_lat, VAE_OVERLAP + 1)) if t_lat > 1 else 1
 
     def best_chunk(vbudget: int) -> int | None:
         for c in range(t_lat, floor - 1, -1):
@@ -388,7 +387,7 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
         reason = f"learned on this machine: {vlearned} latent frames per chunk decoded without running out of memory"
         chunk = max(floor, vlearned)
     reasons["vae_chunk_frames"] = reason
-    overlap = 0 if chunk >= t_lat else min(vae_overlap, chunk - 1)
+    overlap = 0 if chunk >= t_lat else min(VAE_OVERLAP, chunk - 1)
 
     plan = MemoryPlan(
         fits=fits, device=system.device, dtype=dtype, attention_backend=backend, blocks_total=L, blocks_to_swap=n,
@@ -400,5 +399,5 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     if alternatives and gpu:
         plan.alternatives = plan_alternatives(plan, weights, workload, system, reserve_bytes=reserve_bytes,
                                               kv_window=kv_window, cache=cache, use_learned=use_learned,
-                                              vae_kind=vae_kind, vae_overlap=vae_overlap)
+                                              vae_kind=vae_kind)
     return plan
