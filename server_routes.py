@@ -276,12 +276,12 @@ def decode_json_body(raw: bytes):
 def strict_answer(value):
     """A route's answer as strict JSON can carry it: a NaN or an infinity becomes null (None), so an answer is
     always valid JSON."""
-    from .cache.json_out import non_finite_as, walk_json
+    from .cache.json_out import null_json
     try:
         json.dumps(value, allow_nan=False, default=str)
         return value
     except ValueError:
-        return walk_json(value, lambda v: non_finite_as(v, lambda _v: None))
+        return null_json(value)
 
 
 async def _read_body(request) -> bytes:
