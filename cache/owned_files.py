@@ -323,13 +323,10 @@ def write_with(path, write: Callable[[str], object], *, option: str = "", purpos
     return replace_file(check(), write, before_rename=check, tmp=tmp)
 
 
-def write_bytes(path, data: bytes, **kw) -> Path:
-    """Write ``data`` to ``path`` atomically (see :func:`write_with`; keywords as :func:`check_target`)."""
+def write_text(path, text: str, **kw) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_with`; keywords as :func:`check_target`)."""
+    data = text.encode("utf-8")
     return write_with(path, lambda tmp: Path(tmp).write_bytes(data), **kw)
-
-
-def write_text(path, text: str, encoding: str = "utf-8", **kw) -> Path:
-    return write_bytes(path, text.encode(encoding), **kw)
 
 
 def write_json(path, obj, *, indent: int | None = 2, sort_keys: bool = True, default=str, **kw) -> Path:
@@ -401,5 +398,5 @@ def append_line(path, line, *, option: str = "", purpose: str = "the line", allo
     return p
 
 
-__all__ = ["OwnedFileError", "check_target", "cache_file_role", "replace_file", "write_with", "write_bytes", "write_text",
-           "write_json", "append_line", "read_regular"]
+__all__ = ["OwnedFileError", "check_target", "cache_file_role", "replace_file", "write_with", "write_text", "write_json",
+           "append_line", "read_regular"]
