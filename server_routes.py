@@ -129,10 +129,10 @@ def set_aside_payload(cache) -> dict:
     return {"path": path, "count": len(items), "items": shown}
 
 
-def _string_field(body, field: str, example: str) -> str:
+def _string_field(body, field: str, example: str, rule: re.Pattern | None = None, what: str = "") -> str:
     """The one field ``field`` (a string) of a decoded POST body; RequestError naming what is wrong and showing
     ``example`` (a body the route accepts) for anything else: not an object, another field, a missing field, a
-    value that is not a string."""
+    value that is not a string, or one that ``rule`` does not match (it is not ``what``)."""
     if not isinstance(body, dict):
         raise RequestError(f"body must be a JSON object like {example}")
     extra = sorted(set(body) - {field})
@@ -142,6 +142,8 @@ def _string_field(body, field: str, example: str) -> str:
         raise RequestError(f"missing field '{field}': send a JSON object like {example}")
     if not isinstance(body[field], str):
         raise RequestError(f"'{field}' must be a string, got {type(body[field]).__name__}")
+    if rule is not None and not rule.match(body[field]):
+        raise RequestError(f"'{field}' {body[field][:80]!r} is not {what}")
     return body[field]
 
 
@@ -154,9 +156,8 @@ def clear_limits(body, cache=None) -> dict:
     """
     from .cache import KNOWN_NAMESPACES
 
-    ns = _string_field(body, "namespace", '{"namespace": "operator"} or {"namespace": "all"}')
-    if not _NAMESPACE_RE.match(ns):             # ("all" is one of its names)
-        raise RequestError(f"'namespace' {ns[:80]!r} is not a namespace name (1-64 letters, digits, '_', '.', '-')")
+    ns = _string_field(body, "namespace", '{"namespace": "operator"} or {"namespace": "all"}', _NAMESPACE_RE,
+                       "a namespace name (1-64 letters, digits, '_', '.', '-')")    # ("all" is one of its names)
     ns = None if ns == "all" else ns
     cache = _open_cache(cache)
     if ns is not None and ns not in KNOWN_NAMESPACES:
@@ -226,9 +227,8 @@ def play_sessions(registry=None) -> dict:
 def _play_session(body, registry):
     from .app.play.registry import REGISTRY, PlayError
 
-    session = _string_field(body, "session", '{"session": "<id from the Play Session node>"}')
-    if not _SESSION_RE.match(session):
-        raise RequestError(f"{session[:80]!r} is not a play session id")
+    session = _string_field(body, "session", '{"session": "<id from the Play Session node>"}', _SESSION_RE,
+                            "a play session id")
     try:
         return (registry or REGISTRY).get(session)
     except PlayError as exc:
