@@ -329,10 +329,10 @@ def write_text(path, text: str, **kw) -> Path:
     return write_with(path, lambda tmp: Path(tmp).write_bytes(data), **kw)
 
 
-def write_json(path, obj, *, indent: int | None = 2, sort_keys: bool = True, default=str, **kw) -> Path:
-    """``obj`` as strict JSON (``json_out.to_json``: non-finite numbers as strings; a final newline), written
-    atomically."""
-    return write_text(path, to_json(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n", **kw)
+def write_json(path, obj, **kw) -> Path:
+    """``obj`` as strict JSON (``json_out.to_json``: non-finite numbers as strings; indented, keys sorted, a final
+    newline), written atomically."""
+    return write_text(path, to_json(obj, sort_keys=True) + "\n", **kw)
 
 
 def read_regular(path, limit: int | None = None, refuse: Callable[[os.stat_result], object] | None = None) -> bytes:
