@@ -310,16 +310,14 @@ ROUTES = (   # (path, plain function, POST with a JSON body rather than GET), in
 def _make_handlers(web):
     import asyncio
 
-    async def _call(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
     def _answer(route: str, fn, with_body: bool):
         """A handler: ``fn()`` (GET) or ``fn(json body)`` (POST) run off the event loop; a bad body is HTTP 400,
         anything else HTTP 500 with the error named (the server never goes down for a route)."""
         async def handler(request):
             try:
                 args = (decode_json_body(await _read_body(request)),) if with_body else ()
-                return web.json_response(strict_answer(await _call(fn, *args)))
+                answer = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+                return web.json_response(strict_answer(answer))
             except RequestError as exc:
                 return web.json_response({"error": str(exc)}, status=400)
             except Exception as exc:  # noqa: BLE001 - report, never take the server down
