@@ -129,10 +129,10 @@ def set_aside_payload(cache) -> dict:
     return {"path": path, "count": len(items), "items": shown}
 
 
-def _string_field(body, field: str, example: str) -> str:
+def _string_field(body, field: str, example: str, rule: re.Pattern | None = None, what: str = "") -> str:
     """The one field ``field`` (a string) of a decoded POST body; RequestError naming what is wrong and showing
     ``example`` (a body the route accepts) for anything else: not an object, another field, a missing field, a
-    value that is not a string."""
+    value that is not a string, or one that ``rule`` does not match (it is not ``what``)."""
     if not isinstance(body, dict):
         raise RequestError(f"body must be a JSON object like {example}")
     extra = sorted(set(body) - {field})
@@ -142,6 +142,8 @@ def _string_field(body, field: str, example: str) -> str:
         raise RequestError(f"missing field '{field}': send a JSON object like {example}")
     if not isinstance(body[field], str):
         raise RequestError(f"'{field}' must be a string, got {type(body[field]).__name__}")
+    if rule is not None and not rule.match(body[field]):
+        raise RequestError(f"'{field}' {body[field][:80]!r} is not {what}")
     return body[field]
 
 
@@ -154,9 +156,8 @@ def clear_limits(body, cache=None) -> dict:
     """
     from .cache import KNOWN_NAMESPACES
 
-    ns = _string_field(body, "namespace", '{"namespace": "operator"} or {"namespace": "all"}')
-    if not _NAMESPACE_RE.match(ns):             # ("all" is one of its names)
-        raise RequestError(f"'namespace' {ns[:80]!r} is not a namespace name (1-64 letters, digits, '_', '.', '-')")
+    ns = _string_field(body, "namespace", '{"namespace": "operator"} or {"namespace": "all"}', _NAMESPACE_RE,
+                       "a namespace name (1-64 letters, digits, '_', '.', '-')")    # ("all" is one of its names)
     ns = None if ns == "all" else ns
     cache = _open_cache(cache)
     if ns is not None and ns not in KNOWN_NAMESPACES:
@@ -226,9 +227,8 @@ def play_sessions(registry=None) -> dict:
 def _play_session(body, registry):
     from .app.play.registry import REGISTRY, PlayError
 
-    session = _string_field(body, "session", '{"session": "<id from the Play Session node>"}')
-    if not _SESSION_RE.match(session):
-        raise RequestError(f"{session[:80]!r} is not a play session id")
+    session = _string_field(body, "session", '{"session": "<id from the Play Session node>"}', _SESSION_RE,
+                            "a play session id")
     try:
         return (registry or REGISTRY).get(session)
     except PlayError as exc:
@@ -276,12 +276,12 @@ def decode_json_body(raw: bytes):
 def strict_answer(value):
     """A route's answer as strict JSON can carry it: a NaN or an infinity becomes null (None), so an answer is
     always valid JSON."""
-    from .cache.json_out import non_finite_as, walk_json
+    from .cache.json_out import null_json
     try:
         json.dumps(value, allow_nan=False, default=str)
         return value
     except ValueError:
-        return walk_json(value, lambda v: non_finite_as(v, lambda _v: None))
+        return null_json(value)
 
 
 async def _read_body(request) -> bytes:
@@ -310,16 +310,14 @@ ROUTES = (   # (path, plain function, POST with a JSON body rather than GET), in
 def _make_handlers(web):
     import asyncio
 
-    async def _call(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
     def _answer(route: str, fn, with_body: bool):
         """A handler: ``fn()`` (GET) or ``fn(json body)`` (POST) run off the event loop; a bad body is HTTP 400,
         anything else HTTP 500 with the error named (the server never goes down for a route)."""
         async def handler(request):
             try:
                 args = (decode_json_body(await _read_body(request)),) if with_body else ()
-                return web.json_response(strict_answer(await _call(fn, *args)))
+                answer = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+                return web.json_response(strict_answer(answer))
             except RequestError as exc:
                 return web.json_response({"error": str(exc)}, status=400)
             except Exception as exc:  # noqa: BLE001 - report, never take the server down

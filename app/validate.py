@@ -13,6 +13,7 @@ import stat
 import sys
 from pathlib import Path
 
+from ..cache.owned_files import read_regular
 from ..cache.safety import file_kind, system_folder
 from ..sampling.actions_script import MAX_VIDEO_FRAMES
 
@@ -317,32 +318,22 @@ def read_user_file(name: str, value, *, what: str = "a text file", limit: int = 
         raise UsageError(f"{name} {shown(text)} cannot name a file; give the path of {what}") from None
     where = f"{name} {shown(str(path))}" + (f" (a link to {shown(os.path.realpath(path))})" if link else "")
 
-    def need_regular(mode: int) -> None:
-        if not stat.S_ISREG(mode):
-            kind = file_kind(mode)
+    def refuse(st: os.stat_result) -> None:
+        if not stat.S_ISREG(st.st_mode):
+            kind = file_kind(st.st_mode)
             fix = "a file in it" if kind == "a folder" else "a regular file (save the text to a file first)"
             raise UsageError(f"{where} is {kind}, not a file; give the path of {what}: {fix}")
+        if st.st_size > limit:
+            raise UsageError(f"{where} is {st.st_size} bytes, more than the {limit} bytes {what} can be; check the "
+                             f"path")
     try:       # a pipe, device or socket is refused before it is opened: opening some devices acts (a tty, a tape)
-        need_regular(os.stat(path).st_mode)             # or can stall
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        data = read_regular(path, limit + 1, refuse)    # or can stall
     except FileNotFoundError:
         raise UsageError(f"{where}: no such file; check the path (give the path of {what})") from None
     except PermissionError:
         raise UsageError(f"{where}: permission denied; give {what} you may read") from None
     except OSError as exc:
-        raise UsageError(f"{where} cannot be opened ({exc.strerror or exc}); give the path of {what}") from None
-    try:
-        st = os.fstat(fd)
-        need_regular(st.st_mode)
-        if st.st_size > limit:
-            raise UsageError(f"{where} is {st.st_size} bytes, more than the {limit} bytes {what} can be; check the "
-                             f"path")
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            data = fh.read(limit + 1)
-    except OSError as exc:
-        raise UsageError(f"{where} cannot be read ({exc.strerror or exc})") from None
-    finally:
-        os.close(fd)
+        raise UsageError(f"{where} cannot be read ({exc.strerror or exc}); give the path of {what}") from None
     if len(data) > limit:                  # grew while read
         raise UsageError(f"{where} is more than the {limit} bytes {what} can be; check the path")
     return data

@@ -177,7 +177,7 @@ def make_run_plan(config, weights: str, frames: int, height: int, width: int, sy
     table = weights_from_checkpoint(checkpoint) if checkpoint else weights_table(config, weights)
     return make_plan(table, Workload(width, height, frames,
                                                               frames_per_block=FRAMES_PER_BLOCK),
-                     system, kv_window=kv_window, use_learned=False)
+                     system, kv_window=kv_window)
 
 
 def plan_report(plan, cap_gb) -> dict:

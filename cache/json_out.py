@@ -10,8 +10,9 @@ string instead, ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (what Python's ``fl
 * ``to_json(obj, indent=2, sort_keys=False, default=str)``: the text;
 * ``print_json(obj, file=None, **kw)``: the text and a newline on stdout (or ``file``);
 * ``finite_json(obj)``: ``obj`` with its non-finite numbers encoded (dicts, lists and tuples walked; no copy of
-  anything else); ``walk_json(obj, leaf, key=None)``: the walk under it, for the other cleaners (the metrics
-  history writes null, the limit cache's set-aside items the number's text).
+  anything else); ``null_json(obj, key=None)``: the same walk writing null instead (the metrics history, the web
+  panel's answers); ``walk_json(obj, leaf, key=None)``: the walk under both, for the other cleaners (the limit
+  cache's set-aside items write the number's text).
 """
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ def finite_json(obj):
     return walk_json(obj, lambda v: non_finite_as(v, _encode))
 
 
+def null_json(obj, key=None):
+    """``obj`` with every float that is not finite replaced by None (null); dict keys through ``key`` when given."""
+    return walk_json(obj, lambda v: non_finite_as(v, lambda _v: None), key)
+
+
 def to_json(obj, *, indent: int | None = 2, sort_keys: bool = False, default=str, separators=None) -> str:
     """``obj`` as strict JSON text (non-finite numbers as strings; ``default``: how other objects are written)."""
     def other(o):
@@ -59,4 +65,4 @@ def print_json(obj, file=None, **kw) -> None:
     (file or sys.stdout).write(to_json(obj, **kw) + "\n")
 
 
-__all__ = ["finite_json", "walk_json", "non_finite_as", "to_json", "print_json"]
+__all__ = ["finite_json", "null_json", "walk_json", "non_finite_as", "to_json", "print_json"]

@@ -323,35 +323,33 @@ def write_with(path, write: Callable[[str], object], *, option: str = "", purpos
     return replace_file(check(), write, before_rename=check, tmp=tmp)
 
 
-def write_bytes(path, data: bytes, **kw) -> Path:
-    """Write ``data`` to ``path`` atomically (see :func:`write_with`; keywords as :func:`check_target`)."""
+def write_text(path, text: str, **kw) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_with`; keywords as :func:`check_target`)."""
+    data = text.encode("utf-8")
     return write_with(path, lambda tmp: Path(tmp).write_bytes(data), **kw)
 
 
-def write_text(path, text: str, encoding: str = "utf-8", **kw) -> Path:
-    return write_bytes(path, text.encode(encoding), **kw)
+def write_json(path, obj, **kw) -> Path:
+    """``obj`` as strict JSON (``json_out.to_json``: non-finite numbers as strings; indented, keys sorted, a final
+    newline), written atomically."""
+    return write_text(path, to_json(obj, sort_keys=True) + "\n", **kw)
 
 
-def write_json(path, obj, *, indent: int | None = 2, sort_keys: bool = True, default=str, **kw) -> Path:
-    """``obj`` as strict JSON (``json_out.to_json``: non-finite numbers as strings; a final newline), written
-    atomically."""
-    return write_text(path, to_json(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n", **kw)
-
-
-def read_regular(path, limit: int | None = None) -> bytes:
+def read_regular(path, limit: int | None = None, refuse: Callable[[os.stat_result], object] | None = None) -> bytes:
     """The bytes of ``path`` when it is a regular file (at most ``limit``); opened without blocking, so a pipe or
     a device put where the pack keeps a file can never hang a read. FileNotFoundError when absent; OSError
-    :class:`OwnedFileError` (a ValueError: the user's to fix) when it is not a regular file."""
-    mode = os.stat(path).st_mode                    # refused before it is opened: opening a device can act or stall
-    if not stat.S_ISREG(mode):
-        raise OwnedFileError(f"{path} is {file_kind(mode)}; the pack reads only a regular file there: remove "
-                             f"it (the pack makes the file again)")
+    :class:`OwnedFileError` (a ValueError: the user's to fix) when it is not a regular file. ``refuse(st)``: the
+    caller's own check instead (raising for a file not to read), given the file's stat before it is opened and the
+    opened descriptor's after."""
+    def not_regular(st: os.stat_result) -> None:
+        if not stat.S_ISREG(st.st_mode):
+            raise OwnedFileError(f"{path} is {file_kind(st.st_mode)}; the pack reads only a regular file there: "
+                                 f"remove it (the pack makes the file again)")
+    refuse = refuse or not_regular
+    refuse(os.stat(path))                           # refused before it is opened: opening a device can act or stall
     fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise OwnedFileError(f"{path} is {file_kind(mode)}; the pack reads only a regular file there: remove "
-                                 f"it (the pack makes the file again)")
+        refuse(os.fstat(fd))
         with os.fdopen(os.dup(fd), "rb") as fh:
             return fh.read() if limit is None else fh.read(limit)
     finally:
@@ -400,5 +398,5 @@ def append_line(path, line, *, option: str = "", purpose: str = "the line", allo
     return p
 
 
-__all__ = ["OwnedFileError", "check_target", "cache_file_role", "replace_file", "write_with", "write_bytes", "write_text",
-           "write_json", "append_line", "read_regular"]
+__all__ = ["OwnedFileError", "check_target", "cache_file_role", "replace_file", "write_with", "write_text", "write_json",
+           "append_line", "read_regular"]

@@ -101,7 +101,7 @@ def _plan(args) -> int:
     system = _system(args)
     cache = None if args.no_learned else open_cache()
     plan = make_plan(weights, workload, system, reserve_bytes=int(args.reserve_gb * GiB), kv_window=args.kv_window,
-                     cache=cache, use_learned=not args.no_learned, vae_kind=None if args.vae == "auto" else args.vae,
+                     cache=cache, vae_kind=None if args.vae == "auto" else args.vae,
                      reserve_name="--reserve-gb")
     if args.json:
         print_json(plan.to_dict(), sort_keys=True)

@@ -156,8 +156,9 @@ def check_profile_combinations(args) -> None:
 
 
 def run_profile(args) -> int:
-    from ..profiling import ExplainError, ExplainTargetError, explain_in_subprocess, package_target, profile_run
     from ..profiling import history
+    from ..profiling.explain import ExplainError, ExplainTargetError, explain_in_subprocess, package_target
+    from ..profiling.runner import profile_run
 
     if args.checkpoint and args.shape != "tiny":
         raise UsageError("--shape picks a random-weight model; with --checkpoint leave it out")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..model.attachments import SWAP_ATTR
+from ..model.attachments import SWAP_ATTR, block_list, block_swap_of
 from .pinned import PinnedArena
 from .system import GiB, PlainFields
 
@@ -375,12 +375,10 @@ class BlockSwap:
 # ---------------------------------------------------------------------- helpers
 def find_blocks(model) -> nn.ModuleList:
     """``model.blocks`` (our WanModel, ComfyUI's ``diffusion_model``), or the ModuleList itself."""
-    if isinstance(model, nn.ModuleList):
-        return model
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        return blocks
-    raise TypeError(f"{type(model).__name__} has no 'blocks' ModuleList to swap")
+    blocks = block_list(model)
+    if blocks is None:
+        raise TypeError(f"{type(model).__name__} has no 'blocks' ModuleList to swap")
+    return blocks
 
 
 def embedding_modules(model) -> list:
@@ -418,11 +416,7 @@ def apply_block_swap(model, settings: SwapSettings | None = None, *, device=None
     return swap
 
 
-def active_swap(model) -> BlockSwap | None:
-    try:
-        return getattr(find_blocks(model), ATTR, None)
-    except TypeError:
-        return None
+active_swap = block_swap_of             # the model's active BlockSwap, or None (model/attachments.py)
 
 
 def ensure_block_swap(model, settings: SwapSettings | None, *, device=None, restore: bool = True,

@@ -14,7 +14,7 @@ from .pinned import MiB, plan_pinned
 from .system import HOST_RAM_HEADROOM, GiB, PlainFields, SystemInfo, detect_system, gib
 from .weights import ModelWeights, TensorInfo, keeps_fp8, weights_from_tensors
 
-DEFAULT_VAE_OVERLAP = 2
+VAE_OVERLAP = 2                 # latent frames shared by two VAE decode chunks
 CLIP_TOKENS = 257
 
 
@@ -207,14 +207,14 @@ def reserve_problem(system: SystemInfo, reserve_bytes: int, name: str = "reserve
 
 
 def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | None = None, *,
-              reserve_bytes: int = 0, kv_window: int | None = None, cache=None, use_learned: bool = True,
-              vae_kind: str | None = None, vae_overlap: int = DEFAULT_VAE_OVERLAP,
+              reserve_bytes: int = 0, kv_window: int | None = None, cache=None, vae_kind: str | None = None,
               alternatives: bool = True, reserve_name: str = "reserve") -> MemoryPlan:
     """Plan a generation. ``kv_window``: None = the model's own (its local_attn_size, else global), -1 = global,
-    N = N latent frames. ``cache``: a LimitCache whose learned limits override the estimates. ``vae_kind``: the VAE
-    whose learned decode limit applies ('wan2.1', 'wan2.2'; None: from the model's latent channels).
-    ``alternatives``: on a GPU, also list the settings that make it fit (``plan_alternatives``). ValueError naming
-    the input ``reserve_name`` when ``reserve_bytes`` leaves nothing to plan with (``reserve_problem``)."""
+    N = N latent frames. ``cache``: a LimitCache whose learned limits override the estimates (None: the estimates
+    alone). ``vae_kind``: the VAE whose learned decode limit applies ('wan2.1', 'wan2.2'; None: from the model's
+    latent channels). ``alternatives``: on a GPU, also list the settings that make it fit (``plan_alternatives``).
+    ValueError naming the input ``reserve_name`` when ``reserve_bytes`` leaves nothing to plan with
+    (``reserve_problem``)."""
     system = system or detect_system()
     reasons, notes, learned = {}, list(workload.notes()), {}
     dtype, elem, reasons["dtype"] = _choose_dtype(weights, system)
@@ -279,7 +279,7 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     # limits learned on this machine
     key = dit_limit_key(weights.config or weights, dtype, workload.width, workload.height, workload.frames,
                         workload.mode, B)
-    resident_ok = learned_size(cache, key) if use_learned and gpu else None
+    resident_ok = learned_size(cache, key) if gpu else None
     if resident_ok is not None and L - resident_ok > n:
         learned["dit"] = {"key": key, "resident_blocks": resident_ok}
         reasons["blocks_to_swap"] = (f"learned on this machine: only {resident_ok} resident blocks ran without "
@@ -357,7 +357,7 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     # VAE decode chunk
     t_lat, lat_h, lat_w = workload.latent_frames, workload.latent_h, workload.latent_w
     v_elem = 2 if gpu else 4
-    floor = max(1, min(t_lat, vae_overlap + 1)) if t_lat > 1 else 1
+    floor = max(1, min(t_lat, VAE_OVERLAP + 1)) if t_lat > 1 else 1
 
     def best_chunk(vbudget: int) -> int | None:
         for c in range(t_lat, floor - 1, -1):
@@ -382,13 +382,13 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
         reason = (f"{chunk} latent frames per chunk (estimated {gib(vae_decode_bytes(chunk, lat_h, lat_w, v_elem, B))}) "
                   f"fit {where}; {t_lat} would need {gib(vae_decode_bytes(t_lat, lat_h, lat_w, v_elem, B))}")
     vkey = vae_limit_key(vae_kind or vae_kind_of(weights.out_dim), B, lat_h, lat_w)
-    vlearned = learned_size(cache, vkey) if use_learned else None
+    vlearned = learned_size(cache, vkey)
     if vlearned is not None and vlearned < chunk:
         learned["vae"] = {"key": vkey, "chunk": vlearned}
         reason = f"learned on this machine: {vlearned} latent frames per chunk decoded without running out of memory"
         chunk = max(floor, vlearned)
     reasons["vae_chunk_frames"] = reason
-    overlap = 0 if chunk >= t_lat else min(vae_overlap, chunk - 1)
+    overlap = 0 if chunk >= t_lat else min(VAE_OVERLAP, chunk - 1)
 
     plan = MemoryPlan(
         fits=fits, device=system.device, dtype=dtype, attention_backend=backend, blocks_total=L, blocks_to_swap=n,
@@ -399,6 +399,5 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
         workload=workload.to_dict())
     if alternatives and gpu:
         plan.alternatives = plan_alternatives(plan, weights, workload, system, reserve_bytes=reserve_bytes,
-                                              kv_window=kv_window, cache=cache, use_learned=use_learned,
-                                              vae_kind=vae_kind, vae_overlap=vae_overlap)
+                                              kv_window=kv_window, cache=cache, vae_kind=vae_kind)
     return plan

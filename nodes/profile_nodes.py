@@ -11,7 +11,7 @@ CATEGORY = "wan_accel/profile"
 
 
 def _out_dir(subfolder: str):
-    from ..profiling import default_out_dir
+    from ..profiling.runner import default_out_dir
     from .comfy.comfy_files import check_name_text
 
     base = default_out_dir().parent  # ComfyUI's output folder, or the working directory outside ComfyUI

@@ -22,7 +22,7 @@ import time
 import warnings
 from pathlib import Path
 
-from ..cache.json_out import non_finite_as, walk_json
+from ..cache.json_out import null_json
 from ..cache.owned_files import loads_json, read_regular
 
 KINDS = ("generate", "bench", "profile")
@@ -41,11 +41,6 @@ def history_path(path=None) -> Path:
     from ..cache import LimitCache
 
     return LimitCache().directory / FILE_NAME
-
-
-def _clean(value):
-    """JSON-safe copy: NaN/inf become None (they are not valid JSON), keys strings."""
-    return walk_json(value, lambda v: non_finite_as(v, lambda _v: None), str)
 
 
 def make_record(kind: str, *, settings: dict | None = None, timings: dict | None = None,
@@ -83,7 +78,7 @@ def append(record: dict, path=None) -> dict:
     rec.setdefault("timestamp", time.time())
     if rec.get("fingerprint") is None:
         rec["fingerprint"] = _fingerprint_id()
-    rec = _clean(rec)
+    rec = null_json(rec, str)            # NaN/inf become None (they are not valid JSON), keys strings
     try:
         line = json.dumps(rec, sort_keys=True, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:

@@ -44,7 +44,7 @@ def _cli_plan(path) -> dict:
 def _assert_plan_matches_loader(path):
     loaded = load_wan_checkpoint(path).config
     weights = weights_from_checkpoint(path)
-    plan = make_plan(weights, Workload(832, 480, 81), SystemInfo.simulated_gpu(80, ram_gb=64), use_learned=False)
+    plan = make_plan(weights, Workload(832, 480, 81), SystemInfo.simulated_gpu(80, ram_gb=64))
     cli = _cli_plan(path)
     for field in FIELDS:
         want = getattr(loaded, field)

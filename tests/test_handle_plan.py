@@ -17,8 +17,8 @@ def test_planned_swap_from_dicts():
 
 def test_planned_swap_follows_a_real_plan():
     workload = Workload(width=832, height=480, frames=81)
-    small = make_plan(preset_weights("14b"), workload, SystemInfo.simulated_gpu(24), use_learned=False)
-    big = make_plan(preset_weights("1.3b"), workload, SystemInfo.simulated_gpu(80), use_learned=False)
+    small = make_plan(preset_weights("14b"), workload, SystemInfo.simulated_gpu(24))
+    big = make_plan(preset_weights("1.3b"), workload, SystemInfo.simulated_gpu(80))
     assert small.blocks_to_swap > 0 and _planned_swap(small).blocks_to_swap == small.blocks_to_swap
     assert big.blocks_to_swap == 0 and _planned_swap(big) is None
 

@@ -12,7 +12,7 @@ import pytest
 from wan_accel.app.ranks.parallel import run_ranks
 from wan_accel.cli import main
 from wan_accel.model.seq_parallel import ParallelError
-from wan_accel.profiling import ExplainError, explain_in_subprocess
+from wan_accel.profiling.explain import ExplainError, explain_in_subprocess
 
 import rank_failures
 

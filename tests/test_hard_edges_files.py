@@ -20,8 +20,8 @@ import torch
 
 from cli_run import run_cli_in
 from wan_accel.cache import LimitCache
-from wan_accel.cache.owned_files import (OwnedFileError, append_line, check_target, write_bytes, write_json,
-                                         write_text, write_with)
+from wan_accel.cache.owned_files import (OwnedFileError, append_line, check_target, write_json, write_text,
+                                         write_with)
 from wan_accel.cli import main
 
 CLI_TIMEOUT_S = 120     # a command that blocks on a pipe fails the test instead of hanging it
@@ -213,7 +213,7 @@ def test_a_write_that_fails_midway_leaves_the_old_file_intact(tmp_path):
     assert target.read_text() == '{\n  "a": 1\n}\n'
 
 
-@pytest.mark.parametrize("writer", ["write_bytes", "append_line"])
+@pytest.mark.parametrize("writer", ["write_text", "append_line"])
 @pytest.mark.parametrize("kind", ["symlink", "dangling_symlink", "fifo", "folder", "device"])
 def test_links_pipes_devices_and_folders_are_refused(tmp_path, writer, kind):
     elsewhere = tmp_path / "elsewhere.txt"
@@ -229,7 +229,7 @@ def test_links_pipes_devices_and_folders_are_refused(tmp_path, writer, kind):
         path.mkdir()
     else:
         path = Path(os.devnull)
-    call = (lambda: write_bytes(path, b"x", option="--thing")) if writer == "write_bytes" else \
+    call = (lambda: write_text(path, "x", option="--thing")) if writer == "write_text" else \
         (lambda: append_line(path, "x", option="--thing"))
     with pytest.raises(OwnedFileError, match=r"^--thing: ") as exc:
         call()

@@ -118,9 +118,9 @@ def test_the_files_go_through_the_atomic_writer(tmp_path, monkeypatch):
     from wan_accel.cache import owned_files
     _fake_stages(monkeypatch, ["one", "two"])
     written = []
-    real = owned_files.write_bytes
-    monkeypatch.setattr(owned_files, "write_bytes", lambda path, data, **kw: written.append(path.name) or
-                        real(path, data, **kw))
+    real = owned_files.write_with
+    monkeypatch.setattr(owned_files, "write_with", lambda path, write, **kw: written.append(path.name) or
+                        real(path, write, **kw))
     selftest.run_selftest(tmp_path / "st", log=lambda *_: None)
     assert written == ["selftest.json", "selftest.md"] * 3      # unfinished first, after stage one, at the end
 

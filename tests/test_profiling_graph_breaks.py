@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wan_accel.profiling import ExplainError, explain_in_subprocess, profile_run
+from wan_accel.profiling.explain import ExplainError, explain_in_subprocess
+from wan_accel.profiling.runner import profile_run
 
 HERE = Path(__file__).resolve().parent
 

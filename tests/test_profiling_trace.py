@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from wan_accel.profiling import profile_run, profiler_busy
+from wan_accel.profiling.runner import profile_run, profiler_busy
 from wan_accel.profiling.trace_stats import gpu_idle_stats, merge_intervals, top_kernels
 
 
@@ -136,7 +136,7 @@ def test_top_kernels_and_interval_union():
 
 
 def test_profilers_do_not_nest(tmp_path):
-    from wan_accel.profiling import ProfileRequest
+    from wan_accel.profiling.session import ProfileRequest
 
     req = ProfileRequest(runs=1, out_dir=tmp_path, history=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
