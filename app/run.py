@@ -11,7 +11,7 @@ from ..compile.settings import CompileSettings
 from ..memory.block_swap import SwapSettings
 from ..memory.sampling_guard import OOM_RETRY_MODES
 from ..model.finite import check_conditioning
-from ..sampling.continuation import continued, state_after
+from ..sampling.continuation import continued
 from ..sampling.recache import RECACHE_MODES
 from ..sampling.request import Replaceable, RunInputs, SamplingHooks
 from ..sampling.runner import CUDA_GRAPH_MODES, FastOptions, check_linear_mode, check_ops_mode
@@ -165,9 +165,9 @@ class Run:
     def _build(self, inputs: RunInputs) -> None:
         from ..memory.sampling_guard import oom_guard
         shape = check_noise(inputs.noise)
-        spec, self._settings, self._last = self.spec, None, None
+        spec, self._state_after = self.spec, None
         if self.continuable:
-            inputs, self._settings, self._last = continued(self.model, spec, inputs, self.keep_state)
+            inputs, self._state_after = continued(self.model, spec, inputs, self.keep_state, self.state_device)
             spec = spec.replace(skip_last_refresh=False)       # the run's last chunk stays in its kept cache
         self._inputs = inputs
         self.request, self.inputs = build_request(self.model, spec, inputs, self.setup.path, self.setup.options,
@@ -181,10 +181,9 @@ class Run:
             self.hooks.report["switched_off"] = self.setup.switched_off
         out = sample_causal(self.model, self.request, self.inputs, self.hooks)
         if self.continuable:
-            earlier, self.state = self.state, None
+            self.state = None               # (none either when keeping it fails)
             if self.keep_state:
-                self.state = state_after(self.spec, self._settings, self._inputs, earlier, out, self._last,
-                                         self.state_device)
+                self.state = self._state_after(out)
         return out
 
     def again(self, inputs: RunInputs) -> torch.Tensor:

@@ -54,6 +54,11 @@ _MOUSE = re.compile(rf"^mouse\(({_NUM}),({_NUM})\)$")
 _ITEM = re.compile(r"^(?P<action>.+?)(?:\*(?P<count>[^*]*))?$")
 
 
+def video_frames(latent_frames: int) -> int:
+    """The video frames of ``latent_frames`` latent frames: the start frame, then 4 for every later one."""
+    return 1 + VIDEO_FRAMES_PER_LATENT * (int(latent_frames) - 1)
+
+
 class ActionScriptError(ValueError):
     """A script that cannot be turned into an action sequence; the message says what to fix."""
 

@@ -43,11 +43,6 @@ class SamplerState:
     last_context: Any = None        # the raw text context of the last chunk (a different next one is a switch)
     history: torch.Tensor | None = None   # clean latents [B, H, C, H, W] float32 of the last H frames (the window)
 
-    def describe(self) -> str:
-        s = self.settings
-        return (f"causal sampler state after {self.frames} latent frames ({s['model']}, {s['height']}x{s['width']} "
-                f"latents, {s['frames_per_block']}-frame chunks, window {s['kv_window']}, sink {s['sink']})")
-
     def to(self, device) -> "SamplerState":
         """The state with its cache tensors on ``device`` (e.g. the CPU between prompts); values unchanged."""
         return dataclasses.replace(self, kv=copy_cache(self.kv, device=device),
@@ -207,13 +202,14 @@ def restore_generator(generator: tuple, device) -> torch.Generator:
     return gen
 
 
-def continued(model, spec, inputs: RunInputs, keep_state: bool) -> tuple:
+def continued(model, spec, inputs: RunInputs, keep_state: bool, device=None) -> tuple:
     """A continuable run's inputs: from frame 0 (no ``inputs.state``: seeded by the generator given, else the spec's
     seed) or from where ``inputs.state`` stopped (the noise goes on from the state's generator; a context different
     from the state's last one switches the prompt at the first chunk, with its re-cache). The cache is the whole long
     run's, with the state's frames copied in; a prompt schedule is cut to this run's length. Returns (the inputs with
-    cache, generator, start frame, previous context and history; the settings the state after it keeps; the last
-    chunk's context, None when no state is kept)."""
+    cache, generator, start frame, previous context and history; ``state_after(out)``: the state after the run, given
+    its new latents, its caches copied to ``device`` (default: the model's), None when no state is kept), as
+    ``mg2_continuation`` does for Matrix-Game-2."""
     b, num_frames, _, height, width = (tuple(inputs.noise.shape) if isinstance(inputs.noise, torch.Tensor)
                                        else tuple(int(v) for v in inputs.noise))
     fpb, state = spec.frames_per_block, inputs.state
@@ -246,19 +242,15 @@ def continued(model, spec, inputs: RunInputs, keep_state: bool) -> tuple:
         plan = chunk_plan(num_frames, fpb, spec.independent_first_frame, spec.partial_last_block)
         changes["prompt_schedule"] = PromptSchedule.coerce(inputs.prompt_schedule).until(len(plan))
     inputs = inputs.replace(kv_cache=kv, generator=gen, start_frame=start, state=None, **changes)
-    last = last_chunk_context(spec, inputs, num_frames) if keep_state else None
-    return inputs, settings, last
+    if not keep_state:
+        return inputs, None
+    last = last_chunk_context(spec, inputs, num_frames)
+
+    def state_after(out: torch.Tensor) -> SamplerState:
+        history = window_history(spec.kv_window, None if state is None else state.history, out)
+        return capture(settings, num_frames, kv, gen, device=device, last_context=last, history=history)
+    return inputs, state_after
 
 
-def state_after(spec, settings: dict, inputs: RunInputs, earlier, out: torch.Tensor, last_context,
-                device=None) -> SamplerState:
-    """The state after a continuable run (``continued``'s inputs, the state it went on from or None, its new
-    latents): its caches copied to ``device`` (default: the model's)."""
-    history = window_history(spec.kv_window, None if earlier is None else earlier.history, out)
-    return capture(settings, int(inputs.noise[1] if not isinstance(inputs.noise, torch.Tensor)
-                                 else inputs.noise.shape[1]), inputs.kv_cache, inputs.generator, device=device,
-                   last_context=last_context, history=history)
-
-
-__all__ = ["SamplerState", "continued", "state_after", "check_state", "run_settings", "copy_cache",
+__all__ = ["SamplerState", "continued", "check_state", "run_settings", "copy_cache",
            "weight_fingerprint"]

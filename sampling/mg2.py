@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .actions_script import video_frames
+
 FRAMES_PER_BLOCK = 3          # latent frames per chunk (fixed by the released pipeline)
 MASK_CHANNELS = 4             # first-frame mask channels of cond_concat
 
@@ -57,7 +59,7 @@ def start_video(image: torch.Tensor, latent_frames: int) -> torch.Tensor:
         raise ValueError(f"start image must be [H, W, 3], got {tuple(image.shape)}")
     if int(latent_frames) < 1:
         raise ValueError(f"latent_frames must be at least 1, got {latent_frames}")
-    frames = 1 + 4 * (int(latent_frames) - 1)
+    frames = video_frames(latent_frames)
     video = torch.full((frames, *image.shape[:2], 3), 0.5, dtype=image.dtype, device=image.device)
     video[0] = image[..., :3]
     return video

@@ -6,13 +6,9 @@ from __future__ import annotations
 import torch
 
 from ..model.kv_cache import KVCache
-from .actions_script import VIDEO_FRAMES_PER_LATENT
+from .actions_script import video_frames
 from .continuation import SamplerState, capture, check_state, copy_cache, restore_generator, run_settings
 from .mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_cond_concat, resolve_preset
-
-
-def _video_frames(latent_frames: int) -> int:
-    return 1 + VIDEO_FRAMES_PER_LATENT * (latent_frames - 1)
 
 
 def _cat(old, new):
@@ -52,7 +48,7 @@ def mg2_continuation(model, image_latent: torch.Tensor, visual_context: torch.Te
     if num_frames <= start or num_frames % FRAMES_PER_BLOCK:
         raise ValueError(f"num_frames must be a multiple of {FRAMES_PER_BLOCK} latent frames above the {start} made "
                          f"so far, got {num_frames}")
-    need, had = _video_frames(num_frames), _video_frames(start) if start else 0
+    need, had = video_frames(num_frames), video_frames(start) if start else 0
     for name, seq in (("mouse", mouse), ("keyboard", keyboard)):
         if seq is not None and seq.shape[1] < need:
             raise ValueError(f"{num_frames} latent frames need {need} video frames of {name} actions in all; "
@@ -60,10 +56,9 @@ def mg2_continuation(model, image_latent: torch.Tensor, visual_context: torch.Te
     device = model.device
     frame_tokens = (h // c.patch_size[1]) * (w // c.patch_size[2])
     window = settings_obj.window
-    rolling = 0 < window < num_frames              # the layout of the one long run's cache at this length
     in_place = in_place and (state_device is None or torch.device(state_device) == torch.device(device))
-    reuse = (in_place and state is not None and state.kv.rolling == rolling and state.kv.sink_tokens == 0
-             and state.kv.capacity == (window if rolling else num_frames) * frame_tokens
+    # a rolling cache of a state of these settings has the layout of every longer run's: it goes on in place
+    reuse = (in_place and state is not None and state.kv.rolling
              and torch.device(state.kv.device) == torch.device(device))
     kv = state.kv if reuse else KVCache.for_model(model, b, frame_tokens, num_frames, window, 0)
     to_dev = lambda t: None if t is None else t[:, :need].to(device)

@@ -183,7 +183,7 @@ def test_registry_replaces_caps_and_reaps_abandoned_sessions(handle):
     reg.open(d, owner="tab:3", idle_timeout_s=60)                # over the limit: the least recently used ends
     assert b.ended.startswith("too many") and c.ended is None and d.ended is None
     now[0] = 50.0
-    reg.touch(idb)                                               # watched by a panel: kept
+    reg.get(idb)                                                 # watched by a panel: kept
     now[0] = 70.0
     assert sorted(reg.reap()) != [] and c.ended.startswith("abandoned") and d.ended.startswith("abandoned")
     reg.get(idb)

@@ -90,24 +90,15 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
     chunk's latents ``[B, 16, 3, H, W]`` before its refresh pass; spec / setup as ``sample_mg2``'s.
     """
     settings = preset if isinstance(preset, MG2Settings) else resolve_preset(preset, steps=steps, window=window)
-    if hasattr(actions, "tensors"):
-        frames_avail = actions.latent_frames
-        mouse, keyboard = actions.tensors(batch=1)
-    else:
-        mouse, keyboard = actions
-        seq = keyboard if keyboard is not None else mouse
-        frames_avail = 1 + (seq.shape[1] - 1) // 4
+    mouse, keyboard = actions.tensors(batch=1) if hasattr(actions, "tensors") else actions
+    seq = keyboard if keyboard is not None else mouse
+    frames_avail = 1 + (seq.shape[1] - 1) // 4
     check_actions(model, mouse, keyboard)
     if num_frames <= 0:
         num_frames = (frames_avail // FRAMES_PER_BLOCK) * FRAMES_PER_BLOCK
         if num_frames == 0:
             raise ValueError(f"the actions cover {frames_avail} latent frame(s); a chunk needs "
                              f"{FRAMES_PER_BLOCK} (13 video frames)")
-    if num_frames % FRAMES_PER_BLOCK:
-        raise ValueError(f"num_frames ({num_frames} latent frames) must be a multiple of {FRAMES_PER_BLOCK}")
-    if num_frames > frames_avail:
-        raise ValueError(f"{num_frames} latent frames need {1 + 4 * (num_frames - 1)} video frames of actions; "
-                         f"the actions give {1 + 4 * (frames_avail - 1)}")
     run, _ = mg2_continuation(model, image_latent, visual_context, mouse, keyboard, num_frames, seed, settings,
                               keep_state=False)
     return sample_mg2(model, **run, callback=callback, on_chunk=on_chunk, skip_last_refresh=skip_last_refresh,

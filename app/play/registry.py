@@ -7,9 +7,9 @@ and ``generate_mg2`` with it and the same seed reproduces the session's frames e
 heavy (the model, the caches, attached decoders) and keeps what saving needs (the latents made so far, the script).
 
 ``PlayRegistry`` holds the live sessions of a server: one per starting node (starting again replaces it), at most
-``max_sessions``, each ended once nobody has made a chunk or looked at it (``touch``) for its idle timeout (an
-abandoned browser tab frees its memory), and ended sessions forgotten after the same time. Each chunk is one
-ComfyUI prompt (the nodes' part), so a session never holds the prompt queue longer than one chunk.
+``max_sessions``, each ended once nobody has made a chunk or looked at it (``get``: the touch route) for its idle
+timeout (an abandoned browser tab frees its memory), and ended sessions forgotten after the same time. Each chunk is
+one ComfyUI prompt (the nodes' part), so a session never holds the prompt queue longer than one chunk.
 """
 from __future__ import annotations
 
@@ -241,8 +241,6 @@ class PlayRegistry:
                                 f"start a new one with its Play Session node")
             entry["seen"] = self.clock()
             return entry["session"]
-
-    touch = get
 
     def end(self, sid: str, reason: str = "ended by the user") -> PlaySession:
         session = self.get(sid)
