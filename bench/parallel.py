@@ -27,7 +27,8 @@ from ..cache.json_out import to_json
 from ..cache.fingerprint import cpu_name
 from . import print_columns, sampler as bs
 from ..app.validate import UsageError
-from ..app.jobs.generate import ChunkTimer, _sync
+from ..app.jobs.generate import ChunkTimer
+from ..profiling.runner import sync_device
 from ..app.ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
 from .sampler_setup import run_geometry, shape_config
 
@@ -113,7 +114,7 @@ def _rank_run(sp, opts: dict) -> dict:
         t0 = timer.start()
         with torch.no_grad():
             out = bs._sample(model, opts["kind"], inp, v, args.seed, timer)
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
         chunks.append(timer.seconds)
     n = len(chunks[-1])

@@ -235,7 +235,8 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     time it takes is left out of every figure (each chunk's clock starts again after it)."""
     from ..model import flops as fl
     from ..app.jobs.handle import parse_dtype
-    from ..app.jobs.generate import _peak_memory, _sync
+    from ..app.jobs.generate import _peak_memory
+    from ..profiling.runner import sync_device
     v = VARIANTS[name]
     dtype = parse_dtype(v["dtype"] or run_dtype)
     precision = "float32" if dtype == torch.float32 else v["precision"]
@@ -259,25 +260,25 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
                 f"{name}: timed run {i}/{runs - 1}") + (f" with --decode {decoder.kind}" if decoder is not None else "")
         tell(what)
         marks, ready, resumed = [], [], []
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         dec = ChunkDecoder(decoder, device, t0) if decoder is not None else None
 
         def on_chunk(ci, n, what=what, marks=marks, resumed=resumed):
-            _sync(device)
+            sync_device(device)
             marks.append(time.perf_counter())
             tell(f"{what}: chunk {ci + 1}/{n} done")
             resumed.append(time.perf_counter())          # the next chunk's clock starts after the progress line
 
         def on_latents(ci, n, x0, dec=dec, ready=ready):     # before the chunk's refresh pass (and its decode)
-            _sync(device)
+            sync_device(device)
             ready.append(time.perf_counter())
             if dec is not None:
                 dec(ci, n, x0)
 
         ran.clear()
         _sample(model, kind, inp, v, args.seed, on_chunk, report=ran, on_chunk_latents=on_latents)
-        _sync(device)
+        sync_device(device)
         totals.append(time.perf_counter() - t0 - sum(r - m for m, r in zip(marks, resumed)))
         decodes.append(dec)
         if dec is not None:

@@ -66,6 +66,14 @@ def unique_trace_path(out_dir, trace_name: str) -> Path:
     return path
 
 
+def sync_device(device) -> None:
+    """Wait for the work queued on ``device`` (a torch device or its name) when it is a CUDA device."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def peak_memory_bytes(device) -> tuple[int | None, int | None]:
     """This process's peak memory so far in bytes, (used, reserved): CUDA's max allocated and max reserved on a CUDA
     device, else the host's peak RSS and None (used is None too where there is no ``resource`` module: Windows)."""

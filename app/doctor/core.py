@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from ...kernels._common import code_digest
+from ...profiling.runner import sync_device
 from . import probes as doctor_probes  # noqa: F401 - registers the pack's features
 from .verdict import NAMESPACE, pack_version, verdict_problem
 from .vocabulary import FEATURES, Feature, NotAvailable, Probe, ProbeContext, register_feature
@@ -65,21 +66,16 @@ def tolerance(dtype: torch.dtype, magnitude: float, ulps: int = TOLERANCE_ULPS) 
     return ulps * torch.finfo(dtype).eps * max(1.0, float(magnitude))
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def default_timer(fn: Callable, device, repeats: int = 5, warmup: bool = True) -> float:
     """Median wall time of ``fn()`` in seconds, after one warm-up call, device-synchronised."""
     if warmup:
         fn()
-        _sync(device)
+        sync_device(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -231,7 +227,7 @@ class Doctor:
         try:
             with torch.no_grad():
                 out = probe.feature()
-            _sync(ctx.device)
+            sync_device(ctx.device)
         except Exception as exc:  # noqa: BLE001 - whatever fails here would fail in the model
             value["error"] = _error_text(exc)
             return value

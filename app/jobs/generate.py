@@ -12,7 +12,7 @@ import torch
 
 from ...cache.json_out import to_json
 from ...cache.owned_files import check_target, write_text, write_with
-from ...profiling.runner import peak_memory_bytes
+from ...profiling.runner import peak_memory_bytes, sync_device
 from ...sampling.request import SamplingHooks
 from ...sampling.sampler import path_for_linear
 from ..prepare import RunInputs, RunSpec, prepare_model, sample_video
@@ -182,23 +182,18 @@ class ChunkTimer:
         self._mark = 0.0
 
     def start(self) -> float:
-        _sync(self.device)
+        sync_device(self.device)
         self._mark = time.perf_counter()
         return self._mark
 
     def __call__(self, ci: int, n: int) -> None:
-        _sync(self.device)
+        sync_device(self.device)
         now = time.perf_counter()
         self.seconds.append(now - self._mark)
         self._mark = now
         self.log(f"chunk {ci + 1}/{n}: {self.seconds[-1]:.3f} s")
         if self.progress is not None:
             self.progress(ci, n)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _resolve(opts: GenerateOptions):
@@ -288,7 +283,7 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     hooks = SamplingHooks(callback=on_step, on_chunk=timer, report=sampler_report, on_chunk_latents=video)
     latents = maybe_profile(handle, sample_video, model, spec, RunInputs(context=context, **prompts), width, height,
                             frames, setup=setup, hooks=hooks)
-    _sync(device)
+    sync_device(device)
     sample_s = time.perf_counter() - t_start
     video_path = video.close() if video is not None else None     # its frames checked before anything is written
     files = _write_outputs(latents, opts, parallel)

@@ -144,9 +144,10 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, 
     run's path and options (the command line's ``--sampler``, ``--linear``...; default ``RunSpec()``)."""
     from ..ranks.parallel import enable_parallel, parallel_report
     from ...sampling.actions_script import parse_action_script
-    from .generate import (ChunkTimer, _jsonable, _peak_memory, _sync, _write_outputs, _write_report, _writes,
+    from .generate import (ChunkTimer, _jsonable, _peak_memory, _write_outputs, _write_report, _writes,
                            check_outputs)
     from ..prepare import prepare_model
+    from ...profiling.runner import sync_device
     device, dtype = opts.device_dtype()
     from ...sampling.scheduler import parse_steps
     steps = parse_steps(opts.steps) if opts.steps else None
@@ -173,7 +174,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, 
     setup = prepare_model(handle.model, spec or RunSpec(), log=log, notes=notes)   # the doctor's verdicts, logged
     latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings, on_chunk=timer,
                            skip_last_refresh=opts.skip_last_refresh, report=sampler_report, spec=spec, setup=setup)
-    _sync(device)
+    sync_device(device)
     sample_s = time.perf_counter() - t_start
     files = _write_outputs(latents.transpose(1, 2), opts, parallel)
     report = {
