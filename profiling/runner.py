@@ -89,6 +89,14 @@ def peak_memory_bytes(device) -> tuple[int | None, int | None]:
     return (int(rss) if sys.platform == "darwin" else int(rss) * 1024), None
 
 
+def peak_memory_mb(device) -> dict:
+    """``peak_memory_bytes`` in MiB, as the generate jobs' and the bench's reports give it."""
+    used, reserved = peak_memory_bytes(device)
+    if device.type == "cuda":
+        return {"cuda_max_allocated_mb": used / 2**20, "cuda_max_reserved_mb": reserved / 2**20}
+    return {"host_max_rss_mb": None if used is None else used / 2**20}
+
+
 class ProfileSession:
     """One profiled window: ``begin()``, any number of ``warmup(fn)`` / ``run(fn)``, then ``finish()``.
 
@@ -119,12 +127,6 @@ class ProfileSession:
 
         return self.device.type == "cuda" and torch.cuda.is_available()
 
-    def _sync(self) -> None:
-        if self.is_cuda:
-            import torch
-
-            torch.cuda.synchronize(self.device)
-
     def _activities(self):
         from torch.profiler import ProfilerActivity
 
@@ -152,7 +154,8 @@ class ProfileSession:
             t0 = time.perf_counter()
             with scope:
                 out = fn(*args, **kwargs)
-                self._sync()
+                if self.is_cuda:
+                    sync_device(self.device)
             times.append(time.perf_counter() - t0)
         except BaseException:
             self.abort()
