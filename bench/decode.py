@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..app.jobs.generate import _sync
+from ..profiling.runner import sync_device
 from ..cache.finite_flags import bad_flag, read_flags
 
 
@@ -62,11 +62,11 @@ class ChunkDecoder:
         self.finite: list = []              # per chunk: whether its pixels hold NaN/inf (device bools, one sync at end)
 
     def __call__(self, ci, num_chunks, x0) -> None:
-        _sync(self.device)
+        sync_device(self.device)
         start = time.perf_counter()
         pixels = self.stream.push(x0)
         made = pixels.shape[2]
-        _sync(self.device)
+        sync_device(self.device)
         now = time.perf_counter()
         self.finite.append(bad_flag(pixels))               # after the clock: what was timed is checked too
         self.decode_s.append(now - start)

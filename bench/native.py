@@ -147,7 +147,7 @@ def timed(run, device, steps: int) -> tuple:
     """(output, seconds, first chunk seconds, peak MiB) of ``run(on_step)``; ``on_step()`` is called once per
     denoising step and marks the first chunk at its last step (a device sync there)."""
     import torch
-    from ..app.jobs.generate import _sync
+    from ..profiling.runner import sync_device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     calls, marks = [0], []
@@ -155,12 +155,12 @@ def timed(run, device, steps: int) -> tuple:
     def on_step(*_a, **_k):
         calls[0] += 1
         if calls[0] == steps:
-            _sync(device)
+            sync_device(device)
             marks.append(time.perf_counter())
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     out = run(on_step)
-    _sync(device)
+    sync_device(device)
     total = time.perf_counter() - t0
     peak = round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1) if device.type == "cuda" else None
     return out, total, (marks[0] - t0) if marks else None, peak

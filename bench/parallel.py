@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
@@ -27,7 +26,7 @@ from ..cache.json_out import to_json
 from ..cache.fingerprint import cpu_name
 from . import print_columns, sampler as bs
 from ..app.validate import UsageError
-from ..app.jobs.generate import ChunkTimer, _sync
+from ..app.jobs.generate import ChunkTimer
 from ..app.ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
 from .sampler_setup import run_geometry, shape_config
 
@@ -110,11 +109,10 @@ def _rank_run(sp, opts: dict) -> dict:
             sp.barrier("the barrier before a timed run")
             sp.reset_stats()
         timer = ChunkTimer(device, lambda _text: None)      # each chunk from the previous one's end
-        t0 = timer.start()
+        timer.start()
         with torch.no_grad():
             out = bs._sample(model, opts["kind"], inp, v, args.seed, timer)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(timer.stop())
         chunks.append(timer.seconds)
     n = len(chunks[-1])
     lat = (inp["latent_frames"], 16, inp["lh"], inp["lw"])

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..app.jobs.generate import _sync
+from ..profiling.runner import sync_device
 from ..cache.json_out import to_json
 from .options import PLAY_SIZES as SIZES, play as add_arguments  # noqa: E402,F401  (defined without torch)
 
@@ -47,13 +47,13 @@ def _run_mode(model, image, tokens, keys, in_place: bool, warmup: int, chunks: i
     with torch.inference_mode():
         for i in range(warmup + chunks):
             held = keys[i % len(keys)]
-            _sync(device)
+            sync_device(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
             t0 = time.perf_counter()
             play.step(held)
-            _sync(device)
+            sync_device(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
                 if device.type == "cuda":

@@ -173,20 +173,20 @@ def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_
     # recompiled; None: eager, models are shared between variants) and fast options
     spec = RunSpec(path=v["path"], compile=v.get("compile"), oom_retry="off", **v.get("options", {}))
     schedule = inp["schedule"]
+    hooks = SamplingHooks(callback=callback, on_chunk=on_chunk, on_chunk_latents=on_chunk_latents)
     if kind == "matrix-game2":
         from ..app.jobs.mg2 import generate_mg2      # Matrix-Game-2's run: its inputs, through the same prepare
         dev = model.device
         mouse = None if inp["mouse"] is None else inp["mouse"].to(dev)
         keyboard = None if inp["keyboard"] is None else inp["keyboard"].to(dev)
         return generate_mg2(model, inp["image"].to(dev), inp["context"].to(dev), (mouse, keyboard),
-                            num_frames=inp["latent_frames"], seed=seed, preset=schedule, on_chunk=on_chunk,
-                            callback=callback, skip_last_refresh=v["skip_last_refresh"],
-                            on_chunk_latents=on_chunk_latents, spec=spec)
+                            num_frames=inp["latent_frames"], seed=seed, preset=schedule, hooks=hooks,
+                            spec=spec.replace(skip_last_refresh=v["skip_last_refresh"]))
     extra = inp.get("sampler_kwargs", dict)()       # the shape's window / Krea recompute
     policy = extra.pop("cache_policy", None)
     spec = spec.replace(seed=seed, schedule=schedule, skip_last_refresh=v["skip_last_refresh"], **extra)
     noise = (1, inp["latent_frames"], model.config.out_dim, inp["lh"], inp["lw"])
-    hooks = SamplingHooks(callback=callback, on_chunk=on_chunk, report=report, on_chunk_latents=on_chunk_latents)
+    hooks = hooks.replace(report=report)
     return prepare(model, spec, RunInputs(context=inp["context"], noise=noise, cache_policy=policy), hooks).latents()
 
 
@@ -235,7 +235,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     time it takes is left out of every figure (each chunk's clock starts again after it)."""
     from ..model import flops as fl
     from ..app.jobs.handle import parse_dtype
-    from ..app.jobs.generate import _peak_memory, _sync
+    from ..profiling.runner import peak_memory_mb, sync_device
     v = VARIANTS[name]
     dtype = parse_dtype(v["dtype"] or run_dtype)
     precision = "float32" if dtype == torch.float32 else v["precision"]
@@ -252,32 +252,32 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
     runs = 1 + max(1, args.repeat)
     for i in range(runs):
         if i == 1:      # the warm-up video's peak includes one-time work (measuring, capturing); then the steady one
-            first_peak = _peak_memory(device)
+            first_peak = peak_memory_mb(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
         what = (f"{name}: warm-up run (first_s, with its one-time work)" if i == 0 else
                 f"{name}: timed run {i}/{runs - 1}") + (f" with --decode {decoder.kind}" if decoder is not None else "")
         tell(what)
         marks, ready, resumed = [], [], []
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         dec = ChunkDecoder(decoder, device, t0) if decoder is not None else None
 
         def on_chunk(ci, n, what=what, marks=marks, resumed=resumed):
-            _sync(device)
+            sync_device(device)
             marks.append(time.perf_counter())
             tell(f"{what}: chunk {ci + 1}/{n} done")
             resumed.append(time.perf_counter())          # the next chunk's clock starts after the progress line
 
         def on_latents(ci, n, x0, dec=dec, ready=ready):     # before the chunk's refresh pass (and its decode)
-            _sync(device)
+            sync_device(device)
             ready.append(time.perf_counter())
             if dec is not None:
                 dec(ci, n, x0)
 
         ran.clear()
         _sample(model, kind, inp, v, args.seed, on_chunk, report=ran, on_chunk_latents=on_latents)
-        _sync(device)
+        sync_device(device)
         totals.append(time.perf_counter() - t0 - sum(r - m for m, r in zip(marks, resumed)))
         decodes.append(dec)
         if dec is not None:
@@ -287,7 +287,7 @@ def _time_variant(name, args, models: _Models, kind, run_dtype, frames, height, 
         starts = [t0] + resumed[:-1]
         chunks.append([b - a - d for a, b, d in zip(starts, marks, spent)])
         denoised.append([r - a for a, r in zip(starts, ready)])      # a chunk's decode comes after its mark
-    peak_memory = _peak_memory(device)
+    peak_memory = peak_memory_mb(device)
     tell(f"{name}: one more untimed run counting the dispatched ops and host syncs")
     output, structure = _count_run(model, kind, inp, v, args.seed)
     if decoder is not None:

@@ -177,12 +177,13 @@ class MatrixGame2Sampler(Node):
         progress = ComfyProgress()                     # interrupt checked per step, the bar moved per chunk
         from ..app.jobs.mg2 import generate_mg2
         from ..app.prepare import prepare_model
+        from ..sampling.request import SamplingHooks
         spec, note = linear_spec(linear)                       # the CLI's one rule: fp8 on the optimized path
         doctor_notes: list = [note] if note else []
         with torch.inference_mode():
             setup = prepare_model(net, spec, notes=doctor_notes)   # the doctor's verdicts, said in the node's text
-            run = {"spec": spec, "setup": setup, "callback": progress.check,
-                   "on_chunk": lambda ci, n: progress.update(ci + 1, n)}
+            run = {"spec": spec, "setup": setup, "hooks": SamplingHooks(callback=progress.check,
+                                                                    on_chunk=lambda ci, n: progress.update(ci + 1, n))}
             if keep_state or continue_from is not None:
                 latents, kept = _continuable(net, image, tokens, actions, num_frames, seed, preset, kv_window,
                                              continue_from, bool(keep_state), run)

@@ -66,6 +66,14 @@ def unique_trace_path(out_dir, trace_name: str) -> Path:
     return path
 
 
+def sync_device(device) -> None:
+    """Wait for the work queued on ``device`` (a torch device or its name) when it is a CUDA device."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def peak_memory_bytes(device) -> tuple[int | None, int | None]:
     """This process's peak memory so far in bytes, (used, reserved): CUDA's max allocated and max reserved on a CUDA
     device, else the host's peak RSS and None (used is None too where there is no ``resource`` module: Windows)."""
@@ -79,6 +87,14 @@ def peak_memory_bytes(device) -> tuple[int | None, int | None]:
         return None, None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return (int(rss) if sys.platform == "darwin" else int(rss) * 1024), None
+
+
+def peak_memory_mb(device) -> dict:
+    """``peak_memory_bytes`` in MiB, as the generate jobs' and the bench's reports give it."""
+    used, reserved = peak_memory_bytes(device)
+    if device.type == "cuda":
+        return {"cuda_max_allocated_mb": used / 2**20, "cuda_max_reserved_mb": reserved / 2**20}
+    return {"host_max_rss_mb": None if used is None else used / 2**20}
 
 
 class ProfileSession:
@@ -111,12 +127,6 @@ class ProfileSession:
 
         return self.device.type == "cuda" and torch.cuda.is_available()
 
-    def _sync(self) -> None:
-        if self.is_cuda:
-            import torch
-
-            torch.cuda.synchronize(self.device)
-
     def _activities(self):
         from torch.profiler import ProfilerActivity
 
@@ -144,7 +154,8 @@ class ProfileSession:
             t0 = time.perf_counter()
             with scope:
                 out = fn(*args, **kwargs)
-                self._sync()
+                if self.is_cuda:
+                    sync_device(self.device)
             times.append(time.perf_counter() - t0)
         except BaseException:
             self.abort()

@@ -82,6 +82,7 @@ def test_a_hook_that_failed_is_called_again_when_the_chunk_is_redone():
 def test_matrix_game2_hands_its_chunks_over_in_its_own_layout():
     from wan_accel.model.mg2_model import tiny_mg2_model
     from wan_accel.app.jobs.mg2 import generate_mg2
+    from wan_accel.sampling.request import SamplingHooks
     model = tiny_mg2_model()
     a = model.action_config
     g = torch.Generator().manual_seed(0)
@@ -92,7 +93,7 @@ def test_matrix_game2_hands_its_chunks_over_in_its_own_layout():
     keyboard = (torch.rand(1, video, a.keyboard_dim_in, generator=g) > 0.5).float()
     got = []
     out = generate_mg2(model, image, tokens, (mouse, keyboard), num_frames=6, seed=0,
-                       on_chunk_latents=lambda ci, n, x0: got.append(x0.clone()))
+                       hooks=SamplingHooks(on_chunk_latents=lambda ci, n, x0: got.append(x0.clone())))
     assert [tuple(x.shape) for x in got] == [(1, 16, 3, 4, 6)] * 2
     assert torch.equal(torch.cat(got, 2).float(), out)
 

@@ -11,6 +11,7 @@ from wan_accel.sampling import runner as runner_mod
 from wan_accel.app.jobs.mg2 import generate_mg2
 from wan_accel.sampling.mg2 import resolve_preset
 from wan_accel.app.prepare import RunSpec
+from wan_accel.sampling.request import SamplingHooks
 from run_helpers import generate_latents
 from wan_accel.sampling.scheduler import resolve_schedule
 
@@ -105,7 +106,7 @@ def test_matrix_game2_optimized_has_no_host_sync():
         generate_mg2(model, image, visual, (mouse, keyboard), num_frames=lf, preset=settings, spec=spec)
         with DispatchCounts() as c:
             generate_mg2(model, image, visual, (mouse, keyboard), num_frames=lf, preset=settings, spec=spec,
-                         callback=c.step_callback())
+                         hooks=SamplingHooks(callback=c.step_callback()))
         counts[path] = c
     assert dict(counts["optimized"].sync_names) == END_OF_RUN, dict(counts["optimized"].sync_names)
     assert isinstance(counts["reference"].syncs, int)

@@ -25,7 +25,7 @@ def _slow_at_the_probe(fn, device, **_):
 def test_a_probe_shape_never_switches_a_feature_off_for_speed(cache_path, monkeypatch):
     """On a GPU the doctor used to judge speed at its 256-token probe: fused q/k/v was switched off there while
     whole runs at the real shape took the same time. Now the timing is shown with its shape, never judged."""
-    monkeypatch.setattr(doc, "_sync", lambda device: None)      # a CUDA context on a CPU machine: nothing to sync
+    monkeypatch.setattr(doc, "sync_device", lambda device: None)      # a CUDA context on a CPU machine: nothing to sync
     ctx = default_context("cpu", torch.float32, head_dim=16)
     ctx = type(ctx)(device=torch.device("cuda", 0), dtype=torch.float32, head_dim=16)
 

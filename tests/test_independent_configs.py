@@ -207,6 +207,7 @@ MG2 = [
 @pytest.mark.parametrize("case", range(len(MG2)))
 def test_mg2_sampler_matches_independent_float64(case, tmp_path):
     from wan_accel.app.jobs.mg2 import sample_mg2
+    from wan_accel.sampling.request import SamplingHooks
     c, (f, h, wd), window, steps, lc = MG2[case]
     w = _weights(c, 300 + case)
     model = _model(c, w, tmp_path)
@@ -230,7 +231,7 @@ def test_mg2_sampler_matches_independent_float64(case, tmp_path):
     records = []
     out = sample_mg2(model, noise, cond, vis, mouse, keyboard, sched, window, kv_cache=kv, actions=actions,
                      noise_provider=lambda ci, k, shape, dtype, dev: eps[(ci, k)].reshape(shape).to(dev, dtype),
-                     tracer=records.append)
+                     hooks=SamplingHooks(tracer=records.append))
     ref_calls = []
     ref_out, (caches, act) = R.sample_mg2(R.as64(w), c, noise, cond, vis, mouse, keyboard, ref_sched, window,
                                           lambda ci, k: eps[(ci, k)].transpose(1, 2),

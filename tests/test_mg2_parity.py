@@ -69,6 +69,7 @@ def _write_variant(directory: Path, seed=5, layers=3, blocks=(1, 2), dim=48, hea
     from wan_accel.model.config import WanConfig
     from wan_accel.model.kv_cache import KVCache
     from wan_accel.app.jobs.mg2 import sample_mg2
+    from wan_accel.sampling.request import SamplingHooks
     from wan_accel.sampling.mg2 import build_cond_concat
     from wan_accel.model.mg2_model import MatrixGameModel
     from wan_accel.model.tiny import init_tiny_weights
@@ -119,7 +120,8 @@ def _write_variant(directory: Path, seed=5, layers=3, blocks=(1, 2), dim=48, hea
     with torch.no_grad():
         io["output"] = sample_mg2(model, io["initial_noise"], io["cond_concat"], io["visual_context"],
                                   io["mouse_cond"], io["keyboard_cond"], Fixture(directory, cfg).schedule(), window,
-                                  noise_provider=provide, tracer=trace, kv_cache=kv, actions=actions)
+                                  noise_provider=provide, hooks=SamplingHooks(tracer=trace), kv_cache=kv,
+                                  actions=actions)
     rec.close()
     for tag, tensors in rec.saved.items():
         io.update({f"inter.{tag}.{k}": v for k, v in tensors.items()})

@@ -25,6 +25,7 @@ import torch
 from ...cache.fingerprint import package_version
 from ...kernels._common import code_digest
 from ...kernels.candidates import tolerance
+from ...profiling.runner import sync_device
 from . import probes as doctor_probes  # noqa: F401 - registers the pack's features
 from .verdict import NAMESPACE, pack_version, verdict_problem
 from .vocabulary import FEATURES, Feature, NotAvailable, Probe, ProbeContext, register_feature
@@ -59,21 +60,16 @@ def verdict_identity(feature: Feature) -> dict:
             "source": feature_source(feature)}
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def default_timer(fn: Callable, device, repeats: int = 5, warmup: bool = True) -> float:
     """Median wall time of ``fn()`` in seconds, after one warm-up call, device-synchronised."""
     if warmup:
         fn()
-        _sync(device)
+        sync_device(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -225,7 +221,7 @@ class Doctor:
         try:
             with torch.no_grad():
                 out = probe.feature()
-            _sync(ctx.device)
+            sync_device(ctx.device)
         except Exception as exc:  # noqa: BLE001 - whatever fails here would fail in the model
             value["error"] = _error_text(exc)
             return value

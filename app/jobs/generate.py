@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from ...cache.json_out import to_json
+from ...cache.json_out import to_json, walk_json
 from ...cache.owned_files import check_target, write_text, write_with
-from ...profiling.runner import peak_memory_bytes
+from ...profiling.runner import peak_memory_mb, sync_device
 from ...sampling.request import SamplingHooks
 from ...sampling.sampler import path_for_linear
 from ..prepare import RunInputs, RunSpec, prepare_model, sample_video
@@ -166,39 +166,31 @@ class GenerateOptions(JobOptions):
     vae: str | None = None               # None: the vae file's decoder, else none. vae: that decoder's .safetensors
 
 
-def _peak_memory(device: torch.device) -> dict:
-    used, reserved = peak_memory_bytes(device)
-    if device.type == "cuda":
-        return {"cuda_max_allocated_mb": used / 2**20, "cuda_max_reserved_mb": reserved / 2**20}
-    return {"host_max_rss_mb": None if used is None else used / 2**20}
-
-
 class ChunkTimer:
-    """Per-chunk wall time of a sampling run (device-synchronised), logged as it goes; call it as ``on_chunk``."""
+    """Per-chunk wall time of a sampling run (device-synchronised), logged as it goes; call it as ``on_chunk``.
+    ``stop()``: the whole run's seconds since ``start()``."""
 
     def __init__(self, device, log, progress=None):
         self.device, self.log, self.progress = device, log, progress
         self.seconds: list[float] = []
         self._mark = 0.0
 
-    def start(self) -> float:
-        _sync(self.device)
-        self._mark = time.perf_counter()
-        return self._mark
+    def start(self) -> None:
+        sync_device(self.device)
+        self._mark = self._began = time.perf_counter()
+
+    def stop(self) -> float:
+        sync_device(self.device)
+        return time.perf_counter() - self._began
 
     def __call__(self, ci: int, n: int) -> None:
-        _sync(self.device)
+        sync_device(self.device)
         now = time.perf_counter()
         self.seconds.append(now - self._mark)
         self._mark = now
         self.log(f"chunk {ci + 1}/{n}: {self.seconds[-1]:.3f} s")
         if self.progress is not None:
             self.progress(ci, n)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _resolve(opts: GenerateOptions):
@@ -284,12 +276,11 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     sampler_report: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    t_start = timer.start()
+    timer.start()
     hooks = SamplingHooks(callback=on_step, on_chunk=timer, report=sampler_report, on_chunk_latents=video)
     latents = maybe_profile(handle, sample_video, model, spec, RunInputs(context=context, **prompts), width, height,
                             frames, setup=setup, hooks=hooks)
-    _sync(device)
-    sample_s = time.perf_counter() - t_start
+    sample_s = timer.stop()
     video_path = video.close() if video is not None else None     # its frames checked before anything is written
     files = _write_outputs(latents, opts, parallel)
     if video_path is not None:
@@ -307,16 +298,10 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
             notes.append(f"compile failed, the blocks ran eagerly: {compiled.failed}")
     if "fused_kernels" in sampler_report:     # true only when every fused kernel that applies here ran
         sampler_report["fused_kernels"] = fused_kernels_ran(features, model.device, model.compute_dtype)
-    report = {
-        "model": handle.source, "tiny_random_model": handle.is_tiny, "config": cfg.to_dict(),
-        "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": dtype, "precision": handle.precision, "attention": opts.attention,
-        "settings": asdict(opts) | {"frames": frames, "height": height, "width": width},
-        "schedule": {"preset": schedule.name, "timesteps": schedule.timesteps, "shift": schedule.shift},
-        "latent_shape": list(latents.shape), "load_seconds": load_s, "sample_seconds": sample_s,
-        "chunk_seconds": timer.seconds, "peak_memory": _peak_memory(device), "files": files, "notes": notes,
-        "torch": torch.__version__, "sampler": _jsonable(sampler_report), "features": features,
-    }
+    report = job_report(handle, device, dtype, asdict(opts) | {"frames": frames, "height": height, "width": width},
+                        {"preset": schedule.name, "timesteps": schedule.timesteps, "shift": schedule.shift},
+                        latents.shape, (load_s, sample_s, timer.seconds), files, notes, sampler_report)
+    report["features"] = features
     if video is not None:
         report["video"] = video.report()
     if parallel is not None:
@@ -327,12 +312,26 @@ def run_generate(opts: GenerateOptions, progress=None, log=print, parallel=None)
     return report
 
 
+def job_report(handle, device, dtype: str, settings: dict, schedule: dict, latent_shape, seconds: tuple,
+               files: dict, notes: list, sampler_report: dict) -> dict:
+    """The report both generate jobs write (each adds its own fields): the handle's model, the run's device and
+    dtype, ``settings``, ``schedule``, the latents' shape, ``seconds`` (loading, sampling, each chunk), the files,
+    notes and ``sampler_report``."""
+    load_s, sample_s, chunk_s = seconds
+    return {
+        "model": handle.source, "tiny_random_model": handle.is_tiny, "config": handle.config.to_dict(),
+        "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": dtype, "precision": handle.precision, "attention": handle.attention,
+        "settings": settings, "schedule": schedule,
+        "latent_shape": list(latent_shape), "load_seconds": load_s, "sample_seconds": sample_s,
+        "chunk_seconds": chunk_s, "peak_memory": peak_memory_mb(device), "files": files, "notes": notes,
+        "torch": torch.__version__, "sampler": _jsonable(sampler_report),
+    }
+
+
 def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
+    """``value`` with its dict keys, and every value that JSON does not hold, written as their text."""
+    return walk_json(value, lambda v: v if isinstance(v, (str, int, float, bool)) or v is None else str(v), str)
 
 
 def _append_history(report: dict, frames: int) -> None:

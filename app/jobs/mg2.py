@@ -51,10 +51,8 @@ def load_mg2_handle(checkpoint=None, dtype="bf16", precision="self_forcing", att
 
 def sample_mg2(model, noise, cond_concat: torch.Tensor, visual_context: torch.Tensor, mouse: torch.Tensor | None,
                keyboard: torch.Tensor | None, schedule, window: int, noise_provider=None,
-               generator: torch.Generator | None = None, callback=None, tracer=None, on_chunk=None,
-               skip_last_refresh: bool = False, kv_cache=None, actions=None, start_frame: int = 0,
-               report: dict | None = None, on_chunk_latents=None, *, spec: RunSpec | None = None,
-               setup=None) -> torch.Tensor:
+               generator: torch.Generator | None = None, kv_cache=None, actions=None, start_frame: int = 0,
+               *, hooks: SamplingHooks | None = None, spec: RunSpec | None = None, setup=None) -> torch.Tensor:
     """The Matrix-Game-2 loop through ``app.prepare.prepare``: x0 latents ``[B, 16, F, H, W]`` (float32, model space).
 
     noise ``[B, 16, F, H, W]`` or its shape (each chunk's noise then drawn when it starts, from
@@ -62,22 +60,21 @@ def sample_mg2(model, noise, cond_concat: torch.Tensor, visual_context: torch.Te
     ``[B, 20, F (or F - start_frame), H, W]``; visual_context ``[B or 1, tokens, clip_dim]``; mouse/keyboard
     ``[B or 1, video frames, dims]`` (``1 + 4*(F-1)`` as released); schedule: a Schedule or preset name; window:
     every cache's rolling window in latent frames; start_frame: only the chunks from there on, over caches holding
-    the earlier frames (``sampling.mg2_continuation``). The hooks and report as ``SamplingHooks``' (on_chunk_latents
-    in this layout); kv_cache / actions: caches to inspect afterwards. spec: the run's path and options (its loop
-    fields are Matrix-Game-2's); setup: ``prepare_model`` already done (a replay tool, a play session)."""
+    the earlier frames (``sampling.mg2_continuation``). hooks: ``SamplingHooks`` (on_chunk_latents in this layout);
+    kv_cache / actions: caches to inspect afterwards. spec: the run's path and options (skip_last_refresh too; its
+    loop fields are Matrix-Game-2's); setup: ``prepare_model`` already done (a replay tool, a play session)."""
     from ..prepare import prepare
     fields, inputs = mg2_run(model, noise, cond_concat, visual_context, mouse, keyboard, schedule, window,
                              noise_provider, generator, kv_cache, actions, start_frame)
-    spec = (spec if spec is not None else RunSpec()).replace(skip_last_refresh=skip_last_refresh, **fields)
-    hooks = SamplingHooks(callback=callback, on_chunk=on_chunk, tracer=tracer, report=report,
-                          on_chunk_latents=channels_first(on_chunk_latents))
+    spec = (spec if spec is not None else RunSpec()).replace(**fields)
+    hooks = hooks if hooks is not None else SamplingHooks()
+    hooks = hooks.replace(on_chunk_latents=channels_first(hooks.on_chunk_latents))
     return prepare(model, spec, inputs, hooks, setup=setup).latents().transpose(1, 2)
 
 
 def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor, actions, num_frames: int = 0,
                  seed: int = 0, preset: str = "universal", window: int | None = None, steps=None,
-                 callback=None, on_chunk=None, skip_last_refresh: bool = False, report: dict | None = None,
-                 on_chunk_latents=None, *, spec: RunSpec | None = None, setup=None) -> torch.Tensor:
+                 *, hooks: SamplingHooks | None = None, spec: RunSpec | None = None, setup=None) -> torch.Tensor:
     """Seeded end-to-end sampling; returns latents ``[B, 16, F, H, W]`` (float32, model space).
 
     image_latent: model-space start latent ``[B, 16, 1 or >=F, H, W]``; visual_context: CLIP tokens
@@ -86,8 +83,9 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
     preset: a preset name (``steps``/``window`` override it) or resolved :class:`MG2Settings`.
     Batch element i draws its noise from its own generator seeded ``seed + i`` (chunk by chunk), so a batch
     gives the same latents as separate batch-1 runs with those seeds, and a longer video starts with
-    exactly the frames of a shorter one. report: a dict that receives what the run did. on_chunk_latents: each
-    chunk's latents ``[B, 16, 3, H, W]`` before its refresh pass; spec / setup as ``sample_mg2``'s.
+    exactly the frames of a shorter one. hooks: the run's ``SamplingHooks`` (its report receives what the run did;
+    on_chunk_latents: each chunk's latents ``[B, 16, 3, H, W]`` before its refresh pass); spec / setup as
+    ``sample_mg2``'s.
     """
     settings = preset if isinstance(preset, MG2Settings) else resolve_preset(preset, steps=steps, window=window)
     mouse, keyboard = actions.tensors(batch=1) if hasattr(actions, "tensors") else actions
@@ -101,8 +99,7 @@ def generate_mg2(model, image_latent: torch.Tensor, visual_context: torch.Tensor
                              f"{FRAMES_PER_BLOCK} (13 video frames)")
     run, _ = mg2_continuation(model, image_latent, visual_context, mouse, keyboard, num_frames, seed, settings,
                               keep_state=False)
-    return sample_mg2(model, **run, callback=callback, on_chunk=on_chunk, skip_last_refresh=skip_last_refresh,
-                      report=report, on_chunk_latents=on_chunk_latents, spec=spec, setup=setup)
+    return sample_mg2(model, **run, hooks=hooks, spec=spec, setup=setup)
 
 
 def _conditioning(opts: MG2Options, model, device):
@@ -135,8 +132,7 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, 
     run's path and options (the command line's ``--sampler``, ``--linear``...; default ``RunSpec()``)."""
     from ..ranks.parallel import enable_parallel, parallel_report
     from ...sampling.actions_script import parse_action_script
-    from .generate import (ChunkTimer, _jsonable, _peak_memory, _sync, _write_outputs, _write_report, _writes,
-                           check_outputs)
+    from .generate import ChunkTimer, _write_outputs, _write_report, _writes, check_outputs, job_report
     from ..prepare import prepare_model
     device, dtype = opts.device_dtype()
     from ...sampling.scheduler import parse_steps
@@ -159,26 +155,21 @@ def run_mg2_generate(opts: MG2Options, progress=None, log=print, parallel=None, 
         raise ValueError("a real checkpoint needs --conditioning FILE (image_latent + visual_context)")
     image, ctx = _conditioning(opts, handle.model, device)
     timer = ChunkTimer(device, log, progress)
-    t_start = timer.start()
+    timer.start()
     sampler_report: dict = {}
-    setup = prepare_model(handle.model, spec or RunSpec(), log=log, notes=notes)   # the doctor's verdicts, logged
-    latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings, on_chunk=timer,
-                           skip_last_refresh=opts.skip_last_refresh, report=sampler_report, spec=spec, setup=setup)
-    _sync(device)
-    sample_s = time.perf_counter() - t_start
+    spec = (spec or RunSpec()).replace(skip_last_refresh=opts.skip_last_refresh)
+    setup = prepare_model(handle.model, spec, log=log, notes=notes)   # the doctor's verdicts, logged
+    latents = generate_mg2(handle.model, image, ctx, actions, opts.frames, opts.seed, settings,
+                           hooks=SamplingHooks(on_chunk=timer, report=sampler_report), spec=spec, setup=setup)
+    sample_s = timer.stop()
     files = _write_outputs(latents.transpose(1, 2), opts, parallel)
-    report = {
-        "model": handle.source, "model_kind": "matrix-game2", "tiny_random_model": handle.is_tiny,
-        "config": handle.config.to_dict() | {"action_config": handle.model.action_config.to_dict()},
-        "device": str(device), "dtype": dtype, "precision": handle.precision,
-        "settings": asdict(opts), "actions": actions.summary(),
-        "schedule": {"preset": settings.preset, "timesteps": settings.schedule.timesteps,
-                     "shift": settings.schedule.shift, "window": settings.window},
-        "latent_shape": list(latents.shape), "latent_layout": "[B, C, F, H, W] model space",
-        "load_seconds": load_s, "sample_seconds": sample_s, "chunk_seconds": timer.seconds,
-        "peak_memory": _peak_memory(device), "files": files, "notes": notes, "torch": torch.__version__,
-        "sampler": _jsonable(sampler_report),
-    }
+    report = job_report(handle, device, dtype, asdict(opts),
+                        {"preset": settings.preset, "timesteps": settings.schedule.timesteps,
+                         "shift": settings.schedule.shift, "window": settings.window},
+                        latents.shape, (load_s, sample_s, timer.seconds), files, notes, sampler_report)
+    report["config"]["action_config"] = handle.model.action_config.to_dict()
+    report |= {"model_kind": "matrix-game2", "actions": actions.summary(),
+               "latent_layout": "[B, C, F, H, W] model space"}
     if parallel is not None:
         report["parallel"] = parallel_report(handle.model, parallel, latents.transpose(1, 2).shape, settings.window,
                                              0, len(timer.seconds))
