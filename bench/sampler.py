@@ -173,7 +173,7 @@ def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_
     # recompiled; None: eager, models are shared between variants) and fast options
     spec = RunSpec(path=v["path"], compile=v.get("compile"), oom_retry="off", **v.get("options", {}))
     schedule = inp["schedule"]
-    hooks = SamplingHooks(callback=callback, on_chunk=on_chunk, on_chunk_latents=on_chunk_latents)
+    hooks = SamplingHooks(callback=callback, on_chunk=on_chunk, on_chunk_latents=on_chunk_latents, report=report)
     if kind == "matrix-game2":
         from ..app.jobs.mg2 import generate_mg2      # Matrix-Game-2's run: its inputs, through the same prepare
         dev = model.device
@@ -186,7 +186,6 @@ def _sample(model, kind, inp, v, seed, on_chunk, callback=None, report=None, on_
     policy = extra.pop("cache_policy", None)
     spec = spec.replace(seed=seed, schedule=schedule, skip_last_refresh=v["skip_last_refresh"], **extra)
     noise = (1, inp["latent_frames"], model.config.out_dim, inp["lh"], inp["lw"])
-    hooks = hooks.replace(report=report)
     return prepare(model, spec, RunInputs(context=inp["context"], noise=noise, cache_policy=policy), hooks).latents()
 
 

@@ -113,6 +113,7 @@ def test_bench_matrix_game2_tiny(capsys):
     opt = out["rows"][1]
     assert opt["host_syncs"] == 1 and opt["ops_per_step"] > 0 and opt["parity_max_abs"] <= 1e-4
     assert opt["kv_write_bytes"] > opt["kv_bytes_per_video"] > 0      # plus the action modules' caches
+    assert opt["attention_ran"] == "sdpa"       # what the run reported, not the variant's setting
 
 
 def test_generate_job_uses_the_chosen_path_and_writes_history(tmp_path, cache_path):
