@@ -35,7 +35,7 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
-def _load_fused_qkv(model, f, path, ckpt, names: dict, device, targets: dict, skip=frozenset()) -> set:
+def _load_fused_qkv(model, f, ckpt, device, targets: dict, skip=frozenset()) -> set:
     """Load every self-attention's q/k/v (weight, and bias) into one [3*dim, ...] buffer per block; the three
     parameters become views of it. Returns the names loaded. ``skip``: attention modules left unfused (their
     layers are quantized: each dequantizes its own weight with its own scale)."""
@@ -54,8 +54,8 @@ def _load_fused_qkv(model, f, path, ckpt, names: dict, device, targets: dict, sk
             continue
         buf = torch.empty((3 * infos[0].shape[0],) + tuple(infos[0].shape[1:]), device=device, dtype=dt)
         for part, info, x in zip(buf.chunk(3), infos, "qkv"):
-            if not read_tensor_into(path, info, part):
-                part.copy_(f.get_tensor(names[parts[x]]).to(dtype=dt))
+            if not read_tensor_into(ckpt.path, info, part):
+                part.copy_(f.get_tensor(ckpt.names[parts[x]]).to(dtype=dt))
         sa = model.get_submodule(owner)
         for part, x in zip(buf.chunk(3), "qkv"):
             _set_param(model, parts[x], part)
@@ -142,7 +142,7 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     with safe_open(str(path), framework="pt", device="cpu") as f:
         scales, hints = _read_scales(f, ckpt, device)
         skip = {n.rpartition(".")[0] for n in quantized}
-        fused = _load_fused_qkv(model, f, path, ckpt, names, device, targets, skip)
+        fused = _load_fused_qkv(model, f, ckpt, device, targets, skip)
         for name, info in ckpt.tensors.items():
             if name in fused:
                 continue
