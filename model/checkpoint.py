@@ -551,8 +551,8 @@ def open_checkpoint(path, config=None, num_heads: int | None = None, *, strict: 
     from the shapes with the metadata's config over the defaults (``num_heads`` beats both). strict: the config must
     be complete and every key must match it (loading); otherwise a file that is not a complete Wan DiT still opens,
     with ``config`` None and the reason in ``error`` (sizing)."""
-    path = check_path(path)
-    raw, meta = read_header(path)
+    path = Path(path)
+    raw, meta = read_header(path)     # refuses a pickle file or a missing one (check_path)
     names = canonical_names(raw)
     tensors, quant = split_quant({n: raw[src] for n, src in names.items()})
     check_quant_side(path, tensors, names, quant, meta)     # every reader of the file: named errors, no IndexError

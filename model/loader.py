@@ -89,21 +89,20 @@ def _read_scales(f, ckpt, device) -> tuple[dict, dict]:
             formats[layer] = conf.get("format") if isinstance(conf, dict) else None
         weight = ckpt.tensors[f"{layer}.weight"]       # there: checked when the file was opened (check_quant_side)
         got = []
-        for kinds in (WEIGHT_SCALES, INPUT_SCALES):
+        for kinds, rows in ((WEIGHT_SCALES, weight.shape[0]), (INPUT_SCALES, None)):    # rows: one scale per row
             kind = next((k for k in kinds if k in side), None)
             if kind is None:
                 got.append(None)
                 continue
             src, info = ckpt.names[f"{layer}.{kind}"], side[kind]
-            if kind in WEIGHT_SCALES:
+            if rows is not None:
                 hints[f"{layer}.weight"] = (f"multiplied by its scale {src!r}: a scale too large for the weight, or "
                                             f"bytes that encode NaN/inf")
-            rows = weight.shape[0] if kind in WEIGHT_SCALES else 1
             if info.dtype not in ("F32", "F16", "BF16", "F64") or \
                     not (math.prod(info.shape) == 1 or tuple(info.shape) in ((rows,), (rows, 1))):
                 raise CheckpointError(f"{where} {src!r} is {info.dtype} {list(info.shape)}; a scale is one float "
                                       f"value" + (f" or one per output row ([{rows}] or [{rows}, 1])"
-                                                  if kind in WEIGHT_SCALES else "") + "; the file is damaged")
+                                                  if rows is not None else "") + "; the file is damaged")
             value = f.get_tensor(src).to(device=device, dtype=torch.float32)
             values.append((f"{where} {src!r}", value))
             got.append(value)
