@@ -513,7 +513,7 @@ def keeps_fp8(name: str, dtype: str, shape) -> bool:
     """Whether the loader keeps this tensor in fp8 (1 byte per element): the 2-D weight of a linear layer inside a
     transformer block stored as fp8. Other fp8 tensors are dequantized to the run's dtype when loaded."""
     return dtype in FP8_DTYPES and len(tuple(shape)) == 2 and name.endswith(".weight") and \
-        ".action_model." not in name and re.match(r"^(?:blocks|transformer_blocks)\.\d+\.", name) is not None
+        MG2_KEY_MARK not in name and re.match(r"^(?:blocks|transformer_blocks)\.\d+\.", name) is not None
 
 
 # --------------------------------------------------------------------- one file, read once
