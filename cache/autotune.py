@@ -223,14 +223,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def device_shared_memory_limit(device=None) -> int | None:
+def device_shared_memory_limit() -> int | None:
     """Largest shared memory per block (bytes) the current CUDA device allows, or None when unknown."""
     try:
         import torch
 
         if not torch.cuda.is_available():
             return None
-        index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+        index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         for attr in ("shared_memory_per_block_optin", "max_shared_memory_per_block_optin",
                      "shared_memory_per_block"):

@@ -20,9 +20,6 @@ from .safety import FILE_KIND, loads_json
 SCHEMA_VERSION = 1
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
-# Migrations from older schema versions: version -> function(old_data) -> data of version + 1.
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
-
 
 class CacheFormatError(ValueError):
     """The file on disk is not a limit cache this version can read."""
@@ -203,12 +200,8 @@ def _validate(data, finite: bool) -> tuple[dict, list[dict]]:
         raise CacheFormatError(f"'schema' is {version!r}, expected an integer")
     if version > SCHEMA_VERSION:
         raise CacheFormatError(f"schema {version} is newer than this version of the pack understands ({SCHEMA_VERSION})")
-    while version < SCHEMA_VERSION:
-        migrate = MIGRATIONS.get(version)
-        if migrate is None:
-            raise CacheFormatError(f"schema {version} is too old to migrate (current {SCHEMA_VERSION})")
-        data = migrate(data)
-        version = data["schema"]
+    if version < SCHEMA_VERSION:    # schema 1 is the first: no older file was ever written
+        raise CacheFormatError(f"schema {version} is too old to migrate (current {SCHEMA_VERSION})")
     fps, spaces = data.get("fingerprints"), data.get("namespaces")
     if not isinstance(fps, dict) or not isinstance(spaces, dict):
         raise CacheFormatError("'fingerprints' and 'namespaces' must be objects")

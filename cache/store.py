@@ -451,16 +451,6 @@ class LimitCache:
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
         _atomic_write(self.path, blob)
 
-    def _remove_orphaned_temps(self) -> None:
-        """Temporary files are only created under the lock, so any found while holding it belong to a writer
-        that died mid-write (SIGKILL, power loss): remove them."""
-        for tmp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
-            try:
-                if not tmp.is_symlink() and tmp.is_file():
-                    tmp.unlink()
-            except OSError:
-                pass
-
     def _apply_pending_hits(self, data: dict) -> None:
         for (ns, fid, key), (count, last) in self._pending_hits.items():
             entry = data["namespaces"].get(ns, {}).get(fid, {}).get(key)
@@ -504,7 +494,6 @@ class LimitCache:
                     raise CacheUnavailableError(self._refused)
                 self.path.parent.mkdir(parents=True, exist_ok=True)  # the lock file lives there too
                 with self._locked():
-                    self._remove_orphaned_temps()
                     data = self._load()
                     if self._refused:
                         raise CacheUnavailableError(self._refused)

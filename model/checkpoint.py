@@ -513,7 +513,7 @@ def keeps_fp8(name: str, dtype: str, shape) -> bool:
     """Whether the loader keeps this tensor in fp8 (1 byte per element): the 2-D weight of a linear layer inside a
     transformer block stored as fp8. Other fp8 tensors are dequantized to the run's dtype when loaded."""
     return dtype in FP8_DTYPES and len(tuple(shape)) == 2 and name.endswith(".weight") and \
-        ".action_model." not in name and re.match(r"^(?:blocks|transformer_blocks)\.\d+\.", name) is not None
+        MG2_KEY_MARK not in name and re.match(r"^(?:blocks|transformer_blocks)\.\d+\.", name) is not None
 
 
 # --------------------------------------------------------------------- one file, read once
@@ -551,8 +551,8 @@ def open_checkpoint(path, config=None, num_heads: int | None = None, *, strict: 
     from the shapes with the metadata's config over the defaults (``num_heads`` beats both). strict: the config must
     be complete and every key must match it (loading); otherwise a file that is not a complete Wan DiT still opens,
     with ``config`` None and the reason in ``error`` (sizing)."""
-    path = check_path(path)
-    raw, meta = read_header(path)
+    path = Path(path)
+    raw, meta = read_header(path)     # refuses a pickle file or a missing one (check_path)
     names = canonical_names(raw)
     tensors, quant = split_quant({n: raw[src] for n, src in names.items()})
     check_quant_side(path, tensors, names, quant, meta)     # every reader of the file: named errors, no IndexError

@@ -35,7 +35,7 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
-def _load_fused_qkv(model, f, path, ckpt, names: dict, device, targets: dict, skip=frozenset()) -> set:
+def _load_fused_qkv(model, f, ckpt, device, targets: dict, skip=frozenset()) -> set:
     """Load every self-attention's q/k/v (weight, and bias) into one [3*dim, ...] buffer per block; the three
     parameters become views of it. Returns the names loaded. ``skip``: attention modules left unfused (their
     layers are quantized: each dequantizes its own weight with its own scale)."""
@@ -54,8 +54,8 @@ def _load_fused_qkv(model, f, path, ckpt, names: dict, device, targets: dict, sk
             continue
         buf = torch.empty((3 * infos[0].shape[0],) + tuple(infos[0].shape[1:]), device=device, dtype=dt)
         for part, info, x in zip(buf.chunk(3), infos, "qkv"):
-            if not read_tensor_into(path, info, part):
-                part.copy_(f.get_tensor(names[parts[x]]).to(dtype=dt))
+            if not read_tensor_into(ckpt.path, info, part):
+                part.copy_(f.get_tensor(ckpt.names[parts[x]]).to(dtype=dt))
         sa = model.get_submodule(owner)
         for part, x in zip(buf.chunk(3), "qkv"):
             _set_param(model, parts[x], part)
@@ -89,21 +89,20 @@ def _read_scales(f, ckpt, device) -> tuple[dict, dict]:
             formats[layer] = conf.get("format") if isinstance(conf, dict) else None
         weight = ckpt.tensors[f"{layer}.weight"]       # there: checked when the file was opened (check_quant_side)
         got = []
-        for kinds in (WEIGHT_SCALES, INPUT_SCALES):
+        for kinds, rows in ((WEIGHT_SCALES, weight.shape[0]), (INPUT_SCALES, None)):    # rows: one scale per row
             kind = next((k for k in kinds if k in side), None)
             if kind is None:
                 got.append(None)
                 continue
             src, info = ckpt.names[f"{layer}.{kind}"], side[kind]
-            if kind in WEIGHT_SCALES:
+            if rows is not None:
                 hints[f"{layer}.weight"] = (f"multiplied by its scale {src!r}: a scale too large for the weight, or "
                                             f"bytes that encode NaN/inf")
-            rows = weight.shape[0] if kind in WEIGHT_SCALES else 1
             if info.dtype not in ("F32", "F16", "BF16", "F64") or \
                     not (math.prod(info.shape) == 1 or tuple(info.shape) in ((rows,), (rows, 1))):
                 raise CheckpointError(f"{where} {src!r} is {info.dtype} {list(info.shape)}; a scale is one float "
                                       f"value" + (f" or one per output row ([{rows}] or [{rows}, 1])"
-                                                  if kind in WEIGHT_SCALES else "") + "; the file is damaged")
+                                                  if rows is not None else "") + "; the file is damaged")
             value = f.get_tensor(src).to(device=device, dtype=torch.float32)
             values.append((f"{where} {src!r}", value))
             got.append(value)
@@ -142,7 +141,7 @@ def load_wan_checkpoint(path, device="cpu", dtype=torch.float32, precision=None,
     with safe_open(str(path), framework="pt", device="cpu") as f:
         scales, hints = _read_scales(f, ckpt, device)
         skip = {n.rpartition(".")[0] for n in quantized}
-        fused = _load_fused_qkv(model, f, path, ckpt, names, device, targets, skip)
+        fused = _load_fused_qkv(model, f, ckpt, device, targets, skip)
         for name, info in ckpt.tensors.items():
             if name in fused:
                 continue

@@ -180,9 +180,11 @@ def test_sigkill_mid_write_leaves_valid_file(cache_path):
         rows = c.entries(all_fingerprints=True)
         assert rows and all(len(r["value"]["blob"]) == 200000 for r in rows)
     assert not list(cache_path.parent.glob("*.corrupt-*"))
-    (cache_path.parent / ".limits.json.orphan.tmp").write_bytes(b'{"half": ')  # as a killed writer leaves it
+    orphan = cache_path.parent / ".limits.json.wan_accel-999999999-orphan.tmp"    # as a killed writer leaves it
+    orphan.write_bytes(b'{"half": ')
+    os.utime(orphan, (time.time() - 120, time.time() - 120))
     LimitCache(cache_path).put("memory", "after", {"ok": True})  # the next writer removes orphaned temp files
-    assert not list(cache_path.parent.glob(".limits.json.*.tmp"))
+    assert not orphan.exists()
 
 
 # ------------------------------------------------------------------ recovery
