@@ -62,10 +62,6 @@ class EagerExecutor:
         self.text = embedded
         self.cross.reset()
 
-    def reset_self_kv(self) -> None:
-        """Empty the self-attention cache (its next write starts at token 0)."""
-        self.kv.reset()
-
     def forward(self, kind: str, xt, t: float, start_frame: int, step, y=None, want_output: bool = True):
         tt = torch.full(xt.shape[:2], t, dtype=torch.float32, device=xt.device)
         kv = _Rewrite(self.kv) if kind == "recache" else self.kv

@@ -429,10 +429,6 @@ class Run:
         self.set_text(text)
         self.embed_timesteps(timesteps, batch)
 
-    def reset_self_kv(self) -> None:
-        """Empty the self-attention cache (its next write starts at token 0)."""
-        self.kv.reset()
-
     def begin_chunk(self, start_frame: int, frames: int):
         """The chunk's KV write plan (host ints + device slot index), shared by every call of the chunk."""
         return self.kv.plan(start_frame * self.frame_tokens, frames * self.frame_tokens)
