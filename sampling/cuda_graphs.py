@@ -104,9 +104,8 @@ class CudaGraphBackend:
             torch.cuda.set_stream(current)       # also after a failed capture: the thread gets its stream back
             current.wait_stream(self.stream)
 
-    def warmup(self, fn):
-        """Run ``fn`` eagerly on the capture stream (libraries set up their per-stream state outside a graph)."""
-        return self._on_stream(fn)
+    # warmup(fn): fn run eagerly on the capture stream (libraries set up their per-stream state outside a graph)
+    warmup = _on_stream
 
     def capture(self, fn):
         graph = torch.cuda.CUDAGraph()

@@ -236,7 +236,7 @@ class KreaRecompute:
                              "use the same frames_per_block for the run and the policy")
         self._remember(state)
         self._feed_stream(state)
-        ex.reset_self_kv()
+        ex.kv.reset()                    # the executor's self-attention cache: its next write starts at token 0
         ctx = self.context(f0)
         prev, text = self.prev_text, state.text
         self.prev_text = text

@@ -62,10 +62,6 @@ class EagerExecutor:
         self.text = embedded
         self.cross.reset()
 
-    def reset_self_kv(self) -> None:
-        """Empty the self-attention cache (its next write starts at token 0)."""
-        self.kv.reset()
-
     def forward(self, kind: str, xt, t: float, start_frame: int, step, y=None, want_output: bool = True):
         tt = torch.full(xt.shape[:2], t, dtype=torch.float32, device=xt.device)
         kv = _Rewrite(self.kv) if kind == "recache" else self.kv
@@ -144,7 +140,7 @@ def _prefix(executor, req: SamplingRequest, prefix: torch.Tensor, out: torch.Ten
 
 
 def _chunk(executor, req: SamplingRequest, inputs: RunInputs, hooks: SamplingHooks, ci: int, f0: int, n: int,
-           device, pos: int | None = None, ready=None):
+           device, pos: int | None, ready: _ReadyOnce):
     sched, tracer, callback = req.schedule, hooks.tracer, hooks.callback
     steps = sched.timesteps
     at = f0 if pos is None else pos                # the model's frame position (a cache policy may cap it)
@@ -169,8 +165,7 @@ def _chunk(executor, req: SamplingRequest, inputs: RunInputs, hooks: SamplingHoo
             eps = inputs.noise_provider(ci, k, tuple(xt.shape), xt.dtype, xt.device)
             a, s = sched.renoise[k + 1]
             xt = FlowMatchScheduler.renoise(x0, eps, a, s, dtype=xt.dtype)
-    if ready is not None:
-        ready(ci, x0)                              # the chunk's frames, before its refresh pass is enqueued
+    ready(ci, x0)                                  # the chunk's frames, before its refresh pass is enqueued
     if req.refreshes(ci):
         flow = executor.forward("refresh", x0, float(req.refresh_t), at, step, y=y, want_output=tracer is not None)
         if tracer is not None:

@@ -113,10 +113,9 @@ def recache_window(state: ChunkState) -> int:
         return 0
     clean = state.clean(start, end).to(req.latent_dtype)
     y = conditioning(req, state.inputs, start, end, clean.device)
-    ex.set_text(state.text)                      # cross cache dropped before the pass
-    step = ex.begin_recache(start, end - start)
+    step = ex.begin_recache(start, end - start)  # (the switch dropped the cross cache before the pass)
     ex.forward("recache", clean, float(req.refresh_t), start, step, y=y, want_output=False)
-    ex.set_text(state.text)                      # ... and after it
+    ex.set_text(state.text)                      # ... and it is dropped after it
     return end - start
 
 

@@ -204,7 +204,6 @@ class FastRunner:
         self.model = model
         self.session: _Session | None = None
         self.notes: list = []
-        self.runs = 0
 
     # ------------------------------------------------------------------ preparation
     def _fuse(self, options: FastOptions, swapped: set) -> int:
@@ -224,6 +223,7 @@ class FastRunner:
         run's largest call (``fp8_speed``: the operator store's verdicts per layer group, measured once per GPU and
         shape; stored ones make no tensor), is read before any fp8 copy is made."""
         blocks = self.model.blocks
+        verdict = None
         if options.linear == "fp8" and "linear.fp8" in options.switched_off:
             line = f"fp8 linear is {SWITCHED_OFF}: this run uses exact linear layers"
             log.warning("wan_accel: %s", line)
@@ -234,10 +234,7 @@ class FastRunner:
                     check_fp8_block(block, prefix=f"blocks.{i}.")
             cfg = self.model.config
             verdict = fp8_speed(tokens, cfg.dim, cfg.ffn_dim, self.model.compute_dtype, self.model.device)
-            if verdict[0] and not options.keep_slower:
-                for block in blocks:
-                    drop_fp8(block)
-                return "exact", {}, verdict
+        if verdict is not None and (options.keep_slower or not verdict[0]):     # else exact: no copy is made
             done = kept = 0
             groups = None if options.keep_slower else verdict[2]   # fp8 only where faster
             for i, block in enumerate(blocks):
@@ -253,7 +250,7 @@ class FastRunner:
                 "fp8_groups": list(FP8_GROUPS) if groups is None else [g for g in FP8_GROUPS if g in groups]}, verdict
         for block in blocks:
             drop_fp8(block)
-        return "exact", {}, None
+        return "exact", {}, verdict
 
     def _graphs_reason(self, options, device, swapped, compile_mode, actions, cache) -> str | None:
         """Why CUDA graphs are not used for this run (None: they are)."""
@@ -343,7 +340,6 @@ class FastRunner:
         kernels = kernels_part(options, device)
         parts = BlockParts(attention_part, kernels, bool(options.fused_qkv), ops_part(options, device, kernels),
                            linear)
-        self.runs += 1
         run = Run(self, options, sess, parts, actions, frame_tokens, info={
             "path": "optimized", "attention": backend, "attention_reason": backend_reason,
             "fused_qkv_blocks": fused, "fused_kernels": bool(kernels),
@@ -399,10 +395,12 @@ class Run:
         return g if g is not None and g.enabled else None
 
     # ------------------------------------------------------------------ per-run inputs
-    def set_prompt(self, text, image=None) -> None:
-        """Cross-attention K/V of every block for this prompt, into the session's static buffers."""
+    def set_text(self, embedded) -> None:
+        """Cross-attention K/V of every block for ``embedded`` (EmbeddedText), into the session's static buffers; at
+        a prompt switch they replace the previous prompt's (in the same buffers when the shapes agree, so captured
+        graphs stay valid)."""
         memo: dict = {}             # the prompt quantized once for every block's fp8 k/v
-        fresh = [cross_kv(block, text, image, self.parts.linear, memo) for block in self.model.blocks]
+        fresh = [cross_kv(block, embedded.tensor, self.image, self.parts.linear, memo) for block in self.model.blocks]
         old = self.sess.cross
         if old is not None and len(old) == len(fresh) and all(
                 len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
@@ -428,17 +426,8 @@ class Run:
     def prepare(self, text, clip_fea, timesteps, batch: int) -> None:
         """text: the embedded prompt (EmbeddedText); clip_fea: raw image features or None."""
         self.image = self.model.embed_image(clip_fea)
-        self.set_prompt(text.tensor, self.image)
+        self.set_text(text)
         self.embed_timesteps(timesteps, batch)
-
-    def set_text(self, embedded) -> None:
-        """A prompt switch: the cross-attention K/V of ``embedded`` (EmbeddedText) replace the previous prompt's (in
-        the same static buffers when the shapes agree, so captured graphs stay valid)."""
-        self.set_prompt(embedded.tensor, self.image)
-
-    def reset_self_kv(self) -> None:
-        """Empty the self-attention cache (its next write starts at token 0)."""
-        self.kv.reset()
 
     def begin_chunk(self, start_frame: int, frames: int):
         """The chunk's KV write plan (host ints + device slot index), shared by every call of the chunk."""
@@ -558,7 +547,7 @@ class Run:
         if slower:
             self._slower(f"{mode} attention", "exact attention", why, lambda: self._exact_attention(mode))
 
-    def _exact_attention(self, mode: str = "int8") -> None:
+    def _exact_attention(self, mode: str) -> None:
         self.parts = self.parts._replace(attention=auto_request(self.options.switched_off)
                                          if graphs_device(self.model.device) else "sdpa")
         self.kv.use_fp8(False)
