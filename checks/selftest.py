@@ -64,7 +64,7 @@ class Stage:
     argv: Callable[["Context"], list]          # the command line after ``python -m wan_accel``
     timeout: float                             # seconds (on a GPU; the CPU stages are given CPU_FACTOR more)
     gpu: bool = False                          # needs a CUDA GPU
-    judge: Callable[[str, "Context"], list] | None = None   # problems found in the stdout (JSON) of a run
+    judge: Callable[[dict], list] | None = None  # problems found in the JSON a run printed on its stdout
     available: Callable[["Context"], str | None] | None = None   # why it is skipped here, or None
     pytest: bool = False                       # run with ``python -m pytest`` instead of the pack's CLI
 
@@ -90,20 +90,17 @@ def _json(stdout: str):
     return json.loads(stdout[start:])
 
 
-def judge_check_reference(stdout: str, ctx: Context) -> list:
-    data = _json(stdout)
+def judge_check_reference(data: dict) -> list:
     return [] if data.get("pass") else [f"parity {data.get('worst')} over the tolerance {data.get('tolerance')}"]
 
 
-def judge_doctor(stdout: str, ctx: Context) -> list:
-    data = _json(stdout)
+def judge_doctor(data: dict) -> list:
     rows = data.get("features") or []
     failed = [r.get("feature") for r in rows if isinstance(r, dict) and r.get("status") == "failed"]
     return [f"failed its self-check: {', '.join(map(str, failed))}"] if failed else []
 
 
-def judge_generate(stdout: str, ctx: Context) -> list:
-    data = _json(stdout)
+def judge_generate(data: dict) -> list:
     problems = []
     if not data.get("files", {}).get("latents"):
         problems.append("no latents written")
@@ -113,11 +110,10 @@ def judge_generate(stdout: str, ctx: Context) -> list:
     return problems
 
 
-def judge_bench_sampler(stdout: str, ctx: Context) -> list:
+def judge_bench_sampler(data: dict) -> list:
     """Every variant ran what it names (the compiled one compiled), and neither int8 attention nor fp8 linear layers
     are kept where slower than exact (their parity against exact is the fidelity bench's and the doctor's: a bound
     from their quantization)."""
-    data = _json(stdout)
     rows = {r["variant"]: r for r in data.get("rows", [])}
     problems = [f"{name}: compiling failed ({r['compile_failed']})" for name, r in rows.items()
                 if r.get("compile_failed")]
@@ -136,8 +132,7 @@ class Skipped(Exception):
     """A stage that found what it checks absent here (e.g. ComfyUI): listed as skipped, with the reason."""
 
 
-def judge_native(stdout: str, ctx: Context) -> list:
-    data = _json(stdout)
+def judge_native(data: dict) -> list:
     row = next((r for r in data.get("features", []) if r.get("feature") == "native_model"), None)
     if row is not None and row.get("status") == "unavailable":
         raise Skipped(f"ComfyUI does not import here ({str(row.get('why_off') or '')[:120]})")
@@ -147,12 +142,11 @@ def judge_native(stdout: str, ctx: Context) -> list:
     return []
 
 
-def judge_bench_native(stdout: str, ctx: Context) -> list:
+def judge_bench_native(data: dict) -> list:
     """Skipped where the bench says ComfyUI does not import; else every variant and every sampler row ran (an error
     is the row's own line), and each parity figure whose two rows ran is a finite number. ``bench native`` states
     no parity tolerance (its figures are reported, never bounded), so a figure is judged only for being there and
     finite; ``native_vs_core_own_draws_max_abs`` compares different re-noising draws by design and is not judged."""
-    data = _json(stdout)
     if data.get("skipped"):
         raise Skipped(f"ComfyUI does not import here ({str(data.get('detail') or '')[:120]}); run the self-test "
                       "with ComfyUI's Python, or set COMFYUI_DIR to ComfyUI's folder")
@@ -176,8 +170,7 @@ def judge_bench_native(stdout: str, ctx: Context) -> list:
     return problems
 
 
-def judge_fp8(stdout: str, ctx: Context) -> list:
-    data = _json(stdout)
+def judge_fp8(data: dict) -> list:
     return [] if data.get("pass") else [data.get("why", "fp8 over its bound")]
 
 
@@ -359,7 +352,7 @@ def run_stage(stage: Stage, ctx: Context, log=None) -> dict:
         problems.append("a traceback on stderr")
     if not problems and stage.judge is not None:
         try:
-            problems += stage.judge(proc.stdout, ctx)
+            problems += stage.judge(_json(proc.stdout))
         except Skipped as why:
             return dict(row, status="skipped", detail=str(why))
         except Exception as exc:  # noqa: BLE001 - output the judge cannot read is a failure of the stage
@@ -589,11 +582,10 @@ def fp8_stage(device: str, out: Path) -> dict:
     deq = {n: t if scales[n] is None else fp8[n].float() * scales[n] for n, t in state.items()}
     out.mkdir(parents=True, exist_ok=True)
     meta = {METADATA_KEY: json.dumps(TINY_CONFIG.to_dict())}
-    save_file(fp8, str(out / "fp8.safetensors"), metadata=meta)
-    save_file(deq, str(out / "deq.safetensors"), metadata=meta)
+    for name, tensors in (("fp8", fp8), ("deq", deq)):
+        save_file(tensors, str(out / f"{name}.safetensors"), metadata=meta)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    a = load_wan_checkpoint(out / "fp8.safetensors", device=device, dtype=dtype)
-    b = load_wan_checkpoint(out / "deq.safetensors", device=device, dtype=dtype)
+    a, b = (load_wan_checkpoint(out / f"{name}.safetensors", device=device, dtype=dtype) for name in ("fp8", "deq"))
     layers = [m for m in a.modules() if isinstance(m, FP8Linear)]
     g = torch.Generator().manual_seed(0)
     ctx = torch.randn(1, 7, TINY_CONFIG.text_dim, generator=g)

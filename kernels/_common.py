@@ -334,18 +334,11 @@ def dtype_name(t) -> str:
 
 
 # ----------------------------------------------------------------------------- device
-def device_guard(t):
-    """Make ``t``'s GPU the current device while a kernel launches: Triton launches on the current device, so a
-    model on ``cuda:1`` while device 0 is current would otherwise run on (and read the memory of) the wrong GPU."""
-    if t.device.type != "cuda":
-        return contextlib.nullcontext()
-    return torch.cuda.device(t.device)
-
-
 def run_kernel(fn: Callable, grid: tuple, t, *args, **meta) -> None:
     """One launch of kernel ``fn`` (``jit`` for the current mode) on ``grid`` with ``args`` and ``meta`` (constexprs,
-    warps, stages), ``t``'s GPU the current device (``device_guard``)."""
-    with device_guard(t):
+    warps, stages), ``t``'s GPU the current device: Triton launches on the current device, so a model on ``cuda:1``
+    while device 0 is current would otherwise run on (and read the memory of) the wrong GPU."""
+    with torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext():
         jit(fn)[grid](*args, **meta)
 
 
@@ -386,29 +379,22 @@ def capturing(t=None) -> bool:
 
 def launched(kernel: str, key: str, candidates: tuple, launch: Callable[[dict], object], config: dict | None,
              probe, smem: Callable[[dict], int] | None = None) -> bool:
-    """A kernel's one launch: ``config`` as given (tests), else the operator store's choice (``tuned_launch``;
-    only configs already measured while ``probe``'s stream captures a CUDA graph). False: every config failed,
-    the caller runs its torch fallback."""
+    """A kernel's one launch: ``config`` as given (tests), else the config the operator store picks (only configs
+    already measured while ``probe``'s stream captures a CUDA graph: no benchmarking possible then). False: every
+    config failed, the caller runs its torch fallback.
+
+    Never raises for kernel failures: a config that fails at its real launch is recorded and skipped.
+    """
     if config is not None:
         launch(config)
         return True
-    return tuned_launch(kernel, key, candidates, launch, smem=smem, benchmark=not capturing(probe))
-
-
-def tuned_launch(kernel: str, key: str, candidates: tuple, launch: Callable[[dict], object],
-                 smem: Callable[[dict], int] | None = None, benchmark: bool = True) -> bool:
-    """Pick the config through the operator store and launch it; False means: run the torch fallback.
-
-    Never raises for kernel failures: a config that fails at its real launch is recorded and skipped.
-    benchmark=False (during CUDA graph capture) uses only configs already measured.
-    """
     from ..cache.autotune import get_autotuner, tuning_errors
 
     caps = current_caps()
     configs = capped_configs(candidates, caps)
     tuner = get_autotuner()
     policy = "extreme" if caps.get("autotune_policy") == "extreme" else "default"
-    config = tuner.tune(kernel, key, configs, launch, smem=smem, policy=policy, benchmark=benchmark)
+    config = tuner.tune(kernel, key, configs, launch, smem=smem, policy=policy, benchmark=not capturing(probe))
     if config is None:
         return False
     try:

@@ -20,7 +20,7 @@ written. Numerically this is the class of cuDNN's and FlashAttention's kernels: 
 rounding of P and one of the output; the store checks it against plain float32 softmax math like every other
 exact candidate (``model/attention.py``, ``STORE_ULPS``) before timing it, and uses it only where it is verified
 and fastest. Its tiles (``BLOCK_M`` x ``BLOCK_N``, warps, pipeline stages) go through the operator store too
-(``_common.tuned_launch``), those whose shared memory exceeds the GPU's pruned by ``_smem``. Nothing about its
+(``_common.launched``), those whose shared memory exceeds the GPU's pruned by ``_smem``. Nothing about its
 speed is claimed until a GPU measures it.
 
 Under ``TRITON_INTERPRET=1`` the kernel runs on a CPU (tests). For bf16 it then emulates what the GPU does: it

@@ -37,7 +37,7 @@ Two implementations of that one computation:
   one (batch, head), quantizing its queries as it loads them and looping over the keys ``TILE`` at a time, the two
   products ``tl.dot`` on int8 and on e4m3 operands. The V codes are stored keys-fastest (``[B, H, D, L]``; the
   cache keeps them so), the operand layout an 8-bit Hopper tensor-core product takes for its second factor
-  without a transpose. Its tiles go through the operator store (``_common.tuned_launch``). Under
+  without a transpose. Its tiles go through the operator store (``_common.launched``). Under
   ``TRITON_INTERPRET=1`` it runs on a CPU (tests); the interpreter's float32 -> e4m3 conversion mishandles a
   rounding carry into the next binade, so there the kernel rounds P to the e4m3 grid itself first (round to
   nearest even, as the GPU's conversion does).

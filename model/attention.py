@@ -362,9 +362,7 @@ def auto_request(switched_off=()) -> str | tuple:
     return ("auto", *off) if off else "auto"
 
 
-def length_bucket(n: int) -> int:
-    """The store's length bucket of a query or key length: the next power of two."""
-    return 1 << max(0, int(n) - 1).bit_length()
+length_bucket = _common.next_pow2      # the store's length bucket of a query or key length
 
 
 def store_key(q, k) -> str:

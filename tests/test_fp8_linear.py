@@ -701,9 +701,9 @@ def test_the_selftest_fails_fp8_kept_although_slower():
     from wan_accel.checks import selftest
     rows = [{"variant": "optimized", "steady_s": 2.0}, {"variant": "optimized-fp8", "steady_s": 2.5,
                                                          "linear_ran": "fp8"}]
-    assert "fp8 linear stayed on" in selftest.judge_bench_sampler(json.dumps({"rows": rows}), None)[0]
+    assert "fp8 linear stayed on" in selftest.judge_bench_sampler({"rows": rows})[0]
     rows[1]["linear_ran"] = "exact (fp8 measured slower)"
-    assert selftest.judge_bench_sampler(json.dumps({"rows": rows}), None) == []
+    assert selftest.judge_bench_sampler({"rows": rows}) == []
     assert "optimized-fp8" in selftest._sampler_argv(argparse.Namespace(quick=True))[3].split(",")
 
 

@@ -196,19 +196,17 @@ def test_selftest_without_a_gpu_lists_the_gpu_parts_and_require_gpu_makes_it_an_
 
 
 def test_selftest_judges_a_slower_path_kept_on_and_a_compile_that_fell_back():
-    import json
     from wan_accel.checks import selftest
-    ctx = None
     rows = [{"variant": "optimized", "steady_s": 2.0}, {"variant": "optimized-int8", "steady_s": 2.5,
                                                          "attention_ran": "int8"}]
-    assert "int8 attention stayed on" in selftest.judge_bench_sampler(json.dumps({"rows": rows}), ctx)[0]
+    assert "int8 attention stayed on" in selftest.judge_bench_sampler({"rows": rows})[0]
     rows[1]["attention_ran"] = "exact (int8 measured slower)"
-    assert selftest.judge_bench_sampler(json.dumps({"rows": rows}), ctx) == []
+    assert selftest.judge_bench_sampler({"rows": rows}) == []
     rows.append({"variant": "optimized-compiled", "steady_s": 1.9, "compile_failed": "TorchRuntimeError: x"})
-    assert "compiling failed" in selftest.judge_bench_sampler(json.dumps({"rows": rows}), ctx)[0]
+    assert "compiling failed" in selftest.judge_bench_sampler({"rows": rows})[0]
     report = {"files": {"latents": "x"}, "sampler": {"compile": {"failed": "Unsupported: y"}}}
-    assert "fell back to eager" in selftest.judge_generate(json.dumps(report), ctx)[0]
-    assert selftest.judge_check_reference(json.dumps({"pass": False, "worst": 0.1, "tolerance": 1e-4}), ctx)
+    assert "fell back to eager" in selftest.judge_generate(report)[0]
+    assert selftest.judge_check_reference({"pass": False, "worst": 0.1, "tolerance": 1e-4})
 
 
 def test_a_crashing_or_hanging_stage_fails_alone(tmp_path, monkeypatch):

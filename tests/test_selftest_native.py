@@ -59,6 +59,11 @@ def _result(shape="1.3b", device="cuda", variants=None) -> dict:
             [_variant("bf16"), _variant("fp8_scaled"), _variant("bf16+lora")], "wall_s": 200.0}
 
 
+def _judge(stdout: str) -> list:
+    """bench native's judge on that output, read as the self-test reads a stage's stdout."""
+    return selftest.judge_bench_native(selftest._json(stdout))
+
+
 def _printed(result: dict) -> str:
     return json.dumps(result, indent=1)           # as ``bench native --json`` prints it
 
@@ -75,14 +80,14 @@ def _stage() -> selftest.Stage:
 # ----------------------------------------------------------------------------------------------- the judge
 def test_judge_skips_where_the_bench_says_comfyui_does_not_import(capsys):
     with pytest.raises(selftest.Skipped, match="ComfyUI does not import here") as info:
-        selftest.judge_bench_native(_skip_output(capsys), None)
+        _judge(_skip_output(capsys))
     assert "No module named 'comfy'" in str(info.value) and "COMFYUI_DIR" in str(info.value)
     assert "\n" not in str(info.value)
 
 
 def test_judge_passes_a_good_output():
-    assert selftest.judge_bench_native(_printed(_result()), None) == []
-    assert selftest.judge_bench_native(_printed(_result("tiny", "cpu")), None) == []
+    assert _judge(_printed(_result())) == []
+    assert _judge(_printed(_result("tiny", "cpu"))) == []
 
 
 def test_judge_fails_an_errored_row():
@@ -94,11 +99,10 @@ def test_judge_fails_an_errored_row():
     own_failed = _variant("bf16+lora")
     own_failed["rows"]["own"] = {"error": "ValueError: a LoRA over fp8 weights"}
     own_failed["parity"]["native_vs_own_max_abs"] = None
-    problems = selftest.judge_bench_native(_printed(_result(variants=[_variant("bf16"), comfy_failed, own_failed])),
-                                           None)
+    problems = _judge(_printed(_result(variants=[_variant("bf16"), comfy_failed, own_failed])))
     assert problems == ["fp8_scaled: ComfyUI side: RuntimeError: no QuantizedTensor",
                         "bf16+lora own: ValueError: a LoRA over fp8 weights"]
-    assert selftest.judge_bench_native(_printed(_result(variants=[])), None) == ["no weights variant ran"]
+    assert _judge(_printed(_result(variants=[]))) == ["no weights variant ran"]
 
 
 def test_judge_fails_a_parity_that_is_not_finite_or_missing():
@@ -107,14 +111,14 @@ def test_judge_fails_a_parity_that_is_not_finite_or_missing():
     bad = _variant("bf16", parity=(float("nan"), 5e-6))
     gone = _variant("bf16+lora")
     del gone["parity"]["native_vs_core_max_abs"]
-    problems = selftest.judge_bench_native(_printed(_result(variants=[bad, _variant("fp8_scaled"), gone])), None)
+    problems = _judge(_printed(_result(variants=[bad, _variant("fp8_scaled"), gone])))
     assert problems == ["bf16: native_vs_own_max_abs is nan (a video that is not finite)",
                         "bf16+lora: no native_vs_core_max_abs although core and native ran"]
     inf = _variant("bf16", parity=(0.0, float("inf")))
-    assert "native_vs_core_max_abs is inf" in selftest.judge_bench_native(_printed(_result(variants=[inf])), None)[0]
+    assert "native_vs_core_max_abs is inf" in _judge(_printed(_result(variants=[inf])))[0]
     far = _variant("bf16")
     far["parity"]["native_vs_core_own_draws_max_abs"] = 17.0        # different re-noising draws: not judged
-    assert selftest.judge_bench_native(_printed(_result(variants=[far])), None) == []
+    assert _judge(_printed(_result(variants=[far]))) == []
 
 
 # ----------------------------------------------------------------------------------------------- the goals

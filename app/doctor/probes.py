@@ -165,8 +165,7 @@ def _tuned(mod, x, launch, key, *out) -> tuple:
     """``out``, what ``mod._launcher`` returned beside ``launch`` and ``key``, once ``launch`` ran tuned."""
     # the row kernels' candidates depend on the width (one-pass tiles up to a bound); the others' are fixed
     cands = mod.candidates(x.shape[-1]) if hasattr(mod, "candidates") else mod.CANDIDATES
-    if not _common.tuned_launch(mod._KERNEL_NAME, key, cands, launch, smem=mod._smem,
-                                benchmark=not _common.capturing(x)):
+    if not _common.launched(mod._KERNEL_NAME, key, cands, launch, None, x, smem=mod._smem):
         raise RuntimeError(f"every Triton config of {mod.NAME} failed on this machine (see the operator store)")
     return out
 
