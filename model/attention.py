@@ -149,11 +149,6 @@ NO_KERNEL_MESSAGES = ("no kernel image", "invalid device function", "not compile
                       "sm_", "only supports ampere")
 
 
-def _is_no_kernel_error(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(m in text for m in NO_KERNEL_MESSAGES)
-
-
 def _probe_inputs(device, dtype):
     """Tiny q/k/v for the build probe on ``device``, or None where they cannot be made (no CUDA here)."""
     try:
@@ -181,13 +176,6 @@ def build_supports(name: str, device, dtype=torch.float16) -> str | None:
                 error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:200]
         _BUILD[key] = error
     return _BUILD[key]
-
-
-def _mark_unusable(name: str, device, error: BaseException) -> None:
-    _BUILD[(name, torch.device(device).index)] = f"{type(error).__name__}: {str(error).strip()[:200]}"
-    resolve_backend.cache_clear()
-    log.warning("wan_accel: %s has no kernels for this GPU in the installed build (%s); using SDPA from now on",
-                _MODULES[name], str(error).strip()[:200])
 
 
 def flash_problem(name: str, device, dtype: torch.dtype, head_dim: int, capability: tuple | None = None) -> str | None:
@@ -264,9 +252,12 @@ def _flash(name: str, q, k, v, splits: int = 1):
         else:
             out = fn(q, k, v)
     except RuntimeError as exc:
-        if not _is_no_kernel_error(exc):
+        if not any(m in str(exc).lower() for m in NO_KERNEL_MESSAGES):
             raise
-        _mark_unusable(name, q.device, exc)
+        _BUILD[(name, q.device.index)] = f"{type(exc).__name__}: {str(exc).strip()[:200]}"    # SDPA from now on
+        resolve_backend.cache_clear()
+        log.warning("wan_accel: %s has no kernels for this GPU in the installed build (%s); using SDPA from now on",
+                    _MODULES[name], str(exc).strip()[:200])
         return _sdpa(q, k, v)
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -462,21 +453,15 @@ def plan_shapes(frame_tokens: int, chunks, kv_window: int, num_frames: int, text
     return list(largest.values())
 
 
-def _device_key(device) -> torch.device:
-    """``device`` as a tensor on it reports it (``cuda`` -> ``cuda:<current>``): the store's keys use that form."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def warm_plans(shapes, batch: int, heads: int, head_dim: int, dtype, device, request="auto") -> list:
     """Make the operator store's choice for every (query length, key length) in ``shapes`` now, on seeded inputs
     of those shapes, so no chunk of the run pays for measuring; [(key bucket, chosen)]."""
     if not (request == "auto" or isinstance(request, tuple)) or _common.is_compiling():
         return []
     off = _off(request)
-    where = _device_key(device)
+    where = torch.device(device)      # as a tensor on it reports it (cuda -> cuda:<current>): the store's keys' form
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
     out = []
     for lq, lk in shapes:
@@ -504,6 +489,7 @@ def fp8_numerics(kind: str | None):
     return registry.use({fp8.FAMILY: kind})
 
 
+@_no_compile
 def _fp8_attention(q, k, v, key_padding_mask):
     """fp8 attention by this machine's implementation (``fp8_implementation``), reading the KV cache's fp8 copy of
     k, v where it keeps one in that implementation's form (eagerly under compile)."""
@@ -516,8 +502,6 @@ def _fp8_attention(q, k, v, key_padding_mask):
         return fa3_fp8.fa3_fp8_torch(q, k, v, key_padding_mask, kv=kv)
     return fp8.fp8_attention(q, k, v, key_padding_mask, kv8=copy if isinstance(copy, fp8.Fp8KV) else None)
 
-
-_fp8_attention = _no_compile(_fp8_attention)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -115,10 +115,6 @@ def strip_prefix(name: str, prefixes: tuple = PREFIXES) -> str:
     return name
 
 
-def is_diffusers(names) -> bool:
-    return any(m in n for n in names for m in _DIFFUSERS_MARKERS)
-
-
 def diffusers_to_official(name: str) -> str:
     """Official name of a diffusers-format key; unknown names are returned unchanged."""
     for pattern, repl in _DIFFUSERS_RULES:
@@ -130,7 +126,7 @@ def diffusers_to_official(name: str) -> str:
 def canonical_names(names) -> dict:
     """{official name: name in the file}. Strips wrapper prefixes and maps diffusers-format names."""
     stripped = {strip_prefix(n): n for n in names}
-    if is_diffusers(stripped):
+    if any(m in n for n in stripped for m in _DIFFUSERS_MARKERS):      # diffusers-format names
         mapped = {diffusers_to_official(n): src for n, src in stripped.items()}
     else:
         mapped = stripped

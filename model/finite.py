@@ -36,32 +36,16 @@ def _dequantized_rows(layer, dtype):
         yield (w[i:i + ROWS_PER_PASS].float() * s).to(dtype)
 
 
-def _run_dtype(model) -> torch.dtype:
-    dtype = getattr(model, "compute_dtype", torch.float32)
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
-
-
 def _what(t: torch.Tensor) -> str:
     return f"non-finite values ({_counts(t)})"
-
-
-def _fp8_reason(layer, dtype) -> str:
-    raw = layer.weight.float()
-    scale = layer.scale_weight.float()
-    if bool(_bad_flag(raw)):
-        return (f"its fp8 bytes encode NaN or inf ({_counts(raw)}); the file is damaged: download or convert it "
-                f"again")
-    big = float(raw.abs().max()) * float(scale.abs().max())
-    return (f"its fp8 values times its scale (up to {float(scale.max()):.3g}) reach {big:.3g}, beyond "
-            f"{str(dtype).replace('torch.', '')}'s range: the scale is wrong for this weight; the file is damaged: "
-            f"download or convert it again")
 
 
 def check_weights(model: torch.nn.Module, source: str, hints: dict | None = None) -> None:
     """Every weight of ``model`` finite, fp8 layers as dequantized in the run's dtype; NonFiniteError naming the
     first bad tensor, how many values are bad, and (``hints`` {parameter name: likely input}) where it comes from.
     One pass over the weights and one host sync."""
-    dtype = _run_dtype(model)
+    dtype = getattr(model, "compute_dtype", torch.float32)       # the run's dtype
+    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
     names, flags, skip = [], [], set()
     with torch.no_grad():
         for prefix, mod in model.named_modules():
@@ -90,7 +74,14 @@ def check_weights(model: torch.nn.Module, source: str, hints: dict | None = None
     more = f" (and {len(found) - 1} more tensor(s))" if len(found) > 1 else ""
     hint = (hints or {}).get(name)
     if layer is not None:
-        why = _fp8_reason(layer, dtype)
+        raw, scale = layer.weight.float(), layer.scale_weight.float()
+        if bool(_bad_flag(raw)):
+            why = f"its fp8 bytes encode NaN or inf ({_counts(raw)}); the file is damaged: download or convert it again"
+        else:
+            big = float(raw.abs().max()) * float(scale.abs().max())
+            why = (f"its fp8 values times its scale (up to {float(scale.max()):.3g}) reach {big:.3g}, beyond "
+                   f"{str(dtype).replace('torch.', '')}'s range: the scale is wrong for this weight; the file is "
+                   f"damaged: download or convert it again")
         raise NonFiniteError(f"{source}: the fp8 weight {name!r} dequantizes to NaN or infinite values{more}: "
                              f"{why}{f' ({hint})' if hint else ''}. Nothing was sampled")
     p = dict(model.named_parameters())[name]
@@ -118,13 +109,6 @@ def context_flags(contexts) -> list:
             seen.add(id(t))
             flags.append((t, _bad_flag(t)))
     return flags
-
-
-def _conditioning_error(flags: list, bad: list, what: str) -> None:
-    for (t, _), b in zip(flags, bad):
-        if b:
-            check_conditioning(t, what, "the text encoder's output (or the embeddings given) is broken: encode "
-                                        "the prompt again, or use another text encoder")
 
 
 def output_problem(latents: torch.Tensor, bad: bool | None = None) -> str | None:
@@ -168,8 +152,11 @@ def check_output(latents: torch.Tensor, what: str = "the sampled latents", dtype
         latents.numel() else None
     flags = [f for _, f in pending] + ([out_flag] if out_flag is not None else [])
     bad = _read_flags(flags) if flags else []
-    if pending:
-        _conditioning_error(list(pending), bad[:len(pending)], "the text conditioning")
+    for (t, _), b in zip(pending, bad):           # a broken conditioning is named first
+        if b:
+            check_conditioning(t, "the text conditioning", "the text encoder's output (or the embeddings given) "
+                                                           "is broken: encode the prompt again, or use another text "
+                                                           "encoder")
     problem = output_problem(latents, bad[-1] if out_flag is not None else None)
     if problem is None:
         return

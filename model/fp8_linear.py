@@ -76,14 +76,10 @@ def refusal(name: str, layer: nn.Module) -> str | None:
             f"run with linear 'exact'")
 
 
-def _source(layers) -> tuple:
-    return tuple((t.data_ptr(), t._version, t.dtype, str(t.device)) for m in layers
-                 for t in (m.weight, m.bias) if t is not None)
-
-
 def _copy(owner: nn.Module, names: tuple, layers: list) -> None:
     """(Re)make ``owner``'s fp8 copy of ``layers`` (concatenated rows) unless it is current."""
-    stamp = _source(layers)
+    stamp = tuple((t.data_ptr(), t._version, t.dtype, str(t.device)) for m in layers      # what it is made from
+                  for t in (m.weight, m.bias) if t is not None)
     key = f"{_SOURCE}.{names[0]}"
     w = owner._buffers.get(names[0])
     if w is not None and w.dtype == fp8.FP8 and owner.__dict__.get(key) == stamp:
@@ -226,12 +222,8 @@ def fp8_speed(tokens: int, dim: int, ffn_dim: int, dtype, device, tuner=None
             w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
             return w, fp8.quantize_weight(w), torch.randn(tokens, k, generator=gen).to(device, dtype)
 
-        def fp8_call(_w, copy, x):
-            return fp8.fp8_linear(x, copy[0], copy[1])
-
-        def exact_call(w, _copy, x):
-            return torch.nn.functional.linear(x, w)
-
+        fp8_call = lambda _w, copy, x: fp8.fp8_linear(x, copy[0], copy[1])      # noqa: E731
+        exact_call = lambda w, _copy, x: torch.nn.functional.linear(x, w)        # noqa: E731
         key = f"{device.type}|m{tokens}|n{n}|k{k}|{name}"
         slower, words = registry.speed(SPEED_KERNEL, key, "fp8", fp8_call, exact_call, work, device, tuner)
         shown.append(f"{group} {words}")

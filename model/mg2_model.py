@@ -20,20 +20,14 @@ from .layers import ImageProjection
 from .dit import EmbeddedText, WanModel
 
 
-def action_config_of(config: WanConfig) -> ActionConfig | None:
-    raw = config.extra.get("action_config")
-    if raw is None:
-        return None
-    return raw if isinstance(raw, ActionConfig) else ActionConfig.from_dict(raw)
-
-
 class MatrixGameModel(WanModel):
     """WanModel with the Matrix-Game-2 image context and action modules (state dict key-identical)."""
 
     def __init__(self, config: WanConfig):
-        action = action_config_of(config)
+        action = config.extra.get("action_config")
         if action is None:
             raise ValueError("a Matrix-Game-2 config needs 'action_config' (blocks, action dims, window)")
+        action = action if isinstance(action, ActionConfig) else ActionConfig.from_dict(action)
         bad = [b for b in action.blocks if not 0 <= b < config.num_layers]
         if bad:
             raise ValueError(f"action_config.blocks {bad} are outside the model's {config.num_layers} blocks")
@@ -45,13 +39,10 @@ class MatrixGameModel(WanModel):
         for slot, b in enumerate(action.blocks):
             self.blocks[b].action_model = ActionModule(config.dim, action, cache_slot=slot)
 
-    def action_modules(self) -> list:
-        return [self.blocks[b].action_model for b in self.action_config.blocks]
-
     def set_attention_backend(self, backend: str) -> "MatrixGameModel":
         super().set_attention_backend(backend)
-        for m in self.action_modules():
-            m.attn_backend = backend
+        for b in self.action_config.blocks:
+            self.blocks[b].action_model.attn_backend = backend
         return self
 
     def embed_text(self, context) -> EmbeddedText:

@@ -80,15 +80,6 @@ class SeqParallel:
         self.stats.update(bytes_sent=0, collectives=0)
 
     # ------------------------------------------------------------------ collectives (all with a timeout)
-    def _wait(self, work, what: str) -> None:
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
-        except Exception as exc:  # noqa: BLE001 - every transport error means: the group is broken
-            raise ParallelError(
-                f"sequence-parallel rank {self.rank} of {self.world}: {what} failed or timed out after "
-                f"{self.timeout_s:g} s: another rank stopped (see its error) or hangs ({str(exc)[:200]})") from exc
-        self.stats["collectives"] += 1
-
     def _run(self, what: str, collective, *args) -> None:
         """Start ``collective(*args)`` on the group (async) and wait for it."""
         try:
@@ -96,7 +87,13 @@ class SeqParallel:
         except Exception as exc:  # noqa: BLE001
             raise ParallelError(f"sequence-parallel rank {self.rank} of {self.world}: {what} could not start: "
                                 f"{str(exc)[:200]}") from exc
-        self._wait(work, what)
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - every transport error means: the group is broken
+            raise ParallelError(
+                f"sequence-parallel rank {self.rank} of {self.world}: {what} failed or timed out after "
+                f"{self.timeout_s:g} s: another rank stopped (see its error) or hangs ({str(exc)[:200]})") from exc
+        self.stats["collectives"] += 1
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, what: str) -> None:
         self._run(what, dist.all_to_all_single, out, inp, list(out_splits), list(in_splits))
