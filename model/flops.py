@@ -95,21 +95,15 @@ def prompt_flops(cfg, batch: int = 1) -> int:
     return batch * (embed + cfg.num_layers * 4 * (t + img) * d * d)
 
 
-def chunk_schedule(geo: Geometry):
-    """[(q_tokens, kv_tokens), ...] per chunk (chunks of frames_per_block latent frames)."""
-    ft = geo.frame_tokens
-    window = geo.kv_window if 0 < geo.kv_window < geo.num_frames else geo.num_frames
-    out = []
-    for f0 in range(0, geo.num_frames, geo.frames_per_block):
-        n = min(geo.frames_per_block, geo.num_frames - f0)
-        out.append((n * ft, min(f0 + n, window) * ft))
-    return out
-
-
 def run_flops(cfg, geo: Geometry, steps: int, *, optimized: bool, skip_last_refresh: bool,
               attention: bool = True) -> dict:
     """FLOPs of a whole sampling run as executed by the reference or the optimized path (its refreshes lean)."""
-    chunks = chunk_schedule(geo)
+    ft = geo.frame_tokens
+    window = geo.kv_window if 0 < geo.kv_window < geo.num_frames else geo.num_frames
+    chunks = []                 # (q_tokens, kv_tokens) per chunk of frames_per_block latent frames
+    for f0 in range(0, geo.num_frames, geo.frames_per_block):
+        n = min(geo.frames_per_block, geo.num_frames - f0)
+        chunks.append((n * ft, min(f0 + n, window) * ft))
     total = prompt_flops(cfg, geo.batch)
     distinct_t = steps + 1
     if optimized:

@@ -35,11 +35,6 @@ def fp8_weight_names(model: nn.Module) -> list:
             isinstance(model.get_submodule(n[:-len(".weight")]), nn.Linear)]
 
 
-def _block_index(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit() else None
-
-
 def random_model(config, device, dtype: torch.dtype, *, seed: int = 0, precision: str = "self_forcing",
                  weights: str = "bf16", host_blocks: int = 0) -> nn.Module:
     """A model of ``config`` with seeded random weights drawn on ``device`` in the run's ``dtype`` (see the module
@@ -63,7 +58,8 @@ def random_model(config, device, dtype: torch.dtype, *, seed: int = 0, precision
 
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
-            block = _block_index(name)
+            parts = name.split(".")
+            block = int(parts[1]) if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit() else None
             where = torch.device("cpu") if block is not None and block >= first_host else device
             owner, _, leaf = name.rpartition(".")
             if owner in quantized and leaf != "bias":

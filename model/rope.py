@@ -12,11 +12,6 @@ MAX_POSITIONS = 1024   # length of the official per-axis RoPE table
 THETA = 10000.0
 
 
-def axis_pairs(head_dim: int) -> tuple[int, int, int]:
-    c = head_dim // 2
-    return c - 2 * (c // 3), c // 3, c // 3
-
-
 def _axis_angles(positions: torch.Tensor, n: int) -> torch.Tensor:
     """[P] float64 positions -> [P, n] float64 angles."""
     inv = 1.0 / torch.pow(torch.tensor(THETA, dtype=torch.float64),
@@ -52,8 +47,8 @@ class RopeCache:
         key = (str(device), dtype, head_dim, h, w)
         hit = self._axes.get(key)
         if hit is None:
-            out = []
-            for n, count in zip(axis_pairs(head_dim), (MAX_POSITIONS, h, w)):
+            out, c = [], head_dim // 2         # c pairs: c - 2 * (c // 3) frame pairs, c // 3 height and width pairs
+            for n, count in zip((c - 2 * (c // 3), c // 3, c // 3), (MAX_POSITIONS, h, w)):
                 ang = _axis_angles(torch.arange(count, dtype=torch.float64), n)
                 out.append((torch.cos(ang).to(device=device, dtype=dtype),
                             torch.sin(ang).to(device=device, dtype=dtype)))
