@@ -1,4 +1,4 @@
-"""The options of the benches whose modules import torch (sampler, attention, play, fidelity, and sampler's
+"""The options of the benches whose modules import torch (sampler, attention, play, fidelity, kernels, and sampler's
 ``--world-size`` route), with the tables they name, defined here without torch or any heavy import.
 
 ``python -m wan_accel bench WHAT --help`` and a usage error of those options then answer at once (cli/bench.py
@@ -170,6 +170,34 @@ def fidelity(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON on stdout instead of a table")
 
 
+# ----------------------------------------------------------------------------- bench kernels
+def kernels(parser) -> None:
+    """``bench kernels``' options."""
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    dtype_option(parser, "dtype of the timed kernels on a CUDA GPU (default bf16; without one, the sanity pass runs "
+                 "float32)", default="bf16")
+    parser.add_argument("--frames", type=int, default=3, help="frames per chunk (per-frame modulation F)")
+
+
+# ----------------------------------------------------------------------------- bench offload
+OFFLOAD_SHAPES = {"1.3b": (1536, 8960, 12, 30), "14b": (5120, 13824, 40, 40)}   # model -> (dim, ffn, heads, blocks)
+
+
+def offload(p) -> None:
+    """``bench offload``'s options (bench/memory.py)."""
+    p.add_argument("--model", choices=tuple(OFFLOAD_SHAPES), default="1.3b", help="block shape (default 1.3b)")
+    p.add_argument("--width", type=int, default=832, help="video width in pixels (default 832)")
+    p.add_argument("--height", type=int, default=480, help="video height in pixels (default 480)")
+    p.add_argument("--frames-per-block", type=int, default=3, help="latent frames per forward (causal chunk)")
+    p.add_argument("--kv-frames", type=int, default=3,
+                   help="latent frames of keys per self-attention (3: first chunk; 21: last chunk of 81 frames)")
+    p.add_argument("--blocks", type=int, default=None, help="blocks in the stack (default: the model's)")
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards per setting (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed forwards first")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
 # bench module (its last name) -> its options, for cli/bench.py; a bench not named here defines add_arguments in
-# a module that imports nothing heavy (compile, kernels, memory: checked by tests/test_cli_help.py)
-ARGUMENTS = {"sampler": sampler, "parallel": parallel, "attention": attention, "play": play, "fidelity": fidelity}
+# a module that imports nothing heavy (compile, native: checked by tests/test_cli_help.py)
+ARGUMENTS = {"sampler": sampler, "parallel": parallel, "attention": attention, "play": play, "fidelity": fidelity,
+             "kernels": kernels, "memory": offload}
