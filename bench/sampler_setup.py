@@ -154,30 +154,25 @@ def parity_off(args) -> str | None:
 
 
 # ----------------------------------------------------------------------------- the VRAM plan
-def weights_table(config, weights: str = "bf16"):
-    """The plan's byte table of a config's weights (``memory/weights.py``), block linears fp8 with --weights fp8."""
-    import math
-
-    from ..memory.plan import fp8_weights
-    from ..memory.weights import TensorInfo, weights_from_tensors
-    from ..model.checkpoint import config_dict, expected_shapes
-    shapes = expected_shapes(config)
-    table = weights_from_tensors({n: TensorInfo(n, "BF16", s, 2 * math.prod(s)) for n, s in shapes.items()},
-                                 source="random", config=config_dict(config))
-    return fp8_weights(table) if weights == "fp8" else table
-
-
 def make_run_plan(config, weights: str, frames: int, height: int, width: int, system=None, kv_window=None,
                   checkpoint=None):
     """The VRAM plan of one bench run, of ``config``'s weights or a ``checkpoint`` file's (learned limits left out: a
     bench measures the estimate's decisions)."""
+    import math
+
     from ..memory.estimate import Workload
-    from ..memory.plan import make_plan
-    from ..memory.weights import weights_from_checkpoint
-    table = weights_from_checkpoint(checkpoint) if checkpoint else weights_table(config, weights)
-    return make_plan(table, Workload(width, height, frames,
-                                                              frames_per_block=FRAMES_PER_BLOCK),
-                     system, kv_window=kv_window)
+    from ..memory.plan import fp8_weights, make_plan
+    from ..memory.weights import TensorInfo, weights_from_checkpoint, weights_from_tensors
+    from ..model.checkpoint import config_dict, expected_shapes
+    if checkpoint:
+        table = weights_from_checkpoint(checkpoint)
+    else:       # the byte table of config's weights (memory/weights.py), block linears fp8 with --weights fp8
+        table = weights_from_tensors({n: TensorInfo(n, "BF16", s, 2 * math.prod(s))
+                                      for n, s in expected_shapes(config).items()}, source="random",
+                                     config=config_dict(config))
+        table = fp8_weights(table) if weights == "fp8" else table
+    return make_plan(table, Workload(width, height, frames, frames_per_block=FRAMES_PER_BLOCK), system,
+                     kv_window=kv_window)
 
 
 def plan_report(plan, cap_gb) -> dict:
@@ -192,12 +187,6 @@ def plan_report(plan, cap_gb) -> dict:
             "estimated_peak_gb": round(plan.estimated_peak_bytes / gib, 3), "budget_gb": round(plan.budget_bytes / gib, 3),
             "breakdown_gb": {k: round(v / gib, 3) for k, v in plan.breakdown.items()},
             "reasons": dict(plan.reasons)}
-
-
-def plan_window(plan, shape: str) -> int | None:
-    """The KV window the run takes from the plan: None where the plan keeps the shape's own."""
-    own, _sink = shape_window(shape)
-    return None if plan.kv_window == own or (plan.kv_window < 0 and own < 0) else int(plan.kv_window)
 
 
 # ----------------------------------------------------------------------------- models
@@ -235,11 +224,6 @@ def model_bytes(model) -> dict:
     return out
 
 
-def oom_row(name: str, exc: BaseException) -> dict:
-    return {"variant": name, "error": "out of memory", "detail": str(exc).strip().splitlines()[0][:300]
-            if str(exc).strip() else type(exc).__name__}
-
-
 def prepare_memory(args, device: torch.device, kind: str, shape: str, frames: int, height: int, width: int) -> dict:
     """Before anything is allocated: the cap (``--memory-cap-gb``) and, on CUDA, the run's VRAM plan. Returns
     {'memory': what the JSON reports, 'swap': SwapSettings or None, 'kv_window': the plan's window or None,
@@ -267,5 +251,6 @@ def prepare_memory(args, device: torch.device, kind: str, shape: str, frames: in
         return out
     if plan.blocks_to_swap or plan.offload_embeddings:
         out["swap"] = plan.swap_settings()
-    out["kv_window"] = None if args.checkpoint else plan_window(plan, shape)
+    keep = plan.kv_window == own or (plan.kv_window < 0 and own < 0)     # the plan keeps the shape's own window
+    out["kv_window"] = None if args.checkpoint or keep else int(plan.kv_window)
     return out
