@@ -450,13 +450,10 @@ def run(args) -> int:
             progress(f"[{k + 1}/{len(names)}] {n}: out of memory ({detail[:160]})")
             failed.append({"variant": n, "error": "out of memory", "detail": detail[:300]})
             models.drop()
-    ok_names = [r["variant"] for r, _o in timed]
     rows, outputs = [r for r, _o in timed], [o for _r, o in timed]
-    if "reference" in ok_names:
-        reference = outputs[ok_names.index("reference")]
-    elif getattr(args, "no_parity", False) or info["parity_off"] or not rows:
-        reference = None
-    else:       # parity needs the reference latents: one untimed reference run
+    reference = next((o for r, o in timed if r["variant"] == "reference"), None)
+    if reference is None and rows and not (getattr(args, "no_parity", False) or info["parity_off"]):
+        # parity needs the reference latents: one untimed reference run
         progress("one untimed float32 reference run for the parity columns (--no-parity skips it)")
         v = VARIANTS["reference"]
         model = models.get(torch.float32, v["precision"], v["attention"])

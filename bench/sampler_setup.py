@@ -131,16 +131,13 @@ def check_options(args, device: torch.device, names: list, variants: dict) -> No
         total = torch.cuda.get_device_properties(device).total_memory / 1024 ** 3
         if cap > total:
             raise UsageError(f"--memory-cap-gb {cap:g} is more than the card's {total:.1f} GiB; use at most that")
-    big = shape in ON_DEVICE_SHAPES and not args.checkpoint
-    if big and device.type != "cuda":
+    if shape in ON_DEVICE_SHAPES and not args.checkpoint and device.type != "cuda":
         raise UsageError(f"--shape {shape}: a 14B model is drawn on a CUDA device in the run dtype (28 GB in bf16, "
                          f"56 GB in float32 on a {device.type}); run it on a CUDA device, or use --shape 1.3b / tiny")
-    why = ("the 14B shapes are drawn on the device in the run dtype (no float32 copy)" if big else
-           "under --memory-cap-gb only the run dtype is planned" if cap is not None else None)
-    if why:
+    if off:             # no float32 copy (a 14B shape), or only the run dtype planned (--memory-cap-gb)
         fp32 = [n for n in names if variants[n]["dtype"] == "fp32"]
         if fp32 or (args.dtype or "bf16") == "fp32":
-            raise UsageError(f"--variants {(fp32 or names)[0]}: {why}; run float32 at --shape 1.3b without "
+            raise UsageError(f"--variants {(fp32 or names)[0]}: {off}; run float32 at --shape 1.3b without "
                              f"--memory-cap-gb, or choose --variants optimized")
 
 
