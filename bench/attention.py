@@ -47,27 +47,6 @@ def calls(shape: str, which: str) -> list:
     return sorted(found, key=lambda s: s[0] * s[1], reverse=True)[:None if which == "all" else 1]
 
 
-def _approximate(text: str) -> list:
-    names = [n.strip() for n in (text or "").split(",") if n.strip()]
-    if names == ["none"]:
-        return []
-    bad = [n for n in names if n not in APPROXIMATE]
-    if bad:
-        raise UsageError(f"--approximate: unknown {', '.join(bad)}; choose from {', '.join(APPROXIMATE)} or none")
-    return names
-
-
-def _check(args) -> None:
-    if (args.lq is None) != (args.lk is None):
-        raise UsageError("--lq and --lk go together (one call of that size); give both or neither")
-    if args.lq is not None and getattr(args, "calls", None) is not None:
-        raise UsageError(f"--calls {args.calls} picks a run's calls, and --lq/--lk time one call of their own size "
-                         f"instead: give --calls, or --lq and --lk, not both")
-    for name in ("lq", "lk", "batch"):
-        if getattr(args, name) is not None:
-            check_int("--" + name, getattr(args, name), 1, 1 << 20)
-
-
 def _row(name: str, kind: str, fn, q, k, v, ref, timer, ceiling) -> dict:
     from ..kernels.candidates import tolerance
     from ..model.attention import STORE_ULPS
@@ -147,8 +126,19 @@ def run(args) -> int:
     from ..cache.fingerprint import cpu_name
     from ..profiling.ceilings import measure_ceilings
     from ..app.jobs.handle import default_device, parse_dtype
-    _check(args)
-    approximate = _approximate(args.approximate)
+    if (args.lq is None) != (args.lk is None):
+        raise UsageError("--lq and --lk go together (one call of that size); give both or neither")
+    if args.lq is not None and getattr(args, "calls", None) is not None:
+        raise UsageError(f"--calls {args.calls} picks a run's calls, and --lq/--lk time one call of their own size "
+                         f"instead: give --calls, or --lq and --lk, not both")
+    for name in ("lq", "lk", "batch"):
+        if getattr(args, name) is not None:
+            check_int("--" + name, getattr(args, name), 1, 1 << 20)
+    approximate = [n.strip() for n in (args.approximate or "").split(",") if n.strip()]
+    approximate = [] if approximate == ["none"] else approximate
+    bad = [n for n in approximate if n not in APPROXIMATE]
+    if bad:
+        raise UsageError(f"--approximate: unknown {', '.join(bad)}; choose from {', '.join(APPROXIMATE)} or none")
     device = torch.device(args.device) if args.device else default_device()
     shape = args.shape or ("1.3b" if device.type == "cuda" else "tiny")
     dtype = parse_dtype(args.dtype or ("bf16" if device.type == "cuda" else "fp32"))

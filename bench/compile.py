@@ -149,8 +149,7 @@ def run_child(cache_dir: str | os.PathLike, device: str = "cpu", blocks: int = 2
               settings: dict | None = None, timeout: float = 600, model: str = "standin") -> dict:
     """Compile the tiny workload in a new Python process using ``cache_dir``; returns its result dict."""
     env = dict(os.environ)
-    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "WAN_ACCEL_CACHE"):
-        env.pop(var, None)
+    env.pop("WAN_ACCEL_CACHE", None)        # the compiler caches: set below, in the run's folder
     env["TRITON_CACHE_DIR"] = str(Path(cache_dir) / "triton")
     # every compiler cache and temporary file of the child inside the run's folder, which the benchmark removes
     # (torch's default Inductor cache is a folder under $TMPDIR that nothing removes)

@@ -29,14 +29,6 @@ from ..profiling.runner import sync_device
 from ..cache.finite_flags import bad_flag, read_flags
 
 
-def check_decode_args(args) -> None:
-    """--vae needs a decoder to load it into (bad --decode values are refused by the parser's choices)."""
-    from ..app.validate import UsageError
-    if getattr(args, "vae", None) and getattr(args, "decode", "none") == "none":
-        raise UsageError("--vae gives weights for a decoder: add --decode wan (a Wan 2.1 VAE file) or --decode tiny "
-                         "(a taew2_1 file)")
-
-
 def build_bench_decoder(args, device: torch.device, dtype: torch.dtype, shape: str):
     """The decoder of ``--decode`` on ``device`` in ``dtype`` (None for 'none'): ``--vae`` weights, else seeded
     random weights of the released architecture, or a narrow one at the tiny random-model shape. The default
@@ -74,7 +66,6 @@ class ChunkDecoder:
         self.frames += made
         if self.first_frame_s is None and made:
             self.first_frame_s = now - self.t0
-
 
     def check(self, kind: str) -> None:
         """NonFiniteError when a decoded chunk held NaN or inf pixels: a timed decode of non-finite frames is no

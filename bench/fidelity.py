@@ -24,12 +24,10 @@ from ..cache.finite_flags import non_finite
 from ..cache.json_out import to_json
 from ..app.jobs.reference import PATHS
 from ..app.validate import UsageError
+from .options import fidelity as add_arguments  # noqa: F401  (defined without torch)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 DEFAULT_FIXTURES = ("wan_reference", "matrix_game2")
-
-
-from .options import fidelity as add_arguments  # noqa: E402,F401  (defined without torch)
 
 
 def _fixture(directory: Path):

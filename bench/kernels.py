@@ -15,25 +15,29 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import torch
+import torch.nn.functional as F
+
+from ..cache.autotune import get_autotuner, reset_autotuners
 from ..cache.json_out import to_json
+from ..kernels import (fp8_quant, gated_residual, gated_residual_reference, kv_quant, layernorm_modulate,
+                       layernorm_modulate_reference, residual_norm, residual_norm_reference, rmsnorm_rope,
+                       rmsnorm_rope_reference, vae_norm)
+from ..kernels import candidates as op_candidates
+from ..kernels import fp8_linear as fp8
+from ..kernels._common import interpret_enabled, triton_module, use_triton
+from ..kernels.candidates import tolerance
+from ..model.kv_cache import Fp8Shadow
 from ..profiling.child import child_argv, run_for_json
+from ..vae.wan21 import CACHE_FRAMES, RMSNorm
 from . import bench_timer
-from .options import dtype_option
+from .options import kernels as add_arguments  # noqa: F401  (defined without torch: --help answers at once)
 
 # (label, B, L, D, heads): a causal chunk of 3 latent frames at 480x832 for Wan 1.3B and 14B
 GPU_SHAPES = (("1.3B chunk", 1, 4680, 1536, 12), ("14B chunk", 1, 4680, 5120, 40))
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    dtype_option(parser, "dtype of the timed kernels on a CUDA GPU (default bf16; without one, the sanity pass runs "
-                 "float32)", default="bf16")
-    parser.add_argument("--frames", type=int, default=3, help="frames per chunk (per-frame modulation F)")
-
-
 def _inputs(name, b, l, d, heads, frames, dtype, device):
-    import torch
-
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def r(*shape, dt=dtype):
@@ -55,15 +59,10 @@ def _inputs(name, b, l, d, heads, frames, dtype, device):
 def _joined(out):
     """A kernel's output as one tensor for its error: the fused residual + LayerNorm's (x_new, h) side by side (joined
     only here, outside what is timed)."""
-    import torch
-
     return torch.cat(out, dim=1) if isinstance(out, tuple) else out
 
 
 def _kernels():
-    from ..kernels import (gated_residual, gated_residual_reference, layernorm_modulate, layernorm_modulate_reference,
-                            residual_norm, residual_norm_reference, rmsnorm_rope, rmsnorm_rope_reference)
-
     return (("layernorm_modulate", layernorm_modulate, layernorm_modulate_reference),
             ("rmsnorm_rope", rmsnorm_rope, rmsnorm_rope_reference),
             ("gated_residual", gated_residual, gated_residual_reference),
@@ -75,10 +74,6 @@ def _kernels():
 def _unfused(name):
     """What a fused residual + LayerNorm replaces: the pack's kernels and torch ops one after another (None for the
     other kernels)."""
-    import torch.nn.functional as F
-
-    from ..kernels import gated_residual, layernorm_modulate
-
     if name == "residual_norm3":
         def norm3(x, y, g, w, b):
             xn = gated_residual(x, y, g)
@@ -130,11 +125,6 @@ def fp8_quant_rows(device: str, dtype_name: str) -> list[dict]:
     """The fused fp8 quantize (``kernels/fp8_quant.py``) against the torch ops of ``quantize_rows``: bit equality
     of codes and scales everywhere, times only on a GPU (bytes moved by the kernel: the input once, the codes,
     the scales)."""
-    import torch
-
-    from ..kernels import fp8_linear as fp8
-    from ..kernels import fp8_quant
-
     dtype = getattr(torch, dtype_name)
     rows = []
     for label, m, k in FP8_QUANT_SHAPES if device == "cuda" else CPU_FP8_QUANT_SHAPES:
@@ -164,11 +154,6 @@ def fp8_kv_write_rows(device: str, dtype_name: str) -> list[dict]:
     """The fused KV-cache write of the fp8 attention mode (``kernels/kv_quant.py``) against its torch ops
     (``Fp8Shadow.put_torch``): bit equality of the whole cache copy everywhere, times only on a GPU (bytes moved by
     the kernel: k and v once, their codes, steps and scales)."""
-    import torch
-
-    from ..kernels import kv_quant
-    from ..model.kv_cache import Fp8Shadow
-
     label, b, rows, h, d, cap = KV_WRITE_SHAPE if device == "cuda" else CPU_KV_WRITE_SHAPE
     dtype = getattr(torch, dtype_name)
     row = {"kernel": "fp8_kv_write", "shape": label, "dims": [b, rows, h, d, cap], "dtype": dtype_name}
@@ -203,17 +188,12 @@ def fp8_linear_rows(dtype_name: str) -> list[dict]:
     """A 1.3B block's linear layers on a CUDA GPU with fp8 tensor cores: ``F.linear`` in the run's dtype, the fp8
     linear with the torch quantize (``quantize_rows`` + ``torch._scaled_mm``) and with the fused one, per layer
     and for the block; [] where the scaled matmul does not run (the reason in one row)."""
-    import torch
-    import torch.nn.functional as F
-
-    from ..kernels import fp8_linear as fp8
-
     why = fp8.mm_problem("cuda", 1536, 1536)
     if why is not None:
         return [{"kernel": "fp8_linear", "shape": "1.3B block", "skipped": why}]
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(1)
-    rows, total = [], {"exact_ms": 0.0, "fp8_torch_quant_ms": 0.0, "fp8_fused_ms": 0.0}
+    rows = []
     for label, n, k in FP8_LAYERS:
         x = torch.randn(FP8_TOKENS, k, generator=g).to("cuda", dtype)
         w = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", dtype)
@@ -222,11 +202,10 @@ def fp8_linear_rows(dtype_name: str) -> list[dict]:
         times = {"exact_ms": _do_bench(lambda: F.linear(x, w)),
                  "fp8_torch_quant_ms": _do_bench(lambda: fp8.scaled_mm(x, wq, ws, None, fp8.quantize_rows(x))),
                  "fp8_fused_ms": _do_bench(lambda: fp8.scaled_mm(x, wq, ws))}
-        for key, ms in times.items():
-            total[key] += ms
         rows.append({"kernel": "fp8_linear", "shape": label, "dims": [FP8_TOKENS, n, k], "dtype": dtype_name, **times,
                      "speedup": times["exact_ms"] / times["fp8_fused_ms"]})
         del x, w, wq, ws
+    total = {key: sum(r[key] for r in rows) for key in ("exact_ms", "fp8_torch_quant_ms", "fp8_fused_ms")}
     rows.append({"kernel": "fp8_linear", "shape": "1.3B block", "dims": [FP8_TOKENS], "dtype": dtype_name, **total,
                  "speedup": total["exact_ms"] / total["fp8_fused_ms"]})
     return rows
@@ -253,10 +232,6 @@ SANITY_MARK = "WAN_ACCEL_SANITY "
 
 def _sanity_child() -> None:
     """Runs in a process started with TRITON_INTERPRET=1: every kernel vs its reference, one JSON line."""
-    import torch
-
-    from ..kernels._common import triton_module, use_triton
-
     if triton_module() is None:
         rows = [{"kernel": name, "skipped": "triton not importable"} for name, _, _ in _kernels()]
     elif not use_triton(torch.zeros(1)):
@@ -299,10 +274,6 @@ VAE_CPU_SHAPE = ("96ch 4f 30x52", 96, 4, 30, 52)
 
 
 def _vae_inputs(channels: int, frames: int, height: int, width: int, dtype, device):
-    import torch
-
-    from ..vae.wan21 import CACHE_FRAMES, RMSNorm
-
     g = torch.Generator(device="cpu").manual_seed(0)
     norm = RMSNorm(channels).requires_grad_(False)
     norm.gamma.copy_(1.0 + 0.1 * torch.randn(norm.gamma.shape, generator=g))
@@ -314,8 +285,6 @@ def _vae_inputs(channels: int, frames: int, height: int, width: int, dtype, devi
 
 def _vae_fused(norm, x, history):
     """What the decoder runs: the causal convolution's input buffer, history in front, norm + SiLU after it."""
-    import torch
-
     buf = torch.empty(x.shape[:2] + (history.shape[2] + x.shape[2],) + x.shape[3:], dtype=x.dtype, device=x.device)
     buf[:, :, :history.shape[2]].copy_(history)
     norm.silu_into(x, buf[:, :, history.shape[2]:])
@@ -324,9 +293,6 @@ def _vae_fused(norm, x, history):
 
 def _vae_torch(norm, x, history):
     """The layers one by one: the norm's torch ops, SiLU, then the concatenation with the history."""
-    import torch
-    import torch.nn.functional as F
-
     return torch.cat([history, F.silu(norm(x))], 2)
 
 
@@ -334,10 +300,6 @@ def vae_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
     """The ``vae norm+silu`` row: the decoder's fused norm + SiLU into the convolution's buffer against the torch
     layers and the concatenation, at the real shape on a GPU (a small one on a CPU: only the ratio means anything
     there, and without Triton the fused side is the same torch math written in place, no concatenation)."""
-    import torch
-
-    from ..kernels.candidates import tolerance
-
     label, c, t, h, w = shape or (VAE_GPU_SHAPE if device == "cuda" else VAE_CPU_SHAPE)
     dtype = getattr(torch, dtype_name)
     timer = bench_timer(device, 5)
@@ -359,11 +321,6 @@ def vae_rows(device: str, dtype_name: str, shape=None) -> list[dict]:
 def vae_sanity_rows() -> list[dict]:
     """The VAE norm + SiLU kernel under the interpreter against its float32 torch definition, written into a
     history buffer (an odd width and position count)."""
-    import torch
-
-    from ..kernels import vae_norm
-    from ..kernels.candidates import tolerance
-
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         norm, x, history = _vae_inputs(37, 3, 5, 7, dtype, "cpu")
@@ -388,10 +345,6 @@ def _print_vae(rows: list[dict]) -> None:
 
 def _tuned_call(fn, args) -> tuple:
     """(output, seconds, the tuner's benchmarks) of one synchronized call of ``fn`` on a new autotuner."""
-    import torch
-
-    from ..cache.autotune import get_autotuner, reset_autotuners
-
     reset_autotuners()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -401,10 +354,6 @@ def _tuned_call(fn, args) -> tuple:
 
 
 def gpu_rows(dtype_name: str, frames: int) -> list[dict]:
-    import torch
-
-    from ..cache.autotune import reset_autotuners
-
     dtype = getattr(torch, dtype_name)
     rows = []
     with (tempfile.TemporaryDirectory(prefix="wan_accel_bench_kernels_") as tmp,     # the store put back on the way out
@@ -444,10 +393,6 @@ def candidate_rows(device: str, dtype_name: str, frames: int, shapes=None) -> li
     """Every implementation of each op (kernels/candidates.py) side by side on ``shapes``: its error against the
     torch reference, its time and its ratio to plain torch (on a CPU only the ratio means anything), or why it
     cannot run here."""
-    import torch
-
-    from ..kernels import candidates as op_candidates
-
     dtype = getattr(torch, dtype_name)
     timer = bench_timer(device, 5)
     rows = []
@@ -483,11 +428,8 @@ def _print_candidates(rows: list[dict]) -> None:
 
 
 def run(args) -> int:
-    import torch
-
     from ..app.progress import Progress
     from ..app.validate import TORCH_NAMES
-    from ..kernels._common import interpret_enabled, triton_module
     progress = Progress("bench kernels")
     if not torch.cuda.is_available() or triton_module() is None:
         progress("no CUDA GPU with triton: the interpreter sanity pass (a process of its own)")

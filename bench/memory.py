@@ -6,31 +6,20 @@ Without a GPU it says so and runs a tiny functional pass on the CPU (outputs ide
 """
 from __future__ import annotations
 
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 from ..cache.json_out import print_json
+from ..memory.block_swap import SwapSettings, apply_block_swap
 from . import print_columns
-
-SHAPES = {"1.3b": (1536, 8960, 12, 30), "14b": (5120, 13824, 40, 40)}
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--model", choices=tuple(SHAPES), default="1.3b", help="block shape (default 1.3b)")
-    p.add_argument("--width", type=int, default=832, help="video width in pixels (default 832)")
-    p.add_argument("--height", type=int, default=480, help="video height in pixels (default 480)")
-    p.add_argument("--frames-per-block", type=int, default=3, help="latent frames per forward (causal chunk)")
-    p.add_argument("--kv-frames", type=int, default=3,
-                   help="latent frames of keys per self-attention (3: first chunk; 21: last chunk of 81 frames)")
-    p.add_argument("--blocks", type=int, default=None, help="blocks in the stack (default: the model's)")
-    p.add_argument("--repeats", type=int, default=5, help="timed forwards per setting (median reported)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed forwards first")
-    p.add_argument("--json", action="store_true", help="print JSON")
+from .options import OFFLOAD_SHAPES as SHAPES, offload as add_arguments  # noqa: F401  (defined without torch)
 
 
 def _stack(n, dim, ffn, heads, device, dtype):
     """A stack of ``n`` Wan-shaped blocks built on ``device`` in ``dtype`` (seed 0)."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
     class BenchBlock(nn.Module):
         """Wan-shaped block: modulated self-attention, cross-attention over 512 text tokens, GELU FFN."""
 
@@ -80,12 +69,6 @@ def _stack(n, dim, ffn, heads, device, dtype):
 
 
 def _cpu_pass(args) -> int:
-    import torch
-
-    from ..memory.block_swap import SwapSettings, apply_block_swap
-
-    import sys
-
     print("bench offload: a CUDA GPU is required for timings and peak VRAM; running a tiny functional pass on "
           "the CPU instead (same transfer code path, synchronous copies)", file=sys.stderr if args.json else sys.stdout)
     stack = _stack(4, 64, 128, 4, "cpu", torch.float32)
@@ -108,8 +91,6 @@ def _cpu_pass(args) -> int:
 
 
 def _time_forward(stack, inputs, repeats, warmup):
-    import torch
-
     with torch.no_grad():
         for _ in range(warmup):
             stack(*inputs)
@@ -128,10 +109,6 @@ def _time_forward(stack, inputs, repeats, warmup):
 
 
 def run(args) -> int:
-    import torch
-
-    from ..memory.block_swap import SwapSettings, apply_block_swap
-
     if not torch.cuda.is_available():
         return _cpu_pass(args)
     dim, ffn, heads, layers = SHAPES[args.model]

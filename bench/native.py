@@ -40,26 +40,17 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
 from ..cache.json_out import to_json
 from . import print_columns
+from .options import COMFYUI_ENV, LORA, NATIVE_SHAPES as SHAPES, NATIVE_WEIGHTS as WEIGHTS
+from .options import native as add_arguments  # noqa: F401  (defined without torch: --help answers at once)
 
 SKIP_LINE = ("ComfyUI is not importable here: run it with ComfyUI's Python from the ComfyUI folder, or set "
              "COMFYUI_DIR")
-COMFYUI_ENV = "COMFYUI_DIR"
-WEIGHTS = ("bf16", "fp8_scaled", "fp8_scaled_legacy")
-LORA = "+lora"
 FRAMES_PER_BLOCK = 3
 SLOWER = 1.03                   # native slower than own by more than this: the breakdown says why
-# shape -> (config kwargs over WanConfig's defaults, or a preset name; latent frames, latent height, width; text
-# tokens of the random prompt embedding: the text length, as ComfyUI's UMT5 tokenizer pads every prompt to 512 at
-# least; with fewer, core attends to the given tokens alone where the pack zero-pads them to text_len, as the
-# official Wan code does, and the two differ by design)
-SHAPES = {
-    "tiny": (dict(dim=64, ffn_dim=128, freq_dim=32, text_dim=48, text_len=16, num_heads=4, num_layers=2), 6, 8, 12,
-             16),
-    "mid": (dict(dim=512, ffn_dim=2048, num_heads=4, num_layers=8), 21, 16, 16, 512),    # minutes on a CPU
-    "1.3b": ("WAN_1_3B", 21, 60, 104, 512),       # 480x832, 81 frames; dim 1536, 30 layers, 12 heads, ffn 8960
-}
 
 _COMFY_SIDE = []                # the registered ComfyUI side (nodes/comfy/native_bench.py)
 
@@ -67,30 +58,6 @@ _COMFY_SIDE = []                # the registered ComfyUI side (nodes/comfy/nativ
 def register_comfy_side(side) -> None:
     """Called by nodes/comfy/native_bench.py at import: the object that loads and samples with ComfyUI."""
     _COMFY_SIDE[:] = [side]
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
-                   help="tiny (CPU tests), mid (dim 512, 8 layers, 21 latent frames of 16x16) or 1.3b (Wan 2.1 "
-                   "1.3B: 480x832, 21 latent frames)")
-    p.add_argument("--weights", default="bf16",
-                   help="comma-separated weights variants: " + ", ".join(WEIGHTS)
-                   + f", each optionally with '{LORA}' (one random LoRA applied), e.g. bf16,fp8_scaled,bf16{LORA}")
-    p.add_argument("--repeat", type=int, default=3, help="timed videos per sampler, after one warm-up")
-    p.add_argument("--path", choices=("auto", "optimized", "reference"), default="auto",
-                   help="the pack's sampler path, for the native and own runs alike (auto: optimized on CUDA)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights, prompt and noise")
-    p.add_argument("--lora-rank", type=int, default=None, help="rank of the random LoRA (default 16; only with a "
-                   f"'{LORA}' variant in --weights)")
-    p.add_argument("--lora-strength", type=float, default=None, help="strength the LoRA is applied at (default 1.0; "
-                   f"only with a '{LORA}' variant in --weights)")
-    p.add_argument("--comfyui", default=None, metavar="DIR",
-                   help=f"ComfyUI's folder, put on sys.path (default: ${COMFYUI_ENV}, else the current folder)")
-    p.add_argument("--workdir", default=None, help="folder for the checkpoint files (default: a temporary one, "
-                   "removed at the end)")
-    p.add_argument("--no-profile", action="store_true", help="skip the dispatch-count runs")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 # ----------------------------------------------------------------------------- ComfyUI, or a skip
@@ -146,7 +113,6 @@ def parse_weights(text: str) -> list:
 def timed(run, device, steps: int) -> tuple:
     """(output, seconds, first chunk seconds, peak MiB) of ``run(on_step)``; ``on_step()`` is called once per
     denoising step and marks the first chunk at its last step (a device sync there)."""
-    import torch
     from ..profiling.runner import sync_device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -177,7 +143,6 @@ def core_noise(seed: int, shape, steps: int, device) -> dict:
     """The re-noising draws of core's ``sample_ar_video`` for a latent [B, C, T, H, W], keyed as the Wan Accel AR
     Sampler's recorded noise (``extra_noise.block{b}.step{i}``, [B, F, C, H, W]): ``torch.manual_seed(seed + 1000 *
     block + step)`` then a float32 normal draw of the block's shape on the run's device."""
-    import torch
     b, c, t, h, w = shape
     out = {}
     for block, f0 in enumerate(range(0, t, FRAMES_PER_BLOCK)):
@@ -198,8 +163,6 @@ def _max_abs(a, b):
 # ----------------------------------------------------------------------------- the pack's own path
 def own_rows(path: Path, lora: Path | None, args, dtype, device, inputs: dict, profile: bool) -> tuple:
     """(row, final latents [B, C, T, H, W], structure) of the pack's own loader and sampler on the file."""
-    import torch
-
     from ..app.prepare import RunInputs, RunSpec, SamplingHooks, prepare, prepare_model
     from ..model.loader import load_wan_checkpoint
     from ..sampling.runner import release_buffers
@@ -264,8 +227,6 @@ def why_slower(rows: dict, structure: dict) -> dict | None:
 # ----------------------------------------------------------------------------- one weights variant
 def run_variant(name: str, side, args, config, device, workdir: Path, base_weights: dict, inputs: dict) -> dict:
     import gc
-
-    import torch
 
     from ..model.checkpoint import core_causal_metadata
     from ..model.random_checkpoint import fp8_scaled, random_lora, write_file
@@ -344,8 +305,6 @@ def run_variant(name: str, side, args, config, device, workdir: Path, base_weigh
 
 
 def _inputs(config, shape: str, seed: int, device) -> dict:
-    import torch
-
     from ..sampling.scheduler import resolve_schedule
     _spec, frames, lh, lw, tokens = SHAPES[shape]
     g = torch.Generator().manual_seed(int(seed) + 1)
@@ -358,8 +317,6 @@ def _inputs(config, shape: str, seed: int, device) -> dict:
 
 def _versions(side) -> dict:
     import platform
-
-    import torch
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
     try:
         import triton
@@ -376,8 +333,6 @@ def run(args) -> int:
     import datetime
     import shutil
     import tempfile
-
-    import torch
 
     from ..cache.fingerprint import cpu_name
     from ..model.checkpoint import expected_shapes

@@ -1,5 +1,6 @@
-"""The options of the benches whose modules import torch (sampler, attention, play, fidelity, and sampler's
-``--world-size`` route), with the tables they name, defined here without torch or any heavy import.
+"""The options of the benches whose modules import torch (sampler, attention, play, fidelity, kernels, offload,
+native, and sampler's ``--world-size`` route), with the tables they name, defined here without torch or any heavy
+import.
 
 ``python -m wan_accel bench WHAT --help`` and a usage error of those options then answer at once (cli/bench.py
 builds the parser from here and imports the bench module only to run it). Each bench module takes its
@@ -170,6 +171,75 @@ def fidelity(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON on stdout instead of a table")
 
 
+# ----------------------------------------------------------------------------- bench kernels
+def kernels(parser) -> None:
+    """``bench kernels``' options."""
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    dtype_option(parser, "dtype of the timed kernels on a CUDA GPU (default bf16; without one, the sanity pass runs "
+                 "float32)", default="bf16")
+    parser.add_argument("--frames", type=int, default=3, help="frames per chunk (per-frame modulation F)")
+
+
+# ----------------------------------------------------------------------------- bench offload
+OFFLOAD_SHAPES = {"1.3b": (1536, 8960, 12, 30), "14b": (5120, 13824, 40, 40)}   # model -> (dim, ffn, heads, blocks)
+
+
+def offload(p) -> None:
+    """``bench offload``'s options (bench/memory.py)."""
+    p.add_argument("--model", choices=tuple(OFFLOAD_SHAPES), default="1.3b", help="block shape (default 1.3b)")
+    p.add_argument("--width", type=int, default=832, help="video width in pixels (default 832)")
+    p.add_argument("--height", type=int, default=480, help="video height in pixels (default 480)")
+    p.add_argument("--frames-per-block", type=int, default=3, help="latent frames per forward (causal chunk)")
+    p.add_argument("--kv-frames", type=int, default=3,
+                   help="latent frames of keys per self-attention (3: first chunk; 21: last chunk of 81 frames)")
+    p.add_argument("--blocks", type=int, default=None, help="blocks in the stack (default: the model's)")
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards per setting (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed forwards first")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+# ----------------------------------------------------------------------------- bench native
+COMFYUI_ENV = "COMFYUI_DIR"        # bench native: the environment variable naming ComfyUI's folder
+NATIVE_WEIGHTS = ("bf16", "fp8_scaled", "fp8_scaled_legacy")
+LORA = "+lora"         # bench native: the suffix of a weights variant with one random LoRA applied
+# shape -> (config kwargs over WanConfig's defaults, or a preset name; latent frames, latent height, width; text
+# tokens of the random prompt embedding: the text length, as ComfyUI's UMT5 tokenizer pads every prompt to 512 at
+# least; with fewer, core attends to the given tokens alone where the pack zero-pads them to text_len, as the
+# official Wan code does, and the two differ by design)
+NATIVE_SHAPES = {
+    "tiny": (dict(dim=64, ffn_dim=128, freq_dim=32, text_dim=48, text_len=16, num_heads=4, num_layers=2), 6, 8, 12,
+             16),
+    "mid": (dict(dim=512, ffn_dim=2048, num_heads=4, num_layers=8), 21, 16, 16, 512),    # minutes on a CPU
+    "1.3b": ("WAN_1_3B", 21, 60, 104, 512),       # 480x832, 81 frames; dim 1536, 30 layers, 12 heads, ffn 8960
+}
+
+
+def native(p) -> None:
+    """``bench native``'s options (bench/native.py)."""
+    p.add_argument("--shape", choices=sorted(NATIVE_SHAPES), default="tiny",
+                   help="tiny (CPU tests), mid (dim 512, 8 layers, 21 latent frames of 16x16) or 1.3b (Wan 2.1 "
+                   "1.3B: 480x832, 21 latent frames)")
+    p.add_argument("--weights", default="bf16",
+                   help="comma-separated weights variants: " + ", ".join(NATIVE_WEIGHTS)
+                   + f", each optionally with '{LORA}' (one random LoRA applied), e.g. bf16,fp8_scaled,bf16{LORA}")
+    p.add_argument("--repeat", type=int, default=3, help="timed videos per sampler, after one warm-up")
+    p.add_argument("--path", choices=("auto", "optimized", "reference"), default="auto",
+                   help="the pack's sampler path, for the native and own runs alike (auto: optimized on CUDA)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights, prompt and noise")
+    p.add_argument("--lora-rank", type=int, default=None, help="rank of the random LoRA (default 16; only with a "
+                   f"'{LORA}' variant in --weights)")
+    p.add_argument("--lora-strength", type=float, default=None, help="strength the LoRA is applied at (default 1.0; "
+                   f"only with a '{LORA}' variant in --weights)")
+    p.add_argument("--comfyui", default=None, metavar="DIR",
+                   help=f"ComfyUI's folder, put on sys.path (default: ${COMFYUI_ENV}, else the current folder)")
+    p.add_argument("--workdir", default=None, help="folder for the checkpoint files (default: a temporary one, "
+                   "removed at the end)")
+    p.add_argument("--no-profile", action="store_true", help="skip the dispatch-count runs")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
 # bench module (its last name) -> its options, for cli/bench.py; a bench not named here defines add_arguments in
-# a module that imports nothing heavy (compile, kernels, memory: checked by tests/test_cli_help.py)
-ARGUMENTS = {"sampler": sampler, "parallel": parallel, "attention": attention, "play": play, "fidelity": fidelity}
+# a module that imports nothing heavy (compile: checked by tests/test_cli_help.py)
+ARGUMENTS = {"sampler": sampler, "parallel": parallel, "attention": attention, "play": play, "fidelity": fidelity,
+             "kernels": kernels, "memory": offload, "native": native}

@@ -28,10 +28,8 @@ from . import print_columns, sampler as bs
 from ..app.validate import UsageError
 from ..app.jobs.generate import ChunkTimer
 from ..app.ranks.parallel import check_world, enable_parallel, group_from_env, kv_bytes, run_ranks, stop_group
+from .options import parallel as add_arguments  # noqa: F401  (defined without torch)
 from .sampler_setup import run_geometry, shape_config
-
-
-from .options import parallel as add_arguments  # noqa: E402,F401  (defined without torch)
 
 
 def model_heads(args) -> int:

@@ -58,7 +58,7 @@ from ..cache.json_out import to_json
 from . import print_columns
 from ..cache.fingerprint import cpu_name
 from ..app.validate import UsageError
-from .decode import ChunkDecoder, build_bench_decoder, check_decode_args, decode_columns, decoder_peak_mb
+from .decode import ChunkDecoder, build_bench_decoder, decode_columns, decoder_peak_mb
 from .sampler_setup import run_geometry, shape_config, shape_schedule, shape_window
 
 # the variants, shapes and options are defined without torch (bench sampler --help answers at once)
@@ -361,15 +361,6 @@ def variant_ops(name: str) -> str:
     return VARIANTS[name].get("options", {}).get("ops", "auto")
 
 
-def _check_ops_variants(names: list, device) -> None:
-    """UsageError naming the variant when its ops mode cannot run on ``device`` (before any model is built)."""
-    from ..kernels.candidates import mode_problem
-    for name in names:
-        problem = mode_problem(variant_ops(name), device) if VARIANTS[name]["path"] == "optimized" else None
-        if problem:
-            raise UsageError(f"--variants {name}: {problem}; leave {name} out")
-
-
 def _history(result: dict) -> None:
     try:
         from ..profiling import history
@@ -405,8 +396,14 @@ def run(args) -> int:
         raise UsageError(f"--linear fp8 adds an fp8 twin to each optimized variant, and --variants "
                          f"{args.variants} has none (the reference path keeps every layer exact): add optimized to "
                          f"--variants, or leave out --linear")
-    _check_ops_variants(names, device)
-    check_decode_args(args)
+    from ..kernels.candidates import mode_problem
+    for n in names:             # an ops mode that cannot run on the device: refused before any model is built
+        problem = mode_problem(variant_ops(n), device) if VARIANTS[n]["path"] == "optimized" else None
+        if problem:
+            raise UsageError(f"--variants {n}: {problem}; leave {n} out")
+    if args.vae and args.decode == "none":      # bad --decode values are refused by the parser's choices
+        raise UsageError("--vae gives weights for a decoder: add --decode wan (a Wan 2.1 VAE file) or --decode tiny "
+                         "(a taew2_1 file)")
     from . import sampler_setup as setup
     setup.check_options(args, device, names, VARIANTS)      # shape, --weights, --memory-cap-gb: before any work
     frames, height, width = run_geometry(args, kind, shape)
@@ -449,16 +446,14 @@ def run(args) -> int:
         except Exception as exc:  # noqa: BLE001 - out of memory becomes the row's answer; anything else is raised
             if not is_oom(exc):
                 raise
-            progress(f"[{k + 1}/{len(names)}] {n}: out of memory ({str(exc).strip().splitlines()[0][:160]})")
-            failed.append(setup.oom_row(n, exc))
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            progress(f"[{k + 1}/{len(names)}] {n}: out of memory ({detail[:160]})")
+            failed.append({"variant": n, "error": "out of memory", "detail": detail[:300]})
             models.drop()
-    ok_names = [r["variant"] for r, _o in timed]
     rows, outputs = [r for r, _o in timed], [o for _r, o in timed]
-    if "reference" in ok_names:
-        reference = outputs[ok_names.index("reference")]
-    elif getattr(args, "no_parity", False) or info["parity_off"] or not rows:
-        reference = None
-    else:       # parity needs the reference latents: one untimed reference run
+    reference = next((o for r, o in timed if r["variant"] == "reference"), None)
+    if reference is None and rows and not (getattr(args, "no_parity", False) or info["parity_off"]):
+        # parity needs the reference latents: one untimed reference run
         progress("one untimed float32 reference run for the parity columns (--no-parity skips it)")
         v = VARIANTS["reference"]
         model = models.get(torch.float32, v["precision"], v["attention"])

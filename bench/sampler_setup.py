@@ -131,16 +131,13 @@ def check_options(args, device: torch.device, names: list, variants: dict) -> No
         total = torch.cuda.get_device_properties(device).total_memory / 1024 ** 3
         if cap > total:
             raise UsageError(f"--memory-cap-gb {cap:g} is more than the card's {total:.1f} GiB; use at most that")
-    big = shape in ON_DEVICE_SHAPES and not args.checkpoint
-    if big and device.type != "cuda":
+    if shape in ON_DEVICE_SHAPES and not args.checkpoint and device.type != "cuda":
         raise UsageError(f"--shape {shape}: a 14B model is drawn on a CUDA device in the run dtype (28 GB in bf16, "
                          f"56 GB in float32 on a {device.type}); run it on a CUDA device, or use --shape 1.3b / tiny")
-    why = ("the 14B shapes are drawn on the device in the run dtype (no float32 copy)" if big else
-           "under --memory-cap-gb only the run dtype is planned" if cap is not None else None)
-    if why:
+    if off:             # no float32 copy (a 14B shape), or only the run dtype planned (--memory-cap-gb)
         fp32 = [n for n in names if variants[n]["dtype"] == "fp32"]
         if fp32 or (args.dtype or "bf16") == "fp32":
-            raise UsageError(f"--variants {(fp32 or names)[0]}: {why}; run float32 at --shape 1.3b without "
+            raise UsageError(f"--variants {(fp32 or names)[0]}: {off}; run float32 at --shape 1.3b without "
                              f"--memory-cap-gb, or choose --variants optimized")
 
 
@@ -154,30 +151,25 @@ def parity_off(args) -> str | None:
 
 
 # ----------------------------------------------------------------------------- the VRAM plan
-def weights_table(config, weights: str = "bf16"):
-    """The plan's byte table of a config's weights (``memory/weights.py``), block linears fp8 with --weights fp8."""
-    import math
-
-    from ..memory.plan import fp8_weights
-    from ..memory.weights import TensorInfo, weights_from_tensors
-    from ..model.checkpoint import config_dict, expected_shapes
-    shapes = expected_shapes(config)
-    table = weights_from_tensors({n: TensorInfo(n, "BF16", s, 2 * math.prod(s)) for n, s in shapes.items()},
-                                 source="random", config=config_dict(config))
-    return fp8_weights(table) if weights == "fp8" else table
-
-
 def make_run_plan(config, weights: str, frames: int, height: int, width: int, system=None, kv_window=None,
                   checkpoint=None):
     """The VRAM plan of one bench run, of ``config``'s weights or a ``checkpoint`` file's (learned limits left out: a
     bench measures the estimate's decisions)."""
+    import math
+
     from ..memory.estimate import Workload
-    from ..memory.plan import make_plan
-    from ..memory.weights import weights_from_checkpoint
-    table = weights_from_checkpoint(checkpoint) if checkpoint else weights_table(config, weights)
-    return make_plan(table, Workload(width, height, frames,
-                                                              frames_per_block=FRAMES_PER_BLOCK),
-                     system, kv_window=kv_window)
+    from ..memory.plan import fp8_weights, make_plan
+    from ..memory.weights import TensorInfo, weights_from_checkpoint, weights_from_tensors
+    from ..model.checkpoint import config_dict, expected_shapes
+    if checkpoint:
+        table = weights_from_checkpoint(checkpoint)
+    else:       # the byte table of config's weights (memory/weights.py), block linears fp8 with --weights fp8
+        table = weights_from_tensors({n: TensorInfo(n, "BF16", s, 2 * math.prod(s))
+                                      for n, s in expected_shapes(config).items()}, source="random",
+                                     config=config_dict(config))
+        table = fp8_weights(table) if weights == "fp8" else table
+    return make_plan(table, Workload(width, height, frames, frames_per_block=FRAMES_PER_BLOCK), system,
+                     kv_window=kv_window)
 
 
 def plan_report(plan, cap_gb) -> dict:
@@ -192,12 +184,6 @@ def plan_report(plan, cap_gb) -> dict:
             "estimated_peak_gb": round(plan.estimated_peak_bytes / gib, 3), "budget_gb": round(plan.budget_bytes / gib, 3),
             "breakdown_gb": {k: round(v / gib, 3) for k, v in plan.breakdown.items()},
             "reasons": dict(plan.reasons)}
-
-
-def plan_window(plan, shape: str) -> int | None:
-    """The KV window the run takes from the plan: None where the plan keeps the shape's own."""
-    own, _sink = shape_window(shape)
-    return None if plan.kv_window == own or (plan.kv_window < 0 and own < 0) else int(plan.kv_window)
 
 
 # ----------------------------------------------------------------------------- models
@@ -235,11 +221,6 @@ def model_bytes(model) -> dict:
     return out
 
 
-def oom_row(name: str, exc: BaseException) -> dict:
-    return {"variant": name, "error": "out of memory", "detail": str(exc).strip().splitlines()[0][:300]
-            if str(exc).strip() else type(exc).__name__}
-
-
 def prepare_memory(args, device: torch.device, kind: str, shape: str, frames: int, height: int, width: int) -> dict:
     """Before anything is allocated: the cap (``--memory-cap-gb``) and, on CUDA, the run's VRAM plan. Returns
     {'memory': what the JSON reports, 'swap': SwapSettings or None, 'kv_window': the plan's window or None,
@@ -267,5 +248,6 @@ def prepare_memory(args, device: torch.device, kind: str, shape: str, frames: in
         return out
     if plan.blocks_to_swap or plan.offload_embeddings:
         out["swap"] = plan.swap_settings()
-    out["kv_window"] = None if args.checkpoint else plan_window(plan, shape)
+    keep = plan.kv_window == own or (plan.kv_window < 0 and own < 0)     # the plan keeps the shape's own window
+    out["kv_window"] = None if args.checkpoint or keep else int(plan.kv_window)
     return out
