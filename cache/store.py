@@ -490,7 +490,7 @@ class LimitCache:
                     data = self._load()
                     if self._refused:
                         raise CacheUnavailableError(self._refused)
-                    if self._unsaved is not None:   # entries kept in memory while the file could not be written
+                    if self._unsaved is not None:   # what was kept in memory while writes failed joins in
                         data["fingerprints"].update(copy.deepcopy(self._unsaved["fingerprints"]))
                         for ns, by_fp in self._unsaved["namespaces"].items():
                             for fid, entries in by_fp.items():
