@@ -201,7 +201,8 @@ def _gpu_timed() -> bool:
     try:
         import torch
 
-        return torch.cuda.is_available() and not _interpreting()
+        interpreting = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+        return torch.cuda.is_available() and not interpreting
     except Exception:  # noqa: BLE001 - no usable torch.cuda: wall time
         return False
 
@@ -217,10 +218,6 @@ def default_timer(fn: Callable[[], object]) -> float:
         log.debug("wan_accel autotune: graph timing failed (%s); timed call by call", exc)
         graphed = None
     return cuda_timer(fn) if graphed is None else graphed
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def device_shared_memory_limit() -> int | None:

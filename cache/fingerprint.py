@@ -78,24 +78,17 @@ def _compute(device_index: int | None) -> tuple:
     return tuple((k, info[k]) for k in FINGERPRINT_FIELDS)
 
 
-def _default_device_index() -> int | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.current_device()
-
-
 def fingerprint(device=None) -> dict:
     """The fingerprint of ``device`` (a ``torch.device`` or its name, or None for the current device / CPU)."""
-    if device is None:
-        index = _default_device_index()
+    import torch  # lazy: importing the pack must not import torch
+
+    dev = "" if device is None else str(device)
+    if dev.startswith("cpu"):
+        index = None
+    elif ":" in dev:
+        index = int(dev.split(":", 1)[1])
     else:
-        dev = str(device)
-        if dev.startswith("cpu"):
-            index = None
-        else:
-            index = int(dev.split(":", 1)[1]) if ":" in dev else _default_device_index()
+        index = torch.cuda.current_device() if torch.cuda.is_available() else None
     return dict(_compute(index))
 
 

@@ -31,13 +31,9 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-def _read_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_NEW_FILE_MODE = 0o666 & ~_read_umask()   # what open() would give a new file
+_UMASK = os.umask(0)                      # read (by setting it) and put back at once
+os.umask(_UMASK)
+_NEW_FILE_MODE = 0o666 & ~_UMASK          # what open() would give a new file
 
 
 class OwnedFileError(ValueError):

@@ -80,16 +80,12 @@ def write_problem(path) -> str | None:
     return None
 
 
-def _norm(path: Path) -> str:
-    try:
-        return os.path.normpath(os.path.abspath(str(path)))
-    except (OSError, ValueError):
-        return str(path)
-
-
 def system_folder(path) -> str | None:
     """The system folder ``path`` is in (or is), else None. Symlinks in the folder part are resolved."""
-    p = Path(_norm(Path(path)))
+    try:
+        p = Path(os.path.normpath(os.path.abspath(str(path))))
+    except (OSError, ValueError):
+        p = Path(path)
     candidates = {str(p)}
     try:
         candidates.add(os.path.join(os.path.realpath(str(p.parent)), p.name))

@@ -179,14 +179,6 @@ class LimitCache:
         warnings.warn(f"wan_accel limit cache {self.path} was damaged ({reason}); moved it to {target} and "
                       f"started an empty cache", RuntimeWarning, stacklevel=4)
 
-    def quarantined_files(self) -> list[Path]:
-        """Damaged cache files moved aside beside the cache (``limits.json.corrupt-<time>``), newest first."""
-        try:
-            found = [p for p in self.path.parent.glob(f"{self.path.name}.corrupt-*") if p.is_file()]
-            return sorted(found, key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
-        except OSError:
-            return []
-
     # ---------------------------------------------------------------- set-aside entries
     @property
     def set_aside_path(self) -> Path:
@@ -294,7 +286,12 @@ class LimitCache:
             out.append(f"{count_entries(len(aside))} of the cache could not be used and "
                        f"{'is' if len(aside) == 1 else 'are'} set aside in {self.set_aside_path} (read them with "
                        f"`python -m wan_accel cache set-aside`; delete the file when you no longer need them)")
-        for p in self.quarantined_files():
+        try:        # damaged cache files moved aside beside the cache (limits.json.corrupt-<time>), newest first
+            moved = [p for p in self.path.parent.glob(f"{self.path.name}.corrupt-*") if p.is_file()]
+            moved.sort(key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+        except OSError:
+            moved = []
+        for p in moved:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.stat().st_mtime)) if p.exists() else "?"
             why = f" ({reasons[p.name]})" if p.name in reasons else ""
             out.append(f"a damaged cache file was moved aside to {p.name}{why} on {when}, and the cache started "
@@ -451,15 +448,15 @@ class LimitCache:
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
         _atomic_write(self.path, blob)
 
-    def _apply_pending_hits(self, data: dict) -> None:
+    def _settle(self, data: dict) -> None:
+        """Fold the pending hit counters into ``data``, evict the least recently used entries beyond
+        ``max_entries`` per namespace and drop the namespaces and fingerprints left without entries."""
         for (ns, fid, key), (count, last) in self._pending_hits.items():
             entry = data["namespaces"].get(ns, {}).get(fid, {}).get(key)
             if entry is not None:
                 entry["hits"] = int(entry.get("hits", 0)) + count
                 entry["last_used"] = max(entry.get("last_used", 0.0), last)
         self._pending_hits.clear()
-
-    def _evict(self, data: dict) -> None:
         for ns, by_fp in data["namespaces"].items():
             rows = [(e.get("last_used", 0.0), e.get("updated", 0.0), fid, key)
                     for fid, entries in by_fp.items() for key, e in entries.items()]
@@ -468,10 +465,6 @@ class LimitCache:
                 continue
             for _, _, fid, key in sorted(rows)[:excess]:
                 del by_fp[fid][key]
-        self._drop_empty(data)
-
-    @staticmethod
-    def _drop_empty(data: dict) -> None:
         for ns in list(data["namespaces"]):
             by_fp = data["namespaces"][ns]
             for fid in [f for f, e in by_fp.items() if not e]:
@@ -497,11 +490,14 @@ class LimitCache:
                     data = self._load()
                     if self._refused:
                         raise CacheUnavailableError(self._refused)
-                    self._merge_unsaved(data)
+                    if self._unsaved is not None:   # what was kept in memory while writes failed joins in
+                        data["fingerprints"].update(copy.deepcopy(self._unsaved["fingerprints"]))
+                        for ns, by_fp in self._unsaved["namespaces"].items():
+                            for fid, entries in by_fp.items():
+                                data["namespaces"].setdefault(ns, {}).setdefault(fid, {}).update(copy.deepcopy(entries))
                     result = change(data)
                     applied = (data, result)
-                    self._apply_pending_hits(data)
-                    self._evict(data)
+                    self._settle(data)
                     self._write(data)
                     self._data, self._stamp = data, self._stat_stamp()
                     self._write_error, self._unsaved = None, None
@@ -526,19 +522,9 @@ class LimitCache:
                 base = self._unsaved if self._unsaved is not None else self._data
                 data = copy.deepcopy(base) if base is not None else _empty()
                 result = change(data)
-            self._apply_pending_hits(data)
-            self._evict(data)
+            self._settle(data)
             self._unsaved = data
             return result
-
-    def _merge_unsaved(self, data: dict) -> None:
-        """Entries this process kept in memory while the file could not be written join the fresh data."""
-        if self._unsaved is None:
-            return
-        data["fingerprints"].update(copy.deepcopy(self._unsaved["fingerprints"]))
-        for ns, by_fp in self._unsaved["namespaces"].items():
-            for fid, entries in by_fp.items():
-                data["namespaces"].setdefault(ns, {}).setdefault(fid, {}).update(copy.deepcopy(entries))
 
     @property
     def writable_problem(self) -> str | None:

@@ -12,6 +12,7 @@ in only while ComfyUI's ``apply_model`` runs). This module is plain torch: no Co
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 
@@ -45,7 +46,6 @@ class CompileHandle:
         self.compiles = 0
         self.loaded_artifacts: dict = {}
         self._scoped_limit: dict = {}
-        self._stance = settings.stance_after_warmup
         self._global_limit_set: tuple | None = None
         self.failed: str | None = None      # why compiling failed: every region runs eagerly from then on
 
@@ -113,7 +113,7 @@ class CompileHandle:
 
                 stack.enter_context(dc.patch(**self._scoped_limit))
             if self.warm:
-                stack.enter_context(compat.stance(self._stance))
+                stack.enter_context(compat.stance(self.settings.stance_after_warmup))
             out = fn(*args, **kwargs)
         self.calls += 1
         if track:
@@ -134,7 +134,7 @@ class CompileHandle:
         if not self.warm:
             self.warm = True
             log.info("wan_accel: compile warm-up ended after %d call(s), %d graph(s); stance now %s",
-                     self.calls, self.compiles, self._stance)
+                     self.calls, self.compiles, self.settings.stance_after_warmup)
 
     def restore_globals(self) -> None:
         if self._global_limit_set is not None:
@@ -335,7 +335,7 @@ def swapped_in(root, regions: dict):
     try:
         for path, (original, region) in regions.items():
             parent_path, _, attr = path.rpartition(".")
-            parent = _get_attr(root, parent_path)
+            parent = functools.reduce(getattr, parent_path.split(".") if parent_path else (), root)
             if getattr(parent, attr) is original:
                 setattr(parent, attr, region)
                 swapped.append((parent, attr, original))
@@ -343,9 +343,3 @@ def swapped_in(root, regions: dict):
     finally:
         for parent, attr, original in reversed(swapped):
             setattr(parent, attr, original)
-
-
-def _get_attr(obj, path: str):
-    for part in path.split(".") if path else ():
-        obj = getattr(obj, part)
-    return obj

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 
+from ..cache.safety import warn_once
 from .settings import MODES, TILING_PRESETS, CompileSettings, coerce_settings
 
 log = logging.getLogger("wan_accel.compile")
@@ -87,9 +88,6 @@ def preset_options(settings: CompileSettings | dict | None = None,
 
 
 # ----------------------------------------------------------------------------- run-time validation
-_WARNED: set[str] = set()
-
-
 def resolve_inductor_options(options: dict) -> dict:
     """Keep only the keys this torch's Inductor knows (``torch._inductor.list_options()``).
 
@@ -108,11 +106,8 @@ def resolve_inductor_options(options: dict) -> dict:
     kept = {k: v for k, v in options.items() if k in known}
     dropped = sorted(set(options) - set(kept))
     if dropped:
-        sig = ",".join(dropped)
-        if sig not in _WARNED:
-            _WARNED.add(sig)
-            warnings.warn(f"wan_accel: this torch's Inductor does not know option(s) {dropped}; they were "
-                          f"dropped from the compile preset", RuntimeWarning, stacklevel=2)
+        warn_once("inductor options", ",".join(dropped), f"wan_accel: this torch's Inductor does not know "
+                  f"option(s) {dropped}; they were dropped from the compile preset", stacklevel=2)
     return kept
 
 

@@ -50,19 +50,14 @@ class CompileSettings:
     stance_after_warmup: str = "eager_on_recompile"
 
     def __post_init__(self):
-        def check(name, value, allowed):
-            if value not in allowed:
-                raise ValueError(f"compile setting {name}={value!r} is not one of {', '.join(map(repr, allowed))}")
-
         # accept bools for dynamic (torch.compile style) and normalise to the string form
         if isinstance(self.dynamic, bool) or self.dynamic is None:
             object.__setattr__(self, "dynamic", {True: "true", False: "false", None: "auto"}[self.dynamic])
-        check("backend", self.backend, BACKENDS)
-        check("mode", self.mode, MODES)
-        check("tiling_preset", self.tiling_preset, TILING_PRESETS)
-        check("dynamic", self.dynamic, DYNAMIC)
-        check("scope", self.scope, SCOPES)
-        check("stance_after_warmup", self.stance_after_warmup, STANCES)
+        for name, allowed in (("backend", BACKENDS), ("mode", MODES), ("tiling_preset", TILING_PRESETS),
+                              ("dynamic", DYNAMIC), ("scope", SCOPES), ("stance_after_warmup", STANCES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"compile setting {name}={value!r} is not one of {', '.join(map(repr, allowed))}")
         for name in ("lock_global_ops", "fullgraph", "warm_start"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"compile setting {name} must be true or false, got {getattr(self, name)!r}")

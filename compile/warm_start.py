@@ -124,10 +124,8 @@ class WarmStart:
             problem = getattr(self.cache, "writable_problem", None)
             if problem:
                 raise CacheUnavailableError(problem)
-            def fill(tmp: str) -> None:
-                with open(tmp, "wb") as fh:
-                    fh.write(blob)
-            replace_file(self.path, fill)      # the one whole-file writer: a fresh temporary file, then a rename
+            # the one whole-file writer: a fresh temporary file, then a rename
+            replace_file(self.path, lambda tmp: Path(tmp).write_bytes(blob))
             self.cache.put(NAMESPACE, self.key, {
                 "file": self.path.name, "bytes": len(blob), "saved": time.time(), "artifacts": counts,
                 "torch": torch.__version__,
