@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from .comfy import Node, node_mappings
-from .comfy.comfy_core import add_outer_sample_guard, optional, wrapper_types
+from .comfy.comfy_core import ComfyProgress, add_outer_sample_guard, optional, wrapper_types
 
 log = logging.getLogger("wan_accel")
 CATEGORY = "wan_accel/memory"
@@ -427,8 +427,6 @@ class WanChunkedVAEDecode(Node):
                 del out
                 raise SoftOOM(f"the VAE fell back to tiled decoding at {chunk.shape[2]} latent frames")
             return out
-
-        from .comfy.comfy_core import ComfyProgress
 
         progress = ComfyProgress()
 
