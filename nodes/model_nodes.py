@@ -265,8 +265,6 @@ def comfy_krea_reencode(vae):
     try:
         decoder = streaming_decode.KreaStreamDecoder(vae)
     except (ImportError, ValueError):
-        decoder = None
-    if decoder is None:
         return comfy_vae_reencode(vae)
 
     def push(z):                                        # model space [B, n, C, H, W] -> [B, frames, H, W, 3] or None
@@ -332,16 +330,14 @@ class _ComfyProgress(ComfyProgress):
 
     def __call__(self, ci, k, num_chunks, num_steps, x0):
         self.check()
-        if self.bar_cls is not None:
-            self.update(ci * num_steps + k + 1, num_chunks * num_steps, self._preview(x0))
-
-    @staticmethod
-    def _preview(x0):
+        if self.bar_cls is None:
+            return
         try:
             from ..app.jobs.preview import _to_image, latents_to_rgb
-            return ("JPEG", _to_image(latents_to_rgb(x0[:1, -1:])[0, 0]), 512)
+            preview = ("JPEG", _to_image(latents_to_rgb(x0[:1, -1:])[0, 0]), 512)
         except Exception:
-            return None
+            preview = None
+        self.update(ci * num_steps + k + 1, num_chunks * num_steps, preview)
 
 
 class CausalWanSampler(Node):
