@@ -1,7 +1,7 @@
 """Node "Limit Cache": shows (and on explicit confirmation clears) the pack's limit cache."""
 from __future__ import annotations
 
-from .comfy import FreshNode
+from .comfy import FreshNode, check_choice
 
 NAMESPACE_CHOICES = ["all", "operator", "compile", "memory", "sampler", "doctor"]
 
@@ -66,8 +66,7 @@ class WanAccelLimitCache(FreshNode):   # always re-read the cache
             if not confirm_clear:
                 header = "Nothing cleared: turn on confirm_clear to clear.\n"
             else:
-                if namespace not in NAMESPACE_CHOICES:
-                    raise ValueError(f"namespace {namespace!r} is not one of {', '.join(NAMESPACE_CHOICES)}")
+                check_choice("namespace", namespace, NAMESPACE_CHOICES)
                 n = cache.clear(None if namespace == "all" else namespace)
                 header = f"Cleared {count_entries(n)} from {namespace}.\n"
         text = header + render_cache_text(namespace, all_machines, cache)

@@ -3,13 +3,6 @@ from __future__ import annotations
 
 CATEGORY = "wan_accel/compile"
 
-_BACKENDS = ["inductor", "cudagraphs", "eager"]
-_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
-_PRESETS = ["default", "EXTREME-PLUS"]
-_DYNAMIC = ["auto", "true", "false"]
-_SCOPES = ["blocks", "whole"]
-_STANCES = ["eager_on_recompile", "default", "fail_on_recompile"]
-
 
 class WanCompileSettings:
     DESCRIPTION = ("Compile settings for Wan models: backend, mode, tiling preset, scope and the guards against "
@@ -21,27 +14,28 @@ class WanCompileSettings:
 
     @classmethod
     def INPUT_TYPES(cls):
+        from ..compile.settings import BACKENDS, DYNAMIC, MODES, SCOPES, STANCES, TILING_PRESETS   # no torch there
         return {"required": {
-            "backend": (_BACKENDS, {"default": "inductor", "tooltip":
+            "backend": (list(BACKENDS), {"default": "inductor", "tooltip":
                         "inductor: generated fused kernels (fastest). cudagraphs: replay CUDA graphs without "
                         "code generation. eager: Dynamo capture only, to find graph breaks."}),
-            "mode": (_MODES, {"default": "default", "tooltip":
+            "mode": (list(MODES), {"default": "default", "tooltip":
                      "torch.compile mode. reduce-overhead adds CUDA graphs; max-autotune benchmarks GEMM "
                      "kernels (long first run). Translated into Inductor options when the preset adds more."}),
             "lock_global_ops": ("BOOLEAN", {"default": True, "tooltip":
                                 "Never change process-wide Dynamo/Inductor settings: every option is scoped to "
                                 "this model, with conservative limits (fusion size 64, kernel tiles <= 64, "
                                 "<= 8 warps). Keep on when other nodes compile too."}),
-            "tiling_preset": (_PRESETS, {"default": "default", "tooltip":
+            "tiling_preset": (list(TILING_PRESETS), {"default": "default", "tooltip":
                               "EXTREME-PLUS: autotune GEMMs and pointwise kernels, coordinate descent, 3-D "
                               "tiles, bigger fusions and kernel tiles (caps stay conservative when locked). "
                               "Slower first run, faster steps."}),
             "fullgraph": ("BOOLEAN", {"default": False, "tooltip":
                           "Fail on graph breaks instead of splitting the graph. Use to verify a clean capture."}),
-            "dynamic": (_DYNAMIC, {"default": "auto", "tooltip":
+            "dynamic": (list(DYNAMIC), {"default": "auto", "tooltip":
                         "Dynamic shapes. auto: recompile once with dynamic sizes after a shape change; "
                         "true: dynamic from the start; false: one graph per shape."}),
-            "scope": (_SCOPES, {"default": "blocks", "tooltip":
+            "scope": (list(SCOPES), {"default": "blocks", "tooltip":
                       "blocks: compile each transformer block (identical blocks share one compile: much "
                       "faster first run). whole: compile the whole forward."}),
             "recompile_limit": ("INT", {"default": 8, "min": 1, "max": 1024, "tooltip":
@@ -50,7 +44,7 @@ class WanCompileSettings:
             "warm_start": ("BOOLEAN", {"default": True, "tooltip":
                            "Keep compile caches beside the pack's limit cache and reload saved compile "
                            "artifacts: the second launch of ComfyUI compiles much faster."}),
-            "stance_after_warmup": (_STANCES, {"default": "eager_on_recompile", "tooltip":
+            "stance_after_warmup": (list(STANCES), {"default": "eager_on_recompile", "tooltip":
                                     "After the first sampling run: eager_on_recompile runs new shapes eagerly "
                                     "instead of stalling on a recompile; fail_on_recompile raises; default "
                                     "recompiles."}),

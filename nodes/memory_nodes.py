@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from .comfy import Node, node_mappings
-from .comfy.comfy_core import add_outer_sample_guard, optional, wrapper_types
+from .comfy.comfy_core import ComfyProgress, add_outer_sample_guard, optional, wrapper_types
 
 log = logging.getLogger("wan_accel")
 CATEGORY = "wan_accel/memory"
@@ -389,7 +389,7 @@ class WanChunkedVAEDecode(Node):
         from ..memory.chunked_decode import decode_chunked, min_chunk
         from ..memory.limits import vae_kind, vae_limit_key
 
-        from ..app.validate import check_latent
+        from ..app.validate import check_decode_fits, check_latent
 
         latent = check_latent("samples", samples, dims=(3, 4, 5))
         if latent.dim() == 4 and getattr(vae, "latent_dim", 2) == 3:
@@ -405,7 +405,6 @@ class WanChunkedVAEDecode(Node):
             return (images.reshape(-1, *images.shape[-3:]) if images.dim() == 5 else images,)
         b, c, t, h, w = latent.shape
         ratio = _vae_ratio(vae, "temporal_compression_decode")
-        from ..app.validate import check_decode_fits
         check_decode_fits("samples", latent.shape, ratio or 4,
                           _vae_ratio(vae, "spacial_compression_decode", 8))     # before the first chunk
         if (ratio or 4) > 1:
@@ -427,8 +426,6 @@ class WanChunkedVAEDecode(Node):
                 del out
                 raise SoftOOM(f"the VAE fell back to tiled decoding at {chunk.shape[2]} latent frames")
             return out
-
-        from .comfy.comfy_core import ComfyProgress
 
         progress = ComfyProgress()
 

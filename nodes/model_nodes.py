@@ -83,12 +83,6 @@ def _resolve_checkpoint(name: str) -> str:
     return model_file("diffusion_models", name, input_name="checkpoint")   # never outside ComfyUI's folders
 
 
-def _torch_device():
-    from .comfy.comfy_core import optional
-    mm = optional("comfy.model_management")
-    return None if mm is None else mm.get_torch_device()
-
-
 class CausalWanModelLoader:
     DESCRIPTION = ("Loads a causal Wan 2.1 DiT (Self-Forcing / CausVid) from safetensors, with the config inferred "
                    "from the weights. The built-in tiny model needs no download (random weights, for testing).")
@@ -134,11 +128,13 @@ class CausalWanModelLoader:
              compile_settings=None, plan=None, lora=NO_LORA, lora_strength=1.0):
         from ..app.jobs.handle import load_model_handle
         from ..app.validate import check_float
+        from .comfy.comfy_core import optional
         lora_file = _resolve_lora(lora)
         strength = check_float("lora_strength", lora_strength, -100.0, 100.0)
+        mm = optional("comfy.model_management")
         handle = load_model_handle(_resolve_checkpoint(checkpoint), dtype, precision, attention,
-                                   device=_torch_device(), compile_settings=compile_settings, plan=plan,
-                                   lora=lora_file, lora_strength=strength)
+                                   device=None if mm is None else mm.get_torch_device(),
+                                   compile_settings=compile_settings, plan=plan, lora=lora_file, lora_strength=strength)
         return (handle,)
 
 
@@ -269,8 +265,6 @@ def comfy_krea_reencode(vae):
     try:
         decoder = streaming_decode.KreaStreamDecoder(vae)
     except (ImportError, ValueError):
-        decoder = None
-    if decoder is None:
         return comfy_vae_reencode(vae)
 
     def push(z):                                        # model space [B, n, C, H, W] -> [B, frames, H, W, 3] or None
@@ -336,16 +330,14 @@ class _ComfyProgress(ComfyProgress):
 
     def __call__(self, ci, k, num_chunks, num_steps, x0):
         self.check()
-        if self.bar_cls is not None:
-            self.update(ci * num_steps + k + 1, num_chunks * num_steps, self._preview(x0))
-
-    @staticmethod
-    def _preview(x0):
+        if self.bar_cls is None:
+            return
         try:
             from ..app.jobs.preview import _to_image, latents_to_rgb
-            return ("JPEG", _to_image(latents_to_rgb(x0[:1, -1:])[0, 0]), 512)
+            preview = ("JPEG", _to_image(latents_to_rgb(x0[:1, -1:])[0, 0]), 512)
         except Exception:
-            return None
+            preview = None
+        self.update(ci * num_steps + k + 1, num_chunks * num_steps, preview)
 
 
 class CausalWanSampler(Node):
@@ -448,7 +440,9 @@ class CausalWanSampler(Node):
                                   recache=prompts.pop("recache", "switch"))
         setup = prepare_model(model.model, spec, notes=doctor_notes)    # the doctor's verdicts, swap, compile
         report: dict = {}
-        hooks = SamplingHooks(callback=_ComfyProgress(), on_chunk_latents=self._chunk_latents(), report=report)
+        lockstep = getattr(self, "_lockstep", None)     # Sampler + Decode's: each chunk decoded before its refresh
+        hooks = SamplingHooks(callback=_ComfyProgress(), report=report,
+                              on_chunk_latents=getattr(lockstep, "chunk_latents", None))
         pool = getattr(model, "extra", {}).get("rank_pool")       # CausalWan Sequence Parallel: several GPUs
         kept = keep_state or continue_from is not None or bool(prompts)
         if pool is not None and kept:       # what needs the state refused on several GPUs, with its own way out
@@ -468,11 +462,6 @@ class CausalWanSampler(Node):
                                        setup=setup, hooks=hooks)
         self.last_report = report
         return with_notes(({"samples": to_vae_latents(latents).cpu()}, state), doctor_notes)
-
-    def _chunk_latents(self):
-        """The sampler's ``on_chunk_latents`` (each chunk's frames before its refresh pass): none here; the
-        sampler+decode node decodes there."""
-        return None
 
 
 NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = node_mappings({

@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 import time
 
-from ..cache.video_file import FPS
+from ..cache.video_file import FPS, VideoFile, video_format_for
 from .comfy import FreshNode, node_mappings
-from .mg2_nodes import CLIP_INPUT, PRESETS, linear_spec
+from .mg2_nodes import CLIP_INPUT, PRESETS, clip_tokens, linear_spec, model_space_start, to_latent_space
 from .model_nodes import LINEAR_CHOICES, LINEAR_TOOLTIP
 from .stream_nodes import _jpeg_frames, page_server, send_to_page    # a chunk's frames: as the streaming sampler's
 
@@ -72,7 +72,6 @@ class PlayStepNode(FreshNode):
         import torch
         from ..app.play.registry import PlayError
         from .comfy.comfy_core import ComfyProgress
-        from .mg2_nodes import to_latent_space
         registry = _registry()
         play = registry.get(session)
         if getattr(play, "kind", "mg2") != self.KIND:
@@ -153,7 +152,6 @@ class MatrixGame2PlaySession(PlaySessionNode):
         from ..app.play.registry import PlaySession
         from ..sampling.mg2 import PRESETS as LIB_PRESETS
         from .comfy import streaming_decode
-        from .mg2_nodes import clip_tokens, model_space_start
         net = getattr(model, "model", model)
         if not hasattr(net, "action_config"):
             raise ValueError("play mode needs a Matrix-Game-2 model: load a Matrix-Game-2 checkpoint (or the built-in "
@@ -238,7 +236,6 @@ class MatrixGame2PlaySave(FreshNode):
         from safetensors.torch import save_file
         from ..cache.owned_files import check_target, write_text, write_with
         from .comfy import streaming_decode
-        from .mg2_nodes import to_latent_space
         play = _registry().get(session)
         with play.lock:
             latents = play.latent_video()
@@ -248,7 +245,6 @@ class MatrixGame2PlaySave(FreshNode):
             full, name, counter, subfolder = save_path(filename_prefix, input_name="filename_prefix")
         except ImportError:
             raise ValueError("Play Save writes into ComfyUI's output folder: run it inside ComfyUI") from None
-        from ..cache.video_file import VideoFile, video_format_for
         fmt = video_format_for(video_format)                 # mp4 needs PyAV; animated WEBP without it
         base = f"{name}_{counter:05}_"
         from pathlib import Path

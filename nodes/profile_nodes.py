@@ -107,17 +107,13 @@ class WanAccelProfileNative(_ProfileNode):
         from .comfy.comfy_core import wrapper_types
         kinds = wrapper_types()
         apply_model_key, cleanup_key = kinds["apply_model"], kinds["on_cleanup"]
-
-        def close_window(*_args, **_kwargs):
-            request.finish()
-
         if hasattr(patcher, "remove_wrappers_with_key"):
             patcher.remove_wrappers_with_key(apply_model_key, WRAPPER_KEY)
         patcher.add_wrapper_with_key(apply_model_key, WRAPPER_KEY, request.step)     # step(executor, *args, **kwargs)
         if hasattr(patcher, "add_callback_with_key"):
             if hasattr(patcher, "remove_callbacks_with_key"):
                 patcher.remove_callbacks_with_key(cleanup_key, WRAPPER_KEY)
-            patcher.add_callback_with_key(cleanup_key, WRAPPER_KEY, close_window)
+            patcher.add_callback_with_key(cleanup_key, WRAPPER_KEY, lambda *_args, **_kwargs: request.finish())
         _store_request(patcher, request)
         return (patcher,)
 

@@ -78,11 +78,8 @@ class _DecodeInLockstep(_ComfyProgress):
             parts.append(self.decoder.finish())
         parts = [p for p in parts if p is not None]
         images = torch.cat(parts, 1) if parts else None
-        self.decode_s.append(time.perf_counter() - t)
-        self._emit(images, ci, num_chunks)
-
-    def _emit(self, images, ci, num_chunks):
         now = time.perf_counter()
+        self.decode_s.append(now - t)
         self.chunk_s.append(now - self.mark)
         self.mark = now
         if images is not None and self.skip:              # frames the run this one continues has shown
@@ -140,7 +137,7 @@ class CausalWanSamplerDecode(CausalWanSampler):
         try:
             out = super().sample(model, *args, **kwargs)
         finally:
-            self._lockstep.decoder.release()
+            decoder.release()
         ui = out.get("ui") if isinstance(out, dict) else None      # the sampler's notes (doctor, linear fp8 path)
         latent, state = out["result"] if isinstance(out, dict) else out
         run = self._lockstep
@@ -150,9 +147,6 @@ class CausalWanSamplerDecode(CausalWanSampler):
                                 chunk_s=run.chunk_s, decode_s=run.decode_s)
         images = torch.cat(run.parts, 0) if run.parts else torch.zeros(0, 8, 8, 3)
         return {"ui": ui, "result": (images, latent, state)} if ui else (images, latent, state)
-
-    def _chunk_latents(self):
-        return self._lockstep.chunk_latents
 
 
 NODE_CLASS_MAPPINGS = {"CausalWanSamplerDecode": CausalWanSamplerDecode}

@@ -105,12 +105,6 @@ def in_comfyui() -> bool:
     return _importable("comfy") and _importable("folder_paths")
 
 
-def core_version() -> str | None:
-    """The running ComfyUI's version (app/doctor/versions.py reads it), or None outside ComfyUI."""
-    found = comfyui_version()
-    return None if found == NOT_FOUND else found
-
-
 def missing_message(name: str, error: BaseException | None = None) -> str:
     """What to tell the user when ``name`` cannot be had: which ComfyUI runs, which core has it, what to install."""
     since = NAMES[name]
@@ -118,7 +112,8 @@ def missing_message(name: str, error: BaseException | None = None) -> str:
         why = f" ({error})" if isinstance(error, ImportProblem) and error.installed else ""   # present but failing
         return (f"Wan Accel needs ComfyUI's {name} (ComfyUI {since} or newer): ComfyUI does not import here{why}. "
                 f"Run this inside ComfyUI, or with ComfyUI's Python and its folder on the path.")
-    running = core_version() or "of unknown version"
+    found = comfyui_version()           # the running ComfyUI's version (app/doctor/versions.py reads it)
+    running = found if found and found != NOT_FOUND else "of unknown version"
     text = f"Wan Accel needs {name} from ComfyUI, which this ComfyUI ({running}) does not offer"
     if error is not None:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]

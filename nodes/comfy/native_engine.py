@@ -27,7 +27,7 @@ from ...memory.block_swap import active_swap, ensure_block_swap
 from ...memory.offload import COMFY_FULL, PACK, memory_manager
 from ...memory.sampling_guard import oom_guard
 from ...model.attention import explain_backend
-from ...model.borrowed import borrow_wan_model
+from ...model.borrowed import borrow_wan_model, borrowed_config
 from ...app.prepare import RunInputs, RunSpec, prepare
 from ...sampling.request import SamplingHooks
 from ...sampling.scheduler import schedule_from_sigmas
@@ -68,7 +68,6 @@ def native_spec(guider, options: dict, x, sigmas, seed, frames_per_block, kv_win
     kind, a 64-bit seed, the sigmas, the prompt schedule's cache mode, the ``RunSpec`` fields (``fields``: path,
     oom_retry, linear...) and the memory estimate (``app.validate.check_fits``). ValueError naming the input."""
     from ...app.validate import MAX_SEED, check_fits, check_int
-    from ...model.borrowed import borrowed_config
     base = guider.inner_model
     check_native_model(base)
     seed = check_int("noise_seed", seed, 0, MAX_SEED)
