@@ -155,8 +155,7 @@ def weights_from_tensors(tensors: dict[str, TensorInfo], *, source: str = "", co
     if not any(BLOCK_RE.match(n) for n in table):
         raise HeaderError(f"{source}: no 'blocks.<i>.' tensors; this is not a Wan DiT checkpoint")
     cfg = partial_config({n: t.shape for n, t in table.items()}, config)
-    kw = {k: cfg[k] for k in _FIELDS if cfg.get(k) is not None}
-    kw = {k: (v if k == "model_type" else int(v)) for k, v in kw.items()}
+    kw = {k: (cfg[k] if k == "model_type" else int(cfg[k])) for k in _FIELDS if cfg.get(k) is not None}
     return ModelWeights(table, source=source, patch_size=tuple(cfg.get("patch_size", (1, 2, 2))), config=cfg, **kw)
 
 
@@ -202,21 +201,15 @@ def weights_from_module(module, config: dict | None = None) -> ModelWeights:
 PRESET_ALIASES = {"1.3b": "wan2.1-1.3b", "14b": "wan2.1-14b", "14b-i2v": "wan2.1-i2v-14b", "krea-14b": "krea-14b"}
 
 
-def preset_config(name: str) -> dict:
-    from ..model.config import PRESETS
+def preset_weights(name: str, dtype: str = "BF16") -> ModelWeights:
+    """Synthetic byte table of a preset ('1.3b', '14b', '14b-i2v') stored as ``dtype`` (safetensors name)."""
+    from ..model.checkpoint import expected_shapes
+    from ..model.config import PRESETS, WanConfig
 
     key = PRESET_ALIASES.get(name.lower(), name.lower())
     if key not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESET_ALIASES)}")
-    return PRESETS[key].to_dict()
-
-
-def preset_weights(name: str, dtype: str = "BF16") -> ModelWeights:
-    """Synthetic byte table of a preset ('1.3b', '14b', '14b-i2v') stored as ``dtype`` (safetensors name)."""
-    from ..model.checkpoint import expected_shapes
-    from ..model.config import WanConfig
-
-    cfg = preset_config(name)
+    cfg = PRESETS[key].to_dict()
     bits = DTYPE_BITS[dtype]
     shapes = expected_shapes(WanConfig.from_dict(cfg))
     tensors = {n: TensorInfo(n, dtype, shape, math.prod(shape) * bits // 8) for n, shape in shapes.items()}
