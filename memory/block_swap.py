@@ -144,15 +144,6 @@ def default_pin_limit() -> int:
     return pinned_budget_for(*host_memory())
 
 
-def _pick_device(blocks, device) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    for p in blocks.parameters():
-        if p.device.type != "cpu" and p.device.type != "meta":
-            return p.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 class BlockSwap:
     """Swap the last ``blocks_to_swap`` blocks of ``blocks`` (and optionally ``embeddings``) through host memory.
 
@@ -177,7 +168,11 @@ class BlockSwap:
                                "(or use ensure_block_swap)")
         self.blocks, self.n_blocks = blocks, n
         self.blocks_to_swap, self.prefetch = int(blocks_to_swap), max(0, int(prefetch))
-        self.device = _pick_device(blocks, device)
+        if device is None:          # where the blocks are, else CUDA if available, else the CPU
+            device = next((p.device for p in blocks.parameters() if p.device.type not in ("cpu", "meta")), None)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         can_pin = torch.cuda.is_available() or pinned_alloc is not None
         self.pin = (can_pin and cuda) if pin_memory is None else bool(pin_memory and can_pin)

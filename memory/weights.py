@@ -10,8 +10,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..model.checkpoint import (DTYPE_BITS, HeaderError, TensorInfo, canonical_names, keeps_fp8, open_checkpoint,
-                                partial_config, quant_side)
+from ..model.checkpoint import (DTYPE_BITS, TORCH_DTYPES, HeaderError, TensorInfo, canonical_names, keeps_fp8,
+                                open_checkpoint, partial_config, quant_side)
 
 BLOCK_RE = re.compile(r"^(?:blocks|transformer_blocks)\.(\d+)\.")
 EMBEDDING_PREFIXES = ("text_embedding.", "img_emb.")
@@ -170,8 +170,7 @@ def weights_from_checkpoint(path, config: dict | None = None) -> ModelWeights:
     return weights_from_tensors(tensors, source=os.fspath(path), config=cfg)
 
 
-_TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
-                "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int8": "I8", "uint8": "U8",
+_TORCH_TO_ST = {**{torch_name: st for st, torch_name in TORCH_DTYPES.items()}, "int8": "I8", "uint8": "U8",
                 "int32": "I32", "int64": "I64", "bool": "BOOL", "int16": "I16"}
 
 
