@@ -44,36 +44,31 @@ class SwapStats:
     sync_loads: int = 0               # materialisations that were not prefetched
 
 
-class _Pending:
-    __slots__ = ("tensors", "event")
-
-    def __init__(self, tensors, event=None):
-        self.tensors, self.event = tensors, event
-
-
 class _Transfer:
-    """Host -> device copies. CUDA with streams: side stream + event; otherwise plain synchronous copies."""
+    """Host -> device copies. CUDA with streams: side stream + event; otherwise plain synchronous copies. A copy in
+    flight is (its device tensors, the event that orders them or None)."""
 
     def __init__(self, device: torch.device, use_stream: bool):
         self.device = device
         self.stream = torch.cuda.Stream(device) if use_stream else None
 
-    def start(self, host: list) -> _Pending:
+    def start(self, host: list) -> tuple:
         if self.stream is None:
-            return _Pending([torch.empty(h.shape, dtype=h.dtype, device=self.device).copy_(h) for h in host])
+            return [torch.empty(h.shape, dtype=h.dtype, device=self.device).copy_(h) for h in host], None
         with torch.cuda.stream(self.stream):
             out = [torch.empty(h.shape, dtype=h.dtype, device=self.device).copy_(h, non_blocking=True) for h in host]
             event = torch.cuda.Event()
             event.record(self.stream)
-        return _Pending(out, event)
+        return out, event
 
-    def finish(self, pending: _Pending) -> list:
-        if pending.event is not None:
+    def finish(self, pending: tuple) -> list:
+        tensors, event = pending
+        if event is not None:
             current = torch.cuda.current_stream(self.device)
-            current.wait_event(pending.event)
-            for t in pending.tensors:
+            current.wait_event(event)
+            for t in tensors:
                 t.record_stream(current)
-        return pending.tensors
+        return tensors
 
     def synchronize(self) -> None:
         if self.stream is not None:
@@ -92,13 +87,9 @@ class _Slot:
     def view_of(self, segment: torch.Tensor) -> torch.Tensor:
         return segment.as_strided(self.shape, self.stride, segment.storage_offset() + self.rel)
 
-    def current(self):
-        return (self.module._parameters if self.is_param else self.module._buffers).get(self.name)
-
     def owned(self) -> bool:
         """Still the tensor we manage (nobody replaced the parameter/buffer object)."""
-        cur = self.current()
-        return cur is self.ref if self.is_param else cur is not None and cur is self.ref
+        return (self.module._parameters if self.is_param else self.module._buffers).get(self.name) is self.ref
 
     def point_to(self, t) -> None:
         if self.is_param:
@@ -120,9 +111,6 @@ class _Segment:
     @property
     def nbytes(self) -> int:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-    def source(self) -> torch.Tensor:
-        return self.src.as_strided((self.numel,), (1,), self.lo)
 
 
 class _Unit:
@@ -156,21 +144,6 @@ def default_pin_limit() -> int:
     return pinned_budget_for(*host_memory())
 
 
-def _eager(fn):
-    """Hooks move tensors between devices: keep them out of torch.compile graphs (run eagerly)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
-
-
-def _pick_device(blocks, device) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    for p in blocks.parameters():
-        if p.device.type != "cpu" and p.device.type != "meta":
-            return p.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 class BlockSwap:
     """Swap the last ``blocks_to_swap`` blocks of ``blocks`` (and optionally ``embeddings``) through host memory.
 
@@ -195,7 +168,11 @@ class BlockSwap:
                                "(or use ensure_block_swap)")
         self.blocks, self.n_blocks = blocks, n
         self.blocks_to_swap, self.prefetch = int(blocks_to_swap), max(0, int(prefetch))
-        self.device = _pick_device(blocks, device)
+        if device is None:          # where the blocks are, else CUDA if available, else the CPU
+            device = next((p.device for p in blocks.parameters() if p.device.type not in ("cpu", "meta")), None)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         can_pin = torch.cuda.is_available() or pinned_alloc is not None
         self.pin = (can_pin and cuda) if pin_memory is None else bool(pin_memory and can_pin)
@@ -278,7 +255,7 @@ class BlockSwap:
             self.arena.allocate()
             self.stats.pinned_bytes = self.arena.pinned_bytes
         for seg in segments:
-            src = seg.source()
+            src = seg.src.as_strided((seg.numel,), (1,), seg.lo)
             if seg.ticket is not None:
                 seg.host = self.arena.view(seg.ticket, seg.dtype, seg.numel).copy_(src)
             elif seg.orig_device.type == "cpu":
@@ -292,8 +269,9 @@ class BlockSwap:
                 slot.point_to(slot.host)
 
     def _hook(self, module: nn.Module, key) -> None:
-        self._handles.append(module.register_forward_pre_hook(_eager(lambda m, args: self._before(key))))
-        self._handles.append(module.register_forward_hook(_eager(lambda m, args, out: self._after(key))))
+        eager = torch.compiler.disable      # the hooks move tensors between devices: kept out of compiled graphs
+        self._handles.append(module.register_forward_pre_hook(eager(lambda m, args: self._before(key))))
+        self._handles.append(module.register_forward_hook(eager(lambda m, args, out: self._after(key))))
 
     # ------------------------------------------------------------------ runtime
     def _issue(self, unit: _Unit) -> None:
@@ -381,10 +359,6 @@ def find_blocks(model) -> nn.ModuleList:
     return blocks
 
 
-def embedding_modules(model) -> list:
-    return [m for m in (getattr(model, n, None) for n in EMBEDDING_NAMES) if isinstance(m, nn.Module)]
-
-
 def apply_block_swap(model, settings: SwapSettings | None = None, *, device=None, pin_limit_bytes=None,
                      move_resident: bool = True, pinned_alloc=None, **kw) -> BlockSwap:
     """Install a BlockSwap on ``model.blocks`` (or a ModuleList); ``settings`` or keyword fields of SwapSettings.
@@ -393,7 +367,8 @@ def apply_block_swap(model, settings: SwapSettings | None = None, *, device=None
     is moved to ``device``: a model loaded on the CPU becomes ready to run while only its resident part ever
     occupies VRAM."""
     s = settings or SwapSettings(**kw)
-    emb = embedding_modules(model) if s.offload_embeddings and not isinstance(model, nn.ModuleList) else []
+    emb = [m for m in (getattr(model, n, None) for n in EMBEDDING_NAMES) if isinstance(m, nn.Module)] \
+        if s.offload_embeddings and not isinstance(model, nn.ModuleList) else []
     blocks = find_blocks(model)
     swap = BlockSwap(blocks, blocks_to_swap=s.blocks_to_swap, prefetch=s.prefetch, device=device,
                      embeddings=emb, pin_memory=s.pin_memory, pin_limit_bytes=pin_limit_bytes,

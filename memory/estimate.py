@@ -133,14 +133,8 @@ def peak_matmul_flops(capability) -> float:
     """Rough dense 16-bit throughput actually reached by a DiT block, for words in a plan (not a benchmark)."""
     if capability is None:
         return 0.5e12
-    cap = tuple(capability)
-    if cap >= (9, 0):
-        return 400e12
-    if cap >= (8, 9):
-        return 120e12
-    if cap >= (8, 0):
-        return 150e12
-    return 40e12
+    rates = (((9, 0), 400e12), ((8, 9), 120e12), ((8, 0), 150e12))   # the first at or below the capability
+    return next((flops for cap, flops in rates if tuple(capability) >= cap), 40e12)
 
 
 def block_compute_ms(block_params: int, q_tokens: int, k_tokens: int, dim: int, capability, batch: int = 1) -> float:

@@ -49,7 +49,7 @@ def vae_limit_key(kind: str, batch: int, latent_h: int, latent_w: int) -> str:
     return f"vae_decode/{kind}/b{batch}/{latent_h}x{latent_w}"
 
 
-def read_limit(cache, key: str) -> dict | None:
+def learned_size(cache, key: str) -> int | None:
     if cache is None:
         return None
     try:
@@ -57,12 +57,7 @@ def read_limit(cache, key: str) -> dict | None:
     except Exception as exc:  # noqa: BLE001
         log.warning("wan_accel: could not read memory limit %s (%s)", key, exc)
         return None
-    return value if isinstance(value, dict) else None
-
-
-def learned_size(cache, key: str) -> int | None:
-    value = read_limit(cache, key)
-    size = value.get("size") if value else None
+    size = value.get("size") if isinstance(value, dict) else None
     return int(size) if finite_number(size) and size >= 0 else None
 
 

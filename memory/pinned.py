@@ -32,12 +32,26 @@ def slab_size_for(largest: int, slab_bytes: int | None = None) -> int:
     return next_pow2(max(int(slab_bytes or MIN_SLAB), _aligned(largest), 1))
 
 
-class _Plan:
-    """First-fit packing of pieces into power-of-two slabs, under a byte budget counted as the allocator counts."""
+def default_pinned_alloc(nbytes: int):
+    import torch
 
-    def __init__(self, slab: int, budget: int | None):
-        self.slab, self.budget = slab, budget
+    return torch.empty(int(nbytes), dtype=torch.uint8, device="cpu", pin_memory=True)
+
+
+class PinnedArena:
+    """First-fit packing of pieces into power-of-two slabs, under a byte budget counted as the allocator counts.
+
+    Reserve pieces first (``reserve(nbytes) -> ticket or None``), then ``allocate()`` the slabs once and take
+    each piece with ``view(ticket, dtype, numel)``. ``pinned_bytes`` is what the allocator holds for the arena."""
+
+    def __init__(self, sizes_hint, budget: int | None = None, *, slab_bytes: int | None = None,
+                 alloc: Callable[[int], object] | None = None):
+        hint = [int(s) for s in sizes_hint] or [1]
+        self.slab, self.budget = slab_size_for(max(hint), slab_bytes), budget
         self.used: list[int] = []      # bytes used per slab
+        self._alloc = alloc or default_pinned_alloc
+        self.slabs: list = []
+        self.requested: list[int] = []          # sizes passed to the allocation function
 
     def footprint(self, used=None) -> int:
         used = self.used if used is None else used
@@ -45,7 +59,7 @@ class _Plan:
             return 0
         return self.slab * (len(used) - 1) + allocator_bytes(used[-1])
 
-    def place(self, nbytes: int):
+    def reserve(self, nbytes: int):
         """(slab index, offset) for a piece of ``nbytes``, or None when it would break the budget."""
         need = _aligned(nbytes)
         # the first slab with room, else a new one (a slab with room that would break the budget: None)
@@ -57,48 +71,9 @@ class _Plan:
         self.used = trial
         return i, offset
 
-
-def plan_pinned(groups, budget: int | None = None, slab_bytes: int | None = None) -> tuple[int, int]:
-    """(groups whose every piece is pinned, bytes the allocator takes) for groups of piece sizes (e.g. the tensors
-    of each swapped block; one piece a group: the pieces pinned) pinned in order through a PinnedArena with
-    ``budget``; pieces that do not fit stay pageable. For plans (no allocation)."""
-    groups = [[int(s) for s in g] for g in groups]
-    sizes = [s for g in groups for s in g]
-    if not sizes:
-        return 0, 0
-    plan = _Plan(slab_size_for(max(sizes), slab_bytes), budget)
-    full = 0
-    for g in groups:
-        placed = [plan.place(s) is not None for s in g]
-        full += all(placed)
-    return full, plan.footprint()
-
-
-def default_pinned_alloc(nbytes: int):
-    import torch
-
-    return torch.empty(int(nbytes), dtype=torch.uint8, device="cpu", pin_memory=True)
-
-
-class PinnedArena:
-    """Reserve pieces first (``reserve(nbytes) -> ticket or None``), then ``allocate()`` the slabs once and take
-    each piece with ``view(ticket, dtype, numel)``. ``pinned_bytes`` is what the allocator holds for the arena."""
-
-    def __init__(self, sizes_hint, budget: int | None = None, *, slab_bytes: int | None = None,
-                 alloc: Callable[[int], object] | None = None):
-        hint = [int(s) for s in sizes_hint] or [1]
-        self._plan = _Plan(slab_size_for(max(hint), slab_bytes), budget)
-        self._alloc = alloc or default_pinned_alloc
-        self.slabs: list = []
-        self.requested: list[int] = []          # sizes passed to the allocation function
-
-    def reserve(self, nbytes: int):
-        return self._plan.place(nbytes)
-
     def allocate(self) -> None:
-        used = self._plan.used
-        for i, u in enumerate(used):
-            size = self._plan.slab if i < len(used) - 1 else allocator_bytes(u)
+        for i, u in enumerate(self.used):
+            size = self.slab if i < len(self.used) - 1 else allocator_bytes(u)
             self.requested.append(size)
             self.slabs.append(self._alloc(size))
 
@@ -112,3 +87,19 @@ class PinnedArena:
     @property
     def pinned_bytes(self) -> int:
         return sum(self.requested)
+
+
+def plan_pinned(groups, budget: int | None = None, slab_bytes: int | None = None) -> tuple[int, int]:
+    """(groups whose every piece is pinned, bytes the allocator takes) for groups of piece sizes (e.g. the tensors
+    of each swapped block; one piece a group: the pieces pinned) pinned in order through a PinnedArena with
+    ``budget``; pieces that do not fit stay pageable. For plans (no allocation)."""
+    groups = [[int(s) for s in g] for g in groups]
+    sizes = [s for g in groups for s in g]
+    if not sizes:
+        return 0, 0
+    arena = PinnedArena(sizes, budget, slab_bytes=slab_bytes)
+    full = 0
+    for g in groups:
+        placed = [arena.reserve(s) is not None for s in g]
+        full += all(placed)
+    return full, arena.footprint()

@@ -180,32 +180,6 @@ def _choose_backend(system: SystemInfo) -> tuple[str, str]:
                          "(memory linear in tokens)")
 
 
-def _headroom(system: SystemInfo) -> tuple[int, int]:
-    """(the memory a plan counts: the GPU's free VRAM, or the host's available RAM without a GPU; the headroom kept
-    of it)."""
-    if system.has_gpu:
-        return system.free_vram, max(512 * MiB, int(0.04 * system.total_vram))
-    return system.host_ram_available, HOST_RAM_HEADROOM
-
-
-def reserve_problem(system: SystemInfo, reserve_bytes: int, name: str = "reserve") -> str | None:
-    """Why ``reserve_bytes`` left unused leaves nothing to plan with (a negative or zero budget), naming the input
-    ``name``; None when some memory is left. The memory counted is the GPU's free VRAM, or the host's available RAM
-    without a GPU."""
-    if reserve_bytes < 0:
-        return f"{name} must be 0 or more, got {reserve_bytes / GiB:g} GiB"
-    if not reserve_bytes:           # nothing reserved: a machine short of memory is the plan's to say
-        return None
-    have, margin = _headroom(system)
-    if reserve_bytes + margin >= have:
-        what = "free VRAM" if system.has_gpu else "available RAM"
-        most = max(0.0, (have - margin) / GiB)
-        return (f"{name} {reserve_bytes / GiB:g} GiB leaves nothing to plan with: the {what} is {gib(have)}, of which "
-                f"{gib(margin)} is kept as headroom; use {name} below {most:.2f}" + (" (0 for none)" if most else
-                f" (0: there is no {what} beyond the headroom)"))
-    return None
-
-
 def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | None = None, *,
               reserve_bytes: int = 0, kv_window: int | None = None, cache=None, vae_kind: str | None = None,
               alternatives: bool = True, reserve_name: str = "reserve") -> MemoryPlan:
@@ -213,8 +187,8 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     N = N latent frames. ``cache``: a LimitCache whose learned limits override the estimates (None: the estimates
     alone). ``vae_kind``: the VAE whose learned decode limit applies ('wan2.1', 'wan2.2'; None: from the model's
     latent channels). ``alternatives``: on a GPU, also list the settings that make it fit (``plan_alternatives``).
-    ValueError naming the input ``reserve_name`` when ``reserve_bytes`` leaves nothing to plan with
-    (``reserve_problem``)."""
+    ValueError naming the input ``reserve_name`` when ``reserve_bytes`` is negative or leaves nothing to plan with
+    (a zero or negative budget)."""
     system = system or detect_system()
     reasons, notes, learned = {}, list(workload.notes()), {}
     dtype, elem, reasons["dtype"] = _choose_dtype(weights, system)
@@ -228,10 +202,18 @@ def make_plan(weights: ModelWeights, workload: Workload, system: SystemInfo | No
     text_tokens = weights.text_len + (CLIP_TOKENS if weights.model_type == "i2v" else 0)
     fpb, full_frames = workload.frames_per_block, workload.cache_frames()
 
-    problem = reserve_problem(system, reserve_bytes, reserve_name)
-    if problem:                          # a negative budget plans nothing sensible (and advised adding RAM)
-        raise ValueError(problem)
-    have, margin = _headroom(system)
+    # the memory a plan counts: the GPU's free VRAM, or the host's available RAM without a GPU; the headroom kept of it
+    have, margin = ((system.free_vram, max(512 * MiB, int(0.04 * system.total_vram))) if gpu else
+                    (system.host_ram_available, HOST_RAM_HEADROOM))
+    name = reserve_name
+    if reserve_bytes < 0:
+        raise ValueError(f"{name} must be 0 or more, got {reserve_bytes / GiB:g} GiB")
+    if reserve_bytes and reserve_bytes + margin >= have:    # nothing reserved: a short machine is the plan's to say
+        what = "free VRAM" if gpu else "available RAM"
+        most = max(0.0, (have - margin) / GiB)
+        raise ValueError(f"{name} {reserve_bytes / GiB:g} GiB leaves nothing to plan with: the {what} is {gib(have)}, "
+                         f"of which {gib(margin)} is kept as headroom; use {name} below {most:.2f}" + (
+                             " (0 for none)" if most else f" (0: there is no {what} beyond the headroom)"))
     budget = have - reserve_bytes - margin
 
     def frames_of(window: int) -> int:

@@ -10,8 +10,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..model.checkpoint import (DTYPE_BITS, HeaderError, TensorInfo, canonical_names, keeps_fp8, open_checkpoint,
-                                partial_config, quant_side)
+from ..model.checkpoint import (DTYPE_BITS, TORCH_DTYPES, HeaderError, TensorInfo, canonical_names, keeps_fp8,
+                                open_checkpoint, partial_config, quant_side)
 
 BLOCK_RE = re.compile(r"^(?:blocks|transformer_blocks)\.(\d+)\.")
 EMBEDDING_PREFIXES = ("text_embedding.", "img_emb.")
@@ -155,8 +155,7 @@ def weights_from_tensors(tensors: dict[str, TensorInfo], *, source: str = "", co
     if not any(BLOCK_RE.match(n) for n in table):
         raise HeaderError(f"{source}: no 'blocks.<i>.' tensors; this is not a Wan DiT checkpoint")
     cfg = partial_config({n: t.shape for n, t in table.items()}, config)
-    kw = {k: cfg[k] for k in _FIELDS if cfg.get(k) is not None}
-    kw = {k: (v if k == "model_type" else int(v)) for k, v in kw.items()}
+    kw = {k: (cfg[k] if k == "model_type" else int(cfg[k])) for k in _FIELDS if cfg.get(k) is not None}
     return ModelWeights(table, source=source, patch_size=tuple(cfg.get("patch_size", (1, 2, 2))), config=cfg, **kw)
 
 
@@ -171,8 +170,7 @@ def weights_from_checkpoint(path, config: dict | None = None) -> ModelWeights:
     return weights_from_tensors(tensors, source=os.fspath(path), config=cfg)
 
 
-_TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
-                "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int8": "I8", "uint8": "U8",
+_TORCH_TO_ST = {**{torch_name: st for st, torch_name in TORCH_DTYPES.items()}, "int8": "I8", "uint8": "U8",
                 "int32": "I32", "int64": "I64", "bool": "BOOL", "int16": "I16"}
 
 
@@ -202,21 +200,15 @@ def weights_from_module(module, config: dict | None = None) -> ModelWeights:
 PRESET_ALIASES = {"1.3b": "wan2.1-1.3b", "14b": "wan2.1-14b", "14b-i2v": "wan2.1-i2v-14b", "krea-14b": "krea-14b"}
 
 
-def preset_config(name: str) -> dict:
-    from ..model.config import PRESETS
+def preset_weights(name: str, dtype: str = "BF16") -> ModelWeights:
+    """Synthetic byte table of a preset ('1.3b', '14b', '14b-i2v') stored as ``dtype`` (safetensors name)."""
+    from ..model.checkpoint import expected_shapes
+    from ..model.config import PRESETS, WanConfig
 
     key = PRESET_ALIASES.get(name.lower(), name.lower())
     if key not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESET_ALIASES)}")
-    return PRESETS[key].to_dict()
-
-
-def preset_weights(name: str, dtype: str = "BF16") -> ModelWeights:
-    """Synthetic byte table of a preset ('1.3b', '14b', '14b-i2v') stored as ``dtype`` (safetensors name)."""
-    from ..model.checkpoint import expected_shapes
-    from ..model.config import WanConfig
-
-    cfg = preset_config(name)
+    cfg = PRESETS[key].to_dict()
     bits = DTYPE_BITS[dtype]
     shapes = expected_shapes(WanConfig.from_dict(cfg))
     tensors = {n: TensorInfo(n, dtype, shape, math.prod(shape) * bits // 8) for n, shape in shapes.items()}

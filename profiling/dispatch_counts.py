@@ -71,22 +71,14 @@ def _diff(a: tuple, b: tuple) -> tuple:
     return tuple(sorted((k, v) for k, v in c.items() if v))
 
 
-def _packet(func) -> str:
-    name = getattr(func, "__name__", str(func))          # e.g. "nonzero.default"
-    return name.split(".")[0]
-
-
-def _is_bool_index(indices) -> bool:
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
-
-
 def _is_sync(packet: str, args, kwargs) -> bool:
     if packet in SYNC_OPS:
         return True
     if packet == "repeat_interleave":
         return isinstance(args[0] if args else None, torch.Tensor) and kwargs.get("output_size") is None
     if packet in ("index", "index_put", "index_put_", "_index_put_impl_"):
-        return len(args) > 1 and _is_bool_index(args[1])
+        return len(args) > 1 and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                     for i in args[1] or ())
     if packet == "_to_copy":
         src, dev = args[0] if args else None, kwargs.get("device")
         return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dev is not None and \
@@ -103,7 +95,7 @@ class _Dispatch(TorchDispatchMode):       # both modes count into their ``owner`
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         o = self.owner
-        packet = _packet(func)
+        packet = getattr(func, "__name__", str(func)).split(".")[0]         # "nonzero.default" -> "nonzero"
         o.op_names[packet] += 1
         if o._converting == 0 and _is_sync(packet, args, kwargs):
             o.sync_names[packet] += 1

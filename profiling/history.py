@@ -52,15 +52,6 @@ def make_record(kind: str, *, settings: dict | None = None, timings: dict | None
     return rec
 
 
-def _fingerprint_id() -> str | None:
-    try:
-        from ..cache import fingerprint_id
-
-        return fingerprint_id()
-    except Exception:  # noqa: BLE001 - a record without fingerprint is still useful
-        return None
-
-
 def append(record: dict, path=None) -> dict:
     """Append one record (a JSON-serialisable dict) as one line; returns the record as written, or None when
     the line was dropped with one HistoryWarning naming the file (its lock timed out, or the file is not one the
@@ -77,7 +68,12 @@ def append(record: dict, path=None) -> dict:
         raise ValueError(f"history record kind must be one of {', '.join(KINDS)}; got {kind!r}")
     rec.setdefault("timestamp", time.time())
     if rec.get("fingerprint") is None:
-        rec["fingerprint"] = _fingerprint_id()
+        try:
+            from ..cache import fingerprint_id
+
+            rec["fingerprint"] = fingerprint_id()
+        except Exception:  # noqa: BLE001 - a record without fingerprint is still useful
+            rec["fingerprint"] = None
     rec = null_json(rec, str)            # NaN/inf become None (they are not valid JSON), keys strings
     try:
         line = json.dumps(rec, sort_keys=True, ensure_ascii=True, allow_nan=False, separators=(",", ":"))

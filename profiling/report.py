@@ -97,9 +97,8 @@ class ProfileReport:
 
     # ------------------------------------------------------------------ text
     def to_text(self, max_ops: int = 10) -> str:
-        L = []
-        L.append(f"Wan profile: {self.name}  (device {self.device}, {self.runs} profiled run(s), "
-                 f"{self.warmup} warm-up, torch {self.torch_version})")
+        L = [(f"Wan profile: {self.name}  (device {self.device}, {self.runs} profiled run(s), "
+              f"{self.warmup} warm-up, torch {self.torch_version})")]
         runs = ", ".join(fmt_seconds(t) for t in self.run_times_s)
         L.append(f"  run time      : {fmt_seconds(self.mean_run_s)} mean" + (f"  [{runs}]" if runs else ""))
         if self.warmup_times_s:

@@ -31,14 +31,6 @@ TOP = 15        # rows of the top ops and top kernels tables
 _LOCK = threading.Lock()
 
 
-def resolve_device(device=None):
-    import torch
-
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return device if isinstance(device, torch.device) else torch.device(str(device))
-
-
 def profiler_busy() -> bool:
     """True when a torch profiler is already recording in this process (profilers cannot nest)."""
     try:
@@ -51,14 +43,11 @@ def profiler_busy() -> bool:
         return False
 
 
-def _safe_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).strip("._") or "profile"
-
-
 def unique_trace_path(out_dir, trace_name: str) -> Path:
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{_safe_name(trace_name)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(trace_name)).strip("._") or "profile"
+    stem = f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = out / f"{stem}.json", 1
     while os.path.lexists(path):     # a dangling link is taken too: the trace never goes through a link
         n += 1
@@ -107,10 +96,14 @@ class ProfileSession:
 
     def __init__(self, *, out_dir, trace_name: str = "profile", device=None, record_shapes: bool = False,
                  model_calls: int | None = None, class_flops: dict | None = None):
+        import torch
+
         self.model_calls, self.class_flops = model_calls, class_flops   # for the per-class breakdown
         self.out_dir = Path(out_dir).expanduser()
         self.trace_name = str(trace_name)
-        self.device = resolve_device(device)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device if isinstance(device, torch.device) else torch.device(str(device))
         self.record_shapes = record_shapes
         self._window = DynamoWindow()
         self._prof = None
@@ -126,14 +119,6 @@ class ProfileSession:
         import torch
 
         return self.device.type == "cuda" and torch.cuda.is_available()
-
-    def _activities(self):
-        from torch.profiler import ProfilerActivity
-
-        acts = [ProfilerActivity.CPU]
-        if self.is_cuda:
-            acts.append(ProfilerActivity.CUDA)
-        return acts
 
     # ---------------------------------------------------------------- steps
     def begin(self) -> "ProfileSession":
@@ -173,7 +158,9 @@ class ProfileSession:
 
         self.begin()
         if self._prof is None:
-            self._prof = torch.profiler.profile(activities=self._activities(), record_shapes=self.record_shapes)
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            acts += [torch.profiler.ProfilerActivity.CUDA] if self.is_cuda else []
+            self._prof = torch.profiler.profile(activities=acts, record_shapes=self.record_shapes)
             try:
                 self._prof.start()
             except BaseException:       # the profiler itself would not start: stop the window as a failed run does
@@ -206,8 +193,7 @@ class ProfileSession:
         if self._prof is not None:
             self._prof.stop()
             trace_path = unique_trace_path(self.out_dir, self.trace_name)
-            prof = self._prof
-            write_with(trace_path, lambda tmp: prof.export_chrome_trace(tmp), purpose="the profiler trace")
+            write_with(trace_path, self._prof.export_chrome_trace, purpose="the profiler trace")
             events = self._load_events(trace_path)
         compile_stats = self._window.stop()
         self._finished = True

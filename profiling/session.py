@@ -193,9 +193,7 @@ def attach_profile_request(handle, request: ProfileRequest | None):
     ``dataclasses.replace``; a handle with an ``extra`` dict gets a new ``extra`` holding ``profile`` (so later
     ``dataclasses.replace`` calls by other nodes keep it); anything else gets a ``profile`` attribute."""
     if isinstance(handle, dict):
-        new = dict(handle)
-        new[PROFILE_ATTR] = request
-        return new
+        return {**handle, PROFILE_ATTR: request}
     if dataclasses.is_dataclass(handle) and not isinstance(handle, type) and \
             PROFILE_ATTR in {f.name for f in dataclasses.fields(handle)}:
         return dataclasses.replace(handle, **{PROFILE_ATTR: request})

@@ -70,8 +70,7 @@ def gpu_idle_stats(events: list[dict], window_names=None) -> dict | None:
         timed = [e for e in events if "ts" in e and e.get("ph", "X") == "X"]
         start = min(float(e["ts"]) for e in timed)
         end = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in timed)
-        windows = [(start, end)]
-    windows = merge_intervals(windows)
+        windows = merge_intervals([(start, end)])
     wall_us = sum(e - s for s, e in windows)
     busy = merge_intervals(_clip([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu], windows))
     busy_us = sum(e - s for s, e in busy)
