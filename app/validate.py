@@ -36,10 +36,6 @@ DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32
 TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _note(text: str) -> None:
-    print(f"note: {text}", file=sys.stderr)
-
-
 # ------------------------------------------------------------------------------------------------- numbers
 def check_int(name: str, value, lo: int | None = None, hi: int | None = None, hint: str = "") -> int:
     """An int within [lo, hi], else UsageError naming ``name`` and the range."""
@@ -203,7 +199,8 @@ def normalize_dtype(name: str, value, *, quiet: bool = False) -> str | None:
         return v
     if v in DTYPE_ALIASES:
         if not quiet:
-            _note(f"{name} {value} is spelled {DTYPE_ALIASES[v]} (as in the nodes); using {DTYPE_ALIASES[v]}")
+            print(f"note: {name} {value} is spelled {DTYPE_ALIASES[v]} (as in the nodes); using {DTYPE_ALIASES[v]}",
+                  file=sys.stderr)
         return DTYPE_ALIASES[v]
     raise UsageError(f"{name} must be one of {', '.join(DTYPES)} (also accepted: bfloat16, float16, float32), "
                      f"got {value!r}")

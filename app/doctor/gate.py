@@ -25,15 +25,6 @@ from .core import FEATURES, Doctor, doctor_for
 log = logging.getLogger("wan_accel")
 
 
-def _line(name: str, why: str) -> str:
-    return f"wan_accel: {name} is switched off on this machine: {why} (details: python -m wan_accel doctor)"
-
-
-def _fallback_line(name: str, why: str) -> str:
-    return (f"wan_accel: the fallback {name} failed its check on this machine: {why}; it stays in use (nothing to "
-            f"fall back to), so results may be wrong (details: python -m wan_accel doctor)")
-
-
 def new_record() -> dict:
     """Where the gate functions write what they switched off and which fallback failed, each with its reason."""
     return {"switched_off": {}, "failed_fallbacks": {}}
@@ -46,7 +37,9 @@ def _say(lines: list, name: str, why: str, log_fn=None, record: dict | None = No
     kind = "failed_fallbacks" if fallback else "switched_off"
     if record is not None and name in record.get(kind, {}):
         return
-    line = (_fallback_line if fallback else _line)(name, why)
+    line = (f"wan_accel: the fallback {name} failed its check on this machine: {why}; it stays in use (nothing to "
+            f"fall back to), so results may be wrong" if fallback else
+            f"wan_accel: {name} is switched off on this machine: {why}") + " (details: python -m wan_accel doctor)"
     if line in lines:
         return
     lines.append(line)
