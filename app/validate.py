@@ -107,19 +107,14 @@ def valid_video_frames_near(video_frames: int, frames_per_block: int) -> list[in
     return sorted({v for v in out if 1 <= v <= MAX_VIDEO_FRAMES}) or [video(1)]
 
 
-def _near_multiples(value: int, multiple: int, lo: int, hi: int) -> list[int]:
-    below = max(lo, value // multiple * multiple)
-    above = min(hi, -(-value // multiple) * multiple)
-    return sorted({below, above})
-
-
 def check_pixels(name: str, value, default_hint: str = "") -> int:
     value = check_int(name, value, MIN_PIXELS, MAX_PIXELS,
                       hint=f" (pixels, a multiple of {PIXEL_MULTIPLE}{default_hint})")
     if value % PIXEL_MULTIPLE:
-        near = _near_multiples(value, PIXEL_MULTIPLE, MIN_PIXELS, MAX_PIXELS)
+        near = {max(MIN_PIXELS, value // PIXEL_MULTIPLE * PIXEL_MULTIPLE),      # the multiples below and above
+                min(MAX_PIXELS, -(-value // PIXEL_MULTIPLE) * PIXEL_MULTIPLE)}
         raise UsageError(f"{name} {value} is not a multiple of {PIXEL_MULTIPLE} (8x VAE downsampling x 2x2 "
-                         f"patches); use {' or '.join(map(str, near))}")
+                         f"patches); use {' or '.join(map(str, sorted(near)))}")
     return value
 
 
