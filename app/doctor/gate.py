@@ -109,8 +109,7 @@ def gate_compile(model, settings, doctor: Doctor | None = None, log_fn=None, lin
     """``settings`` when compiled blocks are trusted here (or no compile is asked for), else None."""
     if settings is None:
         return None
-    doc = model_doctor(model, doctor)
-    why = doc.why_off("compile")
+    why = model_doctor(model, doctor).why_off("compile")
     if why:
         _say(lines if lines is not None else [], "compile", why, log_fn, record)
         return None
@@ -122,8 +121,7 @@ def gate_swap(model, settings, doctor: Doctor | None = None, log_fn=None, lines:
     """Swap settings to apply: without the prefetch stream when block swap failed its check here."""
     if settings is None or not getattr(settings, "blocks_to_swap", 0) or not getattr(settings, "prefetch", 0):
         return settings
-    doc = model_doctor(model, doctor)
-    why = doc.why_off("block_swap")
+    why = model_doctor(model, doctor).why_off("block_swap")
     if why:
         _say(lines if lines is not None else [], "block_swap (prefetch stream)", why, log_fn, record)
         return dataclasses.replace(settings, prefetch=0)
