@@ -199,7 +199,12 @@ def check_generate_args(args) -> None:
         check_input_file("--checkpoint", args.checkpoint)
     if args.text_embeds:                         # '' means none (tests/test_bad_inputs.py embeds-empty-path)
         check_input_file("--text-embeds", args.text_embeds, convert=None)
-    _check_lora_args(args)
+    if args.lora is not None:
+        check_input_file("--lora", args.lora, convert="convert-lora")
+    if args.lora_strength is not None:
+        if args.lora is None:
+            raise UsageError("--lora-strength needs --lora (the LoRA file it scales); add --lora FILE or leave it out")
+        check_float("--lora-strength", args.lora_strength, -100.0, 100.0)
     if getattr(args, "conditioning", None) is not None:
         check_input_file("--conditioning", args.conditioning, convert=None)
     for attr, option in (("actions", "--actions"), ("steps", "--steps"), ("preset", "--preset")):
@@ -266,15 +271,6 @@ def check_generate_args(args) -> None:
         check_fits(config, geo["frames"], geo["height"], geo["width"], device=args.device, dtype=args.dtype,
                    frames_per_block=args.frames_per_block, kv_window=args.kv_window, weight_bytes=weight_bytes,
                    names=GENERATE_NAMES)
-
-
-def _check_lora_args(args) -> None:
-    if args.lora is not None:
-        check_input_file("--lora", args.lora, convert="convert-lora")
-    if args.lora_strength is not None:
-        if args.lora is None:
-            raise UsageError("--lora-strength needs --lora (the LoRA file it scales); add --lora FILE or leave it out")
-        check_float("--lora-strength", args.lora_strength, -100.0, 100.0)
 
 
 # options only the optimized sampler uses: (attribute, option, its default); given with the reference sampler
