@@ -184,12 +184,12 @@ def _doctor(doctor):
     return doctor_for("cuda" if torch.cuda.is_available() else "cpu", None)
 
 
-def _doctor_answer(doctor, rows) -> dict:
-    from .app.doctor.report import machine_line
+def _doctor_answer(doctor) -> dict:
+    from .app.doctor.report import doctor_rows, machine_line
     from .app.doctor.versions import known_breaks, stack
 
     keep = ("feature", "summary", "available", "verified", "status", "difference", "speed", "why_off", "fix")
-    found = stack()
+    rows, found = doctor_rows(doctor, probe=False), stack()
     return {"machine": machine_line(doctor), "fingerprint_id": doctor.cache.fingerprint_id,
             "versions": found, "known_breaks": known_breaks(found),
             "features": [{k: r.get(k) for k in keep} for r in rows],
@@ -199,10 +199,7 @@ def _doctor_answer(doctor, rows) -> dict:
 def doctor_payload(doctor=None) -> dict:
     """What ``GET /wan_accel/doctor`` answers: ``{"machine", "fingerprint_id", "features": [row, ...]}`` with the
     recorded verdicts only (a feature never checked here says so; the page never waits for a probe)."""
-    from .app.doctor.report import doctor_rows
-
-    doctor = _doctor(doctor)
-    return _doctor_answer(doctor, doctor_rows(doctor, probe=False))
+    return _doctor_answer(_doctor(doctor))
 
 
 def recheck_feature(body, doctor=None) -> dict:
@@ -214,7 +211,7 @@ def recheck_feature(body, doctor=None) -> dict:
     if name != "all" and name not in doctor.catalogue:
         raise RequestError(f"unknown feature {name[:80]!r}; known: {sorted(doctor.catalogue)} or 'all'")
     doctor_rows(doctor, None if name == "all" else [name], recheck=True)
-    return _doctor_answer(doctor, doctor_rows(doctor, probe=False))
+    return _doctor_answer(doctor)
 
 
 def play_sessions(registry=None) -> dict:

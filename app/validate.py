@@ -36,10 +36,6 @@ DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32
 TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _note(text: str) -> None:
-    print(f"note: {text}", file=sys.stderr)
-
-
 # ------------------------------------------------------------------------------------------------- numbers
 def check_int(name: str, value, lo: int | None = None, hi: int | None = None, hint: str = "") -> int:
     """An int within [lo, hi], else UsageError naming ``name`` and the range."""
@@ -111,19 +107,14 @@ def valid_video_frames_near(video_frames: int, frames_per_block: int) -> list[in
     return sorted({v for v in out if 1 <= v <= MAX_VIDEO_FRAMES}) or [video(1)]
 
 
-def _near_multiples(value: int, multiple: int, lo: int, hi: int) -> list[int]:
-    below = max(lo, value // multiple * multiple)
-    above = min(hi, -(-value // multiple) * multiple)
-    return sorted({below, above})
-
-
 def check_pixels(name: str, value, default_hint: str = "") -> int:
     value = check_int(name, value, MIN_PIXELS, MAX_PIXELS,
                       hint=f" (pixels, a multiple of {PIXEL_MULTIPLE}{default_hint})")
     if value % PIXEL_MULTIPLE:
-        near = _near_multiples(value, PIXEL_MULTIPLE, MIN_PIXELS, MAX_PIXELS)
+        near = {max(MIN_PIXELS, value // PIXEL_MULTIPLE * PIXEL_MULTIPLE),      # the multiples below and above
+                min(MAX_PIXELS, -(-value // PIXEL_MULTIPLE) * PIXEL_MULTIPLE)}
         raise UsageError(f"{name} {value} is not a multiple of {PIXEL_MULTIPLE} (8x VAE downsampling x 2x2 "
-                         f"patches); use {' or '.join(map(str, near))}")
+                         f"patches); use {' or '.join(map(str, sorted(near)))}")
     return value
 
 
@@ -203,7 +194,8 @@ def normalize_dtype(name: str, value, *, quiet: bool = False) -> str | None:
         return v
     if v in DTYPE_ALIASES:
         if not quiet:
-            _note(f"{name} {value} is spelled {DTYPE_ALIASES[v]} (as in the nodes); using {DTYPE_ALIASES[v]}")
+            print(f"note: {name} {value} is spelled {DTYPE_ALIASES[v]} (as in the nodes); using {DTYPE_ALIASES[v]}",
+                  file=sys.stderr)
         return DTYPE_ALIASES[v]
     raise UsageError(f"{name} must be one of {', '.join(DTYPES)} (also accepted: bfloat16, float16, float32), "
                      f"got {value!r}")

@@ -40,15 +40,6 @@ def _rows(data: dict) -> dict:
     return {r.get("variant"): r for r in data.get("rows", []) if isinstance(r, dict)}
 
 
-def _exact_rows(data: dict) -> Callable[[dict], bool]:
-    same = (_rows(data).get("reference-same-dtype") or {}).get("parity_max_abs")
-
-    def exact(r: dict) -> bool:
-        parity = r.get("parity_max_abs")
-        return same is None or parity is None or parity <= max(ROUNDING_FACTOR * same, FLOAT32_EXACT)
-    return exact
-
-
 def _best(data: dict, names, key: str, ran: Callable[[dict], bool] = lambda r: True):
     """(the lowest ``key`` of the rows ``names`` that ``ran``, '<variant> <key>'), or None."""
     found = [(r[key], n) for n, r in _rows(data).items() if n in names and r.get(key) is not None and ran(r)]
@@ -56,7 +47,12 @@ def _best(data: dict, names, key: str, ran: Callable[[dict], bool] = lambda r: T
 
 
 def exact_video(data: dict):
-    return _best(data, EXACT_VARIANTS, "steady_s", _exact_rows(data))
+    same = (_rows(data).get("reference-same-dtype") or {}).get("parity_max_abs")
+
+    def exact(r: dict) -> bool:
+        parity = r.get("parity_max_abs")
+        return same is None or parity is None or parity <= max(ROUNDING_FACTOR * same, FLOAT32_EXACT)
+    return _best(data, EXACT_VARIANTS, "steady_s", exact)
 
 
 def fp8_video(data: dict):
@@ -67,18 +63,14 @@ def fp8_video(data: dict):
     return _best(data, [n for n in _rows(data) if n.startswith("optimized")], "steady_s", ran_fp8)
 
 
-def _optimized(data: dict):
-    return _rows(data).get("optimized")
-
-
 def sixth_chunk(data: dict):
-    r = _optimized(data)
+    r = _rows(data).get("optimized")
     ready = (r or {}).get("denoise_ms") or []
     return (ready[5], "optimized denoise_ms[5]") if len(ready) > 5 else None
 
 
 def first_chunk(data: dict):
-    r = _optimized(data) or {}
+    r = _rows(data).get("optimized") or {}
     ready = r.get("denoise_ms") or []
     if ready:
         return ready[0], "optimized denoise_ms[0] (its latents ready, before the refresh)"
@@ -87,7 +79,7 @@ def first_chunk(data: dict):
 
 
 def peak_gb(data: dict):
-    r = _optimized(data) or {}
+    r = _rows(data).get("optimized") or {}
     mb = (r.get("peak_memory") or {}).get("cuda_max_allocated_mb")
     return (round(mb / 1024, 2), "optimized peak_memory") if mb else None
 
@@ -101,7 +93,7 @@ def attention_rate(data: dict):
 
 
 def decode_fps(data: dict):
-    r = _optimized(data) or {}
+    r = _rows(data).get("optimized") or {}
     value = r.get("video_fps_with_decode")
     return (value, f"optimized video_fps_with_decode ({r.get('decode')})") if value is not None else None
 

@@ -175,22 +175,6 @@ def judge_fp8(data: dict) -> list:
 
 
 # ----------------------------------------------------------------------------------------------- stages
-def _fixture_stages() -> list:
-    stages = []
-    for kind in ("wan_reference", "matrix_game2", "longlive", "krea_realtime"):
-        stages.append(Stage(
-            f"check-reference {kind}",
-            lambda ctx, k=kind: ["check-reference", str(FIXTURES / k), "--device", ctx.device, "--json"],
-            120, judge=judge_check_reference,
-            available=lambda ctx, k=kind: None if (FIXTURES / k).is_dir() else
-            "the fixtures ship with a source checkout (tests/fixtures), not with an installed wheel"))
-    return stages
-
-
-def _tests_problem(ctx: Context) -> str | None:
-    return None if (PACKAGE_ROOT / "tests").is_dir() else "the tests ship with a source checkout, not a wheel"
-
-
 def _bench_sampler(*options: str):
     """The argv of ``bench sampler`` with ``options``: one timed run with ``--quick``, else two at the 1.3B shape."""
     def argv(ctx: Context) -> list:
@@ -213,7 +197,12 @@ def _native_argv(ctx: Context) -> list:
 
 STAGES: list = [
     Stage("doctor", lambda ctx: ["doctor", "--json", "--device", ctx.device], 120, judge=judge_doctor),
-    *_fixture_stages(),
+    *(Stage(f"check-reference {kind}",
+            lambda ctx, k=kind: ["check-reference", str(FIXTURES / k), "--device", ctx.device, "--json"],
+            120, judge=judge_check_reference,
+            available=lambda ctx, k=kind: None if (FIXTURES / k).is_dir() else
+            "the fixtures ship with a source checkout (tests/fixtures), not with an installed wheel")
+      for kind in ("wan_reference", "matrix_game2", "longlive", "krea_realtime")),
     Stage("generate", lambda ctx: ["generate", "--out", str(ctx.work / "generate"), "--json", "--device", ctx.device],
           120, judge=judge_generate),
     Stage("generate compiled", lambda ctx: ["generate", "--out", str(ctx.work / "generate-compiled"), "--json",
@@ -237,7 +226,8 @@ STAGES: list = [
     # three variants of three samplers each at 1.3B (a cold limit cache, ComfyUI's load, the dispatch counts)
     Stage("bench native", _native_argv, 600, judge=judge_bench_native),
     Stage("tests marked cuda", lambda ctx: ["-m", "pytest", "-q", "-m", "cuda", str(PACKAGE_ROOT / "tests")], 240,
-          gpu=True, available=_tests_problem, pytest=True),
+          gpu=True, pytest=True, available=lambda ctx: None if (PACKAGE_ROOT / "tests").is_dir() else
+          "the tests ship with a source checkout, not a wheel"),
 ]
 
 

@@ -28,14 +28,6 @@ def check_namespace(cache, namespace):
     return namespace
 
 
-def _check_writable(cache) -> None:
-    """clear and prune-stale write the file: a cache that cannot be written is their one error (not a warning
-    first and the same words as the error after)."""
-    problem = write_problem(cache.path)
-    if problem:
-        raise CacheUnavailableError(problem)
-
-
 def _print_notices(cache) -> list[str]:
     notes = cache.notices()
     warned = [Path(q["moved_to"]).name for q in cache.quarantined]  # this run's warning named them already
@@ -105,7 +97,9 @@ def _remove(args, prune: bool) -> int:
     """clear (one namespace or all) and prune-stale: the entries removed, counted."""
     cache = LimitCache()
     namespace = None if prune else check_namespace(cache, args.namespace)
-    _check_writable(cache)
+    problem = write_problem(cache.path)     # a cache that cannot be written: the one error (no warning before it)
+    if problem:
+        raise CacheUnavailableError(problem)
     _print_notices(cache)
     n = cache.prune_stale() if prune else cache.clear(namespace)
     if args.json:

@@ -36,26 +36,22 @@ def describe(exc: BaseException) -> tuple[str, int]:
 
     from ..cache.safety import CacheUnavailableError
 
-    if isinstance(exc, CacheUnavailableError):
-        return _one_line(str(exc)), USAGE_EXIT
     if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
         what = _FILE_ERRORS.get(type(exc)) or exc.strerror or type(exc).__name__
         return (f"{exc.filename}: {what}" if exc.filename is not None else _one_line(str(exc))), USAGE_EXIT
     if isinstance(exc, UnicodeError):
         return f"a file or value is not valid text ({exc})", USAGE_EXIT
-    if isinstance(exc, ValueError):
+    if isinstance(exc, (ValueError, CacheUnavailableError)):     # the cache's is an OSError, never a file's
         return _one_line(str(exc)), USAGE_EXIT
     if isinstance(exc, SafetensorError):
         return f"not a readable safetensors file ({_one_line(str(exc))})", USAGE_EXIT
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, (TimeoutError, RuntimeError)):
         return _one_line(str(exc)), RUN_EXIT
     if isinstance(exc, OSError) and exc.errno in _PATH_ERRNOS:     # a path nobody can open: the user's to fix
         return f"{exc.filename}: {exc.strerror or exc}; give a shorter path or one without a link loop", USAGE_EXIT
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
         return f"{where}{exc.strerror or exc}", RUN_EXIT
-    if isinstance(exc, RuntimeError):
-        return _one_line(str(exc)), RUN_EXIT
     return (f"internal error {type(exc).__name__}: {_one_line(str(exc))} (set {DEBUG_ENV}=1 to see the "
             f"traceback, and please report it)"), RUN_EXIT
 

@@ -59,13 +59,6 @@ def _system(args):
     return system
 
 
-def _is_krea(args) -> bool:
-    """The plan is for Krea Realtime (its model preset), whose runs rebuild the cache (``--recache krea``)."""
-    from ..memory.weights import PRESET_ALIASES
-    model = str(getattr(args, "model", None) or "").lower()
-    return PRESET_ALIASES.get(model, model) == "krea-14b"
-
-
 def _plan(args) -> int:
     from ..cache import open_cache
     from ..memory.estimate import Workload
@@ -88,7 +81,10 @@ def _plan(args) -> int:
             raise UsageError(f"--capability {args.capability} describes the --vram-gb GPU, and without --vram-gb "
                              f"this machine is planned for: add --vram-gb N, or leave --capability out")
     if args.kv_window is not None and args.mode == "causal":   # the run's own window check (Krea's too)
-        check_window(args.frames_per_block, args.kv_window, 0, "krea" if _is_krea(args) else "switch",
+        from ..memory.weights import PRESET_ALIASES
+        model = str(getattr(args, "model", None) or "").lower()     # Krea Realtime's runs rebuild the cache
+        check_window(args.frames_per_block, args.kv_window, 0,
+                     "krea" if PRESET_ALIASES.get(model, model) == "krea-14b" else "switch",
                      names={"frames_per_block": "--frames-per-block", "kv_window": "--kv-window",
                             "recache": "Krea's --recache"})
     for name, value, lo in (("--vram-gb", args.vram_gb, 0.0), ("--ram-gb", args.ram_gb, 0.0)):

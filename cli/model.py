@@ -13,13 +13,6 @@ from ..app.validate import (UsageError, check_device, check_fits, check_float, c
 
 
 def register(subparsers) -> None:
-    _add_generate(subparsers)
-    _add_convert(subparsers)
-    _add_convert_lora(subparsers)
-    _add_check(subparsers)
-
-
-def _add_generate(subparsers) -> None:
     p = subparsers.add_parser("generate", help="sample a causal Wan video latent (tiny built-in model by default)",
                               description="Sample latents with the causal few-step sampler; writes "
                                           "latents.safetensors, preview.webp and report.json, and with --decode "
@@ -106,6 +99,38 @@ def _add_generate(subparsers) -> None:
     mg2.add_argument("--window", type=int, help="rolling cache window in latent frames")
     p.set_defaults(func=_generate)
 
+    p = subparsers.add_parser("convert", help="convert a Self-Forcing/CausVid .pt checkpoint to .safetensors",
+                              description="Reads the .pt with torch.load(weights_only=True), takes 'generator' "
+                                          "(or 'generator_ema' with --ema), strips the 'model.' prefix, "
+                                          "checks the keys and writes safetensors with the config in metadata.")
+    p.add_argument("src", help="input .pt/.pth checkpoint")
+    p.add_argument("dst", help="output .safetensors")
+    p.add_argument("--ema", action="store_true", help="take the EMA weights ('generator_ema')")
+    p.add_argument("--num-heads", type=int, help="heads, when dim is not a multiple of 128")
+    p.add_argument("--json", action="store_true", help="print the conversion summary as JSON")
+    p.set_defaults(func=_convert)
+
+    p = subparsers.add_parser("convert-lora", help="rename a LongLive (peft) LoRA for ComfyUI's LoRA loader",
+                              description="Writes the LoRA under the diffusion_model.<layer>.lora_A/lora_B names "
+                                          "ComfyUI maps on a WAN model, with each layer's alpha recorded (LongLive "
+                                          "v1.0's files carry none: its config uses alpha = rank).")
+    p.add_argument("src", help="input LoRA: .safetensors (peft keys base_model.model.blocks..., or any accepted layout) "
+                               "or LongLive's released lora.pt (read with weights_only=True, its 'generator_lora')")
+    p.add_argument("dst", help="output .safetensors")
+    p.add_argument("--alpha", type=float, help="alpha for layers whose file has none (default: the rank)")
+    p.set_defaults(func=_convert_lora)
+
+    p = subparsers.add_parser("check-reference", help="compare the model with reference fixtures",
+                              description="Runs every recognised fixture in DIR (float32) and prints the max "
+                                          "abs difference of every recorded tensor; exits 1 above --tol.")
+    p.add_argument("dir", help="fixture directory (*_config.json + weights + io safetensors)")
+    p.add_argument("--tol", type=float, default=1e-4, help="largest max abs difference a recorded tensor may "
+                   "have (default 1e-4); above it the check fails (exit 1)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the float32 model runs")
+    p.add_argument("--json", action="store_true", help="print the rows, the worst difference and the verdict as "
+                   "JSON")
+    p.set_defaults(func=_check)
+
 
 def _job_options(cls, args, **renamed):
     """``cls`` (a generate job's options) from the parsed arguments: each field from the option of its name, or from
@@ -174,7 +199,12 @@ def check_generate_args(args) -> None:
         check_input_file("--checkpoint", args.checkpoint)
     if args.text_embeds:                         # '' means none (tests/test_bad_inputs.py embeds-empty-path)
         check_input_file("--text-embeds", args.text_embeds, convert=None)
-    _check_lora_args(args)
+    if args.lora is not None:
+        check_input_file("--lora", args.lora, convert="convert-lora")
+    if args.lora_strength is not None:
+        if args.lora is None:
+            raise UsageError("--lora-strength needs --lora (the LoRA file it scales); add --lora FILE or leave it out")
+        check_float("--lora-strength", args.lora_strength, -100.0, 100.0)
     if getattr(args, "conditioning", None) is not None:
         check_input_file("--conditioning", args.conditioning, convert=None)
     for attr, option in (("actions", "--actions"), ("steps", "--steps"), ("preset", "--preset")):
@@ -241,15 +271,6 @@ def check_generate_args(args) -> None:
         check_fits(config, geo["frames"], geo["height"], geo["width"], device=args.device, dtype=args.dtype,
                    frames_per_block=args.frames_per_block, kv_window=args.kv_window, weight_bytes=weight_bytes,
                    names=GENERATE_NAMES)
-
-
-def _check_lora_args(args) -> None:
-    if args.lora is not None:
-        check_input_file("--lora", args.lora, convert="convert-lora")
-    if args.lora_strength is not None:
-        if args.lora is None:
-            raise UsageError("--lora-strength needs --lora (the LoRA file it scales); add --lora FILE or leave it out")
-        check_float("--lora-strength", args.lora_strength, -100.0, 100.0)
 
 
 # options only the optimized sampler uses: (attribute, option, its default); given with the reference sampler
@@ -359,31 +380,6 @@ def _generate(args) -> int:
     return 0
 
 
-def _add_convert(subparsers) -> None:
-    p = subparsers.add_parser("convert", help="convert a Self-Forcing/CausVid .pt checkpoint to .safetensors",
-                              description="Reads the .pt with torch.load(weights_only=True), takes 'generator' "
-                                          "(or 'generator_ema' with --ema), strips the 'model.' prefix, "
-                                          "checks the keys and writes safetensors with the config in metadata.")
-    p.add_argument("src", help="input .pt/.pth checkpoint")
-    p.add_argument("dst", help="output .safetensors")
-    p.add_argument("--ema", action="store_true", help="take the EMA weights ('generator_ema')")
-    p.add_argument("--num-heads", type=int, help="heads, when dim is not a multiple of 128")
-    p.add_argument("--json", action="store_true", help="print the conversion summary as JSON")
-    p.set_defaults(func=_convert)
-
-
-def _add_convert_lora(subparsers) -> None:
-    p = subparsers.add_parser("convert-lora", help="rename a LongLive (peft) LoRA for ComfyUI's LoRA loader",
-                              description="Writes the LoRA under the diffusion_model.<layer>.lora_A/lora_B names "
-                                          "ComfyUI maps on a WAN model, with each layer's alpha recorded (LongLive "
-                                          "v1.0's files carry none: its config uses alpha = rank).")
-    p.add_argument("src", help="input LoRA: .safetensors (peft keys base_model.model.blocks..., or any accepted layout) "
-                               "or LongLive's released lora.pt (read with weights_only=True, its 'generator_lora')")
-    p.add_argument("dst", help="output .safetensors")
-    p.add_argument("--alpha", type=float, help="alpha for layers whose file has none (default: the rank)")
-    p.set_defaults(func=_convert_lora)
-
-
 def _convert_lora(args) -> int:
     from ..model.lora import to_comfy
     released = str(args.src).lower().endswith((".pt", ".pth"))
@@ -437,19 +433,6 @@ def _convert(args) -> int:
         print(f"wrote {summary['output']}: {summary['tensors']} tensors from '{summary['entry']}' "
               f"({c['model_type']}, dim {c['dim']}, {c['num_layers']} layers, {c['num_heads']} heads)")
     return 0
-
-
-def _add_check(subparsers) -> None:
-    p = subparsers.add_parser("check-reference", help="compare the model with reference fixtures",
-                              description="Runs every recognised fixture in DIR (float32) and prints the max "
-                                          "abs difference of every recorded tensor; exits 1 above --tol.")
-    p.add_argument("dir", help="fixture directory (*_config.json + weights + io safetensors)")
-    p.add_argument("--tol", type=float, default=1e-4, help="largest max abs difference a recorded tensor may "
-                   "have (default 1e-4); above it the check fails (exit 1)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the float32 model runs")
-    p.add_argument("--json", action="store_true", help="print the rows, the worst difference and the verdict as "
-                   "JSON")
-    p.set_defaults(func=_check)
 
 
 def _check(args) -> int:

@@ -163,17 +163,13 @@ def build(comfy_root, out: Path = OUT, wheels: dict | None = None) -> dict:
                     mode = 0o755 if member.filename.endswith(".so") else 0o644
                     _add(tar, f"site/{member.filename}", z.read(member), mode)
                     kept += 1
-            manifest["wheels"][dist] = {"file": wheel.name, "sha256": _sha256(wheel), "files": kept,
-                                        "imports": list(WHEELS.get(dist, ()))}
+            manifest["wheels"][dist] = {"file": wheel.name, "sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(),
+                                        "files": kept, "imports": list(WHEELS.get(dist, ()))}
         _add(tar, MANIFEST, json.dumps(manifest, indent=1).encode())
     tmp.replace(out / ARCHIVE)
     manifest["archive_mib"] = round((out / ARCHIVE).stat().st_size / 2 ** 20, 2)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _comfy_version(root: Path) -> dict:

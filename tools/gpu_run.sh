@@ -99,8 +99,7 @@ stage sampler13 110 $PY -m wan_accel bench sampler --shape $S13 --variants optim
 # ---- 2b. the fp8 attention mode (FA3's e4m3 kernels where fa3-fwd imports) beside exact, same run
 stage sampler13_fp8 120 $PY -m wan_accel bench sampler --shape $S13 --variants optimized,optimized-fp8att --repeat 2 --json
 # ---- 3. the user's path: ComfyUI's MODEL, core's SamplerARVideo beside the pack's AR sampler
-if [ "$TRIAL" = 1 ]; then NW="bf16,fp8_scaled,bf16+lora"; else NW="bf16,fp8_scaled,bf16+lora"; fi
-( cd "${COMFYUI_DIR:-$REPO}" && stage native ${NATIVE_LIMIT:-150} $PY -m wan_accel bench native --shape $S13 --weights $NW --repeat 2 --json )
+( cd "${COMFYUI_DIR:-$REPO}" && stage native ${NATIVE_LIMIT:-150} $PY -m wan_accel bench native --shape $S13 --weights bf16,fp8_scaled,bf16+lora --repeat 2 --json )
 fi
 if [ "$PART" = 2 ]; then
 # ---- 4. a smaller card, and Krea 14B (fp8 weights at a 24 GB cap; bf16 uncapped)

@@ -80,9 +80,12 @@ def _read(archive: Path, dest: Path) -> tuple:
             manifest = json.loads(tar.extractfile(MANIFEST).read())
             if not isinstance(manifest, dict):
                 raise UnpackError(f"{archive}: {MANIFEST} is not a JSON object; build the archive again")
-            skip_roots = _skip_roots(manifest)
-            kept = [m for m in members if m.name != MANIFEST
-                    and not (m.name.startswith("site/") and _top(m.name) in skip_roots)]
+            wheels = manifest.get("wheels", {})
+            skip_roots = {name for w in (wheels.values() if isinstance(wheels, dict) else ()) if isinstance(w, dict)
+                          for name in w.get("imports", ()) if importable(name)}
+            # a site/ member's import name: site/psutil/... and site/psutil-7.2.2.dist-info/... both give psutil
+            kept = [m for m in members if m.name != MANIFEST and not (
+                m.name.startswith("site/") and m.name.split("/")[1].split("-")[0].split(".")[0] in skip_roots)]
             kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(dest, members=kept, **kwargs)
     except (tarfile.TarError, EOFError, lzma.LZMAError, ValueError) as exc:
@@ -90,12 +93,6 @@ def _read(archive: Path, dest: Path) -> tuple:
                           f"{str(exc).strip()[:160]}); copy it again, or build it again with "
                           f"tools/carry_comfyui.py") from None
     return manifest, skip_roots
-
-
-def _skip_roots(manifest: dict) -> set:
-    wheels = manifest.get("wheels", {})
-    return {name for w in (wheels.values() if isinstance(wheels, dict) else ()) if isinstance(w, dict)
-            for name in w.get("imports", ()) if importable(name)}
 
 
 def _dest(dest) -> Path:
@@ -140,12 +137,6 @@ def unpack(archive: Path = ARCHIVE, dest: Path | None = None, repo: Path = REPO,
     paths = [str(pkg), str(dest / "ComfyUI"), str(dest / "site"), str(stub_dir)]
     return {"COMFYUI_DIR": str(dest / "ComfyUI"), "paths": paths, "stubbed": wanted,
             "wheels_skipped": sorted(skip_roots), "manifest": manifest, "dest": str(dest)}
-
-
-def _top(name: str) -> str:
-    """The import name a ``site/`` member belongs to: ``site/psutil/...`` and ``site/psutil-7.2.2.dist-info/...``
-    both give ``psutil``."""
-    return name.split("/")[1].split("-")[0].split(".")[0]
 
 
 def main(argv=None) -> int:

@@ -87,11 +87,6 @@ def probing_forbidden() -> str | None:
     return None
 
 
-def probe_shape(ctx) -> str:
-    """The shape a verdict was judged at, in words (the doctor's table shows it)."""
-    return f"{ctx.tokens} tokens, {ctx.heads} heads x {ctx.head_dim}, {str(ctx.dtype).replace('torch.', '')}"
-
-
 def _error_text(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text}"[:300]
@@ -211,7 +206,8 @@ class Doctor:
         value = {"status": "failed", "difference": None, "tolerance": None, "feature_ms": None,
                  "fallback_ms": None, "error": None, **verdict_identity(feature),
                  "dtype": str(probe.dtype).replace("torch.", ""), "checked": time.time(), "note": probe.note,
-                 "shape": probe_shape(ctx)}
+                 "shape": f"{ctx.tokens} tokens, {ctx.heads} heads x {ctx.head_dim}, "     # the table shows it
+                          f"{str(ctx.dtype).replace('torch.', '')}"}
         try:
             with torch.no_grad():
                 reference = probe.fallback()

@@ -25,15 +25,6 @@ from .core import FEATURES, Doctor, doctor_for
 log = logging.getLogger("wan_accel")
 
 
-def _line(name: str, why: str) -> str:
-    return f"wan_accel: {name} is switched off on this machine: {why} (details: python -m wan_accel doctor)"
-
-
-def _fallback_line(name: str, why: str) -> str:
-    return (f"wan_accel: the fallback {name} failed its check on this machine: {why}; it stays in use (nothing to "
-            f"fall back to), so results may be wrong (details: python -m wan_accel doctor)")
-
-
 def new_record() -> dict:
     """Where the gate functions write what they switched off and which fallback failed, each with its reason."""
     return {"switched_off": {}, "failed_fallbacks": {}}
@@ -46,7 +37,9 @@ def _say(lines: list, name: str, why: str, log_fn=None, record: dict | None = No
     kind = "failed_fallbacks" if fallback else "switched_off"
     if record is not None and name in record.get(kind, {}):
         return
-    line = (_fallback_line if fallback else _line)(name, why)
+    line = (f"wan_accel: the fallback {name} failed its check on this machine: {why}; it stays in use (nothing to "
+            f"fall back to), so results may be wrong" if fallback else
+            f"wan_accel: {name} is switched off on this machine: {why}") + " (details: python -m wan_accel doctor)"
     if line in lines:
         return
     lines.append(line)
@@ -116,8 +109,7 @@ def gate_compile(model, settings, doctor: Doctor | None = None, log_fn=None, lin
     """``settings`` when compiled blocks are trusted here (or no compile is asked for), else None."""
     if settings is None:
         return None
-    doc = model_doctor(model, doctor)
-    why = doc.why_off("compile")
+    why = model_doctor(model, doctor).why_off("compile")
     if why:
         _say(lines if lines is not None else [], "compile", why, log_fn, record)
         return None
@@ -129,8 +121,7 @@ def gate_swap(model, settings, doctor: Doctor | None = None, log_fn=None, lines:
     """Swap settings to apply: without the prefetch stream when block swap failed its check here."""
     if settings is None or not getattr(settings, "blocks_to_swap", 0) or not getattr(settings, "prefetch", 0):
         return settings
-    doc = model_doctor(model, doctor)
-    why = doc.why_off("block_swap")
+    why = model_doctor(model, doctor).why_off("block_swap")
     if why:
         _say(lines if lines is not None else [], "block_swap (prefetch stream)", why, log_fn, record)
         return dataclasses.replace(settings, prefetch=0)

@@ -66,39 +66,31 @@ def versions() -> dict:
     return out
 
 
-def _v(text: str) -> tuple | None:
-    """(major, minor, patch) of a version text, None for 'none' or an unreadable one."""
+def _within(text, floor: tuple = (), ceiling: tuple | None = None) -> bool:
+    """Whether the version ``text`` reads as (major, minor, patch) ('none' does not), at least ``floor`` and below
+    ``ceiling`` when given."""
     found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", str(text))
-    return None if not found else tuple(int(p or 0) for p in found.groups())
-
-
-def _at_least(text, floor: tuple) -> bool:
-    v = _v(text)
-    return v is not None and v >= floor
-
-
-def _below(text, ceiling: tuple) -> bool:
-    v = _v(text)
-    return v is not None and v < ceiling
+    v = tuple(int(p or 0) for p in found.groups()) if found else None
+    return v is not None and v >= floor and (ceiling is None or v < ceiling)
 
 
 # (what breaks, its fix, the test on the stack). Facts from ComfyUI's releases and requirements (docs/comfyui.md).
 KNOWN_BREAKS = (
     (("ComfyUI {comfyui} imports comfy_aimdo.malloc_graph and comfy_aimdo.storage (the Comfy Compiler, core 0.34 "
       "and later); comfy-aimdo {comfy-aimdo} lacks them and ComfyUI does not start"), AIMDO_FIX,
-     lambda s: _at_least(s["comfyui"], (0, 34)) and _below(s["comfy-aimdo"], (0, 5))),
+     lambda s: _within(s["comfyui"], (0, 34)) and _within(s["comfy-aimdo"], ceiling=(0, 5))),
     (("ComfyUI {comfyui} passes input_act_weight to comfy-kitchen's linear ops; comfy-kitchen {comfy-kitchen} does "
       "not take it and sampling fails at run time (core only logs that the kitchen is older than recommended)"),
-     KITCHEN_FIX, lambda s: _at_least(s["comfyui"], (0, 36)) and _below(s["comfy-kitchen"], (0, 2, 34))),
+     KITCHEN_FIX, lambda s: _within(s["comfyui"], (0, 36)) and _within(s["comfy-kitchen"], ceiling=(0, 2, 34))),
     (("ComfyUI {comfyui} has no causal Wan model (WAN21_CausalAR) nor core's AR video nodes: the Wan Accel AR "
       "Sampler (native MODEL) and the tiny native model need core 0.33.0 or newer"),
-     "update ComfyUI (0.33.0 or newer)", lambda s: _below(s["comfyui"], (0, 33))),
+     "update ComfyUI (0.33.0 or newer)", lambda s: _within(s["comfyui"], ceiling=(0, 33))),
     (("frontend {comfyui-frontend-package} has Nodes 2.0 (setting Comfy.VueNodes.Enabled, on by default for new "
       "Desktop and Cloud installs): node bodies are Vue components, canvas drawing (onDrawForeground, "
       "node.onMouseDown) does not run there"),
      ("if a node pack's canvas parts are missing, switch Nodes 2.0 off in the settings (Comfy.VueNodes.Enabled) "
       "or update the pack"),
-     lambda s: _at_least(s["comfyui-frontend-package"], (1, 58))),
+     lambda s: _within(s["comfyui-frontend-package"], (1, 58))),
 )
 
 

@@ -95,10 +95,6 @@ def check_rank_env(heads: int | None = None, device=None, env=None) -> tuple[int
     return world, rank, local
 
 
-def _backend(device) -> str:
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
 def _loopback() -> None:
     """Keep gloo's connections on the loopback interface (where the machine has one named 'lo')."""
     if Path("/sys/class/net/lo").exists():
@@ -110,12 +106,12 @@ def start_group(rank: int, world: int, init_method: str, device="cpu", timeout_s
     """Join a group of ``world`` ranks as ``rank`` (NCCL for a CUDA device, gloo otherwise)."""
     if dist.is_initialized():
         return SeqParallel(dist.get_rank(), dist.get_world_size(), None, timeout_s)
-    kwargs = {}
+    kwargs, backend = {}, "gloo"
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
-        kwargs["device_id"] = torch.device(device)
+        kwargs["device_id"], backend = torch.device(device), "nccl"
     try:
-        dist.init_process_group(_backend(device), init_method=init_method, rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     except Exception as exc:  # noqa: BLE001
         raise ParallelError(f"rank {rank} of {world} could not join the sequence-parallel group within "
