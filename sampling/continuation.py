@@ -45,8 +45,9 @@ class SamplerState:
 
     def to(self, device) -> "SamplerState":
         """The state with its cache tensors on ``device`` (e.g. the CPU between prompts); values unchanged."""
-        return dataclasses.replace(self, kv=copy_cache(self.kv, device=device),
-                                   actions=_actions_to(self.actions, device),
+        actions = None if self.actions is None else {k: copy_cache(v, device=device) if isinstance(v, KVCache) else v
+                                                     for k, v in self.actions.items()}
+        return dataclasses.replace(self, kv=copy_cache(self.kv, device=device), actions=actions,
                                    last_context=_to(self.last_context, device), history=_to(self.history, device))
 
 
@@ -74,12 +75,6 @@ def copy_cache(src: KVCache, dst: KVCache | None = None, device=None) -> KVCache
 
 def _to(t, device):
     return t.to(device) if isinstance(t, torch.Tensor) else t
-
-
-def _actions_to(actions, device):
-    if actions is None:
-        return None
-    return {k: (copy_cache(v, device=device) if isinstance(v, KVCache) else v) for k, v in actions.items()}
 
 
 FINGERPRINT_SAMPLES = 16
@@ -172,25 +167,6 @@ def capture(settings: dict, frames: int, kv: KVCache, generator: torch.Generator
     return state.to(device) if copy else state
 
 
-def window_history(kv_window: int, earlier, new: torch.Tensor) -> torch.Tensor:
-    """The clean latents a re-cache may read after these frames: the last ``kv_window`` frames (all of them with a
-    global cache)."""
-    frames = new if earlier is None else torch.cat([earlier.to(new.device), new], dim=1)
-    return frames[:, -kv_window:] if 0 < kv_window < frames.shape[1] else frames
-
-
-def last_chunk_context(spec, inputs: RunInputs, num_frames: int):
-    """The raw context of the last chunk of a run of ``num_frames`` frames (a schedule's, the last of the chunk
-    contexts, or the one context)."""
-    if inputs.chunk_contexts is not None:
-        return inputs.chunk_contexts[-1]
-    if inputs.prompt_schedule is not None:
-        plan = chunk_plan(num_frames, spec.frames_per_block, spec.independent_first_frame, spec.partial_last_block)
-        sched = PromptSchedule.coerce(inputs.prompt_schedule)
-        return sched.contexts(inputs.prompt_embeddings or {}, len(plan))[-1]
-    return inputs.context
-
-
 def restore_generator(generator: tuple, device) -> torch.Generator:
     """A noise generator on ``device`` from a state's (device, state) pair (``SamplerState.generator``)."""
     want, saved = generator
@@ -244,10 +220,18 @@ def continued(model, spec, inputs: RunInputs, keep_state: bool, device=None) -> 
     inputs = inputs.replace(kv_cache=kv, generator=gen, start_frame=start, state=None, **changes)
     if not keep_state:
         return inputs, None
-    last = last_chunk_context(spec, inputs, num_frames)
+    last = inputs.context                       # the raw context of the run's last chunk
+    if inputs.chunk_contexts is not None:
+        last = inputs.chunk_contexts[-1]
+    elif inputs.prompt_schedule is not None:    # the schedule cut to this run's plan above
+        last = inputs.prompt_schedule.contexts(inputs.prompt_embeddings or {}, len(plan))[-1]
 
     def state_after(out: torch.Tensor) -> SamplerState:
-        history = window_history(spec.kv_window, None if state is None else state.history, out)
+        # the clean latents a re-cache may read after these frames: the last kv_window frames (all of them with a
+        # global cache)
+        earlier = None if state is None else state.history
+        frames = out if earlier is None else torch.cat([earlier.to(out.device), out], dim=1)
+        history = frames[:, -spec.kv_window:] if 0 < spec.kv_window < frames.shape[1] else frames
         return capture(settings, num_frames, kv, gen, device=device, last_context=last, history=history)
     return inputs, state_after
 

@@ -198,13 +198,6 @@ class GraphManager:
             if t is not None:
                 static[name].copy_(t)
 
-    def _eager(self, inputs: dict, fn, warm_key):
-        self.stats["eager_calls"] += 1
-        warmup = getattr(self.backend, "warmup", None)
-        out = warmup(lambda: fn(inputs)) if warmup is not None and self.enabled else fn(inputs)
-        self.warmed.add(warm_key)
-        return out
-
     def run(self, key, inputs: dict, fn, warm_key=None):
         warm_key = key if warm_key is None else warm_key
         entry = self.entries.get(key)
@@ -220,7 +213,11 @@ class GraphManager:
             self.stats["eager_calls"] += 1
             return fn(inputs)
         if entry.calls < 2 and warm_key not in self.warmed:
-            return self._eager(inputs, fn, warm_key)
+            self.stats["eager_calls"] += 1
+            warmup = getattr(self.backend, "warmup", None)
+            out = warmup(lambda: fn(inputs)) if warmup is not None else fn(inputs)
+            self.warmed.add(warm_key)
+            return out
         return self._capture(entry, inputs, fn, warm_key)
 
     def _capture(self, entry: _Entry, inputs: dict, fn, warm_key):

@@ -447,8 +447,7 @@ def vae_reencode(decode: Callable, encode: Callable) -> Callable:
     space in, any pixel layout with time second), the last pixel frame kept, ``encode(pixels [B, 1, ...]) ->
     latents [B, 1, C, H, W]`` (model space) as the new first frame."""
     def reencode(frames: torch.Tensor) -> torch.Tensor:
-        pixels = decode(frames)
-        return encode(pixels[:, -1:])
+        return encode(decode(frames)[:, -1:])
     return reencode
 
 

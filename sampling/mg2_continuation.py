@@ -14,9 +14,7 @@ from .mg2 import FRAMES_PER_BLOCK, MG2Settings, batch_noise, build_cond_concat, 
 def _cat(old, new):
     if new is None:
         return old
-    return new if old is None else torch.cat([old.to(new.device, new.dtype).expand(new.shape[0], -1, -1)
-                                              if old.shape[0] != new.shape[0] else old.to(new.device, new.dtype),
-                                              new], 1)
+    return new if old is None else torch.cat([old.to(new.device, new.dtype).expand(new.shape[0], -1, -1), new], 1)
 
 
 def mg2_continuation(model, image_latent: torch.Tensor, visual_context: torch.Tensor, mouse, keyboard,

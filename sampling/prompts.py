@@ -129,11 +129,10 @@ def _number(value: str, what: str, where: str, kind=float):
     if kind is int and digits.isdigit() and len(digits) > MAX_INT_DIGITS:
         raise ValueError(f"{where}: {what} {seen} is far larger than any video's chunks (at most 1024); {fix}")
     try:
-        v = kind(text)
+        return kind(text)
     except (TypeError, ValueError):
         raise ValueError(f"{where}: {what} {seen} is not a{'n integer' if kind is int else ' number'}; "
                          f"{fix}") from None
-    return v
 
 
 def _check_weight(w: float, where: str) -> float:
@@ -286,10 +285,7 @@ class PromptSchedule:
         if last >= num_chunks:
             raise ValueError(f"the prompt schedule switches at chunk {last} but the run has chunks 0..{num_chunks - 1}"
                              f"; use chunks below {num_chunks} (or make the video longer)")
-        if len(self.entries) > num_chunks:      # not reached for a valid schedule (increasing chunks); kept explicit
-            raise ValueError(f"the prompt schedule has {len(self.entries)} entries but the run has only {num_chunks} "
-                             f"chunk(s); give at most one entry per chunk (or make the video longer)")
-        return self
+        return self          # (entries strictly increase from chunk 0: at most one per chunk of the run)
 
     def until(self, num_chunks: int) -> "PromptSchedule":
         """The entries that start before chunk ``num_chunks`` (the part of a longer video's schedule a shorter run
@@ -298,11 +294,7 @@ class PromptSchedule:
 
     def texts(self) -> list:
         """The distinct texts to encode, in first-use order."""
-        seen = {}
-        for e in self.entries:
-            for t, _ in e.parts:
-                seen.setdefault(t, None)
-        return list(seen)
+        return list(dict.fromkeys(t for e in self.entries for t, _ in e.parts))
 
     def _specs(self, num_chunks: int) -> list:
         """A hashable description of every chunk's context (equal descriptions: the same context)."""
@@ -354,8 +346,7 @@ class PromptSchedule:
                     if len(parts) == 1:
                         built[spec] = padded[parts[0][0]]
                     else:
-                        acc = sum(padded[t].float() * w for t, w in parts)
-                        built[spec] = acc.to(dtype)
+                        built[spec] = sum(padded[t].float() * w for t, w in parts).to(dtype)
                 else:
                     _, src, dst, alpha, mode = spec
                     built[spec] = blend(build(src), build(dst), alpha, mode).to(dtype)

@@ -180,11 +180,6 @@ def release_buffers(model) -> bool:
     return runner.release() if runner is not None else False
 
 
-def largest_call(batch: int, chunks, frame_tokens: int) -> int:
-    """Tokens of the run's largest block call: the batch times its longest chunk's tokens."""
-    return batch * max((n for _f0, n in chunks), default=0) * frame_tokens
-
-
 SPEED_FIELDS = {"int8": "int8_speed", "fp8": "fp8_attention_speed"}   # the report field of each attention verdict
 GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune", "cudagraphs")
 
@@ -296,71 +291,69 @@ class FastRunner:
         sess.graphs.identity = identity
 
     def start(self, req, inputs, cache) -> "Run":
-        with use_ops(parse_ops(req.options.ops)[1]):      # the ops string's family=candidate overrides
-            return self._start(req, inputs, cache)
-
-    def _start(self, req, inputs, cache) -> "Run":
         """Prepare the run of ``req`` (a ``SamplingRequest`` on the optimized path: its FastOptions, geometry and
         chunks, so the speed verdicts of fp8 linear layers and fp8 attention are read before any fp8 copy is made)
         over ``inputs``' KV cache (None: the session's) and action call; ``cache``: the LimitCache of recorded
         graph capture failures."""
-        options, batch, num_frames, kv_window, sink = req.options, req.batch, req.num_frames, req.kv_window, req.sink
-        kv_cache, actions = inputs.kv_cache, inputs.model_kwargs.get("actions")
-        model = self.model
-        self.notes = []
-        device = model.device
-        if "fused_qkv" in options.switched_off:
-            options = options.replace(fused_qkv=False)
-        compile_mode = compiled_mode(model)
-        swapped = swapped_blocks(model)
-        fused = self._fuse(options, swapped)
-        frame_tokens = req.frame_tokens
-        linear, linear_info, verdict = self._linear(options, swapped, largest_call(batch, req.chunks, frame_tokens))
-        requested = options.attention or getattr(model, "attn_backend", "auto")
-        backend, backend_reason = explain_backend(requested, device, model.compute_dtype, model.config.head_dim,
-                                                  off=options.switched_off)
-        attention_part = backend
-        if requested == "auto" and graphs_device(device):     # the operator store's choice per call shape
-            attention_part = auto_request(options.switched_off)
-            backend, backend_reason = "auto", f"operator store per shape (by availability: {backend_reason})"
-        rolling = 0 < kv_window < num_frames
-        layout = (kv_window, sink) if rolling else (num_frames, 0)
-        sp = seq_parallel_of(model)
-        key = (batch, rolling) + layout + (tuple(req.grid_hw), str(device), model.compute_dtype, model.rope_dtype(),
-                                           None if sp is None else (sp.rank, sp.world))
-        sess = self._session(key, lambda: KVCache.for_model(model, batch, frame_tokens, num_frames, kv_window, sink),
-                             kv_cache)
-        graph_reason = "the caller passed its own KV cache" if sess.external else \
-            self._graphs_reason(options, device, swapped, compile_mode, actions, cache)
-        if graph_reason is None:
-            self._attach_graphs(sess, options, device, cache, compile_mode)
-        elif sess.graphs is not None:
-            sess.graphs.release()
-            sess.graphs = None
-        kernels = kernels_part(options, device)
-        parts = BlockParts(attention_part, kernels, bool(options.fused_qkv), ops_part(options, device, kernels),
-                           linear)
-        run = Run(self, options, sess, parts, actions, frame_tokens, info={
-            "path": "optimized", "attention": backend, "attention_reason": backend_reason,
-            "fused_qkv_blocks": fused, "fused_kernels": bool(kernels),
-            "compile": compile_mode, "cuda_graphs": graph_reason is None,
-            "cuda_graphs_reason": graph_reason or "on", "swapped_blocks": len(swapped), "linear": linear,
-            **linear_info, "notes": self.notes})
-        if attention_part == "fp8" and sp is None:
-            # fp8 attention's speed verdict before the cache's fp8 copy exists: a run judged slower (and not
-            # kept) never allocates it
-            largest = max(plan_shapes(frame_tokens, req.chunks, kv_window, num_frames), key=lambda s: s[0] * s[1])
-            _b, _cap, heads, head_dim = sess.kv.layers[0].k.shape
-            run._judge_attention("fp8", largest, batch, int(heads), int(head_dim))
-        fp8_cache = run.parts.attention == "fp8"
-        scheme = "smoothed"
-        if fp8_cache:                       # the copy in the form this machine's fp8 implementation reads
-            kind = fp8_implementation(device, model.compute_dtype, model.config.head_dim)[0]
-            scheme, run.info["fp8_attention_kind"] = fp8_scheme(kind), kind
-        sess.kv.use_fp8(fp8_cache, scheme)      # fp8 attention: K/V quantized once, as they enter the cache
-        if verdict is not None and (linear == "fp8" or verdict[0]):
-            run._judge_fp8(verdict)
-        return run
+        with use_ops(parse_ops(req.options.ops)[1]):      # the ops string's family=candidate overrides
+            options, batch, num_frames, kv_window = req.options, req.batch, req.num_frames, req.kv_window
+            kv_cache, actions = inputs.kv_cache, inputs.model_kwargs.get("actions")
+            model = self.model
+            self.notes = []
+            device = model.device
+            if "fused_qkv" in options.switched_off:
+                options = options.replace(fused_qkv=False)
+            compile_mode = compiled_mode(model)
+            swapped = swapped_blocks(model)
+            fused = self._fuse(options, swapped)
+            frame_tokens = req.frame_tokens
+            tokens = batch * max((n for _f0, n in req.chunks), default=0) * frame_tokens     # the largest block call
+            linear, linear_info, verdict = self._linear(options, swapped, tokens)
+            requested = options.attention or getattr(model, "attn_backend", "auto")
+            backend, backend_reason = explain_backend(requested, device, model.compute_dtype, model.config.head_dim,
+                                                      off=options.switched_off)
+            attention_part = backend
+            if requested == "auto" and graphs_device(device):     # the operator store's choice per call shape
+                attention_part = auto_request(options.switched_off)
+                backend, backend_reason = "auto", f"operator store per shape (by availability: {backend_reason})"
+            rolling = 0 < kv_window < num_frames
+            layout = (kv_window, req.sink) if rolling else (num_frames, 0)
+            sp = seq_parallel_of(model)
+            key = (batch, rolling) + layout + (tuple(req.grid_hw), str(device), model.compute_dtype, model.rope_dtype(),
+                                               None if sp is None else (sp.rank, sp.world))
+            sess = self._session(key, lambda: KVCache.for_model(model, batch, frame_tokens, num_frames, kv_window,
+                                                                req.sink), kv_cache)
+            graph_reason = "the caller passed its own KV cache" if sess.external else \
+                self._graphs_reason(options, device, swapped, compile_mode, actions, cache)
+            if graph_reason is None:
+                self._attach_graphs(sess, options, device, cache, compile_mode)
+            elif sess.graphs is not None:
+                sess.graphs.release()
+                sess.graphs = None
+            kernels = kernels_part(options, device)
+            parts = BlockParts(attention_part, kernels, bool(options.fused_qkv), ops_part(options, device, kernels),
+                               linear)
+            run = Run(self, options, sess, parts, actions, frame_tokens, info={
+                "path": "optimized", "attention": backend, "attention_reason": backend_reason,
+                "fused_qkv_blocks": fused, "fused_kernels": bool(kernels),
+                "compile": compile_mode, "cuda_graphs": graph_reason is None,
+                "cuda_graphs_reason": graph_reason or "on", "swapped_blocks": len(swapped), "linear": linear,
+                **linear_info, "notes": self.notes})
+            if attention_part == "fp8" and sp is None:
+                # fp8 attention's speed verdict before the cache's fp8 copy exists: a run judged slower (and not
+                # kept) never allocates it
+                largest = max(plan_shapes(frame_tokens, req.chunks, kv_window, num_frames), key=lambda s: s[0] * s[1])
+                _b, _cap, heads, head_dim = sess.kv.layers[0].k.shape
+                run._judge_attention("fp8", largest, batch, int(heads), int(head_dim))
+            fp8_cache = run.parts.attention == "fp8"
+            scheme = "smoothed"
+            if fp8_cache:                       # the copy in the form this machine's fp8 implementation reads
+                kind = fp8_implementation(device, model.compute_dtype, model.config.head_dim)[0]
+                scheme, run.info["fp8_attention_kind"] = fp8_scheme(kind), kind
+            sess.kv.use_fp8(fp8_cache, scheme)      # fp8 attention: K/V quantized once, as they enter the cache
+            if verdict is not None and (linear == "fp8" or verdict[0]):
+                run._judge_fp8(verdict)
+            return run
 
     def _weights_id(self) -> tuple:
         return tuple(p.data_ptr() for p in self.model.parameters()) + \
@@ -415,19 +408,15 @@ class Run:
                 self.sess.graphs.release()      # captured graphs read the previous buffers
         self.cross = self.sess.cross
 
-    def embed_timesteps(self, timesteps, batch: int) -> None:
-        """(e, e0) of every distinct timestep of the run: [B, 1, dim] and [B, 1, 6, dim]."""
-        dev = self.model.device
-        for t in timesteps:
-            if t not in self.emb:
-                tt = torch.full((batch, 1), float(t), dtype=torch.float32, device=dev)
-                self.emb[t] = self.model.time_embed(tt)
-
     def prepare(self, text, clip_fea, timesteps, batch: int) -> None:
-        """text: the embedded prompt (EmbeddedText); clip_fea: raw image features or None."""
+        """text: the embedded prompt (EmbeddedText); clip_fea: raw image features or None; (e, e0) of every distinct
+        timestep of the run: [B, 1, dim] and [B, 1, 6, dim]."""
         self.image = self.model.embed_image(clip_fea)
         self.set_text(text)
-        self.embed_timesteps(timesteps, batch)
+        for t in timesteps:
+            if t not in self.emb:
+                tt = torch.full((batch, 1), float(t), dtype=torch.float32, device=self.model.device)
+                self.emb[t] = self.model.time_embed(tt)
 
     def begin_chunk(self, start_frame: int, frames: int):
         """The chunk's KV write plan (host ints + device slot index), shared by every call of the chunk."""
@@ -473,31 +462,28 @@ class Run:
     def forward(self, kind: str, xt, t: float, start_frame: int, step, y=None, want_output: bool = True):
         """Flow [B, F, C, H, W] for latent chunk xt at timestep t (None when want_output is False)."""
         with use_ops(parse_ops(self.options.ops)[1]):     # the ops string's family=candidate overrides
-            return self._forward_call(kind, xt, t, start_frame, step, y, want_output)
-
-    def _forward_call(self, kind: str, xt, t: float, start_frame: int, step, y, want_output: bool):
-        model = self.model
-        e, e0 = self.emb[t]
-        h, w = xt.shape[-2] // model.config.patch_size[1], xt.shape[-1] // model.config.patch_size[2]
-        cos, sin = model.rope.get(model.config.head_dim, (xt.shape[1], h, w), start_frame, model.device,
-                                  model.rope_dtype())
-        inp = {"xt": xt, "y": y, "e": e, "e0": e0, "cos": cos, "sin": sin}
-        lean = self._lean_last()
-        graphs = self.graphs
-        if graphs is not None and swapped_blocks(model):
-            # a swap installed after start (learned limit / OOM fallback): a graph would bake in the addresses
-            # of per-call weight copies (and capture the swap's side-stream copies)
-            graphs.disable("block swap moves weights between calls")
-            self.sess.graphs = graphs = None
-            self.info.update(cuda_graphs=False, cuda_graphs_reason="block swap moves weights between calls")
-        if graphs is None or kind == "recache":     # a re-cache is rare and of its own shape: never graphed
-            return self._forward(inp, start_frame, step, want_output, lean)
-        key = (kind, want_output, lean, tuple(xt.shape), xt.dtype, step, self.parts)
-        # the denoise and refresh calls of one chunk share a warm key: a refresh (once per chunk) is graphed at its
-        # first call once its chunk's denoise calls warmed up the same shapes
-        warm = (tuple(xt.shape), xt.dtype, step, self.parts)
-        return graphs.run(key, inp, lambda static: self._forward(static, start_frame, step, want_output, lean),
-                          warm_key=warm)
+            model = self.model
+            e, e0 = self.emb[t]
+            h, w = xt.shape[-2] // model.config.patch_size[1], xt.shape[-1] // model.config.patch_size[2]
+            cos, sin = model.rope.get(model.config.head_dim, (xt.shape[1], h, w), start_frame, model.device,
+                                      model.rope_dtype())
+            inp = {"xt": xt, "y": y, "e": e, "e0": e0, "cos": cos, "sin": sin}
+            lean = self._lean_last()
+            graphs = self.graphs
+            if graphs is not None and swapped_blocks(model):
+                # a swap installed after start (learned limit / OOM fallback): a graph would bake in the addresses
+                # of per-call weight copies (and capture the swap's side-stream copies)
+                graphs.disable("block swap moves weights between calls")
+                self.sess.graphs = graphs = None
+                self.info.update(cuda_graphs=False, cuda_graphs_reason="block swap moves weights between calls")
+            if graphs is None or kind == "recache":     # a re-cache is rare and of its own shape: never graphed
+                return self._forward(inp, start_frame, step, want_output, lean)
+            key = (kind, want_output, lean, tuple(xt.shape), xt.dtype, step, self.parts)
+            # the denoise and refresh calls of one chunk share a warm key: a refresh (once per chunk) is graphed at its
+            # first call once its chunk's denoise calls warmed up the same shapes
+            warm = (tuple(xt.shape), xt.dtype, step, self.parts)
+            return graphs.run(key, inp, lambda static: self._forward(static, start_frame, step, want_output, lean),
+                              warm_key=warm)
 
     # ------------------------------------------------------------------ end
     def on_oom(self) -> None:
@@ -509,34 +495,31 @@ class Run:
         self.sess.calls.clear()
 
     def warm(self, req) -> None:
-        with use_ops(parse_ops(self.options.ops)[1]):
-            self._warm(req)
-
-    def _warm(self, req) -> None:
         """Before the first chunk: the operator store's attention choice for every (query, key) length the run
         will meet, and where that is FlashAttention 3 whether the cache's write goes inside its kernel, so no timed
         chunk pays for measuring (the choices and the time go into the report); the speed
         verdict of int8 attention at the run's shapes (fp8 attention and fp8 linear are judged at start)."""
-        if seq_parallel_of(self.model) is not None or not self.cross:
-            return
-        t0 = time.perf_counter()
-        _, text_len, heads, head_dim = self.cross[0][0].shape
-        shapes = plan_shapes(self.frame_tokens, req.chunks, req.kv_window, req.num_frames, int(text_len))
-        with spent("attention_plans"):
-            chosen = warm_plans(shapes, req.batch, int(heads), int(head_dim), self.model.compute_dtype,
-                                self.model.device, self.parts.attention)
-            appends = cached_attention.warm(plan_shapes(self.frame_tokens, req.chunks, req.kv_window,
-                                                        req.num_frames), req.batch, int(heads), int(head_dim),
-                                            self.model.compute_dtype, self.model.device, self.parts.attention)
-        if appends:
-            self.info["kv_append_in_kernel"] = appends
-        if chosen:
-            self.info["attention_kernels"] = {f"q{q}/k{k}": name for (q, k), name in chosen}
-            self.info["attention_plans_s"] = round(time.perf_counter() - t0, 4)
-        if self.parts.attention in APPROXIMATE and shapes and \
-                SPEED_FIELDS[self.parts.attention] not in self.info:          # not judged at start
-            self._judge_attention(self.parts.attention, max(shapes, key=lambda s: s[0] * s[1]), req.batch,
-                                  int(heads), int(head_dim))
+        with use_ops(parse_ops(self.options.ops)[1]):
+            if seq_parallel_of(self.model) is not None or not self.cross:
+                return
+            t0 = time.perf_counter()
+            _, text_len, heads, head_dim = self.cross[0][0].shape
+            shapes = plan_shapes(self.frame_tokens, req.chunks, req.kv_window, req.num_frames, int(text_len))
+            with spent("attention_plans"):
+                chosen = warm_plans(shapes, req.batch, int(heads), int(head_dim), self.model.compute_dtype,
+                                    self.model.device, self.parts.attention)
+                appends = cached_attention.warm(plan_shapes(self.frame_tokens, req.chunks, req.kv_window,
+                                                            req.num_frames), req.batch, int(heads), int(head_dim),
+                                                self.model.compute_dtype, self.model.device, self.parts.attention)
+            if appends:
+                self.info["kv_append_in_kernel"] = appends
+            if chosen:
+                self.info["attention_kernels"] = {f"q{q}/k{k}": name for (q, k), name in chosen}
+                self.info["attention_plans_s"] = round(time.perf_counter() - t0, 4)
+            if self.parts.attention in APPROXIMATE and shapes and \
+                    SPEED_FIELDS[self.parts.attention] not in self.info:          # not judged at start
+                self._judge_attention(self.parts.attention, max(shapes, key=lambda s: s[0] * s[1]), req.batch,
+                                      int(heads), int(head_dim))
 
     def _judge_attention(self, mode: str, shape, batch: int, heads: int, head_dim: int) -> None:
         """int8 / fp8 attention is opt-in for speed: where it is measured slower than exact attention at the run's

@@ -132,6 +132,7 @@ def build_request(model, spec, inputs: RunInputs, path: str = "auto", options=No
     sched = as_schedule(spec.schedule)
     shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else tuple(int(v) for v in noise)  # run.check_noise
     b, num_frames, _, h, w = shape
+    ph, pw = model.config.patch_size[1:]
     first = 0
     if prefix is not None:
         first = int(prefix.shape[1])
@@ -149,14 +150,12 @@ def build_request(model, spec, inputs: RunInputs, path: str = "auto", options=No
             raise ValueError(f"start_frame {start_frame} is not the first frame of a chunk of the {num_frames}-frame "
                              f"plan (chunks start at {starts[:8]}{'...' if len(starts) > 8 else ''})")
         rebuilds_self_kv = getattr(inputs.cache_policy, "rebuilds_self_kv", False)
-        if kv_cache is None or not rebuilds_self_kv and kv_cache.end < start_frame * (
-                h // model.config.patch_size[1]) * (w // model.config.patch_size[2]):
+        if kv_cache is None or not rebuilds_self_kv and kv_cache.end < start_frame * (h // ph) * (w // pw):
             raise ValueError(f"starting at latent frame {start_frame} needs a KV cache holding the frames before it")
         plan = [c for c in plan if c[0] >= start_frame]
     if y is not None and y.shape[1] not in (num_frames, num_frames - start_frame):
         raise ValueError(f"y covers {y.shape[1]} latent frames: give all {num_frames}, or (continuing) the "
                          f"{num_frames - start_frame} from start_frame {start_frame} on")
-    ph, pw = model.config.patch_size[1:]
     if h % ph or w % pw:
         raise ValueError(f"latent height/width {h}x{w} must be divisible by the patch size {ph}x{pw}")
     check_positions(0, num_frames, h // ph, w // pw)
@@ -186,10 +185,17 @@ def build_request(model, spec, inputs: RunInputs, path: str = "auto", options=No
     req = SamplingRequest(shape, sched, tuple(plan), (h // ph, w // pw), int(spec.kv_window), int(spec.sink),
                           float(spec.refresh_t), skip_last, chosen, options, latent_dtype, spec.recache)
     context, chunk_contexts, previous_context = inputs.context, inputs.chunk_contexts, inputs.previous_context
-    if inputs.prompt_schedule is not None:
-        chunk_contexts, prev = schedule_contexts(inputs.prompt_schedule, inputs.prompt_embeddings, req, fpb,
-                                                 start_frame, spec.independent_first_frame)
-        previous_context = previous_context if previous_context is not None else prev
+    if inputs.prompt_schedule is not None:      # over the chunks of the whole plan: skip those before start_frame
+        schedule = PromptSchedule.coerce(inputs.prompt_schedule)
+        if not isinstance(inputs.prompt_embeddings, dict):
+            raise ValueError("a prompt schedule needs prompt_embeddings: {text: context [B or 1, L, text_dim]} for "
+                             "every text of schedule.texts()")
+        skip = len(chunk_plan(start_frame, fpb, spec.independent_first_frame, partial_last=True)) if start_frame else 0
+        total = skip + len(req.chunks)
+        contexts = schedule.validate(total).contexts(inputs.prompt_embeddings, total)
+        chunk_contexts = contexts[skip:]
+        if previous_context is None and skip:       # the context of the chunk before the run's first
+            previous_context = contexts[skip - 1]
     if chunk_contexts is not None:
         if len(chunk_contexts) != len(req.chunks):
             raise ValueError(f"{len(chunk_contexts)} chunk contexts for the {len(req.chunks)} chunks of this run; "
@@ -199,23 +205,6 @@ def build_request(model, spec, inputs: RunInputs, path: str = "auto", options=No
                                noise_provider=noise_provider, generator=generator, model_kwargs=extra,
                                chunk_contexts=None if chunk_contexts is None else list(chunk_contexts),
                                previous_context=previous_context)
-
-
-def schedule_contexts(schedule, embeddings, req: SamplingRequest, frames_per_block: int, start_frame: int = 0,
-                      independent_first_frame: bool = False) -> tuple:
-    """(raw context of each chunk of ``req``, of the chunk before its first or None) from a prompt schedule over
-    the chunks of the whole plan (a continued run's request holds the chunks from ``start_frame`` on)."""
-    schedule = PromptSchedule.coerce(schedule)
-    if not isinstance(embeddings, dict):
-        raise ValueError("a prompt schedule needs prompt_embeddings: {text: context [B or 1, L, text_dim]} for every "
-                         "text of schedule.texts()")
-    skip = 0
-    if start_frame:
-        skip = len(chunk_plan(start_frame, frames_per_block, independent_first_frame, partial_last=True))
-    total = skip + len(req.chunks)
-    schedule.validate(total)
-    contexts = schedule.contexts(embeddings, total)
-    return contexts[skip:], contexts[skip - 1] if skip else None
 
 
 def check_window(num_frames: int, frames_per_block: int, kv_window: int, sink: int) -> None:

@@ -103,14 +103,6 @@ def _number(name: str, value) -> float:
     return v
 
 
-def check_shift(shift, name: str = "shift") -> float:
-    """A finite shift in (0, MAX_SHIFT]."""
-    v = _number(name, shift)
-    if not 0 < v <= MAX_SHIFT:
-        raise ScheduleError(f"{name} must be greater than 0 and at most {MAX_SHIFT:g}, got {v:g}")
-    return v
-
-
 def check_steps(steps, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS, name: str = "steps") -> list:
     """A non-empty list of finite timesteps in [0, num_train_timesteps]."""
     if isinstance(steps, str):
@@ -181,7 +173,9 @@ def resolve_schedule(preset: str = "self_forcing", steps=None, shift=None, warp=
     if steps is None:
         raise ValueError("preset 'custom' needs a step list, e.g. '1000,750,500,250'")
     steps = check_steps(steps, num_train_timesteps)
-    shift = base["shift"] if shift is None else check_shift(shift)
+    shift = base["shift"] if shift is None else _number("shift", shift)
+    if not 0 < shift <= MAX_SHIFT:
+        raise ScheduleError(f"shift must be greater than 0 and at most {MAX_SHIFT:g}, got {shift:g}")
     warp = base["warp"] if warp is None else bool(warp)
     sched = FlowMatchScheduler(shift, num_train_timesteps)
     if warp:
@@ -189,10 +183,8 @@ def resolve_schedule(preset: str = "self_forcing", steps=None, shift=None, warp=
     else:
         t = torch.tensor([float(s) for s in steps], dtype=torch.float32)
     timesteps = [float(v) for v in t]
-    renoise = []
-    for v in timesteps:
-        s32 = sched.sigmas[sched.sigma_index(v, torch.float32)]
-        renoise.append((float(1 - s32), float(s32)))
+    s32 = [sched.sigmas[sched.sigma_index(v, torch.float32)] for v in timesteps]
+    renoise = [(float(1 - s), float(s)) for s in s32]
     return check_schedule(Schedule(preset, shift, list(steps), warp, timesteps,
                                    [sched.sigma(v, torch.float64) for v in timesteps], renoise, sched),
                           num_train_timesteps)

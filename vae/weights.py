@@ -69,18 +69,7 @@ def load_file(build, path, what: str, unused_prefixes: tuple, hint: str, header:
         check_keys(build(), header, path, what, unused_prefixes, hint)     # shapes only: nothing allocated
     module = build()
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        _copy_in(module, f.get_tensor)
-    check_finite(module, path, hint)
-    return module
-
-
-def check_finite(module: torch.nn.Module, source, hint: str = "") -> None:
-    """DecoderWeightsError naming the first weight that holds NaN or inf (a damaged file, or values that overflow
-    the decoder's dtype)."""
-    bad = non_finite(module.state_dict())               # one host sync for every weight
-    if bad:
-        raise DecoderWeightsError(f"{source}: {bad[0]} holds NaN or inf values (a damaged file, or values too large "
-                                  f"for float32); write or download it again" + (f": {hint}" if hint else ""))
+        return _copy_in(module, f.get_tensor, path, hint)
 
 
 SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
@@ -97,14 +86,19 @@ def load_state(module: torch.nn.Module, state: dict, source: str, what: str, unu
     """Copy the tensors of ``state`` (another implementation's state dict, e.g. a ComfyUI VAE's) into ``module`` by
     key name, checked as a file is (``source`` names it in a message)."""
     check_keys(module, header_of(state), source, what, unused_prefixes, hint)
-    _copy_in(module, lambda key: state[key].detach().to("cpu"))
-    check_finite(module, source, hint)
-    return module
+    return _copy_in(module, lambda key: state[key].detach().to("cpu"), source, hint)
 
 
-def _copy_in(module: torch.nn.Module, get) -> None:
+def _copy_in(module: torch.nn.Module, get, source, hint: str) -> torch.nn.Module:
+    """Every weight of ``module`` from ``get(key)``, then DecoderWeightsError naming the first weight that holds NaN
+    or inf (a damaged file, or values that overflow the decoder's dtype)."""
     for key, target in module.state_dict().items():
         target.copy_(get(key).to(target.dtype))
+    bad = non_finite(module.state_dict())               # one host sync for every weight
+    if bad:
+        raise DecoderWeightsError(f"{source}: {bad[0]} holds NaN or inf values (a damaged file, or values too large "
+                                  f"for float32); write or download it again" + (f": {hint}" if hint else ""))
+    return module
 
 
 @torch.no_grad()
