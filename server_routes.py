@@ -189,7 +189,8 @@ def _doctor_answer(doctor) -> dict:
     from .app.doctor.versions import known_breaks, stack
 
     keep = ("feature", "summary", "available", "verified", "status", "difference", "speed", "why_off", "fix")
-    rows, found = doctor_rows(doctor, probe=False), stack()
+    rows = doctor_rows(doctor, probe=False)
+    found = stack()
     return {"machine": machine_line(doctor), "fingerprint_id": doctor.cache.fingerprint_id,
             "versions": found, "known_breaks": known_breaks(found),
             "features": [{k: r.get(k) for k in keep} for r in rows],

@@ -67,6 +67,13 @@ def check_bench_args(what: str, ns) -> None:
 ROUTES = {("sampler", "--world-size"): ("..bench.parallel", "one process vs N sequence-parallel ranks")}
 
 
+def _route(what: str, bench_args: list) -> tuple:
+    for (name, option), target in ROUTES.items():
+        if name == what and any(a == option or a.startswith(option + "=") for a in bench_args):
+            return target
+    return BENCHES[what]
+
+
 def _options(module: str):
     """The function that adds the options of the bench ``module``: from bench/options.py where the module
     imports torch (its --help and usage errors answer before torch loads), else the module's own add_arguments."""
@@ -77,8 +84,7 @@ def _options(module: str):
 
 
 def _run(args) -> int:
-    module, help_text = next((target for (name, option), target in ROUTES.items() if name == args.what and any(
-        a == option or a.startswith(option + "=") for a in args.bench_args)), BENCHES[args.what])
+    module, help_text = _route(args.what, args.bench_args)
     parser = argparse.ArgumentParser(prog=f"python -m wan_accel bench {args.what}", description=help_text)
     _options(module)(parser)
     from ..app.validate import friendly_numbers

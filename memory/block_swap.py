@@ -367,8 +367,9 @@ def apply_block_swap(model, settings: SwapSettings | None = None, *, device=None
     is moved to ``device``: a model loaded on the CPU becomes ready to run while only its resident part ever
     occupies VRAM."""
     s = settings or SwapSettings(**kw)
-    emb = [m for m in (getattr(model, n, None) for n in EMBEDDING_NAMES) if isinstance(m, nn.Module)] \
-        if s.offload_embeddings and not isinstance(model, nn.ModuleList) else []
+    emb = []
+    if s.offload_embeddings and not isinstance(model, nn.ModuleList):
+        emb = [m for m in (getattr(model, n, None) for n in EMBEDDING_NAMES) if isinstance(m, nn.Module)]
     blocks = find_blocks(model)
     swap = BlockSwap(blocks, blocks_to_swap=s.blocks_to_swap, prefetch=s.prefetch, device=device,
                      embeddings=emb, pin_memory=s.pin_memory, pin_limit_bytes=pin_limit_bytes,

@@ -503,7 +503,6 @@ def _fp8_attention(q, k, v, key_padding_mask):
     return fp8.fp8_attention(q, k, v, key_padding_mask, kv8=copy if isinstance(copy, fp8.Fp8KV) else None)
 
 
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               key_padding_mask: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Softmax attention, scale 1/sqrt(head_dim), no dropout, dense (every query sees every key).

@@ -222,8 +222,12 @@ def fp8_speed(tokens: int, dim: int, ffn_dim: int, dtype, device, tuner=None
             w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
             return w, fp8.quantize_weight(w), torch.randn(tokens, k, generator=gen).to(device, dtype)
 
-        fp8_call = lambda _w, copy, x: fp8.fp8_linear(x, copy[0], copy[1])      # noqa: E731
-        exact_call = lambda w, _copy, x: torch.nn.functional.linear(x, w)        # noqa: E731
+        def fp8_call(_w, copy, x):
+            return fp8.fp8_linear(x, copy[0], copy[1])
+
+        def exact_call(w, _copy, x):
+            return torch.nn.functional.linear(x, w)
+
         key = f"{device.type}|m{tokens}|n{n}|k{k}|{name}"
         slower, words = registry.speed(SPEED_KERNEL, key, "fp8", fp8_call, exact_call, work, device, tuner)
         shown.append(f"{group} {words}")

@@ -47,7 +47,8 @@ class RopeCache:
         key = (str(device), dtype, head_dim, h, w)
         hit = self._axes.get(key)
         if hit is None:
-            out, c = [], head_dim // 2         # c pairs: c - 2 * (c // 3) frame pairs, c // 3 height and width pairs
+            out = []
+            c = head_dim // 2           # c pairs: c - 2 * (c // 3) frame pairs, c // 3 height and width pairs
             for n, count in zip((c - 2 * (c // 3), c // 3, c // 3), (MAX_POSITIONS, h, w)):
                 ang = _axis_angles(torch.arange(count, dtype=torch.float64), n)
                 out.append((torch.cos(ang).to(device=device, dtype=dtype),

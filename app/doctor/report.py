@@ -33,6 +33,13 @@ def _speed(value: dict) -> str:
     return f"{_ms(f)} vs {_ms(b)} ({ratio}){judged}"
 
 
+def _difference(value: dict) -> str:
+    d, t = value.get("difference"), value.get("tolerance")
+    if d is None:
+        return "-"
+    return f"{d:.2g} (tol {t:.2g})" if t is not None else f"{d:.2g}"
+
+
 def feature_row(doctor: Doctor, name: str, probe: bool = True, recheck: bool = False) -> dict:
     """One row of the table; ``probe=False`` only reads recorded verdicts (the web panel's listing)."""
     feature = doctor.catalogue.get(name)
@@ -47,9 +54,9 @@ def feature_row(doctor: Doctor, name: str, probe: bool = True, recheck: bool = F
     if value is None:
         row["verified"] = "not checked yet" if not probe else "not checked (a capture or compile is running)"
         return row
-    status, d, t = value["status"], value.get("difference"), value.get("tolerance")
-    row.update(status=status, verified=status, speed=_speed(value), verdict=value,
-               difference="-" if d is None else f"{d:.2g} (tol {t:.2g})" if t is not None else f"{d:.2g}")
+    status = value["status"]
+    row.update(status=status, verified=status, difference=_difference(value), speed=_speed(value),
+               verdict=value)
     if status != "passed":
         row["why_off"] = value.get("error") or status
         row["fix"] = (f"switched off here ({feature.switches_off}); update the driver / torch / "

@@ -106,10 +106,12 @@ def start_group(rank: int, world: int, init_method: str, device="cpu", timeout_s
     """Join a group of ``world`` ranks as ``rank`` (NCCL for a CUDA device, gloo otherwise)."""
     if dist.is_initialized():
         return SeqParallel(dist.get_rank(), dist.get_world_size(), None, timeout_s)
-    kwargs, backend = {}, "gloo"
+    kwargs = {}
+    backend = "gloo"
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
-        kwargs["device_id"], backend = torch.device(device), "nccl"
+        kwargs["device_id"] = torch.device(device)
+        backend = "nccl"
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
