@@ -160,13 +160,7 @@ def needs_autograd(*tensors) -> bool:
 
 
 def is_compiling() -> bool:
-    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if fn is None:
-        return False
-    try:
-        return bool(fn())
-    except Exception:  # noqa: BLE001
-        return False
+    return bool(torch.compiler.is_compiling())
 
 
 def round_bf16(out) -> bool:

@@ -241,19 +241,6 @@ def pick(op: str, usable: list, skipped: list, args: tuple, *, key: str | None =
 _SEP = "\n"
 
 
-def _opaque_eager(op: str):
-    def impl(*a):
-        *args, mode, off = a
-        return _run_eager(op, mode, tuple(x for x in off.split(_SEP) if x), *args)
-    return impl
-
-
-def _opaque_fake(op: str):
-    def fake(*a):
-        return REFERENCES[op](*a[:-2]).contiguous()
-    return fake
-
-
 def _sig_lnmod(fn):
     def f(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, mode: str,
           off: str) -> torch.Tensor:
@@ -268,15 +255,18 @@ def _sig_rope(fn):
     return f
 
 
-def _make_opaque() -> dict:
-    out = {}
-    for op, sig in (("layernorm_modulate", _sig_lnmod), ("rmsnorm_rope", _sig_rope)):
-        impl, fake = _opaque_eager(op), _opaque_fake(op)
-        out[op] = _common.register_op(f"ops_{op}", sig(impl), sig(fake))
-    return out
+def _opaque(op: str, sig):
+    """``op``'s custom op: the real call makes the store's choice eagerly, the fake is the torch reference."""
+    def impl(*a):
+        *args, mode, off = a
+        return _run_eager(op, mode, tuple(x for x in off.split(_SEP) if x), *args)
+
+    def fake(*a):
+        return REFERENCES[op](*a[:-2]).contiguous()
+    return _common.register_op(f"ops_{op}", sig(impl), sig(fake))
 
 
-OPAQUE: dict = _make_opaque()
+OPAQUE: dict = {op: _opaque(op, sig) for op, sig in (("layernorm_modulate", _sig_lnmod), ("rmsnorm_rope", _sig_rope))}
 
 
 def _coerce(op: str, args: tuple) -> tuple:

@@ -53,11 +53,6 @@ _PROBED: dict = {}          # (name, device index, dtype) -> None (runs) or the 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def hub_opted_in() -> bool:
-    """True when the user allowed the kernel hub's download (``WAN_ACCEL_HUB_KERNELS=1``)."""
-    return os.environ.get(HUB_ENV, "").strip() == "1"
-
-
 def _error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
@@ -152,7 +147,7 @@ def problem(name: str, device, dtype: torch.dtype, head_dim: int) -> str | None:
         return f"needs fp16/bf16 (got {dtype_name(dtype)})"
     if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
         return f"head size {head_dim} not supported (a multiple of 8 up to {MAX_HEAD_DIM})"
-    if name == "fa3_hub" and not hub_opted_in():
+    if name == "fa3_hub" and os.environ.get(HUB_ENV, "").strip() != "1":      # the user allowed the download
         return f"not opted in: set {HUB_ENV}=1 to let the kernels package download FlashAttention 3 from the hub"
     cap = registry.capability(device)
     if cap[0] != 9:

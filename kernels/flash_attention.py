@@ -171,24 +171,6 @@ def _check(q, k, v) -> None:
         raise ValueError(f"flash attention takes q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def _launcher(q, k, v, out):
-    b, lq, h, d = q.shape
-    lk = k.shape[1]
-    qk_scale = LOG2E / d ** 0.5
-    rnd = _common.round_bf16(out)
-
-    def launch(cfg: dict):
-        _common.run_kernel(_flash_attn_kernel, (_common.cdiv(lq, cfg["BLOCK_M"]), b * h), q,
-                           q, k, v, out, lq, lk, h, qk_scale,
-                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                           HEAD=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EMULATE_BF16=rnd,
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-    key = f"D={d}|q={_common.rows_bucket(lq)}|k={_common.rows_bucket(lk)}|h={h}|{_common.dtype_name(out)}"
-    return launch, key
-
-
 def _sdpa(q, k, v):
     out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2)
@@ -206,7 +188,20 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: d
         return _sdpa(q, k, v)
     q, k, v = _common.unit_last(q), _common.unit_last(k), _common.unit_last(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    launch, key = _launcher(q, k, v, out)
+    b, lq, h, d = q.shape
+    lk = k.shape[1]
+    qk_scale = LOG2E / d ** 0.5
+    rnd = _common.round_bf16(out)
+
+    def launch(cfg: dict):
+        _common.run_kernel(_flash_attn_kernel, (_common.cdiv(lq, cfg["BLOCK_M"]), b * h), q,
+                           q, k, v, out, lq, lk, h, qk_scale,
+                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                           HEAD=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EMULATE_BF16=rnd,
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    key = f"D={d}|q={_common.rows_bucket(lq)}|k={_common.rows_bucket(lk)}|h={h}|{_common.dtype_name(out)}"
     hopper = q.is_cuda and registry.capability(q.device)[0] >= 9
     if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, q,
                         smem=lambda cfg: _smem(cfg, q.shape[-1], q.element_size(), hopper)):

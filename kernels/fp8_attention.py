@@ -272,10 +272,8 @@ if tl is not None:
         tl.store(O + b * o_sb + h * o_sh + m64[:, None] * o_sm + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=m_ok[:, None])
 
-    _KERNEL_NAME = _common.kernel_name(NAME, _fp8_attn_kernel)
-else:
-    _KERNEL_NAME = NAME
 
+_KERNEL_NAME = _common.kernel_name(NAME, _fp8_attn_kernel) if tl is not None else NAME
 
 FAMILY = "attention.fp8"
 KINDS = registry.register(FAMILY, "the opt-in fp8 attention mode", [
@@ -300,7 +298,15 @@ def implementation(device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]
     return registry.choice(FAMILY, device, dtype, head_dim, among=("triton", "torch"))
 
 
-def _launcher(q, kv8: Fp8KV, out, tile: int):
+def fp8_attention_triton(q, k, v, kv8: Fp8KV | None = None, config: dict | None = None,
+                         tile: int = TILE) -> torch.Tensor:
+    """The Triton kernel (module doc) with an explicit config (tests) or tuned through the operator store
+    (config None); the torch version where every config fails. No key padding mask."""
+    check_call(q, k, v, kv8)
+    kv8 = kv8 if kv8 is not None else quantize_kv(k, v)
+    kv8 = kv8._replace(k=_common.unit_last(kv8.k), v_mean=_common.unit_last(kv8.v_mean))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    qu = _common.unit_last(q)
     b, lq, h, d = q.shape
     lk = kv8.k.shape[1]
     qk_scale = d ** -0.5 * LOG2E
@@ -308,9 +314,9 @@ def _launcher(q, kv8: Fp8KV, out, tile: int):
     rnd = _common.round_bf16(out)
 
     def launch(cfg: dict):
-        _common.run_kernel(_fp8_attn_kernel, (_common.cdiv(lq, cfg["BLOCK_M"]), b * h), q,
-                           q, kv8.k, kv8.k_scale, kv8.v, kv8.v_scale, kv8.v_mean, out, lq, lk, h, qk_scale,
-                           q.stride(0), q.stride(1), q.stride(2),
+        _common.run_kernel(_fp8_attn_kernel, (_common.cdiv(lq, cfg["BLOCK_M"]), b * h), qu,
+                           qu, kv8.k, kv8.k_scale, kv8.v, kv8.v_scale, kv8.v_mean, out, lq, lk, h, qk_scale,
+                           qu.stride(0), qu.stride(1), qu.stride(2),
                            kv8.k.stride(0), kv8.k.stride(1), kv8.k.stride(2),
                            kv8.k_scale.stride(0), kv8.k_scale.stride(1), kv8.k_scale.stride(2),
                            kv8.v.stride(0), kv8.v.stride(1), kv8.v.stride(2), kv8.v.stride(3),
@@ -321,18 +327,6 @@ def _launcher(q, kv8: Fp8KV, out, tile: int):
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     key = f"D={d}|q={_common.rows_bucket(lq)}|k={_common.rows_bucket(lk)}|h={h}|{_common.dtype_name(out)}"
-    return launch, key
-
-
-def fp8_attention_triton(q, k, v, kv8: Fp8KV | None = None, config: dict | None = None,
-                         tile: int = TILE) -> torch.Tensor:
-    """The Triton kernel (module doc) with an explicit config (tests) or tuned through the operator store
-    (config None); the torch version where every config fails. No key padding mask."""
-    check_call(q, k, v, kv8)
-    kv8 = kv8 if kv8 is not None else quantize_kv(k, v)
-    kv8 = kv8._replace(k=_common.unit_last(kv8.k), v_mean=_common.unit_last(kv8.v_mean))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    launch, key = _launcher(_common.unit_last(q), kv8, out, tile)
     if _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, q):
         return out
     return fp8_attention_torch(q, k, v, None, kv8, tile)

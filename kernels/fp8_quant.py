@@ -139,9 +139,11 @@ def problem(x: torch.Tensor) -> str | None:
     return None
 
 
-def _launcher(x: torch.Tensor, fp8_max: float, tiny: float):
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+def run_triton(x: torch.Tensor, fp8_max: float, tiny: float,
+               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes [M, K] e4m3, scales [M, 1] float32) of x [M, K] by the kernel, with an explicit config (tests) or
+    tuned through the operator store (config=None); None when every config failed (the caller uses torch)."""
+    x = _common.unit_last(x)
     m, k = x.shape
     codes = torch.empty((m, k), dtype=CODES, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
@@ -155,14 +157,6 @@ def _launcher(x: torch.Tensor, fp8_max: float, tiny: float):
                            FP8_MAX=float(fp8_max), ROUND_FP8=rnd, BF16_BITS=bits, num_warps=cfg["num_warps"])
 
     key = f"K={k}|rows={_common.rows_bucket(m)}|{_common.dtype_name(x)}|max={fp8_max:g}"
-    return launch, key, codes, scale
-
-
-def run_triton(x: torch.Tensor, fp8_max: float, tiny: float,
-               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(codes [M, K] e4m3, scales [M, 1] float32) of x [M, K] by the kernel, with an explicit config (tests) or
-    tuned through the operator store (config=None); None when every config failed (the caller uses torch)."""
-    launch, key, codes, scale = _launcher(x, fp8_max, tiny)
     if _common.launched(_KERNEL_NAME, key, candidates(x.shape[1]), launch, config, x, smem=_smem):
         return codes, scale
     return None

@@ -78,10 +78,8 @@ if tl is not None:
                  y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=ok)
         tl.store(SV + b * sv_sb + h * sv_sh + slot * sv_ss, scale, mask=r_ok)
 
-    _KERNEL_NAME = _common.kernel_name(NAME, _kv_quant_kernel)
-else:
-    _KERNEL_NAME = NAME
 
+_KERNEL_NAME = _common.kernel_name(NAME, _kv_quant_kernel) if tl is not None else NAME
 FAMILY = "kv_write.fp8"
 registry.pack_family(FAMILY, "the KV cache's fp8 copy, written as keys/values enter it (per call: problem)",
                      _common.triton_problem, capability=CAPABILITY)
@@ -105,7 +103,16 @@ def problem(k: torch.Tensor, v: torch.Tensor) -> str | None:
     return None
 
 
-def _launcher(k, v, k_mean, v_mean, index, k8, sk, v8, sv):
+def write(k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor, index: torch.Tensor,
+          k8: torch.Tensor, sk: torch.Tensor, v8: torch.Tensor, sv: torch.Tensor, config: dict | None = None) -> bool:
+    """Quantize k, v [B, rows, H, D] smoothed by k_mean, v_mean [B, H, D] into the slots ``index`` [rows] of a cache
+    copy: int8 key codes k8 [B, cap, H, D] (last dimension contiguous), steps sk and scales sv [B, cap, H] (float32),
+    e4m3 value codes v8 [B, H, D, cap] (slots contiguous). ``config``: an explicit one (tests), else the operator
+    store's. False where the kernel does not run for these tensors or every config failed (the caller then runs
+    the torch ops); nothing is written then."""
+    if problem(k, v) is not None or k8.stride(-1) != 1 or v8.stride(-1) != 1:
+        return False
+    k_mean, v_mean, index = k_mean.float().contiguous(), v_mean.float().contiguous(), index.to(torch.int64)
     b, rows, h, d = k.shape
     interp = _common.interpret_enabled()
     bits = interp and k.dtype == torch.bfloat16
@@ -122,18 +129,4 @@ def _launcher(k, v, k_mean, v_mean, index, k8, sk, v8, sv):
                            ROUND_INT=ROUND_INT, ROUND_FP8=interp, BF16_BITS=bits, num_warps=cfg["num_warps"])
 
     key = f"D={d}|rows={_common.rows_bucket(rows)}|h={h}|{_common.dtype_name(k)}"
-    return launch, key
-
-
-def write(k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor, index: torch.Tensor,
-          k8: torch.Tensor, sk: torch.Tensor, v8: torch.Tensor, sv: torch.Tensor, config: dict | None = None) -> bool:
-    """Quantize k, v [B, rows, H, D] smoothed by k_mean, v_mean [B, H, D] into the slots ``index`` [rows] of a cache
-    copy: int8 key codes k8 [B, cap, H, D] (last dimension contiguous), steps sk and scales sv [B, cap, H] (float32),
-    e4m3 value codes v8 [B, H, D, cap] (slots contiguous). ``config``: an explicit one (tests), else the operator
-    store's. False where the kernel does not run for these tensors or every config failed (the caller then runs
-    the torch ops); nothing is written then."""
-    if problem(k, v) is not None or k8.stride(-1) != 1 or v8.stride(-1) != 1:
-        return False
-    k_mean, v_mean = k_mean.float().contiguous(), v_mean.float().contiguous()
-    launch, key = _launcher(k, v, k_mean, v_mean, index.to(torch.int64), k8, sk, v8, sv)
     return _common.launched(_KERNEL_NAME, key, CANDIDATES, launch, config, k)

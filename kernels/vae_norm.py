@@ -133,25 +133,6 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), (t.stride(2) if t.dim() == 5 else 0)
 
 
-def _launcher(x: torch.Tensor, gamma: torch.Tensor, silu: bool, out: torch.Tensor):
-    b, c = x.shape[:2]
-    frames = x.shape[2] if x.dim() == 5 else 1
-    s = x.shape[-2] * x.shape[-1]
-    g = gamma.reshape(c).contiguous()
-    rnd = _common.round_bf16(out)
-
-    def launch(cfg: dict):
-        whole = cfg["CBLOCK"] == 0
-        cblock = _common.next_pow2(c) if whole else cfg["CBLOCK"]
-        _common.run_kernel(_norm_silu_kernel, (_common.cdiv(s, cfg["PBLOCK"]), frames, b), x, x, g, out, c, s,
-                           *_strides(x), *_strides(out), math.sqrt(c), EPS, PBLOCK=cfg["PBLOCK"], CBLOCK=cblock,
-                           WHOLE=whole, SILU=bool(silu), ROUND_BF16=rnd, num_warps=cfg["num_warps"])
-
-    key = (f"C={c}|HW={_common.rows_bucket(s)}|frames={_common.rows_bucket(b * frames)}|silu={int(bool(silu))}|"
-           f"{_common.dtype_name(x)}")
-    return launch, key
-
-
 registry.pack_family(NAME, "the VAE's channel RMS norm (+ SiLU)", _common.triton_problem, dtypes=DTYPES)
 
 
@@ -170,7 +151,21 @@ def run_triton(x: torch.Tensor, gamma: torch.Tensor, silu: bool = True, out: tor
     out = torch.empty_like(x) if out is None else out
     if x.numel() == 0:
         return out
-    launch, key = _launcher(x, gamma, silu, out)
+    b, c = x.shape[:2]
+    frames = x.shape[2] if x.dim() == 5 else 1
+    s = x.shape[-2] * x.shape[-1]
+    g = gamma.reshape(c).contiguous()
+    rnd = _common.round_bf16(out)
+
+    def launch(cfg: dict):
+        whole = cfg["CBLOCK"] == 0
+        cblock = _common.next_pow2(c) if whole else cfg["CBLOCK"]
+        _common.run_kernel(_norm_silu_kernel, (_common.cdiv(s, cfg["PBLOCK"]), frames, b), x, x, g, out, c, s,
+                           *_strides(x), *_strides(out), math.sqrt(c), EPS, PBLOCK=cfg["PBLOCK"], CBLOCK=cblock,
+                           WHOLE=whole, SILU=bool(silu), ROUND_BF16=rnd, num_warps=cfg["num_warps"])
+
+    key = (f"C={c}|HW={_common.rows_bucket(s)}|frames={_common.rows_bucket(b * frames)}|silu={int(bool(silu))}|"
+           f"{_common.dtype_name(x)}")
     if _common.launched(_KERNEL_NAME, key, candidates(x.shape[1]), launch, config, x):
         return out
     return out.copy_(norm_silu_reference(x, gamma, silu))
