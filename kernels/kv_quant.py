@@ -112,7 +112,8 @@ def write(k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.
     the torch ops); nothing is written then."""
     if problem(k, v) is not None or k8.stride(-1) != 1 or v8.stride(-1) != 1:
         return False
-    k_mean, v_mean, index = k_mean.float().contiguous(), v_mean.float().contiguous(), index.to(torch.int64)
+    k_mean, v_mean = k_mean.float().contiguous(), v_mean.float().contiguous()
+    index = index.to(torch.int64)
     b, rows, h, d = k.shape
     interp = _common.interpret_enabled()
     bits = interp and k.dtype == torch.bfloat16
