@@ -45,8 +45,9 @@ class SamplerState:
 
     def to(self, device) -> "SamplerState":
         """The state with its cache tensors on ``device`` (e.g. the CPU between prompts); values unchanged."""
-        actions = None if self.actions is None else {k: copy_cache(v, device=device) if isinstance(v, KVCache) else v
-                                                     for k, v in self.actions.items()}
+        actions = self.actions
+        if actions is not None:
+            actions = {k: (copy_cache(v, device=device) if isinstance(v, KVCache) else v) for k, v in actions.items()}
         return dataclasses.replace(self, kv=copy_cache(self.kv, device=device), actions=actions,
                                    last_context=_to(self.last_context, device), history=_to(self.history, device))
 
