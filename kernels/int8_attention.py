@@ -155,13 +155,17 @@ _KITCHEN_FNS = {"kitchen": _kitchen_one_call, "kitchen.prequantized": _kitchen_p
 _CALLS: dict = {}            # store key -> the entry point chosen with measuring allowed
 
 
+def _store_key(q, k) -> str:
+    return (f"{q.device.type}|h{q.shape[2]}|d{q.shape[3]}|{_common.dtype_name(q)}"
+            f"|q{q.shape[1]}|k{k.shape[1]}")
+
+
 def kitchen_call(q, k, v, tuner=None) -> tuple[str | None, str]:
     """(comfy-kitchen entry point for this call, why): the one-call kernel, or the prequantized pair where it runs
     here, is verified equal to the one-call kernel on seeded inputs of these shapes and is the faster of the two
     (the operator store remembers both per GPU). (None, why) when neither runs. Nothing is measured during a
     CUDA graph capture or under compile (the one-call kernel then, unless a choice is known)."""
-    key = (f"{q.device.type}|h{q.shape[2]}|d{q.shape[3]}|{_common.dtype_name(q)}"
-           f"|q{q.shape[1]}|k{k.shape[1]}")
+    key = _store_key(q, k)
     if key in _CALLS:                       # every later call of these shapes: no availability check, no lookup
         return _CALLS[key], "chosen before in this process"
     rows = [(name, kitchen_problem(q.device, q.dtype, q.shape[-1], name)) for name in KITCHEN_CALLS]
