@@ -490,11 +490,7 @@ class LimitCache:
                     data = self._load()
                     if self._refused:
                         raise CacheUnavailableError(self._refused)
-                    if self._unsaved is not None:   # what was kept in memory while writes failed joins in
-                        data["fingerprints"].update(copy.deepcopy(self._unsaved["fingerprints"]))
-                        for ns, by_fp in self._unsaved["namespaces"].items():
-                            for fid, entries in by_fp.items():
-                                data["namespaces"].setdefault(ns, {}).setdefault(fid, {}).update(copy.deepcopy(entries))
+                    self._merge_unsaved(data)
                     result = change(data)
                     applied = (data, result)
                     self._settle(data)
@@ -525,6 +521,15 @@ class LimitCache:
             self._settle(data)
             self._unsaved = data
             return result
+
+    def _merge_unsaved(self, data: dict) -> None:
+        """Entries this process kept in memory while the file could not be written join the fresh data."""
+        if self._unsaved is None:
+            return
+        data["fingerprints"].update(copy.deepcopy(self._unsaved["fingerprints"]))
+        for ns, by_fp in self._unsaved["namespaces"].items():
+            for fid, entries in by_fp.items():
+                data["namespaces"].setdefault(ns, {}).setdefault(fid, {}).update(copy.deepcopy(entries))
 
     @property
     def writable_problem(self) -> str | None:
